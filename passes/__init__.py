@@ -1,0 +1,2 @@
+"""Compiler passes, one module each. Every pass reads the IR (an onnx_ir.Model) and a Context and
+returns a PassResult; each module's docstring says what it reads from the IR and what it adds."""

@@ -1,0 +1,298 @@
+"""codegen: lower each block op to TVM kernel calls and compile the kernels.
+
+Reads: the block-level IR (`picompile.Embed`, `picompile.Attention`, `picompile.FFN`, norms, residual
+Adds, the output MatMul). Adds: a new graph made only of `picompile.Call` nodes, one per kernel call.
+Each Call names its kernels (`decode` for one token, `prefill` for a symbolic number of rows), its
+arguments in order (`args`: buffer names, with `start` for the cached-token count) and its device.
+Values are named `buffer#version`: activation buffers are shared by role across layers (layers run one
+after another), so the IR shows where each buffer is written. Residual Adds are fused into the epilogue
+of the linear before them. The compiled library goes to the artifact as `kernels/cpu.so`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import PassResult
+
+from picompile import ir as pir
+from picompile.errors import UserError
+from picompile.pipeline import Context
+
+from .kernels import cpu
+
+
+@dataclass
+class KernelCall:
+    decode: str
+    prefill: str
+    args: list[str]  # buffer names in argument order; "start" is the scalar position
+    writes: list[str]
+    label: str  # what it computes, for the IR and the profile (e.g. "layers.3.ffn.up")
+    op_class: str  # attention, ffn, norm, embed, head
+
+
+@dataclass
+class Lowering:
+    """Collects kernels (deduplicated by name) and calls while walking the block IR."""
+
+    max_context: int
+    kernels: dict[str, object] = field(default_factory=dict)
+    calls: list[KernelCall] = field(default_factory=list)
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+    buffers: dict[str, dict] = field(default_factory=dict)
+
+    def kernel(self, make, base: str, *args, **kwargs) -> tuple[str, str]:
+        """Both variants of a kernel: (decode name, prefill name)."""
+        names = []
+        for rows, suffix in ((1, "decode"), (None, "prefill")):
+            name = f"{base}_{suffix}"
+            if name not in self.kernels:
+                self.kernels[name] = make(name, *args, rows=rows, **kwargs)
+            names.append(name)
+        return names[0], names[1]
+
+    def activation(self, name: str, width: int, dtype: str = "float32") -> str:
+        self.buffers.setdefault(name, {"kind": "activation", "shape": [self.max_context, width], "dtype": dtype})
+        return name
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.weights[name] = np.ascontiguousarray(array, dtype=np.float32)
+        self.buffers[name] = {"kind": "weight", "shape": list(array.shape), "dtype": "float32"}
+        return name
+
+    def call(self, kernels: tuple[str, str], args: list[str], writes: list[str], label: str, op_class: str) -> None:
+        self.calls.append(KernelCall(kernels[0], kernels[1], args, writes, label, op_class))
+
+    def linear(self, x: str, weight: str, bias: str | None, out: str, label: str, op_class: str,
+               act: str = "none", residual: str | None = None) -> None:
+        k, n = self.buffers[weight]["shape"]
+        base = f"linear_k{k}_n{n}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
+        kernels = self.kernel(cpu.linear, base, k, n, bias=bias is not None, act=act, residual=residual is not None)
+        args = [x, weight] + ([bias] if bias else []) + ([residual] if residual else []) + [out]
+        self.call(kernels, args, [out], label, op_class)
+
+
+class _Walker:
+    """Lowers the block IR node by node, tracking which buffer holds each block-IR value."""
+
+    def __init__(self, graph: ir.Graph, lowering: Lowering):
+        self.graph, self.low = graph, lowering
+        self.location: dict[str, str] = {}  # block-IR value name -> buffer name
+        self.residual_turn = 0
+        self.fused_adds: set[str] = set()
+
+    def weight_of(self, value: ir.Value | None) -> str | None:
+        if value is None:
+            return None
+        array = pir.const_array(value)
+        if array is None:
+            raise UserError(f"{value.name} must be a constant weight")
+        if value.name not in self.low.weights:
+            self.low.weight(value.name, array)
+        return value.name
+
+    def next_residual(self, width: int) -> str:
+        """The residual stream alternates between two buffers (a linear reads one and writes the other)."""
+        self.residual_turn ^= 1
+        return self.low.activation(f"act.residual{self.residual_turn}", width)
+
+    def residual_add_after(self, node: ir.Node) -> ir.Node | None:
+        users = node.outputs[0].consumers()
+        if len(users) == 1 and users[0].op_type == "Add" and users[0].domain == "":
+            return users[0]
+        return None
+
+    def output_for(self, node: ir.Node, width: int) -> tuple[str, str | None]:
+        """Where a block writes, and the residual it adds (fusing the Add that follows it)."""
+        add = self.residual_add_after(node)
+        if add is None:
+            return self.low.activation(f"act.{node.name}", width), None
+        skip = add.inputs[0] if add.inputs[1] is node.outputs[0] else add.inputs[1]
+        out = self.next_residual(width)
+        self.location[add.outputs[0].name] = out
+        self.fused_adds.add(add.name)
+        return out, self.location[skip.name]
+
+    def lower(self, node: ir.Node) -> None:
+        if node.op_type == "Add" and node.name in self.fused_adds:
+            return
+        handler = getattr(self, f"lower_{node.op_type}", None)
+        if handler is None:
+            raise UserError(f"codegen: no kernel for {node.domain or 'onnx'}.{node.op_type} ({node.name})")
+        handler(node)
+
+    def lower_Embed(self, node: ir.Node) -> None:
+        table = self.weight_of(node.inputs[2])
+        positions = self.weight_of(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+        vocab, width = self.low.weights[table].shape
+        if positions and self.low.weights[positions].shape[0] < self.low.max_context:
+            raise UserError(f"--max-context {self.low.max_context} exceeds the model's "
+                            f"{self.low.weights[positions].shape[0]} learned positions")
+        out = self.next_residual(width)
+        kernels = self.low.kernel(cpu.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}", vocab, width,
+                                  positions=self.low.max_context if positions else None)
+        if positions:  # the kernel indexes positions up to max_context: store exactly that many rows
+            self.low.weights[positions] = self.low.weights[positions][: self.low.max_context]
+            self.low.buffers[positions]["shape"] = list(self.low.weights[positions].shape)
+        args = ["input_ids", table] + ([positions, "start"] if positions else []) + [out]
+        self.low.call(kernels, args, [out], node.name, "embed")
+        self.location[node.outputs[0].name] = out
+
+    def _norm(self, node: ir.Node, kind: str) -> None:
+        scale = self.weight_of(node.inputs[1])
+        bias = self.weight_of(node.inputs[2]) if kind == "layer" else None
+        width = self.low.weights[scale].shape[0]
+        eps = float(pir.attr(node, "epsilon", 1e-5))
+        out = self.low.activation("act.norm", width)
+        make = cpu.layer_norm if kind == "layer" else cpu.rms_norm
+        kernels = self.low.kernel(make, f"{kind}_norm_d{width}_eps{eps:.0e}".replace("-", "m"), width, eps)
+        args = [self.location[node.inputs[0].name], scale] + ([bias] if bias else []) + [out]
+        self.low.call(kernels, args, [out], node.name, "norm")
+        self.location[node.outputs[0].name] = out
+
+    def lower_LayerNormalization(self, node: ir.Node) -> None:
+        self._norm(node, "layer")
+
+    def lower_RMSNormalization(self, node: ir.Node) -> None:
+        self._norm(node, "rms")
+
+    def lower_Attention(self, node: ir.Node) -> None:
+        layer = pir.attr(node, "layer")
+        heads, kv_heads, head_dim = (pir.attr(node, a) for a in ("num_heads", "num_kv_heads", "head_dim"))
+        scale = pir.attr(node, "scale")
+        x = self.location[node.inputs[0].name]
+        w_qkv, b_qkv = self.weight_of(node.inputs[4]), self.weight_of(node.inputs[5])
+        w_o, b_o = self.weight_of(node.inputs[6]), self.weight_of(node.inputs[7])
+        inv_freq = pir.const_array(node.inputs[8]) if node.inputs[8] is not None else None
+        ctx = self.low.max_context
+        qkv = self.low.activation("act.qkv", (heads + 2 * kv_heads) * head_dim)
+        q = self.low.activation("act.q", heads * head_dim)
+        attn = self.low.activation("act.attn", heads * head_dim)
+        key_cache, value_cache = f"cache.{layer}.key", f"cache.{layer}.value"
+        for name in (key_cache, value_cache):
+            self.low.buffers[name] = {"kind": "cache", "shape": [kv_heads, ctx, head_dim], "dtype": "float32"}
+        p = node.name
+        self.low.linear(x, w_qkv, b_qkv, qkv, f"{p}.qkv", "attention")
+        rope_args = []
+        if inv_freq is not None:
+            angles = np.arange(ctx, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
+            rope_args = [self.shared_table(f"rope.cos", np.cos(angles)), self.shared_table(f"rope.sin", np.sin(angles))]
+        kernels = self.low.kernel(cpu.rope_kv_write, f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}",
+                                  heads, kv_heads, head_dim, ctx, rope=bool(rope_args))
+        self.low.call(kernels, [qkv, *rope_args, key_cache, value_cache, q, "start"], [key_cache, value_cache, q],
+                      f"{p}.rope_kv", "attention")
+        kernels = self.low.kernel(cpu.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}", heads, kv_heads,
+                                  head_dim, ctx, scale)
+        self.low.call(kernels, [q, key_cache, value_cache, attn, "start"], [attn], f"{p}.attention", "attention")
+        out, residual = self.output_for(node, self.low.weights[w_o].shape[1])
+        self.low.linear(attn, w_o, b_o, out, f"{p}.o", "attention", residual=residual)
+        self.location[node.outputs[0].name] = out
+        self.location[node.outputs[1].name], self.location[node.outputs[2].name] = key_cache, value_cache
+
+    def shared_table(self, name: str, table: np.ndarray) -> str:
+        """RoPE tables are the same for every layer of HF models: store one copy, or one per layer if not."""
+        existing = self.low.weights.get(name)
+        if existing is not None and np.array_equal(existing, table.astype(np.float32)):
+            return name
+        if existing is not None:
+            name = f"{name}.{len(self.low.weights)}"
+        return self.low.weight(name, table)
+
+    def lower_FFN(self, node: ir.Node) -> None:
+        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        x = self.location[node.inputs[0].name]
+        w_up, b_up = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2])
+        w_down, b_down = self.weight_of(node.inputs[3]), self.weight_of(node.inputs[4])
+        width_up = self.low.weights[w_up].shape[1]
+        ffn_width = width_up // 2 if gated else width_up
+        p = node.name
+        if gated:
+            pre = self.low.activation("act.ffn_pre", width_up)
+            self.low.linear(x, w_up, b_up, pre, f"{p}.up", "ffn")
+            hidden = self.low.activation("act.ffn_hidden", ffn_width)
+            kernels = self.low.kernel(cpu.glu, f"glu_f{ffn_width}_{activation}", ffn_width, act=activation)
+            self.low.call(kernels, [pre, hidden], [hidden], f"{p}.glu", "ffn")
+        else:
+            hidden = self.low.activation("act.ffn_hidden", ffn_width)
+            self.low.linear(x, w_up, b_up, hidden, f"{p}.up", "ffn", act=activation)
+        out, residual = self.output_for(node, self.low.weights[w_down].shape[1])
+        self.low.linear(hidden, w_down, b_down, out, f"{p}.down", "ffn", residual=residual)
+        self.location[node.outputs[0].name] = out
+
+    def lower_MatMul(self, node: ir.Node) -> None:
+        weight = self.weight_of(node.inputs[1])
+        add = self.residual_add_after(node)
+        bias = None
+        if add is not None and pir.const_array(add.inputs[1]) is not None:  # the output layer's bias
+            bias = self.weight_of(add.inputs[1])
+            self.fused_adds.add(add.name)
+        out = self.low.activation("logits", self.low.weights[weight].shape[1])
+        self.low.linear(self.location[node.inputs[0].name], weight, bias, out, node.name, "head")
+        self.location[(add or node).outputs[0].name] = out
+
+    def lower_Add(self, node: ir.Node) -> None:
+        raise UserError(f"codegen: residual add {node.name} does not follow a linear block")
+
+
+def _call_graph(lowering: Lowering, source: ir.Model) -> ir.Model:
+    """The lowered IR: one picompile.Call node per kernel call, values named buffer#version."""
+    version: dict[str, int] = {}
+    current: dict[str, ir.Value] = {}
+
+    def read(buffer: str) -> ir.Value:
+        if buffer not in current:
+            info = lowering.buffers.get(buffer)
+            if info is not None and info["kind"] == "weight":
+                current[buffer] = pir.initializer(graph, buffer, lowering.weights[buffer])
+            else:
+                dtype = ir.DataType.INT64 if buffer in ("input_ids", "start") else ir.DataType.FLOAT
+                current[buffer] = ir.val(f"{buffer}#0", dtype, [] if buffer == "start" else None)
+                version[buffer] = 0
+                graph.inputs.append(current[buffer])
+        return current[buffer]
+
+    graph = ir.Graph([], [], nodes=[], name="kernels", opset_imports={"": pir.ONNX_OPSET, pir.DOMAIN: pir.DOMAIN_VERSION})
+    for call in lowering.calls:
+        reads = [read(arg) for arg in call.args if arg not in call.writes or lowering.buffers.get(arg, {}).get("kind") == "cache"]
+        node = ir.node("Call", reads, {"decode": call.decode, "prefill": call.prefill, "args": call.args,
+                                       "device": "cpu", "op_class": call.op_class},
+                       domain=pir.DOMAIN, num_outputs=len(call.writes), name=call.label)
+        graph.append(node)
+        for value, buffer in zip(node.outputs, call.writes):
+            version[buffer] = version.get(buffer, 0) + 1
+            value.name = f"{buffer}#{version[buffer]}"
+            value.dtype = ir.DataType.FLOAT
+            current[buffer] = value
+    graph.outputs.append(current["logits"])
+    graph.outputs.extend(current[b] for b in lowering.buffers if lowering.buffers[b]["kind"] == "cache")
+    return ir.Model(graph, ir_version=10, producer_name="picompile")
+
+
+@dataclass
+class Codegen:
+    name = "codegen"
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        lowering = Lowering(max_context=ctx.options.max_context)
+        lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
+        walker = _Walker(model.graph, lowering)
+        for node in model.graph:
+            walker.lower(node)
+        lowered = _call_graph(lowering, model)
+        lowered.metadata_props["picompile.buffers"] = _json(lowering.buffers)
+        library = Path(ctx.workdir) / "kernels" / "cpu.so"
+        library.parent.mkdir(parents=True, exist_ok=True)
+        cpu.build(list(lowering.kernels.values()), cpu.CPU_TARGET, str(library))
+        ctx.artifact_files["kernels/cpu.so"] = library
+        ctx.log(f"codegen: {len(lowering.kernels)} kernels, {len(lowering.calls)} calls per token")
+        return PassResult(lowered, modified=True)
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, sort_keys=True)

@@ -1,0 +1,89 @@
+"""The artifact writer: a directory, written under a temporary name and renamed only when complete.
+
+Layout (format version 1):
+  manifest.json         format, version, target, model facts, buffers, every file with its sha256
+  schedule.json         the kernel-call DAG (networkx node-link JSON)
+  kernels/cpu.so        TVM-generated CPU kernels
+  weights/cpu.safetensors
+The runtime (`runtime/`) reads it without importing any of the compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx_ir as ir
+import safetensors.numpy
+
+from . import __version__
+from . import ir as pir
+from .pipeline import Context
+
+FORMAT = "picompile-artifact"
+FORMAT_VERSION = 1
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _model_facts(buffers: dict, schedule: dict) -> dict:
+    logits = buffers["logits"]["shape"]
+    caches = sorted(b for b in buffers if buffers[b]["kind"] == "cache")
+    return {"vocab_size": logits[1], "max_context": logits[0], "num_layers": len(caches) // 2,
+            "num_calls": len(schedule["nodes"])}
+
+
+def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = None) -> Path:
+    buffers = json.loads(model.metadata_props["picompile.buffers"])
+    schedule = json.loads(model.metadata_props["picompile.schedule"])
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        (staging / "weights").mkdir()
+        weights = {name: pir.const_array(value) for name, value in model.graph.initializers.items()}
+        safetensors.numpy.save_file(weights, str(staging / "weights" / "cpu.safetensors"))
+        for relative, path in ctx.artifact_files.items():
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, staging / relative)
+        (staging / "schedule.json").write_text(json.dumps(schedule))
+        files = {str(p.relative_to(staging)): sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "picompile_version": __version__,
+            "target": {"name": ctx.target.name, "cpu_isa": ctx.target.cpu_isa, "cuda_arch": ctx.target.cuda_arch},
+            "model": {**_model_facts(buffers, schedule), "source": str(source) if source else None},
+            "options": {"dense": ctx.options.dense, "max_context": ctx.options.max_context},
+            "io": {"inputs": ["input_ids", "start"], "outputs": ["logits"]},
+            "buffers": buffers,
+            "files": files,
+        }
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        _replace_dir(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def _replace_dir(staging: Path, output: Path) -> None:
+    """Put the finished artifact in place; an existing one is swapped out, never left half-replaced."""
+    if not output.exists():
+        os.rename(staging, output)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+    os.rmdir(old)
+    os.rename(output, old)
+    os.rename(staging, output)
+    shutil.rmtree(old, ignore_errors=True)

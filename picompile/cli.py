@@ -1,0 +1,193 @@
+"""The `picompile` command: build, run, eval, inspect.
+
+Exit codes: 0 success; 2 bad input or usage (one `error:` line on stderr, no traceback); 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad input
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .targets import TARGETS
+
+    parser = _Parser(prog="picompile", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    build = commands.add_parser("build", help="compile an ONNX decoder into an artifact")
+    build.add_argument("model", type=Path)
+    build.add_argument("--target", default="cpu", help=f"one of {', '.join(TARGETS)}")
+    build.add_argument("-o", "--output", type=Path, required=True)
+    build.add_argument("--dense", action="store_true", help="no sparsity: compute every neuron")
+    build.add_argument("--dump-ir", type=Path, help="write the IR after every pass into this directory")
+    build.add_argument("--calib", type=Path, help="calibration token file for profiling")
+    build.add_argument("--vram-budget", help="GPU memory to use, e.g. 8GiB (default: the target's)")
+    build.add_argument("--max-context", type=_positive_int, default=256, help="KV cache length (tokens)")
+    build.add_argument("-v", "--verbose", action="store_true", help="print each pass with its time")
+
+    run = commands.add_parser("run", help="generate tokens with an artifact")
+    run.add_argument("artifact", type=Path)
+    run.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    run.add_argument("-n", "--max-new-tokens", type=_positive_int, default=32)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--profile", action="store_true", help="time per kernel class per decoded token")
+    run.add_argument("--json", action="store_true")
+
+    evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX")
+    evaluate.add_argument("artifact", type=Path)
+    evaluate.add_argument("--reference", type=Path, required=True)
+    evaluate.add_argument("--tokens", type=Path, required=True)
+    evaluate.add_argument("--max-sequences", type=_positive_int, default=8)
+    evaluate.add_argument("--json", action="store_true")
+
+    inspect = commands.add_parser("inspect", help="show what the compiler decided")
+    inspect.add_argument("artifact", type=Path)
+    inspect.add_argument("--json", action="store_true")
+    return parser
+
+
+def _build(args) -> int:
+    from .compiler import build
+    from .pipeline import Options
+    from .targets import get_target, parse_size
+
+    target = get_target(args.target)
+    if args.calib is not None and not args.calib.is_file():
+        raise UserError(f"calibration file not found: {args.calib}")
+    options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
+                      vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None)
+    log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
+    output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None)
+    print(f"wrote {output}")
+    return 0
+
+
+def _engine(path: Path):
+    from runtime import ArtifactError, Engine
+
+    try:
+        return Engine(path)
+    except ArtifactError as error:
+        raise UserError(str(error)) from None
+
+
+def _run(args) -> int:
+    from runtime import generate
+
+    from .tokens import parse_ids
+
+    prompt = parse_ids(args.prompt_ids, "--prompt-ids")
+    engine = _engine(args.artifact)
+    if max(prompt) >= engine.vocab_size:
+        raise UserError(f"--prompt-ids: id {max(prompt)} is outside the vocabulary (size {engine.vocab_size})")
+    if len(prompt) + args.max_new_tokens > engine.max_context:
+        raise UserError(f"prompt ({len(prompt)}) + -n ({args.max_new_tokens}) exceed the artifact's max context "
+                        f"{engine.max_context}; rebuild with a larger --max-context")
+    if args.profile:
+        engine.profile = {}
+    result = generate(engine, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, seed=args.seed)
+    if args.profile:
+        steps = max(len(result["generated_ids"]), 1)
+        result["profile_ms_per_token"] = {k: v * 1000 / steps for k, v in sorted(engine.profile.items())}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(" ".join(map(str, result["generated_ids"])))
+        print(f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+        for op_class, ms in result.get("profile_ms_per_token", {}).items():
+            print(f"  {op_class:<10} {ms:8.3f} ms/token", file=sys.stderr)
+    return 0
+
+
+def _eval(args) -> int:
+    from .evaluate import evaluate
+    from .reference import OrtDecoder
+    from .tokens import read_tokens
+
+    sequences = read_tokens(args.tokens)[: args.max_sequences]
+    engine = _engine(args.artifact)
+    if max(int(s.max()) for s in sequences) >= engine.vocab_size:
+        raise UserError(f"{args.tokens} holds ids outside the vocabulary (size {engine.vocab_size})")
+    if not args.reference.is_file():
+        raise UserError(f"reference model not found: {args.reference}")
+    report = evaluate(engine, OrtDecoder(args.reference), sequences)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:<20} {value:.6g}" if isinstance(value, float) else f"{key:<20} {value}")
+    return 0
+
+
+def _inspect(args) -> int:
+    from runtime import ArtifactError, load_manifest
+
+    try:
+        manifest = load_manifest(args.artifact)
+    except ArtifactError as error:
+        raise UserError(str(error)) from None
+    schedule = json.loads((args.artifact / "schedule.json").read_text())
+    calls: dict[str, int] = {}
+    for node in schedule["nodes"]:
+        calls[node["op_class"]] = calls.get(node["op_class"], 0) + 1
+    kernels = sorted({n["decode"] for n in schedule["nodes"]} | {n["prefill"] for n in schedule["nodes"]})
+    weight_bytes = sum(4 * _numel(b["shape"]) for b in manifest["buffers"].values() if b["kind"] == "weight")
+    info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
+            "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes}
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(f"target      {manifest['target']['name']}")
+        for key, value in manifest["model"].items():
+            print(f"{key:<12}{value}")
+        print(f"weights     {weight_bytes / 2**20:.1f} MiB")
+        print("calls/token " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
+        print(f"kernels     {len(kernels)}: " + ", ".join(kernels))
+    return 0
+
+
+def _numel(shape) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        return {"build": _build, "run": _run, "eval": _eval, "inspect": _inspect}[args.command](args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

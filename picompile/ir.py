@@ -1,0 +1,61 @@
+"""The IR: an ONNX model held as an `onnx_ir.Model`, with picompile's own ops in the `picompile` domain.
+
+Every stage of the pipeline is a valid ONNX model, so each dump opens in any ONNX viewer. Facts a pass
+adds (layer numbers, placement, kernel names) ride on node attributes and initializers, never on the side.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+DOMAIN = "picompile"
+DOMAIN_VERSION = 1
+ONNX_OPSET = 23  # RMSNormalization is a standard op from opset 23 on
+
+
+def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Add a constant tensor to the graph and return its value."""
+    value = ir.val(name, const_value=ir.tensor(np.ascontiguousarray(array), name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The numpy array of a constant value (initializer or folded constant), else None."""
+    if value is None or value.const_value is None:
+        return None
+    return value.const_value.numpy()
+
+
+def attr(node: ir.Node, name: str, default=None):
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def nodes_in_domain(model: ir.Model, op_type: str) -> list[ir.Node]:
+    return [n for n in model.graph if n.domain == DOMAIN and n.op_type == op_type]
+
+
+def save(model: ir.Model, path: Path) -> None:
+    """Write the model as one self-contained .onnx file (external data only where protobuf forces it)."""
+    proto = ir.to_proto(model)
+    large = proto.ByteSize() > 1_900_000_000 if _small_enough_to_measure(model) else True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if large:
+        onnx.save(proto, str(path), save_as_external_data=True, location=path.name + ".data")
+    else:
+        onnx.save(proto, str(path))
+
+
+def _small_enough_to_measure(model: ir.Model) -> bool:
+    total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    return total < 1_500_000_000
+
+
+def to_text(model: ir.Model) -> str:
+    """Readable text of the model without weight values (ONNX textual syntax)."""
+    return ir.to_onnx_text(model, exclude_initializers=True)

@@ -1,0 +1,59 @@
+"""Target hardware profiles: plain data the placement and cost model read.
+
+Bandwidths are sustained figures (GB/s) a decode step can expect, not datasheet peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UserError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    gpu_memory_bytes: int  # 0 for CPU-only targets
+    gpu_bandwidth_gbs: float
+    cpu_bandwidth_gbs: float
+    pcie_bandwidth_gbs: float
+    cuda_arch: str | None  # e.g. "sm_89"
+    cpu_isa: str  # LLVM mcpu the CPU kernels are generated for
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.cuda_arch is not None
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in [
+        Target("cpu", 0, 0.0, 20.0, 0.0, None, "haswell"),
+        Target("rtx4090", 24 * GiB, 900.0, 60.0, 25.0, "sm_89", "haswell"),
+        Target("rtx2080ti", 11 * GiB, 550.0, 40.0, 12.0, "sm_75", "haswell"),
+        Target("a100-80g", 80 * GiB, 1700.0, 60.0, 25.0, "sm_80", "haswell"),
+        Target("h200", 141 * GiB, 4000.0, 100.0, 50.0, "sm_90", "haswell"),
+    ]
+}
+
+
+def get_target(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise UserError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}") from None
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512MiB', '1.5GB', '1000' -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UserError(f"malformed size {text!r}: expected a number with an optional unit such as 8GiB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

@@ -1,0 +1,57 @@
+"""Choosing the next token from logits: greedy, or sampled with temperature, top-k and top-p."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sample(logits: np.ndarray, rng: np.random.Generator | None, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0) -> int:
+    if temperature <= 0.0 or rng is None:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / temperature
+    if top_k > 0 and top_k < scaled.size:
+        cutoff = np.partition(scaled, -top_k)[-top_k]
+        scaled = np.where(scaled >= cutoff, scaled, -np.inf)
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        order = np.argsort(-probs)
+        keep = np.cumsum(probs[order]) - probs[order] < top_p  # smallest set whose mass reaches top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return int(rng.choice(probs.size, p=probs))
+
+
+def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, stop_ids=()) -> dict:
+    """Prefill the prompt, then decode token by token. Returns ids and timings."""
+    import time
+
+    rng = np.random.default_rng(seed) if temperature > 0 else None
+    engine.reset()
+    prompt = np.asarray(prompt_ids, dtype=np.int64)
+    if prompt.size + max_new_tokens > engine.max_context:
+        raise ValueError(f"prompt ({prompt.size}) + new tokens ({max_new_tokens}) exceed the artifact's "
+                         f"max context {engine.max_context}")
+    started = time.perf_counter()
+    logits = engine.forward(prompt)[-1]
+    prefill_s = time.perf_counter() - started
+    generated = []
+    started = time.perf_counter()
+    for step in range(max_new_tokens):
+        token = sample(logits, rng, temperature, top_k, top_p)
+        generated.append(token)
+        if token in stop_ids or step == max_new_tokens - 1:
+            break
+        logits = engine.forward(np.array([token], np.int64))[-1]
+    decode_s = time.perf_counter() - started
+    decoded_steps = max(len(generated) - 1, 0)  # the first token comes from the prefill logits
+    return {
+        "prompt_ids": prompt.tolist(),
+        "generated_ids": generated,
+        "prefill_ms": prefill_s * 1000,
+        "decode_tokens_per_s": decoded_steps / decode_s if decoded_steps and decode_s > 0 else 0.0,
+    }

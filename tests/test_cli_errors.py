@@ -1,0 +1,81 @@
+"""Bad input gets exit 2, one `error:` line naming the problem, no traceback, and nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import onnx
+import onnx.helper as oh
+import pytest
+
+from picompile.cli import main
+
+
+def run_cli(args, capsys):
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def assert_user_error(code, err, *words):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err
+    for word in words:
+        assert word.lower() in lines[0].lower(), lines[0]
+
+
+def _not_a_decoder(path):
+    x = oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    y = oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
+    graph = oh.make_graph([oh.make_node("Relu", ["x"], ["y"])], "cnn_like", [x], [y])
+    onnx.save(oh.make_model(graph), path)
+
+
+@pytest.mark.parametrize("make,words", [
+    (None, ["not found"]),
+    (lambda p: p.write_bytes(b""), ["not an onnx model"]),
+    (lambda p: p.write_bytes(b"\x00garbage bytes that are not protobuf\xff" * 10), ["onnx"]),
+    (_not_a_decoder, ["not a decoder", "input_ids"]),
+])
+def test_bad_model_files(tmp_path, capsys, make, words):
+    model = tmp_path / "model.onnx"
+    if make:
+        make(model)
+    out = tmp_path / "out.pic"
+    code, err = run_cli(["build", model, "-o", out], capsys)
+    assert_user_error(code, err, *words)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name != "model.onnx"] == []
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--target", "tpu9000"], ["unknown target", "tpu9000"]),
+    (["--vram-budget", "lots"], ["malformed size", "lots"]),
+    (["--max-context", "0"], ["max-context"]),
+    (["--max-context", "abc"], ["max-context"]),
+])
+def test_bad_build_options(tmp_path, capsys, extra, words):
+    model = tmp_path / "model.onnx"
+    _not_a_decoder(model)
+    out = tmp_path / "out.pic"
+    code, err = run_cli(["build", model, "-o", out, *extra], capsys)
+    assert_user_error(code, err, *words)
+    assert not out.exists()
+
+
+def test_missing_artifact_and_bad_ids(tmp_path, capsys):
+    code, err = run_cli(["run", tmp_path / "nothing.pic", "--prompt-ids", "1,2"], capsys)
+    assert_user_error(code, err, "not a picompile artifact")
+    code, err = run_cli(["run", tmp_path / "nothing.pic", "--prompt-ids", "1,x,2"], capsys)
+    assert_user_error(code, err, "prompt-ids")
+    code, err = run_cli(["run", tmp_path / "nothing.pic", "--prompt-ids", "1,2", "-n", "-3"], capsys)
+    assert_user_error(code, err, "positive integer")
+
+
+def test_usage_errors_are_one_line():
+    result = subprocess.run([sys.executable, "-m", "picompile", "build"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,61 @@
+"""The runtime stays thin: numpy and TVM's runtime/FFI only."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from runtime.sampling import sample
+
+ROOT = Path(__file__).resolve().parents[1]
+FORBIDDEN = {"picompile", "passes", "torch", "onnx", "onnxruntime", "onnxscript", "onnx_ir", "highspy",
+             "networkx", "safetensors", "transformers", "examples"}
+
+
+def test_runtime_sources_import_nothing_forbidden():
+    for path in (ROOT / "runtime").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in FORBIDDEN, f"{path.name} imports {name}"
+                if top == "tvm":
+                    assert name in ("tvm.runtime",), f"{path.name} imports {name}: only tvm.runtime is allowed"
+
+
+BLOCK_FORBIDDEN = "import sys\nfor name in %r: sys.modules[name] = None  # as on a machine without them\n" % sorted(FORBIDDEN)
+
+
+def run_without_compiler_stack(code: str) -> str:
+    """Run code in a fresh interpreter where every forbidden package fails to import."""
+    result = subprocess.run([sys.executable, "-c", BLOCK_FORBIDDEN + code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_runtime_loads_tvm_runtime_without_compiler_library():
+    out = run_without_compiler_stack("import runtime, runtime.engine as e; e._tvm_runtime(); import tvm.base; "
+                                     "print(sorted(tvm.base._LOADED_LIBS))")
+    assert out.strip() == "['tvm_runtime']"  # not libtvm_compiler.so (~260 MB)
+
+
+def test_greedy_is_argmax_and_sampling_respects_top_k_and_top_p():
+    logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
+    assert sample(logits, None) == 1
+    rng = np.random.default_rng(0)
+    draws = {sample(logits, rng, temperature=1.0, top_k=2) for _ in range(200)}
+    assert draws == {1, 3}
+    rng = np.random.default_rng(0)
+    # p(1) ~ 0.55, p(3) ~ 0.33: top_p=0.5 keeps only the most likely token
+    assert {sample(logits, rng, temperature=1.0, top_p=0.5) for _ in range(50)} == {1}
+    a = [sample(logits, np.random.default_rng(7), temperature=2.0) for _ in range(5)]
+    b = [sample(logits, np.random.default_rng(7), temperature=2.0) for _ in range(5)]
+    assert a == b
