@@ -243,6 +243,15 @@ def _call_graph(lowering: Lowering, source: ir.Model) -> ir.Model:
     version: dict[str, int] = {}
     current: dict[str, ir.Value] = {}
 
+    def shape(buffer: str) -> ir.Shape:
+        info = lowering.buffers.get(buffer)
+        if info is None:  # the scalar `start`
+            return ir.Shape([])
+        dims = list(info["shape"])
+        if info["kind"] in ("activation", "input"):
+            dims[0] = "rows"  # activations hold one row per token of the current step
+        return ir.Shape(dims)
+
     def read(buffer: str) -> ir.Value:
         if buffer not in current:
             info = lowering.buffers.get(buffer)
@@ -250,7 +259,7 @@ def _call_graph(lowering: Lowering, source: ir.Model) -> ir.Model:
                 current[buffer] = pir.initializer(graph, buffer, lowering.weights[buffer])
             else:
                 dtype = ir.DataType.INT64 if buffer in ("input_ids", "start") else ir.DataType.FLOAT
-                current[buffer] = ir.val(f"{buffer}#0", dtype, [] if buffer == "start" else None)
+                current[buffer] = ir.val(f"{buffer}#0", dtype, shape(buffer))
                 version[buffer] = 0
                 graph.inputs.append(current[buffer])
         return current[buffer]
@@ -266,6 +275,7 @@ def _call_graph(lowering: Lowering, source: ir.Model) -> ir.Model:
             version[buffer] = version.get(buffer, 0) + 1
             value.name = f"{buffer}#{version[buffer]}"
             value.dtype = ir.DataType.FLOAT
+            value.shape = shape(buffer)
             current[buffer] = value
     graph.outputs.append(current["logits"])
     graph.outputs.extend(current[b] for b in lowering.buffers if lowering.buffers[b]["kind"] == "cache")

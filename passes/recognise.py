@@ -385,9 +385,8 @@ def _position_offset(model: ir.Model, gather: ir.Node) -> int:
     import onnxruntime as ort
 
     index = gather.inputs[1]
-    proto = ir.to_proto(model)
-    proto.graph.output.append(_value_info(index.name))
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(_subgraph_proto(model, index.name).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
     feeds = {}
     for value in session.get_inputs():
         if value.name == "input_ids":
@@ -405,10 +404,26 @@ def _position_offset(model: ir.Model, gather: ir.Node) -> int:
     return int(positions[0]) - 1
 
 
-def _value_info(name: str):
+def _subgraph_proto(model: ir.Model, output: str):
+    """An ONNX proto computing only `output`: the nodes it depends on and their (in-memory) constants."""
     import onnx
 
-    return onnx.helper.make_empty_tensor_value_info(name)
+    proto = ir.to_proto(model)
+    producers = {out: node for node in proto.graph.node for out in node.output}
+    needed, stack = set(), [output]
+    while stack:
+        name = stack.pop()
+        node = producers.get(name)
+        if node is not None and id(node) not in needed:
+            needed.add(id(node))
+            stack.extend(node.input)
+    nodes = [node for node in proto.graph.node if id(node) in needed]
+    used = {name for node in nodes for name in node.input}
+    initializers = [onnx.numpy_helper.from_array(model.graph.initializers[name].const_value.numpy(), name)
+                    for name in used if name in model.graph.initializers]
+    graph = onnx.helper.make_graph(nodes, "probe", [i for i in proto.graph.input if i.name in used],
+                                   [onnx.helper.make_empty_tensor_value_info(output)], initializers)
+    return onnx.helper.make_model(graph, opset_imports=proto.opset_import, ir_version=proto.ir_version)
 
 
 def analyse(model: ir.Model) -> Decoder:

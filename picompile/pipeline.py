@@ -85,6 +85,10 @@ def verify_onnx(index: int, compiler_pass: Pass, result: PassResult, seconds: fl
     import onnx
 
     proto = ir.to_proto(result.model)
+    # The check is about structure: weights become declared inputs, so their bytes need not be read.
+    weights = list(proto.graph.initializer)
+    del proto.graph.initializer[:]
+    proto.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in weights)
     try:
         onnx.checker.check_model(proto, full_check=False)
     except onnx.checker.ValidationError as error:

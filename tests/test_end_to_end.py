@@ -1,0 +1,146 @@
+"""ONNX in, artifact out, tokens from the thin runtime: logits and greedy tokens match onnxruntime."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from picompile.cli import main
+from picompile.compiler import build
+from picompile.pipeline import Options
+from picompile.reference import OrtDecoder
+from picompile.targets import get_target
+from runtime import Engine, generate
+from test_runtime_thin import run_without_compiler_stack
+
+CASES = [(family, exporter) for family in ("opt", "llama") for exporter in ("dynamo", "legacy")]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_models, tmp_path_factory):
+    built = {}
+
+    def get(family, exporter="dynamo"):
+        if (family, exporter) not in built:
+            files = tiny_models(family, exporter)
+            out = tmp_path_factory.mktemp("artifacts") / f"{family}-{exporter}.pic"
+            build(files.onnx, out, get_target("cpu"), Options(dense=True, max_context=64))
+            built[family, exporter] = (files, out)
+        return built[family, exporter]
+
+    return get
+
+
+@pytest.mark.parametrize("family,exporter", CASES)
+def test_logits_match_onnxruntime_at_prefill_and_every_decode_step(artifacts, family, exporter):
+    files, artifact = artifacts(family, exporter)
+    engine, reference = Engine(artifact), OrtDecoder(files.onnx)
+    prompt = np.array([3, 14, 15, 92, 65], np.int64)
+    np.testing.assert_allclose(engine.forward(prompt), reference.forward(prompt), atol=1e-4, rtol=0)
+    token = 7
+    for _ in range(8):
+        got, expected = engine.forward([token]), reference.forward([token])
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+        token = int(np.argmax(expected[-1]))
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_greedy_generation_equals_onnxruntime(artifacts, family):
+    files, artifact = artifacts(family)
+    prompt = [1, 2, 3, 50, 60]
+    ours = generate(Engine(artifact), prompt, 16)["generated_ids"]
+    assert ours == OrtDecoder(files.onnx).greedy(prompt, 16)
+
+
+def test_sampling_is_seeded(artifacts):
+    _, artifact = artifacts("llama")
+    engine = Engine(artifact)
+    runs = [generate(engine, [5, 6], 12, temperature=1.5, top_k=20, top_p=0.9, seed=s)["generated_ids"] for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_runtime_alone_generates_the_same_tokens(artifacts):
+    """Run the artifact in a process where the compiler stack (onnx, torch, picompile, ...) cannot import."""
+    _, artifact = artifacts("opt")
+    expected = generate(Engine(artifact), [4, 8, 15], 10)["generated_ids"]
+    out = run_without_compiler_stack(f"from runtime import Engine, generate; "
+                                     f"print(generate(Engine({str(artifact)!r}), [4, 8, 15], 10)['generated_ids'])")
+    assert out.strip() == str(expected)
+
+
+def test_cli_build_dump_run_eval_inspect(tiny_models, tmp_path, capsys):
+    files = tiny_models("llama")
+    out, dumps = tmp_path / "m.pic", tmp_path / "ir"
+    assert main(["build", str(files.onnx), "--target", "cpu", "-o", str(out), "--max-context", "48",
+                 "--dump-ir", str(dumps)]) == 0
+    capsys.readouterr()
+    dumped = sorted(p.name for p in dumps.glob("*.onnx"))
+    assert dumped == ["00-import.onnx", "01-recognise.onnx", "02-codegen.onnx", "03-schedule.onnx"]
+    for name in dumped:
+        onnx.checker.check_model(onnx.load(str(dumps / name)))
+        assert (dumps / name.replace(".onnx", ".txt")).read_text().strip()
+    assert "picompile.FFN" in (dumps / "01-recognise.txt").read_text()
+    assert "picompile.Call" in (dumps / "02-codegen.txt").read_text()
+
+    assert main(["run", str(out), "--prompt-ids", "1,2,3", "-n", "6", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= {"prompt_ids", "generated_ids", "prefill_ms", "decode_tokens_per_s"}
+    assert result["prompt_ids"] == [1, 2, 3] and len(result["generated_ids"]) == 6
+    assert result["generated_ids"] == OrtDecoder(files.onnx).greedy([1, 2, 3], 6)
+
+    assert main(["eval", str(out), "--reference", str(files.onnx), "--tokens", str(files.heldout),
+                 "--max-sequences", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["max_abs_logit_diff"] < 1e-4
+    assert report["top1_agreement"] == 1.0
+    assert abs(report["ppl_compiled"] - report["ppl_reference"]) < 1e-3 * report["ppl_reference"]
+    assert abs(report["kl_mean"]) < 1e-6
+
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model"]["num_layers"] == 2 and info["model"]["max_context"] == 48
+    assert any(k.startswith("attention") for k in info["kernels"])
+
+
+def test_damaged_artifacts_are_refused(artifacts, tmp_path, capsys):
+    _, artifact = artifacts("opt")
+    damaged = tmp_path / "damaged.pic"
+    shutil.copytree(artifact, damaged)
+    weights = damaged / "weights" / "cpu.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert main(["run", str(damaged), "--prompt-ids", "1"]) == 2
+    assert "damaged" in capsys.readouterr().err
+
+    newer = tmp_path / "newer.pic"
+    shutil.copytree(artifact, newer)
+    manifest = json.loads((newer / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["run", str(newer), "--prompt-ids", "1"]) == 2
+    assert "format version 99" in capsys.readouterr().err
+
+    assert main(["run", str(artifact), "--prompt-ids", "1,99999"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
+    assert main(["run", str(artifact), "--prompt-ids", "1", "-n", "1000"]) == 2
+    assert "max context" in capsys.readouterr().err
+
+
+def test_rebuild_replaces_the_artifact_and_a_failed_build_keeps_it(tiny_models, tmp_path, capsys):
+    files = tiny_models("opt")
+    out = tmp_path / "m.pic"
+    assert main(["build", str(files.onnx), "-o", str(out), "--max-context", "32"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 32
+    assert main(["build", str(files.onnx), "-o", str(out), "--max-context", "40"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 40
+    # OPT's learned positions end at 256: a longer context is refused and the old artifact stays
+    assert main(["build", str(files.onnx), "-o", str(out), "--max-context", "100000"]) == 2
+    assert "learned positions" in capsys.readouterr().err
+    assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pic"]
