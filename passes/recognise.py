@@ -107,14 +107,26 @@ def _consumers(value: ir.Value) -> list[ir.Node]:
     return found
 
 
+def _const_weight(value: ir.Value) -> np.ndarray | None:
+    """A constant matrix, or the transpose of one (tied output layers: folding skips large transposes)."""
+    array = pir.const_array(value)
+    if array is not None:
+        return array
+    node = value.producer()
+    if node is not None and node.op_type == "Transpose" and list(pir.attr(node, "perm", [1, 0])) == [1, 0]:
+        source = pir.const_array(node.inputs[0])
+        return None if source is None or source.ndim != 2 else source.T
+    return None
+
+
 def _match_linear(node: ir.Node) -> Linear | None:
     if node.op_type == "MatMul":
-        weight = pir.const_array(node.inputs[1])
+        weight = _const_weight(node.inputs[1])
         if weight is None or weight.ndim != 2 or pir.const_array(node.inputs[0]) is not None:
             return None
         bias = None
     elif node.op_type == "Gemm":
-        weight = pir.const_array(node.inputs[1])
+        weight = _const_weight(node.inputs[1])
         if weight is None or pir.attr(node, "transA", 0) or pir.attr(node, "alpha", 1.0) != 1.0:
             return None
         if pir.attr(node, "transB", 0):
@@ -239,7 +251,7 @@ def _downstream_linear(start: ir.Value, linear_by_node: dict[ir.Node, Linear]) -
     while queue:
         value = queue.popleft()
         for node in value.consumers():
-            if node in linear_by_node and node.inputs[0] is not None and pir.const_array(node.inputs[1]) is not None:
+            if node in linear_by_node:
                 return linear_by_node[node]
             if node not in seen:
                 seen.add(node)
