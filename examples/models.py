@@ -1,0 +1,865 @@
+"""Model makers: random-weight ReLU decoder LLMs with *synthetic* PowerInfer-style sparsity.
+
+Nothing here downloads anything. A model is built from a transformers config with random
+weights (``torch.manual_seed(seed)``), optionally given *synthetic* activation sparsity that
+imitates what trained ReLU models show, exported to ONNX in optimum's KV-cache convention,
+and written next to random calibration / held-out token files.
+
+Families
+    ``opt``    OPTForCausalLM, ReLU FFN (fc1 -> relu -> fc2), pre-LayerNorm, biases, tied LM head.
+    ``llama``  LlamaForCausalLM with ``hidden_act="relu"`` (gated ReGLU: down(relu(gate(x)) * up(x))),
+               grouped-query attention, untied LM head, no biases anywhere.
+
+Synthetic sparsity (``sparsity=0.9, skew="zipf"``; ``sparsity=None`` leaves the model dense-random)
+    The numbers are *synthetic*: they are what this maker designed, not what any trained model
+    does. Per FFN layer, in order (each layer is calibrated on inputs produced by the already
+    calibrated earlier layers, in one forward pass, through forward pre-hooks):
+
+    1. Low rank plus noise. The up weight (and gate weight for llama) is ``a_i * L_i + b_i * E_i``
+       with ``L = U V^T`` of rank ``lowrank_rank`` (default ``min(64, hidden // 4)``, V an
+       orthonormal input basis shared by gate and up) and ``E`` full-rank Gaussian noise. Per
+       neuron, ``a_i, b_i`` are chosen from the measured input covariance so that the low-rank
+       part carries ``lowrank_var`` (default 0.95) of the pre-activation variance and the total
+       variance equals what the default init (std 0.02) gives. (0.95 rather than 0.9: trained
+       models' predictors reach > 0.95 recall; on the tiny preset a rank-32 least-squares probe
+       gets recall ~0.94 at 0.95, ~0.91 at 0.9, ~0.72 on full-rank weights.) So which neurons fire is
+       predictable from a low-dimensional projection of the input, as in trained models
+       (on full-rank random weights small predictors fail: see shared/POWERINFER.md).
+    2. Power-law activation probabilities. Neuron of rank k gets ``p_k = min(c * k^-alpha, pmax)``
+       (``alpha = 1`` for ``"zipf"``; ``"uniform"`` gives every neuron the same p; a float or
+       ``"zipf:1.2"`` sets alpha), ``c`` solved so that ``mean(p) = 1 - sparsity``, and the ranks
+       are randomly permuted across neurons.
+    3. Thresholds. On random tokens, each neuron's threshold is the ``1 - p_i`` quantile of its
+       pre-activation, so that P(pre-activation > 0) = p_i:
+       - OPT: ``fc1.bias_i = -quantile(w_i . x, 1 - p_i)`` where x is the final_layer_norm output.
+       - LLaMA has no biases, so the offset goes through a *constant channel* ("bias channel",
+         like the massive activations of trained LLMs): one residual channel ``c`` is set to a
+         constant ``M > 0`` in every token embedding, and row ``c`` of every ``o_proj`` and
+         ``down_proj`` is zeroed, so ``h_c == M`` exactly in every layer. After RMSNorm
+         ``x_c = g_c * M / rms(h) > 0`` (g_c > 0) varies with the token, but
+         ``gate_i(x) = (W_i . (g*h) + beta_i * g_c * M) / rms(h)`` has the sign of an affine
+         function of h, so column c of gate_proj is an exact bias in sign. Low-rank and noise
+         parts leave column c empty; ``beta_i = -quantile(a_i / x_c, 1 - p_i)`` with
+         ``a_i = W_i . x`` makes P(gate_i > 0) = p_i exactly on the calibration tokens. The
+         channel index is recorded in the metadata (``synthetic_sparsity.bias_channel``).
+    4. Measurement. On the held-out tokens, forward pre-hooks on fc2 / down_proj (whose input is
+       relu(fc1) or relu(gate) * up; zero means inactive) count active neurons per layer; the
+       per-layer sparsity and the top-20%-neuron share of activations are stored and returned.
+
+Files a maker writes into a model directory
+    ``model.onnx`` (weights inline below 1.8 GB, else in ``model.onnx.data`` beside it),
+    ``calib.npy`` / ``heldout.npy`` (int64 [n, len] random token ids), ``config.json``
+    (picompile metadata, HF config, measured sparsity), ``sparsity.npz`` (``target_p`` and
+    ``measured_freq``, float [layers, ffn]; absent for dense models).
+
+ONNX convention (optimum's): inputs ``input_ids`` [batch, seq] int64, ``attention_mask``
+[batch, total] int64 (total = past + seq), ``position_ids`` [batch, seq] int64 (llama only),
+``past_key_values.{i}.key|value`` [batch, kv_heads, past, head_dim]; outputs ``logits``
+[batch, seq, vocab], ``present.{i}.key|value`` [batch, kv_heads, total, head_dim].
+Empty past (past = 0) works in onnxruntime for both exporters; prefill uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+MAKER_VERSION = "1"
+FAMILIES = ("opt", "llama")
+EXPORTERS = ("dynamo", "legacy")
+INLINE_LIMIT_BYTES = 1_800_000_000
+SPARSITY_TOLERANCE = 0.03  # per-layer |measured - asked| the maker verifies (warns if missed)
+
+# Presets: plain data, transformers config field names per family.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "opt": {
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, vocab_size=128,
+                     num_attention_heads=4, max_position_embeddings=256),
+        "small": dict(hidden_size=768, num_hidden_layers=12, ffn_dim=3072, vocab_size=32000,
+                      num_attention_heads=12, max_position_embeddings=2048),
+        "1b": dict(hidden_size=2048, num_hidden_layers=16, ffn_dim=8192, vocab_size=32000,
+                   num_attention_heads=32, max_position_embeddings=2048),
+    },
+    "llama": {
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, vocab_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+        "small": dict(hidden_size=768, num_hidden_layers=8, intermediate_size=3072, vocab_size=32000,
+                      num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048),
+        "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=32000,
+                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048),
+    },
+}
+
+# Fixed architecture choices (not overridable: they define the family).
+FAMILY_FIXED: dict[str, dict[str, Any]] = {
+    "opt": dict(activation_function="relu", do_layer_norm_before=True, enable_bias=True,
+                dropout=0.0, attention_dropout=0.0, layerdrop=0.0),
+    "llama": dict(hidden_act="relu", tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+}
+
+# Knobs of the synthetic structure (may be passed as keyword overrides).
+SYNTH_DEFAULTS: dict[str, Any] = dict(lowrank_rank=None, lowrank_var=0.95, pmax=0.95)
+# Token files (may be passed as keyword overrides): sequences x tokens of calib / held-out data;
+# the synthesis itself is calibrated on a third, independent draw of the same size.
+TOKEN_DEFAULTS: dict[str, Any] = dict(n_seqs=64, seq_len=64)
+
+__all__ = [
+    "MAKER_VERSION", "PRESETS", "ModelFiles", "make_config", "build_model", "synthesize_sparsity",
+    "activation_probs", "measure_sparsity", "ffn_modules", "export_onnx", "make_model",
+    "cached_model", "cache_dir", "config_hash", "write_tokens", "read_tokens", "random_tokens",
+    "ort_logits_steps", "ort_greedy", "num_params", "io_names",
+]
+
+
+# ----------------------------------------------------------------------------- configs / models
+
+
+def _split_overrides(overrides: dict[str, Any]) -> tuple[dict, dict, dict]:
+    synth = {k: overrides[k] for k in SYNTH_DEFAULTS if k in overrides}
+    tokens = {k: overrides[k] for k in TOKEN_DEFAULTS if k in overrides}
+    arch = {k: v for k, v in overrides.items() if k not in SYNTH_DEFAULTS and k not in TOKEN_DEFAULTS}
+    return arch, synth, tokens
+
+
+def make_config(family: str, preset: str = "tiny", **overrides):
+    """A transformers config for ``family`` at ``preset``; keyword overrides are config fields."""
+    from transformers import LlamaConfig, OPTConfig
+
+    if family not in PRESETS:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if preset not in PRESETS[family]:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS[family])}")
+    fields = dict(PRESETS[family][preset])
+    fields.update(overrides)
+    for key, value in FAMILY_FIXED[family].items():
+        if key in overrides and overrides[key] != value:
+            raise ValueError(f"{family}: {key} is fixed to {value!r}")
+        fields[key] = value
+    if family == "opt":
+        fields["word_embed_proj_dim"] = fields["hidden_size"]
+        return OPTConfig(**fields)
+    if fields["num_key_value_heads"] >= fields["num_attention_heads"]:
+        raise ValueError("llama: grouped-query attention needs num_key_value_heads < num_attention_heads")
+    return LlamaConfig(**fields)
+
+
+def ffn_modules(model) -> list[dict[str, torch.nn.Module]]:
+    """Per decoder layer: {'norm', 'up', 'down'} (+ 'gate' for llama) modules of the FFN."""
+    family = model.config.model_type
+    if family == "opt":
+        return [dict(norm=l.final_layer_norm, up=l.fc1, down=l.fc2, layer=l) for l in model.model.decoder.layers]
+    if family == "llama":
+        return [dict(norm=l.post_attention_layernorm, gate=l.mlp.gate_proj, up=l.mlp.up_proj,
+                     down=l.mlp.down_proj, mlp=l.mlp, layer=l) for l in model.model.layers]
+    raise ValueError(f"unsupported model type {family!r}")
+
+
+def num_params(model) -> int:
+    """Unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _randomize_small(model, generator: torch.Generator) -> None:
+    """Norm weights 1 + 0.1*randn, norm biases 0.1*randn, linear biases 0.02*randn, so that no
+    two initializers are equal (ONNX optimizers de-duplicate identical constants)."""
+    with torch.no_grad():
+        for module in model.modules():
+            name = type(module).__name__
+            if isinstance(module, torch.nn.LayerNorm) or name.endswith("RMSNorm"):
+                if getattr(module, "weight", None) is not None:
+                    module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=generator))
+                if getattr(module, "bias", None) is not None:
+                    module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
+            elif isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(0.02 * torch.randn(module.bias.shape, generator=generator))
+
+
+def random_tokens(vocab_size: int, n_seqs: int, seq_len: int, seed: int, avoid: Sequence[int] = ()) -> np.ndarray:
+    """Uniform random token ids, int64 [n_seqs, seq_len], never one of ``avoid`` (e.g. pad)."""
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(avoid), dtype=np.int64))
+    rng = np.random.default_rng(seed)
+    return allowed[rng.integers(0, len(allowed), size=(n_seqs, seq_len))].astype(np.int64)
+
+
+def _avoid_ids(config) -> list[int]:
+    pad = getattr(config, "pad_token_id", None)
+    return [pad] if isinstance(pad, int) and 0 <= pad < config.vocab_size else []
+
+
+def build_model(family: str, preset: str = "tiny", sparsity: float | None = None, skew: str | float = "zipf",
+                seed: int = 0, **overrides):
+    """Build the (deterministic) torch model. Returns ``(model, report)``.
+
+    ``report`` is None for dense models, else the dict from :func:`synthesize_sparsity`
+    (design parameters; the measured sparsity comes from :func:`measure_sparsity`).
+    """
+    from transformers import LlamaForCausalLM, OPTForCausalLM
+
+    arch, synth, tokens = _split_overrides(overrides)
+    config = make_config(family, preset, **arch)
+    torch.manual_seed(seed)
+    cls = OPTForCausalLM if family == "opt" else LlamaForCausalLM
+    model = cls(config).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    _randomize_small(model, generator)
+    report = None
+    if sparsity is not None:
+        t = {**TOKEN_DEFAULTS, **tokens}
+        synth_ids = random_tokens(config.vocab_size, t["n_seqs"], t["seq_len"], seed + 1001, _avoid_ids(config))
+        report = synthesize_sparsity(model, synth_ids, sparsity=sparsity, skew=skew, seed=seed,
+                                     **{**SYNTH_DEFAULTS, **synth})
+    return model, report
+
+
+# ----------------------------------------------------------------------------- synthetic sparsity
+
+
+def _parse_skew(skew: str | float) -> float:
+    if isinstance(skew, (int, float)):
+        return float(skew)
+    s = str(skew).lower()
+    if s in ("uniform", "none", "flat"):
+        return 0.0
+    if s == "zipf":
+        return 1.0
+    if s.startswith("zipf:"):
+        return float(s.split(":", 1)[1])
+    raise ValueError(f"unknown skew {skew!r}: use 'zipf', 'zipf:<alpha>', 'uniform' or a float alpha")
+
+
+def activation_probs(n: int, mean: float, skew: str | float = "zipf", pmax: float = 0.95,
+                     rng: np.random.Generator | None = None) -> np.ndarray:
+    """*Synthetic* per-neuron activation probabilities: ``min(c * rank^-alpha, pmax)`` with the
+    mean equal to ``mean``, randomly permuted across the ``n`` neurons (if ``rng`` is given)."""
+    alpha = _parse_skew(skew)
+    if not 0 < mean < pmax:
+        raise ValueError(f"mean activation probability {mean} must lie in (0, pmax={pmax})")
+    base = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    lo, hi = 0.0, pmax / base.min()
+    for _ in range(200):
+        c = 0.5 * (lo + hi)
+        if np.minimum(c * base, pmax).mean() > mean:
+            hi = c
+        else:
+            lo = c
+    p = np.minimum(0.5 * (lo + hi) * base, pmax)
+    return p[rng.permutation(n)] if rng is not None else p
+
+
+def _column_quantile(values: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Per-column quantile (linear interpolation): values [N, F], q [F] in [0, 1] -> [F]."""
+    n = values.shape[0]
+    ordered = values.sort(dim=0).values
+    pos = q.to(torch.float64).clamp(0, 1) * (n - 1)
+    lo = pos.floor().long().clamp(0, n - 1)
+    hi = (lo + 1).clamp(max=n - 1)
+    frac = (pos - lo.to(torch.float64)).to(values.dtype)
+    v_lo = ordered.gather(0, lo[None])[0]
+    v_hi = ordered.gather(0, hi[None])[0]
+    return v_lo + frac * (v_hi - v_lo)
+
+
+def _lowrank_plus_noise(x: torch.Tensor, basis: torch.Tensor, out_features: int, var_frac: float,
+                        std: float, generator: torch.Generator, zero_col: int | None) -> torch.Tensor:
+    """Weight [F, d] = a_i * (U V^T)_i + b_i * E_i with the low-rank part carrying ``var_frac`` of
+    each neuron's pre-activation variance under the covariance of ``x`` [N, d], and a total
+    variance of std^2 * trace(cov) (what an isotropic std-``std`` init gives)."""
+    d = x.shape[1]
+    xc = x.double() - x.double().mean(0, keepdim=True)
+    cov = xc.T @ xc / max(1, x.shape[0] - 1)
+    u = torch.randn(out_features, basis.shape[1], generator=generator, dtype=torch.float64)
+    low = u @ basis.T
+    noise = torch.randn(out_features, d, generator=generator, dtype=torch.float64)
+    if zero_col is not None:
+        noise[:, zero_col] = 0
+        low[:, zero_col] = 0
+        cov_trace = cov.trace() - cov[zero_col, zero_col]
+    else:
+        cov_trace = cov.trace()
+    total = std**2 * cov_trace
+    v_low = ((low @ cov) * low).sum(1).clamp_min(1e-30)
+    v_noise = ((noise @ cov) * noise).sum(1).clamp_min(1e-30)
+    weight = (var_frac * total / v_low).sqrt()[:, None] * low + ((1 - var_frac) * total / v_noise).sqrt()[:, None] * noise
+    return weight.to(x.dtype)
+
+
+def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, skew: str | float = "zipf",
+                        seed: int = 0, lowrank_rank: int | None = None, lowrank_var: float = 0.95,
+                        pmax: float = 0.95) -> dict:
+    """Give ``model`` *synthetic* PowerInfer-like FFN sparsity, in place (see the module docstring).
+
+    One forward pass over ``token_ids`` [n, len]; a forward pre-hook on each layer's FFN rewrites
+    that layer's up/gate weights (and OPT's fc1 bias) from the inputs it is about to see, so
+    each layer is calibrated on inputs produced by the already calibrated earlier layers.
+    Returns the design: target probabilities ``target_p`` [layers, ffn], rank, bias channel...
+    """
+    if not 0 < sparsity < 1:
+        raise ValueError("sparsity must be in (0, 1)")
+    config = model.config
+    family = config.model_type
+    d = config.hidden_size
+    rank = int(lowrank_rank) if lowrank_rank else min(64, max(1, d // 4))
+    std = float(getattr(config, "init_std", None) or getattr(config, "initializer_range", 0.02))
+    rng = np.random.default_rng(seed + 7)
+    generator = torch.Generator().manual_seed(seed + 2)
+    layers = ffn_modules(model)
+    ffn = layers[0]["up"].out_features
+    target_p = np.stack([activation_probs(ffn, 1 - sparsity, skew, pmax, rng) for _ in layers])
+
+    bias_channel = None
+    if family == "llama":
+        bias_channel = int(rng.integers(d))
+        with torch.no_grad():
+            emb = model.model.embed_tokens.weight
+            others = torch.cat([emb[:, :bias_channel], emb[:, bias_channel + 1:]], 1)
+            emb[:, bias_channel] = 5.0 * float(others.std())
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight[bias_channel, :] = 0
+                layer.mlp.down_proj.weight[bias_channel, :] = 0
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                    norm.weight[bias_channel] = norm.weight[bias_channel].abs().clamp_min(0.5)
+            model.model.norm.weight[bias_channel] = model.model.norm.weight[bias_channel].abs().clamp_min(0.5)
+    basis_dims = [i for i in range(d) if i != bias_channel]
+    if rank > len(basis_dims):
+        raise ValueError(f"lowrank_rank {rank} > input dimension {len(basis_dims)}")
+
+    def make_basis() -> torch.Tensor:
+        q, _ = torch.linalg.qr(torch.randn(len(basis_dims), rank, generator=generator, dtype=torch.float64))
+        basis = torch.zeros(d, rank, dtype=torch.float64)
+        basis[basis_dims] = q
+        return basis
+
+    achieved: list[float] = []
+
+    def calibrate(index: int, x: torch.Tensor) -> None:
+        mods = layers[index]
+        x = x.detach().reshape(-1, d).float()
+        p = torch.from_numpy(target_p[index])
+        basis = make_basis()
+        up = _lowrank_plus_noise(x, basis, ffn, lowrank_var, std, generator, bias_channel)
+        if family == "opt":
+            pre = x @ up.T
+            threshold = _column_quantile(pre, 1 - p)
+            mods["up"].weight.copy_(up)
+            mods["up"].bias.copy_(-threshold)
+            achieved.append(float((pre - threshold > 0).float().mean()))
+        else:
+            gate = _lowrank_plus_noise(x, basis, ffn, lowrank_var, std, generator, bias_channel)
+            xc = x[:, bias_channel]
+            if not bool((xc > 0).all()):
+                raise RuntimeError("llama bias channel is not positive after RMSNorm")
+            ratio = (x @ gate.T) / xc[:, None]
+            beta = -_column_quantile(ratio, 1 - p)
+            gate[:, bias_channel] = beta
+            up[:, bias_channel] = std * torch.randn(ffn, generator=generator, dtype=torch.float64).float()
+            mods["gate"].weight.copy_(gate)
+            mods["up"].weight.copy_(up)
+            achieved.append(float((x @ gate.T > 0).float().mean()))
+
+    handles = []
+    for index, mods in enumerate(layers):
+        target = mods["up"] if family == "opt" else mods["mlp"]
+        handles.append(target.register_forward_pre_hook(lambda m, args, i=index: calibrate(i, args[0])))
+    try:
+        with torch.no_grad():
+            _forward_tokens(model, token_ids, batch=len(token_ids))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dict(
+        synthetic=True, sparsity=float(sparsity), skew=str(skew), alpha=_parse_skew(skew), pmax=pmax,
+        lowrank_rank=rank, lowrank_var=lowrank_var, bias_channel=bias_channel,
+        calibration_tokens=int(np.asarray(token_ids).size),
+        calibration_active_fraction=achieved, target_p=target_p,
+        method=("per-neuron threshold = (1 - p_i) quantile of the pre-activation on random tokens; "
+                + ("OPT: fc1 bias" if family == "opt" else
+                   "LLaMA: column `bias_channel` of gate_proj against a constant residual channel")),
+    )
+
+
+def _forward_tokens(model, token_ids: np.ndarray, batch: int = 16) -> None:
+    ids = torch.as_tensor(np.asarray(token_ids), dtype=torch.long)
+    for start in range(0, ids.shape[0], batch):
+        chunk = ids[start:start + batch]
+        model(input_ids=chunk, attention_mask=torch.ones_like(chunk), use_cache=False)
+
+
+def measure_sparsity(model, token_ids: np.ndarray, batch: int = 16) -> dict:
+    """Measure FFN activation sparsity with forward pre-hooks on fc2 / down_proj, whose input is
+    relu(fc1 x) (OPT) or relu(gate x) * up x (LLaMA); an exact zero means inactive.
+
+    Returns ``per_layer`` sparsity, ``mean``, ``top20_share`` per layer (fraction of all
+    activations carried by the 20% most frequently active neurons) and ``freq`` [layers, ffn].
+    """
+    layers = ffn_modules(model)
+    counts = [None] * len(layers)
+    tokens = [0]
+
+    def hook(index: int, act: torch.Tensor) -> None:
+        flat = act.detach().reshape(-1, act.shape[-1])
+        c = (flat != 0).sum(0).double()
+        counts[index] = c if counts[index] is None else counts[index] + c
+        if index == 0:
+            tokens[0] += flat.shape[0]
+
+    handles = [mods["down"].register_forward_pre_hook(lambda m, args, i=i: hook(i, args[0]))
+               for i, mods in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            _forward_tokens(model, token_ids, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    freq = np.stack([(c / tokens[0]).numpy() for c in counts])
+    per_layer = [float(1 - f.mean()) for f in freq]
+    top = []
+    for f in freq:
+        ordered = np.sort(f)[::-1]
+        top.append(float(ordered[: max(1, len(f) // 5)].sum() / max(ordered.sum(), 1e-30)))
+    return dict(per_layer=per_layer, mean=float(np.mean(per_layer)), top20_share=top, freq=freq, tokens=tokens[0])
+
+
+# ----------------------------------------------------------------------------- ONNX export
+
+
+def _kv_shape(config) -> tuple[int, int, int]:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def io_names(config) -> tuple[list[str], list[str]]:
+    n, _, _ = _kv_shape(config)
+    pos = config.model_type == "llama"
+    inputs = ["input_ids", "attention_mask"] + (["position_ids"] if pos else [])
+    inputs += [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
+    outputs = ["logits"] + [f"present.{i}.{k}" for i in range(n) for k in ("key", "value")]
+    return inputs, outputs
+
+
+class _KVWrapper(torch.nn.Module):
+    """Flat-tensor KV-cache interface around a transformers causal LM (DynamicCache inside)."""
+
+    def __init__(self, model, n_layers: int, with_positions: bool):
+        super().__init__()
+        self.m, self.n, self.pos = model, n_layers, with_positions
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def forward(self, input_ids, attention_mask, *rest):
+        from transformers.cache_utils import DynamicCache
+
+        if self.pos:
+            position_ids, rest = rest[0], rest[1:]
+        cache = DynamicCache()
+        for i in range(self.n):
+            cache.update(rest[2 * i], rest[2 * i + 1], i)
+        kw = dict(position_ids=position_ids) if self.pos else {}
+        kw[self.cache_kw] = cache
+        out = self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kw)
+        new_cache = getattr(out, "cache", None)
+        if new_cache is None:
+            new_cache = out.past_key_values
+        present = []
+        for layer in new_cache.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
+def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", opset: int = 18,
+                name: str = "model.onnx", metadata: dict[str, str] | None = None) -> Path:
+    """Export ``model`` with a KV cache (optimum's names, see the module docstring) to
+    ``out_dir/name``. Weights go inline when under 1.8 GB, else into ``name + '.data'`` beside it.
+
+    dynamo: torch.onnx.export(dynamo=True), dynamic batch/seq/past/total (past exported with
+    min 1, but past = 0 runs fine in onnxruntime). legacy: dynamo=False, dynamic_axes.
+    """
+    import onnx
+
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}")
+    config = model.config
+    n, kv_heads, head_dim = _kv_shape(config)
+    pos = config.model_type == "llama"
+    inputs, outputs = io_names(config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=out_dir, prefix=".export-"))
+    raw = work / "raw.onnx"
+    wrapper = _KVWrapper(model.eval(), n, pos).eval()
+    batch, past, seq = 2, 3, 2
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+            torch.ones(batch, past + seq, dtype=torch.long)]
+    if pos:
+        args.append(torch.arange(past, past + seq).repeat(batch, 1))
+    dtype = next(model.parameters()).dtype
+    args += [torch.randn(batch, kv_heads, past, head_dim, generator=gen, dtype=dtype) for _ in range(2 * n)]
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet_loggers("torch.onnx"):
+            warnings.simplefilter("ignore")
+            if exporter == "legacy":
+                axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+                        "logits": {0: "batch", 1: "seq"}}
+                if pos:
+                    axes["position_ids"] = {0: "batch", 1: "seq"}
+                for nm in inputs[2 + pos:]:
+                    axes[nm] = {0: "batch", 2: "past"}
+                for nm in outputs[1:]:
+                    axes[nm] = {0: "batch", 2: "total"}
+                torch.onnx.export(wrapper, tuple(args), str(raw), input_names=inputs, output_names=outputs,
+                                  dynamic_axes=axes, dynamo=False, opset_version=opset)
+            else:
+                from torch.export import Dim
+
+                b = Dim("batch", min=1, max=256)
+                s = Dim("seq", min=1, max=config.max_position_embeddings)
+                p = Dim("past", min=1, max=config.max_position_embeddings)
+                t = Dim("total", min=2, max=2 * config.max_position_embeddings)
+                shapes = [{0: b, 1: s}, {0: b, 1: t},
+                          tuple(([{0: b, 1: s}] if pos else []) + [{0: b, 2: p}] * (2 * n))]
+                torch.onnx.export(wrapper, tuple(args), str(raw), input_names=inputs, output_names=outputs,
+                                  dynamic_shapes=tuple(shapes), dynamo=True, opset_version=opset,
+                                  external_data=True, verbose=False)
+        proto = onnx.load(str(raw))
+        # Name the present length like the attention mask's ("total"), as the legacy export does.
+        for value in proto.graph.output[1:]:
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) == 4 and dims[2].dim_param:
+                dims[2].dim_param = "total"
+        for value in proto.graph.output[:1]:
+            dims = value.type.tensor_type.shape.dim
+            if dims and dims[0].dim_param:
+                dims[0].dim_param = "batch"
+        del proto.metadata_props[:]
+        for key, value in {"picompile.exporter": exporter, **(metadata or {})}.items():
+            entry = proto.metadata_props.add()
+            entry.key, entry.value = str(key), str(value)
+        target = out_dir / name
+        for stale in (target, out_dir / (name + ".data")):
+            if stale.exists():
+                stale.unlink()
+        if n_bytes < INLINE_LIMIT_BYTES:
+            onnx.save(proto, str(target), save_as_external_data=False)
+        else:
+            onnx.save(proto, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location=name + ".data", size_threshold=1024)
+            os.chmod(out_dir / (name + ".data"), target.stat().st_mode & 0o777)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str):
+    import logging
+
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+# ----------------------------------------------------------------------------- token files
+
+
+def write_tokens(path: str | os.PathLike, sequences) -> Path:
+    """Write token sequences. ``.npy``: int64 [n, len] when all lengths agree, else a 1-D object
+    array of int64 arrays. Any other suffix: text, one sequence per line, space-separated ids."""
+    path = Path(path)
+    seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".npy":
+        if seqs and len({len(s) for s in seqs}) == 1:
+            array = np.stack(seqs)
+        else:
+            array = np.empty(len(seqs), dtype=object)
+            for i, s in enumerate(seqs):
+                array[i] = s
+        with open(path, "wb") as f:  # np.save(path) would append .npy to other names
+            np.save(f, array, allow_pickle=array.dtype == object)
+    else:
+        path.write_text("".join(" ".join(str(int(t)) for t in s) + "\n" for s in seqs))
+    return path
+
+
+def read_tokens(path: str | os.PathLike) -> list[np.ndarray]:
+    """Read token sequences as a list of int64 1-D arrays. ``.npy``: 2-D [n, len] integer array
+    (one sequence per row), 1-D integer array (one sequence) or 1-D object array of sequences.
+    Text: one sequence per line, ids separated by whitespace and/or commas; blank lines skipped."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        try:
+            array = np.load(path, allow_pickle=False)
+        except ValueError:  # object arrays (ragged sequences) need pickle
+            array = np.load(path, allow_pickle=True)
+        if array.dtype == object:
+            return [_as_ids(s) for s in array.reshape(-1)]
+        if array.ndim == 1:
+            return [_as_ids(array)]
+        if array.ndim == 2:
+            return [_as_ids(row) for row in array]
+        raise ValueError(f"{path}: expected a 1-D or 2-D token array, got shape {array.shape}")
+    seqs = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        fields = [f for f in re.split(r"[\s,]+", line.strip()) if f]
+        if not fields:
+            continue
+        try:
+            seqs.append(np.array([int(f) for f in fields], dtype=np.int64))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{lineno}: not an integer token id ({exc})") from None
+    return seqs
+
+
+def _as_ids(values) -> np.ndarray:
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu":
+        if array.dtype.kind == "f" and np.all(array == np.round(array)):
+            array = array.astype(np.int64)
+        else:
+            raise ValueError(f"token ids must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- making / caching
+
+
+@dataclasses.dataclass
+class ModelFiles:
+    """What a maker wrote: paths plus the measured (synthetic or dense-random) FFN sparsity."""
+
+    dir: Path
+    onnx: Path
+    calib: Path
+    heldout: Path
+    config: Path
+    sparsity: float | None  # measured mean FFN sparsity on heldout (None if not measured)
+    layer_sparsity: list[float] = dataclasses.field(default_factory=list)
+    top20_share: list[float] = dataclasses.field(default_factory=list)
+    stats: Path | None = None  # sparsity.npz (target_p, measured_freq); None for dense models
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike) -> "ModelFiles":
+        directory = Path(directory)
+        meta = json.loads((directory / "config.json").read_text())
+        measured = meta.get("measured_sparsity") or {}
+        files = meta["files"]
+        stats = directory / files["stats"] if files.get("stats") else None
+        return cls(dir=directory, onnx=directory / files["onnx"], calib=directory / files["calib"],
+                   heldout=directory / files["heldout"], config=directory / "config.json",
+                   sparsity=measured.get("mean"), layer_sparsity=measured.get("per_layer", []),
+                   top20_share=measured.get("top20_share", []), stats=stats)
+
+    def paths(self) -> list[Path]:
+        extra = [self.onnx.with_name(self.onnx.name + ".data")]
+        return [p for p in [self.onnx, *extra, self.calib, self.heldout, self.config, self.stats]
+                if p is not None and p.exists()]
+
+
+def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sparsity: float | None = None,
+               skew: str | float = "zipf", exporter: str = "dynamo", seed: int = 0,
+               log=lambda message: None, **overrides) -> ModelFiles:
+    """Build, (synthetically) sparsify, measure, export and write a model into ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _, _, token_over = _split_overrides(overrides)
+    tok = {**TOKEN_DEFAULTS, **token_over}
+    started = time.perf_counter()
+    model, report = build_model(family, preset, sparsity, skew, seed, **overrides)
+    built = time.perf_counter()
+    log(f"built {family}-{preset} ({num_params(model) / 1e6:.1f}M params) in {built - started:.1f}s")
+    config = model.config
+    avoid = _avoid_ids(config)
+    calib = random_tokens(config.vocab_size, tok["n_seqs"], tok["seq_len"], seed + 2001, avoid)
+    heldout = random_tokens(config.vocab_size, tok["n_seqs"], tok["seq_len"], seed + 3001, avoid)
+    calib_path = write_tokens(out_dir / "calib.npy", calib)
+    heldout_path = write_tokens(out_dir / "heldout.npy", heldout)
+    measured = measure_sparsity(model, heldout)
+    measured_at = time.perf_counter()
+    log(f"measured sparsity {measured['mean']:.4f} per layer "
+        f"{[round(s, 4) for s in measured['per_layer']]} in {measured_at - built:.1f}s")
+    checks = None
+    if report is not None:  # verify the synthetic design was reached (held-out tokens, not the fitted ones)
+        worst = max(abs(sp - sparsity) for sp in measured["per_layer"])
+        skewed = min(measured["top20_share"]) > 0.5
+        checks = dict(sparsity_tolerance=SPARSITY_TOLERANCE, worst_layer_deviation=worst,
+                      sparsity_ok=worst <= SPARSITY_TOLERANCE, min_top20_share=min(measured["top20_share"]),
+                      skew_ok=skewed if report["alpha"] > 0 else None)
+        if worst > SPARSITY_TOLERANCE:
+            warnings.warn(f"synthetic sparsity missed: a layer deviates {worst:.3f} from {sparsity}")
+        if report["alpha"] > 0 and not skewed:
+            warnings.warn("synthetic skew missed: top 20% of neurons carry <= 50% of activations in some layer")
+    stats_path = None
+    if report is not None:
+        stats_path = out_dir / "sparsity.npz"
+        np.savez(stats_path, target_p=report["target_p"].astype(np.float32),
+                 measured_freq=measured["freq"].astype(np.float32))
+    inputs, outputs = io_names(config)
+    _, kv_heads, head_dim = _kv_shape(config)
+    onnx_meta = {"picompile.family": family, "picompile.preset": preset, "picompile.seed": str(seed),
+                 "picompile.synthetic_sparsity": "none" if sparsity is None else f"{sparsity} ({skew})",
+                 "picompile.maker_version": MAKER_VERSION}
+    onnx_path = export_onnx(model, out_dir, exporter, metadata=onnx_meta)
+    exported = time.perf_counter()
+    log(f"exported ({exporter}) in {exported - measured_at:.1f}s")
+    synth_meta = None
+    if report is not None:
+        synth_meta = {k: v for k, v in report.items() if k != "target_p"}
+    meta = dict(
+        maker_version=MAKER_VERSION, family=family, preset=preset, seed=seed, exporter=exporter, opset=18,
+        overrides=overrides, num_params=num_params(model),
+        synthetic_sparsity=synth_meta,
+        measured_sparsity=dict(on="heldout.npy", tokens=measured["tokens"], mean=measured["mean"],
+                               per_layer=measured["per_layer"], top20_share=measured["top20_share"],
+                               checks=checks,
+                               note=("synthetic sparsity designed by examples/models.py" if report is not None
+                                     else "dense-random model (no synthetic sparsity)")),
+        onnx=dict(inputs=inputs, outputs=outputs, kv_heads=kv_heads, head_dim=head_dim,
+                  num_layers=config.num_hidden_layers, position_ids=family == "llama",
+                  empty_past_ok=True),
+        files=dict(onnx=onnx_path.name, calib=calib_path.name, heldout=heldout_path.name,
+                   stats=stats_path.name if stats_path else None),
+        timing_s=dict(build=built - started, measure=measured_at - built, export=exported - measured_at),
+        hf_config=config.to_dict(),
+    )
+    (out_dir / "config.json").write_text(json.dumps(meta, indent=1, default=_json_default) + "\n")
+    return ModelFiles.from_dir(out_dir)
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, (np.ndarray, tuple, set)):
+        return list(value)
+    if isinstance(value, (torch.dtype, Path)):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def cache_dir() -> Path:
+    """``$PICOMPILE_CACHE`` or ``~/.cache/picompile``."""
+    return Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile")
+
+
+def config_hash(family: str, preset: str = "tiny", sparsity: float | None = None, skew: str | float = "zipf",
+                exporter: str = "dynamo", seed: int = 0, **overrides) -> str:
+    key = dict(maker_version=MAKER_VERSION, family=family, preset=preset, sparsity=sparsity, skew=skew,
+               exporter=exporter, seed=seed, overrides=overrides)
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cached_model(family: str, preset: str = "tiny", sparsity: float | None = None, skew: str | float = "zipf",
+                 exporter: str = "dynamo", seed: int = 0, log=lambda message: None, **overrides) -> ModelFiles:
+    """Build once per configuration into ``cache_dir()/models/<family>-<preset>-<hash12>/`` and
+    reuse it afterwards. Builds go to a temporary sibling directory renamed into place when
+    complete, so an interrupted build never leaves a half-written model directory."""
+    digest = config_hash(family, preset, sparsity, skew, exporter, seed, **overrides)[:12]
+    root = cache_dir() / "models"
+    final = root / f"{family}-{preset}-{digest}"
+    if (final / "config.json").exists():
+        return ModelFiles.from_dir(final)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(root)
+    work = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
+    try:
+        make_model(family, work, preset, sparsity, skew, exporter, seed, log=log, **overrides)
+        try:
+            os.rename(work, final)
+        except OSError:
+            if not (final / "config.json").exists():  # not a concurrent builder's finished copy
+                raise
+            shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return ModelFiles.from_dir(final)
+
+
+def _remove_stale_temps(root: Path, max_age_s: float = 24 * 3600) -> None:
+    """Remove temporary build directories left by killed runs (older than a day)."""
+    now = time.time()
+    for entry in root.glob(".tmp-*"):
+        try:
+            if now - entry.stat().st_mtime > max_age_s:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------- onnxruntime reference
+
+
+def _session(onnx_path):
+    import onnxruntime as ort
+
+    if isinstance(onnx_path, ort.InferenceSession):
+        return onnx_path
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+def ort_logits_steps(onnx_path, prompt_ids, n_decode: int) -> list[np.ndarray]:
+    """Run greedy decoding in onnxruntime with the KV cache (present fed back as past).
+
+    Prefill runs with an empty past (past length 0). Returns ``[prefill logits [S, vocab],
+    decode step 1 logits [vocab], ..., step n_decode]``; each decode step feeds the argmax of
+    the previous logits. ``onnx_path`` may also be an ``onnxruntime.InferenceSession``.
+    """
+    sess = _session(onnx_path)
+    names = [i.name for i in sess.get_inputs()]
+    meta = {i.name: i for i in sess.get_inputs()}
+    past_names = [n for n in names if n.startswith("past_key_values.")]
+    ids = np.asarray(prompt_ids, dtype=np.int64).reshape(1, -1)
+    first = meta[past_names[0]]
+    kv_heads, head_dim = int(first.shape[1]), int(first.shape[3])
+    dtype = np.float16 if "float16" in first.type else np.float32
+    past = {n: np.zeros((1, kv_heads, 0, head_dim), dtype) for n in past_names}
+    out_names = [o.name for o in sess.get_outputs()]
+    steps: list[np.ndarray] = []
+    length = 0
+    for step in range(n_decode + 1):
+        feed = {"input_ids": ids, "attention_mask": np.ones((1, length + ids.shape[1]), np.int64), **past}
+        if "position_ids" in meta:
+            feed["position_ids"] = np.arange(length, length + ids.shape[1], dtype=np.int64)[None]
+        results = dict(zip(out_names, sess.run(out_names, feed)))
+        logits = results["logits"][0]
+        steps.append(logits if step == 0 else logits[-1])
+        length += ids.shape[1]
+        past = {n: results["present." + n[len("past_key_values."):]] for n in past_names}
+        ids = np.array([[int(np.argmax(logits[-1]))]], dtype=np.int64)
+    return steps
+
+
+def ort_greedy(onnx_path, prompt_ids, n_new: int) -> list[int]:
+    """Greedy generation in onnxruntime with the KV cache; returns the ``n_new`` new token ids
+    (the prompt not included)."""
+    if n_new <= 0:
+        return []
+    steps = ort_logits_steps(onnx_path, prompt_ids, n_new - 1)
+    return [int(np.argmax(steps[0][-1]))] + [int(np.argmax(s)) for s in steps[1:]]
