@@ -28,7 +28,13 @@ class Options:
     dense: bool = False
     max_context: int = 256
     calib: Path | None = None
-    vram_budget_bytes: int | None = None
+    vram_budget_bytes: int | None = None  # overrides the target's GPU memory
+    calib_tokens: int = 4096  # how many calibration tokens the profile pass runs
+    placement_batch: int = 64  # neurons per ILP variable (sorted by frequency, then grouped)
+    placement_time_limit_s: float = 30.0
+    predictor_param_share: float = 0.10  # all predictors together, as a share of the model's parameters
+    target_recall: float = 0.99  # the threshold of each predictor is set to reach this on held-out tokens
+    seed: int = 0
 
 
 @dataclass
@@ -39,6 +45,11 @@ class Context:
     options: Options = field(default_factory=Options)
     # Files a pass produces for the artifact (kernel libraries, plots): relative path -> bytes on disk.
     artifact_files: dict[str, Path] = field(default_factory=dict)
+    # Profiled activations, too large for the IR: layer -> (FFN inputs [tokens, d_model] float32,
+    # active neurons [tokens, ffn] bool). Written by the profile pass, read by the predict pass.
+    profile: dict[int, tuple] = field(default_factory=dict)
+    # The imported (pre-recognise) model, which the reference executor runs while profiling.
+    source: object | None = None
     workdir: Path | None = None
     log: Callable[[str], None] = lambda message: None
 
