@@ -69,6 +69,7 @@ class FFN:
     up: Linear
     down: Linear
     activation: str
+    activation_output: ir.Value  # in the source graph: zero exactly where a neuron is inactive
     gate: Linear | None = None
     layer: int = -1
 
@@ -287,14 +288,14 @@ def _find_ffns(graph: ir.Graph, linear_by_output: dict[int, Linear]) -> list[FFN
         linears = {id(lin.matmul): lin for lin in linear_by_output.values()}
         if id(user) in linears and _up(user.inputs[0]) is _up(act_out):
             down = linears[id(user)]
-            ffns.append(FFN(norm=None, up=first, down=down, activation=activation))
+            ffns.append(FFN(norm=None, up=first, down=down, activation=activation, activation_output=act_out))
         elif user.op_type == "Mul":
             other = user.inputs[1] if _up(user.inputs[0]) is _up(act_out) else user.inputs[0]
             up = linear_of(other)
             downs = [linears[id(c)] for c in _consumers(user.outputs[0]) if id(c) in linears]
             if up is None or len(downs) != 1:
                 continue
-            ffns.append(FFN(norm=None, up=up, down=downs[0], activation=activation, gate=first))
+            ffns.append(FFN(norm=None, up=up, down=downs[0], activation=activation, activation_output=act_out, gate=first))
     return ffns
 
 
@@ -544,6 +545,9 @@ def build_graph(decoder: Decoder, source: ir.Model) -> ir.Model:
                                pir.initializer(graph, f"{p}.ffn.w_down", ffn.down.weight),
                                _optional(graph, f"{p}.ffn.b_down", ffn.down.bias)],
                        {"layer": i, "activation": ffn.activation, "gated": int(gated)}, domain=pir.DOMAIN, name=f"{p}.ffn")
+        # Where the profiler finds this FFN's input and activation in the source graph.
+        node.metadata_props["source.input"] = (ffn.gate or ffn.up).input.name
+        node.metadata_props["source.activation"] = ffn.activation_output.name
         graph.append(node)
         node.outputs[0].name = f"{p}.ffn.out"
         add = ir.node("Add", [h, node.outputs[0]], name=f"{p}.ffn_residual")
@@ -579,6 +583,7 @@ class Recognise:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)
         lifted = build_graph(decoder, model)
+        ctx.source = model  # the profile pass runs the source graph as its reference executor
         ctx.log(f"recognised {len(decoder.attentions)} layers: "
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "

@@ -1,0 +1,151 @@
+"""profile: run calibration tokens through the dense model and count how often each FFN neuron fires.
+
+Reads: the block IR's `picompile.FFN` nodes (their `source.input` / `source.activation` metadata name the
+tensors in the source graph) and the source graph itself (`ctx.source`, kept by recognise), which
+onnxruntime runs as the reference executor. Adds per FFN layer: an initializer `layers.{i}.ffn.frequency`
+(float32 [ffn]: fraction of calibration tokens on which each neuron was active) and float attributes
+`sparsity`, `skewness` (of the frequency distribution) and `hot80_share` (the share of neurons that carry
+80% of all activations). The FFN inputs and activity masks, too large for the IR, go to `ctx.profile`
+for the predict pass. The activation CDF per layer is plotted into the artifact (`plots/activation_cdf.png`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import PassResult
+
+from picompile import ir as pir
+from picompile.errors import UserError
+from picompile.pipeline import Context
+from picompile.tokens import read_tokens
+
+
+@dataclass
+class LayerStats:
+    frequency: np.ndarray
+    sparsity: float
+    skewness: float
+    hot80_share: float
+
+
+def layer_stats(active: np.ndarray) -> LayerStats:
+    frequency = active.mean(axis=0, dtype=np.float64)
+    centred = frequency - frequency.mean()
+    spread = frequency.std()
+    skewness = float((centred**3).mean() / spread**3) if spread > 0 else 0.0
+    ranked = np.sort(frequency)[::-1]
+    total = ranked.sum()
+    hot80 = 1.0 if total == 0 else float((np.searchsorted(np.cumsum(ranked), 0.8 * total) + 1) / ranked.size)
+    return LayerStats(frequency.astype(np.float32), float(1.0 - frequency.mean()), skewness, hot80)
+
+
+def calibration_tokens(ctx: Context, vocab_size: int) -> list[np.ndarray]:
+    """The user's calibration sequences, or random tokens (fit only for synthetic models), up to the budget."""
+    budget = ctx.options.calib_tokens
+    length = min(ctx.options.max_context, 128)
+    if ctx.options.calib is None:
+        ctx.log("profile: no --calib file: profiling on random tokens, which is only fit for synthetic models")
+        rng = np.random.default_rng(ctx.options.seed)
+        return [rng.integers(0, vocab_size, size=length) for _ in range(max(1, budget // length))]
+    sequences, used = [], 0
+    for sequence in read_tokens(ctx.options.calib):
+        if int(sequence.max()) >= vocab_size:
+            raise UserError(f"{ctx.options.calib} holds token id {int(sequence.max())}, outside the vocabulary ({vocab_size})")
+        for begin in range(0, len(sequence), length):
+            if used >= budget:
+                return sequences
+            sequences.append(sequence[begin: begin + length])
+            used += len(sequences[-1])
+    return sequences
+
+
+def run_reference(source: ir.Model, wanted: list[str], sequences: list[np.ndarray], workdir: Path):
+    """Yield the wanted source-graph tensors for each sequence, run by onnxruntime (empty KV cache)."""
+    import onnxruntime as ort
+
+    values = {v.name: v for node in source.graph for v in node.outputs}
+    for name in wanted:
+        value = values[name]
+        value.dtype = value.dtype or ir.DataType.FLOAT
+        if value not in source.graph.outputs:
+            source.graph.outputs.append(value)
+    path = workdir / "profile-source.onnx"
+    pir.save(source, path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i for i in session.get_inputs()}
+    for sequence in sequences:
+        feeds = {"input_ids": sequence.astype(np.int64)[None]}
+        for name, info in inputs.items():
+            if name == "attention_mask":
+                feeds[name] = np.ones((1, len(sequence)), np.int64)
+            elif name == "position_ids":
+                feeds[name] = np.arange(len(sequence), dtype=np.int64)[None]
+            elif name.startswith("past_key_values."):
+                feeds[name] = np.zeros((1, info.shape[1], 0, info.shape[3]), np.float32)
+        yield dict(zip(wanted, session.run(wanted, feeds)))
+
+
+def plot_cdf(stats: dict[int, LayerStats], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4.2), dpi=110)
+    colours = plt.cm.viridis(np.linspace(0, 1, max(len(stats), 2)))
+    for (layer, s), colour in zip(sorted(stats.items()), colours):
+        ranked = np.sort(s.frequency)[::-1]
+        share = np.cumsum(ranked) / max(ranked.sum(), 1e-12)
+        axes.plot(np.arange(1, ranked.size + 1) / ranked.size * 100, share * 100, color=colour, lw=1.2,
+                  label=f"layer {layer} (sparsity {s.sparsity:.2f})" if len(stats) <= 8 or layer % 4 == 0 else None)
+    axes.axhline(80, color="grey", lw=0.6, ls="--")
+    axes.set_xlabel("neurons, hottest first (%)")
+    axes.set_ylabel("share of all activations (%)")
+    axes.set_title("FFN activation CDF per layer")
+    axes.legend(fontsize=7, loc="lower right")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+
+
+@dataclass
+class Profile:
+    name = "profile"
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        if ctx.options.dense:
+            return PassResult(model, modified=False)
+        if ctx.source is None:
+            raise ValueError("profile needs the source graph (run recognise first)")
+        ffns = pir.nodes_in_domain(model, "FFN")
+        vocab_size = pir.const_array(model.graph.initializers["embed.tokens"]).shape[0]
+        sequences = calibration_tokens(ctx, vocab_size)
+        wanted = [name for node in ffns for name in (node.metadata_props["source.input"], node.metadata_props["source.activation"])]
+        collected: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
+        for outputs in run_reference(ctx.source, wanted, sequences, Path(ctx.workdir)):
+            for name, array in outputs.items():
+                collected[name].append(array.reshape(-1, array.shape[-1]))
+        stats = {}
+        for node in ffns:
+            layer = pir.attr(node, "layer")
+            inputs = np.concatenate(collected[node.metadata_props["source.input"]]).astype(np.float32)
+            active = np.concatenate(collected[node.metadata_props["source.activation"]]) != 0
+            ctx.profile[layer] = (inputs, active)
+            s = stats[layer] = layer_stats(active)
+            pir.initializer(model.graph, f"layers.{layer}.ffn.frequency", s.frequency)
+            for key in ("sparsity", "skewness", "hot80_share"):
+                node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
+        plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
+        plot_cdf(stats, plot)
+        ctx.artifact_files["plots/activation_cdf.png"] = plot
+        tokens = sum(len(s) for s in sequences)
+        mean_sparsity = float(np.mean([s.sparsity for s in stats.values()]))
+        ctx.log(f"profile: {tokens} tokens, mean sparsity {mean_sparsity:.3f}, "
+                f"hot 80% carried by {np.mean([s.hot80_share for s in stats.values()]) * 100:.1f}% of neurons")
+        return PassResult(model, modified=True)
