@@ -11,6 +11,7 @@ of the linear before them. The compiled library goes to the artifact as `kernels
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,17 +23,18 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 
-from .kernels import cpu
+from .kernels import cpu, neuron
 
 
 @dataclass
 class KernelCall:
-    decode: str
-    prefill: str
+    decode: str  # kernel for one-token steps ("" if the call is prefill-only)
+    prefill: str  # kernel for multi-token steps ("" if the call is decode-only)
     args: list[str]  # buffer names in argument order; "start" is the scalar position
     writes: list[str]
     label: str  # what it computes, for the IR and the profile (e.g. "layers.3.ffn.up")
-    op_class: str  # attention, ffn, norm, embed, head
+    op_class: str  # attention, predictor, ffn_up, ffn_down, merge, norm, embed, head
+    device: str = "cpu"
 
 
 @dataclass
@@ -40,23 +42,26 @@ class Lowering:
     """Collects kernels (deduplicated by name) and calls while walking the block IR."""
 
     max_context: int
+    dense_device: str = "cpu"  # where everything but the cold FFN parts runs
     kernels: dict[str, object] = field(default_factory=dict)
     calls: list[KernelCall] = field(default_factory=list)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     buffers: dict[str, dict] = field(default_factory=dict)
 
-    def kernel(self, make, base: str, *args, **kwargs) -> tuple[str, str]:
-        """Both variants of a kernel: (decode name, prefill name)."""
+    def kernel(self, make, base: str, *args, phases=("decode", "prefill"), **kwargs) -> tuple[str, str]:
+        """The kernel's variants: (decode name, prefill name), "" for a phase it does not run in."""
         names = []
-        for rows, suffix in ((1, "decode"), (None, "prefill")):
-            name = f"{base}_{suffix}"
-            if name not in self.kernels:
+        for rows, phase in ((1, "decode"), (None, "prefill")):
+            name = f"{base}_{phase}" if phase in phases else ""
+            if name and name not in self.kernels:
                 self.kernels[name] = make(name, *args, rows=rows, **kwargs)
             names.append(name)
         return names[0], names[1]
 
-    def activation(self, name: str, width: int, dtype: str = "float32") -> str:
-        self.buffers.setdefault(name, {"kind": "activation", "shape": [self.max_context, width], "dtype": dtype})
+    def activation(self, name: str, width: int, dtype: str = "float32", rows: int | None = None) -> str:
+        """A buffer of one row per token (`rows` fixes the row count, e.g. 1 for decode-only scratch)."""
+        shape = [rows or self.max_context, width]
+        self.buffers.setdefault(name, {"kind": "activation", "shape": shape, "dtype": dtype})
         return name
 
     def weight(self, name: str, array: np.ndarray) -> str:
@@ -64,16 +69,23 @@ class Lowering:
         self.buffers[name] = {"kind": "weight", "shape": list(array.shape), "dtype": "float32"}
         return name
 
-    def call(self, kernels: tuple[str, str], args: list[str], writes: list[str], label: str, op_class: str) -> None:
-        self.calls.append(KernelCall(kernels[0], kernels[1], args, writes, label, op_class))
+    def call(self, kernels: tuple[str, str], args: list[str], writes: list[str], label: str, op_class: str,
+             device: str | None = None) -> None:
+        self.calls.append(KernelCall(kernels[0], kernels[1], args, writes, label, op_class, device or self.dense_device))
 
     def linear(self, x: str, weight: str, bias: str | None, out: str, label: str, op_class: str,
-               act: str = "none", residual: str | None = None) -> None:
+               act: str = "none", residual: str | None = None, phases=("decode", "prefill"), device: str | None = None) -> None:
+        """y = act(x @ W + b) + residual, W in [K, N] layout."""
         k, n = self.buffers[weight]["shape"]
         base = f"linear_k{k}_n{n}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
-        kernels = self.kernel(cpu.linear, base, k, n, bias=bias is not None, act=act, residual=residual is not None)
+        kernels = self.kernel(cpu.linear, base, k, n, bias=bias is not None, act=act, residual=residual is not None,
+                              phases=phases)
         args = [x, weight] + ([bias] if bias else []) + ([residual] if residual else []) + [out]
-        self.call(kernels, args, [out], label, op_class)
+        self.call(kernels, args, [out], label, op_class, device)
+
+    def zeros(self, name: str, size: int) -> str:
+        """A zero bias, so that biased and bias-free models share one kernel shape."""
+        return self.weight(name, np.zeros(size, np.float32))
 
 
 class _Walker:
@@ -212,15 +224,77 @@ class _Walker:
         p = node.name
         if gated:
             pre = self.low.activation("act.ffn_pre", width_up)
-            self.low.linear(x, w_up, b_up, pre, f"{p}.up", "ffn")
+            self.low.linear(x, w_up, b_up, pre, f"{p}.up", "ffn_up")
             hidden = self.low.activation("act.ffn_hidden", ffn_width)
             kernels = self.low.kernel(cpu.glu, f"glu_f{ffn_width}_{activation}", ffn_width, act=activation)
-            self.low.call(kernels, [pre, hidden], [hidden], f"{p}.glu", "ffn")
+            self.low.call(kernels, [pre, hidden], [hidden], f"{p}.glu", "ffn_up")
         else:
             hidden = self.low.activation("act.ffn_hidden", ffn_width)
-            self.low.linear(x, w_up, b_up, hidden, f"{p}.up", "ffn", act=activation)
+            self.low.linear(x, w_up, b_up, hidden, f"{p}.up", "ffn_up", act=activation)
         out, residual = self.output_for(node, self.low.weights[w_down].shape[1])
-        self.low.linear(hidden, w_down, b_down, out, f"{p}.down", "ffn", residual=residual)
+        self.low.linear(hidden, w_down, b_down, out, f"{p}.down", "ffn_down", residual=residual)
+        self.location[node.outputs[0].name] = out
+
+    def lower_Predict(self, node: ir.Node) -> None:
+        """The predictor runs for one-token steps only: prompts compute every neuron."""
+        device = pir.attr(node, "device")
+        x, w1 = self.location[node.inputs[0].name], self.weight_of(node.inputs[1])
+        hidden = self.low.activation(f"act.predictor_hidden.r{self.low.weights[w1].shape[1]}", self.low.weights[w1].shape[1], rows=1)
+        self.low.linear(x, w1, None, hidden, f"{node.name}.fc1", "predictor", act="relu", phases=("decode",), device=device)
+        for w2_value, scores in zip(node.inputs[2:], node.outputs):
+            w2 = self.weight_of(w2_value)
+            out = self.low.activation(f"act.scores.n{self.low.weights[w2].shape[1]}", self.low.weights[w2].shape[1], rows=1)
+            self.low.linear(hidden, w2, None, out, f"{scores.name}.fc2", "predictor", phases=("decode",), device=device)
+            self.location[scores.name] = out
+
+    def lower_SparseFFN(self, node: ir.Node) -> None:
+        part, device, neurons = pir.attr(node, "part"), pir.attr(node, "device"), pir.attr(node, "neurons")
+        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        x, scores = self.location[node.inputs[0].name], self.location[node.inputs[1].name]
+        up_rows, up_bias = self.weight_of(node.inputs[2]), self.weight_of(node.inputs[3])
+        down_rows = self.weight_of(node.inputs[4])
+        width = self.low.weights[down_rows].shape[1]
+        d_in = self.low.weights[up_rows].shape[1]
+        p, tag = node.name, f"{part}.n{neurons}"
+        partial = self.low.activation(f"act.partial.{part}", width)
+        # one-token steps: predicted neurons only
+        threshold = self.low.weight(f"{p}.threshold", np.array([pir.attr(node, "threshold")], np.float32))
+        index = self.low.activation(f"act.ffn_index.{tag}", neurons, dtype="int32", rows=1)
+        count = self.low.activation(f"act.ffn_count.{part}", 1, dtype="int32", rows=1)
+        hidden = self.low.activation(f"act.ffn_sparse_hidden.{tag}", neurons, rows=1)
+        up_width = self.low.weights[up_rows].shape[0]
+        up_bias = up_bias or self.low.zeros(f"{p}.up_bias", up_width)
+        gate_tag = "_gated" if gated else ""
+        kernels = self.low.kernel(neuron.select, f"select_n{neurons}", neurons, phases=("decode",))
+        self.low.call(kernels, [scores, threshold, index, count], [index, count], f"{p}.select", "predictor", device)
+        kernels = self.low.kernel(neuron.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
+                                  d_in, neurons, gated=gated, act=activation, phases=("decode",))
+        self.low.call(kernels, [x, index, count, up_rows, up_bias, hidden], [hidden], f"{p}.up", "ffn_up", device)
+        kernels = self.low.kernel(neuron.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width, phases=("decode",))
+        self.low.call(kernels, [hidden, index, count, down_rows, partial], [partial], f"{p}.down", "ffn_down", device)
+        # multi-token steps: every neuron of the part, as dense GEMMs over the same row-major weights
+        pre = self.low.activation(f"act.ffn_pre.{tag}", up_width)
+        up_act = "none" if gated else activation
+        kernels = self.low.kernel(neuron.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}", d_in, up_width,
+                                  act=up_act, phases=("prefill",))
+        self.low.call(kernels, [x, up_rows, up_bias, pre], [pre], f"{p}.up_dense", "ffn_up", device)
+        if gated:
+            dense_hidden = self.low.activation(f"act.ffn_dense_hidden.{tag}", neurons)
+            kernels = self.low.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=("prefill",))
+            self.low.call(kernels, [pre, dense_hidden], [dense_hidden], f"{p}.glu", "ffn_up", device)
+            pre = dense_hidden
+        self.low.linear(pre, down_rows, None, partial, f"{p}.down_dense", "ffn_down", phases=("prefill",), device=device)
+        self.location[node.outputs[0].name] = partial
+
+    def lower_MergePartial(self, node: ir.Node) -> None:
+        parts = [self.location[v.name] for v in node.inputs[:-1] if v is not None]
+        bias = self.weight_of(node.inputs[-1])
+        width = self.low.buffers[parts[0]]["shape"][1]
+        out, residual = self.output_for(node, width)
+        base = f"merge_d{width}_p{len(parts)}{'_b' if bias else ''}{'_res' if residual else ''}"
+        kernels = self.low.kernel(neuron.merge, base, width, len(parts), bias=bias is not None, residual=residual is not None)
+        args = ([residual] if residual else []) + parts + ([bias] if bias else []) + [out]
+        self.low.call(kernels, args, [out], node.name, "merge")
         self.location[node.outputs[0].name] = out
 
     def lower_MatMul(self, node: ir.Node) -> None:
@@ -236,6 +310,67 @@ class _Walker:
 
     def lower_Add(self, node: ir.Node) -> None:
         raise UserError(f"codegen: residual add {node.name} does not follow a linear block")
+
+
+COPY = "copy"  # the runtime's own transfer op (host<->device memcpy), not a TVM kernel
+RESIDENT_KINDS = ("activation", "input", "cache")
+
+
+def on_device(buffer: str, device: str) -> str:
+    """Each device holds its own instance of a buffer it uses: `name` on the CPU, `name@gpu` on the GPU."""
+    return buffer if device == "cpu" else f"{buffer}@{device}"
+
+
+def place_buffers(lowering: Lowering) -> None:
+    """Give each call its device's instances of the activations it uses, inserting a copy wherever a
+    call reads a value last written on the other device. Done per phase (decode and prefill run
+    different calls), so each copy carries the phases that need it. The logits end on the CPU."""
+    if {call.device for call in lowering.calls} == {"cpu"}:
+        return
+    needed: dict[tuple[int, str, str, str], set[str]] = {}
+    for phase in ("decode", "prefill"):
+        resident = {"input_ids": {"cpu"}}
+        for index, call in enumerate(lowering.calls + [None]):
+            if call is None:  # after the last call: the runtime reads the logits on the CPU
+                reads, device, writes = ["logits"], "cpu", []
+            elif not getattr(call, phase):
+                continue
+            else:
+                reads, device, writes = call.args, call.device, call.writes
+            for buffer in reads:
+                info = lowering.buffers.get(buffer)
+                if info is None or info["kind"] not in RESIDENT_KINDS:
+                    continue
+                holders = resident.setdefault(buffer, {device})  # caches live where first used
+                if device not in holders:
+                    needed.setdefault((index, buffer, sorted(holders)[0], device), set()).add(phase)
+                    holders.add(device)
+            for buffer in writes:
+                resident[buffer] = {device}
+    calls = []
+    for index, call in enumerate(lowering.calls + [None]):
+        for (at, buffer, source, target), phases in sorted(needed.items()):
+            if at == index:
+                src, dst = on_device(buffer, source), on_device(buffer, target)
+                reader = "output" if call is None else call.label
+                calls.append(KernelCall(COPY if "decode" in phases else "", COPY if "prefill" in phases else "",
+                                        [src, dst], [dst], f"{reader}.copy_{buffer}_to_{target}", "copy", "gpu"))
+        if call is not None:
+            call.args = [on_device(a, call.device) if a in lowering.buffers and lowering.buffers[a]["kind"] in RESIDENT_KINDS
+                         else a for a in call.args]
+            call.writes = [on_device(w, call.device) for w in call.writes]
+            calls.append(call)
+    for call in calls:
+        for name in call.args:
+            base = name.split("@")[0]
+            if name not in lowering.buffers and base in lowering.buffers:
+                lowering.buffers[name] = dict(lowering.buffers[base])
+    used = {name for call in calls for name in call.args} | {"input_ids", "logits"}
+    lowering.buffers = {name: info for name, info in lowering.buffers.items() if name in used}
+    lowering.calls = calls
+
+
+_DTYPES = {"float32": ir.DataType.FLOAT, "int32": ir.DataType.INT32, "int64": ir.DataType.INT64}
 
 
 def _call_graph(lowering: Lowering, source: ir.Model) -> ir.Model:
@@ -258,7 +393,7 @@ def _call_graph(lowering: Lowering, source: ir.Model) -> ir.Model:
             if info is not None and info["kind"] == "weight":
                 current[buffer] = pir.initializer(graph, buffer, lowering.weights[buffer])
             else:
-                dtype = ir.DataType.INT64 if buffer in ("input_ids", "start") else ir.DataType.FLOAT
+                dtype = ir.DataType.INT64 if buffer == "start" else _DTYPES[lowering.buffers[buffer]["dtype"]]
                 current[buffer] = ir.val(f"{buffer}#0", dtype, shape(buffer))
                 version[buffer] = 0
                 graph.inputs.append(current[buffer])
@@ -268,17 +403,17 @@ def _call_graph(lowering: Lowering, source: ir.Model) -> ir.Model:
     for call in lowering.calls:
         reads = [read(arg) for arg in call.args if arg not in call.writes or lowering.buffers.get(arg, {}).get("kind") == "cache"]
         node = ir.node("Call", reads, {"decode": call.decode, "prefill": call.prefill, "args": call.args,
-                                       "device": "cpu", "op_class": call.op_class},
+                                       "device": call.device, "op_class": call.op_class},
                        domain=pir.DOMAIN, num_outputs=len(call.writes), name=call.label)
         graph.append(node)
         for value, buffer in zip(node.outputs, call.writes):
             version[buffer] = version.get(buffer, 0) + 1
             value.name = f"{buffer}#{version[buffer]}"
-            value.dtype = ir.DataType.FLOAT
+            value.dtype = _DTYPES[lowering.buffers[buffer]["dtype"]]
             value.shape = shape(buffer)
             current[buffer] = value
     graph.outputs.append(current["logits"])
-    graph.outputs.extend(current[b] for b in lowering.buffers if lowering.buffers[b]["kind"] == "cache")
+    graph.outputs.extend(current[b] for b in lowering.buffers if lowering.buffers[b]["kind"] == "cache" and b in current)
     return ir.Model(graph, ir_version=10, producer_name="picompile")
 
 
@@ -287,22 +422,23 @@ class Codegen:
     name = "codegen"
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        lowering = Lowering(max_context=ctx.options.max_context)
+        placement = json.loads(model.metadata_props.get("picompile.placement", "{}"))
+        dense_on_gpu = ctx.target.has_gpu and placement.get("budget_bytes", 1) > 0
+        lowering = Lowering(max_context=ctx.options.max_context, dense_device="gpu" if dense_on_gpu else "cpu")
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(model.graph, lowering)
         for node in model.graph:
             walker.lower(node)
+        place_buffers(lowering)
         lowered = _call_graph(lowering, model)
         lowered.metadata_props["picompile.buffers"] = _json(lowering.buffers)
         library = Path(ctx.workdir) / "kernels" / "cpu.so"
         library.parent.mkdir(parents=True, exist_ok=True)
-        cpu.build(list(lowering.kernels.values()), cpu.CPU_TARGET, str(library))
+        cpu.build(list(lowering.kernels.values()), {**cpu.CPU_TARGET, "mcpu": ctx.target.cpu_isa}, str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
         ctx.log(f"codegen: {len(lowering.kernels)} kernels, {len(lowering.calls)} calls per token")
         return PassResult(lowered, modified=True)
 
 
 def _json(obj) -> str:
-    import json
-
     return json.dumps(obj, sort_keys=True)

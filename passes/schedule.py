@@ -25,32 +25,51 @@ def buffer_of(value: ir.Value) -> str:
     return value.name.split("#", 1)[0]
 
 
+PHASES = ("decode", "prefill")
+
+
 def build_dag(model: ir.Model) -> nx.DiGraph:
+    """Nodes in program order; edges per phase (decode and prefill run different calls, so a buffer
+    can have a different last writer in each), each edge tagged with the phases it binds."""
     dag = nx.DiGraph()
-    last_writer: dict[str, str] = {}
-    readers_since_write: dict[str, list[str]] = {}
+    calls = []
     for index, node in enumerate(model.graph):
         if node.domain != pir.DOMAIN or node.op_type != "Call":
             raise ValueError(f"schedule expects only picompile.Call nodes, found {node.op_type}")
+        if node.name in dag:
+            raise ValueError(f"two kernel calls are both named {node.name}")
         dag.add_node(node.name, index=index, decode=pir.attr(node, "decode"), prefill=pir.attr(node, "prefill"),
                      args=list(pir.attr(node, "args")), device=pir.attr(node, "device"),
                      op_class=pir.attr(node, "op_class"))
-        for value in node.inputs:
-            if value is None or value.const_value is not None:
+        reads = [buffer_of(v) for v in node.inputs if v is not None and v.const_value is None]
+        writes = [buffer_of(v) for v in node.outputs]
+        calls.append((node.name, reads, writes))
+
+    def depend(source: str, target: str, kind: str, buffer: str, phase: str) -> None:
+        if source == target:
+            return
+        if dag.has_edge(source, target):
+            dag.edges[source, target]["phases"] = sorted(set(dag.edges[source, target]["phases"]) | {phase})
+        else:
+            dag.add_edge(source, target, kind=kind, buffer=buffer, phases=[phase])
+
+    for phase in PHASES:
+        last_writer: dict[str, str] = {}
+        readers: dict[str, list[str]] = {}
+        for name, reads, writes in calls:
+            if not dag.nodes[name][phase]:
                 continue
-            buffer = buffer_of(value)
-            if (producer := value.producer()) is not None:
-                dag.add_edge(producer.name, node.name, kind="data", buffer=buffer)
-            readers_since_write.setdefault(buffer, []).append(node.name)
-        for value in node.outputs:
-            buffer = buffer_of(value)
-            for reader in readers_since_write.get(buffer, []):
-                if reader != node.name:
-                    dag.add_edge(reader, node.name, kind="anti", buffer=buffer)
-            if buffer in last_writer and last_writer[buffer] != node.name:
-                dag.add_edge(last_writer[buffer], node.name, kind="output", buffer=buffer)
-            last_writer[buffer] = node.name
-            readers_since_write[buffer] = []
+            for buffer in reads:
+                if buffer in last_writer:
+                    depend(last_writer[buffer], name, "data", buffer, phase)
+                readers.setdefault(buffer, []).append(name)
+            for buffer in writes:
+                for reader in readers.get(buffer, []):
+                    depend(reader, name, "anti", buffer, phase)  # do not overwrite what is still being read
+                if buffer in last_writer:
+                    depend(last_writer[buffer], name, "output", buffer, phase)
+                last_writer[buffer] = name
+                readers[buffer] = []
     if not nx.is_directed_acyclic_graph(dag):
         raise ValueError("the kernel call graph has a cycle")
     order = list(nx.lexicographical_topological_sort(dag, key=lambda n: dag.nodes[n]["index"]))

@@ -43,6 +43,21 @@ def _model_facts(buffers: dict, schedule: dict) -> dict:
             "num_calls": len(schedule["nodes"])}
 
 
+def _weights_by_device(schedule: dict, buffers: dict) -> dict[str, list[str]]:
+    """Each weight goes to the file of every device whose calls read it (the CPU's when unused)."""
+    devices: dict[str, set[str]] = {}
+    for node in schedule["nodes"]:
+        for arg in node["args"]:
+            if buffers.get(arg, {}).get("kind") == "weight":
+                devices.setdefault(arg, set()).add(node["device"])
+    by_device: dict[str, list[str]] = {}
+    for name, info in buffers.items():
+        if info["kind"] == "weight":
+            for device in sorted(devices.get(name, {"cpu"})):
+                by_device.setdefault(device, []).append(name)
+    return by_device
+
+
 def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = None) -> Path:
     buffers = json.loads(model.metadata_props["picompile.buffers"])
     schedule = json.loads(model.metadata_props["picompile.schedule"])
@@ -51,8 +66,9 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:
         (staging / "weights").mkdir()
-        weights = {name: pir.const_array(value) for name, value in model.graph.initializers.items()}
-        safetensors.numpy.save_file(weights, str(staging / "weights" / "cpu.safetensors"))
+        for device, names in _weights_by_device(schedule, buffers).items():
+            weights = {name: pir.const_array(model.graph.initializers[name]) for name in names}
+            safetensors.numpy.save_file(weights, str(staging / "weights" / f"{device}.safetensors"))
         for relative, path in ctx.artifact_files.items():
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, staging / relative)
@@ -67,6 +83,8 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
             "options": {"dense": ctx.options.dense, "max_context": ctx.options.max_context},
             "io": {"inputs": ["input_ids", "start"], "outputs": ["logits"]},
             "buffers": buffers,
+            "layers": json.loads(model.metadata_props.get("picompile.layers", "[]")),
+            "placement": json.loads(model.metadata_props.get("picompile.placement", "{}")),
             "files": files,
         }
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--calib", type=Path, help="calibration token file for profiling")
     build.add_argument("--vram-budget", help="GPU memory to use, e.g. 8GiB (default: the target's)")
     build.add_argument("--max-context", type=_positive_int, default=256, help="KV cache length (tokens)")
+    build.add_argument("--all-neurons", action="store_true",
+                       help="lower sparse but let every neuron through the predictor (checks the hot/cold split)")
+    build.add_argument("--placement-batch", type=_positive_int, default=64, help="neurons per placement ILP variable")
     build.add_argument("-v", "--verbose", action="store_true", help="print each pass with its time")
 
     run = commands.add_parser("run", help="generate tokens with an artifact")
@@ -54,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--profile", action="store_true", help="time per kernel class per decoded token")
+    run.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
     run.add_argument("--json", action="store_true")
 
     evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX")
@@ -61,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--reference", type=Path, required=True)
     evaluate.add_argument("--tokens", type=Path, required=True)
     evaluate.add_argument("--max-sequences", type=_positive_int, default=8)
+    evaluate.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
     evaluate.add_argument("--json", action="store_true")
 
     inspect = commands.add_parser("inspect", help="show what the compiler decided")
@@ -78,18 +83,19 @@ def _build(args) -> int:
     if args.calib is not None and not args.calib.is_file():
         raise UserError(f"calibration file not found: {args.calib}")
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
-                      vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None)
+                      vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
+                      all_neurons=args.all_neurons, placement_batch=args.placement_batch)
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None)
     print(f"wrote {output}")
     return 0
 
 
-def _engine(path: Path):
+def _engine(path: Path, emulate_gpu: bool = False):
     from runtime import ArtifactError, Engine
 
     try:
-        return Engine(path)
+        return Engine(path, emulate_gpu=emulate_gpu)
     except ArtifactError as error:
         raise UserError(str(error)) from None
 
@@ -100,7 +106,7 @@ def _run(args) -> int:
     from .tokens import parse_ids
 
     prompt = parse_ids(args.prompt_ids, "--prompt-ids")
-    engine = _engine(args.artifact)
+    engine = _engine(args.artifact, args.emulate_gpu)
     if max(prompt) >= engine.vocab_size:
         raise UserError(f"--prompt-ids: id {max(prompt)} is outside the vocabulary (size {engine.vocab_size})")
     if len(prompt) + args.max_new_tokens > engine.max_context:
@@ -129,7 +135,7 @@ def _eval(args) -> int:
     from .tokens import read_tokens
 
     sequences = read_tokens(args.tokens)[: args.max_sequences]
-    engine = _engine(args.artifact)
+    engine = _engine(args.artifact, args.emulate_gpu)
     if max(int(s.max()) for s in sequences) >= engine.vocab_size:
         raise UserError(f"{args.tokens} holds ids outside the vocabulary (size {engine.vocab_size})")
     if not args.reference.is_file():

@@ -7,6 +7,10 @@ from pathlib import Path
 
 from passes.codegen import Codegen
 from passes.import_onnx import Import, load
+from passes.lower import Lower
+from passes.partition import Partition
+from passes.predict import Predict
+from passes.profile import Profile
 from passes.recognise import Recognise
 from passes.schedule import Schedule
 
@@ -15,17 +19,17 @@ from .pipeline import Context, Hook, Options, Pass, dump_ir, log_timing, run_pas
 from .targets import Target
 
 
-def dense_pipeline() -> list[Pass]:
-    return [Import(), Recognise(), Codegen(), Schedule()]
-
-
 def pipeline(options: Options) -> list[Pass]:
-    # The sparse passes (profile, partition, predict, lower) slot in between Recognise and Codegen.
-    return dense_pipeline()
+    """The whole compilation. `--dense` stops after recognise and lowers every block densely."""
+    front = [Import(), Recognise()]
+    sparse = [Profile(), Predict(), Partition(), Lower()]
+    back = [Codegen(), Schedule()]
+    return front + ([] if options.dense else sparse) + back
 
 
 def build(model_path: Path, output: Path, target: Target, options: Options, *,
-          dump_dir: Path | None = None, log=lambda message: None, verify: bool = False) -> Path:
+          dump_dir: Path | None = None, log=lambda message: None, verify: bool = False,
+          passes: list[Pass] | None = None) -> Path:
     """Compile an ONNX decoder into an artifact directory; nothing is left at `output` if it fails."""
     model = load(model_path)
     hooks: list[Hook] = [log_timing]
@@ -35,5 +39,5 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
         hooks.append(verify_onnx)
     with tempfile.TemporaryDirectory(prefix="picompile-build-") as workdir:
         ctx = Context(target=target, options=options, workdir=Path(workdir), log=log)
-        lowered = run_passes(model, pipeline(options), ctx, hooks)
+        lowered = run_passes(model, passes or pipeline(options), ctx, hooks)
         return artifact.write(lowered, ctx, output, source=model_path)

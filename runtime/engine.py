@@ -1,14 +1,19 @@
 """The executor: binds the artifact's buffers to its kernels and runs the schedule, one token or many.
 
 Buffers are allocated once at load, 64-byte aligned; every kernel call of a decode step is bound in
-advance, so a step is a loop of FFI calls. The DAG's `order` attribute is the execution order.
+advance, so a step is a loop of FFI calls. The DAG's `order` attribute is the execution order. Each
+call has a device: CPU calls run on the calling thread; GPU calls run on a second executor (a thread
+with its own copies of the buffers it uses, standing in for the GPU when `emulate_gpu` is set), and
+waits on the DAG edges that cross devices keep the two in step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +21,8 @@ import numpy as np
 from .artifact import ArtifactError, aligned_zeros, load_manifest, read_safetensors
 
 START = "start"  # the argument that carries the number of tokens already in the KV cache
+COPY = "copy"  # a transfer between devices: the runtime's own, not a kernel
+PHASES = ("decode", "prefill")
 
 
 def _tvm_runtime():
@@ -27,19 +34,37 @@ def _tvm_runtime():
     return tvm.runtime, tvm_ffi
 
 
+@dataclass
+class Step:
+    """One bound call of a program."""
+
+    name: str
+    op_class: str
+    device: str
+    run: object  # a callable taking the position
+    waits: list[int] = field(default_factory=list)  # program indices on the other device to wait for
+
+
 class Engine:
-    def __init__(self, directory: str | Path, *, check_hashes: bool = True):
+    def __init__(self, directory: str | Path, *, check_hashes: bool = True, emulate_gpu: bool = False):
         self.directory = Path(directory)
         self.manifest = load_manifest(self.directory, check_hashes=check_hashes)
-        if self.manifest["target"].get("cuda_arch"):
-            raise ArtifactError(
-                f"artifact was built for GPU target {self.manifest['target']['name']}; this runtime build runs CPU artifacts only"
-            )
         self.max_context = int(self.manifest["model"]["max_context"])
         self.vocab_size = int(self.manifest["model"]["vocab_size"])
+        schedule = json.loads((self.directory / "schedule.json").read_text())
+        self._nodes = sorted(schedule["nodes"], key=lambda node: node["order"])
+        self.devices = sorted({node["device"] for node in self._nodes})
+        if "gpu" in self.devices and not emulate_gpu:
+            raise ArtifactError(
+                f"artifact was built for GPU target {self.manifest['target']['name']} and runs part of the model on "
+                "the GPU; this runtime has no CUDA executor yet: pass --emulate-gpu to run the GPU part on a second "
+                "CPU executor (checks the split, not the speed), or rebuild with --target cpu"
+            )
         tvm_runtime, self._ffi = _tvm_runtime()
         library = tvm_runtime.load_module(str(self.directory / "kernels" / "cpu.so"))
-        weights = read_safetensors(self.directory / "weights" / "cpu.safetensors")
+        weights = {}
+        for path in sorted((self.directory / "weights").glob("*.safetensors")):
+            weights.update(read_safetensors(path))
         self.buffers: dict[str, np.ndarray] = {}
         for name, info in self.manifest["buffers"].items():
             if info["kind"] == "weight":
@@ -49,26 +74,54 @@ class Engine:
             else:
                 self.buffers[name] = aligned_zeros(info["shape"], np.dtype(info["dtype"]))
         self._row_buffers = {n for n, info in self.manifest["buffers"].items() if info["kind"] in ("activation", "input")}
-        schedule = json.loads((self.directory / "schedule.json").read_text())
-        nodes = sorted(schedule["nodes"], key=lambda node: node["order"])
+        self._edges = schedule.get("edges", [])
         try:
-            self.calls = [(library[n["decode"]], library[n["prefill"]], n["args"], n["op_class"], n["id"]) for n in nodes]
+            self._kernels = {name: library[name] for node in self._nodes for name in (node["decode"], node["prefill"])
+                             if name and name != COPY}
         except Exception as error:
             raise ArtifactError(f"kernel library does not provide a scheduled kernel: {error}") from None
-        self._decode = [self._bind(decode, args, rows=1) for decode, _, args, _, _ in self.calls]
+        for kernel in self._kernels.values():
+            kernel.release_gil = True  # the two executors overlap only if calls release the GIL
+        self._decode = self._program("decode", rows=1)
+        self._worker = _DeviceWorker() if "gpu" in self.devices else None
         self.position = 0
         self.profile: dict[str, float] | None = None
 
-    def _bind(self, function, args: list[str], rows: int):
-        tensors = []
-        for name in args:
-            if name == START:
-                tensors.append(0)
-            else:
-                array = self.buffers[name][:rows] if name in self._row_buffers else self.buffers[name]
-                tensors.append(self._ffi.from_dlpack(array))
-        start_index = args.index(START) if START in args else -1
-        return function, tensors, start_index
+    # ---------------------------------------------------------------- binding
+
+    def _view(self, name: str, rows: int):
+        array = self.buffers[name]
+        return array[:rows] if name in self._row_buffers else array
+
+    def _bind(self, node: dict, phase: str, rows: int):
+        kernel_name = node[phase]
+        if kernel_name == COPY:
+            source, target = (self._view(name, rows) for name in node["args"])
+            return lambda position: np.copyto(target, source)
+        function = self._kernels[kernel_name]
+        args = [0 if name == START else self._ffi.from_dlpack(self._view(name, rows)) for name in node["args"]]
+        if START not in node["args"]:
+            return lambda position: function(*args)
+        index = node["args"].index(START)
+
+        def run(position):
+            args[index] = position
+            function(*args)
+
+        return run
+
+    def _program(self, phase: str, rows: int) -> list[Step]:
+        nodes = [node for node in self._nodes if node[phase]]
+        index = {node["id"]: i for i, node in enumerate(nodes)}
+        steps = [Step(node["id"], node["op_class"], node["device"], self._bind(node, phase, rows)) for node in nodes]
+        for edge in self._edges:
+            source, target = index.get(edge["source"]), index.get(edge["target"])
+            if (source is not None and target is not None and phase in edge.get("phases", PHASES)
+                    and steps[source].device != steps[target].device):
+                steps[target].waits.append(source)
+        return steps
+
+    # ---------------------------------------------------------------- running
 
     def reset(self) -> None:
         """Forget the context (cache entries past `position` are never read, so no clearing is needed)."""
@@ -85,22 +138,82 @@ class Engine:
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {ids.min()}..{ids.max()}")
         self.buffers["input_ids"][:rows] = ids
-        bound = self._decode if rows == 1 else [self._bind(p, args, rows) for _, p, args, _, _ in self.calls]
-        if self.profile is None:
-            for function, tensors, start_index in bound:
-                if start_index >= 0:
-                    tensors[start_index] = self.position
-                function(*tensors)
+        program = self._decode if rows == 1 else self._program("prefill", rows)
+        if self._worker is None:
+            self._run_serial(program)
         else:
-            self._run_profiled(bound)
+            self._worker.run(program, self.position, self._timer())
         self.position += rows
         return self.buffers["logits"][:rows].copy()
 
-    def _run_profiled(self, bound) -> None:
-        clock = time.perf_counter
-        for (function, tensors, start_index), call in zip(bound, self.calls):
+    def _timer(self):
+        if self.profile is None:
+            return None
+        profile, lock = self.profile, threading.Lock()
+
+        def record(op_class: str, seconds: float) -> None:
+            with lock:
+                profile[op_class] = profile.get(op_class, 0.0) + seconds
+
+        return record
+
+    def _run_serial(self, program: list[Step]) -> None:
+        position = self.position
+        if self.profile is None:
+            for step in program:
+                step.run(position)
+            return
+        record, clock = self._timer(), time.perf_counter
+        for step in program:
             began = clock()
-            if start_index >= 0:
-                tensors[start_index] = self.position
-            function(*tensors)
-            self.profile[call[3]] = self.profile.get(call[3], 0.0) + clock() - began
+            step.run(position)
+            record(step.op_class, clock() - began)
+
+
+class _DeviceWorker:
+    """Runs a program's GPU steps on a second thread while the caller runs its CPU steps."""
+
+    def __init__(self):
+        self._jobs: list = []
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="picompile-gpu-executor", daemon=True)
+        self._thread.start()
+
+    def run(self, program: list[Step], position: int, record) -> None:
+        done = [threading.Event() for _ in program]
+        failure: list[BaseException] = []
+        job = (program, position, record, done, failure)
+        with self._ready:
+            self._jobs.append(job)
+            self._ready.notify()
+        _execute(program, "cpu", position, record, done, failure)
+        for event in done:
+            event.wait()
+        if failure:
+            raise failure[0]
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._jobs:
+                    self._ready.wait()
+                program, position, record, done, failure = self._jobs.pop(0)
+            _execute(program, "gpu", position, record, done, failure)
+
+
+def _execute(program: list[Step], device: str, position: int, record, done, failure) -> None:
+    clock = time.perf_counter
+    for index, step in enumerate(program):
+        if step.device != device:
+            continue
+        for wait in step.waits:
+            done[wait].wait()
+        try:
+            if not failure:
+                began = clock()
+                step.run(position)
+                if record is not None:
+                    record(step.op_class, clock() - began)
+        except BaseException as error:  # surfaced by the caller; keep signalling so nobody hangs
+            failure.append(error)
+        done[index].set()

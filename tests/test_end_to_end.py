@@ -76,7 +76,7 @@ def test_runtime_alone_generates_the_same_tokens(artifacts):
 def test_cli_build_dump_run_eval_inspect(tiny_models, tmp_path, capsys):
     files = tiny_models("llama")
     out, dumps = tmp_path / "m.pic", tmp_path / "ir"
-    assert main(["build", str(files.onnx), "--target", "cpu", "-o", str(out), "--max-context", "48",
+    assert main(["build", str(files.onnx), "--target", "cpu", "-o", str(out), "--max-context", "48", "--dense",
                  "--dump-ir", str(dumps)]) == 0
     capsys.readouterr()
     dumped = sorted(p.name for p in dumps.glob("*.onnx"))
@@ -135,12 +135,12 @@ def test_damaged_artifacts_are_refused(artifacts, tmp_path, capsys):
 def test_rebuild_replaces_the_artifact_and_a_failed_build_keeps_it(tiny_models, tmp_path, capsys):
     files = tiny_models("opt")
     out = tmp_path / "m.pic"
-    assert main(["build", str(files.onnx), "-o", str(out), "--max-context", "32"]) == 0
+    assert main(["build", str(files.onnx), "-o", str(out), "--dense", "--max-context", "32"]) == 0
     assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 32
-    assert main(["build", str(files.onnx), "-o", str(out), "--max-context", "40"]) == 0
+    assert main(["build", str(files.onnx), "-o", str(out), "--dense", "--max-context", "40"]) == 0
     assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 40
     # OPT's learned positions end at 256: a longer context is refused and the old artifact stays
-    assert main(["build", str(files.onnx), "-o", str(out), "--max-context", "100000"]) == 2
+    assert main(["build", str(files.onnx), "-o", str(out), "--dense", "--max-context", "100000"]) == 2
     assert "learned positions" in capsys.readouterr().err
     assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pic"]

@@ -1,0 +1,111 @@
+"""lower: replace each dense FFN with neuron-aware ops, split into a hot (GPU) and a cold (CPU) part.
+
+Reads: `picompile.FFN` nodes with what the earlier passes added: `gpu_neurons` and the initializer
+`layers.{i}.ffn.neuron_order` (partition), the predictor initializers and `predictor_threshold`
+(predict), the profile statistics. Adds, per layer, in place of the FFN:
+  `picompile.Predict`     x -> one score vector per part (the predictor's d -> r -> ffn MLP, columns
+                          permuted hottest first and split at gpu_neurons);
+  `picompile.SparseFFN`   per part: neurons whose score passes the threshold are computed as a gathered-
+                          row GEMV (up, and gate when gated; rows stored one per neuron) and an axpy over
+                          the same rows of the down projection (PowerInfer's ffn_down_t); multi-token
+                          prompts compute the whole part densely;
+  `picompile.MergePartial` adds the parts and the down bias.
+Weights are permuted so that each part is a contiguous block of rows. With `Options.all_neurons` the
+threshold admits every neuron: the split and merge are then exactly the dense FFN (what tests check).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import PassResult
+
+from picompile import ir as pir
+from picompile.pipeline import Context
+
+ALL_NEURONS = -3.0e38  # a threshold every score passes
+STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
+         "predictor_precision", "predictor_active")
+
+
+def _rows(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    return pir.initializer(graph, name, np.ascontiguousarray(array, np.float32))
+
+
+@dataclass
+class Lower:
+    name = "lower"
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        graph = model.graph
+        ffns = pir.nodes_in_domain(model, "FFN")
+        if ctx.options.dense or not ffns or "predictor_threshold" not in ffns[0].attributes:
+            return PassResult(model, modified=False)
+        report = []
+        for node in ffns:
+            report.append(self._lower_one(graph, node, ctx))
+        consumed = {v.name for n in graph for v in n.inputs if v is not None}
+        for name in [n for n in graph.initializers if n not in consumed]:
+            graph.initializers.pop(name)  # dense FFN weights, frequencies, orders: folded into the new ops
+        model.metadata_props["picompile.layers"] = json.dumps(report)
+        gpu = sum(r["gpu_neurons"] for r in report)
+        total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)
+        ctx.log(f"lower: {len(report)} sparse FFNs, {gpu} of {total} neurons on the GPU"
+                f"{', every neuron computed (--all-neurons)' if ctx.options.all_neurons else ''}")
+        return PassResult(model, modified=True)
+
+    def _lower_one(self, graph: ir.Graph, node: ir.Node, ctx: Context) -> dict:
+        layer = pir.attr(node, "layer")
+        gated = bool(pir.attr(node, "gated"))
+        prefix = f"layers.{layer}.ffn"
+        x = node.inputs[0]
+        w_up, b_up = pir.const_array(node.inputs[1]), pir.const_array(node.inputs[2])
+        w_down, b_down = pir.const_array(node.inputs[3]), pir.const_array(node.inputs[4])
+        order = pir.const_array(graph.initializers[f"{prefix}.neuron_order"])
+        ffn = w_down.shape[0]
+        n_gpu = int(pir.attr(node, "gpu_neurons", 0))
+        parts = [(part, begin, end) for part, begin, end in (("gpu", 0, n_gpu), ("cpu", n_gpu, ffn)) if end > begin]
+        w1 = graph.initializers[f"{prefix}.predictor.w1"]
+        w2 = pir.const_array(graph.initializers[f"{prefix}.predictor.w2"])[:, order]
+        threshold = ALL_NEURONS if ctx.options.all_neurons else float(pir.attr(node, "predictor_threshold"))
+        predictor_device = "gpu" if n_gpu else "cpu"
+        predict = ir.node("Predict", [x, w1, *(_rows(graph, f"{prefix}.predictor.w2.{part}", w2[:, b:e]) for part, b, e in parts)],
+                          {"layer": layer, "device": predictor_device}, domain=pir.DOMAIN, num_outputs=len(parts),
+                          name=f"{prefix}.predict")
+        graph.insert_before(node, predict)
+        partials = []
+        for (part, begin, end), scores in zip(parts, predict.outputs):
+            scores.name = f"{prefix}.scores.{part}"
+            scores.shape = ir.Shape(["rows", int(end - begin)])
+            neurons = order[begin:end]
+            if gated:
+                half = w_up.shape[1] // 2
+                up_rows = np.concatenate([w_up[:, :half][:, neurons].T, w_up[:, half:][:, neurons].T])
+                up_bias = None if b_up is None else np.concatenate([b_up[:half][neurons], b_up[half:][neurons]])
+            else:
+                up_rows, up_bias = w_up[:, neurons].T, None if b_up is None else b_up[neurons]
+            inputs = [x, scores, _rows(graph, f"{prefix}.up_rows.{part}", up_rows),
+                      None if up_bias is None else _rows(graph, f"{prefix}.up_bias.{part}", up_bias),
+                      _rows(graph, f"{prefix}.down_rows.{part}", w_down[neurons])]
+            sparse = ir.node("SparseFFN", inputs, {
+                "layer": layer, "part": part, "neurons": int(end - begin), "threshold": threshold,
+                "activation": pir.attr(node, "activation"), "gated": int(gated), "device": part,
+            }, domain=pir.DOMAIN, name=f"{prefix}.sparse.{part}")
+            sparse.outputs[0].name = f"{prefix}.partial.{part}"
+            graph.insert_before(node, sparse)
+            partials.append(sparse.outputs[0])
+        merge = ir.node("MergePartial", [*partials, None if b_down is None else node.inputs[4]],
+                        {"layer": layer, "device": "cpu"}, domain=pir.DOMAIN, name=f"{prefix}.merge")
+        graph.insert_before(node, merge)
+        merge.outputs[0].name = f"{prefix}.merged"
+        for value in [*predict.outputs, *partials, merge.outputs[0]]:
+            value.dtype = ir.DataType.FLOAT
+        for value in [*partials, merge.outputs[0]]:
+            value.shape = node.outputs[0].shape
+        node.outputs[0].replace_all_uses_with(merge.outputs[0])
+        graph.remove(node, safe=True)
+        stats = {key: pir.attr(node, key) for key in STATS if key in node.attributes}
+        return {"layer": layer, "gpu_neurons": n_gpu, "cpu_neurons": ffn - n_gpu, **stats}
