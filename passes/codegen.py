@@ -431,6 +431,7 @@ class Codegen:
             walker.lower(node)
         place_buffers(lowering)
         lowered = _call_graph(lowering, model)
+        lowered.metadata_props.update(model.metadata_props)  # what earlier passes decided (placement, layers)
         lowered.metadata_props["picompile.buffers"] = _json(lowering.buffers)
         library = Path(ctx.workdir) / "kernels" / "cpu.so"
         library.parent.mkdir(parents=True, exist_ok=True)

@@ -141,11 +141,18 @@ def _eval(args) -> int:
     if not args.reference.is_file():
         raise UserError(f"reference model not found: {args.reference}")
     report = evaluate(engine, OrtDecoder(args.reference), sequences)
+    report["layers"] = [{"layer": layer["layer"], "recall": layer.get("predictor_recall"),
+                         "precision": layer.get("predictor_precision"), "active": layer.get("predictor_active")}
+                        for layer in engine.manifest.get("layers", [])]
     if args.json:
         print(json.dumps(report))
-    else:
-        for key, value in report.items():
+        return 0
+    for key, value in report.items():
+        if key != "layers":
             print(f"{key:<20} {value:.6g}" if isinstance(value, float) else f"{key:<20} {value}")
+    for layer in report["layers"]:
+        print(f"layer {layer['layer']:<3} predictor recall {layer['recall']:.4f}  precision {layer['precision']:.4f}  "
+              f"predicted active {layer['active']:.3f}")
     return 0
 
 
@@ -163,16 +170,29 @@ def _inspect(args) -> int:
     kernels = sorted({n["decode"] for n in schedule["nodes"]} | {n["prefill"] for n in schedule["nodes"]})
     weight_bytes = sum(4 * _numel(b["shape"]) for b in manifest["buffers"].values() if b["kind"] == "weight")
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
-            "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes}
+            "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes,
+            "layers": manifest.get("layers", []), "placement": manifest.get("placement", {})}
     if args.json:
         print(json.dumps(info))
-    else:
-        print(f"target      {manifest['target']['name']}")
-        for key, value in manifest["model"].items():
-            print(f"{key:<12}{value}")
-        print(f"weights     {weight_bytes / 2**20:.1f} MiB")
-        print("calls/token " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
-        print(f"kernels     {len(kernels)}: " + ", ".join(kernels))
+        return 0
+    print(f"target      {manifest['target']['name']}")
+    for key, value in manifest["model"].items():
+        print(f"{key:<12}{value}")
+    print(f"weights     {weight_bytes / 2**20:.1f} MiB")
+    print("calls/token " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
+    print(f"kernels     {len(kernels)}: " + ", ".join(kernels))
+    placement = info["placement"]
+    if placement:
+        print(f"placement   {placement.get('status')}, gap {placement.get('gap', 0) * 100:.3f}%, "
+              f"solved in {placement.get('solve_time_s', 0):.2f} s, GPU budget for FFN neurons "
+              f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB")
+    if info["layers"]:
+        print(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} {'precision':>9} {'active':>7}")
+        for layer in info["layers"]:
+            print(f"{layer['layer']:>5} {layer.get('sparsity', 0):>8.3f} {layer.get('hot80_share', 0) * 100:>6.1f}% "
+                  f"{layer['gpu_neurons']:>6} {layer['cpu_neurons']:>6} {layer.get('predictor_rank', 0):>5} "
+                  f"{layer.get('predictor_recall', 0):>7.4f} {layer.get('predictor_precision', 0):>9.4f} "
+                  f"{layer.get('predictor_active', 0):>7.3f}")
     return 0
 
 

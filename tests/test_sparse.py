@@ -1,0 +1,99 @@
+"""The sparse pipeline end to end: profile, predict, partition, lower, hybrid schedule."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from passes.partition import Partition
+from picompile.cli import main
+from picompile.compiler import build, pipeline
+from picompile.pipeline import Options
+from picompile.reference import OrtDecoder
+from picompile.targets import get_target
+from runtime import Engine
+
+
+def sparse_build(files, out, target="cpu", passes_override=None, **options):
+    opts = Options(max_context=64, calib=files.calib, **options)
+    passes = pipeline(opts)
+    if passes_override:
+        passes = [passes_override.get(p.name, p) for p in passes]
+    return build(files.onnx, out, get_target(target), opts, passes=passes)
+
+
+def assert_matches_onnxruntime(artifact, onnx_path, emulate_gpu=False, decode_steps=8):
+    engine, reference = Engine(artifact, emulate_gpu=emulate_gpu), OrtDecoder(onnx_path)
+    prompt = np.array([11, 22, 33, 44, 55], np.int64)
+    np.testing.assert_allclose(engine.forward(prompt), reference.forward(prompt), atol=1e-4, rtol=0)
+    token = 3
+    for _ in range(decode_steps):
+        expected = reference.forward([token])
+        np.testing.assert_allclose(engine.forward([token]), expected, atol=1e-4, rtol=0)
+        token = int(np.argmax(expected[-1]))
+
+
+@pytest.fixture(scope="module")
+def sparse_models(tiny_models):
+    return {family: tiny_models(family, sparsity=0.9) for family in ("opt", "llama")}
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_all_neurons_sparse_lowering_matches_onnxruntime(sparse_models, tmp_path, family):
+    files = sparse_models[family]
+    artifact = sparse_build(files, tmp_path / "a.pic", all_neurons=True)
+    schedule = json.loads((artifact / "schedule.json").read_text())
+    kernels = {n["decode"] for n in schedule["nodes"]}
+    assert any(k.startswith("sparse_up") for k in kernels) and any(k.startswith("sparse_down") for k in kernels)
+    assert_matches_onnxruntime(artifact, files.onnx)
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path, family):
+    """Hot rows on the (emulated) GPU, cold rows on the CPU, in the same layers; separate buffers per
+    device, so a missing copy or a wrong merge changes the logits."""
+    files = sparse_models[family]
+    # no synchronisation cost and no balance rule, so that the tiny layers split instead of moving whole
+    greedy_split = {"partition": Partition(sync_latency_s=0.0, balance=False)}
+    artifact = sparse_build(files, tmp_path / "h.pic", target="rtx4090", all_neurons=True,
+                            vram_budget_bytes=600_000, placement_batch=32, passes_override=greedy_split)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    split = [(layer["gpu_neurons"], layer["cpu_neurons"]) for layer in manifest["layers"]]
+    assert any(gpu and cpu for gpu, cpu in split), split
+    schedule = json.loads((artifact / "schedule.json").read_text())
+    assert {n["device"] for n in schedule["nodes"]} == {"cpu", "gpu"}
+    assert any(n["op_class"] == "copy" for n in schedule["nodes"])
+    assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True)
+    # without the flag a GPU artifact is refused, with a message that says what to do
+    assert main(["run", str(artifact), "--prompt-ids", "1,2"]) == 2
+
+
+def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path, capsys):
+    files = sparse_models["opt"]
+    out, dumps = tmp_path / "p.pic", tmp_path / "ir"
+    assert main(["build", str(files.onnx), "-o", str(out), "--calib", str(files.calib), "--max-context", "64",
+                 "--dump-ir", str(dumps)]) == 0
+    names = sorted(p.name for p in dumps.glob("*.onnx"))
+    assert [n.split("-", 1)[1] for n in names] == ["import.onnx", "recognise.onnx", "profile.onnx", "predict.onnx",
+                                                  "partition.onnx", "lower.onnx", "codegen.onnx", "schedule.onnx"]
+    for name in names:
+        onnx.checker.check_model(onnx.load(str(dumps / name)))
+    manifest = json.loads((out / "manifest.json").read_text())
+    for layer in manifest["layers"]:
+        assert layer["predictor_recall"] >= 0.95, layer
+        assert layer["predictor_active"] < 0.5, layer  # a predictor that keeps everything saves nothing
+        assert 0.85 < layer["sparsity"] < 0.95
+    assert (out / "plots" / "activation_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert main(["eval", str(out), "--reference", str(files.onnx), "--tokens", str(files.heldout),
+                 "--max-sequences", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["top1_agreement"] >= 0.9, report
+    assert report["kl_mean"] < 0.05, report
+    assert [r["recall"] for r in report["layers"]] == [layer["predictor_recall"] for layer in manifest["layers"]]
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "recall" in text and "layer" in text
