@@ -34,16 +34,18 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {platform.system()}"
 
 
-def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=print) -> Path:
+def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=print, rebuild: bool = False) -> Path:
+    """Build (once; cached beside the model) a dense or sparse CPU artifact of a made model."""
     from examples.models import cache_dir
     from picompile.compiler import build
     from picompile.pipeline import Options
     from picompile.targets import get_target
 
     artifact = cache_dir() / "artifacts" / f"{files.dir.name}-{name}.pic"
-    if not (artifact / "manifest.json").exists():
+    if rebuild or not (artifact / "manifest.json").exists():
         started = time.perf_counter()
-        build(files.onnx, artifact, get_target("cpu"), Options(dense=dense, max_context=max_context))
+        build(files.onnx, artifact, get_target("cpu"), Options(dense=dense, max_context=max_context, calib=files.calib),
+              log=lambda message: log("   " + message))
         log(f"built {artifact.name} in {time.perf_counter() - started:.1f}s")
     return artifact
 
@@ -62,43 +64,70 @@ def time_decode(forward, reset, prompt, tokens: int) -> tuple[float, float]:
     return prefill, tokens / (time.perf_counter() - started)
 
 
-def measure(files, artifact: Path, tokens: int, runs: int, threads: int, prompt_len: int = 16) -> dict:
+def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: int, prompt_len: int = 16) -> dict:
+    """Decode tokens/s and prefill time per engine: onnxruntime, then each artifact, alternating per run."""
     import numpy as np
 
     from picompile.reference import OrtDecoder
     from runtime import Engine
 
-    ort = OrtDecoder(files.onnx, threads=threads)
-    engine = Engine(artifact)
-    prompt = np.random.default_rng(0).integers(0, engine.vocab_size, size=prompt_len)
-    results = {"onnxruntime": [], "picompile": []}
+    engines = {"onnxruntime": OrtDecoder(files.onnx, threads=threads)}
+    engines.update({name: Engine(path) for name, path in artifacts.items()})
+    vocab = engines[next(iter(artifacts))].vocab_size
+    prompt = np.random.default_rng(0).integers(0, vocab, size=prompt_len)
+    samples = {name: [] for name in engines}
     for _ in range(runs):
-        results["onnxruntime"].append(time_decode(ort.forward, ort.reset, prompt, tokens))
-        results["picompile"].append(time_decode(engine.forward, engine.reset, prompt, tokens))
+        for name, engine in engines.items():
+            samples[name].append(time_decode(engine.forward, engine.reset, prompt, tokens))
     summary = {}
-    for name, samples in results.items():
-        summary[name] = {"decode_tokens_per_s": statistics.median(s[1] for s in samples),
-                         "prefill_ms": 1000 * statistics.median(s[0] for s in samples)}
-    summary["ratio"] = summary["picompile"]["decode_tokens_per_s"] / summary["onnxruntime"]["decode_tokens_per_s"]
-    summary["prefill_ratio"] = summary["onnxruntime"]["prefill_ms"] / summary["picompile"]["prefill_ms"]
+    for name, runs_of in samples.items():
+        summary[name] = {"decode_tokens_per_s": statistics.median(s[1] for s in runs_of),
+                         "prefill_ms": 1000 * statistics.median(s[0] for s in runs_of)}
+    base = summary["onnxruntime"]
+    for name in artifacts:
+        summary[name]["ratio"] = summary[name]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        summary[name]["prefill_ratio"] = base["prefill_ms"] / summary[name]["prefill_ms"]
     return summary
 
 
-def table(config: dict, summary: dict) -> str:
-    ort, pic = summary["onnxruntime"], summary["picompile"]
-    return "\n".join([
-        f"| engine | decode tok/s | prefill {config['prompt_len']} tokens (ms) |",
-        "| --- | --- | --- |",
-        f"| onnxruntime fp32 | {ort['decode_tokens_per_s']:.2f} | {ort['prefill_ms']:.1f} |",
-        f"| picompile dense fp32 | {pic['decode_tokens_per_s']:.2f} | {pic['prefill_ms']:.1f} |",
-        f"| **ratio** (picompile / onnxruntime) | **{summary['ratio']:.2f}x** | {summary['prefill_ratio']:.2f}x faster |",
-    ])
+def quality(files, artifact: Path, sequences: int = 4) -> dict:
+    """Eval against onnxruntime on held-out tokens, and the predictors' recall (what a speed is worth)."""
+    from picompile.evaluate import evaluate
+    from picompile.reference import OrtDecoder
+    from picompile.tokens import read_tokens
+    from runtime import Engine
+
+    engine = Engine(artifact)
+    report = evaluate(engine, OrtDecoder(files.onnx), read_tokens(files.heldout)[:sequences])
+    layers = engine.manifest.get("layers", [])
+    if layers:
+        report["recall_min"] = min(layer["predictor_recall"] for layer in layers)
+        report["predicted_active_mean"] = sum(layer["predictor_active"] for layer in layers) / len(layers)
+    return report
+
+
+def table(config: dict, summary: dict, qualities: dict) -> str:
+    rows = [f"| engine | decode tok/s | vs onnxruntime | prefill {config['prompt_len']} tokens (ms) | quality |",
+            "| --- | --- | --- | --- | --- |"]
+    for name, figures in summary.items():
+        ratio = f"**{figures['ratio']:.2f}x**" if "ratio" in figures else "1.00x"
+        q = qualities.get(name, {})
+        text = "reference"
+        if q:
+            text = f"top-1 {q['top1_agreement']:.3f}, KL {q['kl_mean']:.2e}"
+            if "recall_min" in q:
+                text += f", recall >= {q['recall_min']:.3f}, {q['predicted_active_mean'] * 100:.1f}% predicted active"
+        rows.append(f"| {name} | {figures['decode_tokens_per_s']:.2f} | {ratio} | {figures['prefill_ms']:.1f} | {text} |")
+    return "\n".join(rows)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="opt", choices=["opt", "llama"])
     parser.add_argument("--preset", default="small")
+    parser.add_argument("--sparsity", type=float, default=None,
+                        help="make a synthetic sparse model and also build the sparse artifact")
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -111,21 +140,25 @@ def main(argv=None) -> int:
 
     from examples.models import cached_model, num_params  # noqa: F401
 
-    files = cached_model(args.family, preset=args.preset, log=print)
+    files = cached_model(args.family, preset=args.preset, sparsity=args.sparsity, log=print)
     params = json.loads(files.config.read_text())["num_params"]
-    artifact = ensure_artifact(files, "dense", args.max_context)
-    summary = measure(files, artifact, args.tokens, args.runs, args.threads, args.prompt_len)
+    artifacts = {"picompile dense": ensure_artifact(files, "dense", args.max_context, rebuild=args.rebuild)}
+    if args.sparsity is not None:
+        artifacts["picompile sparse"] = ensure_artifact(files, "sparse", args.max_context, dense=False, rebuild=args.rebuild)
+    qualities = {name: quality(files, path) for name, path in artifacts.items()}
+    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len)
     config = {"family": args.family, "preset": args.preset, "params": params, "tokens": args.tokens,
-              "runs": args.runs, "threads": args.threads, "prompt_len": args.prompt_len}
-    text = table(config, summary)
+              "runs": args.runs, "threads": args.threads, "prompt_len": args.prompt_len, "sparsity": args.sparsity}
+    text = table(config, summary, qualities)
     print(text)
     if args.json:
-        args.json.write_text(json.dumps({"config": config, "summary": summary}, indent=1))
+        args.json.write_text(json.dumps({"config": config, "summary": summary, "quality": qualities}, indent=1))
     if args.record:
         command = "python examples/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
         stamp = datetime.date.today().isoformat()
         with open(ROOT / "BENCHMARKS.md", "a") as f:
-            f.write(f"\n### Dense decode, {args.family}-{args.preset} ({params / 1e6:.0f}M params), {stamp}\n\n"
+            kind = f"synthetic {args.sparsity:.0%}-sparse" if args.sparsity is not None else "dense-random"
+            f.write(f"\n### Decode, {args.family}-{args.preset} ({params / 1e6:.0f}M params, {kind}), {stamp}\n\n"
                     f"Machine: {machine()}; {args.threads} threads; {args.tokens} greedy tokens after a "
                     f"{args.prompt_len}-token prompt; median of {args.runs} alternating runs.\n"
                     f"Command: `{command}`\n\n{text}\n")

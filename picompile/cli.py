@@ -167,7 +167,7 @@ def _inspect(args) -> int:
     calls: dict[str, int] = {}
     for node in schedule["nodes"]:
         calls[node["op_class"]] = calls.get(node["op_class"], 0) + 1
-    kernels = sorted({n["decode"] for n in schedule["nodes"]} | {n["prefill"] for n in schedule["nodes"]})
+    kernels = sorted(({n["decode"] for n in schedule["nodes"]} | {n["prefill"] for n in schedule["nodes"]}) - {"", "copy"})
     weight_bytes = sum(4 * _numel(b["shape"]) for b in manifest["buffers"].values() if b["kind"] == "weight")
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
             "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes,
