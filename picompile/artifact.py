@@ -10,7 +10,6 @@ The runtime (`runtime/`) reads it without importing any of the compiler.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,20 +19,11 @@ from pathlib import Path
 import onnx_ir as ir
 import safetensors.numpy
 
+from runtime.artifact import FORMAT, FORMAT_VERSION, sha256  # the reader defines the format
+
 from . import __version__
 from . import ir as pir
 from .pipeline import Context
-
-FORMAT = "picompile-artifact"
-FORMAT_VERSION = 1
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _model_facts(buffers: dict, schedule: dict) -> dict:

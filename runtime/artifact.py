@@ -33,7 +33,7 @@ def aligned_zeros(shape, dtype=np.float32) -> np.ndarray:
     return array
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -59,7 +59,7 @@ def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
         file = directory / relative
         if not file.is_file():
             raise ArtifactError(f"artifact file missing: {relative}")
-        if check_hashes and _sha256(file) != expected:
+        if check_hashes and sha256(file) != expected:
             raise ArtifactError(f"artifact file {relative} is damaged (sha256 mismatch)")
     return manifest
 
