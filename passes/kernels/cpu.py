@@ -1,0 +1,561 @@
+"""CPU kernels (x86-64, AVX2 + FMA) for picompile, generated with TVM 0.27.
+
+Every public function returns one ``tvm.tirx.PrimFunc`` whose ``global_symbol`` is ``name``;
+``build`` compiles a list of them into one shared library. Conventions shared by all kernels:
+
+* fp32, row-major; ``m`` is the number of token rows.
+* ``rows=1`` is the decode variant (m fixed to 1); ``rows=None`` the prefill variant, whose
+  first dimension is a symbolic ``int64`` var ``m`` bound from the arguments at call time.
+  The runtime may pass row slices ``buf[:m]`` of larger buffers (contiguous, same start).
+* Scalar ``start`` arguments are ``int64`` PrimFunc params, so a Python int can be passed.
+* TVM's generated code assumes 64-byte aligned buffers (aligned vector loads); callers must
+  allocate accordingly, unaligned arrays crash the parallel kernels.
+* Parallel loops use TVM's thread pool (``TVM_NUM_THREADS``, default: physical cores).
+
+Where TE can express a kernel it is written in TE and scheduled with ``tvm.s_tir``;
+kernels with in-place updates or data-dependent loop bounds (``rope_kv_write``,
+``attention``) are TVMScript with the schedule (parallel / vectorized / unrolled loops)
+written into the script.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import te, tirx
+from tvm.s_tir import Schedule
+from tvm.script import tirx as T
+
+CPU_TARGET = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+"""AVX2 + FMA code; ``num-cores`` is only a hint for tuners (threads come from the pool)."""
+
+VEC = 8  # fp32 lanes in one ymm register
+GEMM_MR = 6  # prefill register tile: 6 rows x 16 columns = 12 ymm accumulators (+2 loads, 1 bcast)
+GEMM_NR = 16
+GEMV_NR = 64  # decode: 64 columns = 8 ymm accumulators
+GEMV_KT = 16  # decode: rows of w per register pass (unrolled)
+GEMV_CHUNKS = 8  # decode: aim for this many parallel column chunks ...
+GEMV_CHUNK_MAX = 1024  # ... of at most this many columns (4 KB of each w row)
+_NEG = -3.0e38  # "minus infinity" that stays finite through max/exp
+
+
+# --------------------------------------------------------------------------------------------
+# Scalar math as TIR expressions. LLVM lowers tirx.exp / tirx.erf to libm calls (expf, erff),
+# which stops vectorisation; these polynomial forms vectorise to plain ymm arithmetic.
+# --------------------------------------------------------------------------------------------
+
+
+def _f32(v):
+    return tirx.const(v, "float32")
+
+
+def _let(value, body, name="t"):
+    """Bind ``value`` once (a Let) and build ``body(var)``: no re-evaluation, a readable IR."""
+    var = tirx.Var(name, "float32")
+    return tirx.Let(var, value, body(var))
+
+
+def _exp(x):
+    """float32 exp (Cephes expf: 2^n * P(r)), relative error ~2 ulp; clamps to finite range."""
+
+    def poly(r, n):
+        p = _f32(1.9875691500e-4)
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = p * r + _f32(c)
+        pow2n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
+        return (p * r * r + r + _f32(1.0)) * pow2n
+
+    def reduce(x):  # x = n ln2 + r, |r| <= ln2 / 2 (ln2 split in two parts for accuracy)
+        return _let(
+            tirx.floor(x * _f32(1.4426950408889634) + _f32(0.5)),
+            lambda n: _let(x - n * _f32(0.693359375) + n * _f32(2.12194440e-4), lambda r: poly(r, n), "r"),
+            "n",
+        )
+
+    return _let(tirx.max(tirx.min(x, _f32(88.0)), _f32(-87.33654)), reduce, "x")
+
+
+def _erf(x):
+    """erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7; used inside GELU, where
+    the absolute error is what counts), with the vectorisable _exp."""
+
+    def body(x, a, t):
+        p = _f32(1.061405429)
+        for c in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+            p = p * t + _f32(c)
+        sign = tirx.Select(x < _f32(0.0), _f32(-1.0), _f32(1.0))
+        # the _exp term (it holds Lets) must appear once: a Let var may be defined only once
+        return sign * (_f32(1.0) - p * t * _exp(-a * a))
+
+    return _let(
+        x,
+        lambda x: _let(
+            tirx.abs(x),
+            lambda a: _let(_f32(1.0) / (_f32(1.0) + _f32(0.3275911) * a), lambda t: body(x, a, t), "t"),
+            "a",
+        ),
+        "x",
+    )
+
+
+_ACTS = {
+    "none": lambda v: v,
+    "relu": lambda v: tirx.max(v, _f32(0.0)),
+    # exact (erf) GELU, as torch's default approximate="none"
+    "gelu": lambda v: _let(v, lambda v: _f32(0.5) * v * (_f32(1.0) + _erf(v * _f32(0.7071067811865476))), "v"),
+    "silu": lambda v: _let(v, lambda v: v / (_f32(1.0) + _exp(-v)), "v"),
+}
+
+
+def _activation(act):
+    if act not in _ACTS:
+        raise ValueError(f"unknown activation {act!r}; expected one of {sorted(_ACTS)}")
+    return _ACTS[act]
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes and the scheduling steps shared by the TE kernels.
+# --------------------------------------------------------------------------------------------
+
+
+def _row_dim(rows):
+    """The row extent: 1 for decode, a symbolic int64 ``m`` for prefill."""
+    if rows == 1:
+        return 1
+    if rows is None:
+        return tirx.Var("m", "int64")
+    raise ValueError(f"rows must be 1 (decode) or None (prefill), got {rows!r}")
+
+
+def _lanes(n):
+    """Vector width for a contiguous extent ``n``: 8 when possible, else the largest divisor."""
+    return math.gcd(n, VEC)
+
+
+def _col_block(n, cap):
+    """Widest column block <= cap that divides ``n`` in whole vectors (no tail predicates)."""
+    lanes = _lanes(n)
+    return max(b for b in range(lanes, cap + 1, lanes) if n % b == 0)
+
+
+def _te_schedule(name, tensors):
+    """PrimFunc from TE tensors (int64 indices, so a symbolic ``m`` mixes freely) + schedule."""
+    func = te.create_prim_func(tensors, index_dtype_override="int64").with_attr("global_symbol", name)
+    sch = Schedule(tvm.IRModule({name: func}))
+    sch.work_on(name)
+    return sch
+
+
+def _vectorize_inner(sch, block, lanes):
+    """Split the innermost loop of ``block`` into whole vectors and vectorise them."""
+    if lanes > 1:
+        *_, inner = sch.get_loops(block)
+        _, vec = sch.split(inner, [None, lanes])
+        sch.vectorize(vec)
+
+
+def _rowwise(sch, block, lanes, rows):
+    """Elementwise (row, column) block: vector columns; rows across threads in prefill.
+
+    Decode rows are a few thousand elements: a parallel launch costs more than it saves.
+    """
+    _vectorize_inner(sch, block, lanes)
+    if rows is None:
+        sch.parallel(sch.get_loops(block)[0])
+
+
+def _row_reductions(sch, reductions, out, lanes, rows):
+    """Per-row reductions feeding the elementwise ``out`` block (norm statistics).
+
+    Each reduction is rfactor'ed over ``lanes``, so it runs as ``lanes`` vector accumulators
+    plus one horizontal sum instead of a serial scalar chain, and is computed inside out's
+    row loop (the row is still in L1 when out reads it again), in registers (local scope).
+    """
+    out_block = sch.get_sblock(out)
+    pairs = []
+    for red in reductions:
+        block = sch.get_sblock(red)
+        *_, k = sch.get_loops(block)
+        _, kv = sch.split(k, [None, lanes])
+        pairs.append((sch.rfactor(kv, 0), block))
+    row = sch.get_loops(out_block)[0]
+    for rf, block in reversed(pairs):  # consumers first, so every compute_at finds its consumer
+        sch.compute_at(block, row)
+        sch.compute_at(rf, row)
+    for rf, block in pairs:
+        sch.set_scope(rf, 0, "local")
+        sch.set_scope(block, 0, "local")
+        kv, ko = sch.get_loops(rf)[-2:]
+        sch.reorder(ko, kv)
+        sch.vectorize(kv)
+    _rowwise(sch, out_block, lanes, rows)
+    for rf, _ in pairs:  # last: vectorize/parallel are refused once the init is split off
+        init = sch.decompose_reduction(rf, sch.get_loops(rf)[-2])
+        sch.vectorize(sch.get_loops(init)[-1])
+
+
+def _schedule_gemv(sch, nr, lanes, K, N):
+    """Decode ``acc[1, N] = x @ w`` streaming w once, then the epilogue ``y`` per chunk.
+
+    Threads take contiguous column chunks (parallel loop). Within a chunk the k loop is
+    tiled by kt rows: for each kt-row slab and each nr-column block, nr/8 ymm accumulators
+    (the block of acc, in L1) are loaded, take kt unrolled broadcast-FMA steps and are stored
+    back, i.e. one load/store of acc per kt rows of w. The slab is read as kt sequential
+    streams of chunk*4 bytes, which the hardware prefetchers follow; a k-innermost order
+    (one 256 B piece per 8-32 KB-strided row) measured ~30% slower. The epilogue (bias,
+    activation, residual) runs over the chunk once its k loop is done, while it is in L1.
+    """
+    kt = math.gcd(K, GEMV_KT)
+    chunk = _col_block(N, max(nr, min(GEMV_CHUNK_MAX, N // GEMV_CHUNKS)))
+    block = sch.get_sblock("acc")
+    i, n, k = sch.get_loops(block)
+    no, nb, nj, nv = sch.split(n, [None, chunk // nr, nr // lanes, lanes])
+    ko, ki = sch.split(k, [None, kt])
+    sch.reorder(no, i, ko, nb, ki, nj, nv)
+    epilogue = sch.get_sblock("y")
+    sch.reverse_compute_at(epilogue, no)
+    sch.parallel(no)
+    sch.unroll(ki)
+    sch.unroll(nj)
+    sch.vectorize(nv)  # before decompose_reduction (the other order is refused)
+    init = sch.decompose_reduction(block, ko)
+    sch.vectorize(sch.get_loops(init)[-1])
+    _vectorize_inner(sch, epilogue, lanes)
+
+
+def _schedule_gemm(sch, mr, nr, lanes):
+    """Prefill ``acc[m, N] = x @ w``: register-tiled GEMM with the epilogue ``y`` per tile.
+
+    Loop order: column panels (parallel) > row tiles > k > mr rows x nr columns. A thread
+    starts each panel by packing its K x nr slice of w into a contiguous buffer (unpacked,
+    consecutive k steps are a whole w row apart and collide in the same cache sets; packing
+    measured 2.4x faster), which then stays in L2 for all row tiles. The mr x nr tile is
+    a local buffer that LLVM keeps in ymm registers for the whole k loop: per k step it
+    loads nr/8 vectors of the panel, broadcasts mr values of x and issues mr * nr/8 FMAs.
+    The tile is written once, through the epilogue (bias, activation, residual).
+    """
+    block = sch.get_sblock("acc")
+    i, n, k = sch.get_loops(block)
+    io, ii = sch.split(i, [None, mr])
+    no, nj, nv = sch.split(n, [None, nr // lanes, lanes])
+    sch.reorder(no, io, k, ii, nj, nv)
+    sch.set_scope(block, 0, "local")
+    epilogue = sch.get_sblock("y")
+    sch.reverse_compute_at(epilogue, io)
+    sch.parallel(no)
+    sch.unroll(ii)
+    sch.unroll(nj)
+    sch.vectorize(nv)  # before decompose_reduction (the other order is refused)
+    init = sch.decompose_reduction(block, k)
+    sch.vectorize(sch.get_loops(init)[-1])
+    _vectorize_inner(sch, epilogue, lanes)
+    panel = sch.cache_read(block, "w", "global")
+    sch.compute_at(panel, no)
+    _vectorize_inner(sch, panel, lanes)
+
+
+# --------------------------------------------------------------------------------------------
+# TE kernels
+# --------------------------------------------------------------------------------------------
+
+
+def linear(name, K, N, *, rows, bias: bool, act="none", residual=False):
+    """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y."""
+    actf = _activation(act)
+    m = _row_dim(rows)
+    x = te.placeholder((m, K), name="x")
+    w = te.placeholder((K, N), name="w")
+    b = te.placeholder((N,), name="b") if bias else None
+    res = te.placeholder((m, N), name="res") if residual else None
+    k = te.reduce_axis((0, K), name="k")
+    if rows == 1:
+        acc = te.compute((1, N), lambda i, n: te.sum(x[i, k] * w[k, n], axis=k), name="acc")
+    else:
+        # Rows padded to whole register tiles; pad rows recompute the last row (clamped
+        # index) and are never stored, so the inner loop carries no row predicate.
+        mp = (m + GEMM_MR - 1) // GEMM_MR * GEMM_MR
+        acc = te.compute((mp, N), lambda i, n: te.sum(x[tirx.min(i, m - 1), k] * w[k, n], axis=k), name="acc")
+
+    def epilogue(i, n):
+        v = acc[i, n]
+        if bias:
+            v = v + b[n]
+        v = actf(v)
+        if residual:
+            v = v + res[i, n]
+        return v
+
+    y = te.compute((m, N), epilogue, name="y")
+    args = [x, w] + ([b] if bias else []) + ([res] if residual else []) + [y]
+    sch = _te_schedule(name, args)
+    if rows == 1:
+        _schedule_gemv(sch, _col_block(N, GEMV_NR), _lanes(N), K, N)
+    else:
+        _schedule_gemm(sch, GEMM_MR, _col_block(N, GEMM_NR), _lanes(N))
+    return sch.mod[name]
+
+
+def glu(name, F, *, rows, act):
+    """y[m, F] = act(t[:, :F]) * t[:, F:] (gate first, then up).  Args: t, y."""
+    actf = _activation(act)
+    m = _row_dim(rows)
+    t = te.placeholder((m, 2 * F), name="t")
+    y = te.compute((m, F), lambda i, j: actf(t[i, j]) * t[i, F + j], name="y")
+    sch = _te_schedule(name, [t, y])
+    _rowwise(sch, sch.get_sblock("y"), _lanes(F), rows)
+    return sch.mod[name]
+
+
+def layer_norm(name, D, eps, *, rows):
+    """y = (x - mean) / sqrt(var + eps) * g + b, biased variance (two-pass).  Args: x, g, b, y."""
+    m = _row_dim(rows)
+    x = te.placeholder((m, D), name="x")
+    g = te.placeholder((D,), name="g")
+    b = te.placeholder((D,), name="b")
+    k1 = te.reduce_axis((0, D), name="k1")
+    k2 = te.reduce_axis((0, D), name="k2")
+    total = te.compute((m,), lambda i: te.sum(x[i, k1], axis=k1), name="total")
+    sq = te.compute(
+        (m,), lambda i: te.sum(_let(x[i, k2] - total[i] / _f32(D), lambda d: d * d, "d"), axis=k2), name="sq"
+    )
+    y = te.compute(
+        (m, D),
+        lambda i, j: (x[i, j] - total[i] / _f32(D)) * tirx.rsqrt(sq[i] / _f32(D) + _f32(eps)) * g[j] + b[j],
+        name="y",
+    )
+    sch = _te_schedule(name, [x, g, b, y])
+    _row_reductions(sch, ["total", "sq"], "y", _lanes(D), rows)
+    return sch.mod[name]
+
+
+def rms_norm(name, D, eps, *, rows):
+    """y = x / sqrt(mean(x^2) + eps) * g.  Args: x, g, y."""
+    m = _row_dim(rows)
+    x = te.placeholder((m, D), name="x")
+    g = te.placeholder((D,), name="g")
+    k = te.reduce_axis((0, D), name="k")
+    sq = te.compute((m,), lambda i: te.sum(x[i, k] * x[i, k], axis=k), name="sq")
+    y = te.compute((m, D), lambda i, j: x[i, j] * tirx.rsqrt(sq[i] / _f32(D) + _f32(eps)) * g[j], name="y")
+    sch = _te_schedule(name, [x, g, y])
+    _row_reductions(sch, ["sq"], "y", _lanes(D), rows)
+    return sch.mod[name]
+
+
+def embed(name, V, D, *, rows, positions: int | None):
+    """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table, (pos_table, start), y."""
+    m = _row_dim(rows)
+    ids = te.placeholder((m,), "int64", name="ids")
+    table = te.placeholder((V, D), name="table")
+    if positions:
+        pos = te.placeholder((positions, D), name="pos_table")
+        start = te.var("start", "int64")
+        y = te.compute((m, D), lambda i, j: table[ids[i], j] + pos[start + i, j], name="y")
+        args = [ids, table, pos, start, y]
+    else:
+        y = te.compute((m, D), lambda i, j: table[ids[i], j], name="y")
+        args = [ids, table, y]
+    sch = _te_schedule(name, args)
+    _rowwise(sch, sch.get_sblock("y"), _lanes(D), rows)
+    return sch.mod[name]
+
+
+# --------------------------------------------------------------------------------------------
+# TVMScript kernels (in-place cache writes, causal loop bounds)
+# --------------------------------------------------------------------------------------------
+
+
+def _row_loop(rows):
+    """Prefill rows run on the thread pool; the single decode row runs inline."""
+    return T.parallel if rows is None else T.serial
+
+
+def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
+    """Split qkv rows, rotate q and k (rotate-half RoPE), write q and the KV cache in place.
+
+    Args: qkv[m, (H+2KVH)*hd], (cos, sin [max_ctx, hd/2]), kcache, vcache [KVH, max_ctx, hd],
+    q[m, H*hd], start. Row i goes to cache position start + i; other positions are untouched.
+    The work per row is tiny (a few KB), so rows are parallel only in prefill; each head's
+    half-rows are processed in vectors.
+    """
+    if hd % 2:
+        raise ValueError("rope_kv_write needs an even head dim")
+    M = _row_dim(rows)
+    loop = _row_loop(rows)
+    half = hd // 2
+    width = (H + 2 * KVH) * hd
+    hl = _lanes(half)  # vector width over a half head
+    dl = _lanes(hd)  # vector width over a whole head
+    K0, V0 = H * hd, (H + KVH) * hd  # column offsets of the k and v heads in a qkv row
+
+    if rope:
+
+        @T.prim_func
+        def kernel(
+            qkv_h: T.handle,
+            cos: T.Buffer((max_ctx, half), "float32"),
+            sin: T.Buffer((max_ctx, half), "float32"),
+            kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+            vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+            q_h: T.handle,
+            start: T.int64,
+        ):
+            T.func_attr({"tirx.noalias": True})
+            qkv = T.match_buffer(qkv_h, (M, width), "float32")
+            q = T.match_buffer(q_h, (M, H * hd), "float32")
+            for i in loop(M):
+                p = start + i
+                for h, j0 in T.grid(H, half // hl):
+                    for v in T.vectorized(hl):
+                        q[i, h * hd + j0 * hl + v] = (
+                            qkv[i, h * hd + j0 * hl + v] * cos[p, j0 * hl + v]
+                            - qkv[i, h * hd + half + j0 * hl + v] * sin[p, j0 * hl + v]
+                        )
+                        q[i, h * hd + half + j0 * hl + v] = (
+                            qkv[i, h * hd + half + j0 * hl + v] * cos[p, j0 * hl + v]
+                            + qkv[i, h * hd + j0 * hl + v] * sin[p, j0 * hl + v]
+                        )
+                for h, j0 in T.grid(KVH, half // hl):
+                    for v in T.vectorized(hl):
+                        kcache[h, p, j0 * hl + v] = (
+                            qkv[i, K0 + h * hd + j0 * hl + v] * cos[p, j0 * hl + v]
+                            - qkv[i, K0 + h * hd + half + j0 * hl + v] * sin[p, j0 * hl + v]
+                        )
+                        kcache[h, p, half + j0 * hl + v] = (
+                            qkv[i, K0 + h * hd + half + j0 * hl + v] * cos[p, j0 * hl + v]
+                            + qkv[i, K0 + h * hd + j0 * hl + v] * sin[p, j0 * hl + v]
+                        )
+                for h, j0 in T.grid(KVH, hd // dl):
+                    for v in T.vectorized(dl):
+                        vcache[h, p, j0 * dl + v] = qkv[i, V0 + h * hd + j0 * dl + v]
+
+    else:
+
+        @T.prim_func
+        def kernel(
+            qkv_h: T.handle,
+            kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+            vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+            q_h: T.handle,
+            start: T.int64,
+        ):
+            T.func_attr({"tirx.noalias": True})
+            qkv = T.match_buffer(qkv_h, (M, width), "float32")
+            q = T.match_buffer(q_h, (M, H * hd), "float32")
+            for i in loop(M):
+                p = start + i
+                for j0 in range(H * hd // dl):
+                    for v in T.vectorized(dl):
+                        q[i, j0 * dl + v] = qkv[i, j0 * dl + v]
+                for h, j0 in T.grid(KVH, hd // dl):
+                    for v in T.vectorized(dl):
+                        kcache[h, p, j0 * dl + v] = qkv[i, K0 + h * hd + j0 * dl + v]
+                        vcache[h, p, j0 * dl + v] = qkv[i, V0 + h * hd + j0 * dl + v]
+
+    return kernel.with_attr("global_symbol", name)
+
+
+def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
+    """Causal grouped-query attention over the KV cache.
+
+    Args: q[m, H*hd], kcache, vcache [KVH, max_ctx, hd], out[m, H*hd], start.
+    Query head h reads kv head h // (H // KVH); row i (position start + i) attends keys
+    0 .. start + i. One (head, row) pair per parallel iteration, heads outermost so each
+    thread gets whole heads and the causal triangle stays balanced. Per pair:
+      1. scores s[t] = scale * q . k_t, q.k as hd/8 vector FMAs and one horizontal sum;
+      2. max and exp/sum over s in whole vectors (s padded to a multiple of 8 with -inf);
+      3. out = (sum_t p_t v_t) / sum, accumulated in hd/8 ymm registers, key loop outside.
+    """
+    if H % KVH:
+        raise ValueError("H must be a multiple of KVH")
+    M = _row_dim(rows)
+    group = H // KVH
+    dl = _lanes(hd)
+    nd = hd // dl
+    cap = (max_ctx + VEC - 1) // VEC * VEC  # score buffer, padded to whole vectors
+    scale = float(scale)
+
+    @T.prim_func
+    def kernel(
+        q_h: T.handle,
+        kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+        vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+        out_h: T.handle,
+        start: T.int64,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        q = T.match_buffer(q_h, (M, H * hd), "float32")
+        out = T.match_buffer(out_h, (M, H * hd), "float32")
+        for hi in T.parallel(H * M):
+            h = hi // M
+            i = hi % M
+            g = h // group
+            n_keys = start + i + 1
+            n_vec = (n_keys + VEC - 1) // VEC
+            s = T.alloc_local((cap,), "float32")
+            dot = T.alloc_local((dl,), "float32")
+            red = T.alloc_local((VEC,), "float32")
+            stat = T.alloc_local((2,), "float32")  # running max, then the exp sum
+            o = T.alloc_local((hd,), "float32")
+            # 1. scores
+            for t in range(n_keys):
+                for v in T.vectorized(dl):
+                    dot[v] = T.float32(0)
+                for d0 in T.unroll(nd):
+                    for v in T.vectorized(dl):
+                        dot[v] = dot[v] + q[i, h * hd + d0 * dl + v] * kcache[g, t, d0 * dl + v]
+                stat[0] = dot[0]
+                for v in T.unroll(1, dl):
+                    stat[0] = stat[0] + dot[v]
+                s[t] = stat[0] * T.float32(scale)
+            for t in range(n_keys, n_vec * VEC):
+                s[t] = T.float32(_NEG)
+            # 2. max
+            for v in T.vectorized(VEC):
+                red[v] = T.float32(_NEG)
+            for tb in range(n_vec):
+                for v in T.vectorized(VEC):
+                    red[v] = T.max(red[v], s[tb * VEC + v])
+            stat[0] = red[0]
+            for v in T.unroll(1, VEC):
+                stat[0] = T.max(stat[0], red[v])
+            # exp and sum (padding gives exp(-huge) ~ 1e-38, nothing next to the max's 1.0)
+            for v in T.vectorized(VEC):
+                red[v] = T.float32(0)
+            for tb in range(n_vec):
+                for v in T.vectorized(VEC):
+                    s[tb * VEC + v] = _exp(s[tb * VEC + v] - stat[0])
+                    red[v] = red[v] + s[tb * VEC + v]
+            stat[1] = red[0]
+            for v in T.unroll(1, VEC):
+                stat[1] = stat[1] + red[v]
+            # 3. weighted sum of values
+            for d0 in T.unroll(nd):
+                for v in T.vectorized(dl):
+                    o[d0 * dl + v] = T.float32(0)
+            for t in range(n_keys):
+                for d0 in T.unroll(nd):
+                    for v in T.vectorized(dl):
+                        o[d0 * dl + v] = o[d0 * dl + v] + s[t] * vcache[g, t, d0 * dl + v]
+            for d0 in T.unroll(nd):
+                for v in T.vectorized(dl):
+                    out[i, h * hd + d0 * dl + v] = o[d0 * dl + v] / stat[1]
+
+    return kernel.with_attr("global_symbol", name)
+
+
+# --------------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------------
+
+
+def build(funcs, target, path):
+    """Compile ``funcs`` into one module (one symbol per kernel) and export it as a .so."""
+    mod = {}
+    for f in funcs:
+        symbol = str(f.attrs["global_symbol"])
+        if symbol in mod:
+            raise ValueError(f"duplicate kernel name {symbol!r}")
+        mod[symbol] = f
+    lib = tvm.compile(tvm.IRModule(mod), target=tvm.target.Target(target))
+    lib.export_library(path)

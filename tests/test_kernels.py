@@ -1,0 +1,343 @@
+"""Tests of the CPU kernel library (passes/kernels/cpu.py) against numpy references.
+
+All kernels are built once into one .so (module fixture) and called the way the runtime
+calls them: tvm.runtime.load_module + tvm_ffi.from_dlpack on 64-byte aligned numpy arrays
+(TVM's code assumes that alignment; plain numpy arrays can crash parallel kernels). Prefill
+kernels get row slices buf[:m] of larger aligned buffers, as the runtime passes them.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+
+from passes.kernels import cpu
+
+MAX_ROWS = 8  # prefill buffers are allocated this tall and sliced to m rows
+MAX_CTX = 20  # not a multiple of 8: exercises the padded score buffer
+# (variant, m): decode always has m = 1; prefill is tried with 1, 3 and 7 rows
+VARIANTS = [("d", 1), ("p", 1), ("p", 3), ("p", 7)]
+ROWS = {"d": 1, "p": None}
+
+LINEAR = {  # name: (K, N, bias, act, residual)
+    "plain": (40, 72, False, "none", False),
+    "relu": (40, 72, True, "relu", False),
+    "gelu": (40, 72, True, "gelu", True),
+    "silu": (40, 72, False, "silu", True),
+    "tiles": (64, 128, True, "none", True),  # whole 64-column GEMV blocks / 6x16 GEMM tiles
+    "narrow": (24, 36, True, "relu", False),  # N % 8 != 0: 4-lane vectors
+}
+GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "relu36": (36, "relu")}
+NORM_D = (36, 64)
+HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64)]  # (H, KVH, hd)
+LONG_CTX = 600  # score buffer > 1 KB: TVM allocates it from the workspace pool, not the stack
+V = 50
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def aligned_empty(shape, dtype="float32", align=64):
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off : off + n].view(dtype).reshape(shape)
+
+
+def aligned(a):
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
+def rand(rng, *shape, scale=1.0):
+    return aligned((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def rows_buf(rng, m, *shape, scale=1.0):
+    """A MAX_ROWS-tall aligned buffer and its first m rows (what the runtime passes)."""
+    full = rand(rng, MAX_ROWS, *shape, scale=scale)
+    return full, full[:m]
+
+
+def call(lib, name, *args):
+    lib[name](*[tvm_ffi.from_dlpack(a) if isinstance(a, np.ndarray) else a for a in args])
+
+
+def act_ref(v, act):
+    if act == "relu":
+        return np.maximum(v, 0)
+    if act == "gelu":
+        return 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))
+    if act == "silu":
+        return v / (1 + np.exp(-v))
+    return v
+
+
+def close(got, ref, tol=1e-4):
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+def kname(kind, cfg, variant):
+    return f"{kind}_{cfg}_{variant}"
+
+
+def attention_ref(q, kc, vc, start, H, KVH, hd, scale):
+    m = q.shape[0]
+    out = np.zeros((m, H * hd))
+    for i in range(m):
+        n = start + i + 1
+        for h in range(H):
+            g = h // (H // KVH)
+            s = scale * (kc[g, :n].astype(np.float64) @ q[i, h * hd : (h + 1) * hd])
+            p = np.exp(s - s.max())
+            out[i, h * hd : (h + 1) * hd] = (p / p.sum()) @ vc[g, :n]
+    return out
+
+
+def rope_ref(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ---------------------------------------------------------------------------------- fixture
+
+
+def all_kernels():
+    funcs = []
+    for v, rows in ROWS.items():
+        for cfg, (K, N, bias, act, res) in LINEAR.items():
+            funcs.append(cpu.linear(kname("linear", cfg, v), K, N, rows=rows, bias=bias, act=act, residual=res))
+        for cfg, (F, act) in GLU.items():
+            funcs.append(cpu.glu(kname("glu", cfg, v), F, rows=rows, act=act))
+        for D in NORM_D:
+            funcs.append(cpu.layer_norm(kname("ln", D, v), D, 1e-5, rows=rows))
+            funcs.append(cpu.rms_norm(kname("rms", D, v), D, 1e-6, rows=rows))
+        funcs.append(cpu.embed(kname("embed", "pos", v), V, 36, rows=rows, positions=MAX_CTX))
+        funcs.append(cpu.embed(kname("embed", "nopos", v), V, 36, rows=rows, positions=None))
+        for H, KVH, hd in HEADS:
+            for rope in (True, False):
+                funcs.append(
+                    cpu.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}", v), H, KVH, hd, MAX_CTX, rows=rows, rope=rope)
+                )
+            funcs.append(
+                cpu.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
+            )
+        funcs.append(cpu.attention(kname("attn", "long", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows))
+    return funcs
+
+
+@pytest.fixture(scope="module")
+def lib_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("kernels") / "kernels.so")
+    cpu.build(all_kernels(), cpu.CPU_TARGET, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lib(lib_path):
+    return tvm.runtime.load_module(lib_path)
+
+
+# ---------------------------------------------------------------------------------- interface
+
+
+def test_interface():
+    f = cpu.linear("lin", 40, 72, rows=None, bias=True, act="gelu", residual=True)
+    assert str(f.attrs["global_symbol"]) == "lin"
+    assert [p.name for p in f.params] == ["x", "w", "b", "res", "y"]
+    e = cpu.embed("emb", V, 36, rows=1, positions=MAX_CTX)
+    assert [p.name for p in e.params] == ["ids", "table", "pos_table", "start", "y"]
+    assert str(e.params[3].ty) == "int64"  # scalar param; Var.dtype raises in 0.27
+    r = cpu.rope_kv_write("rope", 4, 2, 8, MAX_CTX, rows=None, rope=True)
+    assert [p.name for p in r.params] == ["qkv", "cos", "sin", "kcache", "vcache", "q", "start"]
+    a = cpu.attention("attn", 4, 2, 8, MAX_CTX, 0.3, rows=1)
+    assert [p.name for p in a.params] == ["q", "kcache", "vcache", "out", "start"]
+    with pytest.raises(ValueError):
+        cpu.linear("bad", 8, 8, rows=2, bias=False)
+    with pytest.raises(ValueError):
+        cpu.glu("bad", 8, rows=1, act="tanh")
+
+
+# ---------------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("cfg", LINEAR)
+def test_linear(lib, cfg, variant, m):
+    K, N, bias, act, res = LINEAR[cfg]
+    rng = np.random.default_rng(0)
+    _, x = rows_buf(rng, m, K, scale=0.5)
+    w = rand(rng, K, N, scale=0.5)
+    b = rand(rng, N)
+    _, r = rows_buf(rng, m, N)
+    _, y = rows_buf(rng, m, N)
+    args = [x, w] + ([b] if bias else []) + ([r] if res else []) + [y]
+    call(lib, kname("linear", cfg, variant), *args)
+    ref = x.astype(np.float64) @ w + (b if bias else 0)
+    ref = act_ref(ref, act) + (r if res else 0)
+    close(y, ref)
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("cfg", GLU)
+def test_glu(lib, cfg, variant, m):
+    F, act = GLU[cfg]
+    rng = np.random.default_rng(1)
+    _, t = rows_buf(rng, m, 2 * F, scale=3.0)  # wide range: exercises exp/erf tails
+    _, y = rows_buf(rng, m, F)
+    call(lib, kname("glu", cfg, variant), t, y)
+    t64 = t.astype(np.float64)
+    close(y, act_ref(t64[:, :F], act) * t64[:, F:])
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("D", NORM_D)
+def test_layer_norm(lib, D, variant, m):
+    rng = np.random.default_rng(2)
+    _, x = rows_buf(rng, m, D)
+    x += 3.0  # a non-zero mean
+    g, b = rand(rng, D), rand(rng, D)
+    _, y = rows_buf(rng, m, D)
+    call(lib, kname("ln", D, variant), x, g, b, y)
+    x64 = x.astype(np.float64)
+    mu = x64.mean(-1, keepdims=True)
+    var = ((x64 - mu) ** 2).mean(-1, keepdims=True)
+    close(y, (x64 - mu) / np.sqrt(var + 1e-5) * g + b)
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("D", NORM_D)
+def test_rms_norm(lib, D, variant, m):
+    rng = np.random.default_rng(3)
+    _, x = rows_buf(rng, m, D)
+    g = rand(rng, D)
+    _, y = rows_buf(rng, m, D)
+    call(lib, kname("rms", D, variant), x, g, y)
+    x64 = x.astype(np.float64)
+    close(y, x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * g)
+
+
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("variant,m", VARIANTS)
+def test_embed(lib, variant, m, start):
+    rng = np.random.default_rng(4)
+    ids_full = aligned(rng.integers(0, V, MAX_ROWS).astype(np.int64))
+    ids = ids_full[:m]
+    table, pos = rand(rng, V, 36), rand(rng, MAX_CTX, 36)
+    _, y = rows_buf(rng, m, 36)
+    call(lib, kname("embed", "pos", variant), ids, table, pos, start, y)
+    close(y, table[ids] + pos[start : start + m], tol=1e-6)
+    _, y2 = rows_buf(rng, m, 36)
+    call(lib, kname("embed", "nopos", variant), ids, table, y2)
+    np.testing.assert_array_equal(y2, table[ids])
+
+
+@pytest.mark.parametrize("rope", [True, False])
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "H%d_KVH%d_hd%d" % h)
+def test_rope_kv_write(lib, heads, variant, m, start, rope):
+    H, KVH, hd = heads
+    rng = np.random.default_rng(5)
+    _, qkv = rows_buf(rng, m, (H + 2 * KVH) * hd)
+    ang = rng.uniform(0, 2 * np.pi, (MAX_CTX, hd // 2))
+    cos, sin = aligned(np.cos(ang).astype(np.float32)), aligned(np.sin(ang).astype(np.float32))
+    kc, vc = rand(rng, KVH, MAX_CTX, hd), rand(rng, KVH, MAX_CTX, hd)
+    kc0, vc0 = kc.copy(), vc.copy()
+    _, q = rows_buf(rng, m, H * hd)
+    name = kname("rope", f"{H}_{KVH}_{hd}_{rope}", variant)
+    call(lib, name, *([qkv] + ([cos, sin] if rope else []) + [kc, vc, q, start]))
+
+    pos = slice(start, start + m)
+    qh = qkv[:, : H * hd].reshape(m, H, hd).astype(np.float64)
+    kh = qkv[:, H * hd : (H + KVH) * hd].reshape(m, KVH, hd).astype(np.float64)
+    vh = qkv[:, (H + KVH) * hd :].reshape(m, KVH, hd)
+    if rope:
+        c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+        qh, kh = rope_ref(qh, c, s), rope_ref(kh, c, s)
+    close(q, qh.reshape(m, H * hd), tol=1e-5)
+    close(kc[:, pos], kh.transpose(1, 0, 2), tol=1e-5)
+    np.testing.assert_array_equal(vc[:, pos], vh.transpose(1, 0, 2))
+    untouched = np.ones(MAX_CTX, bool)
+    untouched[pos] = False
+    np.testing.assert_array_equal(kc[:, untouched], kc0[:, untouched])
+    np.testing.assert_array_equal(vc[:, untouched], vc0[:, untouched])
+
+
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "H%d_KVH%d_hd%d" % h)
+def test_attention(lib, heads, variant, m, start):
+    H, KVH, hd = heads
+    scale = 1 / math.sqrt(hd)
+    rng = np.random.default_rng(6)
+    _, q = rows_buf(rng, m, H * hd, scale=2.0)  # peaked softmax: checks the max subtraction
+    kc, vc = rand(rng, KVH, MAX_CTX, hd), rand(rng, KVH, MAX_CTX, hd)
+    _, out = rows_buf(rng, m, H * hd)
+    name = kname("attn", f"{H}_{KVH}_{hd}", variant)
+    call(lib, name, q, kc, vc, out, start)
+    close(out, attention_ref(q, kc, vc, start, H, KVH, hd, scale))
+
+    # causality: garbage in every cache entry after position start + i leaves rows <= i as they were
+    base = out.copy()
+    for i in range(m):
+        kc2, vc2 = aligned(kc), aligned(vc)
+        kc2[:, start + i + 1 :] = 1e3
+        vc2[:, start + i + 1 :] = np.nan
+        _, out2 = rows_buf(rng, m, H * hd)
+        call(lib, name, q, kc2, vc2, out2, start)
+        np.testing.assert_array_equal(out2[: i + 1], base[: i + 1])
+
+
+@pytest.mark.parametrize("variant,m", [("d", 1), ("p", 7)])
+def test_attention_long_context(lib, variant, m):
+    rng = np.random.default_rng(7)
+    start = LONG_CTX - m - 3
+    _, q = rows_buf(rng, m, 4 * 16)
+    kc, vc = rand(rng, 1, LONG_CTX, 16), rand(rng, 1, LONG_CTX, 16)
+    _, out = rows_buf(rng, m, 4 * 16)
+    call(lib, kname("attn", "long", variant), q, kc, vc, out, start)
+    close(out, attention_ref(q, kc, vc, start, 4, 1, 16, 0.25))
+
+
+# ---------------------------------------------------------------------------------- runtime path
+
+
+def test_runtime_only_process(lib_path):
+    """A fresh process with TVM_USE_RUNTIME_LIB=1 (no compiler) loads and runs the kernels."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        os.environ["TVM_USE_RUNTIME_LIB"] = "1"
+        import numpy as np, tvm_ffi, tvm.runtime
+        lib = tvm.runtime.load_module({lib_path!r})
+
+        def aligned_empty(shape, dtype="float32", align=64):
+            n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            raw = np.empty(n + align, np.uint8); off = (-raw.ctypes.data) % align
+            return raw[off:off + n].view(dtype).reshape(shape)
+
+        x, w, y = aligned_empty((8, 64)), aligned_empty((64, 128)), aligned_empty((8, 128))
+        b, r = aligned_empty((128,)), aligned_empty((8, 128))
+        rng = np.random.default_rng(0)
+        for a in (x, w, b, r):
+            a[...] = rng.standard_normal(a.shape)
+        lib["linear_tiles_p"](*[tvm_ffi.from_dlpack(a) for a in (x[:5], w, b, r[:5], y[:5])])
+        ref = x[:5].astype(np.float64) @ w + b + r[:5]
+        assert np.allclose(y[:5], ref, rtol=1e-4, atol=1e-4)
+        with open("/proc/self/maps") as f:
+            assert "libtvm_compiler" not in f.read()
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TVM_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
