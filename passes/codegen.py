@@ -373,7 +373,7 @@ def place_buffers(lowering: Lowering) -> None:
 _DTYPES = {"float32": ir.DataType.FLOAT, "int32": ir.DataType.INT32, "int64": ir.DataType.INT64}
 
 
-def _call_graph(lowering: Lowering, source: ir.Model) -> ir.Model:
+def _call_graph(lowering: Lowering) -> ir.Model:
     """The lowered IR: one picompile.Call node per kernel call, values named buffer#version."""
     version: dict[str, int] = {}
     current: dict[str, ir.Value] = {}
@@ -430,7 +430,7 @@ class Codegen:
         for node in model.graph:
             walker.lower(node)
         place_buffers(lowering)
-        lowered = _call_graph(lowering, model)
+        lowered = _call_graph(lowering)
         lowered.metadata_props.update(model.metadata_props)  # what earlier passes decided (placement, layers)
         lowered.metadata_props["picompile.buffers"] = _json(lowering.buffers)
         library = Path(ctx.workdir) / "kernels" / "cpu.so"

@@ -492,7 +492,7 @@ def _optional(graph: ir.Graph, name: str, array: np.ndarray | None) -> ir.Value 
     return None if array is None else pir.initializer(graph, name, array)
 
 
-def build_graph(decoder: Decoder, source: ir.Model) -> ir.Model:
+def build_graph(decoder: Decoder) -> ir.Model:
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["seq"])
     start = ir.val("start", ir.DataType.INT64, [])
     graph = ir.Graph([input_ids, start], [], nodes=[], name="decoder",
@@ -582,7 +582,7 @@ class Recognise:
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)
-        lifted = build_graph(decoder, model)
+        lifted = build_graph(decoder)
         ctx.source = model  # the profile pass runs the source graph as its reference executor
         ctx.log(f"recognised {len(decoder.attentions)} layers: "
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
