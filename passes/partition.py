@@ -1,0 +1,507 @@
+"""partition: decide which FFN neurons live on the GPU (hot) and which stay on the CPU (cold).
+
+Reads: the block IR's `picompile.FFN` nodes (attribute `layer`, `gated`; weight shapes from their
+initializer inputs w_up [D, F] or [D, 2F] gated, b_up, w_down [F, D]), the per-layer activation
+frequencies `layers.{i}.ffn.frequency` (float32 [F], added by the profile pass), the `picompile.Attention`
+nodes' `num_kv_heads` / `head_dim` (for the KV cache), every other initializer (the dense GPU part:
+attention, norms, embeddings, output layer, RoPE tables, predictors, frequency tables), the target's GPU
+memory and bandwidths and the options (`vram_budget_bytes`, `max_context`, `placement_batch`,
+`placement_time_limit_s`).
+Adds per FFN node: an int attribute `gpu_neurons` and an initializer `layers.{i}.ffn.neuron_order`
+(int64 [F]: neuron ids, hottest first; the first `gpu_neurons` of them are on the GPU, the rest on the
+CPU), and a graph-level `metadata_props["picompile.placement"]`: a JSON report of the solve (status,
+objective, gap, times, budget breakdown, per-layer counts) that `picompile inspect` shows.
+
+The FFN budget is the GPU memory (`--vram-budget`, else the target's) minus the dense part (every
+initializer that is not a per-neuron FFN weight, at BYTES_PER_ELEMENT), the KV cache for `max_context`
+tokens and a RESERVE_FRACTION reserve. A layer's minimum GPU part is the smallest prefix whose expected
+saving of CPU time pays for one CPU-GPU synchronisation (SYNC_LATENCY_S plus the PCIe copies), see
+`min_neurons_for`; balance (4) comes from the target's GPU and CPU bandwidths.
+
+The decision is PowerInfer's policy solver (SOSP '24, section "Neuron placement policy") as an integer
+linear program, solved by HiGHS; see `solve_placement` for the formulation. Fixed against the public
+code: variables are declared binary (its unbounded integers are rightly reported unbounded by HiGHS) and
+layers are taken in numeric order (its string sort put activation_10 before activation_2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import PassResult
+
+from picompile import ir as pir
+from picompile.errors import UserError
+from picompile.pipeline import Context
+
+# Storage precision of the weights on the target: the one place to change when fp16/int4 weights land.
+BYTES_PER_ELEMENT = 4
+# Fixed cost of one CPU-GPU synchronisation per hybrid layer (kernel launch, event wait, merge): a layer
+# with GPU neurons must save at least this much CPU time per token, plus the PCIe copies of its input
+# and partial output, or it is cheaper to leave the whole layer on the CPU.
+SYNC_LATENCY_S = 20e-6
+# Share of the GPU memory kept free for activations, kernel workspace and the allocator's slack.
+RESERVE_FRACTION = 0.05
+
+
+# ---------------------------------------------------------------- the solver (no IR)
+
+
+@dataclass
+class Placement:
+    gpu_neurons: list[int]  # per layer: how many of its hottest neurons go to the GPU (a multiple of batch, or all)
+    status: str  # HiGHS model status as text, e.g. "Optimal", "Time limit reached", or "no GPU budget"
+    objective: float  # total activation frequency placed on the GPU
+    gap: float  # relative MIP gap: HiGHS's (<= mip_rel_gap when "Optimal", 0.0 when proven exactly); when
+    #             HiGHS stops early, at most the gap to the LP bound
+    solve_time_s: float  # wall time of the whole call: model building, greedy start and HiGHS
+    num_variables: int  # binaries of the formulation (x per group of tied batches, y per layer)
+    used_bytes: int
+    min_neurons: list[int] = field(default_factory=list)  # the per-layer minimum as applied (clamped to the layer)
+
+
+@dataclass
+class _Model:
+    """The integer program's columns: per layer, its frequency-sorted batches merged into groups of
+    batches that the constraints force on or off together; group k belongs to layer[k]."""
+
+    sorted_frequencies: list[np.ndarray]
+    offsets: np.ndarray  # first group of each layer, plus the total at the end
+    layer: np.ndarray  # layer of each group
+    size: np.ndarray  # neurons in each group
+    value: np.ndarray  # sum of the group's frequencies (expected active neurons per token)
+    bytes: np.ndarray  # bytes of the group
+    minimum: np.ndarray  # per layer: min-or-nothing count, clamped to [0, layer size]
+    balance: dict  # layer -> (columns, values, upper) of its balance row (4), when balance applies
+
+
+def _layout(frequencies: list[np.ndarray], bytes_per_neuron: list[int], batch: int,
+            min_neurons: list[int] | None, g: float, c: float) -> _Model:
+    """Sort, batch, and merge tied batches: (3) ties a layer's first batches up to its minimum, and (4)
+    ties the batches past the longest prefix it allows (only the whole layer may take them)."""
+    share = g / (g + c) if g > 0 and c > 0 else None
+    minimum = np.zeros(len(frequencies), np.int64)
+    sorted_f, columns, balance, counts = [], [], {}, []
+    for index, f in enumerate(frequencies):
+        f = np.asarray(f, dtype=np.float64).reshape(-1)
+        if not np.all(np.isfinite(f)) or (f.size and f.min() < 0):
+            raise ValueError(f"layer {index}: frequencies must be finite and non-negative")
+        f = -np.sort(-f)  # hottest first
+        sorted_f.append(f)
+        if min_neurons is not None:
+            minimum[index] = min(max(int(min_neurons[index]), 0), f.size)
+        if f.size == 0:
+            counts.append(0)
+            continue
+        starts = np.arange(0, f.size, batch)
+        ends = np.append(starts[1:], f.size)  # neurons in the prefix ending with each batch
+        value = np.add.reduceat(f, starts)
+        tied = np.zeros(starts.size, bool)  # batch b is on the GPU exactly when batch b-1 is
+        first = int(np.searchsorted(ends, max(int(minimum[index]), 1))) + 1  # batches in the minimum part
+        tied[1:first] = True
+        cap = None
+        if share is not None:
+            # (4) with A_b the expected active neurons of batch b (the bytes per neuron cancel):
+            #   g * sum_b A_b x_b  <=  c * sum_b A_b (1 - x_b)  +  g * A(minimum part)  +  M * x_last,
+            # divided by (g + c); M = g * A(layer) exempts a layer placed entirely on the GPU. The
+            # coefficients are frequencies, not nanoseconds (HiGHS drops matrix entries below 1e-9).
+            total = float(value.sum())
+            cap = (1 - share) * total + share * float(value[:first].sum())
+            # The hot part grows with the prefix: (4) allows prefixes up to some batch, then only all.
+            allowed = int(np.searchsorted(np.cumsum(value), cap * (1 + 1e-9) + 1e-12, side="right"))
+            tied[max(allowed, first) + 1:] = True
+        heads = np.flatnonzero(~tied)
+        group_ends = np.append(heads[1:], starts.size)
+        size = ends[group_ends - 1] - starts[heads]
+        group_value = np.add.reduceat(value, heads)
+        nbytes = size.astype(np.float64) * bytes_per_neuron[index]
+        columns.append((np.full(heads.size, index), size, group_value, nbytes))
+        if cap is not None:
+            row = group_value.copy()
+            row[-1] -= share * total
+            balance[index] = (sum(counts) + np.arange(heads.size), row, cap)
+        counts.append(heads.size)
+    cat = lambda k, dtype: np.concatenate([c[k] for c in columns]).astype(dtype) if columns else np.zeros(0, dtype)
+    return _Model(sorted_f, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), cat(0, np.int64),
+                  cat(1, np.int64), cat(2, np.float64), cat(3, np.float64), minimum, balance)
+
+
+def _greedy(M: _Model, budget: float) -> np.ndarray:
+    """A feasible start: take groups by value per byte across layers. Within a layer the value per byte
+    never grows, so a stable sort visits each layer's groups in order; a group that does not fit closes
+    its layer (later ones would break the prefix), smaller groups of other layers may still fit."""
+    density = np.divide(M.value, M.bytes, out=np.zeros_like(M.value), where=M.bytes > 0)
+    for l in range(len(M.sorted_frequencies)):  # exact ties may round either way
+        lo, hi = M.offsets[l], M.offsets[l + 1]
+        density[lo:hi] = np.minimum.accumulate(density[lo:hi])
+    next_group = M.offsets[:-1].copy()
+    closed = np.zeros(len(M.sorted_frequencies), bool)
+    x = np.zeros(M.size.size)
+    used = 0.0
+    for k in np.lexsort((np.arange(M.size.size), -density)):
+        l = M.layer[k]
+        if closed[l] or k != next_group[l]:
+            continue
+        if used + M.bytes[k] <= budget:
+            x[k] = 1
+            used += M.bytes[k]
+            next_group[l] = k + 1
+        else:
+            closed[l] = True
+    return x
+
+
+def _bound_and_fixings(M: _Model, budget: float, incumbent: np.ndarray, value: float):
+    """The LP bound and the variables it proves fixed (reduced-cost fixing, done by hand).
+
+    Within a layer the groups' value per byte never grows, so the LP relaxation is the fractional
+    greedy: take groups by value per byte until one does not fit, then a fraction of that one, whose
+    value per byte is the price lam of a byte. The bound is UB = lam * budget + sum_l best_l, with best_l
+    = max_k (V_l(k) - lam W_l(k)) over the layer's prefixes of k groups (value V, bytes W). Forcing
+    x[l,g] on (a prefix longer than g) or off (a prefix shorter than g+1) lowers that bound by the loss
+    in best_l; where the lowered bound is below the incumbent's value, no better placement has that
+    setting, so the variable is fixed the other way. Fixed sets are a prefix (on) and a suffix (off) of
+    each layer, and never contradict the incumbent."""
+    density = np.divide(M.value, M.bytes, out=np.zeros_like(M.value), where=M.bytes > 0)
+    for l in range(len(M.sorted_frequencies)):
+        lo, hi = M.offsets[l], M.offsets[l + 1]
+        density[lo:hi] = np.minimum.accumulate(density[lo:hi])
+    order = np.lexsort((np.arange(M.size.size), -density))
+    filled = np.cumsum(M.bytes[order])
+    cut = int(np.searchsorted(filled, budget, side="right"))  # groups that fit whole
+    lam = 0.0 if cut == order.size else float(density[order[cut]])
+    best = np.zeros(len(M.sorted_frequencies))
+    fix_on = np.zeros(M.size.size, bool)
+    fix_off = np.zeros(M.size.size, bool)
+    losses = []
+    for l in range(len(M.sorted_frequencies)):
+        lo, hi = M.offsets[l], M.offsets[l + 1]
+        score = np.concatenate([[0.0], np.cumsum(M.value[lo:hi] - lam * M.bytes[lo:hi])])  # prefixes of k groups
+        best[l] = score.max()
+        longer = np.maximum.accumulate(score[::-1])[::-1][1:]  # best prefix including group j
+        shorter = np.maximum.accumulate(score)[:-1]  # best prefix excluding group j
+        losses.append((lo, hi, best[l] - longer, best[l] - shorter))
+    upper = lam * budget + float(best.sum())
+    slack = upper - value + 1e-9 * max(1.0, abs(upper))  # a fixing must cost more than this
+    for lo, hi, loss_on, loss_off in losses:
+        fix_off[lo:hi] = (loss_on > slack) & (incumbent[lo:hi] < 0.5)
+        fix_on[lo:hi] = (loss_off > slack) & (incumbent[lo:hi] > 0.5)
+    return upper, fix_on, fix_off
+
+
+def solve_placement(frequencies: list[np.ndarray], bytes_per_neuron: list[int], budget_bytes: int, *,
+                    batch: int = 64, min_neurons: list[int] | None = None, time_limit_s: float = 30.0,
+                    gpu_time_per_byte: float = 0.0, cpu_time_per_byte: float = 0.0,
+                    mip_rel_gap: float = 1e-3, threads: int | None = None,
+                    highs_options: dict | None = None) -> Placement:
+    """PowerInfer's neuron placement as a 0-1 integer program, solved by HiGHS.
+
+    Each layer's neurons are sorted by frequency, hottest first (`frequencies[l]` is layer l, in numeric
+    layer order), and grouped in batches of `batch` (the last may be smaller); one binary x[l,b] per batch
+    says "on the GPU". Maximise the frequency placed on the GPU, sum f(l,b) x[l,b], subject to
+      (1) memory:   sum bytes(l,b) x[l,b] <= budget_bytes;
+      (2) prefix:   x[l,b+1] <= x[l,b]: a layer's GPU part is its hottest neurons;
+      (3) minimum-or-nothing (when min_neurons is given): a binary y[l] with
+          sum_b size(l,b) x[l,b] >= min_neurons[l] y[l] and x[l,0] <= y[l] (with (2) that bounds every
+          x[l,b]): a layer's GPU part, if any, has at least min_neurons[l] neurons, fewer would not pay
+          for the CPU-GPU synchronisation. A minimum above the layer's size means "all or nothing";
+      (4) balance (only when gpu_time_per_byte and cpu_time_per_byte are both > 0: seconds per byte of an
+          active neuron's weights, i.e. 1 / bandwidth): per layer, the GPU's expected time for its hot part
+          must not exceed the CPU's expected time for its cold part plus the GPU's time for one minimum GPU
+          part (the layer's smallest allowed prefix), so that neither side idles long waiting for the
+          other. A layer placed entirely on the GPU is exempt: it has no CPU part to wait for.
+
+    Two exact reductions keep HiGHS fast (in HiGHS 1.16 a 36k-binary model of this shape spent 12 s in
+    presolve probing, and its root rounding heuristics, quadratic in the columns here, ran past the time
+    limit for minutes):
+      - batches that (3) and (4) force on or off together share one variable: a layer's minimum part, and
+        the batches past the longest prefix (4) allows (a batch's expected time is proportional to its
+        frequencies, so (4) allows exactly the prefixes up to some batch, plus the whole layer);
+      - variables that the LP bound proves fixed, given a greedy placement, are fixed before the solve
+        (`_bound_and_fixings`); HiGHS solves the rest, all rows (1)-(4) included, from the greedy start.
+    `num_variables` counts the formulation's binaries after merging (groups x, plus y); the log of a
+    solve (PICOMPILE_HIGHS_LOG=1) shows how many were left free. Non-optimal results keep HiGHS's status
+    text and gap; the placement is always feasible (at worst the greedy one).
+    Budget <= 0 or no layers: everything on the CPU, status "no GPU budget".
+    """
+    started = time.perf_counter()
+    if len(bytes_per_neuron) != len(frequencies):
+        raise ValueError(f"{len(frequencies)} layers of frequencies but {len(bytes_per_neuron)} byte sizes")
+    if min_neurons is not None and len(min_neurons) != len(frequencies):
+        raise ValueError(f"{len(frequencies)} layers of frequencies but {len(min_neurons)} minimums")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, not {batch}")
+    M = _layout(frequencies, bytes_per_neuron, batch, min_neurons, gpu_time_per_byte, cpu_time_per_byte)
+    if budget_bytes <= 0 or not frequencies or M.size.size == 0:
+        return Placement([0] * len(frequencies), "no GPU budget", 0.0, 0.0, time.perf_counter() - started, 0, 0,
+                         M.minimum.tolist())
+
+    nx = int(M.size.size)
+    layers = len(frequencies)
+    use_min = min_neurons is not None
+    ncol = nx + (layers if use_min else 0)  # x[l,g] for every group of batches, then y[l]
+    first = M.offsets[:-1]
+    has_groups = M.offsets[1:] > first
+    greedy = _greedy(M, float(budget_bytes))
+    start = greedy  # y[l] = x[l,0]
+    if use_min:
+        start = np.concatenate([greedy, np.where(has_groups, greedy[np.minimum(first, nx - 1)], 0.0)])
+    upper_bound, fix_on, fix_off = _bound_and_fixings(M, float(budget_bytes), greedy, float(M.value @ greedy))
+
+    # The full model's rows as (row, column, value) entries with bounds: memory, prefix, (3a), (3b), (4).
+    entries, lower, upper = [], [], []
+
+    def rows(count: int, row_of_entry, cols, vals, lo, hi) -> None:
+        base = sum(len(b) for b in lower)
+        entries.append((base + np.asarray(row_of_entry, np.int64), np.asarray(cols, np.int64),
+                        np.asarray(vals, np.float64)))
+        lower.append(np.broadcast_to(np.asarray(lo, np.float64), (count,)))
+        upper.append(np.broadcast_to(np.asarray(hi, np.float64), (count,)))
+
+    unit = float(max(bytes_per_neuron))  # (1) in units of the largest neuron: HiGHS warns about 1e10 bounds
+    rows(1, np.zeros(nx), np.arange(nx), M.bytes / unit, -math.inf, float(budget_bytes) / unit)
+    follower = np.flatnonzero(M.layer[1:] == M.layer[:-1]) + 1  # groups with a hotter group before them
+    pairs = lambda a, b: np.stack([a, b], 1).ravel()
+    rows(follower.size, np.repeat(np.arange(follower.size), 2), pairs(follower, follower - 1),  # (2) x[k] <= x[k-1]
+         np.tile([1.0, -1.0], follower.size), -math.inf, 0.0)
+    if use_min:
+        nonempty = np.flatnonzero(has_groups)  # groups are stored layer by layer
+        rows(nonempty.size, np.concatenate([np.repeat(np.arange(nonempty.size), np.diff(M.offsets)[nonempty]),
+                                            np.arange(nonempty.size)]),
+             np.concatenate([np.arange(nx), nx + nonempty]), np.concatenate([M.size, -M.minimum[nonempty]]),
+             0.0, math.inf)  # (3a) sum size x - min y >= 0
+        rows(nonempty.size, np.repeat(np.arange(nonempty.size), 2), pairs(first[nonempty], nx + nonempty),
+             np.tile([1.0, -1.0], nonempty.size), -math.inf, 0.0)  # (3b) x[l,0] - y[l] <= 0
+    for cols, vals, cap in M.balance.values():  # (4), see _layout
+        rows(1, np.zeros(cols.size), cols, vals, -math.inf, cap)
+    row = np.concatenate([e[0] for e in entries])
+    col = np.concatenate([e[1] for e in entries])
+    val = np.concatenate([e[2] for e in entries])
+    row_lower, row_upper = np.concatenate(lower), np.concatenate(upper)
+
+    # Fix what the bound proves (y[l] follows x[l,0] when that is fixed), move fixed columns to the bounds.
+    fixed = np.full(ncol, np.nan)
+    fixed[:nx][fix_on] = 1.0
+    fixed[:nx][fix_off] = 0.0
+    if use_min:
+        fixed[nx:][~has_groups] = 0.0
+        known = has_groups & ~np.isnan(fixed[np.minimum(first, nx - 1)])
+        fixed[nx:][known] = fixed[first[known]]
+    free = np.isnan(fixed)
+    constant = np.bincount(row, weights=np.where(free[col], 0.0, val * np.nan_to_num(fixed[col])),
+                           minlength=row_lower.size)
+    keep = free[col]
+    live = np.bincount(row[keep], minlength=row_lower.size) > 0
+    new_row = np.cumsum(live) - 1
+    new_col = np.cumsum(free) - 1
+    offset = float(M.value[:nx] @ np.nan_to_num(fixed[:nx]))
+    free_x = np.flatnonzero(free[:nx])
+    status, gap = "Optimal", 0.0
+    solution = start.copy()
+    if free.any():
+        import highspy
+
+        nfree = int(free.sum())
+        # HiGHS's plain core class: the `Highs` wrapper prints a banner on stdout when first created.
+        h = getattr(highspy, "_Highs", highspy.Highs)()
+        h.setOptionValue("output_flag", bool(os.environ.get("PICOMPILE_HIGHS_LOG")))
+        h.setOptionValue("time_limit", float(time_limit_s))
+        h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+        h.setOptionValue("threads", int(threads or os.cpu_count() or 1))
+        for key, option in (highs_options or {}).items():
+            h.setOptionValue(key, option)
+        h.addVars(nfree, np.zeros(nfree), np.ones(nfree))  # binaries: bounds [0, 1] ...
+        h.changeColsIntegrality(nfree, np.arange(nfree, dtype=np.int32),
+                                np.full(nfree, highspy.HighsVarType.kInteger.value, np.uint8))  # ... and integral
+        h.changeColsCost(free_x.size, new_col[free_x].astype(np.int32), M.value[free_x])
+        h.changeObjectiveOffset(offset)
+        h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+        order = np.lexsort((new_col[col[keep]], new_row[row[keep]]))  # CSR: by row, then column
+        r, c, v = new_row[row[keep]][order], new_col[col[keep]][order], val[keep][order]
+        nrow = int(live.sum())
+        h.addRows(nrow, (row_lower - constant)[live], (row_upper - constant)[live], int(r.size),
+                  np.searchsorted(r, np.arange(nrow)).astype(np.int32), c.astype(np.int32), v)
+        warm = highspy.HighsSolution()
+        warm.col_value = start[free].tolist()
+        h.setSolution(warm)
+        h.run()
+        status = h.modelStatusToString(h.getModelStatus())
+        info = h.getInfo()
+        gap = float(info.mip_gap)
+        if info.primal_solution_status != 0:  # 0 = kSolutionStatusNone; else HiGHS holds the start or better
+            solution = np.where(free, 0.0, np.nan_to_num(fixed))
+            solution[free] = np.asarray(h.getSolution().col_value)
+    # else nothing is left to decide: the bound proves the start optimal
+    counts = _prefix_counts(M, solution[:nx] > 0.5)
+    used = int(sum(n * b for n, b in zip(counts, bytes_per_neuron)))
+    if used > budget_bytes:  # cannot happen beyond HiGHS's tolerance (1e-6 of a neuron); stay safe anyway
+        counts = _prefix_counts(M, greedy > 0.5)
+        used = int(sum(n * b for n, b in zip(counts, bytes_per_neuron)))
+    objective = float(sum(f[:n].sum() for f, n in zip(M.sorted_frequencies, counts)))
+    if status != "Optimal" and upper_bound > objective:  # HiGHS may stop before it has a bound of its own
+        gap = min(gap, (upper_bound - objective) / objective if objective > 0 else math.inf)
+    if status == "Optimal" and gap < 1e-12:
+        gap = 0.0
+    return Placement(counts, status, objective, gap, time.perf_counter() - started, ncol, used, M.minimum.tolist())
+
+
+def _prefix_counts(M: _Model, chosen: np.ndarray) -> list[int]:
+    counts = []
+    for l in range(len(M.sorted_frequencies)):
+        on = chosen[M.offsets[l]: M.offsets[l + 1]]
+        prefix = on.size if on.all() else int(np.argmin(on))  # (2) holds; be safe about rounding
+        counts.append(int(M.size[M.offsets[l]: M.offsets[l] + prefix].sum()))
+    return counts
+
+
+# ---------------------------------------------------------------- the pass
+
+
+def min_neurons_for(frequency_sorted: np.ndarray, bytes_per_neuron: int, batch: int, d_model: int,
+                    cpu_bandwidth_gbs: float, pcie_bandwidth_gbs: float, bytes_per_element: int = BYTES_PER_ELEMENT,
+                    sync_latency_s: float = SYNC_LATENCY_S) -> int:
+    """The smallest GPU part (a multiple of `batch`, at least one batch, or the whole layer) whose expected
+    saving of CPU time per token, sum of its frequencies * bytes per neuron / CPU bandwidth, covers one
+    synchronisation: `sync_latency_s` plus the PCIe copies of the layer input and the partial output
+    (2 * d_model elements). If no part short of the whole layer pays, the minimum is the whole layer
+    (all on the GPU needs no synchronisation at all)."""
+    total = frequency_sorted.size
+    if total == 0:
+        return 0
+    copy_s = 2 * d_model * bytes_per_element / (pcie_bandwidth_gbs * 1e9) if pcie_bandwidth_gbs > 0 else 0.0
+    sync_s = sync_latency_s + copy_s
+    if cpu_bandwidth_gbs <= 0:
+        return total
+    saved = np.cumsum(np.asarray(frequency_sorted, np.float64)) * bytes_per_neuron / (cpu_bandwidth_gbs * 1e9)
+    candidates = np.append(np.arange(batch, total, batch), total)
+    paying = candidates[saved[candidates - 1] >= sync_s]
+    return int(paying[0]) if paying.size else int(total)
+
+
+def _elements(value: ir.Value) -> int:
+    return int(value.const_value.size) if value.const_value is not None else 0
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class Partition:
+    name = "partition"
+    bytes_per_element: int = BYTES_PER_ELEMENT
+    reserve_fraction: float = RESERVE_FRACTION
+    sync_latency_s: float = SYNC_LATENCY_S
+    balance: bool = True  # constraint (4), from the target's GPU and CPU bandwidths
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        if ctx.options.dense:
+            return PassResult(model, modified=False)
+        graph, target, options = model.graph, ctx.target, ctx.options
+        ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
+        attentions = pir.nodes_in_domain(model, "Attention")
+        bpe = self.bytes_per_element
+
+        if options.vram_budget_bytes is not None and options.vram_budget_bytes > target.gpu_memory_bytes:
+            raise UserError(
+                f"--vram-budget {options.vram_budget_bytes} bytes ({_size(options.vram_budget_bytes)}) exceeds "
+                f"the GPU memory of target {target.name}: {target.gpu_memory_bytes} bytes ({_size(target.gpu_memory_bytes)})"
+                + ("; it has no GPU" if not target.has_gpu else ""))
+
+        # Per layer: sorted frequencies, neuron order, bytes per neuron; and which initializers are FFN-owned.
+        frequencies, orders, bytes_per_neuron, d_models, per_neuron_values = [], [], [], [], set()
+        for node in ffns:
+            layer = int(pir.attr(node, "layer"))
+            name = f"layers.{layer}.ffn.frequency"
+            if name not in graph.initializers:
+                raise ValueError(f"partition needs {name} (run the profile pass first)")
+            frequency = np.asarray(pir.const_array(graph.initializers[name]), np.float64).reshape(-1)
+            w_up, b_up, w_down = node.inputs[1], node.inputs[2], node.inputs[3]
+            width, d_model = w_down.const_value.shape[0], w_down.const_value.shape[1]
+            if frequency.size != width:
+                raise ValueError(f"{name} has {frequency.size} entries but layer {layer} has {width} neurons")
+            gated = int(pir.attr(node, "gated", 0))
+            up_per_neuron = 2 if gated else 1
+            elements = d_model * up_per_neuron + d_model + (up_per_neuron if b_up is not None else 0)
+            order = np.argsort(-frequency, kind="stable").astype(np.int64)
+            frequencies.append(frequency[order])
+            orders.append((layer, order))
+            bytes_per_neuron.append(elements * bpe)
+            d_models.append(d_model)
+            per_neuron_values.update(id(v) for v in (w_up, b_up, w_down) if v is not None)
+
+        # The budget left for FFN neurons. b_down ([D], added once per layer on the GPU side of the merge)
+        # counts as dense; neuron_order tables from an earlier run are replaced, not counted.
+        vram = options.vram_budget_bytes if options.vram_budget_bytes is not None else target.gpu_memory_bytes
+        dense = sum(_elements(v) * bpe for name, v in graph.initializers.items()
+                    if id(v) not in per_neuron_values and not name.endswith(".ffn.neuron_order"))
+        kv_cache = sum(2 * int(pir.attr(n, "num_kv_heads")) * int(pir.attr(n, "head_dim")) * options.max_context * bpe
+                       for n in attentions)
+        reserve = int(vram * self.reserve_fraction)
+        budget = int(vram - dense - kv_cache - reserve)
+
+        batch = max(1, int(options.placement_batch))
+        if not target.has_gpu:
+            placement = Placement([0] * len(ffns), f"no GPU on target {target.name}", 0.0, 0.0, 0.0, 0, 0)
+        elif budget <= 0:
+            placement = Placement([0] * len(ffns), "no GPU budget: the dense part, KV cache and reserve fill the "
+                                  "GPU memory", 0.0, 0.0, 0.0, 0, 0)
+        else:
+            minimum = [min_neurons_for(f, b, batch, d, target.cpu_bandwidth_gbs, target.pcie_bandwidth_gbs, bpe,
+                                       self.sync_latency_s)
+                       for f, b, d in zip(frequencies, bytes_per_neuron, d_models)]
+            timing = {}
+            if self.balance and target.gpu_bandwidth_gbs > 0 and target.cpu_bandwidth_gbs > 0:
+                timing = {"gpu_time_per_byte": 1 / (target.gpu_bandwidth_gbs * 1e9),
+                          "cpu_time_per_byte": 1 / (target.cpu_bandwidth_gbs * 1e9)}
+            placement = solve_placement(frequencies, bytes_per_neuron, budget, batch=batch, min_neurons=minimum,
+                                        time_limit_s=options.placement_time_limit_s, **timing)
+
+        for node, (layer, order), n in zip(ffns, orders, placement.gpu_neurons):
+            node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", int(n))
+            name = f"layers.{layer}.ffn.neuron_order"
+            if name in graph.initializers:
+                del graph.initializers[name]
+            pir.initializer(graph, name, order)
+
+        total_activity = float(sum(f.sum() for f in frequencies))
+        ffn_bytes = int(sum(f.size * b for f, b in zip(frequencies, bytes_per_neuron)))
+        report = {
+            "status": placement.status,
+            "objective": placement.objective,
+            "activation_share": placement.objective / total_activity if total_activity > 0 else 0.0,
+            "gap": placement.gap if math.isfinite(placement.gap) else None,
+            "solve_time_s": placement.solve_time_s,
+            "num_variables": placement.num_variables,
+            "batch": batch,
+            "vram_bytes": int(vram),
+            "budget_bytes": max(budget, 0),
+            "dense_gpu_bytes": int(dense),
+            "kv_cache_bytes": int(kv_cache),
+            "reserve_bytes": reserve,
+            "ffn_bytes": ffn_bytes,
+            "used_bytes": placement.used_bytes,
+            "bytes_per_element": bpe,
+            "layers": [layer for layer, _ in orders],
+            "gpu_neurons": [int(n) for n in placement.gpu_neurons],
+            "min_neurons": [int(n) for n in placement.min_neurons],
+        }
+        model.metadata_props["picompile.placement"] = json.dumps(report)
+        neurons = sum(f.size for f in frequencies)
+        hybrid = sum(1 for f, n in zip(frequencies, placement.gpu_neurons) if 0 < n < f.size)
+        full = sum(1 for f, n in zip(frequencies, placement.gpu_neurons) if n == f.size and n > 0)
+        ctx.log(f"partition: {sum(placement.gpu_neurons)}/{neurons} FFN neurons on the GPU "
+                f"({report['activation_share'] * 100:.1f}% of activations; {full} layers whole, {hybrid} hybrid), "
+                f"{_size(placement.used_bytes)} of {_size(max(budget, 0))} FFN budget "
+                f"(GPU {_size(vram)} - dense {_size(dense)} - KV {_size(kv_cache)} - reserve {_size(reserve)}); "
+                f"{placement.status}, gap {placement.gap * 100:.3f}%, {placement.solve_time_s:.2f} s")
+        return PassResult(model, modified=True)
