@@ -44,6 +44,8 @@ class Lowering:
     max_context: int
     dense_device: str = "cpu"  # where everything but the cold FFN parts runs
     kernels: dict[str, object] = field(default_factory=dict)
+    # How each kernel was made (generator name, rows, arguments), so a GPU target can make it again for CUDA.
+    kernel_specs: dict[str, tuple] = field(default_factory=dict)
     calls: list[KernelCall] = field(default_factory=list)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     buffers: dict[str, dict] = field(default_factory=dict)
@@ -55,6 +57,7 @@ class Lowering:
             name = f"{base}_{phase}" if phase in phases else ""
             if name and name not in self.kernels:
                 self.kernels[name] = make(name, *args, rows=rows, **kwargs)
+                self.kernel_specs[name] = (make.__name__, rows, args, kwargs)
             names.append(name)
         return names[0], names[1]
 
@@ -435,10 +438,32 @@ class Codegen:
         lowered.metadata_props["picompile.buffers"] = _json(lowering.buffers)
         library = Path(ctx.workdir) / "kernels" / "cpu.so"
         library.parent.mkdir(parents=True, exist_ok=True)
+        # Every kernel exists for the CPU: the CPU runs its own calls, and stands in for the GPU when emulating.
         cpu.build(list(lowering.kernels.values()), {**cpu.CPU_TARGET, "mcpu": ctx.target.cpu_isa}, str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
+        if ctx.target.has_gpu:
+            self.build_cuda(lowering, ctx)
         ctx.log(f"codegen: {len(lowering.kernels)} kernels, {len(lowering.calls)} calls per token")
         return PassResult(lowered, modified=True)
+
+    def build_cuda(self, lowering: Lowering, ctx: Context) -> None:
+        """The GPU calls' kernels again, scheduled for CUDA and compiled by nvcc for the target's arch now,
+        so the GPU machine needs no compiler."""
+        from .kernels import cuda
+
+        names = sorted({name for call in lowering.calls if call.device == "gpu"
+                        for name in (call.decode, call.prefill) if name and name != COPY})
+        if not names:
+            return
+        funcs = []
+        for name in names:
+            maker, rows, args, kwargs = lowering.kernel_specs[name]
+            funcs.append(getattr(cuda, maker)(name, *args, rows=rows, **kwargs))
+        library = Path(ctx.workdir) / "kernels" / f"cuda_{ctx.target.cuda_arch}.so"
+        facts = cuda.build(funcs, ctx.target.cuda_arch, str(library))
+        ctx.artifact_files[f"kernels/cuda_{ctx.target.cuda_arch}.so"] = library
+        ctx.log(f"codegen: {len(funcs)} CUDA kernels for {ctx.target.cuda_arch} ({facts.get('binary_format')}, "
+                f"nvcc {facts.get('nvcc_seconds', 0):.1f} s)")
 
 
 def _json(obj) -> str:

@@ -1,0 +1,1081 @@
+"""CUDA kernels for picompile (the GPU half of PowerInfer-style execution), generated with TVM 0.27.
+
+The same kernels as ``passes.kernels.cpu`` and ``passes.kernels.neuron``: same function names, same
+arguments in the same order, same docstring contracts (fp32, row-major, ``rows=1`` decode variant,
+``rows=None`` prefill variant with a symbolic int64 ``m``, int64 scalar ``start``, int32 index and
+count buffers), only the schedules differ. Every loop is bound to ``blockIdx`` / ``threadIdx`` or runs
+serially inside one thread; buffers live in GPU memory (the runtime passes DLPack tensors on the CUDA
+device, prefill row slices ``buf[:m]`` included).
+
+Schedules, in short (each function's docstring says more):
+
+* elementwise (``glu``, ``embed``, ``merge``): the (row, column) space flattened, 256 threads a block;
+* norms: one block per row, the row statistics as block-wide cross-thread reductions (TVM emits warp
+  shuffles plus a shared-memory step across warps);
+* ``linear`` decode (GEMV, w is [K, N]): 32 columns per block on ``threadIdx.x`` (every warp reads a
+  coalesced 128-byte run of a row of w), the K loop split over 16 ``threadIdx.y`` groups whose
+  partial sums meet in shared memory;
+* ``linear`` prefill and ``linear_rows`` (GEMM): 64 x 64 output tiles per block, 16 x 16 threads
+  each owning a 4 x 4 register tile, x and w staged through shared memory 16 k-steps at a time;
+* ``sparse_up``: one warp per active neuron (lanes over D, float4 loads, warp-shuffle all-reduce),
+  a fixed grid walking the data-dependent neuron count in a grid-stride loop;
+* ``sparse_down``: 32 columns per block on ``threadIdx.x``, the active rows split over 16
+  ``threadIdx.y`` groups, partial sums added in shared memory;
+* ``select``: one block, an ordered parallel compaction (count per thread segment, block prefix sum,
+  scatter);
+* ``attention``: one block per (head, row), 128 threads: one key per thread for the scores, online
+  (chunked) softmax, then one output dim per thread for the weighted sum of values;
+* ``rope_kv_write``: one block per row, threads over (head, dim) pairs.
+
+``build`` compiles the device code with nvcc at build time (a fatbin holding SASS for the arch and PTX
+for newer GPUs) and embeds that binary in the exported .so, so loading it needs only TVM's runtime
+(``libtvm_runtime`` + ``libtvm_runtime_cuda``, which itself links ``libcudart.so.13``) and the CUDA
+driver (one that supports CUDA 13), no compiler and no NVRTC. Note: with ``TVM_USE_RUNTIME_LIB=1``
+TVM 0.27 does not load ``libtvm_runtime_cuda`` by itself (its backend autoload is skipped in
+runtime-only mode); a runtime-only process must load it before ``load_module``, e.g.
+``tvm_ffi.libinfo.load_lib_ctypes("tvm", "tvm_runtime_cuda", "RTLD_LOCAL", extra_lib_paths=[<tvm/lib>])``,
+or the load fails with "ffi.Module.load_from_bytes.cuda is not registered".
+
+Why the embedding is done by hand (TVM 0.27): ``target.build.cuda`` hands CUDA *source* to the CUDA
+module factory; without a loadable CUDA runtime (no ``libcuda``, e.g. a build machine) TVM keeps a
+placeholder module whose saved format is ``"cuda"`` (source), which the loader on the GPU machine would
+JIT-compile through the Python callback ``tvm_callback_cuda_compile`` (Python + NVRTC/nvcc needed at
+load time). ``tvm_callback_cuda_compile`` is consulted only when the real CUDA runtime is loaded in
+the building process. So ``build`` (a) overrides that callback while compiling, so that a build on a
+GPU machine also uses our nvcc flags, and (b) packs the module tree itself (``export_library``'s
+``fpack_imports`` hook), writing the CUDA module's record as format ``"fatbin"`` with the nvcc output
+as code; ``cuModuleLoadData`` loads that directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+import time
+
+import tvm
+import tvm_ffi
+from tvm import te, tirx
+from tvm.s_tir import Schedule
+from tvm.script import tirx as T
+
+from .cpu import _f32, _row_dim, _te_schedule
+
+CUDA_ARCHS = {"rtx2080ti": "sm_75", "a100-80g": "sm_80", "rtx4090": "sm_89", "h200": "sm_90"}
+"""GPUs picompile is meant for and their SM architectures (informational)."""
+
+HOST_TARGET = {"kind": "llvm", "mcpu": "haswell"}
+
+WARP = 32
+EW_THREADS = 256  # elementwise kernels: threads per block
+NORM_THREADS = 256  # norms: most threads per row (one block per row)
+GEMV_TX, GEMV_TY = 32, 16  # decode linear: columns per block x K-split groups
+GEMV_UNROLL = 8  # decode linear: k steps per unrolled group (loads in flight per thread)
+TILE_T, TILE_R, TILE_K = 16, 4, 16  # prefill GEMM: 16x16 threads, 4x4 outputs each, k-steps per stage
+UP_WARPS = 8  # sparse_up: warps (neurons in flight) per block
+UP_MAX_BLOCKS = 1024  # sparse_up: grid cap; the grid-stride loop covers the rest
+DOWN_TX, DOWN_TY = 32, 16  # sparse_down: columns per block x row groups
+ATTN_THREADS = 128  # attention: threads per (head, row) block = keys per softmax chunk
+ROPE_THREADS = 128  # rope_kv_write: threads per row
+SELECT_MAX_THREADS = 1024  # select: one block
+_NEG = -3.0e38  # "minus infinity" that stays finite through max/exp
+
+
+# --------------------------------------------------------------------------------------------
+# Activations: native GPU math (CUDA's expf / erff), same functions as cpu._ACTS.
+# --------------------------------------------------------------------------------------------
+
+_ACTS = {
+    "none": lambda v: v,
+    "relu": lambda v: tirx.max(v, _f32(0.0)),
+    # exact (erf) GELU, as torch's default approximate="none"
+    "gelu": lambda v: _f32(0.5) * v * (_f32(1.0) + tirx.erf(v * _f32(0.7071067811865476))),
+    "silu": lambda v: v / (_f32(1.0) + tirx.exp(-v)),
+}
+
+
+def _activation(act):
+    if act not in _ACTS:
+        raise ValueError(f"unknown activation {act!r}; expected one of {sorted(_ACTS)}")
+    return _ACTS[act]
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _pow2_at_least(n):
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _decode_only(kernel, rows):
+    if rows != 1:
+        raise ValueError(f"{kernel} runs in decode only")
+
+
+def _prefill_only(kernel, rows):
+    if rows is not None:
+        raise ValueError(f"{kernel} runs in prefill only")
+
+
+# --------------------------------------------------------------------------------------------
+# TE compute definitions (the same tensors as cpu.py / neuron.py build)
+# --------------------------------------------------------------------------------------------
+
+
+def _linear_te(K, N, rows, bias, act, residual, w_rows=False):
+    """The tensors of ``y = act(x @ w + b) + res`` in argument order: x, w, (b), (res), y.
+
+    w is [K, N], or [N, K] when ``w_rows``. Decode computes ``acc[1, N]`` straight from x and w.
+    Prefill goes through two staging tensors, ``x_tile`` and ``w_tile``, zero-padded to whole
+    GEMM tiles (rows to a multiple of 64, columns too when N is not one): ``_gemm`` places them in
+    shared memory, and since every tile is whole, no loop of the GEMM needs a bound check and TVM
+    can give the per-thread accumulators and the shared tiles constant sizes (a symbolic ``m`` in
+    a predicate leaves them symbolic, which the CUDA code generator refuses).
+    """
+    actf = _activation(act)
+    m = _row_dim(rows)
+    x = te.placeholder((m, K), name="x")
+    w = te.placeholder((N, K) if w_rows else (K, N), name="w")
+    b = te.placeholder((N,), name="b") if bias else None
+    res = te.placeholder((m, N), name="res") if residual else None
+    k = te.reduce_axis((0, K), name="k")
+    zero = _f32(0.0)
+    if rows == 1:
+        x_at = lambda i, kk: x[i, kk]  # noqa: E731
+        w_at = (lambda kk, n: w[n, kk]) if w_rows else (lambda kk, n: w[kk, n])
+        shape = (m, N)
+    else:
+        tile = TILE_T * TILE_R
+        mp = (m + tile - 1) // tile * tile
+        np_ = _ceil_div(N, tile) * tile
+        x_tile = te.compute((mp, K), lambda i, kk: tirx.if_then_else(i < m, x[i, kk], zero), name="x_tile")
+        if w_rows:
+            w_tile = te.compute(
+                (np_, K), lambda n, kk: w[n, kk] if np_ == N else tirx.if_then_else(n < N, w[n, kk], zero),
+                name="w_tile",
+            )
+            w_at = lambda kk, n: w_tile[n, kk]  # noqa: E731
+        else:
+            w_tile = te.compute(
+                (K, np_), lambda kk, n: w[kk, n] if np_ == N else tirx.if_then_else(n < N, w[kk, n], zero),
+                name="w_tile",
+            )
+            w_at = lambda kk, n: w_tile[kk, n]  # noqa: E731
+        x_at = lambda i, kk: x_tile[i, kk]  # noqa: E731
+        shape = (mp, np_)
+    acc = te.compute(shape, lambda i, n: te.sum(x_at(i, k) * w_at(k, n), axis=k), name="acc")
+
+    def epilogue(i, n):
+        v = acc[i, n]
+        if bias:
+            v = v + b[n]
+        v = actf(v)
+        if residual:
+            v = v + res[i, n]
+        return v
+
+    y = te.compute((m, N), epilogue, name="y")
+    return [x, w] + ([b] if bias else []) + ([res] if residual else []) + [y]
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduling steps shared by the TE kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _elementwise(sch, block, threads=EW_THREADS):
+    """Flatten the block's loops and cut them into blocks of ``threads`` threads.
+
+    Consecutive threads take consecutive elements of a row, so loads and stores coalesce; a
+    symbolic row count just makes the block count symbolic (the tail is predicated).
+    """
+    fused = sch.fuse(*sch.get_loops(block))
+    bx, tx = sch.split(fused, [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _row_threads(D):
+    """Threads for one row of D elements: whole warps, at most NORM_THREADS."""
+    return min(NORM_THREADS, _ceil_div(D, WARP) * WARP)
+
+
+def _row_reductions(sch, reductions, out, D):
+    """One block per row: the row statistics (``reductions``) as block-wide reductions, then ``out``.
+
+    Each reduction's loop is split so that thread t sums elements t, t + T, ... (coalesced) and the
+    thread loop is bound to threadIdx.x: TVM lowers that to an in-thread sum plus a cross-thread
+    all-reduce (warp shuffles, shared memory across warps). The statistics are written to shared
+    memory, where every thread of the row reads them in the elementwise pass.
+    """
+    threads = _row_threads(D)
+    out_block = sch.get_sblock(out)
+    row, col = sch.get_loops(out_block)
+    sch.bind(row, "blockIdx.x")
+    _, tx = sch.split(col, [None, threads])
+    sch.bind(tx, "threadIdx.x")
+    for name in reversed(reductions):  # consumers first, so every compute_at finds its consumer
+        block = sch.get_sblock(name)
+        sch.compute_at(block, row)
+        sch.set_scope(block, 0, "shared")
+        _, t = sch.split(sch.get_loops(block)[-1], [None, threads])
+        sch.bind(t, "threadIdx.x")
+
+
+def _gemv(sch, K):
+    """Decode ``acc[1, N] = x @ w`` with w [K, N]: a K-split GEMV, epilogue fused.
+
+    Block = GEMV_TX (32) columns x GEMV_TY (16) K-groups (fewer when 16 does not divide K).
+    Thread (ty, tx) sums rows k = ty, ty + 16, ... of column n (rfactor over the K split), 8 rows
+    per unrolled step so 8 independent loads are in flight; each warp streams a coalesced
+    128-byte run of every row it visits. A decode GEMV is bound by memory latency x parallelism,
+    hence the K split: N/32 blocks of 16 warps each. The partial sums of a column meet in a
+    shared-memory reduction and the ty = 0 thread applies the epilogue (bias, activation,
+    residual) and stores y.
+    """
+    block = sch.get_sblock("acc")
+    _, _, k = sch.get_loops(block)
+    # the K-groups must divide K: rfactor drops the bound check of a partial split (TVM 0.27)
+    # and leave each thread at least two rows, or the serial k loop is folded away (small K: predictors)
+    groups = max([g for g in (GEMV_TY, 8, 4, 2) if g <= GEMV_TY and K % g == 0 and K // g >= 2] or [1])
+    _, ky = sch.split(k, [None, groups])
+    partial = sch.rfactor(ky, 0)
+    _, n, ky = sch.get_loops(block)
+    bx, tx = sch.split(n, [None, GEMV_TX])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.bind(ky, "threadIdx.y")
+    sch.compute_at(partial, tx)
+    sch.set_scope(partial, 0, "local")
+    sch.set_scope(block, 0, "local")
+    ky_partial, *_, k_serial = _loops_below(sch, partial, tx)
+    sch.bind(ky_partial, "threadIdx.y")
+    _, k_unrolled = sch.split(k_serial, [None, min(GEMV_UNROLL, K // groups)])
+    sch.unroll(k_unrolled)  # independent loads of w in flight together
+    sch.reverse_compute_at(sch.get_sblock("y"), tx)
+
+
+def _loops_below(sch, block, outer):
+    """The loops of ``block`` nested inside the loop ``outer`` (after a compute_at)."""
+    loops = sch.get_loops(block)
+    target = sch.get(outer)
+    for pos, loop in enumerate(loops):
+        if sch.get(loop).same_as(target):
+            return loops[pos + 1 :]
+    raise ValueError("loop not found above the block")
+
+
+def _tile_bk(K):
+    """Largest k-step per shared-memory stage that divides K (no k tail)."""
+    return max(b for b in (16, 8, 4, 2, 1) if b <= TILE_K and K % b == 0)
+
+
+def _gemm(sch, K, w_rows):
+    """Prefill ``acc = x_tile @ w_tile``: shared-memory tiled GEMM, epilogue fused per thread.
+
+    Block tile (16*4) x (16*4) outputs; thread (ty, tx) owns rows ty*4 .. ty*4+3 and columns
+    tx*4 .. tx*4+3 in registers. Per k-stage the block cooperatively copies the x tile [64, BK]
+    and the w tile ([BK, 64], or [64, BK] for row-major weights) into shared memory (consecutive
+    threads, consecutive addresses; the zero padding of ``_linear_te`` is applied in this copy),
+    then every thread does 4 x 4 x BK FMAs out of shared memory (x values are warp broadcasts;
+    the row-major w tile, read across its rows by threadIdx.x, gets one float of padding per row
+    via storage_align so those reads spread over the banks). The epilogue stores only rows < m
+    and columns < N.
+    """
+    bk = _tile_bk(K)
+    block = sch.get_sblock("acc")
+    i, n, k = sch.get_loops(block)
+    bi, ti, ri = sch.split(i, [None, TILE_T, TILE_R])
+    bn, tn, rn = sch.split(n, [None, TILE_T, TILE_R])
+    ko, ki = sch.split(k, [None, bk])
+    sch.reorder(bi, bn, ti, tn, ko, ki, ri, rn)
+    sch.bind(bi, "blockIdx.y")
+    sch.bind(bn, "blockIdx.x")
+    sch.bind(ti, "threadIdx.y")
+    sch.bind(tn, "threadIdx.x")
+    for name in ("x_tile", "w_tile"):
+        stage = sch.get_sblock(name)
+        sch.set_scope(stage, 0, "shared")
+        sch.compute_at(stage, ko)
+        fused = sch.fuse(*sch.get_loops(stage)[-2:])
+        _, ty, tx = sch.split(fused, [None, TILE_T, TILE_T])
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        if name == "w_tile" and w_rows and bk > 1:
+            # [64 neurons, BK] read by threadIdx.x along the rows: pad each row by one float
+            sch.storage_align(stage, 0, axis=0, factor=bk, offset=1)
+    sch.set_scope(block, 0, "local")
+    sch.reverse_compute_at(sch.get_sblock("y"), tn)
+    sch.decompose_reduction(block, ko)
+    for loop in (ki, ri, rn):
+        sch.unroll(loop)
+
+
+# --------------------------------------------------------------------------------------------
+# TE kernels
+# --------------------------------------------------------------------------------------------
+
+
+def linear(name, K, N, *, rows, bias: bool, act="none", residual=False):
+    """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y.
+
+    Decode: K-split GEMV (``_gemv``). Prefill: shared-memory tiled GEMM (``_gemm``).
+    """
+    args = _linear_te(K, N, rows, bias, act, residual)
+    sch = _te_schedule(name, args)
+    if rows == 1:
+        _gemv(sch, K)
+    else:
+        _gemm(sch, K, w_rows=False)
+    return sch.mod[name]
+
+
+def glu(name, F, *, rows, act):
+    """y[m, F] = act(t[:, :F]) * t[:, F:] (gate first, then up).  Args: t, y.  Elementwise."""
+    actf = _activation(act)
+    m = _row_dim(rows)
+    t = te.placeholder((m, 2 * F), name="t")
+    y = te.compute((m, F), lambda i, j: actf(t[i, j]) * t[i, F + j], name="y")
+    sch = _te_schedule(name, [t, y])
+    _elementwise(sch, sch.get_sblock("y"))
+    return sch.mod[name]
+
+
+def layer_norm(name, D, eps, *, rows):
+    """y = (x - mean) / sqrt(var + eps) * g + b, biased variance (two-pass).  Args: x, g, b, y.
+
+    One block per row: the sum, then the sum of squared deviations, as block reductions.
+    """
+    m = _row_dim(rows)
+    x = te.placeholder((m, D), name="x")
+    g = te.placeholder((D,), name="g")
+    b = te.placeholder((D,), name="b")
+    k1 = te.reduce_axis((0, D), name="k1")
+    k2 = te.reduce_axis((0, D), name="k2")
+    total = te.compute((m,), lambda i: te.sum(x[i, k1], axis=k1), name="total")
+    sq = te.compute(
+        (m,), lambda i: te.sum((x[i, k2] - total[i] / _f32(D)) * (x[i, k2] - total[i] / _f32(D)), axis=k2), name="sq"
+    )
+    y = te.compute(
+        (m, D),
+        lambda i, j: (x[i, j] - total[i] / _f32(D)) * tirx.rsqrt(sq[i] / _f32(D) + _f32(eps)) * g[j] + b[j],
+        name="y",
+    )
+    sch = _te_schedule(name, [x, g, b, y])
+    _row_reductions(sch, ["total", "sq"], "y", D)
+    return sch.mod[name]
+
+
+def rms_norm(name, D, eps, *, rows):
+    """y = x / sqrt(mean(x^2) + eps) * g.  Args: x, g, y.  One block per row."""
+    m = _row_dim(rows)
+    x = te.placeholder((m, D), name="x")
+    g = te.placeholder((D,), name="g")
+    k = te.reduce_axis((0, D), name="k")
+    sq = te.compute((m,), lambda i: te.sum(x[i, k] * x[i, k], axis=k), name="sq")
+    y = te.compute((m, D), lambda i, j: x[i, j] * tirx.rsqrt(sq[i] / _f32(D) + _f32(eps)) * g[j], name="y")
+    sch = _te_schedule(name, [x, g, y])
+    _row_reductions(sch, ["sq"], "y", D)
+    return sch.mod[name]
+
+
+def embed(name, V, D, *, rows, positions: int | None):
+    """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table, (pos_table, start), y.
+
+    Elementwise over (row, column): a gather of whole table rows, coalesced along the row.
+    """
+    m = _row_dim(rows)
+    ids = te.placeholder((m,), "int64", name="ids")
+    table = te.placeholder((V, D), name="table")
+    if positions:
+        pos = te.placeholder((positions, D), name="pos_table")
+        start = te.var("start", "int64")
+        y = te.compute((m, D), lambda i, j: table[ids[i], j] + pos[start + i, j], name="y")
+        args = [ids, table, pos, start, y]
+    else:
+        y = te.compute((m, D), lambda i, j: table[ids[i], j], name="y")
+        args = [ids, table, y]
+    sch = _te_schedule(name, args)
+    _elementwise(sch, sch.get_sblock("y"))
+    return sch.mod[name]
+
+
+def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
+    """out = res + p_1 (+ p_2) + b.  Args: (res), p_1 (, p_2), (b), out; all [m, D] except b [D]."""
+    m = _row_dim(rows)
+    res = te.placeholder((m, D), name="res") if residual else None
+    partials = [te.placeholder((m, D), name=f"p{i}") for i in range(parts)]
+    b = te.placeholder((D,), name="b") if bias else None
+
+    def add(i, j):
+        total = partials[0][i, j]
+        for p in partials[1:]:
+            total = total + p[i, j]
+        if bias:
+            total = total + b[j]
+        if residual:
+            total = total + res[i, j]
+        return total
+
+    out = te.compute((m, D), add, name="y")
+    args = ([res] if residual else []) + partials + ([b] if bias else []) + [out]
+    sch = _te_schedule(name, args)
+    _elementwise(sch, sch.get_sblock("y"))
+    return sch.mod[name]
+
+
+def linear_rows(name, K, N, *, rows, act="none"):
+    """y[m, N] = act(x[m, K] @ w[N, K]^T + b), for weights stored one row per output neuron.
+
+    Args: x, w, b (zeros for bias-free models), y. Prefill only: the tiled GEMM of ``linear``
+    with the w tile read as [64 neurons, BK] runs of weight rows.
+    """
+    _prefill_only("linear_rows", rows)
+    args = _linear_te(K, N, rows, True, act, False, w_rows=True)
+    sch = _te_schedule(name, args)
+    _gemm(sch, K, w_rows=True)
+    return sch.mod[name]
+
+
+# --------------------------------------------------------------------------------------------
+# TVMScript kernels: data-dependent loops (count, causal bounds), in-place cache writes
+# --------------------------------------------------------------------------------------------
+
+
+def _vec_width(n):
+    """float4 loads when a contiguous run of n floats allows it (TVM emits float4 accesses)."""
+    return 4 if n % 4 == 0 else 1
+
+
+def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
+    """Split qkv rows, rotate q and k (rotate-half RoPE), write q and the KV cache in place.
+
+    Args: qkv[m, (H+2KVH)*hd], (cos, sin [max_ctx, hd/2]), kcache, vcache [KVH, max_ctx, hd],
+    q[m, H*hd], start. Row i goes to cache position start + i; other positions are untouched.
+    One block per row, ROPE_THREADS threads striding over the (head, dim) pairs of q, then of k,
+    then over the v elements; consecutive threads touch consecutive addresses.
+    """
+    if hd % 2:
+        raise ValueError("rope_kv_write needs an even head dim")
+    M = _row_dim(rows)
+    half = hd // 2
+    width = (H + 2 * KVH) * hd
+    K0, V0 = H * hd, (H + KVH) * hd  # column offsets of the k and v heads in a qkv row
+    nt = ROPE_THREADS
+    q_steps = _ceil_div(H * half, nt)  # rotations: one (d, d + half) pair per thread and step
+    k_steps = _ceil_div(KVH * half, nt)
+    qc_steps = _ceil_div(H * hd, nt)  # plain copies
+    v_steps = _ceil_div(KVH * hd, nt)
+
+    if rope:
+
+        @T.prim_func
+        def kernel(
+            qkv_h: T.handle,
+            cos: T.Buffer((max_ctx, half), "float32"),
+            sin: T.Buffer((max_ctx, half), "float32"),
+            kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+            vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+            q_h: T.handle,
+            start: T.int64,
+        ):
+            T.func_attr({"tirx.noalias": True})
+            qkv = T.match_buffer(qkv_h, (M, width), "float32")
+            q = T.match_buffer(q_h, (M, H * hd), "float32")
+            for i in T.thread_binding(M, thread="blockIdx.x"):
+                for t in T.thread_binding(nt, thread="threadIdx.x"):
+                    p = start + i
+                    for s in range(q_steps):
+                        if s * nt + t < H * half:
+                            h = (s * nt + t) // half
+                            d = (s * nt + t) % half
+                            q[i, h * hd + d] = qkv[i, h * hd + d] * cos[p, d] - qkv[i, h * hd + half + d] * sin[p, d]
+                            q[i, h * hd + half + d] = (
+                                qkv[i, h * hd + half + d] * cos[p, d] + qkv[i, h * hd + d] * sin[p, d]
+                            )
+                    for s in range(k_steps):
+                        if s * nt + t < KVH * half:
+                            h = (s * nt + t) // half
+                            d = (s * nt + t) % half
+                            kcache[h, p, d] = (
+                                qkv[i, K0 + h * hd + d] * cos[p, d] - qkv[i, K0 + h * hd + half + d] * sin[p, d]
+                            )
+                            kcache[h, p, half + d] = (
+                                qkv[i, K0 + h * hd + half + d] * cos[p, d] + qkv[i, K0 + h * hd + d] * sin[p, d]
+                            )
+                    for s in range(v_steps):
+                        if s * nt + t < KVH * hd:
+                            vcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, V0 + s * nt + t]
+
+    else:
+
+        @T.prim_func
+        def kernel(
+            qkv_h: T.handle,
+            kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+            vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+            q_h: T.handle,
+            start: T.int64,
+        ):
+            T.func_attr({"tirx.noalias": True})
+            qkv = T.match_buffer(qkv_h, (M, width), "float32")
+            q = T.match_buffer(q_h, (M, H * hd), "float32")
+            for i in T.thread_binding(M, thread="blockIdx.x"):
+                for t in T.thread_binding(nt, thread="threadIdx.x"):
+                    p = start + i
+                    for s in range(qc_steps):
+                        if s * nt + t < H * hd:
+                            q[i, s * nt + t] = qkv[i, s * nt + t]
+                    for s in range(v_steps):
+                        if s * nt + t < KVH * hd:
+                            kcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, K0 + s * nt + t]
+                            vcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, V0 + s * nt + t]
+
+    return kernel.with_attr("global_symbol", name)
+
+
+def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
+    """Causal grouped-query attention over the KV cache.
+
+    Args: q[m, H*hd], kcache, vcache [KVH, max_ctx, hd], out[m, H*hd], start.
+    Query head h reads kv head h // (H // KVH); row i (position start + i) attends keys
+    0 .. start + i. One block per (head, row) pair (blockIdx.x = head, blockIdx.y = row), 128
+    threads, keys taken 128 at a time (online softmax, so neither shared memory nor registers
+    grow with the context):
+      1. thread t scores key c*128 + t: s = q . k (q pre-scaled, in shared memory; float4 loads);
+      2. the chunk's max and exp-sum by block tree reductions in shared memory; the running
+         max, sum and output are rescaled by exp(old max - new max);
+      3. thread t owns output dims t, t + 128, ...: o += p_j * v_j over the chunk's keys
+         (consecutive threads read consecutive v elements).
+    Keys past the causal bound are never read (their scores are -inf, their values skipped).
+    """
+    if H % KVH:
+        raise ValueError("H must be a multiple of KVH")
+    M = _row_dim(rows)
+    group = H // KVH
+    nt = ATTN_THREADS
+    levels = int(math.log2(nt))
+    dims = _ceil_div(hd, nt)  # output dims per thread
+    vw = _vec_width(hd)
+    scale = float(scale)
+
+    @T.prim_func
+    def kernel(
+        q_h: T.handle,
+        kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+        vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+        out_h: T.handle,
+        start: T.int64,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        q = T.match_buffer(q_h, (M, H * hd), "float32")
+        out = T.match_buffer(out_h, (M, H * hd), "float32")
+        for h in T.thread_binding(H, thread="blockIdx.x"):
+            for i in T.thread_binding(M, thread="blockIdx.y"):
+                for t in T.thread_binding(nt, thread="threadIdx.x"):
+                    qs = T.alloc_shared((hd,), "float32")
+                    ps = T.alloc_shared((nt,), "float32")  # the chunk's probabilities
+                    red = T.alloc_shared((nt,), "float32")  # tree reduction scratch
+                    st = T.alloc_local((5,), "float32")  # run max, run sum, own score, new max, rescale
+                    dot = T.alloc_local((vw,), "float32")
+                    o = T.alloc_local((dims,), "float32")
+                    n_keys = start + i + 1
+                    g = h // group
+                    for e in range(dims):
+                        if e * nt + t < hd:
+                            qs[e * nt + t] = q[i, h * hd + e * nt + t] * T.float32(scale)
+                        o[e] = T.float32(0)
+                    st[0] = T.float32(_NEG)
+                    st[1] = T.float32(0)
+                    T.tvm_storage_sync("shared")
+                    for c in range((n_keys + nt - 1) // nt):
+                        # 1. this thread's score
+                        st[2] = T.float32(_NEG)
+                        if c * nt + t < n_keys:
+                            for v in T.vectorized(vw):
+                                dot[v] = T.float32(0)
+                            for d0 in range(hd // vw):
+                                for v in T.vectorized(vw):
+                                    dot[v] = dot[v] + qs[d0 * vw + v] * kcache[g, c * nt + t, d0 * vw + v]
+                            st[2] = dot[0]
+                            for v in range(1, vw):
+                                st[2] = st[2] + dot[v]
+                        # 2. chunk max -> new running max
+                        red[t] = st[2]
+                        T.tvm_storage_sync("shared")
+                        for lv in range(levels):
+                            if t < T.shift_right(nt, lv + 1):
+                                red[t] = T.max(red[t], red[t + T.shift_right(nt, lv + 1)])
+                            T.tvm_storage_sync("shared")
+                        st[3] = T.max(st[0], red[0])
+                        T.tvm_storage_sync("shared")
+                        # probabilities and their sum
+                        st[2] = T.exp(st[2] - st[3])
+                        ps[t] = st[2]
+                        red[t] = st[2]
+                        T.tvm_storage_sync("shared")
+                        for lv in range(levels):
+                            if t < T.shift_right(nt, lv + 1):
+                                red[t] = red[t] + red[t + T.shift_right(nt, lv + 1)]
+                            T.tvm_storage_sync("shared")
+                        st[4] = T.exp(st[0] - st[3])
+                        st[1] = st[1] * st[4] + red[0]
+                        st[0] = st[3]
+                        # 3. weighted values of the chunk's (causally visible) keys
+                        for e in range(dims):
+                            if e * nt + t < hd:
+                                o[e] = o[e] * st[4]
+                                for j in range(T.min(nt, n_keys - c * nt)):
+                                    o[e] = o[e] + ps[j] * vcache[g, c * nt + j, e * nt + t]
+                        T.tvm_storage_sync("shared")  # ps and red are rewritten by the next chunk
+                    for e in range(dims):
+                        if e * nt + t < hd:
+                            out[i, h * hd + e * nt + t] = o[e] / st[1]
+
+    return kernel.with_attr("global_symbol", name)
+
+
+# --------------------------------------------------------------------------------------------
+# Neuron-aware kernels (neuron.py's operators)
+# --------------------------------------------------------------------------------------------
+
+
+def select(name, n, *, rows):
+    """idx[0, :count] = the positions i with scores[0, i] > threshold[0], ascending.
+
+    Args: scores[1, n], threshold[1], idx[1, n] int32, count[1, 1] int32. One block doing an
+    ordered parallel compaction: thread t owns the contiguous segment [t*E, (t+1)*E); it counts its
+    passing positions, a block-wide inclusive prefix sum (Hillis-Steele in shared memory) turns the
+    counts into output offsets, and each thread writes its segment's positions from its offset, in
+    order. Two reads of scores, one scan of log2(threads) steps.
+    """
+    _decode_only("select", rows)
+    nt = min(SELECT_MAX_THREADS, max(WARP, _pow2_at_least(n)))
+    seg = _ceil_div(n, nt)
+    levels = int(math.log2(nt))
+
+    @T.prim_func
+    def kernel(scores: T.Buffer((1, n), "float32"), threshold: T.Buffer((1,), "float32"),
+               idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.thread_binding(nt, thread="threadIdx.x"):
+            offsets = T.alloc_shared((nt,), "int32")
+            mine = T.alloc_local((3,), "int32")  # own count, scan value, write cursor
+            thr = T.alloc_local((1,), "float32")
+            thr[0] = threshold[0]
+            mine[0] = 0
+            for e in range(seg):
+                if t * seg + e < n:
+                    if scores[0, t * seg + e] > thr[0]:
+                        mine[0] = mine[0] + 1
+            offsets[t] = mine[0]
+            T.tvm_storage_sync("shared")
+            for lv in range(levels):
+                mine[1] = offsets[t]
+                if t >= T.shift_left(1, lv):
+                    mine[1] = mine[1] + offsets[t - T.shift_left(1, lv)]
+                T.tvm_storage_sync("shared")
+                offsets[t] = mine[1]
+                T.tvm_storage_sync("shared")
+            mine[2] = offsets[t] - mine[0]  # exclusive prefix: where this segment's positions go
+            for e in range(seg):
+                if t * seg + e < n:
+                    if scores[0, t * seg + e] > thr[0]:
+                        idx[0, mine[2]] = T.Cast("int32", t * seg + e)
+                        mine[2] = mine[2] + 1
+            if t == nt - 1:
+                count[0, 0] = offsets[t]
+
+    return kernel.with_attr("global_symbol", name)
+
+
+def sparse_up(name, D, n, *, rows, gated: bool, act: str):
+    """Gathered-row GEMV over the active neurons.
+
+    Args: x[1, D], idx[1, n], count[1, 1], w[(2 if gated) n, D] (gate rows, then up rows),
+    b[(2 if gated) n] (zeros for bias-free models), h[1, n]. One warp per active neuron: lane l
+    reads floats 4l .. 4l+3 of every 128-float run of the neuron's row (float4, coalesced) and of
+    x, then a warp-shuffle all-reduce (xor butterfly) gives every lane the dot product; lane 0
+    applies bias and activation and stores h[k]. The count lives on the GPU, so the grid is fixed
+    (UP_WARPS neurons per block, at most UP_MAX_BLOCKS blocks) and warps stride over k < count.
+    """
+    _decode_only("sparse_up", rows)
+    actf = _activation(act)
+    width = 2 * n if gated else n
+    vw = _vec_width(D)
+    chunks = _ceil_div(D, WARP * vw)
+    exact = D % (WARP * vw) == 0
+    blocks = min(UP_MAX_BLOCKS, _ceil_div(n, UP_WARPS))
+    stride = blocks * UP_WARPS
+    full_mask = 0xFFFFFFFF
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
+               w: T.Buffer((width, D), "float32"), b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
+            for wy in T.thread_binding(UP_WARPS, thread="threadIdx.y"):
+                for lane in T.thread_binding(WARP, thread="threadIdx.x"):
+                    acc = T.alloc_local((2, vw), "float32")
+                    tot = T.alloc_local((2,), "float32")
+                    for it in range((count[0, 0] + stride - 1) // stride):
+                        if it * stride + bx * UP_WARPS + wy < count[0, 0]:  # uniform across the warp
+                            for v in T.vectorized(vw):
+                                acc[0, v] = T.float32(0)
+                                acc[1, v] = T.float32(0)
+                            for c in range(chunks):
+                                if exact or (c * WARP + lane) * vw < D:
+                                    for v in T.vectorized(vw):
+                                        acc[0, v] = acc[0, v] + (
+                                            w[idx[0, it * stride + bx * UP_WARPS + wy], (c * WARP + lane) * vw + v]
+                                            * x[0, (c * WARP + lane) * vw + v]
+                                        )
+                                        if gated:
+                                            acc[1, v] = acc[1, v] + (
+                                                w[n + idx[0, it * stride + bx * UP_WARPS + wy], (c * WARP + lane) * vw + v]
+                                                * x[0, (c * WARP + lane) * vw + v]
+                                            )
+                            tot[0] = acc[0, 0]
+                            tot[1] = acc[1, 0]
+                            for v in range(1, vw):
+                                tot[0] = tot[0] + acc[0, v]
+                                tot[1] = tot[1] + acc[1, v]
+                            for lv in range(5):  # xor butterfly: 16, 8, 4, 2, 1
+                                tot[0] = tot[0] + T.tvm_warp_shuffle_xor(
+                                    T.uint32(full_mask), tot[0], T.shift_right(16, lv), WARP, WARP
+                                )
+                                if gated:
+                                    tot[1] = tot[1] + T.tvm_warp_shuffle_xor(
+                                        T.uint32(full_mask), tot[1], T.shift_right(16, lv), WARP, WARP
+                                    )
+                            if lane == 0:
+                                if gated:
+                                    h[0, it * stride + bx * UP_WARPS + wy] = actf(
+                                        tot[0] + b[idx[0, it * stride + bx * UP_WARPS + wy]]
+                                    ) * (tot[1] + b[n + idx[0, it * stride + bx * UP_WARPS + wy]])
+                                else:
+                                    h[0, it * stride + bx * UP_WARPS + wy] = actf(
+                                        tot[0] + b[idx[0, it * stride + bx * UP_WARPS + wy]]
+                                    )
+
+    return kernel.with_attr("global_symbol", name)
+
+
+def sparse_down(name, n, D, *, rows):
+    """out[0, :] = sum over k < count of h[0, k] * w[idx[0, k], :].
+
+    Args: h[1, n], idx[1, n], count[1, 1], w[n, D], out[1, D]. Block = DOWN_TX (32) columns x
+    DOWN_TY (16) row groups: thread (ty, tx) accumulates column c = block*32 + tx over the active
+    rows k = ty, ty + 16, ... (each warp reads a coalesced 128-byte run of a weight row per step);
+    the 16 partial sums of a column are added in shared memory and stored by the ty = 0 thread.
+    """
+    _decode_only("sparse_down", rows)
+    blocks = _ceil_div(D, DOWN_TX)
+
+    @T.prim_func
+    def kernel(h: T.Buffer((1, n), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
+               w: T.Buffer((n, D), "float32"), out: T.Buffer((1, D), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
+            for ty in T.thread_binding(DOWN_TY, thread="threadIdx.y"):
+                for tx in T.thread_binding(DOWN_TX, thread="threadIdx.x"):
+                    part = T.alloc_shared((DOWN_TY, DOWN_TX), "float32")
+                    acc = T.alloc_local((1,), "float32")
+                    acc[0] = T.float32(0)
+                    if bx * DOWN_TX + tx < D:
+                        for it in range((count[0, 0] + DOWN_TY - 1) // DOWN_TY):
+                            if it * DOWN_TY + ty < count[0, 0]:
+                                acc[0] = acc[0] + h[0, it * DOWN_TY + ty] * w[idx[0, it * DOWN_TY + ty], bx * DOWN_TX + tx]
+                    part[ty, tx] = acc[0]
+                    T.tvm_storage_sync("shared")
+                    if ty == 0:
+                        if bx * DOWN_TX + tx < D:
+                            for r in range(1, DOWN_TY):
+                                acc[0] = acc[0] + part[r, tx]
+                            out[0, bx * DOWN_TX + tx] = acc[0]
+
+    return kernel.with_attr("global_symbol", name)
+
+
+# --------------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------------
+
+
+def cuda_target(arch: str) -> dict:
+    """The target dict for ``arch`` (``sm_XX``): CUDA device code, Haswell host code."""
+    if not (isinstance(arch, str) and arch.startswith("sm_") and arch[3:].isdigit()):
+        raise ValueError(f"arch must look like 'sm_80', got {arch!r}")
+    return {"kind": "cuda", "arch": arch, "host": dict(HOST_TARGET)}
+
+
+def _target(arch):
+    spec = cuda_target(arch)
+    host = spec.pop("host")
+    return tvm.target.Target(spec, host=host)
+
+
+def _ir_module(funcs):
+    mod = {}
+    for f in funcs:
+        symbol = str(f.attrs["global_symbol"])
+        if symbol in mod:
+            raise ValueError(f"duplicate kernel name {symbol!r}")
+        mod[symbol] = f
+    return tvm.IRModule(mod)
+
+
+def nvcc_path() -> str | None:
+    """The real nvcc: ``$CUDA_PATH/bin/nvcc`` (the nvcc on PATH may be a wrapper), else PATH's."""
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def nvcc_flags(arch: str) -> list[str]:
+    """SASS for ``arch`` plus its PTX (the driver JIT-compiles the PTX on newer GPUs), in a fatbin.
+
+    No --use_fast_math: the kernels already call the fast intrinsics where TVM chooses them, and
+    divisions / square roots stay IEEE so results track the CPU kernels.
+    """
+    cc = arch[3:]
+    return [
+        "--fatbin",
+        "-O3",
+        "-std=c++17",
+        "-gencode", f"arch=compute_{cc},code=sm_{cc}",
+        "-gencode", f"arch=compute_{cc},code=compute_{cc}",
+    ]
+
+
+def compile_cuda(source: str, arch: str) -> bytes:
+    """nvcc ``source`` (TVM's generated CUDA C++) to a fatbin for ``arch``."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found: install the CUDA toolkit or set CUDA_PATH")
+    with tempfile.TemporaryDirectory(prefix="picompile-nvcc-") as tmp:
+        src, out = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, "kernels.fatbin")
+        with open(src, "w") as f:
+            f.write(source)
+        done = subprocess.run([nvcc, *nvcc_flags(arch), "-o", out, src], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{done.stdout}\n{done.stderr}")
+        with open(out, "rb") as f:
+            return f.read()
+
+
+@contextlib.contextmanager
+def _nvcc_callback(arch, compiled):
+    """Route ``tvm_callback_cuda_compile`` to our nvcc while compiling, then restore the old one.
+
+    TVM calls it only where the CUDA runtime is loaded (a GPU machine); each call appends
+    (source, binary, seconds) to ``compiled``.
+    """
+    name = "tvm_callback_cuda_compile"
+    previous = tvm_ffi.get_global_func(name, allow_missing=True)
+
+    def callback(code, *_):
+        began = time.perf_counter()
+        binary = compile_cuda(code, arch)
+        compiled.append((code, binary, time.perf_counter() - began))
+        return bytearray(binary)
+
+    tvm_ffi.register_global_func(name, callback, override=True)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            tvm_ffi.register_global_func(name, previous, override=True)
+
+
+def _compile(funcs, arch):
+    """tvm.compile for the CUDA target: (host module, CUDA source, binary or None, nvcc seconds)."""
+    compiled = []
+    with _nvcc_callback(arch, compiled):
+        lib = tvm.compile(_ir_module(funcs), target=_target(arch))
+    cuda_mods = [m for m in lib.mod.imports if m.kind == "cuda"]
+    if len(cuda_mods) != 1:
+        raise RuntimeError(f"expected one CUDA device module, got {[m.kind for m in lib.mod.imports]}")
+    if compiled:  # a GPU machine: TVM already ran nvcc through the callback
+        if len(compiled) != 1:
+            raise RuntimeError(f"expected one CUDA compilation, got {len(compiled)}")
+        source, binary, seconds = compiled[0]
+        return lib, source, binary, seconds
+    return lib, cuda_mods[0].inspect_source("cuda"), None, 0.0
+
+
+def cuda_source(funcs, arch: str) -> str:
+    """The CUDA C++ that TVM generates for ``funcs`` (what ``build`` hands to nvcc)."""
+    return _compile(funcs, arch)[1]
+
+
+# -- the packed module tree (what export_library embeds as __tvm_ffi__library_bin) -------------
+# Layout (src/target/codegen.cc, include/tvm/support/serializer.h; little endian): u64 blob size;
+# the import tree as two u64 vectors (u64 count + items); then per module group a string key ("_lib"
+# for the host code) followed, for every other key, by that module's SaveToBytes as a string.
+# Strings and arrays are a u64 count + items. A CUDA module's SaveToBytes is [fmt string]
+# [Map<String, FunctionInfo>][code string]; FunctionInfo = name string, arg types (4-byte DLDataType
+# array), launch parameter tags (string array), extra arg tags (int32 array).
+
+
+def _u64(buf, pos):
+    return struct.unpack_from("<Q", buf, pos)[0], pos + 8
+
+
+def _read_str(buf, pos):
+    n, pos = _u64(buf, pos)
+    if pos + n > len(buf):
+        raise ValueError("truncated string in a packed module")
+    return bytes(buf[pos : pos + n]), pos + n
+
+
+def _write_str(data):
+    return struct.pack("<Q", len(data)) + data
+
+
+def _parse_blob(blob):
+    """Split a packed import blob into (import tree bytes, [(key, payload or None)])."""
+    size, pos = _u64(blob, 0)
+    if size != len(blob) - 8:
+        raise ValueError("packed module blob has an unexpected size header")
+    start = pos
+    for _ in range(2):  # import_tree_row_ptr, import_tree_child_indices
+        count, pos = _u64(blob, pos)
+        pos += 8 * count
+    tree = blob[start:pos]
+    records = []
+    while pos < len(blob):
+        key, pos = _read_str(blob, pos)
+        payload = None
+        if key != b"_lib":
+            payload, pos = _read_str(blob, pos)
+        records.append((key.decode(), payload))
+    return tree, records
+
+
+def _split_cuda_record(payload):
+    """(fmt, function-info bytes, code) of a CUDA module's SaveToBytes."""
+    fmt, pos = _read_str(payload, 0)
+    fmap_start = pos
+    entries, pos = _u64(payload, pos)
+    for _ in range(entries):
+        _, pos = _read_str(payload, pos)  # key
+        _, pos = _read_str(payload, pos)  # FunctionInfo.name
+        n, pos = _u64(payload, pos)  # arg_types
+        pos += 4 * n
+        n, pos = _u64(payload, pos)  # launch_param_tags
+        for _ in range(n):
+            _, pos = _read_str(payload, pos)
+        n, pos = _u64(payload, pos)  # arg_extra_tags
+        pos += 4 * n
+    fmap = payload[fmap_start:pos]
+    code, pos = _read_str(payload, pos)
+    if pos != len(payload):
+        raise ValueError("unexpected CUDA module record layout")
+    return fmt.decode(), fmap, code
+
+
+def _rewrite_blob(blob, old_code, binary, fmt="fatbin"):
+    """``blob`` with the CUDA module's (fmt, code) replaced by (``fmt``, ``binary``)."""
+    tree, records = _parse_blob(blob)
+    out = [tree]
+    replaced = 0
+    for key, payload in records:
+        out.append(_write_str(key.encode()))
+        if payload is None:
+            continue
+        if key == "cuda":
+            _, fmap, code = _split_cuda_record(payload)
+            if code != old_code:
+                raise ValueError("the CUDA module does not hold the code that was compiled")
+            payload = _write_str(fmt.encode()) + fmap + _write_str(binary)
+            replaced += 1
+        out.append(_write_str(payload))
+    if replaced != 1:
+        raise ValueError(f"expected one CUDA module in the packed blob, found {replaced}")
+    body = b"".join(out)
+    return struct.pack("<Q", len(body)) + body
+
+
+def read_packed_cuda(path: str) -> tuple[str, bytes]:
+    """(fmt, code) of the CUDA module embedded in an exported library, read without loading it.
+
+    The packed blob is the ``__tvm_ffi__library_bin`` symbol of the .so (found via its ELF
+    symbol table); this is what TVM's loader deserializes on the GPU machine.
+    """
+    with open(path, "rb") as f:
+        elf = f.read()
+    data = _elf_symbol(elf, b"__tvm_ffi__library_bin")
+    size = struct.unpack_from("<Q", data, 0)[0]
+    _, records = _parse_blob(data[: size + 8])
+    for key, payload in records:
+        if key == "cuda":
+            fmt, _, code = _split_cuda_record(payload)
+            return fmt, code
+    raise ValueError(f"no CUDA module in {path}")
+
+
+def _elf_symbol(elf, name):
+    """The bytes of a defined symbol in a 64-bit little-endian ELF file (.symtab or .dynsym)."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+        raise ValueError("not a 64-bit little-endian ELF file")
+    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    # section header: name, type, flags, addr, offset, size, link, info, addralign, entsize
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    for sh in sections:
+        if sh[1] not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
+            continue
+        strtab = sections[sh[6]]
+        for off in range(sh[4], sh[4] + sh[5], sh[9]):
+            st_name, _info, _other, shndx, value, size = struct.unpack_from("<IBBHQQ", elf, off)
+            end = elf.index(b"\0", strtab[4] + st_name)
+            if elf[strtab[4] + st_name : end] == name and 0 < shndx < len(sections):
+                sec = sections[shndx]
+                return elf[sec[4] + value - sec[3] : sec[4] + value - sec[3] + size]
+    raise ValueError(f"symbol {name.decode()} not found")
+
+
+def build(funcs, arch: str, path: str) -> dict:
+    """Compile ``funcs`` for ``arch`` (e.g. "sm_80") into one shared library at ``path``.
+
+    The device code is compiled with nvcc now (``nvcc_flags``: SASS for the arch + its PTX, one
+    fatbin) and embedded; the library loads with TVM's runtime and the CUDA driver alone.
+    Returns facts: arch, kernels (PrimFuncs built), binary_format, binary_bytes, nvcc_seconds.
+    """
+    funcs = list(funcs)
+    lib, source, binary, nvcc_seconds = _compile(funcs, arch)
+    if "__global__" not in source:
+        raise RuntimeError("TVM produced no CUDA kernels")
+    # the code TVM's CUDA module holds now: the source (no CUDA runtime here) or the callback's binary
+    old_code = source.encode() if binary is None else bytes(binary)
+    if binary is None:
+        began = time.perf_counter()
+        binary = compile_cuda(source, arch)
+        nvcc_seconds = time.perf_counter() - began
+    pack_blob = tvm_ffi.get_global_func("runtime.ModulePackImportsToTensor")
+    codegen_blob = tvm_ffi.get_global_func("codegen.codegen_blob")
+
+    def pack_imports(mod, is_system_lib, prefix, workspace_dir):
+        """export_library's packing step, with the CUDA module's code replaced by the fatbin."""
+        blob = _rewrite_blob(bytes(pack_blob(mod).numpy().tobytes()), old_code, binary)
+        obj = os.path.join(workspace_dir, f"{prefix}devc.o")
+        host_target = mod.get_function("_get_target_string")()
+        codegen_blob(blob, is_system_lib, host_target, prefix).write_to_file(obj)
+        return obj
+
+    lib.export_library(path, fpack_imports=pack_imports)
+    return {
+        "arch": arch,
+        "kernels": len(funcs),
+        "binary_format": "fatbin",
+        "binary_bytes": len(binary),
+        "nvcc_seconds": round(nvcc_seconds, 3),
+    }
