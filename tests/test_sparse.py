@@ -66,6 +66,8 @@ def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path, f
     schedule = json.loads((artifact / "schedule.json").read_text())
     assert {n["device"] for n in schedule["nodes"]} == {"cpu", "gpu"}
     assert any(n["op_class"] == "copy" for n in schedule["nodes"])
+    # the GPU calls' kernels were also compiled for the target's GPU (sm_89) by nvcc at build time
+    assert (artifact / "kernels" / "cuda_sm_89.so").stat().st_size > 0
     assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True)
     # without the flag a GPU artifact is refused, with a message that says what to do
     assert main(["run", str(artifact), "--prompt-ids", "1,2"]) == 2
