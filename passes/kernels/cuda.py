@@ -65,6 +65,7 @@ from tvm.s_tir import Schedule
 from tvm.script import tirx as T
 
 from .cpu import _f32, _row_dim, _te_schedule
+from .neuron import merge_tensors
 
 CUDA_ARCHS = {"rtx2080ti": "sm_75", "a100-80g": "sm_80", "rtx4090": "sm_89", "h200": "sm_90"}
 """GPUs picompile is meant for and their SM architectures (informational)."""
@@ -408,24 +409,7 @@ def embed(name, V, D, *, rows, positions: int | None):
 
 def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
     """out = res + p_1 (+ p_2) + b.  Args: (res), p_1 (, p_2), (b), out; all [m, D] except b [D]."""
-    m = _row_dim(rows)
-    res = te.placeholder((m, D), name="res") if residual else None
-    partials = [te.placeholder((m, D), name=f"p{i}") for i in range(parts)]
-    b = te.placeholder((D,), name="b") if bias else None
-
-    def add(i, j):
-        total = partials[0][i, j]
-        for p in partials[1:]:
-            total = total + p[i, j]
-        if bias:
-            total = total + b[j]
-        if residual:
-            total = total + res[i, j]
-        return total
-
-    out = te.compute((m, D), add, name="y")
-    args = ([res] if residual else []) + partials + ([b] if bias else []) + [out]
-    sch = _te_schedule(name, args)
+    sch = _te_schedule(name, merge_tensors(D, parts, rows=rows, bias=bias, residual=residual))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 

@@ -120,8 +120,8 @@ def sparse_down(name, n, D, *, rows):
     return kernel.with_attr("global_symbol", name)
 
 
-def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
-    """out = res + p_1 (+ p_2) + b.  Args: (res), p_1 (, p_2), (b), out; all [m, D] except b [D]."""
+def merge_tensors(D, parts: int, *, rows, bias: bool, residual: bool) -> list:
+    """The TE definition of `merge` (shared with the CUDA kernel): its arguments, output last."""
     m = _row_dim(rows)
     res = te.placeholder((m, D), name="res") if residual else None
     partials = [te.placeholder((m, D), name=f"p{i}") for i in range(parts)]
@@ -138,8 +138,12 @@ def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
         return total
 
     out = te.compute((m, D), add, name="y")
-    args = ([res] if residual else []) + partials + ([b] if bias else []) + [out]
-    sch = _te_schedule(name, args)
+    return ([res] if residual else []) + partials + ([b] if bias else []) + [out]
+
+
+def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
+    """out = res + p_1 (+ p_2) + b.  Args: (res), p_1 (, p_2), (b), out; all [m, D] except b [D]."""
+    sch = _te_schedule(name, merge_tensors(D, parts, rows=rows, bias=bias, residual=residual))
     _rowwise(sch, sch.get_sblock("y"), _lanes(D), rows)
     return sch.mod[name]
 
