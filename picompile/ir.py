@@ -41,19 +41,14 @@ def nodes_in_domain(model: ir.Model, op_type: str) -> list[ir.Node]:
 
 
 def save(model: ir.Model, path: Path) -> None:
-    """Write the model as one self-contained .onnx file (external data only where protobuf forces it)."""
-    proto = ir.to_proto(model)
-    large = proto.ByteSize() > 1_900_000_000 if _small_enough_to_measure(model) else True
+    """Write the model as one .onnx file, with weights beside it (`.onnx.data`) past protobuf's 2 GB limit."""
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if large:
+    proto = ir.to_proto(model)
+    if weight_bytes > 1_500_000_000:
         onnx.save(proto, str(path), save_as_external_data=True, location=path.name + ".data")
     else:
         onnx.save(proto, str(path))
-
-
-def _small_enough_to_measure(model: ir.Model) -> bool:
-    total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    return total < 1_500_000_000
 
 
 def to_text(model: ir.Model) -> str:
