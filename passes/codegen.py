@@ -455,6 +455,9 @@ class Codegen:
                         for name in (call.decode, call.prefill) if name and name != COPY})
         if not names:
             return
+        if cuda.nvcc_path() is None:
+            raise UserError(f"building for {ctx.target.name} compiles its GPU kernels with nvcc, which is not installed "
+                            "(install the CUDA toolkit or set CUDA_PATH), or build with --target cpu")
         funcs = []
         for name in names:
             maker, rows, args, kwargs = lowering.kernel_specs[name]

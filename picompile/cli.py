@@ -112,13 +112,8 @@ def _run(args) -> int:
     if len(prompt) + args.max_new_tokens > engine.max_context:
         raise UserError(f"prompt ({len(prompt)}) + -n ({args.max_new_tokens}) exceed the artifact's max context "
                         f"{engine.max_context}; rebuild with a larger --max-context")
-    if args.profile:
-        engine.profile = {}
     result = generate(engine, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, seed=args.seed)
-    if args.profile:
-        steps = max(len(result["generated_ids"]), 1)
-        result["profile_ms_per_token"] = {k: v * 1000 / steps for k, v in sorted(engine.profile.items())}
+                      top_p=args.top_p, seed=args.seed, profile=args.profile)
     if args.json:
         print(json.dumps(result))
     else:

@@ -139,10 +139,15 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {ids.min()}..{ids.max()}")
         self.buffers["input_ids"][:rows] = ids
         program = self._decode if rows == 1 else self._program("prefill", rows)
+        began = time.perf_counter()
         if self._worker is None:
             self._run_serial(program)
         else:
             self._worker.run(program, self.position, self._timer())
+        if self.profile is not None:  # wall time not spent inside a kernel or copy: the runtime's own cost
+            kernels = sum(seconds for op_class, seconds in self.profile.items() if op_class not in ("overhead", "wall"))
+            self.profile["wall"] = self.profile.get("wall", 0.0) + time.perf_counter() - began
+            self.profile["overhead"] = max(self.profile["wall"] - kernels, 0.0)
         self.position += rows
         return self.buffers["logits"][:rows].copy()
 

@@ -26,8 +26,9 @@ def sample(logits: np.ndarray, rng: np.random.Generator | None, temperature: flo
 
 
 def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, stop_ids=()) -> dict:
-    """Prefill the prompt, then decode token by token. Returns ids and timings."""
+             top_p: float = 1.0, seed: int | None = None, stop_ids=(), profile: bool = False) -> dict:
+    """Prefill the prompt, then decode token by token. Returns ids and timings; with `profile`, also the
+    decode time per kernel class per token (and the runtime's own overhead)."""
     import time
 
     rng = np.random.default_rng(seed) if temperature > 0 else None
@@ -40,6 +41,7 @@ def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.
     logits = engine.forward(prompt)[-1]
     prefill_s = time.perf_counter() - started
     generated = []
+    engine.profile = {} if profile else None  # decode steps only
     started = time.perf_counter()
     for step in range(max_new_tokens):
         token = sample(logits, rng, temperature, top_k, top_p)
@@ -49,9 +51,14 @@ def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.
         logits = engine.forward(np.array([token], np.int64))[-1]
     decode_s = time.perf_counter() - started
     decoded_steps = max(len(generated) - 1, 0)  # the first token comes from the prefill logits
-    return {
+    result = {
         "prompt_ids": prompt.tolist(),
         "generated_ids": generated,
         "prefill_ms": prefill_s * 1000,
         "decode_tokens_per_s": decoded_steps / decode_s if decoded_steps and decode_s > 0 else 0.0,
     }
+    if profile:
+        per_token = {k: v * 1000 / max(decoded_steps, 1) for k, v in sorted(engine.profile.items())}
+        result["profile_ms_per_token"] = per_token
+        engine.profile = None
+    return result
