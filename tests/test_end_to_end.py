@@ -93,6 +93,12 @@ def test_cli_build_dump_run_eval_inspect(tiny_models, tmp_path, capsys):
     assert result["prompt_ids"] == [1, 2, 3] and len(result["generated_ids"]) == 6
     assert result["generated_ids"] == OrtDecoder(files.onnx).greedy([1, 2, 3], 6)
 
+    assert main(["run", str(out), "--prompt-ids", "1,2,3", "-n", "6", "--json", "--profile"]) == 0
+    profile = json.loads(capsys.readouterr().out)["profile_ms_per_token"]
+    assert {"attention", "ffn_up", "ffn_down", "norm", "head", "embed", "overhead", "wall"} <= set(profile)
+    parts = sum(v for k, v in profile.items() if k != "wall")
+    assert abs(parts - profile["wall"]) <= 0.05 * profile["wall"]  # the classes and the overhead add up
+
     assert main(["eval", str(out), "--reference", str(files.onnx), "--tokens", str(files.heldout),
                  "--max-sequences", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
