@@ -108,4 +108,6 @@ class Lower:
         node.outputs[0].replace_all_uses_with(merge.outputs[0])
         graph.remove(node, safe=True)
         stats = {key: pir.attr(node, key) for key in STATS if key in node.attributes}
-        return {"layer": layer, "gpu_neurons": n_gpu, "cpu_neurons": ffn - n_gpu, **stats}
+        frequency = pir.const_array(graph.initializers[f"{prefix}.frequency"])
+        hot_share = float(frequency[order[:n_gpu]].sum() / max(frequency.sum(), 1e-12))
+        return {"layer": layer, "gpu_neurons": n_gpu, "cpu_neurons": ffn - n_gpu, "gpu_activation_share": hot_share, **stats}

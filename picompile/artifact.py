@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,7 +22,7 @@ import safetensors.numpy
 
 from runtime.artifact import FORMAT, FORMAT_VERSION, sha256  # the reader defines the format
 
-from . import __version__
+from . import __version__, costmodel
 from . import ir as pir
 from .pipeline import Context
 
@@ -77,6 +78,7 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
             "placement": json.loads(model.metadata_props.get("picompile.placement", "{}")),
             "files": files,
         }
+        manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target, ctx.options.vram_budget_bytes))
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
         _replace_dir(staging, output)
     except BaseException:

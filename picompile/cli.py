@@ -88,6 +88,11 @@ def _build(args) -> int:
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None)
     print(f"wrote {output}")
+    from .costmodel import Estimate
+
+    manifest = json.loads((output / "manifest.json").read_text())
+    for line in Estimate(**manifest["estimate"]).lines(target):
+        print(line)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,6 +10,7 @@ import onnx
 import pytest
 
 from passes.partition import Partition
+from picompile import costmodel
 from picompile.cli import main
 from picompile.compiler import build, pipeline
 from picompile.pipeline import Options
@@ -69,6 +71,14 @@ def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path, f
     # the GPU calls' kernels were also compiled for the target's GPU (sm_89) by nvcc at build time
     assert (artifact / "kernels" / "cuda_sm_89.so").stat().st_size > 0
     assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True)
+    # the build's speed estimate splits the bytes between the devices and prices the baselines
+    estimate = manifest["estimate"]
+    assert estimate["gpu_bytes_per_token"] > 0 and estimate["cpu_bytes_per_token"] > 0
+    assert estimate["layer_offload_tokens_per_s"] > 0 and estimate["picompile_tokens_per_s"] > 0
+    faster_cpu = dataclasses.replace(get_target("rtx4090"), cpu_bandwidth_gbs=600.0)
+    again = costmodel.estimate(manifest, schedule, faster_cpu, 600_000)
+    assert again.cpu_only_tokens_per_s > estimate["cpu_only_tokens_per_s"]
+    assert again.picompile_tokens_per_s > estimate["picompile_tokens_per_s"]  # the CPU part got cheaper
     # without the flag a GPU artifact is refused, with a message that says what to do
     assert main(["run", str(artifact), "--prompt-ids", "1,2"]) == 2
 
