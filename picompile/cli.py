@@ -171,7 +171,8 @@ def _inspect(args) -> int:
     weight_bytes = sum(4 * _numel(b["shape"]) for b in manifest["buffers"].values() if b["kind"] == "weight")
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
             "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes,
-            "layers": manifest.get("layers", []), "placement": manifest.get("placement", {})}
+            "layers": manifest.get("layers", []), "placement": manifest.get("placement", {}),
+            "estimate": manifest.get("estimate")}
     if args.json:
         print(json.dumps(info))
         return 0
@@ -181,6 +182,12 @@ def _inspect(args) -> int:
     print(f"weights     {weight_bytes / 2**20:.1f} MiB")
     print("calls/token " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
     print(f"kernels     {len(kernels)}: " + ", ".join(kernels))
+    if info["estimate"]:
+        from .costmodel import Estimate
+        from .targets import get_target
+
+        for line in Estimate(**info["estimate"]).lines(get_target(manifest["target"]["name"])):
+            print(line)
     placement = info["placement"]
     if placement:
         print(f"placement   {placement.get('status')}, gap {placement.get('gap', 0) * 100:.3f}%, "
