@@ -15,6 +15,7 @@ import onnx_ir as ir
 DOMAIN = "picompile"
 DOMAIN_VERSION = 1
 ONNX_OPSET = 23  # RMSNormalization is a standard op from opset 23 on
+EXTERNAL_DATA_BYTES = 1_500_000_000  # weights past this go beside the .onnx (protobuf stops at 2 GB)
 
 
 def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
@@ -41,14 +42,15 @@ def nodes_in_domain(model: ir.Model, op_type: str) -> list[ir.Node]:
 
 
 def save(model: ir.Model, path: Path) -> None:
-    """Write the model as one .onnx file, with weights beside it (`.onnx.data`) past protobuf's 2 GB limit."""
+    """Write the model as one .onnx file, with weights beside it (`.onnx.data`) past protobuf's 2 GB limit.
+    onnx_ir copies tensors that still live in the source model's external data file, so the result never
+    points back into the user's files."""
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    proto = ir.to_proto(model)
-    if weight_bytes > 1_500_000_000:
-        onnx.save(proto, str(path), save_as_external_data=True, location=path.name + ".data")
+    if weight_bytes > EXTERNAL_DATA_BYTES:
+        ir.save(model, path, external_data=path.name + ".data")
     else:
-        onnx.save(proto, str(path))
+        onnx.save(ir.to_proto(model), str(path))
 
 
 def to_text(model: ir.Model) -> str:

@@ -109,3 +109,21 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "recall" in text and "layer" in text
+
+
+def test_models_with_external_data_build(sparse_models, tmp_path, monkeypatch):
+    """Weights in a `.onnx.data` file beside the model (how exports over 2 GB come): the profile pass
+    hands the source graph to onnxruntime from the build's own directory, so it must copy them along."""
+    import onnx_ir as ir
+
+    from picompile import ir as pir
+
+    files = sparse_models["llama"]
+    external = tmp_path / "ext" / "model.onnx"
+    external.parent.mkdir()
+    ir.save(ir.load(str(files.onnx)), external, external_data="model.onnx.data", size_threshold_bytes=0)
+    assert (tmp_path / "ext" / "model.onnx.data").stat().st_size > 0
+    monkeypatch.setattr(pir, "EXTERNAL_DATA_BYTES", 0)  # treat this tiny model as a large one
+    external_files = dataclasses.replace(files, onnx=external)
+    artifact = sparse_build(external_files, tmp_path / "x.pic", all_neurons=True)
+    assert_matches_onnxruntime(artifact, files.onnx, decode_steps=2)
