@@ -1,12 +1,15 @@
 """codegen: lower each block op to TVM kernel calls and compile the kernels.
 
-Reads: the block-level IR (`picompile.Embed`, `picompile.Attention`, `picompile.FFN`, norms, residual
-Adds, the output MatMul). Adds: a new graph made only of `picompile.Call` nodes, one per kernel call.
-Each Call names its kernels (`decode` for one token, `prefill` for a symbolic number of rows), its
-arguments in order (`args`: buffer names, with `start` for the cached-token count) and its device.
-Values are named `buffer#version`: activation buffers are shared by role across layers (layers run one
-after another), so the IR shows where each buffer is written. Residual Adds are fused into the epilogue
-of the linear before them. The compiled library goes to the artifact as `kernels/cpu.so`.
+Reads: the block-level IR (`picompile.Embed`, `picompile.Attention`, `picompile.FFN` or, after lower,
+`picompile.Predict` / `SparseFFN` / `MergePartial`; norms, residual Adds, the output MatMul) and the
+placement report. Adds: a new graph made only of `picompile.Call` nodes, one per kernel call. Each Call
+names its kernels (`decode` for one token, `prefill` for a symbolic number of rows; "" where it runs in
+one phase only), its arguments in order (`args`: buffer names, with `start` for the cached-token count)
+and its device. Values are named `buffer#version`: activation buffers are shared by role across layers
+(layers run one after another), so the IR shows where each buffer is written; each device has its own
+instance of a buffer (`name@gpu`), with explicit `copy` calls where a value crosses devices. Residual
+Adds are fused into the epilogue of the call before them. Every kernel is compiled for the CPU
+(`kernels/cpu.so`); a GPU target also gets its GPU calls' kernels from nvcc (`kernels/cuda_<arch>.so`).
 """
 
 from __future__ import annotations
