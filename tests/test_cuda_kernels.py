@@ -29,6 +29,7 @@ if "CUDA_PATH" not in os.environ and os.path.isdir("/usr/local/cuda"):
 import tvm  # noqa: E402
 
 from passes.kernels import cpu, cuda, neuron  # noqa: E402
+from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
 
 if cuda.nvcc_path() is None or not os.path.isdir(os.environ.get("CUDA_PATH", "/usr/local/cuda")):
     pytest.skip("nvcc / the CUDA toolkit is not installed (set CUDA_PATH)", allow_module_level=True)
@@ -67,8 +68,6 @@ DOWN = {"small": (100, 40), "wide": (100, 300)}  # (n, D)
 # ---------------------------------------------------------------------------------- kernel set
 
 
-def kname(kind, cfg, variant):
-    return f"{kind}_{cfg}_{variant}"
 
 
 def all_kernels(gpu=True):
@@ -291,37 +290,12 @@ def rand(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def act_ref(v, act):
-    if act == "relu":
-        return np.maximum(v, 0)
-    if act == "gelu":
-        return 0.5 * v * (1 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2)))
-    if act == "silu":
-        return v / (1 + np.exp(-v))
-    return v
 
 
-def close(got, ref, tol=1e-4):
-    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
 
 
-def attention_ref(q, kc, vc, start, H, KVH, hd, scale):
-    m = q.shape[0]
-    out = np.zeros((m, H * hd))
-    for i in range(m):
-        n = start + i + 1
-        for h in range(H):
-            g = h // (H // KVH)
-            s = scale * (kc[g, :n].astype(np.float64) @ q[i, h * hd : (h + 1) * hd])
-            p = np.exp(s - s.max())
-            out[i, h * hd : (h + 1) * hd] = (p / p.sum()) @ vc[g, :n]
-    return out
 
 
-def rope_ref(x, cos, sin):
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 @pytest.mark.parametrize("variant,m", VARIANTS + [("p", 70)])
@@ -417,20 +391,7 @@ def test_rope_kv_write(run, heads, variant, m, start, rope):
     kc0, vc0 = kc.copy(), vc.copy()
     q = rand(rng, m, H * hd)
     run(kname("rope", f"{H}_{KVH}_{hd}_{rope}", variant), *([qkv] + ([cos, sin] if rope else []) + [kc, vc, q, start]))
-    pos = slice(start, start + m)
-    qh = qkv[:, : H * hd].reshape(m, H, hd).astype(np.float64)
-    kh = qkv[:, H * hd : (H + KVH) * hd].reshape(m, KVH, hd).astype(np.float64)
-    vh = qkv[:, (H + KVH) * hd :].reshape(m, KVH, hd)
-    if rope:
-        c, s = cos[pos][:, None, :], sin[pos][:, None, :]
-        qh, kh = rope_ref(qh, c, s), rope_ref(kh, c, s)
-    close(q, qh.reshape(m, H * hd), tol=1e-5)
-    close(kc[:, pos], kh.transpose(1, 0, 2), tol=1e-5)
-    np.testing.assert_array_equal(vc[:, pos], vh.transpose(1, 0, 2))
-    untouched = np.ones(MAX_CTX, bool)
-    untouched[pos] = False
-    np.testing.assert_array_equal(kc[:, untouched], kc0[:, untouched])
-    np.testing.assert_array_equal(vc[:, untouched], vc0[:, untouched])
+    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope)
 
 
 @pytest.mark.parametrize("start", [0, 5])

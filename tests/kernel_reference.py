@@ -1,0 +1,65 @@
+"""numpy references shared by the CPU and CUDA kernel tests (the kernels of both share one contract)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def act_ref(v, act):
+    if act == "relu":
+        return np.maximum(v, 0)
+    if act == "gelu":
+        return 0.5 * v * (1 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2)))
+    if act == "silu":
+        return v / (1 + np.exp(-v))
+    return v
+
+
+def close(got, ref, tol=1e-4):
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+def kname(kind, cfg, variant):
+    return f"{kind}_{cfg}_{variant}"
+
+
+def attention_ref(q, kc, vc, start, H, KVH, hd, scale):
+    m = q.shape[0]
+    out = np.zeros((m, H * hd))
+    for i in range(m):
+        n = start + i + 1
+        for h in range(H):
+            g = h // (H // KVH)
+            s = scale * (kc[g, :n].astype(np.float64) @ q[i, h * hd : (h + 1) * hd])
+            p = np.exp(s - s.max())
+            out[i, h * hd : (h + 1) * hd] = (p / p.sum()) @ vc[g, :n]
+    return out
+
+
+def rope_ref(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope):
+    """After rope_kv_write: q and the cache rows at start.. are the (rotated) heads of qkv; every
+    other cache position is as it was (kc0, vc0)."""
+    H, KVH, hd = heads
+    m, max_ctx = qkv.shape[0], kc.shape[1]
+    pos = slice(start, start + m)
+    qh = qkv[:, : H * hd].reshape(m, H, hd).astype(np.float64)
+    kh = qkv[:, H * hd : (H + KVH) * hd].reshape(m, KVH, hd).astype(np.float64)
+    vh = qkv[:, (H + KVH) * hd :].reshape(m, KVH, hd)
+    if rope:
+        c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+        qh, kh = rope_ref(qh, c, s), rope_ref(kh, c, s)
+    close(q, qh.reshape(m, H * hd), tol=1e-5)
+    close(kc[:, pos], kh.transpose(1, 0, 2), tol=1e-5)
+    np.testing.assert_array_equal(vc[:, pos], vh.transpose(1, 0, 2))
+    untouched = np.ones(max_ctx, bool)
+    untouched[pos] = False
+    np.testing.assert_array_equal(kc[:, untouched], kc0[:, untouched])
+    np.testing.assert_array_equal(vc[:, untouched], vc0[:, untouched])
