@@ -113,12 +113,7 @@ def test_synthetic_sparsity_level_and_skew(family):
     ids = heldout_ids(model)
     store: dict = {}
     handles = _activation_hooks(model, family, store)
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long))
-    finally:
-        for handle in handles:
-            handle.remove()
+    _forward_with_hooks(model, ids, handles)
     assert len(store) == model.config.num_hidden_layers
     per_layer = []
     for i in sorted(store):
@@ -132,6 +127,16 @@ def test_synthetic_sparsity_level_and_skew(family):
     assert abs(np.mean(per_layer) - 0.9) <= 0.03
     measured = models.measure_sparsity(model, ids)  # the library's own measurement agrees
     np.testing.assert_allclose(measured["per_layer"], per_layer, atol=1e-6)
+
+
+def _forward_with_hooks(model, ids, handles) -> None:
+    """Run the model on ids once, then remove the forward hooks that recorded what it computed."""
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long))
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _probe_recall(model, family, rank=32) -> list[float]:
@@ -148,12 +153,7 @@ def _probe_recall(model, family, rank=32) -> list[float]:
 
         handles.append(module.register_forward_hook(hook))
     ids = heldout_ids(model)
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long))
-    finally:
-        for handle in handles:
-            handle.remove()
+    _forward_with_hooks(model, ids, handles)
     recalls = []
     for i in sorted(store):
         x, y = store[i]
