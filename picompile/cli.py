@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -168,7 +169,7 @@ def _inspect(args) -> int:
     for node in schedule["nodes"]:
         calls[node["op_class"]] = calls.get(node["op_class"], 0) + 1
     kernels = sorted(({n["decode"] for n in schedule["nodes"]} | {n["prefill"] for n in schedule["nodes"]}) - {"", "copy"})
-    weight_bytes = sum(4 * _numel(b["shape"]) for b in manifest["buffers"].values() if b["kind"] == "weight")
+    weight_bytes = sum(4 * math.prod(b["shape"]) for b in manifest["buffers"].values() if b["kind"] == "weight")
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
             "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes,
             "layers": manifest.get("layers", []), "placement": manifest.get("placement", {}),
@@ -201,13 +202,6 @@ def _inspect(args) -> int:
                   f"{layer.get('predictor_recall', 0):>7.4f} {layer.get('predictor_precision', 0):>9.4f} "
                   f"{layer.get('predictor_active', 0):>7.3f}")
     return 0
-
-
-def _numel(shape) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total
 
 
 def main(argv: list[str] | None = None) -> int:

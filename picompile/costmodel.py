@@ -10,6 +10,7 @@ GPU memory, the rest on the CPU).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -47,10 +48,7 @@ def _weight_bytes(buffers: dict, name: str) -> int:
     info = buffers.get(name)
     if info is None or info["kind"] not in ("weight", "cache"):
         return 0
-    count = 1
-    for dim in info["shape"]:
-        count *= dim
-    return count * BYTES[info["dtype"]]
+    return math.prod(info["shape"]) * BYTES[info["dtype"]]
 
 
 def _selected_fraction(node: dict, layers: dict[int, dict]) -> float:
@@ -93,14 +91,14 @@ def _activation_bytes(buffers: dict, name: str) -> int:
     return BYTES[info["dtype"]] * info["shape"][-1]
 
 
-def step_seconds(schedule: dict, buffers: dict, layers: list[dict], target: Target) -> float:
-    """The decode step's critical path through the DAG, each device's calls chained in order."""
-    by_layer = {layer["layer"]: layer for layer in layers}
+def step_seconds(schedule: dict, seconds: dict[str, float]) -> float:
+    """The decode step's critical path through the DAG (each call costing `seconds[id]`), each
+    device's calls chained in program order."""
     nodes = sorted((n for n in schedule["nodes"] if n["decode"]), key=lambda n: n["order"])
     dag = nx.DiGraph()
     last_on_device: dict[str, str] = {}
     for node in nodes:
-        dag.add_node(node["id"], seconds=call_seconds(node, buffers, by_layer, target))
+        dag.add_node(node["id"], seconds=seconds[node["id"]])
         if node["device"] in last_on_device:
             dag.add_edge(last_on_device[node["device"]], node["id"])
         last_on_device[node["device"]] = node["id"]
@@ -137,17 +135,18 @@ def _dense_layer_bytes(schedule: dict, buffers: dict) -> tuple[dict[int, int], i
 
 
 def estimate(manifest: dict, schedule: dict, target: Target, vram_budget_bytes: int | None = None) -> Estimate:
-    buffers, layers = manifest["buffers"], manifest.get("layers", [])
-    step = step_seconds(schedule, buffers, layers, target)
-    by_layer = {layer["layer"]: layer for layer in layers}
+    buffers = manifest["buffers"]
+    by_layer = {layer["layer"]: layer for layer in manifest.get("layers", [])}
+    decode = [node for node in schedule["nodes"] if node["decode"]]
+    seconds = {node["id"]: call_seconds(node, buffers, by_layer, target) for node in decode}
+    step = step_seconds(schedule, seconds)
     device_bytes = {"cpu": 0.0, "gpu": 0.0}
-    for node in schedule["nodes"]:
-        if node["decode"] and node["decode"] != "copy":
+    for node in decode:
+        if node["decode"] != "copy":
             bandwidth = (target.gpu_bandwidth_gbs if node["device"] == "gpu" else target.cpu_bandwidth_gbs) * 1e9
-            seconds = call_seconds(node, buffers, by_layer, target) - CALL_OVERHEAD_S[node["device"]]
-            device_bytes[node["device"]] += seconds * bandwidth
+            device_bytes[node["device"]] += (seconds[node["id"]] - CALL_OVERHEAD_S[node["device"]]) * bandwidth
     per_layer, outside = _dense_layer_bytes(schedule, buffers)
-    calls = sum(1 for n in schedule["nodes"] if n["decode"] and n["op_class"] not in ("predictor", "copy"))
+    calls = sum(1 for n in decode if n["op_class"] not in ("predictor", "copy"))
     overhead = calls * CALL_OVERHEAD_S["cpu"]
     total = sum(per_layer.values()) + outside
     cpu_only = total / (target.cpu_bandwidth_gbs * 1e9) + overhead
