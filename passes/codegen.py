@@ -46,6 +46,7 @@ class Lowering:
 
     max_context: int
     dense_device: str = "cpu"  # where everything but the cold FFN parts runs
+    cpu_weight_dtype: str = "float32"  # storage of the CPU's large weights (matrices, embeddings); GPU ones stay fp32
     kernels: dict[str, object] = field(default_factory=dict)
     # How each kernel was made (generator name, rows, arguments), so a GPU target can make it again for CUDA.
     kernel_specs: dict[str, tuple] = field(default_factory=dict)
@@ -70,9 +71,41 @@ class Lowering:
         self.buffers.setdefault(name, {"kind": "activation", "shape": shape, "dtype": dtype})
         return name
 
-    def weight(self, name: str, array: np.ndarray) -> str:
-        self.weights[name] = np.ascontiguousarray(array, dtype=np.float32)
-        self.buffers[name] = {"kind": "weight", "shape": list(array.shape), "dtype": "float32"}
+    def scratch(self, name: str, shape: list[int]) -> str:
+        """A kernel's private work area: fixed shape (not one row per token), never copied between devices."""
+        self.buffers.setdefault(name, {"kind": "scratch", "shape": list(shape), "dtype": "float32"})
+        return name
+
+    def weight(self, name: str, array: np.ndarray, dtype: str = "float32", layout: str = "") -> str:
+        """Store a weight (`layout` "panels" when panel-packed; the manifest shows it)."""
+        self.weights[name] = np.ascontiguousarray(array, dtype=dtype)
+        self.buffers[name] = {"kind": "weight", "shape": list(array.shape), "dtype": dtype}
+        if layout:
+            self.buffers[name]["layout"] = layout
+        return name
+
+    def weight_dtype(self, device: str) -> str:
+        return self.cpu_weight_dtype if device == "cpu" else "float32"
+
+    def cpu_matrix(self, name: str, device: str) -> str:
+        """A large weight in its device's storage type (done once; later calls see it converted)."""
+        dtype = self.weight_dtype(device)
+        if self.buffers[name]["dtype"] != dtype:
+            self.weight(name, self.weights[name], dtype, self.buffers[name].get("layout", ""))
+        return name
+
+    def matrix_shape(self, name: str) -> tuple[int, int]:
+        """[K, N] of a linear layer's weight, whether stored as [K, N] or panel-packed."""
+        info = self.buffers[name]
+        return (info["shape"][1], info["logical_columns"]) if info.get("layout") == "panels" else tuple(info["shape"])
+
+    def pack(self, name: str) -> str:
+        """Panel-pack a [K, N] weight for the CPU's linear kernels (once)."""
+        info = self.buffers[name]
+        if info.get("layout") != "panels":
+            columns = info["shape"][1]
+            self.weight(name, cpu.pack_panels(self.weights[name]), info["dtype"], "panels")
+            self.buffers[name]["logical_columns"] = columns
         return name
 
     def call(self, kernels: tuple[str, str], args: list[str], writes: list[str], label: str, op_class: str,
@@ -80,12 +113,25 @@ class Lowering:
         self.calls.append(KernelCall(kernels[0], kernels[1], args, writes, label, op_class, device or self.dense_device))
 
     def linear(self, x: str, weight: str, bias: str | None, out: str, label: str, op_class: str,
-               act: str = "none", residual: str | None = None, phases=("decode", "prefill"), device: str | None = None) -> None:
-        """y = act(x @ W + b) + residual, W in [K, N] layout."""
-        k, n = self.buffers[weight]["shape"]
-        base = f"linear_k{k}_n{n}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
-        kernels = self.kernel(cpu.linear, base, k, n, bias=bias is not None, act=act, residual=residual is not None,
-                              phases=phases)
+               act: str = "none", residual: str | None = None, phases=("decode", "prefill"), device: str | None = None,
+               packed: bool | None = None) -> None:
+        """y = act(x @ W + b) + residual for W given in [K, N] layout. On the CPU W is panel-packed (unless
+        `packed` is False: rows a sparse kernel also gathers keep their layout) and stored in the weight dtype;
+        the GPU reads [K, N] fp32."""
+        device = device or self.dense_device
+        packed = device == "cpu" if packed is None else packed
+        self.cpu_matrix(weight, device)
+        if packed:
+            self.pack(weight)
+        k, n = self.matrix_shape(weight)
+        dtype = self.buffers[weight]["dtype"]
+        tags = (f"{'_panels' if packed else ''}{'_f16' if dtype == 'float16' else ''}{'_b' if bias else ''}"
+                f"{'' if act == 'none' else '_' + act}{'_res' if residual else ''}")
+        flags = dict(bias=bias is not None, act=act, residual=residual is not None)
+        if dtype != "float32":
+            flags["wdtype"] = dtype
+        kernels = self.kernel(cpu.linear_panels if packed else cpu.linear, f"linear_k{k}_n{n}{tags}", k, n,
+                              phases=phases, **flags)
         args = [x, weight] + ([bias] if bias else []) + ([residual] if residual else []) + [out]
         self.call(kernels, args, [out], label, op_class, device)
 
@@ -144,15 +190,18 @@ class _Walker:
         handler(node)
 
     def lower_Embed(self, node: ir.Node) -> None:
-        table = self.weight_of(node.inputs[2])
+        table = self.low.cpu_matrix(self.weight_of(node.inputs[2]), self.low.dense_device)
         positions = self.weight_of(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
         vocab, width = self.low.weights[table].shape
+        dtype = self.low.buffers[table]["dtype"]
         if positions and self.low.weights[positions].shape[0] < self.low.max_context:
             raise UserError(f"--max-context {self.low.max_context} exceeds the model's "
                             f"{self.low.weights[positions].shape[0]} learned positions")
         out = self.next_residual(width)
-        kernels = self.low.kernel(cpu.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}", vocab, width,
-                                  positions=self.low.max_context if positions else None)
+        kernels = self.low.kernel(cpu.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}"
+                                  f"{'_f16' if dtype == 'float16' else ''}", vocab, width,
+                                  positions=self.low.max_context if positions else None,
+                                  **({"wdtype": dtype} if dtype != "float32" else {}))
         if positions:  # the kernel indexes positions up to max_context: store exactly that many rows
             self.low.weights[positions] = self.low.weights[positions][: self.low.max_context]
             self.low.buffers[positions]["shape"] = list(self.low.weights[positions].shape)
@@ -271,25 +320,38 @@ class _Walker:
         up_width = self.low.weights[up_rows].shape[0]
         up_bias = up_bias or self.low.zeros(f"{p}.up_bias", up_width)
         gate_tag = "_gated" if gated else ""
+        for rows in (up_rows, down_rows):
+            self.low.cpu_matrix(rows, device)
+        dtype = self.low.buffers[up_rows]["dtype"]
+        dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
         kernels = self.low.kernel(neuron.select, f"select_n{neurons}", neurons, phases=("decode",))
         self.low.call(kernels, [scores, threshold, index, count], [index, count], f"{p}.select", "predictor", device)
-        kernels = self.low.kernel(neuron.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
-                                  d_in, neurons, gated=gated, act=activation, phases=("decode",))
-        self.low.call(kernels, [x, index, count, up_rows, up_bias, hidden], [hidden], f"{p}.up", "ffn_up", device)
-        kernels = self.low.kernel(neuron.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width, phases=("decode",))
-        self.low.call(kernels, [hidden, index, count, down_rows, partial], [partial], f"{p}.down", "ffn_down", device)
+        if device == "cpu":  # up and down in one pass over the rows
+            scratch = self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
+            kernels = self.low.kernel(neuron.sparse_ffn, f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
+                                      d_in, neurons, gated=gated, act=activation, phases=("decode",), **dtype_arg)
+            self.low.call(kernels, [x, index, count, up_rows, up_bias, down_rows, hidden, scratch, partial],
+                          [hidden, scratch, partial], f"{p}.up_down", "ffn", device)
+        else:
+            kernels = self.low.kernel(neuron.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
+                                      d_in, neurons, gated=gated, act=activation, phases=("decode",))
+            self.low.call(kernels, [x, index, count, up_rows, up_bias, hidden], [hidden], f"{p}.up", "ffn_up", device)
+            kernels = self.low.kernel(neuron.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width,
+                                      phases=("decode",))
+            self.low.call(kernels, [hidden, index, count, down_rows, partial], [partial], f"{p}.down", "ffn_down", device)
         # multi-token steps: every neuron of the part, as dense GEMMs over the same row-major weights
         pre = self.low.activation(f"act.ffn_pre.{tag}", up_width)
         up_act = "none" if gated else activation
-        kernels = self.low.kernel(neuron.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}", d_in, up_width,
-                                  act=up_act, phases=("prefill",))
+        kernels = self.low.kernel(neuron.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
+                                  up_width, act=up_act, phases=("prefill",), **dtype_arg)
         self.low.call(kernels, [x, up_rows, up_bias, pre], [pre], f"{p}.up_dense", "ffn_up", device)
         if gated:
             dense_hidden = self.low.activation(f"act.ffn_dense_hidden.{tag}", neurons)
             kernels = self.low.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=("prefill",))
             self.low.call(kernels, [pre, dense_hidden], [dense_hidden], f"{p}.glu", "ffn_up", device)
             pre = dense_hidden
-        self.low.linear(pre, down_rows, None, partial, f"{p}.down_dense", "ffn_down", phases=("prefill",), device=device)
+        self.low.linear(pre, down_rows, None, partial, f"{p}.down_dense", "ffn_down", phases=("prefill",), device=device,
+                        packed=False)
         self.location[node.outputs[0].name] = partial
 
     def lower_MergePartial(self, node: ir.Node) -> None:
@@ -430,7 +492,8 @@ class Codegen:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         placement = json.loads(model.metadata_props.get("picompile.placement", "{}"))
         dense_on_gpu = ctx.target.has_gpu and placement.get("budget_bytes", 1) > 0
-        lowering = Lowering(max_context=ctx.options.max_context, dense_device="gpu" if dense_on_gpu else "cpu")
+        lowering = Lowering(max_context=ctx.options.max_context, dense_device="gpu" if dense_on_gpu else "cpu",
+                            cpu_weight_dtype=cpu.WEIGHT_DTYPES[ctx.options.weight_dtype])
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(model.graph, lowering)
         for node in model.graph:

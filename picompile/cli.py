@@ -29,6 +29,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _unit_interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     from .targets import TARGETS
 
@@ -47,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--all-neurons", action="store_true",
                        help="lower sparse but let every neuron through the predictor (checks the hot/cold split)")
     build.add_argument("--placement-batch", type=_positive_int, default=64, help="neurons per placement ILP variable")
+    build.add_argument("--weight-dtype", choices=["fp32", "fp16"], default="fp32",
+                       help="storage of the CPU's weight matrices (fp16 halves the bytes a token reads; math stays fp32)")
+    build.add_argument("--target-recall", type=_unit_interval, default=0.99,
+                       help="share of truly active neurons the predictors must let through (held-out tokens)")
     build.add_argument("-v", "--verbose", action="store_true", help="print each pass with its time")
 
     run = commands.add_parser("run", help="generate tokens with an artifact")
@@ -85,7 +99,8 @@ def _build(args) -> int:
         raise UserError(f"calibration file not found: {args.calib}")
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
                       vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
-                      all_neurons=args.all_neurons, placement_batch=args.placement_batch)
+                      all_neurons=args.all_neurons, placement_batch=args.placement_batch,
+                      weight_dtype=args.weight_dtype, target_recall=args.target_recall)
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None)
     print(f"wrote {output}")
@@ -169,7 +184,10 @@ def _inspect(args) -> int:
     for node in schedule["nodes"]:
         calls[node["op_class"]] = calls.get(node["op_class"], 0) + 1
     kernels = sorted(({n["decode"] for n in schedule["nodes"]} | {n["prefill"] for n in schedule["nodes"]}) - {"", "copy"})
-    weight_bytes = sum(4 * math.prod(b["shape"]) for b in manifest["buffers"].values() if b["kind"] == "weight")
+    from .costmodel import BYTES
+
+    weight_bytes = sum(BYTES[b["dtype"]] * math.prod(b["shape"])
+                       for b in manifest["buffers"].values() if b["kind"] == "weight")
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
             "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes,
             "layers": manifest.get("layers", []), "placement": manifest.get("placement", {}),

@@ -81,7 +81,7 @@ def call_seconds(node: dict, buffers: dict, layers: dict[int, dict], target: Tar
         elif info["kind"] == "weight" and node["op_class"] == "embed":
             read += _activation_bytes(buffers, arg)  # a gather reads one row per token
         elif info["kind"] == "weight":
-            sparse = node["decode"].startswith(("sparse_up", "sparse_down"))
+            sparse = node["decode"].startswith(("sparse_up", "sparse_down", "sparse_ffn"))
             read += _weight_bytes(buffers, arg) * (_selected_fraction(node, layers) if sparse else 1.0)
     return read / bandwidth + CALL_OVERHEAD_S[node["device"]]
 

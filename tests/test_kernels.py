@@ -34,6 +34,7 @@ LINEAR = {  # name: (K, N, bias, act, residual)
     "tiles": (64, 128, True, "none", True),  # whole 64-column GEMV blocks / 6x16 GEMM tiles
     "narrow": (24, 36, True, "relu", False),  # N % 8 != 0: 4-lane vectors
 }
+WEIGHT_DTYPES = ("float32", "float16")
 GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "relu36": (36, "relu")}
 NORM_D = (36, 64)
 HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64)]  # (H, KVH, hd)
@@ -89,6 +90,11 @@ def all_kernels():
     for v, rows in ROWS.items():
         for cfg, (K, N, bias, act, res) in LINEAR.items():
             funcs.append(cpu.linear(kname("linear", cfg, v), K, N, rows=rows, bias=bias, act=act, residual=res))
+            for dtype in WEIGHT_DTYPES:
+                funcs.append(cpu.linear_panels(kname(f"panels_{dtype}", cfg, v), K, N, rows=rows, wdtype=dtype, bias=bias,
+                                               act=act, residual=res))
+        funcs.append(cpu.linear(kname("linear_float16", "gelu", v), 40, 72, rows=rows, bias=True, act="gelu",
+                                residual=True, wdtype="float16"))
         for cfg, (F, act) in GLU.items():
             funcs.append(cpu.glu(kname("glu", cfg, v), F, rows=rows, act=act))
         for D in NORM_D:
@@ -158,6 +164,39 @@ def test_linear(lib, cfg, variant, m):
     ref = x.astype(np.float64) @ w + (b if bias else 0)
     ref = act_ref(ref, act) + (r if res else 0)
     close(y, ref)
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("cfg", LINEAR)
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_linear_panels(lib, cfg, variant, m, dtype):
+    """Panel-packed weights (the CPU's layout) in fp32 and fp16 storage, padded last panels included."""
+    K, N, bias, act, res = LINEAR[cfg]
+    rng = np.random.default_rng(0)
+    _, x = rows_buf(rng, m, K, scale=0.5)
+    w = (rng.standard_normal((K, N)) * 0.5).astype(dtype)
+    b = rand(rng, N)
+    _, r = rows_buf(rng, m, N)
+    _, y = rows_buf(rng, m, N)
+    packed = cpu.pack_panels(w)
+    assert packed.shape == (-(-N // cpu.PANEL), K, cpu.PANEL) and packed.dtype == w.dtype
+    args = [x, aligned(packed)] + ([b] if bias else []) + ([r] if res else []) + [y]
+    call(lib, kname(f"panels_{dtype}", cfg, variant), *args)
+    ref = x.astype(np.float64) @ w.astype(np.float64) + (b if bias else 0)
+    close(y, act_ref(ref, act) + (r if res else 0))
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+def test_linear_fp16_weights(lib, variant, m):
+    """The [K, N] kernel with fp16 storage (sparse FFN rows in prefill)."""
+    rng = np.random.default_rng(3)
+    _, x = rows_buf(rng, m, 40, scale=0.5)
+    w = aligned((rng.standard_normal((40, 72)) * 0.5).astype(np.float16))
+    b = rand(rng, 72)
+    _, r = rows_buf(rng, m, 72)
+    _, y = rows_buf(rng, m, 72)
+    call(lib, kname("linear_float16", "gelu", variant), x, w, b, r, y)
+    close(y, act_ref(x.astype(np.float64) @ w.astype(np.float64) + b, "gelu") + r)
 
 
 @pytest.mark.parametrize("variant,m", VARIANTS)

@@ -11,6 +11,9 @@ from passes.kernels import cpu, neuron
 from runtime.artifact import aligned_empty
 
 D, N = 36, 24  # odd sizes: 4-lane vectors, no multiple of 8
+FUSED = {"relu": (False, "relu", "float32"), "gated_relu_f16": (True, "relu", "float16"),
+         "gated_silu": (True, "silu", "float32")}  # sparse_ffn variants: (gated, activation, weight dtype)
+ACT = {"relu": lambda v: np.maximum(v, 0), "silu": lambda v: v / (1 + np.exp(-v))}
 
 
 def aligned(array):
@@ -26,7 +29,10 @@ def lib(tmp_path_factory):
              neuron.sparse_up("up_gated", D, N, rows=1, gated=True, act="silu"),
              neuron.sparse_down("down", N, D, rows=1),
              neuron.merge("merge", D, 2, rows=None, bias=True, residual=True),
-             neuron.linear_rows("rows", D, N, rows=None, act="relu")]
+             neuron.linear_rows("rows", D, N, rows=None, act="relu"),
+             neuron.linear_rows("rows_f16", D, N, rows=None, act="none", wdtype="float16")]
+    funcs += [neuron.sparse_ffn(f"ffn_{name}", D, N, rows=1, gated=gated, act=act, wdtype=dtype)
+              for name, (gated, act, dtype) in FUSED.items()]
     path = tmp_path_factory.mktemp("neuron") / "neuron.so"
     cpu.build(funcs, cpu.CPU_TARGET, str(path))
     return tvm.runtime.load_module(str(path))
@@ -86,3 +92,61 @@ def test_prefill_kernels(lib, rows):
     res, p1, p2, bias, out = big(8, D), big(8, D), big(8, D), big(D), big(8, D)
     call(lib, "merge", res[:rows], p1[:rows], p2[:rows], bias, out[:rows])
     np.testing.assert_allclose(out[:rows], (res + p1 + p2 + bias)[:rows], atol=1e-5)
+
+
+def fused_reference(x, up, b, down, rows, gated, act):
+    """(hidden, out) of a sparse FFN part over the given rows, in float64."""
+    x, up, down = x.astype(np.float64), up.astype(np.float64), down.astype(np.float64)
+    hidden = ACT[act](up[rows] @ x[0] + b[rows])
+    if gated:
+        hidden = hidden * (up[N + rows] @ x[0] + b[N + rows])
+    return hidden, hidden @ down[rows]
+
+
+@pytest.mark.parametrize("count", [0, 1, 9, N])  # no neuron, one, some, every neuron
+@pytest.mark.parametrize("variant", FUSED)
+def test_fused_sparse_ffn(lib, variant, count):
+    gated, act, dtype = FUSED[variant]
+    rng = np.random.default_rng(count)
+    x = aligned(rng.standard_normal((1, D)).astype(np.float32))
+    up = aligned(rng.standard_normal(((2 if gated else 1) * N, D)).astype(dtype))
+    b = aligned(rng.standard_normal((2 if gated else 1) * N).astype(np.float32))
+    down = aligned(rng.standard_normal((N, D)).astype(dtype))
+    index = aligned(np.zeros((1, N), np.int32))
+    index[0, :count] = np.sort(rng.choice(N, count, replace=False))
+    hidden, scratch = aligned(np.full((1, N), 99.0, np.float32)), aligned(np.zeros((neuron.FFN_TASKS, D), np.float32))
+    out = aligned(np.full((1, D), np.nan, np.float32))
+    call(lib, f"ffn_{variant}", x, index, aligned(np.array([[count]], np.int32)), up, b, down, hidden, scratch, out)
+    want_hidden, want_out = fused_reference(x, up, b, down, index[0, :count], gated, act)
+    np.testing.assert_allclose(hidden[0, :count], want_hidden, rtol=1e-4, atol=1e-4)
+    assert np.all(hidden[0, count:] == 99.0)  # nothing written past the active neurons
+    np.testing.assert_allclose(out[0], want_out, rtol=1e-4, atol=1e-4)  # count 0: exactly zero
+    if act == "relu" and count > 1:
+        assert (want_hidden == 0).any()  # the skipped rows were exercised
+
+
+def test_fused_sparse_ffn_uncached_rotating_rows(lib):
+    """Fresh weight copies and index sets every call (rows never in cache), as in decode."""
+    rng = np.random.default_rng(5)
+    x = aligned(rng.standard_normal((1, D)).astype(np.float32))
+    b = aligned(np.zeros(N, np.float32))
+    scratch = aligned(np.zeros((neuron.FFN_TASKS, D), np.float32))
+    for call_number in range(6):
+        up, down = (aligned(rng.standard_normal((N, D)).astype(np.float32)) for _ in range(2))
+        count = 3 + 3 * call_number
+        index = aligned(np.zeros((1, N), np.int32))
+        index[0, :count] = np.sort(rng.choice(N, count, replace=False))
+        hidden, out = aligned(np.zeros((1, N), np.float32)), aligned(np.zeros((1, D), np.float32))
+        call(lib, "ffn_relu", x, index, aligned(np.array([[count]], np.int32)), up, b, down, hidden, scratch, out)
+        np.testing.assert_allclose(out[0], fused_reference(x, up, b, down, index[0, :count], False, "relu")[1],
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rows_gemm_fp16(lib, rows):
+    rng = np.random.default_rng(6)
+    x = aligned(rng.standard_normal((8, D)).astype(np.float32))
+    w, b = aligned(rng.standard_normal((N, D)).astype(np.float16)), aligned(rng.standard_normal(N).astype(np.float32))
+    y = aligned(np.zeros((8, N), np.float32))
+    call(lib, "rows_f16", x[:rows], w, b, y[:rows])
+    np.testing.assert_allclose(y[:rows], x[:rows] @ w.astype(np.float64).T + b, rtol=1e-4, atol=1e-4)

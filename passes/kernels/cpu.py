@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tvm
 from tvm import te, tirx
 from tvm.s_tir import Schedule
@@ -33,6 +34,9 @@ CPU_TARGET = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
 VEC = 8  # fp32 lanes in one ymm register
 GEMM_MR = 6  # prefill register tile: 6 rows x 16 columns = 12 ymm accumulators (+2 loads, 1 bcast)
 GEMM_NR = 16
+PANEL = 16  # columns per panel of a panel-packed weight: one k step of a panel is one 64 B line (fp32)
+GEMV_PANELS = 4  # decode over panels: panels per task = 4 sequential streams, 8 ymm accumulators
+GEMV_MIN_TASKS = 8  # ... fewer panels per task where that leaves fewer parallel tasks than this
 GEMV_NR = 64  # decode: 64 columns = 8 ymm accumulators
 GEMV_KT = 16  # decode: rows of w per register pass (unrolled)
 GEMV_CHUNKS = 8  # decode: aim for this many parallel column chunks ...
@@ -106,6 +110,11 @@ _ACTS = {
     "gelu": lambda v: _let(v, lambda v: _f32(0.5) * v * (_f32(1.0) + _erf(v * _f32(0.7071067811865476))), "v"),
     "silu": lambda v: _let(v, lambda v: v / (_f32(1.0) + _exp(-v)), "v"),
 }
+
+
+def _load_f32(value, wdtype):
+    """A weight element as fp32 (weights may be stored in fp16; arithmetic is fp32)."""
+    return value if wdtype == "float32" else tirx.Cast("float32", value)
 
 
 def _activation(act):
@@ -260,22 +269,27 @@ def _schedule_gemm(sch, mr, nr, lanes):
 # --------------------------------------------------------------------------------------------
 
 
-def linear(name, K, N, *, rows, bias: bool, act="none", residual=False):
-    """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y."""
+def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="float32"):
+    """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y.
+
+    The [K, N] layout, for weights that are not panel-packed: the GPU's, and FFN rows the sparse
+    decode kernels gather (which prefill reads through this GEMM, packing panels per call).
+    """
     actf = _activation(act)
     m = _row_dim(rows)
     x = te.placeholder((m, K), name="x")
-    w = te.placeholder((K, N), name="w")
+    w = te.placeholder((K, N), name="w", dtype=wdtype)
     b = te.placeholder((N,), name="b") if bias else None
     res = te.placeholder((m, N), name="res") if residual else None
     k = te.reduce_axis((0, K), name="k")
     if rows == 1:
-        acc = te.compute((1, N), lambda i, n: te.sum(x[i, k] * w[k, n], axis=k), name="acc")
+        acc = te.compute((1, N), lambda i, n: te.sum(x[i, k] * _load_f32(w[k, n], wdtype), axis=k), name="acc")
     else:
         # Rows padded to whole register tiles; pad rows recompute the last row (clamped
         # index) and are never stored, so the inner loop carries no row predicate.
         mp = (m + GEMM_MR - 1) // GEMM_MR * GEMM_MR
-        acc = te.compute((mp, N), lambda i, n: te.sum(x[tirx.min(i, m - 1), k] * w[k, n], axis=k), name="acc")
+        acc = te.compute((mp, N), lambda i, n: te.sum(x[tirx.min(i, m - 1), k] * _load_f32(w[k, n], wdtype), axis=k),
+                         name="acc")
 
     def epilogue(i, n):
         v = acc[i, n]
@@ -342,22 +356,163 @@ def rms_norm(name, D, eps, *, rows):
     return sch.mod[name]
 
 
-def embed(name, V, D, *, rows, positions: int | None):
+def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
     """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table, (pos_table, start), y."""
     m = _row_dim(rows)
     ids = te.placeholder((m,), "int64", name="ids")
-    table = te.placeholder((V, D), name="table")
+    table = te.placeholder((V, D), name="table", dtype=wdtype)
     if positions:
         pos = te.placeholder((positions, D), name="pos_table")
         start = te.var("start", "int64")
-        y = te.compute((m, D), lambda i, j: table[ids[i], j] + pos[start + i, j], name="y")
+        y = te.compute((m, D), lambda i, j: _load_f32(table[ids[i], j], wdtype) + pos[start + i, j], name="y")
         args = [ids, table, pos, start, y]
     else:
-        y = te.compute((m, D), lambda i, j: table[ids[i], j], name="y")
+        y = te.compute((m, D), lambda i, j: _load_f32(table[ids[i], j], wdtype), name="y")
         args = [ids, table, y]
     sch = _te_schedule(name, args)
     _rowwise(sch, sch.get_sblock("y"), _lanes(D), rows)
     return sch.mod[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Panel-packed linear layers (the CPU's dense weights) and the register-tiled GEMM they share
+# with row-major weights. TVMScript: the loops are the schedule.
+# --------------------------------------------------------------------------------------------
+
+WEIGHT_DTYPES = {"fp32": "float32", "fp16": "float16"}
+"""Storage types a weight may have; kernels convert to fp32 in registers (F16C's vcvtph2ps for fp16)."""
+
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """[K, N] -> [ceil(N / PANEL), K, PANEL], the last panel zero-padded.
+
+    A decode GEMV then reads each panel as one sequential stream (the [K, N] layout makes it a
+    strided walk of K short row segments, which the hardware prefetchers follow poorly), and the
+    prefill GEMM uses a panel as its packed operand directly, with no per-call packing.
+    """
+    K, N = w.shape
+    panels = -(-N // PANEL)
+    padded = np.zeros((K, panels * PANEL), w.dtype)
+    padded[:, :N] = w
+    return np.ascontiguousarray(padded.reshape(K, panels, PANEL).transpose(1, 0, 2))
+
+
+def _linear_epilogue(act, bias, residual):
+    """act(acc + b[col]) + res[row, col] as a TIR expression builder (flags fixed at build time)."""
+    actf = _activation(act)
+
+    def apply(acc, b, res, row, col):
+        value = acc + b[col] if bias else acc
+        value = actf(value)
+        return value + res[row, col] if residual else value
+
+    return apply
+
+
+def _drop_params(func, names):
+    """The same kernel without the parameters its body never reads (bias, residual when absent):
+    TVMScript has no optional parameters, so kernels are written with all of them."""
+    keep = [p for p in func.params if p.name not in names]
+    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+def _unused(bias, residual):
+    return ([] if bias else ["b"]) + ([] if residual else ["res"])
+
+
+def _gemv_panels(name, K, N, *, wdtype, bias, act, residual):
+    """Decode y[1, N] = act(x[1, K] @ w + b) + res over a panel-packed w [P, K, 16].
+
+    Each parallel task takes `group` adjacent panels: per k it broadcasts x[k] and issues one FMA
+    per 8 columns into group*2 ymm accumulators that stay in registers for the whole k loop, so w
+    is read as `group` sequential streams; the epilogue runs on the accumulators.
+    """
+    panels = -(-N // PANEL)
+    group = next(g for g in (GEMV_PANELS, 2, 1) if panels % g == 0 and (panels // g >= GEMV_MIN_TASKS or g == 1))
+    width = group * PANEL
+    full = N % width == 0  # no padded columns: a vectorised epilogue without predicates
+    epilogue = _linear_epilogue(act, bias, residual)
+    out_loop = T.vectorized if full else T.serial
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), wdtype), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((width,), "float32")
+            for j in T.vectorized(width):
+                acc[j] = T.float32(0)
+            for k in range(K):
+                for g in T.unroll(group):
+                    for v in T.vectorized(PANEL):
+                        acc[g * PANEL + v] = acc[g * PANEL + v] + x[0, k] * _load_f32(w[t * group + g, k, v], wdtype)
+            for j in out_loop(width):
+                if full or t * width + j < N:
+                    y[0, t * width + j] = epilogue(acc[j], b, res, 0, t * width + j)
+
+    return _drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
+
+
+def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", residual=False):
+    """Prefill y[m, N] = act(x[m, K] @ W + b) + res, W panel-packed ("panels": [P, K, 16], see
+    pack_panels) or one row per output ("rows": [N, K], the neuron-major FFN rows).
+
+    Loop order: column panels (parallel) > 6-row tiles > k > 6 x 16 register tile. Per k step a
+    tile broadcasts 6 values of x, loads the panel's 16 columns (2 ymm) and issues 12 FMAs into
+    accumulators that stay in registers for the whole k loop. A panel (K x 64 B) is read from
+    memory once and then from L2 for every row tile. "rows" weights are first transposed into a
+    per-task panel (the copy is K x 16 elements against m x K x 16 FMAs). Pad rows of the last
+    tile recompute row m-1 and are not stored, so the k loop carries no predicate.
+    """
+    if layout not in ("panels", "rows"):
+        raise ValueError(f"unknown weight layout {layout!r}")
+    m = _row_dim(None)
+    panels = -(-N // PANEL)
+    wshape = (panels, K, PANEL) if layout == "panels" else (N, K)
+    full = N % PANEL == 0
+    epilogue = _linear_epilogue(act, bias, residual)
+    out_loop = T.vectorized if full else T.serial
+    MR = GEMM_MR
+
+    @T.prim_func
+    def kernel(x_h: T.handle, w: T.Buffer(wshape, wdtype), b: T.Buffer((N,), "float32"), res_h: T.handle,
+               y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        x = T.match_buffer(x_h, (m, K), "float32")
+        res = T.match_buffer(res_h, (m, N), "float32")
+        y = T.match_buffer(y_h, (m, N), "float32")
+        for p in T.parallel(panels):
+            panel = T.alloc_buffer((K, PANEL), "float32")
+            if layout == "rows":
+                for v, k in T.grid(PANEL, K):
+                    panel[k, v] = _load_f32(w[T.min(p * PANEL + v, N - 1), k], wdtype)
+            for io in range((m + MR - 1) // MR):
+                acc = T.alloc_local((MR, PANEL), "float32")
+                for r in T.unroll(MR):
+                    for v in T.vectorized(PANEL):
+                        acc[r, v] = T.float32(0)
+                for k in range(K):
+                    for r in T.unroll(MR):
+                        for v in T.vectorized(PANEL):
+                            if layout == "rows":
+                                acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), k] * panel[k, v]
+                            else:
+                                acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), k] * _load_f32(w[p, k, v], wdtype)
+                for r in T.unroll(MR):
+                    if io * MR + r < m:
+                        for v in out_loop(PANEL):
+                            if full or p * PANEL + v < N:
+                                y[io * MR + r, p * PANEL + v] = epilogue(acc[r, v], b, res, io * MR + r, p * PANEL + v)
+
+    return _drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
+
+
+def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False):
+    """y[m, N] = act(x[m, K] @ W + b) + res with W panel-packed (pack_panels).  Args: x, w, (b), (res), y."""
+    if rows == 1:
+        return _gemv_panels(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual)
+    _row_dim(rows)
+    return gemm(name, K, N, layout="panels", wdtype=wdtype, bias=bias, act=act, residual=residual)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 from tvm import te
 from tvm.script import tirx as T
 
-from .cpu import _activation, _lanes, _row_dim, _rowwise, _te_schedule
+from .cpu import _activation, _lanes, _load_f32, _row_dim, _rowwise, _te_schedule, gemm
 
 DOWN_CHUNK = 256  # columns per parallel chunk of sparse_down: 1 KiB contiguous per row and thread
 
@@ -120,6 +120,106 @@ def sparse_down(name, n, D, *, rows):
     return kernel.with_attr("global_symbol", name)
 
 
+FFN_TASKS = 8  # sparse_ffn: parallel tasks, each over an equal share of the active neurons
+DOT_CHAINS = 4  # sparse_ffn: independent ymm accumulators per dot product (FMA latency x throughput)
+
+
+def _prefetch(address):
+    """Ask for a cache line before it is used (llvm.prefetch: a read, kept in every cache level)."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.uint32(0), T.uint32(3), T.uint32(1))
+
+
+def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
+    """A decode step of one sparse FFN part in one pass over its rows.
+
+    For each active neuron k (row r = idx[0, k]): h = act(w_up[r] . x + b[r]) (gated:
+    act(gate . x + b_gate) * (up . x + b_up)), then, unless h is 0, out += h * w_down[r].
+    Args: x[1, D], idx[1, n], count[1, 1], w_up[(2 if gated) n, D] (gate rows, then up rows),
+    b_up[(2 if gated) n], w_down[n, D], h[1, n] (hidden values, for inspection), scratch[FFN_TASKS, D],
+    out[1, D].
+
+    One pass instead of an up kernel and a down kernel: each neuron's rows are read back to back
+    while its hidden value is in a register, and while one neuron computes, the next one's rows are
+    prefetched, so every thread keeps whole rows in flight (gathered rows are otherwise demand
+    misses until the hardware prefetcher catches on, row after row). With ReLU, a neuron the
+    predictor let through but which is inactive (h = 0) skips its down row, and, gated, its up row.
+    The active list is cut into FFN_TASKS equal slices run in parallel; each task accumulates into
+    its own scratch row (L1-resident, no atomics), and the rows are summed at the end.
+    """
+    if rows != 1:
+        raise ValueError("sparse_ffn runs in decode only")
+    actf = _activation(act)
+    relu = act == "relu"
+    lanes = _lanes(D)
+    chains = DOT_CHAINS if (D // lanes) % DOT_CHAINS == 0 else 1
+    steps = D // lanes // chains
+    line = 64 // (2 if wdtype == "float16" else 4)  # weight elements per cache line
+    lines = -(-D // line)
+    width = 2 * n if gated else n
+    tasks = FFN_TASKS
+
+    @T.macro
+    def row_dot(acc, dot, x, w, row, slot):
+        """dot[slot] = w[row] . x, in `chains` vector accumulators and one horizontal sum."""
+        for c in T.unroll(chains):
+            for v in T.vectorized(lanes):
+                acc[c, v] = T.float32(0)
+        for s in range(steps):
+            for c in T.unroll(chains):
+                for v in T.vectorized(lanes):
+                    acc[c, v] = acc[c, v] + _load_f32(w[row, (s * chains + c) * lanes + v], wdtype) * x[0, (s * chains + c) * lanes + v]
+        for c in T.unroll(1, chains):
+            for v in T.vectorized(lanes):
+                acc[0, v] = acc[0, v] + acc[c, v]
+        dot[slot] = acc[0, 0]
+        for v in T.unroll(1, lanes):
+            dot[slot] = dot[slot] + acc[0, v]
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
+               w_up: T.Buffer((width, D), wdtype), b_up: T.Buffer((width,), "float32"),
+               w_down: T.Buffer((n, D), wdtype), h: T.Buffer((1, n), "float32"),
+               scratch: T.Buffer((tasks, D), "float32"), out: T.Buffer((1, D), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(tasks):
+            for j in T.vectorized(D):
+                scratch[t, j] = T.float32(0)
+            first = count[0, 0] * t // tasks
+            last = count[0, 0] * (t + 1) // tasks
+            for k in range(first, last):
+                row = idx[0, k]
+                if k + 1 < last:
+                    for c in range(lines):
+                        _prefetch(T.address_of(w_up[idx[0, k + 1], T.min(c * line, D - 1)]))
+                        if gated:
+                            _prefetch(T.address_of(w_up[n + idx[0, k + 1], T.min(c * line, D - 1)]))
+                        _prefetch(T.address_of(w_down[idx[0, k + 1], T.min(c * line, D - 1)]))
+                acc = T.alloc_local((chains, lanes), "float32")
+                dot = T.alloc_local((2,), "float32")
+                row_dot(acc, dot, x, w_up, row, 0)
+                dot[0] = actf(dot[0] + b_up[row])
+                if gated:
+                    if relu and dot[0] == T.float32(0):
+                        dot[1] = T.float32(0)
+                    else:
+                        row_dot(acc, dot, x, w_up, n + row, 1)
+                        dot[0] = dot[0] * (dot[1] + b_up[n + row])
+                h[0, k] = dot[0]
+                if not relu or dot[0] != T.float32(0):
+                    for s in range(D // lanes):
+                        for v in T.vectorized(lanes):
+                            scratch[t, s * lanes + v] = (
+                                scratch[t, s * lanes + v] + dot[0] * _load_f32(w_down[row, s * lanes + v], wdtype)
+                            )
+        for j in T.vectorized(D):
+            out[0, j] = scratch[0, j]
+        for t in range(1, tasks):
+            for j in T.vectorized(D):
+                out[0, j] = out[0, j] + scratch[t, j]
+
+    return kernel.with_attr("global_symbol", name)
+
+
 def merge_tensors(D, parts: int, *, rows, bias: bool, residual: bool) -> list:
     """The TE definition of `merge` (shared with the CUDA kernel): its arguments, output last."""
     m = _row_dim(rows)
@@ -148,36 +248,12 @@ def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
     return sch.mod[name]
 
 
-def linear_rows(name, K, N, *, rows, act="none"):
+def linear_rows(name, K, N, *, rows, act="none", wdtype="float32"):
     """y[m, N] = act(x[m, K] @ w[N, K]^T + b), for weights stored one row per output neuron.
 
-    Args: x, w, b (zeros for bias-free models), y. Prefill only. Neurons are spread over threads; each weight row is read
-    once from memory and then, from L1, dotted with every token row as K/8 ymm FMAs.
+    Args: x, w, b (zeros for bias-free models), y. Prefill only: the register-tiled GEMM of
+    `passes.kernels.cpu.gemm`, which transposes each 16-neuron slice of the rows into a panel first.
     """
     if rows is not None:
         raise ValueError("linear_rows runs in prefill only")
-    actf = _activation(act)
-    lanes = _lanes(K)
-    chunks = K // lanes
-    m = _row_dim(rows)
-
-    @T.prim_func
-    def kernel(x_h: T.handle, w: T.Buffer((N, K), "float32"), b: T.Buffer((N,), "float32"), y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        x = T.match_buffer(x_h, (m, K), "float32")
-        y = T.match_buffer(y_h, (m, N), "float32")
-        for n in T.parallel(N):
-            for i in range(m):
-                acc = T.alloc_local((lanes,), "float32")
-                tot = T.alloc_local((1,), "float32")
-                for v in T.vectorized(lanes):
-                    acc[v] = T.float32(0)
-                for c in range(chunks):
-                    for v in T.vectorized(lanes):
-                        acc[v] = acc[v] + w[n, c * lanes + v] * x[i, c * lanes + v]
-                tot[0] = acc[0] + b[n]
-                for v in T.unroll(1, lanes):
-                    tot[0] = tot[0] + acc[v]
-                y[i, n] = actf(tot[0])
-
-    return kernel.with_attr("global_symbol", name)
+    return gemm(name, K, N, layout="rows", wdtype=wdtype, bias=True, act=act)
