@@ -35,6 +35,7 @@ class Options:
     predictor_param_share: float = 0.10  # all predictors together, as a share of the model's parameters
     target_recall: float = 0.99
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)  # the threshold of each predictor is set to reach this on held-out tokens
+    weight_dtype: str = "fp32"  # "fp32" or "fp16": the dtype the artifact stores its weights in
     seed: int = 0
 
 
