@@ -3,13 +3,19 @@
     python examples/bench_decode.py --family opt --preset small --tokens 64 --runs 3 [--record]
 
 Runs alternate (onnxruntime, picompile, onnxruntime, ...) so machine drift cancels; the figures are the
-medians. `--record` appends the table to BENCHMARKS.md with the date, machine and command.
+medians. `--record` appends the table to BENCHMARKS.md with the date, machine and command. Artifacts are
+cached per model, build options and compiler source (a changed compiler rebuilds them).
+
+The helpers here (building, timing, quality, recording) serve benchmarks/bench_cpu_decode.py and
+examples/quickstart.py too.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -20,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# Between engines: onnxruntime's and TVM's thread pools spin for a while after a call, and on a small machine
+# a spinning pool steals a core from the next engine (see benchmarks/bench_kernels.py)
+SETTLE_S = 0.5
 
 
 def machine() -> str:
@@ -34,18 +43,36 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {platform.system()}"
 
 
-def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=print, rebuild: bool = False) -> Path:
-    """Build (once; cached beside the model) a dense or sparse CPU artifact of a made model."""
+def compiler_digest() -> str:
+    """sha256 of the compiler's Python sources (the picompile and passes packages imported here)."""
+    import passes
+    import picompile
+
+    digest = hashlib.sha256()
+    for package in (picompile, passes):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=print, rebuild: bool = False,
+                    target: str = "cpu", **options) -> Path:
+    """Build a dense or sparse artifact of a made model, or reuse the one built before from the same model,
+    target, build options (`options`: further pipeline Options fields) and compiler source."""
     from examples.models import cache_dir
     from picompile.compiler import build
     from picompile.pipeline import Options
     from picompile.targets import get_target
 
-    artifact = cache_dir() / "artifacts" / f"{files.dir.name}-{name}.pic"
+    opts = Options(dense=dense, max_context=max_context, calib=files.calib, **options)
+    key = json.dumps({"model": files.dir.name, "target": target, "options": dataclasses.asdict(opts),
+                      "compiler": compiler_digest()}, sort_keys=True, default=str)
+    artifact = cache_dir() / "artifacts" / f"{files.dir.name}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic"
     if rebuild or not (artifact / "manifest.json").exists():
         started = time.perf_counter()
-        build(files.onnx, artifact, get_target("cpu"), Options(dense=dense, max_context=max_context, calib=files.calib),
-              log=lambda message: log("   " + message))
+        build(files.onnx, artifact, get_target(target), opts, log=lambda message: log("   " + message))
         log(f"built {artifact.name} in {time.perf_counter() - started:.1f}s")
     return artifact
 
@@ -64,21 +91,31 @@ def time_decode(forward, reset, prompt, tokens: int) -> tuple[float, float]:
     return prefill, tokens / (time.perf_counter() - started)
 
 
-def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: int, prompt_len: int = 16) -> dict:
-    """Decode tokens/s and prefill time per engine: onnxruntime, then each artifact, alternating per run."""
+def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: int, prompt_len: int = 16,
+            each_run=None) -> dict:
+    """Decode tokens/s and prefill time per engine: onnxruntime, then each artifact, alternating per run after
+    one untimed warm-up each (`each_run()`, if given, is called after each run's engines, to measure something
+    else alternately). Then one profiled generation per artifact: the weight bytes a decoded token reads and
+    the time per kernel class."""
     import numpy as np
 
     from picompile.reference import OrtDecoder
-    from runtime import Engine
+    from runtime import Engine, generate
 
     engines = {"onnxruntime": OrtDecoder(files.onnx, threads=threads)}
     engines.update({name: Engine(path) for name, path in artifacts.items()})
     vocab = engines[next(iter(artifacts))].vocab_size
     prompt = np.random.default_rng(0).integers(0, vocab, size=prompt_len)
+    for engine in engines.values():  # untimed: thread pools start, first calls settle
+        time_decode(engine.forward, engine.reset, prompt, 2)
     samples = {name: [] for name in engines}
     for _ in range(runs):
         for name, engine in engines.items():
+            time.sleep(SETTLE_S)
             samples[name].append(time_decode(engine.forward, engine.reset, prompt, tokens))
+        if each_run is not None:
+            time.sleep(SETTLE_S)
+            each_run()
     summary = {}
     for name, runs_of in samples.items():
         summary[name] = {"decode_tokens_per_s": statistics.median(s[1] for s in runs_of),
@@ -87,6 +124,8 @@ def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: 
     for name in artifacts:
         summary[name]["ratio"] = summary[name]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         summary[name]["prefill_ratio"] = base["prefill_ms"] / summary[name]["prefill_ms"]
+        profiled = generate(engines[name], prompt, max(tokens, 2), profile=True)
+        summary[name].update({key: profiled[key] for key in ("weight_bytes_per_token", "profile_ms_per_token")})
     return summary
 
 
@@ -106,19 +145,35 @@ def quality(files, artifact: Path, sequences: int = 4) -> dict:
     return report
 
 
+def quality_text(q: dict) -> str:
+    """A quality() report in a few words ("reference" for none)."""
+    if not q:
+        return "reference"
+    text = f"top-1 {q['top1_agreement']:.3f}, KL {q['kl_mean']:.2e}"
+    if "recall_min" in q:
+        text += f", recall >= {q['recall_min']:.3f}, {q['predicted_active_mean'] * 100:.1f}% predicted active"
+    return text
+
+
 def table(config: dict, summary: dict, qualities: dict) -> str:
     rows = [f"| engine | decode tok/s | vs onnxruntime | prefill {config['prompt_len']} tokens (ms) | quality |",
             "| --- | --- | --- | --- | --- |"]
     for name, figures in summary.items():
         ratio = f"**{figures['ratio']:.2f}x**" if "ratio" in figures else "1.00x"
-        q = qualities.get(name, {})
-        text = "reference"
-        if q:
-            text = f"top-1 {q['top1_agreement']:.3f}, KL {q['kl_mean']:.2e}"
-            if "recall_min" in q:
-                text += f", recall >= {q['recall_min']:.3f}, {q['predicted_active_mean'] * 100:.1f}% predicted active"
+        text = quality_text(qualities.get(name, {}))
         rows.append(f"| {name} | {figures['decode_tokens_per_s']:.2f} | {ratio} | {figures['prefill_ms']:.1f} | {text} |")
     return "\n".join(rows)
+
+
+def record(title: str, config: dict, text: str, script: str, argv=None) -> None:
+    """Append a table to BENCHMARKS.md under `title`, with the date, the machine, how it was timed (`config`:
+    threads, tokens, prompt_len, runs) and the exact command."""
+    command = f"python {script} " + " ".join(argv if argv is not None else sys.argv[1:])
+    stamp = datetime.date.today().isoformat()
+    details = (f"{config['threads']} threads; {config['tokens']} greedy tokens after a {config['prompt_len']}-token "
+               f"prompt; median of {config['runs']} alternating runs.")
+    with open(ROOT / "BENCHMARKS.md", "a") as f:
+        f.write(f"\n### {title}, {stamp}\n\nMachine: {machine()}; {details}\nCommand: `{command}`\n\n{text}\n")
 
 
 def main(argv=None) -> int:
@@ -154,14 +209,9 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"config": config, "summary": summary, "quality": qualities}, indent=1))
     if args.record:
-        command = "python examples/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        stamp = datetime.date.today().isoformat()
-        with open(ROOT / "BENCHMARKS.md", "a") as f:
-            kind = f"synthetic {args.sparsity:.0%}-sparse" if args.sparsity is not None else "dense-random"
-            f.write(f"\n### Decode, {args.family}-{args.preset} ({params / 1e6:.0f}M params, {kind}), {stamp}\n\n"
-                    f"Machine: {machine()}; {args.threads} threads; {args.tokens} greedy tokens after a "
-                    f"{args.prompt_len}-token prompt; median of {args.runs} alternating runs.\n"
-                    f"Command: `{command}`\n\n{text}\n")
+        kind = f"synthetic {args.sparsity:.0%}-sparse" if args.sparsity is not None else "dense-random"
+        record(f"Decode, {args.family}-{args.preset} ({params / 1e6:.0f}M params, {kind})", config, text,
+               "examples/bench_decode.py", argv)
     return 0
 
 

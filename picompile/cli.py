@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--profile", action="store_true", help="time per kernel class per decoded token")
+    run.add_argument("--profile", action="store_true",
+                     help="time per kernel class and weight bytes read per decoded token")
     run.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
     run.add_argument("--json", action="store_true")
 
@@ -142,6 +143,10 @@ def _run(args) -> int:
         print(f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
         for op_class, ms in result.get("profile_ms_per_token", {}).items():
             print(f"  {op_class:<10} {ms:8.3f} ms/token", file=sys.stderr)
+        if "weight_bytes_per_token" in result:
+            print(f"  weights    {result['weight_bytes_per_token'] / 2**20:8.3f} MiB/token "
+                  f"({result['weight_bytes_per_token']:.0f} bytes), {result['weight_gbs_kernels']:.1f} GB/s over "
+                  f"kernel time, {result['weight_gbs_wall']:.1f} GB/s over wall time", file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ waits on the DAG edges that cross devices keep the two in step.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -23,6 +24,9 @@ from .artifact import ArtifactError, aligned_zeros, load_manifest, read_safetens
 START = "start"  # the argument that carries the number of tokens already in the KV cache
 COPY = "copy"  # a transfer between devices: the runtime's own, not a kernel
 PHASES = ("decode", "prefill")
+SPARSE_KERNELS = ("sparse_up", "sparse_down", "sparse_ffn")  # decode calls that read only the rows their predictor selected
+FUSED_FFN = "sparse_ffn"  # the CPU's one-pass up+down: with ReLU it stops at a neuron's first row when that gives 0
+COUNTERS = ("weight_bytes", "decode_steps")  # the profile's entries that are not seconds
 
 
 def _tvm_runtime():
@@ -43,6 +47,19 @@ class Step:
     device: str
     run: object  # a callable taking the position
     waits: list[int] = field(default_factory=list)  # program indices on the other device to wait for
+    weight_bytes: int = 0  # weight bytes the call reads whatever the input (a decode step's; 0 in prefill)
+    count: np.ndarray | None = None  # sparse calls: the [1, 1] count of selected neurons they read rows for
+    bytes_per_count: int = 0  # ... and the weight bytes read per selected neuron
+    hidden: np.ndarray | None = None  # fused ReLU calls: the hidden values; rows past the first are read ...
+    bytes_per_active: int = 0  # ... only for the neurons whose value is not 0, this many bytes each
+
+    def bytes_read(self) -> int:
+        """Weight bytes this call read; for a sparse call, read its count (and hidden) buffers right after it."""
+        if self.count is None:
+            return self.weight_bytes
+        count = int(self.count[0, 0])
+        active = 0 if self.hidden is None else int(np.count_nonzero(self.hidden[0, :count]))
+        return self.weight_bytes + count * self.bytes_per_count + active * self.bytes_per_active
 
 
 class Engine:
@@ -85,6 +102,8 @@ class Engine:
         self._decode = self._program("decode", rows=1)
         self._worker = _DeviceWorker() if "gpu" in self.devices else None
         self.position = 0
+        # Set to {} to profile: seconds per op class, "wall" and "overhead", and for decode (one-token)
+        # steps "weight_bytes" (weight bytes the calls read) and "decode_steps".
         self.profile: dict[str, float] | None = None
 
     # ---------------------------------------------------------------- binding
@@ -110,10 +129,42 @@ class Engine:
 
         return run
 
+    def _weight_reads(self, node: dict) -> dict:
+        """The weight bytes a decode call reads: all of each weight buffer it takes, except an embedding
+        gather (one row per table) and the sparse FFN calls, which read `count` rows of their row-major
+        weights and biases (rows per neuron = rows / neurons: two for a gated up, gate and up)."""
+        buffers = self.manifest["buffers"]
+        sparse = node["decode"].startswith(SPARSE_KERNELS)
+        fixed = per_count = 0
+        for name in node["args"]:
+            info = buffers.get(name)
+            if info is None or info["kind"] != "weight":
+                continue
+            nbytes = math.prod(info["shape"]) * np.dtype(info["dtype"]).itemsize
+            if node["op_class"] == "embed":
+                fixed += nbytes // info["shape"][0]
+            elif sparse:  # args: (x or hidden), index [1, neurons], count [1, 1], rows...
+                per_count += nbytes // buffers[node["args"][1]]["shape"][-1]
+            else:
+                fixed += nbytes
+        if not sparse:
+            return {"weight_bytes": fixed}
+        reads = {"weight_bytes": fixed, "count": self.buffers[node["args"][2]], "bytes_per_count": per_count}
+        if node["decode"].startswith(FUSED_FFN) and "_relu" in node["decode"]:
+            # args: x, index, count, up rows, up bias, down rows, hidden, ...: the first up row (the gate's when
+            # gated) and the bias are read for every selected neuron, the other rows only where it was not 0
+            up, bias = (buffers[name] for name in node["args"][3:5])
+            neurons = buffers[node["args"][1]]["shape"][-1]
+            row = lambda info: info["shape"][-1] * np.dtype(info["dtype"]).itemsize  # noqa: E731
+            first = row(up) + (math.prod(bias["shape"]) // neurons) * np.dtype(bias["dtype"]).itemsize
+            reads.update(bytes_per_count=first, hidden=self.buffers[node["args"][6]], bytes_per_active=per_count - first)
+        return reads
+
     def _program(self, phase: str, rows: int) -> list[Step]:
         nodes = [node for node in self._nodes if node[phase]]
         index = {node["id"]: i for i, node in enumerate(nodes)}
-        steps = [Step(node["id"], node["op_class"], node["device"], self._bind(node, phase, rows)) for node in nodes]
+        steps = [Step(node["id"], node["op_class"], node["device"], self._bind(node, phase, rows),
+                      **(self._weight_reads(node) if phase == "decode" else {})) for node in nodes]
         for edge in self._edges:
             source, target = index.get(edge["source"]), index.get(edge["target"])
             if (source is not None and target is not None and phase in edge.get("phases", PHASES)
@@ -145,9 +196,12 @@ class Engine:
         else:
             self._worker.run(program, self.position, self._timer())
         if self.profile is not None:  # wall time not spent inside a kernel or copy: the runtime's own cost
-            kernels = sum(seconds for op_class, seconds in self.profile.items() if op_class not in ("overhead", "wall"))
+            kernels = sum(seconds for op_class, seconds in self.profile.items()
+                          if op_class not in ("overhead", "wall", *COUNTERS))
             self.profile["wall"] = self.profile.get("wall", 0.0) + time.perf_counter() - began
             self.profile["overhead"] = max(self.profile["wall"] - kernels, 0.0)
+            if program is self._decode:
+                self.profile["decode_steps"] = self.profile.get("decode_steps", 0) + 1
         self.position += rows
         return self.buffers["logits"][:rows].copy()
 
@@ -156,9 +210,10 @@ class Engine:
             return None
         profile, lock = self.profile, threading.Lock()
 
-        def record(op_class: str, seconds: float) -> None:
+        def record(op_class: str, seconds: float, weight_bytes: int) -> None:
             with lock:
                 profile[op_class] = profile.get(op_class, 0.0) + seconds
+                profile["weight_bytes"] = profile.get("weight_bytes", 0) + weight_bytes
 
         return record
 
@@ -172,7 +227,7 @@ class Engine:
         for step in program:
             began = clock()
             step.run(position)
-            record(step.op_class, clock() - began)
+            record(step.op_class, clock() - began, step.bytes_read())
 
 
 class _DeviceWorker:
@@ -218,7 +273,7 @@ def _execute(program: list[Step], device: str, position: int, record, done, fail
                 began = clock()
                 step.run(position)
                 if record is not None:
-                    record(step.op_class, clock() - began)
+                    record(step.op_class, clock() - began, step.bytes_read())
         except BaseException as error:  # surfaced by the caller; keep signalling so nobody hangs
             failure.append(error)
         done[index].set()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .engine import COUNTERS
+
 
 def sample(logits: np.ndarray, rng: np.random.Generator | None, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0) -> int:
@@ -58,7 +60,21 @@ def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.
         "decode_tokens_per_s": decoded_steps / decode_s if decoded_steps and decode_s > 0 else 0.0,
     }
     if profile:
-        per_token = {k: v * 1000 / max(decoded_steps, 1) for k, v in sorted(engine.profile.items())}
-        result["profile_ms_per_token"] = per_token
+        result.update(profile_per_token(engine.profile))
         engine.profile = None
     return result
+
+
+def profile_per_token(profile: dict) -> dict:
+    """An engine's profile of decode steps, per step: milliseconds per op class (and wall, overhead), and the
+    weight bytes read with the bandwidth that makes over the kernels' time and over the wall time."""
+    steps = max(profile.get("decode_steps", 0), 1)
+    ms = {k: v * 1000 / steps for k, v in sorted(profile.items()) if k not in COUNTERS}
+    kernel_s = sum(v for k, v in ms.items() if k not in ("wall", "overhead")) / 1000
+    weight_bytes = profile.get("weight_bytes", 0) / steps
+    return {
+        "profile_ms_per_token": ms,
+        "weight_bytes_per_token": weight_bytes,
+        "weight_gbs_kernels": weight_bytes / kernel_s / 1e9 if kernel_s > 0 else 0.0,
+        "weight_gbs_wall": weight_bytes / (ms["wall"] / 1000) / 1e9 if ms.get("wall") else 0.0,
+    }

@@ -16,7 +16,7 @@ from picompile.compiler import build, pipeline
 from picompile.pipeline import Options
 from picompile.reference import OrtDecoder
 from picompile.targets import get_target
-from runtime import Engine
+from runtime import Engine, generate
 
 
 def sparse_build(files, out, target="cpu", passes_override=None, **options):
@@ -151,3 +151,45 @@ def test_models_with_external_data_build(sparse_models, tmp_path, monkeypatch):
     external_files = dataclasses.replace(files, onnx=external)
     artifact = sparse_build(external_files, tmp_path / "x.pic", all_neurons=True)
     assert_matches_onnxruntime(artifact, files.onnx, decode_steps=2)
+
+
+def test_profile_counts_the_weight_bytes_each_decode_step_reads(sparse_models, tmp_path):
+    """Dense: every weight a decode call takes, once (an embedding table: the one row gathered). Sparse with
+    every neuron let through: the predictors', every up row, and the down rows of the neurons that fired.
+    Sparse: fewer FFN bytes than dense."""
+    files = sparse_models["opt"]
+    dense = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), Options(dense=True, max_context=64))
+    every = sparse_build(files, tmp_path / "a.pic", all_neurons=True)
+    sparse = sparse_build(files, tmp_path / "s.pic")
+
+    def measured(artifact):
+        engine = Engine(artifact)
+        result = generate(engine, [5, 6, 7], 9, profile=True)
+        assert engine.profile is None and result["weight_gbs_kernels"] > 0
+        return engine, result["weight_bytes_per_token"]
+
+    def weight_nbytes(engine, op_classes):
+        """nbytes of the weight arrays the decode calls of these op classes take (embedding tables: one row)."""
+        schedule = json.loads((engine.directory / "schedule.json").read_text())
+        total = 0
+        for node in schedule["nodes"]:
+            if node["decode"] and node["op_class"] in op_classes:
+                for name in node["args"]:
+                    if engine.manifest["buffers"].get(name, {}).get("kind") == "weight":
+                        array = engine.buffers[name]
+                        total += array[0].nbytes if node["op_class"] == "embed" else array.nbytes
+        return total
+
+    everything = {"embed", "norm", "attention", "ffn_up", "ffn_down", "merge", "head", "predictor"}
+    rest = {"embed", "norm", "attention", "head"}  # not the FFN, not the predictors
+    engine, dense_bytes = measured(dense)
+    assert dense_bytes == weight_nbytes(engine, everything) > 0
+    dense_ffn = dense_bytes - weight_nbytes(engine, rest)
+    dense_down = weight_nbytes(engine, {"ffn_down"})
+    engine, every_bytes = measured(every)
+    predictors = weight_nbytes(engine, {"predictor"})
+    # every up row is read; a down row only where the neuron's ReLU output was not 0 (some, not all, fired)
+    assert predictors > 0 and dense_bytes - dense_down < every_bytes - predictors < dense_bytes
+    engine, sparse_bytes = measured(sparse)
+    sparse_ffn = sparse_bytes - weight_nbytes(engine, rest | {"predictor"})
+    assert 0 < sparse_ffn < 0.5 * dense_ffn, (sparse_ffn, dense_ffn)  # ~10% fire; the predictors keep some more

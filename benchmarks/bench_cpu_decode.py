@@ -1,0 +1,216 @@
+"""CPU decode suite: onnxruntime, picompile dense and picompile sparse on a synthetic ~1B OPT-ReLU model,
+with the memory bandwidth each reaches and the quality each speed comes at.
+
+    python benchmarks/bench_cpu_decode.py [--preset 1b] [--sparsity 0.9] [--threads 2] [--tokens 32] [--runs 3]
+        [--prompt-len 128] [--max-context 256] [--target-recall 0.99] [--dtypes fp32,fp16] [--json PATH] [--record]
+
+One run makes the model (or reuses it from the cache, keyed by its config hash), builds it for `--target cpu`
+dense and sparse for each weight dtype of `--dtypes` (or reuses the builds: they are cached by model, build
+options and the compiler's source, so a changed compiler rebuilds), evaluates each artifact against
+onnxruntime on held-out tokens, then alternates runs (onnxruntime, dense, sparse, [dense fp16, sparse fp16],
+memory bandwidth, onnxruntime, ...) so that machine drift cancels, and reports medians:
+
+- decode tokens/s and the prefill time of a `--prompt-len` prompt, each beside onnxruntime's (fp32, same
+  thread count);
+- the machine's copy bandwidth (np.copyto of a 512 MiB buffer over `--threads` threads, GB/s of bytes
+  copied; the memory traffic is twice that) and, for context, its read bandwidth (a sum over that buffer);
+- per artifact: the weight bytes a decoded token reads (the runtime's profile), the effective bandwidth
+  (bytes/token x tokens/s) and its share of the copy bandwidth;
+- per weight dtype: the limit ratio (dense bytes/token over sparse bytes/token), the achieved ratio (sparse
+  tokens/s over dense tokens/s) and the achieved ratio as a share of the limit.
+
+`--json PATH` writes every figure; `--record` appends the table to BENCHMARKS.md with the date, the machine
+and the exact command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DTYPES = ("fp32", "fp16")
+NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16"}
+BANDWIDTH_MIB = 512  # far larger than any L3 here (32 MiB)
+
+
+class Bandwidth:
+    """Samples the machine's memory bandwidth over `threads` threads, once per call: np.copyto of a buffer
+    far larger than L3 (GB/s of bytes copied) and a sum over it (GB/s read); the best of `reps` each."""
+
+    def __init__(self, threads: int, mib: int = BANDWIDTH_MIB, reps: int = 3):
+        self.threads, self.elements, self.reps = threads, (mib << 20) // 4, reps
+        self.copy: list[float] = []
+        self.read: list[float] = []
+
+    def __call__(self) -> None:
+        import numpy as np
+
+        source = np.ones(self.elements, np.float32)
+        target = np.zeros_like(source)  # both written once, so no page faults inside the timing
+        parts = [slice(i * self.elements // self.threads, (i + 1) * self.elements // self.threads)
+                 for i in range(self.threads)]
+        with ThreadPoolExecutor(self.threads) as pool:  # numpy releases the GIL in both loops
+            def rate(work) -> float:
+                best = 0.0
+                for _ in range(self.reps):
+                    started = time.perf_counter()
+                    list(pool.map(work, parts))
+                    best = max(best, source.nbytes / (time.perf_counter() - started) / 1e9)
+                return best
+
+            self.copy.append(rate(lambda part: np.copyto(target[part], source[part])))
+            self.read.append(rate(lambda part: source[part].sum()))
+
+    def summary(self) -> dict:
+        return {"copy_gbs": statistics.median(self.copy), "read_gbs": statistics.median(self.read),
+                "copy_samples_gbs": self.copy, "read_samples_gbs": self.read,
+                "buffer_mib": self.elements * 4 >> 20, "threads": self.threads}
+
+
+def engine_name(kind: str, dtype: str) -> str:
+    return f"picompile {kind}" + ("" if dtype == "fp32" else f" {dtype}")
+
+
+def weight_dtypes(artifact: Path) -> list[str]:
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    return sorted({b["dtype"] for b in manifest["buffers"].values() if b["kind"] == "weight" and b["dtype"].startswith("float")})
+
+
+def build_all(files, args) -> dict[str, Path]:
+    """Dense and sparse artifacts for each weight dtype, in the order the runs alternate."""
+    from examples.bench_decode import ensure_artifact
+
+    artifacts = {}
+    for dtype in args.dtypes:
+        for kind in ("dense", "sparse"):
+            options = {"weight_dtype": dtype} if kind == "dense" else {"weight_dtype": dtype, "target_recall": args.target_recall}
+            path = ensure_artifact(files, f"{kind}-{dtype}", args.max_context, dense=kind == "dense",
+                                   rebuild=args.rebuild, **options)
+            if NUMPY_DTYPES[dtype] not in weight_dtypes(path):
+                print(f"warning: {path.name} was built with weight_dtype={dtype} but stores {weight_dtypes(path)} weights "
+                      "(the compiler does not apply that option)")
+            artifacts[engine_name(kind, dtype)] = path
+    return artifacts
+
+
+def derive(summary: dict, bandwidth: dict, dtypes) -> dict:
+    """Effective bandwidth per artifact (into `summary`) and, per dtype, the sparse/dense limit and achieved ratios."""
+    for figures in summary.values():
+        if "weight_bytes_per_token" in figures:
+            figures["effective_gbs"] = figures["weight_bytes_per_token"] * figures["decode_tokens_per_s"] / 1e9
+            figures["copy_bandwidth_share"] = figures["effective_gbs"] / bandwidth["copy_gbs"]
+    ratios = {}
+    for dtype in dtypes:
+        dense, sparse = summary[engine_name("dense", dtype)], summary[engine_name("sparse", dtype)]
+        limit = dense["weight_bytes_per_token"] / sparse["weight_bytes_per_token"]
+        achieved = sparse["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+        ratios[dtype] = {"limit_ratio": limit, "achieved_ratio": achieved, "share_of_limit": achieved / limit}
+    return ratios
+
+
+def report(config: dict, summary: dict, qualities: dict, bandwidth: dict, ratios: dict) -> str:
+    from examples.bench_decode import quality_text
+
+    rows = [f"| engine | decode tok/s | vs onnxruntime | prefill {config['prompt_len']} tokens (ms) | vs onnxruntime "
+            "| weights MiB/token | effective GB/s | of copy bandwidth | quality |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, f in summary.items():
+        speed = f"**{f['ratio']:.2f}x**" if "ratio" in f else "1.00x"
+        prefill = f"{f['prefill_ratio']:.2f}x" if "prefill_ratio" in f else "1.00x"
+        traffic = "- | - | -"
+        if "weight_bytes_per_token" in f:
+            traffic = (f"{mib(f['weight_bytes_per_token'])} | {f['effective_gbs']:.1f} | "
+                       f"{f['copy_bandwidth_share'] * 100:.0f}%")
+        rows.append(f"| {name} | {f['decode_tokens_per_s']:.2f} | {speed} | {f['prefill_ms']:.1f} | {prefill} | "
+                    f"{traffic} | {quality_text(qualities.get(name, {}))} |")
+    lines = ["\n".join(rows), "",
+             f"Memory bandwidth ({bandwidth['threads']} threads, {bandwidth['buffer_mib']} MiB, median of "
+             f"{plural(len(bandwidth['copy_samples_gbs']), 'run')}): copy {bandwidth['copy_gbs']:.1f} GB/s (bytes copied), "
+             f"read {bandwidth['read_gbs']:.1f} GB/s."]
+    for dtype, r in ratios.items():
+        dense, sparse = summary[engine_name("dense", dtype)], summary[engine_name("sparse", dtype)]
+        lines.append(f"Sparse over dense ({dtype} weights): limit {r['limit_ratio']:.2f}x "
+                     f"({mib(dense['weight_bytes_per_token'])} / {mib(sparse['weight_bytes_per_token'])} MiB per token), achieved {r['achieved_ratio']:.2f}x = {r['share_of_limit'] * 100:.0f}% of the limit.")
+    return "\n".join(lines)
+
+
+def mib(nbytes: float) -> str:
+    value = nbytes / 2**20
+    return f"{value:.1f}" if value >= 10 else f"{value:.3f}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _dtypes(text: str) -> list[str]:
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(DTYPES)}, got {text!r}")
+    return list(dict.fromkeys(dtypes))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="1b", help="model size preset of examples/models.py")
+    parser.add_argument("--sparsity", type=float, default=0.9, help="synthetic FFN sparsity (power-law hot set)")
+    parser.add_argument("--threads", type=int, default=2, help="threads for every engine and the bandwidth probe")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded per run")
+    parser.add_argument("--runs", type=int, default=3, help="alternating runs; figures are their medians")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-context", type=int, default=256)
+    parser.add_argument("--target-recall", type=float, default=0.99, help="the sparse build's predictor recall")
+    parser.add_argument("--dtypes", type=_dtypes, default=["fp32"],
+                        help="weight dtypes to build dense and sparse artifacts in, e.g. fp32,fp16")
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--record", action="store_true", help="append the table to BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    if args.tokens < 2 or args.runs < 1 or args.prompt_len < 2:
+        parser.error("--tokens must be at least 2, --runs at least 1, --prompt-len at least 2")
+    if args.prompt_len + args.tokens > args.max_context:
+        parser.error(f"--prompt-len + --tokens ({args.prompt_len + args.tokens}) exceed --max-context {args.max_context}")
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # picompile's kernels get the threads onnxruntime gets
+
+    from examples.bench_decode import machine, measure, quality, record
+    from examples.models import cached_model
+
+    files = cached_model("opt", preset=args.preset, sparsity=args.sparsity, log=print)
+    params = json.loads(files.config.read_text())["num_params"]
+    artifacts = build_all(files, args)
+    print(f"evaluating {len(artifacts)} artifacts against onnxruntime on held-out tokens")
+    qualities = {name: quality(files, path) for name, path in artifacts.items()}
+    print(f"timing: {plural(args.runs, 'alternating run')} of {args.tokens} tokens after a {args.prompt_len}-token prompt")
+    probe = Bandwidth(args.threads)
+    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe)
+    bandwidth = probe.summary()
+    ratios = derive(summary, bandwidth, args.dtypes)
+    config = {"family": "opt", "preset": args.preset, "params": params, "sparsity": args.sparsity,
+              "threads": args.threads, "tokens": args.tokens, "runs": args.runs, "prompt_len": args.prompt_len,
+              "max_context": args.max_context, "target_recall": args.target_recall, "dtypes": args.dtypes,
+              "machine": machine()}
+    text = report(config, summary, qualities, bandwidth, ratios)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "config": config, "summary": summary, "quality": qualities, "bandwidth": bandwidth,
+            "sparse_vs_dense": ratios,
+            "artifacts": {name: {"path": str(path), "weight_dtypes": weight_dtypes(path)} for name, path in artifacts.items()},
+        }, indent=1))
+    if args.record:
+        record(f"CPU decode suite, opt-{args.preset} ({params / 1e6:.0f}M params, synthetic {args.sparsity:.0%}-sparse)",
+               config, text, "benchmarks/bench_cpu_decode.py", argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
