@@ -2,17 +2,19 @@
 
 Reads: `ctx.profile` (layer -> FFN inputs [tokens, d_model] float32 after the FFN's norm, active neurons
 [tokens, ffn] bool; tokens sequence-major), written by the profile pass; the `picompile.FFN` nodes (int
-attribute `layer`; float attributes `sparsity` and `skewness` from the profile pass, computed from the
-profile when absent; the up (gate) weight and bias, from which the training targets' pre-activations
-come); the model's parameter count (the sum of all initializer sizes); the options
-`predictor_param_share`, `target_recall`, `seed` and `dense`.
+attributes `layer` and `gated`; the up (gate) weight and bias, from which the pre-activations that the
+predictors are fitted to come); the model's parameter count (the sum of all initializer sizes); the
+options `predictor_param_share`, `target_recall`, `seed` and `dense`.
 Adds: per FFN layer i the initializers `layers.{i}.ffn.predictor.w1` [d_model, r] and
 `layers.{i}.ffn.predictor.w2` [r, ffn] (float32; neuron j is predicted active for input x iff
 (relu(x @ w1) @ w2)[j] > threshold) and, on the FFN node, `predictor_rank` (int), `predictor_threshold`,
 `predictor_recall`, `predictor_precision` and `predictor_active` (floats: recall, precision and mean
 fraction of neurons predicted active on held-out profiled tokens; the last is what a decode step pays
-for). The ranks r come from `choose_ranks`: all predictors together stay within `predictor_param_share`
-of the model's parameters. With `dense` set, or without a profile, the IR is left unchanged.
+for). Each layer's rank r is the one whose decode step reads the fewest weights, the predictor's
+r * (d_model + ffn) plus the up (gate) and down rows of the neurons it predicts active (`step_reads`), as
+estimated before training by the least-squares probe training starts from (`price_ranks`); all
+predictors together stay within `predictor_param_share` of the model's parameters (`choose_ranks`).
+With `dense` set, or without a profile, the IR is left unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -31,14 +34,15 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.pipeline import Context
 
-__all__ = ["Predictor", "Predict", "choose_ranks", "train_predictor", "skewness", "predict_active"]
+__all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "price_ranks", "choose_ranks", "probe_active",
+           "train_predictor", "predict_active"]
 
-TOP_SHARE = 0.2  # skewness: the share of all activations carried by the top 20% most active neurons
 STEPS = 800  # Adam updates a predictor gets by default (about 60 epochs of 4096 profiled tokens) ...
 TRAIN_FLOPS = 1e12  # ... unless they would cost more than this (large layers start close to done anyway)
 MIN_EPOCHS = 3
 REL_LR = 0.03  # Adam step size relative to each weight matrix's initial RMS, at a fan-in of REF_FAN_IN
 REF_FAN_IN = 64
+HOLDOUT = 0.2  # share of the profiled tokens (the last ones) kept out of fitting, to set thresholds on
 INIT_LOGIT_SCALE = 4.0  # the +-1 least-squares start, scaled towards logits
 PROBIT_TO_LOGIT = 1.7  # Phi(z) ~ sigmoid(1.7 z)
 
@@ -46,63 +50,67 @@ PROBIT_TO_LOGIT = 1.7  # Phi(z) ~ sigmoid(1.7 z)
 # ---------------------------------------------------------------- rank choice
 
 
-def skewness(active: np.ndarray) -> float:
-    """How concentrated activity is, in [0, 1]: the share of all activations carried by the 20% most
-    frequently active neurons, rescaled so that 0 is uniform (a 20% share) and 1 is all of it.
-
-    This is the profile's definition when it writes none (OPT-30B's "17% of neurons carry 80%" is
-    about 0.77 here)."""
-    counts = np.sort(np.asarray(active, bool).sum(0))[::-1].astype(np.float64)
-    total = counts.sum()
-    if total == 0:
-        return 1.0
-    top = max(1, int(round(TOP_SHARE * counts.size)))
-    share = counts[:top].sum() / total
-    return float(np.clip((share - TOP_SHARE) / (1 - TOP_SHARE), 0.0, 1.0))
+def candidate_ranks(limit: int) -> list[int]:
+    """The predictor ranks worth pricing, up to `limit` (8 at least): steps of 8 to 64, then four per
+    octave (80, 96, 112, 128, 160, ...), fine enough that the cheapest is within a few % of the best rank."""
+    ranks, rank = [], 8
+    while rank <= max(limit, 8):
+        ranks.append(rank)
+        rank += max(8, (1 << (rank.bit_length() - 1)) // 4)
+    return ranks
 
 
-def _difficulty(sparsity: float, skew: float) -> float:
-    """How hard a layer is to predict, per unit of rank: grows with density and falls with skewness."""
-    density = min(max(1.0 - float(sparsity), 1e-3), 1.0)
-    skew = min(max(float(skew), 0.0), 1.0)
-    return math.sqrt(density) * (1.0 - 0.5 * skew)
+def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bool) -> float:
+    """Weights one FFN layer reads in a one-token decode step, in parameters: the whole predictor
+    (w1 [d_model, rank], w2 [rank, ffn]) and the up (gate) and down rows of the neurons it predicts
+    active. Decode is memory-bound and every weight is float32, so this is its cost."""
+    return rank * (d_model + ffn) + active_share * ffn * d_model * (3 if gated else 2)
 
 
-def choose_ranks(d_model: int, ffn_sizes: list[int], sparsity: list[float], skewness: list[float],
-                 param_budget: int, min_rank: int = 16, max_rank: int | None = None) -> list[int]:
-    """The hidden width r_l of each layer's predictor, within sum_l r_l * (d_model + ffn_l) <= param_budget.
+def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool, *, target_recall: float,
+                pre_activations: np.ndarray | None = None) -> dict[int, tuple[float, float]]:
+    """rank -> (estimated predicted-active share, `step_reads`) of one layer's predictor, for the
+    `candidate_ranks` up to `limit`, the share from `probe_active`. Pricing stops before the first rank
+    that cannot beat the cheapest so far even if it predicted no more neurons than `target_recall` of
+    the held-out tokens' active ones (which every predictor must)."""
+    d_model, ffn = inputs.shape[1], active.shape[1]
+    ranks = candidate_ranks(limit)
+    least_share = target_recall * float(np.mean(active[_training_tokens(len(active), HOLDOUT):]))
+    priced: dict[int, tuple[float, float]] = {}
+    for rank, share in probe_active(inputs, active, ranks, target_recall=target_recall,
+                                    pre_activations=pre_activations):
+        priced[rank] = (share, step_reads(rank, share, d_model, ffn, gated))
+        best = min(reads for _, reads in priced.values())
+        larger = [r for r in ranks if r > rank]
+        if not larger or step_reads(larger[0], least_share, d_model, ffn, gated) >= best:
+            break
+    return priced
 
-    Rule: every layer gets `min_rank`; then the budget is handed out in steps of 16 (8 when `min_rank` is
-    not a multiple of 16), each step to the layer with the lowest r_l / difficulty_l among those it still
-    fits (ties to the lower layer), where difficulty_l = sqrt(1 - sparsity_l) * (1 - skewness_l / 2)
-    (skewness in [0, 1], 0 = uniform), until no step fits. So ranks end up about proportional to the
-    difficulty: denser and less skewed layers get more. Ranks stop at `max_rank` (default: d_model, which
-    is where a low-rank first layer stops being low rank). If the budget cannot fund `min_rank` everywhere,
-    the floor drops to the largest multiple of 8 that fits, and to 8 (over budget) if none does.
-    """
-    n = len(ffn_sizes)
-    if not (len(sparsity) == len(skewness) == n):
-        raise ValueError("ffn_sizes, sparsity and skewness need one entry per layer")
-    if n == 0:
-        return []
-    step = 16 if min_rank % 16 == 0 else 8
-    ceiling = max_rank if max_rank is not None else max(min_rank, d_model // step * step)
-    cost = [d_model + f for f in ffn_sizes]
-    floor = min_rank
-    while floor > 8 and floor * sum(cost) > param_budget:
-        floor -= 8
-    floor = max(floor, 8)
-    step = step if floor % step == 0 else 8
-    ranks = [min(floor, ceiling)] * n
-    left = param_budget - sum(r * c for r, c in zip(ranks, cost))
-    weights = [_difficulty(s, k) for s, k in zip(sparsity, skewness)]
-    while True:
-        candidates = [i for i in range(n) if ranks[i] + step <= ceiling and step * cost[i] <= left]
-        if not candidates:
-            return ranks
-        best = min(candidates, key=lambda i: (ranks[i] / weights[i], i))
-        ranks[best] += step
-        left -= step * cost[best]
+
+def choose_ranks(reads: list[dict[int, float]], widths: list[int], budget: int) -> list[int]:
+    """The rank of each layer that keeps the summed decode-step reads least, within
+    sum_l r_l * widths_l <= budget (widths_l = d_model + ffn_l, a predictor's parameters per rank).
+
+    reads[l] maps layer l's candidate ranks to its estimated step reads. Every layer starts at its
+    cheapest rank (the smaller on ties); while the predictors are over the budget, the layer whose next
+    smaller candidate adds the fewest reads per parameter it frees (the lower layer on ties) steps down
+    to it. When no layer can step down the ranks stay over the budget (the caller reports it). Greedy:
+    exact where each layer's reads fall ever less steeply with rank, which is how they fall."""
+    if len(reads) != len(widths):
+        raise ValueError("reads and widths need one entry per layer")
+    ranks = [min(costs, key=lambda r: (costs[r], r)) for costs in reads]
+    while sum(r * w for r, w in zip(ranks, widths)) > budget:
+        steps = []
+        for i, (costs, width) in enumerate(zip(reads, widths)):
+            smaller = [r for r in costs if r < ranks[i]]
+            if smaller:
+                down = max(smaller)
+                steps.append(((costs[down] - costs[ranks[i]]) / ((ranks[i] - down) * width), i, down))
+        if not steps:
+            break
+        _, i, down = min(steps)
+        ranks[i] = down
+    return ranks
 
 
 # ---------------------------------------------------------------- training
@@ -142,6 +150,11 @@ def _scores(predicted: np.ndarray, active: np.ndarray) -> dict:
                 predicted_active=n_predicted / predicted.size if predicted.size else 0.0)
 
 
+def _training_tokens(count: int, holdout: float) -> int:
+    """How many of `count` profiled tokens are fitted on; the rest (at least one each) are held out."""
+    return count - min(max(1, int(round(holdout * count))), count - 1)
+
+
 def _threshold_for_recall(logits: np.ndarray, active: np.ndarray, target_recall: float) -> float:
     """The largest float32 t with mean(logits[active] > t) >= target_recall."""
     positives = np.sort(logits[active].astype(np.float32))
@@ -165,70 +178,158 @@ def _offset_channel(x: np.ndarray) -> np.ndarray | None:
     return direction if s.min() > 0 and s.mean() > 3 * s.std() else None
 
 
-def _init_weights(x: np.ndarray, active: np.ndarray, rank: int, pre: np.ndarray | None = None,
-                  ridge: float = 1e-3) -> tuple[np.ndarray, np.ndarray]:
-    """A predictor that starts as a linear least-squares probe in a supervised low-rank subspace.
-
-    Targets: the pre-activations `pre` [N, ffn] when given (neuron j fires iff pre_j > 0), else +-1 for
-    active / inactive. Directions: reduced-rank regression of the targets (each neuron scaled to unit
-    variance) on the centred inputs, i.e. the top generalised eigenvectors u_k of C C^T against the input
-    covariance G (C = cov(x, targets)), scaled so that x . u_k has unit variance. When the inputs have an
-    offset channel m (every token positive along it), unit 0 is m itself and unit k is u_k + c_k m with
-    c_k large enough that x . w1_k > 0 on every profiled token: relu passes them all through, and the
-    predictor starts as a rank-(r-1) linear probe with per-neuron offsets. Without one, units come in
-    pairs [u, -u] (relu(z) - relu(-z) = z) and the |z| they add up to stands in for the offsets.
-    w2 is the ridge least-squares fit of the targets on h = relu(x @ w1). For pre-activations, column j is
-    then divided by the residual std s_j of that fit and multiplied by 1.7, so the logit approximates
-    log-odds of P(pre_j > 0 | x) = Phi(fit_j / s_j): one threshold then ranks all neurons alike.
-    """
-    n, d = x.shape
-    xd = torch.from_numpy(x).double()
+def _targets(active: np.ndarray, pre: np.ndarray | None) -> torch.Tensor:
+    """What the probe fits: the pre-activations (neuron j fires iff pre_j > 0), else +-1 for active / inactive."""
     if pre is not None:
-        t = torch.from_numpy(np.ascontiguousarray(pre, np.float32))
-    else:
-        t = torch.from_numpy(np.where(active, np.float32(1), np.float32(-1)))
-    mean = xd.mean(0)
-    xc = xd - mean
+        return torch.from_numpy(np.ascontiguousarray(pre, np.float32))
+    return torch.from_numpy(np.where(active, np.float32(1), np.float32(-1)))
+
+
+def _probe_directions(x: np.ndarray, t: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The least-squares probe's input directions [d, d] (float64), most predictive first, and the inputs'
+    offset channel (`_offset_channel`) or None.
+
+    Reduced-rank regression of the targets `t` (each neuron scaled to unit variance) on the centred
+    inputs: the top generalised eigenvectors u_k of C C^T against the input covariance G (C = cov(x, t)),
+    scaled so that x . u_k has unit variance."""
+    n, d = x.shape
+    xc = torch.from_numpy(x).double()
+    xc -= xc.mean(0)
     cov = xc.T @ xc / n
     cov += (ridge * cov.diagonal().mean().clamp_min(1e-12)) * torch.eye(d, dtype=torch.float64)
-    evals, evecs = torch.linalg.eigh(cov)
-    inv_sqrt = evecs * evals.clamp_min(1e-12).rsqrt()  # G^{-1/2} (up to rotation)
+    chol = torch.linalg.cholesky(cov)  # G = L L^T: L^-1 whitens (as G^-1/2 does, up to a rotation; cheaper)
     tc = t - t.mean(0)
     tc = tc / tc.std(0).clamp_min(1e-12)
     cross = (xc.float().T @ tc).double() / n  # [d, ffn]: float32 for the big product
-    white = inv_sqrt.T @ cross
+    white = torch.linalg.solve_triangular(chol, cross, upper=False)
     _, u = torch.linalg.eigh(white @ white.T)
-    directions = inv_sqrt @ u.flip(1)  # [d, d], unit variance along each, most predictive first
+    directions = torch.linalg.solve_triangular(chol.T, u.flip(1), upper=True)
     offset = _offset_channel(x)
+    return directions, None if offset is None else torch.from_numpy(offset)
+
+
+def _probe_size(offset: torch.Tensor | None, d: int) -> int:
+    """How many units `_probe_units` has."""
+    return d + 1 if offset is not None else 2 * d
+
+
+def _probe_units(x: np.ndarray, directions: torch.Tensor, offset: torch.Tensor | None,
+                 begin: int, end: int) -> torch.Tensor:
+    """Hidden units begin..end-1 (w1's columns, float64 [d, end - begin]) of the least-squares probe. The
+    sequence is nested, the rank-r probe using the first r units, so one probe prices every rank.
+
+    With an offset channel m (every token of x positive along it), unit 0 is m itself and unit k is
+    u_k + c_k m with c_k large enough that x . w1_k > 0 on every token: relu passes them all through,
+    and the probe is linear with per-neuron offsets (d + 1 units at most). Without one, units alternate
+    u_k, -u_k (relu(z) - relu(-z) = z) and the |z| they add up to stands in for the offsets (2d at most).
+    """
+    xd = torch.from_numpy(x).double()
     if offset is not None:
-        m = torch.from_numpy(offset)
-        s = xd @ m  # > 0 on every token
-        k = min(rank - 1, d)
-        a = directions[:, :k]
-        z = xd @ a
-        c = ((-z / s[:, None]).max(0).values.clamp_min(0) * 1.1 + 1e-3)  # x . (a + c m) > 0 everywhere
-        w1 = torch.cat([m[:, None] / s.mean(), a + m[:, None] * c[None]], 1)
-    else:
-        k = max(1, min(rank // 2, d))
-        w1 = torch.cat([directions[:, :k], -directions[:, :k]], 1)
-    if w1.shape[1] < rank:  # rank > 2d (or odd): extra units along random directions
+        s = xd @ offset  # > 0 on every token
+        a = directions[:, max(begin, 1) - 1:end - 1]
+        c = (-(xd @ a) / s[:, None]).max(0).values.clamp_min(0) * 1.1 + 1e-3  # x . (a + c m) > 0 everywhere
+        units = a + offset[:, None] * c[None]
+        return torch.cat([offset[:, None] / s.mean(), units], 1) if begin == 0 else units
+    k = torch.arange(begin, end)
+    return directions[:, k // 2] * (1 - 2 * (k % 2)).double()
+
+
+@dataclass
+class _Moments:
+    """Training-token moments of the probe's hidden units h = relu(x @ w1) (float64 [N, r]) and of its
+    targets t [N, ffn]: all that `_probe_w2` needs, for the probe on any first units."""
+
+    hh: torch.Tensor  # E[h h^T] [r, r]
+    ht: torch.Tensor  # E[h t^T] [r, ffn]
+    h_mean: torch.Tensor  # [r]
+    t_mean: torch.Tensor  # [ffn]
+    t_square: torch.Tensor  # E[t^2] [ffn]
+
+    @classmethod
+    def of(cls, h: torch.Tensor, t: torch.Tensor) -> _Moments:
+        n = h.shape[0]
+        return cls(h.T @ h / n, (h.float().T @ t).double() / n, h.mean(0), t.mean(0, dtype=torch.float64),
+                   (t * t).mean(0, dtype=torch.float64))
+
+    def extend(self, h: torch.Tensor, new: torch.Tensor, t: torch.Tensor) -> _Moments:
+        """The moments of units h (those these are of) followed by units `new` [N, c]."""
+        n = h.shape[0]
+        cross = h.T @ new / n
+        hh = torch.cat([torch.cat([self.hh, cross], 1), torch.cat([cross.T, new.T @ new / n], 1)])
+        ht = torch.cat([self.ht, (new.float().T @ t).double() / n])
+        return _Moments(hh, ht, torch.cat([self.h_mean, new.mean(0)]), self.t_mean, self.t_square)
+
+
+def _probe_w2(m: _Moments, rank: int, ridge: float, scaled: bool) -> torch.Tensor:
+    """w2 (float32 [rank, ffn]) of the probe on the first `rank` units: the ridge least-squares fit of the
+    targets on h. With `scaled` (targets are pre-activations), column j is then divided by the residual
+    std s_j of that fit and multiplied by 1.7, so the logit approximates log-odds of
+    P(pre_j > 0 | x) = Phi(fit_j / s_j): one threshold then ranks all neurons alike. Otherwise the
+    +-1 fit is scaled by INIT_LOGIT_SCALE towards logits."""
+    hh, ht = m.hh[:rank, :rank], m.ht[:rank]
+    ridged = hh + (ridge * hh.diagonal().mean().clamp_min(1e-12)) * torch.eye(rank, dtype=torch.float64)
+    w2 = torch.linalg.solve(ridged, ht)
+    if not scaled:
+        return (w2 * INIT_LOGIT_SCALE).float()
+    # the residual's mean square and mean from the moments: no pass over the tokens per rank
+    square = m.t_square - 2 * (w2 * ht).sum(0) + (w2 * (hh @ w2)).sum(0)
+    mean = m.t_mean - m.h_mean[:rank] @ w2
+    residual = (square - mean * mean).clamp_min(0).sqrt().clamp_min(1e-6)
+    return (w2 * (PROBIT_TO_LOGIT / residual)).float()
+
+
+def _init_weights(x: np.ndarray, active: np.ndarray, rank: int, pre: np.ndarray | None = None,
+                  ridge: float = 1e-3) -> tuple[np.ndarray, np.ndarray]:
+    """A predictor that starts as a linear least-squares probe in a supervised low-rank subspace: w1 the
+    first `rank` `_probe_units` (random directions beyond those), w2 their `_probe_w2`. Targets: the
+    pre-activations `pre` [N, ffn] when given (neuron j fires iff pre_j > 0), else +-1 for active /
+    inactive."""
+    d = x.shape[1]
+    t = _targets(active, pre)
+    directions, offset = _probe_directions(x, t, ridge)
+    w1 = _probe_units(x, directions, offset, 0, min(rank, _probe_size(offset, d)))
+    if w1.shape[1] < rank:
         generator = torch.Generator().manual_seed(0)
-        extra = inv_sqrt @ torch.randn(d, rank - w1.shape[1], generator=generator, dtype=torch.float64)
-        w1 = torch.cat([w1, extra / math.sqrt(d)], 1)
-    h = torch.relu(xd @ w1)
-    hh = h.T @ h / n
-    hh += (ridge * hh.diagonal().mean().clamp_min(1e-12)) * torch.eye(rank, dtype=torch.float64)
-    w2 = torch.linalg.solve(hh, (h.float().T @ t).double() / n).float()
-    if pre is not None:
-        residual = (t - h.float() @ w2).std(0).clamp_min(1e-6)
-        w2 = w2 * (PROBIT_TO_LOGIT / residual)
-    else:
-        w2 = w2 * INIT_LOGIT_SCALE
+        extra = torch.randn(rank - w1.shape[1], d, generator=generator, dtype=torch.float64).T
+        w1 = torch.cat([w1, directions @ extra / math.sqrt(d)], 1)
+    h = torch.relu(torch.from_numpy(x).double() @ w1)
+    w2 = _probe_w2(_Moments.of(h, t), rank, ridge, scaled=pre is not None)
     return w1.float().numpy(), w2.numpy()
 
 
+def probe_active(inputs: np.ndarray, active: np.ndarray, ranks: list[int], *, target_recall: float = 0.99,
+                 pre_activations: np.ndarray | None = None, holdout: float = HOLDOUT,
+                 ridge: float = 1e-3) -> Iterator[tuple[int, float]]:
+    """Yield, for each rank r of `ranks` in ascending order, (r, the mean fraction of neurons predicted
+    active on the held-out tokens) by the predictor `train_predictor` (same arguments) starts from at rank
+    r, with the threshold that reaches `target_recall` there.
+
+    It prices a rank without training at it: on the synthetic layers training moves that fraction by a
+    few points either way. Lazy, so a caller stops once larger ranks cannot pay off; each rank adds only
+    its new units' moments and an r x r solve (ranks above the d + 1 or 2d probe units are left out).
+    """
+    x = np.ascontiguousarray(inputs, dtype=np.float32)
+    y = np.asarray(active, dtype=bool)
+    n = _training_tokens(x.shape[0], holdout)
+    x_train, y_hold = x[:n], y[n:]
+    t = _targets(y[:n], None if pre_activations is None else pre_activations[:n])
+    directions, offset = _probe_directions(x_train, t, ridge)
+    xt, xh = torch.from_numpy(x_train).double(), torch.from_numpy(x[n:]).double()
+    h, h_hold = xt[:, :0], xh[:, :0]
+    moments = _Moments.of(h, t)
+    for rank in sorted({int(r) for r in ranks if 0 < r <= _probe_size(offset, x.shape[1])}):
+        units = _probe_units(x_train, directions, offset, h.shape[1], rank)
+        new = torch.relu(xt @ units)
+        moments = moments.extend(h, new, t)
+        h, h_hold = torch.cat([h, new], 1), torch.cat([h_hold, torch.relu(xh @ units)], 1)
+        w2 = _probe_w2(moments, rank, ridge, scaled=pre_activations is not None)
+        logits = (h_hold.float() @ w2).numpy()
+        threshold = _threshold_for_recall(logits, y_hold, target_recall)
+        yield rank, _scores(logits > threshold, y_hold)["predicted_active"]
+
+
 def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target_recall: float = 0.99,
-                    epochs: int | None = None, seed: int = 0, holdout: float = 0.2,
+                    epochs: int | None = None, seed: int = 0, holdout: float = HOLDOUT,
                     pre_activations: np.ndarray | None = None, batch_size: int = 256, lr: float = REL_LR,
                     pos_weight: str | float = "global", init: str = "lstsq", threads: int = 1) -> Predictor:
     """Train relu(x @ w1) @ w2 (no biases) to tell which FFN neurons a token activates.
@@ -265,10 +366,10 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
         raise ValueError("need at least two profiled tokens")
     n, d = x.shape
     ffn = y.shape[1]
-    n_hold = min(max(1, int(round(holdout * n))), n - 1)
-    x_train, y_train = x[: n - n_hold], y[: n - n_hold]
-    x_hold, y_hold = x[n - n_hold:], y[n - n_hold:]
-    pre_train = None if pre_activations is None else np.asarray(pre_activations[: n - n_hold], np.float32)
+    n_train = _training_tokens(n, holdout)
+    x_train, y_train = x[:n_train], y[:n_train]
+    x_hold, y_hold = x[n_train:], y[n_train:]
+    pre_train = None if pre_activations is None else np.asarray(pre_activations[:n_train], np.float32)
 
     with _threads(threads):
         generator = torch.Generator().manual_seed(seed)
@@ -369,29 +470,50 @@ class Predict:
         layers = [int(pir.attr(n, "layer")) for n in nodes]
         data = [(np.asarray(ctx.profile[i][0], np.float32), np.asarray(ctx.profile[i][1], bool)) for i in layers]
         d_model = data[0][0].shape[1]
-        ffn_sizes = [active.shape[1] for _, active in data]
-        sparsity = [float(pir.attr(node, "sparsity", 1.0 - active.mean())) for node, (_, active) in zip(nodes, data)]
-        skews = [float(pir.attr(node, "skewness")) if pir.attr(node, "skewness") is not None else skewness(active)
-                 for node, (_, active) in zip(nodes, data)]
+        widths = [d_model + active.shape[1] for _, active in data]
+        gated = [bool(pir.attr(node, "gated", 0)) for node in nodes]
         params = _param_count(model)
         budget = int(options.predictor_param_share * params)
-        ranks = choose_ranks(d_model, ffn_sizes, sparsity, skews, budget)
-        used = sum(r * (d_model + f) for r, f in zip(ranks, ffn_sizes))
-        ctx.log(f"predict: {len(nodes)} layers, budget {budget} params ({options.predictor_param_share:.1%} of "
-                f"{params}), ranks {ranks} use {used}" + (" (OVER BUDGET: floor ranks)" if used > budget else ""))
+
+        def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+            # pre-activations are recomputed per phase rather than all held: 128 MiB a layer at ffn 8192
+            inputs, active = data[index]
+            return inputs, active, _pre_activations(nodes[index], inputs, active)
+
+        def price(index: int) -> dict[int, tuple[float, float]]:
+            inputs, active, pre = layer_data(index)
+            # d_model: where a low-rank first layer stops being low rank
+            limit = min(d_model, budget // widths[index])
+            return price_ranks(inputs, active, limit, gated[index], target_recall=options.target_recall,
+                               pre_activations=pre)
 
         def train(index: int) -> tuple[Predictor, bool]:
-            inputs, active = data[index]
-            pre = _pre_activations(nodes[index], inputs, active)
+            inputs, active, pre = layer_data(index)
             return train_predictor(inputs, active, ranks[index], target_recall=options.target_recall,
                                    seed=options.seed + layers[index], pre_activations=pre), pre is not None
 
-        # Layers are independent: train them side by side, one torch thread each (deterministic either way).
+        # Layers are independent: each phase runs them side by side, one torch thread each (deterministic
+        # either way).
         workers = max(1, min(len(nodes), torch.get_num_threads()))
         with _threads(1), ThreadPoolExecutor(workers) as pool:
+            started = time.perf_counter()
+            priced = list(pool.map(price, range(len(nodes))))
+            pricing = time.perf_counter() - started
+            ranks = choose_ranks([{r: reads for r, (_, reads) in p.items()} for p in priced], widths, budget)
+            for layer, prices, rank in zip(layers, priced, ranks):
+                estimates = ", ".join(f"{r} {reads / 1e6:.3g}M ({share:.1%} active)"
+                                      for r, (share, reads) in prices.items())
+                ctx.log(f"predict: layer {layer} estimated step reads by rank: {estimates}; rank {rank}")
+            used = sum(r * w for r, w in zip(ranks, widths))
+            ctx.log(f"predict: {len(nodes)} layers, ranks {ranks} use {used} params of the budget {budget} "
+                    f"({options.predictor_param_share:.1%} of {params})"
+                    + (" (OVER BUDGET: smallest ranks)" if used > budget else "") + f"; priced in {pricing:.1f}s")
+            started = time.perf_counter()
             results = list(pool.map(train, range(len(nodes))))
+            ctx.log(f"predict: trained in {time.perf_counter() - started:.1f}s")
 
-        for node, layer, rank, s, (predictor, from_weights) in zip(nodes, layers, ranks, sparsity, results):
+        for node, layer, rank, prices, (_, active), (predictor, from_weights) in zip(
+                nodes, layers, ranks, priced, data, results):
             prefix = f"layers.{layer}.ffn.predictor"
             pir.initializer(model.graph, f"{prefix}.w1", predictor.w1)
             pir.initializer(model.graph, f"{prefix}.w2", predictor.w2)
@@ -401,7 +523,7 @@ class Predict:
                                ("predictor_active", predictor.predicted_active)):
                 node.attributes[key] = ir.AttrFloat32(key, float(value))
             ctx.log(f"predict: layer {layer} rank {rank}: recall {predictor.recall:.4f} precision "
-                    f"{predictor.precision:.4f} predicted active {predictor.predicted_active:.4f} "
-                    f"(sparsity {s:.3f}, start from {'weights' if from_weights else 'activity'}) "
-                    f"in {predictor.train_seconds:.1f}s")
+                    f"{predictor.precision:.4f} predicted active {predictor.predicted_active:.4f} (estimated "
+                    f"{prices[rank][0]:.4f}; sparsity {1 - active.mean():.3f}, start from "
+                    f"{'weights' if from_weights else 'activity'}) in {predictor.train_seconds:.1f}s")
         return PassResult(model, modified=True)

@@ -32,7 +32,7 @@ class Options:
     calib_tokens: int = 4096  # how many calibration tokens the profile pass runs
     placement_batch: int = 64  # neurons per ILP variable (sorted by frequency, then grouped)
     placement_time_limit_s: float = 30.0
-    predictor_param_share: float = 0.10  # all predictors together, as a share of the model's parameters
+    predictor_param_share: float = 0.10  # cap on all predictors together, as a share of the model's parameters
     target_recall: float = 0.99  # the threshold of each predictor is set to reach this on held-out tokens
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)
     weight_dtype: str = "fp32"  # storage of the CPU's weight matrices: fp32 or fp16 (converted in registers)

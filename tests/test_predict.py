@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from passes.import_onnx import Import, load
-from passes.predict import Predict, Predictor, _threshold_for_recall, choose_ranks, predict_active, train_predictor
+from passes.predict import (Predict, Predictor, _threshold_for_recall, candidate_ranks, choose_ranks, predict_active,
+                            price_ranks, step_reads, train_predictor)
 from passes.recognise import Recognise
 from picompile import ir as pir
 from picompile.pipeline import Context, Options, run_passes, verify_onnx
@@ -23,37 +24,47 @@ def good_enough(scores) -> bool:
     return scores.recall >= 0.95 and scores.predicted_active < 0.3
 
 
-# ---------------------------------------------------------------- choose_ranks
+# ---------------------------------------------------------------- rank choice
 
 
-def test_choose_ranks_stays_within_budget_and_favours_hard_layers():
-    d, ffn = 768, [3072] * 4
-    sparsity = [0.9, 0.9, 0.8, 0.9]  # layer 2 is denser
-    skew = [0.6, 0.3, 0.6, 0.6]  # layer 1 is less skewed
-    budget = 4 * 200 * (d + 3072)
-    ranks = choose_ranks(d, ffn, sparsity, skew, budget)
-    assert sum(r * (d + f) for r, f in zip(ranks, ffn)) <= budget
-    assert budget - sum(r * (d + f) for r, f in zip(ranks, ffn)) < 16 * (d + 3072)  # nothing left unspent
-    assert all(r % 16 == 0 and r >= 16 for r in ranks)
-    assert ranks[2] > ranks[0] and ranks[1] > ranks[0]
-    assert ranks[0] == ranks[3]
-    # a cap, and a budget too small for the floor everywhere
-    assert max(choose_ranks(d, ffn, sparsity, skew, budget, max_rank=128)) == 128
-    tight = choose_ranks(d, ffn, sparsity, skew, 4 * 12 * (d + 3072))
-    assert sum(r * (d + f) for r, f in zip(tight, ffn)) <= 4 * 12 * (d + 3072) and min(tight) >= 8
+def test_candidate_ranks_and_step_reads():
+    assert candidate_ranks(100) == [8, 16, 24, 32, 40, 48, 56, 64, 80, 96]
+    assert candidate_ranks(1024)[-5:] == [512, 640, 768, 896, 1024]
+    assert candidate_ranks(3) == [8]  # the floor, even where the budget cannot pay for it
+    assert step_reads(64, 0.1, 2048, 8192, gated=False) == 64 * 10240 + 0.1 * 8192 * 2048 * 2
+    assert step_reads(64, 0.1, 2048, 8192, gated=True) == 64 * 10240 + 0.1 * 8192 * 2048 * 3
+
+
+def test_choose_ranks_takes_each_layers_cheapest_rank_within_the_budget():
+    widths = [100, 100, 200]
+    reads = [{8: 50_000, 16: 30_000, 32: 31_000},
+             {8: 40_000, 16: 20_000, 32: 10_000, 64: 12_000},
+             {8: 9_000, 16: 8_000}]
+    assert choose_ranks(reads, widths, 10**9) == [16, 32, 16]  # the budget does not bind: cheapest each
+    assert choose_ranks([{8: 5, 16: 5}], [100], 10**9) == [8]  # ties go to the smaller rank
+    # 8000 params wanted. Freeing a parameter costs, in extra reads: layer 2 16 -> 8: 1000 / 1600,
+    # layer 1 32 -> 16: 10000 / 1600, layer 0 16 -> 8: 20000 / 800 (all per param freed)
+    assert choose_ranks(reads, widths, 6500) == [16, 32, 8]
+    assert choose_ranks(reads, widths, 5000) == [16, 16, 8]
+    assert choose_ranks(reads, widths, 4000) == [8, 16, 8]  # 20000 / 800 either way: the lower layer first
+    assert choose_ranks(reads, widths, 0) == [8, 8, 8]  # over budget: nothing smaller to take
 
 
 # ---------------------------------------------------------------- train_predictor
 
 
-def low_rank_layer(d=64, ffn=512, rank=16, noise=0.1, mean_p=0.1, seed=0):
+def low_rank_layer(d=64, ffn=512, rank=16, noise=0.1, mean_p=0.1, seed=0, offset=False):
     """A synthetic FFN layer: x ~ N(0, I_d), pre-activation = x @ A (rank 16) + small noise + per-neuron
-    bias, the biases giving Zipf-distributed activation probabilities with mean 0.1.
+    bias, the biases giving Zipf-distributed activation probabilities with mean 0.1. With `offset` the
+    last input channel is instead about 4 on every token (as a LayerNorm bias or LLaMA's constant channel
+    make it) and A ignores it.
     Returns draw(n, seed) -> (x [n, d] float32, active [n, ffn] bool, pre-activations [n, ffn])."""
     from examples.models import activation_probs
 
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((d, rank)) @ rng.standard_normal((rank, ffn)) / np.sqrt(d * rank)
+    if offset:
+        a[-1] = 0
     scale = np.sqrt((a * a).sum(0))
     p = activation_probs(ffn, mean_p, "zipf", rng=rng)
     normal = statistics.NormalDist()
@@ -62,6 +73,8 @@ def low_rank_layer(d=64, ffn=512, rank=16, noise=0.1, mean_p=0.1, seed=0):
     def draw(n, draw_seed):
         r = np.random.default_rng(draw_seed)
         x = r.standard_normal((n, d))
+        if offset:
+            x[:, -1] = 4 + 0.1 * x[:, -1]
         pre = x @ a + noise * scale * r.standard_normal((n, ffn)) + bias
         return x.astype(np.float32), pre > 0, pre.astype(np.float32)
 
@@ -112,6 +125,29 @@ def test_threshold_is_the_largest_reaching_the_target():
         assert (positives > t).mean() >= target
         above = positives[positives > t].min()  # the next larger threshold loses at least one positive
         assert (positives > above).mean() < target
+
+
+@pytest.mark.parametrize("offset, units", [(True, 16), (False, 32)])
+def test_price_ranks_finds_the_rank_of_low_rank_pre_activations(offset, units):
+    """Pre-activations of rank k plus noise of a tenth of their scale. With an offset channel (k = 15) the
+    probe needs k + 1 = 16 units (one carries the offsets), without one (k = 16) 2k = 32 (a +- pair per
+    direction). Pricing must find that many, not the cap."""
+    draw = low_rank_layer(d=128, ffn=1024, rank=15 if offset else 16, offset=offset)
+    x, active, pre = draw(4096, 1)
+    priced = price_ranks(x, active, 128, gated=False, target_recall=0.99, pre_activations=pre)
+    cheapest = min(priced, key=lambda r: priced[r][1])
+    assert cheapest == units, priced
+    assert max(priced) <= 64  # larger ranks could not pay off: never priced
+    below = max(r for r in priced if r < units)
+    assert priced[below][0] > 1.5 * priced[units][0]  # too few units miss directions: many more predicted
+    # the estimate is the predictor training starts from at that rank ...
+    start = train_predictor(x, active, units, pre_activations=pre, epochs=0)
+    assert abs(start.predicted_active - priced[units][0]) < 2e-3, (start, priced[units])
+    # ... and what training makes of it is within a few points
+    trained = train_predictor(x, active, units, pre_activations=pre)
+    assert trained.recall >= 0.99 and abs(trained.predicted_active - priced[units][0]) < 0.05, (trained, priced[units])
+    # a limit below that caps the ranks priced
+    assert list(price_ranks(x, active, 20, gated=False, target_recall=0.99, pre_activations=pre)) == [8, 16]
 
 
 # ---------------------------------------------------------------- the pass
@@ -195,20 +231,25 @@ def test_predict_pass_leaves_dense_and_unprofiled_models_alone(tiny_models):
     assert all(pir.attr(n, "predictor_rank") is None for n in pir.nodes_in_domain(model, "FFN"))
 
 
-def test_predict_pass_sizes_predictors_from_the_profile_attributes(tiny_models):
-    """Sparsity and skewness written on the FFN nodes (by the profile pass) decide the ranks."""
-    import onnx_ir as ir
-
+def test_predict_pass_caps_the_ranks_at_the_budget(tiny_models):
+    """The ranks that read least, unless their parameters exceed predictor_param_share."""
     files = tiny_models("opt", "legacy", sparsity=0.9)
-    ctx = Context(get_target("cpu"), Options(predictor_param_share=0.25))
-    model = run_passes(load(files.onnx), [Import(), Recognise()], ctx)
-    (ctx.profile,), _ = torch_profiles("opt", [files.calib])
-    easy, hard = pir.nodes_in_domain(model, "FFN")
-    for node, sparsity, skew in ((easy, 0.97, 0.9), (hard, 0.6, 0.1)):
-        node.attributes["sparsity"] = ir.AttrFloat32("sparsity", sparsity)
-        node.attributes["skewness"] = ir.AttrFloat32("skewness", skew)
-    model = run_passes(model, [Predict()], ctx)
-    ranks = [pir.attr(node, "predictor_rank") for node in (easy, hard)]
-    assert ranks[1] > ranks[0] >= 16, ranks
-    assert sum(r * (64 + 256) for r in ranks) <= 0.25 * sum(
-        v.const_value.size for name, v in model.graph.initializers.items() if ".predictor." not in name)
+    (profile,), _ = torch_profiles("opt", [files.calib])
+
+    x, active = profile[0]
+    width = x.shape[1] + active.shape[1]  # predictor params per rank
+
+    def ranks(share: float) -> tuple[list[int], int]:
+        ctx = Context(get_target("cpu"), Options(predictor_param_share=share))
+        model = run_passes(load(files.onnx), [Import(), Recognise()], ctx)
+        params = sum(v.const_value.size for v in model.graph.initializers.values())
+        ctx.profile = profile
+        model = run_passes(model, [Predict()], ctx)
+        return [pir.attr(node, "predictor_rank") for node in pir.nodes_in_domain(model, "FFN")], params
+
+    free, params = ranks(0.5)
+    used = sum(free) * width
+    assert used < 0.5 * params and max(free) < x.shape[1], free  # the budget did not bind
+    tight, _ = ranks(0.6 * used / params)
+    assert sum(tight) * width <= 0.6 * used, (tight, free)
+    assert all(t <= f for t, f in zip(tight, free)) and tight != free
