@@ -136,6 +136,7 @@ def main():
     bias = aligned(np.zeros(FFN, np.float32))
     count = aligned(np.array([[active]], np.int32))
     hidden, scratch, out = (aligned(np.zeros(shape, np.float32)) for shape in ((1, FFN), (8, D), (1, D)))
+    fired_list = aligned(np.zeros((1, FFN), np.int32))
     fired = []  # rows actually read per call: every up row, the down rows of neurons that fired
     for r in range(INDEX_SETS):
         selected = indices[r][0, :active]
@@ -149,7 +150,7 @@ def main():
             i, c = r % INDEX_SETS, r % COPIES
             if kind == "fused":
                 lib[f"ffn_{dtype}"](dl(x), dl(indices[i]), dl(count), dl(ups[c]), dl(bias), dl(downs[c]), dl(hidden),
-                                    dl(scratch), dl(out))
+                                    dl(fired_list), dl(scratch), dl(out))
             else:
                 lib["up"](dl(x), dl(indices[i]), dl(count), dl(ups[c]), dl(bias), dl(hidden))
                 lib["down"](dl(hidden), dl(indices[i]), dl(count), dl(downs[c]), dl(out))

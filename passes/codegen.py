@@ -71,9 +71,9 @@ class Lowering:
         self.buffers.setdefault(name, {"kind": "activation", "shape": shape, "dtype": dtype})
         return name
 
-    def scratch(self, name: str, shape: list[int]) -> str:
+    def scratch(self, name: str, shape: list[int], dtype: str = "float32") -> str:
         """A kernel's private work area: fixed shape (not one row per token), never copied between devices."""
-        self.buffers.setdefault(name, {"kind": "scratch", "shape": list(shape), "dtype": "float32"})
+        self.buffers.setdefault(name, {"kind": "scratch", "shape": list(shape), "dtype": dtype})
         return name
 
     def weight(self, name: str, array: np.ndarray, dtype: str = "float32", layout: str = "") -> str:
@@ -328,10 +328,11 @@ class _Walker:
         self.low.call(kernels, [scores, threshold, index, count], [index, count], f"{p}.select", "predictor", device)
         if device == "cpu":  # up and down in one pass over the rows
             scratch = self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
+            fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
             kernels = self.low.kernel(neuron.sparse_ffn, f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",), **dtype_arg)
-            self.low.call(kernels, [x, index, count, up_rows, up_bias, down_rows, hidden, scratch, partial],
-                          [hidden, scratch, partial], f"{p}.up_down", "ffn", device)
+            self.low.call(kernels, [x, index, count, up_rows, up_bias, down_rows, hidden, fired, scratch, partial],
+                          [hidden, fired, scratch, partial], f"{p}.up_down", "ffn", device)
         else:
             kernels = self.low.kernel(neuron.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",))

@@ -94,6 +94,10 @@ def test_prefill_kernels(lib, rows):
     np.testing.assert_allclose(out[:rows], (res + p1 + p2 + bias)[:rows], atol=1e-5)
 
 
+def fired():
+    return aligned(np.zeros((1, N), np.int32))
+
+
 def fused_reference(x, up, b, down, rows, gated, act):
     """(hidden, out) of a sparse FFN part over the given rows, in float64."""
     x, up, down = x.astype(np.float64), up.astype(np.float64), down.astype(np.float64)
@@ -116,7 +120,7 @@ def test_fused_sparse_ffn(lib, variant, count):
     index[0, :count] = np.sort(rng.choice(N, count, replace=False))
     hidden, scratch = aligned(np.full((1, N), 99.0, np.float32)), aligned(np.zeros((neuron.FFN_TASKS, D), np.float32))
     out = aligned(np.full((1, D), np.nan, np.float32))
-    call(lib, f"ffn_{variant}", x, index, aligned(np.array([[count]], np.int32)), up, b, down, hidden, scratch, out)
+    call(lib, f"ffn_{variant}", x, index, aligned(np.array([[count]], np.int32)), up, b, down, hidden, fired(), scratch, out)
     want_hidden, want_out = fused_reference(x, up, b, down, index[0, :count], gated, act)
     np.testing.assert_allclose(hidden[0, :count], want_hidden, rtol=1e-4, atol=1e-4)
     assert np.all(hidden[0, count:] == 99.0)  # nothing written past the active neurons
@@ -137,7 +141,7 @@ def test_fused_sparse_ffn_uncached_rotating_rows(lib):
         index = aligned(np.zeros((1, N), np.int32))
         index[0, :count] = np.sort(rng.choice(N, count, replace=False))
         hidden, out = aligned(np.zeros((1, N), np.float32)), aligned(np.zeros((1, D), np.float32))
-        call(lib, "ffn_relu", x, index, aligned(np.array([[count]], np.int32)), up, b, down, hidden, scratch, out)
+        call(lib, "ffn_relu", x, index, aligned(np.array([[count]], np.int32)), up, b, down, hidden, fired(), scratch, out)
         np.testing.assert_allclose(out[0], fused_reference(x, up, b, down, index[0, :count], False, "relu")[1],
                                    rtol=1e-4, atol=1e-4)
 

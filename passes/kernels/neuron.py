@@ -130,21 +130,23 @@ def _prefetch(address):
 
 
 def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
-    """A decode step of one sparse FFN part in one pass over its rows.
+    """A decode step of one sparse FFN part: up, activation and down in one kernel.
 
-    For each active neuron k (row r = idx[0, k]): h = act(w_up[r] . x + b[r]) (gated:
+    For each selected neuron k (row r = idx[0, k]): h = act(w_up[r] . x + b[r]) (gated:
     act(gate . x + b_gate) * (up . x + b_up)), then, unless h is 0, out += h * w_down[r].
     Args: x[1, D], idx[1, n], count[1, 1], w_up[(2 if gated) n, D] (gate rows, then up rows),
-    b_up[(2 if gated) n], w_down[n, D], h[1, n] (hidden values, for inspection), scratch[FFN_TASKS, D],
-    out[1, D].
+    b_up[(2 if gated) n], w_down[n, D], h[1, n] (hidden values, for inspection), fired[1, n] int32
+    (work list), scratch[FFN_TASKS, D], out[1, D].
 
-    One pass instead of an up kernel and a down kernel: each neuron's rows are read back to back
-    while its hidden value is in a register, and while one neuron computes, the next one's rows are
-    prefetched, so every thread keeps whole rows in flight (gathered rows are otherwise demand
-    misses until the hardware prefetcher catches on, row after row). With ReLU, a neuron the
-    predictor let through but which is inactive (h = 0) skips its down row, and, gated, its up row.
-    The active list is cut into FFN_TASKS equal slices run in parallel; each task accumulates into
-    its own scratch row (L1-resident, no atomics), and the rows are summed at the end.
+    The selected list is cut into FFN_TASKS equal slices run in parallel. A task first computes the
+    first row's dot product (the gate's when gated) for each of its neurons and lists the ones that
+    fired (with ReLU: h != 0; other activations: all), then, for the listed ones only, reads the
+    remaining rows (the up row when gated, the down row) and accumulates h * w_down[r] into its own
+    scratch row (L1-resident, no atomics); the scratch rows are summed at the end. So a neuron the
+    predictor let through but whose ReLU output is 0 costs one row, not two or three; and because
+    each loop knows exactly which row comes next, it prefetches the next neuron's rows while the
+    current one computes (gathered rows are otherwise demand misses until the hardware prefetcher
+    catches on, row after row).
     """
     if rows != 1:
         raise ValueError("sparse_ffn runs in decode only")
@@ -153,18 +155,26 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
     lanes = _lanes(D)
     chains = DOT_CHAINS if (D // lanes) % DOT_CHAINS == 0 else 1
     steps = D // lanes // chains
-    line = 64 // (2 if wdtype == "float16" else 4)  # weight elements per cache line
-    lines = -(-D // line)
+    line = min(64 // (2 if wdtype == "float16" else 4), D)  # weight elements per cache line
+    if D % line or line % lanes:
+        line = lanes  # odd widths: prefetch per vector (more instructions, the same lines)
+    per_step = max(1, chains * lanes // line)  # prefetches per dot-product step
+    line_vectors = line // lanes
+    lines = D // line
     width = 2 * n if gated else n
     tasks = FFN_TASKS
 
     @T.macro
-    def row_dot(acc, dot, x, w, row, slot):
-        """dot[slot] = w[row] . x, in `chains` vector accumulators and one horizontal sum."""
+    def row_dot(acc, dot, x, w, row, slot, w_next, next_row):
+        """dot[slot] = w[row] . x in `chains` vector accumulators and one horizontal sum, prefetching the
+        row w_next[next_row] line by line as it goes (spread out, so the prefetches overlap the FMAs
+        instead of queueing up in front of them)."""
         for c in T.unroll(chains):
             for v in T.vectorized(lanes):
                 acc[c, v] = T.float32(0)
         for s in range(steps):
+            for q in T.unroll(per_step):
+                _prefetch(T.address_of(w_next[next_row, T.min(s * chains * lanes + q * line, D - 1)]))
             for c in T.unroll(chains):
                 for v in T.vectorized(lanes):
                     acc[c, v] = acc[c, v] + _load_f32(w[row, (s * chains + c) * lanes + v], wdtype) * x[0, (s * chains + c) * lanes + v]
@@ -175,42 +185,53 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
         for v in T.unroll(1, lanes):
             dot[slot] = dot[slot] + acc[0, v]
 
+    @T.macro
+    def row_axpy(y, t, a, w, row, w_next, next_row):
+        """y[t, :] += a * w[row], prefetching w_next[next_row] a line per line consumed."""
+        for s in range(lines):
+            _prefetch(T.address_of(w_next[next_row, T.min(s * line, D - 1)]))
+            for u in T.unroll(line_vectors):
+                for v in T.vectorized(lanes):
+                    y[t, (s * line_vectors + u) * lanes + v] = (
+                        y[t, (s * line_vectors + u) * lanes + v]
+                        + a * _load_f32(w[row, (s * line_vectors + u) * lanes + v], wdtype))
+
     @T.prim_func
     def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
                w_up: T.Buffer((width, D), wdtype), b_up: T.Buffer((width,), "float32"),
-               w_down: T.Buffer((n, D), wdtype), h: T.Buffer((1, n), "float32"),
+               w_down: T.Buffer((n, D), wdtype), h: T.Buffer((1, n), "float32"), fired: T.Buffer((1, n), "int32"),
                scratch: T.Buffer((tasks, D), "float32"), out: T.Buffer((1, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         for t in T.parallel(tasks):
-            for j in T.vectorized(D):
-                scratch[t, j] = T.float32(0)
             first = count[0, 0] * t // tasks
             last = count[0, 0] * (t + 1) // tasks
+            acc = T.alloc_local((chains, lanes), "float32")
+            dot = T.alloc_local((2,), "float32")
+            listed = T.alloc_local((1,), "int32")
+            listed[0] = first
+            # 1. the first row of every selected neuron; list the ones that fired
             for k in range(first, last):
-                row = idx[0, k]
-                if k + 1 < last:
-                    for c in range(lines):
-                        _prefetch(T.address_of(w_up[idx[0, k + 1], T.min(c * line, D - 1)]))
-                        if gated:
-                            _prefetch(T.address_of(w_up[n + idx[0, k + 1], T.min(c * line, D - 1)]))
-                        _prefetch(T.address_of(w_down[idx[0, k + 1], T.min(c * line, D - 1)]))
-                acc = T.alloc_local((chains, lanes), "float32")
-                dot = T.alloc_local((2,), "float32")
-                row_dot(acc, dot, x, w_up, row, 0)
-                dot[0] = actf(dot[0] + b_up[row])
-                if gated:
-                    if relu and dot[0] == T.float32(0):
-                        dot[1] = T.float32(0)
-                    else:
-                        row_dot(acc, dot, x, w_up, n + row, 1)
-                        dot[0] = dot[0] * (dot[1] + b_up[n + row])
+                row_dot(acc, dot, x, w_up, idx[0, k], 0, w_up, idx[0, T.min(k + 1, last - 1)])
+                dot[0] = actf(dot[0] + b_up[idx[0, k]])
                 h[0, k] = dot[0]
                 if not relu or dot[0] != T.float32(0):
-                    for s in range(D // lanes):
-                        for v in T.vectorized(lanes):
-                            scratch[t, s * lanes + v] = (
-                                scratch[t, s * lanes + v] + dot[0] * _load_f32(w_down[row, s * lanes + v], wdtype)
-                            )
+                    fired[0, listed[0]] = k
+                    listed[0] = listed[0] + 1
+            # 2. the other rows of the neurons that fired
+            for j in T.vectorized(D):
+                scratch[t, j] = T.float32(0)
+            for i in range(first, listed[0]):
+                k = fired[0, i]
+                row = idx[0, k]
+                after = idx[0, fired[0, T.min(i + 1, listed[0] - 1)]]  # the next listed neuron's row
+                dot[0] = h[0, k]
+                if gated:
+                    row_dot(acc, dot, x, w_up, n + row, 1, w_down, row)
+                    dot[0] = dot[0] * (dot[1] + b_up[n + row])
+                    h[0, k] = dot[0]
+                    row_axpy(scratch, t, dot[0], w_down, row, w_up, n + after)
+                else:
+                    row_axpy(scratch, t, dot[0], w_down, row, w_down, after)
         for j in T.vectorized(D):
             out[0, j] = scratch[0, j]
         for t in range(1, tasks):
@@ -218,7 +239,6 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
                 out[0, j] = out[0, j] + scratch[t, j]
 
     return kernel.with_attr("global_symbol", name)
-
 
 def merge_tensors(D, parts: int, *, rows, bias: bool, residual: bool) -> list:
     """The TE definition of `merge` (shared with the CUDA kernel): its arguments, output last."""
