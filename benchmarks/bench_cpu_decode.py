@@ -2,7 +2,8 @@
 with the memory bandwidth each reaches and the quality each speed comes at.
 
     python benchmarks/bench_cpu_decode.py [--preset 1b] [--sparsity 0.9] [--threads 2] [--tokens 32] [--runs 3]
-        [--prompt-len 128] [--max-context 256] [--target-recall 0.99] [--dtypes fp32,fp16] [--json PATH] [--record]
+        [--prompt-len 128] [--max-context 256] [--target-recall 0.99] [--dtypes fp32,fp16] [--cpu-isa avx2|avx512]
+        [--json PATH] [--record]
 
 One run makes the model (or reuses it from the cache, keyed by its config hash), builds it for `--target cpu`
 dense and sparse for each weight dtype of `--dtypes` (or reuses the builds: they are cached by model, build
@@ -26,6 +27,7 @@ and the exact command.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -92,7 +94,9 @@ def build_all(files, args) -> dict[str, Path]:
     artifacts = {}
     for dtype in args.dtypes:
         for kind in ("dense", "sparse"):
-            options = {"weight_dtype": dtype} if kind == "dense" else {"weight_dtype": dtype, "target_recall": args.target_recall}
+            options = {"weight_dtype": dtype, "cpu_isa": args.cpu_isa}
+            if kind == "sparse":
+                options["target_recall"] = args.target_recall
             path = ensure_artifact(files, f"{kind}-{dtype}", args.max_context, dense=kind == "dense",
                                    rebuild=args.rebuild, **options)
             if NUMPY_DTYPES[dtype] not in weight_dtypes(path):
@@ -171,6 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target-recall", type=float, default=0.99, help="the sparse build's predictor recall")
     parser.add_argument("--dtypes", type=_dtypes, default=["fp32"],
                         help="weight dtypes to build dense and sparse artifacts in, e.g. fp32,fp16")
+    parser.add_argument("--cpu-isa", choices=["avx2", "avx512"], default="avx2",
+                        help="instruction set of the CPU kernels (onnxruntime picks its own at run time)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--record", action="store_true", help="append the table to BENCHMARKS.md")
@@ -188,7 +194,12 @@ def main(argv=None) -> int:
     params = json.loads(files.config.read_text())["num_params"]
     artifacts = build_all(files, args)
     print(f"evaluating {len(artifacts)} artifacts against onnxruntime on held-out tokens")
-    qualities = {name: quality(files, path) for name, path in artifacts.items()}
+    from picompile.reference import OrtDecoder
+
+    reference = OrtDecoder(files.onnx)
+    qualities = {name: quality(files, path, reference=reference) for name, path in artifacts.items()}
+    del reference
+    gc.collect()
     print(f"timing: {plural(args.runs, 'alternating run')} of {args.tokens} tokens after a {args.prompt_len}-token prompt")
     probe = Bandwidth(args.threads)
     summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe)
@@ -197,6 +208,7 @@ def main(argv=None) -> int:
     config = {"family": "opt", "preset": args.preset, "params": params, "sparsity": args.sparsity,
               "threads": args.threads, "tokens": args.tokens, "runs": args.runs, "prompt_len": args.prompt_len,
               "max_context": args.max_context, "target_recall": args.target_recall, "dtypes": args.dtypes,
+              "cpu_isa": args.cpu_isa,
               "machine": machine()}
     text = report(config, summary, qualities, bandwidth, ratios)
     print(text)

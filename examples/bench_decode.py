@@ -129,19 +129,25 @@ def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: 
     return summary
 
 
-def quality(files, artifact: Path, sequences: int = 4) -> dict:
-    """Eval against onnxruntime on held-out tokens, and the predictors' recall (what a speed is worth)."""
+def quality(files, artifact: Path, sequences: int = 4, reference=None) -> dict:
+    """Eval against onnxruntime on held-out tokens, and the predictors' recall (what a speed is worth).
+    Pass one `reference` (an OrtDecoder) to evaluate several artifacts of a large model without loading it
+    again for each."""
+    import gc
+
     from picompile.evaluate import evaluate
     from picompile.reference import OrtDecoder
     from picompile.tokens import read_tokens
     from runtime import Engine
 
     engine = Engine(artifact)
-    report = evaluate(engine, OrtDecoder(files.onnx), read_tokens(files.heldout)[:sequences])
+    report = evaluate(engine, reference or OrtDecoder(files.onnx), read_tokens(files.heldout)[:sequences])
     layers = engine.manifest.get("layers", [])
     if layers:
         report["recall_min"] = min(layer["predictor_recall"] for layer in layers)
         report["predicted_active_mean"] = sum(layer["predictor_active"] for layer in layers) / len(layers)
+    del engine
+    gc.collect()  # a 1B engine holds GBs: free it before the next one loads
     return report
 
 

@@ -47,6 +47,7 @@ class Lowering:
     max_context: int
     dense_device: str = "cpu"  # where everything but the cold FFN parts runs
     cpu_weight_dtype: str = "float32"  # storage of the CPU's large weights (matrices, embeddings); GPU ones stay fp32
+    gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
     kernels: dict[str, object] = field(default_factory=dict)
     # How each kernel was made (generator name, rows, arguments), so a GPU target can make it again for CUDA.
     kernel_specs: dict[str, tuple] = field(default_factory=dict)
@@ -130,6 +131,8 @@ class Lowering:
         flags = dict(bias=bias is not None, act=act, residual=residual is not None)
         if dtype != "float32":
             flags["wdtype"] = dtype
+        if packed and self.gemm_panels != 1:
+            flags["tile_panels"] = self.gemm_panels
         kernels = self.kernel(cpu.linear_panels if packed else cpu.linear, f"linear_k{k}_n{n}{tags}", k, n,
                               phases=phases, **flags)
         args = [x, weight] + ([bias] if bias else []) + ([residual] if residual else []) + [out]
@@ -343,8 +346,9 @@ class _Walker:
         # multi-token steps: every neuron of the part, as dense GEMMs over the same row-major weights
         pre = self.low.activation(f"act.ffn_pre.{tag}", up_width)
         up_act = "none" if gated else activation
+        tile = {"tile_panels": self.low.gemm_panels} if device == "cpu" and self.low.gemm_panels != 1 else {}
         kernels = self.low.kernel(neuron.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
-                                  up_width, act=up_act, phases=("prefill",), **dtype_arg)
+                                  up_width, act=up_act, phases=("prefill",), **dtype_arg, **tile)
         self.low.call(kernels, [x, up_rows, up_bias, pre], [pre], f"{p}.up_dense", "ffn_up", device)
         if gated:
             dense_hidden = self.low.activation(f"act.ffn_dense_hidden.{tag}", neurons)
@@ -494,7 +498,8 @@ class Codegen:
         placement = json.loads(model.metadata_props.get("picompile.placement", "{}"))
         dense_on_gpu = ctx.target.has_gpu and placement.get("budget_bytes", 1) > 0
         lowering = Lowering(max_context=ctx.options.max_context, dense_device="gpu" if dense_on_gpu else "cpu",
-                            cpu_weight_dtype=cpu.WEIGHT_DTYPES[ctx.options.weight_dtype])
+                            cpu_weight_dtype=cpu.WEIGHT_DTYPES[ctx.options.weight_dtype],
+                            gemm_panels=ctx.cpu_isa.gemm_panels)
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(model.graph, lowering)
         for node in model.graph:
@@ -506,7 +511,7 @@ class Codegen:
         library = Path(ctx.workdir) / "kernels" / "cpu.so"
         library.parent.mkdir(parents=True, exist_ok=True)
         # Every kernel exists for the CPU: the CPU runs its own calls, and stands in for the GPU when emulating.
-        cpu.build(list(lowering.kernels.values()), {**cpu.CPU_TARGET, "mcpu": ctx.target.cpu_isa}, str(library))
+        cpu.build(list(lowering.kernels.values()), {**cpu.CPU_TARGET, "mcpu": ctx.cpu_isa.mcpu}, str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
         if ctx.target.has_gpu:
             self.build_cuda(lowering, ctx)

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--placement-batch", type=_positive_int, default=64, help="neurons per placement ILP variable")
     build.add_argument("--weight-dtype", choices=["fp32", "fp16"], default="fp32",
                        help="storage of the CPU's weight matrices (fp16 halves the bytes a token reads; math stays fp32)")
+    build.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
+                       help="instruction set of the CPU kernels (default: the target's, avx2); the artifact then "
+                            "runs only on CPUs that have it")
     build.add_argument("--target-recall", type=_unit_interval, default=0.99,
                        help="share of truly active neurons the predictors must let through (held-out tokens)")
     build.add_argument("-v", "--verbose", action="store_true", help="print each pass with its time")
@@ -101,7 +104,7 @@ def _build(args) -> int:
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
                       vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
                       all_neurons=args.all_neurons, placement_batch=args.placement_batch,
-                      weight_dtype=args.weight_dtype, target_recall=args.target_recall)
+                      weight_dtype=args.weight_dtype, target_recall=args.target_recall, cpu_isa=args.cpu_isa)
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None)
     print(f"wrote {output}")

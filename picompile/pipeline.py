@@ -16,7 +16,7 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
-from .targets import Target
+from .targets import CpuIsa, Target, get_cpu_isa
 
 __all__ = ["Context", "Pass", "PassResult", "run_passes", "dump_ir", "log_timing", "verify_onnx"]
 
@@ -36,6 +36,7 @@ class Options:
     target_recall: float = 0.99  # the threshold of each predictor is set to reach this on held-out tokens
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)
     weight_dtype: str = "fp32"  # storage of the CPU's weight matrices: fp32 or fp16 (converted in registers)
+    cpu_isa: str | None = None  # the CPU kernels' instruction set (targets.CPU_ISAS); None: the target's
     seed: int = 0
 
 
@@ -54,6 +55,10 @@ class Context:
     source: object | None = None
     workdir: Path | None = None
     log: Callable[[str], None] = lambda message: None
+
+    @property
+    def cpu_isa(self) -> CpuIsa:
+        return get_cpu_isa(self.options.cpu_isa or self.target.cpu_isa)
 
 
 class Pass(Protocol):

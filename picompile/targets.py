@@ -13,6 +13,32 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True)
+class CpuIsa:
+    """An x86 instruction set the CPU kernels can be generated for."""
+
+    name: str
+    mcpu: str  # the LLVM CPU the kernels are compiled for
+    features: tuple[str, ...]  # /proc/cpuinfo flags the kernels need (the runtime checks them)
+    gemm_panels: int  # 16-column weight panels per prefill GEMM register tile (12 ymm or 12 zmm accumulators)
+
+
+CPU_ISAS: dict[str, CpuIsa] = {
+    isa.name: isa
+    for isa in [
+        CpuIsa("avx2", "haswell", ("avx2", "fma", "f16c"), 1),
+        CpuIsa("avx512", "skylake-avx512", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"), 2),
+    ]
+}
+
+
+def get_cpu_isa(name: str) -> CpuIsa:
+    try:
+        return CPU_ISAS[name]
+    except KeyError:
+        raise UserError(f"unknown CPU instruction set {name!r}; choose one of {', '.join(CPU_ISAS)}") from None
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     gpu_memory_bytes: int  # 0 for CPU-only targets
@@ -20,7 +46,7 @@ class Target:
     cpu_bandwidth_gbs: float
     pcie_bandwidth_gbs: float
     cuda_arch: str | None  # e.g. "sm_89"
-    cpu_isa: str  # LLVM mcpu the CPU kernels are generated for
+    cpu_isa: str  # the CPU_ISAS entry the CPU kernels are generated for unless the build says otherwise
 
     @property
     def has_gpu(self) -> bool:
@@ -31,11 +57,11 @@ TARGETS: dict[str, Target] = {
     t.name: t
     for t in [
         # `cpu` is the project's 2-core AVX2 machine: ~38 GB/s streaming reads (np.copyto moves ~19 GB/s each way)
-        Target("cpu", 0, 0.0, 38.0, 0.0, None, "haswell"),
-        Target("rtx4090", 24 * GiB, 900.0, 60.0, 25.0, "sm_89", "haswell"),
-        Target("rtx2080ti", 11 * GiB, 550.0, 40.0, 12.0, "sm_75", "haswell"),
-        Target("a100-80g", 80 * GiB, 1700.0, 60.0, 25.0, "sm_80", "haswell"),
-        Target("h200", 141 * GiB, 4000.0, 100.0, 50.0, "sm_90", "haswell"),
+        Target("cpu", 0, 0.0, 38.0, 0.0, None, "avx2"),
+        Target("rtx4090", 24 * GiB, 900.0, 60.0, 25.0, "sm_89", "avx2"),
+        Target("rtx2080ti", 11 * GiB, 550.0, 40.0, 12.0, "sm_75", "avx2"),
+        Target("a100-80g", 80 * GiB, 1700.0, 60.0, 25.0, "sm_80", "avx2"),
+        Target("h200", 141 * GiB, 4000.0, 100.0, 50.0, "sm_90", "avx2"),
     ]
 }
 

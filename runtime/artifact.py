@@ -64,6 +64,17 @@ def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
     return manifest
 
 
+def missing_cpu_features(required) -> list[str]:
+    """The flags of `required` this machine's CPU lacks (Linux's /proc/cpuinfo; where it cannot be read,
+    nothing is reported missing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return []
+    return [] if flags is None else [flag for flag in required if flag not in flags]
+
+
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Read every tensor of a safetensors file into its own 64-byte aligned array."""
     with open(path, "rb") as f:

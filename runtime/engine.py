@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .artifact import ArtifactError, aligned_zeros, load_manifest, read_safetensors
+from .artifact import ArtifactError, aligned_zeros, load_manifest, missing_cpu_features, read_safetensors
 
 START = "start"  # the argument that carries the number of tokens already in the KV cache
 COPY = "copy"  # a transfer between devices: the runtime's own, not a kernel
@@ -66,6 +66,11 @@ class Engine:
     def __init__(self, directory: str | Path, *, check_hashes: bool = True, emulate_gpu: bool = False):
         self.directory = Path(directory)
         self.manifest = load_manifest(self.directory, check_hashes=check_hashes)
+        target = self.manifest.get("target", {})
+        missing = missing_cpu_features(target.get("cpu_features", []))
+        if missing:  # loading would work; the first kernel call would die of an illegal instruction
+            raise ArtifactError(f"this artifact's CPU kernels were built for {target.get('cpu_isa')} and need "
+                                f"{', '.join(missing)}, which this CPU lacks; rebuild it with --cpu-isa avx2")
         self.max_context = int(self.manifest["model"]["max_context"])
         self.vocab_size = int(self.manifest["model"]["vocab_size"])
         schedule = json.loads((self.directory / "schedule.json").read_text())

@@ -93,6 +93,8 @@ def all_kernels():
             for dtype in WEIGHT_DTYPES:
                 funcs.append(cpu.linear_panels(kname(f"panels_{dtype}", cfg, v), K, N, rows=rows, wdtype=dtype, bias=bias,
                                                act=act, residual=res))
+            funcs.append(cpu.linear_panels(kname("panels_wide", cfg, v), K, N, rows=rows, bias=bias, act=act,
+                                           residual=res, tile_panels=2))
         funcs.append(cpu.linear(kname("linear_float16", "gelu", v), 40, 72, rows=rows, bias=True, act="gelu",
                                 residual=True, wdtype="float16"))
         for cfg, (F, act) in GLU.items():
@@ -168,10 +170,13 @@ def test_linear(lib, cfg, variant, m):
 
 @pytest.mark.parametrize("variant,m", VARIANTS)
 @pytest.mark.parametrize("cfg", LINEAR)
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES + ("wide",))
 def test_linear_panels(lib, cfg, variant, m, dtype):
-    """Panel-packed weights (the CPU's layout) in fp32 and fp16 storage, padded last panels included."""
+    """Panel-packed weights (the CPU's layout) in fp32 and fp16 storage, padded last panels included; "wide":
+    the AVX-512 register tile of two panels (same code for any ISA; odd panel counts fall back to one)."""
     K, N, bias, act, res = LINEAR[cfg]
+    kernel = kname(f"panels_{dtype}", cfg, variant)
+    dtype = "float32" if dtype == "wide" else dtype
     rng = np.random.default_rng(0)
     _, x = rows_buf(rng, m, K, scale=0.5)
     w = (rng.standard_normal((K, N)) * 0.5).astype(dtype)
@@ -181,7 +186,7 @@ def test_linear_panels(lib, cfg, variant, m, dtype):
     packed = cpu.pack_panels(w)
     assert packed.shape == (-(-N // cpu.PANEL), K, cpu.PANEL) and packed.dtype == w.dtype
     args = [x, aligned(packed)] + ([b] if bias else []) + ([r] if res else []) + [y]
-    call(lib, kname(f"panels_{dtype}", cfg, variant), *args)
+    call(lib, kernel, *args)
     ref = x.astype(np.float64) @ w.astype(np.float64) + (b if bias else 0)
     close(y, act_ref(ref, act) + (r if res else 0))
 

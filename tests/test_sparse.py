@@ -193,3 +193,32 @@ def test_profile_counts_the_weight_bytes_each_decode_step_reads(sparse_models, t
     engine, sparse_bytes = measured(sparse)
     sparse_ffn = sparse_bytes - weight_nbytes(engine, rest | {"predictor"})
     assert 0 < sparse_ffn < 0.5 * dense_ffn, (sparse_ffn, dense_ffn)  # ~10% fire; the predictors keep some more
+
+
+def test_avx512_kernels_run_where_the_cpu_has_them(sparse_models, tmp_path):
+    """--cpu-isa avx512 (wider GEMM tiles, skylake-avx512 code): logits as onnxruntime's on a CPU with
+    AVX-512; elsewhere the runtime refuses the artifact, naming the missing flags, instead of crashing."""
+    from runtime.artifact import ArtifactError, missing_cpu_features
+
+    files = sparse_models["opt"]
+    artifact = sparse_build(files, tmp_path / "w.pic", all_neurons=True, cpu_isa="avx512")
+    target = json.loads((artifact / "manifest.json").read_text())["target"]
+    assert target["cpu_isa"] == "avx512" and "avx512f" in target["cpu_features"]
+    missing = missing_cpu_features(target["cpu_features"])
+    if missing:
+        with pytest.raises(ArtifactError, match=missing[0]):
+            Engine(artifact)
+    else:
+        assert_matches_onnxruntime(artifact, files.onnx, decode_steps=3)
+
+
+def test_runtime_refuses_kernels_for_a_cpu_it_is_not(sparse_models, tmp_path, capsys):
+    files = sparse_models["opt"]
+    artifact = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), Options(dense=True, max_context=64))
+    manifest_path = artifact / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["target"]["cpu_features"].append("amx_tile_from_the_future")
+    manifest_path.write_text(json.dumps(manifest))
+    assert main(["run", str(artifact), "--prompt-ids", "1,2", "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "amx_tile_from_the_future" in err[0]

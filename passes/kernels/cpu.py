@@ -453,23 +453,27 @@ def _gemv_panels(name, K, N, *, wdtype, bias, act, residual):
     return _drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
 
 
-def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", residual=False):
+def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):
     """Prefill y[m, N] = act(x[m, K] @ W + b) + res, W panel-packed ("panels": [P, K, 16], see
     pack_panels) or one row per output ("rows": [N, K], the neuron-major FFN rows).
 
-    Loop order: column panels (parallel) > 6-row tiles > k > 6 x 16 register tile. Per k step a
-    tile broadcasts 6 values of x, loads the panel's 16 columns (2 ymm) and issues 12 FMAs into
-    accumulators that stay in registers for the whole k loop. A panel (K x 64 B) is read from
-    memory once and then from L2 for every row tile. "rows" weights are first transposed into a
-    per-task panel (the copy is K x 16 elements against m x K x 16 FMAs). Pad rows of the last
-    tile recompute row m-1 and are not stored, so the k loop carries no predicate.
+    Loop order: groups of `tile_panels` column panels (parallel) > 6-row tiles > k > register tile
+    of 6 rows x 16 * tile_panels columns. Per k step the tile broadcasts 6 values of x, loads its
+    panels' columns and issues 6 * 16 * tile_panels / lanes FMAs into accumulators that stay in
+    registers for the whole k loop: 12 of them either way, ymm with AVX2 (tile_panels=1) or zmm with
+    AVX-512 (tile_panels=2). A panel (K x 64 B) is read from memory once and then from L2 for every
+    row tile. "rows" weights are first transposed into per-task panels (K x 16 elements copied per
+    panel, against m x K x 16 FMAs). Pad rows of the last tile recompute row m-1 and are not stored,
+    so the k loop carries no predicate.
     """
     if layout not in ("panels", "rows"):
         raise ValueError(f"unknown weight layout {layout!r}")
     m = _row_dim(None)
     panels = -(-N // PANEL)
+    tile_panels = tile_panels if panels % tile_panels == 0 else 1
+    width = tile_panels * PANEL
     wshape = (panels, K, PANEL) if layout == "panels" else (N, K)
-    full = N % PANEL == 0
+    full = N % width == 0
     epilogue = _linear_epilogue(act, bias, residual)
     out_loop = T.vectorized if full else T.serial
     MR = GEMM_MR
@@ -481,38 +485,44 @@ def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", r
         x = T.match_buffer(x_h, (m, K), "float32")
         res = T.match_buffer(res_h, (m, N), "float32")
         y = T.match_buffer(y_h, (m, N), "float32")
-        for p in T.parallel(panels):
-            panel = T.alloc_buffer((K, PANEL), "float32")
+        for p in T.parallel(panels // tile_panels):
+            packed = T.alloc_buffer((tile_panels, K, PANEL), "float32")
             if layout == "rows":
-                for v, k in T.grid(PANEL, K):
-                    panel[k, v] = _load_f32(w[T.min(p * PANEL + v, N - 1), k], wdtype)
+                for q, v, k in T.grid(tile_panels, PANEL, K):
+                    packed[q, k, v] = _load_f32(w[T.min((p * tile_panels + q) * PANEL + v, N - 1), k], wdtype)
             for io in range((m + MR - 1) // MR):
-                acc = T.alloc_local((MR, PANEL), "float32")
+                acc = T.alloc_local((MR, width), "float32")
                 for r in T.unroll(MR):
-                    for v in T.vectorized(PANEL):
+                    for v in T.vectorized(width):
                         acc[r, v] = T.float32(0)
                 for k in range(K):
                     for r in T.unroll(MR):
-                        for v in T.vectorized(PANEL):
-                            if layout == "rows":
-                                acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), k] * panel[k, v]
-                            else:
-                                acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), k] * _load_f32(w[p, k, v], wdtype)
+                        for q in T.unroll(tile_panels):
+                            for v in T.vectorized(PANEL):
+                                if layout == "rows":
+                                    acc[r, q * PANEL + v] = (acc[r, q * PANEL + v]
+                                                             + x[T.min(io * MR + r, m - 1), k] * packed[q, k, v])
+                                else:
+                                    acc[r, q * PANEL + v] = (
+                                        acc[r, q * PANEL + v]
+                                        + x[T.min(io * MR + r, m - 1), k] * _load_f32(w[p * tile_panels + q, k, v], wdtype))
                 for r in T.unroll(MR):
                     if io * MR + r < m:
-                        for v in out_loop(PANEL):
-                            if full or p * PANEL + v < N:
-                                y[io * MR + r, p * PANEL + v] = epilogue(acc[r, v], b, res, io * MR + r, p * PANEL + v)
+                        for v in out_loop(width):
+                            if full or p * width + v < N:
+                                y[io * MR + r, p * width + v] = epilogue(acc[r, v], b, res, io * MR + r, p * width + v)
 
     return _drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
 
 
-def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False):
-    """y[m, N] = act(x[m, K] @ W + b) + res with W panel-packed (pack_panels).  Args: x, w, (b), (res), y."""
+def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):
+    """y[m, N] = act(x[m, K] @ W + b) + res with W panel-packed (pack_panels).  Args: x, w, (b), (res), y.
+    `tile_panels` sets the prefill GEMM's register tile (see gemm)."""
     if rows == 1:
         return _gemv_panels(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual)
     _row_dim(rows)
-    return gemm(name, K, N, layout="panels", wdtype=wdtype, bias=bias, act=act, residual=residual)
+    return gemm(name, K, N, layout="panels", wdtype=wdtype, bias=bias, act=act, residual=residual,
+                tile_panels=tile_panels)
 
 
 # --------------------------------------------------------------------------------------------

@@ -268,7 +268,7 @@ def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
     return sch.mod[name]
 
 
-def linear_rows(name, K, N, *, rows, act="none", wdtype="float32"):
+def linear_rows(name, K, N, *, rows, act="none", wdtype="float32", tile_panels=1):
     """y[m, N] = act(x[m, K] @ w[N, K]^T + b), for weights stored one row per output neuron.
 
     Args: x, w, b (zeros for bias-free models), y. Prefill only: the register-tiled GEMM of
@@ -276,4 +276,4 @@ def linear_rows(name, K, N, *, rows, act="none", wdtype="float32"):
     """
     if rows is not None:
         raise ValueError("linear_rows runs in prefill only")
-    return gemm(name, K, N, layout="rows", wdtype=wdtype, bias=True, act=act)
+    return gemm(name, K, N, layout="rows", wdtype=wdtype, bias=True, act=act, tile_panels=tile_panels)
