@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -62,9 +63,7 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
     """Build a dense or sparse artifact of a made model, or reuse the one built before from the same model,
     target, build options (`options`: further pipeline Options fields) and compiler source."""
     from examples.models import cache_dir
-    from picompile.compiler import build
     from picompile.pipeline import Options
-    from picompile.targets import get_target
 
     opts = Options(dense=dense, max_context=max_context, calib=files.calib, **options)
     key = json.dumps({"model": files.dir.name, "target": target, "options": dataclasses.asdict(opts),
@@ -72,9 +71,22 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
     artifact = cache_dir() / "artifacts" / f"{files.dir.name}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic"
     if rebuild or not (artifact / "manifest.json").exists():
         started = time.perf_counter()
-        build(files.onnx, artifact, get_target(target), opts, log=lambda message: log("   " + message))
+        # A child process: a 1B build holds GBs (IR, profile, torch) that a long-lived process would keep
+        # from the engines measured next (two in-process builds then an eval ran a 23 GB machine out of memory).
+        child = multiprocessing.get_context("spawn").Process(target=_build, args=(files.onnx, artifact, target, opts))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"building {artifact.name} failed (exit code {child.exitcode})")
         log(f"built {artifact.name} in {time.perf_counter() - started:.1f}s")
     return artifact
+
+
+def _build(onnx: Path, artifact: Path, target: str, options) -> None:
+    from picompile.compiler import build
+    from picompile.targets import get_target
+
+    build(onnx, artifact, get_target(target), options, log=lambda message: print("   " + message, flush=True))
 
 
 def time_decode(forward, reset, prompt, tokens: int) -> tuple[float, float]:
