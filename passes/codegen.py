@@ -131,7 +131,7 @@ class Lowering:
         flags = dict(bias=bias is not None, act=act, residual=residual is not None)
         if dtype != "float32":
             flags["wdtype"] = dtype
-        if packed and self.gemm_panels != 1:
+        if device == "cpu" and self.gemm_panels != 1:
             flags["tile_panels"] = self.gemm_panels
         kernels = self.kernel(cpu.linear_panels if packed else cpu.linear, f"linear_k{k}_n{n}{tags}", k, n,
                               phases=phases, **flags)

@@ -32,8 +32,7 @@ CPU_TARGET = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
 """AVX2 + FMA code; ``num-cores`` is only a hint for tuners (threads come from the pool)."""
 
 VEC = 8  # fp32 lanes in one ymm register
-GEMM_MR = 6  # prefill register tile: 6 rows x 16 columns = 12 ymm accumulators (+2 loads, 1 bcast)
-GEMM_NR = 16
+GEMM_MR = 6  # prefill register tile rows: 6 x 16 (AVX2) or 6 x 32 (AVX-512) columns = 12 accumulators
 PANEL = 16  # columns per panel of a panel-packed weight: one k step of a panel is one 64 B line (fp32)
 GEMV_PANELS = 4  # decode over panels: panels per task = 4 sequential streams, 8 ymm accumulators
 GEMV_MIN_TASKS = 8  # ... fewer panels per task where that leaves fewer parallel tasks than this
@@ -233,48 +232,21 @@ def _schedule_gemv(sch, nr, lanes, K, N):
     _vectorize_inner(sch, epilogue, lanes)
 
 
-def _schedule_gemm(sch, mr, nr, lanes):
-    """Prefill ``acc[m, N] = x @ w``: register-tiled GEMM with the epilogue ``y`` per tile.
-
-    Loop order: column panels (parallel) > row tiles > k > mr rows x nr columns. A thread
-    starts each panel by packing its K x nr slice of w into a contiguous buffer (unpacked,
-    consecutive k steps are a whole w row apart and collide in the same cache sets; packing
-    measured 2.4x faster), which then stays in L2 for all row tiles. The mr x nr tile is
-    a local buffer that LLVM keeps in ymm registers for the whole k loop: per k step it
-    loads nr/8 vectors of the panel, broadcasts mr values of x and issues mr * nr/8 FMAs.
-    The tile is written once, through the epilogue (bias, activation, residual).
-    """
-    block = sch.get_sblock("acc")
-    i, n, k = sch.get_loops(block)
-    io, ii = sch.split(i, [None, mr])
-    no, nj, nv = sch.split(n, [None, nr // lanes, lanes])
-    sch.reorder(no, io, k, ii, nj, nv)
-    sch.set_scope(block, 0, "local")
-    epilogue = sch.get_sblock("y")
-    sch.reverse_compute_at(epilogue, io)
-    sch.parallel(no)
-    sch.unroll(ii)
-    sch.unroll(nj)
-    sch.vectorize(nv)  # before decompose_reduction (the other order is refused)
-    init = sch.decompose_reduction(block, k)
-    sch.vectorize(sch.get_loops(init)[-1])
-    _vectorize_inner(sch, epilogue, lanes)
-    panel = sch.cache_read(block, "w", "global")
-    sch.compute_at(panel, no)
-    _vectorize_inner(sch, panel, lanes)
-
-
 # --------------------------------------------------------------------------------------------
 # TE kernels
 # --------------------------------------------------------------------------------------------
 
 
-def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="float32"):
+def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="float32", tile_panels=1):
     """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y.
 
-    The [K, N] layout, for weights that are not panel-packed: the GPU's, and FFN rows the sparse
-    decode kernels gather (which prefill reads through this GEMM, packing panels per call).
+    The [K, N] layout, for weights that are not panel-packed: the GPU's (when emulated), and the FFN
+    down rows the sparse decode kernels gather. Decode is a TE GEMV; prefill is `gemm` with
+    layout "kn" (panels packed per call, `tile_panels` per register tile).
     """
+    if rows is None:
+        return gemm(name, K, N, layout="kn", wdtype=wdtype, bias=bias, act=act, residual=residual,
+                    tile_panels=tile_panels)
     actf = _activation(act)
     m = _row_dim(rows)
     x = te.placeholder((m, K), name="x")
@@ -282,14 +254,7 @@ def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="
     b = te.placeholder((N,), name="b") if bias else None
     res = te.placeholder((m, N), name="res") if residual else None
     k = te.reduce_axis((0, K), name="k")
-    if rows == 1:
-        acc = te.compute((1, N), lambda i, n: te.sum(x[i, k] * _load_f32(w[k, n], wdtype), axis=k), name="acc")
-    else:
-        # Rows padded to whole register tiles; pad rows recompute the last row (clamped
-        # index) and are never stored, so the inner loop carries no row predicate.
-        mp = (m + GEMM_MR - 1) // GEMM_MR * GEMM_MR
-        acc = te.compute((mp, N), lambda i, n: te.sum(x[tirx.min(i, m - 1), k] * _load_f32(w[k, n], wdtype), axis=k),
-                         name="acc")
+    acc = te.compute((1, N), lambda i, n: te.sum(x[i, k] * _load_f32(w[k, n], wdtype), axis=k), name="acc")
 
     def epilogue(i, n):
         v = acc[i, n]
@@ -303,10 +268,7 @@ def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="
     y = te.compute((m, N), epilogue, name="y")
     args = [x, w] + ([b] if bias else []) + ([res] if residual else []) + [y]
     sch = _te_schedule(name, args)
-    if rows == 1:
-        _schedule_gemv(sch, _col_block(N, GEMV_NR), _lanes(N), K, N)
-    else:
-        _schedule_gemm(sch, GEMM_MR, _col_block(N, GEMM_NR), _lanes(N))
+    _schedule_gemv(sch, _col_block(N, GEMV_NR), _lanes(N), K, N)
     return sch.mod[name]
 
 
@@ -455,24 +417,25 @@ def _gemv_panels(name, K, N, *, wdtype, bias, act, residual):
 
 def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):
     """Prefill y[m, N] = act(x[m, K] @ W + b) + res, W panel-packed ("panels": [P, K, 16], see
-    pack_panels) or one row per output ("rows": [N, K], the neuron-major FFN rows).
+    pack_panels), one row per output ("rows": [N, K], the neuron-major FFN up rows) or row-major
+    ("kn": [K, N], e.g. the FFN down rows a sparse decode kernel gathers).
 
     Loop order: groups of `tile_panels` column panels (parallel) > 6-row tiles > k > register tile
     of 6 rows x 16 * tile_panels columns. Per k step the tile broadcasts 6 values of x, loads its
     panels' columns and issues 6 * 16 * tile_panels / lanes FMAs into accumulators that stay in
     registers for the whole k loop: 12 of them either way, ymm with AVX2 (tile_panels=1) or zmm with
     AVX-512 (tile_panels=2). A panel (K x 64 B) is read from memory once and then from L2 for every
-    row tile. "rows" weights are first transposed into per-task panels (K x 16 elements copied per
+    row tile. "rows" and "kn" weights are first copied into per-task panels (K x 16 elements per
     panel, against m x K x 16 FMAs). Pad rows of the last tile recompute row m-1 and are not stored,
     so the k loop carries no predicate.
     """
-    if layout not in ("panels", "rows"):
+    if layout not in ("panels", "rows", "kn"):
         raise ValueError(f"unknown weight layout {layout!r}")
     m = _row_dim(None)
     panels = -(-N // PANEL)
     tile_panels = tile_panels if panels % tile_panels == 0 else 1
     width = tile_panels * PANEL
-    wshape = (panels, K, PANEL) if layout == "panels" else (N, K)
+    wshape = {"panels": (panels, K, PANEL), "rows": (N, K), "kn": (K, N)}[layout]
     full = N % width == 0
     epilogue = _linear_epilogue(act, bias, residual)
     out_loop = T.vectorized if full else T.serial
@@ -490,6 +453,9 @@ def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", r
             if layout == "rows":
                 for q, v, k in T.grid(tile_panels, PANEL, K):
                     packed[q, k, v] = _load_f32(w[T.min((p * tile_panels + q) * PANEL + v, N - 1), k], wdtype)
+            if layout == "kn":
+                for k, q, v in T.grid(K, tile_panels, PANEL):
+                    packed[q, k, v] = _load_f32(w[k, T.min((p * tile_panels + q) * PANEL + v, N - 1)], wdtype)
             for io in range((m + MR - 1) // MR):
                 acc = T.alloc_local((MR, width), "float32")
                 for r in T.unroll(MR):
@@ -499,7 +465,7 @@ def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", r
                     for r in T.unroll(MR):
                         for q in T.unroll(tile_panels):
                             for v in T.vectorized(PANEL):
-                                if layout == "rows":
+                                if layout != "panels":
                                     acc[r, q * PANEL + v] = (acc[r, q * PANEL + v]
                                                              + x[T.min(io * MR + r, m - 1), k] * packed[q, k, v])
                                 else:
