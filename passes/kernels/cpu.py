@@ -519,23 +519,22 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
     dl = _lanes(hd)  # vector width over a whole head
     K0, V0 = H * hd, (H + KVH) * hd  # column offsets of the k and v heads in a qkv row
 
-    if rope:
-
-        @T.prim_func
-        def kernel(
-            qkv_h: T.handle,
-            cos: T.Buffer((max_ctx, half), "float32"),
-            sin: T.Buffer((max_ctx, half), "float32"),
-            kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
-            vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
-            q_h: T.handle,
-            start: T.int64,
-        ):
-            T.func_attr({"tirx.noalias": True})
-            qkv = T.match_buffer(qkv_h, (M, width), "float32")
-            q = T.match_buffer(q_h, (M, H * hd), "float32")
-            for i in loop(M):
-                p = start + i
+    @T.prim_func
+    def kernel(
+        qkv_h: T.handle,
+        cos: T.Buffer((max_ctx, half), "float32"),
+        sin: T.Buffer((max_ctx, half), "float32"),
+        kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+        vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+        q_h: T.handle,
+        start: T.int64,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        qkv = T.match_buffer(qkv_h, (M, width), "float32")
+        q = T.match_buffer(q_h, (M, H * hd), "float32")
+        for i in loop(M):
+            p = start + i
+            if rope:
                 for h, j0 in T.grid(H, half // hl):
                     for v in T.vectorized(hl):
                         q[i, h * hd + j0 * hl + v] = (
@@ -556,33 +555,19 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
                             qkv[i, K0 + h * hd + half + j0 * hl + v] * cos[p, j0 * hl + v]
                             + qkv[i, K0 + h * hd + j0 * hl + v] * sin[p, j0 * hl + v]
                         )
-                for h, j0 in T.grid(KVH, hd // dl):
-                    for v in T.vectorized(dl):
-                        vcache[h, p, j0 * dl + v] = qkv[i, V0 + h * hd + j0 * dl + v]
-
-    else:
-
-        @T.prim_func
-        def kernel(
-            qkv_h: T.handle,
-            kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
-            vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
-            q_h: T.handle,
-            start: T.int64,
-        ):
-            T.func_attr({"tirx.noalias": True})
-            qkv = T.match_buffer(qkv_h, (M, width), "float32")
-            q = T.match_buffer(q_h, (M, H * hd), "float32")
-            for i in loop(M):
-                p = start + i
+            else:
                 for j0 in range(H * hd // dl):
                     for v in T.vectorized(dl):
                         q[i, j0 * dl + v] = qkv[i, j0 * dl + v]
                 for h, j0 in T.grid(KVH, hd // dl):
                     for v in T.vectorized(dl):
                         kcache[h, p, j0 * dl + v] = qkv[i, K0 + h * hd + j0 * dl + v]
-                        vcache[h, p, j0 * dl + v] = qkv[i, V0 + h * hd + j0 * dl + v]
+            for h, j0 in T.grid(KVH, hd // dl):
+                for v in T.vectorized(dl):
+                    vcache[h, p, j0 * dl + v] = qkv[i, V0 + h * hd + j0 * dl + v]
 
+    # one kernel for both; without RoPE its cos/sin tables are never read and leave the signature
+    kernel = kernel if rope else _drop_params(kernel, ["cos", "sin"])
     return kernel.with_attr("global_symbol", name)
 
 

@@ -64,7 +64,7 @@ from tvm import te, tirx
 from tvm.s_tir import Schedule
 from tvm.script import tirx as T
 
-from .cpu import _f32, _row_dim, _te_schedule
+from .cpu import _drop_params, _f32, _row_dim, _te_schedule
 from .neuron import merge_tensors
 
 CUDA_ARCHS = {"rtx2080ti": "sm_75", "a100-80g": "sm_80", "rtx4090": "sm_89", "h200": "sm_90"}
@@ -457,24 +457,23 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
     qc_steps = _ceil_div(H * hd, nt)  # plain copies
     v_steps = _ceil_div(KVH * hd, nt)
 
-    if rope:
-
-        @T.prim_func
-        def kernel(
-            qkv_h: T.handle,
-            cos: T.Buffer((max_ctx, half), "float32"),
-            sin: T.Buffer((max_ctx, half), "float32"),
-            kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
-            vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
-            q_h: T.handle,
-            start: T.int64,
-        ):
-            T.func_attr({"tirx.noalias": True})
-            qkv = T.match_buffer(qkv_h, (M, width), "float32")
-            q = T.match_buffer(q_h, (M, H * hd), "float32")
-            for i in T.thread_binding(M, thread="blockIdx.x"):
-                for t in T.thread_binding(nt, thread="threadIdx.x"):
-                    p = start + i
+    @T.prim_func
+    def kernel(
+        qkv_h: T.handle,
+        cos: T.Buffer((max_ctx, half), "float32"),
+        sin: T.Buffer((max_ctx, half), "float32"),
+        kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+        vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
+        q_h: T.handle,
+        start: T.int64,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        qkv = T.match_buffer(qkv_h, (M, width), "float32")
+        q = T.match_buffer(q_h, (M, H * hd), "float32")
+        for i in T.thread_binding(M, thread="blockIdx.x"):
+            for t in T.thread_binding(nt, thread="threadIdx.x"):
+                p = start + i
+                if rope:
                     for s in range(q_steps):
                         if s * nt + t < H * half:
                             h = (s * nt + t) // half
@@ -493,34 +492,19 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
                             kcache[h, p, half + d] = (
                                 qkv[i, K0 + h * hd + half + d] * cos[p, d] + qkv[i, K0 + h * hd + d] * sin[p, d]
                             )
-                    for s in range(v_steps):
-                        if s * nt + t < KVH * hd:
-                            vcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, V0 + s * nt + t]
-
-    else:
-
-        @T.prim_func
-        def kernel(
-            qkv_h: T.handle,
-            kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
-            vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
-            q_h: T.handle,
-            start: T.int64,
-        ):
-            T.func_attr({"tirx.noalias": True})
-            qkv = T.match_buffer(qkv_h, (M, width), "float32")
-            q = T.match_buffer(q_h, (M, H * hd), "float32")
-            for i in T.thread_binding(M, thread="blockIdx.x"):
-                for t in T.thread_binding(nt, thread="threadIdx.x"):
-                    p = start + i
+                else:
                     for s in range(qc_steps):
                         if s * nt + t < H * hd:
                             q[i, s * nt + t] = qkv[i, s * nt + t]
                     for s in range(v_steps):
                         if s * nt + t < KVH * hd:
                             kcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, K0 + s * nt + t]
-                            vcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, V0 + s * nt + t]
+                for s in range(v_steps):
+                    if s * nt + t < KVH * hd:
+                        vcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, V0 + s * nt + t]
 
+    # one kernel for both; without RoPE its cos/sin tables are never read and leave the signature
+    kernel = kernel if rope else _drop_params(kernel, ["cos", "sin"])
     return kernel.with_attr("global_symbol", name)
 
 
