@@ -14,6 +14,7 @@ Adds are fused into the epilogue of the call before them. Every kernel is compil
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -502,8 +503,12 @@ class Codegen:
                             gemm_panels=ctx.cpu_isa.gemm_panels)
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(model.graph, lowering)
-        for node in model.graph:
-            walker.lower(node)
+        nodes = list(model.graph)
+        with ctx.progress("codegen: making kernels (blocks)", len(nodes)) as advance:
+            for node in nodes:
+                with ctx.layer(pir.attr(node, "layer")) if "layer" in node.attributes else contextlib.nullcontext():
+                    walker.lower(node)
+                advance()
         place_buffers(lowering)
         lowered = _call_graph(lowering)
         lowered.metadata_props.update(model.metadata_props)  # what earlier passes decided (placement, layers)
@@ -511,7 +516,8 @@ class Codegen:
         library = Path(ctx.workdir) / "kernels" / "cpu.so"
         library.parent.mkdir(parents=True, exist_ok=True)
         # Every kernel exists for the CPU: the CPU runs its own calls, and stands in for the GPU when emulating.
-        cpu.build(list(lowering.kernels.values()), {**cpu.CPU_TARGET, "mcpu": ctx.cpu_isa.mcpu}, str(library))
+        with ctx.progress(f"codegen: compiling {len(lowering.kernels)} CPU kernels (LLVM)"):
+            cpu.build(list(lowering.kernels.values()), {**cpu.CPU_TARGET, "mcpu": ctx.cpu_isa.mcpu}, str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
         if ctx.target.has_gpu:
             self.build_cuda(lowering, ctx)
@@ -531,11 +537,14 @@ class Codegen:
             raise UserError(f"building for {ctx.target.name} compiles its GPU kernels with nvcc, which is not installed "
                             "(install the CUDA toolkit or set CUDA_PATH), or build with --target cpu")
         funcs = []
-        for name in names:
-            maker, rows, args, kwargs = lowering.kernel_specs[name]
-            funcs.append(getattr(cuda, maker)(name, *args, rows=rows, **kwargs))
+        with ctx.progress("codegen: making CUDA kernels", len(names)) as advance:
+            for name in names:
+                maker, rows, args, kwargs = lowering.kernel_specs[name]
+                funcs.append(getattr(cuda, maker)(name, *args, rows=rows, **kwargs))
+                advance()
         library = Path(ctx.workdir) / "kernels" / f"cuda_{ctx.target.cuda_arch}.so"
-        facts = cuda.build(funcs, ctx.target.cuda_arch, str(library))
+        with ctx.progress(f"codegen: compiling {len(funcs)} CUDA kernels (nvcc)"):
+            facts = cuda.build(funcs, ctx.target.cuda_arch, str(library))
         ctx.artifact_files[f"kernels/cuda_{ctx.target.cuda_arch}.so"] = library
         ctx.log(f"codegen: {len(funcs)} CUDA kernels for {ctx.target.cuda_arch} ({facts.get('binary_format')}, "
                 f"nvcc {facts.get('nvcc_seconds', 0):.1f} s)")

@@ -46,7 +46,8 @@ class Lower:
             return PassResult(model, modified=False)
         report = []
         for node in ffns:
-            report.append(self._lower_one(graph, node, ctx))
+            with ctx.layer(pir.attr(node, "layer")):
+                report.append(self._lower_one(graph, node, ctx))
         consumed = {v.name for n in graph for v in n.inputs if v is not None}
         for name in [n for n in graph.initializers if n not in consumed]:
             graph.initializers.pop(name)  # dense FFN weights, frequencies, orders: folded into the new ops

@@ -463,8 +463,10 @@ class Partition:
             if self.balance and target.gpu_bandwidth_gbs > 0 and target.cpu_bandwidth_gbs > 0:
                 timing = {"gpu_time_per_byte": 1 / (target.gpu_bandwidth_gbs * 1e9),
                           "cpu_time_per_byte": 1 / (target.cpu_bandwidth_gbs * 1e9)}
-            placement = solve_placement(frequencies, bytes_per_neuron, budget, batch=batch, min_neurons=minimum,
-                                        time_limit_s=options.placement_time_limit_s, **timing)
+            # HiGHS reports no progress while it solves: a spinner with the elapsed time
+            with ctx.progress(f"partition: HiGHS placement ILP ({len(ffns)} layers)"):
+                placement = solve_placement(frequencies, bytes_per_neuron, budget, batch=batch, min_neurons=minimum,
+                                            time_limit_s=options.placement_time_limit_s, **timing)
 
         for node, (layer, order), n in zip(ffns, orders, placement.gpu_neurons):
             node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", int(n))

@@ -481,23 +481,30 @@ class Predict:
             return inputs, active, _pre_activations(nodes[index], inputs, active)
 
         def price(index: int) -> dict[int, tuple[float, float]]:
-            inputs, active, pre = layer_data(index)
-            # d_model: where a low-rank first layer stops being low rank
-            limit = min(d_model, budget // widths[index])
-            return price_ranks(inputs, active, limit, gated[index], target_recall=options.target_recall,
-                               pre_activations=pre)
+            with ctx.layer(layers[index]):
+                inputs, active, pre = layer_data(index)
+                # d_model: where a low-rank first layer stops being low rank
+                limit = min(d_model, budget // widths[index])
+                priced = price_ranks(inputs, active, limit, gated[index], target_recall=options.target_recall,
+                                     pre_activations=pre)
+            advance()
+            return priced
 
         def train(index: int) -> tuple[Predictor, bool]:
-            inputs, active, pre = layer_data(index)
-            return train_predictor(inputs, active, ranks[index], target_recall=options.target_recall,
-                                   seed=options.seed + layers[index], pre_activations=pre), pre is not None
+            with ctx.layer(layers[index]):
+                inputs, active, pre = layer_data(index)
+                predictor = train_predictor(inputs, active, ranks[index], target_recall=options.target_recall,
+                                            seed=options.seed + layers[index], pre_activations=pre)
+            advance()
+            return predictor, pre is not None
 
         # Layers are independent: each phase runs them side by side, one torch thread each (deterministic
         # either way).
         workers = max(1, min(len(nodes), torch.get_num_threads()))
         with _threads(1), ThreadPoolExecutor(workers) as pool:
             started = time.perf_counter()
-            priced = list(pool.map(price, range(len(nodes))))
+            with ctx.progress("predict: pricing ranks (layers)", len(nodes)) as advance:
+                priced = list(pool.map(price, range(len(nodes))))
             pricing = time.perf_counter() - started
             ranks = choose_ranks([{r: reads for r, (_, reads) in p.items()} for p in priced], widths, budget)
             for layer, prices, rank in zip(layers, priced, ranks):
@@ -509,7 +516,8 @@ class Predict:
                     f"({options.predictor_param_share:.1%} of {params})"
                     + (" (OVER BUDGET: smallest ranks)" if used > budget else "") + f"; priced in {pricing:.1f}s")
             started = time.perf_counter()
-            results = list(pool.map(train, range(len(nodes))))
+            with ctx.progress("predict: training predictors (layers)", len(nodes)) as advance:
+                results = list(pool.map(train, range(len(nodes))))
             ctx.log(f"predict: trained in {time.perf_counter() - started:.1f}s")
 
         for node, layer, rank, prices, (_, active), (predictor, from_weights) in zip(

@@ -128,19 +128,22 @@ class Profile:
         sequences = calibration_tokens(ctx, vocab_size)
         wanted = [name for node in ffns for name in (node.metadata_props["source.input"], node.metadata_props["source.activation"])]
         collected: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
-        for outputs in run_reference(ctx.source, wanted, sequences, Path(ctx.workdir)):
-            for name, array in outputs.items():
-                collected[name].append(array.reshape(-1, array.shape[-1]))
+        with ctx.progress("profile: calibration sequences", len(sequences)) as advance:
+            for outputs in run_reference(ctx.source, wanted, sequences, Path(ctx.workdir)):
+                for name, array in outputs.items():
+                    collected[name].append(array.reshape(-1, array.shape[-1]))
+                advance()
         stats = {}
         for node in ffns:
             layer = pir.attr(node, "layer")
-            inputs = np.concatenate(collected[node.metadata_props["source.input"]]).astype(np.float32)
-            active = np.concatenate(collected[node.metadata_props["source.activation"]]) != 0
-            ctx.profile[layer] = (inputs, active)
-            s = stats[layer] = layer_stats(active)
-            pir.initializer(model.graph, f"layers.{layer}.ffn.frequency", s.frequency)
-            for key in ("sparsity", "skewness", "hot80_share"):
-                node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
+            with ctx.layer(layer):
+                inputs = np.concatenate(collected[node.metadata_props["source.input"]]).astype(np.float32)
+                active = np.concatenate(collected[node.metadata_props["source.activation"]]) != 0
+                ctx.profile[layer] = (inputs, active)
+                s = stats[layer] = layer_stats(active)
+                pir.initializer(model.graph, f"layers.{layer}.ffn.frequency", s.frequency)
+                for key in ("sparsity", "skewness", "hot80_share"):
+                    node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
         plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
         plot_cdf(stats, plot)
         ctx.artifact_files["plots/activation_cdf.png"] = plot

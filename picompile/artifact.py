@@ -10,6 +10,8 @@ The runtime (`runtime/`) reads it without importing any of the compiler.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 from dataclasses import asdict
@@ -24,6 +26,7 @@ from runtime.artifact import FORMAT, FORMAT_VERSION, sha256  # the reader define
 
 from . import __version__, costmodel
 from . import ir as pir
+from .errors import UserError
 from .pipeline import Context
 
 
@@ -49,12 +52,22 @@ def _weights_by_device(schedule: dict, buffers: dict) -> dict[str, list[str]]:
     return by_device
 
 
+def check_output(output: Path) -> None:
+    """Building replaces `output` whole: refuse unless it is absent, an empty directory, or an artifact."""
+    output = Path(output)
+    if output.is_symlink() or (output.exists() and not output.is_dir()):
+        raise UserError(f"output {output} exists and is not a directory; choose another -o")
+    if output.is_dir() and any(output.iterdir()) and not (output / "manifest.json").is_file():
+        raise UserError(f"output {output} is a directory that is not a picompile artifact; refusing to replace it")
+
+
 def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = None) -> Path:
+    check_output(output)
     buffers = json.loads(model.metadata_props["picompile.buffers"])
     schedule = json.loads(model.metadata_props["picompile.schedule"])
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    staging = _staging_dir(output)
     try:
         (staging / "weights").mkdir()
         for device, names in _weights_by_device(schedule, buffers).items():
@@ -88,13 +101,73 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
     return output
 
 
+def _staging_dir(output: Path) -> Path:
+    """A new, empty `.NAME.tmp-PID-XXXX` beside the output: same file system (so renames are atomic), hidden,
+    never a valid artifact (no manifest until complete), and it names its builder so a later build can
+    tell a dead build's leftovers from a running one's."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes it private; the artifact is an ordinary directory
+    return staging
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EPERM):  # old kernel, or a file system without it
+        return False
+    raise OSError(error, os.strerror(error), str(b))
+
+
 def _replace_dir(staging: Path, output: Path) -> None:
-    """Put the finished artifact in place; an existing one is swapped out, never left half-replaced."""
+    """Put the finished artifact in place. An existing one is exchanged with the staging directory in one
+    atomic step, so a build killed at any moment leaves the old artifact or the new one at `output`, never
+    neither and never a mix; the old one, now under the staging name, is then deleted. Where the exchange
+    is unsupported (not Linux, or the file system lacks it) the fallback is two renames, with a window of
+    microseconds in which `output` is absent (the old artifact is then in `.NAME.old-*`)."""
     if not output.exists():
+        os.rename(staging, output)  # atomic; fails rather than merge if another build got there first
+    elif _exchange(staging, output):
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-{os.getpid()}-", dir=output.parent))
+        os.rmdir(old)
+        os.rename(output, old)
         os.rename(staging, output)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-    os.rmdir(old)
-    os.rename(output, old)
-    os.rename(staging, output)
-    shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    remove_stale(output)
+
+
+def remove_stale(output: Path) -> list[Path]:
+    """Delete what killed builds of `output` left beside it (`.NAME.tmp-PID-*`, `.NAME.old-PID-*` whose
+    process is gone); a running build's staging directory is left alone. Returns what was removed."""
+    removed = []
+    for path in output.parent.glob(f".{output.name}.*-*-*"):
+        kind, _, rest = path.name[len(output.name) + 2:].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

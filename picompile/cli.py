@@ -9,9 +9,10 @@ import argparse
 import json
 import math
 import sys
+import traceback
 from pathlib import Path
 
-from .errors import UserError
+from .errors import PassError, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,7 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                             "runs only on CPUs that have it")
     build.add_argument("--target-recall", type=_unit_interval, default=0.99,
                        help="share of truly active neurons the predictors must let through (held-out tokens)")
-    build.add_argument("-v", "--verbose", action="store_true", help="print each pass with its time")
+    chatter = build.add_mutually_exclusive_group()
+    chatter.add_argument("-v", "--verbose", action="store_true",
+                         help="print each pass with its time and node counts, and a failing pass's traceback")
+    chatter.add_argument("-q", "--quiet", action="store_true",
+                         help="no progress bars and no estimate: print only the `wrote PATH` line (and errors)")
 
     run = commands.add_parser("run", help="generate tokens with an artifact")
     run.add_argument("artifact", type=Path)
@@ -90,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="show what the compiler decided")
     inspect.add_argument("artifact", type=Path)
     inspect.add_argument("--json", action="store_true")
+    inspect.add_argument("--report", type=Path,
+                         help="also write a report: .html (self-contained, with plots) or .png (the plots)")
     return parser
 
 
@@ -106,8 +113,13 @@ def _build(args) -> int:
                       all_neurons=args.all_neurons, placement_batch=args.placement_batch,
                       weight_dtype=args.weight_dtype, target_recall=args.target_recall, cpu_isa=args.cpu_isa)
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
-    output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None)
+    from .pipeline import ProgressBars
+
+    output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None,
+                   progress=ProgressBars.enabled_for_stderr(args.quiet))
     print(f"wrote {output}")
+    if args.quiet:
+        return 0
     from .costmodel import Estimate
 
     manifest = json.loads((output / "manifest.json").read_text())
@@ -202,41 +214,59 @@ def _inspect(args) -> int:
             "estimate": manifest.get("estimate")}
     if args.json:
         print(json.dumps(info))
-        return 0
-    print(f"target      {manifest['target']['name']}")
+        return _write_report(args, manifest, [])
+    lines: list[str] = []
+    say = lines.append  # the text goes to stdout and into the report
+    say(f"target      {manifest['target']['name']}")
     for key, value in manifest["model"].items():
-        print(f"{key:<12}{value}")
-    print(f"weights     {weight_bytes / 2**20:.1f} MiB")
-    print("calls/token " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
-    print(f"kernels     {len(kernels)}: " + ", ".join(kernels))
+        say(f"{key:<12}{value}")
+    say(f"weights     {weight_bytes / 2**20:.1f} MiB")
+    say("calls/token " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
+    say(f"kernels     {len(kernels)}: " + ", ".join(kernels))
     if info["estimate"]:
         from .costmodel import Estimate
         from .targets import get_target
 
         for line in Estimate(**info["estimate"]).lines(get_target(manifest["target"]["name"])):
-            print(line)
+            say(line)
     placement = info["placement"]
     if placement:
-        print(f"placement   {placement.get('status')}, gap {placement.get('gap', 0) * 100:.3f}%, "
+        say(f"placement   {placement.get('status')}, gap {placement.get('gap', 0) * 100:.3f}%, "
               f"solved in {placement.get('solve_time_s', 0):.2f} s, GPU budget for FFN neurons "
               f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB")
     if info["layers"]:
-        print(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} {'precision':>9} {'active':>7}")
+        say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} {'precision':>9} {'active':>7}")
         for layer in info["layers"]:
-            print(f"{layer['layer']:>5} {layer.get('sparsity', 0):>8.3f} {layer.get('hot80_share', 0) * 100:>6.1f}% "
+            say(f"{layer['layer']:>5} {layer.get('sparsity', 0):>8.3f} {layer.get('hot80_share', 0) * 100:>6.1f}% "
                   f"{layer['gpu_neurons']:>6} {layer['cpu_neurons']:>6} {layer.get('predictor_rank', 0):>5} "
                   f"{layer.get('predictor_recall', 0):>7.4f} {layer.get('predictor_precision', 0):>9.4f} "
                   f"{layer.get('predictor_active', 0):>7.3f}")
+    sys.stdout.write("".join(line + "\n" for line in lines))
+    return _write_report(args, manifest, lines)
+
+
+def _write_report(args, manifest: dict, lines: list[str]) -> int:
+    if args.report is not None:
+        from .report import write_report
+
+        write_report(args.artifact, manifest, args.report, lines)
+        print(f"wrote {args.report}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         args = _parser().parse_args(argv)
         return {"build": _build, "run": _run, "eval": _eval, "inspect": _inspect}[args.command](args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except PassError as error:  # a bug or a failing tool inside a pass: an internal error, named
+        if getattr(args, "verbose", False):
+            traceback.print_exception(error.error)
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 2

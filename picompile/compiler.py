@@ -15,7 +15,7 @@ from passes.recognise import Recognise
 from passes.schedule import Schedule
 
 from . import artifact
-from .pipeline import Context, Hook, Options, Pass, dump_ir, log_timing, run_passes, verify_onnx
+from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
 from .targets import Target
 
 
@@ -29,15 +29,19 @@ def pipeline(options: Options) -> list[Pass]:
 
 def build(model_path: Path, output: Path, target: Target, options: Options, *,
           dump_dir: Path | None = None, log=lambda message: None, verify: bool = False,
-          passes: list[Pass] | None = None) -> Path:
-    """Compile an ONNX decoder into an artifact directory; nothing is left at `output` if it fails."""
+          passes: list[Pass] | None = None, progress: bool = False) -> Path:
+    """Compile an ONNX decoder into an artifact directory; nothing is left at `output` if it fails, and an
+    artifact already there stays whole until the new one replaces it. `progress` draws bars on stderr."""
+    artifact.check_output(output)
     model = load(model_path)
-    hooks: list[Hook] = [log_timing]
+    passes = passes or pipeline(options)
+    hooks: list[Hook] = [LogTiming()]
     if dump_dir is not None:
-        hooks.append(dump_ir(dump_dir))
+        hooks.append(DumpIR(dump_dir))
     if verify:
         hooks.append(verify_onnx)
-    with tempfile.TemporaryDirectory(prefix="picompile-build-") as workdir:
-        ctx = Context(target=target, options=options, workdir=Path(workdir), log=log)
-        lowered = run_passes(model, passes or pipeline(options), ctx, hooks)
+    with tempfile.TemporaryDirectory(prefix="picompile-build-") as workdir, \
+            ProgressBars(progress, passes=len(passes)) as bars:
+        ctx = Context(target=target, options=options, workdir=Path(workdir), log=log, progress_bars=bars)
+        lowered = run_passes(model, passes, ctx, [*hooks, bars])
         return artifact.write(lowered, ctx, output, source=model_path)

@@ -1,24 +1,32 @@
 """The pass manager: passes run in order over the IR; one callback hook sees the IR between passes.
 
 A pass is a small object with a `name` and one `apply(model, ctx) -> PassResult` method. Printing
-(`--dump-ir`), timing (`-v`) and verification all hang off the same hook, `after_pass`.
+(`--dump-ir`, with its index of node counts), timing (`-v`), verification and progress bars all hang off
+the one hook mechanism, `Hook.before_pass` / `Hook.after_pass`. An exception escaping a pass comes out
+as a `PassError` that names the pass and the layer (`ctx.layer`).
 The pass lists themselves live in `picompile.compiler`, one screen to read the whole compilation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
+from .errors import PassError, UserError
 from .targets import CpuIsa, Target, get_cpu_isa
 
-__all__ = ["Context", "Pass", "PassResult", "run_passes", "dump_ir", "log_timing", "verify_onnx"]
+__all__ = ["Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming", "verify_onnx",
+           "op_counts", "describe_change"]
 
 
 @dataclass
@@ -55,6 +63,25 @@ class Context:
     source: object | None = None
     workdir: Path | None = None
     log: Callable[[str], None] = lambda message: None
+    progress_bars: "ProgressBars | None" = None  # None: no bars
+
+    def progress(self, description: str, total: int | None = None):
+        """A progress bar for a pass's loop: `with ctx.progress("predict: training", layers) as advance:`
+        then `advance()` per step (from any thread). A no-op where bars are off."""
+        return (self.progress_bars or ProgressBars(False)).task(description, total)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def layer(index: int) -> Iterator[None]:
+        """Work on one layer: an exception escaping the block is marked with the layer, which the pass
+        manager's `PassError` then names (a mark on the exception, so it works from worker threads)."""
+        try:
+            yield
+        except Exception as error:
+            if getattr(error, "picompile_layer", None) is None:
+                with contextlib.suppress(AttributeError, TypeError):
+                    error.picompile_layer = index
+            raise
 
     @property
     def cpu_isa(self) -> CpuIsa:
@@ -67,47 +94,171 @@ class Pass(Protocol):
     def apply(self, model: ir.Model, ctx: Context) -> PassResult: ...
 
 
-Hook = Callable[[int, Pass, PassResult, float, Context], None]
+class Hook:
+    """Sees every pass: `before_pass` gets the IR going in, `after_pass` the result and the pass's seconds.
+    The one way to watch a compilation: --dump-ir, -v, verification and the progress bars are hooks."""
+
+    def before_pass(self, index: int, compiler_pass: Pass, model: ir.Model, ctx: Context) -> None:
+        pass
+
+    def after_pass(self, index: int, compiler_pass: Pass, result: PassResult, seconds: float, ctx: Context) -> None:
+        pass
 
 
 def run_passes(model: ir.Model, passes: list[Pass], ctx: Context, hooks: list[Hook] = ()) -> ir.Model:
+    """Run `passes` in order. An exception escaping a pass (TVM's, HiGHS's, torch's, a bug) comes out as a
+    `PassError` naming the pass and, where the pass said which one it was in (`ctx.layer`), the layer;
+    a `UserError` (bad input) passes through as it is."""
     for index, compiler_pass in enumerate(passes):
+        for hook in hooks:
+            hook.before_pass(index, compiler_pass, model, ctx)
         started = time.perf_counter()
-        result = compiler_pass.apply(model, ctx)
+        try:
+            result = compiler_pass.apply(model, ctx)
+        except (UserError, PassError):
+            raise
+        except Exception as error:
+            raise PassError(compiler_pass.name, getattr(error, "picompile_layer", None), error) from error
         seconds = time.perf_counter() - started
         model = result.model
         for hook in hooks:
-            hook(index, compiler_pass, result, seconds, ctx)
+            hook.after_pass(index, compiler_pass, result, seconds, ctx)
     return model
 
 
-def dump_ir(directory: Path) -> Hook:
-    """Write the IR after each pass as NN-name.onnx plus NN-name.txt (readable, weights left out)."""
+def op_counts(model: ir.Model) -> Counter:
+    """Nodes of the main graph by op type (`domain.op` outside the default domain)."""
+    return Counter(f"{node.domain}.{node.op_type}" if node.domain else node.op_type for node in model.graph)
 
-    def hook(index: int, compiler_pass: Pass, result: PassResult, seconds: float, ctx: Context) -> None:
+
+def describe_change(before: Counter, after: Counter) -> str:
+    """'212 -> 9 nodes (-MatMul 24, +picompile.FFN 2, ...)': node counts and the op types that changed."""
+    changes = []
+    for op in sorted(set(before) | set(after)):
+        delta = after[op] - before[op]
+        if delta:
+            changes.append(f"{'+' if delta > 0 else '-'}{op} {abs(delta)}")
+    detail = f" ({', '.join(changes)})" if changes else " (same op types)"
+    return f"{sum(before.values())} -> {sum(after.values())} nodes{detail}"
+
+
+class _CountNodes(Hook):
+    """Remembers the op counts going into each pass (passes change the model in place)."""
+
+    before: Counter = Counter()
+
+    def before_pass(self, index, compiler_pass, model, ctx):
+        self.before = op_counts(model)
+
+
+class DumpIR(_CountNodes):
+    """Write the IR after each pass as NN-name.onnx plus NN-name.txt (readable, weights left out), and
+    list the passes in index.txt, one line each with its time and the node counts before and after."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "index.txt").write_text("")
+
+    def after_pass(self, index, compiler_pass, result, seconds, ctx):
         stem = f"{index:02d}-{compiler_pass.name}"
-        pir.save(result.model, directory / f"{stem}.onnx")
-        (directory / f"{stem}.txt").write_text(pir.to_text(result.model))
-
-    return hook
-
-
-def log_timing(index: int, compiler_pass: Pass, result: PassResult, seconds: float, ctx: Context) -> None:
-    changed = "changed" if result.modified else "unchanged"
-    ctx.log(f"pass {index:02d} {compiler_pass.name:<10} {seconds * 1000:9.1f} ms  {changed}, "
-            f"{len(result.model.graph)} nodes")
+        pir.save(result.model, self.directory / f"{stem}.onnx")
+        (self.directory / f"{stem}.txt").write_text(pir.to_text(result.model))
+        change = describe_change(self.before, op_counts(result.model))
+        with open(self.directory / "index.txt", "a") as index_file:
+            index_file.write(f"{stem}.onnx  {compiler_pass.name}: {change}; {seconds * 1000:.1f} ms\n")
 
 
-def verify_onnx(index: int, compiler_pass: Pass, result: PassResult, seconds: float, ctx: Context) -> None:
-    """Every stage must stay a valid ONNX model (custom-domain ops are allowed)."""
-    import onnx
+class LogTiming(_CountNodes):
+    """-v: each pass with its time and what it did to the graph."""
 
-    proto = ir.to_proto(result.model)
-    # The check is about structure: weights become declared inputs, so their bytes need not be read.
-    weights = list(proto.graph.initializer)
-    del proto.graph.initializer[:]
-    proto.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in weights)
-    try:
-        onnx.checker.check_model(proto, full_check=False)
-    except onnx.checker.ValidationError as error:
-        raise AssertionError(f"pass {compiler_pass.name} produced invalid ONNX: {error}") from error
+    def after_pass(self, index, compiler_pass, result, seconds, ctx):
+        changed = describe_change(self.before, op_counts(result.model)) if result.modified else "unchanged"
+        ctx.log(f"pass {index:02d} {compiler_pass.name:<10} {seconds * 1000:9.1f} ms  {changed}")
+
+
+
+class _VerifyOnnx(Hook):
+    def after_pass(self, index, compiler_pass, result, seconds, ctx):
+        """Every stage must stay a valid ONNX model (custom-domain ops are allowed)."""
+        import onnx
+
+        proto = ir.to_proto(result.model)
+        # The check is about structure: weights become declared inputs, so their bytes need not be read.
+        weights = list(proto.graph.initializer)
+        del proto.graph.initializer[:]
+        proto.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in weights)
+        try:
+            onnx.checker.check_model(proto, full_check=False)
+        except onnx.checker.ValidationError as error:
+            raise AssertionError(f"pass {compiler_pass.name} produced invalid ONNX: {error}") from error
+
+
+verify_onnx = _VerifyOnnx()
+
+
+class ProgressBars(Hook):
+    """Progress bars on stderr (rich): one line for the passes, one per long loop inside a pass
+    (`Context.progress`). Off (every call a no-op) unless `enabled`; `enabled_for_stderr` decides that
+    from the terminal, --quiet and PICOMPILE_PROGRESS."""
+
+    def __init__(self, enabled: bool, passes: int = 0, file=None):
+        self.enabled = enabled
+        self._passes = passes
+        self._file = file
+        self._progress = None
+        self._pass_task = None
+
+    @staticmethod
+    def enabled_for_stderr(quiet: bool = False) -> bool:
+        """Bars only where someone watches: stderr is a terminal and not --quiet. PICOMPILE_PROGRESS=1
+        forces them on (0 off) whatever the terminal, e.g. for a test or a log that wants them."""
+        forced = os.environ.get("PICOMPILE_PROGRESS", "")
+        if quiet:
+            return False
+        if forced in ("0", "1"):
+            return forced == "1"
+        return sys.stderr.isatty()
+
+    def __enter__(self) -> "ProgressBars":
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                       TimeElapsedColumn)
+
+            forced = os.environ.get("PICOMPILE_PROGRESS") == "1"
+            console = Console(file=self._file or sys.stderr, force_terminal=True if forced else None)
+            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                      MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+            self._progress.start()
+            if self._passes:
+                self._pass_task = self._progress.add_task("passes", total=self._passes)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    @contextlib.contextmanager
+    def task(self, description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+        """A bar for one loop; yields `advance(steps=1)` (thread-safe). total None: a spinner with the time."""
+        if self._progress is None:
+            yield lambda steps=1: None
+            return
+        task = self._progress.add_task(description, total=total)
+        try:
+            yield lambda steps=1: self._progress.advance(task, steps)
+        finally:
+            if total is not None:
+                self._progress.update(task, completed=total)
+            else:
+                self._progress.update(task, total=1, completed=1)
+
+    def before_pass(self, index, compiler_pass, model, ctx):
+        if self._pass_task is not None:
+            self._progress.update(self._pass_task, description=f"pass {compiler_pass.name}")
+
+    def after_pass(self, index, compiler_pass, result, seconds, ctx):
+        if self._pass_task is not None:
+            self._progress.advance(self._pass_task)

@@ -41,7 +41,15 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Files every artifact has; the manifest must list them (with their hashes) or it is not trusted.
+REQUIRED_FILES = ("schedule.json", "kernels/cpu.so")
+
+
 def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
+    """The artifact's manifest, after checking that it is one this runtime reads and that every file it
+    lists is present, a plain file inside the artifact, and (unless `check_hashes` is off) has its sha256.
+    Callers load only listed files, and only after this returns: a damaged kernel library is refused
+    here, before anything dlopens it."""
     directory = Path(directory)
     path = directory / "manifest.json"
     if not path.is_file():
@@ -49,19 +57,55 @@ def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ArtifactError(f"{path} is not valid JSON: {error}") from None
-    if manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{path} is damaged (not valid JSON: {error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a picompile manifest")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ArtifactError(f"artifact format version {version} is not supported by this runtime (it reads {FORMAT_VERSION}); rebuild it")
-    for relative, expected in manifest.get("files", {}).items():
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ArtifactError(f"{path} is damaged (format_version {version!r} is not an integer)")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(f"artifact format version {version} was built by a newer picompile "
+                            f"(this runtime reads version {FORMAT_VERSION}): upgrade picompile")
+    if version < FORMAT_VERSION:
+        raise ArtifactError(f"artifact format version {version} is older than this runtime reads "
+                            f"({FORMAT_VERSION}): rebuild it")
+    _check_structure(manifest, path)
+    files = manifest["files"]
+    for relative in REQUIRED_FILES:
+        if relative not in files:
+            raise ArtifactError(f"{path} is damaged: it does not list {relative}")
+    root = directory.resolve()
+    for relative, expected in files.items():
         file = directory / relative
-        if not file.is_file():
-            raise ArtifactError(f"artifact file missing: {relative}")
+        if Path(relative).is_absolute() or ".." in Path(relative).parts:
+            raise ArtifactError(f"{path} is damaged: file {relative!r} lies outside the artifact")
+        if file.is_symlink():
+            raise ArtifactError(f"artifact file {relative} is a link; an artifact holds plain files only")
+        if not file.is_file() or root not in file.resolve().parents:
+            raise ArtifactError(f"artifact {directory} is incomplete: {relative} is missing")
         if check_hashes and sha256(file) != expected:
-            raise ArtifactError(f"artifact file {relative} is damaged (sha256 mismatch)")
+            raise ArtifactError(f"artifact file {relative} is damaged (sha256 mismatch): rebuild the artifact")
     return manifest
+
+
+def _check_structure(manifest: dict, path: Path) -> None:
+    """The fields the runtime reads, with their types: a hand-edited manifest fails here, not deep in the engine."""
+    expected = {"files": dict, "model": dict, "buffers": dict, "target": dict}
+    for key, kind in expected.items():
+        if not isinstance(manifest.get(key), kind):
+            raise ArtifactError(f"{path} is damaged: {key!r} is missing or not a {kind.__name__}")
+    for key in ("max_context", "vocab_size"):
+        if not isinstance(manifest["model"].get(key), int):
+            raise ArtifactError(f"{path} is damaged: model.{key} is missing or not an integer")
+    for relative, digest in manifest["files"].items():
+        if not (isinstance(digest, str) and len(digest) == 64):
+            raise ArtifactError(f"{path} is damaged: the sha256 of {relative} is malformed")
+
+
+def weight_files(directory: Path, manifest: dict) -> list[Path]:
+    """The weight files the manifest lists (and `load_manifest` checked); stray files are never read."""
+    return [Path(directory) / relative for relative in sorted(manifest["files"])
+            if relative.startswith("weights/") and relative.endswith(".safetensors")]
 
 
 def missing_cpu_features(required) -> list[str]:

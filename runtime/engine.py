@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .artifact import ArtifactError, aligned_zeros, load_manifest, missing_cpu_features, read_safetensors
+from .artifact import (ArtifactError, aligned_zeros, load_manifest, missing_cpu_features, read_safetensors,
+                       weight_files)
 
 START = "start"  # the argument that carries the number of tokens already in the KV cache
 COPY = "copy"  # a transfer between devices: the runtime's own, not a kernel
@@ -85,7 +86,7 @@ class Engine:
         tvm_runtime, self._ffi = _tvm_runtime()
         library = tvm_runtime.load_module(str(self.directory / "kernels" / "cpu.so"))
         weights = {}
-        for path in sorted((self.directory / "weights").glob("*.safetensors")):
+        for path in weight_files(self.directory, self.manifest):
             weights.update(read_safetensors(path))
         self.buffers: dict[str, np.ndarray] = {}
         for name, info in self.manifest["buffers"].items():
