@@ -1,0 +1,184 @@
+"""What a build tells its user: progress bars (only where someone watches), `--quiet`, `-v` per pass,
+the `--dump-ir` index of node counts, errors from inside a pass named with the pass and the layer, and
+`inspect --report`."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from passes.import_onnx import Import, load
+from passes.kernels import cpu as cpu_kernels
+from passes.partition import Partition
+from passes.profile import Profile
+from passes.recognise import Recognise
+from picompile.cli import main
+from picompile.compiler import build
+from picompile.errors import PassError
+from picompile.pipeline import Context, Options, PassResult, ProgressBars, describe_change, op_counts, run_passes
+from picompile.targets import get_target
+
+
+@pytest.fixture(scope="module")
+def sparse_files(tiny_models):
+    return tiny_models("opt", sparsity=0.9)
+
+
+@pytest.fixture(scope="module")
+def forced_build(sparse_files, tmp_path_factory):
+    """A sparse CLI build with progress bars forced on (as on a terminal): (artifact, its stderr)."""
+    out = tmp_path_factory.mktemp("feedback") / "s.pic"
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(err), \
+            contextlib.redirect_stdout(io.StringIO()):
+        patch.setenv("PICOMPILE_PROGRESS", "1")
+        assert main(["build", str(sparse_files.onnx), "-o", str(out), "--max-context", "64",
+                     "--calib", str(sparse_files.calib)]) == 0
+    return out, err.getvalue()
+
+
+BAR_LINES = ["profile: calibration sequences", "predict: pricing ranks", "predict: training predictors",
+             "codegen: making kernels", "codegen: compiling"]
+
+
+def test_progress_bars_when_forced_and_silence_otherwise(forced_build, sparse_files, tmp_path, capsys, monkeypatch):
+    _, err = forced_build
+    for line in BAR_LINES:
+        assert line in err, line
+    assert "pass schedule" in err and "8/8" in err  # the passes' own bar, at its end
+
+    model = str(sparse_files.onnx)
+    monkeypatch.delenv("PICOMPILE_PROGRESS", raising=False)  # pytest's stderr is not a terminal: no bars
+    assert main(["build", model, "-o", str(tmp_path / "b.pic"), "--dense", "--max-context", "64"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.startswith("wrote ") and "expected decode" in captured.out
+
+    monkeypatch.setenv("PICOMPILE_PROGRESS", "1")  # --quiet wins even over a terminal
+    assert main(["build", model, "-o", str(tmp_path / "c.pic"), "--quiet", "--dense", "--max-context", "64"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out == f"wrote {tmp_path / 'c.pic'}\n"
+
+    assert main(["build", model, "-o", str(tmp_path / "d.pic"), "--quiet", "-v"]) == 2
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_placement_ilp_shows_a_spinner(sparse_files, tmp_path):
+    bars_out = io.StringIO()
+    passes = [Import(), Recognise(), Profile(), Partition()]
+    with ProgressBars(True, passes=len(passes), file=bars_out) as bars:
+        ctx = Context(get_target("rtx4090"), Options(max_context=64, calib=sparse_files.calib,
+                                                     vram_budget_bytes=600_000, placement_batch=32),
+                      workdir=tmp_path, progress_bars=bars)
+        model = run_passes(load(sparse_files.onnx), passes, ctx, [bars])
+    assert "partition: HiGHS placement ILP (2 layers)" in bars_out.getvalue()
+    assert "picompile.placement" in model.metadata_props  # the solve ran under the spinner
+
+
+def test_verbose_lists_each_pass_with_time_and_node_counts(sparse_files, tmp_path, capsys):
+    assert main(["build", str(sparse_files.onnx), "-o", str(tmp_path / "v.pic"), "--dense", "--max-context", "64",
+                 "-v", "--dump-ir", str(tmp_path / "ir")]) == 0
+    err = capsys.readouterr().err
+    timed = re.findall(r"^pass (\d\d) (\w+) +([\d.]+) ms  (.*)$", err, re.M)
+    assert [name for _, name, _, _ in timed] == ["import", "recognise", "codegen", "schedule"]
+    recognise = timed[1][3]
+    assert re.match(r"\d+ -> 15 nodes \(.*\+picompile\.FFN 2", recognise), recognise
+
+    index = (tmp_path / "ir" / "index.txt").read_text().splitlines()
+    assert [line.split()[0] for line in index] == ["00-import.onnx", "01-recognise.onnx", "02-codegen.onnx",
+                                                   "03-schedule.onnx"]
+    assert "+picompile.Attention 2" in index[1] and "-MatMul" in index[1]
+    assert "+picompile.Call" in index[2] and "-picompile.FFN 2" in index[2]
+    for line in index:  # every listed file exists, and its node count is the one in the index
+        name, counts = line.split()[0], re.search(r"-> (\d+) nodes", line).group(1)
+        assert int(counts) == len(list(load_ir(tmp_path / "ir" / name).graph))
+
+
+def load_ir(path: Path):
+    import onnx_ir as ir
+
+    return ir.load(str(path))
+
+
+def test_describe_change_counts_each_op_type():
+    before = op_counts_of(["MatMul"] * 24 + ["Add"] * 3)
+    after = op_counts_of(["picompile.FFN"] * 2 + ["Add"] * 3)
+    assert describe_change(before, after) == "27 -> 5 nodes (-MatMul 24, +picompile.FFN 2)"
+    assert describe_change(after, after) == "5 -> 5 nodes (same op types)"
+
+
+def op_counts_of(ops):
+    from collections import Counter
+
+    return Counter(ops)
+
+
+class _FailsInLayer:
+    name = "explode"
+
+    def apply(self, model, ctx):
+        for layer in range(3):
+            with ctx.layer(layer):
+                if layer == 2:
+                    raise RuntimeError("solver blew up\nsecond line of detail")
+        return PassResult(model, modified=False)
+
+
+def test_an_exception_in_a_pass_names_the_pass_and_the_layer(sparse_files):
+    ctx = Context(get_target("cpu"))
+    with pytest.raises(PassError) as failed:
+        run_passes(load(sparse_files.onnx), [Import(), _FailsInLayer()], ctx)
+    assert str(failed.value) == "pass explode, layer 2: RuntimeError: solver blew up"
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert (failed.value.pass_name, failed.value.layer) == ("explode", 2)
+
+
+def test_cli_wraps_a_tvm_error_deep_in_codegen(sparse_files, tmp_path, capsys, monkeypatch):
+    import tvm.error
+
+    def broken_attention(*args, **kwargs):
+        raise tvm.error.InternalError("Check failed: (vectorizable) is false: lanes must divide\nStack trace: ...")
+
+    monkeypatch.setattr(cpu_kernels, "attention", broken_attention)
+    out = tmp_path / "x.pic"
+    assert main(["build", str(sparse_files.onnx), "-o", str(out), "--dense", "--max-context", "64"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == ["error: pass codegen, layer 0: InternalError: Check failed: (vectorizable) is false: "
+                   "lanes must divide"]
+    assert not out.exists() and not list(tmp_path.glob(".x.pic*"))
+
+    assert main(["build", str(sparse_files.onnx), "-o", str(out), "--dense", "--max-context", "64", "-v"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "broken_attention" in err  # -v: where it came from
+    assert err.strip().splitlines()[-1].startswith("error: pass codegen, layer 0:")
+
+
+def test_inspect_report_html_and_png(forced_build, tmp_path, capsys):
+    sparse_artifact, _ = forced_build
+    html_path = tmp_path / "report.html"
+    assert main(["inspect", str(sparse_artifact), "--report", str(html_path)]) == 0
+    out = capsys.readouterr().out
+    page = html_path.read_text()
+    rows = re.findall(r"<tr><td>(\d+)</td>", page)
+    assert rows == ["0", "1"]  # one table row per layer
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 3  # activation CDF, GPU/CPU split, predictor recall
+    for image in images:
+        assert base64.b64decode(image).startswith(b"\x89PNG")
+    cdf = (sparse_artifact / "plots" / "activation_cdf.png").read_bytes()
+    assert base64.b64encode(cdf).decode() in images
+    assert "placement" in out and out.splitlines()[0] in page  # the text summary is in the page too
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # written under a temp name, renamed
+
+    png_path = tmp_path / "report.png"
+    assert main(["inspect", str(sparse_artifact), "--report", str(png_path)]) == 0
+    assert png_path.read_bytes().startswith(b"\x89PNG")
+
+    assert main(["inspect", str(sparse_artifact), "--report", str(tmp_path / "report.pdf")]) == 2
+    assert "html or .png" in capsys.readouterr().err
