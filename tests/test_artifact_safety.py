@@ -145,6 +145,21 @@ def test_stale_staging_of_dead_builds_is_removed_and_live_ones_kept(tmp_path):
         sleeper.wait()
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_replacing_an_artifact_leaves_only_the_new_one(tmp_path, monkeypatch, exchange):
+    output = tmp_path / "m.pic"
+    output.mkdir()
+    (output / "manifest.json").write_text("old")
+    if not exchange:  # the fallback where renameat2 is unsupported
+        monkeypatch.setattr(writer, "_exchange", lambda a, b: False)
+    for content in ("new", "newer"):
+        staging = writer._staging_dir(output)
+        (staging / "manifest.json").write_text(content)
+        writer._replace_dir(staging, output)
+        assert (output / "manifest.json").read_text() == content
+        assert [p.name for p in tmp_path.iterdir()] == ["m.pic"]
+
+
 def _tree(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 

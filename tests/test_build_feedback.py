@@ -8,6 +8,7 @@ import base64
 import contextlib
 import io
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,8 @@ from passes.partition import Partition
 from passes.profile import Profile
 from passes.recognise import Recognise
 from picompile.cli import main
-from picompile.compiler import build
 from picompile.errors import PassError
-from picompile.pipeline import Context, Options, PassResult, ProgressBars, describe_change, op_counts, run_passes
+from picompile.pipeline import Context, Options, PassResult, ProgressBars, describe_change, run_passes
 from picompile.targets import get_target
 
 
@@ -107,16 +107,10 @@ def load_ir(path: Path):
 
 
 def test_describe_change_counts_each_op_type():
-    before = op_counts_of(["MatMul"] * 24 + ["Add"] * 3)
-    after = op_counts_of(["picompile.FFN"] * 2 + ["Add"] * 3)
+    before = Counter(["MatMul"] * 24 + ["Add"] * 3)
+    after = Counter(["picompile.FFN"] * 2 + ["Add"] * 3)
     assert describe_change(before, after) == "27 -> 5 nodes (-MatMul 24, +picompile.FFN 2)"
     assert describe_change(after, after) == "5 -> 5 nodes (same op types)"
-
-
-def op_counts_of(ops):
-    from collections import Counter
-
-    return Counter(ops)
 
 
 class _FailsInLayer:
