@@ -157,15 +157,13 @@ class DumpIR(_CountNodes):
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        (self.directory / "index.txt").write_text("")
 
     def after_pass(self, index, compiler_pass, result, seconds, ctx):
         stem = f"{index:02d}-{compiler_pass.name}"
         pir.save(result.model, self.directory / f"{stem}.onnx")
         (self.directory / f"{stem}.txt").write_text(pir.to_text(result.model))
         change = describe_change(self.before, op_counts(result.model))
-        with open(self.directory / "index.txt", "a") as index_file:
+        with open(self.directory / "index.txt", "w" if index == 0 else "a") as index_file:
             index_file.write(f"{stem}.onnx  {compiler_pass.name}: {change}; {seconds * 1000:.1f} ms\n")
 
 
@@ -175,7 +173,6 @@ class LogTiming(_CountNodes):
     def after_pass(self, index, compiler_pass, result, seconds, ctx):
         changed = describe_change(self.before, op_counts(result.model)) if result.modified else "unchanged"
         ctx.log(f"pass {index:02d} {compiler_pass.name:<10} {seconds * 1000:9.1f} ms  {changed}")
-
 
 
 class _VerifyOnnx(Hook):
@@ -247,13 +244,9 @@ class ProgressBars(Hook):
             yield lambda steps=1: None
             return
         task = self._progress.add_task(description, total=total)
-        try:
-            yield lambda steps=1: self._progress.advance(task, steps)
-        finally:
-            if total is not None:
-                self._progress.update(task, completed=total)
-            else:
-                self._progress.update(task, total=1, completed=1)
+        yield lambda steps=1: self._progress.advance(task, steps)
+        # done (a failure leaves the bar where it stopped): full bar, the spinner stops
+        self._progress.update(task, total=total or 1, completed=total or 1)
 
     def before_pass(self, index, compiler_pass, model, ctx):
         if self._pass_task is not None:
