@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import json
 import os
 from dataclasses import asdict
@@ -151,7 +152,7 @@ def remove_stale(output: Path) -> list[Path]:
     """Delete what killed builds of `output` left beside it (`.NAME.tmp-PID-*`, `.NAME.old-PID-*` whose
     process is gone); a running build's staging directory is left alone. Returns what was removed."""
     removed = []
-    for path in output.parent.glob(f".{output.name}.*-*-*"):
+    for path in output.parent.glob(f".{glob.escape(output.name)}.*-*-*"):
         kind, _, rest = path.name[len(output.name) + 2:].partition("-")
         pid = rest.split("-", 1)[0]
         if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
