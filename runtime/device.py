@@ -30,23 +30,22 @@ from .artifact import ArtifactError
 EMULATE_HINT = ("pass --emulate-gpu to run its GPU part on a second CPU executor (checks the split, not the speed), "
                 "or rebuild it with --target cpu")
 
-_cuda_runtime = []  # the loaded libtvm_runtime_cuda handle (kept so it is loaded once)
-
-
 def load_cuda_runtime() -> None:
-    """Load TVM's CUDA runtime library, `libtvm_runtime_cuda.so` beside `libtvm_runtime.so` in the tvm package.
+    """Load TVM's CUDA runtime library, `libtvm_runtime_cuda.so`, from the directory of the loaded libtvm_runtime.
 
-    With TVM_USE_RUNTIME_LIB=1, TVM 0.27 loads only libtvm_runtime (its backend autoload is skipped in
-    runtime-only mode), so `tvm.cuda(0)` does not exist and CUDA modules do not load until this library is
-    loaded; loading it registers the CUDA device API and module loader. It links libcudart.so.13 and
-    libcuda.so.1: OSError when they are missing (a machine without the NVIDIA driver)."""
-    if _cuda_runtime:
-        return
-    import tvm.libinfo  # a path helper of the runtime package (no compiler)
+    With TVM_USE_RUNTIME_LIB=1, TVM 0.27 loads only libtvm_runtime (the backend autoload that loads this
+    library, tvm/backend/cuda, is part of the compiler side), so `tvm.cuda(0)` does not exist and CUDA
+    modules do not load until it is loaded; loading it registers the CUDA device API and module loader.
+    Loaded as TVM's own autoload does (RTLD_LOCAL, recorded in tvm.base._LOADED_LIBS, so it is loaded once).
+    It links libcudart.so.13 and libcuda.so.1: OSError when they are missing (no NVIDIA driver), RuntimeError
+    when the library is not found."""
+    from tvm.base import _LOADED_LIBS
     from tvm_ffi.libinfo import load_lib_ctypes
 
-    _cuda_runtime.append(load_lib_ctypes("tvm", "tvm_runtime_cuda", "RTLD_LOCAL",
-                                         extra_lib_paths=tvm.libinfo.package_lib_paths()))
+    if "tvm_runtime_cuda" not in _LOADED_LIBS:
+        runtime_dir = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+        _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes("tvm", "tvm_runtime_cuda", "RTLD_LOCAL",
+                                                           extra_lib_paths=[runtime_dir])
 
 
 def sm_version(arch: str) -> tuple[int, int]:
@@ -77,7 +76,7 @@ def cuda_device(target: dict, tvm_runtime):
             "the model on the GPU")
     try:
         load_cuda_runtime()
-    except OSError as error:
+    except (OSError, RuntimeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ArtifactError(f"{what}, but TVM's CUDA runtime cannot be loaded here ({reason}: no NVIDIA driver?); "
                             f"{EMULATE_HINT}") from None

@@ -194,8 +194,11 @@ class Engine:
                     and steps[source].device != steps[target].device):
                 steps[target].waits.append(source)
                 steps[source].sync_after = True  # the device finishes its work before the other side goes on
+        for step, node in zip(steps, nodes):  # a copy to the host is complete when it is signalled, whoever reads it
+            if node[phase] == COPY and node["args"][1] not in self._gpu_buffers:
+                step.sync_after = True
         last_gpu = max((i for i, step in enumerate(steps) if step.device == "gpu"), default=None)
-        if last_gpu is not None:
+        if last_gpu is not None:  # the program ends with the device idle (and its errors raised)
             steps[last_gpu].sync_after = True
         return steps
 

@@ -122,7 +122,7 @@ def cuda_gpu_present() -> bool:
 
     try:
         load_cuda_runtime()
-    except OSError:
+    except (OSError, RuntimeError):
         return False
     return tvm.runtime.cuda(0).exist
 
@@ -244,3 +244,58 @@ def test_hybrid_on_the_real_gpu_matches_emulation(hybrid):
     assert all(engine.gpu.tensors[name].device == device for name in gpu_kernel_buffers(engine))
     for got, want in zip(decode_run(engine), decode_run(Engine(hybrid, emulate_gpu=True))):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_device_work_is_synchronised_before_the_cpu_reads_it(hybrid):
+    """GPU kernel launches are asynchronous on a real GPU, so the executor must synchronise the device after a
+    step the CPU waits for (and after every copy to the host) before signalling it. Recorded here: when a CPU
+    call starts, a sync has followed every GPU step it waits for; when a program ends, the device is idle."""
+    engine = Engine(hybrid, emulate_gpu=True)
+    log: list[tuple] = []
+    lock = threading.Lock()
+    problems: list[str] = []
+    device_sync = engine.gpu.sync
+
+    def sync():
+        device_sync()
+        with lock:
+            log.append(("sync",))
+
+    def check(step, run):
+        index = next(i for i, s in enumerate(program[0]) if s is step)
+
+        def checked(position):
+            if step.device == "gpu":
+                run(position)
+                with lock:
+                    log.append(("run", index))
+                return
+            with lock:
+                for wait in step.waits:
+                    ran = max(i for i, entry in enumerate(log) if entry == ("run", wait))
+                    if ("sync",) not in log[ran + 1:]:
+                        problems.append(f"{step.name} started before {program[0][wait].name} was synchronised")
+            run(position)
+        return checked
+
+    engine.gpu.sync = sync
+    program = [None]
+    make_program = engine._program
+
+    def wrapped(phase, rows):
+        program[0] = make_program(phase, rows)
+        for step in program[0]:
+            step.run = check(step, step.run)
+        return program[0]
+
+    engine._program = wrapped
+    engine._decode = wrapped("decode", 1)
+    decode = program[0]
+    for tokens in (PROMPT, [3], [4]):
+        if len(tokens) == 1:
+            program[0] = decode
+        log.clear()
+        engine.forward(tokens)
+        assert log and log[-1] == ("sync",), "the program ended with device work outstanding"
+    assert any(step.device == "cpu" and step.waits for step in decode)
+    assert not problems, problems

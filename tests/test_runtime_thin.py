@@ -27,8 +27,8 @@ def test_runtime_sources_import_nothing_forbidden():
             for name in names:
                 top = name.split(".")[0]
                 assert top not in FORBIDDEN, f"{path.name} imports {name}"
-                if top == "tvm":  # tvm.libinfo: where the package's libraries are (to load libtvm_runtime_cuda)
-                    assert name in ("tvm.runtime", "tvm.libinfo"), f"{path.name} imports {name}: only tvm.runtime is allowed"
+                if top == "tvm":  # tvm.base: the runtime's loaded libraries (to load libtvm_runtime_cuda beside them)
+                    assert name in ("tvm.runtime", "tvm.base"), f"{path.name} imports {name}: only tvm.runtime is allowed"
 
 
 BLOCK_FORBIDDEN = "import sys\nfor name in %r: sys.modules[name] = None  # as on a machine without them\n" % sorted(FORBIDDEN)
@@ -52,7 +52,7 @@ def test_cuda_probe_loads_the_cuda_runtime_library_only():
     never the compiler library."""
     out = run_without_compiler_stack(
         "import runtime.engine as e, runtime.device as d; e._tvm_runtime()\n"
-        "try:\n    d.load_cuda_runtime(); print('loaded')\nexcept OSError as error: print('no driver:', error)\n"
+        "try:\n    d.load_cuda_runtime(); print('loaded')\nexcept (OSError, RuntimeError) as error: print('no driver:', error)\n"
         "maps = open('/proc/self/maps').read(); print('compiler' if 'libtvm_compiler' in maps else 'no compiler')\n"
         "print('cuda runtime mapped' if 'libtvm_runtime_cuda' in maps else 'cuda runtime not mapped')")
     lines = out.strip().splitlines()
