@@ -1,6 +1,8 @@
 """Helpers for scripts/gpu_check.sh's whole-model checks (they run on a CPU too; GPU_CHECK_CPU=1 uses them there).
 
-    python scripts/gpu_check.py model FAMILY PRESET         -> "onnx calib heldout weight_bytes" (makes or reuses the model)
+    python scripts/gpu_check.py model FAMILY PRESET[:KEY=VALUE,...]
+                                                            -> "name onnx calib heldout weight_bytes" (makes or reuses the
+                                                               model; KEY=VALUE override config fields, e.g. layers)
     python scripts/gpu_check.py devices ARTIFACT            -> the devices its calls run on, e.g. "cpu gpu"
     python scripts/gpu_check.py budgets ARTIFACT            -> "vram_24gb vram_11gb": --vram-budget values (bytes)
                                                                emulating those cards, from a GPU build's placement
@@ -26,15 +28,19 @@ MIN_TOP1 = 0.99
 CARD_FFN_SHARES = {"24GB": 0.80, "11GB": 0.06}
 
 
-def model(family: str, preset: str) -> str:
+def model(family: str, spec: str) -> str:
     import onnx
 
     from examples.models import cached_model
 
-    files = cached_model(family, preset=preset, sparsity=0.9)
+    preset, _, overrides = spec.partition(":")
+    fields = {key: json.loads(value) for key, _, value in (item.partition("=") for item in overrides.split(",") if item)}
+    files = cached_model(family, preset=preset, sparsity=0.9, **fields)
     graph = onnx.load(str(files.onnx), load_external_data=False).graph
     weight_bytes = sum(math.prod(t.dims) * 4 for t in graph.initializer if len(t.dims) >= 2)  # the fp32 matrices
-    return f"{files.onnx} {files.calib} {files.heldout} {weight_bytes}"
+    layers = fields.get("num_hidden_layers")
+    name = f"{preset}-{layers}L" if layers else preset if not fields else f"{preset}-custom"
+    return f"{name} {files.onnx} {files.calib} {files.heldout} {weight_bytes}"
 
 
 def devices(artifact: str) -> str:
