@@ -30,6 +30,7 @@ from .artifact import ArtifactError
 EMULATE_HINT = ("pass --emulate-gpu to run its GPU part on a second CPU executor (checks the split, not the speed), "
                 "or rebuild it with --target cpu")
 
+
 def load_cuda_runtime() -> None:
     """Load TVM's CUDA runtime library, `libtvm_runtime_cuda.so`, from the directory of the loaded libtvm_runtime.
 
@@ -67,7 +68,7 @@ def arch_problem(arch: str, compute_version: str, device_name: str) -> str | Non
     if have >= built:
         return None
     return (f"its GPU kernels were compiled for {arch} (SASS + PTX), which {device_name} (compute capability "
-            f"{compute_version}) cannot run: rebuild with a --target whose GPU is sm_{have[0]}{have[1]} or older")
+            f"{compute_version}) cannot run: rebuild it for a target whose cuda arch is at most sm_{have[0]}{have[1]}")
 
 
 def cuda_device(target: dict, tvm_runtime):
@@ -78,7 +79,7 @@ def cuda_device(target: dict, tvm_runtime):
         load_cuda_runtime()
     except (OSError, RuntimeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ArtifactError(f"{what}, but TVM's CUDA runtime cannot be loaded here ({reason}: no NVIDIA driver?); "
+        raise ArtifactError(f"{what}, but TVM's CUDA runtime cannot be loaded here ({reason}); "
                             f"{EMULATE_HINT}") from None
     device = tvm_runtime.cuda(0)
     if not device.exist:
