@@ -2,9 +2,10 @@
 
 Buffers are allocated once at load, 64-byte aligned; every kernel call of a decode step is bound in
 advance, so a step is a loop of FFI calls. The DAG's `order` attribute is the execution order. Each
-call has a device: CPU calls run on the calling thread; GPU calls run on a second executor (a thread
-with its own copies of the buffers it uses, standing in for the GPU when `emulate_gpu` is set), and
-waits on the DAG edges that cross devices keep the two in step.
+call has a device: CPU calls run on the calling thread over numpy buffers; GPU calls and the copies
+between devices run on the device executor (`runtime/device.py`: its own thread, its buffers TVM tensors
+on the GPU, or on the CPU device when `emulate_gpu` is set), and waits on the DAG edges that cross
+devices keep the two in step. An artifact with GPU calls and no usable GPU is refused unless emulated.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from .artifact import (ArtifactError, aligned_zeros, load_manifest, missing_cpu_features, read_safetensors,
                        weight_files)
+from .device import DeviceExecutor, _host, cuda_device, device_library
 
 START = "start"  # the argument that carries the number of tokens already in the KV cache
 COPY = "copy"  # a transfer between devices: the runtime's own, not a kernel
@@ -32,9 +34,16 @@ COUNTERS = ("weight_bytes", "decode_steps")  # the profile's entries that are no
 
 def _tvm_runtime():
     """TVM's runtime library and FFI only; the compiler library is not loaded by a fresh process."""
+    # Read once, when tvm is first imported; restored after so that processes started later (a build)
+    # do not inherit it and find TVM without its compiler.
+    chosen_by_user = "TVM_USE_RUNTIME_LIB" in os.environ
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-    import tvm.runtime
-    import tvm_ffi
+    try:
+        import tvm.runtime
+        import tvm_ffi
+    finally:
+        if not chosen_by_user:
+            os.environ.pop("TVM_USE_RUNTIME_LIB")
 
     return tvm.runtime, tvm_ffi
 
@@ -49,17 +58,18 @@ class Step:
     run: object  # a callable taking the position
     waits: list[int] = field(default_factory=list)  # program indices on the other device to wait for
     weight_bytes: int = 0  # weight bytes the call reads whatever the input (a decode step's; 0 in prefill)
-    count: np.ndarray | None = None  # sparse calls: the [1, 1] count of selected neurons they read rows for
+    sync_after: bool = False  # a GPU step the CPU waits for (or the last): the device finishes it before signalling
+    count: object = None  # sparse calls: the [1, 1] count (array or device tensor) of selected neurons they read rows for
     bytes_per_count: int = 0  # ... and the weight bytes read per selected neuron
-    hidden: np.ndarray | None = None  # fused ReLU calls: the hidden values; rows past the first are read ...
+    hidden: object = None  # fused ReLU calls: the hidden values; rows past the first are read ...
     bytes_per_active: int = 0  # ... only for the neurons whose value is not 0, this many bytes each
 
     def bytes_read(self) -> int:
         """Weight bytes this call read; for a sparse call, read its count (and hidden) buffers right after it."""
         if self.count is None:
             return self.weight_bytes
-        count = int(self.count[0, 0])
-        active = 0 if self.hidden is None else int(np.count_nonzero(self.hidden[0, :count]))
+        count = int(_host(self.count)[0, 0])
+        active = 0 if self.hidden is None else int(np.count_nonzero(_host(self.hidden)[0, :count]))
         return self.weight_bytes + count * self.bytes_per_count + active * self.bytes_per_active
 
 
@@ -77,36 +87,40 @@ class Engine:
         schedule = json.loads((self.directory / "schedule.json").read_text())
         self._nodes = sorted(schedule["nodes"], key=lambda node: node["order"])
         self.devices = sorted({node["device"] for node in self._nodes})
-        if "gpu" in self.devices and not emulate_gpu:
-            raise ArtifactError(
-                f"artifact was built for GPU target {self.manifest['target']['name']} and runs part of the model on "
-                "the GPU; this runtime has no CUDA executor yet: pass --emulate-gpu to run the GPU part on a second "
-                "CPU executor (checks the split, not the speed), or rebuild with --target cpu"
-            )
         tvm_runtime, self._ffi = _tvm_runtime()
+        device = None
+        if "gpu" in self.devices and not emulate_gpu:  # refused here, before anything is read, if no GPU fits
+            device = cuda_device(target, tvm_runtime)
         library = tvm_runtime.load_module(str(self.directory / "kernels" / "cpu.so"))
         weights = {}
         for path in weight_files(self.directory, self.manifest):
             weights.update(read_safetensors(path))
-        self.buffers: dict[str, np.ndarray] = {}
-        for name, info in self.manifest["buffers"].items():
-            if info["kind"] == "weight":
-                if name not in weights:
-                    raise ArtifactError(f"weight {name} is missing from the artifact")
-                self.buffers[name] = weights[name]
-            else:
-                self.buffers[name] = aligned_zeros(info["shape"], np.dtype(info["dtype"]))
-        self._row_buffers = {n for n, info in self.manifest["buffers"].items() if info["kind"] in ("activation", "input")}
+        buffers = self.manifest["buffers"]
+        self._row_buffers = {n for n, info in buffers.items() if info["kind"] in ("activation", "input")}
+        self._gpu_buffers, host_buffers = _buffer_homes(self._nodes, buffers)
+        for name, info in buffers.items():
+            if info["kind"] == "weight" and name not in weights:
+                raise ArtifactError(f"weight {name} is missing from the artifact")
+        # the host's buffers: numpy, used by the CPU calls and the host side of copies
+        self.buffers: dict[str, np.ndarray] = {
+            name: weights[name] if info["kind"] == "weight" else aligned_zeros(info["shape"], np.dtype(info["dtype"]))
+            for name, info in buffers.items() if name in host_buffers}
+        # the GPU's: tensors on its device (tvm.cuda(0), or tvm.cpu(0) when emulating)
+        self.gpu: DeviceExecutor | None = None
+        if "gpu" in self.devices:
+            gpu_library = library if device is None else device_library(self.directory, target, tvm_runtime)
+            self.gpu = DeviceExecutor(tvm_runtime, tvm_runtime.cpu(0) if device is None else device, gpu_library,
+                                      {name: buffers[name] for name in self._gpu_buffers}, weights, self._row_buffers)
+        del weights  # weights only the GPU reads now live on its device alone
         self._edges = schedule.get("edges", [])
         try:
-            self._kernels = {name: library[name] for node in self._nodes for name in (node["decode"], node["prefill"])
-                             if name and name != COPY}
+            self._kernels = {name: library[name] for node in self._nodes if node["device"] == "cpu"
+                             for name in (node["decode"], node["prefill"]) if name and name != COPY}
         except Exception as error:
             raise ArtifactError(f"kernel library does not provide a scheduled kernel: {error}") from None
         for kernel in self._kernels.values():
             kernel.release_gil = True  # the two executors overlap only if calls release the GIL
         self._decode = self._program("decode", rows=1)
-        self._worker = _DeviceWorker() if "gpu" in self.devices else None
         self.position = 0
         # Set to {} to profile: seconds per op class, "wall" and "overhead", and for decode (one-token)
         # steps "weight_bytes" (weight bytes the calls read) and "decode_steps".
@@ -118,20 +132,30 @@ class Engine:
         array = self.buffers[name]
         return array[:rows] if name in self._row_buffers else array
 
+    def _buffer(self, name: str, device: str):
+        """A buffer as the calls of `device` see it: a host array, or a device tensor."""
+        return self.gpu.tensors[name] if device == "gpu" else self.buffers[name]
+
     def _bind(self, node: dict, phase: str, rows: int):
-        kernel_name = node[phase]
+        kernel_name, args = node[phase], node["args"]
+        if node["device"] == "gpu":
+            if kernel_name == COPY:  # args: source, target; one on each side
+                to_device = args[1] in self._gpu_buffers
+                host, device_side = (args[0], args[1]) if to_device else (args[1], args[0])
+                return self.gpu.bind_copy(self._view(host, rows), device_side, rows, to_device)
+            bound = [None if name == START else self.gpu.view(name, rows) for name in args]
+            return self.gpu.bind_call(kernel_name, bound, args.index(START) if START in args else None)
         if kernel_name == COPY:
-            source, target = (self._view(name, rows) for name in node["args"])
-            return lambda position: np.copyto(target, source)
+            raise ArtifactError(f"copy {node['id']} is scheduled on the CPU; copies belong to the GPU's executor")
         function = self._kernels[kernel_name]
-        args = [0 if name == START else self._ffi.from_dlpack(self._view(name, rows)) for name in node["args"]]
-        if START not in node["args"]:
-            return lambda position: function(*args)
-        index = node["args"].index(START)
+        bound = [0 if name == START else self._ffi.from_dlpack(self._view(name, rows)) for name in args]
+        if START not in args:
+            return lambda position: function(*bound)
+        index = args.index(START)
 
         def run(position):
-            args[index] = position
-            function(*args)
+            bound[index] = position
+            function(*bound)
 
         return run
 
@@ -155,7 +179,7 @@ class Engine:
                 fixed += nbytes
         if not sparse:
             return {"weight_bytes": fixed}
-        reads = {"weight_bytes": fixed, "count": self.buffers[node["args"][2]], "bytes_per_count": per_count}
+        reads = {"weight_bytes": fixed, "count": self._buffer(node["args"][2], node["device"]), "bytes_per_count": per_count}
         if node["decode"].startswith(FUSED_FFN) and "_relu" in node["decode"]:
             # args: x, index, count, up rows, up bias, down rows, hidden, ...: the first up row (the gate's when
             # gated) and the bias are read for every selected neuron, the other rows only where it was not 0
@@ -163,7 +187,8 @@ class Engine:
             neurons = buffers[node["args"][1]]["shape"][-1]
             row = lambda info: info["shape"][-1] * np.dtype(info["dtype"]).itemsize  # noqa: E731
             first = row(up) + (math.prod(bias["shape"]) // neurons) * np.dtype(bias["dtype"]).itemsize
-            reads.update(bytes_per_count=first, hidden=self.buffers[node["args"][6]], bytes_per_active=per_count - first)
+            reads.update(bytes_per_count=first, hidden=self._buffer(node["args"][6], node["device"]),
+                         bytes_per_active=per_count - first)
         return reads
 
     def _program(self, phase: str, rows: int) -> list[Step]:
@@ -176,6 +201,13 @@ class Engine:
             if (source is not None and target is not None and phase in edge.get("phases", PHASES)
                     and steps[source].device != steps[target].device):
                 steps[target].waits.append(source)
+                steps[source].sync_after = True  # the device finishes its work before the other side goes on
+        for step, node in zip(steps, nodes):  # a copy to the host is complete when it is signalled, whoever reads it
+            if node[phase] == COPY and node["args"][1] not in self._gpu_buffers:
+                step.sync_after = True
+        last_gpu = max((i for i, step in enumerate(steps) if step.device == "gpu"), default=None)
+        if last_gpu is not None:  # the program ends with the device idle (and its errors raised)
+            steps[last_gpu].sync_after = True
         return steps
 
     # ---------------------------------------------------------------- running
@@ -197,10 +229,10 @@ class Engine:
         self.buffers["input_ids"][:rows] = ids
         program = self._decode if rows == 1 else self._program("prefill", rows)
         began = time.perf_counter()
-        if self._worker is None:
+        if self.gpu is None:
             self._run_serial(program)
         else:
-            self._worker.run(program, self.position, self._timer())
+            self.gpu.run(program, self.position, self._timer())
         if self.profile is not None:  # wall time not spent inside a kernel or copy: the runtime's own cost
             kernels = sum(seconds for op_class, seconds in self.profile.items()
                           if op_class not in ("overhead", "wall", *COUNTERS))
@@ -236,50 +268,20 @@ class Engine:
             record(step.op_class, clock() - began, step.bytes_read())
 
 
-class _DeviceWorker:
-    """Runs a program's GPU steps on a second thread while the caller runs its CPU steps."""
-
-    def __init__(self):
-        self._jobs: list = []
-        self._ready = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="picompile-gpu-executor", daemon=True)
-        self._thread.start()
-
-    def run(self, program: list[Step], position: int, record) -> None:
-        done = [threading.Event() for _ in program]
-        failure: list[BaseException] = []
-        job = (program, position, record, done, failure)
-        with self._ready:
-            self._jobs.append(job)
-            self._ready.notify()
-        _execute(program, "cpu", position, record, done, failure)
-        for event in done:
-            event.wait()
-        if failure:
-            raise failure[0]
-
-    def _loop(self) -> None:
-        while True:
-            with self._ready:
-                while not self._jobs:
-                    self._ready.wait()
-                program, position, record, done, failure = self._jobs.pop(0)
-            _execute(program, "gpu", position, record, done, failure)
-
-
-def _execute(program: list[Step], device: str, position: int, record, done, failure) -> None:
-    clock = time.perf_counter
-    for index, step in enumerate(program):
-        if step.device != device:
-            continue
-        for wait in step.waits:
-            done[wait].wait()
-        try:
-            if not failure:
-                began = clock()
-                step.run(position)
-                if record is not None:
-                    record(step.op_class, clock() - began, step.bytes_read())
-        except BaseException as error:  # surfaced by the caller; keep signalling so nobody hangs
-            failure.append(error)
-        done[index].set()
+def _buffer_homes(nodes: list[dict], buffers: dict) -> tuple[set[str], set[str]]:
+    """(the GPU's buffers, the host's): a GPU call's arguments live on the GPU; a copy's are one on each side
+    (codegen names the GPU's instance of a buffer `name@gpu`); everything else, input_ids and logits
+    included, lives on the host. A weight read on both sides has a copy on each; any other buffer on both
+    sides would be a race, so it is refused."""
+    gpu, cpu = set(), {"input_ids", "logits"}
+    for node in nodes:
+        names = [name for name in node["args"] if name in buffers]
+        if COPY in (node["decode"], node["prefill"]):
+            for name in names:
+                (gpu if name.endswith("@gpu") else cpu).add(name)
+        else:
+            (gpu if node["device"] == "gpu" else cpu).update(names)
+    shared = {name for name in gpu & cpu if buffers[name]["kind"] != "weight"}
+    if shared:
+        raise ArtifactError(f"buffers used on both devices without a copy: {', '.join(sorted(shared))}")
+    return gpu, (set(buffers) - gpu) | cpu

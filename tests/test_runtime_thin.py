@@ -27,8 +27,8 @@ def test_runtime_sources_import_nothing_forbidden():
             for name in names:
                 top = name.split(".")[0]
                 assert top not in FORBIDDEN, f"{path.name} imports {name}"
-                if top == "tvm":
-                    assert name in ("tvm.runtime",), f"{path.name} imports {name}: only tvm.runtime is allowed"
+                if top == "tvm":  # tvm.base: the runtime's loaded libraries (to load libtvm_runtime_cuda beside them)
+                    assert name in ("tvm.runtime", "tvm.base"), f"{path.name} imports {name}: only tvm.runtime is allowed"
 
 
 BLOCK_FORBIDDEN = "import sys\nfor name in %r: sys.modules[name] = None  # as on a machine without them\n" % sorted(FORBIDDEN)
@@ -45,6 +45,22 @@ def test_runtime_loads_tvm_runtime_without_compiler_library():
     out = run_without_compiler_stack("import runtime, runtime.engine as e; e._tvm_runtime(); import tvm.base; "
                                      "print(sorted(tvm.base._LOADED_LIBS))")
     assert out.strip() == "['tvm_runtime']"  # not libtvm_compiler.so (~260 MB)
+
+
+def test_cuda_probe_loads_the_cuda_runtime_library_only():
+    """Looking for a GPU loads libtvm_runtime_cuda.so (or fails for want of the NVIDIA driver, as here) and
+    never the compiler library."""
+    out = run_without_compiler_stack(
+        "import runtime.engine as e, runtime.device as d; e._tvm_runtime()\n"
+        "try:\n    d.load_cuda_runtime(); print('loaded')\nexcept (OSError, RuntimeError) as error: print('no driver:', error)\n"
+        "maps = open('/proc/self/maps').read(); print('compiler' if 'libtvm_compiler' in maps else 'no compiler')\n"
+        "print('cuda runtime mapped' if 'libtvm_runtime_cuda' in maps else 'cuda runtime not mapped')")
+    lines = out.strip().splitlines()
+    assert lines[1] == "no compiler", out
+    if lines[0] == "loaded":  # a machine with the driver: the library is in the process
+        assert lines[2] == "cuda runtime mapped", out
+    else:  # no libcuda.so.1: the load failed, and the error names what is missing
+        assert "libcuda" in lines[0] or "libcudart" in lines[0], out
 
 
 def test_greedy_is_argmax_and_sampling_respects_top_k_and_top_p():
