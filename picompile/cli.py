@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,19 @@ def _unit_interval(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
     return value
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a non-negative {kind.__name__}, got {text!r}") from None
+        if not value >= 0 or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected a non-negative {kind.__name__}, got {value}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,9 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("artifact", type=Path)
     run.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
     run.add_argument("-n", "--max-new-tokens", type=_positive_int, default=32)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--temperature", type=_non_negative(float), default=0.0)
+    run.add_argument("--top-k", type=_non_negative(int), default=0)
+    run.add_argument("--top-p", type=_unit_interval, default=1.0)
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--profile", action="store_true",
                      help="time per kernel class and weight bytes read per decoded token")
@@ -235,11 +249,20 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         return {"build": _build, "run": _run, "eval": _eval, "inspect": _inspect}[args.command](args)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        print(f"error: {'; '.join(lines)}", file=sys.stderr)  # one line, whatever a library put in the message
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 2
+    except Exception as error:  # a bug, not bad input: exit 1, naming the pass it came from
+        if os.environ.get("PICOMPILE_TRACEBACK"):
+            raise
+        where = f" in pass {error.picompile_pass}" if hasattr(error, "picompile_pass") else ""
+        message = str(error).splitlines()[0] if str(error) else ""
+        print(f"error: internal error{where}: {type(error).__name__}: {message} (a picompile bug: please report it; "
+              "PICOMPILE_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

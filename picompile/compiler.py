@@ -16,7 +16,8 @@ from passes.schedule import Schedule
 
 from . import artifact
 from .pipeline import Context, Hook, Options, Pass, dump_ir, log_timing, run_passes, verify_onnx
-from .targets import Target
+from .errors import UserError
+from .targets import Target, check_vram_budget
 
 
 def pipeline(options: Options) -> list[Pass]:
@@ -31,6 +32,8 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
           dump_dir: Path | None = None, log=lambda message: None, verify: bool = False,
           passes: list[Pass] | None = None) -> Path:
     """Compile an ONNX decoder into an artifact directory; nothing is left at `output` if it fails."""
+    check_vram_budget(target, options.vram_budget_bytes)  # refused before any work, not passes later
+    _check_output(Path(output))
     model = load(model_path)
     hooks: list[Hook] = [log_timing]
     if dump_dir is not None:
@@ -41,3 +44,11 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
         ctx = Context(target=target, options=options, workdir=Path(workdir), log=log)
         lowered = run_passes(model, passes or pipeline(options), ctx, hooks)
         return artifact.write(lowered, ctx, output, source=model_path)
+
+
+def _check_output(output: Path) -> None:
+    """The artifact replaces `output` when done: refuse a path that holds something else (a file, a directory
+    of the user's) rather than swap it out and delete it."""
+    if output.exists() and not (output.is_dir() and (output / "manifest.json").is_file()):
+        kind = "a directory that is not a picompile artifact" if output.is_dir() else "a file"
+        raise UserError(f"-o {output} is {kind}; choose a new path (an existing artifact is replaced)")

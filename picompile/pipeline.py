@@ -73,7 +73,11 @@ Hook = Callable[[int, Pass, PassResult, float, Context], None]
 def run_passes(model: ir.Model, passes: list[Pass], ctx: Context, hooks: list[Hook] = ()) -> ir.Model:
     for index, compiler_pass in enumerate(passes):
         started = time.perf_counter()
-        result = compiler_pass.apply(model, ctx)
+        try:
+            result = compiler_pass.apply(model, ctx)
+        except Exception as error:  # not caught here: the CLI names the pass in its internal-error line
+            error.picompile_pass = compiler_pass.name
+            raise
         seconds = time.perf_counter() - started
         model = result.model
         for hook in hooks:
