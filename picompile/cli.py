@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--all-neurons", action="store_true",
                        help="lower sparse but let every neuron through the predictor (checks the hot/cold split)")
     build.add_argument("--placement-batch", type=_positive_int, default=64, help="neurons per placement ILP variable")
+    build.add_argument("--placement-time-limit", type=_non_negative(float), default=30.0, metavar="SECONDS",
+                       help="time limit of the placement ILP; past it the best placement found is used and reported "
+                            "as not optimal, with its gap (picompile inspect)")
     build.add_argument("--weight-dtype", choices=["fp32", "fp16"], default="fp32",
                        help="storage of the CPU's weight matrices (fp16 halves the bytes a token reads; math stays fp32)")
     build.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
@@ -118,6 +121,7 @@ def _build(args) -> int:
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
                       vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
                       all_neurons=args.all_neurons, placement_batch=args.placement_batch,
+                      placement_time_limit_s=args.placement_time_limit,
                       weight_dtype=args.weight_dtype, target_recall=args.target_recall, cpu_isa=args.cpu_isa)
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None)

@@ -66,6 +66,20 @@ def unsupported_activation(base: Path, path: Path) -> None:
     onnx.save(model, str(path))
 
 
+def silu_ffn(base: Path, path: Path) -> None:
+    """Every FFN's Relu becomes SiLU, x * Sigmoid(x): a model picompile lifts, but only builds densely."""
+    model = _load(base)
+    for node in [n for n in model.graph.node if n.op_type == "Relu"]:
+        index = list(model.graph.node).index(node)
+        x, y = node.input[0], node.output[0]
+        sigmoid = oh.make_node("Sigmoid", [x], [f"{y}.sigmoid"], name=node.name.replace("Relu", "Sigmoid"))
+        mul = oh.make_node("Mul", [x, f"{y}.sigmoid"], [y], name=node.name.replace("Relu", "SiLU"))
+        model.graph.node.remove(node)
+        model.graph.node.insert(index, mul)
+        model.graph.node.insert(index, sigmoid)
+    onnx.save(model, str(path))
+
+
 def zero_width_ffn(base: Path, path: Path) -> None:
     """Layer 0's FFN has zero neurons: fc1 weight [0, d], bias [0], fc2 weight [d, 0] (consistent ONNX)."""
     model = _load(base)
@@ -138,6 +152,7 @@ MODELS = {
     "ffn_weights_as_inputs": (ffn_weights_as_inputs, ["fc1", "graph input", "constant"]),
     "unsupported_activation": (unsupported_activation, ["Tanh", "activation"]),
     "zero_width_ffn": (zero_width_ffn, ["layer 0", "zero"]),
+    "silu_ffn_sparse": (silu_ffn, ["layer 0", "silu", "activation_fn/SiLU", "--dense", "--sparsity-mode threshold"]),
     "mismatched_ffn_shapes": (mismatched_ffn_shapes, ["fc2"]),
     "zero_layers": (zero_layers, ["no decoder layers"]),
     "cnn": (cnn, ["Conv", "not a decoder"]),

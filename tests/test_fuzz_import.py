@@ -2,7 +2,7 @@
 rewired, an attribute, dtype or shape changed, an initializer deleted, the bytes truncated), must either
 compile or raise UserError; never another exception.
 
-Bounded for the normal suite (PICOMPILE_FUZZ_EXAMPLES, default 60, derandomized so CI is repeatable);
+Bounded for the normal suite (PICOMPILE_FUZZ_EXAMPLES, default 100, derandomized so CI is repeatable);
 raise it for a longer local hunt, e.g. PICOMPILE_FUZZ_EXAMPLES=2000 PICOMPILE_FUZZ_RANDOM=1.
 """
 
@@ -24,7 +24,7 @@ from picompile.errors import UserError
 from picompile.pipeline import Context, run_passes
 from picompile.targets import get_target
 
-EXAMPLES = int(os.environ.get("PICOMPILE_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("PICOMPILE_FUZZ_EXAMPLES", "100"))
 OPS = ["Relu", "Gelu", "Tanh", "Add", "Mul", "MatMul", "Gemm", "Softmax", "Reshape", "Transpose", "Identity",
        "Gather", "Cast", "Sigmoid", "LayerNormalization", "Concat", "NoSuchOp"]
 DTYPES = [onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.INT64, onnx.TensorProto.INT8,
