@@ -56,8 +56,7 @@ def check_memory(what: str, weight_bytes: int, extra_bytes: int = 0) -> None:
     if available is not None and needed > available:
         raise UserError(f"{what} needs about {format_size(needed)} of memory to build ({format_size(weight_bytes)} "
                         f"of weights x {WORKING_FACTOR:g} + {format_size(BASE_BYTES)}) but only {format_size(available)} "
-                        "is available; "
-                        "free memory or build on a larger machine")
+                        "is available; free memory or build on a larger machine")
 
 
 def load(path: Path) -> ir.Model:
@@ -154,6 +153,21 @@ def _check_references(graph: ir.Graph) -> None:
             raise UserError(f"graph output {value.name!r} is not produced by any node: the model file is damaged or incomplete")
 
 
+def _sort(graph: ir.Graph) -> None:
+    """Nodes in topological order (ONNX asks for it; some writers ignore it); a cycle is refused, named."""
+    try:
+        graph.sort()
+    except ValueError:
+        import networkx as nx
+
+        edges = nx.DiGraph((id(value.producer()), id(node)) for node in graph for value in node.inputs
+                           if value is not None and value.producer() is not None)
+        names = {id(node): node.name or node.op_type for node in graph}
+        cycle = [names.get(a, "?") for a, _ in nx.find_cycle(edges)]
+        raise UserError(f"the graph has a cycle through nodes {' -> '.join(cycle[:6])}{' ...' if len(cycle) > 6 else ''}: "
+                        "the model file is damaged") from None
+
+
 def _check_decoder(graph: ir.Graph) -> None:
     """The model must be a decoder LLM export with a KV cache; say what it looks like instead."""
     input_names = {v.name for v in graph.inputs}
@@ -201,6 +215,7 @@ class Import:
         graph = model.graph
         _check_nodes(model)
         _check_references(graph)
+        _sort(graph)
         _check_decoder(graph)
         _check_weights_are_constants(graph)
         for value in graph.inputs:

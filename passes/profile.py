@@ -90,7 +90,12 @@ def run_reference(source: ir.Model, wanted: list[str], sequences: list[np.ndarra
                 feeds[name] = np.arange(len(sequence), dtype=np.int64)[None]
             elif name.startswith("past_key_values."):
                 feeds[name] = np.zeros((1, info.shape[1], 0, info.shape[3]), np.float32)
-        yield dict(zip(wanted, session.run(wanted, feeds)))
+        try:
+            results = session.run(wanted, feeds)
+        except Exception as error:  # onnxruntime's own types: a node of the source model fails on real tokens
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UserError(f"onnxruntime cannot run the model on calibration tokens: {reason}") from None
+        yield dict(zip(wanted, results))
 
 
 def plot_cdf(stats: dict[int, LayerStats], path: Path) -> None:

@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=_non_negative(float), default=0.0)
     run.add_argument("--top-k", type=_non_negative(int), default=0)
     run.add_argument("--top-p", type=_unit_interval, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--seed", type=_non_negative(int), default=None)
     run.add_argument("--profile", action="store_true",
                      help="time per kernel class and weight bytes read per decoded token")
     run.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")

@@ -47,6 +47,13 @@ def broken_reference(base: Path, path: Path) -> None:
     onnx.save(model, str(path))
 
 
+def cycle(base: Path, path: Path) -> None:
+    """Layer 0's fc1 reads fc2's output: a loop no evaluation order can satisfy."""
+    model = _load(base)
+    _node(model, "Gemm", "layers.0/fc1").input[0] = _node(model, "Gemm", "layers.0/fc2").output[0]
+    onnx.save(model, str(path))
+
+
 def ffn_weights_as_inputs(base: Path, path: Path) -> None:
     """fc1's weight is a graph input (fed at run time) instead of a constant initializer."""
     model = _load(base)
@@ -149,6 +156,7 @@ MODELS = {
     "random_bytes": (random_bytes, ["not a readable onnx model"]),
     "truncated": (truncated, ["onnx"]),
     "broken_reference": (broken_reference, ["no_such_value", "activation_fn/Relu"]),
+    "cycle": (cycle, ["cycle", "fc1/Gemm", "fc2/Gemm"]),
     "ffn_weights_as_inputs": (ffn_weights_as_inputs, ["fc1", "graph input", "constant"]),
     "unsupported_activation": (unsupported_activation, ["Tanh", "activation"]),
     "zero_width_ffn": (zero_width_ffn, ["layer 0", "zero"]),

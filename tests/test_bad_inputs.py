@@ -124,6 +124,7 @@ def test_max_context_beyond_the_learned_positions(base_model, workdir, capfd):
     (["--temperature", "-1"], ["temperature", "non-negative"]),
     (["--temperature", "inf"], ["temperature", "non-negative"]),
     (["--top-k", "-2"], ["top-k", "non-negative"]),
+    (["--seed", "-1"], ["seed", "non-negative"]),
     (["--top-p", "0"], ["top-p", "(0, 1]"]),
     (["--top-p", "1.5"], ["top-p", "(0, 1]"]),
     (["--prompt-ids", ""], ["prompt-ids", "empty"]),
