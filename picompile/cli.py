@@ -263,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("PICOMPILE_TRACEBACK"):
             raise
         where = f" in pass {error.picompile_pass}" if hasattr(error, "picompile_pass") else ""
+        if isinstance(error, MemoryError):  # the machine's limit, not a bug: like the up-front refusals
+            print(f"error: out of memory{where}; free memory, build on a larger machine or choose a smaller "
+                  "--max-context", file=sys.stderr)
+            return 2
         message = str(error).splitlines()[0] if str(error) else ""
         print(f"error: internal error{where}: {type(error).__name__}: {message} (a picompile bug: please report it; "
               "PICOMPILE_TRACEBACK=1 shows the traceback)", file=sys.stderr)

@@ -7,6 +7,7 @@ The pass lists themselves live in `picompile.compiler`, one screen to read the w
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +77,8 @@ def run_passes(model: ir.Model, passes: list[Pass], ctx: Context, hooks: list[Ho
         try:
             result = compiler_pass.apply(model, ctx)
         except Exception as error:  # not caught here: the CLI names the pass in its internal-error line
-            error.picompile_pass = compiler_pass.name
+            with contextlib.suppress(AttributeError):  # an exception type without a __dict__ goes unnamed
+                error.picompile_pass = compiler_pass.name
             raise
         seconds = time.perf_counter() - started
         model = result.model

@@ -249,8 +249,14 @@ def test_internal_errors_exit_1_naming_the_pass(base_model, workdir, capfd, monk
         raise KeyError("a bug")
 
     monkeypatch.setattr(passes.recognise, "analyse", broken)
-    code = run_cli(["build", base_model, "-o", workdir / "out.pic"], capfd)
-    assert code[0] == 1
-    lines = code[1].strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: internal error in pass recognise: KeyError")
+    code, err = run_cli(["build", base_model, "-o", workdir / "out.pic"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: internal error in pass recognise: KeyError")
     assert not (workdir / "out.pic").exists()
+
+    def out_of_memory(model):
+        raise MemoryError()
+
+    monkeypatch.setattr(passes.recognise, "analyse", out_of_memory)  # the machine's limit: exit 2, said so
+    code, err = run_cli(["build", base_model, "-o", workdir / "out.pic"], capfd)
+    assert_user_error(code, err, "out of memory in pass recognise")
