@@ -30,8 +30,8 @@ DECODER_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids
 # Ops whose second input is a weight: a graph input there means weights are fed at run time.
 WEIGHT_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Gather"}
 # Build memory = BASE + WORKING_FACTOR x weight bytes. Measured on opt-small (0.42 GiB of weights, sparse
-# build): peak RSS 2.86 GiB, of which 0.47 GiB are the imports (python, torch, TVM, onnxruntime), i.e.
-# 5.8x the weights. The factor is set lower on purpose: part of that working set (profiled activations,
+# build with --calib, `/usr/bin/time -v python -m picompile build ...`, 2026-11-29): peak RSS 2.86 GiB, of
+# which 0.47 GiB are the imports (python, torch, TVM, onnxruntime), i.e. 5.8x the weights. The factor is set lower on purpose: part of that working set (profiled activations,
 # predictor training) grows with layers x width, slower than the weights, and a refusal must only stop
 # builds that clearly cannot fit, never a build that would have worked (a 1B model builds in 24 GiB).
 WORKING_FACTOR = 4.0

@@ -18,8 +18,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
 from passes.import_onnx import available_memory_bytes
+from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 from picompile.targets import format_size
