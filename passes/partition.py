@@ -37,8 +37,8 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
-from picompile.errors import UserError
 from picompile.pipeline import Context
+from picompile.targets import check_vram_budget
 
 # Storage precision of the weights on the target: the one place to change when fp16/int4 weights land.
 BYTES_PER_ELEMENT = 4
@@ -411,11 +411,7 @@ class Partition:
         attentions = pir.nodes_in_domain(model, "Attention")
         bpe = self.bytes_per_element
 
-        if options.vram_budget_bytes is not None and options.vram_budget_bytes > target.gpu_memory_bytes:
-            raise UserError(
-                f"--vram-budget {options.vram_budget_bytes} bytes ({_size(options.vram_budget_bytes)}) exceeds "
-                f"the GPU memory of target {target.name}: {target.gpu_memory_bytes} bytes ({_size(target.gpu_memory_bytes)})"
-                + ("; it has no GPU" if not target.has_gpu else ""))
+        check_vram_budget(target, options.vram_budget_bytes)
 
         # Per layer: sorted frequencies, neuron order, bytes per neuron; and which initializers are FFN-owned.
         frequencies, orders, bytes_per_neuron, d_models, per_neuron_values = [], [], [], [], set()

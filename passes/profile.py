@@ -75,7 +75,11 @@ def run_reference(source: ir.Model, wanted: list[str], sequences: list[np.ndarra
             source.graph.outputs.append(value)
     path = workdir / "profile-source.onnx"
     pir.save(source, path)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime's own exception types: the source model is not valid ONNX
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"onnxruntime cannot load the model to profile it: {reason}") from None
     inputs = {i.name: i for i in session.get_inputs()}
     for sequence in sequences:
         feeds = {"input_ids": sequence.astype(np.int64)[None]}
@@ -86,7 +90,12 @@ def run_reference(source: ir.Model, wanted: list[str], sequences: list[np.ndarra
                 feeds[name] = np.arange(len(sequence), dtype=np.int64)[None]
             elif name.startswith("past_key_values."):
                 feeds[name] = np.zeros((1, info.shape[1], 0, info.shape[3]), np.float32)
-        yield dict(zip(wanted, session.run(wanted, feeds)))
+        try:
+            results = session.run(wanted, feeds)
+        except Exception as error:  # onnxruntime's own types: a node of the source model fails on real tokens
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UserError(f"onnxruntime cannot run the model on calibration tokens: {reason}") from None
+        yield dict(zip(wanted, results))
 
 
 def plot_cdf(stats: dict[int, LayerStats], path: Path) -> None:

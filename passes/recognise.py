@@ -18,9 +18,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from passes.import_onnx import available_memory_bytes
 from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
+from picompile.targets import format_size
 
 # Ops that move or retype an activation without changing its values.
 PASS_THROUGH = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast"}
@@ -398,10 +400,22 @@ def _position_offset(model: ir.Model, gather: ir.Node) -> int:
     import onnxruntime as ort
 
     index = gather.inputs[1]
-    session = ort.InferenceSession(_subgraph_proto(model, index.name).SerializeToString(),
-                                   providers=["CPUExecutionProvider"])
+    probe = _subgraph_proto(model, index.name).SerializeToString()
+    try:
+        session = ort.InferenceSession(probe, providers=["CPUExecutionProvider"])
+        positions = np.asarray(session.run([index.name], _probe_feeds(session.get_inputs()))[0]).reshape(-1)
+    except Exception as error:  # onnxruntime raises its own types for invalid graphs and mistyped inputs
+        raise UserError(f"onnxruntime cannot run the position index computation of {gather.name or 'Gather'} "
+                        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
+    if positions.size != 3 or not np.array_equal(np.diff(positions), [1, 1]):
+        raise UserError(f"learned position embedding indexed in an unrecognised way ({positions.tolist()})")
+    return int(positions[0]) - 1
+
+
+def _probe_feeds(inputs) -> dict[str, np.ndarray]:
+    """A 3-token prompt after one cached token."""
     feeds = {}
-    for value in session.get_inputs():
+    for value in inputs:
         if value.name == "input_ids":
             feeds[value.name] = np.zeros((1, 3), np.int64)
         elif value.name == "attention_mask":
@@ -411,10 +425,7 @@ def _position_offset(model: ir.Model, gather: ir.Node) -> int:
         else:
             shape = [1 if not isinstance(d, int) else d for d in value.shape]
             feeds[value.name] = np.zeros(shape, np.float32)
-    positions = np.asarray(session.run([index.name], feeds)[0]).reshape(-1)
-    if positions.size != 3 or not np.array_equal(np.diff(positions), [1, 1]):
-        raise UserError(f"learned position embedding indexed in an unrecognised way ({positions.tolist()})")
-    return int(positions[0]) - 1
+    return feeds
 
 
 def _subgraph_proto(model: ir.Model, output: str):
@@ -446,10 +457,14 @@ def analyse(model: ir.Model) -> Decoder:
     ffns = _find_ffns(graph, linear_by_output)
     ffn_linears = {id(l.matmul) for f in ffns for l in (f.up, f.down, f.gate) if l is not None}
     attentions = _find_attentions(graph, linears, ffn_linears)
+    if not attentions:
+        raise UserError("model has no decoder layers (no present.{i}.key/value outputs)")
     if len(ffns) != len(attentions):
+        used = ffn_linears | {id(lin.matmul) for a in attentions for lin in (a.q, a.k, a.v, a.o)}
         raise UserError(
-            f"found {len(attentions)} attention blocks but {len(ffns)} FFN blocks; FFNs must be "
-            "up -> Relu/Gelu/SiLU -> down or act(gate) * up -> down with constant weights"
+            f"found {len(attentions)} attention blocks but {len(ffns)} FFN blocks"
+            + _unrecognised_ffn([lin for lin in linears if id(lin.matmul) not in used])
+            + "; FFNs must be up -> Relu/Gelu/SiLU -> down or act(gate) * up -> down with constant weights"
         )
     order = {node: i for i, node in enumerate(graph)}
     ffns.sort(key=lambda f: order[f.down.matmul])
@@ -470,7 +485,86 @@ def analyse(model: ir.Model) -> Decoder:
     if position is not None:
         offset = _position_offset(model, position)
         positions = pir.const_array(position.inputs[0])[offset:].astype(np.float32)
-    return Decoder(pir.const_array(token.inputs[0]).astype(np.float32), positions, attentions, ffns, final_norm, lm_head)
+    decoder = Decoder(pir.const_array(token.inputs[0]).astype(np.float32), positions, attentions, ffns, final_norm, lm_head)
+    _check_shapes(decoder)
+    return decoder
+
+
+def _check_sparsity_applies(decoder: Decoder) -> None:
+    """A sparse build skips neurons whose activation is exactly zero: only ReLU makes them. GELU and SiLU
+    outputs are almost never zero, so skipping 'inactive' neurons there would change the result."""
+    for ffn in decoder.ffns:
+        if ffn.activation != "relu":
+            node = ffn.activation_output.producer()
+            raise UserError(f"layer {ffn.layer}: the FFN activation is {ffn.activation} (node "
+                            f"{node.name if node is not None and node.name else ffn.activation_output.name}), which is "
+                            "never exactly zero, so ReLU sparsity does not apply; build with --dense "
+                            "(or --sparsity-mode threshold to skip neurons below a magnitude threshold)")
+
+
+def _check_context(decoder: Decoder, max_context: int) -> None:
+    """--max-context must fit the model's learned positions and the machine's memory (KV cache + logits)."""
+    if decoder.positions is not None and decoder.positions.shape[0] < max_context:
+        raise UserError(f"--max-context {max_context} exceeds the model's {decoder.positions.shape[0]} learned positions")
+    cache_bytes = sum(2 * a.num_kv_heads * a.head_dim for a in decoder.attentions) * max_context * 4
+    logits_bytes = max_context * decoder.lm_head.weight.shape[1] * 4
+    available = available_memory_bytes()
+    if available is not None and cache_bytes + logits_bytes > available:
+        raise UserError(f"--max-context {max_context} needs {format_size(cache_bytes + logits_bytes)} for the KV cache "
+                        f"and logits but only {format_size(available)} is available; choose a smaller --max-context")
+
+
+def _unrecognised_ffn(leftovers: list[Linear]) -> str:
+    """Why a linear left over after recognition is not an FFN: the op that follows it, named."""
+    for lin in leftovers:
+        users = _consumers(lin.output)
+        if len(users) == 1 and users[0].op_type not in ("MatMul", "Gemm", "Add"):
+            node = users[0]
+            return (f"; linear {lin.matmul.name or lin.matmul.op_type} is followed by {node.op_type} "
+                    f"(node {node.name or node.op_type}), which is not a supported FFN activation "
+                    "(Relu, Gelu, SiLU as x*Sigmoid(x)); no build flag changes this")
+    return ""
+
+
+def _check_shapes(decoder: Decoder) -> None:
+    """Every weight must be non-empty and agree with the model width: catches absurd or inconsistent
+    shapes here, by name, rather than as a numpy or onnxruntime error passes later."""
+    vocab, d_model = decoder.embed.shape
+    if vocab == 0 or d_model == 0:
+        raise UserError(f"the token embedding has shape {list(decoder.embed.shape)}: zero-size weights")
+
+    def expect(lin: Linear, where: str, k: int | None, n: int | None = None) -> None:
+        name = f"{where} ({lin.matmul.name or lin.matmul.op_type})"
+        shape = list(lin.weight.shape)
+        if lin.weight.size == 0:
+            raise UserError(f"{name}: weight of shape {shape} has zero size")
+        if (k is not None and shape[0] != k) or (n is not None and shape[1] != n):
+            raise UserError(f"{name}: weight of shape {shape} does not fit: expected [{k or '?'}, {n or '?'}]")
+        if lin.bias is not None and lin.bias.size != shape[1]:
+            raise UserError(f"{name}: bias of {lin.bias.size} values for {shape[1]} outputs")
+
+    def expect_norm(norm: Norm, where: str) -> None:
+        if norm.scale.size != d_model or (norm.bias is not None and norm.bias.size != d_model):
+            raise UserError(f"{where}: norm scale/bias of {norm.scale.size} values for a model width of {d_model}")
+
+    for attention in decoder.attentions:
+        where = f"layer {attention.layer} attention"
+        for lin in (attention.q, attention.k, attention.v):
+            expect(lin, where, d_model)
+        expect(attention.o, f"{where} output projection", attention.q.weight.shape[1], d_model)
+        expect_norm(attention.norm, where)
+    for ffn in decoder.ffns:
+        where = f"layer {ffn.layer} FFN"
+        expect(ffn.up, f"{where} up projection", d_model)
+        width = ffn.up.weight.shape[1]
+        if ffn.gate is not None:
+            expect(ffn.gate, f"{where} gate projection", d_model, width)
+        expect(ffn.down, f"{where} down projection", width, d_model)
+        expect_norm(ffn.norm, where)
+    expect(decoder.lm_head, "output layer", d_model)
+    expect_norm(decoder.final_norm, "final norm")
+    if decoder.positions is not None and (decoder.positions.ndim != 2 or decoder.positions.shape[1] != d_model):
+        raise UserError(f"the position embedding has shape {list(decoder.positions.shape)}; model width is {d_model}")
 
 
 # ---------------------------------------------------------------- rebuilding as picompile ops
@@ -582,6 +676,9 @@ class Recognise:
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)
+        _check_context(decoder, ctx.options.max_context)
+        if not ctx.options.dense:
+            _check_sparsity_applies(decoder)
         lifted = build_graph(decoder)
         ctx.source = model  # the profile pass runs the source graph as its reference executor
         ctx.log(f"recognised {len(decoder.attentions)} layers: "

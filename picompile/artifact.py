@@ -57,7 +57,7 @@ def check_output(output: Path) -> None:
     """Building replaces `output` whole: refuse unless it is absent, an empty directory, or an artifact."""
     output = Path(output)
     if output.is_symlink() or (output.exists() and not output.is_dir()):
-        raise UserError(f"output {output} exists and is not a directory; choose another -o")
+        raise UserError(f"output {output} is a file, not an artifact directory; choose another -o")
     if output.is_dir() and any(output.iterdir()) and not (output / "manifest.json").is_file():
         raise UserError(f"output {output} is a directory that is not a picompile artifact; refusing to replace it")
 

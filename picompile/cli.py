@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -40,6 +41,19 @@ def _unit_interval(text: str) -> float:
     return value
 
 
+def _non_negative(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a non-negative {kind.__name__}, got {text!r}") from None
+        if not value >= 0 or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected a non-negative {kind.__name__}, got {value}")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     from .targets import TARGETS
 
@@ -58,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--all-neurons", action="store_true",
                        help="lower sparse but let every neuron through the predictor (checks the hot/cold split)")
     build.add_argument("--placement-batch", type=_positive_int, default=64, help="neurons per placement ILP variable")
+    build.add_argument("--placement-time-limit", type=_non_negative(float), default=30.0, metavar="SECONDS",
+                       help="time limit of the placement ILP; past it the best placement found is used and reported "
+                            "as not optimal, with its gap (picompile inspect)")
     build.add_argument("--weight-dtype", choices=["fp32", "fp16"], default="fp32",
                        help="storage of the CPU's weight matrices (fp16 halves the bytes a token reads; math stays fp32)")
     build.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
@@ -75,10 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("artifact", type=Path)
     run.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
     run.add_argument("-n", "--max-new-tokens", type=_positive_int, default=32)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--temperature", type=_non_negative(float), default=0.0)
+    run.add_argument("--top-k", type=_non_negative(int), default=0)
+    run.add_argument("--top-p", type=_unit_interval, default=1.0)
+    run.add_argument("--seed", type=_non_negative(int), default=None)
     run.add_argument("--profile", action="store_true",
                      help="time per kernel class and weight bytes read per decoded token")
     run.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
@@ -111,6 +128,7 @@ def _build(args) -> int:
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
                       vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
                       all_neurons=args.all_neurons, placement_batch=args.placement_batch,
+                      placement_time_limit_s=args.placement_time_limit,
                       weight_dtype=args.weight_dtype, target_recall=args.target_recall, cpu_isa=args.cpu_isa)
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     from .pipeline import ProgressBars
@@ -260,17 +278,29 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         return {"build": _build, "run": _run, "eval": _eval, "inspect": _inspect}[args.command](args)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        print(f"error: {'; '.join(lines)}", file=sys.stderr)  # one line, whatever a library put in the message
         return 2
-    except PassError as error:  # a bug or a failing tool inside a pass: an internal error, named
-        if getattr(args, "verbose", False):
+    except PassError as error:  # a bug or a failing tool inside a pass: named by pass (and layer)
+        if isinstance(error.error, MemoryError):  # the machine's limit, not a bug: like the up-front refusals
+            print(f"error: out of memory in {error.where}; free memory, build on a larger machine or choose a "
+                  "smaller --max-context", file=sys.stderr)
+            return 2
+        if getattr(args, "verbose", False) or os.environ.get("PICOMPILE_TRACEBACK"):
             traceback.print_exception(error.error)
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error} (a picompile bug or a failing tool: -v or PICOMPILE_TRACEBACK=1 shows the "
+              "traceback)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 2
-
+    except Exception as error:  # a bug outside the passes: exit 1, one line
+        if os.environ.get("PICOMPILE_TRACEBACK"):
+            raise
+        message = str(error).splitlines()[0] if str(error) else ""
+        print(f"error: internal error: {type(error).__name__}: {message} (a picompile bug: please report it; "
+              "PICOMPILE_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,7 +16,7 @@ from passes.schedule import Schedule
 
 from . import artifact
 from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
-from .targets import Target
+from .targets import Target, check_vram_budget
 
 
 def pipeline(options: Options) -> list[Pass]:
@@ -32,6 +32,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
           passes: list[Pass] | None = None, progress: bool = False) -> Path:
     """Compile an ONNX decoder into an artifact directory; nothing is left at `output` if it fails, and an
     artifact already there stays whole until the new one replaces it. `progress` draws bars on stderr."""
+    check_vram_budget(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
     model = load(model_path)
     passes = passes or pipeline(options)
@@ -45,3 +46,4 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
         ctx = Context(target=target, options=options, workdir=Path(workdir), log=log, progress_bars=bars)
         lowered = run_passes(model, passes, ctx, [*hooks, bars])
         return artifact.write(lowered, ctx, output, source=model_path)
+

@@ -15,5 +15,5 @@ class PassError(Exception):
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         first = next((line for line in lines if not line.startswith(("Traceback", "File ", "  File "))),
                      lines[0] if lines else "")
-        where = f"pass {pass_name}" + (f", layer {layer}" if layer is not None else "")
+        self.where = where = f"pass {pass_name}" + (f", layer {layer}" if layer is not None else "")
         super().__init__(f"{where}: {type(error).__name__}: {first}" if first else f"{where}: {type(error).__name__}")

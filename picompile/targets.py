@@ -73,6 +73,24 @@ def get_target(name: str) -> Target:
         raise UserError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}") from None
 
 
+def format_size(n: float) -> str:
+    """Bytes as the largest binary unit that keeps the number >= 1: '1.50 GiB', '300.00 KiB', '12 B'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_vram_budget(target: Target, budget_bytes: int | None) -> None:
+    """--vram-budget must fit the target's GPU: refuse, with both numbers, a budget the card cannot hold."""
+    if budget_bytes is None or budget_bytes <= target.gpu_memory_bytes:
+        return
+    raise UserError(
+        f"--vram-budget {budget_bytes} bytes ({format_size(budget_bytes)}) exceeds the GPU memory of target "
+        f"{target.name}: {target.gpu_memory_bytes} bytes ({format_size(target.gpu_memory_bytes)})"
+        + ("; it has no GPU (choose a GPU --target)" if not target.has_gpu else ""))
+
+
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 

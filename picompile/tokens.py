@@ -31,6 +31,11 @@ def read_tokens(path: Path) -> list[np.ndarray]:
     if path.suffix == ".npy":
         try:
             array = np.load(path, allow_pickle=False)
+        except ValueError as error:
+            if "Object arrays" in str(error):  # what np.save makes of sequences of unequal length
+                raise UserError(f"{path} holds an object array (ragged sequences?): save equal-length sequences as a "
+                                "2-D integer array, or write a text file with one sequence per line") from None
+            raise UserError(f"{path} is not a readable .npy file: {error}") from None
         except Exception as error:
             raise UserError(f"{path} is not a readable .npy file: {error}") from None
         if array.dtype.kind not in "iu":
