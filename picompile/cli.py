@@ -288,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if getattr(args, "verbose", False) or os.environ.get("PICOMPILE_TRACEBACK"):
             traceback.print_exception(error.error)
-        print(f"error: {error} (a picompile bug or a failing tool: -v or PICOMPILE_TRACEBACK=1 shows the "
-              "traceback)", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -251,7 +251,7 @@ def test_internal_errors_exit_1_naming_the_pass(base_model, workdir, capfd, monk
     monkeypatch.setattr(passes.recognise, "analyse", broken)
     code, err = run_cli(["build", base_model, "-o", workdir / "out.pic"], capfd)
     lines = err.strip().splitlines()
-    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: internal error in pass recognise: KeyError")
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: pass recognise: KeyError")
     assert not (workdir / "out.pic").exists()
 
     def out_of_memory(model):
