@@ -1,4 +1,4 @@
-"""sparsity-mode: decide how decode skips FFN work, predictor (PowerInfer) or threshold (TEAL).
+"""sparsity: decide how decode skips FFN work, predictor (PowerInfer) or threshold (TEAL).
 
 Reads: the `picompile.FFN` nodes' `activation` attribute, the options `sparsity_mode` ("auto", "predictor",
 "threshold") and `sparsity`, and whether the target has a GPU. Adds: `ctx.sparsity` ({"mode", "sparsity",
@@ -33,7 +33,7 @@ PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn
 
 @dataclass
 class SparsityMode:
-    name = "sparsity-mode"
+    name = "sparsity"
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         options = ctx.options

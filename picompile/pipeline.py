@@ -56,7 +56,7 @@ class Context:
     # Profiled activations, too large for the IR: layer -> (FFN inputs [tokens, d_model] float32,
     # active neurons [tokens, ffn] bool). Written by the profile pass, read by the predict pass.
     profile: dict[int, tuple] = field(default_factory=dict)
-    # The sparsity mode in force (set by the sparsity-mode pass from Options.sparsity_mode): "predictor" or
+    # The sparsity mode in force (set by the sparsity pass from Options.sparsity_mode): "predictor" or
     # "threshold", with the sparsity (threshold mode) and the reason it was chosen.
     sparsity: dict = field(default_factory=dict)
     # The imported (pre-recognise) model, which the reference executor runs while profiling.
