@@ -29,6 +29,7 @@ MODES = ("auto", "predictor", "threshold")
 # TEAL reports 40-50% model-wide sparsity at small quality cost; 0.4 is the cautious end of that range.
 DEFAULT_SPARSITY = 0.4
 PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn
+SPELLING = {"relu": "ReLU", "silu": "SiLU", "gelu": "GELU"}
 
 
 @dataclass
@@ -44,7 +45,7 @@ class SparsityMode:
         if options.sparsity is not None and not 0.0 <= options.sparsity < 1.0:
             raise UserError(f"--sparsity must be in [0, 1), got {options.sparsity}")
         activations = sorted({str(pir.attr(n, "activation")) for n in pir.nodes_in_domain(model, "FFN")})
-        names = "/".join(a.upper() if a == "relu" else a.capitalize() if a == "gelu" else "SiLU" for a in activations)
+        names = "/".join(SPELLING.get(a, a) for a in activations)
         predictable = all(a in PREDICTABLE for a in activations)
         mode = options.sparsity_mode
         if mode == "auto":
