@@ -47,10 +47,11 @@ def dropped_share(values: np.ndarray, threshold: float) -> float:
 
 def hidden_of(x: np.ndarray, w_up: np.ndarray, b_up: np.ndarray | None, activation: str, gated: bool) -> np.ndarray:
     """The FFN's hidden values, the input of down: act(x @ W_gate) * (x @ W_up) when gated, else act(x @ W_up)."""
+    tensor = lambda a: torch.from_numpy(np.array(a, np.float32))  # noqa: E731  (a writable copy for torch)
     with torch.no_grad():
-        pre = torch.from_numpy(np.ascontiguousarray(x, np.float32)) @ torch.from_numpy(w_up)
+        pre = tensor(x) @ tensor(w_up)
         if b_up is not None:
-            pre += torch.from_numpy(b_up)
+            pre += tensor(b_up)
         act = _ACTIVATIONS[activation]
         if gated:
             half = pre.shape[1] // 2

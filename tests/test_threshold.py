@@ -135,6 +135,24 @@ def test_sparsity_zero_matches_onnxruntime(threshold_builds, swiglu):
         np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
+def test_threshold_mode_on_an_ungated_biased_relu_ffn(tiny_models, tmp_path):
+    """Threshold mode asked for on OPT (ReLU, not gated, biases): at sparsity 0 it is the dense model."""
+    from picompile.compiler import build
+    from picompile.pipeline import Options
+    from picompile.reference import OrtDecoder
+    from picompile.targets import get_target
+    from runtime import Engine
+
+    files = tiny_models("opt", sparsity=0.9)
+    artifact = build(files.onnx, tmp_path / "opt.pic", get_target("cpu"),
+                     Options(max_context=32, calib=files.calib, sparsity_mode="threshold", sparsity=0.0, calib_tokens=512))
+    schedule = json.loads((artifact / "schedule.json").read_text())
+    assert any(n["decode"].startswith("sparse_columns") and "_relu_b" in n["decode"] for n in schedule["nodes"])
+    engine, reference = Engine(artifact), OrtDecoder(files.onnx)
+    for got, expected in zip(greedy_steps(engine.forward, steps=4), greedy_steps(reference.forward, steps=4)):
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
 def test_half_sparsity_matches_the_thresholded_model_and_reads_fewer_rows(threshold_builds, swiglu):
     """At sparsity 0.5 the artifact computes the model whose FFN inputs below the thresholds are zeroed (torch,
     hooks on the same weights; the prompt runs dense, as picompile's prefill does), and its decode steps read
@@ -146,7 +164,7 @@ def test_half_sparsity_matches_the_thresholded_model_and_reads_fewer_rows(thresh
 
     manifest = json.loads((threshold_builds[0.5] / "manifest.json").read_text())
     layers = {layer["layer"]: layer for layer in manifest["layers"]}
-    model, _ = build_model("llama", "tiny", None, hidden_act="silu")
+    model, _ = build_model("llama", "tiny", None, hidden_act="silu")  # the weights tiny_models exported
     config = model.config
     d, f = config.hidden_size, config.intermediate_size
     state = {"sparse": False, "dropped_bytes": 0}
