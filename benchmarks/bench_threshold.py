@@ -46,8 +46,8 @@ def name_of(sparsity: float | None) -> str:
 def report(summary: dict, qualities: dict, builds: dict) -> str:
     dense = summary[name_of(None)]
     rows = ["| engine | inputs dropped (gate/up, down) | KL | ppl reference -> compiled | top-1 | weights MiB/token "
-            "| decode tok/s | vs dense |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| byte limit vs dense | decode tok/s | vs dense |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, figures in summary.items():
         q = qualities.get(name)
         dropped = builds.get(name, "-")
@@ -56,9 +56,12 @@ def report(summary: dict, qualities: dict, builds: dict) -> str:
             change = (q["ppl_compiled"] / q["ppl_reference"] - 1) * 100
             quality = (f"{q['kl_mean']:.2e} | {q['ppl_reference']:.2f} -> {q['ppl_compiled']:.2f} ({change:+.2f}%) | "
                        f"{q['top1_agreement']:.3f}")
-        traffic = f"{figures['weight_bytes_per_token'] / 2**20:.1f}" if "weight_bytes_per_token" in figures else "-"
+        traffic = limit = "-"
+        if "weight_bytes_per_token" in figures:  # decode is memory-bound: the speed-up the bytes saved allow
+            traffic = f"{figures['weight_bytes_per_token'] / 2**20:.1f}"
+            limit = f"{dense['weight_bytes_per_token'] / figures['weight_bytes_per_token']:.2f}x"
         speed = figures["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
-        rows.append(f"| {name} | {dropped} | {quality} | {traffic} | {figures['decode_tokens_per_s']:.2f} | "
+        rows.append(f"| {name} | {dropped} | {quality} | {traffic} | {limit} | {figures['decode_tokens_per_s']:.2f} | "
                     f"**{speed:.2f}x** |")
     return "\n".join(rows)
 
@@ -106,15 +109,19 @@ def main(argv=None) -> int:
     del reference
     gc.collect()
     print(f"timing: {args.runs} alternating runs of {args.tokens} tokens after a {args.prompt_len}-token prompt")
+    load_before = os.getloadavg()[0]
     summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len)
+    load = (load_before, os.getloadavg()[0])  # the machine may be shared: its load says how far to trust the timing
     config = {"family": "llama-swiglu", "preset": args.preset, "params": params, "sparsities": args.sparsities,
               "threads": args.threads, "tokens": args.tokens, "runs": args.runs, "prompt_len": args.prompt_len,
               "max_context": args.max_context, "weight_dtype": args.weight_dtype, "sequences": args.sequences,
-              "machine": machine()}
+              "machine": machine(), "load_average": load}
     text = report(summary, qualities, builds)
     text += (f"\n\nQuality on {args.sequences} held-out sequences of random tokens (dense-random weights: the "
              "perplexities sit near the vocabulary size; KL and top-1 measure the distance from the dense model). "
-             "Inputs dropped: the shares measured on held-out profiled tokens at build time.")
+             "Inputs dropped: the shares measured on held-out profiled tokens at build time. Byte limit: dense "
+             "weight bytes per decoded token over the build's (the speed-up a memory-bound step allows). 1-minute "
+             f"load average before / after the timing: {load[0]:.1f} / {load[1]:.1f} on {os.cpu_count()} cores.")
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"config": config, "summary": summary, "quality": qualities,

@@ -114,6 +114,8 @@ def _build(args) -> int:
     from .targets import get_target, parse_size
 
     target = get_target(args.target)
+    if args.dense and (args.sparsity is not None or args.sparsity_mode != "auto"):
+        raise UserError("--dense computes every input of every FFN: drop --sparsity and --sparsity-mode, or --dense")
     if args.calib is not None and not args.calib.is_file():
         raise UserError(f"calibration file not found: {args.calib}")
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,

@@ -135,6 +135,28 @@ def test_sparsity_zero_matches_onnxruntime(threshold_builds, swiglu):
         np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
+def test_fp16_threshold_build_stays_close_to_onnxruntime(swiglu, tmp_path):
+    """--weight-dtype fp16: the column-sparse kernels read fp16 rows; at sparsity 0 only fp16 rounding remains."""
+    from picompile.compiler import build
+    from picompile.pipeline import Options
+    from picompile.reference import OrtDecoder
+    from picompile.targets import get_target
+    from runtime import Engine
+
+    artifact = build(swiglu.onnx, tmp_path / "f16.pic", get_target("cpu"),
+                     Options(max_context=32, calib=swiglu.calib, sparsity_mode="threshold", sparsity=0.0,
+                             weight_dtype="fp16", calib_tokens=512))
+    schedule = json.loads((artifact / "schedule.json").read_text())
+    assert any(n["decode"].startswith("sparse_columns") and "_f16" in n["decode"] for n in schedule["nodes"])
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["buffers"]["layers.0.ffn.w_up"]["dtype"] == "float16"
+    engine, reference = Engine(artifact), OrtDecoder(swiglu.onnx)
+    expected = greedy_steps(reference.forward, steps=4)
+    got = [engine.forward(PROMPT)] + [engine.forward([int(np.argmax(r[-1]))]) for r in expected[:-1]]
+    errors = [np.abs(g - e).max() / e.std() for g, e in zip(got, expected)]
+    assert 0 < max(errors) < 1e-2, errors
+
+
 def test_threshold_mode_on_an_ungated_biased_relu_ffn(tiny_models, tmp_path):
     """Threshold mode asked for on OPT (ReLU, not gated, biases): at sparsity 0 it is the dense model."""
     from picompile.compiler import build
@@ -236,6 +258,7 @@ def test_auto_mode_picks_threshold_for_silu_and_says_why(swiglu, tmp_path, capsy
     (["--sparsity-mode", "predictor"], "--sparsity-mode predictor needs ReLU FFNs, but this model's use SiLU"),
     (["--target", "rtx4090"], "threshold sparsity runs on the CPU only"),
     (["--sparsity", "1.0"], "--sparsity: expected a number in [0, 1)"),
+    (["--dense", "--sparsity", "0.5"], "--dense computes every input"),
 ])
 def test_threshold_mode_refusals(swiglu, tmp_path, capsys, args, message):
     from picompile.cli import main
