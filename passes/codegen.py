@@ -1,7 +1,8 @@
 """codegen: lower each block op to TVM kernel calls and compile the kernels.
 
 Reads: the block-level IR (`picompile.Embed`, `picompile.Attention`, `picompile.FFN` or, after lower,
-`picompile.Predict` / `SparseFFN` / `MergePartial`; norms, residual Adds, the output MatMul) and the
+`picompile.Predict` / `SparseFFN` / `MergePartial` (predictor mode) or `ThresholdFFN` / `MergePartial`
+(threshold mode); norms, residual Adds, the output MatMul) and the
 placement report. Adds: a new graph made only of `picompile.Call` nodes, one per kernel call. Each Call
 names its kernels (`decode` for one token, `prefill` for a symbolic number of rows; "" where it runs in
 one phase only), its arguments in order (`args`: buffer names, with `start` for the cached-token count)
