@@ -54,7 +54,7 @@ class Context:
     # Files a pass produces for the artifact (kernel libraries, plots): relative path -> bytes on disk.
     artifact_files: dict[str, Path] = field(default_factory=dict)
     # Profiled activations, too large for the IR: layer -> (FFN inputs [tokens, d_model] float32,
-    # active neurons [tokens, ffn] bool). Written by the profile pass, read by the predict pass.
+    # active neurons [tokens, ffn] bool). Written by the profile pass, read by the predict and threshold passes.
     profile: dict[int, tuple] = field(default_factory=dict)
     # The sparsity mode in force (set by the sparsity pass from Options.sparsity_mode): "predictor" or
     # "threshold", with the sparsity (threshold mode) and the reason it was chosen.
