@@ -29,7 +29,8 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.pipeline import Context
 
-HOLDOUT = 0.2  # share of the profiled tokens (the last ones) that measure the sparsity, not fit it
+from .predict import HOLDOUT, _training_tokens  # the predictors' split of the profiled tokens
+
 KEEP_ALL = -1.0  # a threshold every magnitude passes (|v| > -1)
 _ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
 
@@ -70,7 +71,7 @@ class Calibration:
 def calibrate(x: np.ndarray, w_up: np.ndarray, b_up: np.ndarray | None, activation: str, gated: bool,
               sparsity: float, holdout: float = HOLDOUT) -> Calibration:
     """One layer's two thresholds, fitted on the first tokens of `x` and measured on the last `holdout` of them."""
-    fit = len(x) - min(max(1, int(round(holdout * len(x)))), len(x) - 1)
+    fit = _training_tokens(len(x), holdout)
     t_in = magnitude_threshold(x[:fit], sparsity)
     kept = np.where(np.abs(x) > t_in, x, np.float32(0))
     h = hidden_of(kept, w_up, b_up, activation, gated)
