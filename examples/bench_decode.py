@@ -155,7 +155,7 @@ def quality(files, artifact: Path, sequences: int = 4, reference=None) -> dict:
     engine = Engine(artifact)
     report = evaluate(engine, reference or OrtDecoder(files.onnx), read_tokens(files.heldout)[:sequences])
     layers = engine.manifest.get("layers", [])
-    if layers:
+    if layers and "predictor_recall" in layers[0]:
         report["recall_min"] = min(layer["predictor_recall"] for layer in layers)
         report["predicted_active_mean"] = sum(layer["predictor_active"] for layer in layers) / len(layers)
     del engine

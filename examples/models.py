@@ -8,7 +8,8 @@ and written next to random calibration / held-out token files.
 Families
     ``opt``    OPTForCausalLM, ReLU FFN (fc1 -> relu -> fc2), pre-LayerNorm, biases, tied LM head.
     ``llama``  LlamaForCausalLM with ``hidden_act="relu"`` (gated ReGLU: down(relu(gate(x)) * up(x))),
-               grouped-query attention, untied LM head, no biases anywhere.
+               grouped-query attention, untied LM head, no biases anywhere. ``hidden_act="silu"`` makes
+               the SwiGLU LLaMA (dense-random only: synthetic sparsity needs ReLU's exact zeros).
 
 Synthetic sparsity (``sparsity=0.9, skew="zipf"``; ``sparsity=None`` leaves the model dense-random)
     The numbers are *synthetic*: they are what this maker designed, not what any trained model
@@ -109,7 +110,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 FAMILY_FIXED: dict[str, dict[str, Any]] = {
     "opt": dict(activation_function="relu", do_layer_norm_before=True, enable_bias=True,
                 dropout=0.0, attention_dropout=0.0, layerdrop=0.0),
-    "llama": dict(hidden_act="relu", tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+    "llama": dict(tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+}
+# Architecture choices a family allows (the first is the default).
+FAMILY_CHOICES: dict[str, dict[str, tuple]] = {
+    "opt": {},
+    "llama": dict(hidden_act=("relu", "silu")),
 }
 
 # Knobs of the synthetic structure (may be passed as keyword overrides).
@@ -150,6 +156,10 @@ def make_config(family: str, preset: str = "tiny", **overrides):
         if key in overrides and overrides[key] != value:
             raise ValueError(f"{family}: {key} is fixed to {value!r}")
         fields[key] = value
+    for key, allowed in FAMILY_CHOICES[family].items():
+        fields.setdefault(key, allowed[0])
+        if fields[key] not in allowed:
+            raise ValueError(f"{family}: {key} must be one of {allowed}, got {fields[key]!r}")
     if family == "opt":
         fields["word_embed_proj_dim"] = fields["hidden_size"]
         return OPTConfig(**fields)
@@ -218,6 +228,8 @@ def build_model(family: str, preset: str = "tiny", sparsity: float | None = None
     generator = torch.Generator().manual_seed(seed + 1)
     _randomize_small(model, generator)
     report = None
+    if sparsity is not None and getattr(config, "hidden_act", "relu") != "relu":
+        raise ValueError(f"synthetic sparsity needs a ReLU FFN; {family} has hidden_act={config.hidden_act!r}")
     if sparsity is not None:
         t = {**TOKEN_DEFAULTS, **tokens}
         synth_ids = random_tokens(config.vocab_size, t["n_seqs"], t["seq_len"], seed + 1001, _avoid_ids(config))

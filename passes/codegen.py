@@ -1,7 +1,8 @@
 """codegen: lower each block op to TVM kernel calls and compile the kernels.
 
 Reads: the block-level IR (`picompile.Embed`, `picompile.Attention`, `picompile.FFN` or, after lower,
-`picompile.Predict` / `SparseFFN` / `MergePartial`; norms, residual Adds, the output MatMul) and the
+`picompile.Predict` / `SparseFFN` / `MergePartial` (predictor mode) or `ThresholdFFN` / `MergePartial`
+(threshold mode); norms, residual Adds, the output MatMul) and the
 placement report. Adds: a new graph made only of `picompile.Call` nodes, one per kernel call. Each Call
 names its kernels (`decode` for one token, `prefill` for a symbolic number of rows; "" where it runs in
 one phase only), its arguments in order (`args`: buffer names, with `start` for the cached-token count)
@@ -358,6 +359,46 @@ class _Walker:
             pre = dense_hidden
         self.low.linear(pre, down_rows, None, partial, f"{p}.down_dense", "ffn_down", phases=("prefill",), device=device,
                         packed=False)
+        self.location[node.outputs[0].name] = partial
+
+    def lower_ThresholdFFN(self, node: ir.Node) -> None:
+        """Decode: keep the inputs above their thresholds (select on |x|), gate and up over the kept input
+        channels' rows (one column-sparse GEMV over w_up [D, 2F], the GLU on its sums), the same for down over
+        h. Prompts: dense GEMMs over the same [K, N] weights (the sparse kernels need that layout, not panels)."""
+        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        x = self.location[node.inputs[0].name]
+        w_up, b_up, w_down = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2]), self.weight_of(node.inputs[3])
+        for weight in (w_up, w_down):
+            self.low.cpu_matrix(weight, "cpu")
+        d_in, up_width = self.low.weights[w_up].shape
+        neurons, width = self.low.weights[w_down].shape
+        dtype = self.low.buffers[w_up]["dtype"]
+        dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
+        p = node.name
+        partial = self.low.activation("act.partial.cpu", width)
+        hidden = self.low.activation(f"act.ffn_hidden.f{neurons}", neurons)
+        projections = (("up", x, w_up, b_up, d_in, up_width, hidden, gated, activation, "threshold_in", "ffn_up"),
+                       ("down", hidden, w_down, None, neurons, width, partial, False, "none", "threshold_down", "ffn_down"))
+        for part, v, weight, bias, rows, columns, out, glu, act, key, op_class in projections:
+            threshold = self.low.weight(f"{p}.{key}", np.array([pir.attr(node, key)], np.float32))
+            index = self.low.activation(f"act.kept_index.n{rows}", rows, dtype="int32", rows=1)
+            count = self.low.activation("act.kept_count", 1, dtype="int32", rows=1)
+            kernels = self.low.kernel(neuron.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",))
+            self.low.call(kernels, [v, threshold, index, count], [index, count], f"{p}.{part}_select", op_class)
+            scratch = self.low.scratch(f"scratch.columns.n{columns}", [neuron.COLUMN_TASKS, columns])
+            tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{dtype_tag}"
+            kernels = self.low.kernel(neuron.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
+                                      gated=glu, act=act, bias=bias is not None, phases=("decode",), **dtype_arg)
+            self.low.call(kernels, [v, index, count, weight, *([bias] if bias else []), scratch, out],
+                          [scratch, out], f"{p}.{part}", op_class)
+        # multi-token steps: dense, as the sparse FFN parts do
+        pre = self.low.activation(f"act.ffn_pre.n{up_width}", up_width)
+        self.low.linear(x, w_up, b_up, pre if gated else hidden, f"{p}.up_dense", "ffn_up",
+                        act="none" if gated else activation, phases=("prefill",), packed=False)
+        if gated:
+            kernels = self.low.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=("prefill",))
+            self.low.call(kernels, [pre, hidden], [hidden], f"{p}.glu", "ffn_up")
+        self.low.linear(hidden, w_down, None, partial, f"{p}.down_dense", "ffn_down", phases=("prefill",), packed=False)
         self.location[node.outputs[0].name] = partial
 
     def lower_MergePartial(self, node: ir.Node) -> None:

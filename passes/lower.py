@@ -12,6 +12,14 @@ Reads: `picompile.FFN` nodes with what the earlier passes added: `gpu_neurons` a
   `picompile.MergePartial` adds the parts and the down bias.
 Weights are permuted so that each part is a contiguous block of rows. With `Options.all_neurons` the
 threshold admits every neuron: the split and merge are then exactly the dense FFN (what tests check).
+
+In threshold mode (FFN nodes carrying `threshold_in` / `threshold_down`, from the threshold pass) each FFN
+becomes instead, on the CPU:
+  `picompile.ThresholdFFN` x -> the FFN without its down bias, decode reading only the weight rows of the
+                          inputs that pass: gate and up read the rows (one per input channel, w_up [D, 2F]
+                          as stored) of the channels with |x| > threshold_in, down the rows (w_down [F, D])
+                          of the neurons with |h| > threshold_down; multi-token prompts run densely;
+  `picompile.MergePartial` adds the down bias.
 """
 
 from __future__ import annotations
@@ -35,6 +43,13 @@ def _rows(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return pir.initializer(graph, name, np.ascontiguousarray(array, np.float32))
 
 
+def _drop_unused_initializers(graph: ir.Graph) -> None:
+    """Dense FFN weights, frequencies, orders: folded into the new ops."""
+    consumed = {v.name for n in graph for v in n.inputs if v is not None}
+    for name in [n for n in graph.initializers if n not in consumed]:
+        graph.initializers.pop(name)
+
+
 @dataclass
 class Lower:
     name = "lower"
@@ -42,21 +57,46 @@ class Lower:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
         ffns = pir.nodes_in_domain(model, "FFN")
-        if ctx.options.dense or not ffns or "predictor_threshold" not in ffns[0].attributes:
+        if ctx.options.dense or not ffns:
+            return PassResult(model, modified=False)
+        if "threshold_in" in ffns[0].attributes:
+            report = [self._lower_thresholded(graph, node) for node in ffns]
+            _drop_unused_initializers(graph)
+            model.metadata_props["picompile.layers"] = json.dumps(report)
+            ctx.log(f"lower: {len(report)} threshold FFNs")
+            return PassResult(model, modified=True)
+        if "predictor_threshold" not in ffns[0].attributes:
             return PassResult(model, modified=False)
         report = []
         for node in ffns:
             with ctx.layer(pir.attr(node, "layer")):
                 report.append(self._lower_one(graph, node, ctx))
-        consumed = {v.name for n in graph for v in n.inputs if v is not None}
-        for name in [n for n in graph.initializers if n not in consumed]:
-            graph.initializers.pop(name)  # dense FFN weights, frequencies, orders: folded into the new ops
+        _drop_unused_initializers(graph)
         model.metadata_props["picompile.layers"] = json.dumps(report)
         gpu = sum(r["gpu_neurons"] for r in report)
         total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)
         ctx.log(f"lower: {len(report)} sparse FFNs, {gpu} of {total} neurons on the GPU"
                 f"{', every neuron computed (--all-neurons)' if ctx.options.all_neurons else ''}")
         return PassResult(model, modified=True)
+
+    def _lower_thresholded(self, graph: ir.Graph, node: ir.Node) -> dict:
+        layer = pir.attr(node, "layer")
+        prefix = f"layers.{layer}.ffn"
+        keys = ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down")
+        thresholded = ir.node("ThresholdFFN", list(node.inputs[:4]), {
+            "layer": layer, "activation": pir.attr(node, "activation"), "gated": pir.attr(node, "gated"),
+            "threshold_in": pir.attr(node, "threshold_in"), "threshold_down": pir.attr(node, "threshold_down"),
+        }, domain=pir.DOMAIN, name=f"{prefix}.threshold")
+        graph.insert_before(node, thresholded)
+        merge = ir.node("MergePartial", [thresholded.outputs[0], node.inputs[4]], {"layer": layer, "device": "cpu"},
+                        domain=pir.DOMAIN, name=f"{prefix}.merge")
+        graph.insert_before(node, merge)
+        thresholded.outputs[0].name, merge.outputs[0].name = f"{prefix}.partial.cpu", f"{prefix}.merged"
+        for value in (thresholded.outputs[0], merge.outputs[0]):
+            value.dtype, value.shape = ir.DataType.FLOAT, node.outputs[0].shape
+        node.outputs[0].replace_all_uses_with(merge.outputs[0])
+        graph.remove(node, safe=True)
+        return {"layer": layer, "mode": "threshold", **{key: pir.attr(node, key) for key in keys}}
 
     def _lower_one(self, graph: ir.Graph, node: ir.Node, ctx: Context) -> dict:
         layer = pir.attr(node, "layer")

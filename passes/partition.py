@@ -7,6 +7,7 @@ nodes' `num_kv_heads` / `head_dim` (for the KV cache), every other initializer (
 attention, norms, embeddings, output layer, RoPE tables, predictors, frequency tables), the target's GPU
 memory and bandwidths and the options (`vram_budget_bytes`, `max_context`, `placement_batch`,
 `placement_time_limit_s`).
+Does nothing in threshold mode (`ctx.sparsity`: threshold FFNs run on the CPU).
 Adds per FFN node: an int attribute `gpu_neurons` and an initializer `layers.{i}.ffn.neuron_order`
 (int64 [F]: neuron ids, hottest first; the first `gpu_neurons` of them are on the GPU, the rest on the
 CPU), and a graph-level `metadata_props["picompile.placement"]`: a JSON report of the solve (status,
@@ -404,7 +405,7 @@ class Partition:
     balance: bool = True  # constraint (4), from the target's GPU and CPU bandwidths
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        if ctx.options.dense:
+        if ctx.options.dense or ctx.sparsity.get("mode") == "threshold":  # threshold FFNs run on the CPU
             return PassResult(model, modified=False)
         graph, target, options = model.graph, ctx.target, ctx.options
         ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))

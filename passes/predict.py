@@ -5,7 +5,8 @@ Reads: `ctx.profile` (layer -> FFN inputs [tokens, d_model] float32 after the FF
 attributes `layer` and `gated`; the up (gate) weight and bias, from which the pre-activations that the
 predictors are fitted to come); the model's parameter count (the sum of all initializer sizes); the
 options `predictor_param_share`, `target_recall`, `seed` and `dense`.
-Adds: per FFN layer i the initializers `layers.{i}.ffn.predictor.w1` [d_model, r] and
+In threshold mode (`ctx.sparsity`, the sparsity-mode pass) the IR is left unchanged: the threshold pass
+runs instead. Adds: per FFN layer i the initializers `layers.{i}.ffn.predictor.w1` [d_model, r] and
 `layers.{i}.ffn.predictor.w2` [r, ffn] (float32; neuron j is predicted active for input x iff
 (relu(x @ w1) @ w2)[j] > threshold) and, on the FFN node, `predictor_rank` (int), `predictor_threshold`,
 `predictor_recall`, `predictor_precision` and `predictor_active` (floats: recall, precision and mean
@@ -461,7 +462,7 @@ class Predict:
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         options = ctx.options
-        if options.dense or not ctx.profile:
+        if options.dense or not ctx.profile or ctx.sparsity.get("mode") == "threshold":
             return PassResult(model, modified=False)
         nodes = sorted((n for n in pir.nodes_in_domain(model, "FFN") if int(pir.attr(n, "layer")) in ctx.profile),
                        key=lambda n: int(pir.attr(n, "layer")))

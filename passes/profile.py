@@ -6,7 +6,7 @@ onnxruntime runs as the reference executor. Adds per FFN layer: an initializer `
 (float32 [ffn]: fraction of calibration tokens on which each neuron was active) and float attributes
 `sparsity`, `skewness` (of the frequency distribution) and `hot80_share` (the share of neurons that carry
 80% of all activations). The FFN inputs and activity masks, too large for the IR, go to `ctx.profile`
-for the predict pass. The activation CDF per layer is plotted into the artifact (`plots/activation_cdf.png`).
+for the predict and threshold passes. The activation CDF per layer is plotted into the artifact (`plots/activation_cdf.png`).
 """
 
 from __future__ import annotations

@@ -490,18 +490,6 @@ def analyse(model: ir.Model) -> Decoder:
     return decoder
 
 
-def _check_sparsity_applies(decoder: Decoder) -> None:
-    """A sparse build skips neurons whose activation is exactly zero: only ReLU makes them. GELU and SiLU
-    outputs are almost never zero, so skipping 'inactive' neurons there would change the result."""
-    for ffn in decoder.ffns:
-        if ffn.activation != "relu":
-            node = ffn.activation_output.producer()
-            raise UserError(f"layer {ffn.layer}: the FFN activation is {ffn.activation} (node "
-                            f"{node.name if node is not None and node.name else ffn.activation_output.name}), which is "
-                            "never exactly zero, so ReLU sparsity does not apply; build with --dense "
-                            "(or --sparsity-mode threshold to skip neurons below a magnitude threshold)")
-
-
 def _check_context(decoder: Decoder, max_context: int) -> None:
     """--max-context must fit the model's learned positions and the machine's memory (KV cache + logits)."""
     if decoder.positions is not None and decoder.positions.shape[0] < max_context:
@@ -677,8 +665,6 @@ class Recognise:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)
         _check_context(decoder, ctx.options.max_context)
-        if not ctx.options.dense:
-            _check_sparsity_applies(decoder)
         lifted = build_graph(decoder)
         ctx.source = model  # the profile pass runs the source graph as its reference executor
         ctx.log(f"recognised {len(decoder.attentions)} layers: "

@@ -87,6 +87,7 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
                        "cuda_arch": ctx.target.cuda_arch},
             "model": {**_model_facts(buffers, schedule), "source": str(source) if source else None},
             "options": {"dense": ctx.options.dense, "max_context": ctx.options.max_context},
+            "sparsity": json.loads(model.metadata_props.get("picompile.sparsity", "{}")),
             "io": {"inputs": ["input_ids", "start"], "outputs": ["logits"]},
             "buffers": buffers,
             "layers": json.loads(model.metadata_props.get("picompile.layers", "[]")),

@@ -54,6 +54,16 @@ def _non_negative(kind):
     return parse
 
 
+def _sparsity(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     from .targets import TARGETS
 
@@ -82,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
                             "runs only on CPUs that have it")
     build.add_argument("--target-recall", type=_unit_interval, default=0.99,
                        help="share of truly active neurons the predictors must let through (held-out tokens)")
+    build.add_argument("--sparsity-mode", choices=["auto", "predictor", "threshold"], default="auto",
+                       help="how decode skips FFN work: predictor (PowerInfer; ReLU FFNs), threshold (TEAL: drop "
+                            "projection inputs of small magnitude; SiLU/GELU FFNs), auto: by the FFN activation")
+    build.add_argument("--sparsity", type=_sparsity, default=None,
+                       help="threshold mode: share of each FFN projection's inputs dropped (default 0.4)")
     chatter = build.add_mutually_exclusive_group()
     chatter.add_argument("-v", "--verbose", action="store_true",
                          help="print each pass with its time and node counts, and a failing pass's traceback")
@@ -123,13 +138,16 @@ def _build(args) -> int:
     from .targets import get_target, parse_size
 
     target = get_target(args.target)
+    if args.dense and (args.sparsity is not None or args.sparsity_mode != "auto"):
+        raise UserError("--dense computes every input of every FFN: drop --sparsity and --sparsity-mode, or --dense")
     if args.calib is not None and not args.calib.is_file():
         raise UserError(f"calibration file not found: {args.calib}")
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
                       vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
                       all_neurons=args.all_neurons, placement_batch=args.placement_batch,
                       placement_time_limit_s=args.placement_time_limit,
-                      weight_dtype=args.weight_dtype, target_recall=args.target_recall, cpu_isa=args.cpu_isa)
+                      weight_dtype=args.weight_dtype, target_recall=args.target_recall, cpu_isa=args.cpu_isa,
+                      sparsity_mode=args.sparsity_mode, sparsity=args.sparsity)
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     from .pipeline import ProgressBars
 
@@ -141,6 +159,10 @@ def _build(args) -> int:
     from .costmodel import Estimate
 
     manifest = json.loads((output / "manifest.json").read_text())
+    if manifest.get("sparsity"):
+        from passes.sparsity_mode import describe
+
+        print(f"sparsity: {describe(manifest['sparsity'])}")
     for line in Estimate(**manifest["estimate"]).lines(target):
         print(line)
     return 0
@@ -195,8 +217,15 @@ def _eval(args) -> int:
     if not args.reference.is_file():
         raise UserError(f"reference model not found: {args.reference}")
     report = evaluate(engine, OrtDecoder(args.reference), sequences)
-    report["layers"] = [{"layer": layer["layer"], "recall": layer.get("predictor_recall"),
-                         "precision": layer.get("predictor_precision"), "active": layer.get("predictor_active")}
+    sparsity = engine.manifest.get("sparsity", {})
+    if sparsity:
+        report["sparsity_mode"] = sparsity["mode"]
+        if sparsity.get("sparsity") is not None:
+            report["sparsity"] = float(sparsity["sparsity"])
+    threshold = sparsity.get("mode") == "threshold"
+    keys = ({key: key for key in ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down")} if threshold else
+            {"recall": "predictor_recall", "precision": "predictor_precision", "active": "predictor_active"})
+    report["layers"] = [{"layer": layer["layer"], **{key: layer.get(source) for key, source in keys.items()}}
                         for layer in engine.manifest.get("layers", [])]
     if args.json:
         print(json.dumps(report))
@@ -205,8 +234,13 @@ def _eval(args) -> int:
         if key != "layers":
             print(f"{key:<20} {value:.6g}" if isinstance(value, float) else f"{key:<20} {value}")
     for layer in report["layers"]:
-        print(f"layer {layer['layer']:<3} predictor recall {layer['recall']:.4f}  precision {layer['precision']:.4f}  "
-              f"predicted active {layer['active']:.3f}")
+        if threshold:  # the shares dropped were measured on held-out profiled tokens at build time
+            print(f"layer {layer['layer']:<3} gate/up inputs |x| > {layer['threshold_in']:.4g} (drops "
+                  f"{layer['sparsity_in']:.3f})  down inputs |h| > {layer['threshold_down']:.4g} (drops "
+                  f"{layer['sparsity_down']:.3f})")
+        else:
+            print(f"layer {layer['layer']:<3} predictor recall {layer['recall']:.4f}  precision {layer['precision']:.4f}  "
+                  f"predicted active {layer['active']:.3f}")
     return 0
 
 
@@ -252,7 +286,16 @@ def _inspect(args) -> int:
         say(f"placement   {placement.get('status')}, gap {placement.get('gap', 0) * 100:.3f}%, "
               f"solved in {placement.get('solve_time_s', 0):.2f} s, GPU budget for FFN neurons "
               f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB")
-    if info["layers"]:
+    if manifest.get("sparsity"):
+        from passes.sparsity_mode import describe
+
+        say(f"sparsity    {describe(manifest['sparsity'])}")
+    if info["layers"] and "threshold_in" in info["layers"][0]:
+        say(f"{'layer':>5} {'t_in':>9} {'drops':>6} {'t_down':>9} {'drops':>6}")
+        for layer in info["layers"]:
+            say(f"{layer['layer']:>5} {layer['threshold_in']:>9.4g} {layer['sparsity_in']:>6.3f} "
+                  f"{layer['threshold_down']:>9.4g} {layer['sparsity_down']:>6.3f}")
+    elif info["layers"]:
         say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} {'precision':>9} {'active':>7}")
         for layer in info["layers"]:
             say(f"{layer['layer']:>5} {layer.get('sparsity', 0):>8.3f} {layer.get('hot80_share', 0) * 100:>6.1f}% "

@@ -13,6 +13,8 @@ from passes.predict import Predict
 from passes.profile import Profile
 from passes.recognise import Recognise
 from passes.schedule import Schedule
+from passes.sparsity_mode import SparsityMode
+from passes.threshold import Threshold
 
 from . import artifact
 from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
@@ -20,9 +22,12 @@ from .targets import Target, check_vram_budget
 
 
 def pipeline(options: Options) -> list[Pass]:
-    """The whole compilation. `--dense` stops after recognise and lowers every block densely."""
+    """The whole compilation. `--dense` stops after recognise and lowers every block densely. Otherwise
+    sparsity-mode picks, per model, how decode skips FFN work: predictor mode (ReLU FFNs) runs predict and
+    partition, threshold mode (SiLU/GELU FFNs) runs threshold; each of those passes leaves the IR alone in
+    the other mode."""
     front = [Import(), Recognise()]
-    sparse = [Profile(), Predict(), Partition(), Lower()]
+    sparse = [SparsityMode(), Profile(), Predict(), Threshold(), Partition(), Lower()]
     back = [Codegen(), Schedule()]
     return front + ([] if options.dense else sparse) + back
 

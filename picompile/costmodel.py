@@ -56,6 +56,8 @@ def _selected_fraction(node: dict, layers: dict[int, dict]) -> float:
     divided between the parts by their share of the profiled activations."""
     match = _LAYER.match(node["id"])
     layer = layers.get(int(match.group(1))) if match else None
+    if layer is not None and "threshold_in" in layer:  # threshold mode: the inputs kept on held-out tokens
+        return 1.0 - layer["sparsity_down" if node["id"].endswith(".down") else "sparsity_in"]
     if layer is None or "predictor_active" not in layer:
         return 1.0
     total = layer["gpu_neurons"] + layer["cpu_neurons"]
@@ -81,7 +83,9 @@ def call_seconds(node: dict, buffers: dict, layers: dict[int, dict], target: Tar
         elif info["kind"] == "weight" and node["op_class"] == "embed":
             read += _activation_bytes(buffers, arg)  # a gather reads one row per token
         elif info["kind"] == "weight":
-            sparse = node["decode"].startswith(("sparse_up", "sparse_down", "sparse_ffn"))
+            sparse = node["decode"].startswith(("sparse_up", "sparse_down", "sparse_ffn", "sparse_columns"))
+            if node["decode"].startswith("sparse_columns") and len(info["shape"]) == 1:
+                sparse = False  # its rows are per input channel; the bias is per output, read whole
             read += _weight_bytes(buffers, arg) * (_selected_fraction(node, layers) if sparse else 1.0)
     return read / bandwidth + CALL_OVERHEAD_S[node["device"]]
 

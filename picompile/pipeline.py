@@ -45,6 +45,11 @@ class Options:
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)
     weight_dtype: str = "fp32"  # storage of the CPU's weight matrices: fp32 or fp16 (converted in registers)
     cpu_isa: str | None = None  # the CPU kernels' instruction set (targets.CPU_ISAS); None: the target's
+    # How decode skips FFN work: "predictor" (PowerInfer: a trained predictor picks the neurons, for ReLU FFNs),
+    # "threshold" (TEAL: inputs of each projection below a calibrated magnitude are dropped, for SiLU/GELU
+    # FFNs) or "auto" (by the model's FFN activation; passes.sparsity_mode).
+    sparsity_mode: str = "auto"
+    sparsity: float | None = None  # threshold mode: share of each projection's inputs dropped (None: the default)
     seed: int = 0
 
 
@@ -57,8 +62,11 @@ class Context:
     # Files a pass produces for the artifact (kernel libraries, plots): relative path -> bytes on disk.
     artifact_files: dict[str, Path] = field(default_factory=dict)
     # Profiled activations, too large for the IR: layer -> (FFN inputs [tokens, d_model] float32,
-    # active neurons [tokens, ffn] bool). Written by the profile pass, read by the predict pass.
+    # active neurons [tokens, ffn] bool). Written by the profile pass, read by the predict and threshold passes.
     profile: dict[int, tuple] = field(default_factory=dict)
+    # The sparsity mode in force (set by the sparsity pass from Options.sparsity_mode): "predictor" or
+    # "threshold", with the sparsity (threshold mode) and the reason it was chosen.
+    sparsity: dict = field(default_factory=dict)
     # The imported (pre-recognise) model, which the reference executor runs while profiling.
     source: object | None = None
     workdir: Path | None = None

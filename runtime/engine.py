@@ -27,7 +27,8 @@ from .device import DeviceExecutor, _host, cuda_device, device_library
 START = "start"  # the argument that carries the number of tokens already in the KV cache
 COPY = "copy"  # a transfer between devices: the runtime's own, not a kernel
 PHASES = ("decode", "prefill")
-SPARSE_KERNELS = ("sparse_up", "sparse_down", "sparse_ffn")  # decode calls that read only the rows their predictor selected
+# decode calls that read only the rows selected before them (by a predictor, or by magnitude thresholds)
+SPARSE_KERNELS = ("sparse_up", "sparse_down", "sparse_ffn", "sparse_columns")
 FUSED_FFN = "sparse_ffn"  # the CPU's one-pass up+down: with ReLU it stops at a neuron's first row when that gives 0
 COUNTERS = ("weight_bytes", "decode_steps")  # the profile's entries that are not seconds
 
@@ -173,7 +174,8 @@ class Engine:
             nbytes = math.prod(info["shape"]) * np.dtype(info["dtype"]).itemsize
             if node["op_class"] == "embed":
                 fixed += nbytes // info["shape"][0]
-            elif sparse:  # args: (x or hidden), index [1, neurons], count [1, 1], rows...
+            elif sparse and not (node["decode"].startswith("sparse_columns") and len(info["shape"]) == 1):
+                # (a column-sparse call reads its bias whole: the rows are per input channel, the bias per output)  # args: (x or hidden), index [1, neurons], count [1, 1], rows...
                 per_count += nbytes // buffers[node["args"][1]]["shape"][-1]
             else:
                 fixed += nbytes

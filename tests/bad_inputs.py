@@ -160,12 +160,16 @@ MODELS = {
     "ffn_weights_as_inputs": (ffn_weights_as_inputs, ["fc1", "graph input", "constant"]),
     "unsupported_activation": (unsupported_activation, ["Tanh", "activation"]),
     "zero_width_ffn": (zero_width_ffn, ["layer 0", "zero"]),
-    "silu_ffn_sparse": (silu_ffn, ["layer 0", "silu", "activation_fn/SiLU", "--dense", "--sparsity-mode threshold"]),
+    "silu_ffn_predictor": (silu_ffn, ["layer 0", "silu", "activation_fn", "--dense", "--sparsity-mode threshold"]),
     "mismatched_ffn_shapes": (mismatched_ffn_shapes, ["fc2"]),
     "zero_layers": (zero_layers, ["no decoder layers"]),
     "cnn": (cnn, ["Conv", "not a decoder"]),
     "encoder_only": (encoder_only, ["encoder", "kv cache"]),
 }
+
+
+# Command-line flags a case needs besides `build MODEL -o OUT`.
+MODEL_ARGS = {"silu_ffn_predictor": ["--sparsity-mode", "predictor"]}
 
 
 def write_tokens(path: Path, kind: str) -> Path:

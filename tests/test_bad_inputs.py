@@ -48,13 +48,13 @@ def test_bad_models(base_model, workdir, capfd, case):
     make, words = bad_inputs.MODELS[case]
     model = workdir / "model.onnx"
     make(base_model, model)
-    line = build_fails(workdir, capfd, model)
+    line = build_fails(workdir, capfd, model, *bad_inputs.MODEL_ARGS.get(case, []))
     for word in words:
         assert word.lower() in line.lower(), line
 
 
 def test_silu_ffn_is_lifted_for_a_dense_build(base_model, tmp_path):
-    """The SiLU model refused for a sparse build above is a model picompile lifts: --dense gets past recognise."""
+    """The SiLU model refused for a predictor-mode build above is a model picompile lifts: recognise takes it."""
     from passes.import_onnx import Import, load
     from passes.recognise import Recognise
     from picompile import ir as pir

@@ -111,9 +111,12 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     out, dumps = tmp_path / "p.pic", tmp_path / "ir"
     assert main(["build", str(files.onnx), "-o", str(out), "--calib", str(files.calib), "--max-context", "64",
                  "--dump-ir", str(dumps)]) == 0
+    # a ReLU model gets predictor mode without being told, and the build says why
+    assert "sparsity: predictor mode (layer FFNs use ReLU: most neurons output exactly zero" in capsys.readouterr().out
     names = sorted(p.name for p in dumps.glob("*.onnx"))
-    assert [n.split("-", 1)[1] for n in names] == ["import.onnx", "recognise.onnx", "profile.onnx", "predict.onnx",
-                                                  "partition.onnx", "lower.onnx", "codegen.onnx", "schedule.onnx"]
+    assert [n.split("-", 1)[1] for n in names] == ["import.onnx", "recognise.onnx", "sparsity.onnx", "profile.onnx",
+                                                  "predict.onnx", "threshold.onnx", "partition.onnx", "lower.onnx",
+                                                  "codegen.onnx", "schedule.onnx"]
     for name in names:
         onnx.checker.check_model(onnx.load(str(dumps / name)))
     manifest = json.loads((out / "manifest.json").read_text())

@@ -18,19 +18,21 @@ from __future__ import annotations
 from tvm import te
 from tvm.script import tirx as T
 
-from .cpu import _activation, _lanes, _load_f32, _row_dim, _rowwise, _te_schedule, gemm
+from .cpu import _activation, _col_block, _drop_params, _lanes, _load_f32, _row_dim, _rowwise, _te_schedule, gemm
 
 DOWN_CHUNK = 256  # columns per parallel chunk of sparse_down: 1 KiB contiguous per row and thread
 
 
-def select(name, n, *, rows):
-    """idx[0, :count] = the positions i with scores[0, i] > threshold[0], ascending.
+def select(name, n, *, rows, magnitude: bool = False):
+    """idx[0, :count] = the positions i with scores[0, i] > threshold[0] (with `magnitude`:
+    |scores[0, i]| > threshold[0]), ascending.
 
     Args: scores[1, n], threshold[1], idx[1, n] int32, count[1, 1] int32. A serial compaction:
     n compares per layer part, negligible next to the rows it saves.
     """
     if rows != 1:
         raise ValueError("select runs in decode only")
+    value = (lambda v: T.abs(v)) if magnitude else (lambda v: v)
 
     @T.prim_func
     def kernel(scores: T.Buffer((1, n), "float32"), threshold: T.Buffer((1,), "float32"),
@@ -39,7 +41,7 @@ def select(name, n, *, rows):
         found = T.alloc_local((1,), "int32")
         found[0] = 0
         for i in range(n):
-            if scores[0, i] > threshold[0]:
+            if value(scores[0, i]) > threshold[0]:
                 idx[0, found[0]] = T.Cast("int32", i)
                 found[0] = found[0] + 1
         count[0, 0] = found[0]
@@ -239,6 +241,102 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
                 out[0, j] = out[0, j] + scratch[t, j]
 
     return kernel.with_attr("global_symbol", name)
+
+COLUMN_TASKS = 8  # sparse_columns: parallel tasks, each over an equal share of the selected rows
+COLUMN_ROWS = 4  # sparse_columns: selected rows accumulated per pass over a task's partial sums
+
+
+def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", bias: bool = False,
+                   wdtype="float32"):
+    """A column-sparse GEMV: y = act(sum over k < count of v[0, r_k] * w[r_k] + b), r_k = idx[0, k], for a
+    weight stored one row per input channel ([K, N], a linear layer's x @ W layout), so that an input
+    that is dropped costs nothing: its row is never read. Gated (w = [gate | up], N = 2F, y[1, F]):
+    y = act(gate + b_gate) * (up + b_up), the GLU done on the sums.
+
+    Args: v[1, K], idx[1, K] int32, count[1, 1] int32 (from `select`), w[K, N], (b[N]),
+    scratch[COLUMN_TASKS, N], y[1, N or N/2].
+
+    The selected rows are cut into COLUMN_TASKS equal slices run in parallel; a task reads its rows whole
+    (long sequential streams), COLUMN_ROWS at a time, adding coefficient x row into its own partial-sum
+    row of scratch (one load and store of it per COLUMN_ROWS rows of w), and prefetches the next rows'
+    lines as it goes. A second parallel loop over column chunks sums the partial rows and applies bias,
+    activation and the GLU.
+    """
+    if rows != 1:
+        raise ValueError("sparse_columns runs in decode only")
+    actf = _activation(act)
+    out = N // 2 if gated else N
+    if gated and N % 2:
+        raise ValueError("a gated weight has gate and up halves")
+    lanes = _lanes(N)
+    line = min(64 // (2 if wdtype == "float16" else 4), N)
+    if N % line or line % lanes:
+        line = lanes
+    line_vectors, lines = line // lanes, N // line
+    tasks, group = COLUMN_TASKS, COLUMN_ROWS
+    out_lanes = _lanes(out)
+    chunk = _col_block(out, max(out_lanes, min(1024, out // tasks)))
+
+    @T.prim_func
+    def kernel(v: T.Buffer((1, K), "float32"), idx: T.Buffer((1, K), "int32"), count: T.Buffer((1, 1), "int32"),
+               w: T.Buffer((K, N), wdtype), b: T.Buffer((N,), "float32"), scratch: T.Buffer((tasks, N), "float32"),
+               y: T.Buffer((1, out), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(tasks):
+            first = count[0, 0] * t // tasks
+            last = count[0, 0] * (t + 1) // tasks
+            row = T.alloc_local((group,), "int32")
+            after = T.alloc_local((group,), "int32")
+            coef = T.alloc_local((group,), "float32")
+            for j in T.vectorized(N):
+                scratch[t, j] = T.float32(0)
+            for g in range((last - first) // group):
+                for r in T.unroll(group):
+                    row[r] = idx[0, first + g * group + r]
+                    after[r] = idx[0, T.min(first + (g + 1) * group + r, last - 1)]
+                    coef[r] = v[0, row[r]]
+                for s in range(lines):
+                    for r in T.unroll(group):
+                        _prefetch(T.address_of(w[after[r], s * line]))
+                    for u in T.unroll(line_vectors):
+                        for l in T.vectorized(lanes):
+                            scratch[t, (s * line_vectors + u) * lanes + l] = (
+                                scratch[t, (s * line_vectors + u) * lanes + l]
+                                + coef[0] * _load_f32(w[row[0], (s * line_vectors + u) * lanes + l], wdtype)
+                                + coef[1] * _load_f32(w[row[1], (s * line_vectors + u) * lanes + l], wdtype)
+                                + coef[2] * _load_f32(w[row[2], (s * line_vectors + u) * lanes + l], wdtype)
+                                + coef[3] * _load_f32(w[row[3], (s * line_vectors + u) * lanes + l], wdtype))
+            for k in range(first + (last - first) // group * group, last):
+                row[0] = idx[0, k]
+                coef[0] = v[0, row[0]]
+                for s in range(N // lanes):
+                    for l in T.vectorized(lanes):
+                        scratch[t, s * lanes + l] = scratch[t, s * lanes + l] + coef[0] * _load_f32(w[row[0], s * lanes + l], wdtype)
+        for c in T.parallel(out // chunk):
+            total = T.alloc_local((2, out_lanes), "float32")
+            for s in range(chunk // out_lanes):
+                for l in T.vectorized(out_lanes):
+                    total[0, l] = scratch[0, c * chunk + s * out_lanes + l]
+                    if gated:
+                        total[1, l] = scratch[0, out + c * chunk + s * out_lanes + l]
+                for q in range(1, tasks):
+                    for l in T.vectorized(out_lanes):
+                        total[0, l] = total[0, l] + scratch[q, c * chunk + s * out_lanes + l]
+                        if gated:
+                            total[1, l] = total[1, l] + scratch[q, out + c * chunk + s * out_lanes + l]
+                for l in T.vectorized(out_lanes):
+                    if bias:
+                        total[0, l] = total[0, l] + b[c * chunk + s * out_lanes + l]
+                        if gated:
+                            total[1, l] = total[1, l] + b[out + c * chunk + s * out_lanes + l]
+                    if gated:
+                        y[0, c * chunk + s * out_lanes + l] = actf(total[0, l]) * total[1, l]
+                    else:
+                        y[0, c * chunk + s * out_lanes + l] = actf(total[0, l])
+
+    kernel = kernel if bias else _drop_params(kernel, ["b"])
+    return kernel.with_attr("global_symbol", name)
+
 
 def merge_tensors(D, parts: int, *, rows, bias: bool, residual: bool) -> list:
     """The TE definition of `merge` (shared with the CUDA kernel): its arguments, output last."""

@@ -1,0 +1,280 @@
+"""Threshold sparsity (TEAL-style) for SiLU/GELU FFNs: the kernels against numpy, the calibration, the
+mode choice, and tiny LLaMA-SwiGLU builds against onnxruntime (sparsity 0) and against a torch model
+thresholded the same way (sparsity 0.5)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+
+from passes.kernels import cpu, neuron
+from passes.threshold import calibrate, hidden_of
+from runtime.artifact import aligned_empty
+
+K, N = 40, 48  # K rows (input channels), N columns: gated -> 24 outputs; 40 is no multiple of the row group
+ACT = {"none": lambda v: v, "silu": lambda v: v / (1 + np.exp(-v))}
+COLUMN_KERNELS = {  # name -> (gated, act, bias, weight dtype)
+    "cols": (False, "none", False, "float32"),
+    "cols_gated_silu": (True, "silu", False, "float32"),
+    "cols_gated_silu_f16": (True, "silu", False, "float16"),
+    "cols_relu_bias_f16": (False, "relu", True, "float16"),
+}
+
+
+def aligned(array):
+    out = aligned_empty(array.shape, array.dtype)
+    out[...] = array
+    return out
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    funcs = [neuron.select("select_abs", K, rows=1, magnitude=True)]
+    funcs += [neuron.sparse_columns(name, K, N, rows=1, gated=gated, act=act, bias=bias, wdtype=dtype)
+              for name, (gated, act, bias, dtype) in COLUMN_KERNELS.items()]
+    path = tmp_path_factory.mktemp("threshold") / "threshold.so"
+    cpu.build(funcs, cpu.CPU_TARGET, str(path))
+    return tvm.runtime.load_module(str(path))
+
+
+def call(lib, name, *arrays):
+    lib[name](*[tvm_ffi.from_dlpack(a) for a in arrays])
+
+
+@pytest.mark.parametrize("threshold", [np.inf, 0.7, -1.0])  # no channel passes, some, every one
+@pytest.mark.parametrize("kernel", sorted(COLUMN_KERNELS))
+def test_select_and_column_sparse_gemv(lib, threshold, kernel):
+    gated, act, bias, dtype = COLUMN_KERNELS[kernel]
+    rng = np.random.default_rng(1)
+    x = aligned(rng.standard_normal((1, K)).astype(np.float32))
+    index, count = aligned(np.full((1, K), -7, np.int32)), aligned(np.full((1, 1), -7, np.int32))
+    call(lib, "select_abs", x, aligned(np.array([min(threshold, 3e38)], np.float32)), index, count)
+    kept = np.nonzero(np.abs(x[0]) > threshold)[0]
+    k = int(count[0, 0])
+    assert k == len(kept) and np.array_equal(index[0, :k], kept)
+
+    w = aligned(rng.standard_normal((K, N)).astype(dtype))
+    b = aligned(rng.standard_normal(N).astype(np.float32))
+    scratch = aligned(np.full((neuron.COLUMN_TASKS, N), 5.0, np.float32))  # stale partial sums must not leak
+    y = aligned(np.full((1, N // 2 if gated else N), 99.0, np.float32))
+    call(lib, kernel, x, index, count, w, *([b] if bias else []), scratch, y)
+    pre = x[0, kept] @ w[kept].astype(np.float32) + (b if bias else 0)  # only the kept rows count
+    actf = ACT.get(act, lambda v: np.maximum(v, 0))
+    expected = actf(pre[: N // 2]) * pre[N // 2:] if gated else actf(pre)
+    np.testing.assert_allclose(y[0], expected, atol=1e-4, rtol=1e-5)
+
+
+def test_calibration_reaches_the_sparsity_on_held_out_tokens():
+    """Thresholds fitted on some tokens drop the asked share of the inputs of other tokens, for gate/up and down."""
+    rng = np.random.default_rng(0)
+    tokens, d, f = 4000, 32, 96
+    scale = np.exp(rng.standard_normal(d)).astype(np.float32)  # channels of very different magnitudes
+    x = (rng.standard_normal((tokens, d)) * scale).astype(np.float32)
+    w_up = (rng.standard_normal((d, 2 * f)) * 0.2).astype(np.float32)
+    for sparsity in (0.25, 0.5):
+        c = calibrate(x, w_up, None, "silu", True, sparsity)
+        assert abs(c.sparsity_in - sparsity) < 0.02 and abs(c.sparsity_down - sparsity) < 0.02, (sparsity, c)
+        # independent check on fresh tokens from the same distribution
+        fresh = (rng.standard_normal((2000, d)) * scale).astype(np.float32)
+        assert abs(np.mean(np.abs(fresh) <= c.threshold_in) - sparsity) < 0.02
+        h = hidden_of(np.where(np.abs(fresh) > c.threshold_in, fresh, 0), w_up, None, "silu", True)
+        assert abs(np.mean(np.abs(h) <= c.threshold_down) - sparsity) < 0.02
+    zero = calibrate(x, w_up, None, "silu", True, 0.0)
+    assert zero.sparsity_in == 0.0 and zero.sparsity_down == 0.0
+
+
+# ---------------------------------------------------------------- tiny LLaMA-SwiGLU builds
+
+PROMPT = [11, 22, 33, 44, 55]
+DECODE_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def swiglu(tiny_models):
+    return tiny_models("llama", hidden_act="silu")
+
+
+@pytest.fixture(scope="module")
+def threshold_builds(swiglu, tmp_path_factory):
+    """Threshold builds of the SwiGLU model at sparsity 0 and 0.5 (built once for the module)."""
+    from picompile.compiler import build
+    from picompile.pipeline import Options
+    from picompile.targets import get_target
+
+    root = tmp_path_factory.mktemp("threshold-builds")
+    return {s: build(swiglu.onnx, root / f"s{s}.pic", get_target("cpu"),
+                     Options(max_context=64, calib=swiglu.calib, sparsity_mode="threshold", sparsity=s))
+            for s in (0.0, 0.5)}
+
+
+def greedy_steps(forward, prompt=PROMPT, steps=DECODE_STEPS):
+    """Logits of the prompt (one call), then of each greedy decode step (one token a call)."""
+    rows = [forward(prompt)]
+    for _ in range(steps):
+        rows.append(forward([int(np.argmax(rows[-1][-1]))]))
+    return rows
+
+
+def test_sparsity_zero_matches_onnxruntime(threshold_builds, swiglu):
+    """With thresholds that keep every input, the column-sparse decode is the dense model (prefill and decode)."""
+    from picompile.reference import OrtDecoder
+    from runtime import Engine
+
+    manifest = json.loads((threshold_builds[0.0] / "manifest.json").read_text())
+    assert manifest["sparsity"]["mode"] == "threshold"
+    schedule = json.loads((threshold_builds[0.0] / "schedule.json").read_text())
+    assert any(n["decode"].startswith("sparse_columns") for n in schedule["nodes"])
+    engine, reference = Engine(threshold_builds[0.0]), OrtDecoder(swiglu.onnx)
+    rows = greedy_steps(reference.forward)
+    engine_rows = [engine.forward(PROMPT)] + [engine.forward([int(np.argmax(r[-1]))]) for r in rows[:-1]]
+    for got, expected in zip(engine_rows, rows):
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def test_fp16_threshold_build_stays_close_to_onnxruntime(swiglu, tmp_path):
+    """--weight-dtype fp16: the column-sparse kernels read fp16 rows; at sparsity 0 only fp16 rounding remains."""
+    from picompile.compiler import build
+    from picompile.pipeline import Options
+    from picompile.reference import OrtDecoder
+    from picompile.targets import get_target
+    from runtime import Engine
+
+    artifact = build(swiglu.onnx, tmp_path / "f16.pic", get_target("cpu"),
+                     Options(max_context=32, calib=swiglu.calib, sparsity_mode="threshold", sparsity=0.0,
+                             weight_dtype="fp16", calib_tokens=512))
+    schedule = json.loads((artifact / "schedule.json").read_text())
+    assert any(n["decode"].startswith("sparse_columns") and "_f16" in n["decode"] for n in schedule["nodes"])
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["buffers"]["layers.0.ffn.w_up"]["dtype"] == "float16"
+    engine, reference = Engine(artifact), OrtDecoder(swiglu.onnx)
+    expected = greedy_steps(reference.forward, steps=4)
+    got = [engine.forward(PROMPT)] + [engine.forward([int(np.argmax(r[-1]))]) for r in expected[:-1]]
+    errors = [np.abs(g - e).max() / e.std() for g, e in zip(got, expected)]
+    assert 0 < max(errors) < 1e-2, errors
+
+
+def test_threshold_mode_on_an_ungated_biased_relu_ffn(tiny_models, tmp_path):
+    """Threshold mode asked for on OPT (ReLU, not gated, biases): at sparsity 0 it is the dense model."""
+    from picompile.compiler import build
+    from picompile.pipeline import Options
+    from picompile.reference import OrtDecoder
+    from picompile.targets import get_target
+    from runtime import Engine
+
+    files = tiny_models("opt", sparsity=0.9)
+    artifact = build(files.onnx, tmp_path / "opt.pic", get_target("cpu"),
+                     Options(max_context=32, calib=files.calib, sparsity_mode="threshold", sparsity=0.0, calib_tokens=512))
+    schedule = json.loads((artifact / "schedule.json").read_text())
+    assert any(n["decode"].startswith("sparse_columns") and "_relu_b" in n["decode"] for n in schedule["nodes"])
+    engine, reference = Engine(artifact), OrtDecoder(files.onnx)
+    for got, expected in zip(greedy_steps(engine.forward, steps=4), greedy_steps(reference.forward, steps=4)):
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def test_half_sparsity_matches_the_thresholded_model_and_reads_fewer_rows(threshold_builds, swiglu):
+    """At sparsity 0.5 the artifact computes the model whose FFN inputs below the thresholds are zeroed (torch,
+    hooks on the same weights; the prompt runs dense, as picompile's prefill does), and its decode steps read
+    exactly the weight rows of the inputs kept: the bytes saved against sparsity 0 are the dropped rows'."""
+    import torch
+
+    from examples.models import build_model
+    from runtime import Engine
+
+    manifest = json.loads((threshold_builds[0.5] / "manifest.json").read_text())
+    layers = {layer["layer"]: layer for layer in manifest["layers"]}
+    model, _ = build_model("llama", "tiny", None, hidden_act="silu")  # the weights tiny_models exported
+    config = model.config
+    d, f = config.hidden_size, config.intermediate_size
+    state = {"sparse": False, "dropped_bytes": 0}
+
+    def threshold_hook(layer, key, row_bytes):
+        def hook(module, args):
+            if not state["sparse"]:
+                return None
+            (v,) = args
+            keep = v.abs() > layer[key]
+            state["dropped_bytes"] += int((~keep).sum()) * row_bytes
+            return (v * keep,)
+        return hook
+
+    for i, block in enumerate(model.model.layers):
+        block.mlp.register_forward_pre_hook(threshold_hook(layers[i], "threshold_in", 2 * f * 4))  # gate + up rows
+        block.mlp.down_proj.register_forward_pre_hook(threshold_hook(layers[i], "threshold_down", d * 4))
+
+    past = None
+
+    def forward(tokens):
+        nonlocal past
+        with torch.no_grad():
+            out = model(torch.tensor([tokens]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        state["sparse"] = True  # the prompt ran dense; every later step is a decode step
+        return out.logits[0].numpy()
+
+    expected = greedy_steps(forward)
+    assert state["dropped_bytes"] > 0
+    engine = Engine(threshold_builds[0.5])
+    got = [engine.forward(PROMPT)] + [engine.forward([int(np.argmax(r[-1]))]) for r in expected[:-1]]
+    for step, (g, e) in enumerate(zip(got, expected)):
+        np.testing.assert_allclose(g, e, atol=1e-4, rtol=0, err_msg=f"step {step}")
+    # the same greedy tokens on both engines: the rows torch dropped are the ones the artifact did not read
+    tokens = [int(np.argmax(r[-1])) for r in expected[:-1]]
+
+    def bytes_read(artifact):
+        engine = Engine(artifact)
+        engine.forward(PROMPT)
+        engine.profile = {}
+        for token in tokens:
+            engine.forward([token])
+        return engine.profile["weight_bytes"]
+
+    dense, sparse = bytes_read(threshold_builds[0.0]), bytes_read(threshold_builds[0.5])
+    assert dense - sparse == state["dropped_bytes"]
+    ffn_bytes = len(layers) * 3 * d * f * 4 * len(tokens)
+    assert 0.4 < state["dropped_bytes"] / ffn_bytes < 0.6  # about half of the FFN rows, as asked
+
+
+def test_auto_mode_picks_threshold_for_silu_and_says_why(swiglu, tmp_path, capsys):
+    from picompile.cli import main
+
+    out = tmp_path / "auto.pic"
+    assert main(["build", str(swiglu.onnx), "-o", str(out), "--calib", str(swiglu.calib), "--max-context", "32"]) == 0
+    assert ("sparsity: threshold mode at 0.40 (layer FFNs use SiLU: neurons are rarely exactly zero, so a predictor "
+            "has nothing to predict)") in capsys.readouterr().out
+    assert main(["eval", str(out), "--reference", str(swiglu.onnx), "--tokens", str(swiglu.heldout),
+                 "--max-sequences", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sparsity_mode"] == "threshold" and report["sparsity"] == pytest.approx(0.4)
+    assert all(abs(layer["sparsity_in"] - 0.4) < 0.03 and abs(layer["sparsity_down"] - 0.4) < 0.03
+               for layer in report["layers"]), report["layers"]
+    assert 0 < report["kl_mean"] < 0.05 and report["top1_agreement"] > 0.8, report
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sparsity-mode", "predictor"], "--sparsity-mode predictor needs ReLU FFNs, but this model's use SiLU"),
+    (["--target", "rtx4090"], "threshold sparsity runs on the CPU only"),
+    (["--sparsity", "1.0"], "--sparsity: expected a number in [0, 1)"),
+    (["--dense", "--sparsity", "0.5"], "--dense computes every input"),
+])
+def test_threshold_mode_refusals(swiglu, tmp_path, capsys, args, message):
+    from picompile.cli import main
+
+    out = tmp_path / "refused.pic"
+    assert main(["build", str(swiglu.onnx), "-o", str(out), "--calib", str(swiglu.calib), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".refused*"))
+
+
+def test_sparsity_is_refused_in_predictor_mode(tiny_models, tmp_path, capsys):
+    """A ReLU model goes to predictor mode, where --sparsity means nothing: refused, not ignored."""
+    from picompile.cli import main
+
+    files = tiny_models("llama", sparsity=0.9)
+    assert main(["build", str(files.onnx), "-o", str(tmp_path / "r.pic"), "--calib", str(files.calib),
+                 "--sparsity", "0.5"]) == 2
+    assert "drop --sparsity, or add --sparsity-mode threshold" in capsys.readouterr().err
