@@ -255,7 +255,7 @@ def test_auto_mode_picks_threshold_for_silu_and_says_why(swiglu, tmp_path, capsy
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--sparsity-mode", "predictor"], "--sparsity-mode predictor needs ReLU FFNs, but this model's use SiLU"),
+    (["--sparsity-mode", "predictor"], "--sparsity-mode predictor needs ReLU FFNs, but layer 0's FFN uses SiLU"),
     (["--target", "rtx4090"], "threshold sparsity runs on the CPU only"),
     (["--sparsity", "1.0"], "--sparsity: expected a number in [0, 1)"),
     (["--dense", "--sparsity", "0.5"], "--dense computes every input"),
