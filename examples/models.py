@@ -80,8 +80,12 @@ import numpy as np
 import torch
 
 MAKER_VERSION = "1"
-FAMILIES = ("opt", "llama")
-EXPORTERS = ("dynamo", "legacy")
+FAMILIES = ("opt", "llama", "llama_tied", "gpt2", "neox", "falcon")
+# torch.onnx's two exporters; "ort_basic" / "ort_extended": the dynamo export saved again by onnxruntime
+# after its basic / extended graph optimisations (fused contrib ops). optimum's exporter runs in its own
+# environment (transformers < 4.58): see export_optimum.
+EXPORTERS = ("dynamo", "legacy", "ort_basic", "ort_extended")
+ORT_LEVELS = {"ort_basic": "ORT_ENABLE_BASIC", "ort_extended": "ORT_ENABLE_EXTENDED"}
 INLINE_LIMIT_BYTES = 1_800_000_000
 SPARSITY_TOLERANCE = 0.03  # per-layer |measured - asked| the maker verifies (warns if missed)
 
@@ -103,6 +107,22 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=32000,
                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048),
     },
+    "llama_tied": {
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, vocab_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    },
+    "gpt2": {
+        "tiny": dict(n_embd=64, n_layer=2, n_inner=256, vocab_size=128, n_head=4, n_positions=256,
+                     bos_token_id=127, eos_token_id=127),
+    },
+    "neox": {
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, vocab_size=128,
+                     num_attention_heads=4, max_position_embeddings=256),
+    },
+    "falcon": {
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, ffn_hidden_size=256, vocab_size=128,
+                     num_attention_heads=4, max_position_embeddings=256),
+    },
 }
 
 # Fixed architecture choices (not overridable: they define the family).
@@ -110,7 +130,20 @@ FAMILY_FIXED: dict[str, dict[str, Any]] = {
     "opt": dict(activation_function="relu", do_layer_norm_before=True, enable_bias=True,
                 dropout=0.0, attention_dropout=0.0, layerdrop=0.0),
     "llama": dict(hidden_act="relu", tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+    "llama_tied": dict(hidden_act="relu", tie_word_embeddings=True, attention_bias=False, mlp_bias=False),
+    "gpt2": dict(activation_function="relu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                 tie_word_embeddings=True),
+    "neox": dict(hidden_act="relu", use_parallel_residual=True, attention_bias=True, tie_word_embeddings=False,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+    "falcon": dict(activation="relu", parallel_attn=True, multi_query=True, new_decoder_architecture=False,
+                   alibi=False, bias=False, tie_word_embeddings=True),
 }
+# transformers config and model class per family; model_type (config.model_type) per family.
+MODEL_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+                 "llama_tied": ("LlamaConfig", "LlamaForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+                 "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
+ROTARY_TYPES = ("llama", "gpt_neox", "falcon")
+BIASED_FFN_TYPES = ("opt", "gpt2", "gpt_neox")  # synthetic thresholds go into the FFN up bias  # these take position_ids (optimum's inputs too)
 
 # Knobs of the synthetic structure (may be passed as keyword overrides).
 SYNTH_DEFAULTS: dict[str, Any] = dict(lowrank_rank=None, lowrank_var=0.95, pmax=0.95)
@@ -138,7 +171,7 @@ def _split_overrides(overrides: dict[str, Any]) -> tuple[dict, dict, dict]:
 
 def make_config(family: str, preset: str = "tiny", **overrides):
     """A transformers config for ``family`` at ``preset``; keyword overrides are config fields."""
-    from transformers import LlamaConfig, OPTConfig
+    import transformers
 
     if family not in PRESETS:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -152,21 +185,34 @@ def make_config(family: str, preset: str = "tiny", **overrides):
         fields[key] = value
     if family == "opt":
         fields["word_embed_proj_dim"] = fields["hidden_size"]
-        return OPTConfig(**fields)
-    if fields["num_key_value_heads"] >= fields["num_attention_heads"]:
+    if family.startswith("llama") and fields["num_key_value_heads"] >= fields["num_attention_heads"]:
         raise ValueError("llama: grouped-query attention needs num_key_value_heads < num_attention_heads")
-    return LlamaConfig(**fields)
+    return getattr(transformers, MODEL_CLASSES[family][0])(**fields)
 
 
 def ffn_modules(model) -> list[dict[str, torch.nn.Module]]:
-    """Per decoder layer: {'norm', 'up', 'down'} (+ 'gate' for llama) modules of the FFN."""
+    """Per decoder layer: {'norm', 'up', 'down'} (+ 'gate' for llama) modules of the FFN.
+    GPT-2's up/down are Conv1D modules, whose weights are [in, out] (transposed against nn.Linear)."""
     family = model.config.model_type
     if family == "opt":
         return [dict(norm=l.final_layer_norm, up=l.fc1, down=l.fc2, layer=l) for l in model.model.decoder.layers]
     if family == "llama":
         return [dict(norm=l.post_attention_layernorm, gate=l.mlp.gate_proj, up=l.mlp.up_proj,
                      down=l.mlp.down_proj, mlp=l.mlp, layer=l) for l in model.model.layers]
+    if family == "gpt2":
+        return [dict(norm=l.ln_2, up=l.mlp.c_fc, down=l.mlp.c_proj, layer=l) for l in model.transformer.h]
+    if family == "gpt_neox":
+        return [dict(norm=l.post_attention_layernorm, up=l.mlp.dense_h_to_4h, down=l.mlp.dense_4h_to_h, layer=l)
+                for l in model.gpt_neox.layers]
+    if family == "falcon":  # one LayerNorm feeds attention and FFN (parallel blocks)
+        return [dict(norm=l.input_layernorm, up=l.mlp.dense_h_to_4h, down=l.mlp.dense_4h_to_h, layer=l)
+                for l in model.transformer.h]
     raise ValueError(f"unsupported model type {family!r}")
+
+
+def _linear_weight(module) -> torch.Tensor:
+    """The weight as [out, in] (nn.Linear's layout; GPT-2's Conv1D stores [in, out])."""
+    return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
 
 
 def num_params(model) -> int:
@@ -185,7 +231,7 @@ def _randomize_small(model, generator: torch.Generator) -> None:
                     module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=generator))
                 if getattr(module, "bias", None) is not None:
                     module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
-            elif isinstance(module, torch.nn.Linear) and module.bias is not None:
+            elif (isinstance(module, torch.nn.Linear) or name == "Conv1D") and module.bias is not None:
                 module.bias.copy_(0.02 * torch.randn(module.bias.shape, generator=generator))
 
 
@@ -208,13 +254,12 @@ def build_model(family: str, preset: str = "tiny", sparsity: float | None = None
     ``report`` is None for dense models, else the dict from :func:`synthesize_sparsity`
     (design parameters; the measured sparsity comes from :func:`measure_sparsity`).
     """
-    from transformers import LlamaForCausalLM, OPTForCausalLM
+    import transformers
 
     arch, synth, tokens = _split_overrides(overrides)
     config = make_config(family, preset, **arch)
     torch.manual_seed(seed)
-    cls = OPTForCausalLM if family == "opt" else LlamaForCausalLM
-    model = cls(config).eval()
+    model = getattr(transformers, MODEL_CLASSES[family][1])(config).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     _randomize_small(model, generator)
     report = None
@@ -312,13 +357,16 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
         raise ValueError("sparsity must be in (0, 1)")
     config = model.config
     family = config.model_type
+    if family not in BIASED_FFN_TYPES and family != "llama":
+        raise ValueError(f"synthetic sparsity needs FFN up biases or llama's bias channel; {family} has neither "
+                         "(build it dense-random: sparsity=None)")
     d = config.hidden_size
     rank = int(lowrank_rank) if lowrank_rank else min(64, max(1, d // 4))
     std = float(getattr(config, "init_std", None) or getattr(config, "initializer_range", 0.02))
     rng = np.random.default_rng(seed + 7)
     generator = torch.Generator().manual_seed(seed + 2)
     layers = ffn_modules(model)
-    ffn = layers[0]["up"].out_features
+    ffn = _linear_weight(layers[0]["up"]).shape[0]
     target_p = np.stack([activation_probs(ffn, 1 - sparsity, skew, pmax, rng) for _ in layers])
 
     bias_channel = None
@@ -352,10 +400,10 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
         p = torch.from_numpy(target_p[index])
         basis = make_basis()
         up = _lowrank_plus_noise(x, basis, ffn, lowrank_var, std, generator, bias_channel)
-        if family == "opt":
+        if family in BIASED_FFN_TYPES:
             pre = x @ up.T
             threshold = _column_quantile(pre, 1 - p)
-            mods["up"].weight.copy_(up)
+            _linear_weight(mods["up"]).copy_(up)
             mods["up"].bias.copy_(-threshold)
             achieved.append(float((pre - threshold > 0).float().mean()))
         else:
@@ -373,7 +421,7 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
 
     handles = []
     for index, mods in enumerate(layers):
-        target = mods["up"] if family == "opt" else mods["mlp"]
+        target = mods["up"] if family in BIASED_FFN_TYPES else mods["mlp"]
         handles.append(target.register_forward_pre_hook(lambda m, args, i=index: calibrate(i, args[0])))
     try:
         with torch.no_grad():
@@ -387,7 +435,7 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
         calibration_tokens=int(np.asarray(token_ids).size),
         calibration_active_fraction=achieved, target_p=target_p,
         method=("per-neuron threshold = (1 - p_i) quantile of the pre-activation on random tokens; "
-                + ("OPT: fc1 bias" if family == "opt" else
+                + ("FFN up bias (OPT fc1, GPT-2 c_fc, GPT-NeoX dense_h_to_4h)" if family in BIASED_FFN_TYPES else
                    "LLaMA: column `bias_channel` of gate_proj against a constant residual channel")),
     )
 
@@ -440,13 +488,15 @@ def measure_sparsity(model, token_ids: np.ndarray, batch: int = 16) -> dict:
 def _kv_shape(config) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if config.model_type == "falcon" and config.multi_query and not config.new_decoder_architecture:
+        kv_heads = 1  # multi-query attention: one key/value head
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
 
 
 def io_names(config) -> tuple[list[str], list[str]]:
     n, _, _ = _kv_shape(config)
-    pos = config.model_type == "llama"
+    pos = config.model_type in ROTARY_TYPES
     inputs = ["input_ids", "attention_mask"] + (["position_ids"] if pos else [])
     inputs += [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
     outputs = ["logits"] + [f"present.{i}.{k}" for i in range(n) for k in ("key", "value")]
@@ -496,7 +546,7 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
         raise ValueError(f"exporter must be one of {EXPORTERS}")
     config = model.config
     n, kv_heads, head_dim = _kv_shape(config)
-    pos = config.model_type == "llama"
+    pos = config.model_type in ROTARY_TYPES
     inputs, outputs = io_names(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -738,7 +788,7 @@ def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sp
                                note=("synthetic sparsity designed by examples/models.py" if report is not None
                                      else "dense-random model (no synthetic sparsity)")),
         onnx=dict(inputs=inputs, outputs=outputs, kv_heads=kv_heads, head_dim=head_dim,
-                  num_layers=config.num_hidden_layers, position_ids=family == "llama",
+                  num_layers=config.num_hidden_layers, position_ids=config.model_type in ROTARY_TYPES,
                   empty_past_ok=True),
         files=dict(onnx=onnx_path.name, calib=calib_path.name, heldout=heldout_path.name,
                    stats=stats_path.name if stats_path else None),
