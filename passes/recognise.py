@@ -402,14 +402,21 @@ def _subgraph_proto(model: ir.Model, outputs: list[ir.Value], cuts: list[ir.Valu
         if node is not None and node not in needed:
             needed.add(node)
             stack.extend(v for v in node.inputs if v is not None)
-    nodes = [node for node in model.graph if node in needed]
-    used = {id(v): v for node in nodes for v in node.inputs if v is not None}
+    nodes = [ir.serde.serialize_node(node) for node in model.graph if node in needed]
+    used = {id(v): v for node in model.graph if node in needed for v in node.inputs if v is not None}
+    names = []
+    for value in outputs:
+        names.append(value.name)
+        if value.producer() is None:  # a graph input asked for as it is: ONNX wants an op in between
+            used[id(value)] = value
+            names[-1] = value.name + ".probe"
+            nodes.append(onnx.helper.make_node("Identity", [value.name], [names[-1]]))
     initializers = [onnx.numpy_helper.from_array(v.const_value.numpy(), v.name)
                     for v in used.values() if v.is_initializer() and id(v) not in cut_ids]
     inputs = [onnx.helper.make_tensor_value_info(v.name, int(v.dtype or ir.DataType.FLOAT), None)
               for v in [*model.graph.inputs, *cuts] if id(v) in used]
-    graph = onnx.helper.make_graph([ir.serde.serialize_node(n) for n in nodes], "probe", inputs,
-                                   [onnx.helper.make_empty_tensor_value_info(v.name) for v in outputs], initializers)
+    graph = onnx.helper.make_graph(nodes, "probe", inputs, [onnx.helper.make_empty_tensor_value_info(n) for n in names],
+                                   initializers)
     opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
     return onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
 
@@ -441,7 +448,7 @@ def _run_subgraph(model: ir.Model, outputs: list[ir.Value], cut_feeds: list[tupl
             value = graph_inputs[name]
             shape = [d if isinstance(d, int) else (past if i == 2 else 1) for i, d in enumerate(value.shape)]
             feeds[name] = np.zeros(shape, value.dtype.numpy())
-    return session.run([v.name for v in outputs], feeds)
+    return session.run([o.name for o in session.get_outputs()], feeds)
 
 
 def _columns(model: ir.Model, layer: int, q: Linear, k: Linear, v: Linear, query: ir.Value,
