@@ -542,8 +542,10 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
     """
     import onnx
 
+    if exporter == "optimum":
+        return export_optimum([(model, out_dir, metadata)])[0]
     if exporter not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {EXPORTERS}")
+        raise ValueError(f"exporter must be one of {EXPORTERS + ('optimum',)}")
     config = model.config
     n, kv_heads, head_dim = _kv_shape(config)
     pos = config.model_type in ROTARY_TYPES
@@ -588,6 +590,15 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
                 torch.onnx.export(wrapper, tuple(args), str(raw), input_names=inputs, output_names=outputs,
                                   dynamic_shapes=tuple(shapes), dynamo=True, opset_version=opset,
                                   external_data=True, verbose=False)
+        if exporter in ORT_LEVELS:  # onnxruntime's graph optimisations, saved as a model
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, ORT_LEVELS[exporter])
+            options.optimized_model_filepath = str(work / "optimised.onnx")
+            options.log_severity_level = 3
+            ort.InferenceSession(str(raw), options, providers=["CPUExecutionProvider"])
+            raw = work / "optimised.onnx"
         proto = onnx.load(str(raw))
         # Name the present length like the attention mask's ("total"), as the legacy export does.
         for value in proto.graph.output[1:]:
@@ -598,23 +609,111 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
             dims = value.type.tensor_type.shape.dim
             if dims and dims[0].dim_param:
                 dims[0].dim_param = "batch"
-        del proto.metadata_props[:]
-        for key, value in {"picompile.exporter": exporter, **(metadata or {})}.items():
-            entry = proto.metadata_props.add()
-            entry.key, entry.value = str(key), str(value)
-        target = out_dir / name
-        for stale in (target, out_dir / (name + ".data")):
-            if stale.exists():
-                stale.unlink()
-        if n_bytes < INLINE_LIMIT_BYTES:
-            onnx.save(proto, str(target), save_as_external_data=False)
-        else:
-            onnx.save(proto, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
-                      location=name + ".data", size_threshold=1024)
-            os.chmod(out_dir / (name + ".data"), target.stat().st_mode & 0o777)
+        target = _save_onnx(proto, out_dir, name, n_bytes, exporter, metadata)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _save_onnx(proto, out_dir: Path, name: str, n_bytes: int, exporter: str, metadata: dict[str, str] | None) -> Path:
+    """Write an exported model with picompile's metadata, inline below the 1.8 GB limit, else with external data."""
+    import onnx
+
+    del proto.metadata_props[:]
+    for key, value in {"picompile.exporter": exporter, **(metadata or {})}.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = str(key), str(value)
+    target = out_dir / name
+    for stale in (target, out_dir / (name + ".data")):
+        if stale.exists():
+            stale.unlink()
+    if n_bytes < INLINE_LIMIT_BYTES:
+        onnx.save(proto, str(target), save_as_external_data=False)
+    else:
+        onnx.save(proto, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=name + ".data", size_threshold=1024)
+        os.chmod(out_dir / (name + ".data"), target.stat().st_mode & 0o777)
+    return target
+
+
+# optimum-onnx 0.1.0 needs transformers < 4.58 (this environment has 5.x): it runs in its own virtual
+# environment, which sees this one's packages (torch, onnx) and adds optimum and an older transformers.
+OPTIMUM_REQUIREMENTS = ("optimum-onnx==0.1.0", "transformers==4.57.*")
+_OPTIMUM_EXPORT = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from optimum.exporters.onnx import main_export
+for model_dir, output in json.loads(sys.argv[1]):
+    main_export(model_dir, output=output, task="text-generation-with-past", device="cpu", do_validation=False)
+"""
+
+
+def optimum_python(log=lambda message: None) -> Path:
+    """The Python of the optimum environment, ``cache_dir()/optimum-venv`` (or ``$PICOMPILE_OPTIMUM_VENV``),
+    made on first use: ``python -m venv --system-site-packages`` plus pip install of OPTIMUM_REQUIREMENTS
+    (needs PyPI once). Made in a temporary directory renamed into place when complete."""
+    import subprocess
+    import sys
+
+    venv = Path(os.environ.get("PICOMPILE_OPTIMUM_VENV") or cache_dir() / "optimum-venv")
+    python = venv / "bin" / "python"
+    if (venv / ".complete").exists():
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=venv.parent, prefix=f".tmp-{venv.name}-"))
+    started = time.perf_counter()
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(work)], check=True,
+                       capture_output=True, text=True)
+        result = subprocess.run([str(work / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                                 "--disable-pip-version-check", *OPTIMUM_REQUIREMENTS], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"could not install {' '.join(OPTIMUM_REQUIREMENTS)} into an isolated environment "
+                               f"(pip exit {result.returncode}; PyPI is needed once):\n{result.stderr[-3000:]}")
+        (work / ".complete").write_text(" ".join(OPTIMUM_REQUIREMENTS) + "\n")
+        try:
+            os.rename(work, venv)
+        except OSError:
+            if not (venv / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"made the optimum environment {venv} in {time.perf_counter() - started:.1f}s")
+    return python
+
+
+def export_optimum(jobs: list[tuple[Any, str | os.PathLike, dict[str, str] | None]],
+                   log=lambda message: None) -> list[Path]:
+    """Export each ``(model, out_dir, metadata)`` with optimum's ONNX exporter (task text-generation-with-past,
+    its own graph and names) from a locally saved model directory, all in one process of the optimum
+    environment; writes ``out_dir/model.onnx`` like :func:`export_onnx`."""
+    import subprocess
+
+    import onnx
+
+    python = optimum_python(log)
+    works, pairs = [], []
+    try:
+        for model, out_dir, _ in jobs:
+            out_dir = Path(out_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(dir=out_dir, prefix=".export-"))
+            works.append(work)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                model.save_pretrained(work / "hf")
+            pairs.append((str(work / "hf"), str(work / "onnx")))
+        result = subprocess.run([str(python), "-c", _OPTIMUM_EXPORT, json.dumps(pairs)], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"optimum export failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+        targets = []
+        for (model, out_dir, metadata), work in zip(jobs, works):
+            proto = onnx.load(str(work / "onnx" / "model.onnx"))
+            n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            targets.append(_save_onnx(proto, Path(out_dir), "model.onnx", n_bytes, "optimum", metadata))
+        return targets
+    finally:
+        for work in works:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -733,6 +832,35 @@ def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sp
                skew: str | float = "zipf", exporter: str = "dynamo", seed: int = 0,
                log=lambda message: None, **overrides) -> ModelFiles:
     """Build, (synthetically) sparsify, measure, export and write a model into ``out_dir``."""
+    return make_models([(dict(family=family, preset=preset, sparsity=sparsity, skew=skew, exporter=exporter, seed=seed,
+                              **overrides), out_dir)], log)[0]
+
+
+def make_models(jobs: list[tuple[dict, str | os.PathLike]], log=lambda message: None) -> list[ModelFiles]:
+    """:func:`make_model` for several ``(make_model keyword arguments, out_dir)`` jobs; the optimum exports
+    among them run in one process of the isolated environment (its start-up dominates a tiny export)."""
+    states = [_prepare_model(out_dir=out_dir, log=log, **spec) for spec, out_dir in jobs]
+    optimum = [state for state in states if state["exporter"] == "optimum"]
+    if optimum:
+        started = time.perf_counter()
+        paths = export_optimum([(state["model"], state["out_dir"], state["onnx_meta"]) for state in optimum], log)
+        for state, path in zip(optimum, paths):
+            state["onnx_path"], state["export_s"] = path, (time.perf_counter() - started) / len(optimum)
+    for state in states:
+        if state["exporter"] != "optimum":
+            started = time.perf_counter()
+            state["onnx_path"] = export_onnx(state["model"], state["out_dir"], state["exporter"], metadata=state["onnx_meta"])
+            state["export_s"] = time.perf_counter() - started
+        log(f"exported ({state['exporter']}) in {state['export_s']:.1f}s")
+    return [_finish_model(**state) for state in states]
+
+
+def _prepare_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sparsity: float | None = None,
+                   skew: str | float = "zipf", exporter: str = "dynamo", seed: int = 0,
+                   log=lambda message: None, **overrides) -> dict:
+    """Everything of make_model before the export: model, token files, measured sparsity."""
+    if exporter not in EXPORTERS + ("optimum",):
+        raise ValueError(f"exporter must be one of {EXPORTERS + ('optimum',)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, _, token_over = _split_overrides(overrides)
@@ -772,9 +900,14 @@ def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sp
     onnx_meta = {"picompile.family": family, "picompile.preset": preset, "picompile.seed": str(seed),
                  "picompile.synthetic_sparsity": "none" if sparsity is None else f"{sparsity} ({skew})",
                  "picompile.maker_version": MAKER_VERSION}
-    onnx_path = export_onnx(model, out_dir, exporter, metadata=onnx_meta)
-    exported = time.perf_counter()
-    log(f"exported ({exporter}) in {exported - measured_at:.1f}s")
+    return dict(locals(), log=log)
+
+
+def _finish_model(*, family, preset, sparsity, skew, exporter, seed, overrides, model, report, config, measured,
+                  checks, calib_path, heldout_path, stats_path, inputs, outputs, kv_heads, head_dim, onnx_path,
+                  started, built, measured_at, export_s, out_dir, **_) -> ModelFiles:
+    """Everything of make_model after the export: the metadata file."""
+    exported = measured_at + export_s
     synth_meta = None
     if report is not None:
         synth_meta = {k: v for k, v in report.items() if k != "target_p"}
@@ -828,26 +961,38 @@ def cached_model(family: str, preset: str = "tiny", sparsity: float | None = Non
     """Build once per configuration into ``cache_dir()/models/<family>-<preset>-<hash12>/`` and
     reuse it afterwards. Builds go to a temporary sibling directory renamed into place when
     complete, so an interrupted build never leaves a half-written model directory."""
-    digest = config_hash(family, preset, sparsity, skew, exporter, seed, **overrides)[:12]
+    return cached_models([dict(family=family, preset=preset, sparsity=sparsity, skew=skew, exporter=exporter,
+                               seed=seed, **overrides)], log)[0]
+
+
+def cached_models(specs: list[dict], log=lambda message: None) -> list[ModelFiles]:
+    """:func:`cached_model` for several configurations (``cached_model`` keyword arguments); those not
+    cached yet are made together by :func:`make_models`."""
     root = cache_dir() / "models"
-    final = root / f"{family}-{preset}-{digest}"
-    if (final / "config.json").exists():
-        return ModelFiles.from_dir(final)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(root)
-    work = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
-    try:
-        make_model(family, work, preset, sparsity, skew, exporter, seed, log=log, **overrides)
+    finals = []
+    for spec in specs:
+        spec = {"preset": "tiny", **spec}
+        digest = config_hash(**spec)[:12]
+        finals.append(root / f"{spec['family']}-{spec['preset']}-{digest}")
+    missing = [(spec, final) for spec, final in zip(specs, finals) if not (final / "config.json").exists()]
+    if missing:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(root)
+        works = [Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-")) for _, final in missing]
         try:
-            os.rename(work, final)
-        except OSError:
-            if not (final / "config.json").exists():  # not a concurrent builder's finished copy
-                raise
-            shutil.rmtree(work, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return ModelFiles.from_dir(final)
+            make_models([(spec, work) for (spec, _), work in zip(missing, works)], log)
+            for work, (_, final) in zip(works, missing):
+                try:
+                    os.rename(work, final)
+                except OSError:
+                    if not (final / "config.json").exists():  # not a concurrent builder's finished copy
+                        raise
+                    shutil.rmtree(work, ignore_errors=True)
+        except BaseException:
+            for work in works:
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+    return [ModelFiles.from_dir(final) for final in finals]
 
 
 def _remove_stale_temps(root: Path, max_age_s: float = 24 * 3600) -> None:
