@@ -590,15 +590,8 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
                 torch.onnx.export(wrapper, tuple(args), str(raw), input_names=inputs, output_names=outputs,
                                   dynamic_shapes=tuple(shapes), dynamo=True, opset_version=opset,
                                   external_data=True, verbose=False)
-        if exporter in ORT_LEVELS:  # onnxruntime's graph optimisations, saved as a model
-            import onnxruntime as ort
-
-            options = ort.SessionOptions()
-            options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, ORT_LEVELS[exporter])
-            options.optimized_model_filepath = str(work / "optimised.onnx")
-            options.log_severity_level = 3
-            ort.InferenceSession(str(raw), options, providers=["CPUExecutionProvider"])
-            raw = work / "optimised.onnx"
+        if exporter in ORT_LEVELS:
+            raw = ort_optimise(raw, work / "optimised.onnx", exporter)
         proto = onnx.load(str(raw))
         # Name the present length like the attention mask's ("total"), as the legacy export does.
         for value in proto.graph.output[1:]:
@@ -613,6 +606,20 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def ort_optimise(source: str | os.PathLike, target: str | os.PathLike, level: str = "ort_extended") -> Path:
+    """Save ``source`` as onnxruntime optimises it for the CPU at ``level`` ("ort_basic": constant folding
+    and redundant nodes; "ort_extended": also fusions into its own ops such as FusedGemm, FusedMatMul,
+    SkipLayerNormalization, SimplifiedLayerNormalization), via SessionOptions.optimized_model_filepath."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, ORT_LEVELS[level])
+    options.optimized_model_filepath = str(target)
+    options.log_severity_level = 3
+    ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+    return Path(target)
 
 
 def _save_onnx(proto, out_dir: Path, name: str, n_bytes: int, exporter: str, metadata: dict[str, str] | None) -> Path:

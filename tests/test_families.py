@@ -9,6 +9,7 @@ fire), made once per session; the optimum rows run optimum in its own environmen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -30,19 +31,29 @@ EXPORTERS = ("dynamo", "legacy", "optimum", "ort_extended")
 ROWS = [(exporter, family) for exporter in EXPORTERS for family in FAMILIES]
 # ort_basic only folds and removes nodes; one family shows that its graphs import too.
 ROWS += [("ort_basic", "llama")]
-TOKENS = dict(n_seqs=8, seq_len=32)  # 256 calibration tokens are plenty for all-neurons builds
 PROMPT = [11, 22, 33, 44, 55]
 
 
 @pytest.fixture(scope="module")
-def exported():
-    """(exporter, family) -> ModelFiles; each exporter's models are made together on first use."""
+def exported(tiny_models, tmp_path_factory):
+    """(exporter, family) -> ModelFiles. The same tiny models as the other test files (shared in a session);
+    the optimum ones are exported together on first use (one start of the optimum environment); the
+    onnxruntime-optimised ones are the dynamo exports saved again by onnxruntime."""
     made: dict = {}
 
     def get(exporter: str, family: str):
-        if (exporter, family) not in made:
-            files = models.cached_models([dict(family=f, exporter=exporter, **TOKENS) for f in FAMILIES])
-            made.update({(exporter, f): m for f, m in zip(FAMILIES, files)})
+        if (exporter, family) in made:
+            return made[exporter, family]
+        if exporter == "optimum":
+            families = [f for e, f in ROWS if e == "optimum"]
+            made.update(zip([("optimum", f) for f in families],
+                            models.cached_models([dict(family=f, exporter="optimum") for f in families])))
+        elif exporter in models.ORT_LEVELS:
+            base = tiny_models(family, "dynamo")
+            target = tmp_path_factory.mktemp(f"{exporter}-{family}") / "model.onnx"
+            made[exporter, family] = dataclasses.replace(base, onnx=models.ort_optimise(base.onnx, target, exporter))
+        else:
+            made[exporter, family] = tiny_models(family, exporter)
         return made[exporter, family]
 
     return get
@@ -61,7 +72,7 @@ def assert_matches_onnxruntime(artifact, reference_onnx, decode_steps: int = 3) 
 def dense_and_all_neurons(onnx_path, calib, out_dir, **options):
     dense = build(onnx_path, out_dir / "dense.pic", get_target("cpu"), Options(dense=True, max_context=32, **options))
     sparse = build(onnx_path, out_dir / "sparse.pic", get_target("cpu"),
-                   Options(max_context=32, calib=calib, calib_tokens=256, all_neurons=True, **options))
+                   Options(max_context=32, calib=calib, calib_tokens=256, all_neurons=True, **options))  # 256 tokens: plenty to pass every neuron
     return dense, sparse
 
 
