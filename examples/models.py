@@ -5,10 +5,18 @@ weights (``torch.manual_seed(seed)``), optionally given *synthetic* activation s
 imitates what trained ReLU models show, exported to ONNX in optimum's KV-cache convention,
 and written next to random calibration / held-out token files.
 
-Families
+Families (all ReLU; presets ``tiny``, ``small``, ``1b``)
     ``opt``    OPTForCausalLM, ReLU FFN (fc1 -> relu -> fc2), pre-LayerNorm, biases, tied LM head.
     ``llama``  LlamaForCausalLM with ``hidden_act="relu"`` (gated ReGLU: down(relu(gate(x)) * up(x))),
                grouped-query attention, untied LM head, no biases anywhere.
+    ``llama_tied``  the same with ``tie_word_embeddings=True`` (LM head = token embedding transposed).
+    ``gpt2``   GPT2LMHeadModel with ``activation_function="relu"``: Conv1D layers (weights [in, out],
+               transposed against nn.Linear), one fused QKV projection, learned positions, tied LM head.
+    ``neox``   GPTNeoXForCausalLM with ``hidden_act="relu"``: parallel residual (x + attn(ln1(x)) +
+               mlp(ln2(x))), fused QKV interleaved per head, partial rotary (a quarter of each head).
+    ``falcon`` FalconForCausalLM with ``activation="relu"`` (FalconConfig has the field): parallel attention
+               and FFN from one LayerNorm, multi-query attention (one key/value head), fused QKV, RoPE,
+               no biases, tied LM head.
 
 Synthetic sparsity (``sparsity=0.9, skew="zipf"``; ``sparsity=None`` leaves the model dense-random)
     The numbers are *synthetic*: they are what this maker designed, not what any trained model
@@ -31,7 +39,9 @@ Synthetic sparsity (``sparsity=0.9, skew="zipf"``; ``sparsity=None`` leaves the 
        are randomly permuted across neurons.
     3. Thresholds. On random tokens, each neuron's threshold is the ``1 - p_i`` quantile of its
        pre-activation, so that P(pre-activation > 0) = p_i:
-       - OPT: ``fc1.bias_i = -quantile(w_i . x, 1 - p_i)`` where x is the final_layer_norm output.
+       - OPT: ``fc1.bias_i = -quantile(w_i . x, 1 - p_i)`` where x is the final_layer_norm output;
+         GPT-2 and GPT-NeoX the same through their FFN up bias. Falcon has no biases and no bias
+         channel: it is made dense-random only (``sparsity=None``).
        - LLaMA has no biases, so the offset goes through a *constant channel* ("bias channel",
          like the massive activations of trained LLMs): one residual channel ``c`` is set to a
          constant ``M > 0`` in every token embedding, and row ``c`` of every ``o_proj`` and
@@ -52,8 +62,13 @@ Files a maker writes into a model directory
     (picompile metadata, HF config, measured sparsity), ``sparsity.npz`` (``target_p`` and
     ``measured_freq``, float [layers, ffn]; absent for dense models).
 
+Exporters: ``dynamo`` / ``legacy`` (torch.onnx), ``ort_basic`` / ``ort_extended`` (the dynamo export
+saved again by onnxruntime after its basic / extended graph optimisations), ``optimum`` (optimum-onnx's
+own export of the model saved with save_pretrained, in an isolated environment made with pip on first
+use: :func:`optimum_python`; its names are optimum's, some inputs may be absent, e.g. Falcon's mask).
+
 ONNX convention (optimum's): inputs ``input_ids`` [batch, seq] int64, ``attention_mask``
-[batch, total] int64 (total = past + seq), ``position_ids`` [batch, seq] int64 (llama only),
+[batch, total] int64 (total = past + seq), ``position_ids`` [batch, seq] int64 (rotary families only),
 ``past_key_values.{i}.key|value`` [batch, kv_heads, past, head_dim]; outputs ``logits``
 [batch, seq, vocab], ``present.{i}.key|value`` [batch, kv_heads, total, head_dim].
 Empty past (past = 0) works in onnxruntime for both exporters; prefill uses it.
@@ -82,9 +97,9 @@ import torch
 MAKER_VERSION = "1"
 FAMILIES = ("opt", "llama", "llama_tied", "gpt2", "neox", "falcon")
 # torch.onnx's two exporters; "ort_basic" / "ort_extended": the dynamo export saved again by onnxruntime
-# after its basic / extended graph optimisations (fused contrib ops). optimum's exporter runs in its own
-# environment (transformers < 4.58): see export_optimum.
-EXPORTERS = ("dynamo", "legacy", "ort_basic", "ort_extended")
+# after its basic / extended graph optimisations (fused contrib ops); "optimum": optimum-onnx's exporter,
+# run in its own environment (it needs transformers < 4.58): see export_optimum.
+EXPORTERS = ("dynamo", "legacy", "ort_basic", "ort_extended", "optimum")
 ORT_LEVELS = {"ort_basic": "ORT_ENABLE_BASIC", "ort_extended": "ORT_ENABLE_EXTENDED"}
 INLINE_LIMIT_BYTES = 1_800_000_000
 SPARSITY_TOLERANCE = 0.03  # per-layer |measured - asked| the maker verifies (warns if missed)
@@ -107,23 +122,32 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=32000,
                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048),
     },
-    "llama_tied": {
-        "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, vocab_size=128,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
-    },
     "gpt2": {
         "tiny": dict(n_embd=64, n_layer=2, n_inner=256, vocab_size=128, n_head=4, n_positions=256,
                      bos_token_id=127, eos_token_id=127),
+        "small": dict(n_embd=768, n_layer=12, n_inner=3072, vocab_size=32000, n_head=12, n_positions=2048,
+                      bos_token_id=31999, eos_token_id=31999),
+        "1b": dict(n_embd=2048, n_layer=16, n_inner=8192, vocab_size=32000, n_head=16, n_positions=2048,
+                   bos_token_id=31999, eos_token_id=31999),
     },
     "neox": {
         "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, vocab_size=128,
                      num_attention_heads=4, max_position_embeddings=256),
+        "small": dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, vocab_size=32000,
+                      num_attention_heads=12, max_position_embeddings=2048),
+        "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=32000,
+                   num_attention_heads=16, max_position_embeddings=2048),
     },
     "falcon": {
         "tiny": dict(hidden_size=64, num_hidden_layers=2, ffn_hidden_size=256, vocab_size=128,
                      num_attention_heads=4, max_position_embeddings=256),
+        "small": dict(hidden_size=768, num_hidden_layers=12, ffn_hidden_size=3072, vocab_size=32000,
+                      num_attention_heads=12, max_position_embeddings=2048),
+        "1b": dict(hidden_size=2048, num_hidden_layers=16, ffn_hidden_size=8192, vocab_size=32000,
+                   num_attention_heads=16, max_position_embeddings=2048),
     },
 }
+PRESETS["llama_tied"] = PRESETS["llama"]  # the same sizes; the output layer is the embedding's transpose
 
 # Fixed architecture choices (not overridable: they define the family).
 FAMILY_FIXED: dict[str, dict[str, Any]] = {
@@ -545,7 +569,7 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
     if exporter == "optimum":
         return export_optimum([(model, out_dir, metadata)])[0]
     if exporter not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {EXPORTERS + ('optimum',)}")
+        raise ValueError(f"exporter must be one of {EXPORTERS}")
     config = model.config
     n, kv_heads, head_dim = _kv_shape(config)
     pos = config.model_type in ROTARY_TYPES
@@ -866,8 +890,8 @@ def _prepare_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny"
                    skew: str | float = "zipf", exporter: str = "dynamo", seed: int = 0,
                    log=lambda message: None, **overrides) -> dict:
     """Everything of make_model before the export: model, token files, measured sparsity."""
-    if exporter not in EXPORTERS + ("optimum",):
-        raise ValueError(f"exporter must be one of {EXPORTERS + ('optimum',)}")
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, _, token_over = _split_overrides(overrides)
