@@ -144,7 +144,8 @@ def _match_linear(node: ir.Node) -> Linear | None:
         bias = None
     elif node.op_type in ("Gemm", "FusedGemm", "FusedMatMul"):
         weight = _const_weight(node.inputs[1])
-        if weight is None or weight.ndim != 2 or pir.attr(node, "transA", 0) or pir.attr(node, "alpha", 1.0) != 1.0:
+        if (weight is None or weight.ndim != 2 or pir.attr(node, "transA", 0) or pir.attr(node, "alpha", 1.0) != 1.0
+                or pir.attr(node, "transBatchA", 0) or pir.attr(node, "transBatchB", 0)):
             return None
         if pir.attr(node, "transB", 0):
             weight = weight.T
