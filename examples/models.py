@@ -179,7 +179,8 @@ __all__ = [
     "MAKER_VERSION", "PRESETS", "ModelFiles", "make_config", "build_model", "synthesize_sparsity",
     "activation_probs", "measure_sparsity", "ffn_modules", "export_onnx", "make_model",
     "cached_model", "cache_dir", "config_hash", "write_tokens", "read_tokens", "random_tokens",
-    "ort_logits_steps", "ort_greedy", "num_params", "io_names",
+    "ort_logits_steps", "ort_greedy", "num_params", "io_names", "make_models", "cached_models", "ort_optimise",
+    "export_optimum", "optimum_python",
 ]
 
 
