@@ -5,11 +5,19 @@ weights (``torch.manual_seed(seed)``), optionally given *synthetic* activation s
 imitates what trained ReLU models show, exported to ONNX in optimum's KV-cache convention,
 and written next to random calibration / held-out token files.
 
-Families
+Families (ReLU unless noted; presets ``tiny``, ``small``, ``1b``)
     ``opt``    OPTForCausalLM, ReLU FFN (fc1 -> relu -> fc2), pre-LayerNorm, biases, tied LM head.
     ``llama``  LlamaForCausalLM with ``hidden_act="relu"`` (gated ReGLU: down(relu(gate(x)) * up(x))),
                grouped-query attention, untied LM head, no biases anywhere. ``hidden_act="silu"`` makes
                the SwiGLU LLaMA (dense-random only: synthetic sparsity needs ReLU's exact zeros).
+    ``llama_tied``  the same with ``tie_word_embeddings=True`` (LM head = token embedding transposed).
+    ``gpt2``   GPT2LMHeadModel with ``activation_function="relu"``: Conv1D layers (weights [in, out],
+               transposed against nn.Linear), one fused QKV projection, learned positions, tied LM head.
+    ``neox``   GPTNeoXForCausalLM with ``hidden_act="relu"``: parallel residual (x + attn(ln1(x)) +
+               mlp(ln2(x))), fused QKV interleaved per head, partial rotary (a quarter of each head).
+    ``falcon`` FalconForCausalLM with ``activation="relu"`` (FalconConfig has the field): parallel attention
+               and FFN from one LayerNorm, multi-query attention (one key/value head), fused QKV, RoPE,
+               no biases, tied LM head.
 
 Synthetic sparsity (``sparsity=0.9, skew="zipf"``; ``sparsity=None`` leaves the model dense-random)
     The numbers are *synthetic*: they are what this maker designed, not what any trained model
@@ -32,7 +40,9 @@ Synthetic sparsity (``sparsity=0.9, skew="zipf"``; ``sparsity=None`` leaves the 
        are randomly permuted across neurons.
     3. Thresholds. On random tokens, each neuron's threshold is the ``1 - p_i`` quantile of its
        pre-activation, so that P(pre-activation > 0) = p_i:
-       - OPT: ``fc1.bias_i = -quantile(w_i . x, 1 - p_i)`` where x is the final_layer_norm output.
+       - OPT: ``fc1.bias_i = -quantile(w_i . x, 1 - p_i)`` where x is the final_layer_norm output;
+         GPT-2 and GPT-NeoX the same through their FFN up bias. Falcon has no biases and no bias
+         channel: it is made dense-random only (``sparsity=None``).
        - LLaMA has no biases, so the offset goes through a *constant channel* ("bias channel",
          like the massive activations of trained LLMs): one residual channel ``c`` is set to a
          constant ``M > 0`` in every token embedding, and row ``c`` of every ``o_proj`` and
@@ -53,8 +63,13 @@ Files a maker writes into a model directory
     (picompile metadata, HF config, measured sparsity), ``sparsity.npz`` (``target_p`` and
     ``measured_freq``, float [layers, ffn]; absent for dense models).
 
+Exporters: ``dynamo`` / ``legacy`` (torch.onnx), ``ort_basic`` / ``ort_extended`` (the dynamo export
+saved again by onnxruntime after its basic / extended graph optimisations), ``optimum`` (optimum-onnx's
+own export of the model saved with save_pretrained, in an isolated environment made with pip on first
+use: :func:`optimum_python`; its names are optimum's, some inputs may be absent, e.g. Falcon's mask).
+
 ONNX convention (optimum's): inputs ``input_ids`` [batch, seq] int64, ``attention_mask``
-[batch, total] int64 (total = past + seq), ``position_ids`` [batch, seq] int64 (llama only),
+[batch, total] int64 (total = past + seq), ``position_ids`` [batch, seq] int64 (rotary families only),
 ``past_key_values.{i}.key|value`` [batch, kv_heads, past, head_dim]; outputs ``logits``
 [batch, seq, vocab], ``present.{i}.key|value`` [batch, kv_heads, total, head_dim].
 Empty past (past = 0) works in onnxruntime for both exporters; prefill uses it.
@@ -81,8 +96,12 @@ import numpy as np
 import torch
 
 MAKER_VERSION = "1"
-FAMILIES = ("opt", "llama")
-EXPORTERS = ("dynamo", "legacy")
+FAMILIES = ("opt", "llama", "llama_tied", "gpt2", "neox", "falcon")
+# torch.onnx's two exporters; "ort_basic" / "ort_extended": the dynamo export saved again by onnxruntime
+# after its basic / extended graph optimisations (fused contrib ops); "optimum": optimum-onnx's exporter,
+# run in its own environment (it needs transformers < 4.58): see export_optimum.
+EXPORTERS = ("dynamo", "legacy", "ort_basic", "ort_extended", "optimum")
+ORT_LEVELS = {"ort_basic": "ORT_ENABLE_BASIC", "ort_extended": "ORT_ENABLE_EXTENDED"}
 INLINE_LIMIT_BYTES = 1_800_000_000
 SPARSITY_TOLERANCE = 0.03  # per-layer |measured - asked| the maker verifies (warns if missed)
 
@@ -104,19 +123,56 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=32000,
                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048),
     },
+    "gpt2": {
+        "tiny": dict(n_embd=64, n_layer=2, n_inner=256, vocab_size=128, n_head=4, n_positions=256,
+                     bos_token_id=127, eos_token_id=127),
+        "small": dict(n_embd=768, n_layer=12, n_inner=3072, vocab_size=32000, n_head=12, n_positions=2048,
+                      bos_token_id=31999, eos_token_id=31999),
+        "1b": dict(n_embd=2048, n_layer=16, n_inner=8192, vocab_size=32000, n_head=16, n_positions=2048,
+                   bos_token_id=31999, eos_token_id=31999),
+    },
+    "neox": {
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, vocab_size=128,
+                     num_attention_heads=4, max_position_embeddings=256),
+        "small": dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, vocab_size=32000,
+                      num_attention_heads=12, max_position_embeddings=2048),
+        "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=32000,
+                   num_attention_heads=16, max_position_embeddings=2048),
+    },
+    "falcon": {
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, ffn_hidden_size=256, vocab_size=128,
+                     num_attention_heads=4, max_position_embeddings=256),
+        "small": dict(hidden_size=768, num_hidden_layers=12, ffn_hidden_size=3072, vocab_size=32000,
+                      num_attention_heads=12, max_position_embeddings=2048),
+        "1b": dict(hidden_size=2048, num_hidden_layers=16, ffn_hidden_size=8192, vocab_size=32000,
+                   num_attention_heads=16, max_position_embeddings=2048),
+    },
 }
+PRESETS["llama_tied"] = PRESETS["llama"]  # the same sizes; the output layer is the embedding's transpose
 
 # Fixed architecture choices (not overridable: they define the family).
 FAMILY_FIXED: dict[str, dict[str, Any]] = {
     "opt": dict(activation_function="relu", do_layer_norm_before=True, enable_bias=True,
                 dropout=0.0, attention_dropout=0.0, layerdrop=0.0),
     "llama": dict(tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+    "llama_tied": dict(hidden_act="relu", tie_word_embeddings=True, attention_bias=False, mlp_bias=False),
+    "gpt2": dict(activation_function="relu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                 tie_word_embeddings=True),
+    "neox": dict(hidden_act="relu", use_parallel_residual=True, attention_bias=True, tie_word_embeddings=False,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+    "falcon": dict(activation="relu", parallel_attn=True, multi_query=True, new_decoder_architecture=False,
+                   alibi=False, bias=False, tie_word_embeddings=True),
 }
 # Architecture choices a family allows (the first is the default).
 FAMILY_CHOICES: dict[str, dict[str, tuple]] = {
-    "opt": {},
     "llama": dict(hidden_act=("relu", "silu")),
 }
+# transformers config and model class per family; model_type (config.model_type) per family.
+MODEL_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+                 "llama_tied": ("LlamaConfig", "LlamaForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+                 "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
+ROTARY_TYPES = ("llama", "gpt_neox", "falcon")
+BIASED_FFN_TYPES = ("opt", "gpt2", "gpt_neox")  # synthetic thresholds go into the FFN up bias  # these take position_ids (optimum's inputs too)
 
 # Knobs of the synthetic structure (may be passed as keyword overrides).
 SYNTH_DEFAULTS: dict[str, Any] = dict(lowrank_rank=None, lowrank_var=0.95, pmax=0.95)
@@ -128,7 +184,8 @@ __all__ = [
     "MAKER_VERSION", "PRESETS", "ModelFiles", "make_config", "build_model", "synthesize_sparsity",
     "activation_probs", "measure_sparsity", "ffn_modules", "export_onnx", "make_model",
     "cached_model", "cache_dir", "config_hash", "write_tokens", "read_tokens", "random_tokens",
-    "ort_logits_steps", "ort_greedy", "num_params", "io_names",
+    "ort_logits_steps", "ort_greedy", "num_params", "io_names", "make_models", "cached_models", "ort_optimise",
+    "export_optimum", "optimum_python",
 ]
 
 
@@ -144,7 +201,7 @@ def _split_overrides(overrides: dict[str, Any]) -> tuple[dict, dict, dict]:
 
 def make_config(family: str, preset: str = "tiny", **overrides):
     """A transformers config for ``family`` at ``preset``; keyword overrides are config fields."""
-    from transformers import LlamaConfig, OPTConfig
+    import transformers
 
     if family not in PRESETS:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -156,27 +213,40 @@ def make_config(family: str, preset: str = "tiny", **overrides):
         if key in overrides and overrides[key] != value:
             raise ValueError(f"{family}: {key} is fixed to {value!r}")
         fields[key] = value
-    for key, allowed in FAMILY_CHOICES[family].items():
+    for key, allowed in FAMILY_CHOICES.get(family, {}).items():
         fields.setdefault(key, allowed[0])
         if fields[key] not in allowed:
             raise ValueError(f"{family}: {key} must be one of {allowed}, got {fields[key]!r}")
     if family == "opt":
         fields["word_embed_proj_dim"] = fields["hidden_size"]
-        return OPTConfig(**fields)
-    if fields["num_key_value_heads"] >= fields["num_attention_heads"]:
+    if family.startswith("llama") and fields["num_key_value_heads"] >= fields["num_attention_heads"]:
         raise ValueError("llama: grouped-query attention needs num_key_value_heads < num_attention_heads")
-    return LlamaConfig(**fields)
+    return getattr(transformers, MODEL_CLASSES[family][0])(**fields)
 
 
 def ffn_modules(model) -> list[dict[str, torch.nn.Module]]:
-    """Per decoder layer: {'norm', 'up', 'down'} (+ 'gate' for llama) modules of the FFN."""
+    """Per decoder layer: {'norm', 'up', 'down'} (+ 'gate' for llama) modules of the FFN.
+    GPT-2's up/down are Conv1D modules, whose weights are [in, out] (transposed against nn.Linear)."""
     family = model.config.model_type
     if family == "opt":
         return [dict(norm=l.final_layer_norm, up=l.fc1, down=l.fc2, layer=l) for l in model.model.decoder.layers]
     if family == "llama":
         return [dict(norm=l.post_attention_layernorm, gate=l.mlp.gate_proj, up=l.mlp.up_proj,
                      down=l.mlp.down_proj, mlp=l.mlp, layer=l) for l in model.model.layers]
+    if family == "gpt2":
+        return [dict(norm=l.ln_2, up=l.mlp.c_fc, down=l.mlp.c_proj, layer=l) for l in model.transformer.h]
+    if family == "gpt_neox":
+        return [dict(norm=l.post_attention_layernorm, up=l.mlp.dense_h_to_4h, down=l.mlp.dense_4h_to_h, layer=l)
+                for l in model.gpt_neox.layers]
+    if family == "falcon":  # one LayerNorm feeds attention and FFN (parallel blocks)
+        return [dict(norm=l.input_layernorm, up=l.mlp.dense_h_to_4h, down=l.mlp.dense_4h_to_h, layer=l)
+                for l in model.transformer.h]
     raise ValueError(f"unsupported model type {family!r}")
+
+
+def _linear_weight(module) -> torch.Tensor:
+    """The weight as [out, in] (nn.Linear's layout; GPT-2's Conv1D stores [in, out])."""
+    return module.weight.T if type(module).__name__ == "Conv1D" else module.weight
 
 
 def num_params(model) -> int:
@@ -195,7 +265,7 @@ def _randomize_small(model, generator: torch.Generator) -> None:
                     module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=generator))
                 if getattr(module, "bias", None) is not None:
                     module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=generator))
-            elif isinstance(module, torch.nn.Linear) and module.bias is not None:
+            elif (isinstance(module, torch.nn.Linear) or name == "Conv1D") and module.bias is not None:
                 module.bias.copy_(0.02 * torch.randn(module.bias.shape, generator=generator))
 
 
@@ -218,13 +288,12 @@ def build_model(family: str, preset: str = "tiny", sparsity: float | None = None
     ``report`` is None for dense models, else the dict from :func:`synthesize_sparsity`
     (design parameters; the measured sparsity comes from :func:`measure_sparsity`).
     """
-    from transformers import LlamaForCausalLM, OPTForCausalLM
+    import transformers
 
     arch, synth, tokens = _split_overrides(overrides)
     config = make_config(family, preset, **arch)
     torch.manual_seed(seed)
-    cls = OPTForCausalLM if family == "opt" else LlamaForCausalLM
-    model = cls(config).eval()
+    model = getattr(transformers, MODEL_CLASSES[family][1])(config).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     _randomize_small(model, generator)
     report = None
@@ -324,13 +393,16 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
         raise ValueError("sparsity must be in (0, 1)")
     config = model.config
     family = config.model_type
+    if family not in BIASED_FFN_TYPES and family != "llama":
+        raise ValueError(f"synthetic sparsity needs FFN up biases or llama's bias channel; {family} has neither "
+                         "(build it dense-random: sparsity=None)")
     d = config.hidden_size
     rank = int(lowrank_rank) if lowrank_rank else min(64, max(1, d // 4))
     std = float(getattr(config, "init_std", None) or getattr(config, "initializer_range", 0.02))
     rng = np.random.default_rng(seed + 7)
     generator = torch.Generator().manual_seed(seed + 2)
     layers = ffn_modules(model)
-    ffn = layers[0]["up"].out_features
+    ffn = _linear_weight(layers[0]["up"]).shape[0]
     target_p = np.stack([activation_probs(ffn, 1 - sparsity, skew, pmax, rng) for _ in layers])
 
     bias_channel = None
@@ -364,10 +436,10 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
         p = torch.from_numpy(target_p[index])
         basis = make_basis()
         up = _lowrank_plus_noise(x, basis, ffn, lowrank_var, std, generator, bias_channel)
-        if family == "opt":
+        if family in BIASED_FFN_TYPES:
             pre = x @ up.T
             threshold = _column_quantile(pre, 1 - p)
-            mods["up"].weight.copy_(up)
+            _linear_weight(mods["up"]).copy_(up)
             mods["up"].bias.copy_(-threshold)
             achieved.append(float((pre - threshold > 0).float().mean()))
         else:
@@ -385,7 +457,7 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
 
     handles = []
     for index, mods in enumerate(layers):
-        target = mods["up"] if family == "opt" else mods["mlp"]
+        target = mods["up"] if family in BIASED_FFN_TYPES else mods["mlp"]
         handles.append(target.register_forward_pre_hook(lambda m, args, i=index: calibrate(i, args[0])))
     try:
         with torch.no_grad():
@@ -399,7 +471,7 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
         calibration_tokens=int(np.asarray(token_ids).size),
         calibration_active_fraction=achieved, target_p=target_p,
         method=("per-neuron threshold = (1 - p_i) quantile of the pre-activation on random tokens; "
-                + ("OPT: fc1 bias" if family == "opt" else
+                + ("FFN up bias (OPT fc1, GPT-2 c_fc, GPT-NeoX dense_h_to_4h)" if family in BIASED_FFN_TYPES else
                    "LLaMA: column `bias_channel` of gate_proj against a constant residual channel")),
     )
 
@@ -452,13 +524,15 @@ def measure_sparsity(model, token_ids: np.ndarray, batch: int = 16) -> dict:
 def _kv_shape(config) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if config.model_type == "falcon" and config.multi_query and not config.new_decoder_architecture:
+        kv_heads = 1  # multi-query attention: one key/value head
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
 
 
 def io_names(config) -> tuple[list[str], list[str]]:
     n, _, _ = _kv_shape(config)
-    pos = config.model_type == "llama"
+    pos = config.model_type in ROTARY_TYPES
     inputs = ["input_ids", "attention_mask"] + (["position_ids"] if pos else [])
     inputs += [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
     outputs = ["logits"] + [f"present.{i}.{k}" for i in range(n) for k in ("key", "value")]
@@ -504,11 +578,13 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
     """
     import onnx
 
+    if exporter == "optimum":
+        return export_optimum([(model, out_dir, metadata)])[0]
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}")
     config = model.config
     n, kv_heads, head_dim = _kv_shape(config)
-    pos = config.model_type == "llama"
+    pos = config.model_type in ROTARY_TYPES
     inputs, outputs = io_names(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -550,6 +626,8 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
                 torch.onnx.export(wrapper, tuple(args), str(raw), input_names=inputs, output_names=outputs,
                                   dynamic_shapes=tuple(shapes), dynamo=True, opset_version=opset,
                                   external_data=True, verbose=False)
+        if exporter in ORT_LEVELS:
+            raw = ort_optimise(raw, work / "optimised.onnx", exporter)
         proto = onnx.load(str(raw))
         # Name the present length like the attention mask's ("total"), as the legacy export does.
         for value in proto.graph.output[1:]:
@@ -560,23 +638,125 @@ def export_onnx(model, out_dir: str | os.PathLike, exporter: str = "dynamo", ops
             dims = value.type.tensor_type.shape.dim
             if dims and dims[0].dim_param:
                 dims[0].dim_param = "batch"
-        del proto.metadata_props[:]
-        for key, value in {"picompile.exporter": exporter, **(metadata or {})}.items():
-            entry = proto.metadata_props.add()
-            entry.key, entry.value = str(key), str(value)
-        target = out_dir / name
-        for stale in (target, out_dir / (name + ".data")):
-            if stale.exists():
-                stale.unlink()
-        if n_bytes < INLINE_LIMIT_BYTES:
-            onnx.save(proto, str(target), save_as_external_data=False)
-        else:
-            onnx.save(proto, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
-                      location=name + ".data", size_threshold=1024)
-            os.chmod(out_dir / (name + ".data"), target.stat().st_mode & 0o777)
+        target = _save_onnx(proto, out_dir, name, n_bytes, exporter, metadata)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def ort_optimise(source: str | os.PathLike, target: str | os.PathLike, level: str = "ort_extended") -> Path:
+    """Save ``source`` as onnxruntime optimises it for the CPU at ``level`` ("ort_basic": constant folding
+    and redundant nodes; "ort_extended": also fusions into its own ops such as FusedGemm, FusedMatMul,
+    SkipLayerNormalization, SimplifiedLayerNormalization), via SessionOptions.optimized_model_filepath."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, ORT_LEVELS[level])
+    options.optimized_model_filepath = str(target)
+    options.log_severity_level = 3
+    ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+    return Path(target)
+
+
+def _save_onnx(proto, out_dir: Path, name: str, n_bytes: int, exporter: str, metadata: dict[str, str] | None) -> Path:
+    """Write an exported model with picompile's metadata, inline below the 1.8 GB limit, else with external data."""
+    import onnx
+
+    del proto.metadata_props[:]
+    for key, value in {"picompile.exporter": exporter, **(metadata or {})}.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = str(key), str(value)
+    target = out_dir / name
+    for stale in (target, out_dir / (name + ".data")):
+        if stale.exists():
+            stale.unlink()
+    if n_bytes < INLINE_LIMIT_BYTES:
+        onnx.save(proto, str(target), save_as_external_data=False)
+    else:
+        onnx.save(proto, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=name + ".data", size_threshold=1024)
+        os.chmod(out_dir / (name + ".data"), target.stat().st_mode & 0o777)
+    return target
+
+
+# optimum-onnx 0.1.0 needs transformers < 4.58 (this environment has 5.x): it runs in its own virtual
+# environment, which sees this one's packages (torch, onnx) and adds optimum and an older transformers.
+OPTIMUM_REQUIREMENTS = ("optimum-onnx==0.1.0", "transformers==4.57.*")
+_OPTIMUM_EXPORT = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from optimum.exporters.onnx import main_export
+for model_dir, output in json.loads(sys.argv[1]):
+    main_export(model_dir, output=output, task="text-generation-with-past", device="cpu", do_validation=False)
+"""
+
+
+def optimum_python(log=lambda message: None) -> Path:
+    """The Python of the optimum environment, ``cache_dir()/optimum-venv`` (or ``$PICOMPILE_OPTIMUM_VENV``),
+    made on first use: ``python -m venv --system-site-packages`` plus pip install of OPTIMUM_REQUIREMENTS
+    (needs PyPI once). Made in a temporary directory renamed into place when complete."""
+    import subprocess
+    import sys
+
+    venv = Path(os.environ.get("PICOMPILE_OPTIMUM_VENV") or cache_dir() / "optimum-venv")
+    python = venv / "bin" / "python"
+    if (venv / ".complete").exists():
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=venv.parent, prefix=f".tmp-{venv.name}-"))
+    started = time.perf_counter()
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(work)], check=True,
+                       capture_output=True, text=True)
+        result = subprocess.run([str(work / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                                 "--disable-pip-version-check", *OPTIMUM_REQUIREMENTS], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"could not install {' '.join(OPTIMUM_REQUIREMENTS)} into an isolated environment "
+                               f"(pip exit {result.returncode}; PyPI is needed once):\n{result.stderr[-3000:]}")
+        (work / ".complete").write_text(" ".join(OPTIMUM_REQUIREMENTS) + "\n")
+        try:
+            os.rename(work, venv)
+        except OSError:
+            if not (venv / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"made the optimum environment {venv} in {time.perf_counter() - started:.1f}s")
+    return python
+
+
+def export_optimum(jobs: list[tuple[Any, str | os.PathLike, dict[str, str] | None]],
+                   log=lambda message: None) -> list[Path]:
+    """Export each ``(model, out_dir, metadata)`` with optimum's ONNX exporter (task text-generation-with-past,
+    its own graph and names) from a locally saved model directory, all in one process of the optimum
+    environment; writes ``out_dir/model.onnx`` like :func:`export_onnx`."""
+    import subprocess
+
+    import onnx
+
+    python = optimum_python(log)
+    works, pairs = [], []
+    try:
+        for model, out_dir, _ in jobs:
+            out_dir = Path(out_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(dir=out_dir, prefix=".export-"))
+            works.append(work)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                model.save_pretrained(work / "hf")
+            pairs.append((str(work / "hf"), str(work / "onnx")))
+        result = subprocess.run([str(python), "-c", _OPTIMUM_EXPORT, json.dumps(pairs)], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"optimum export failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+        targets = []
+        for (model, out_dir, metadata), work in zip(jobs, works):
+            proto = onnx.load(str(work / "onnx" / "model.onnx"))
+            n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            targets.append(_save_onnx(proto, Path(out_dir), "model.onnx", n_bytes, "optimum", metadata))
+        return targets
+    finally:
+        for work in works:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -695,6 +875,35 @@ def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sp
                skew: str | float = "zipf", exporter: str = "dynamo", seed: int = 0,
                log=lambda message: None, **overrides) -> ModelFiles:
     """Build, (synthetically) sparsify, measure, export and write a model into ``out_dir``."""
+    return make_models([(dict(family=family, preset=preset, sparsity=sparsity, skew=skew, exporter=exporter, seed=seed,
+                              **overrides), out_dir)], log)[0]
+
+
+def make_models(jobs: list[tuple[dict, str | os.PathLike]], log=lambda message: None) -> list[ModelFiles]:
+    """:func:`make_model` for several ``(make_model keyword arguments, out_dir)`` jobs; the optimum exports
+    among them run in one process of the isolated environment (its start-up dominates a tiny export)."""
+    states = [_prepare_model(out_dir=out_dir, log=log, **spec) for spec, out_dir in jobs]
+    optimum = [state for state in states if state["exporter"] == "optimum"]
+    if optimum:
+        started = time.perf_counter()
+        paths = export_optimum([(state["model"], state["out_dir"], state["onnx_meta"]) for state in optimum], log)
+        for state, path in zip(optimum, paths):
+            state["onnx_path"], state["export_s"] = path, (time.perf_counter() - started) / len(optimum)
+    for state in states:
+        if state["exporter"] != "optimum":
+            started = time.perf_counter()
+            state["onnx_path"] = export_onnx(state["model"], state["out_dir"], state["exporter"], metadata=state["onnx_meta"])
+            state["export_s"] = time.perf_counter() - started
+        log(f"exported ({state['exporter']}) in {state['export_s']:.1f}s")
+    return [_finish_model(**state) for state in states]
+
+
+def _prepare_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sparsity: float | None = None,
+                   skew: str | float = "zipf", exporter: str = "dynamo", seed: int = 0,
+                   log=lambda message: None, **overrides) -> dict:
+    """Everything of make_model before the export: model, token files, measured sparsity."""
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, _, token_over = _split_overrides(overrides)
@@ -734,9 +943,14 @@ def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sp
     onnx_meta = {"picompile.family": family, "picompile.preset": preset, "picompile.seed": str(seed),
                  "picompile.synthetic_sparsity": "none" if sparsity is None else f"{sparsity} ({skew})",
                  "picompile.maker_version": MAKER_VERSION}
-    onnx_path = export_onnx(model, out_dir, exporter, metadata=onnx_meta)
-    exported = time.perf_counter()
-    log(f"exported ({exporter}) in {exported - measured_at:.1f}s")
+    return dict(locals(), log=log)
+
+
+def _finish_model(*, family, preset, sparsity, skew, exporter, seed, overrides, model, report, config, measured,
+                  checks, calib_path, heldout_path, stats_path, inputs, outputs, kv_heads, head_dim, onnx_path,
+                  started, built, measured_at, export_s, out_dir, **_) -> ModelFiles:
+    """Everything of make_model after the export: the metadata file."""
+    exported = measured_at + export_s
     synth_meta = None
     if report is not None:
         synth_meta = {k: v for k, v in report.items() if k != "target_p"}
@@ -750,7 +964,7 @@ def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sp
                                note=("synthetic sparsity designed by examples/models.py" if report is not None
                                      else "dense-random model (no synthetic sparsity)")),
         onnx=dict(inputs=inputs, outputs=outputs, kv_heads=kv_heads, head_dim=head_dim,
-                  num_layers=config.num_hidden_layers, position_ids=family == "llama",
+                  num_layers=config.num_hidden_layers, position_ids=config.model_type in ROTARY_TYPES,
                   empty_past_ok=True),
         files=dict(onnx=onnx_path.name, calib=calib_path.name, heldout=heldout_path.name,
                    stats=stats_path.name if stats_path else None),
@@ -790,26 +1004,38 @@ def cached_model(family: str, preset: str = "tiny", sparsity: float | None = Non
     """Build once per configuration into ``cache_dir()/models/<family>-<preset>-<hash12>/`` and
     reuse it afterwards. Builds go to a temporary sibling directory renamed into place when
     complete, so an interrupted build never leaves a half-written model directory."""
-    digest = config_hash(family, preset, sparsity, skew, exporter, seed, **overrides)[:12]
+    return cached_models([dict(family=family, preset=preset, sparsity=sparsity, skew=skew, exporter=exporter,
+                               seed=seed, **overrides)], log)[0]
+
+
+def cached_models(specs: list[dict], log=lambda message: None) -> list[ModelFiles]:
+    """:func:`cached_model` for several configurations (``cached_model`` keyword arguments); those not
+    cached yet are made together by :func:`make_models`."""
     root = cache_dir() / "models"
-    final = root / f"{family}-{preset}-{digest}"
-    if (final / "config.json").exists():
-        return ModelFiles.from_dir(final)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(root)
-    work = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
-    try:
-        make_model(family, work, preset, sparsity, skew, exporter, seed, log=log, **overrides)
+    finals = []
+    for spec in specs:
+        spec = {"preset": "tiny", **spec}
+        digest = config_hash(**spec)[:12]
+        finals.append(root / f"{spec['family']}-{spec['preset']}-{digest}")
+    missing = [(spec, final) for spec, final in zip(specs, finals) if not (final / "config.json").exists()]
+    if missing:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(root)
+        works = [Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-")) for _, final in missing]
         try:
-            os.rename(work, final)
-        except OSError:
-            if not (final / "config.json").exists():  # not a concurrent builder's finished copy
-                raise
-            shutil.rmtree(work, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return ModelFiles.from_dir(final)
+            make_models([(spec, work) for (spec, _), work in zip(missing, works)], log)
+            for work, (_, final) in zip(works, missing):
+                try:
+                    os.rename(work, final)
+                except OSError:
+                    if not (final / "config.json").exists():  # not a concurrent builder's finished copy
+                        raise
+                    shutil.rmtree(work, ignore_errors=True)
+        except BaseException:
+            for work in works:
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+    return [ModelFiles.from_dir(final) for final in finals]
 
 
 def _remove_stale_temps(root: Path, max_age_s: float = 24 * 3600) -> None:

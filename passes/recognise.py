@@ -3,10 +3,16 @@
 Reads: the imported IR (constants folded, batch 1) from any exporter. Finds, by dataflow from the KV
 cache outputs and by patterns around the weights, per layer the attention block (q/k/v/o projections,
 heads, RoPE) and the FFN block (ReLU: up(+bias) -> act -> down(+bias); gated: act(gate) * up -> down),
-their norms, the token (and learned position) embedding and the output layer.
+their norms, the token (and learned position) embedding and the output layer. Which columns of the
+projections are the query, key and value of each head (separate or fused QKV, any head interleaving) is
+read off the graph itself: onnxruntime runs the data movement between the projections and the cache /
+the score MatMul on column indices, for one token at position 0, where RoPE is the identity.
 Adds: a new graph with one `picompile.Embed`, per layer a norm, a `picompile.Attention`, a residual Add,
-a norm, a `picompile.FFN` and an Add, then the final norm and the output MatMul. Weights become named
-initializers (`layers.3.ffn.w_up`, ...). What it cannot recognise it refuses with a message naming it.
+a norm, a `picompile.FFN` and an Add (parallel blocks, GPT-NeoX / Falcon: both blocks read the layer's
+input and both outputs are added to it), then the final norm and the output MatMul. Weights become named
+initializers (`layers.3.ffn.w_up`, ...). Partial rotary embeddings become full-width RoPE with zero
+frequencies on the pass-through dimensions (query and key columns permuted alike, so the scores are
+unchanged). What it cannot recognise it refuses with a message naming it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ PASS_THROUGH = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast"
 # Ops whose output is a tensor's shape, not its data: dataflow walks stop there.
 SHAPE_OF = {"Shape", "Size"}
 ACTIVATIONS = {"Relu": "relu", "Gelu": "gelu"}
+# onnxruntime's own ops (com.microsoft) that its basic/extended graph optimisations write and that are
+# recognised: Gemm + activation, MatMul with transposes/scale, LayerNorm/RMSNorm fused with the residual Add.
+CONTRIB_DOMAIN = "com.microsoft"
+RECOGNISED_CONTRIB = {"FusedGemm", "FusedMatMul", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization",
+                      "SimplifiedLayerNormalization", "Gelu"}
 
 
 @dataclass
@@ -40,6 +51,7 @@ class Linear:
     bias: np.ndarray | None
     output: ir.Value
     matmul: ir.Node
+    activation: str | None = None  # onnxruntime's FusedGemm applies one to its output
 
 
 @dataclass
@@ -74,6 +86,7 @@ class FFN:
     activation_output: ir.Value  # in the source graph: zero exactly where a neuron is inactive
     gate: Linear | None = None
     layer: int = -1
+    parallel: bool = False  # reads the layer's input (beside the attention), not the attention's output
 
 
 @dataclass
@@ -100,9 +113,11 @@ def _up(value: ir.Value) -> ir.Value:
 
 
 def _consumers(value: ir.Value) -> list[ir.Node]:
-    """Consumers of a value, looking through pass-through ops."""
+    """Consumers of a value's data, looking through pass-through ops (shape reads are not data uses)."""
     found = []
     for node in value.consumers():
+        if node.op_type in SHAPE_OF:
+            continue
         if node.op_type in PASS_THROUGH:
             found.extend(_consumers(node.outputs[0]))
         else:
@@ -123,32 +138,38 @@ def _const_weight(value: ir.Value) -> np.ndarray | None:
 
 
 def _match_linear(node: ir.Node) -> Linear | None:
+    activation = None
     if node.op_type == "MatMul":
         weight = _const_weight(node.inputs[1])
         if weight is None or weight.ndim != 2 or pir.const_array(node.inputs[0]) is not None:
             return None
         bias = None
-    elif node.op_type == "Gemm":
+    elif node.op_type in ("Gemm", "FusedGemm", "FusedMatMul"):
         weight = _const_weight(node.inputs[1])
-        if weight is None or pir.attr(node, "transA", 0) or pir.attr(node, "alpha", 1.0) != 1.0:
+        if (weight is None or weight.ndim != 2 or pir.attr(node, "transA", 0) or pir.attr(node, "alpha", 1.0) != 1.0
+                or pir.attr(node, "transBatchA", 0) or pir.attr(node, "transBatchB", 0)):
             return None
         if pir.attr(node, "transB", 0):
             weight = weight.T
-        bias = pir.const_array(node.inputs[2]) if len(node.inputs) > 2 else None
+        bias = pir.const_array(node.inputs[2]) if node.op_type != "FusedMatMul" and len(node.inputs) > 2 else None
         if bias is not None:
             bias = np.broadcast_to(bias * pir.attr(node, "beta", 1.0), (weight.shape[1],))
+        if node.op_type == "FusedGemm" and pir.attr(node, "activation", "") not in ("", *ACTIVATIONS):
+            raise UserError(f"onnxruntime FusedGemm {node.name} applies activation {pir.attr(node, 'activation')}, "
+                            f"which is not supported (supported: {', '.join(ACTIVATIONS)})")
+        activation = ACTIVATIONS.get(pir.attr(node, "activation", "")) if node.op_type == "FusedGemm" else None
     else:
         return None
     output = node.outputs[0]
     users = list(output.uses())
-    if bias is None and len(users) == 1 and users[0][0].op_type == "Add":
+    if bias is None and activation is None and len(users) == 1 and users[0][0].op_type == "Add":
         add = users[0][0]
         other = add.inputs[1 - users[0][1]]
         candidate = pir.const_array(other)
         if candidate is not None and candidate.size == weight.shape[1]:
             bias, output = candidate.reshape(-1), add.outputs[0]
     return Linear(node.inputs[0], np.asarray(weight, np.float32),
-                  None if bias is None else np.asarray(bias, np.float32), output, node)
+                  None if bias is None else np.asarray(bias, np.float32), output, node, activation)
 
 
 def _scalar(value: ir.Value | None) -> float | None:
@@ -209,6 +230,19 @@ def _match_norm(value: ir.Value) -> Norm | None:
             return None
         return Norm("layer", node.inputs[0], scale.astype(np.float32),
                     np.zeros_like(scale, np.float32) if bias is None else bias.astype(np.float32),
+                    float(pir.attr(node, "epsilon", 1e-5)))
+    if node.op_type in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization") and node.domain == CONTRIB_DOMAIN:
+        # norm(input + skip): the residual Add fused in; its sum, when kept, is the fourth output
+        if len(node.inputs) > 4 and node.inputs[4] is not None:
+            raise UserError(f"onnxruntime {node.op_type} {node.name} adds a bias before the norm, which is not supported")
+        scale = pir.const_array(node.inputs[2])
+        if scale is None:
+            return None
+        layer = node.op_type == "SkipLayerNormalization"
+        bias = pir.const_array(node.inputs[3]) if layer and len(node.inputs) > 3 and node.inputs[3] is not None else None
+        total = node.outputs[3] if len(node.outputs) > 3 else node.inputs[0]
+        return Norm("layer" if layer else "rms", total, scale.astype(np.float32),
+                    (np.zeros_like(scale, np.float32) if bias is None else bias.astype(np.float32)) if layer else None,
                     float(pir.attr(node, "epsilon", 1e-5)))
     if node.op_type in ("RMSNormalization", "SimplifiedLayerNormalization"):
         scale = pir.const_array(node.inputs[1])
@@ -271,17 +305,19 @@ def _find_ffns(graph: ir.Graph, linear_by_output: dict[int, Linear]) -> list[FFN
 
     ffns = []
     for node in graph:
-        if node.op_type not in ACTIVATIONS and node.op_type != "Sigmoid":
-            continue
-        if node.op_type == "Sigmoid":  # SiLU exported as x * sigmoid(x)
+        fused = linear_by_output.get(id(node.outputs[0])) if node.op_type == "FusedGemm" and node.outputs else None
+        if fused is not None and fused.activation is not None:  # onnxruntime's Gemm + activation in one op
+            activation, act_out, first = fused.activation, node.outputs[0], fused
+        elif node.op_type == "Sigmoid":  # SiLU exported as x * sigmoid(x)
             muls = [c for c in node.outputs[0].consumers() if c.op_type == "Mul" and node.inputs[0] in c.inputs]
             if not muls:
                 continue
-            activation, act_out = "silu", muls[0].outputs[0]
+            activation, act_out, first = "silu", muls[0].outputs[0], linear_of(node.inputs[0])
+        elif node.op_type in ACTIVATIONS:
+            activation, act_out, first = ACTIVATIONS[node.op_type], node.outputs[0], linear_of(node.inputs[0])
         else:
-            activation, act_out = ACTIVATIONS[node.op_type], node.outputs[0]
-        first = linear_of(node.inputs[0])
-        if first is None:
+            continue
+        if first is None or first.activation is not None and first is not fused:
             continue
         users = _consumers(act_out)
         if len(users) != 1:
@@ -321,19 +357,163 @@ def _kv_shape(graph: ir.Graph, layer: int) -> tuple[int, int]:
     raise UserError(f"input past_key_values.{layer}.key is missing or has no static [batch, kv_heads, past, head_dim] shape")
 
 
-def _inv_freq(nodes: set[ir.Node], head_dim: int) -> np.ndarray | None:
-    """RoPE: find the Cos op among the nodes feeding the key cache; its frequencies are the constant of
-    head_dim/2 values upstream of it (the `inv_freq` buffer of HF models, any scaling already applied)."""
+def _rope_frequencies(nodes: set[ir.Node], head_dim: int) -> np.ndarray | None:
+    """RoPE: find the Cos op among the nodes feeding the key cache; its frequencies are the float constant of
+    at most head_dim/2 values upstream of it (the `inv_freq` buffer of HF models, any scaling already applied;
+    fewer than head_dim/2 for partial rotary embeddings)."""
     cos = [n for n in nodes if n.op_type == "Cos"]
     if not cos:
         return None
-    found, _ = _upstream(cos[0].inputs[0], lambda v: a if (a := pir.const_array(v)) is not None and a.size == head_dim // 2 else None)
+
+    def frequencies(value: ir.Value):
+        array = pir.const_array(value)
+        return array if array is not None and array.dtype.kind == "f" and 1 < array.size <= head_dim // 2 else None
+
+    found, _ = _upstream(cos[0].inputs[0], frequencies)
     if len(found) != 1:
         raise UserError("attention uses RoPE but its frequency table (inv_freq) could not be found")
     return found[0].reshape(-1).astype(np.float64)
 
 
-def _find_attentions(graph: ir.Graph, linears: list[Linear], ffn_linears: set[int]) -> list[Attention]:
+def _query_side(present_key: ir.Value) -> ir.Value | None:
+    """The query operand of the score product: the other input of the first MatMul below the key cache."""
+    queue, seen = deque([present_key]), set()
+    while queue:
+        value = queue.popleft()
+        for node in value.consumers():
+            if node.op_type in ("MatMul", "FusedMatMul") and len(node.inputs) == 2:
+                return node.inputs[1 - list(node.inputs).index(value)]
+            if node not in seen:
+                seen.add(node)
+                queue.extend(node.outputs)
+    return None
+
+
+def _subgraph_proto(model: ir.Model, outputs: list[ir.Value], cuts: list[ir.Value] = ()):
+    """An ONNX proto computing only `outputs` from the graph inputs they need, with `cuts` made inputs
+    too (what is above them is left out), plus the constants on the way."""
+    import onnx
+
+    cut_ids = {id(v) for v in cuts}
+    needed, stack, seen = set(), list(outputs), set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or id(value) in cut_ids:
+            continue
+        seen.add(id(value))
+        node = value.producer()
+        if node is not None and node not in needed:
+            needed.add(node)
+            stack.extend(v for v in node.inputs if v is not None)
+    nodes = [ir.serde.serialize_node(node) for node in model.graph if node in needed]
+    used = {id(v): v for node in model.graph if node in needed for v in node.inputs if v is not None}
+    names = []
+    for value in outputs:
+        names.append(value.name)
+        if value.producer() is None:  # a graph input asked for as it is: ONNX wants an op in between
+            used[id(value)] = value
+            names[-1] = value.name + ".probe"
+            nodes.append(onnx.helper.make_node("Identity", [value.name], [names[-1]]))
+    initializers = [onnx.numpy_helper.from_array(v.const_value.numpy(), v.name)
+                    for v in used.values() if v.is_initializer() and id(v) not in cut_ids]
+    inputs = [onnx.helper.make_tensor_value_info(v.name, int(v.dtype or ir.DataType.FLOAT), None)
+              for v in [*model.graph.inputs, *cuts] if id(v) in used]
+    graph = onnx.helper.make_graph(nodes, "probe", inputs, [onnx.helper.make_empty_tensor_value_info(n) for n in names],
+                                   initializers)
+    opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
+    return onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
+
+
+def _run_subgraph(model: ir.Model, outputs: list[ir.Value], cut_feeds: list[tuple[ir.Value, np.ndarray]],
+                  tokens: int, past: int) -> list[np.ndarray]:
+    """Run `outputs` in onnxruntime for `tokens` new tokens after `past` cached ones (zero ids, zero cache),
+    the `cut_feeds` values given."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    proto = _subgraph_proto(model, outputs, [v for v, _ in cut_feeds])
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own types for invalid graphs
+        raise _probe_failed(outputs, error) from None
+    given = {v.name: array for v, array in cut_feeds}
+    graph_inputs = {v.name: v for v in model.graph.inputs}
+    feeds = {}
+    for info in session.get_inputs():
+        name = info.name
+        if name in given:
+            feeds[name] = given[name]
+        elif name == "input_ids":
+            feeds[name] = np.zeros((1, tokens), np.int64)
+        elif name == "attention_mask":
+            feeds[name] = np.ones((1, past + tokens), np.int64)
+        elif name == "position_ids":
+            feeds[name] = np.arange(past, past + tokens, dtype=np.int64)[None]
+        else:
+            value = graph_inputs[name]
+            shape = [d if isinstance(d, int) else (past if i == 2 else 1) for i, d in enumerate(value.shape)]
+            feeds[name] = np.zeros(shape, value.dtype.numpy())
+    try:
+        return session.run([o.name for o in session.get_outputs()], feeds)
+    except Exception as error:  # ... and for mistyped or misshapen values met while running
+        raise _probe_failed(outputs, error) from None
+
+
+def _probe_failed(outputs: list[ir.Value], error: Exception) -> UserError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return UserError(f"onnxruntime cannot run the part of the graph that computes {', '.join(o.name for o in outputs)} "
+                     f"({type(error).__name__}: {first})")
+
+
+def _columns(model: ir.Model, layer: int, q: Linear, k: Linear, v: Linear, query: ir.Value,
+             present_key: ir.Value, present_value: ir.Value) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which output columns of the q / k / v projections hold each head's query, key and value, in head-major
+    order. The projections' outputs are replaced by their column numbers (and then by ones, to divide out
+    a scale applied to the query) and the graph moves them into the cache and the score MatMul."""
+    projections = list({id(lin): lin for lin in (q, k, v)}.values())
+
+    def feeds(fill):
+        found = []
+        for lin in projections:
+            width = lin.weight.shape[1]
+            rank = len(lin.output.shape) if lin.output.shape is not None else 3
+            found.append((lin.output, fill(width).astype(np.float32).reshape([1] * (rank - 1) + [width])))
+        return found
+
+    outputs = [query, present_key, present_value]
+    numbered = _run_subgraph(model, outputs, feeds(lambda n: np.arange(n)), tokens=1, past=0)
+    ones = _run_subgraph(model, outputs[:1], feeds(np.ones), tokens=1, past=0)[0]
+    found = []
+    for name, lin, array in (("query", q, numbered[0] / ones), ("key", k, numbered[1]), ("value", v, numbered[2])):
+        array = np.asarray(array, np.float64).reshape(-1)
+        columns = np.rint(array).astype(np.int64)
+        if (np.abs(array - columns).max(initial=0) > 1e-2 or columns.min(initial=0) < 0
+                or columns.max(initial=0) >= lin.weight.shape[1] or len(set(columns.tolist())) != columns.size):
+            raise UserError(f"layer {layer}: the {name} heads are not a rearrangement of the projection's columns "
+                            "(unrecognised attention layout)")
+        found.append(columns)
+    return found[0], found[1], found[2]
+
+
+def _take(lin: Linear, columns: np.ndarray) -> Linear:
+    return Linear(lin.input, lin.weight[:, columns], None if lin.bias is None else lin.bias[columns], lin.output, lin.matmul)
+
+
+def _full_rotary(q: Linear, k: Linear, inv_freq: np.ndarray, heads: int, kv_heads: int, head_dim: int):
+    """Partial RoPE (rotate-half over the first 2*r dims of each head, r = len(inv_freq)) as full-width RoPE:
+    dims j, j + r become j, j + head_dim/2 and the pass-through dims take the places with frequency zero
+    (cos 1, sin 0: unchanged). Query and key move alike, so their dot products stay the same."""
+    half, r = head_dim // 2, inv_freq.size
+    passing = np.arange(2 * r, head_dim)
+    order = np.concatenate([np.arange(r), passing[: half - r], np.arange(r, 2 * r), passing[half - r:]])
+    per_head = lambda n: (np.arange(n)[:, None] * head_dim + order[None, :]).reshape(-1)  # noqa: E731
+    full = np.concatenate([inv_freq, np.zeros(half - r)])
+    return _take(q, per_head(heads)), _take(k, per_head(kv_heads)), full
+
+
+def _find_attentions(model: ir.Model, linears: list[Linear]) -> list[Attention]:
+    graph = model.graph
     linear_by_output = {id(lin.output): lin for lin in linears}
     linear_by_node = {lin.matmul: lin for lin in linears}
     past_inputs = {id(v) for v in graph.inputs if v.name.startswith("past_key_values.")}
@@ -346,23 +526,24 @@ def _find_attentions(graph: ir.Graph, linears: list[Linear], ffn_linears: set[in
             return False  # a dead end (no data flows through shapes), not a hit: filtered below
         return None
 
+    def projection(value: ir.Value, what: str, where: str) -> tuple[Linear, set[ir.Node]]:
+        hits, nodes = _upstream(value, stop)
+        hits = [h for h in hits if h is not False]
+        if len(hits) != 1:
+            raise UserError(f"{where}: cannot trace the attention's {what} back to one projection (found {len(hits)})")
+        if hits[0].activation is not None:
+            raise UserError(f"{where}: the attention's {what} projection applies {hits[0].activation}")
+        return hits[0], nodes
+
     attentions = []
     for layer, (present_key, present_value) in sorted(_present_outputs(graph).items()):
         where = f"layer {layer}"
-        key_hits, key_nodes = _upstream(present_key, stop)
-        value_hits, _ = _upstream(present_value, stop)
-        key_hits = [h for h in key_hits if h is not False]
-        value_hits = [h for h in value_hits if h is not False]
-        if len(key_hits) != 1 or len(value_hits) != 1:
-            raise UserError(f"{where}: cannot trace present.{layer}.key/value back to one key and one value projection")
-        k, v = key_hits[0], value_hits[0]
-        q_candidates = [
-            lin for lin in linears
-            if _up(lin.input) is _up(k.input) and lin is not k and lin is not v and id(lin.matmul) not in ffn_linears
-        ]
-        if len(q_candidates) != 1:
-            raise UserError(f"{where}: expected one query projection beside the key projection, found {len(q_candidates)}")
-        q = q_candidates[0]
+        k, key_nodes = projection(present_key, f"key (present.{layer}.key)", where)
+        v, _ = projection(present_value, f"value (present.{layer}.value)", where)
+        query = _query_side(present_key)
+        if query is None:
+            raise UserError(f"{where}: no score MatMul found below present.{layer}.key")
+        q, _ = projection(query, "query", where)
         o = _downstream_linear(present_value, linear_by_node)
         if o is None:
             raise UserError(f"{where}: no output projection found after the attention")
@@ -370,12 +551,15 @@ def _find_attentions(graph: ir.Graph, linears: list[Linear], ffn_linears: set[in
         if norm is None:
             raise UserError(f"{where}: the attention input is not a recognised LayerNorm/RMSNorm (post-norm models are not supported yet)")
         num_kv_heads, head_dim = _kv_shape(graph, layer)
-        if q.weight.shape[1] % head_dim or k.weight.shape[1] != num_kv_heads * head_dim:
+        q_cols, k_cols, v_cols = _columns(model, layer, q, k, v, query, present_key, present_value)
+        if q_cols.size % head_dim or k_cols.size != num_kv_heads * head_dim or v_cols.size != k_cols.size:
             raise UserError(f"{where}: projection widths do not match {num_kv_heads} kv heads of size {head_dim}")
-        attentions.append(Attention(
-            layer, norm, q, k, v, o, q.weight.shape[1] // head_dim, num_kv_heads, head_dim,
-            _inv_freq(key_nodes, head_dim),
-        ))
+        num_heads = q_cols.size // head_dim
+        q, k, v = _take(q, q_cols), _take(k, k_cols), _take(v, v_cols)
+        inv_freq = _rope_frequencies(key_nodes, head_dim)
+        if inv_freq is not None and inv_freq.size < head_dim // 2:
+            q, k, inv_freq = _full_rotary(q, k, inv_freq, num_heads, num_kv_heads, head_dim)
+        attentions.append(Attention(layer, norm, q, k, v, o, num_heads, num_kv_heads, head_dim, inv_freq))
     return attentions
 
 
@@ -395,68 +579,32 @@ def _find_embeddings(graph: ir.Graph) -> tuple[ir.Node, ir.Node | None]:
 
 
 def _position_offset(model: ir.Model, gather: ir.Node) -> int:
-    """Learned positions (OPT) index their table at position + offset; find the offset by running the
+    """Learned positions (OPT, GPT-2) index their table at position + offset; find the offset by running the
     graph's index computation in onnxruntime on a 3-token prompt after one cached token."""
-    import onnxruntime as ort
-
-    index = gather.inputs[1]
-    probe = _subgraph_proto(model, index.name).SerializeToString()
-    try:
-        session = ort.InferenceSession(probe, providers=["CPUExecutionProvider"])
-        positions = np.asarray(session.run([index.name], _probe_feeds(session.get_inputs()))[0]).reshape(-1)
-    except Exception as error:  # onnxruntime raises its own types for invalid graphs and mistyped inputs
-        raise UserError(f"onnxruntime cannot run the position index computation of {gather.name or 'Gather'} "
-                        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
+    positions = np.asarray(_run_subgraph(model, [gather.inputs[1]], [], tokens=3, past=1)[0]).reshape(-1)
     if positions.size != 3 or not np.array_equal(np.diff(positions), [1, 1]):
         raise UserError(f"learned position embedding indexed in an unrecognised way ({positions.tolist()})")
     return int(positions[0]) - 1
 
 
-def _probe_feeds(inputs) -> dict[str, np.ndarray]:
-    """A 3-token prompt after one cached token."""
-    feeds = {}
-    for value in inputs:
-        if value.name == "input_ids":
-            feeds[value.name] = np.zeros((1, 3), np.int64)
-        elif value.name == "attention_mask":
-            feeds[value.name] = np.ones((1, 4), np.int64)
-        elif value.name == "position_ids":
-            feeds[value.name] = np.arange(1, 4, dtype=np.int64)[None]
-        else:
-            shape = [1 if not isinstance(d, int) else d for d in value.shape]
-            feeds[value.name] = np.zeros(shape, np.float32)
-    return feeds
-
-
-def _subgraph_proto(model: ir.Model, output: str):
-    """An ONNX proto computing only `output`: the nodes it depends on and their (in-memory) constants."""
-    import onnx
-
-    proto = ir.to_proto(model)
-    producers = {out: node for node in proto.graph.node for out in node.output}
-    needed, stack = set(), [output]
-    while stack:
-        name = stack.pop()
-        node = producers.get(name)
-        if node is not None and id(node) not in needed:
-            needed.add(id(node))
-            stack.extend(node.input)
-    nodes = [node for node in proto.graph.node if id(node) in needed]
-    used = {name for node in nodes for name in node.input}
-    initializers = [onnx.numpy_helper.from_array(model.graph.initializers[name].const_value.numpy(), name)
-                    for name in used if name in model.graph.initializers]
-    graph = onnx.helper.make_graph(nodes, "probe", [i for i in proto.graph.input if i.name in used],
-                                   [onnx.helper.make_empty_tensor_value_info(output)], initializers)
-    return onnx.helper.make_model(graph, opset_imports=proto.opset_import, ir_version=proto.ir_version)
+def _refuse_unknown_contrib_ops(graph: ir.Graph) -> None:
+    unknown = sorted({n.op_type for n in graph if n.domain == CONTRIB_DOMAIN and n.op_type not in RECOGNISED_CONTRIB})
+    if unknown:
+        raise UserError(
+            f"onnxruntime op{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} ({CONTRIB_DOMAIN}) "
+            f"{'are' if len(unknown) > 1 else 'is'} not supported: recognised are the plain ONNX export and what "
+            f"onnxruntime's basic/extended optimisation levels fuse ({', '.join(sorted(RECOGNISED_CONTRIB))}); "
+            "save the model before attention/rotary fusion (e.g. without onnxruntime.transformers.optimizer)")
 
 
 def analyse(model: ir.Model) -> Decoder:
     graph = model.graph
+    _refuse_unknown_contrib_ops(graph)
     linears = [lin for node in graph if (lin := _match_linear(node)) is not None]
     linear_by_output = {id(lin.output): lin for lin in linears}
     ffns = _find_ffns(graph, linear_by_output)
     ffn_linears = {id(l.matmul) for f in ffns for l in (f.up, f.down, f.gate) if l is not None}
-    attentions = _find_attentions(graph, linears, ffn_linears)
+    attentions = _find_attentions(model, linears)
     if not attentions:
         raise UserError("model has no decoder layers (no present.{i}.key/value outputs)")
     if len(ffns) != len(attentions):
@@ -473,6 +621,8 @@ def analyse(model: ir.Model) -> Decoder:
         ffn.norm = _match_norm((ffn.gate or ffn.up).input)
         if ffn.norm is None:
             raise UserError(f"layer {layer}: the FFN input is not a recognised LayerNorm/RMSNorm")
+        if layer < len(attentions):
+            ffn.parallel = _up(ffn.norm.input) is _up(attentions[layer].norm.input)
     logits = next(v for v in graph.outputs if v.name == "logits")
     lm_head = linear_by_output.get(id(_up(logits)))
     if lm_head is None:
@@ -570,6 +720,12 @@ def _norm_node(graph: ir.Graph, norm: Norm, x: ir.Value, prefix: str) -> ir.Valu
     return node.outputs[0]
 
 
+def _same_norm(a: Norm, b: Norm) -> bool:
+    return (_up(a.input) is _up(b.input) and a.kind == b.kind and a.epsilon == b.epsilon
+            and np.array_equal(a.scale, b.scale) and (a.bias is None) == (b.bias is None)
+            and (a.bias is None or np.array_equal(a.bias, b.bias)))
+
+
 def _optional(graph: ir.Graph, name: str, array: np.ndarray | None) -> ir.Value | None:
     return None if array is None else pir.initializer(graph, name, array)
 
@@ -610,11 +766,17 @@ def build_graph(decoder: Decoder) -> ir.Model:
         graph.append(node)
         node.outputs[0].name, node.outputs[1].name, node.outputs[2].name = f"{p}.attn.out", f"present.{i}.key", f"present.{i}.value"
         outputs.extend(node.outputs[1:])
+        layer_input = h
         add = ir.node("Add", [h, node.outputs[0]], name=f"{p}.attn_residual")
         graph.append(add)
         h = add.outputs[0]
         h.name = f"{p}.attn_residual.out"
-        f = _norm_node(graph, ffn.norm, h, f"{p}.ffn_norm")
+        if not ffn.parallel:
+            f = _norm_node(graph, ffn.norm, h, f"{p}.ffn_norm")
+        elif _same_norm(ffn.norm, attention.norm):  # Falcon: one LayerNorm feeds both blocks
+            f = a
+        else:  # GPT-NeoX: the FFN's own norm, of the layer's input
+            f = _norm_node(graph, ffn.norm, layer_input, f"{p}.ffn_norm")
         gated = ffn.gate is not None
         w_up = np.concatenate([ffn.gate.weight, ffn.up.weight], axis=1) if gated else ffn.up.weight
         b_up = None
@@ -670,5 +832,6 @@ class Recognise:
         ctx.log(f"recognised {len(decoder.attentions)} layers: "
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "
-                f"{decoder.ffns[0].up.weight.shape[1]}, rope {'yes' if decoder.attentions[0].inv_freq is not None else 'no'}")
+                f"{decoder.ffns[0].up.weight.shape[1]}, rope {'yes' if decoder.attentions[0].inv_freq is not None else 'no'}"
+                f"{', parallel attention and FFN' if decoder.ffns[0].parallel else ''}")
         return PassResult(lifted, modified=True)

@@ -245,7 +245,7 @@ def test_cached_model_reuses_directory(tmp_path, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("cached_model rebuilt a cached model")
 
-    monkeypatch.setattr(models, "make_model", no_rebuild)
+    monkeypatch.setattr(models, "make_models", no_rebuild)  # what cached_model(s) build through
     second = models.cached_model("llama", "tiny", sparsity=0.9, exporter="legacy")
     assert second.dir == first.dir and second.onnx.stat().st_mtime_ns == stamp
     assert second.sparsity == first.sparsity

@@ -1,0 +1,154 @@
+"""Bring your own model: the exporter x family matrix, half-precision inputs, external data.
+
+Each row exports a tiny random ReLU model of one family with one exporter and builds it twice, dense and
+sparse with every neuron admitted (`all_neurons`); both artifacts must give onnxruntime's logits on that
+same ONNX file (prompt, then decode steps) within 1e-4. Models are dense-random (about half the neurons
+fire), made once per session; the optimum rows run optimum in its own environment (examples/models.py
+`optimum_python`, made with pip on first use: PyPI is needed, and its absence fails those rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from examples import models
+from picompile.cli import main
+from picompile.compiler import build
+from picompile.pipeline import Options
+from picompile.reference import OrtDecoder
+from picompile.targets import get_target
+from runtime import Engine
+
+FAMILIES = ("opt", "llama", "llama_tied", "gpt2", "neox", "falcon")
+EXPORTERS = ("dynamo", "legacy", "optimum", "ort_extended")
+ROWS = [(exporter, family) for exporter in EXPORTERS for family in FAMILIES]
+PROMPT = [11, 22, 33, 44, 55]
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_models, tmp_path_factory):
+    """(exporter, family) -> ModelFiles. The same tiny models as the other test files (shared in a session);
+    the optimum ones are exported together on first use (one start of the optimum environment); the
+    onnxruntime-optimised ones are the dynamo exports saved again by onnxruntime."""
+    made: dict = {}
+
+    def get(exporter: str, family: str):
+        if (exporter, family) in made:
+            return made[exporter, family]
+        if exporter == "optimum":
+            families = [f for e, f in ROWS if e == "optimum"]
+            made.update(zip([("optimum", f) for f in families],
+                            models.cached_models([dict(family=f, exporter="optimum") for f in families])))
+        elif exporter in models.ORT_LEVELS:
+            base = tiny_models(family, "dynamo")
+            target = tmp_path_factory.mktemp(f"{exporter}-{family}") / "model.onnx"
+            made[exporter, family] = dataclasses.replace(base, onnx=models.ort_optimise(base.onnx, target, exporter))
+        else:
+            made[exporter, family] = tiny_models(family, exporter)
+        return made[exporter, family]
+
+    return get
+
+
+def assert_matches_onnxruntime(artifact, reference_onnx, decode_steps: int = 3) -> None:
+    engine, reference = Engine(artifact), OrtDecoder(reference_onnx)
+    np.testing.assert_allclose(engine.forward(PROMPT), reference.forward(PROMPT), atol=1e-4, rtol=0)
+    token = 3
+    for _ in range(decode_steps):
+        expected = reference.forward([token])
+        np.testing.assert_allclose(engine.forward([token]), expected, atol=1e-4, rtol=0)
+        token = int(np.argmax(expected[-1]))
+
+
+def dense_and_all_neurons(onnx_path, calib, out_dir, **options):
+    dense = build(onnx_path, out_dir / "dense.pic", get_target("cpu"), Options(dense=True, max_context=32, **options))
+    sparse = build(onnx_path, out_dir / "sparse.pic", get_target("cpu"),
+                   Options(max_context=32, calib=calib, calib_tokens=256, all_neurons=True, **options))  # 256 tokens: plenty to pass every neuron
+    return dense, sparse
+
+
+@pytest.mark.parametrize("exporter,family", ROWS)
+def test_exported_model_compiles_and_matches_onnxruntime(exported, tmp_path, exporter, family):
+    files = exported(exporter, family)
+    if exporter.startswith("ort_"):  # what onnxruntime saved, not a plain export
+        assert any(n.domain == "com.microsoft" or n.op_type == "SimplifiedLayerNormalization"
+                   for n in onnx.load(str(files.onnx)).graph.node) or exporter == "ort_basic"
+    dense, sparse = dense_and_all_neurons(files.onnx, files.calib, tmp_path)
+    kernels = {n["decode"] for n in json.loads((sparse / "schedule.json").read_text())["nodes"]}
+    assert any(k.startswith("sparse_ffn") for k in kernels)  # the sparse build really runs neuron kernels
+    for artifact in (dense, sparse):
+        assert_matches_onnxruntime(artifact, files.onnx)
+
+
+@pytest.fixture(scope="module")
+def half_exports(tmp_path_factory):
+    """A tiny LLaMA exported in fp16 and in bf16, and as fp32 with the same rounded weights (the reference:
+    the compiler computes in fp32)."""
+    directory = tmp_path_factory.mktemp("half")
+    model, _ = models.build_model("llama")
+    made = {}
+    # the legacy exporter is the quicker one, but it cannot export bf16
+    for name, dtype, exporter in (("fp16", torch.float16, "legacy"), ("bf16", torch.bfloat16, "dynamo")):
+        model = model.to(dtype)
+        half = models.export_onnx(model, directory / name, exporter)
+        rounded = models.export_onnx(model.float(), directory / f"{name}-as-fp32", exporter)
+        made[name] = (half, rounded)
+    return made
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_models_compile_in_fp32(half_exports, tmp_path, precision):
+    half, rounded = half_exports[precision]
+    proto = onnx.load(str(half))
+    half_type = getattr(onnx.TensorProto, {"fp16": "FLOAT16", "bf16": "BFLOAT16"}[precision])
+    matrices = [t.data_type for t in proto.graph.initializer if len(t.dims) == 2]
+    assert matrices.count(half_type) > len(matrices) // 2  # (the legacy export keeps a few in fp32)
+    assert {i.type.tensor_type.elem_type for i in proto.graph.input if i.name.startswith("past")} == {half_type}
+    artifact = build(half, tmp_path / "a.pic", get_target("cpu"), Options(dense=True, max_context=32))
+    assert_matches_onnxruntime(artifact, rounded)
+    if precision == "fp16":  # --weight-dtype fp16 stores the CPU's matrices in fp16: exactly the file's values
+        stored = build(half, tmp_path / "f16.pic", get_target("cpu"),
+                       Options(dense=True, max_context=32, weight_dtype="fp16"))
+        buffers = json.loads((stored / "manifest.json").read_text())["buffers"]
+        assert buffers["layers.0.ffn.w_up"]["dtype"] == "float16"
+        assert_matches_onnxruntime(stored, rounded)
+
+
+def test_external_data_model_compiles_and_the_artifact_stands_alone(exported, tmp_path):
+    files = exported("legacy", "gpt2")
+    source = tmp_path / "external"
+    source.mkdir()
+    onnx.save(onnx.load(str(files.onnx)), str(source / "model.onnx"), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    assert (source / "weights.bin").stat().st_size > (source / "model.onnx").stat().st_size
+    dense, sparse = dense_and_all_neurons(source / "model.onnx", files.calib, tmp_path)
+    shutil.rmtree(source)  # the artifacts must not point back into the user's files
+    for artifact in (dense, sparse):
+        assert_matches_onnxruntime(artifact, files.onnx)
+
+
+def test_unsupported_onnxruntime_op_is_refused_by_name(tmp_path, capsys):
+    """GPT-2 with its own GELU (tanh form): onnxruntime's extended level fuses it into FastGelu."""
+    import onnxruntime as ort
+    import transformers
+
+    config = models.make_config("gpt2", n_layer=1)
+    config.activation_function = "gelu_new"
+    torch.manual_seed(0)
+    raw = models.export_onnx(transformers.GPT2LMHeadModel(config).eval(), tmp_path / "raw", "legacy")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "fused.onnx")
+    ort.InferenceSession(str(raw), options, providers=["CPUExecutionProvider"])
+    assert "FastGelu" in {n.op_type for n in onnx.load(str(tmp_path / "fused.onnx")).graph.node}
+    assert main(["build", str(tmp_path / "fused.onnx"), "-o", str(tmp_path / "m.pic"), "--dense"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error:") and "FastGelu" in error and "Traceback" not in error
+    assert not (tmp_path / "m.pic").exists()
