@@ -21,47 +21,27 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _unit_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
-
-
-def _non_negative(kind):
+def _number(kind, accepts, expected: str):
+    """An argparse type: `kind(text)`, refused unless finite and `accepts(value)`; `expected` says the range."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a non-negative {kind.__name__}, got {text!r}") from None
-        if not value >= 0 or (kind is float and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"expected a non-negative {kind.__name__}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not (math.isfinite(value) and accepts(value)):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
 
     return parse
 
 
-def _sparsity(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
+_positive_int = _number(int, lambda v: v > 0, "a positive integer")
+_unit_interval = _number(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+_sparsity = _number(float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+
+
+def _non_negative(kind):
+    return _number(kind, lambda v: v >= 0, f"a non-negative {kind.__name__}")
 
 
 def _parser() -> argparse.ArgumentParser:

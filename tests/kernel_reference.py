@@ -63,3 +63,12 @@ def check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope):
     untouched[pos] = False
     np.testing.assert_array_equal(kc[:, untouched], kc0[:, untouched])
     np.testing.assert_array_equal(vc[:, untouched], vc0[:, untouched])
+
+
+def aligned(array: np.ndarray) -> np.ndarray:
+    """A 64-byte aligned copy (TVM's kernels assume aligned buffers)."""
+    from runtime.artifact import aligned_empty
+
+    out = aligned_empty(array.shape, array.dtype)
+    out[...] = array
+    return out

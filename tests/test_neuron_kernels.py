@@ -8,18 +8,12 @@ import tvm
 import tvm_ffi
 
 from passes.kernels import cpu, neuron
-from runtime.artifact import aligned_empty
+from kernel_reference import aligned
 
 D, N = 36, 24  # odd sizes: 4-lane vectors, no multiple of 8
 FUSED = {"relu": (False, "relu", "float32"), "gated_relu_f16": (True, "relu", "float16"),
          "gated_silu": (True, "silu", "float32")}  # sparse_ffn variants: (gated, activation, weight dtype)
 ACT = {"relu": lambda v: np.maximum(v, 0), "silu": lambda v: v / (1 + np.exp(-v))}
-
-
-def aligned(array):
-    out = aligned_empty(array.shape, array.dtype)
-    out[...] = array
-    return out
 
 
 @pytest.fixture(scope="module")

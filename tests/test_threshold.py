@@ -13,7 +13,7 @@ import tvm_ffi
 
 from passes.kernels import cpu, neuron
 from passes.threshold import calibrate, hidden_of
-from runtime.artifact import aligned_empty
+from kernel_reference import aligned
 
 K, N = 40, 48  # K rows (input channels), N columns: gated -> 24 outputs; 40 is no multiple of the row group
 ACT = {"none": lambda v: v, "silu": lambda v: v / (1 + np.exp(-v))}
@@ -23,12 +23,6 @@ COLUMN_KERNELS = {  # name -> (gated, act, bias, weight dtype)
     "cols_gated_silu_f16": (True, "silu", False, "float16"),
     "cols_relu_bias_f16": (False, "relu", True, "float16"),
 }
-
-
-def aligned(array):
-    out = aligned_empty(array.shape, array.dtype)
-    out[...] = array
-    return out
 
 
 @pytest.fixture(scope="module")
