@@ -252,7 +252,7 @@ class _Walker:
         rope_args = []
         if inv_freq is not None:
             angles = np.arange(ctx, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
-            rope_args = [self.shared_table(f"rope.cos", np.cos(angles)), self.shared_table(f"rope.sin", np.sin(angles))]
+            rope_args = [self.shared_table("rope.cos", np.cos(angles)), self.shared_table("rope.sin", np.sin(angles))]
         kernels = self.low.kernel(cpu.rope_kv_write, f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}",
                                   heads, kv_heads, head_dim, ctx, rope=bool(rope_args))
         self.low.call(kernels, [qkv, *rope_args, key_cache, value_cache, q, "start"], [key_cache, value_cache, q],

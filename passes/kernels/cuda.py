@@ -61,7 +61,6 @@ import time
 import tvm
 import tvm_ffi
 from tvm import te, tirx
-from tvm.s_tir import Schedule
 from tvm.script import tirx as T
 
 from .cpu import _drop_params, _f32, _row_dim, _te_schedule
