@@ -39,7 +39,7 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.pipeline import Context
-from picompile.targets import check_vram_budget
+from picompile.targets import check_vram_budget, format_size
 
 # Storage precision of the weights on the target: the one place to change when fp16/int4 weights land.
 BYTES_PER_ELEMENT = 4
@@ -389,13 +389,6 @@ def _elements(value: ir.Value) -> int:
     return int(value.const_value.size) if value.const_value is not None else 0
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 @dataclass
 class Partition:
     name = "partition"
@@ -500,7 +493,7 @@ class Partition:
         full = sum(1 for f, n in zip(frequencies, placement.gpu_neurons) if n == f.size and n > 0)
         ctx.log(f"partition: {sum(placement.gpu_neurons)}/{neurons} FFN neurons on the GPU "
                 f"({report['activation_share'] * 100:.1f}% of activations; {full} layers whole, {hybrid} hybrid), "
-                f"{_size(placement.used_bytes)} of {_size(max(budget, 0))} FFN budget "
-                f"(GPU {_size(vram)} - dense {_size(dense)} - KV {_size(kv_cache)} - reserve {_size(reserve)}); "
+                f"{format_size(placement.used_bytes)} of {format_size(max(budget, 0))} FFN budget "
+                f"(GPU {format_size(vram)} - dense {format_size(dense)} - KV {format_size(kv_cache)} - reserve {format_size(reserve)}); "
                 f"{placement.status}, gap {placement.gap * 100:.3f}%, {placement.solve_time_s:.2f} s")
         return PassResult(model, modified=True)

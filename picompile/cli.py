@@ -299,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = _parser().parse_args(argv)
-        return {"build": _build, "run": _run, "eval": _eval, "inspect": _inspect}[args.command](args)
+        code = {"build": _build, "run": _run, "eval": _eval, "inspect": _inspect}[args.command](args)
+        sys.stdout.flush()  # a reader that left shows up here, in the handler below, rather than at exit
+        return code
     except UserError as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         print(f"error: {'; '.join(lines)}", file=sys.stderr)  # one line, whatever a library put in the message
@@ -316,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # whoever read stdout stopped (`| head`): not an error, and nothing more to print
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 0
     except Exception as error:  # a bug outside the passes: exit 1, one line
         if os.environ.get("PICOMPILE_TRACEBACK"):
             raise

@@ -150,3 +150,20 @@ def test_rebuild_replaces_the_artifact_and_a_failed_build_keeps_it(tiny_models, 
     assert "learned positions" in capsys.readouterr().err
     assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pic"]
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(artifacts):
+    """`picompile inspect ART --json | head -c 1`: the reader left before the output came; no traceback, exit 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, artifact = artifacts("opt")
+    root = Path(__file__).resolve().parents[1]
+    read, write = os.pipe()
+    os.close(read)  # nobody will read: every write to the pipe fails (EPIPE)
+    done = subprocess.run([sys.executable, "-m", "picompile", "inspect", str(artifact), "--json"], cwd=root,
+                          stdout=write, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    os.close(write)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
