@@ -28,6 +28,7 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 from picompile.targets import format_size
+from runtime.artifact import available_memory_bytes
 
 REQUIRED_INPUTS = ("input_ids",)
 REQUIRED_OUTPUTS = ("logits",)
@@ -42,17 +43,6 @@ WEIGHT_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Gather"}
 # builds that clearly cannot fit, never a build that would have worked (a 1B model builds in 24 GiB).
 WORKING_FACTOR = 4.0
 BASE_BYTES = 512 << 20
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_memory(what: str, weight_bytes: int, extra_bytes: int = 0) -> None:

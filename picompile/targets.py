@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.artifact import format_size  # one definition, the runtime's (it cannot import the compiler)
+
 from .errors import UserError
 
 GiB = 1 << 30
@@ -71,14 +73,6 @@ def get_target(name: str) -> Target:
         return TARGETS[name]
     except KeyError:
         raise UserError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}") from None
-
-
-def format_size(n: float) -> str:
-    """Bytes as the largest binary unit that keeps the number >= 1: '1.50 GiB', '300.00 KiB', '12 B'."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def check_vram_budget(target: Target, budget_bytes: int | None) -> None:

@@ -33,6 +33,30 @@ def aligned_zeros(shape, dtype=np.float32) -> np.ndarray:
     return array
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def format_size(n: float) -> str:
+    """Bytes as the largest binary unit that keeps the number >= 1: '1.50 GiB', '300.00 KiB', '12 B'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def host_bytes(manifest: dict) -> int:
+    """Host memory an engine allocates for the artifact: every buffer of the manifest, weights included."""
+    return sum(int(np.prod(info["shape"])) * np.dtype(info["dtype"]).itemsize for info in manifest["buffers"].values())
+
+
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .artifact import (ArtifactError, aligned_zeros, load_manifest, missing_cpu_features, read_safetensors,
-                       weight_files)
+from .artifact import (ArtifactError, aligned_zeros, available_memory_bytes, format_size, host_bytes, load_manifest,
+                       missing_cpu_features, read_safetensors, weight_files)
 from .device import DeviceExecutor, _host, cuda_device, device_library
 
 START = "start"  # the argument that carries the number of tokens already in the KV cache
@@ -83,6 +83,11 @@ class Engine:
         if missing:  # loading would work; the first kernel call would die of an illegal instruction
             raise ArtifactError(f"this artifact's CPU kernels were built for {target.get('cpu_isa')} and need "
                                 f"{', '.join(missing)}, which this CPU lacks; rebuild it with --cpu-isa avx2")
+        needed, available = host_bytes(self.manifest), available_memory_bytes()
+        if available is not None and needed > available:  # refused now, rather than swapping or being killed
+            raise ArtifactError(f"this artifact needs {format_size(needed)} of memory (its weights, KV cache and "
+                                f"buffers) but only {format_size(available)} is available; free memory, or rebuild "
+                                "it with --weight-dtype fp16 or a smaller --max-context")
         self.max_context = int(self.manifest["model"]["max_context"])
         self.vocab_size = int(self.manifest["model"]["vocab_size"])
         schedule = json.loads((self.directory / "schedule.json").read_text())

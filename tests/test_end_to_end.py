@@ -167,3 +167,23 @@ def test_inspect_into_a_closed_pipe_exits_quietly(artifacts):
                           stdout=write, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
     os.close(write)
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_run_refuses_an_artifact_larger_than_available_memory(artifacts, capsys, monkeypatch):
+    """Loading is refused up front, with both numbers, before any weight is read."""
+    import runtime.artifact
+    import runtime.engine
+
+    _, artifact = artifacts("opt")
+    needed = runtime.artifact.host_bytes(json.loads((artifact / "manifest.json").read_text()))
+    weights = sum(p.stat().st_size for p in (artifact / "weights").glob("*.safetensors"))
+    assert needed >= weights  # every weight is a buffer the engine holds
+    monkeypatch.setattr(runtime.engine, "available_memory_bytes", lambda: needed - 1)
+    monkeypatch.setattr(runtime.engine, "read_safetensors", lambda path: pytest.fail("read weights before refusing"))
+    assert main(["run", str(artifact), "--prompt-ids", "1,2", "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: this artifact needs")
+    assert runtime.artifact.format_size(needed) in err[0] and runtime.artifact.format_size(needed - 1) in err[0]
+    monkeypatch.undo()
+    monkeypatch.setattr(runtime.engine, "available_memory_bytes", lambda: needed)  # exactly enough: it runs
+    assert main(["run", str(artifact), "--prompt-ids", "1,2", "-n", "2"]) == 0
