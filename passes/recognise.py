@@ -497,6 +497,8 @@ def _columns(model: ir.Model, layer: int, q: Linear, k: Linear, v: Linear, query
 
 
 def _take(lin: Linear, columns: np.ndarray) -> Linear:
+    if np.array_equal(columns, np.arange(lin.weight.shape[1])):  # separate projections: already in order
+        return lin
     return Linear(lin.input, lin.weight[:, columns], None if lin.bias is None else lin.bias[columns], lin.output, lin.matmul)
 
 
