@@ -264,8 +264,8 @@ def _inspect(args) -> int:
     placement = info["placement"]
     if placement:
         say(f"placement   {placement.get('status')}, gap {placement.get('gap', 0) * 100:.3f}%, "
-              f"solved in {placement.get('solve_time_s', 0):.2f} s, GPU budget for FFN neurons "
-              f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB")
+            f"solved in {placement.get('solve_time_s', 0):.2f} s, GPU budget for FFN neurons "
+            f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB")
     if manifest.get("sparsity"):
         from passes.sparsity_mode import describe
 
@@ -274,14 +274,14 @@ def _inspect(args) -> int:
         say(f"{'layer':>5} {'t_in':>9} {'drops':>6} {'t_down':>9} {'drops':>6}")
         for layer in info["layers"]:
             say(f"{layer['layer']:>5} {layer['threshold_in']:>9.4g} {layer['sparsity_in']:>6.3f} "
-                  f"{layer['threshold_down']:>9.4g} {layer['sparsity_down']:>6.3f}")
+                f"{layer['threshold_down']:>9.4g} {layer['sparsity_down']:>6.3f}")
     elif info["layers"]:
         say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} {'precision':>9} {'active':>7}")
         for layer in info["layers"]:
             say(f"{layer['layer']:>5} {layer.get('sparsity', 0):>8.3f} {layer.get('hot80_share', 0) * 100:>6.1f}% "
-                  f"{layer['gpu_neurons']:>6} {layer['cpu_neurons']:>6} {layer.get('predictor_rank', 0):>5} "
-                  f"{layer.get('predictor_recall', 0):>7.4f} {layer.get('predictor_precision', 0):>9.4f} "
-                  f"{layer.get('predictor_active', 0):>7.3f}")
+                f"{layer['gpu_neurons']:>6} {layer['cpu_neurons']:>6} {layer.get('predictor_rank', 0):>5} "
+                f"{layer.get('predictor_recall', 0):>7.4f} {layer.get('predictor_precision', 0):>9.4f} "
+                f"{layer.get('predictor_active', 0):>7.3f}")
     sys.stdout.write("".join(line + "\n" for line in lines))
     return _write_report(args, manifest, lines)
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from runtime.engine import reads_selected_rows  # one answer for the runtime's byte count and this model
+
 from .targets import Target
 
 BYTES = {"float32": 4, "float16": 2, "int32": 4, "int64": 8}
@@ -83,9 +85,7 @@ def call_seconds(node: dict, buffers: dict, layers: dict[int, dict], target: Tar
         elif info["kind"] == "weight" and node["op_class"] == "embed":
             read += _activation_bytes(buffers, arg)  # a gather reads one row per token
         elif info["kind"] == "weight":
-            sparse = node["decode"].startswith(("sparse_up", "sparse_down", "sparse_ffn", "sparse_columns"))
-            if node["decode"].startswith("sparse_columns") and len(info["shape"]) == 1:
-                sparse = False  # its rows are per input channel; the bias is per output, read whole
+            sparse = reads_selected_rows(node["decode"], info)
             read += _weight_bytes(buffers, arg) * (_selected_fraction(node, layers) if sparse else 1.0)
     return read / bandwidth + CALL_OVERHEAD_S[node["device"]]
 

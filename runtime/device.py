@@ -16,7 +16,6 @@ waits and overlap; only the CUDA specifics (the library, the device, asynchronou
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -175,13 +174,6 @@ class DeviceExecutor:
             counts[direction] += nbytes
 
         return run
-
-    def read(self, name: str) -> np.ndarray:
-        """A device buffer's contents on the host (for checks and profiling; synchronous)."""
-        return self.tensors[name].numpy()
-
-    def nbytes(self) -> int:
-        return sum(math.prod(t.shape) * np.dtype(str(t.dtype)).itemsize for t in self.tensors.values())
 
     # ---------------------------------------------------------------- running
 

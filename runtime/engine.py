@@ -29,8 +29,16 @@ COPY = "copy"  # a transfer between devices: the runtime's own, not a kernel
 PHASES = ("decode", "prefill")
 # decode calls that read only the rows selected before them (by a predictor, or by magnitude thresholds)
 SPARSE_KERNELS = ("sparse_up", "sparse_down", "sparse_ffn", "sparse_columns")
+COLUMN_SPARSE = "sparse_columns"  # threshold mode: rows per input channel, the bias per output (read whole)
 FUSED_FFN = "sparse_ffn"  # the CPU's one-pass up+down: with ReLU it stops at a neuron's first row when that gives 0
 COUNTERS = ("weight_bytes", "decode_steps")  # the profile's entries that are not seconds
+
+
+def reads_selected_rows(kernel: str, weight: dict) -> bool:
+    """Whether a decode call of `kernel` reads weight buffer `weight` (its manifest entry) only in the rows
+    selected before it: all weights of a sparse call, except a column-sparse call's bias. The runtime's byte
+    count and the compiler's cost model both ask this."""
+    return kernel.startswith(SPARSE_KERNELS) and not (kernel.startswith(COLUMN_SPARSE) and len(weight["shape"]) == 1)
 
 
 def _tvm_runtime():
@@ -179,8 +187,7 @@ class Engine:
             nbytes = math.prod(info["shape"]) * np.dtype(info["dtype"]).itemsize
             if node["op_class"] == "embed":
                 fixed += nbytes // info["shape"][0]
-            elif sparse and not (node["decode"].startswith("sparse_columns") and len(info["shape"]) == 1):
-                # (a column-sparse call reads its bias whole: the rows are per input channel, the bias per output)  # args: (x or hidden), index [1, neurons], count [1, 1], rows...
+            elif reads_selected_rows(node["decode"], info):  # args: (x or hidden), index [1, neurons], count [1, 1], rows...
                 per_count += nbytes // buffers[node["args"][1]]["shape"][-1]
             else:
                 fixed += nbytes
