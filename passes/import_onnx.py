@@ -28,7 +28,7 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 from picompile.targets import format_size
-from runtime.artifact import available_memory_bytes
+from runtime.artifact import available_memory_bytes, first_line
 
 REQUIRED_INPUTS = ("input_ids",)
 REQUIRED_OUTPUTS = ("logits",)
@@ -160,7 +160,7 @@ def _check_nodes(model: ir.Model) -> None:
         try:
             onnx.checker.check_node(ir.serde.serialize_node(node), context)
         except onnx.checker.ValidationError as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else "invalid"
+            reason = first_line(error, "invalid")
             raise UserError(f"node {node.name or node.op_type} ({node.op_type}) is not valid ONNX: {reason}") from None
 
 
@@ -262,6 +262,6 @@ class Import:
             with _quiet("onnxscript"):  # failed folds of a node are warnings; the node just stays unfolded
                 onnxscript.optimizer.optimize(model, num_iterations=2)
         except Exception as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            reason = first_line(error)
             raise UserError(f"constant folding failed on this model: {type(error).__name__}: {reason}") from None
         return PassResult(model, modified=True)

@@ -22,6 +22,7 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 from picompile.tokens import read_tokens
+from runtime.artifact import first_line
 
 
 @dataclass
@@ -78,7 +79,7 @@ def run_reference(source: ir.Model, wanted: list[str], sequences: list[np.ndarra
     try:
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as error:  # onnxruntime's own exception types: the source model is not valid ONNX
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = first_line(error, type(error).__name__)
         raise UserError(f"onnxruntime cannot load the model to profile it: {reason}") from None
     inputs = {i.name: i for i in session.get_inputs()}
     for sequence in sequences:
@@ -93,7 +94,7 @@ def run_reference(source: ir.Model, wanted: list[str], sequences: list[np.ndarra
         try:
             results = session.run(wanted, feeds)
         except Exception as error:  # onnxruntime's own types: a node of the source model fails on real tokens
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = first_line(error, type(error).__name__)
             raise UserError(f"onnxruntime cannot run the model on calibration tokens: {reason}") from None
         yield dict(zip(wanted, results))
 

@@ -29,6 +29,7 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 from picompile.targets import format_size
+from runtime.artifact import first_line
 
 # Ops that move or retype an activation without changing its values.
 PASS_THROUGH = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast"}
@@ -461,7 +462,7 @@ def _run_subgraph(model: ir.Model, outputs: list[ir.Value], cut_feeds: list[tupl
 
 
 def _probe_failed(outputs: list[ir.Value], error: Exception) -> UserError:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    first = first_line(error)
     return UserError(f"onnxruntime cannot run the part of the graph that computes {', '.join(o.name for o in outputs)} "
                      f"({type(error).__name__}: {first})")
 

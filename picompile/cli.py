@@ -324,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a bug outside the passes: exit 1, one line
         if os.environ.get("PICOMPILE_TRACEBACK"):
             raise
-        message = str(error).splitlines()[0] if str(error) else ""
+        from runtime.artifact import first_line
+
+        message = first_line(error)
         print(f"error: internal error: {type(error).__name__}: {message} (a picompile bug: please report it; "
               "PICOMPILE_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 1

@@ -44,6 +44,12 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def first_line(error: BaseException, default: str = "") -> str:
+    """The first non-blank line of an exception's message (libraries put tracebacks and notes below it),
+    or `default` when it has none: what a one-line `error:` message quotes."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), default)
+
+
 def format_size(n: float) -> str:
     """Bytes as the largest binary unit that keeps the number >= 1: '1.50 GiB', '300.00 KiB', '12 B'."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .artifact import ArtifactError
+from .artifact import ArtifactError, first_line
 
 EMULATE_HINT = ("pass --emulate-gpu to run its GPU part on a second CPU executor (checks the split, not the speed), "
                 "or rebuild it with --target cpu")
@@ -77,7 +77,7 @@ def cuda_device(target: dict, tvm_runtime):
     try:
         load_cuda_runtime()
     except (OSError, RuntimeError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        reason = first_line(error, type(error).__name__)
         raise ArtifactError(f"{what}, but TVM's CUDA runtime cannot be loaded here ({reason}); "
                             f"{EMULATE_HINT}") from None
     device = tvm_runtime.cuda(0)
@@ -232,4 +232,4 @@ def device_library(directory: Path, target: dict, tvm_runtime):
     try:
         return tvm_runtime.load_module(str(path))
     except Exception as error:
-        raise ArtifactError(f"cannot load {path.name} on this GPU: {str(error).splitlines()[0]}") from None
+        raise ArtifactError(f"cannot load {path.name} on this GPU: {first_line(error, type(error).__name__)}") from None
