@@ -36,21 +36,26 @@ REQUIRED_OUTPUTS = ("logits",)
 DECODER_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "cache_position")
 # Ops whose second input is a weight: a graph input there means weights are fed at run time.
 WEIGHT_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Gather"}
-# Build memory = BASE + WORKING_FACTOR x weight bytes. Measured on opt-small (0.42 GiB of weights, sparse
-# build with --calib, `/usr/bin/time -v python -m picompile build ...`, 2026-11-29): peak RSS 2.86 GiB, of
-# which 0.47 GiB are the imports (python, torch, TVM, onnxruntime), i.e. 5.8x the weights. The factor is set lower on purpose: part of that working set (profiled activations,
-# predictor training) grows with layers x width, slower than the weights, and a refusal must only stop
-# builds that clearly cannot fit, never a build that would have worked (a 1B model builds in 24 GiB).
+# Build memory = BASE + WORKING_FACTOR x weight bytes. Measured (sparse builds with --calib, `/usr/bin/time -v
+# python -m picompile build ...`, 2026-11-29): opt-small, 0.42 GiB of weights, peak RSS 2.86 GiB (0.47 GiB of
+# it the imports: python, torch, TVM, onnxruntime), i.e. 5.8x; opt-1b, 3.26 GiB of weights, peak 12.8 GiB,
+# 3.9x. Part of the working set (profiled activations, predictor training) grows with layers x width, slower
+# than the weights, so the factor is the large model's: a refusal must only stop builds that cannot fit.
 WORKING_FACTOR = 4.0
 BASE_BYTES = 512 << 20
 
 
-def check_memory(what: str, weight_bytes: int, extra_bytes: int = 0) -> None:
-    """Refuse up front a build whose weights cannot fit in memory, rather than swap or be killed."""
-    needed = int(weight_bytes * WORKING_FACTOR) + BASE_BYTES + extra_bytes
+def weight_bytes(graph: ir.Graph) -> int:
+    """Bytes of the graph's constants, inline or in external data (sized, not read)."""
+    return sum(int(v.const_value.nbytes) for v in graph.initializers.values() if v.const_value is not None)
+
+
+def check_memory(what: str, weights: int) -> None:
+    """Refuse up front a build whose `weights` (bytes) cannot fit in memory, rather than swap or be killed."""
+    needed = int(weights * WORKING_FACTOR) + BASE_BYTES
     available = available_memory_bytes()
     if available is not None and needed > available:
-        raise UserError(f"{what} needs about {format_size(needed)} of memory to build ({format_size(weight_bytes)} "
+        raise UserError(f"{what} needs about {format_size(needed)} of memory to build ({format_size(weights)} "
                         f"of weights x {WORKING_FACTOR:g} + {format_size(BASE_BYTES)}) but only {format_size(available)} "
                         "is available; free memory or build on a larger machine")
 
@@ -101,8 +106,7 @@ def load(path: Path) -> ir.Model:
         raise UserError(f"{path} is not a readable ONNX model ({type(error).__name__}: {error})") from None
     _check_external_data(model, path)
     _check_initializers(model, path)
-    check_memory(str(path), sum(int(v.const_value.nbytes) for v in model.graph.initializers.values()
-                                if v.const_value is not None))
+    check_memory(str(path), weight_bytes(model.graph))
     return model
 
 
@@ -247,8 +251,7 @@ class Import:
         _sort(graph)
         _check_decoder(graph)
         _check_weights_are_constants(graph)
-        weight_bytes = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
-        if weight_bytes <= pir.EXTERNAL_DATA_BYTES:
+        if weight_bytes(graph) <= pir.EXTERNAL_DATA_BYTES:
             # weights in external data files (as small models may be saved too) are read in now, while no
             # array views of the memory map exist, so that the source graph saves as one file when profiled
             ir.external_data.load_to_model(model)
