@@ -199,9 +199,6 @@ class _Walker:
         positions = self.weight_of(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
         vocab, width = self.low.weights[table].shape
         dtype = self.low.buffers[table]["dtype"]
-        if positions and self.low.weights[positions].shape[0] < self.low.max_context:
-            raise UserError(f"--max-context {self.low.max_context} exceeds the model's "
-                            f"{self.low.weights[positions].shape[0]} learned positions")
         out = self.next_residual(width)
         kernels = self.low.kernel(cpu.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}"
                                   f"{'_f16' if dtype == 'float16' else ''}", vocab, width,

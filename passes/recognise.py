@@ -462,9 +462,8 @@ def _run_subgraph(model: ir.Model, outputs: list[ir.Value], cut_feeds: list[tupl
 
 
 def _probe_failed(outputs: list[ir.Value], error: Exception) -> UserError:
-    first = first_line(error)
     return UserError(f"onnxruntime cannot run the part of the graph that computes {', '.join(o.name for o in outputs)} "
-                     f"({type(error).__name__}: {first})")
+                     f"({type(error).__name__}: {first_line(error)})")
 
 
 def _columns(model: ir.Model, layer: int, q: Linear, k: Linear, v: Linear, query: ir.Value,
