@@ -133,12 +133,20 @@ class Lowering:
         flags = dict(bias=bias is not None, act=act, residual=residual is not None)
         if dtype != "float32":
             flags["wdtype"] = dtype
-        if device == "cpu" and self.gemm_panels != 1:
-            flags["tile_panels"] = self.gemm_panels
         kernels = self.kernel(cpu.linear_panels if packed else cpu.linear, f"linear_k{k}_n{n}{tags}", k, n,
-                              phases=phases, **flags)
+                              phases=phases, **flags, **self.gemm_tile(device))
         args = [x, weight] + ([bias] if bias else []) + ([residual] if residual else []) + [out]
         self.call(kernels, args, [out], label, op_class, device)
+
+    def gemm_tile(self, device: str) -> dict:
+        """The prefill GEMMs' register tile for `device`: wider on CPUs whose instruction set allows it."""
+        return {"tile_panels": self.gemm_panels} if device == "cpu" and self.gemm_panels != 1 else {}
+
+    def glu(self, pre: str, hidden: str, neurons: int, activation: str, label: str, device: str | None = None,
+            phases=("decode", "prefill")) -> None:
+        """A gated FFN's hidden = act(gate) * up, from `pre` holding the gate and up halves side by side."""
+        kernels = self.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=phases)
+        self.call(kernels, [pre, hidden], [hidden], label, "ffn_up", device)
 
     def zeros(self, name: str, size: int) -> str:
         """A zero bias, so that biased and bias-free models share one kernel shape."""
@@ -283,8 +291,7 @@ class _Walker:
             pre = self.low.activation("act.ffn_pre", width_up)
             self.low.linear(x, w_up, b_up, pre, f"{p}.up", "ffn_up")
             hidden = self.low.activation("act.ffn_hidden", ffn_width)
-            kernels = self.low.kernel(cpu.glu, f"glu_f{ffn_width}_{activation}", ffn_width, act=activation)
-            self.low.call(kernels, [pre, hidden], [hidden], f"{p}.glu", "ffn_up")
+            self.low.glu(pre, hidden, ffn_width, activation, f"{p}.glu")
         else:
             hidden = self.low.activation("act.ffn_hidden", ffn_width)
             self.low.linear(x, w_up, b_up, hidden, f"{p}.up", "ffn_up", act=activation)
@@ -345,14 +352,12 @@ class _Walker:
         # multi-token steps: every neuron of the part, as dense GEMMs over the same row-major weights
         pre = self.low.activation(f"act.ffn_pre.{tag}", up_width)
         up_act = "none" if gated else activation
-        tile = {"tile_panels": self.low.gemm_panels} if device == "cpu" and self.low.gemm_panels != 1 else {}
         kernels = self.low.kernel(neuron.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
-                                  up_width, act=up_act, phases=("prefill",), **dtype_arg, **tile)
+                                  up_width, act=up_act, phases=("prefill",), **dtype_arg, **self.low.gemm_tile(device))
         self.low.call(kernels, [x, up_rows, up_bias, pre], [pre], f"{p}.up_dense", "ffn_up", device)
         if gated:
             dense_hidden = self.low.activation(f"act.ffn_dense_hidden.{tag}", neurons)
-            kernels = self.low.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=("prefill",))
-            self.low.call(kernels, [pre, dense_hidden], [dense_hidden], f"{p}.glu", "ffn_up", device)
+            self.low.glu(pre, dense_hidden, neurons, activation, f"{p}.glu", device, phases=("prefill",))
             pre = dense_hidden
         self.low.linear(pre, down_rows, None, partial, f"{p}.down_dense", "ffn_down", phases=("prefill",), device=device,
                         packed=False)
@@ -393,8 +398,7 @@ class _Walker:
         self.low.linear(x, w_up, b_up, pre if gated else hidden, f"{p}.up_dense", "ffn_up",
                         act="none" if gated else activation, phases=("prefill",), packed=False)
         if gated:
-            kernels = self.low.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=("prefill",))
-            self.low.call(kernels, [pre, hidden], [hidden], f"{p}.glu", "ffn_up")
+            self.low.glu(pre, hidden, neurons, activation, f"{p}.glu", phases=("prefill",))
         self.low.linear(hidden, w_down, None, partial, f"{p}.down_dense", "ffn_down", phases=("prefill",), packed=False)
         self.location[node.outputs[0].name] = partial
 
