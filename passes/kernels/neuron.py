@@ -131,6 +131,16 @@ def _prefetch(address):
     return T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.uint32(0), T.uint32(3), T.uint32(1))
 
 
+def _row_lines(width: int, lanes: int, wdtype: str) -> tuple[int, int, int]:
+    """How a kernel walks a weight row of `width` elements in cache lines (to prefetch one line per line it
+    consumes): (elements per line, vectors per line, lines per row). Odd widths go per vector instead (more
+    prefetch instructions, the same lines)."""
+    line = min(64 // (2 if wdtype == "float16" else 4), width)
+    if width % line or line % lanes:
+        line = lanes
+    return line, line // lanes, width // line
+
+
 def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
     """A decode step of one sparse FFN part: up, activation and down in one kernel.
 
@@ -157,12 +167,8 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
     lanes = _lanes(D)
     chains = DOT_CHAINS if (D // lanes) % DOT_CHAINS == 0 else 1
     steps = D // lanes // chains
-    line = min(64 // (2 if wdtype == "float16" else 4), D)  # weight elements per cache line
-    if D % line or line % lanes:
-        line = lanes  # odd widths: prefetch per vector (more instructions, the same lines)
+    line, line_vectors, lines = _row_lines(D, lanes, wdtype)
     per_step = max(1, chains * lanes // line)  # prefetches per dot-product step
-    line_vectors = line // lanes
-    lines = D // line
     width = 2 * n if gated else n
     tasks = FFN_TASKS
 
@@ -269,11 +275,8 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
     if gated and N % 2:
         raise ValueError("a gated weight has gate and up halves")
     lanes = _lanes(N)
-    line = min(64 // (2 if wdtype == "float16" else 4), N)
-    if N % line or line % lanes:
-        line = lanes
-    line_vectors, lines = line // lanes, N // line
-    tasks, group = COLUMN_TASKS, COLUMN_ROWS
+    line, line_vectors, lines = _row_lines(N, lanes, wdtype)
+    tasks, group = COLUMN_TASKS, COLUMN_ROWS  # (the unrolled sum below reads coef[0..3]: 4 rows per pass)
     out_lanes = _lanes(out)
     chunk = _col_block(out, max(out_lanes, min(1024, out // tasks)))
 
