@@ -108,10 +108,15 @@ def _staging_dir(output: Path) -> Path:
     never a valid artifact (no manifest until complete), and it names its builder so a later build can
     tell a dead build's leftovers from a running one's."""
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
+    os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp makes it private; the artifact is an ordinary directory
+    return staging
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
     mask = os.umask(0o022)
     os.umask(mask)
-    os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes it private; the artifact is an ordinary directory
-    return staging
+    return mask
 
 
 def _exchange(a: Path, b: Path) -> bool:

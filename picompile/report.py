@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .artifact import current_umask
 from .errors import UserError
 
 # (heading, manifest key, format) of the per-layer table; the same columns `picompile inspect` prints
@@ -26,6 +27,16 @@ LAYER_COLUMNS = [
     ("recall", "predictor_recall", "{:.4f}"), ("precision", "predictor_precision", "{:.4f}"),
     ("predicted active", "predictor_active", "{:.3f}"),
 ]
+# ... and of a threshold-mode build (no placement, no predictors)
+THRESHOLD_COLUMNS = [
+    ("layer", "layer", "{}"), ("gate/up threshold", "threshold_in", "{:.4g}"),
+    ("gate/up inputs dropped", "sparsity_in", "{:.3f}"), ("down threshold", "threshold_down", "{:.4g}"),
+    ("down inputs dropped", "sparsity_down", "{:.3f}"),
+]
+
+
+def _predictor_layers(layers: list[dict]) -> bool:
+    return bool(layers) and "threshold_in" not in layers[0]
 
 
 def _cell(layer: dict, key: str, fmt: str) -> str:
@@ -85,7 +96,7 @@ def charts(directory: Path, manifest: dict) -> dict[str, bytes]:
     if "plots/activation_cdf.png" in manifest.get("files", {}):  # listed, so load_manifest checked its hash
         images["FFN activation CDF per layer"] = cdf.read_bytes()
     layers = manifest.get("layers", [])
-    if layers:
+    if _predictor_layers(layers):  # threshold builds have no split or predictors to draw
         figure, axes = plt.subplots(figsize=(6, 3.6), dpi=100)
         _plot_split(axes, layers)
         images["GPU / CPU neuron split per layer"] = _figure_png(figure)
@@ -97,10 +108,11 @@ def charts(directory: Path, manifest: dict) -> dict[str, bytes]:
 
 def html_report(directory: Path, manifest: dict, summary: list[str]) -> str:
     layers = manifest.get("layers", [])
+    columns = LAYER_COLUMNS if _predictor_layers(layers) else THRESHOLD_COLUMNS
     escape = html.escape
-    rows = "".join("<tr>" + "".join(f"<td>{escape(_cell(layer, key, fmt))}</td>" for _, key, fmt in LAYER_COLUMNS)
+    rows = "".join("<tr>" + "".join(f"<td>{escape(_cell(layer, key, fmt))}</td>" for _, key, fmt in columns)
                    + "</tr>\n" for layer in layers)
-    table = ("<table>\n<tr>" + "".join(f"<th>{escape(heading)}</th>" for heading, _, _ in LAYER_COLUMNS)
+    table = ("<table>\n<tr>" + "".join(f"<th>{escape(heading)}</th>" for heading, _, _ in columns)
              + f"</tr>\n{rows}</table>") if layers else \
         "<p>Dense build: no per-layer sparsity, placement or predictors.</p>"
     images = "".join(f'<figure><img alt="{escape(title)}" src="data:image/png;base64,'
@@ -128,12 +140,6 @@ def png_report(directory: Path, manifest: dict) -> bytes:
     return _figure_png(figure)
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_report(directory: Path, manifest: dict, path: Path, summary: list[str]) -> Path:
     """Write the report for `path`'s suffix (.html or .png) under a temporary name, then rename it."""
     path = Path(path)
@@ -147,7 +153,7 @@ def write_report(directory: Path, manifest: dict, path: Path, summary: list[str]
     try:
         with os.fdopen(descriptor, "wb") as f:
             f.write(data)
-        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it private; a report is an ordinary file
+        os.chmod(temporary, 0o666 & ~current_umask())  # mkstemp makes it private; a report is an ordinary file
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
