@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -38,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from examples.bench_decode import add_run_arguments, parsed_run_arguments  # noqa: E402 (stdlib only: TVM not yet)
 
 DTYPES = ("fp32", "fp16")
 NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16"}
@@ -165,27 +166,14 @@ def _dtypes(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="1b", help="model size preset of examples/models.py")
     parser.add_argument("--sparsity", type=float, default=0.9, help="synthetic FFN sparsity (power-law hot set)")
-    parser.add_argument("--threads", type=int, default=2, help="threads for every engine and the bandwidth probe")
-    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded per run")
-    parser.add_argument("--runs", type=int, default=3, help="alternating runs; figures are their medians")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-context", type=int, default=256)
     parser.add_argument("--target-recall", type=float, default=0.99, help="the sparse build's predictor recall")
     parser.add_argument("--dtypes", type=_dtypes, default=["fp32"],
                         help="weight dtypes to build dense and sparse artifacts in, e.g. fp32,fp16")
     parser.add_argument("--cpu-isa", choices=["avx2", "avx512"], default="avx2",
                         help="instruction set of the CPU kernels (onnxruntime picks its own at run time)")
-    parser.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
-    parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--record", action="store_true", help="append the table to BENCHMARKS.md")
-    args = parser.parse_args(argv)
-    if args.tokens < 2 or args.runs < 1 or args.prompt_len < 2:
-        parser.error("--tokens must be at least 2, --runs at least 1, --prompt-len at least 2")
-    if args.prompt_len + args.tokens > args.max_context:
-        parser.error(f"--prompt-len + --tokens ({args.prompt_len + args.tokens}) exceed --max-context {args.max_context}")
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # picompile's kernels get the threads onnxruntime gets
+    add_run_arguments(parser, preset="1b", prompt_len=128)  # --threads also sets the bandwidth probe's
+    args = parsed_run_arguments(parser, argv)
 
     from examples.bench_decode import machine, measure, quality, record
     from examples.models import cached_model

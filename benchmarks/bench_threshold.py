@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples.bench_decode import add_run_arguments, parsed_run_arguments  # noqa: E402 (stdlib only: TVM not yet)
+
 
 def _sparsities(text: str) -> list[float]:
     try:
@@ -99,22 +101,11 @@ def report(summary: dict, qualities: dict, builds: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", help="model size preset of examples/models.py")
     parser.add_argument("--sparsities", type=_sparsities, default=[0.25, 0.4, 0.5])
-    parser.add_argument("--threads", type=int, default=2, help="threads for every engine")
-    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded per run")
-    parser.add_argument("--runs", type=int, default=3, help="alternating runs; figures are their medians")
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--max-context", type=int, default=256)
     parser.add_argument("--weight-dtype", choices=["fp32", "fp16"], default="fp32")
     parser.add_argument("--sequences", type=int, default=4, help="held-out sequences evaluated per artifact")
-    parser.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
-    parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--record", action="store_true", help="append the table to BENCHMARKS.md")
-    args = parser.parse_args(argv)
-    if args.tokens < 2 or args.runs < 1 or args.prompt_len < 2:
-        parser.error("--tokens must be at least 2, --runs at least 1, --prompt-len at least 2")
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    add_run_arguments(parser, preset="small")
+    args = parsed_run_arguments(parser, argv)
 
     from examples.bench_decode import ensure_artifact, machine, quality, record
     from examples.models import cached_model

@@ -194,24 +194,42 @@ def record(title: str, config: dict, text: str, script: str, argv=None) -> None:
         f.write(f"\n### {title}, {stamp}\n\nMachine: {machine()}; {details}\nCommand: `{command}`\n\n{text}\n")
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, *, preset: str, tokens: int = 32, threads: int = 2,
+                      prompt_len: int = 16) -> None:
+    """The options every decode benchmark takes (model size, threads, run shape, caching, output), with the
+    script's defaults; `parsed_run_arguments` checks them."""
+    parser.add_argument("--preset", default=preset, help="model size preset of examples/models.py")
+    parser.add_argument("--threads", type=int, default=threads, help="threads for every engine")
+    parser.add_argument("--tokens", type=int, default=tokens, help="greedy tokens decoded per run")
+    parser.add_argument("--runs", type=int, default=3, help="alternating runs; figures are their medians")
+    parser.add_argument("--prompt-len", type=int, default=prompt_len)
+    parser.add_argument("--max-context", type=int, default=256)
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--record", action="store_true", help="append the table to BENCHMARKS.md")
+
+
+def parsed_run_arguments(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parse, refuse a run shape that cannot be measured, and give picompile's kernels the threads
+    onnxruntime gets (before TVM is imported, which reads it)."""
+    args = parser.parse_args(argv)
+    if args.tokens < 2 or args.runs < 1 or args.prompt_len < 2:
+        parser.error("--tokens must be at least 2, --runs at least 1, --prompt-len at least 2")
+    if args.prompt_len + args.tokens > args.max_context:
+        parser.error(f"--prompt-len + --tokens ({args.prompt_len + args.tokens}) exceed --max-context {args.max_context}")
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    return args
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="opt", choices=["opt", "llama"])
-    parser.add_argument("--preset", default="small")
     parser.add_argument("--sparsity", type=float, default=None,
                         help="make a synthetic sparse model and also build the sparse artifact")
-    parser.add_argument("--rebuild", action="store_true", help="rebuild the artifacts even if cached")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--max-context", type=int, default=256)
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--record", action="store_true", help="append the table to BENCHMARKS.md")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    add_run_arguments(parser, preset="small", tokens=64, threads=os.cpu_count())
+    args = parsed_run_arguments(parser, argv)
 
-    from examples.models import cached_model, num_params  # noqa: F401
+    from examples.models import cached_model
 
     files = cached_model(args.family, preset=args.preset, sparsity=args.sparsity, log=print)
     params = json.loads(files.config.read_text())["num_params"]
