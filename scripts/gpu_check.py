@@ -71,36 +71,27 @@ def table(workdir: str, labels: list[str]) -> str:
     """One row per build: its placement, decode tokens/s measured (best of the runs) and estimated, quality."""
     rows = [("build", "target", "VRAM budget", "GPU weights", "FFN activity on GPU", "devices", "decode tok/s",
              "estimate", "top-1", "KL")]
+    from picompile.costmodel import BYTES
+    from runtime.artifact import format_size
+
     for label in labels:
         base = Path(workdir) / label
         manifest = json.loads((base.with_suffix(".pic") / "manifest.json").read_text())
+        schedule = json.loads((base.with_suffix(".pic") / "schedule.json").read_text())
+        gpu_args = {arg for node in schedule["nodes"] if node["device"] == "gpu" for arg in node["args"]}
         runs = [json.loads(line) for line in base.with_suffix(".run.json").read_text().splitlines() if line.strip()]
         quality = json.loads(base.with_suffix(".eval.json").read_text())
         placement, estimate = manifest.get("placement", {}), manifest.get("estimate", {})
-        gpu_bytes = sum(math.prod(info["shape"]) * (2 if info["dtype"] == "float16" else 4)
-                        for name, info in manifest["buffers"].items() if info["kind"] == "weight"
-                        and _read_on_gpu(base.with_suffix(".pic"), name))
-        rows.append((label, manifest["target"]["name"], _mib(placement["vram_bytes"]) if manifest["target"]["cuda_arch"] else "-", _mib(gpu_bytes),
+        gpu_bytes = sum(math.prod(info["shape"]) * BYTES[info["dtype"]] for name, info in manifest["buffers"].items()
+                        if info["kind"] == "weight" and name in gpu_args)
+        rows.append((label, manifest["target"]["name"],
+                     format_size(placement["vram_bytes"]) if manifest["target"]["cuda_arch"] else "-", format_size(gpu_bytes),
                      f"{placement.get('activation_share', 0):.1%}", devices(str(base.with_suffix(".pic"))),
                      f"{max(run['decode_tokens_per_s'] for run in runs):.1f}",
                      f"{estimate.get('picompile_tokens_per_s', 0):.1f}",
                      f"{quality['top1_agreement']:.4f}", f"{quality['kl_mean']:.2e}"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)) for row in rows)
-
-
-_gpu_args: dict[Path, set[str]] = {}
-
-
-def _read_on_gpu(artifact: Path, name: str) -> bool:
-    if artifact not in _gpu_args:
-        schedule = json.loads((artifact / "schedule.json").read_text())
-        _gpu_args[artifact] = {arg for node in schedule["nodes"] if node["device"] == "gpu" for arg in node["args"]}
-    return name in _gpu_args[artifact]
-
-
-def _mib(nbytes) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def main(argv: list[str]) -> int:
