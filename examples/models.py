@@ -171,8 +171,8 @@ FAMILY_CHOICES: dict[str, dict[str, tuple]] = {
 MODEL_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
                  "llama_tied": ("LlamaConfig", "LlamaForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
                  "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
-ROTARY_TYPES = ("llama", "gpt_neox", "falcon")
-BIASED_FFN_TYPES = ("opt", "gpt2", "gpt_neox")  # synthetic thresholds go into the FFN up bias  # these take position_ids (optimum's inputs too)
+ROTARY_TYPES = ("llama", "gpt_neox", "falcon")  # these take position_ids (optimum's inputs too)
+BIASED_FFN_TYPES = ("opt", "gpt2", "gpt_neox")  # synthetic thresholds go into the FFN up bias
 
 # Knobs of the synthetic structure (may be passed as keyword overrides).
 SYNTH_DEFAULTS: dict[str, Any] = dict(lowrank_rank=None, lowrank_var=0.95, pmax=0.95)
