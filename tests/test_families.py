@@ -13,7 +13,6 @@ import dataclasses
 import json
 import shutil
 
-import numpy as np
 import onnx
 import pytest
 import torch
@@ -22,14 +21,12 @@ from examples import models
 from picompile.cli import main
 from picompile.compiler import build
 from picompile.pipeline import Options
-from picompile.reference import OrtDecoder
 from picompile.targets import get_target
-from runtime import Engine
+from test_sparse import assert_matches_onnxruntime  # the same check, prompt and tolerance
 
 FAMILIES = ("opt", "llama", "llama_tied", "gpt2", "neox", "falcon")
 EXPORTERS = ("dynamo", "legacy", "optimum", "ort_extended")
 ROWS = [(exporter, family) for exporter in EXPORTERS for family in FAMILIES]
-PROMPT = [11, 22, 33, 44, 55]
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +54,6 @@ def exported(tiny_models, tmp_path_factory):
     return get
 
 
-def assert_matches_onnxruntime(artifact, reference_onnx, decode_steps: int = 3) -> None:
-    engine, reference = Engine(artifact), OrtDecoder(reference_onnx)
-    np.testing.assert_allclose(engine.forward(PROMPT), reference.forward(PROMPT), atol=1e-4, rtol=0)
-    token = 3
-    for _ in range(decode_steps):
-        expected = reference.forward([token])
-        np.testing.assert_allclose(engine.forward([token]), expected, atol=1e-4, rtol=0)
-        token = int(np.argmax(expected[-1]))
-
-
 def dense_and_all_neurons(onnx_path, calib, out_dir, **options):
     dense = build(onnx_path, out_dir / "dense.pic", get_target("cpu"), Options(dense=True, max_context=32, **options))
     sparse = build(onnx_path, out_dir / "sparse.pic", get_target("cpu"),
@@ -84,7 +71,7 @@ def test_exported_model_compiles_and_matches_onnxruntime(exported, tmp_path, exp
     kernels = {n["decode"] for n in json.loads((sparse / "schedule.json").read_text())["nodes"]}
     assert any(k.startswith("sparse_ffn") for k in kernels)  # the sparse build really runs neuron kernels
     for artifact in (dense, sparse):
-        assert_matches_onnxruntime(artifact, files.onnx)
+        assert_matches_onnxruntime(artifact, files.onnx, decode_steps=3)
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +99,13 @@ def test_half_precision_models_compile_in_fp32(half_exports, tmp_path, precision
     assert matrices.count(half_type) > len(matrices) // 2  # (the legacy export keeps a few in fp32)
     assert {i.type.tensor_type.elem_type for i in proto.graph.input if i.name.startswith("past")} == {half_type}
     artifact = build(half, tmp_path / "a.pic", get_target("cpu"), Options(dense=True, max_context=32))
-    assert_matches_onnxruntime(artifact, rounded)
+    assert_matches_onnxruntime(artifact, rounded, decode_steps=3)
     if precision == "fp16":  # --weight-dtype fp16 stores the CPU's matrices in fp16: exactly the file's values
         stored = build(half, tmp_path / "f16.pic", get_target("cpu"),
                        Options(dense=True, max_context=32, weight_dtype="fp16"))
         buffers = json.loads((stored / "manifest.json").read_text())["buffers"]
         assert buffers["layers.0.ffn.w_up"]["dtype"] == "float16"
-        assert_matches_onnxruntime(stored, rounded)
+        assert_matches_onnxruntime(stored, rounded, decode_steps=3)
 
 
 def test_external_data_model_compiles_and_the_artifact_stands_alone(exported, tmp_path):
@@ -131,7 +118,7 @@ def test_external_data_model_compiles_and_the_artifact_stands_alone(exported, tm
     dense, sparse = dense_and_all_neurons(source / "model.onnx", files.calib, tmp_path)
     shutil.rmtree(source)  # the artifacts must not point back into the user's files
     for artifact in (dense, sparse):
-        assert_matches_onnxruntime(artifact, files.onnx)
+        assert_matches_onnxruntime(artifact, files.onnx, decode_steps=3)
 
 
 def test_unsupported_onnxruntime_op_is_refused_by_name(tmp_path, capsys):
