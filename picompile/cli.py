@@ -236,9 +236,9 @@ def _inspect(args) -> int:
     for node in schedule["nodes"]:
         calls[node["op_class"]] = calls.get(node["op_class"], 0) + 1
     kernels = sorted(({n["decode"] for n in schedule["nodes"]} | {n["prefill"] for n in schedule["nodes"]}) - {"", "copy"})
-    from .costmodel import BYTES
+    from runtime.dtypes import nbytes
 
-    weight_bytes = sum(BYTES[b["dtype"]] * math.prod(b["shape"])
+    weight_bytes = sum(nbytes(b["shape"], b["dtype"])
                        for b in manifest["buffers"].values() if b["kind"] == "weight")
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
             "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes,

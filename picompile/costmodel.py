@@ -18,13 +18,30 @@ import networkx as nx
 
 from runtime.engine import reads_selected_rows  # one answer for the runtime's byte count and this model
 
+from runtime.dtypes import itemsize, nbytes
+
 from .targets import Target
 
-BYTES = {"float32": 4, "float16": 2, "int32": 4, "int64": 8}
 CALL_OVERHEAD_S = {"cpu": 2e-6, "gpu": 5e-6}  # Python dispatch + thread-pool wake-up; kernel launch
-COPY_LATENCY_S = 10e-6
+COPY_LATENCY_S = 10e-6  # one host<->device copy's fixed cost (launch, wait), whatever its size
 CONTEXT = 128  # the KV cache length the estimate reads at (mid-way through a typical generation)
 _LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def launch_seconds(device: str) -> float:
+    """The fixed cost of one call on `device`."""
+    return CALL_OVERHEAD_S[device]
+
+
+def copy_seconds(target: Target, nbytes: int) -> float:
+    """One host<->device copy of `nbytes`: its fixed cost plus the bytes over PCIe."""
+    return COPY_LATENCY_S + (nbytes / (target.pcie_bandwidth_gbs * 1e9) if target.pcie_bandwidth_gbs > 0 else 0.0)
+
+
+def sync_seconds(target: Target, activation_bytes: int) -> float:
+    """One CPU-GPU synchronisation of a hybrid layer: its input copied to the GPU and its partial output
+    copied back (`activation_bytes` each). Placement prices a layer's split with this, the estimate its copies."""
+    return 2 * copy_seconds(target, activation_bytes)
 
 
 @dataclass
@@ -50,7 +67,7 @@ def _weight_bytes(buffers: dict, name: str) -> int:
     info = buffers.get(name)
     if info is None or info["kind"] not in ("weight", "cache"):
         return 0
-    return math.prod(info["shape"]) * BYTES[info["dtype"]]
+    return nbytes(info["shape"], info["dtype"])
 
 
 def _selected_fraction(node: dict, layers: dict[int, dict]) -> float:
@@ -72,7 +89,7 @@ def _selected_fraction(node: dict, layers: dict[int, dict]) -> float:
 def call_seconds(node: dict, buffers: dict, layers: dict[int, dict], target: Target) -> float:
     """One decode call: the bytes it reads over its device's bandwidth, plus its fixed cost."""
     if node["decode"] == "copy":
-        return COPY_LATENCY_S + _activation_bytes(buffers, node["args"][0]) / (target.pcie_bandwidth_gbs * 1e9 or 1e12)
+        return copy_seconds(target, _activation_bytes(buffers, node["args"][0]))
     bandwidth = (target.gpu_bandwidth_gbs if node["device"] == "gpu" else target.cpu_bandwidth_gbs) * 1e9
     read = 0.0
     for arg in node["args"]:
@@ -92,7 +109,7 @@ def call_seconds(node: dict, buffers: dict, layers: dict[int, dict], target: Tar
 
 def _activation_bytes(buffers: dict, name: str) -> int:
     info = buffers.get(name, {"shape": [1, 1], "dtype": "float32"})
-    return BYTES[info["dtype"]] * info["shape"][-1]
+    return itemsize(info["dtype"]) * info["shape"][-1]
 
 
 def step_seconds(schedule: dict, seconds: dict[str, float]) -> float:

@@ -71,7 +71,7 @@ def table(workdir: str, labels: list[str]) -> str:
     """One row per build: its placement, decode tokens/s measured (best of the runs) and estimated, quality."""
     rows = [("build", "target", "VRAM budget", "GPU weights", "FFN activity on GPU", "devices", "decode tok/s",
              "estimate", "top-1", "KL")]
-    from picompile.costmodel import BYTES
+    from runtime.dtypes import nbytes
     from runtime.artifact import format_size
 
     for label in labels:
@@ -82,7 +82,7 @@ def table(workdir: str, labels: list[str]) -> str:
         runs = [json.loads(line) for line in base.with_suffix(".run.json").read_text().splitlines() if line.strip()]
         quality = json.loads(base.with_suffix(".eval.json").read_text())
         placement, estimate = manifest.get("placement", {}), manifest.get("estimate", {})
-        gpu_bytes = sum(math.prod(info["shape"]) * BYTES[info["dtype"]] for name, info in manifest["buffers"].items()
+        gpu_bytes = sum(nbytes(info["shape"], info["dtype"]) for name, info in manifest["buffers"].items()
                         if info["kind"] == "weight" and name in gpu_args)
         rows.append((label, manifest["target"]["name"],
                      format_size(placement["vram_bytes"]) if manifest["target"]["cuda_arch"] else "-", format_size(gpu_bytes),
