@@ -1,11 +1,11 @@
 """schedule: order the kernel calls as a networkx DAG, with a device per call.
 
-Reads: the lowered IR (`picompile.Call` nodes; values named `buffer#version`). Adds: a `schedule`
-graph-level metadata entry holding the DAG as networkx node-link JSON: one node per call (kernels,
-args, device, op class, `order`), edges for every dependency: read-after-write through the values,
-and write-after-read / write-after-write on shared buffers (a buffer reused across layers must not be
-overwritten while an earlier call still reads it). The order is a topological order of that graph
-(stable with respect to program order) and the critical path is reported.
+Reads: the kernel-call IR (`passes.kernel_ir`: each call's facts say which buffers it reads and writes).
+Adds: a `picompile.schedule` graph-level metadata entry holding the DAG as networkx node-link JSON: one node
+per call (its facts, `runtime.calls.Call`, under `call`, and its `order`), edges for every dependency:
+read-after-write, and write-after-read / write-after-write on shared buffers (a buffer reused across layers
+must not be overwritten while an earlier call still reads it). The order is a topological order of that
+graph (stable with respect to program order) and the critical path is reported.
 """
 
 from __future__ import annotations
@@ -17,33 +17,21 @@ import networkx as nx
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
 from picompile.pipeline import Context
+from runtime.calls import PHASES
+
+from .kernel_ir import KernelProgram
 
 
-def buffer_of(value: ir.Value) -> str:
-    return value.name.split("#", 1)[0]
-
-
-PHASES = ("decode", "prefill")
-
-
-def build_dag(model: ir.Model) -> nx.DiGraph:
+def build_dag(program: KernelProgram) -> nx.DiGraph:
     """Nodes in program order; edges per phase (decode and prefill run different calls, so a buffer
     can have a different last writer in each), each edge tagged with the phases it binds."""
     dag = nx.DiGraph()
-    calls = []
-    for index, node in enumerate(model.graph):
-        if node.domain != pir.DOMAIN or node.op_type != "Call":
-            raise ValueError(f"schedule expects only picompile.Call nodes, found {node.op_type}")
-        if node.name in dag:
-            raise ValueError(f"two kernel calls are both named {node.name}")
-        dag.add_node(node.name, index=index, decode=pir.attr(node, "decode"), prefill=pir.attr(node, "prefill"),
-                     args=list(pir.attr(node, "args")), device=pir.attr(node, "device"),
-                     op_class=pir.attr(node, "op_class"))
-        reads = [buffer_of(v) for v in node.inputs if v is not None and v.const_value is None]
-        writes = [buffer_of(v) for v in node.outputs]
-        calls.append((node.name, reads, writes))
+    weights = {name for name, info in program.buffers.items() if info["kind"] == "weight"}
+    for index, call in enumerate(program.calls):
+        if call.id in dag:
+            raise ValueError(f"two kernel calls are both named {call.id}")
+        dag.add_node(call.id, index=index, call=call.to_json())
 
     def depend(source: str, target: str, kind: str, buffer: str, phase: str) -> None:
         if source == target:
@@ -56,19 +44,21 @@ def build_dag(model: ir.Model) -> nx.DiGraph:
     for phase in PHASES:
         last_writer: dict[str, str] = {}
         readers: dict[str, list[str]] = {}
-        for name, reads, writes in calls:
-            if not dag.nodes[name][phase]:
+        for call in program.calls:
+            if not call.kernel(phase):
                 continue
-            for buffer in reads:
+            for buffer in call.reads():
+                if buffer in weights:
+                    continue
                 if buffer in last_writer:
-                    depend(last_writer[buffer], name, "data", buffer, phase)
-                readers.setdefault(buffer, []).append(name)
-            for buffer in writes:
+                    depend(last_writer[buffer], call.id, "data", buffer, phase)
+                readers.setdefault(buffer, []).append(call.id)
+            for buffer in call.writes():
                 for reader in readers.get(buffer, []):
-                    depend(reader, name, "anti", buffer, phase)  # do not overwrite what is still being read
+                    depend(reader, call.id, "anti", buffer, phase)  # do not overwrite what is still being read
                 if buffer in last_writer:
-                    depend(last_writer[buffer], name, "output", buffer, phase)
-                last_writer[buffer] = name
+                    depend(last_writer[buffer], call.id, "output", buffer, phase)
+                last_writer[buffer] = call.id
                 readers[buffer] = []
     if not nx.is_directed_acyclic_graph(dag):
         raise ValueError("the kernel call graph has a cycle")
@@ -83,10 +73,10 @@ class Schedule:
     name = "schedule"
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        dag = build_dag(model)
+        dag = build_dag(KernelProgram.from_model(model))
         critical = nx.dag_longest_path(dag)
         model.metadata_props["picompile.schedule"] = json.dumps(nx.node_link_data(dag, edges="edges"))
-        devices = sorted({d for _, d in dag.nodes(data="device")})
+        devices = sorted({data["call"]["device"] for _, data in dag.nodes(data=True)})
         ctx.log(f"schedule: {dag.number_of_nodes()} calls, {dag.number_of_edges()} dependencies, "
                 f"devices {', '.join(devices)}, critical path {len(critical)} calls")
         return PassResult(model, modified=True)

@@ -24,6 +24,7 @@ import onnx_ir as ir
 import safetensors.numpy
 
 from runtime.artifact import FORMAT, FORMAT_VERSION, sha256  # the reader defines the format
+from runtime.calls import schedule_calls
 
 from . import __version__, costmodel
 from . import ir as pir
@@ -41,10 +42,10 @@ def _model_facts(buffers: dict, schedule: dict) -> dict:
 def _weights_by_device(schedule: dict, buffers: dict) -> dict[str, list[str]]:
     """Each weight goes to the file of every device whose calls read it (the CPU's when unused)."""
     devices: dict[str, set[str]] = {}
-    for node in schedule["nodes"]:
-        for arg in node["args"]:
-            if buffers.get(arg, {}).get("kind") == "weight":
-                devices.setdefault(arg, set()).add(node["device"])
+    for call in schedule_calls(schedule):
+        for name in call.buffers():
+            if buffers.get(name, {}).get("kind") == "weight":
+                devices.setdefault(name, set()).add(call.device)
     by_device: dict[str, list[str]] = {}
     for name, info in buffers.items():
         if info["kind"] == "weight":
@@ -92,6 +93,7 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
             "buffers": buffers,
             "layers": json.loads(model.metadata_props.get("picompile.layers", "[]")),
             "placement": json.loads(model.metadata_props.get("picompile.placement", "{}")),
+            "devices": json.loads(model.metadata_props.get("picompile.devices", "{}")),
             "files": files,
         }
         manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target, ctx.options.vram_budget_bytes))

@@ -231,17 +231,30 @@ def _inspect(args) -> int:
         manifest = load_manifest(args.artifact)
     except ArtifactError as error:
         raise UserError(str(error)) from None
-    schedule = json.loads((args.artifact / "schedule.json").read_text())
-    calls: dict[str, int] = {}
-    for node in schedule["nodes"]:
-        calls[node["op_class"]] = calls.get(node["op_class"], 0) + 1
-    kernels = sorted(({n["decode"] for n in schedule["nodes"]} | {n["prefill"] for n in schedule["nodes"]}) - {"", "copy"})
+    from runtime.artifact import format_size
+    from runtime.calls import Role, decode_weight_reads, schedule_calls
     from runtime.dtypes import nbytes
+
+    schedule_calls_ = schedule_calls(json.loads((args.artifact / "schedule.json").read_text()))
+    calls: dict[str, int] = {}
+    devices: dict[str, int] = {}
+    decode_reads: dict[str, dict[str, int]] = {}  # role -> fixed bytes, and bytes per selected entry
+    for call in schedule_calls_:
+        calls[call.role.value] = calls.get(call.role.value, 0) + 1
+        devices[call.device] = devices.get(call.device, 0) + 1
+        if call.decode and call.role is not Role.COPY:
+            reads = decode_weight_reads(call, manifest["buffers"])
+            entry = decode_reads.setdefault(call.role.value, {"fixed_bytes": 0, "bytes_per_selected": 0})
+            entry["fixed_bytes"] += reads.fixed
+            entry["bytes_per_selected"] += reads.per_selected + reads.per_nonzero
+    kernels = sorted({name for call in schedule_calls_ if call.role is not Role.COPY
+                      for name in (call.decode, call.prefill) if name})
 
     weight_bytes = sum(nbytes(b["shape"], b["dtype"])
                        for b in manifest["buffers"].values() if b["kind"] == "weight")
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
-            "calls_per_token": calls, "kernels": kernels, "weight_bytes": weight_bytes,
+            "calls_per_token": calls, "calls_per_device": devices, "decode_weight_reads": decode_reads,
+            "kernels": kernels, "weight_bytes": weight_bytes, "devices": manifest.get("devices", {}),
             "layers": manifest.get("layers", []), "placement": manifest.get("placement", {}),
             "estimate": manifest.get("estimate")}
     if args.json:
@@ -254,6 +267,12 @@ def _inspect(args) -> int:
         say(f"{key:<12}{value}")
     say(f"weights     {weight_bytes / 2**20:.1f} MiB")
     say("calls/token " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
+    say("devices     " + ", ".join(f"{k} {v} calls" for k, v in sorted(devices.items()))
+        + (f" ({info['devices']['rule']})" if info["devices"].get("rule") else ""))
+    say("decode reads " + ", ".join(
+        f"{role} {format_size(entry['fixed_bytes'])}"
+        + (f" + {format_size(entry['bytes_per_selected'])}/selected" if entry["bytes_per_selected"] else "")
+        for role, entry in sorted(decode_reads.items())))
     say(f"kernels     {len(kernels)}: " + ", ".join(kernels))
     if info["estimate"]:
         from .costmodel import Estimate

@@ -5,14 +5,18 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from passes.codegen import Codegen
+from passes.compile import Compile
+from passes.fuse import Fuse
 from passes.import_onnx import Import, load
 from passes.lower import Lower
 from passes.partition import Partition
+from passes.place import Place
+from passes.plan_buffers import PlanBuffers
 from passes.predict import Predict
 from passes.profile import Profile
 from passes.recognise import Recognise
 from passes.schedule import Schedule
+from passes.select_kernels import SelectKernels
 from passes.sparsity_mode import SparsityMode
 from passes.threshold import Threshold
 
@@ -21,14 +25,17 @@ from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressB
 from .targets import Target, check_vram_budget
 
 
-def pipeline(options: Options) -> list[Pass]:
+def pipeline(options: Options, target_cpu_isa: str = "avx2") -> list[Pass]:
     """The whole compilation. `--dense` stops after recognise and lowers every block densely. Otherwise
     sparsity-mode picks, per model, how decode skips FFN work: predictor mode (ReLU FFNs) runs predict and
     partition, threshold mode (SiLU/GELU FFNs) runs threshold; each of those passes leaves the IR alone in
     the other mode."""
     front = [Import(), Recognise()]
     sparse = [SparsityMode(), Profile(), Predict(), Threshold(), Partition(), Lower()]
-    back = [Codegen(), Schedule()]
+    cpu_isa = options.cpu_isa or target_cpu_isa
+    back = [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context),
+            SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa),
+            PlanBuffers(), Compile(cpu_isa=cpu_isa), Schedule()]
     return front + ([] if options.dense else sparse) + back
 
 
@@ -40,7 +47,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
     check_vram_budget(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
     model = load(model_path)
-    passes = passes or pipeline(options)
+    passes = passes or pipeline(options, target.cpu_isa)
     hooks: list[Hook] = [LogTiming()]
     if dump_dir is not None:
         hooks.append(DumpIR(dump_dir))

@@ -10,14 +10,11 @@ GPU memory, the rest on the CPU).
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 
 import networkx as nx
 
-from runtime.engine import reads_selected_rows  # one answer for the runtime's byte count and this model
-
+from runtime.calls import Access, Call, Role, decode_weight_reads, schedule_calls
 from runtime.dtypes import itemsize, nbytes
 
 from .targets import Target
@@ -25,7 +22,6 @@ from .targets import Target
 CALL_OVERHEAD_S = {"cpu": 2e-6, "gpu": 5e-6}  # Python dispatch + thread-pool wake-up; kernel launch
 COPY_LATENCY_S = 10e-6  # one host<->device copy's fixed cost (launch, wait), whatever its size
 CONTEXT = 128  # the KV cache length the estimate reads at (mid-way through a typical generation)
-_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def launch_seconds(device: str) -> float:
@@ -63,67 +59,70 @@ class Estimate:
         return lines
 
 
-def _weight_bytes(buffers: dict, name: str) -> int:
-    info = buffers.get(name)
-    if info is None or info["kind"] not in ("weight", "cache"):
-        return 0
-    return nbytes(info["shape"], info["dtype"])
-
-
-def _selected_fraction(node: dict, layers: dict[int, dict]) -> float:
-    """The expected share of a sparse part's rows its decode call reads: the predicted-active neurons,
-    divided between the parts by their share of the profiled activations."""
-    match = _LAYER.match(node["id"])
-    layer = layers.get(int(match.group(1))) if match else None
-    if layer is not None and "threshold_in" in layer:  # threshold mode: the inputs kept on held-out tokens
-        return 1.0 - layer["sparsity_down" if node["id"].endswith(".down") else "sparsity_in"]
-    if layer is None or "predictor_active" not in layer:
+def expected_share(call: Call, layers: dict[int, dict]) -> float:
+    """The expected share of a sparse call's selectable entries its decode step reads: the inputs a
+    threshold keeps on held-out tokens, or the predicted-active neurons divided between the parts by their
+    share of the profiled activations."""
+    selection, layer = call.selection, layers.get(call.layer)
+    if selection is None or layer is None:
+        return 1.0
+    if selection.by == "threshold":
+        return 1.0 - layer["sparsity_down" if selection.part == "down" else "sparsity_in"]
+    if "predictor_active" not in layer:
         return 1.0
     total = layer["gpu_neurons"] + layer["cpu_neurons"]
-    hot = node["device"] == "gpu"
+    hot = selection.part == "gpu"
     rows = layer["gpu_neurons"] if hot else layer["cpu_neurons"]
     share = layer.get("gpu_activation_share", 0.0) if hot else 1.0 - layer.get("gpu_activation_share", 0.0)
     return min(1.0, layer["predictor_active"] * total * share / max(rows, 1))
 
 
-def call_seconds(node: dict, buffers: dict, layers: dict[int, dict], target: Target) -> float:
+def weight_bytes(call: Call, buffers: dict, selected: float = 0.0, nonzero: float = 0.0) -> float:
+    """The weight bytes a decode call reads when its selection lets `selected` entries through, `nonzero` of
+    them with a non-zero hidden value: the same facts the runtime counts with."""
+    reads = decode_weight_reads(call, buffers)
+    return reads.fixed + selected * reads.per_selected + nonzero * reads.per_nonzero
+
+
+def _context_bytes(call: Call, buffers: dict) -> float:
+    """The KV cache an attention call reads: its cached positions, up to CONTEXT."""
+    total = 0.0
+    for arg in call.args:
+        if arg.access is Access.CONTEXT:
+            info = buffers[arg.buffer]
+            max_context = info["shape"][1]
+            total += nbytes(info["shape"], info["dtype"]) * min(CONTEXT, max_context) / max_context
+    return total
+
+
+def call_seconds(call: Call, buffers: dict, layers: dict[int, dict], target: Target) -> float:
     """One decode call: the bytes it reads over its device's bandwidth, plus its fixed cost."""
-    if node["decode"] == "copy":
-        return copy_seconds(target, _activation_bytes(buffers, node["args"][0]))
-    bandwidth = (target.gpu_bandwidth_gbs if node["device"] == "gpu" else target.cpu_bandwidth_gbs) * 1e9
-    read = 0.0
-    for arg in node["args"]:
-        info = buffers.get(arg)
-        if info is None:
-            continue
-        if info["kind"] == "cache" and node["decode"].startswith("attention"):
-            max_context = info["shape"][1]  # attention reads the cached keys/values up to the context
-            read += _weight_bytes(buffers, arg) * min(CONTEXT, max_context) / max_context
-        elif info["kind"] == "weight" and node["op_class"] == "embed":
-            read += _activation_bytes(buffers, arg)  # a gather reads one row per token
-        elif info["kind"] == "weight":
-            sparse = reads_selected_rows(node["decode"], info)
-            read += _weight_bytes(buffers, arg) * (_selected_fraction(node, layers) if sparse else 1.0)
-    return read / bandwidth + CALL_OVERHEAD_S[node["device"]]
+    if call.role is Role.COPY:
+        return copy_seconds(target, _row_bytes(buffers, call.args[0].buffer))
+    bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
+    selected = 0.0 if call.selection is None else expected_share(call, layers) * call.selection.capacity
+    read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
+    return read / bandwidth + launch_seconds(call.device)
 
 
-def _activation_bytes(buffers: dict, name: str) -> int:
-    info = buffers.get(name, {"shape": [1, 1], "dtype": "float32"})
+def _row_bytes(buffers: dict, name: str) -> int:
+    info = buffers[name]
     return itemsize(info["dtype"]) * info["shape"][-1]
 
 
-def step_seconds(schedule: dict, seconds: dict[str, float]) -> float:
+def step_seconds(calls: list[Call], edges: list[dict], seconds: dict[str, float]) -> float:
     """The decode step's critical path through the DAG (each call costing `seconds[id]`), each
     device's calls chained in program order."""
-    nodes = sorted((n for n in schedule["nodes"] if n["decode"]), key=lambda n: n["order"])
     dag = nx.DiGraph()
     last_on_device: dict[str, str] = {}
-    for node in nodes:
-        dag.add_node(node["id"], seconds=seconds[node["id"]])
-        if node["device"] in last_on_device:
-            dag.add_edge(last_on_device[node["device"]], node["id"])
-        last_on_device[node["device"]] = node["id"]
-    for edge in schedule["edges"]:
+    for call in calls:
+        if not call.decode:
+            continue
+        dag.add_node(call.id, seconds=seconds[call.id])
+        if call.device in last_on_device:
+            dag.add_edge(last_on_device[call.device], call.id)
+        last_on_device[call.device] = call.id
+    for edge in edges:
         if edge["source"] in dag and edge["target"] in dag and "decode" in edge.get("phases", ["decode"]):
             dag.add_edge(edge["source"], edge["target"])
     # node weights on a longest path: give each edge its target's time, and add the first node's
@@ -133,42 +132,42 @@ def step_seconds(schedule: dict, seconds: dict[str, float]) -> float:
     return sum(dag.nodes[n]["seconds"] for n in path)
 
 
-def _dense_layer_bytes(schedule: dict, buffers: dict) -> tuple[dict[int, int], int]:
+def _dense_layer_bytes(calls: list[Call], buffers: dict) -> tuple[dict[int, int], int]:
     """Bytes of every weight a dense build would stream per token: per layer, and outside layers.
-    Predictors do not exist in a dense build; sparse parts count in full."""
+    Predictors do not exist in a dense build; sparse parts count in full; the embedding's gather is free."""
     per_layer: dict[int, int] = {}
     outside = 0
     seen = set()
-    for node in schedule["nodes"]:
-        if not node["decode"] or node["op_class"] in ("predictor", "copy"):
+    for call in calls:
+        if not call.decode or call.role in (Role.PREDICTOR, Role.COPY, Role.EMBED):
             continue
-        for arg in node["args"]:
-            name = arg.split("@")[0]
-            if name in seen or buffers.get(arg, {}).get("kind") != "weight" or node["op_class"] == "embed":
+        for name in call.buffers():
+            info = buffers.get(name)
+            if name in seen or info is None or info["kind"] != "weight":
                 continue
             seen.add(name)
-            match = _LAYER.match(name)
-            if match:
-                per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + _weight_bytes(buffers, arg)
+            size = nbytes(info["shape"], info["dtype"])
+            if call.layer is None:
+                outside += size
             else:
-                outside += _weight_bytes(buffers, arg)
+                per_layer[call.layer] = per_layer.get(call.layer, 0) + size
     return per_layer, outside
 
 
 def estimate(manifest: dict, schedule: dict, target: Target, vram_budget_bytes: int | None = None) -> Estimate:
     buffers = manifest["buffers"]
     by_layer = {layer["layer"]: layer for layer in manifest.get("layers", [])}
-    decode = [node for node in schedule["nodes"] if node["decode"]]
-    seconds = {node["id"]: call_seconds(node, buffers, by_layer, target) for node in decode}
-    step = step_seconds(schedule, seconds)
+    calls = schedule_calls(schedule)
+    decode = [call for call in calls if call.decode]
+    seconds = {call.id: call_seconds(call, buffers, by_layer, target) for call in decode}
+    step = step_seconds(calls, schedule["edges"], seconds)
     device_bytes = {"cpu": 0.0, "gpu": 0.0}
-    for node in decode:
-        if node["decode"] != "copy":
-            bandwidth = (target.gpu_bandwidth_gbs if node["device"] == "gpu" else target.cpu_bandwidth_gbs) * 1e9
-            device_bytes[node["device"]] += (seconds[node["id"]] - CALL_OVERHEAD_S[node["device"]]) * bandwidth
-    per_layer, outside = _dense_layer_bytes(schedule, buffers)
-    calls = sum(1 for n in decode if n["op_class"] not in ("predictor", "copy"))
-    overhead = calls * CALL_OVERHEAD_S["cpu"]
+    for call in decode:
+        if call.role is not Role.COPY:
+            bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
+            device_bytes[call.device] += (seconds[call.id] - launch_seconds(call.device)) * bandwidth
+    per_layer, outside = _dense_layer_bytes(calls, buffers)
+    overhead = sum(1 for call in decode if call.role not in (Role.PREDICTOR, Role.COPY)) * launch_seconds("cpu")
     total = sum(per_layer.values()) + outside
     cpu_only = total / (target.cpu_bandwidth_gbs * 1e9) + overhead
     offload, offloaded = None, 0

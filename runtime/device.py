@@ -218,7 +218,7 @@ def execute(program: list, device: str, position: int, record, done, failure, sy
                 if sync is not None and (step.sync_after or record is not None):
                     sync()
                 if record is not None:
-                    record(step.op_class, clock() - began, step.bytes_read())
+                    record(step.role, clock() - began, step.bytes_read())
         except BaseException as error:  # surfaced by the caller; keep signalling so nobody hangs
             failure.append(error)
         done[index].set()

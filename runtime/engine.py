@@ -11,7 +11,6 @@ devices keep the two in step. An artifact with GPU calls and no usable GPU is re
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -22,23 +21,10 @@ import numpy as np
 
 from .artifact import (ArtifactError, aligned_zeros, available_memory_bytes, format_size, host_bytes, load_manifest,
                        missing_cpu_features, read_safetensors, weight_files)
+from .calls import PHASES, START, Call, Role, decode_weight_reads, schedule_calls
 from .device import DeviceExecutor, _host, cuda_device, device_library
 
-START = "start"  # the argument that carries the number of tokens already in the KV cache
-COPY = "copy"  # a transfer between devices: the runtime's own, not a kernel
-PHASES = ("decode", "prefill")
-# decode calls that read only the rows selected before them (by a predictor, or by magnitude thresholds)
-SPARSE_KERNELS = ("sparse_up", "sparse_down", "sparse_ffn", "sparse_columns")
-COLUMN_SPARSE = "sparse_columns"  # threshold mode: rows per input channel, the bias per output (read whole)
-FUSED_FFN = "sparse_ffn"  # the CPU's one-pass up+down: with ReLU it stops at a neuron's first row when that gives 0
 COUNTERS = ("weight_bytes", "decode_steps")  # the profile's entries that are not seconds
-
-
-def reads_selected_rows(kernel: str, weight: dict) -> bool:
-    """Whether a decode call of `kernel` reads weight buffer `weight` (its manifest entry) only in the rows
-    selected before it: all weights of a sparse call, except a column-sparse call's bias. The runtime's byte
-    count and the compiler's cost model both ask this."""
-    return kernel.startswith(SPARSE_KERNELS) and not (kernel.startswith(COLUMN_SPARSE) and len(weight["shape"]) == 1)
 
 
 def _tvm_runtime():
@@ -62,7 +48,7 @@ class Step:
     """One bound call of a program."""
 
     name: str
-    op_class: str
+    role: str  # the call's Role value: its class in the profile
     device: str
     run: object  # a callable taking the position
     waits: list[int] = field(default_factory=list)  # program indices on the other device to wait for
@@ -99,8 +85,11 @@ class Engine:
         self.max_context = int(self.manifest["model"]["max_context"])
         self.vocab_size = int(self.manifest["model"]["vocab_size"])
         schedule = json.loads((self.directory / "schedule.json").read_text())
-        self._nodes = sorted(schedule["nodes"], key=lambda node: node["order"])
-        self.devices = sorted({node["device"] for node in self._nodes})
+        try:
+            self._calls = schedule_calls(schedule)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ArtifactError(f"schedule.json is damaged (a call's facts are malformed: {error!r}): rebuild it") from None
+        self.devices = sorted({call.device for call in self._calls})
         tvm_runtime, self._ffi = _tvm_runtime()
         device = None
         if "gpu" in self.devices and not emulate_gpu:  # refused here, before anything is read, if no GPU fits
@@ -111,7 +100,7 @@ class Engine:
             weights.update(read_safetensors(path))
         buffers = self.manifest["buffers"]
         self._row_buffers = {n for n, info in buffers.items() if info["kind"] in ("activation", "input")}
-        self._gpu_buffers, host_buffers = _buffer_homes(self._nodes, buffers)
+        self._gpu_buffers, host_buffers = _buffer_homes(self._calls, buffers)
         for name, info in buffers.items():
             if info["kind"] == "weight" and name not in weights:
                 raise ArtifactError(f"weight {name} is missing from the artifact")
@@ -128,8 +117,9 @@ class Engine:
         del weights  # weights only the GPU reads now live on its device alone
         self._edges = schedule.get("edges", [])
         try:
-            self._kernels = {name: library[name] for node in self._nodes if node["device"] == "cpu"
-                             for name in (node["decode"], node["prefill"]) if name and name != COPY}
+            self._kernels = {name: library[name] for call in self._calls
+                             if call.device == "cpu" and call.role is not Role.COPY
+                             for name in (call.decode, call.prefill) if name}
         except Exception as error:
             raise ArtifactError(f"kernel library does not provide a scheduled kernel: {error}") from None
         for kernel in self._kernels.values():
@@ -150,17 +140,20 @@ class Engine:
         """A buffer as the calls of `device` see it: a host array, or a device tensor."""
         return self.gpu.tensors[name] if device == "gpu" else self.buffers[name]
 
-    def _bind(self, node: dict, phase: str, rows: int):
-        kernel_name, args = node[phase], node["args"]
-        if node["device"] == "gpu":
-            if kernel_name == COPY:  # args: source, target; one on each side
-                to_device = args[1] in self._gpu_buffers
-                host, device_side = (args[0], args[1]) if to_device else (args[1], args[0])
-                return self.gpu.bind_copy(self._view(host, rows), device_side, rows, to_device)
+    def _bind(self, call: Call, phase: str, rows: int):
+        args = [arg.buffer for arg in call.args]
+        if call.role is Role.COPY:  # one argument read on one side, one written on the other
+            if call.device != "gpu":
+                raise ArtifactError(f"copy {call.id} is scheduled on the CPU; copies belong to the GPU's executor")
+            source = next(arg.buffer for arg in call.args if not arg.writes)
+            target = next(arg.buffer for arg in call.args if arg.writes)
+            to_device = target in self._gpu_buffers
+            host, device_side = (source, target) if to_device else (target, source)
+            return self.gpu.bind_copy(self._view(host, rows), device_side, rows, to_device)
+        kernel_name = call.kernel(phase)
+        if call.device == "gpu":
             bound = [None if name == START else self.gpu.view(name, rows) for name in args]
             return self.gpu.bind_call(kernel_name, bound, args.index(START) if START in args else None)
-        if kernel_name == COPY:
-            raise ArtifactError(f"copy {node['id']} is scheduled on the CPU; copies belong to the GPU's executor")
         function = self._kernels[kernel_name]
         bound = [0 if name == START else self._ffi.from_dlpack(self._view(name, rows)) for name in args]
         if START not in args:
@@ -173,51 +166,34 @@ class Engine:
 
         return run
 
-    def _weight_reads(self, node: dict) -> dict:
-        """The weight bytes a decode call reads: all of each weight buffer it takes, except an embedding
-        gather (one row per table) and the sparse FFN calls, which read `count` rows of their row-major
-        weights and biases (rows per neuron = rows / neurons: two for a gated up, gate and up)."""
-        buffers = self.manifest["buffers"]
-        sparse = node["decode"].startswith(SPARSE_KERNELS)
-        fixed = per_count = 0
-        for name in node["args"]:
-            info = buffers.get(name)
-            if info is None or info["kind"] != "weight":
-                continue
-            nbytes = math.prod(info["shape"]) * np.dtype(info["dtype"]).itemsize
-            if node["op_class"] == "embed":
-                fixed += nbytes // info["shape"][0]
-            elif reads_selected_rows(node["decode"], info):  # args: (x or hidden), index [1, neurons], count [1, 1], rows...
-                per_count += nbytes // buffers[node["args"][1]]["shape"][-1]
-            else:
-                fixed += nbytes
-        if not sparse:
-            return {"weight_bytes": fixed}
-        reads = {"weight_bytes": fixed, "count": self._buffer(node["args"][2], node["device"]), "bytes_per_count": per_count}
-        if node["decode"].startswith(FUSED_FFN) and "_relu" in node["decode"]:
-            # args: x, index, count, up rows, up bias, down rows, hidden, ...: the first up row (the gate's when
-            # gated) and the bias are read for every selected neuron, the other rows only where it was not 0
-            up, bias = (buffers[name] for name in node["args"][3:5])
-            neurons = buffers[node["args"][1]]["shape"][-1]
-            row = lambda info: info["shape"][-1] * np.dtype(info["dtype"]).itemsize  # noqa: E731
-            first = row(up) + (math.prod(bias["shape"]) // neurons) * np.dtype(bias["dtype"]).itemsize
-            reads.update(bytes_per_count=first, hidden=self._buffer(node["args"][6], node["device"]),
-                         bytes_per_active=per_count - first)
-        return reads
+    def _weight_reads(self, call: Call) -> dict:
+        """The weight bytes a decode call reads, from its facts: fixed bytes, plus per selected entry (read
+        from its selection's count buffer after the call) and per selected entry whose hidden value is not 0."""
+        reads = decode_weight_reads(call, self.manifest["buffers"])
+        if call.selection is None:
+            return {"weight_bytes": reads.fixed}
+        selection = call.selection
+        facts = {"weight_bytes": reads.fixed, "count": self._buffer(selection.count, call.device),
+                 "bytes_per_count": reads.per_selected}
+        if selection.hidden is not None:
+            facts.update(hidden=self._buffer(selection.hidden, call.device), bytes_per_active=reads.per_nonzero)
+        else:
+            facts["bytes_per_count"] += reads.per_nonzero
+        return facts
 
     def _program(self, phase: str, rows: int) -> list[Step]:
-        nodes = [node for node in self._nodes if node[phase]]
-        index = {node["id"]: i for i, node in enumerate(nodes)}
-        steps = [Step(node["id"], node["op_class"], node["device"], self._bind(node, phase, rows),
-                      **(self._weight_reads(node) if phase == "decode" else {})) for node in nodes]
+        calls = [call for call in self._calls if call.kernel(phase)]
+        index = {call.id: i for i, call in enumerate(calls)}
+        steps = [Step(call.id, call.role.value, call.device, self._bind(call, phase, rows),
+                      **(self._weight_reads(call) if phase == "decode" else {})) for call in calls]
         for edge in self._edges:
             source, target = index.get(edge["source"]), index.get(edge["target"])
             if (source is not None and target is not None and phase in edge.get("phases", PHASES)
                     and steps[source].device != steps[target].device):
                 steps[target].waits.append(source)
                 steps[source].sync_after = True  # the device finishes its work before the other side goes on
-        for step, node in zip(steps, nodes):  # a copy to the host is complete when it is signalled, whoever reads it
-            if node[phase] == COPY and node["args"][1] not in self._gpu_buffers:
+        for step, call in zip(steps, calls):  # a copy to the host is complete when it is signalled, whoever reads it
+            if call.role is Role.COPY and not any(arg.writes and arg.buffer in self._gpu_buffers for arg in call.args):
                 step.sync_after = True
         last_gpu = max((i for i, step in enumerate(steps) if step.device == "gpu"), default=None)
         if last_gpu is not None:  # the program ends with the device idle (and its errors raised)
@@ -279,22 +255,22 @@ class Engine:
         for step in program:
             began = clock()
             step.run(position)
-            record(step.op_class, clock() - began, step.bytes_read())
+            record(step.role, clock() - began, step.bytes_read())
 
 
-def _buffer_homes(nodes: list[dict], buffers: dict) -> tuple[set[str], set[str]]:
+def _buffer_homes(calls: list[Call], buffers: dict) -> tuple[set[str], set[str]]:
     """(the GPU's buffers, the host's): a GPU call's arguments live on the GPU; a copy's are one on each side
-    (codegen names the GPU's instance of a buffer `name@gpu`); everything else, input_ids and logits
-    included, lives on the host. A weight read on both sides has a copy on each; any other buffer on both
-    sides would be a race, so it is refused."""
+    (each instance's manifest entry names its device); everything else, input_ids and logits included,
+    lives on the host. A weight read on both sides has a copy on each; any other buffer on both sides would
+    be a race, so it is refused."""
     gpu, cpu = set(), {"input_ids", "logits"}
-    for node in nodes:
-        names = [name for name in node["args"] if name in buffers]
-        if COPY in (node["decode"], node["prefill"]):
+    for call in calls:
+        names = [name for name in call.buffers() if name in buffers]
+        if call.role is Role.COPY:
             for name in names:
-                (gpu if name.endswith("@gpu") else cpu).add(name)
+                (gpu if buffers[name].get("device") == "gpu" else cpu).add(name)
         else:
-            (gpu if node["device"] == "gpu" else cpu).update(names)
+            (gpu if call.device == "gpu" else cpu).update(names)
     shared = {name for name in gpu & cpu if buffers[name]["kind"] != "weight"}
     if shared:
         raise ArtifactError(f"buffers used on both devices without a copy: {', '.join(sorted(shared))}")

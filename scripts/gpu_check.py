@@ -44,8 +44,10 @@ def model(family: str, spec: str) -> str:
 
 
 def devices(artifact: str) -> str:
+    from runtime.calls import schedule_calls
+
     schedule = json.loads((Path(artifact) / "schedule.json").read_text())
-    return " ".join(sorted({node["device"] for node in schedule["nodes"]}))
+    return " ".join(sorted({call.device for call in schedule_calls(schedule)}))
 
 
 def budgets(artifact: str) -> str:
@@ -71,14 +73,15 @@ def table(workdir: str, labels: list[str]) -> str:
     """One row per build: its placement, decode tokens/s measured (best of the runs) and estimated, quality."""
     rows = [("build", "target", "VRAM budget", "GPU weights", "FFN activity on GPU", "devices", "decode tok/s",
              "estimate", "top-1", "KL")]
-    from runtime.dtypes import nbytes
     from runtime.artifact import format_size
+    from runtime.calls import schedule_calls
+    from runtime.dtypes import nbytes
 
     for label in labels:
         base = Path(workdir) / label
         manifest = json.loads((base.with_suffix(".pic") / "manifest.json").read_text())
         schedule = json.loads((base.with_suffix(".pic") / "schedule.json").read_text())
-        gpu_args = {arg for node in schedule["nodes"] if node["device"] == "gpu" for arg in node["args"]}
+        gpu_args = {name for call in schedule_calls(schedule) if call.device == "gpu" for name in call.buffers()}
         runs = [json.loads(line) for line in base.with_suffix(".run.json").read_text().splitlines() if line.strip()]
         quality = json.loads(base.with_suffix(".eval.json").read_text())
         placement, estimate = manifest.get("placement", {}), manifest.get("estimate", {})

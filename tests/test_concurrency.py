@@ -13,6 +13,7 @@ import pytest
 
 from passes.partition import Partition
 from runtime import Engine
+from runtime.calls import Role
 from test_sparse import sparse_build
 
 PROMPT = [11, 22, 33, 44, 55]
@@ -128,8 +129,8 @@ def cuda_gpu_present() -> bool:
 
 
 def gpu_kernel_buffers(engine: Engine) -> set[str]:
-    return {name for node in engine._nodes if node["device"] == "gpu" and node["op_class"] != "copy"
-            for name in node["args"] if name in engine.manifest["buffers"]}
+    return {name for call in engine._calls if call.device == "gpu" and call.role is not Role.COPY
+            for name in call.buffers() if name in engine.manifest["buffers"]}
 
 
 def test_emulated_gpu_buffers_are_device_tensors_and_weights_upload_once(hybrid):
@@ -152,7 +153,7 @@ def test_emulated_gpu_buffers_are_device_tensors_and_weights_upload_once(hybrid)
         assert isinstance(tensor, tvm.runtime.Tensor) and tensor.device == executor.device, name
         assert list(tensor.shape) == buffers[name]["shape"], name
         assert not any(np.shares_memory(np.from_dlpack(tensor), array) for array in host_arrays), name
-    cpu_reads = {name for node in engine._nodes if node["device"] == "cpu" for name in node["args"]}
+    cpu_reads = {name for call in engine._calls if call.device == "cpu" for name in call.buffers()}
     gpu_weights = {name for name in on_gpu if buffers[name]["kind"] == "weight"}
     assert gpu_weights - cpu_reads and not (gpu_weights - cpu_reads) & set(engine.buffers)  # not kept on the host
     assert executor.uploads == len(gpu_weights)
@@ -167,9 +168,9 @@ def test_emulated_gpu_buffers_are_device_tensors_and_weights_upload_once(hybrid)
     # per decode step: one row of each buffer a decode copy moves, each way
     row = lambda name: int(np.prod(buffers[name]["shape"][1:])) * np.dtype(buffers[name]["dtype"]).itemsize  # noqa: E731
     expected = {"to_device": 0, "to_host": 0}
-    for node in engine._nodes:
-        if node["decode"] == "copy":
-            source, target = node["args"]
+    for call in engine._calls:
+        if call.role is Role.COPY and call.decode:
+            source, target = call.buffers()
             expected["to_device" if target in executor.tensors else "to_host"] += row(source)
     assert expected["to_device"] > 0 and expected["to_host"] > 0
     for direction in expected:

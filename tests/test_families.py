@@ -22,6 +22,7 @@ from picompile.cli import main
 from picompile.compiler import build
 from picompile.pipeline import Options
 from picompile.targets import get_target
+from runtime.calls import Role, schedule_calls
 from test_sparse import assert_matches_onnxruntime  # the same check, prompt and tolerance
 
 FAMILIES = ("opt", "llama", "llama_tied", "gpt2", "neox", "falcon")
@@ -68,8 +69,8 @@ def test_exported_model_compiles_and_matches_onnxruntime(exported, tmp_path, exp
         assert any(n.domain == "com.microsoft" or n.op_type == "SimplifiedLayerNormalization"
                    for n in onnx.load(str(files.onnx)).graph.node) or exporter == "ort_basic"
     dense, sparse = dense_and_all_neurons(files.onnx, files.calib, tmp_path)
-    kernels = {n["decode"] for n in json.loads((sparse / "schedule.json").read_text())["nodes"]}
-    assert any(k.startswith("sparse_ffn") for k in kernels)  # the sparse build really runs neuron kernels
+    calls = schedule_calls(json.loads((sparse / "schedule.json").read_text()))
+    assert any(call.role is Role.FFN and call.selection for call in calls)  # the sparse build runs neuron kernels
     for artifact in (dense, sparse):
         assert_matches_onnxruntime(artifact, files.onnx, decode_steps=3)
 

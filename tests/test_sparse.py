@@ -17,6 +17,7 @@ from picompile.pipeline import Options
 from picompile.reference import OrtDecoder
 from picompile.targets import get_target
 from runtime import Engine, generate
+from runtime.calls import Role, schedule_calls
 
 
 def sparse_build(files, out, target="cpu", passes_override=None, **options):
@@ -47,9 +48,8 @@ def sparse_models(tiny_models):
 def test_all_neurons_sparse_lowering_matches_onnxruntime(sparse_models, tmp_path, family):
     files = sparse_models[family]
     artifact = sparse_build(files, tmp_path / "a.pic", all_neurons=True)
-    schedule = json.loads((artifact / "schedule.json").read_text())
-    kernels = {n["decode"] for n in schedule["nodes"]}
-    assert any(k.startswith("sparse_ffn") for k in kernels)  # the CPU's fused up+down pass
+    calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
+    assert any(call.role is Role.FFN and call.selection for call in calls)  # the CPU's fused up+down pass
     assert_matches_onnxruntime(artifact, files.onnx)
 
 
@@ -89,8 +89,9 @@ def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path, f
     split = [(layer["gpu_neurons"], layer["cpu_neurons"]) for layer in manifest["layers"]]
     assert any(gpu and cpu for gpu, cpu in split), split
     schedule = json.loads((artifact / "schedule.json").read_text())
-    assert {n["device"] for n in schedule["nodes"]} == {"cpu", "gpu"}
-    assert any(n["op_class"] == "copy" for n in schedule["nodes"])
+    calls = schedule_calls(schedule)
+    assert {call.device for call in calls} == {"cpu", "gpu"}
+    assert any(call.role is Role.COPY for call in calls)
     # the GPU calls' kernels were also compiled for the target's GPU (sm_89) by nvcc at build time
     assert (artifact / "kernels" / "cuda_sm_89.so").stat().st_size > 0
     assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True)
@@ -116,7 +117,8 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     names = sorted(p.name for p in dumps.glob("*.onnx"))
     assert [n.split("-", 1)[1] for n in names] == ["import.onnx", "recognise.onnx", "sparsity.onnx", "profile.onnx",
                                                   "predict.onnx", "threshold.onnx", "partition.onnx", "lower.onnx",
-                                                  "codegen.onnx", "schedule.onnx"]
+                                                  "fuse.onnx", "place.onnx", "select-kernels.onnx",
+                                                  "plan-buffers.onnx", "compile.onnx", "schedule.onnx"]
     for name in names:
         onnx.checker.check_model(onnx.load(str(dumps / name)))
     manifest = json.loads((out / "manifest.json").read_text())
@@ -170,16 +172,15 @@ def test_profile_counts_the_weight_bytes_each_decode_step_reads(sparse_models, t
         assert engine.profile is None and result["weight_gbs_kernels"] > 0
         return engine, result["weight_bytes_per_token"]
 
-    def weight_nbytes(engine, op_classes):
-        """nbytes of the weight arrays the decode calls of these op classes take (embedding tables: one row)."""
-        schedule = json.loads((engine.directory / "schedule.json").read_text())
+    def weight_nbytes(engine, roles):
+        """nbytes of the weight arrays the decode calls of these roles take (embedding tables: one row)."""
         total = 0
-        for node in schedule["nodes"]:
-            if node["decode"] and node["op_class"] in op_classes:
-                for name in node["args"]:
+        for call in schedule_calls(json.loads((engine.directory / "schedule.json").read_text())):
+            if call.decode and call.role.value in roles:
+                for name in call.buffers():
                     if engine.manifest["buffers"].get(name, {}).get("kind") == "weight":
                         array = engine.buffers[name]
-                        total += array[0].nbytes if node["op_class"] == "embed" else array.nbytes
+                        total += array[0].nbytes if call.role is Role.EMBED else array.nbytes
         return total
 
     everything = {"embed", "norm", "attention", "ffn_up", "ffn_down", "merge", "head", "predictor"}

@@ -1,0 +1,81 @@
+"""compile: make every kernel the program names and compile them, for the CPU (LLVM) and the GPU (nvcc).
+
+Reads: the kernel-call IR's kernel specs (`picompile.kernels`) and calls (which device runs each kernel).
+Adds: `kernels/cpu.so` (every kernel, for the CPU: it runs its own calls and stands in for the GPU when
+emulating) and, on a GPU target, `kernels/cuda_<arch>.so` (the GPU calls' kernels, scheduled for CUDA and
+compiled by nvcc now, so the GPU machine needs no compiler) to the artifact's files. The IR is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+from onnx_ir.passes import PassResult
+
+from picompile.errors import UserError
+from picompile.pipeline import Context
+from picompile.targets import get_cpu_isa
+from runtime.calls import Role
+
+from .kernel_ir import KernelProgram, KernelSpec
+from .kernels import cpu, neuron
+
+
+def _make(spec: KernelSpec, name: str, device: str):
+    if device == "gpu":
+        from .kernels import cuda
+
+        maker = getattr(cuda, spec.op)
+    else:
+        maker = getattr(cpu, spec.op, None) or getattr(neuron, spec.op)
+    return maker(name, *spec.args, rows=spec.rows, **spec.kwargs)
+
+
+@dataclass
+class Compile:
+    name = "compile"
+    cpu_isa: str = "avx2"  # targets.CPU_ISAS: the instruction set the CPU kernels are compiled for
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        program = KernelProgram.from_model(model)
+        library = Path(ctx.workdir) / "kernels" / "cpu.so"
+        library.parent.mkdir(parents=True, exist_ok=True)
+        names = sorted(program.kernels)
+        funcs = []
+        with ctx.progress("compile: making CPU kernels", len(names)) as advance:
+            for name in names:
+                funcs.append(_make(program.kernels[name], name, "cpu"))
+                advance()
+        with ctx.progress(f"compile: compiling {len(funcs)} CPU kernels (LLVM)"):
+            cpu.build(funcs, {**cpu.CPU_TARGET, "mcpu": get_cpu_isa(self.cpu_isa).mcpu}, str(library))
+        ctx.artifact_files["kernels/cpu.so"] = library
+        if ctx.target.has_gpu:
+            self.build_cuda(program, ctx)
+        ctx.log(f"compile: {len(funcs)} CPU kernels for {self.cpu_isa}")
+        return PassResult(model, modified=False)
+
+    @staticmethod
+    def build_cuda(program: KernelProgram, ctx: Context) -> None:
+        from .kernels import cuda
+
+        names = sorted({name for call in program.calls if call.device == "gpu" and call.role is not Role.COPY
+                        for name in (call.decode, call.prefill) if name})
+        if not names:
+            return
+        if cuda.nvcc_path() is None:
+            raise UserError(f"building for {ctx.target.name} compiles its GPU kernels with nvcc, which is not installed "
+                            "(install the CUDA toolkit or set CUDA_PATH), or build with --target cpu")
+        funcs = []
+        with ctx.progress("compile: making CUDA kernels", len(names)) as advance:
+            for name in names:
+                funcs.append(_make(program.kernels[name], name, "gpu"))
+                advance()
+        arch = ctx.target.cuda_arch
+        library = Path(ctx.workdir) / "kernels" / f"cuda_{arch}.so"
+        with ctx.progress(f"compile: compiling {len(funcs)} CUDA kernels (nvcc)"):
+            facts = cuda.build(funcs, arch, str(library))
+        ctx.artifact_files[f"kernels/cuda_{arch}.so"] = library
+        ctx.log(f"compile: {len(funcs)} CUDA kernels for {arch} ({facts.get('binary_format')}, "
+                f"nvcc {facts.get('nvcc_seconds', 0):.1f} s)")

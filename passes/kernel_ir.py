@@ -1,0 +1,118 @@
+"""The kernel-call IR, shared by the back-end passes (select-kernels, plan-buffers, compile, schedule).
+
+A `KernelProgram` is the typed form: the calls (`runtime.calls.Call`, in program order), the buffers
+(name -> manifest entry: kind, shape, dtype, layout, device), the weights' arrays and the kernels' specs
+(kernel name -> how to make it: op, rows, arguments). `to_model` writes it as an ONNX graph of
+`picompile.Call` nodes (one per call, its facts in the `call` attribute, values named `buffer#version` so the
+dump shows where each buffer is written, weights as initializers); `from_model` reads it back. Passes
+work on the typed form and never parse the names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from picompile import ir as pir
+from runtime.calls import START, Call
+
+_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "int32": ir.DataType.INT32,
+           "int64": ir.DataType.INT64}
+PER_TOKEN_KINDS = ("activation", "input")  # buffers with one row per token of the step
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """How to make one kernel: the op (a `passes.kernels.ops` entry), its row count (1: decode, None: a
+    symbolic number of rows) and the op's arguments."""
+
+    op: str
+    rows: int | None
+    args: tuple
+    kwargs: dict
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "rows": self.rows, "args": list(self.args), "kwargs": self.kwargs}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "KernelSpec":
+        return cls(data["op"], data["rows"], tuple(data["args"]), dict(data["kwargs"]))
+
+
+@dataclass
+class KernelProgram:
+    calls: list[Call] = field(default_factory=list)
+    buffers: dict[str, dict] = field(default_factory=dict)
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+    kernels: dict[str, KernelSpec] = field(default_factory=dict)
+
+    def to_model(self, metadata: dict[str, str]) -> ir.Model:
+        """The program as an ONNX model; `metadata` (earlier passes' facts) is carried over."""
+        graph = ir.Graph([], [], nodes=[], name="kernels",
+                         opset_imports={"": pir.ONNX_OPSET, pir.DOMAIN: pir.DOMAIN_VERSION})
+        version: dict[str, int] = {}
+        current: dict[str, ir.Value] = {}
+
+        def read(buffer: str) -> ir.Value:
+            if buffer not in current:
+                info = self.buffers.get(buffer)
+                if info is not None and info["kind"] == "weight":
+                    current[buffer] = pir.initializer(graph, buffer, self.weights[buffer])
+                else:
+                    dtype = ir.DataType.INT64 if buffer == START else _DTYPES[info["dtype"]]
+                    current[buffer] = ir.val(f"{buffer}#0", dtype, self._shape(buffer))
+                    version[buffer] = 0
+                    graph.inputs.append(current[buffer])
+            return current[buffer]
+
+        for call in self.calls:
+            reads = [read(arg.buffer) for arg in call.args if arg.buffer == START or arg.reads]
+            writes = call.writes()
+            node = ir.node("Call", reads, {"call": json.dumps(call.to_json())}, domain=pir.DOMAIN,
+                           num_outputs=len(writes), name=call.id)
+            graph.append(node)
+            for value, buffer in zip(node.outputs, writes):
+                version[buffer] = version.get(buffer, 0) + 1
+                value.name = f"{buffer}#{version[buffer]}"
+                value.dtype = _DTYPES[self.buffers[buffer]["dtype"]]
+                value.shape = self._shape(buffer)
+                current[buffer] = value
+        graph.outputs.append(current["logits"])
+        graph.outputs.extend(current[b] for b, info in self.buffers.items() if info["kind"] == "cache" and b in current)
+        model = ir.Model(graph, ir_version=10, producer_name="picompile")
+        model.metadata_props.update(metadata)
+        model.metadata_props["picompile.buffers"] = json.dumps(self.buffers, sort_keys=True)
+        model.metadata_props["picompile.kernels"] = json.dumps({name: spec.to_json() for name, spec in self.kernels.items()},
+                                                               sort_keys=True)
+        return model
+
+    def _shape(self, buffer: str) -> ir.Shape:
+        info = self.buffers.get(buffer)
+        if info is None:  # the scalar `start`
+            return ir.Shape([])
+        dims = list(info["shape"])
+        if info["kind"] in PER_TOKEN_KINDS:
+            dims[0] = "rows"
+        return ir.Shape(dims)
+
+    @classmethod
+    def from_model(cls, model: ir.Model) -> "KernelProgram":
+        calls = []
+        for node in model.graph:
+            if node.domain != pir.DOMAIN or node.op_type != "Call":
+                raise ValueError(f"the kernel-call IR holds only picompile.Call nodes, found {node.op_type} ({node.name})")
+            calls.append(Call.from_json(json.loads(pir.attr(node, "call"))))
+        weights = {name: value.const_value.numpy() for name, value in model.graph.initializers.items()
+                   if value.const_value is not None}
+        kernels = {name: KernelSpec.from_json(spec)
+                   for name, spec in json.loads(model.metadata_props.get("picompile.kernels", "{}")).items()}
+        return cls(calls, json.loads(model.metadata_props["picompile.buffers"]), weights, kernels)
+
+
+def carried_metadata(model: ir.Model) -> dict[str, str]:
+    """What earlier passes decided (placement, layers, sparsity), without the program's own entries."""
+    own = ("picompile.buffers", "picompile.kernels")
+    return {key: value for key, value in model.metadata_props.items() if key not in own}

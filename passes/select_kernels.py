@@ -1,0 +1,473 @@
+"""select-kernels: lower each block of the IR to kernel calls (instruction selection).
+
+Reads: the block IR after fuse and place (`picompile.Embed`, `Attention`, `FFN`, `Linear` (output layer),
+norms; after lower `Predict` / `SparseFFN` / `MergePartial` (predictor mode) or `ThresholdFFN` /
+`MergePartial` (threshold mode)), each node's `device` (from place) and fused `residual` input (from fuse).
+Adds: the kernel-call IR (`passes.kernel_ir`): one `runtime.calls.Call` per kernel call, saying what it
+reads and how (whole, one row per token, the cached positions, only the selected rows), the buffers it
+uses, the weights in the layout and precision their device reads (the CPU's matrices panel-packed and in
+`weight_dtype`; the GPU's fp32 [K, N]) and, per kernel name, the spec the compile pass makes it from
+(`decode` kernels for one token, `prefill` for a symbolic number of rows). Activation buffers are shared
+by role across layers (layers run one after another); plan-buffers then gives each device its instances.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import PassResult
+
+from picompile import ir as pir
+from picompile.errors import UserError
+from picompile.pipeline import Context
+from picompile.targets import get_cpu_isa
+from runtime.calls import START, Access, Arg, Call, Role, Selection
+from runtime.dtypes import WEIGHT_DTYPES, itemsize
+
+from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
+from .kernels import cpu, neuron
+from .place import GPU_WEIGHT_DTYPE, device_of, node_layers
+
+
+def read(buffer: str) -> Arg:
+    return Arg(buffer)
+
+
+def write(buffer: str) -> Arg:
+    return Arg(buffer, Access.WRITE)
+
+
+@dataclass
+class Lowering:
+    """Collects kernels (deduplicated by name), calls, weights and buffers while walking the block IR."""
+
+    max_context: int
+    cpu_weight_dtype: str = "float32"  # storage of the CPU's large weights (matrices, embeddings)
+    gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
+    program: KernelProgram = field(default_factory=KernelProgram)
+    device: str = "cpu"  # the device of the block being lowered
+    layer: int | None = None  # ... and its layer
+
+    @property
+    def buffers(self) -> dict[str, dict]:
+        return self.program.buffers
+
+    @property
+    def weights(self) -> dict[str, np.ndarray]:
+        return self.program.weights
+
+    def kernel(self, make, base: str, *args, phases=("decode", "prefill"), **kwargs) -> tuple[str, str]:
+        """The kernel's variants: (decode name, prefill name), "" for a phase it does not run in."""
+        names = []
+        for rows, phase in ((1, "decode"), (None, "prefill")):
+            name = f"{base}_{phase}" if phase in phases else ""
+            if name and name not in self.program.kernels:
+                self.program.kernels[name] = KernelSpec(make.__name__, rows, args, kwargs)
+            names.append(name)
+        return names[0], names[1]
+
+    def activation(self, name: str, width: int, dtype: str = "float32", rows: int | None = None) -> str:
+        """A buffer of one row per token (`rows` fixes the row count, e.g. 1 for decode-only scratch)."""
+        shape = [rows or self.max_context, width]
+        self.buffers.setdefault(name, {"kind": "activation", "shape": shape, "dtype": dtype})
+        return name
+
+    def scratch(self, name: str, shape: list[int], dtype: str = "float32") -> str:
+        """A kernel's private work area: fixed shape (not one row per token), never copied between devices."""
+        self.buffers.setdefault(name, {"kind": "scratch", "shape": list(shape), "dtype": dtype})
+        return name
+
+    def weight(self, name: str, array: np.ndarray, dtype: str = "float32", layout: str = "") -> str:
+        """Store a weight (`layout` "panels" when panel-packed; the manifest shows it)."""
+        self.weights[name] = np.ascontiguousarray(array, dtype=dtype)
+        self.buffers[name] = {"kind": "weight", "shape": list(array.shape), "dtype": dtype}
+        if layout:
+            self.buffers[name]["layout"] = layout
+        return name
+
+    def weight_dtype(self, device: str) -> str:
+        return self.cpu_weight_dtype if device == "cpu" else GPU_WEIGHT_DTYPE
+
+    def stored_for(self, name: str, device: str) -> str:
+        """A large weight in its device's storage type (done once; later calls see it converted)."""
+        dtype = self.weight_dtype(device)
+        if self.buffers[name]["dtype"] != dtype:
+            self.weight(name, self.weights[name], dtype, self.buffers[name].get("layout", ""))
+        return name
+
+    def row_bytes(self, name: str) -> int:
+        """Bytes of one row of a row-major weight (its last axis)."""
+        info = self.buffers[name]
+        return info["shape"][-1] * itemsize(info["dtype"])
+
+    def matrix_shape(self, name: str) -> tuple[int, int]:
+        """[K, N] of a linear layer's weight, whether stored as [K, N] or panel-packed."""
+        info = self.buffers[name]
+        return (info["shape"][1], info["logical_columns"]) if info.get("layout") == "panels" else tuple(info["shape"])
+
+    def pack(self, name: str) -> str:
+        """Panel-pack a [K, N] weight for the CPU's linear kernels (once)."""
+        info = self.buffers[name]
+        if info.get("layout") != "panels":
+            columns = info["shape"][1]
+            self.weight(name, cpu.pack_panels(self.weights[name]), info["dtype"], "panels")
+            self.buffers[name]["logical_columns"] = columns
+        return name
+
+    def call(self, label: str, kernels: tuple[str, str], args: list[Arg], role: Role, device: str | None = None,
+             selection: Selection | None = None) -> None:
+        self.program.calls.append(Call(label, device or self.device, role, kernels[0], kernels[1], tuple(args),
+                                       self.layer, selection))
+
+    def linear(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role,
+               act: str = "none", residual: str | None = None, phases=("decode", "prefill"), device: str | None = None,
+               packed: bool | None = None) -> None:
+        """y = act(x @ W + b) + residual for W given in [K, N] layout. On the CPU W is panel-packed (unless
+        `packed` is False: rows a sparse kernel also gathers keep their layout) and stored in the weight dtype;
+        the GPU reads [K, N] fp32."""
+        device = device or self.device
+        packed = device == "cpu" if packed is None else packed
+        self.stored_for(weight, device)
+        if packed:
+            self.pack(weight)
+        k, n = self.matrix_shape(weight)
+        dtype = self.buffers[weight]["dtype"]
+        tags = (f"{'_panels' if packed else ''}{'_f16' if dtype == 'float16' else ''}{'_b' if bias else ''}"
+                f"{'' if act == 'none' else '_' + act}{'_res' if residual else ''}")
+        flags = dict(bias=bias is not None, act=act, residual=residual is not None)
+        if dtype != "float32":
+            flags["wdtype"] = dtype
+        kernels = self.kernel(cpu.linear_panels if packed else cpu.linear, f"linear_k{k}_n{n}{tags}", k, n,
+                              phases=phases, **flags, **self.gemm_tile(device))
+        args = [read(x), read(weight)] + ([read(bias)] if bias else []) + ([read(residual)] if residual else []) + [write(out)]
+        self.call(label, kernels, args, role, device)
+
+    def gemm_tile(self, device: str) -> dict:
+        """The prefill GEMMs' register tile for `device`: wider on CPUs whose instruction set allows it."""
+        return {"tile_panels": self.gemm_panels} if device == "cpu" and self.gemm_panels != 1 else {}
+
+    def glu(self, pre: str, hidden: str, neurons: int, activation: str, label: str, device: str | None = None,
+            phases=("decode", "prefill")) -> None:
+        """A gated FFN's hidden = act(gate) * up, from `pre` holding the gate and up halves side by side."""
+        kernels = self.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=phases)
+        self.call(label, kernels, [read(pre), write(hidden)], Role.FFN_UP, device)
+
+    def zeros(self, name: str, size: int) -> str:
+        """A zero bias, so that biased and bias-free models share one kernel shape."""
+        return self.weight(name, np.zeros(size, np.float32))
+
+
+def _residual(node: ir.Node) -> ir.Value | None:
+    """The skip connection fuse folded into the block (its last input), or None."""
+    return node.inputs[-1] if pir.attr(node, "residual", 0) else None
+
+
+class _Walker:
+    """Lowers the block IR node by node, tracking which buffer holds each block-IR value."""
+
+    def __init__(self, lowering: Lowering):
+        self.low = lowering
+        self.location: dict[str, str] = {}  # block-IR value name -> buffer name
+        self.residual_turn = 0
+
+    def weight_of(self, value: ir.Value | None) -> str | None:
+        if value is None:
+            return None
+        array = pir.const_array(value)
+        if array is None:
+            raise UserError(f"{value.name} must be a constant weight")
+        if value.name not in self.low.weights:
+            self.low.weight(value.name, array)
+        return value.name
+
+    def next_residual(self, width: int) -> str:
+        """The residual stream alternates between two buffers (a linear reads one and writes the other)."""
+        self.residual_turn ^= 1
+        return self.low.activation(f"act.residual{self.residual_turn}", width)
+
+    def output_for(self, node: ir.Node, width: int) -> tuple[str, str | None]:
+        """Where a block writes, and the residual its epilogue adds (fuse folded it in)."""
+        skip = _residual(node)
+        if skip is None:
+            return self.low.activation(f"act.{node.name}", width), None
+        return self.next_residual(width), self.location[skip.name]
+
+    def lower(self, node: ir.Node, layer: int | None) -> None:
+        handler = getattr(self, f"lower_{node.op_type}", None)
+        if handler is None:
+            raise UserError(f"select-kernels: no kernel for {node.domain or 'onnx'}.{node.op_type} ({node.name})")
+        self.low.device = device_of(node)
+        self.low.layer = layer
+        handler(node)
+
+    def lower_Embed(self, node: ir.Node) -> None:
+        table = self.low.stored_for(self.weight_of(node.inputs[2]), self.low.device)
+        positions = self.weight_of(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+        vocab, width = self.low.weights[table].shape
+        dtype = self.low.buffers[table]["dtype"]
+        out = self.next_residual(width)
+        kernels = self.low.kernel(cpu.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}"
+                                  f"{'_f16' if dtype == 'float16' else ''}", vocab, width,
+                                  positions=self.low.max_context if positions else None,
+                                  **({"wdtype": dtype} if dtype != "float32" else {}))
+        if positions:  # the kernel indexes positions up to max_context: store exactly that many rows
+            self.low.weight(positions, self.low.weights[positions][: self.low.max_context])
+        gathered = [Arg(table, Access.GATHER, row_bytes=self.low.row_bytes(table))]
+        if positions:
+            gathered += [Arg(positions, Access.GATHER, row_bytes=self.low.row_bytes(positions)), Arg(START)]
+        self.low.call(node.name, kernels, [read("input_ids"), *gathered, write(out)], Role.EMBED)
+        self.location[node.outputs[0].name] = out
+
+    def _norm(self, node: ir.Node, kind: str) -> None:
+        scale = self.weight_of(node.inputs[1])
+        bias = self.weight_of(node.inputs[2]) if kind == "layer" else None
+        width = self.low.weights[scale].shape[0]
+        eps = float(pir.attr(node, "epsilon", 1e-5))
+        out = self.low.activation("act.norm", width)
+        make = cpu.layer_norm if kind == "layer" else cpu.rms_norm
+        kernels = self.low.kernel(make, f"{kind}_norm_d{width}_eps{eps:.0e}".replace("-", "m"), width, eps)
+        args = [read(self.location[node.inputs[0].name]), read(scale)] + ([read(bias)] if bias else []) + [write(out)]
+        self.low.call(node.name, kernels, args, Role.NORM)
+        self.location[node.outputs[0].name] = out
+
+    def lower_LayerNormalization(self, node: ir.Node) -> None:
+        self._norm(node, "layer")
+
+    def lower_RMSNormalization(self, node: ir.Node) -> None:
+        self._norm(node, "rms")
+
+    def lower_Attention(self, node: ir.Node) -> None:
+        layer = pir.attr(node, "layer")
+        heads, kv_heads, head_dim = (pir.attr(node, a) for a in ("num_heads", "num_kv_heads", "head_dim"))
+        scale = pir.attr(node, "scale")
+        x = self.location[node.inputs[0].name]
+        w_qkv, b_qkv = self.weight_of(node.inputs[4]), self.weight_of(node.inputs[5])
+        w_o, b_o = self.weight_of(node.inputs[6]), self.weight_of(node.inputs[7])
+        inv_freq = pir.const_array(node.inputs[8]) if len(node.inputs) > 8 and node.inputs[8] is not None else None
+        ctx = self.low.max_context
+        qkv = self.low.activation("act.qkv", (heads + 2 * kv_heads) * head_dim)
+        q = self.low.activation("act.q", heads * head_dim)
+        attn = self.low.activation("act.attn", heads * head_dim)
+        key_cache, value_cache = f"cache.{layer}.key", f"cache.{layer}.value"
+        for name in (key_cache, value_cache):
+            self.low.buffers[name] = {"kind": "cache", "shape": [kv_heads, ctx, head_dim], "dtype": "float32"}
+        p = node.name
+        self.low.linear(x, w_qkv, b_qkv, qkv, f"{p}.qkv", Role.ATTENTION)
+        rope_args = []
+        if inv_freq is not None:
+            angles = np.arange(ctx, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
+            rope_args = [self.shared_table("rope.cos", np.cos(angles)), self.shared_table("rope.sin", np.sin(angles))]
+        kernels = self.low.kernel(cpu.rope_kv_write, f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}",
+                                  heads, kv_heads, head_dim, ctx, rope=bool(rope_args))
+        tables = [Arg(table, Access.GATHER, row_bytes=self.low.row_bytes(table)) for table in rope_args]
+        self.low.call(f"{p}.rope_kv", kernels, [read(qkv), *tables, Arg(key_cache, Access.UPDATE),
+                                                Arg(value_cache, Access.UPDATE), write(q), Arg(START)], Role.ATTENTION)
+        kernels = self.low.kernel(cpu.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}", heads, kv_heads,
+                                  head_dim, ctx, scale)
+        self.low.call(f"{p}.attention", kernels, [read(q), Arg(key_cache, Access.CONTEXT),
+                                                  Arg(value_cache, Access.CONTEXT), write(attn), Arg(START)],
+                      Role.ATTENTION)
+        out, residual = self.output_for(node, self.low.weights[w_o].shape[1])
+        self.low.linear(attn, w_o, b_o, out, f"{p}.o", Role.ATTENTION, residual=residual)
+        self.location[node.outputs[0].name] = out
+        self.location[node.outputs[1].name], self.location[node.outputs[2].name] = key_cache, value_cache
+
+    def shared_table(self, name: str, table: np.ndarray) -> str:
+        """RoPE tables are the same for every layer of HF models: store one copy, or one per layer if not."""
+        existing = self.low.weights.get(name)
+        if existing is not None and np.array_equal(existing, table.astype(np.float32)):
+            return name
+        if existing is not None:
+            name = f"{name}.{len(self.low.weights)}"
+        return self.low.weight(name, table)
+
+    def lower_FFN(self, node: ir.Node) -> None:
+        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        x = self.location[node.inputs[0].name]
+        w_up, b_up = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2])
+        w_down, b_down = self.weight_of(node.inputs[3]), self.weight_of(node.inputs[4])
+        width_up = self.low.weights[w_up].shape[1]
+        ffn_width = width_up // 2 if gated else width_up
+        p = node.name
+        if gated:
+            pre = self.low.activation("act.ffn_pre", width_up)
+            self.low.linear(x, w_up, b_up, pre, f"{p}.up", Role.FFN_UP)
+            hidden = self.low.activation("act.ffn_hidden", ffn_width)
+            self.low.glu(pre, hidden, ffn_width, activation, f"{p}.glu")
+        else:
+            hidden = self.low.activation("act.ffn_hidden", ffn_width)
+            self.low.linear(x, w_up, b_up, hidden, f"{p}.up", Role.FFN_UP, act=activation)
+        out, residual = self.output_for(node, self.low.weights[w_down].shape[1])
+        self.low.linear(hidden, w_down, b_down, out, f"{p}.down", Role.FFN_DOWN, residual=residual)
+        self.location[node.outputs[0].name] = out
+
+    def lower_Predict(self, node: ir.Node) -> None:
+        """The predictor runs for one-token steps only: prompts compute every neuron."""
+        x, w1 = self.location[node.inputs[0].name], self.weight_of(node.inputs[1])
+        rank = self.low.weights[w1].shape[1]
+        hidden = self.low.activation(f"act.predictor_hidden.r{rank}", rank, rows=1)
+        self.low.linear(x, w1, None, hidden, f"{node.name}.fc1", Role.PREDICTOR, act="relu", phases=("decode",))
+        for w2_value, scores in zip(node.inputs[2:], node.outputs):
+            w2 = self.weight_of(w2_value)
+            out = self.low.activation(f"act.scores.n{self.low.weights[w2].shape[1]}", self.low.weights[w2].shape[1], rows=1)
+            self.low.linear(hidden, w2, None, out, f"{scores.name}.fc2", Role.PREDICTOR, phases=("decode",))
+            self.location[scores.name] = out
+
+    def lower_SparseFFN(self, node: ir.Node) -> None:
+        part, neurons = pir.attr(node, "part"), pir.attr(node, "neurons")
+        device = self.low.device
+        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        x, scores = self.location[node.inputs[0].name], self.location[node.inputs[1].name]
+        up_rows, up_bias = self.weight_of(node.inputs[2]), self.weight_of(node.inputs[3])
+        down_rows = self.weight_of(node.inputs[4])
+        width = self.low.weights[down_rows].shape[1]
+        d_in = self.low.weights[up_rows].shape[1]
+        p, tag = node.name, f"{part}.n{neurons}"
+        partial = self.low.activation(f"act.partial.{part}", width)
+        # one-token steps: predicted neurons only
+        threshold = self.low.weight(f"{p}.threshold", np.array([pir.attr(node, "threshold")], np.float32))
+        index = self.low.activation(f"act.ffn_index.{tag}", neurons, dtype="int32", rows=1)
+        count = self.low.activation(f"act.ffn_count.{part}", 1, dtype="int32", rows=1)
+        hidden = self.low.activation(f"act.ffn_sparse_hidden.{tag}", neurons, rows=1)
+        up_width = self.low.weights[up_rows].shape[0]
+        up_bias = up_bias or self.low.zeros(f"{p}.up_bias", up_width)
+        gate_tag = "_gated" if gated else ""
+        for rows in (up_rows, down_rows):
+            self.low.stored_for(rows, device)
+        dtype = self.low.buffers[up_rows]["dtype"]
+        dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
+        halves = 2 if gated else 1  # up rows per neuron: gate and up when gated
+        row, bias_row = self.low.row_bytes(up_rows), halves * itemsize(self.low.buffers[up_bias]["dtype"])
+        kernels = self.low.kernel(neuron.select, f"select_n{neurons}", neurons, phases=("decode",))
+        self.low.call(f"{p}.select", kernels, [read(scores), read(threshold), write(index), write(count)], Role.PREDICTOR)
+        selected = [read(x), read(index), read(count)]
+        if device == "cpu":  # up and down in one pass over the rows
+            scratch = self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
+            fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
+            kernels = self.low.kernel(neuron.sparse_ffn, f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
+                                      d_in, neurons, gated=gated, act=activation, phases=("decode",), **dtype_arg)
+            # With ReLU a neuron whose first row (the gate's when gated) gives 0 is done: its other rows are not read.
+            skips = activation == "relu"
+            reads = [Arg(up_rows, Access.SELECTED_ROWS, row_bytes=row if skips else halves * row,
+                         nonzero_row_bytes=(halves - 1) * row if skips else 0),
+                     Arg(up_bias, Access.SELECTED_ROWS, row_bytes=bias_row),
+                     Arg(down_rows, Access.SELECTED_ROWS, row_bytes=0 if skips else self.low.row_bytes(down_rows),
+                         nonzero_row_bytes=self.low.row_bytes(down_rows) if skips else 0)]
+            self.low.call(f"{p}.up_down", kernels, [*selected, *reads, write(hidden), write(fired), write(scratch),
+                                                    write(partial)], Role.FFN,
+                          selection=Selection("predictor", part, count, neurons, hidden if skips else None))
+        else:
+            kernels = self.low.kernel(neuron.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
+                                      d_in, neurons, gated=gated, act=activation, phases=("decode",))
+            self.low.call(f"{p}.up", kernels, [*selected, Arg(up_rows, Access.SELECTED_ROWS, row_bytes=halves * row),
+                                               Arg(up_bias, Access.SELECTED_ROWS, row_bytes=bias_row), write(hidden)],
+                          Role.FFN_UP, selection=Selection("predictor", part, count, neurons))
+            kernels = self.low.kernel(neuron.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width,
+                                      phases=("decode",))
+            self.low.call(f"{p}.down", kernels, [read(hidden), read(index), read(count),
+                                                 Arg(down_rows, Access.SELECTED_ROWS, row_bytes=self.low.row_bytes(down_rows)),
+                                                 write(partial)],
+                          Role.FFN_DOWN, selection=Selection("predictor", part, count, neurons))
+        # multi-token steps: every neuron of the part, as dense GEMMs over the same row-major weights
+        pre = self.low.activation(f"act.ffn_pre.{tag}", up_width)
+        up_act = "none" if gated else activation
+        kernels = self.low.kernel(neuron.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
+                                  up_width, act=up_act, phases=("prefill",), **dtype_arg, **self.low.gemm_tile(device))
+        self.low.call(f"{p}.up_dense", kernels, [read(x), read(up_rows), read(up_bias), write(pre)], Role.FFN_UP)
+        if gated:
+            dense_hidden = self.low.activation(f"act.ffn_dense_hidden.{tag}", neurons)
+            self.low.glu(pre, dense_hidden, neurons, activation, f"{p}.glu", phases=("prefill",))
+            pre = dense_hidden
+        self.low.linear(pre, down_rows, None, partial, f"{p}.down_dense", Role.FFN_DOWN, phases=("prefill",),
+                        packed=False)
+        self.location[node.outputs[0].name] = partial
+
+    def lower_ThresholdFFN(self, node: ir.Node) -> None:
+        """Decode: keep the inputs above their thresholds (select on |x|), gate and up over the kept input
+        channels' rows (one column-sparse GEMV over w_up [D, 2F], the GLU on its sums), the same for down over
+        h. Prompts: dense GEMMs over the same [K, N] weights (the sparse kernels need that layout, not panels)."""
+        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        x = self.location[node.inputs[0].name]
+        w_up, b_up, w_down = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2]), self.weight_of(node.inputs[3])
+        for weight in (w_up, w_down):
+            self.low.stored_for(weight, self.low.device)
+        d_in, up_width = self.low.weights[w_up].shape
+        neurons, width = self.low.weights[w_down].shape
+        dtype = self.low.buffers[w_up]["dtype"]
+        dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
+        p = node.name
+        partial = self.low.activation("act.partial.cpu", width)
+        hidden = self.low.activation(f"act.ffn_hidden.f{neurons}", neurons)
+        projections = (("up", x, w_up, b_up, d_in, up_width, hidden, gated, activation, "threshold_in", Role.FFN_UP),
+                       ("down", hidden, w_down, None, neurons, width, partial, False, "none", "threshold_down",
+                        Role.FFN_DOWN))
+        for part, v, weight, bias, rows, columns, out, glu, act, key, role in projections:
+            threshold = self.low.weight(f"{p}.{key}", np.array([pir.attr(node, key)], np.float32))
+            index = self.low.activation(f"act.kept_index.n{rows}", rows, dtype="int32", rows=1)
+            count = self.low.activation("act.kept_count", 1, dtype="int32", rows=1)
+            kernels = self.low.kernel(neuron.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",))
+            self.low.call(f"{p}.{part}_select", kernels, [read(v), read(threshold), write(index), write(count)], role)
+            scratch = self.low.scratch(f"scratch.columns.n{columns}", [neuron.COLUMN_TASKS, columns])
+            tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{dtype_tag}"
+            kernels = self.low.kernel(neuron.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
+                                      gated=glu, act=act, bias=bias is not None, phases=("decode",), **dtype_arg)
+            # the kept input channels' rows of the [K, N] weight; the bias is per output, read whole
+            args = [read(v), read(index), read(count), Arg(weight, Access.SELECTED_ROWS, row_bytes=self.low.row_bytes(weight)),
+                    *([read(bias)] if bias else []), write(scratch), write(out)]
+            self.low.call(f"{p}.{part}", kernels, args, role, selection=Selection("threshold", part, count, rows))
+        # multi-token steps: dense, as the sparse FFN parts do
+        pre = self.low.activation(f"act.ffn_pre.n{up_width}", up_width)
+        self.low.linear(x, w_up, b_up, pre if gated else hidden, f"{p}.up_dense", Role.FFN_UP,
+                        act="none" if gated else activation, phases=("prefill",), packed=False)
+        if gated:
+            self.low.glu(pre, hidden, neurons, activation, f"{p}.glu", phases=("prefill",))
+        self.low.linear(hidden, w_down, None, partial, f"{p}.down_dense", Role.FFN_DOWN, phases=("prefill",), packed=False)
+        self.location[node.outputs[0].name] = partial
+
+    def lower_MergePartial(self, node: ir.Node) -> None:
+        inputs = list(node.inputs[:-1] if _residual(node) is not None else node.inputs)
+        parts = [self.location[v.name] for v in inputs[:-1] if v is not None]
+        bias = self.weight_of(inputs[-1])
+        width = self.low.buffers[parts[0]]["shape"][1]
+        out, residual = self.output_for(node, width)
+        base = f"merge_d{width}_p{len(parts)}{'_b' if bias else ''}{'_res' if residual else ''}"
+        kernels = self.low.kernel(neuron.merge, base, width, len(parts), bias=bias is not None, residual=residual is not None)
+        args = ([read(residual)] if residual else []) + [read(part) for part in parts] + ([read(bias)] if bias else []) + [write(out)]
+        self.low.call(node.name, kernels, args, Role.MERGE)
+        self.location[node.outputs[0].name] = out
+
+    def lower_Linear(self, node: ir.Node) -> None:
+        """The output layer (fuse made it a Linear, with its bias where the model has one)."""
+        weight, bias = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2] if len(node.inputs) > 2 else None)
+        out = self.low.activation("logits", self.low.weights[weight].shape[1])
+        self.low.linear(self.location[node.inputs[0].name], weight, bias, out, node.name, Role.HEAD)
+        self.location[node.outputs[0].name] = out
+
+    def lower_Add(self, node: ir.Node) -> None:
+        raise UserError(f"select-kernels: residual add {node.name} does not follow a block fuse folds it into")
+
+
+@dataclass
+class SelectKernels:
+    name = "select-kernels"
+    max_context: int = 256
+    weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's weight matrices
+    cpu_isa: str = "avx2"  # targets.CPU_ISAS: decides the prefill GEMM's register tile
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        lowering = Lowering(max_context=self.max_context, cpu_weight_dtype=WEIGHT_DTYPES[self.weight_dtype],
+                            gemm_panels=get_cpu_isa(self.cpu_isa).gemm_panels)
+        lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
+        walker = _Walker(lowering)
+        nodes, layers = list(model.graph), node_layers(model.graph)
+        with ctx.progress("select-kernels: blocks", len(nodes)) as advance:
+            for node in nodes:
+                with ctx.layer(layers[node]) if layers[node] is not None else contextlib.nullcontext():
+                    walker.lower(node, layers[node])
+                advance()
+        program = lowering.program
+        ctx.log(f"select-kernels: {len(program.kernels)} kernels, {len(program.calls)} calls")
+        return PassResult(program.to_model(carried_metadata(model)), modified=True)

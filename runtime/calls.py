@@ -1,0 +1,159 @@
+"""What each kernel call of an artifact does, as data: the contract between codegen, the runtime, the
+cost model and `inspect`.
+
+Codegen writes one `Call` per kernel call into the schedule (`schedule.json`, node attribute `call`); the
+runtime binds and counts bytes from it, the cost model prices it, `inspect` tabulates it. Nobody outside
+codegen looks inside a kernel's name, a call's label or an argument's position to learn what a call does.
+
+Byte facts describe a one-token (decode) step, the phase whose speed is bound by the weights it reads;
+prompts (prefill) read every weight whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+from .dtypes import nbytes
+
+START = "start"  # the scalar argument: how many tokens the KV cache already holds
+PHASES = ("decode", "prefill")
+
+
+class Role(str, Enum):
+    """What a call computes: the runtime's profile classes and the cost model's groups."""
+
+    EMBED = "embed"
+    NORM = "norm"
+    ATTENTION = "attention"
+    PREDICTOR = "predictor"  # the predictor's GEMVs and the selection of the neurons it predicts
+    FFN = "ffn"  # the CPU's fused sparse up+down pass
+    FFN_UP = "ffn_up"
+    FFN_DOWN = "ffn_down"
+    MERGE = "merge"
+    HEAD = "head"  # the output layer
+    COPY = "copy"  # a host<->device transfer: the runtime's own, not a kernel
+
+
+class Access(str, Enum):
+    """How a call touches one argument in a decode step."""
+
+    WHOLE = "whole"  # reads every byte
+    GATHER = "gather"  # reads one row per token (an embedding table): `row_bytes`
+    CONTEXT = "context"  # reads the cached positions only (a KV cache in attention)
+    SELECTED_ROWS = "selected_rows"  # reads `row_bytes` per selected entry (the call's `count`), plus
+    # `nonzero_row_bytes` per selected entry whose `hidden` value is not 0 (a fused ReLU FFN skips the rest)
+    WRITE = "write"  # overwrites it (the step's rows), reads nothing
+    UPDATE = "update"  # writes some rows and keeps the others (a KV cache write): ordered like a read and a write
+
+    @property
+    def reads(self) -> bool:
+        return self is not Access.WRITE
+
+    @property
+    def writes(self) -> bool:
+        return self in (Access.WRITE, Access.UPDATE)
+
+
+@dataclass(frozen=True)
+class Arg:
+    buffer: str  # a buffer of the manifest, or START
+    access: Access = Access.WHOLE
+    row_bytes: int = 0  # GATHER, SELECTED_ROWS: bytes read per row (per selected entry)
+    nonzero_row_bytes: int = 0  # SELECTED_ROWS: more bytes per selected entry whose hidden value is not 0
+    written: bool = False  # also written by a call that reads it (an in-place epilogue)
+
+    @property
+    def reads(self) -> bool:
+        return self.buffer != START and self.access.reads
+
+    @property
+    def writes(self) -> bool:
+        return self.written or self.access.writes
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which rows a sparse decode call reads, as the layer's statistics describe them: the neurons a
+    predictor lets through (`by` "predictor", `part` the GPU's hot part or the CPU's cold one), or the
+    input channels a magnitude threshold keeps (`by` "threshold", `part` "up" or "down")."""
+
+    by: str
+    part: str
+    count: str  # the [1, 1] int32 buffer holding how many entries were selected
+    capacity: int  # how many entries it can select (the index buffer's length)
+    hidden: str | None = None  # the values whose non-zero entries decide the `nonzero_row_bytes` reads
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str  # unique in the schedule: what the IR, the profile and inspect call it
+    device: str  # "cpu" or "gpu"
+    role: Role
+    decode: str  # kernel for one-token steps ("" if prefill-only; "copy" for a transfer)
+    prefill: str  # kernel for multi-token steps ("" if decode-only)
+    args: tuple[Arg, ...]  # in the kernel's argument order
+    layer: int | None = None  # the decoder layer, None outside the layers
+    selection: Selection | None = None  # sparse decode calls only
+
+    def kernel(self, phase: str) -> str:
+        return self.decode if phase == "decode" else self.prefill
+
+    def buffers(self) -> list[str]:
+        return [arg.buffer for arg in self.args if arg.buffer != START]
+
+    def reads(self) -> list[str]:
+        return [arg.buffer for arg in self.args if arg.reads]
+
+    def writes(self) -> list[str]:
+        return [arg.buffer for arg in self.args if arg.writes]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["role"] = self.role.value
+        data["args"] = [{**asdict(arg), "access": arg.access.value} for arg in self.args]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Call":
+        """Raises KeyError, TypeError or ValueError on a malformed entry (the artifact reader says which)."""
+        selection = data.get("selection")
+        return cls(id=str(data["id"]), device=str(data["device"]), role=Role(data["role"]),
+                   decode=str(data["decode"]), prefill=str(data["prefill"]),
+                   args=tuple(Arg(**{**arg, "access": Access(arg["access"])}) for arg in data["args"]),
+                   layer=None if data.get("layer") is None else int(data["layer"]),
+                   selection=None if selection is None else Selection(**selection))
+
+
+@dataclass
+class DecodeReads:
+    """The weight bytes a decode call reads: `fixed` whatever the input, plus `per_selected` for each entry
+    its selection let through and `per_nonzero` for each of those whose hidden value was not 0."""
+
+    fixed: int = 0
+    per_selected: int = 0
+    per_nonzero: int = 0
+
+
+def decode_weight_reads(call: Call, buffers: dict) -> DecodeReads:
+    """What `call` reads of the weights in `buffers` (manifest entries) in one decode step. The runtime's
+    byte count and the cost model both start from this."""
+    reads = DecodeReads()
+    for arg in call.args:
+        info = buffers.get(arg.buffer)
+        if info is None or info["kind"] != "weight" or not arg.reads:
+            continue
+        if arg.access is Access.GATHER:
+            reads.fixed += arg.row_bytes
+        elif arg.access is Access.SELECTED_ROWS:
+            reads.per_selected += arg.row_bytes
+            reads.per_nonzero += arg.nonzero_row_bytes
+        else:
+            reads.fixed += nbytes(info["shape"], info["dtype"])
+    return reads
+
+
+def schedule_calls(schedule: dict) -> list[Call]:
+    """The schedule's calls in execution order (its nodes' `order`)."""
+    nodes = sorted(schedule["nodes"], key=lambda node: node["order"])
+    return [Call.from_json(node["call"]) for node in nodes]

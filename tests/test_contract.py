@@ -1,0 +1,93 @@
+"""The compiler-runtime contract: each call's facts (runtime/calls.py) are what the runtime counts, the cost
+model prices and placement decides, and a dense GPU build stays inside its GPU budget."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from picompile import costmodel
+from picompile.compiler import build
+from picompile.pipeline import Options
+from picompile.targets import get_target
+from runtime import Engine
+from runtime.calls import Access, Arg, Call, Role, Selection, schedule_calls
+from test_sparse import assert_matches_onnxruntime, sparse_build
+
+
+def test_call_facts_round_trip_through_json():
+    call = Call("layers.1.ffn.sparse.cpu.up_down", "cpu", Role.FFN, "sparse_ffn_decode", "",
+                (Arg("x"), Arg("w", Access.SELECTED_ROWS, row_bytes=64, nonzero_row_bytes=32), Arg("out", Access.WRITE)),
+                layer=1, selection=Selection("predictor", "cpu", "count", 40, "hidden"))
+    again = Call.from_json(json.loads(json.dumps(call.to_json())))
+    assert again == call
+    assert again.reads() == ["x", "w"] and again.writes() == ["out"]
+    with pytest.raises(ValueError):
+        Call.from_json({**call.to_json(), "role": "teleport"})
+
+
+@pytest.fixture(scope="module")
+def sparse_artifact(tiny_models, tmp_path_factory):
+    files = tiny_models("opt", sparsity=0.9)
+    return files, sparse_build(files, tmp_path_factory.mktemp("contract") / "s.pic")
+
+
+def test_cost_model_and_runtime_count_the_same_bytes_for_every_call(sparse_artifact):
+    """After each decode step, every call's weight bytes as the runtime counts them (its bound step, reading
+    the count and hidden buffers the kernels wrote) equal the cost model's for the same selections."""
+    _, artifact = sparse_artifact
+    engine = Engine(artifact)
+    buffers = engine.manifest["buffers"]
+    calls = {call.id: call for call in engine._calls}
+    engine.forward([11, 22, 33])
+    sparse_seen = 0
+    for token in (4, 5, 6):
+        engine.forward([token])
+        for step in engine._decode:
+            call = calls[step.name]
+            selected = nonzero = 0
+            if call.selection is not None:
+                selected = int(engine.buffers[call.selection.count][0, 0])
+                if call.selection.hidden is not None:
+                    hidden = engine.buffers[call.selection.hidden][0, :selected]
+                    nonzero = int(np.count_nonzero(hidden))
+                else:
+                    nonzero = selected
+                sparse_seen += 1
+            assert step.bytes_read() == costmodel.weight_bytes(call, buffers, selected, nonzero), call.id
+    assert sparse_seen > 0  # the artifact has selections, and they were compared
+
+
+def test_dense_gpu_build_honours_the_vram_budget(tiny_models, tmp_path):
+    """--dense for a GPU target: everything on the GPU when it fits, whole layers in order when only some fit,
+    nothing when none does; the split runs (emulated) and matches onnxruntime."""
+    files = tiny_models("opt")
+    target = get_target("rtx4090")
+
+    def dense(budget, name):
+        artifact = build(files.onnx, tmp_path / name, target,
+                         Options(dense=True, max_context=64, vram_budget_bytes=budget))
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        calls = [call for call in schedule_calls(json.loads((artifact / "schedule.json").read_text()))
+                 if call.role is not Role.COPY]
+        return artifact, manifest, calls
+
+    _, manifest, calls = dense(None, "all.pic")
+    assert {call.device for call in calls} == {"gpu"}
+    model_bytes = manifest["devices"]["model_bytes"]
+    layer_bytes = model_bytes // (2 * manifest["model"]["num_layers"])  # comfortably one layer, never two
+
+    _, manifest, calls = dense(0, "none.pic")
+    assert {call.device for call in calls} == {"cpu"}
+
+    artifact, manifest, calls = dense(int(3 * layer_bytes), "some.pic")
+    on_gpu = {call.layer for call in calls if call.device == "gpu"}
+    assert on_gpu == set(manifest["devices"]["gpu_layers"]) and 0 in on_gpu
+    assert None not in on_gpu and len(on_gpu) < manifest["model"]["num_layers"]
+    gpu_weights = {name for call in calls if call.device == "gpu" for name in call.buffers()
+                   if manifest["buffers"][name]["kind"] == "weight"}
+    gpu_bytes = sum(np.prod(manifest["buffers"][n]["shape"]) * 4 for n in gpu_weights)
+    assert gpu_bytes <= 3 * layer_bytes
+    assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True, decode_steps=3)
