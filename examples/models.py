@@ -685,7 +685,8 @@ def _save_onnx(proto, out_dir: Path, name: str, n_bytes: int, exporter: str, met
 # environment of its own, made once by scripts/optimum_env.py (the README's test command runs it), never by a
 # test. That environment sees this one's site-packages through a .pth file (`venv --system-site-packages`
 # would expose the base interpreter's packages instead, when this one is itself a venv) and installs only
-# what must differ: optimum-onnx, optimum, transformers 4.57 and the huggingface-hub and tokenizers it needs.
+# what must differ: optimum-onnx, optimum, transformers 4.57 and the older huggingface-hub and tokenizers it
+# needs (with requests where this environment lacks it).
 OPTIMUM_REQUIREMENTS = ("optimum-onnx==0.1.0", "transformers==4.57.*")
 # Reused from this environment, pinned to the versions it has so that pip never installs its own (a torch
 # from PyPI is a CUDA build of gigabytes; onnx and onnxruntime fix the exported model's dynamic shapes).

@@ -3,8 +3,9 @@
     python scripts/optimum_env.py
 
 optimum-onnx needs transformers < 4.58 and picompile uses 5.x, so optimum runs in a virtual environment of its
-own that sees this Python's packages and adds only optimum-onnx, optimum and transformers 4.57 (with the
-huggingface-hub and tokenizers they need); torch, numpy, onnx and onnxruntime stay this environment's. It lives at
+own that sees this Python's packages and adds only optimum-onnx, optimum and transformers 4.57 (with the older
+huggingface-hub and tokenizers they need, and requests where this Python lacks it); torch, numpy, onnx and
+onnxruntime stay this environment's, pinned to its versions, so nothing heavy is installed. It lives at
 ``$PICOMPILE_OPTIMUM_VENV`` or under the cache (``$PICOMPILE_CACHE`` or ``~/.cache/picompile``), one per
 project environment. Needs PyPI (or a mirror) the first time. The README's test command runs this before pytest;
 see examples/models.py ``make_optimum_venv``.
