@@ -65,8 +65,9 @@ Files a maker writes into a model directory
 
 Exporters: ``dynamo`` / ``legacy`` (torch.onnx), ``ort_basic`` / ``ort_extended`` (the dynamo export
 saved again by onnxruntime after its basic / extended graph optimisations), ``optimum`` (optimum-onnx's
-own export of the model saved with save_pretrained, in an isolated environment made with pip on first
-use: :func:`optimum_python`; its names are optimum's, some inputs may be absent, e.g. Falcon's mask).
+own export of the model saved with save_pretrained, in an environment of its own made once by
+``scripts/optimum_env.py``: :func:`make_optimum_venv`; its names are optimum's, some inputs may be absent,
+e.g. Falcon's mask).
 
 ONNX convention (optimum's): inputs ``input_ids`` [batch, seq] int64, ``attention_mask``
 [batch, total] int64 (total = past + seq), ``position_ids`` [batch, seq] int64 (rotary families only),
@@ -86,6 +87,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -185,7 +187,7 @@ __all__ = [
     "activation_probs", "measure_sparsity", "ffn_modules", "export_onnx", "make_model",
     "cached_model", "cache_dir", "config_hash", "write_tokens", "read_tokens", "random_tokens",
     "ort_logits_steps", "ort_greedy", "num_params", "io_names", "make_models", "cached_models", "ort_optimise",
-    "export_optimum", "optimum_python",
+    "export_optimum", "optimum_python", "optimum_venv", "make_optimum_venv",
 ]
 
 
@@ -679,9 +681,17 @@ def _save_onnx(proto, out_dir: Path, name: str, n_bytes: int, exporter: str, met
     return target
 
 
-# optimum-onnx 0.1.0 needs transformers < 4.58 (this environment has 5.x): it runs in its own virtual
-# environment, which sees this one's packages (torch, onnx) and adds optimum and an older transformers.
+# optimum-onnx 0.1.0, the newest, needs transformers < 4.58 (this environment has 5.x): it runs in a virtual
+# environment of its own, made once by scripts/optimum_env.py (the README's test command runs it), never by a
+# test. That environment sees this one's site-packages through a .pth file (`venv --system-site-packages`
+# would expose the base interpreter's packages instead, when this one is itself a venv) and installs only
+# what must differ: optimum-onnx, optimum, transformers 4.57 and the older huggingface-hub and tokenizers it
+# needs (with requests where this environment lacks it).
 OPTIMUM_REQUIREMENTS = ("optimum-onnx==0.1.0", "transformers==4.57.*")
+# Reused from this environment, pinned to the versions it has so that pip never installs its own (a torch
+# from PyPI is a CUDA build of gigabytes; onnx and onnxruntime fix the exported model's dynamic shapes).
+OPTIMUM_SHARED = ("torch", "numpy", "onnx", "onnxruntime")
+OPTIMUM_SETUP = "python scripts/optimum_env.py"
 _OPTIMUM_EXPORT = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
@@ -691,38 +701,108 @@ for model_dir, output in json.loads(sys.argv[1]):
 """
 
 
-def optimum_python(log=lambda message: None) -> Path:
-    """The Python of the optimum environment, ``cache_dir()/optimum-venv`` (or ``$PICOMPILE_OPTIMUM_VENV``),
-    made on first use: ``python -m venv --system-site-packages`` plus pip install of OPTIMUM_REQUIREMENTS
-    (needs PyPI once). Made in a temporary directory renamed into place when complete."""
-    import subprocess
-    import sys
+def _site_dirs() -> list[str]:
+    """This interpreter's site-packages directories, in its sys.path order (a venv's own, the base's
+    where the venv includes them, the user's where enabled): what the optimum environment must see."""
+    import site
 
-    venv = Path(os.environ.get("PICOMPILE_OPTIMUM_VENV") or cache_dir() / "optimum-venv")
-    python = venv / "bin" / "python"
-    if (venv / ".complete").exists():
-        return python
+    dirs = set(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.add(site.getusersitepackages())
+    return [entry for entry in sys.path if entry in dirs]
+
+
+def _optimum_marker() -> str:
+    """What a complete optimum environment for this interpreter records: its requirements and the
+    site-packages it sees (a change of either means it must be made again)."""
+    return json.dumps(dict(requirements=OPTIMUM_REQUIREMENTS, site_dirs=_site_dirs()), indent=1) + "\n"
+
+
+def optimum_venv() -> Path:
+    """Where the optimum environment lives: ``$PICOMPILE_OPTIMUM_VENV``, else
+    ``cache_dir()/optimum-venv-<hash of this interpreter's site-packages>`` (one per project environment)."""
+    if os.environ.get("PICOMPILE_OPTIMUM_VENV"):
+        return Path(os.environ["PICOMPILE_OPTIMUM_VENV"])
+    digest = hashlib.sha256("\n".join(_site_dirs()).encode()).hexdigest()[:12]
+    return cache_dir() / f"optimum-venv-{digest}"
+
+
+def _optimum_venv_problem(venv: Path) -> str | None:
+    """None where ``venv`` is a complete optimum environment for this interpreter, else what is wrong."""
+    marker = venv / ".complete"
+    if not marker.exists():
+        return "is missing"
+    if marker.read_text() != _optimum_marker():
+        return "was made for other requirements or another environment's packages"
+    return None
+
+
+def optimum_python() -> Path:
+    """The Python of the optimum environment; fails, naming the setup step, where it was not made (or
+    was made for other requirements or another interpreter's packages)."""
+    venv = optimum_venv()
+    problem = _optimum_venv_problem(venv)
+    if problem:
+        raise RuntimeError(f"the optimum environment {venv} {problem}: run `{OPTIMUM_SETUP}` first "
+                           f"(the README's test command does)")
+    return venv / "bin" / "python"
+
+
+def make_optimum_venv(log=lambda message: None) -> Path:
+    """Make the optimum environment at :func:`optimum_venv` unless it is already there, complete and
+    current; returns its Python. Needs PyPI (or a mirror) once. Made in a temporary directory renamed
+    into place when complete, so a killed setup never leaves a half-made environment in use."""
+    import subprocess
+    from importlib import metadata
+
+    venv = optimum_venv()
+    if _optimum_venv_problem(venv) is None:
+        return venv / "bin" / "python"
     venv.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=venv.parent, prefix=f".tmp-{venv.name}-"))
     started = time.perf_counter()
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(work)], check=True,
+        # without pip of its own: this environment's pip, seen through the .pth, installs into it
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(work)], check=True,
                        capture_output=True, text=True)
-        result = subprocess.run([str(work / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                                 "--disable-pip-version-check", *OPTIMUM_REQUIREMENTS], capture_output=True, text=True)
+        python = work / "bin" / "python"
+        own_site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                                  check=True, capture_output=True, text=True).stdout.strip()
+        Path(own_site, "_picompile_project.pth").write_text("\n".join(_site_dirs()) + "\n")
+        constraints = work / "shared.txt"
+        constraints.write_text("".join(f"{name}=={metadata.version(name)}\n" for name in OPTIMUM_SHARED))
+        result = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                                 "--constraint", str(constraints), *OPTIMUM_REQUIREMENTS],
+                                capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"could not install {' '.join(OPTIMUM_REQUIREMENTS)} into an isolated environment "
-                               f"(pip exit {result.returncode}; PyPI is needed once):\n{result.stderr[-3000:]}")
-        (work / ".complete").write_text(" ".join(OPTIMUM_REQUIREMENTS) + "\n")
-        try:
-            os.rename(work, venv)
-        except OSError:
-            if not (venv / ".complete").exists():
-                raise
+            raise RuntimeError(f"could not install {' '.join(OPTIMUM_REQUIREMENTS)} into {work} "
+                               f"(pip exit {result.returncode}):\n{result.stderr[-3000:]}")
+        check = subprocess.run([str(python), "-c", "import optimum.exporters.onnx, onnxruntime"],
+                               capture_output=True, text=True)
+        if check.returncode:
+            raise RuntimeError(f"the optimum environment {work} cannot import its exporter:\n{check.stderr[-3000:]}")
+        installed = sorted(p.name.removesuffix(".dist-info") for p in Path(own_site).glob("*.dist-info"))
+        (work / ".complete").write_text(_optimum_marker())
+        _replace_optimum_venv(work, venv)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    log(f"made the optimum environment {venv} in {time.perf_counter() - started:.1f}s")
-    return python
+    log(f"made the optimum environment {venv} in {time.perf_counter() - started:.1f}s: {', '.join(installed)} "
+        f"(its {', '.join(OPTIMUM_SHARED)} are this environment's)")
+    return venv / "bin" / "python"
+
+
+def _replace_optimum_venv(work: Path, venv: Path) -> None:
+    """Put the finished environment ``work`` at ``venv``, replacing a stale optimum environment there
+    (one with a marker: never a directory this code did not make) or a concurrent setup's finished one."""
+    if venv.exists() and not (venv / ".complete").exists():
+        raise RuntimeError(f"{venv} exists and is not an optimum environment: remove it or set "
+                           f"PICOMPILE_OPTIMUM_VENV elsewhere")
+    if venv.exists():
+        shutil.rmtree(venv)
+    try:
+        os.rename(work, venv)
+    except OSError:
+        optimum_python()  # a concurrent setup put its own in place first: use that one, else fail
 
 
 def export_optimum(jobs: list[tuple[Any, str | os.PathLike, dict[str, str] | None]],
@@ -734,7 +814,7 @@ def export_optimum(jobs: list[tuple[Any, str | os.PathLike, dict[str, str] | Non
 
     import onnx
 
-    python = optimum_python(log)
+    python = optimum_python()
     works, pairs = [], []
     try:
         for model, out_dir, _ in jobs:

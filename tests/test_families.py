@@ -3,8 +3,9 @@
 Each row exports a tiny random ReLU model of one family with one exporter and builds it twice, dense and
 sparse with every neuron admitted (`all_neurons`); both artifacts must give onnxruntime's logits on that
 same ONNX file (prompt, then decode steps) within 1e-4. Models are dense-random (about half the neurons
-fire), made once per session; the optimum rows run optimum in its own environment (examples/models.py
-`optimum_python`, made with pip on first use: PyPI is needed, and its absence fails those rows).
+fire), made once per session; the optimum rows run optimum in its own environment, made before the run by
+`python scripts/optimum_env.py` (the README's test command runs it); without it those rows fail, naming it.
+No test installs anything.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def test_exported_model_compiles_and_matches_onnxruntime(exported, tmp_path, exp
     assert any(call.role is Role.FFN and call.selection for call in calls)  # the sparse build runs neuron kernels
     for artifact in (dense, sparse):
         assert_matches_onnxruntime(artifact, files.onnx, decode_steps=3)
+
+
+def test_optimum_rows_fail_naming_the_setup_step_when_its_environment_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PICOMPILE_OPTIMUM_VENV", str(tmp_path / "absent"))
+    with pytest.raises(RuntimeError, match="is missing: run `python scripts/optimum_env.py` first"):
+        models.export_optimum([(None, tmp_path / "out", None)])
+    assert not (tmp_path / "absent").exists()  # refused, not installed on the spot
 
 
 @pytest.fixture(scope="module")
