@@ -98,7 +98,7 @@ def _context_bytes(call: Call, buffers: dict) -> float:
 def call_seconds(call: Call, buffers: dict, layers: dict[int, dict], target: Target) -> float:
     """One decode call: the bytes it reads over its device's bandwidth, plus its fixed cost."""
     if call.role is Role.COPY:
-        return copy_seconds(target, _row_bytes(buffers, call.args[0].buffer))
+        return copy_seconds(target, _row_bytes(buffers, call.reads()[0]))
     bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
     selected = 0.0 if call.selection is None else expected_share(call, layers) * call.selection.capacity
     read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
