@@ -561,6 +561,9 @@ class Codegen:
         with ctx.progress(f"codegen: compiling {len(lowering.kernels)} CPU kernels (LLVM)"):
             cpu.build(list(lowering.kernels.values()), {**cpu.CPU_TARGET, "mcpu": ctx.cpu_isa.mcpu}, str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
+        signatures = library.parent / "signatures.json"  # what the runtime checks the buffers against at load
+        signatures.write_text(_json({name: kernel_signature(func) for name, func in lowering.kernels.items()}))
+        ctx.artifact_files["kernels/signatures.json"] = signatures
         if ctx.target.has_gpu:
             self.build_cuda(lowering, ctx)
         ctx.log(f"codegen: {len(lowering.kernels)} kernels, {len(lowering.calls)} calls per token")
@@ -590,6 +593,24 @@ class Codegen:
         ctx.artifact_files[f"kernels/cuda_{ctx.target.cuda_arch}.so"] = library
         ctx.log(f"codegen: {len(funcs)} CUDA kernels for {ctx.target.cuda_arch} ({facts.get('binary_format')}, "
                 f"nvcc {facts.get('nvcc_seconds', 0):.1f} s)")
+
+
+def kernel_signature(func) -> list:
+    """Each parameter of a kernel, as the compiled code checks it at call time: {"shape", "dtype"} for a
+    tensor (each dimension an int, or the name of a size variable: the rows of a prefill step), None for a
+    scalar (`start`). The CUDA kernels are made from the same specifications, so they take the same."""
+    from tvm import tirx
+
+    signature = []
+    for param in func.params:
+        try:
+            shape, dtype = list(param.shape), str(param.dtype)
+        except AttributeError:  # a scalar parameter
+            signature.append(None)
+            continue
+        signature.append({"shape": [int(d.value) if isinstance(d, tirx.IntImm) else str(d) for d in shape],
+                          "dtype": dtype})
+    return signature
 
 
 def _json(obj) -> str:

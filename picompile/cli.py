@@ -187,15 +187,20 @@ def _run(args) -> int:
 
 def _eval(args) -> int:
     from .evaluate import evaluate
-    from .reference import OrtDecoder
+    from .reference import OrtDecoder, check_reference
     from .tokens import read_tokens
 
     sequences = read_tokens(args.tokens)[: args.max_sequences]
+    top = max(int(s.max()) for s in sequences)
+    vocab = check_reference(args.reference)  # a decoder LM, as build checks a model; its embedding table's rows
+    if top >= vocab:
+        raise UserError(f"{args.tokens} holds token id {top}, outside the vocabulary of the reference "
+                        f"{args.reference} ({vocab} tokens)")
     engine = _engine(args.artifact, args.emulate_gpu)
-    if max(int(s.max()) for s in sequences) >= engine.vocab_size:
-        raise UserError(f"{args.tokens} holds ids outside the vocabulary (size {engine.vocab_size})")
-    if not args.reference.is_file():
-        raise UserError(f"reference model not found: {args.reference}")
+    if vocab != engine.vocab_size:
+        raise UserError(f"the reference {args.reference} has a vocabulary of {vocab} tokens but the artifact "
+                        f"{args.artifact} has {engine.vocab_size}: eval compares an artifact with the model it was "
+                        "built from")
     report = evaluate(engine, OrtDecoder(args.reference), sequences)
     sparsity = engine.manifest.get("sparsity", {})
     if sparsity:
@@ -226,12 +231,13 @@ def _eval(args) -> int:
 
 def _inspect(args) -> int:
     from runtime import ArtifactError, load_manifest
+    from runtime.verify import check_files
 
     try:
         manifest = load_manifest(args.artifact)
+        schedule = check_files(args.artifact, manifest).schedule  # what it shows agrees with the files
     except ArtifactError as error:
         raise UserError(str(error)) from None
-    schedule = json.loads((args.artifact / "schedule.json").read_text())
     calls: dict[str, int] = {}
     for node in schedule["nodes"]:
         calls[node["op_class"]] = calls.get(node["op_class"], 0) + 1
