@@ -144,7 +144,7 @@ def _check_vocabulary(manifest, buffers, nodes, headers, files_of) -> tuple[int,
     for node in nodes:
         if node.get("op_class") == "embed":
             table = node["args"][1] if len(node["args"]) > 1 else None
-            if table is None or buffers[table]["kind"] != "weight" or len(buffers[table]["shape"]) != 2:
+            if table not in buffers or buffers[table]["kind"] != "weight" or len(buffers[table]["shape"]) != 2:
                 raise ArtifactError(f"schedule.json is damaged: embedding call {node.get('id')} reads no 2-D table; "
                                     "rebuild the artifact")
             tables.append(table)
@@ -194,7 +194,7 @@ def _check_context(manifest, buffers, nodes, headers, files_of) -> None:
         args = node["args"]
         if node.get("op_class") == "embed" and START in args and len(args) > 2:  # learned positions
             table = args[2]
-            if buffers[table]["kind"] != "weight":
+            if table not in buffers or buffers[table]["kind"] != "weight":
                 raise ArtifactError(f"schedule.json is damaged: embedding call {node.get('id')} reads positions from "
                                     f"{table}, not a weight; rebuild the artifact")
             rows = headers[files_of[table][0]][table]["shape"][0]
@@ -256,7 +256,16 @@ def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_co
         call, args = node.get("id"), node["args"]
         for phase in PHASES:
             kernel = node[phase]
-            if not kernel or kernel == COPY:
+            if kernel == COPY:  # the runtime's own transfer: the same rows on both sides
+                if len(args) != 2 or START in args:
+                    raise ArtifactError(f"schedule.json is damaged: copy {call} does not have a source and a target; "
+                                        "rebuild the artifact")
+                source, target = (buffers[arg] for arg in args)
+                if (source["shape"], source["dtype"]) != (target["shape"], target["dtype"]):
+                    raise disagrees(f"buffers.{args[0]} is {source['dtype']} {source['shape']} but buffers.{args[1]}, "
+                                    f"which copy {call} copies it to, is {target['dtype']} {target['shape']}")
+                continue
+            if not kernel:
                 continue
             signature = signatures.get(kernel)
             if not isinstance(signature, list):
