@@ -22,6 +22,7 @@ import numpy as np
 from .artifact import (ArtifactError, aligned_zeros, available_memory_bytes, format_size, host_bytes, load_manifest,
                        missing_cpu_features, read_safetensors)
 from .device import DeviceExecutor, _host, cuda_device, device_library
+from .dtypes import get_dtype
 from .verify import check_files
 
 START = "start"  # the argument that carries the number of tokens already in the KV cache
@@ -118,7 +119,7 @@ class Engine:
         self._gpu_buffers, host_buffers = _buffer_homes(self._nodes, buffers)
         # the host's buffers: numpy, used by the CPU calls and the host side of copies
         self.buffers: dict[str, np.ndarray] = {
-            name: weights[name] if info["kind"] == "weight" else aligned_zeros(info["shape"], np.dtype(info["dtype"]))
+            name: weights[name] if info["kind"] == "weight" else aligned_zeros(info["shape"], get_dtype(info["dtype"]).numpy)
             for name, info in buffers.items() if name in host_buffers}
         # the GPU's: tensors on its device (tvm.cuda(0), or tvm.cpu(0) when emulating)
         self.gpu: DeviceExecutor | None = None
