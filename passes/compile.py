@@ -2,12 +2,14 @@
 
 Reads: the kernel-call IR's kernel specs (`picompile.kernels`) and calls (which device runs each kernel).
 Adds: `kernels/cpu.so` (every kernel, for the CPU: it runs its own calls and stands in for the GPU when
-emulating) and, on a GPU target, `kernels/cuda_<arch>.so` (the GPU calls' kernels, scheduled for CUDA and
+emulating), `kernels/signatures.json` (each kernel's argument shapes and types, as the compiled code checks
+them: the runtime checks the buffers against them at load) and, on a GPU target, `kernels/cuda_<arch>.so` (the GPU calls' kernels, scheduled for CUDA and
 compiled by nvcc now, so the GPU machine needs no compiler) to the artifact's files. The IR is unchanged.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,24 @@ from runtime.calls import Role
 
 from .kernel_ir import KernelProgram, KernelSpec
 from .kernels import cpu, neuron
+
+
+def kernel_signature(func) -> list:
+    """Each parameter of a kernel, as the compiled code checks it at call time: {"shape", "dtype"} for a
+    tensor (each dimension an int, or the name of a size variable: the rows of a prefill step), None for a
+    scalar (`start`). The CUDA kernels are made from the same specifications, so they take the same."""
+    from tvm import tirx
+
+    signature = []
+    for param in func.params:
+        try:
+            shape, dtype = list(param.shape), str(param.dtype)
+        except AttributeError:  # a scalar parameter
+            signature.append(None)
+            continue
+        signature.append({"shape": [int(d.value) if isinstance(d, tirx.IntImm) else str(d) for d in shape],
+                          "dtype": dtype})
+    return signature
 
 
 def _make(spec: KernelSpec, name: str, device: str):
@@ -51,6 +71,10 @@ class Compile:
         with ctx.progress(f"compile: compiling {len(funcs)} CPU kernels (LLVM)"):
             cpu.build(funcs, {**cpu.CPU_TARGET, "mcpu": get_cpu_isa(self.cpu_isa).mcpu}, str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
+        signatures = library.parent / "signatures.json"
+        signatures.write_text(json.dumps({name: kernel_signature(func) for name, func in zip(names, funcs)},
+                                         sort_keys=True))
+        ctx.artifact_files["kernels/signatures.json"] = signatures
         if ctx.target.has_gpu:
             self.build_cuda(program, ctx)
         ctx.log(f"compile: {len(funcs)} CPU kernels for {self.cpu_isa}")

@@ -93,12 +93,15 @@ def compute_in_fp32(graph: ir.Graph) -> int:
     return widened
 
 
-def load(path: Path) -> ir.Model:
+def load(path: Path, for_build: bool = True) -> ir.Model:
+    """The model at `path`, its weights checked readable; a build (`for_build`) first checks that the machine
+    has the memory to compile it (eval's reference only has to be read)."""
     if not path.exists():
         raise UserError(f"model file not found: {path}")
     if path.is_dir() or path.stat().st_size == 0:
         raise UserError(f"{path} is not an ONNX model (empty or a directory)")
-    check_memory(str(path), path.stat().st_size)  # inline weights are read with the file
+    if for_build:
+        check_memory(str(path), path.stat().st_size)  # inline weights are read with the file
     try:
         with _quiet("onnx_ir"):  # it warns about dangling names on stderr: _check_references names them
             model = ir.load(str(path))
@@ -106,7 +109,8 @@ def load(path: Path) -> ir.Model:
         raise UserError(f"{path} is not a readable ONNX model ({type(error).__name__}: {error})") from None
     _check_external_data(model, path)
     _check_initializers(model, path)
-    check_memory(str(path), weight_bytes(model.graph))
+    if for_build:
+        check_memory(str(path), weight_bytes(model.graph))
     return model
 
 
@@ -201,7 +205,7 @@ def _sort(graph: ir.Graph) -> None:
                         "the model file is damaged") from None
 
 
-def _check_decoder(graph: ir.Graph) -> None:
+def check_decoder(graph: ir.Graph) -> None:
     """The model must be a decoder LLM export with a KV cache; say what it looks like instead."""
     input_names = {v.name for v in graph.inputs}
     output_names = {v.name for v in graph.outputs}
@@ -249,7 +253,7 @@ class Import:
         _check_nodes(model)
         _check_references(graph)
         _sort(graph)
-        _check_decoder(graph)
+        check_decoder(graph)
         _check_weights_are_constants(graph)
         if weight_bytes(graph) <= pir.EXTERNAL_DATA_BYTES:
             # weights in external data files (as small models may be saved too) are read in now, while no

@@ -1,9 +1,11 @@
 """The artifact writer: a directory, written under a temporary name and renamed only when complete.
 
-Layout (format version 1):
-  manifest.json         format, version, target, model facts, buffers, every file with its sha256
+Layout (format version 2):
+  manifest.json         format, version, target, model facts, buffers, every file with its sha256, and
+                        `manifest_sha256`, the digest of the rest of the manifest (canonical JSON)
   schedule.json         the kernel-call DAG (networkx node-link JSON)
   kernels/cpu.so        TVM-generated CPU kernels
+  kernels/signatures.json  each kernel's argument shapes and types (the runtime checks the buffers against them)
   weights/cpu.safetensors
 The runtime (`runtime/`) reads it without importing any of the compiler.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 import onnx_ir as ir
 import safetensors.numpy
 
-from runtime.artifact import FORMAT, FORMAT_VERSION, sha256  # the reader defines the format
+from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
 from runtime.calls import schedule_calls
 
 from . import __version__, costmodel
@@ -57,6 +59,11 @@ def _weights_by_device(schedule: dict, buffers: dict) -> dict[str, list[str]]:
 def check_output(output: Path) -> None:
     """Building replaces `output` whole: refuse unless it is absent, an empty directory, or an artifact."""
     output = Path(output)
+    for parent in output.parents:  # the nearest existing ancestor must be a directory to build in
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise UserError(f"output {output} cannot be made: {parent} is a file, not a directory; choose another -o")
+            break
     if output.is_symlink() or (output.exists() and not output.is_dir()):
         raise UserError(f"output {output} is a file, not an artifact directory; choose another -o")
     if output.is_dir() and any(output.iterdir()) and not (output / "manifest.json").is_file():
@@ -68,7 +75,11 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
     buffers = json.loads(model.metadata_props["picompile.buffers"])
     schedule = json.loads(model.metadata_props["picompile.schedule"])
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # no permission, a read-only file system, ...
+        raise UserError(f"output {output} cannot be made: creating {output.parent} failed "
+                        f"({error.strerror or type(error).__name__})") from None
     staging = _staging_dir(output)
     try:
         (staging / "weights").mkdir()
@@ -97,7 +108,7 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
             "files": files,
         }
         manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target, ctx.options.vram_budget_bytes))
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest), indent=1))
         _replace_dir(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -187,15 +187,20 @@ def _run(args) -> int:
 
 def _eval(args) -> int:
     from .evaluate import evaluate
-    from .reference import OrtDecoder
+    from .reference import OrtDecoder, check_reference
     from .tokens import read_tokens
 
     sequences = read_tokens(args.tokens)[: args.max_sequences]
+    top = max(int(s.max()) for s in sequences)
+    vocab = check_reference(args.reference)  # a decoder LM, as build checks a model; its embedding table's rows
+    if top >= vocab:
+        raise UserError(f"{args.tokens} holds token id {top}, outside the vocabulary of the reference "
+                        f"{args.reference} ({vocab} tokens)")
     engine = _engine(args.artifact, args.emulate_gpu)
-    if max(int(s.max()) for s in sequences) >= engine.vocab_size:
-        raise UserError(f"{args.tokens} holds ids outside the vocabulary (size {engine.vocab_size})")
-    if not args.reference.is_file():
-        raise UserError(f"reference model not found: {args.reference}")
+    if vocab != engine.vocab_size:
+        raise UserError(f"the reference {args.reference} has a vocabulary of {vocab} tokens but the artifact "
+                        f"{args.artifact} has {engine.vocab_size}: eval compares an artifact with the model it was "
+                        "built from")
     report = evaluate(engine, OrtDecoder(args.reference), sequences)
     sparsity = engine.manifest.get("sparsity", {})
     if sparsity:
@@ -226,20 +231,21 @@ def _eval(args) -> int:
 
 def _inspect(args) -> int:
     from runtime import ArtifactError, load_manifest
+    from runtime.verify import check_files
 
     try:
         manifest = load_manifest(args.artifact)
+        schedule = check_files(args.artifact, manifest).schedule  # what it shows agrees with the files
     except ArtifactError as error:
         raise UserError(str(error)) from None
     from runtime.artifact import format_size
     from runtime.calls import Role, decode_weight_reads, schedule_calls
     from runtime.dtypes import nbytes
 
-    schedule_calls_ = schedule_calls(json.loads((args.artifact / "schedule.json").read_text()))
     calls: dict[str, int] = {}
     devices: dict[str, int] = {}
     decode_reads: dict[str, dict[str, int]] = {}  # role -> fixed bytes, and bytes per selected entry
-    for call in schedule_calls_:
+    for call in schedule_calls(schedule):
         calls[call.role.value] = calls.get(call.role.value, 0) + 1
         devices[call.device] = devices.get(call.device, 0) + 1
         if call.decode and call.role is not Role.COPY:
@@ -247,7 +253,7 @@ def _inspect(args) -> int:
             entry = decode_reads.setdefault(call.role.value, {"fixed_bytes": 0, "bytes_per_selected": 0})
             entry["fixed_bytes"] += reads.fixed
             entry["bytes_per_selected"] += reads.per_selected + reads.per_nonzero
-    kernels = sorted({name for call in schedule_calls_ if call.role is not Role.COPY
+    kernels = sorted({name for call in schedule_calls(schedule) if call.role is not Role.COPY
                       for name in (call.decode, call.prefill) if name})
 
     weight_bytes = sum(nbytes(b["shape"], b["dtype"])

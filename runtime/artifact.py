@@ -9,11 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT = "picompile-artifact"
-FORMAT_VERSION = 1
-ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned buffers (vector loads); unaligned ones crash
+from . import dtypes
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
+FORMAT = "picompile-artifact"
+# 2: the manifest carries its own digest (`manifest_sha256`) and kernels/signatures.json lists each kernel's
+# argument shapes; the runtime checks the manifest's buffers against the weight files and the kernels.
+FORMAT_VERSION = 2
+ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned buffers (vector loads); unaligned ones crash
+DIGEST_KEY = "manifest_sha256"
 
 
 class ArtifactError(Exception):
@@ -60,7 +63,7 @@ def format_size(n: float) -> str:
 
 def host_bytes(manifest: dict) -> int:
     """Host memory an engine allocates for the artifact: every buffer of the manifest, weights included."""
-    return sum(int(np.prod(info["shape"])) * np.dtype(info["dtype"]).itemsize for info in manifest["buffers"].values())
+    return sum(dtypes.nbytes(info["shape"], info["dtype"]) for info in manifest["buffers"].values())
 
 
 def sha256(path: Path) -> str:
@@ -71,8 +74,21 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def manifest_digest(manifest: dict) -> str:
+    """The sha256 of the manifest's canonical JSON (sorted keys, no spaces) without its own digest: what
+    `manifest_sha256` holds. The writer adds it; `load_manifest` recomputes it."""
+    body = {key: value for key, value in manifest.items() if key != DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def seal_manifest(manifest: dict) -> dict:
+    """`manifest` with its digest set (the writer's last step before writing manifest.json)."""
+    return {**{key: value for key, value in manifest.items() if key != DIGEST_KEY}, DIGEST_KEY: manifest_digest(manifest)}
+
+
 # Files every artifact has; the manifest must list them (with their hashes) or it is not trusted.
-REQUIRED_FILES = ("schedule.json", "kernels/cpu.so")
+REQUIRED_FILES = ("schedule.json", "kernels/cpu.so", "kernels/signatures.json")
 
 
 def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
@@ -99,6 +115,12 @@ def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
     if version < FORMAT_VERSION:
         raise ArtifactError(f"artifact format version {version} is older than this runtime reads "
                             f"({FORMAT_VERSION}): rebuild it")
+    try:
+        intact = manifest.get(DIGEST_KEY) == manifest_digest(manifest)
+    except (TypeError, ValueError):  # not JSON-serialisable back (NaN, ...): edited
+        intact = False
+    if not intact:  # edited by hand (or damaged in a way that still parses); the consistency checks come later
+        raise ArtifactError("manifest.json was edited or damaged (sha256 mismatch): rebuild the artifact")
     _check_structure(manifest, path)
     files = manifest["files"]
     for relative in REQUIRED_FILES:
@@ -132,6 +154,15 @@ def _check_structure(manifest: dict, path: Path) -> None:
             raise ArtifactError(f"{path} is damaged: the sha256 of {relative} is malformed")
 
 
+def read_json(directory: Path, relative: str):
+    """A JSON file of the artifact (one `load_manifest` has checked): damaged content is an ArtifactError."""
+    try:
+        return json.loads((Path(directory) / relative).read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"artifact file {relative} is damaged ({first_line(error, type(error).__name__)}): "
+                            "rebuild the artifact") from None
+
+
 def weight_files(directory: Path, manifest: dict) -> list[Path]:
     """The weight files the manifest lists (and `load_manifest` checked); stray files are never read."""
     return [Path(directory) / relative for relative in sorted(manifest["files"])
@@ -149,18 +180,64 @@ def missing_cpu_features(required) -> list[str]:
     return [] if flags is None else [flag for flag in required if flag not in flags]
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Read every tensor of a safetensors file into its own 64-byte aligned array."""
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """The tensors a safetensors file holds, from its header alone (no data read): name -> {"shape",
+    "dtype" (the manifest's spelling, e.g. float32), "data_offsets"}. Each entry is checked against the
+    file: a known element type, offsets inside the data whose length is shape x element size, so that
+    what is later read from the file is exactly what the header says."""
+    path = Path(path)
+    where = f"weights file {path.parent.name}/{path.name}"
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError("no header")
+            (header_size,) = struct.unpack("<Q", raw)
+            if header_size > size - 8:
+                raise ValueError(f"its header claims {header_size} bytes")
+            header = json.loads(f.read(header_size))
+    except (OSError, ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+        raise ArtifactError(f"{where} is damaged ({first_line(error, type(error).__name__)}): rebuild the artifact") from None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{where} is damaged (its header is not a table of tensors): rebuild the artifact")
+    data_bytes = size - 8 - header_size
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise ArtifactError(f"{where} is damaged (tensor {name} has no entry): rebuild the artifact")
+        dtype = dtypes.BY_SAFETENSORS.get(info.get("dtype"))
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if dtype is None:
+            raise ArtifactError(f"{where}: tensor {name} has element type {info.get('dtype')!r}, which this runtime "
+                                f"does not read (it reads {', '.join(dtypes.BY_SAFETENSORS)})")
+        if not (isinstance(shape, list) and all(map(_is_count, shape)) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(map(_is_count, offsets))
+                and offsets[1] - offsets[0] == dtypes.nbytes(shape, dtype.name) and offsets[1] <= data_bytes):
+            raise ArtifactError(f"{where} is damaged (tensor {name}: shape {shape}, bytes {offsets} do not fit the "
+                                "file): rebuild the artifact")
+        tensors[name] = {"shape": list(shape), "dtype": dtype.name, "data_offsets": list(offsets)}
+    return tensors
+
+
+def read_safetensors(path: Path, header: dict[str, dict] | None = None) -> dict[str, np.ndarray]:
+    """Read every tensor of a safetensors file into its own 64-byte aligned array (shapes and types from
+    its header, checked by `read_safetensors_header` unless the caller passes what that returned)."""
+    path = Path(path)
+    header = read_safetensors_header(path) if header is None else header
     with open(path, "rb") as f:
         (header_size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_size))
         base = 8 + header_size
         tensors = {}
         for name, info in header.items():
-            if name == "__metadata__":
-                continue
             begin, end = info["data_offsets"]
-            array = aligned_empty(info["shape"], _DTYPES[info["dtype"]])
+            array = aligned_empty(info["shape"], dtypes.get_dtype(info["dtype"]).numpy)
             f.seek(base + begin)
             if f.readinto(memoryview(array.reshape(-1).view(np.uint8))) != end - begin:
                 raise ArtifactError(f"{path.name}: tensor {name} is truncated")

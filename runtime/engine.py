@@ -10,7 +10,6 @@ devices keep the two in step. An artifact with GPU calls and no usable GPU is re
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -20,9 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from .artifact import (ArtifactError, aligned_zeros, available_memory_bytes, format_size, host_bytes, load_manifest,
-                       missing_cpu_features, read_safetensors, weight_files)
-from .calls import PHASES, START, Call, Role, decode_weight_reads, schedule_calls
+                       missing_cpu_features, read_safetensors)
+from .calls import PHASES, START, Call, Role, decode_weight_reads
 from .device import DeviceExecutor, _host, cuda_device, device_library
+from .dtypes import get_dtype
+from .verify import check_files
 
 COUNTERS = ("weight_bytes", "decode_steps")  # the profile's entries that are not seconds
 
@@ -77,18 +78,19 @@ class Engine:
         if missing:  # loading would work; the first kernel call would die of an illegal instruction
             raise ArtifactError(f"this artifact's CPU kernels were built for {target.get('cpu_isa')} and need "
                                 f"{', '.join(missing)}, which this CPU lacks; rebuild it with --cpu-isa avx2")
+        # The manifest's claims against the verified files, before any buffer is sized from it: weight shapes
+        # and types from the weight files' headers, the vocabulary from the embedding table, buffer shapes
+        # from the kernels' signatures. Nothing is read but headers and JSON, and no library is loaded.
+        checked = check_files(self.directory, self.manifest)
+        facts, schedule, headers = checked.facts, checked.schedule, checked.headers
         needed, available = host_bytes(self.manifest), available_memory_bytes()
         if available is not None and needed > available:  # refused now, rather than swapping or being killed
             raise ArtifactError(f"this artifact needs {format_size(needed)} of memory (its weights, KV cache and "
                                 f"buffers) but only {format_size(available)} is available; free memory, or rebuild "
                                 "it with --weight-dtype fp16 or a smaller --max-context")
-        self.max_context = int(self.manifest["model"]["max_context"])
-        self.vocab_size = int(self.manifest["model"]["vocab_size"])
-        schedule = json.loads((self.directory / "schedule.json").read_text())
-        try:
-            self._calls = schedule_calls(schedule)
-        except (KeyError, TypeError, ValueError) as error:
-            raise ArtifactError(f"schedule.json is damaged (a call's facts are malformed: {error!r}): rebuild it") from None
+        self.max_context = facts.max_context
+        self.vocab_size = facts.vocab_size  # the embedding table's rows (its weight file's), = model.vocab_size
+        self._calls = checked.calls
         self.devices = sorted({call.device for call in self._calls})
         tvm_runtime, self._ffi = _tvm_runtime()
         device = None
@@ -96,17 +98,14 @@ class Engine:
             device = cuda_device(target, tvm_runtime)
         library = tvm_runtime.load_module(str(self.directory / "kernels" / "cpu.so"))
         weights = {}
-        for path in weight_files(self.directory, self.manifest):
-            weights.update(read_safetensors(path))
+        for path, header in headers.items():
+            weights.update(read_safetensors(path, header))
         buffers = self.manifest["buffers"]
         self._row_buffers = {n for n, info in buffers.items() if info["kind"] in ("activation", "input")}
         self._gpu_buffers, host_buffers = _buffer_homes(self._calls, buffers)
-        for name, info in buffers.items():
-            if info["kind"] == "weight" and name not in weights:
-                raise ArtifactError(f"weight {name} is missing from the artifact")
         # the host's buffers: numpy, used by the CPU calls and the host side of copies
         self.buffers: dict[str, np.ndarray] = {
-            name: weights[name] if info["kind"] == "weight" else aligned_zeros(info["shape"], np.dtype(info["dtype"]))
+            name: weights[name] if info["kind"] == "weight" else aligned_zeros(info["shape"], get_dtype(info["dtype"]).numpy)
             for name, info in buffers.items() if name in host_buffers}
         # the GPU's: tensors on its device (tvm.cuda(0), or tvm.cpu(0) when emulating)
         self.gpu: DeviceExecutor | None = None
@@ -126,6 +125,9 @@ class Engine:
             kernel.release_gil = True  # the two executors overlap only if calls release the GIL
         self._decode = self._program("decode", rows=1)
         self.position = 0
+        # token ids index these tables: forward checks them against the rows the loaded arrays really have
+        self._token_rows = min(self.buffers[table].shape[0] if table in self.buffers else facts.vocab_size
+                               for table in facts.token_tables)
         # Set to {} to profile: seconds per op class, "wall" and "overhead", and for decode (one-token)
         # steps "weight_bytes" (weight bytes the calls read) and "decode_steps".
         self.profile: dict[str, float] | None = None
@@ -214,8 +216,8 @@ class Engine:
             raise ValueError("forward needs at least one token")
         if self.position + rows > self.max_context:
             raise ValueError(f"context full: {self.position} cached + {rows} new > max context {self.max_context}")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {ids.min()}..{ids.max()}")
+        if ids.min() < 0 or ids.max() >= self._token_rows:  # the embedding table's rows, never a manifest claim
+            raise ValueError(f"token ids must be in [0, {self._token_rows}); got {ids.min()}..{ids.max()}")
         self.buffers["input_ids"][:rows] = ids
         program = self._decode if rows == 1 else self._program("prefill", rows)
         began = time.perf_counter()

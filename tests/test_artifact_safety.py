@@ -1,6 +1,8 @@
-"""Artifacts defend themselves: the runtime refuses damaged, incomplete or too-new artifacts with one clear
-error before loading anything from them, and a build killed at any moment leaves the previous artifact
-whole (or nothing), never a partial one."""
+"""Artifacts defend themselves: the runtime refuses damaged, incomplete, too-new or hand-edited artifacts
+with one clear error before loading anything from them (a manifest that disagrees with its verified files
+is refused naming the field, so no claim of it can make a kernel read out of bounds), eval refuses a
+reference it cannot compare the artifact with, and a build killed at any moment leaves the previous
+artifact whole (or nothing), never a partial one."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from picompile.compiler import build
 from picompile.pipeline import Options
 from picompile.targets import get_target
 from runtime import ArtifactError, Engine, load_manifest
-from runtime.artifact import FORMAT_VERSION
+from runtime.artifact import DIGEST_KEY, FORMAT_VERSION, seal_manifest
+from runtime.calls import Role, schedule_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,11 +55,13 @@ def _truncate(relative):
     return damage
 
 
-def _edit_manifest(change):
+def _edit_manifest(change, seal: bool = True):
+    """An edit of the manifest; `seal` recomputes its digest afterwards (as a deliberate editor could), so that
+    the checks behind the digest are what must refuse it."""
     def damage(directory: Path):
         manifest = json.loads((directory / "manifest.json").read_text())
         change(manifest)
-        (directory / "manifest.json").write_text(json.dumps(manifest))
+        (directory / "manifest.json").write_text(json.dumps(seal_manifest(manifest) if seal else manifest))
     return damage
 
 
@@ -80,6 +85,15 @@ DAMAGE = {
     "kernel unlisted": (_edit_manifest(lambda m: m["files"].pop("kernels/cpu.so")), ["does not list kernels/cpu.so"]),
     "file outside": (_edit_manifest(lambda m: m["files"].update({"../x": "0" * 64})), ["outside the artifact"]),
     "model facts gone": (_edit_manifest(lambda m: m.pop("model")), ["'model'", "damaged"]),
+    "older format": (_edit_manifest(lambda m: m.update(format_version=1)), ["format version 1", "rebuild it"]),
+    "edited manifest": (_edit_manifest(lambda m: m["model"].update(vocab_size=1025), seal=False),
+                        ["manifest.json was edited or damaged (sha256 mismatch)", "rebuild"]),
+    "digest edited": (_edit_manifest(lambda m: m.update({DIGEST_KEY: "0" * 64}), seal=False),
+                      ["manifest.json was edited or damaged (sha256 mismatch)"]),
+    "digest removed": (_edit_manifest(lambda m: m.pop(DIGEST_KEY), seal=False),
+                       ["manifest.json was edited or damaged (sha256 mismatch)"]),
+    "signatures unlisted": (_edit_manifest(lambda m: m["files"].pop("kernels/signatures.json")),
+                            ["does not list kernels/signatures.json"]),
     "weights are a link": (_symlink_weights, ["weights/cpu.safetensors", "link"]),
 }
 
@@ -106,6 +120,164 @@ def test_damaged_artifact_is_one_clear_error(artifact, tmp_path, capsys, monkeyp
         assert main([str(a) for a in command]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and err[0].startswith("error:") and words[0].lower() in err[0].lower(), err
+
+
+def _set(*path_and_value):
+    """An edit setting manifest[path...] = value (several, as path, value, path, value ...)."""
+    def change(manifest):
+        for keys, value in zip(path_and_value[::2], path_and_value[1::2]):
+            entry = manifest
+            for key in keys[:-1]:
+                entry = entry[key]
+            entry[keys[-1]] = value
+    return change
+
+
+def _context_everywhere(length):
+    """max_context changed consistently: the model facts, the options and every row buffer and KV cache."""
+    def change(manifest):
+        manifest["model"]["max_context"] = manifest["options"]["max_context"] = length
+        for info in manifest["buffers"].values():
+            if info["kind"] in ("activation", "input") and info["shape"][0] > 1:
+                info["shape"][0] = length
+            elif info["kind"] == "cache":
+                info["shape"][1] = length
+    return change
+
+
+def _drop_buffers(*names):
+    def change(manifest):
+        for name in names:
+            manifest["buffers"].pop(name)
+    return change
+
+
+# The tiny OPT artifact: vocabulary 128 (embed.tokens [128, 64]), 2 layers, max context 32 (KV caches [4, 32, 16],
+# learned positions embed.positions [32, 64]). Every edit is sealed (its digest recomputed), so the consistency
+# checks behind the digest must refuse it, naming the field.
+CLAIMS = {
+    "vocab size": (_set(("model", "vocab_size"), 1025), ["model.vocab_size is 1025", "embed.tokens", "128 rows"]),
+    "vocab size and logits": (_set(("model", "vocab_size"), 1025, ("buffers", "logits", "shape"), [32, 1025]),
+                              ["model.vocab_size is 1025", "128 rows"]),
+    "logits width": (_set(("buffers", "logits", "shape"), [32, 1025]), ["buffers.logits", "[32, 1025]", "128"]),
+    "weight shape": (_set(("buffers", "embed.tokens", "shape"), [1025, 64]),
+                     ["buffers.embed.tokens.shape is [1025, 64]", "weights/cpu.safetensors", "[128, 64]"]),
+    "weight dtype": (_set(("buffers", "layers.0.ffn.w_up", "dtype"), "float16"),
+                     ["buffers.layers.0.ffn.w_up.dtype is float16", "float32"]),
+    "weight unlisted": (_drop_buffers("lm_head.weight"), ["lm_head.weight", "buffers does not list"]),
+    "weight made a cache": (_set(("buffers", "layers.1.ffn.b_up", "kind"), "cache"),
+                            ["buffers.layers.1.ffn.b_up.kind is 'cache'", "as a weight"]),
+    "cache length": (_set(("buffers", "cache.0.key", "shape"), [4, 64, 16]),
+                     ["buffers.cache.0.key.shape is [4, 64, 16]", "model.max_context (32)"]),
+    "cache heads": (_set(("buffers", "cache.1.value", "shape"), [8, 32, 16]),
+                    ["buffers.cache.1.value.shape is [8, 32, 16]", "takes [4, 32, 16]"]),
+    "activation width": (_set(("buffers", "act.qkv", "shape"), [32, 100]),
+                         ["buffers.act.qkv.shape is [32, 100]", "takes [1, 192]"]),
+    "activation rows": (_set(("buffers", "act.attn", "shape"), [16, 64]), ["buffers.act.attn.shape is [16, 64]",
+                                                                           "max_context (32)"]),
+    "input ids dtype": (_set(("buffers", "input_ids", "dtype"), "int32"), ["buffers.input_ids", "int64"]),
+    "max context": (_set(("model", "max_context"), 64), ["model.max_context is 64", "buffers.input_ids has 32 rows"]),
+    "max context and options": (_set(("model", "max_context"), 64, ("options", "max_context"), 64),
+                                ["model.max_context is 64", "32 rows"]),
+    "max context everywhere": (_context_everywhere(64), ["model.max_context is 64", "embed.positions", "32 rows"]),
+    "smaller max context everywhere": (_context_everywhere(16), ["buffers.cache.0.key.shape is [4, 16, 16]",
+                                                                 "takes [4, 32, 16]"]),
+    "layer count": (_set(("model", "num_layers"), 3), ["model.num_layers is 3", "2 layers"]),
+    "layer report": (_set(("layers",), [{"layer": 0}]), ["layers (the per-layer report) has 1 entries", "2 layers"]),
+    "a layer's caches dropped": (_drop_buffers("cache.1.key", "cache.1.value"), ["buffers has no entry for cache.1.key"]),
+    "call count": (_set(("model", "num_calls"), 5), ["model.num_calls is 5", "19 calls"]),
+}
+
+
+@pytest.mark.parametrize("case", CLAIMS)
+def test_a_manifest_that_disagrees_with_its_files_is_refused(artifact, tmp_path, capsys, monkeypatch, case):
+    """The issue-12 attack and its relatives: a hand-edited (and resealed) manifest. Refused naming the field, exit
+    2, before the kernel library is loaded (so no kernel can read out of bounds), and `run` prints nothing."""
+    change, words = CLAIMS[case]
+    copy = tmp_path / "copy.pic"
+    shutil.copytree(artifact, copy)
+    _edit_manifest(change)(copy)
+    assert load_manifest(copy)  # the digest matches: only the consistency checks stand in the way
+
+    import runtime.engine
+
+    def no_loading():
+        raise AssertionError("the kernel library was loaded before the manifest was checked")
+    monkeypatch.setattr(runtime.engine, "_tvm_runtime", no_loading)
+    with pytest.raises(ArtifactError) as refused:
+        Engine(copy)
+    message = str(refused.value)
+    assert message.startswith("manifest.json disagrees with its files: "), message
+    for word in words:
+        assert word in message, message
+
+    for command in (["run", copy, "--prompt-ids", "1,2,700"], ["inspect", copy]):
+        assert main([str(a) for a in command]) == 2
+        out, err = capsys.readouterr()
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert out == "" and len(lines) == 1 and lines[0] == f"error: {message}", (out, err)
+
+
+def test_token_ids_are_checked_against_the_embedding_table(artifact, capsys):
+    engine = Engine(artifact)
+    assert engine.vocab_size == engine.buffers["embed.tokens"].shape[0] == 128
+    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+        engine.forward([1, 2, 700])
+    assert main(["run", str(artifact), "--prompt-ids", "1,2,700"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: --prompt-ids: id 700 is outside the vocabulary (size 128)")
+
+
+def test_the_writer_seals_the_manifest(artifact):
+    """Format 2: the manifest carries the digest of the rest of it, and lists the kernel signatures."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["format_version"] == FORMAT_VERSION == 2
+    assert seal_manifest(manifest)[DIGEST_KEY] == manifest[DIGEST_KEY]
+    assert "kernels/signatures.json" in manifest["files"]
+    signatures = json.loads((artifact / "kernels" / "signatures.json").read_text())
+    embed = next(call for call in schedule_calls(json.loads((artifact / "schedule.json").read_text()))
+                 if call.role is Role.EMBED)
+    assert signatures[embed.decode][1] == {"shape": [128, 64], "dtype": "float32"}  # the table, as compiled
+
+
+# ---------------------------------------------------------------- eval's reference
+
+
+@pytest.fixture(scope="module")
+def eval_files(tmp_path_factory):
+    """Token files: ids 1..9 (in every vocabulary here), and with 100 (past a 96-token vocabulary)."""
+    import bad_inputs
+
+    directory = tmp_path_factory.mktemp("eval")
+    np.save(directory / "tokens.npy", np.arange(1, 10, dtype=np.int64)[None])
+    np.save(directory / "past96.npy", np.array([[1, 2, 100, 3, 4, 5]], np.int64))
+    bad_inputs.cnn(None, directory / "cnn.onnx")
+    return directory
+
+
+def _eval_fails(capsys, artifact, reference, tokens, *words):
+    assert main(["eval", str(artifact), "--reference", str(reference), "--tokens", str(tokens)]) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert out == "" and len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_eval_refuses_a_reference_that_is_not_a_decoder(artifact, eval_files, capsys):
+    """A CNN as the reference: refused as build refuses it (was: an onnxruntime error about its inputs, exit 1)."""
+    _eval_fails(capsys, artifact, eval_files / "cnn.onnx", eval_files / "tokens.npy",
+                "reference", "cnn.onnx", "not a decoder LLM export", "lacks input_ids", "Conv")
+
+
+def test_eval_refuses_a_reference_of_another_vocabulary(artifact, eval_files, tiny_models, capsys):
+    """A decoder with 96 tokens against the 128-token artifact: refused, naming both; token ids past the
+    reference's vocabulary are named as such (was: onnxruntime's Gather error, exit 1)."""
+    other = tiny_models("opt", vocab_size=96).onnx
+    _eval_fails(capsys, artifact, other, eval_files / "tokens.npy",
+                "vocabulary of 96 tokens", str(artifact), "has 128")
+    _eval_fails(capsys, artifact, other, eval_files / "past96.npy",
+                "past96.npy holds token id 100", "vocabulary of the reference", "96 tokens")
 
 
 def test_only_listed_files_are_read(artifact, tmp_path):

@@ -153,6 +153,12 @@ def test_output_path_holding_something_else_is_left_alone(base_model, workdir, c
     code, err = run_cli(["build", base_model, "-o", precious / "notes.txt"], capfd)
     assert_user_error(code, err, "is a file")
     assert (precious / "notes.txt").read_text() == "keep me"
+    # -o inside a file (was: exit 1, an internal FileExistsError), also a level deeper
+    for inside in (precious / "notes.txt" / "out.pic", precious / "notes.txt" / "sub" / "out.pic"):
+        code, err = run_cli(["build", base_model, "-o", inside], capfd)
+        assert_user_error(code, err, str(inside), f"{precious / 'notes.txt'} is a file, not a directory")
+    assert (precious / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in precious.iterdir()) == ["notes.txt"]
 
 
 # ---------------------------------------------------------------- resource limits
