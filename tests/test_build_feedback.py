@@ -20,7 +20,7 @@ from passes.profile import Profile
 from passes.recognise import Recognise
 from picompile.cli import main
 from picompile.errors import PassError
-from picompile.pipeline import Context, Options, PassResult, ProgressBars, describe_change, run_passes
+from picompile.pipeline import Context, Options, PassResult, ProgressBars, describe_change, describe_pass, run_passes
 from picompile.targets import get_target
 
 
@@ -51,9 +51,8 @@ def test_progress_bars_when_forced_and_silence_otherwise(forced_build, sparse_fi
     for line in BAR_LINES:
         assert line in err, line
     from picompile.compiler import pipeline
-    from picompile.pipeline import Options
 
-    passes = len(pipeline(Options()))
+    passes = len(pipeline(Options(), "predictor"))  # the bar grows to the passes of the mode, once it is known
     assert "pass schedule" in err and f"{passes}/{passes}" in err  # the passes' own bar, at its end
 
     model = str(sparse_files.onnx)
@@ -75,11 +74,10 @@ def test_progress_bars_when_forced_and_silence_otherwise(forced_build, sparse_fi
 
 def test_placement_ilp_shows_a_spinner(sparse_files, tmp_path):
     bars_out = io.StringIO()
-    passes = [Import(), Recognise(), Profile(), Partition()]
+    passes = [Import(), Recognise(max_context=64), Profile(calib=sparse_files.calib, max_context=64),
+              Partition(vram_budget_bytes=600_000, max_context=64, placement_batch=32)]
     with ProgressBars(True, passes=len(passes), file=bars_out) as bars:
-        ctx = Context(get_target("rtx4090"), Options(max_context=64, calib=sparse_files.calib,
-                                                     vram_budget_bytes=600_000, placement_batch=32),
-                      workdir=tmp_path, progress_bars=bars)
+        ctx = Context(get_target("rtx4090"), workdir=tmp_path, progress_bars=bars)
         model = run_passes(load(sparse_files.onnx), passes, ctx, [bars])
     assert "partition: HiGHS placement ILP (2 layers)" in bars_out.getvalue()
     assert "picompile.placement" in model.metadata_props  # the solve ran under the spinner
@@ -102,6 +100,29 @@ def test_verbose_lists_each_pass_with_time_and_node_counts(sparse_files, tmp_pat
     for line in index:  # every listed file exists, and its node count is the one in the index
         name, counts = line.split()[0], re.search(r"-> (\d+) nodes", line).group(1)
         assert int(counts) == len(list(load_ir(tmp_path / "ir" / name).graph))
+
+
+@pytest.mark.parametrize("mode", ["dense", "predictor", "threshold"])
+def test_verbose_plan_is_exactly_the_passes_that_ran(tiny_models, tmp_path, capsys, mode):
+    """-v lists the passes with their fields before they run: for each mode, `pipeline(options, mode)`
+    exactly, and the passes timed and dumped are those."""
+    from picompile.compiler import pipeline
+
+    files = tiny_models("llama", hidden_act="silu") if mode == "threshold" else tiny_models("opt", sparsity=0.9)
+    dump = tmp_path / "ir"
+    assert main(["build", str(files.onnx), "-o", str(tmp_path / "p.pic"), "--max-context", "32", "--calib",
+                 str(files.calib), "-v", "--dump-ir", str(dump), *(["--dense"] if mode == "dense" else [])]) == 0
+    err = capsys.readouterr().err
+    expected = pipeline(Options(dense=mode == "dense", max_context=32, calib=files.calib), mode)
+    planned = re.findall(r"^plan (\d\d) (.*)$", err, re.M)
+    timed = re.findall(r"^pass (\d\d) (\w+) +[\d.]+ ms", err, re.M)
+    numbers = [f"{i:02d}" for i in range(len(expected))]
+    assert planned == list(zip(numbers, map(describe_pass, expected)))
+    assert timed == list(zip(numbers, [p.name for p in expected]))
+    dumped = [line.split()[0] for line in (dump / "index.txt").read_text().splitlines()]
+    assert dumped == [f"{n}-{p.name}.onnx" for n, p in zip(numbers, expected)]
+    if mode != "dense":
+        assert "sparsity(requested='auto', sparsity=None)" in err and f"sparsity: {mode} mode" in err
 
 
 def load_ir(path: Path):
