@@ -3,7 +3,7 @@
 Runs in threshold mode. Reads: the sparsity s the sparsity pass recorded on the IR (`Sparsity.of`), the
 profiled FFN inputs (`ProfiledActivations`: per layer [tokens, d_model], the normed x the gate and up
 projections read) and the `picompile.FFN` nodes' weights (w_up [D, F] or [D, 2F] gate then up, b_up),
-`activation` and `gated`. It has no fields: s is a fact about the build, recorded once.
+`activation` and `gated`. It has no fields: s is recorded once, on the IR, by the sparsity pass.
 Adds, per FFN node, float attributes `threshold_in` (t_in: decode keeps input channel j of gate/up iff
 |x_j| > t_in) and `threshold_down` (t_down: keeps hidden neuron i, the input of down, iff |h_i| > t_down),
 and `sparsity_in` / `sparsity_down`, the shares of inputs each drops on held-out profiled tokens.

@@ -32,8 +32,8 @@ __all__ = ["Options", "Context", "Hook", "Pass", "PassResult", "ProgressBars", "
 
 @dataclass
 class Options:
-    """What the user asked for on the command line (or the Python API). No pass reads it:
-    `compiler.pipeline` hands each pass the fields it reads (and its defaults are theirs)."""
+    """What the user asked for on the command line (or the Python API). No pass reads it: `compiler.pipeline`
+    gives each pass the options it reads as its fields, whose defaults are these."""
 
     dense: bool = False
     max_context: int = 256
