@@ -125,6 +125,12 @@ def test_verbose_plan_is_exactly_the_passes_that_ran(tiny_models, tmp_path, caps
         assert "sparsity(requested='auto', sparsity=None)" in err and f"sparsity: {mode} mode" in err
 
 
+def test_passes_are_configured_by_their_fields_not_the_options():
+    """No pass reads ctx.options but codegen, which keeps it until it takes its own fields."""
+    passes = Path(__file__).resolve().parents[1] / "passes"
+    assert sorted(p.name for p in passes.glob("*.py") if "ctx.options" in p.read_text()) == ["codegen.py"]
+
+
 def load_ir(path: Path):
     import onnx_ir as ir
 
