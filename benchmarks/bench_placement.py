@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from passes.partition import RESERVE_FRACTION, min_neurons_for, solve_placement  # noqa: E402
+from picompile.costmodel import sync_seconds  # noqa: E402
 from picompile.targets import GiB, get_target  # noqa: E402
 
 SHAPES = {  # name: (layers, ffn, d_model, kv_heads, head_dim, vocab)
@@ -102,8 +103,8 @@ def main() -> None:
             budgets.append(("24GiB", on_card, ""))
         budgets += [(f"{share}%FFN", ffn_total * share // 100, "") for share in args.shares]
         for batch in args.batches:
-            minimum = [min_neurons_for(f, per_neuron, batch, d, target.cpu_bandwidth_gbs, target.pcie_bandwidth_gbs,
-                                       BYTES) for f in ranked]
+            sync = sync_seconds(target, d * BYTES)  # the layer's input to the GPU, its partial output back
+            minimum = [min_neurons_for(f, per_neuron, batch, target.cpu_bandwidth_gbs, sync) for f in ranked]
             for label, budget, note in budgets:
                 started = time.perf_counter()
                 placement = solve_placement(frequencies, [per_neuron] * layers, budget, batch=batch,

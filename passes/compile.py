@@ -43,6 +43,16 @@ def kernel_signature(func) -> list:
     return signature
 
 
+def first_layers(program: KernelProgram) -> dict[str, int | None]:
+    """Each kernel's first layer (of the first call that runs it), for the error of a kernel that fails."""
+    layers: dict[str, int | None] = {}
+    for call in program.calls:
+        for name in (call.decode, call.prefill):
+            if name:
+                layers.setdefault(name, call.layer)
+    return layers
+
+
 def _make(spec: KernelSpec, name: str, device: str):
     if device == "gpu":
         from .kernels import cuda
@@ -63,10 +73,12 @@ class Compile:
         library = Path(ctx.workdir) / "kernels" / "cpu.so"
         library.parent.mkdir(parents=True, exist_ok=True)
         names = sorted(program.kernels)
+        layer_of = first_layers(program)
         funcs = []
         with ctx.progress("compile: making CPU kernels", len(names)) as advance:
             for name in names:
-                funcs.append(_make(program.kernels[name], name, "cpu"))
+                with ctx.layer(layer_of.get(name)):
+                    funcs.append(_make(program.kernels[name], name, "cpu"))
                 advance()
         with ctx.progress(f"compile: compiling {len(funcs)} CPU kernels (LLVM)"):
             cpu.build(funcs, {**cpu.CPU_TARGET, "mcpu": get_cpu_isa(self.cpu_isa).mcpu}, str(library))
@@ -91,10 +103,11 @@ class Compile:
         if cuda.nvcc_path() is None:
             raise UserError(f"building for {ctx.target.name} compiles its GPU kernels with nvcc, which is not installed "
                             "(install the CUDA toolkit or set CUDA_PATH), or build with --target cpu")
-        funcs = []
+        funcs, layer_of = [], first_layers(program)
         with ctx.progress("compile: making CUDA kernels", len(names)) as advance:
             for name in names:
-                funcs.append(_make(program.kernels[name], name, "gpu"))
+                with ctx.layer(layer_of.get(name)):
+                    funcs.append(_make(program.kernels[name], name, "gpu"))
                 advance()
         arch = ctx.target.cuda_arch
         library = Path(ctx.workdir) / "kernels" / f"cuda_{arch}.so"

@@ -27,6 +27,7 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
+from picompile.sizes import weight_bytes
 from picompile.targets import format_size
 from runtime.artifact import available_memory_bytes, first_line
 
@@ -43,11 +44,6 @@ WEIGHT_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Gather"}
 # than the weights, so the factor is the large model's: a refusal must only stop builds that cannot fit.
 WORKING_FACTOR = 4.0
 BASE_BYTES = 512 << 20
-
-
-def weight_bytes(graph: ir.Graph) -> int:
-    """Bytes of the graph's constants, inline or in external data (sized, not read)."""
-    return sum(int(v.const_value.nbytes) for v in graph.initializers.values() if v.const_value is not None)
 
 
 def check_memory(what: str, weights: int) -> None:

@@ -1,5 +1,6 @@
-"""lower: replace each dense FFN with neuron-aware ops, split into a hot (GPU) and a cold (CPU) part.
+"""lower: replace each dense FFN with the sparse ops of the build's mode (one pass per mode).
 
+`LowerPredicted` (predictor mode) splits each FFN into a hot (GPU) and a cold (CPU) part.
 Reads: `picompile.FFN` nodes with what the earlier passes added: `gpu_neurons` and the initializer
 `layers.{i}.ffn.neuron_order` (partition), the predictor initializers and `predictor_threshold`
 (predict), the profile statistics. Adds, per layer, in place of the FFN:
@@ -10,11 +11,12 @@ Reads: `picompile.FFN` nodes with what the earlier passes added: `gpu_neurons` a
                           the same rows of the down projection (PowerInfer's ffn_down_t); multi-token
                           prompts compute the whole part densely;
   `picompile.MergePartial` adds the parts and the down bias.
-Weights are permuted so that each part is a contiguous block of rows. With `Options.all_neurons` the
-threshold admits every neuron: the split and merge are then exactly the dense FFN (what tests check).
+Weights are permuted so that each part is a contiguous block of rows. With its field `all_neurons`
+(--all-neurons) the threshold admits every neuron: the split and merge are then exactly the dense FFN
+(what tests check).
 
-In threshold mode (FFN nodes carrying `threshold_in` / `threshold_down`, from the threshold pass) each FFN
-becomes instead, on the CPU:
+`LowerThresholded` (threshold mode: FFN nodes carrying `threshold_in` / `threshold_down`, from the
+threshold pass) makes each FFN instead, on the CPU:
   `picompile.ThresholdFFN` x -> the FFN without its down bias, decode reading only the weight rows of the
                           inputs that pass: gate and up read the rows (one per input channel, w_up [D, 2F]
                           as stored) of the channels with |x| > threshold_in, down the rows (w_down [F, D])
@@ -32,7 +34,7 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
-from picompile.pipeline import Context
+from picompile.pipeline import Context, Options
 
 ALL_NEURONS = -3.0e38  # a threshold every score passes
 STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
@@ -51,35 +53,18 @@ def _drop_unused_initializers(graph: ir.Graph) -> None:
 
 
 @dataclass
-class Lower:
+class LowerThresholded:
     name = "lower"
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
-        ffns = pir.nodes_in_domain(model, "FFN")
-        if ctx.options.dense or not ffns:
-            return PassResult(model, modified=False)
-        if "threshold_in" in ffns[0].attributes:
-            report = [self._lower_thresholded(graph, node) for node in ffns]
-            _drop_unused_initializers(graph)
-            model.metadata_props["picompile.layers"] = json.dumps(report)
-            ctx.log(f"lower: {len(report)} threshold FFNs")
-            return PassResult(model, modified=True)
-        if "predictor_threshold" not in ffns[0].attributes:
-            return PassResult(model, modified=False)
-        report = []
-        for node in ffns:
-            with ctx.layer(pir.attr(node, "layer")):
-                report.append(self._lower_one(graph, node, ctx))
+        report = [self._lower_one(graph, node) for node in pir.nodes_in_domain(model, "FFN")]
         _drop_unused_initializers(graph)
         model.metadata_props["picompile.layers"] = json.dumps(report)
-        gpu = sum(r["gpu_neurons"] for r in report)
-        total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)
-        ctx.log(f"lower: {len(report)} sparse FFNs, {gpu} of {total} neurons on the GPU"
-                f"{', every neuron computed (--all-neurons)' if ctx.options.all_neurons else ''}")
+        ctx.log(f"lower: {len(report)} threshold FFNs")
         return PassResult(model, modified=True)
 
-    def _lower_thresholded(self, graph: ir.Graph, node: ir.Node) -> dict:
+    def _lower_one(self, graph: ir.Graph, node: ir.Node) -> dict:
         layer = pir.attr(node, "layer")
         prefix = f"layers.{layer}.ffn"
         keys = ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down")
@@ -98,7 +83,27 @@ class Lower:
         graph.remove(node, safe=True)
         return {"layer": layer, "mode": "threshold", **{key: pir.attr(node, key) for key in keys}}
 
-    def _lower_one(self, graph: ir.Graph, node: ir.Node, ctx: Context) -> dict:
+
+@dataclass
+class LowerPredicted:
+    name = "lower"
+    all_neurons: bool = Options.all_neurons  # every neuron passes the predictor (checks the split)
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        graph = model.graph
+        report = []
+        for node in pir.nodes_in_domain(model, "FFN"):
+            with ctx.layer(pir.attr(node, "layer")):
+                report.append(self._lower_one(graph, node))
+        _drop_unused_initializers(graph)
+        model.metadata_props["picompile.layers"] = json.dumps(report)
+        gpu = sum(r["gpu_neurons"] for r in report)
+        total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)
+        ctx.log(f"lower: {len(report)} sparse FFNs, {gpu} of {total} neurons on the GPU"
+                f"{', every neuron computed (--all-neurons)' if self.all_neurons else ''}")
+        return PassResult(model, modified=True)
+
+    def _lower_one(self, graph: ir.Graph, node: ir.Node) -> dict:
         layer = pir.attr(node, "layer")
         gated = bool(pir.attr(node, "gated"))
         prefix = f"layers.{layer}.ffn"
@@ -111,7 +116,7 @@ class Lower:
         parts = [(part, begin, end) for part, begin, end in (("gpu", 0, n_gpu), ("cpu", n_gpu, ffn)) if end > begin]
         w1 = graph.initializers[f"{prefix}.predictor.w1"]
         w2 = pir.const_array(graph.initializers[f"{prefix}.predictor.w2"])[:, order]
-        threshold = ALL_NEURONS if ctx.options.all_neurons else float(pir.attr(node, "predictor_threshold"))
+        threshold = ALL_NEURONS if self.all_neurons else float(pir.attr(node, "predictor_threshold"))
         predictor_device = "gpu" if n_gpu else "cpu"
         predict = ir.node("Predict", [x, w1, *(_rows(graph, f"{prefix}.predictor.w2.{part}", w2[:, b:e]) for part, b, e in parts)],
                           {"layer": layer, "device": predictor_device}, domain=pir.DOMAIN, num_outputs=len(parts),

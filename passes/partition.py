@@ -5,19 +5,21 @@ initializer inputs w_up [D, F] or [D, 2F] gated, b_up, w_down [F, D]), the per-l
 frequencies `layers.{i}.ffn.frequency` (float32 [F], added by the profile pass), the `picompile.Attention`
 nodes' `num_kv_heads` / `head_dim` (for the KV cache), every other initializer (the dense GPU part:
 attention, norms, embeddings, output layer, RoPE tables, predictors, frequency tables), the target's GPU
-memory and bandwidths and the options (`vram_budget_bytes`, `max_context`, `placement_batch`,
-`placement_time_limit_s`).
-Does nothing in threshold mode (`ctx.sparsity`: threshold FFNs run on the CPU).
+memory and bandwidths and its fields (`vram_budget_bytes`, `max_context`, `placement_batch`,
+`time_limit_s`, `weight_dtype`). Runs in predictor mode (threshold FFNs run on the CPU).
 Adds per FFN node: an int attribute `gpu_neurons` and an initializer `layers.{i}.ffn.neuron_order`
 (int64 [F]: neuron ids, hottest first; the first `gpu_neurons` of them are on the GPU, the rest on the
 CPU), and a graph-level `metadata_props["picompile.placement"]`: a JSON report of the solve (status,
 objective, gap, times, budget breakdown, per-layer counts) that `picompile inspect` shows.
 
-The FFN budget is the GPU memory (`--vram-budget`, else the target's) minus the dense part (every
-initializer that is not a per-neuron FFN weight, at BYTES_PER_ELEMENT), the KV cache for `max_context`
-tokens and a RESERVE_FRACTION reserve. A layer's minimum GPU part is the smallest prefix whose expected
-saving of CPU time pays for one CPU-GPU synchronisation (SYNC_LATENCY_S plus the PCIe copies), see
-`min_neurons_for`; balance (4) comes from the target's GPU and CPU bandwidths.
+Weights are priced as codegen stores them (`picompile.sizes.weight_storage_dtype`): on the GPU in fp32,
+on the CPU in `--weight-dtype` (fp16 halves a cold neuron's bytes). The FFN budget is the GPU memory
+(`--vram-budget`, else the target's) minus the dense part (every initializer that is not a per-neuron FFN
+weight), the KV cache for `max_context` tokens (`sizes.kv_cache_bytes`) and a RESERVE_FRACTION reserve. A
+layer's minimum GPU part is the smallest prefix whose expected saving of CPU time pays for one CPU-GPU
+synchronisation (`costmodel.sync_seconds`: the PCIe copies of its input and partial output), see
+`min_neurons_for`; balance (4) comes from the target's GPU and CPU bandwidths, each side's bytes at its
+storage type.
 
 The decision is PowerInfer's policy solver (SOSP '24, section "Neuron placement policy") as an integer
 linear program, solved by HiGHS; see `solve_placement` for the formulation. Fixed against the public
@@ -38,15 +40,12 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
-from picompile.pipeline import Context
+from picompile.costmodel import sync_seconds
+from picompile.pipeline import Context, Options
+from picompile.sizes import GPU_WEIGHT_DTYPE, kv_cache_bytes, weight_storage_dtype
 from picompile.targets import check_vram_budget, format_size
+from runtime.dtypes import itemsize, nbytes
 
-# Storage precision of the weights on the target: the one place to change when fp16/int4 weights land.
-BYTES_PER_ELEMENT = 4
-# Fixed cost of one CPU-GPU synchronisation per hybrid layer (kernel launch, event wait, merge): a layer
-# with GPU neurons must save at least this much CPU time per token, plus the PCIe copies of its input
-# and partial output, or it is cheaper to leave the whole layer on the CPU.
-SYNC_LATENCY_S = 20e-6
 # Share of the GPU memory kept free for activations, kernel workspace and the allocator's slack.
 RESERVE_FRACTION = 0.05
 
@@ -364,22 +363,18 @@ def _prefix_counts(M: _Model, chosen: np.ndarray) -> list[int]:
 # ---------------------------------------------------------------- the pass
 
 
-def min_neurons_for(frequency_sorted: np.ndarray, bytes_per_neuron: int, batch: int, d_model: int,
-                    cpu_bandwidth_gbs: float, pcie_bandwidth_gbs: float, bytes_per_element: int = BYTES_PER_ELEMENT,
-                    sync_latency_s: float = SYNC_LATENCY_S) -> int:
+def min_neurons_for(frequency_sorted: np.ndarray, cpu_bytes_per_neuron: int, batch: int, cpu_bandwidth_gbs: float,
+                    sync_s: float) -> int:
     """The smallest GPU part (a multiple of `batch`, at least one batch, or the whole layer) whose expected
-    saving of CPU time per token, sum of its frequencies * bytes per neuron / CPU bandwidth, covers one
-    synchronisation: `sync_latency_s` plus the PCIe copies of the layer input and the partial output
-    (2 * d_model elements). If no part short of the whole layer pays, the minimum is the whole layer
-    (all on the GPU needs no synchronisation at all)."""
+    saving of CPU time per token, sum of its frequencies * a neuron's bytes as the CPU stores them / CPU
+    bandwidth, covers one synchronisation of `sync_s` seconds (`costmodel.sync_seconds`). If no part short
+    of the whole layer pays, the minimum is the whole layer (all on the GPU needs no synchronisation at all)."""
     total = frequency_sorted.size
     if total == 0:
         return 0
-    copy_s = 2 * d_model * bytes_per_element / (pcie_bandwidth_gbs * 1e9) if pcie_bandwidth_gbs > 0 else 0.0
-    sync_s = sync_latency_s + copy_s
     if cpu_bandwidth_gbs <= 0:
         return total
-    saved = np.cumsum(np.asarray(frequency_sorted, np.float64)) * bytes_per_neuron / (cpu_bandwidth_gbs * 1e9)
+    saved = np.cumsum(np.asarray(frequency_sorted, np.float64)) * cpu_bytes_per_neuron / (cpu_bandwidth_gbs * 1e9)
     candidates = np.append(np.arange(batch, total, batch), total)
     paying = candidates[saved[candidates - 1] >= sync_s]
     return int(paying[0]) if paying.size else int(total)
@@ -389,26 +384,36 @@ def _elements(value: ir.Value) -> int:
     return int(value.const_value.size) if value.const_value is not None else 0
 
 
+def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_dtype: str) -> int:
+    """One FFN neuron's weights on a device: its up (and gate) and down rows in the device's matrix type,
+    its up bias (codegen keeps biases in fp32)."""
+    return nbytes([d_model * (up_per_neuron + 1)], matrix_dtype) + nbytes([up_per_neuron if biased else 0], "float32")
+
+
 @dataclass
 class Partition:
     name = "partition"
-    bytes_per_element: int = BYTES_PER_ELEMENT
+    vram_budget_bytes: int | None = Options.vram_budget_bytes  # None: the target's GPU memory
+    max_context: int = Options.max_context  # the KV cache's length
+    placement_batch: int = Options.placement_batch  # neurons per ILP variable
+    time_limit_s: float = Options.placement_time_limit_s
+    weight_dtype: str = Options.weight_dtype  # --weight-dtype: how the CPU stores its (cold) neurons
     reserve_fraction: float = RESERVE_FRACTION
-    sync_latency_s: float = SYNC_LATENCY_S
+    min_or_nothing: bool = True  # constraint (3): a layer's GPU part, if any, pays for its CPU-GPU sync
     balance: bool = True  # constraint (4), from the target's GPU and CPU bandwidths
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        if ctx.options.dense or ctx.sparsity.get("mode") == "threshold":  # threshold FFNs run on the CPU
-            return PassResult(model, modified=False)
-        graph, target, options = model.graph, ctx.target, ctx.options
+        graph, target = model.graph, ctx.target
         ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
         attentions = pir.nodes_in_domain(model, "Attention")
-        bpe = self.bytes_per_element
+        cpu_dtype = weight_storage_dtype("cpu", self.weight_dtype)
 
-        check_vram_budget(target, options.vram_budget_bytes)
+        check_vram_budget(target, self.vram_budget_bytes)
 
-        # Per layer: sorted frequencies, neuron order, bytes per neuron; and which initializers are FFN-owned.
-        frequencies, orders, bytes_per_neuron, d_models, per_neuron_values = [], [], [], [], set()
+        # Per layer: sorted frequencies, neuron order, a neuron's bytes on the GPU (what the budget holds)
+        # and on the CPU (what leaving it there costs a token); and which initializers are FFN-owned.
+        frequencies, orders, bytes_per_neuron, cpu_bytes_per_neuron, d_models = [], [], [], [], []
+        per_neuron_values = set()
         for node in ffns:
             layer = int(pir.attr(node, "layer"))
             name = f"layers.{layer}.ffn.frequency"
@@ -419,44 +424,47 @@ class Partition:
             width, d_model = w_down.const_value.shape[0], w_down.const_value.shape[1]
             if frequency.size != width:
                 raise ValueError(f"{name} has {frequency.size} entries but layer {layer} has {width} neurons")
-            gated = int(pir.attr(node, "gated", 0))
-            up_per_neuron = 2 if gated else 1
-            elements = d_model * up_per_neuron + d_model + (up_per_neuron if b_up is not None else 0)
+            up_per_neuron = 2 if int(pir.attr(node, "gated", 0)) else 1
             order = np.argsort(-frequency, kind="stable").astype(np.int64)
             frequencies.append(frequency[order])
             orders.append((layer, order))
-            bytes_per_neuron.append(elements * bpe)
+            bytes_per_neuron.append(neuron_bytes(d_model, up_per_neuron, b_up is not None, GPU_WEIGHT_DTYPE))
+            cpu_bytes_per_neuron.append(neuron_bytes(d_model, up_per_neuron, b_up is not None, cpu_dtype))
             d_models.append(d_model)
             per_neuron_values.update(id(v) for v in (w_up, b_up, w_down) if v is not None)
 
         # The budget left for FFN neurons. b_down ([D], added once per layer on the GPU side of the merge)
         # counts as dense; neuron_order tables from an earlier run are replaced, not counted.
-        vram = options.vram_budget_bytes if options.vram_budget_bytes is not None else target.gpu_memory_bytes
-        dense = sum(_elements(v) * bpe for name, v in graph.initializers.items()
-                    if id(v) not in per_neuron_values and not name.endswith(".ffn.neuron_order"))
-        kv_cache = sum(2 * int(pir.attr(n, "num_kv_heads")) * int(pir.attr(n, "head_dim")) * options.max_context * bpe
-                       for n in attentions)
+        vram = self.vram_budget_bytes if self.vram_budget_bytes is not None else target.gpu_memory_bytes
+        dense = sum(_elements(v) for name, v in graph.initializers.items()
+                    if id(v) not in per_neuron_values and not name.endswith(".ffn.neuron_order")) * itemsize(GPU_WEIGHT_DTYPE)
+        kv_cache = kv_cache_bytes([(int(pir.attr(n, "num_kv_heads")), int(pir.attr(n, "head_dim"))) for n in attentions],
+                                  self.max_context)
         reserve = int(vram * self.reserve_fraction)
         budget = int(vram - dense - kv_cache - reserve)
 
-        batch = max(1, int(options.placement_batch))
+        batch = max(1, int(self.placement_batch))
         if not target.has_gpu:
             placement = Placement([0] * len(ffns), f"no GPU on target {target.name}", 0.0, 0.0, 0.0, 0, 0)
         elif budget <= 0:
             placement = Placement([0] * len(ffns), "no GPU budget: the dense part, KV cache and reserve fill the "
                                   "GPU memory", 0.0, 0.0, 0.0, 0, 0)
         else:
-            minimum = [min_neurons_for(f, b, batch, d, target.cpu_bandwidth_gbs, target.pcie_bandwidth_gbs, bpe,
-                                       self.sync_latency_s)
-                       for f, b, d in zip(frequencies, bytes_per_neuron, d_models)]
+            minimum = None
+            if self.min_or_nothing:  # a sync copies the layer's fp32 input to the GPU and its partial output back
+                minimum = [min_neurons_for(f, b, batch, target.cpu_bandwidth_gbs,
+                                           sync_seconds(target, nbytes([d], "float32")))
+                           for f, b, d in zip(frequencies, cpu_bytes_per_neuron, d_models)]
             timing = {}
             if self.balance and target.gpu_bandwidth_gbs > 0 and target.cpu_bandwidth_gbs > 0:
+                # the solver counts a neuron's GPU bytes; the CPU reads it at its own storage type
+                cpu_share = itemsize(cpu_dtype) / itemsize(GPU_WEIGHT_DTYPE)
                 timing = {"gpu_time_per_byte": 1 / (target.gpu_bandwidth_gbs * 1e9),
-                          "cpu_time_per_byte": 1 / (target.cpu_bandwidth_gbs * 1e9)}
+                          "cpu_time_per_byte": cpu_share / (target.cpu_bandwidth_gbs * 1e9)}
             # HiGHS reports no progress while it solves: a spinner with the elapsed time
             with ctx.progress(f"partition: HiGHS placement ILP ({len(ffns)} layers)"):
                 placement = solve_placement(frequencies, bytes_per_neuron, budget, batch=batch, min_neurons=minimum,
-                                            time_limit_s=options.placement_time_limit_s, **timing)
+                                            time_limit_s=self.time_limit_s, **timing)
 
         for node, (layer, order), n in zip(ffns, orders, placement.gpu_neurons):
             node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", int(n))
@@ -482,7 +490,8 @@ class Partition:
             "reserve_bytes": reserve,
             "ffn_bytes": ffn_bytes,
             "used_bytes": placement.used_bytes,
-            "bytes_per_element": bpe,
+            "gpu_weight_dtype": GPU_WEIGHT_DTYPE,
+            "cpu_weight_dtype": cpu_dtype,
             "layers": [layer for layer, _ in orders],
             "gpu_neurons": [int(n) for n in placement.gpu_neurons],
             "min_neurons": [int(n) for n in placement.min_neurons],

@@ -27,12 +27,12 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.pipeline import Context
+from picompile.sizes import GPU_WEIGHT_DTYPE, kv_cache_bytes
 from picompile.targets import format_size
 from runtime.dtypes import nbytes
 
 from .partition import RESERVE_FRACTION
 
-GPU_WEIGHT_DTYPE = "float32"  # what the GPU's kernels read today (the CPU may store fp16)
 DEVICE_KEY = "picompile.device"
 
 
@@ -60,7 +60,7 @@ def _gpu_bytes(node: ir.Node, max_context: int) -> int:
     total = sum(nbytes(value.const_value.shape, GPU_WEIGHT_DTYPE) for value in node.inputs
                 if value is not None and value.const_value is not None)
     if node.op_type == "Attention":
-        total += 2 * nbytes([pir.attr(node, "num_kv_heads"), max_context, pir.attr(node, "head_dim")], GPU_WEIGHT_DTYPE)
+        total += kv_cache_bytes([(pir.attr(node, "num_kv_heads"), pir.attr(node, "head_dim"))], max_context)
     return total
 
 

@@ -1,21 +1,21 @@
 """predict: train one activation predictor per FFN layer (PowerInfer's adaptive predictors).
 
-Reads: `ctx.profile` (layer -> FFN inputs [tokens, d_model] float32 after the FFN's norm, active neurons
-[tokens, ffn] bool; tokens sequence-major), written by the profile pass; the `picompile.FFN` nodes (int
-attributes `layer` and `gated`; the up (gate) weight and bias, from which the pre-activations that the
-predictors are fitted to come); the model's parameter count (the sum of all initializer sizes); the
-options `predictor_param_share`, `target_recall`, `seed` and `dense`.
-In threshold mode (`ctx.sparsity`, the sparsity-mode pass) the IR is left unchanged: the threshold pass
-runs instead. Adds: per FFN layer i the initializers `layers.{i}.ffn.predictor.w1` [d_model, r] and
+Runs in predictor mode. Reads: the profiled activations (`ProfiledActivations`: per layer the FFN inputs
+[tokens, d_model] float32 after the FFN's norm and the active neurons [tokens, ffn] bool; tokens
+sequence-major), written by the profile pass; the `picompile.FFN` nodes (int attributes `layer` and
+`gated`; the up (gate) weight and bias, from which the pre-activations that the predictors are fitted to
+come); the model's parameter count (`sizes.parameter_count`); its fields `target_recall`, `param_share`,
+`weight_dtype` and `seed`.
+Adds: per FFN layer i the initializers `layers.{i}.ffn.predictor.w1` [d_model, r] and
 `layers.{i}.ffn.predictor.w2` [r, ffn] (float32; neuron j is predicted active for input x iff
 (relu(x @ w1) @ w2)[j] > threshold) and, on the FFN node, `predictor_rank` (int), `predictor_threshold`,
 `predictor_recall`, `predictor_precision` and `predictor_active` (floats: recall, precision and mean
 fraction of neurons predicted active on held-out profiled tokens; the last is what a decode step pays
-for). Each layer's rank r is the one whose decode step reads the fewest weights, the predictor's
-r * (d_model + ffn) plus the up (gate) and down rows of the neurons it predicts active (`step_reads`), as
-estimated before training by the least-squares probe training starts from (`price_ranks`); all
-predictors together stay within `predictor_param_share` of the model's parameters (`choose_ranks`).
-With `dense` set, or without a profile, the IR is left unchanged.
+for). Each layer's rank r is the one whose decode step reads the fewest weight bytes, the predictor's
+r * (d_model + ffn) fp32 weights plus the up (gate) and down rows of the neurons it predicts active at the
+CPU's storage type (`step_reads`: fp16 rows under `--weight-dtype fp16` make a predictor relatively
+dearer), as estimated before training by the least-squares probe training starts from (`price_ranks`);
+all predictors together stay within `param_share` of the model's parameters (`choose_ranks`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ import torch
 from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
-from picompile.pipeline import Context
+from picompile.pipeline import Context, Options
+from picompile.sizes import PREDICTOR_DTYPE, parameter_count, weight_storage_dtype
+from runtime.dtypes import itemsize
+
+from .profile import ProfiledActivations
 
 __all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "price_ranks", "choose_ranks", "probe_active",
            "train_predictor", "predict_active"]
@@ -61,15 +65,17 @@ def candidate_ranks(limit: int) -> list[int]:
     return ranks
 
 
-def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bool) -> float:
-    """Weights one FFN layer reads in a one-token decode step, in parameters: the whole predictor
-    (w1 [d_model, rank], w2 [rank, ffn]) and the up (gate) and down rows of the neurons it predicts
-    active. Decode is memory-bound and every weight is float32, so this is its cost."""
-    return rank * (d_model + ffn) + active_share * ffn * d_model * (3 if gated else 2)
+def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bool,
+               row_dtype: str = "float32") -> float:
+    """Weight bytes one FFN layer reads in a one-token decode step: the whole predictor (w1 [d_model, rank],
+    w2 [rank, ffn], stored as PREDICTOR_DTYPE) and the up (gate) and down rows of the neurons it predicts
+    active, stored as `row_dtype`. Decode is memory-bound, so this is its cost."""
+    return (rank * (d_model + ffn) * itemsize(PREDICTOR_DTYPE)
+            + active_share * ffn * d_model * (3 if gated else 2) * itemsize(row_dtype))
 
 
 def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool, *, target_recall: float,
-                pre_activations: np.ndarray | None = None) -> dict[int, tuple[float, float]]:
+                pre_activations: np.ndarray | None = None, row_dtype: str = "float32") -> dict[int, tuple[float, float]]:
     """rank -> (estimated predicted-active share, `step_reads`) of one layer's predictor, for the
     `candidate_ranks` up to `limit`, the share from `probe_active`. Pricing stops before the first rank
     that cannot beat the cheapest so far even if it predicted no more neurons than `target_recall` of
@@ -80,10 +86,10 @@ def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool,
     priced: dict[int, tuple[float, float]] = {}
     for rank, share in probe_active(inputs, active, ranks, target_recall=target_recall,
                                     pre_activations=pre_activations):
-        priced[rank] = (share, step_reads(rank, share, d_model, ffn, gated))
+        priced[rank] = (share, step_reads(rank, share, d_model, ffn, gated, row_dtype))
         best = min(reads for _, reads in priced.values())
         larger = [r for r in ranks if r > rank]
-        if not larger or step_reads(larger[0], least_share, d_model, ffn, gated) >= best:
+        if not larger or step_reads(larger[0], least_share, d_model, ffn, gated, row_dtype) >= best:
             break
     return priced
 
@@ -437,10 +443,6 @@ def _threads(count: int):
 # ---------------------------------------------------------------- the pass
 
 
-def _param_count(model: ir.Model) -> int:
-    return int(sum(pir.const_array(v).size for v in model.graph.initializers.values() if v.const_value is not None))
-
-
 def _pre_activations(node: ir.Node, inputs: np.ndarray, active: np.ndarray) -> np.ndarray | None:
     """x @ w_up + b_up of the neurons whose activity is profiled (the gate half for gated FFNs), or None
     when the node's weights do not fit the profile (or, for ReLU, disagree with its activity)."""
@@ -459,22 +461,24 @@ def _pre_activations(node: ir.Node, inputs: np.ndarray, active: np.ndarray) -> n
 @dataclass
 class Predict:
     name = "predict"
+    target_recall: float = Options.target_recall
+    param_share: float = Options.predictor_param_share  # cap on all predictors together, of the model's parameters
+    weight_dtype: str = Options.weight_dtype  # --weight-dtype: the CPU's FFN rows are priced as stored
+    seed: int = Options.seed
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        options = ctx.options
-        if options.dense or not ctx.profile or ctx.sparsity.get("mode") == "threshold":
-            return PassResult(model, modified=False)
-        nodes = sorted((n for n in pir.nodes_in_domain(model, "FFN") if int(pir.attr(n, "layer")) in ctx.profile),
-                       key=lambda n: int(pir.attr(n, "layer")))
-        if not nodes:
-            return PassResult(model, modified=False)
+        profiled = ProfiledActivations.of(model)
+        nodes = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
         layers = [int(pir.attr(n, "layer")) for n in nodes]
-        data = [(np.asarray(ctx.profile[i][0], np.float32), np.asarray(ctx.profile[i][1], bool)) for i in layers]
+        data = [(np.asarray(profiled.layer(i).inputs, np.float32), np.asarray(profiled.layer(i).active, bool))
+                for i in layers]
         d_model = data[0][0].shape[1]
         widths = [d_model + active.shape[1] for _, active in data]
         gated = [bool(pir.attr(node, "gated", 0)) for node in nodes]
-        params = _param_count(model)
-        budget = int(options.predictor_param_share * params)
+        params = parameter_count(model.graph)
+        budget = int(self.param_share * params)
+        # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.
+        row_dtype = weight_storage_dtype("cpu", self.weight_dtype)
 
         def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
             # pre-activations are recomputed per phase rather than all held: 128 MiB a layer at ffn 8192
@@ -486,16 +490,16 @@ class Predict:
                 inputs, active, pre = layer_data(index)
                 # d_model: where a low-rank first layer stops being low rank
                 limit = min(d_model, budget // widths[index])
-                priced = price_ranks(inputs, active, limit, gated[index], target_recall=options.target_recall,
-                                     pre_activations=pre)
+                priced = price_ranks(inputs, active, limit, gated[index], target_recall=self.target_recall,
+                                     pre_activations=pre, row_dtype=row_dtype)
             advance()
             return priced
 
         def train(index: int) -> tuple[Predictor, bool]:
             with ctx.layer(layers[index]):
                 inputs, active, pre = layer_data(index)
-                predictor = train_predictor(inputs, active, ranks[index], target_recall=options.target_recall,
-                                            seed=options.seed + layers[index], pre_activations=pre)
+                predictor = train_predictor(inputs, active, ranks[index], target_recall=self.target_recall,
+                                            seed=self.seed + layers[index], pre_activations=pre)
             advance()
             return predictor, pre is not None
 
@@ -509,12 +513,12 @@ class Predict:
             pricing = time.perf_counter() - started
             ranks = choose_ranks([{r: reads for r, (_, reads) in p.items()} for p in priced], widths, budget)
             for layer, prices, rank in zip(layers, priced, ranks):
-                estimates = ", ".join(f"{r} {reads / 1e6:.3g}M ({share:.1%} active)"
+                estimates = ", ".join(f"{r} {reads / 2**20:.3g} MiB ({share:.1%} active)"
                                       for r, (share, reads) in prices.items())
                 ctx.log(f"predict: layer {layer} estimated step reads by rank: {estimates}; rank {rank}")
             used = sum(r * w for r, w in zip(ranks, widths))
             ctx.log(f"predict: {len(nodes)} layers, ranks {ranks} use {used} params of the budget {budget} "
-                    f"({options.predictor_param_share:.1%} of {params})"
+                    f"({self.param_share:.1%} of {params})"
                     + (" (OVER BUDGET: smallest ranks)" if used > budget else "") + f"; priced in {pricing:.1f}s")
             started = time.perf_counter()
             with ctx.progress("predict: training predictors (layers)", len(nodes)) as advance:

@@ -1,12 +1,14 @@
 """profile: run calibration tokens through the dense model and count how often each FFN neuron fires.
 
 Reads: the block IR's `picompile.FFN` nodes (their `source.input` / `source.activation` metadata name the
-tensors in the source graph) and the source graph itself (`ctx.source`, kept by recognise), which
-onnxruntime runs as the reference executor. Adds per FFN layer: an initializer `layers.{i}.ffn.frequency`
-(float32 [ffn]: fraction of calibration tokens on which each neuron was active) and float attributes
-`sparsity`, `skewness` (of the frequency distribution) and `hot80_share` (the share of neurons that carry
-80% of all activations). The FFN inputs and activity masks, too large for the IR, go to `ctx.profile`
-for the predict and threshold passes. The activation CDF per layer is plotted into the artifact (`plots/activation_cdf.png`).
+tensors in the source graph), the source graph itself (`recognise.source_model`, on the IR's `meta`), which
+onnxruntime runs as the reference executor, and its fields: the calibration file `calib` (None: random
+tokens), `calib_tokens`, `max_context` (sequences are cut to min(max_context, 128) tokens) and `seed`.
+Adds per FFN layer: an initializer `layers.{i}.ffn.frequency` (float32 [ffn]: fraction of calibration
+tokens on which each neuron was active) and float attributes `sparsity`, `skewness` (of the frequency
+distribution) and `hot80_share` (the share of neurons that carry 80% of all activations). The FFN inputs and
+activity masks, too large to serialise, ride on the IR's `meta` as one `ProfiledActivations` for the predict
+and threshold passes. The activation CDF per layer is plotted into the artifact (`plots/activation_cdf.png`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,43 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.errors import UserError
-from picompile.pipeline import Context
+from picompile.pipeline import Context, Options
 from picompile.tokens import read_tokens
 from runtime.artifact import first_line
+
+from .recognise import source_model
+
+PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
+
+
+@dataclass
+class LayerActivations:
+    """One FFN layer over the profiled tokens (sequence-major)."""
+
+    inputs: np.ndarray  # [tokens, d_model] float32: the FFN's input after its norm (what gate and up read)
+    active: np.ndarray  # [tokens, ffn] bool: which neurons fired (activation output != 0)
+
+
+@dataclass
+class ProfiledActivations:
+    """What the profile pass saw, per layer, for the passes that fit to it (predict, threshold)."""
+
+    layers: dict[int, LayerActivations]
+
+    def attach(self, model: ir.Model) -> None:
+        model.meta[PROFILED] = self
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "ProfiledActivations":
+        profiled = model.meta.get(PROFILED)
+        if profiled is None:
+            raise ValueError("the IR carries no profiled activations (run the profile pass first)")
+        return profiled
+
+    def layer(self, index: int) -> LayerActivations:
+        if index not in self.layers:
+            raise ValueError(f"layer {index} was not profiled (run the profile pass first)")
+        return self.layers[index]
 
 
 @dataclass
@@ -44,18 +80,18 @@ def layer_stats(active: np.ndarray) -> LayerStats:
     return LayerStats(frequency.astype(np.float32), float(1.0 - frequency.mean()), skewness, hot80)
 
 
-def calibration_tokens(ctx: Context, vocab_size: int) -> list[np.ndarray]:
-    """The user's calibration sequences, or random tokens (fit only for synthetic models), up to the budget."""
-    budget = ctx.options.calib_tokens
-    length = min(ctx.options.max_context, 128)
-    if ctx.options.calib is None:
-        ctx.log("profile: no --calib file: profiling on random tokens, which is only fit for synthetic models")
-        rng = np.random.default_rng(ctx.options.seed)
+def calibration_tokens(calib: Path | None, budget: int, length: int, seed: int, vocab_size: int,
+                       log=lambda message: None) -> list[np.ndarray]:
+    """The sequences of `calib` cut to `length` tokens, or random tokens (fit only for synthetic models),
+    up to `budget` tokens."""
+    if calib is None:
+        log("profile: no --calib file: profiling on random tokens, which is only fit for synthetic models")
+        rng = np.random.default_rng(seed)
         return [rng.integers(0, vocab_size, size=length) for _ in range(max(1, budget // length))]
     sequences, used = [], 0
-    for sequence in read_tokens(ctx.options.calib):
+    for sequence in read_tokens(calib):
         if int(sequence.max()) >= vocab_size:
-            raise UserError(f"{ctx.options.calib} holds token id {int(sequence.max())}, outside the vocabulary ({vocab_size})")
+            raise UserError(f"{calib} holds token id {int(sequence.max())}, outside the vocabulary ({vocab_size})")
         for begin in range(0, len(sequence), length):
             if used >= budget:
                 return sequences
@@ -124,36 +160,42 @@ def plot_cdf(stats: dict[int, LayerStats], path: Path) -> None:
     plt.close(figure)
 
 
+SEQUENCE_TOKENS = 128  # the longest calibration sequence (long prompts add little but time)
+
+
 @dataclass
 class Profile:
     name = "profile"
+    calib: Path | None = Options.calib
+    calib_tokens: int = Options.calib_tokens
+    max_context: int = Options.max_context
+    seed: int = Options.seed
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        if ctx.options.dense:
-            return PassResult(model, modified=False)
-        if ctx.source is None:
-            raise ValueError("profile needs the source graph (run recognise first)")
+        source = source_model(model)
         ffns = pir.nodes_in_domain(model, "FFN")
         vocab_size = pir.const_array(model.graph.initializers["embed.tokens"]).shape[0]
-        sequences = calibration_tokens(ctx, vocab_size)
+        sequences = calibration_tokens(self.calib, self.calib_tokens, min(self.max_context, SEQUENCE_TOKENS),
+                                       self.seed, vocab_size, ctx.log)
         wanted = [name for node in ffns for name in (node.metadata_props["source.input"], node.metadata_props["source.activation"])]
         collected: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
         with ctx.progress("profile: calibration sequences", len(sequences)) as advance:
-            for outputs in run_reference(ctx.source, wanted, sequences, Path(ctx.workdir)):
+            for outputs in run_reference(source, wanted, sequences, Path(ctx.workdir)):
                 for name, array in outputs.items():
                     collected[name].append(array.reshape(-1, array.shape[-1]))
                 advance()
-        stats = {}
+        stats, profiled = {}, ProfiledActivations({})
         for node in ffns:
             layer = pir.attr(node, "layer")
             with ctx.layer(layer):
                 inputs = np.concatenate(collected[node.metadata_props["source.input"]]).astype(np.float32)
                 active = np.concatenate(collected[node.metadata_props["source.activation"]]) != 0
-                ctx.profile[layer] = (inputs, active)
+                profiled.layers[layer] = LayerActivations(inputs, active)
                 s = stats[layer] = layer_stats(active)
                 pir.initializer(model.graph, f"layers.{layer}.ffn.frequency", s.frequency)
                 for key in ("sparsity", "skewness", "hot80_share"):
                     node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
+        profiled.attach(model)
         plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
         plot_cdf(stats, plot)
         ctx.artifact_files["plots/activation_cdf.png"] = plot

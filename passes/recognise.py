@@ -12,7 +12,9 @@ a norm, a `picompile.FFN` and an Add (parallel blocks, GPT-NeoX / Falcon: both b
 input and both outputs are added to it), then the final norm and the output MatMul. Weights become named
 initializers (`layers.3.ffn.w_up`, ...). Partial rotary embeddings become full-width RoPE with zero
 frequencies on the pass-through dimensions (query and key columns permuted alike, so the scores are
-unchanged). What it cannot recognise it refuses with a message naming it.
+unchanged). The source model rides on the new IR's `meta` (`source_model`), for the profile pass to run as
+its reference executor. Refuses what it cannot recognise with a message naming it, and a `max_context`
+(its field) that the model's learned positions or the machine's memory cannot hold.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from onnx_ir.passes import PassResult
 from passes.import_onnx import available_memory_bytes
 from picompile import ir as pir
 from picompile.errors import UserError
-from picompile.pipeline import Context
+from picompile.pipeline import Context, Options
+from picompile.sizes import kv_cache_bytes
 from picompile.targets import format_size
 from runtime.artifact import first_line
+from runtime.dtypes import nbytes
 
 # Ops that move or retype an activation without changing its values.
 PASS_THROUGH = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast"}
@@ -646,8 +650,8 @@ def _check_context(decoder: Decoder, max_context: int) -> None:
     """--max-context must fit the model's learned positions and the machine's memory (KV cache + logits)."""
     if decoder.positions is not None and decoder.positions.shape[0] < max_context:
         raise UserError(f"--max-context {max_context} exceeds the model's {decoder.positions.shape[0]} learned positions")
-    cache_bytes = sum(2 * a.num_kv_heads * a.head_dim for a in decoder.attentions) * max_context * 4
-    logits_bytes = max_context * decoder.lm_head.weight.shape[1] * 4
+    cache_bytes = kv_cache_bytes([(a.num_kv_heads, a.head_dim) for a in decoder.attentions], max_context)
+    logits_bytes = nbytes([max_context, decoder.lm_head.weight.shape[1]], "float32")
     available = available_memory_bytes()
     if available is not None and cache_bytes + logits_bytes > available:
         raise UserError(f"--max-context {max_context} needs {format_size(cache_bytes + logits_bytes)} for the KV cache "
@@ -822,15 +826,27 @@ def build_graph(decoder: Decoder) -> ir.Model:
     return ir.Model(graph, ir_version=10, producer_name="picompile")
 
 
+SOURCE = "picompile.source"  # the lifted model's `meta` entry: the imported model it was lifted from
+
+
+def source_model(lifted: ir.Model) -> ir.Model:
+    """The imported (pre-recognise) model `lifted` came from: the profile pass's reference executor runs it."""
+    source = lifted.meta.get(SOURCE)
+    if source is None:
+        raise ValueError("the IR does not carry its source model (run recognise first)")
+    return source
+
+
 @dataclass
 class Recognise:
     name = "recognise"
+    max_context: int = Options.max_context
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)
-        _check_context(decoder, ctx.options.max_context)
+        _check_context(decoder, self.max_context)
         lifted = build_graph(decoder)
-        ctx.source = model  # the profile pass runs the source graph as its reference executor
+        lifted.meta[SOURCE] = model
         ctx.log(f"recognised {len(decoder.attentions)} layers: "
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "

@@ -23,13 +23,14 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
+from picompile.sizes import KV_CACHE_DTYPE, weight_storage_dtype
 from picompile.targets import get_cpu_isa
 from runtime.calls import START, Access, Arg, Call, Role, Selection
-from runtime.dtypes import WEIGHT_DTYPES, itemsize
+from runtime.dtypes import itemsize
 
 from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
 from .kernels import cpu, neuron
-from .place import GPU_WEIGHT_DTYPE, device_of, node_layers
+from .place import device_of, node_layers
 
 
 def read(buffer: str) -> Arg:
@@ -45,7 +46,7 @@ class Lowering:
     """Collects kernels (deduplicated by name), calls, weights and buffers while walking the block IR."""
 
     max_context: int
-    cpu_weight_dtype: str = "float32"  # storage of the CPU's large weights (matrices, embeddings)
+    weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's large weights (matrices, embeddings)
     gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
     program: KernelProgram = field(default_factory=KernelProgram)
     device: str = "cpu"  # the device of the block being lowered
@@ -88,12 +89,9 @@ class Lowering:
             self.buffers[name]["layout"] = layout
         return name
 
-    def weight_dtype(self, device: str) -> str:
-        return self.cpu_weight_dtype if device == "cpu" else GPU_WEIGHT_DTYPE
-
     def stored_for(self, name: str, device: str) -> str:
         """A large weight in its device's storage type (done once; later calls see it converted)."""
-        dtype = self.weight_dtype(device)
+        dtype = weight_storage_dtype(device, self.weight_dtype)
         if self.buffers[name]["dtype"] != dtype:
             self.weight(name, self.weights[name], dtype, self.buffers[name].get("layout", ""))
         return name
@@ -253,7 +251,7 @@ class _Walker:
         attn = self.low.activation("act.attn", heads * head_dim)
         key_cache, value_cache = f"cache.{layer}.key", f"cache.{layer}.value"
         for name in (key_cache, value_cache):
-            self.low.buffers[name] = {"kind": "cache", "shape": [kv_heads, ctx, head_dim], "dtype": "float32"}
+            self.low.buffers[name] = {"kind": "cache", "shape": [kv_heads, ctx, head_dim], "dtype": KV_CACHE_DTYPE}
         p = node.name
         self.low.linear(x, w_qkv, b_qkv, qkv, f"{p}.qkv", Role.ATTENTION)
         rope_args = []
@@ -458,7 +456,7 @@ class SelectKernels:
     cpu_isa: str = "avx2"  # targets.CPU_ISAS: decides the prefill GEMM's register tile
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        lowering = Lowering(max_context=self.max_context, cpu_weight_dtype=WEIGHT_DTYPES[self.weight_dtype],
+        lowering = Lowering(max_context=self.max_context, weight_dtype=self.weight_dtype,
                             gemm_panels=get_cpu_isa(self.cpu_isa).gemm_panels)
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(lowering)

@@ -1,10 +1,10 @@
 """sparsity: decide how decode skips FFN work, predictor (PowerInfer) or threshold (TEAL).
 
-Reads: the `picompile.FFN` nodes' `activation` attribute, the options `sparsity_mode` ("auto", "predictor",
-"threshold") and `sparsity`, and whether the target has a GPU. Adds: `ctx.sparsity` ({"mode", "sparsity",
-"reason"}), which the profile, predict, threshold and partition passes follow, and the same as JSON in the
-graph's `metadata_props["picompile.sparsity"]` (the artifact's manifest carries it; `build` prints the
-reason).
+Reads: the `picompile.FFN` nodes' `activation` attribute, its fields `requested` (--sparsity-mode: "auto",
+"predictor", "threshold") and `sparsity` (--sparsity), and whether the target has a GPU. Adds: a `Sparsity`
+(mode, sparsity, reason) as JSON in the graph's `metadata_props["picompile.sparsity"]`, a fact about the
+model: `picompile.compiler` reads the mode there (`Sparsity.of`) to choose the passes that follow, the
+threshold pass its sparsity, and the artifact's manifest carries it (`build` prints the reason).
 
 The rule of "auto": a ReLU FFN outputs exact zeros for most neurons, so a predictor can skip whole neurons
 (predictor mode). A SiLU or GELU FFN almost never does, so there is nothing to predict; instead the inputs of
@@ -16,38 +16,61 @@ its predictors would let every neuron through.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.errors import UserError
-from picompile.pipeline import Context
+from picompile.pipeline import Context, Options
 
 MODES = ("auto", "predictor", "threshold")
 # TEAL reports 40-50% model-wide sparsity at small quality cost; 0.4 is the cautious end of that range.
 DEFAULT_SPARSITY = 0.4
 PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn
 SPELLING = {"relu": "ReLU", "silu": "SiLU", "gelu": "GELU"}
+KEY = "picompile.sparsity"  # the metadata_props entry
+
+
+@dataclass(frozen=True)
+class Sparsity:
+    """How decode skips FFN work in this model."""
+
+    mode: str  # "predictor" or "threshold"
+    sparsity: float | None  # threshold mode: the share of each projection's inputs dropped; else None
+    reason: str  # why this mode (what `build` prints)
+
+    def attach(self, model: ir.Model) -> None:
+        model.metadata_props[KEY] = json.dumps(asdict(self))
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "Sparsity":
+        if KEY not in model.metadata_props:
+            raise ValueError("the IR has no sparsity mode (run the sparsity pass first)")
+        return cls(**json.loads(model.metadata_props[KEY]))
+
+    def describe(self) -> str:
+        """One line: the mode, its sparsity (threshold mode) and why."""
+        level = f" at {self.sparsity:.2f}" if self.sparsity is not None else ""
+        return f"{self.mode} mode{level} ({self.reason})"
 
 
 @dataclass
 class SparsityMode:
     name = "sparsity"
+    requested: str = Options.sparsity_mode  # "auto", "predictor" or "threshold"
+    sparsity: float | None = Options.sparsity  # threshold mode's share dropped (None: DEFAULT_SPARSITY)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        options = ctx.options
-        if options.dense:
-            return PassResult(model, modified=False)
-        if options.sparsity_mode not in MODES:
-            raise UserError(f"--sparsity-mode must be one of {', '.join(MODES)}, got {options.sparsity_mode!r}")
-        if options.sparsity is not None and not 0.0 <= options.sparsity < 1.0:
-            raise UserError(f"--sparsity must be in [0, 1), got {options.sparsity}")
+        if self.requested not in MODES:
+            raise UserError(f"--sparsity-mode must be one of {', '.join(MODES)}, got {self.requested!r}")
+        if self.sparsity is not None and not 0.0 <= self.sparsity < 1.0:
+            raise UserError(f"--sparsity must be in [0, 1), got {self.sparsity}")
         activations = sorted({str(pir.attr(n, "activation")) for n in pir.nodes_in_domain(model, "FFN")})
         names = "/".join(SPELLING.get(a, a) for a in activations)
         predictable = all(a in PREDICTABLE for a in activations)
-        mode = options.sparsity_mode
+        mode = self.requested
         if mode == "auto":
             mode = "predictor" if predictable else "threshold"
             why = (f"layer FFNs use {names}: most neurons output exactly zero, so a predictor can skip them"
@@ -61,7 +84,7 @@ class SparsityMode:
                             "so every neuron would be predicted active: use --sparsity-mode threshold, or --dense")
         else:
             why = "asked for with --sparsity-mode"
-        if mode == "predictor" and options.sparsity is not None:
+        if mode == "predictor" and self.sparsity is not None:
             raise UserError("--sparsity sets the share of inputs threshold mode drops; predictor mode's sparsity "
                             f"comes from the model ({why}): drop --sparsity, or add --sparsity-mode threshold")
         if mode == "threshold" and ctx.target.has_gpu:
@@ -69,14 +92,8 @@ class SparsityMode:
                             f"{ctx.target.name} has a GPU: build with --target cpu, or --dense")
         sparsity = None
         if mode == "threshold":
-            sparsity = DEFAULT_SPARSITY if options.sparsity is None else float(options.sparsity)
-        ctx.sparsity = {"mode": mode, "sparsity": sparsity, "reason": why}
-        model.metadata_props["picompile.sparsity"] = json.dumps(ctx.sparsity)
-        ctx.log(f"sparsity: {describe(ctx.sparsity)}")
+            sparsity = DEFAULT_SPARSITY if self.sparsity is None else float(self.sparsity)
+        decided = Sparsity(mode, sparsity, why)
+        decided.attach(model)
+        ctx.log(f"sparsity: {decided.describe()}")
         return PassResult(model, modified=True)
-
-
-def describe(sparsity: dict) -> str:
-    """One line: the mode, its sparsity (threshold mode) and why (what `build` prints)."""
-    level = f" at {sparsity['sparsity']:.2f}" if sparsity.get("sparsity") is not None else ""
-    return f"{sparsity['mode']} mode{level} ({sparsity['reason']})"

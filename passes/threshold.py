@@ -1,9 +1,9 @@
 """threshold: calibrate TEAL-style magnitude thresholds on the inputs of each FFN's projections.
 
-Reads: `ctx.sparsity` (mode and sparsity s, from the sparsity-mode pass; nothing happens outside threshold
-mode), `ctx.profile` (layer -> FFN inputs [tokens, d_model], the normed x the gate and up projections read,
-written by the profile pass) and the `picompile.FFN` nodes' weights (w_up [D, F] or [D, 2F] gate then up,
-b_up), `activation` and `gated`.
+Runs in threshold mode. Reads: the sparsity s the sparsity pass recorded on the IR (`Sparsity.of`), the
+profiled FFN inputs (`ProfiledActivations`: per layer [tokens, d_model], the normed x the gate and up
+projections read) and the `picompile.FFN` nodes' weights (w_up [D, F] or [D, 2F] gate then up, b_up),
+`activation` and `gated`. It has no fields: s is recorded once, on the IR, by the sparsity pass.
 Adds, per FFN node, float attributes `threshold_in` (t_in: decode keeps input channel j of gate/up iff
 |x_j| > t_in) and `threshold_down` (t_down: keeps hidden neuron i, the input of down, iff |h_i| > t_down),
 and `sparsity_in` / `sparsity_down`, the shares of inputs each drops on held-out profiled tokens.
@@ -30,6 +30,8 @@ from picompile import ir as pir
 from picompile.pipeline import Context
 
 from .predict import HOLDOUT, _training_tokens  # the predictors' split of the profiled tokens
+from .profile import ProfiledActivations
+from .sparsity_mode import Sparsity
 
 KEEP_ALL = -1.0  # a threshold every magnitude passes (|v| > -1)
 _ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
@@ -84,15 +86,12 @@ class Threshold:
     name = "threshold"
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        if ctx.options.dense or ctx.sparsity.get("mode") != "threshold":
-            return PassResult(model, modified=False)
-        sparsity = float(ctx.sparsity["sparsity"])
+        sparsity = float(Sparsity.of(model).sparsity)
+        profiled = ProfiledActivations.of(model)
         found = []
         for node in sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer"))):
             layer = int(pir.attr(node, "layer"))
-            if layer not in ctx.profile:
-                raise ValueError(f"threshold needs the profiled inputs of layer {layer} (run the profile pass first)")
-            x = np.asarray(ctx.profile[layer][0], np.float32)
+            x = np.asarray(profiled.layer(layer).inputs, np.float32)
             c = calibrate(x, pir.const_array(node.inputs[1]), pir.const_array(node.inputs[2]),
                           str(pir.attr(node, "activation")), bool(pir.attr(node, "gated")), sparsity)
             for key in ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down"):

@@ -31,7 +31,7 @@ from runtime.calls import schedule_calls
 from . import __version__, costmodel
 from . import ir as pir
 from .errors import UserError
-from .pipeline import Context
+from .pipeline import Context, Options
 
 
 def _model_facts(buffers: dict, schedule: dict) -> dict:
@@ -70,8 +70,9 @@ def check_output(output: Path) -> None:
         raise UserError(f"output {output} is a directory that is not a picompile artifact; refusing to replace it")
 
 
-def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = None) -> Path:
+def write(model: ir.Model, ctx: Context, output: Path, options: Options, source: Path | None = None) -> Path:
     check_output(output)
+    cpu_isa = options.cpu_isa_for(ctx.target)
     buffers = json.loads(model.metadata_props["picompile.buffers"])
     schedule = json.loads(model.metadata_props["picompile.schedule"])
     output = Path(output)
@@ -95,10 +96,10 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "picompile_version": __version__,
-            "target": {"name": ctx.target.name, "cpu_isa": ctx.cpu_isa.name, "cpu_features": list(ctx.cpu_isa.features),
+            "target": {"name": ctx.target.name, "cpu_isa": cpu_isa.name, "cpu_features": list(cpu_isa.features),
                        "cuda_arch": ctx.target.cuda_arch},
             "model": {**_model_facts(buffers, schedule), "source": str(source) if source else None},
-            "options": {"dense": ctx.options.dense, "max_context": ctx.options.max_context},
+            "options": {"dense": options.dense, "max_context": options.max_context},
             "sparsity": json.loads(model.metadata_props.get("picompile.sparsity", "{}")),
             "io": {"inputs": ["input_ids", "start"], "outputs": ["logits"]},
             "buffers": buffers,
@@ -107,7 +108,7 @@ def write(model: ir.Model, ctx: Context, output: Path, source: Path | None = Non
             "devices": json.loads(model.metadata_props.get("picompile.devices", "{}")),
             "files": files,
         }
-        manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target, ctx.options.vram_budget_bytes))
+        manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target, options.vram_budget_bytes))
         (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest), indent=1))
         _replace_dir(staging, output)
     except BaseException:

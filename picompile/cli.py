@@ -140,9 +140,9 @@ def _build(args) -> int:
 
     manifest = json.loads((output / "manifest.json").read_text())
     if manifest.get("sparsity"):
-        from passes.sparsity_mode import describe
+        from passes.sparsity_mode import Sparsity
 
-        print(f"sparsity: {describe(manifest['sparsity'])}")
+        print(f"sparsity: {Sparsity(**manifest['sparsity']).describe()}")
     for line in Estimate(**manifest["estimate"]).lines(target):
         print(line)
     return 0
@@ -292,9 +292,9 @@ def _inspect(args) -> int:
             f"solved in {placement.get('solve_time_s', 0):.2f} s, GPU budget for FFN neurons "
             f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB")
     if manifest.get("sparsity"):
-        from passes.sparsity_mode import describe
+        from passes.sparsity_mode import Sparsity
 
-        say(f"sparsity    {describe(manifest['sparsity'])}")
+        say(f"sparsity    {Sparsity(**manifest['sparsity']).describe()}")
     if info["layers"] and "threshold_in" in info["layers"][0]:
         say(f"{'layer':>5} {'t_in':>9} {'drops':>6} {'t_down':>9} {'drops':>6}")
         for layer in info["layers"]:

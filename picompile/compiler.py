@@ -1,14 +1,22 @@
-"""The whole compilation on one screen: which passes run, in which order, and the build driver."""
+"""The whole compilation on one screen: which passes run, in which order, and the build driver.
+
+A build runs in two stages. The front passes lift the model and, unless --dense, decide its sparsity mode
+(predictor for ReLU FFNs, threshold for SiLU/GELU ones: a fact about the model, recorded on the IR by the
+sparsity pass); the mode then picks the rest. `pipeline(options, mode)` is the whole list for a mode,
+exactly what a build in that mode runs, each pass given the options it reads as its fields.
+"""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
+import onnx_ir as ir
+
 from passes.compile import Compile
 from passes.fuse import Fuse
 from passes.import_onnx import Import, load
-from passes.lower import Lower
+from passes.lower import LowerPredicted, LowerThresholded
 from passes.partition import Partition
 from passes.place import Place
 from passes.plan_buffers import PlanBuffers
@@ -17,45 +25,88 @@ from passes.profile import Profile
 from passes.recognise import Recognise
 from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
-from passes.sparsity_mode import SparsityMode
+from passes.sparsity_mode import Sparsity, SparsityMode
 from passes.threshold import Threshold
 
 from . import artifact
 from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
-from .targets import Target, check_vram_budget
+from .targets import TARGETS, Target, check_vram_budget
+
+MODES = ("dense", "predictor", "threshold")
 
 
-def pipeline(options: Options, target_cpu_isa: str = "avx2") -> list[Pass]:
-    """The whole compilation. `--dense` stops after recognise and lowers every block densely. Otherwise
-    sparsity-mode picks, per model, how decode skips FFN work: predictor mode (ReLU FFNs) runs predict and
-    partition, threshold mode (SiLU/GELU FFNs) runs threshold; each of those passes leaves the IR alone in
-    the other mode."""
-    front = [Import(), Recognise()]
-    sparse = [SparsityMode(), Profile(), Predict(), Threshold(), Partition(), Lower()]
-    cpu_isa = options.cpu_isa or target_cpu_isa
-    back = [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context),
+def front(options: Options) -> list[Pass]:
+    """What every build runs first: import, recognise and, unless --dense, the sparsity mode's choice."""
+    passes = [Import(), Recognise(max_context=options.max_context)]
+    if not options.dense:
+        passes.append(SparsityMode(requested=options.sparsity_mode, sparsity=options.sparsity))
+    return passes
+
+
+def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[Pass]:
+    """What follows the front for `mode`: dense lowers every block as it is; predictor mode profiles, trains
+    predictors, places neurons and splits each FFN; threshold mode profiles, calibrates thresholds and
+    lowers each FFN to thresholded ops (on the CPU: no placement)."""
+    if (mode == "dense") != options.dense:
+        raise ValueError(f"mode {mode!r} does not fit options.dense={options.dense}")
+    profile = Profile(calib=options.calib, calib_tokens=options.calib_tokens, max_context=options.max_context,
+                      seed=options.seed)
+    sparse = {
+        "dense": [],
+        "predictor": [profile,
+                      Predict(target_recall=options.target_recall, param_share=options.predictor_param_share,
+                              weight_dtype=options.weight_dtype, seed=options.seed),
+                      Partition(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context,
+                                placement_batch=options.placement_batch,
+                                time_limit_s=options.placement_time_limit_s, weight_dtype=options.weight_dtype),
+                      LowerPredicted(all_neurons=options.all_neurons)],
+        "threshold": [profile, Threshold(), LowerThresholded()],
+    }[mode]
+    return sparse + back(options, target)
+
+
+def back(options: Options, target: Target) -> list[Pass]:
+    """The back end, the same in every mode: fold the residuals, place each block on its device, select its
+    kernels, give each device its buffers, compile the kernels, order the calls."""
+    cpu_isa = options.cpu_isa_for(target).name
+    return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context),
             SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa),
             PlanBuffers(), Compile(cpu_isa=cpu_isa), Schedule()]
-    return front + ([] if options.dense else sparse) + back
+
+
+def pipeline(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[Pass]:
+    """The whole compilation in `mode` ("dense", "predictor" or "threshold") for `target`: exactly the
+    passes it runs."""
+    return front(options) + rest(options, mode, target)
+
+
+def mode_of(model: ir.Model, options: Options) -> str:
+    """The mode of a model the front passes ran on: --dense, else what the sparsity pass recorded."""
+    return "dense" if options.dense else Sparsity.of(model).mode
 
 
 def build(model_path: Path, output: Path, target: Target, options: Options, *,
           dump_dir: Path | None = None, log=lambda message: None, verify: bool = False,
           passes: list[Pass] | None = None, progress: bool = False) -> Path:
     """Compile an ONNX decoder into an artifact directory; nothing is left at `output` if it fails, and an
-    artifact already there stays whole until the new one replaces it. `progress` draws bars on stderr."""
+    artifact already there stays whole until the new one replaces it. `progress` draws bars on stderr.
+    `passes` replaces the pipeline (run as given, in one stage)."""
     check_vram_budget(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
     model = load(model_path)
-    passes = passes or pipeline(options, target.cpu_isa)
     hooks: list[Hook] = [LogTiming()]
     if dump_dir is not None:
         hooks.append(DumpIR(dump_dir))
     if verify:
         hooks.append(verify_onnx)
-    with tempfile.TemporaryDirectory(prefix="picompile-build-") as workdir, \
-            ProgressBars(progress, passes=len(passes)) as bars:
-        ctx = Context(target=target, options=options, workdir=Path(workdir), log=log, progress_bars=bars)
-        lowered = run_passes(model, passes, ctx, [*hooks, bars])
-        return artifact.write(lowered, ctx, output, source=model_path)
-
+    with tempfile.TemporaryDirectory(prefix="picompile-build-") as workdir, ProgressBars(progress) as bars:
+        ctx = Context(target=target, workdir=Path(workdir), log=log, progress_bars=bars)
+        hooks.append(bars)
+        if passes is not None:
+            lowered = run_passes(model, passes, ctx, hooks)
+        else:
+            first = front(options)
+            lifted = run_passes(model, first, ctx, hooks)
+            lowered = run_passes(lifted, rest(options, mode_of(lifted, options), target), ctx, hooks,
+                                 first=len(first))
+        return artifact.write(lowered, ctx, output, options, source=model_path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+import numpy as np
 
 from runtime.calls import Access, Call, Role, decode_weight_reads, schedule_calls
 from runtime.dtypes import itemsize, nbytes
@@ -185,3 +186,23 @@ def estimate(manifest: dict, schedule: dict, target: Target, vram_budget_bytes: 
         offload = 1.0 / (gpu_bytes / (target.gpu_bandwidth_gbs * 1e9) + cpu_bytes / (target.cpu_bandwidth_gbs * 1e9)
                          + overhead + (COPY_LATENCY_S if 0 < offloaded else 0))
     return Estimate(1.0 / step, 1.0 / cpu_only, offload, offloaded, int(device_bytes["gpu"]), int(device_bytes["cpu"]))
+
+
+def byte_disagreements(engine) -> list[str]:
+    """The decode calls whose weight bytes, as the runtime counted them in `engine`'s last decode step (its
+    bound steps read the count and hidden buffers the kernels wrote), differ from this model's for the same
+    selections: the check that both read the calls' facts alike. Call it right after a one-token forward."""
+    calls = {call.id: call for call in engine.calls}
+    buffers = engine.manifest["buffers"]
+    wrong = []
+    for step in engine.decode_steps:
+        call = calls[step.name]
+        selected = nonzero = 0.0
+        if call.selection is not None:
+            selected = int(engine.read_buffer(call.selection.count, call.device)[0, 0])
+            nonzero = selected
+            if call.selection.hidden is not None:
+                nonzero = int(np.count_nonzero(engine.read_buffer(call.selection.hidden, call.device)[0, :selected]))
+        if step.bytes_read() != weight_bytes(call, buffers, selected, nonzero):
+            wrong.append(call.id)
+    return wrong

@@ -1,7 +1,11 @@
 """The IR: an ONNX model held as an `onnx_ir.Model`, with picompile's own ops in the `picompile` domain.
 
 Every stage of the pipeline is a valid ONNX model, so each dump opens in any ONNX viewer. Facts a pass
-adds (layer numbers, placement, kernel names) ride on node attributes and initializers, never on the side.
+adds (layer numbers, placement, the sparsity mode, kernel names) ride on node attributes, initializers and
+the model's `metadata_props`, never on the side. The few too large to serialise ride on the in-memory IR,
+`model.meta` (never saved), each as one typed object with its accessor beside the pass that adds it:
+the source model recognise lifted the graph from (`passes.recognise.source_model`) and the profiled
+activations (`passes.profile.ProfiledActivations`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+
+from .sizes import weight_bytes
 
 DOMAIN = "picompile"
 DOMAIN_VERSION = 1
@@ -45,9 +51,8 @@ def save(model: ir.Model, path: Path) -> None:
     """Write the model as one .onnx file, with weights beside it (`.onnx.data`) past protobuf's 2 GB limit.
     onnx_ir copies tensors that still live in the source model's external data file, so the result never
     points back into the user's files."""
-    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if weight_bytes > EXTERNAL_DATA_BYTES:
+    if weight_bytes(model.graph) > EXTERNAL_DATA_BYTES:
         ir.save(model, path, external_data=path.name + ".data")
     else:
         onnx.save(ir.to_proto(model), str(path))

@@ -1,9 +1,10 @@
 """The pass manager: passes run in order over the IR; one callback hook sees the IR between passes.
 
-A pass is a small object with a `name` and one `apply(model, ctx) -> PassResult` method. Printing
-(`--dump-ir`, with its index of node counts), timing (`-v`), verification and progress bars all hang off
-the one hook mechanism, `Hook.before_pass` / `Hook.after_pass`. An exception escaping a pass comes out
-as a `PassError` that names the pass and the layer (`ctx.layer`).
+A pass is a small dataclass with a `name`, the options it reads as its fields, and one
+`apply(model, ctx) -> PassResult` method. Printing (`--dump-ir`, with its index of node counts), the pass
+list and timing (`-v`), verification and progress bars all hang off the one hook mechanism,
+`Hook.before_passes` / `before_pass` / `after_pass`. An exception escaping a pass comes out as a
+`PassError` that names the pass and the layer (`ctx.layer`).
 The pass lists themselves live in `picompile.compiler`, one screen to read the whole compilation.
 """
 
@@ -14,7 +15,7 @@ import os
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -25,13 +26,14 @@ from . import ir as pir
 from .errors import PassError, UserError
 from .targets import CpuIsa, Target, get_cpu_isa
 
-__all__ = ["Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming", "verify_onnx",
-           "op_counts", "describe_change"]
+__all__ = ["Options", "Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming",
+           "verify_onnx", "describe_pass", "op_counts", "describe_change"]
 
 
 @dataclass
 class Options:
-    """What the user asked for on the command line (or the Python API)."""
+    """What the user asked for on the command line (or the Python API). No pass reads it: `compiler.pipeline`
+    gives each pass the options it reads as its fields, whose defaults are these."""
 
     dense: bool = False
     max_context: int = 256
@@ -52,23 +54,19 @@ class Options:
     sparsity: float | None = None  # threshold mode: share of each projection's inputs dropped (None: the default)
     seed: int = 0
 
+    def cpu_isa_for(self, target: Target) -> CpuIsa:
+        """The CPU kernels' instruction set: --cpu-isa, else the target's."""
+        return get_cpu_isa(self.cpu_isa or target.cpu_isa)
+
 
 @dataclass
 class Context:
-    """What passes share besides the IR: the target, the options, and files bound for the artifact."""
+    """What passes share that is not a fact about the model: the target, the working directory, the log,
+    progress bars and files bound for the artifact. Facts ride on the IR (`picompile.ir`)."""
 
     target: Target
-    options: Options = field(default_factory=Options)
     # Files a pass produces for the artifact (kernel libraries, plots): relative path -> bytes on disk.
     artifact_files: dict[str, Path] = field(default_factory=dict)
-    # Profiled activations, too large for the IR: layer -> (FFN inputs [tokens, d_model] float32,
-    # active neurons [tokens, ffn] bool). Written by the profile pass, read by the predict and threshold passes.
-    profile: dict[int, tuple] = field(default_factory=dict)
-    # The sparsity mode in force (set by the sparsity pass from Options.sparsity_mode): "predictor" or
-    # "threshold", with the sparsity (threshold mode) and the reason it was chosen.
-    sparsity: dict = field(default_factory=dict)
-    # The imported (pre-recognise) model, which the reference executor runs while profiling.
-    source: object | None = None
     workdir: Path | None = None
     log: Callable[[str], None] = lambda message: None
     progress_bars: "ProgressBars | None" = None  # None: no bars
@@ -91,10 +89,6 @@ class Context:
                     error.picompile_layer = index
             raise
 
-    @property
-    def cpu_isa(self) -> CpuIsa:
-        return get_cpu_isa(self.options.cpu_isa or self.target.cpu_isa)
-
 
 class Pass(Protocol):
     name: str
@@ -102,9 +96,19 @@ class Pass(Protocol):
     def apply(self, model: ir.Model, ctx: Context) -> PassResult: ...
 
 
+def describe_pass(compiler_pass: Pass) -> str:
+    """'partition(vram_budget_bytes=None, max_context=64, ...)': the pass's name and its fields."""
+    settings = fields(compiler_pass) if is_dataclass(compiler_pass) else ()
+    return f"{compiler_pass.name}({', '.join(f'{f.name}={getattr(compiler_pass, f.name)!r}' for f in settings)})"
+
+
 class Hook:
-    """Sees every pass: `before_pass` gets the IR going in, `after_pass` the result and the pass's seconds.
-    The one way to watch a compilation: --dump-ir, -v, verification and the progress bars are hooks."""
+    """Sees every pass: `before_passes` the list about to run (numbered from `first`), `before_pass` the
+    IR going in, `after_pass` the result and the pass's seconds. The one way to watch a compilation:
+    --dump-ir, -v, verification and the progress bars are hooks."""
+
+    def before_passes(self, first: int, passes: list[Pass], ctx: Context) -> None:
+        pass
 
     def before_pass(self, index: int, compiler_pass: Pass, model: ir.Model, ctx: Context) -> None:
         pass
@@ -113,11 +117,14 @@ class Hook:
         pass
 
 
-def run_passes(model: ir.Model, passes: list[Pass], ctx: Context, hooks: list[Hook] = ()) -> ir.Model:
-    """Run `passes` in order. An exception escaping a pass (TVM's, HiGHS's, torch's, a bug) comes out as a
+def run_passes(model: ir.Model, passes: list[Pass], ctx: Context, hooks: list[Hook] = (), first: int = 0) -> ir.Model:
+    """Run `passes` in order, numbered from `first` (a build runs its pipeline in two stages, see
+    `picompile.compiler.build`). An exception escaping a pass (TVM's, HiGHS's, torch's, a bug) comes out as a
     `PassError` naming the pass and, where the pass said which one it was in (`ctx.layer`), the layer;
     a `UserError` (bad input) passes through as it is."""
-    for index, compiler_pass in enumerate(passes):
+    for hook in hooks:
+        hook.before_passes(first, passes, ctx)
+    for index, compiler_pass in enumerate(passes, first):
         for hook in hooks:
             hook.before_pass(index, compiler_pass, model, ctx)
         started = time.perf_counter()
@@ -176,7 +183,11 @@ class DumpIR(_CountNodes):
 
 
 class LogTiming(_CountNodes):
-    """-v: each pass with its time and what it did to the graph."""
+    """-v: the passes about to run with their fields, then each pass with its time and what it did to the graph."""
+
+    def before_passes(self, first, passes, ctx):
+        for index, compiler_pass in enumerate(passes, first):
+            ctx.log(f"plan {index:02d} {describe_pass(compiler_pass)}")
 
     def after_pass(self, index, compiler_pass, result, seconds, ctx):
         changed = describe_change(self.before, op_counts(result.model)) if result.modified else "unchanged"
@@ -255,6 +266,14 @@ class ProgressBars(Hook):
         yield lambda steps=1: self._progress.advance(task, steps)
         # done (a failure leaves the bar where it stopped): full bar, the spinner stops
         self._progress.update(task, total=total or 1, completed=total or 1)
+
+    def before_passes(self, first, passes, ctx):
+        # a build learns its later passes from the sparsity mode: the bar grows to the passes known
+        self._passes = max(self._passes, first + len(passes))
+        if self._pass_task is not None:
+            self._progress.update(self._pass_task, total=self._passes)
+        elif self._progress is not None and self._passes:
+            self._pass_task = self._progress.add_task("passes", total=self._passes)
 
     def before_pass(self, index, compiler_pass, model, ctx):
         if self._pass_task is not None:

@@ -138,6 +138,20 @@ class Engine:
         array = self.buffers[name]
         return array[:rows] if name in self._row_buffers else array
 
+    @property
+    def calls(self) -> list[Call]:
+        """The schedule's calls in execution order, with their facts."""
+        return self._calls
+
+    @property
+    def decode_steps(self) -> list[Step]:
+        """The bound one-token program: a step's `bytes_read()` reads its selection's buffers after it ran."""
+        return self._decode
+
+    def read_buffer(self, name: str, device: str) -> np.ndarray:
+        """A buffer's contents as `device`'s calls last left them, as a host array (a copy for the GPU's)."""
+        return _host(self._buffer(name, device))
+
     def _buffer(self, name: str, device: str):
         """A buffer as the calls of `device` see it: a host array, or a device tensor."""
         return self.gpu.tensors[name] if device == "gpu" else self.buffers[name]

@@ -58,12 +58,11 @@ def test_silu_ffn_is_lifted_for_a_dense_build(base_model, tmp_path):
     from passes.import_onnx import Import, load
     from passes.recognise import Recognise
     from picompile import ir as pir
-    from picompile.pipeline import Context, Options, run_passes
+    from picompile.pipeline import Context, run_passes
     from picompile.targets import get_target
 
     bad_inputs.silu_ffn(base_model, tmp_path / "silu.onnx")
-    model = run_passes(load(tmp_path / "silu.onnx"), [Import(), Recognise()],
-                       Context(get_target("cpu"), Options(dense=True)))
+    model = run_passes(load(tmp_path / "silu.onnx"), [Import(), Recognise()], Context(get_target("cpu")))
     assert [pir.attr(n, "activation") for n in pir.nodes_in_domain(model, "FFN")] == ["silu", "silu"]
 
 
@@ -220,7 +219,7 @@ def test_placement_stopped_by_its_time_limit_is_reported_as_such():
 
     from passes.partition import Partition
     from picompile import ir as pir
-    from picompile.pipeline import Context, Options
+    from picompile.pipeline import Context
     from picompile.targets import get_target
     from test_partition import power_law
 
@@ -239,10 +238,9 @@ def test_placement_stopped_by_its_time_limit_is_reported_as_such():
     reports = {}
     for limit in (0.0, 30.0):
         lines = []
-        options = Options(vram_budget_bytes=int(layers * width * 2 * d_model * 4 * 0.3), placement_batch=16,
-                          placement_time_limit_s=limit)
-        model = Partition(sync_latency_s=0.0).apply(ir.Model(graph, ir_version=10),
-                                                    Context(get_target("rtx4090"), options, log=lines.append)).model
+        partition = Partition(vram_budget_bytes=int(layers * width * 2 * d_model * 4 * 0.3), placement_batch=16,
+                              time_limit_s=limit, min_or_nothing=False)
+        model = partition.apply(ir.Model(graph, ir_version=10), Context(get_target("rtx4090"), log=lines.append)).model
         reports[limit] = json.loads(model.metadata_props["picompile.placement"])
         assert f"{reports[limit]['status']}, gap" in lines[0]
     assert reports[0.0]["status"] == "Time limit reached" and reports[0.0]["gap"] > 0

@@ -20,7 +20,7 @@ from passes.profile import Profile
 from passes.recognise import Recognise
 from picompile.cli import main
 from picompile.errors import PassError
-from picompile.pipeline import Context, Options, PassResult, ProgressBars, describe_change, run_passes
+from picompile.pipeline import Context, Options, PassResult, ProgressBars, describe_change, describe_pass, run_passes
 from picompile.targets import get_target
 
 
@@ -43,7 +43,7 @@ def forced_build(sparse_files, tmp_path_factory):
 
 
 BAR_LINES = ["profile: calibration sequences", "predict: pricing ranks", "predict: training predictors",
-             "codegen: making kernels", "codegen: compiling"]
+             "compile: making CPU kernels", "compile: compiling"]
 
 
 def test_progress_bars_when_forced_and_silence_otherwise(forced_build, sparse_files, tmp_path, capsys, monkeypatch):
@@ -51,9 +51,8 @@ def test_progress_bars_when_forced_and_silence_otherwise(forced_build, sparse_fi
     for line in BAR_LINES:
         assert line in err, line
     from picompile.compiler import pipeline
-    from picompile.pipeline import Options
 
-    passes = len(pipeline(Options()))
+    passes = len(pipeline(Options(), "predictor"))  # the bar grows to the passes of the mode, once it is known
     assert "pass schedule" in err and f"{passes}/{passes}" in err  # the passes' own bar, at its end
 
     model = str(sparse_files.onnx)
@@ -75,11 +74,10 @@ def test_progress_bars_when_forced_and_silence_otherwise(forced_build, sparse_fi
 
 def test_placement_ilp_shows_a_spinner(sparse_files, tmp_path):
     bars_out = io.StringIO()
-    passes = [Import(), Recognise(), Profile(), Partition()]
+    passes = [Import(), Recognise(max_context=64), Profile(calib=sparse_files.calib, max_context=64),
+              Partition(vram_budget_bytes=600_000, max_context=64, placement_batch=32)]
     with ProgressBars(True, passes=len(passes), file=bars_out) as bars:
-        ctx = Context(get_target("rtx4090"), Options(max_context=64, calib=sparse_files.calib,
-                                                     vram_budget_bytes=600_000, placement_batch=32),
-                      workdir=tmp_path, progress_bars=bars)
+        ctx = Context(get_target("rtx4090"), workdir=tmp_path, progress_bars=bars)
         model = run_passes(load(sparse_files.onnx), passes, ctx, [bars])
     assert "partition: HiGHS placement ILP (2 layers)" in bars_out.getvalue()
     assert "picompile.placement" in model.metadata_props  # the solve ran under the spinner
@@ -89,19 +87,50 @@ def test_verbose_lists_each_pass_with_time_and_node_counts(sparse_files, tmp_pat
     assert main(["build", str(sparse_files.onnx), "-o", str(tmp_path / "v.pic"), "--dense", "--max-context", "64",
                  "-v", "--dump-ir", str(tmp_path / "ir")]) == 0
     err = capsys.readouterr().err
-    timed = re.findall(r"^pass (\d\d) (\w+) +([\d.]+) ms  (.*)$", err, re.M)
-    assert [name for _, name, _, _ in timed] == ["import", "recognise", "codegen", "schedule"]
+    timed = re.findall(r"^pass (\d\d) ([\w-]+) +([\d.]+) ms  (.*)$", err, re.M)
+    assert [name for _, name, _, _ in timed] == ["import", "recognise", "fuse", "place", "select-kernels",
+                                                  "plan-buffers", "compile", "schedule"]
     recognise = timed[1][3]
     assert re.match(r"\d+ -> 15 nodes \(.*\+picompile\.FFN 2", recognise), recognise
 
     index = (tmp_path / "ir" / "index.txt").read_text().splitlines()
-    assert [line.split()[0] for line in index] == ["00-import.onnx", "01-recognise.onnx", "02-codegen.onnx",
-                                                   "03-schedule.onnx"]
+    assert [line.split()[0] for line in index] == ["00-import.onnx", "01-recognise.onnx", "02-fuse.onnx",
+                                                   "03-place.onnx", "04-select-kernels.onnx",
+                                                   "05-plan-buffers.onnx", "06-compile.onnx", "07-schedule.onnx"]
     assert "+picompile.Attention 2" in index[1] and "-MatMul" in index[1]
-    assert "+picompile.Call" in index[2] and "-picompile.FFN 2" in index[2]
+    assert "+picompile.Call" in index[4] and "-picompile.FFN 2" in index[4]
     for line in index:  # every listed file exists, and its node count is the one in the index
         name, counts = line.split()[0], re.search(r"-> (\d+) nodes", line).group(1)
         assert int(counts) == len(list(load_ir(tmp_path / "ir" / name).graph))
+
+
+@pytest.mark.parametrize("mode", ["dense", "predictor", "threshold"])
+def test_verbose_plan_is_exactly_the_passes_that_ran(tiny_models, tmp_path, capsys, mode):
+    """-v lists the passes with their fields before they run: for each mode, `pipeline(options, mode)`
+    exactly, and the passes timed and dumped are those."""
+    from picompile.compiler import pipeline
+
+    files = tiny_models("llama", hidden_act="silu") if mode == "threshold" else tiny_models("opt", sparsity=0.9)
+    dump = tmp_path / "ir"
+    assert main(["build", str(files.onnx), "-o", str(tmp_path / "p.pic"), "--max-context", "32", "--calib",
+                 str(files.calib), "-v", "--dump-ir", str(dump), *(["--dense"] if mode == "dense" else [])]) == 0
+    err = capsys.readouterr().err
+    expected = pipeline(Options(dense=mode == "dense", max_context=32, calib=files.calib), mode)
+    planned = re.findall(r"^plan (\d\d) (.*)$", err, re.M)
+    timed = re.findall(r"^pass (\d\d) ([\w-]+) +[\d.]+ ms", err, re.M)
+    numbers = [f"{i:02d}" for i in range(len(expected))]
+    assert planned == list(zip(numbers, map(describe_pass, expected)))
+    assert timed == list(zip(numbers, [p.name for p in expected]))
+    dumped = [line.split()[0] for line in (dump / "index.txt").read_text().splitlines()]
+    assert dumped == [f"{n}-{p.name}.onnx" for n, p in zip(numbers, expected)]
+    if mode != "dense":
+        assert "sparsity(requested='auto', sparsity=None)" in err and f"sparsity: {mode} mode" in err
+
+
+def test_passes_are_configured_by_their_fields_not_the_options():
+    """No pass reads ctx.options: each takes the options it reads as its fields."""
+    passes = Path(__file__).resolve().parents[1] / "passes"
+    assert sorted(p.name for p in passes.glob("*.py") if "ctx.options" in p.read_text()) == []
 
 
 def load_ir(path: Path):
@@ -137,7 +166,7 @@ def test_an_exception_in_a_pass_names_the_pass_and_the_layer(sparse_files):
     assert (failed.value.pass_name, failed.value.layer) == ("explode", 2)
 
 
-def test_cli_wraps_a_tvm_error_deep_in_codegen(sparse_files, tmp_path, capsys, monkeypatch):
+def test_cli_wraps_a_tvm_error_deep_in_kernel_making(sparse_files, tmp_path, capsys, monkeypatch):
     import tvm.error
 
     def broken_attention(*args, **kwargs):
@@ -147,14 +176,14 @@ def test_cli_wraps_a_tvm_error_deep_in_codegen(sparse_files, tmp_path, capsys, m
     out = tmp_path / "x.pic"
     assert main(["build", str(sparse_files.onnx), "-o", str(out), "--dense", "--max-context", "64"]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert err == ["error: pass codegen, layer 0: InternalError: Check failed: (vectorizable) is false: "
+    assert err == ["error: pass compile, layer 0: InternalError: Check failed: (vectorizable) is false: "
                    "lanes must divide"]
     assert not out.exists() and not list(tmp_path.glob(".x.pic*"))
 
     assert main(["build", str(sparse_files.onnx), "-o", str(out), "--dense", "--max-context", "64", "-v"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "broken_attention" in err  # -v: where it came from
-    assert err.strip().splitlines()[-1].startswith("error: pass codegen, layer 0:")
+    assert err.strip().splitlines()[-1].startswith("error: pass compile, layer 0:")
 
 
 def test_inspect_report_html_and_png(forced_build, tmp_path, capsys):

@@ -11,7 +11,6 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from passes.partition import Partition
 from runtime import Engine
 from runtime.calls import Role
 from test_sparse import sparse_build
@@ -23,9 +22,9 @@ PROMPT = [11, 22, 33, 44, 55]
 def hybrid(tiny_models, tmp_path_factory):
     """Hot rows on the emulated GPU, cold rows on the CPU, in the same layers (as in test_sparse)."""
     files = tiny_models("opt", sparsity=0.9)
-    greedy_split = {"partition": Partition(sync_latency_s=0.0, balance=False)}
+    greedy_split = {"partition": {"min_or_nothing": False, "balance": False}}
     return sparse_build(files, tmp_path_factory.mktemp("hybrid") / "h.pic", target="rtx4090", all_neurons=True,
-                        vram_budget_bytes=600_000, placement_batch=32, passes_override=greedy_split)
+                        vram_budget_bytes=600_000, placement_batch=32, pass_fields=greedy_split)
 
 
 def decode_run(engine: Engine, steps: int = 6) -> list[np.ndarray]:

@@ -12,8 +12,9 @@ import pytest
 
 from passes.partition import Partition, min_neurons_for, solve_placement
 from picompile import ir as pir
+from picompile.costmodel import sync_seconds
 from picompile.errors import UserError
-from picompile.pipeline import Context, Options, run_passes
+from picompile.pipeline import Context, run_passes
 from picompile.targets import GiB, get_target
 
 # ---------------------------------------------------------------- the solver against brute force
@@ -178,11 +179,15 @@ def test_bad_inputs_are_refused():
 
 def test_minimum_part_pays_for_the_synchronisation():
     ranked = np.sort(power_law(np.random.default_rng(3), 4096))[::-1]
-    fast_cpu = min_neurons_for(ranked, 6 * 4096, 64, 4096, cpu_bandwidth_gbs=200.0, pcie_bandwidth_gbs=25.0)
-    slow_cpu = min_neurons_for(ranked, 6 * 4096, 64, 4096, cpu_bandwidth_gbs=20.0, pcie_bandwidth_gbs=25.0)
+    sync = sync_seconds(get_target("rtx4090"), 4096 * 4)  # a d_model 4096 layer's fp32 input and output over PCIe
+    assert sync == pytest.approx(20e-6 + 2 * 4096 * 4 / 25e9)  # the fixed 20 us and the copies, as placement had
+    fast_cpu = min_neurons_for(ranked, 6 * 4096, 64, cpu_bandwidth_gbs=200.0, sync_s=sync)
+    slow_cpu = min_neurons_for(ranked, 6 * 4096, 64, cpu_bandwidth_gbs=20.0, sync_s=sync)
     assert fast_cpu % 64 == 0 and slow_cpu % 64 == 0 and 64 <= slow_cpu <= fast_cpu  # a faster CPU needs more
-    assert min_neurons_for(ranked, 8, 64, 4096, 60.0, 25.0) == ranked.size  # never pays: all or nothing
-    assert min_neurons_for(ranked, 6 * 4096, 64, 4096, 60.0, 25.0, sync_latency_s=0.0) == 64  # at least a batch
+    assert min_neurons_for(ranked, 8, 64, 60.0, sync) == ranked.size  # never pays: all or nothing
+    assert min_neurons_for(ranked, 6 * 4096, 64, 60.0, sync_s=0.0) == 64  # at least a batch
+    fp16 = min_neurons_for(ranked, 3 * 4096, 64, 60.0, sync)  # fp16 rows: a neuron left on the CPU costs half
+    assert fp16 >= min_neurons_for(ranked, 6 * 4096, 64, 60.0, sync)
 
 
 # ---------------------------------------------------------------- the pass on a real tiny model
@@ -207,10 +212,10 @@ def with_frequencies(model: ir.Model, seed: int = 0) -> ir.Model:
     return model
 
 
-def partition(model: ir.Model, target: str = "rtx4090", **options) -> tuple[ir.Model, dict, list[str]]:
+def partition(model: ir.Model, target: str = "rtx4090", **fields) -> tuple[ir.Model, dict, list[str]]:
     lines = []
-    ctx = Context(get_target(target), Options(**options), log=lines.append)
-    result = Partition(sync_latency_s=0.0).apply(model, ctx)
+    ctx = Context(get_target(target), log=lines.append)
+    result = Partition(min_or_nothing=False, **fields).apply(model, ctx)
     assert result.modified
     return result.model, json.loads(result.model.metadata_props["picompile.placement"]), lines
 
@@ -281,10 +286,17 @@ def test_pass_needs_the_profile(lifted):
         partition(lifted())
 
 
-def test_dense_build_skips_the_pass(lifted):
-    model = lifted()
-    result = Partition().apply(model, Context(get_target("rtx4090"), Options(dense=True)))
-    assert not result.modified and "picompile.placement" not in model.metadata_props
+def test_weights_are_priced_as_stored(lifted):
+    """--weight-dtype fp16 halves what a cold neuron costs the CPU; the GPU's copy (and the budget) stays fp32."""
+    model = with_frequencies(lifted())
+    _, fp32, _ = partition(model, vram_budget_bytes=GiB)
+    _, fp16, _ = partition(model, vram_budget_bytes=GiB, weight_dtype="fp16")
+    assert (fp32["cpu_weight_dtype"], fp16["cpu_weight_dtype"]) == ("float32", "float16")
+    assert fp32["gpu_weight_dtype"] == fp16["gpu_weight_dtype"] == "float32"
+    for key in ("dense_gpu_bytes", "kv_cache_bytes", "ffn_bytes", "budget_bytes"):
+        assert fp32[key] == fp16[key], key
+    d_model, ffn = 64, 256  # the tiny llama: gated, no biases
+    assert fp32["ffn_bytes"] == 2 * ffn * 3 * d_model * 4
 
 
 # ---------------------------------------------------------------- the pass on a hand-built IR: numeric layer order
@@ -312,8 +324,8 @@ def test_layers_are_matched_by_number_not_by_name_order():
     per_layer = 64 * 2 * 16 * 4
     dense = 12 * 64 * 4  # the frequency tables
     budget = int((dense + per_layer + 1000) / 0.95) + 1  # room for one layer
-    ctx = Context(get_target("rtx4090"), Options(vram_budget_bytes=budget, placement_batch=16))
-    model = Partition(sync_latency_s=0.0, balance=False).apply(model, ctx).model
+    partition = Partition(vram_budget_bytes=budget, placement_batch=16, min_or_nothing=False, balance=False)
+    model = partition.apply(model, Context(get_target("rtx4090"))).model
     placed = {pir.attr(n, "layer"): pir.attr(n, "gpu_neurons") for n in pir.nodes_in_domain(model, "FFN")}
     assert placed[10] == 64 and sum(placed.values()) == 64
     report = json.loads(model.metadata_props["picompile.placement"])

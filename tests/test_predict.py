@@ -11,9 +11,10 @@ import torch
 from passes.import_onnx import Import, load
 from passes.predict import (Predict, Predictor, _threshold_for_recall, candidate_ranks, choose_ranks, predict_active,
                             price_ranks, step_reads, train_predictor)
+from passes.profile import LayerActivations, ProfiledActivations
 from passes.recognise import Recognise
 from picompile import ir as pir
-from picompile.pipeline import Context, Options, run_passes, verify_onnx
+from picompile.pipeline import Context, run_passes, verify_onnx
 from picompile.targets import get_target
 
 torch.set_num_threads(2)
@@ -31,8 +32,11 @@ def test_candidate_ranks_and_step_reads():
     assert candidate_ranks(100) == [8, 16, 24, 32, 40, 48, 56, 64, 80, 96]
     assert candidate_ranks(1024)[-5:] == [512, 640, 768, 896, 1024]
     assert candidate_ranks(3) == [8]  # the floor, even where the budget cannot pay for it
-    assert step_reads(64, 0.1, 2048, 8192, gated=False) == 64 * 10240 + 0.1 * 8192 * 2048 * 2
-    assert step_reads(64, 0.1, 2048, 8192, gated=True) == 64 * 10240 + 0.1 * 8192 * 2048 * 3
+    # bytes: the fp32 predictor, and the rows of the predicted neurons as the CPU stores them
+    assert step_reads(64, 0.1, 2048, 8192, gated=False) == (64 * 10240 + 0.1 * 8192 * 2048 * 2) * 4
+    assert step_reads(64, 0.1, 2048, 8192, gated=True) == (64 * 10240 + 0.1 * 8192 * 2048 * 3) * 4
+    assert step_reads(64, 0.1, 2048, 8192, gated=True, row_dtype="float16") == (
+        64 * 10240 * 4 + 0.1 * 8192 * 2048 * 3 * 2)  # fp16 rows: the predictor weighs relatively more
 
 
 def test_choose_ranks_takes_each_layers_cheapest_rank_within_the_budget():
@@ -186,7 +190,7 @@ def torch_profiles(family: str, token_files) -> tuple[list[dict], dict]:
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_predict_pass_on_tiny_model(tiny_models, family):
     files = tiny_models(family, "legacy", sparsity=0.9)  # legacy: exports in ~1 s, dynamo in ~20 s
-    ctx = Context(get_target("cpu"), Options(), log=print)
+    ctx = Context(get_target("cpu"), log=print)
     model = run_passes(load(files.onnx), [Import(), Recognise()], ctx)
     (profile, heldout), first_weights = torch_profiles(family, [files.calib, files.heldout])
     ffns = pir.nodes_in_domain(model, "FFN")
@@ -196,7 +200,7 @@ def test_predict_pass_on_tiny_model(tiny_models, family):
         np.testing.assert_allclose(w_up[:, : first_weights[layer].shape[1]], first_weights[layer], atol=1e-6)
     params = sum(pir.const_array(v).size for v in model.graph.initializers.values())
 
-    ctx.profile = profile
+    profiled(profile).attach(model)
     model = run_passes(model, [Predict()], ctx, [verify_onnx])
 
     predictor_params = 0
@@ -219,14 +223,20 @@ def test_predict_pass_on_tiny_model(tiny_models, family):
     assert predictor_params <= 0.10 * params
 
 
-def test_predict_pass_leaves_dense_and_unprofiled_models_alone(tiny_models):
+def profiled(profile: dict) -> ProfiledActivations:
+    """What the profile pass leaves on the IR, from torch's (inputs, active) per layer."""
+    return ProfiledActivations({layer: LayerActivations(x, active) for layer, (x, active) in profile.items()})
+
+
+def test_predict_pass_needs_every_layer_profiled(tiny_models):
     files = tiny_models("opt", "legacy", sparsity=0.9)
     model = run_passes(load(files.onnx), [Import(), Recognise()], Context(get_target("cpu")))
     before = set(model.graph.initializers)
-    assert not Predict().apply(model, Context(get_target("cpu"))).modified
-    ctx = Context(get_target("cpu"), Options(dense=True))
-    ctx.profile = {0: (np.zeros((4, 64), np.float32), np.zeros((4, 256), bool))}
-    assert not Predict().apply(model, ctx).modified
+    with pytest.raises(ValueError, match="profile pass"):
+        Predict().apply(model, Context(get_target("cpu")))
+    profiled({0: (np.zeros((4, 64), np.float32), np.zeros((4, 256), bool))}).attach(model)  # layer 1 missing
+    with pytest.raises(ValueError, match="layer 1 was not profiled"):
+        Predict().apply(model, Context(get_target("cpu")))
     assert set(model.graph.initializers) == before
     assert all(pir.attr(n, "predictor_rank") is None for n in pir.nodes_in_domain(model, "FFN"))
 
@@ -240,11 +250,11 @@ def test_predict_pass_caps_the_ranks_at_the_budget(tiny_models):
     width = x.shape[1] + active.shape[1]  # predictor params per rank
 
     def ranks(share: float) -> tuple[list[int], int]:
-        ctx = Context(get_target("cpu"), Options(predictor_param_share=share))
+        ctx = Context(get_target("cpu"))
         model = run_passes(load(files.onnx), [Import(), Recognise()], ctx)
         params = sum(v.const_value.size for v in model.graph.initializers.values())
-        ctx.profile = profile
-        model = run_passes(model, [Predict()], ctx)
+        profiled(profile).attach(model)
+        model = run_passes(model, [Predict(param_share=share)], ctx)
         return [pir.attr(node, "predictor_rank") for node in pir.nodes_in_domain(model, "FFN")], params
 
     free, params = ranks(0.5)

@@ -9,7 +9,6 @@ import numpy as np
 import onnx
 import pytest
 
-from passes.partition import Partition
 from picompile import costmodel
 from picompile.cli import main
 from picompile.compiler import build, pipeline
@@ -21,11 +20,10 @@ from runtime.artifact import seal_manifest
 from runtime.calls import Role, schedule_calls
 
 
-def sparse_build(files, out, target="cpu", passes_override=None, **options):
+def sparse_build(files, out, target="cpu", pass_fields=None, **options):
+    """A predictor-mode build; `pass_fields` changes some passes' fields, by pass name."""
     opts = Options(max_context=64, calib=files.calib, **options)
-    passes = pipeline(opts)
-    if passes_override:
-        passes = [passes_override.get(p.name, p) for p in passes]
+    passes = [dataclasses.replace(p, **(pass_fields or {}).get(p.name, {})) for p in pipeline(opts, "predictor")]
     return build(files.onnx, out, get_target(target), opts, passes=passes)
 
 
@@ -83,9 +81,9 @@ def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path, f
     device, so a missing copy or a wrong merge changes the logits."""
     files = sparse_models[family]
     # no synchronisation cost and no balance rule, so that the tiny layers split instead of moving whole
-    greedy_split = {"partition": Partition(sync_latency_s=0.0, balance=False)}
+    greedy_split = {"partition": {"min_or_nothing": False, "balance": False}}
     artifact = sparse_build(files, tmp_path / "h.pic", target="rtx4090", all_neurons=True,
-                            vram_budget_bytes=600_000, placement_batch=32, passes_override=greedy_split)
+                            vram_budget_bytes=600_000, placement_batch=32, pass_fields=greedy_split)
     manifest = json.loads((artifact / "manifest.json").read_text())
     split = [(layer["gpu_neurons"], layer["cpu_neurons"]) for layer in manifest["layers"]]
     assert any(gpu and cpu for gpu, cpu in split), split
@@ -117,9 +115,9 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     assert "sparsity: predictor mode (layer FFNs use ReLU: most neurons output exactly zero" in capsys.readouterr().out
     names = sorted(p.name for p in dumps.glob("*.onnx"))
     assert [n.split("-", 1)[1] for n in names] == ["import.onnx", "recognise.onnx", "sparsity.onnx", "profile.onnx",
-                                                  "predict.onnx", "threshold.onnx", "partition.onnx", "lower.onnx",
-                                                  "fuse.onnx", "place.onnx", "select-kernels.onnx",
-                                                  "plan-buffers.onnx", "compile.onnx", "schedule.onnx"]
+                                                  "predict.onnx", "partition.onnx", "lower.onnx", "fuse.onnx",
+                                                  "place.onnx", "select-kernels.onnx", "plan-buffers.onnx",
+                                                  "compile.onnx", "schedule.onnx"]  # predictor mode's passes: no threshold
     for name in names:
         onnx.checker.check_model(onnx.load(str(dumps / name)))
     manifest = json.loads((out / "manifest.json").read_text())
