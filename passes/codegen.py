@@ -28,7 +28,7 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 
-from .kernels import cpu, neuron
+from .kernels import cpu, neuron, ops
 
 
 @dataclass
@@ -51,20 +51,20 @@ class Lowering:
     cpu_weight_dtype: str = "float32"  # storage of the CPU's large weights (matrices, embeddings); GPU ones stay fp32
     gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
     kernels: dict[str, object] = field(default_factory=dict)
-    # How each kernel was made (generator name, rows, arguments), so a GPU target can make it again for CUDA.
+    # How each kernel was made (its ops.KernelOp, rows, arguments), so a GPU target can make it again for CUDA.
     kernel_specs: dict[str, tuple] = field(default_factory=dict)
     calls: list[KernelCall] = field(default_factory=list)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     buffers: dict[str, dict] = field(default_factory=dict)
 
-    def kernel(self, make, base: str, *args, phases=("decode", "prefill"), **kwargs) -> tuple[str, str]:
+    def kernel(self, op: ops.KernelOp, base: str, *args, phases=("decode", "prefill"), **kwargs) -> tuple[str, str]:
         """The kernel's variants: (decode name, prefill name), "" for a phase it does not run in."""
         names = []
         for rows, phase in ((1, "decode"), (None, "prefill")):
             name = f"{base}_{phase}" if phase in phases else ""
             if name and name not in self.kernels:
-                self.kernels[name] = make(name, *args, rows=rows, **kwargs)
-                self.kernel_specs[name] = (make.__name__, rows, args, kwargs)
+                self.kernels[name] = op.cpu(name, *args, rows=rows, **kwargs)
+                self.kernel_specs[name] = (op, rows, args, kwargs)
             names.append(name)
         return names[0], names[1]
 
@@ -133,7 +133,7 @@ class Lowering:
         flags = dict(bias=bias is not None, act=act, residual=residual is not None)
         if dtype != "float32":
             flags["wdtype"] = dtype
-        kernels = self.kernel(cpu.linear_panels if packed else cpu.linear, f"linear_k{k}_n{n}{tags}", k, n,
+        kernels = self.kernel(ops.linear_panels if packed else ops.linear, f"linear_k{k}_n{n}{tags}", k, n,
                               phases=phases, **flags, **self.gemm_tile(device))
         args = [x, weight] + ([bias] if bias else []) + ([residual] if residual else []) + [out]
         self.call(kernels, args, [out], label, op_class, device)
@@ -145,7 +145,7 @@ class Lowering:
     def glu(self, pre: str, hidden: str, neurons: int, activation: str, label: str, device: str | None = None,
             phases=("decode", "prefill")) -> None:
         """A gated FFN's hidden = act(gate) * up, from `pre` holding the gate and up halves side by side."""
-        kernels = self.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=phases)
+        kernels = self.kernel(ops.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=phases)
         self.call(kernels, [pre, hidden], [hidden], label, "ffn_up", device)
 
     def zeros(self, name: str, size: int) -> str:
@@ -208,7 +208,7 @@ class _Walker:
         vocab, width = self.low.weights[table].shape
         dtype = self.low.buffers[table]["dtype"]
         out = self.next_residual(width)
-        kernels = self.low.kernel(cpu.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}"
+        kernels = self.low.kernel(ops.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}"
                                   f"{'_f16' if dtype == 'float16' else ''}", vocab, width,
                                   positions=self.low.max_context if positions else None,
                                   **({"wdtype": dtype} if dtype != "float32" else {}))
@@ -225,7 +225,7 @@ class _Walker:
         width = self.low.weights[scale].shape[0]
         eps = float(pir.attr(node, "epsilon", 1e-5))
         out = self.low.activation("act.norm", width)
-        make = cpu.layer_norm if kind == "layer" else cpu.rms_norm
+        make = ops.layer_norm if kind == "layer" else ops.rms_norm
         kernels = self.low.kernel(make, f"{kind}_norm_d{width}_eps{eps:.0e}".replace("-", "m"), width, eps)
         args = [self.location[node.inputs[0].name], scale] + ([bias] if bias else []) + [out]
         self.low.call(kernels, args, [out], node.name, "norm")
@@ -258,11 +258,11 @@ class _Walker:
         if inv_freq is not None:
             angles = np.arange(ctx, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
             rope_args = [self.shared_table("rope.cos", np.cos(angles)), self.shared_table("rope.sin", np.sin(angles))]
-        kernels = self.low.kernel(cpu.rope_kv_write, f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}",
+        kernels = self.low.kernel(ops.rope_kv_write, f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}",
                                   heads, kv_heads, head_dim, ctx, rope=bool(rope_args))
         self.low.call(kernels, [qkv, *rope_args, key_cache, value_cache, q, "start"], [key_cache, value_cache, q],
                       f"{p}.rope_kv", "attention")
-        kernels = self.low.kernel(cpu.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}", heads, kv_heads,
+        kernels = self.low.kernel(ops.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}", heads, kv_heads,
                                   head_dim, ctx, scale)
         self.low.call(kernels, [q, key_cache, value_cache, attn, "start"], [attn], f"{p}.attention", "attention")
         out, residual = self.output_for(node, self.low.weights[w_o].shape[1])
@@ -333,26 +333,26 @@ class _Walker:
             self.low.cpu_matrix(rows, device)
         dtype = self.low.buffers[up_rows]["dtype"]
         dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
-        kernels = self.low.kernel(neuron.select, f"select_n{neurons}", neurons, phases=("decode",))
+        kernels = self.low.kernel(ops.select, f"select_n{neurons}", neurons, phases=("decode",))
         self.low.call(kernels, [scores, threshold, index, count], [index, count], f"{p}.select", "predictor", device)
         if device == "cpu":  # up and down in one pass over the rows
             scratch = self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
             fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
-            kernels = self.low.kernel(neuron.sparse_ffn, f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
+            kernels = self.low.kernel(ops.sparse_ffn, f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",), **dtype_arg)
             self.low.call(kernels, [x, index, count, up_rows, up_bias, down_rows, hidden, fired, scratch, partial],
                           [hidden, fired, scratch, partial], f"{p}.up_down", "ffn", device)
         else:
-            kernels = self.low.kernel(neuron.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
+            kernels = self.low.kernel(ops.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",))
             self.low.call(kernels, [x, index, count, up_rows, up_bias, hidden], [hidden], f"{p}.up", "ffn_up", device)
-            kernels = self.low.kernel(neuron.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width,
+            kernels = self.low.kernel(ops.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width,
                                       phases=("decode",))
             self.low.call(kernels, [hidden, index, count, down_rows, partial], [partial], f"{p}.down", "ffn_down", device)
         # multi-token steps: every neuron of the part, as dense GEMMs over the same row-major weights
         pre = self.low.activation(f"act.ffn_pre.{tag}", up_width)
         up_act = "none" if gated else activation
-        kernels = self.low.kernel(neuron.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
+        kernels = self.low.kernel(ops.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
                                   up_width, act=up_act, phases=("prefill",), **dtype_arg, **self.low.gemm_tile(device))
         self.low.call(kernels, [x, up_rows, up_bias, pre], [pre], f"{p}.up_dense", "ffn_up", device)
         if gated:
@@ -385,11 +385,11 @@ class _Walker:
             threshold = self.low.weight(f"{p}.{key}", np.array([pir.attr(node, key)], np.float32))
             index = self.low.activation(f"act.kept_index.n{rows}", rows, dtype="int32", rows=1)
             count = self.low.activation("act.kept_count", 1, dtype="int32", rows=1)
-            kernels = self.low.kernel(neuron.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",))
+            kernels = self.low.kernel(ops.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",))
             self.low.call(kernels, [v, threshold, index, count], [index, count], f"{p}.{part}_select", op_class)
             scratch = self.low.scratch(f"scratch.columns.n{columns}", [neuron.COLUMN_TASKS, columns])
             tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{dtype_tag}"
-            kernels = self.low.kernel(neuron.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
+            kernels = self.low.kernel(ops.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
                                       gated=glu, act=act, bias=bias is not None, phases=("decode",), **dtype_arg)
             self.low.call(kernels, [v, index, count, weight, *([bias] if bias else []), scratch, out],
                           [scratch, out], f"{p}.{part}", op_class)
@@ -408,7 +408,7 @@ class _Walker:
         width = self.low.buffers[parts[0]]["shape"][1]
         out, residual = self.output_for(node, width)
         base = f"merge_d{width}_p{len(parts)}{'_b' if bias else ''}{'_res' if residual else ''}"
-        kernels = self.low.kernel(neuron.merge, base, width, len(parts), bias=bias is not None, residual=residual is not None)
+        kernels = self.low.kernel(ops.merge, base, width, len(parts), bias=bias is not None, residual=residual is not None)
         args = ([residual] if residual else []) + parts + ([bias] if bias else []) + [out]
         self.low.call(kernels, args, [out], node.name, "merge")
         self.location[node.outputs[0].name] = out
@@ -559,7 +559,7 @@ class Codegen:
         library.parent.mkdir(parents=True, exist_ok=True)
         # Every kernel exists for the CPU: the CPU runs its own calls, and stands in for the GPU when emulating.
         with ctx.progress(f"codegen: compiling {len(lowering.kernels)} CPU kernels (LLVM)"):
-            cpu.build(list(lowering.kernels.values()), {**cpu.CPU_TARGET, "mcpu": ctx.cpu_isa.mcpu}, str(library))
+            cpu.build(list(lowering.kernels.values()), ctx.cpu_isa.llvm_target(), str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
         if ctx.target.has_gpu:
             self.build_cuda(lowering, ctx)
@@ -581,8 +581,8 @@ class Codegen:
         funcs = []
         with ctx.progress("codegen: making CUDA kernels", len(names)) as advance:
             for name in names:
-                maker, rows, args, kwargs = lowering.kernel_specs[name]
-                funcs.append(getattr(cuda, maker)(name, *args, rows=rows, **kwargs))
+                op, rows, args, kwargs = lowering.kernel_specs[name]
+                funcs.append(op.cuda(name, *args, rows=rows, **kwargs))
                 advance()
         library = Path(ctx.workdir) / "kernels" / f"cuda_{ctx.target.cuda_arch}.so"
         with ctx.progress(f"codegen: compiling {len(funcs)} CUDA kernels (nvcc)"):
