@@ -2,9 +2,10 @@
 
 Code that requests kernels names an op (``ops.linear``), never a function name, and asks it for the device
 it builds for: ``op.cpu(name, *args, rows=rows, **kwargs)`` or ``op.cuda(...)``, the same arguments for
-both. A maker is None where the device has no version of the kernel (the panel kernels and the fused /
-column-sparse FFN kernels are CPU-only; every op has a CPU maker, since the CPU stands in for the GPU when
-emulating).
+both (the CPU makers also take CPU-only options, ``wdtype`` for fp16 weight storage and ``tile_panels``,
+which a GPU call never passes: GPU weights are fp32). A maker is None where the device has no version of
+the kernel: the panel kernels and the fused / column-sparse FFN kernels are CPU-only. Every op has a CPU
+maker, since the CPU stands in for the GPU when emulating.
 """
 
 from __future__ import annotations
@@ -40,6 +41,3 @@ sparse_ffn = KernelOp("sparse_ffn", neuron.sparse_ffn, None)
 sparse_columns = KernelOp("sparse_columns", neuron.sparse_columns, None)
 merge = KernelOp("merge", neuron.merge, cuda.merge)
 linear_rows = KernelOp("linear_rows", neuron.linear_rows, cuda.linear_rows)
-
-ALL: tuple[KernelOp, ...] = (linear, linear_panels, glu, layer_norm, rms_norm, embed, rope_kv_write, attention,
-                             select, sparse_up, sparse_down, sparse_ffn, sparse_columns, merge, linear_rows)
