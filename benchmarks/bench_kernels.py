@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import numpy as np  # noqa: E402
 
+from runtime.dtypes import WEIGHT_DTYPES  # noqa: E402
+
 GB = 1e9
 SETTLE = 0.5  # seconds between phases, longer than either pool's spin time
 GEMV_SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "down": (8192, 2048), "output": (2048, 32000)}
@@ -68,9 +70,9 @@ def kernels():
     funcs = []
     for name, (K, N) in GEMV_SHAPES.items():
         funcs.append(cpu.linear(f"kn_{name}", K, N, rows=1, bias=False))
-        for dtype in cpu.WEIGHT_DTYPES.values():
+        for dtype in WEIGHT_DTYPES.values():
             funcs.append(cpu.linear_panels(f"panels_{dtype}_{name}", K, N, rows=1, bias=False, wdtype=dtype))
-    for dtype in cpu.WEIGHT_DTYPES.values():
+    for dtype in WEIGHT_DTYPES.values():
         funcs.append(neuron.sparse_ffn(f"ffn_{dtype}", D, FFN, rows=1, gated=False, act="relu", wdtype=dtype))
     funcs += [neuron.sparse_up("up", D, FFN, rows=1, gated=False, act="relu"), neuron.sparse_down("down", FFN, D, rows=1)]
     for name, (K, N) in GEMM_SHAPES.items():
@@ -92,12 +94,13 @@ def main():
     import tvm_ffi
 
     from bench_cpu_decode import Bandwidth
+    from picompile.targets import CPU_ISAS
 
     cpu, funcs = kernels()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench_kernels.so")
         started = time.perf_counter()
-        cpu.build(funcs, cpu.CPU_TARGET, path)
+        cpu.build(funcs, CPU_ISAS["avx2"].llvm_target(), path)
         print(f"built {len(funcs)} kernels in {time.perf_counter() - started:.1f} s; "
               f"{args.threads} threads, load average {os.getloadavg()[0]:.2f}")
         lib = tvm.runtime.load_module(path)
@@ -115,7 +118,7 @@ def main():
         x, y = aligned(rng.standard_normal((1, K)).astype(np.float32)), aligned(np.zeros((1, N), np.float32))
         weights = [rng.standard_normal((K, N)).astype(np.float32) for _ in range(COPIES)]
         kn = [aligned(w) for w in weights]
-        panels = {dtype: [aligned(cpu.pack_panels(w).astype(dtype)) for w in weights] for dtype in cpu.WEIGHT_DTYPES.values()}
+        panels = {dtype: [aligned(cpu.pack_panels(w).astype(dtype)) for w in weights] for dtype in WEIGHT_DTYPES.values()}
         lib[f"panels_float32_{name}"](dl(x), dl(panels["float32"][0]), dl(y))
         np.testing.assert_allclose(y[0], x[0].astype(np.float64) @ weights[0], rtol=1e-3, atol=1e-3)
         gemv[name] = (K, N, x, y, kn, panels)

@@ -22,7 +22,7 @@ from picompile.targets import get_cpu_isa
 from runtime.calls import Role
 
 from .kernel_ir import KernelProgram, KernelSpec
-from .kernels import cpu, neuron
+from .kernels import cpu, ops
 
 
 def kernel_signature(func) -> list:
@@ -54,12 +54,10 @@ def first_layers(program: KernelProgram) -> dict[str, int | None]:
 
 
 def _make(spec: KernelSpec, name: str, device: str):
-    if device == "gpu":
-        from .kernels import cuda
-
-        maker = getattr(cuda, spec.op)
-    else:
-        maker = getattr(cpu, spec.op, None) or getattr(neuron, spec.op)
+    op = ops.get(spec.op)
+    maker = op.cuda if device == "gpu" else op.cpu
+    if maker is None:
+        raise ValueError(f"kernel {name}: op {op.name} has no {device} version")
     return maker(name, *spec.args, rows=spec.rows, **spec.kwargs)
 
 
@@ -81,7 +79,7 @@ class Compile:
                     funcs.append(_make(program.kernels[name], name, "cpu"))
                 advance()
         with ctx.progress(f"compile: compiling {len(funcs)} CPU kernels (LLVM)"):
-            cpu.build(funcs, {**cpu.CPU_TARGET, "mcpu": get_cpu_isa(self.cpu_isa).mcpu}, str(library))
+            cpu.build(funcs, get_cpu_isa(self.cpu_isa).llvm_target(), str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
         signatures = library.parent / "signatures.json"
         signatures.write_text(json.dumps({name: kernel_signature(func) for name, func in zip(names, funcs)},

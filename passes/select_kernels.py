@@ -29,7 +29,7 @@ from runtime.calls import START, Access, Arg, Call, Role, Selection
 from runtime.dtypes import itemsize
 
 from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
-from .kernels import cpu, neuron
+from .kernels import cpu, neuron, ops
 from .place import device_of, node_layers
 
 
@@ -60,13 +60,13 @@ class Lowering:
     def weights(self) -> dict[str, np.ndarray]:
         return self.program.weights
 
-    def kernel(self, make, base: str, *args, phases=("decode", "prefill"), **kwargs) -> tuple[str, str]:
+    def kernel(self, op: ops.KernelOp, base: str, *args, phases=("decode", "prefill"), **kwargs) -> tuple[str, str]:
         """The kernel's variants: (decode name, prefill name), "" for a phase it does not run in."""
         names = []
         for rows, phase in ((1, "decode"), (None, "prefill")):
             name = f"{base}_{phase}" if phase in phases else ""
             if name and name not in self.program.kernels:
-                self.program.kernels[name] = KernelSpec(make.__name__, rows, args, kwargs)
+                self.program.kernels[name] = KernelSpec(op.name, rows, args, kwargs)
             names.append(name)
         return names[0], names[1]
 
@@ -138,7 +138,7 @@ class Lowering:
         flags = dict(bias=bias is not None, act=act, residual=residual is not None)
         if dtype != "float32":
             flags["wdtype"] = dtype
-        kernels = self.kernel(cpu.linear_panels if packed else cpu.linear, f"linear_k{k}_n{n}{tags}", k, n,
+        kernels = self.kernel(ops.linear_panels if packed else ops.linear, f"linear_k{k}_n{n}{tags}", k, n,
                               phases=phases, **flags, **self.gemm_tile(device))
         args = [read(x), read(weight)] + ([read(bias)] if bias else []) + ([read(residual)] if residual else []) + [write(out)]
         self.call(label, kernels, args, role, device)
@@ -150,7 +150,7 @@ class Lowering:
     def glu(self, pre: str, hidden: str, neurons: int, activation: str, label: str, device: str | None = None,
             phases=("decode", "prefill")) -> None:
         """A gated FFN's hidden = act(gate) * up, from `pre` holding the gate and up halves side by side."""
-        kernels = self.kernel(cpu.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=phases)
+        kernels = self.kernel(ops.glu, f"glu_f{neurons}_{activation}", neurons, act=activation, phases=phases)
         self.call(label, kernels, [read(pre), write(hidden)], Role.FFN_UP, device)
 
     def zeros(self, name: str, size: int) -> str:
@@ -207,7 +207,7 @@ class _Walker:
         vocab, width = self.low.weights[table].shape
         dtype = self.low.buffers[table]["dtype"]
         out = self.next_residual(width)
-        kernels = self.low.kernel(cpu.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}"
+        kernels = self.low.kernel(ops.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}"
                                   f"{'_f16' if dtype == 'float16' else ''}", vocab, width,
                                   positions=self.low.max_context if positions else None,
                                   **({"wdtype": dtype} if dtype != "float32" else {}))
@@ -225,8 +225,8 @@ class _Walker:
         width = self.low.weights[scale].shape[0]
         eps = float(pir.attr(node, "epsilon", 1e-5))
         out = self.low.activation("act.norm", width)
-        make = cpu.layer_norm if kind == "layer" else cpu.rms_norm
-        kernels = self.low.kernel(make, f"{kind}_norm_d{width}_eps{eps:.0e}".replace("-", "m"), width, eps)
+        op = ops.layer_norm if kind == "layer" else ops.rms_norm
+        kernels = self.low.kernel(op, f"{kind}_norm_d{width}_eps{eps:.0e}".replace("-", "m"), width, eps)
         args = [read(self.location[node.inputs[0].name]), read(scale)] + ([read(bias)] if bias else []) + [write(out)]
         self.low.call(node.name, kernels, args, Role.NORM)
         self.location[node.outputs[0].name] = out
@@ -258,12 +258,12 @@ class _Walker:
         if inv_freq is not None:
             angles = np.arange(ctx, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
             rope_args = [self.shared_table("rope.cos", np.cos(angles)), self.shared_table("rope.sin", np.sin(angles))]
-        kernels = self.low.kernel(cpu.rope_kv_write, f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}",
+        kernels = self.low.kernel(ops.rope_kv_write, f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}",
                                   heads, kv_heads, head_dim, ctx, rope=bool(rope_args))
         tables = [Arg(table, Access.GATHER, row_bytes=self.low.row_bytes(table)) for table in rope_args]
         self.low.call(f"{p}.rope_kv", kernels, [read(qkv), *tables, Arg(key_cache, Access.UPDATE),
                                                 Arg(value_cache, Access.UPDATE), write(q), Arg(START)], Role.ATTENTION)
-        kernels = self.low.kernel(cpu.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}", heads, kv_heads,
+        kernels = self.low.kernel(ops.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}", heads, kv_heads,
                                   head_dim, ctx, scale)
         self.low.call(f"{p}.attention", kernels, [read(q), Arg(key_cache, Access.CONTEXT),
                                                   Arg(value_cache, Access.CONTEXT), write(attn), Arg(START)],
@@ -339,13 +339,13 @@ class _Walker:
         dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
         halves = 2 if gated else 1  # up rows per neuron: gate and up when gated
         row, bias_row = self.low.row_bytes(up_rows), halves * itemsize(self.low.buffers[up_bias]["dtype"])
-        kernels = self.low.kernel(neuron.select, f"select_n{neurons}", neurons, phases=("decode",))
+        kernels = self.low.kernel(ops.select, f"select_n{neurons}", neurons, phases=("decode",))
         self.low.call(f"{p}.select", kernels, [read(scores), read(threshold), write(index), write(count)], Role.PREDICTOR)
         selected = [read(x), read(index), read(count)]
         if device == "cpu":  # up and down in one pass over the rows
             scratch = self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
             fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
-            kernels = self.low.kernel(neuron.sparse_ffn, f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
+            kernels = self.low.kernel(ops.sparse_ffn, f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",), **dtype_arg)
             # With ReLU a neuron whose first row (the gate's when gated) gives 0 is done: its other rows are not read.
             skips = activation == "relu"
@@ -358,12 +358,12 @@ class _Walker:
                                                     write(partial)], Role.FFN,
                           selection=Selection("predictor", part, count, neurons, hidden if skips else None))
         else:
-            kernels = self.low.kernel(neuron.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
+            kernels = self.low.kernel(ops.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",))
             self.low.call(f"{p}.up", kernels, [*selected, Arg(up_rows, Access.SELECTED_ROWS, row_bytes=halves * row),
                                                Arg(up_bias, Access.SELECTED_ROWS, row_bytes=bias_row), write(hidden)],
                           Role.FFN_UP, selection=Selection("predictor", part, count, neurons))
-            kernels = self.low.kernel(neuron.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width,
+            kernels = self.low.kernel(ops.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width,
                                       phases=("decode",))
             self.low.call(f"{p}.down", kernels, [read(hidden), read(index), read(count),
                                                  Arg(down_rows, Access.SELECTED_ROWS, row_bytes=self.low.row_bytes(down_rows)),
@@ -372,7 +372,7 @@ class _Walker:
         # multi-token steps: every neuron of the part, as dense GEMMs over the same row-major weights
         pre = self.low.activation(f"act.ffn_pre.{tag}", up_width)
         up_act = "none" if gated else activation
-        kernels = self.low.kernel(neuron.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
+        kernels = self.low.kernel(ops.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
                                   up_width, act=up_act, phases=("prefill",), **dtype_arg, **self.low.gemm_tile(device))
         self.low.call(f"{p}.up_dense", kernels, [read(x), read(up_rows), read(up_bias), write(pre)], Role.FFN_UP)
         if gated:
@@ -406,11 +406,11 @@ class _Walker:
             threshold = self.low.weight(f"{p}.{key}", np.array([pir.attr(node, key)], np.float32))
             index = self.low.activation(f"act.kept_index.n{rows}", rows, dtype="int32", rows=1)
             count = self.low.activation("act.kept_count", 1, dtype="int32", rows=1)
-            kernels = self.low.kernel(neuron.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",))
+            kernels = self.low.kernel(ops.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",))
             self.low.call(f"{p}.{part}_select", kernels, [read(v), read(threshold), write(index), write(count)], role)
             scratch = self.low.scratch(f"scratch.columns.n{columns}", [neuron.COLUMN_TASKS, columns])
             tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{dtype_tag}"
-            kernels = self.low.kernel(neuron.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
+            kernels = self.low.kernel(ops.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
                                       gated=glu, act=act, bias=bias is not None, phases=("decode",), **dtype_arg)
             # the kept input channels' rows of the [K, N] weight; the bias is per output, read whole
             args = [read(v), read(index), read(count), Arg(weight, Access.SELECTED_ROWS, row_bytes=self.low.row_bytes(weight)),
@@ -432,7 +432,7 @@ class _Walker:
         width = self.low.buffers[parts[0]]["shape"][1]
         out, residual = self.output_for(node, width)
         base = f"merge_d{width}_p{len(parts)}{'_b' if bias else ''}{'_res' if residual else ''}"
-        kernels = self.low.kernel(neuron.merge, base, width, len(parts), bias=bias is not None, residual=residual is not None)
+        kernels = self.low.kernel(ops.merge, base, width, len(parts), bias=bias is not None, residual=residual is not None)
         args = ([read(residual)] if residual else []) + [read(part) for part in parts] + ([read(bias)] if bias else []) + [write(out)]
         self.low.call(node.name, kernels, args, Role.MERGE)
         self.location[node.outputs[0].name] = out

@@ -23,6 +23,14 @@ class CpuIsa:
     features: tuple[str, ...]  # /proc/cpuinfo flags the kernels need (the runtime checks them)
     gemm_panels: int  # 16-column weight panels per prefill GEMM register tile (12 ymm or 12 zmm accumulators)
 
+    def llvm_target(self) -> dict:
+        """The TVM target dict for code on this instruction set: the CPU kernels, and a CUDA module's host side."""
+        return {"kind": "llvm", "mcpu": self.mcpu, "num-cores": LLVM_NUM_CORES}
+
+
+LLVM_NUM_CORES = 2
+"""`num-cores` of the LLVM targets: only a hint for TVM's tuners (kernels take their threads from the pool at run
+time); the project's `cpu` machine has 2 cores."""
 
 CPU_ISAS: dict[str, CpuIsa] = {
     isa.name: isa
@@ -73,6 +81,21 @@ def get_target(name: str) -> Target:
         return TARGETS[name]
     except KeyError:
         raise UserError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}") from None
+
+
+CUDA_ARCHS: tuple[str, ...] = tuple(sorted({t.cuda_arch for t in TARGETS.values() if t.cuda_arch}))
+"""The SM architectures picompile builds GPU kernels for: those of the GPU targets."""
+
+CUDA_HOST_ISA = CPU_ISAS["avx2"]
+"""The instruction set of a CUDA module's host code (argument packing and launches, nothing hot): the baseline
+every supported x86 CPU runs."""
+
+
+def cuda_target(arch: str) -> dict:
+    """The TVM target dict for GPU kernels of `arch` ("sm_XX"): CUDA device code, CUDA_HOST_ISA host code."""
+    if not (isinstance(arch, str) and arch.startswith("sm_") and arch[3:].isdigit()):
+        raise ValueError(f"arch must look like 'sm_80', got {arch!r}")
+    return {"kind": "cuda", "arch": arch, "host": CUDA_HOST_ISA.llvm_target()}
 
 
 def check_vram_budget(target: Target, budget_bytes: int | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import io
 import re
 from collections import Counter
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from passes.import_onnx import Import, load
-from passes.kernels import cpu as cpu_kernels
+from passes.kernels import ops
 from passes.partition import Partition
 from passes.profile import Profile
 from passes.recognise import Recognise
@@ -172,7 +173,7 @@ def test_cli_wraps_a_tvm_error_deep_in_kernel_making(sparse_files, tmp_path, cap
     def broken_attention(*args, **kwargs):
         raise tvm.error.InternalError("Check failed: (vectorizable) is false: lanes must divide\nStack trace: ...")
 
-    monkeypatch.setattr(cpu_kernels, "attention", broken_attention)
+    monkeypatch.setattr(ops, "attention", dataclasses.replace(ops.attention, cpu=broken_attention))
     out = tmp_path / "x.pic"
     assert main(["build", str(sparse_files.onnx), "-o", str(out), "--dense", "--max-context", "64"]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

@@ -4,7 +4,7 @@ Without a GPU (any machine with nvcc): every kernel, decode and prefill variants
 sm_75, sm_80, sm_89 and sm_90 into ONE module per arch (one nvcc run each); the exported .so must
 embed a fatbin holding SASS for the arch plus its PTX, with every kernel in it; the generated module
 source must be CUDA with one __global__ kernel per function; and every CUDA kernel must have the
-signature of its CPU twin (cpu.py / neuron.py).
+signature of its CPU twin (the same ops.KernelOp's cpu maker).
 
 With a GPU (``tvm.cuda(0).exist``): every kernel is run through ``tvm.runtime.load_module`` of the
 exported library and compared with numpy, and a fresh runtime-only process loads and runs the
@@ -28,7 +28,8 @@ if "CUDA_PATH" not in os.environ and os.path.isdir("/usr/local/cuda"):
 
 import tvm  # noqa: E402
 
-from passes.kernels import cpu, cuda, neuron  # noqa: E402
+from passes.kernels import cuda, ops  # noqa: E402
+from picompile.targets import CUDA_ARCHS, CUDA_HOST_ISA, cuda_target  # noqa: E402
 from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
 
 if cuda.nvcc_path() is None or not os.path.isdir(os.environ.get("CUDA_PATH", "/usr/local/cuda")):
@@ -70,40 +71,50 @@ DOWN = {"small": (100, 40), "wide": (100, 300)}  # (n, D)
 
 
 
+class _Makers:
+    """``make.X`` is ops.X's maker for one device."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __getattr__(self, op):
+        return getattr(getattr(ops, op), self.device)
+
+
 def all_kernels(gpu=True):
-    """The test kernel set: CUDA kernels, or (gpu=False) their CPU twins from cpu.py / neuron.py."""
-    dense = cuda if gpu else cpu
-    sparse = cuda if gpu else neuron
+    """The test kernel set: CUDA kernels, or (gpu=False) their CPU twins (the same ops' cpu makers)."""
+    make = _Makers("cuda" if gpu else "cpu")
     funcs = []
     for v, rows in ROWS.items():
         for cfg, (K, N, bias, act, res) in LINEAR.items():
-            funcs.append(dense.linear(kname("linear", cfg, v), K, N, rows=rows, bias=bias, act=act, residual=res))
+            funcs.append(make.linear(kname("linear", cfg, v), K, N, rows=rows, bias=bias, act=act, residual=res))
         for cfg, (F, act) in GLU.items():
-            funcs.append(dense.glu(kname("glu", cfg, v), F, rows=rows, act=act))
+            funcs.append(make.glu(kname("glu", cfg, v), F, rows=rows, act=act))
         for D in NORM_D:
-            funcs.append(dense.layer_norm(kname("ln", D, v), D, 1e-5, rows=rows))
-            funcs.append(dense.rms_norm(kname("rms", D, v), D, 1e-6, rows=rows))
-        funcs.append(dense.embed(kname("embed", "pos", v), V, 36, rows=rows, positions=MAX_CTX))
-        funcs.append(dense.embed(kname("embed", "nopos", v), V, 36, rows=rows, positions=None))
+            funcs.append(make.layer_norm(kname("ln", D, v), D, 1e-5, rows=rows))
+            funcs.append(make.rms_norm(kname("rms", D, v), D, 1e-6, rows=rows))
+        funcs.append(make.embed(kname("embed", "pos", v), V, 36, rows=rows, positions=MAX_CTX))
+        funcs.append(make.embed(kname("embed", "nopos", v), V, 36, rows=rows, positions=None))
         for H, KVH, hd in HEADS:
             for rope in (True, False):
                 funcs.append(
-                    dense.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}", v), H, KVH, hd, MAX_CTX, rows=rows, rope=rope)
+                    make.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}", v), H, KVH, hd, MAX_CTX, rows=rows, rope=rope)
                 )
             funcs.append(
-                dense.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
+                make.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
             )
-        funcs.append(dense.attention(kname("attn", "long", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows))
+        funcs.append(make.attention(kname("attn", "long", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows))
         for cfg, (D, parts, bias, res) in MERGE.items():
-            funcs.append(sparse.merge(kname("merge", cfg, v), D, parts, rows=rows, bias=bias, residual=res))
+            funcs.append(make.merge(kname("merge", cfg, v), D, parts, rows=rows, bias=bias, residual=res))
     for cfg, (K, N, act) in LINEAR_ROWS.items():
-        funcs.append(sparse.linear_rows(kname("linrows", cfg, "p"), K, N, rows=None, act=act))
+        funcs.append(make.linear_rows(kname("linrows", cfg, "p"), K, N, rows=None, act=act))
     for n in SELECT_N:
-        funcs.append(sparse.select(kname("select", n, "d"), n, rows=1))
+        funcs.append(make.select(kname("select", n, "d"), n, rows=1))
+        funcs.append(make.select(kname("select_abs", n, "d"), n, rows=1, magnitude=True))
     for cfg, (D, n, gated, act) in UP.items():
-        funcs.append(sparse.sparse_up(kname("up", cfg, "d"), D, n, rows=1, gated=gated, act=act))
+        funcs.append(make.sparse_up(kname("up", cfg, "d"), D, n, rows=1, gated=gated, act=act))
     for cfg, (n, D) in DOWN.items():
-        funcs.append(sparse.sparse_down(kname("down", cfg, "d"), n, D, rows=1))
+        funcs.append(make.sparse_down(kname("down", cfg, "d"), n, D, rows=1))
     if gpu:
         # the grid-stride loop of sparse_up: a 2-block grid walking 100 neurons (16 per pass)
         saved = cuda.UP_MAX_BLOCKS
@@ -191,14 +202,15 @@ def test_nvcc_flags():
     flags = cuda.nvcc_flags("sm_89")
     assert "--fatbin" in flags
     assert "arch=compute_89,code=sm_89" in flags and "arch=compute_89,code=compute_89" in flags
-    assert cuda.cuda_target("sm_90") == {"kind": "cuda", "arch": "sm_90", "host": {"kind": "llvm", "mcpu": "haswell"}}
-    assert set(cuda.CUDA_ARCHS.values()) == set(ARCHS)
+    assert cuda_target("sm_90") == {"kind": "cuda", "arch": "sm_90", "host": CUDA_HOST_ISA.llvm_target()}
+    assert CUDA_HOST_ISA.llvm_target()["mcpu"] == "haswell"
+    assert CUDA_ARCHS == tuple(ARCHS)  # the GPU targets' archs are the ones built here
     with pytest.raises(ValueError):
-        cuda.cuda_target("80")
+        cuda_target("80")
 
 
 def test_same_signatures_as_cpu_kernels():
-    """Same names, argument order, shapes and dtypes as the CPU kernels (cpu.py / neuron.py)."""
+    """Same names, argument order, shapes and dtypes as the CPU kernels (each op's cpu maker)."""
 
     def dim(d):
         return d.name if hasattr(d, "name") else int(d)  # symbolic m, or a constant of any int type
@@ -218,6 +230,25 @@ def test_same_signatures_as_cpu_kernels():
     for name, sig in host.items():
         assert gpu[name] == sig, name
     assert any(kind == "scalar" and ty == "int64" for sig in gpu.values() for _, kind, ty in sig)  # start
+
+
+def _kernel_body(source, name):
+    start = source.index(f" {name}_kernel(", source.index(f" {name}_kernel(") + 1)  # the definition, after the declaration
+    end = source.find('extern "C"', start)
+    return source[start : end if end != -1 else None]
+
+
+def test_indexing_kernels_bound_their_inputs():
+    """The CUDA kernels that index with an input clamp it as the CPU ones do (tested on the CPU in
+    test_kernel_bounds.py): token ids and positions to their tables, counts and indices to their buffers."""
+    indexing = [f for f in KERNELS if str(f.attrs["global_symbol"]).startswith(("embed_", "up_", "down_"))]
+    source = cuda.cuda_source(indexing, "sm_80")
+    for f in indexing:
+        name = str(f.attrs["global_symbol"])
+        body = _kernel_body(source, name)
+        clamps = body.count("max(min(")
+        wanted = 2 if name.startswith("embed_pos") else 1  # ids (and start); count (and the indices)
+        assert clamps >= wanted, (name, clamps)
 
 
 def test_interface_errors():
@@ -480,6 +511,36 @@ def test_sparse_down(run, cfg, count_frac):
     run(kname("down", cfg, "d"), h, idx, cnt, w, out)
     rows = idx[0, :count]
     close(out[0], h[0, :count].astype(np.float64) @ w[rows] if count else np.zeros(D))
+
+
+@pytest.mark.parametrize("start", [MAX_CTX + 5, -3])
+def test_embed_out_of_range(run, start):
+    """Ids past the table and positions past the positions table are clamped (the runner's NaN rows behind
+    every buffer would show a read outside it)."""
+    rng = np.random.default_rng(13)
+    ids = np.array([-1, V, 10**12, 3], np.int64)
+    table, pos, y = rand(rng, V, 36), rand(rng, MAX_CTX, 36), rand(rng, 4, 36)
+    run(kname("embed", "pos", "p"), ids, table, pos, start, y)
+    close(y, table[np.clip(ids, 0, V - 1)] + pos[np.clip(start + np.arange(4), 0, MAX_CTX - 1)], tol=1e-6)
+
+
+@pytest.mark.parametrize("count", [-3, 150, 2**31 - 1])
+def test_sparse_out_of_range(run, count):
+    """Counts past the index buffer and indices past the weight rows are clamped, as on the CPU."""
+    rng = np.random.default_rng(14)
+    n = 100
+    idx = rng.choice([-5, n, n + 100, 2**31 - 1, -(2**31), 0, 7, n - 1], (1, n)).astype(np.int32)
+    cnt = np.array([[count]], np.int32)
+    rows = np.clip(idx[0, : min(max(count, 0), n)], 0, n - 1)
+    D = UP["gated"][0]
+    x, w, b, h = rand(rng, 1, D), rand(rng, 2 * n, D, scale=0.3), rand(rng, 2 * n), np.full((1, n), 7.0, np.float32)
+    run(kname("up", "gated", "d"), x, idx, cnt, w, b, h)
+    gate = w[rows].astype(np.float64) @ x[0] + b[rows]
+    close(h[0, : len(rows)], act_ref(gate, "silu") * (w[n + rows].astype(np.float64) @ x[0] + b[n + rows]))
+    D = DOWN["small"][1]
+    down, out = rand(rng, n, D, scale=0.3), rand(rng, 1, D)
+    run(kname("down", "small", "d"), h, idx, cnt, down, out)
+    close(out[0], h[0, : len(rows)].astype(np.float64) @ down[rows] if len(rows) else np.zeros(D))
 
 
 def test_runtime_only_process(run, build_dir):

@@ -18,6 +18,7 @@ import tvm
 import tvm_ffi
 
 from passes.kernels import cpu
+from picompile.targets import CPU_ISAS
 from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
 
 MAX_ROWS = 8  # prefill buffers are allocated this tall and sliced to m rows
@@ -119,7 +120,7 @@ def all_kernels():
 @pytest.fixture(scope="module")
 def lib_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("kernels") / "kernels.so")
-    cpu.build(all_kernels(), cpu.CPU_TARGET, path)
+    cpu.build(all_kernels(), CPU_ISAS["avx2"].llvm_target(), path)
     return path
 
 

@@ -8,6 +8,7 @@ import tvm
 import tvm_ffi
 
 from passes.kernels import cpu, neuron
+from picompile.targets import CPU_ISAS
 from kernel_reference import aligned
 
 D, N = 36, 24  # odd sizes: 4-lane vectors, no multiple of 8
@@ -28,7 +29,7 @@ def lib(tmp_path_factory):
     funcs += [neuron.sparse_ffn(f"ffn_{name}", D, N, rows=1, gated=gated, act=act, wdtype=dtype)
               for name, (gated, act, dtype) in FUSED.items()]
     path = tmp_path_factory.mktemp("neuron") / "neuron.so"
-    cpu.build(funcs, cpu.CPU_TARGET, str(path))
+    cpu.build(funcs, CPU_ISAS["avx2"].llvm_target(), str(path))
     return tvm.runtime.load_module(str(path))
 
 

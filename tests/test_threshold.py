@@ -13,6 +13,7 @@ import tvm_ffi
 
 from passes.kernels import cpu, neuron
 from passes.threshold import calibrate, hidden_of
+from picompile.targets import CPU_ISAS
 from kernel_reference import aligned
 from runtime.calls import Access, schedule_calls
 
@@ -38,7 +39,7 @@ def lib(tmp_path_factory):
     funcs += [neuron.sparse_columns(name, K, N, rows=1, gated=gated, act=act, bias=bias, wdtype=dtype)
               for name, (gated, act, bias, dtype) in COLUMN_KERNELS.items()]
     path = tmp_path_factory.mktemp("threshold") / "threshold.so"
-    cpu.build(funcs, cpu.CPU_TARGET, str(path))
+    cpu.build(funcs, CPU_ISAS["avx2"].llvm_target(), str(path))
     return tvm.runtime.load_module(str(path))
 
 

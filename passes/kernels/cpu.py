@@ -1,21 +1,20 @@
-"""CPU kernels (x86-64, AVX2 + FMA) for picompile, generated with TVM 0.27.
+"""CPU kernels (x86-64, AVX2 + FMA, or AVX-512) for picompile, generated with TVM 0.27.
 
 Every public function returns one ``tvm.tirx.PrimFunc`` whose ``global_symbol`` is ``name``;
-``build`` compiles a list of them into one shared library. Conventions shared by all kernels:
+``build`` compiles a list of them into one shared library. The conventions of every kernel are
+``compute``'s (fp32, rows=1 decode / symbolic-m prefill, int64 ``start``); on the CPU besides:
 
-* fp32, row-major; ``m`` is the number of token rows.
-* ``rows=1`` is the decode variant (m fixed to 1); ``rows=None`` the prefill variant, whose
-  first dimension is a symbolic ``int64`` var ``m`` bound from the arguments at call time.
-  The runtime may pass row slices ``buf[:m]`` of larger buffers (contiguous, same start).
-* Scalar ``start`` arguments are ``int64`` PrimFunc params, so a Python int can be passed.
+* The runtime may pass row slices ``buf[:m]`` of larger buffers (contiguous, same start).
 * TVM's generated code assumes 64-byte aligned buffers (aligned vector loads); callers must
   allocate accordingly, unaligned arrays crash the parallel kernels.
 * Parallel loops use TVM's thread pool (``TVM_NUM_THREADS``, default: physical cores).
+* exp and erf are ``compute.POLYNOMIAL`` (vectorisable), see ``MATH``.
 
-Where TE can express a kernel it is written in TE and scheduled with ``tvm.s_tir``;
-kernels with in-place updates or data-dependent loop bounds (``rope_kv_write``,
-``attention``) are TVMScript with the schedule (parallel / vectorized / unrolled loops)
-written into the script.
+Where TE can express a kernel, its compute is ``compute``'s and this module only schedules it
+with ``tvm.s_tir``. The panel GEMV and the register-tiled GEMM, and kernels with in-place updates
+or data-dependent loop bounds (``rope_kv_write``, ``attention``), are TVMScript with the schedule
+(parallel / vectorized / unrolled loops) written into the script; their math (epilogues,
+activations, RoPE, exp) is ``compute``'s.
 """
 
 from __future__ import annotations
@@ -24,12 +23,13 @@ import math
 
 import numpy as np
 import tvm
-from tvm import te, tirx
-from tvm.s_tir import Schedule
 from tvm.script import tirx as T
 
-CPU_TARGET = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
-"""AVX2 + FMA code; ``num-cores`` is only a hint for tuners (threads come from the pool)."""
+
+from . import compute
+from .compute import drop_params, load_f32, rope_high, rope_low, row_dim
+
+MATH = compute.POLYNOMIAL  # exp / erf as vectorisable polynomials (LLVM's libm calls would stop vectorisation)
 
 VEC = 8  # fp32 lanes in one ymm register
 GEMM_MR = 6  # prefill register tile rows: 6 x 16 (AVX2) or 6 x 32 (AVX-512) columns = 12 accumulators
@@ -40,100 +40,11 @@ GEMV_NR = 64  # decode: 64 columns = 8 ymm accumulators
 GEMV_KT = 16  # decode: rows of w per register pass (unrolled)
 GEMV_CHUNKS = 8  # decode: aim for this many parallel column chunks ...
 GEMV_CHUNK_MAX = 1024  # ... of at most this many columns (4 KB of each w row)
-_NEG = -3.0e38  # "minus infinity" that stays finite through max/exp
-
-
-# --------------------------------------------------------------------------------------------
-# Scalar math as TIR expressions. LLVM lowers tirx.exp / tirx.erf to libm calls (expf, erff),
-# which stops vectorisation; these polynomial forms vectorise to plain ymm arithmetic.
-# --------------------------------------------------------------------------------------------
-
-
-def _f32(v):
-    return tirx.const(v, "float32")
-
-
-def _let(value, body, name="t"):
-    """Bind ``value`` once (a Let) and build ``body(var)``: no re-evaluation, a readable IR."""
-    var = tirx.Var(name, "float32")
-    return tirx.Let(var, value, body(var))
-
-
-def _exp(x):
-    """float32 exp (Cephes expf: 2^n * P(r)), relative error ~2 ulp; clamps to finite range."""
-
-    def poly(r, n):
-        p = _f32(1.9875691500e-4)
-        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-            p = p * r + _f32(c)
-        pow2n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
-        return (p * r * r + r + _f32(1.0)) * pow2n
-
-    def reduce(x):  # x = n ln2 + r, |r| <= ln2 / 2 (ln2 split in two parts for accuracy)
-        return _let(
-            tirx.floor(x * _f32(1.4426950408889634) + _f32(0.5)),
-            lambda n: _let(x - n * _f32(0.693359375) + n * _f32(2.12194440e-4), lambda r: poly(r, n), "r"),
-            "n",
-        )
-
-    return _let(tirx.max(tirx.min(x, _f32(88.0)), _f32(-87.33654)), reduce, "x")
-
-
-def _erf(x):
-    """erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7; used inside GELU, where
-    the absolute error is what counts), with the vectorisable _exp."""
-
-    def body(x, a, t):
-        p = _f32(1.061405429)
-        for c in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
-            p = p * t + _f32(c)
-        sign = tirx.Select(x < _f32(0.0), _f32(-1.0), _f32(1.0))
-        # the _exp term (it holds Lets) must appear once: a Let var may be defined only once
-        return sign * (_f32(1.0) - p * t * _exp(-a * a))
-
-    return _let(
-        x,
-        lambda x: _let(
-            tirx.abs(x),
-            lambda a: _let(_f32(1.0) / (_f32(1.0) + _f32(0.3275911) * a), lambda t: body(x, a, t), "t"),
-            "a",
-        ),
-        "x",
-    )
-
-
-_ACTS = {
-    "none": lambda v: v,
-    "relu": lambda v: tirx.max(v, _f32(0.0)),
-    # exact (erf) GELU, as torch's default approximate="none"
-    "gelu": lambda v: _let(v, lambda v: _f32(0.5) * v * (_f32(1.0) + _erf(v * _f32(0.7071067811865476))), "v"),
-    "silu": lambda v: _let(v, lambda v: v / (_f32(1.0) + _exp(-v)), "v"),
-}
-
-
-def _load_f32(value, wdtype):
-    """A weight element as fp32 (weights may be stored in fp16; arithmetic is fp32)."""
-    return value if wdtype == "float32" else tirx.Cast("float32", value)
-
-
-def _activation(act):
-    if act not in _ACTS:
-        raise ValueError(f"unknown activation {act!r}; expected one of {sorted(_ACTS)}")
-    return _ACTS[act]
 
 
 # --------------------------------------------------------------------------------------------
 # Shapes and the scheduling steps shared by the TE kernels.
 # --------------------------------------------------------------------------------------------
-
-
-def _row_dim(rows):
-    """The row extent: 1 for decode, a symbolic int64 ``m`` for prefill."""
-    if rows == 1:
-        return 1
-    if rows is None:
-        return tirx.Var("m", "int64")
-    raise ValueError(f"rows must be 1 (decode) or None (prefill), got {rows!r}")
 
 
 def _lanes(n):
@@ -145,14 +56,6 @@ def _col_block(n, cap):
     """Widest column block <= cap that divides ``n`` in whole vectors (no tail predicates)."""
     lanes = _lanes(n)
     return max(b for b in range(lanes, cap + 1, lanes) if n % b == 0)
-
-
-def _te_schedule(name, tensors):
-    """PrimFunc from TE tensors (int64 indices, so a symbolic ``m`` mixes freely) + schedule."""
-    func = te.create_prim_func(tensors, index_dtype_override="int64").with_attr("global_symbol", name)
-    sch = Schedule(tvm.IRModule({name: func}))
-    sch.work_on(name)
-    return sch
 
 
 def _vectorize_inner(sch, block, lanes):
@@ -233,7 +136,7 @@ def _schedule_gemv(sch, nr, lanes, K, N):
 
 
 # --------------------------------------------------------------------------------------------
-# TE kernels
+# TE kernels: compute's definitions, scheduled for the CPU
 # --------------------------------------------------------------------------------------------
 
 
@@ -247,91 +150,37 @@ def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="
     if rows is None:
         return gemm(name, K, N, layout="kn", wdtype=wdtype, bias=bias, act=act, residual=residual,
                     tile_panels=tile_panels)
-    actf = _activation(act)
-    m = _row_dim(rows)
-    x = te.placeholder((m, K), name="x")
-    w = te.placeholder((K, N), name="w", dtype=wdtype)
-    b = te.placeholder((N,), name="b") if bias else None
-    res = te.placeholder((m, N), name="res") if residual else None
-    k = te.reduce_axis((0, K), name="k")
-    acc = te.compute((1, N), lambda i, n: te.sum(x[i, k] * _load_f32(w[k, n], wdtype), axis=k), name="acc")
-
-    def epilogue(i, n):
-        v = acc[i, n]
-        if bias:
-            v = v + b[n]
-        v = actf(v)
-        if residual:
-            v = v + res[i, n]
-        return v
-
-    y = te.compute((m, N), epilogue, name="y")
-    args = [x, w] + ([b] if bias else []) + ([res] if residual else []) + [y]
-    sch = _te_schedule(name, args)
+    args = compute.linear(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, wdtype=wdtype)
+    sch = compute.schedule(name, args)
     _schedule_gemv(sch, _col_block(N, GEMV_NR), _lanes(N), K, N)
     return sch.mod[name]
 
 
 def glu(name, F, *, rows, act):
     """y[m, F] = act(t[:, :F]) * t[:, F:] (gate first, then up).  Args: t, y."""
-    actf = _activation(act)
-    m = _row_dim(rows)
-    t = te.placeholder((m, 2 * F), name="t")
-    y = te.compute((m, F), lambda i, j: actf(t[i, j]) * t[i, F + j], name="y")
-    sch = _te_schedule(name, [t, y])
+    sch = compute.schedule(name, compute.glu(F, rows, act=act, math=MATH))
     _rowwise(sch, sch.get_sblock("y"), _lanes(F), rows)
     return sch.mod[name]
 
 
 def layer_norm(name, D, eps, *, rows):
     """y = (x - mean) / sqrt(var + eps) * g + b, biased variance (two-pass).  Args: x, g, b, y."""
-    m = _row_dim(rows)
-    x = te.placeholder((m, D), name="x")
-    g = te.placeholder((D,), name="g")
-    b = te.placeholder((D,), name="b")
-    k1 = te.reduce_axis((0, D), name="k1")
-    k2 = te.reduce_axis((0, D), name="k2")
-    total = te.compute((m,), lambda i: te.sum(x[i, k1], axis=k1), name="total")
-    sq = te.compute(
-        (m,), lambda i: te.sum(_let(x[i, k2] - total[i] / _f32(D), lambda d: d * d, "d"), axis=k2), name="sq"
-    )
-    y = te.compute(
-        (m, D),
-        lambda i, j: (x[i, j] - total[i] / _f32(D)) * tirx.rsqrt(sq[i] / _f32(D) + _f32(eps)) * g[j] + b[j],
-        name="y",
-    )
-    sch = _te_schedule(name, [x, g, b, y])
+    sch = compute.schedule(name, compute.layer_norm(D, eps, rows))
     _row_reductions(sch, ["total", "sq"], "y", _lanes(D), rows)
     return sch.mod[name]
 
 
 def rms_norm(name, D, eps, *, rows):
     """y = x / sqrt(mean(x^2) + eps) * g.  Args: x, g, y."""
-    m = _row_dim(rows)
-    x = te.placeholder((m, D), name="x")
-    g = te.placeholder((D,), name="g")
-    k = te.reduce_axis((0, D), name="k")
-    sq = te.compute((m,), lambda i: te.sum(x[i, k] * x[i, k], axis=k), name="sq")
-    y = te.compute((m, D), lambda i, j: x[i, j] * tirx.rsqrt(sq[i] / _f32(D) + _f32(eps)) * g[j], name="y")
-    sch = _te_schedule(name, [x, g, y])
+    sch = compute.schedule(name, compute.rms_norm(D, eps, rows))
     _row_reductions(sch, ["sq"], "y", _lanes(D), rows)
     return sch.mod[name]
 
 
 def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
-    """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table, (pos_table, start), y."""
-    m = _row_dim(rows)
-    ids = te.placeholder((m,), "int64", name="ids")
-    table = te.placeholder((V, D), name="table", dtype=wdtype)
-    if positions:
-        pos = te.placeholder((positions, D), name="pos_table")
-        start = te.var("start", "int64")
-        y = te.compute((m, D), lambda i, j: _load_f32(table[ids[i], j], wdtype) + pos[start + i, j], name="y")
-        args = [ids, table, pos, start, y]
-    else:
-        y = te.compute((m, D), lambda i, j: _load_f32(table[ids[i], j], wdtype), name="y")
-        args = [ids, table, y]
-    sch = _te_schedule(name, args)
+    """y[i] = table[ids[i]] (+ pos_table[start + i]), ids and positions clamped to the tables.
+    Args: ids, table, (pos_table, start), y."""
+    sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions, wdtype=wdtype))
     _rowwise(sch, sch.get_sblock("y"), _lanes(D), rows)
     return sch.mod[name]
 
@@ -340,9 +189,6 @@ def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
 # Panel-packed linear layers (the CPU's dense weights) and the register-tiled GEMM they share
 # with row-major weights. TVMScript: the loops are the schedule.
 # --------------------------------------------------------------------------------------------
-
-WEIGHT_DTYPES = {"fp32": "float32", "fp16": "float16"}
-"""Storage types a weight may have; kernels convert to fp32 in registers (F16C's vcvtph2ps for fp16)."""
 
 
 def pack_panels(w: np.ndarray) -> np.ndarray:
@@ -359,23 +205,9 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(K, panels, PANEL).transpose(1, 0, 2))
 
 
-def _linear_epilogue(act, bias, residual):
-    """act(acc + b[col]) + res[row, col] as a TIR expression builder (flags fixed at build time)."""
-    actf = _activation(act)
-
-    def apply(acc, b, res, row, col):
-        value = acc + b[col] if bias else acc
-        value = actf(value)
-        return value + res[row, col] if residual else value
-
-    return apply
-
-
-def _drop_params(func, names):
-    """The same kernel without the parameters its body never reads (bias, residual when absent):
-    TVMScript has no optional parameters, so kernels are written with all of them."""
-    keep = [p for p in func.params if p.name not in names]
-    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+def _epilogue(act, bias, residual):
+    """compute's linear epilogue with the CPU's activation math."""
+    return compute.linear_epilogue(compute.activation(act, MATH), bias, residual)
 
 
 def _unused(bias, residual):
@@ -393,7 +225,7 @@ def _gemv_panels(name, K, N, *, wdtype, bias, act, residual):
     group = next(g for g in (GEMV_PANELS, 2, 1) if panels % g == 0 and (panels // g >= GEMV_MIN_TASKS or g == 1))
     width = group * PANEL
     full = N % width == 0  # no padded columns: a vectorised epilogue without predicates
-    epilogue = _linear_epilogue(act, bias, residual)
+    epilogue = _epilogue(act, bias, residual)
     out_loop = T.vectorized if full else T.serial
 
     @T.prim_func
@@ -407,12 +239,12 @@ def _gemv_panels(name, K, N, *, wdtype, bias, act, residual):
             for k in range(K):
                 for g in T.unroll(group):
                     for v in T.vectorized(PANEL):
-                        acc[g * PANEL + v] = acc[g * PANEL + v] + x[0, k] * _load_f32(w[t * group + g, k, v], wdtype)
+                        acc[g * PANEL + v] = acc[g * PANEL + v] + x[0, k] * load_f32(w[t * group + g, k, v], wdtype)
             for j in out_loop(width):
                 if full or t * width + j < N:
                     y[0, t * width + j] = epilogue(acc[j], b, res, 0, t * width + j)
 
-    return _drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
+    return drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
 
 
 def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):
@@ -431,13 +263,13 @@ def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", r
     """
     if layout not in ("panels", "rows", "kn"):
         raise ValueError(f"unknown weight layout {layout!r}")
-    m = _row_dim(None)
+    m = row_dim(None)
     panels = -(-N // PANEL)
     tile_panels = tile_panels if panels % tile_panels == 0 else 1
     width = tile_panels * PANEL
     wshape = {"panels": (panels, K, PANEL), "rows": (N, K), "kn": (K, N)}[layout]
     full = N % width == 0
-    epilogue = _linear_epilogue(act, bias, residual)
+    epilogue = _epilogue(act, bias, residual)
     out_loop = T.vectorized if full else T.serial
     MR = GEMM_MR
 
@@ -452,10 +284,10 @@ def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", r
             packed = T.alloc_buffer((tile_panels, K, PANEL), "float32")
             if layout == "rows":
                 for q, v, k in T.grid(tile_panels, PANEL, K):
-                    packed[q, k, v] = _load_f32(w[T.min((p * tile_panels + q) * PANEL + v, N - 1), k], wdtype)
+                    packed[q, k, v] = load_f32(w[T.min((p * tile_panels + q) * PANEL + v, N - 1), k], wdtype)
             if layout == "kn":
                 for k, q, v in T.grid(K, tile_panels, PANEL):
-                    packed[q, k, v] = _load_f32(w[k, T.min((p * tile_panels + q) * PANEL + v, N - 1)], wdtype)
+                    packed[q, k, v] = load_f32(w[k, T.min((p * tile_panels + q) * PANEL + v, N - 1)], wdtype)
             for io in range((m + MR - 1) // MR):
                 acc = T.alloc_local((MR, width), "float32")
                 for r in T.unroll(MR):
@@ -471,14 +303,14 @@ def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", r
                                 else:
                                     acc[r, q * PANEL + v] = (
                                         acc[r, q * PANEL + v]
-                                        + x[T.min(io * MR + r, m - 1), k] * _load_f32(w[p * tile_panels + q, k, v], wdtype))
+                                        + x[T.min(io * MR + r, m - 1), k] * load_f32(w[p * tile_panels + q, k, v], wdtype))
                 for r in T.unroll(MR):
                     if io * MR + r < m:
                         for v in out_loop(width):
                             if full or p * width + v < N:
                                 y[io * MR + r, p * width + v] = epilogue(acc[r, v], b, res, io * MR + r, p * width + v)
 
-    return _drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
+    return drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
 
 
 def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):
@@ -486,13 +318,15 @@ def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none",
     `tile_panels` sets the prefill GEMM's register tile (see gemm)."""
     if rows == 1:
         return _gemv_panels(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual)
-    _row_dim(rows)
+    row_dim(rows)
     return gemm(name, K, N, layout="panels", wdtype=wdtype, bias=bias, act=act, residual=residual,
                 tile_panels=tile_panels)
 
 
 # --------------------------------------------------------------------------------------------
-# TVMScript kernels (in-place cache writes, causal loop bounds)
+# TVMScript kernels (in-place cache writes, causal loop bounds). Per device because the loops are the
+# schedule: here one thread per row (rope) or per (head, row) pair (attention) walking vectors, where
+# the GPU's are thread blocks with cross-thread reductions and an online softmax.
 # --------------------------------------------------------------------------------------------
 
 
@@ -511,7 +345,7 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
     """
     if hd % 2:
         raise ValueError("rope_kv_write needs an even head dim")
-    M = _row_dim(rows)
+    M = row_dim(rows)
     loop = _row_loop(rows)
     half = hd // 2
     width = (H + 2 * KVH) * hd
@@ -537,24 +371,20 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
             if rope:
                 for h, j0 in T.grid(H, half // hl):
                     for v in T.vectorized(hl):
-                        q[i, h * hd + j0 * hl + v] = (
-                            qkv[i, h * hd + j0 * hl + v] * cos[p, j0 * hl + v]
-                            - qkv[i, h * hd + half + j0 * hl + v] * sin[p, j0 * hl + v]
-                        )
-                        q[i, h * hd + half + j0 * hl + v] = (
-                            qkv[i, h * hd + half + j0 * hl + v] * cos[p, j0 * hl + v]
-                            + qkv[i, h * hd + j0 * hl + v] * sin[p, j0 * hl + v]
-                        )
+                        q[i, h * hd + j0 * hl + v] = rope_low(
+                            qkv[i, h * hd + j0 * hl + v], qkv[i, h * hd + half + j0 * hl + v],
+                            cos[p, j0 * hl + v], sin[p, j0 * hl + v])
+                        q[i, h * hd + half + j0 * hl + v] = rope_high(
+                            qkv[i, h * hd + j0 * hl + v], qkv[i, h * hd + half + j0 * hl + v],
+                            cos[p, j0 * hl + v], sin[p, j0 * hl + v])
                 for h, j0 in T.grid(KVH, half // hl):
                     for v in T.vectorized(hl):
-                        kcache[h, p, j0 * hl + v] = (
-                            qkv[i, K0 + h * hd + j0 * hl + v] * cos[p, j0 * hl + v]
-                            - qkv[i, K0 + h * hd + half + j0 * hl + v] * sin[p, j0 * hl + v]
-                        )
-                        kcache[h, p, half + j0 * hl + v] = (
-                            qkv[i, K0 + h * hd + half + j0 * hl + v] * cos[p, j0 * hl + v]
-                            + qkv[i, K0 + h * hd + j0 * hl + v] * sin[p, j0 * hl + v]
-                        )
+                        kcache[h, p, j0 * hl + v] = rope_low(
+                            qkv[i, K0 + h * hd + j0 * hl + v], qkv[i, K0 + h * hd + half + j0 * hl + v],
+                            cos[p, j0 * hl + v], sin[p, j0 * hl + v])
+                        kcache[h, p, half + j0 * hl + v] = rope_high(
+                            qkv[i, K0 + h * hd + j0 * hl + v], qkv[i, K0 + h * hd + half + j0 * hl + v],
+                            cos[p, j0 * hl + v], sin[p, j0 * hl + v])
             else:
                 for j0 in range(H * hd // dl):
                     for v in T.vectorized(dl):
@@ -567,7 +397,7 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
                     vcache[h, p, j0 * dl + v] = qkv[i, V0 + h * hd + j0 * dl + v]
 
     # one kernel for both; without RoPE its cos/sin tables are never read and leave the signature
-    kernel = kernel if rope else _drop_params(kernel, ["cos", "sin"])
+    kernel = kernel if rope else drop_params(kernel, ["cos", "sin"])
     return kernel.with_attr("global_symbol", name)
 
 
@@ -584,7 +414,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
     """
     if H % KVH:
         raise ValueError("H must be a multiple of KVH")
-    M = _row_dim(rows)
+    M = row_dim(rows)
     group = H // KVH
     dl = _lanes(hd)
     nd = hd // dl
@@ -625,10 +455,10 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                     stat[0] = stat[0] + dot[v]
                 s[t] = stat[0] * T.float32(scale)
             for t in range(n_keys, n_vec * VEC):
-                s[t] = T.float32(_NEG)
+                s[t] = T.float32(compute.NEG_INF)
             # 2. max
             for v in T.vectorized(VEC):
-                red[v] = T.float32(_NEG)
+                red[v] = T.float32(compute.NEG_INF)
             for tb in range(n_vec):
                 for v in T.vectorized(VEC):
                     red[v] = T.max(red[v], s[tb * VEC + v])
@@ -640,7 +470,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                 red[v] = T.float32(0)
             for tb in range(n_vec):
                 for v in T.vectorized(VEC):
-                    s[tb * VEC + v] = _exp(s[tb * VEC + v] - stat[0])
+                    s[tb * VEC + v] = MATH.exp(s[tb * VEC + v] - stat[0])
                     red[v] = red[v] + s[tb * VEC + v]
             stat[1] = red[0]
             for v in T.unroll(1, VEC):

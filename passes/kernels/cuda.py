@@ -1,11 +1,14 @@
 """CUDA kernels for picompile (the GPU half of PowerInfer-style execution), generated with TVM 0.27.
 
-The same kernels as ``passes.kernels.cpu`` and ``passes.kernels.neuron``: same function names, same
-arguments in the same order, same docstring contracts (fp32, row-major, ``rows=1`` decode variant,
+The same kernels as ``passes.kernels.cpu`` and ``passes.kernels.neuron`` (``ops`` pairs them): same
+arguments in the same order, same contracts (``compute``'s: fp32, row-major, ``rows=1`` decode variant,
 ``rows=None`` prefill variant with a symbolic int64 ``m``, int64 scalar ``start``, int32 index and
-count buffers), only the schedules differ. Every loop is bound to ``blockIdx`` / ``threadIdx`` or runs
-serially inside one thread; buffers live in GPU memory (the runtime passes DLPack tensors on the CUDA
-device, prefill row slices ``buf[:m]`` included).
+count buffers, indices from inputs clamped to their buffers), only the schedules differ: the TE kernels
+are ``compute``'s definitions scheduled here, with exp / erf from ``compute.NATIVE``; the TVMScript
+kernels, whose loops are their schedule, call ``compute``'s shared math.
+
+Every loop is bound to ``blockIdx`` / ``threadIdx`` or runs serially inside one thread; buffers live in GPU
+memory (the runtime passes DLPack tensors on the CUDA device, prefill row slices ``buf[:m]`` included).
 
 Schedules, in short (each function's docstring says more):
 
@@ -60,16 +63,14 @@ import time
 
 import tvm
 import tvm_ffi
-from tvm import te, tirx
 from tvm.script import tirx as T
 
-from .cpu import _drop_params, _f32, _row_dim, _te_schedule
-from .neuron import merge_tensors
+from picompile.targets import cuda_target
 
-CUDA_ARCHS = {"rtx2080ti": "sm_75", "a100-80g": "sm_80", "rtx4090": "sm_89", "h200": "sm_90"}
-"""GPUs picompile is meant for and their SM architectures (informational)."""
+from . import compute
+from .compute import clamp_count, clamp_index, drop_params, glu_unit, rope_high, rope_low, row_dim
 
-HOST_TARGET = {"kind": "llvm", "mcpu": "haswell"}
+MATH = compute.NATIVE  # CUDA's own expf / erff: one thread per element, nothing to vectorise
 
 WARP = 32
 EW_THREADS = 256  # elementwise kernels: threads per block
@@ -83,26 +84,6 @@ DOWN_TX, DOWN_TY = 32, 16  # sparse_down: columns per block x row groups
 ATTN_THREADS = 128  # attention: threads per (head, row) block = keys per softmax chunk
 ROPE_THREADS = 128  # rope_kv_write: threads per row
 SELECT_MAX_THREADS = 1024  # select: one block
-_NEG = -3.0e38  # "minus infinity" that stays finite through max/exp
-
-
-# --------------------------------------------------------------------------------------------
-# Activations: native GPU math (CUDA's expf / erff), same functions as cpu._ACTS.
-# --------------------------------------------------------------------------------------------
-
-_ACTS = {
-    "none": lambda v: v,
-    "relu": lambda v: tirx.max(v, _f32(0.0)),
-    # exact (erf) GELU, as torch's default approximate="none"
-    "gelu": lambda v: _f32(0.5) * v * (_f32(1.0) + tirx.erf(v * _f32(0.7071067811865476))),
-    "silu": lambda v: v / (_f32(1.0) + tirx.exp(-v)),
-}
-
-
-def _activation(act):
-    if act not in _ACTS:
-        raise ValueError(f"unknown activation {act!r}; expected one of {sorted(_ACTS)}")
-    return _ACTS[act]
 
 
 def _ceil_div(a, b):
@@ -121,67 +102,6 @@ def _decode_only(kernel, rows):
 def _prefill_only(kernel, rows):
     if rows is not None:
         raise ValueError(f"{kernel} runs in prefill only")
-
-
-# --------------------------------------------------------------------------------------------
-# TE compute definitions (the same tensors as cpu.py / neuron.py build)
-# --------------------------------------------------------------------------------------------
-
-
-def _linear_te(K, N, rows, bias, act, residual, w_rows=False):
-    """The tensors of ``y = act(x @ w + b) + res`` in argument order: x, w, (b), (res), y.
-
-    w is [K, N], or [N, K] when ``w_rows``. Decode computes ``acc[1, N]`` straight from x and w.
-    Prefill goes through two staging tensors, ``x_tile`` and ``w_tile``, zero-padded to whole
-    GEMM tiles (rows to a multiple of 64, columns too when N is not one): ``_gemm`` places them in
-    shared memory, and since every tile is whole, no loop of the GEMM needs a bound check and TVM
-    can give the per-thread accumulators and the shared tiles constant sizes (a symbolic ``m`` in
-    a predicate leaves them symbolic, which the CUDA code generator refuses).
-    """
-    actf = _activation(act)
-    m = _row_dim(rows)
-    x = te.placeholder((m, K), name="x")
-    w = te.placeholder((N, K) if w_rows else (K, N), name="w")
-    b = te.placeholder((N,), name="b") if bias else None
-    res = te.placeholder((m, N), name="res") if residual else None
-    k = te.reduce_axis((0, K), name="k")
-    zero = _f32(0.0)
-    if rows == 1:
-        x_at = lambda i, kk: x[i, kk]  # noqa: E731
-        w_at = (lambda kk, n: w[n, kk]) if w_rows else (lambda kk, n: w[kk, n])
-        shape = (m, N)
-    else:
-        tile = TILE_T * TILE_R
-        mp = (m + tile - 1) // tile * tile
-        np_ = _ceil_div(N, tile) * tile
-        x_tile = te.compute((mp, K), lambda i, kk: tirx.if_then_else(i < m, x[i, kk], zero), name="x_tile")
-        if w_rows:
-            w_tile = te.compute(
-                (np_, K), lambda n, kk: w[n, kk] if np_ == N else tirx.if_then_else(n < N, w[n, kk], zero),
-                name="w_tile",
-            )
-            w_at = lambda kk, n: w_tile[n, kk]  # noqa: E731
-        else:
-            w_tile = te.compute(
-                (K, np_), lambda kk, n: w[kk, n] if np_ == N else tirx.if_then_else(n < N, w[kk, n], zero),
-                name="w_tile",
-            )
-            w_at = lambda kk, n: w_tile[kk, n]  # noqa: E731
-        x_at = lambda i, kk: x_tile[i, kk]  # noqa: E731
-        shape = (mp, np_)
-    acc = te.compute(shape, lambda i, n: te.sum(x_at(i, k) * w_at(k, n), axis=k), name="acc")
-
-    def epilogue(i, n):
-        v = acc[i, n]
-        if bias:
-            v = v + b[n]
-        v = actf(v)
-        if residual:
-            v = v + res[i, n]
-        return v
-
-    y = te.compute((m, N), epilogue, name="y")
-    return [x, w] + ([b] if bias else []) + ([res] if residual else []) + [y]
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,13 +196,18 @@ def _tile_bk(K):
     return max(b for b in (16, 8, 4, 2, 1) if b <= TILE_K and K % b == 0)
 
 
+def _gemm_tile(rows):
+    """The tile that ``compute.linear`` pads a prefill GEMM's operands to (none for the decode GEMV)."""
+    return TILE_T * TILE_R if rows is None else None
+
+
 def _gemm(sch, K, w_rows):
     """Prefill ``acc = x_tile @ w_tile``: shared-memory tiled GEMM, epilogue fused per thread.
 
     Block tile (16*4) x (16*4) outputs; thread (ty, tx) owns rows ty*4 .. ty*4+3 and columns
     tx*4 .. tx*4+3 in registers. Per k-stage the block cooperatively copies the x tile [64, BK]
     and the w tile ([BK, 64], or [64, BK] for row-major weights) into shared memory (consecutive
-    threads, consecutive addresses; the zero padding of ``_linear_te`` is applied in this copy),
+    threads, consecutive addresses; the zero padding of ``compute.linear`` is applied in this copy),
     then every thread does 4 x 4 x BK FMAs out of shared memory (x values are warp broadcasts;
     the row-major w tile, read across its rows by threadIdx.x, gets one float of padding per row
     via storage_align so those reads spread over the banks). The epilogue stores only rows < m
@@ -327,8 +252,8 @@ def linear(name, K, N, *, rows, bias: bool, act="none", residual=False):
 
     Decode: K-split GEMV (``_gemv``). Prefill: shared-memory tiled GEMM (``_gemm``).
     """
-    args = _linear_te(K, N, rows, bias, act, residual)
-    sch = _te_schedule(name, args)
+    args = compute.linear(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, tile=_gemm_tile(rows))
+    sch = compute.schedule(name, args)
     if rows == 1:
         _gemv(sch, K)
     else:
@@ -338,11 +263,7 @@ def linear(name, K, N, *, rows, bias: bool, act="none", residual=False):
 
 def glu(name, F, *, rows, act):
     """y[m, F] = act(t[:, :F]) * t[:, F:] (gate first, then up).  Args: t, y.  Elementwise."""
-    actf = _activation(act)
-    m = _row_dim(rows)
-    t = te.placeholder((m, 2 * F), name="t")
-    y = te.compute((m, F), lambda i, j: actf(t[i, j]) * t[i, F + j], name="y")
-    sch = _te_schedule(name, [t, y])
+    sch = compute.schedule(name, compute.glu(F, rows, act=act, math=MATH))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 
@@ -352,35 +273,14 @@ def layer_norm(name, D, eps, *, rows):
 
     One block per row: the sum, then the sum of squared deviations, as block reductions.
     """
-    m = _row_dim(rows)
-    x = te.placeholder((m, D), name="x")
-    g = te.placeholder((D,), name="g")
-    b = te.placeholder((D,), name="b")
-    k1 = te.reduce_axis((0, D), name="k1")
-    k2 = te.reduce_axis((0, D), name="k2")
-    total = te.compute((m,), lambda i: te.sum(x[i, k1], axis=k1), name="total")
-    sq = te.compute(
-        (m,), lambda i: te.sum((x[i, k2] - total[i] / _f32(D)) * (x[i, k2] - total[i] / _f32(D)), axis=k2), name="sq"
-    )
-    y = te.compute(
-        (m, D),
-        lambda i, j: (x[i, j] - total[i] / _f32(D)) * tirx.rsqrt(sq[i] / _f32(D) + _f32(eps)) * g[j] + b[j],
-        name="y",
-    )
-    sch = _te_schedule(name, [x, g, b, y])
+    sch = compute.schedule(name, compute.layer_norm(D, eps, rows))
     _row_reductions(sch, ["total", "sq"], "y", D)
     return sch.mod[name]
 
 
 def rms_norm(name, D, eps, *, rows):
     """y = x / sqrt(mean(x^2) + eps) * g.  Args: x, g, y.  One block per row."""
-    m = _row_dim(rows)
-    x = te.placeholder((m, D), name="x")
-    g = te.placeholder((D,), name="g")
-    k = te.reduce_axis((0, D), name="k")
-    sq = te.compute((m,), lambda i: te.sum(x[i, k] * x[i, k], axis=k), name="sq")
-    y = te.compute((m, D), lambda i, j: x[i, j] * tirx.rsqrt(sq[i] / _f32(D) + _f32(eps)) * g[j], name="y")
-    sch = _te_schedule(name, [x, g, y])
+    sch = compute.schedule(name, compute.rms_norm(D, eps, rows))
     _row_reductions(sch, ["sq"], "y", D)
     return sch.mod[name]
 
@@ -390,25 +290,14 @@ def embed(name, V, D, *, rows, positions: int | None):
 
     Elementwise over (row, column): a gather of whole table rows, coalesced along the row.
     """
-    m = _row_dim(rows)
-    ids = te.placeholder((m,), "int64", name="ids")
-    table = te.placeholder((V, D), name="table")
-    if positions:
-        pos = te.placeholder((positions, D), name="pos_table")
-        start = te.var("start", "int64")
-        y = te.compute((m, D), lambda i, j: table[ids[i], j] + pos[start + i, j], name="y")
-        args = [ids, table, pos, start, y]
-    else:
-        y = te.compute((m, D), lambda i, j: table[ids[i], j], name="y")
-        args = [ids, table, y]
-    sch = _te_schedule(name, args)
+    sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 
 
 def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
     """out = res + p_1 (+ p_2) + b.  Args: (res), p_1 (, p_2), (b), out; all [m, D] except b [D]."""
-    sch = _te_schedule(name, merge_tensors(D, parts, rows=rows, bias=bias, residual=residual))
+    sch = compute.schedule(name, compute.merge(D, parts, rows, bias=bias, residual=residual))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 
@@ -420,14 +309,17 @@ def linear_rows(name, K, N, *, rows, act="none"):
     with the w tile read as [64 neurons, BK] runs of weight rows.
     """
     _prefill_only("linear_rows", rows)
-    args = _linear_te(K, N, rows, True, act, False, w_rows=True)
-    sch = _te_schedule(name, args)
+    args = compute.linear(K, N, rows, bias=True, act=act, residual=False, math=MATH, w_rows=True,
+                          tile=_gemm_tile(rows))
+    sch = compute.schedule(name, args)
     _gemm(sch, K, w_rows=True)
     return sch.mod[name]
 
 
 # --------------------------------------------------------------------------------------------
-# TVMScript kernels: data-dependent loops (count, causal bounds), in-place cache writes
+# TVMScript kernels: data-dependent loops (count, causal bounds), in-place cache writes. Per device
+# because the loops are the schedule: thread blocks, shared memory and warp shuffles here, where the
+# CPU's walk vectors in one thread per row or neuron; the math they share is compute's.
 # --------------------------------------------------------------------------------------------
 
 
@@ -446,7 +338,7 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
     """
     if hd % 2:
         raise ValueError("rope_kv_write needs an even head dim")
-    M = _row_dim(rows)
+    M = row_dim(rows)
     half = hd // 2
     width = (H + 2 * KVH) * hd
     K0, V0 = H * hd, (H + KVH) * hd  # column offsets of the k and v heads in a qkv row
@@ -477,20 +369,18 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
                         if s * nt + t < H * half:
                             h = (s * nt + t) // half
                             d = (s * nt + t) % half
-                            q[i, h * hd + d] = qkv[i, h * hd + d] * cos[p, d] - qkv[i, h * hd + half + d] * sin[p, d]
-                            q[i, h * hd + half + d] = (
-                                qkv[i, h * hd + half + d] * cos[p, d] + qkv[i, h * hd + d] * sin[p, d]
-                            )
+                            q[i, h * hd + d] = rope_low(
+                                qkv[i, h * hd + d], qkv[i, h * hd + half + d], cos[p, d], sin[p, d])
+                            q[i, h * hd + half + d] = rope_high(
+                                qkv[i, h * hd + d], qkv[i, h * hd + half + d], cos[p, d], sin[p, d])
                     for s in range(k_steps):
                         if s * nt + t < KVH * half:
                             h = (s * nt + t) // half
                             d = (s * nt + t) % half
-                            kcache[h, p, d] = (
-                                qkv[i, K0 + h * hd + d] * cos[p, d] - qkv[i, K0 + h * hd + half + d] * sin[p, d]
-                            )
-                            kcache[h, p, half + d] = (
-                                qkv[i, K0 + h * hd + half + d] * cos[p, d] + qkv[i, K0 + h * hd + d] * sin[p, d]
-                            )
+                            kcache[h, p, d] = rope_low(
+                                qkv[i, K0 + h * hd + d], qkv[i, K0 + h * hd + half + d], cos[p, d], sin[p, d])
+                            kcache[h, p, half + d] = rope_high(
+                                qkv[i, K0 + h * hd + d], qkv[i, K0 + h * hd + half + d], cos[p, d], sin[p, d])
                 else:
                     for s in range(qc_steps):
                         if s * nt + t < H * hd:
@@ -503,7 +393,7 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
                         vcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, V0 + s * nt + t]
 
     # one kernel for both; without RoPE its cos/sin tables are never read and leave the signature
-    kernel = kernel if rope else _drop_params(kernel, ["cos", "sin"])
+    kernel = kernel if rope else drop_params(kernel, ["cos", "sin"])
     return kernel.with_attr("global_symbol", name)
 
 
@@ -524,7 +414,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
     """
     if H % KVH:
         raise ValueError("H must be a multiple of KVH")
-    M = _row_dim(rows)
+    M = row_dim(rows)
     group = H // KVH
     nt = ATTN_THREADS
     levels = int(math.log2(nt))
@@ -558,12 +448,12 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                         if e * nt + t < hd:
                             qs[e * nt + t] = q[i, h * hd + e * nt + t] * T.float32(scale)
                         o[e] = T.float32(0)
-                    st[0] = T.float32(_NEG)
+                    st[0] = T.float32(compute.NEG_INF)
                     st[1] = T.float32(0)
                     T.tvm_storage_sync("shared")
                     for c in range((n_keys + nt - 1) // nt):
                         # 1. this thread's score
-                        st[2] = T.float32(_NEG)
+                        st[2] = T.float32(compute.NEG_INF)
                         if c * nt + t < n_keys:
                             for v in T.vectorized(vw):
                                 dot[v] = T.float32(0)
@@ -583,7 +473,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                         st[3] = T.max(st[0], red[0])
                         T.tvm_storage_sync("shared")
                         # probabilities and their sum
-                        st[2] = T.exp(st[2] - st[3])
+                        st[2] = MATH.exp(st[2] - st[3])
                         ps[t] = st[2]
                         red[t] = st[2]
                         T.tvm_storage_sync("shared")
@@ -591,7 +481,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                             if t < T.shift_right(nt, lv + 1):
                                 red[t] = red[t] + red[t + T.shift_right(nt, lv + 1)]
                             T.tvm_storage_sync("shared")
-                        st[4] = T.exp(st[0] - st[3])
+                        st[4] = MATH.exp(st[0] - st[3])
                         st[1] = st[1] * st[4] + red[0]
                         st[0] = st[3]
                         # 3. weighted values of the chunk's (causally visible) keys
@@ -613,8 +503,9 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
 # --------------------------------------------------------------------------------------------
 
 
-def select(name, n, *, rows):
-    """idx[0, :count] = the positions i with scores[0, i] > threshold[0], ascending.
+def select(name, n, *, rows, magnitude: bool = False):
+    """idx[0, :count] = the positions i with scores[0, i] > threshold[0] (with `magnitude`:
+    |scores[0, i]| > threshold[0]), ascending.
 
     Args: scores[1, n], threshold[1], idx[1, n] int32, count[1, 1] int32. One block doing an
     ordered parallel compaction: thread t owns the contiguous segment [t*E, (t+1)*E); it counts its
@@ -639,7 +530,7 @@ def select(name, n, *, rows):
             mine[0] = 0
             for e in range(seg):
                 if t * seg + e < n:
-                    if scores[0, t * seg + e] > thr[0]:
+                    if compute.passes_threshold(scores[0, t * seg + e], thr[0], magnitude):
                         mine[0] = mine[0] + 1
             offsets[t] = mine[0]
             T.tvm_storage_sync("shared")
@@ -653,7 +544,7 @@ def select(name, n, *, rows):
             mine[2] = offsets[t] - mine[0]  # exclusive prefix: where this segment's positions go
             for e in range(seg):
                 if t * seg + e < n:
-                    if scores[0, t * seg + e] > thr[0]:
+                    if compute.passes_threshold(scores[0, t * seg + e], thr[0], magnitude):
                         idx[0, mine[2]] = T.Cast("int32", t * seg + e)
                         mine[2] = mine[2] + 1
             if t == nt - 1:
@@ -673,7 +564,7 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
     (UP_WARPS neurons per block, at most UP_MAX_BLOCKS blocks) and warps stride over k < count.
     """
     _decode_only("sparse_up", rows)
-    actf = _activation(act)
+    actf = compute.activation(act, MATH)
     width = 2 * n if gated else n
     vw = _vec_width(D)
     chunks = _ceil_div(D, WARP * vw)
@@ -691,8 +582,11 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
                 for lane in T.thread_binding(WARP, thread="threadIdx.x"):
                     acc = T.alloc_local((2, vw), "float32")
                     tot = T.alloc_local((2,), "float32")
-                    for it in range((count[0, 0] + stride - 1) // stride):
-                        if it * stride + bx * UP_WARPS + wy < count[0, 0]:  # uniform across the warp
+                    active = clamp_count(count[0, 0], n)
+                    for it in range((active + stride - 1) // stride):
+                        if it * stride + bx * UP_WARPS + wy < active:  # uniform across the warp
+                            k = it * stride + bx * UP_WARPS + wy
+                            row = clamp_index(idx[0, k], n)
                             for v in T.vectorized(vw):
                                 acc[0, v] = T.float32(0)
                                 acc[1, v] = T.float32(0)
@@ -700,12 +594,11 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
                                 if exact or (c * WARP + lane) * vw < D:
                                     for v in T.vectorized(vw):
                                         acc[0, v] = acc[0, v] + (
-                                            w[idx[0, it * stride + bx * UP_WARPS + wy], (c * WARP + lane) * vw + v]
-                                            * x[0, (c * WARP + lane) * vw + v]
+                                            w[row, (c * WARP + lane) * vw + v] * x[0, (c * WARP + lane) * vw + v]
                                         )
                                         if gated:
                                             acc[1, v] = acc[1, v] + (
-                                                w[n + idx[0, it * stride + bx * UP_WARPS + wy], (c * WARP + lane) * vw + v]
+                                                w[n + row, (c * WARP + lane) * vw + v]
                                                 * x[0, (c * WARP + lane) * vw + v]
                                             )
                             tot[0] = acc[0, 0]
@@ -723,13 +616,9 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
                                     )
                             if lane == 0:
                                 if gated:
-                                    h[0, it * stride + bx * UP_WARPS + wy] = actf(
-                                        tot[0] + b[idx[0, it * stride + bx * UP_WARPS + wy]]
-                                    ) * (tot[1] + b[n + idx[0, it * stride + bx * UP_WARPS + wy]])
+                                    h[0, k] = glu_unit(actf, tot[0] + b[row], tot[1] + b[n + row])
                                 else:
-                                    h[0, it * stride + bx * UP_WARPS + wy] = actf(
-                                        tot[0] + b[idx[0, it * stride + bx * UP_WARPS + wy]]
-                                    )
+                                    h[0, k] = actf(tot[0] + b[row])
 
     return kernel.with_attr("global_symbol", name)
 
@@ -755,10 +644,12 @@ def sparse_down(name, n, D, *, rows):
                     part = T.alloc_shared((DOWN_TY, DOWN_TX), "float32")
                     acc = T.alloc_local((1,), "float32")
                     acc[0] = T.float32(0)
+                    active = clamp_count(count[0, 0], n)
                     if bx * DOWN_TX + tx < D:
-                        for it in range((count[0, 0] + DOWN_TY - 1) // DOWN_TY):
-                            if it * DOWN_TY + ty < count[0, 0]:
-                                acc[0] = acc[0] + h[0, it * DOWN_TY + ty] * w[idx[0, it * DOWN_TY + ty], bx * DOWN_TX + tx]
+                        for it in range((active + DOWN_TY - 1) // DOWN_TY):
+                            if it * DOWN_TY + ty < active:
+                                acc[0] = acc[0] + (h[0, it * DOWN_TY + ty]
+                                                   * w[clamp_index(idx[0, it * DOWN_TY + ty], n), bx * DOWN_TX + tx])
                     part[ty, tx] = acc[0]
                     T.tvm_storage_sync("shared")
                     if ty == 0:
@@ -775,14 +666,8 @@ def sparse_down(name, n, D, *, rows):
 # --------------------------------------------------------------------------------------------
 
 
-def cuda_target(arch: str) -> dict:
-    """The target dict for ``arch`` (``sm_XX``): CUDA device code, Haswell host code."""
-    if not (isinstance(arch, str) and arch.startswith("sm_") and arch[3:].isdigit()):
-        raise ValueError(f"arch must look like 'sm_80', got {arch!r}")
-    return {"kind": "cuda", "arch": arch, "host": dict(HOST_TARGET)}
-
-
 def _target(arch):
+    """picompile.targets' CUDA target for ``arch`` as a tvm Target (the host given apart, as TVM takes it)."""
     spec = cuda_target(arch)
     host = spec.pop("host")
     return tvm.target.Target(spec, host=host)

@@ -10,15 +10,24 @@ Prompts (prefill) compute a whole part densely with `linear_rows`, a GEMM over t
 weights; `merge` adds the parts, the down bias and the residual.
 
 Conventions are those of `passes.kernels.cpu` (fp32, 64-byte aligned buffers, rows=1 for decode and a
-symbolic `m` for prefill); index and count buffers are int32, shaped [1, n] and [1, 1].
+symbolic `m` for prefill); index and count buffers are int32, shaped [1, n] and [1, 1]. A count is clamped to
+its index buffer's length and every index to the rows of the weight it selects (`compute.clamp_count`,
+`compute.clamp_index`), so no select output, however wrong, drives a kernel out of its buffers.
+
+The sparse kernels are TVMScript, their loops the schedule, and per device: here a thread pool of a few
+cores, each task walking its share of the neurons in vectors (with prefetches, and, fused, up and down in
+one pass); the GPU's (cuda.py) give a warp or a block of threads to each neuron or column instead. Their
+math (activations, the GLU product, select's test) is `compute`'s; `merge` is compute's definition with
+the CPU's elementwise schedule.
 """
 
 from __future__ import annotations
 
-from tvm import te
 from tvm.script import tirx as T
 
-from .cpu import _activation, _col_block, _drop_params, _lanes, _load_f32, _row_dim, _rowwise, _te_schedule, gemm
+from . import compute
+from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32
+from .cpu import MATH, _col_block, _lanes, _rowwise, gemm
 
 DOWN_CHUNK = 256  # columns per parallel chunk of sparse_down: 1 KiB contiguous per row and thread
 
@@ -32,7 +41,6 @@ def select(name, n, *, rows, magnitude: bool = False):
     """
     if rows != 1:
         raise ValueError("select runs in decode only")
-    value = (lambda v: T.abs(v)) if magnitude else (lambda v: v)
 
     @T.prim_func
     def kernel(scores: T.Buffer((1, n), "float32"), threshold: T.Buffer((1,), "float32"),
@@ -41,7 +49,7 @@ def select(name, n, *, rows, magnitude: bool = False):
         found = T.alloc_local((1,), "int32")
         found[0] = 0
         for i in range(n):
-            if value(scores[0, i]) > threshold[0]:
+            if compute.passes_threshold(scores[0, i], threshold[0], magnitude):
                 idx[0, found[0]] = T.Cast("int32", i)
                 found[0] = found[0] + 1
         count[0, 0] = found[0]
@@ -59,7 +67,7 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
     """
     if rows != 1:
         raise ValueError("sparse_up runs in decode only")
-    actf = _activation(act)
+    actf = compute.activation(act, MATH)
     lanes = _lanes(D)
     chunks = D // lanes
     width = 2 * n if gated else n
@@ -68,10 +76,10 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
     def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
                w: T.Buffer((width, D), "float32"), b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
         T.func_attr({"tirx.noalias": True})
-        for k in T.parallel(count[0, 0]):
+        for k in T.parallel(clamp_count(count[0, 0], n)):
             acc = T.alloc_local((2, lanes), "float32")
             tot = T.alloc_local((2,), "float32")
-            row = idx[0, k]
+            row = clamp_index(idx[0, k], n)
             for v in T.vectorized(lanes):
                 acc[0, v] = T.float32(0)
                 acc[1, v] = T.float32(0)
@@ -86,7 +94,7 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
                 tot[0] = tot[0] + acc[0, v]
                 tot[1] = tot[1] + acc[1, v]
             if gated:
-                h[0, k] = actf(tot[0]) * (tot[1] + b[n + row])
+                h[0, k] = glu_unit(actf, tot[0], tot[1] + b[n + row])
             else:
                 h[0, k] = actf(tot[0])
 
@@ -112,11 +120,12 @@ def sparse_down(name, n, D, *, rows):
         for c in T.parallel(D // chunk):
             for j in T.vectorized(chunk):
                 out[0, c * chunk + j] = T.float32(0)
-            for k in range(count[0, 0]):
+            for k in range(clamp_count(count[0, 0], n)):
+                row = clamp_index(idx[0, k], n)
                 for j0 in range(chunk // lanes):
                     for v in T.vectorized(lanes):
                         out[0, c * chunk + j0 * lanes + v] = (
-                            out[0, c * chunk + j0 * lanes + v] + h[0, k] * w[idx[0, k], c * chunk + j0 * lanes + v]
+                            out[0, c * chunk + j0 * lanes + v] + h[0, k] * w[row, c * chunk + j0 * lanes + v]
                         )
 
     return kernel.with_attr("global_symbol", name)
@@ -162,7 +171,7 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
     """
     if rows != 1:
         raise ValueError("sparse_ffn runs in decode only")
-    actf = _activation(act)
+    actf = compute.activation(act, MATH)
     relu = act == "relu"
     lanes = _lanes(D)
     chains = DOT_CHAINS if (D // lanes) % DOT_CHAINS == 0 else 1
@@ -185,7 +194,7 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
                 _prefetch(T.address_of(w_next[next_row, T.min(s * chains * lanes + q * line, D - 1)]))
             for c in T.unroll(chains):
                 for v in T.vectorized(lanes):
-                    acc[c, v] = acc[c, v] + _load_f32(w[row, (s * chains + c) * lanes + v], wdtype) * x[0, (s * chains + c) * lanes + v]
+                    acc[c, v] = acc[c, v] + load_f32(w[row, (s * chains + c) * lanes + v], wdtype) * x[0, (s * chains + c) * lanes + v]
         for c in T.unroll(1, chains):
             for v in T.vectorized(lanes):
                 acc[0, v] = acc[0, v] + acc[c, v]
@@ -202,7 +211,7 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
                 for v in T.vectorized(lanes):
                     y[t, (s * line_vectors + u) * lanes + v] = (
                         y[t, (s * line_vectors + u) * lanes + v]
-                        + a * _load_f32(w[row, (s * line_vectors + u) * lanes + v], wdtype))
+                        + a * load_f32(w[row, (s * line_vectors + u) * lanes + v], wdtype))
 
     @T.prim_func
     def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
@@ -211,16 +220,17 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
                scratch: T.Buffer((tasks, D), "float32"), out: T.Buffer((1, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         for t in T.parallel(tasks):
-            first = count[0, 0] * t // tasks
-            last = count[0, 0] * (t + 1) // tasks
+            first = clamp_count(count[0, 0], n) * t // tasks
+            last = clamp_count(count[0, 0], n) * (t + 1) // tasks
             acc = T.alloc_local((chains, lanes), "float32")
             dot = T.alloc_local((2,), "float32")
             listed = T.alloc_local((1,), "int32")
             listed[0] = first
             # 1. the first row of every selected neuron; list the ones that fired
             for k in range(first, last):
-                row_dot(acc, dot, x, w_up, idx[0, k], 0, w_up, idx[0, T.min(k + 1, last - 1)])
-                dot[0] = actf(dot[0] + b_up[idx[0, k]])
+                row = clamp_index(idx[0, k], n)
+                row_dot(acc, dot, x, w_up, row, 0, w_up, clamp_index(idx[0, T.min(k + 1, last - 1)], n))
+                dot[0] = actf(dot[0] + b_up[row])
                 h[0, k] = dot[0]
                 if not relu or dot[0] != T.float32(0):
                     fired[0, listed[0]] = k
@@ -230,12 +240,12 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
                 scratch[t, j] = T.float32(0)
             for i in range(first, listed[0]):
                 k = fired[0, i]
-                row = idx[0, k]
-                after = idx[0, fired[0, T.min(i + 1, listed[0] - 1)]]  # the next listed neuron's row
+                row = clamp_index(idx[0, k], n)
+                after = clamp_index(idx[0, fired[0, T.min(i + 1, listed[0] - 1)]], n)  # the next listed neuron's row
                 dot[0] = h[0, k]
                 if gated:
                     row_dot(acc, dot, x, w_up, n + row, 1, w_down, row)
-                    dot[0] = dot[0] * (dot[1] + b_up[n + row])
+                    dot[0] = dot[0] * (dot[1] + b_up[n + row])  # the GLU, act(gate) taken in step 1
                     h[0, k] = dot[0]
                     row_axpy(scratch, t, dot[0], w_down, row, w_up, n + after)
                 else:
@@ -270,7 +280,7 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
     """
     if rows != 1:
         raise ValueError("sparse_columns runs in decode only")
-    actf = _activation(act)
+    actf = compute.activation(act, MATH)
     out = N // 2 if gated else N
     if gated and N % 2:
         raise ValueError("a gated weight has gate and up halves")
@@ -286,8 +296,8 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
                y: T.Buffer((1, out), "float32")):
         T.func_attr({"tirx.noalias": True})
         for t in T.parallel(tasks):
-            first = count[0, 0] * t // tasks
-            last = count[0, 0] * (t + 1) // tasks
+            first = clamp_count(count[0, 0], K) * t // tasks
+            last = clamp_count(count[0, 0], K) * (t + 1) // tasks
             row = T.alloc_local((group,), "int32")
             after = T.alloc_local((group,), "int32")
             coef = T.alloc_local((group,), "float32")
@@ -295,8 +305,8 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
                 scratch[t, j] = T.float32(0)
             for g in range((last - first) // group):
                 for r in T.unroll(group):
-                    row[r] = idx[0, first + g * group + r]
-                    after[r] = idx[0, T.min(first + (g + 1) * group + r, last - 1)]
+                    row[r] = clamp_index(idx[0, first + g * group + r], K)
+                    after[r] = clamp_index(idx[0, T.min(first + (g + 1) * group + r, last - 1)], K)
                     coef[r] = v[0, row[r]]
                 for s in range(lines):
                     for r in T.unroll(group):
@@ -305,16 +315,16 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
                         for l in T.vectorized(lanes):
                             scratch[t, (s * line_vectors + u) * lanes + l] = (
                                 scratch[t, (s * line_vectors + u) * lanes + l]
-                                + coef[0] * _load_f32(w[row[0], (s * line_vectors + u) * lanes + l], wdtype)
-                                + coef[1] * _load_f32(w[row[1], (s * line_vectors + u) * lanes + l], wdtype)
-                                + coef[2] * _load_f32(w[row[2], (s * line_vectors + u) * lanes + l], wdtype)
-                                + coef[3] * _load_f32(w[row[3], (s * line_vectors + u) * lanes + l], wdtype))
+                                + coef[0] * load_f32(w[row[0], (s * line_vectors + u) * lanes + l], wdtype)
+                                + coef[1] * load_f32(w[row[1], (s * line_vectors + u) * lanes + l], wdtype)
+                                + coef[2] * load_f32(w[row[2], (s * line_vectors + u) * lanes + l], wdtype)
+                                + coef[3] * load_f32(w[row[3], (s * line_vectors + u) * lanes + l], wdtype))
             for k in range(first + (last - first) // group * group, last):
-                row[0] = idx[0, k]
+                row[0] = clamp_index(idx[0, k], K)
                 coef[0] = v[0, row[0]]
                 for s in range(N // lanes):
                     for l in T.vectorized(lanes):
-                        scratch[t, s * lanes + l] = scratch[t, s * lanes + l] + coef[0] * _load_f32(w[row[0], s * lanes + l], wdtype)
+                        scratch[t, s * lanes + l] = scratch[t, s * lanes + l] + coef[0] * load_f32(w[row[0], s * lanes + l], wdtype)
         for c in T.parallel(out // chunk):
             total = T.alloc_local((2, out_lanes), "float32")
             for s in range(chunk // out_lanes):
@@ -333,38 +343,17 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
                         if gated:
                             total[1, l] = total[1, l] + b[out + c * chunk + s * out_lanes + l]
                     if gated:
-                        y[0, c * chunk + s * out_lanes + l] = actf(total[0, l]) * total[1, l]
+                        y[0, c * chunk + s * out_lanes + l] = glu_unit(actf, total[0, l], total[1, l])
                     else:
                         y[0, c * chunk + s * out_lanes + l] = actf(total[0, l])
 
-    kernel = kernel if bias else _drop_params(kernel, ["b"])
+    kernel = kernel if bias else drop_params(kernel, ["b"])
     return kernel.with_attr("global_symbol", name)
-
-
-def merge_tensors(D, parts: int, *, rows, bias: bool, residual: bool) -> list:
-    """The TE definition of `merge` (shared with the CUDA kernel): its arguments, output last."""
-    m = _row_dim(rows)
-    res = te.placeholder((m, D), name="res") if residual else None
-    partials = [te.placeholder((m, D), name=f"p{i}") for i in range(parts)]
-    b = te.placeholder((D,), name="b") if bias else None
-
-    def add(i, j):
-        total = partials[0][i, j]
-        for p in partials[1:]:
-            total = total + p[i, j]
-        if bias:
-            total = total + b[j]
-        if residual:
-            total = total + res[i, j]
-        return total
-
-    out = te.compute((m, D), add, name="y")
-    return ([res] if residual else []) + partials + ([b] if bias else []) + [out]
 
 
 def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
     """out = res + p_1 (+ p_2) + b.  Args: (res), p_1 (, p_2), (b), out; all [m, D] except b [D]."""
-    sch = _te_schedule(name, merge_tensors(D, parts, rows=rows, bias=bias, residual=residual))
+    sch = compute.schedule(name, compute.merge(D, parts, rows, bias=bias, residual=residual))
     _rowwise(sch, sch.get_sblock("y"), _lanes(D), rows)
     return sch.mod[name]
 

@@ -1,0 +1,317 @@
+"""What the kernels compute, written once for every device: TE compute definitions and the TIR math they share.
+
+`cpu.py`, `neuron.py` and `cuda.py` schedule these definitions for their device (or, for kernels whose loop
+structure is the schedule, write TVMScript bodies that call the shared math here). Conventions of every kernel:
+
+* fp32 arithmetic, row-major buffers; ``m`` is the number of token rows.
+* ``rows=1`` is the decode variant (m fixed to 1); ``rows=None`` the prefill variant, whose first dimension is a
+  symbolic ``int64`` var ``m`` bound from the arguments at call time.
+* A TE definition returns its tensors in argument order, the output last; the blocks the schedules look up
+  by name are named in each docstring.
+* Indices that come from an input (token ids, positions, selected neurons and their count) are clamped to
+  the buffer they index, so no input can drive a kernel out of its buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import tvm
+from tvm import te, tirx
+from tvm.s_tir import Schedule
+
+NEG_INF = -3.0e38  # "minus infinity" that stays finite through max/exp (softmax padding, running max)
+
+
+# --------------------------------------------------------------------------------------------
+# Scalar math as TIR expressions
+# --------------------------------------------------------------------------------------------
+
+
+def f32(v):
+    return tirx.const(v, "float32")
+
+
+def let(value, body, name="t"):
+    """Bind ``value`` once (a Let) and build ``body(var)``: no re-evaluation, a readable IR."""
+    var = tirx.Var(name, "float32")
+    return tirx.Let(var, value, body(var))
+
+
+def poly_exp(x):
+    """float32 exp (Cephes expf: 2^n * P(r)), relative error ~2 ulp; clamps to finite range."""
+
+    def poly(r, n):
+        p = f32(1.9875691500e-4)
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = p * r + f32(c)
+        pow2n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
+        return (p * r * r + r + f32(1.0)) * pow2n
+
+    def reduce(x):  # x = n ln2 + r, |r| <= ln2 / 2 (ln2 split in two parts for accuracy)
+        return let(
+            tirx.floor(x * f32(1.4426950408889634) + f32(0.5)),
+            lambda n: let(x - n * f32(0.693359375) + n * f32(2.12194440e-4), lambda r: poly(r, n), "r"),
+            "n",
+        )
+
+    return let(tirx.max(tirx.min(x, f32(88.0)), f32(-87.33654)), reduce, "x")
+
+
+def poly_erf(x):
+    """erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7; used inside GELU, where
+    the absolute error is what counts), with the vectorisable poly_exp."""
+
+    def body(x, a, t):
+        p = f32(1.061405429)
+        for c in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+            p = p * t + f32(c)
+        sign = tirx.Select(x < f32(0.0), f32(-1.0), f32(1.0))
+        # the poly_exp term (it holds Lets) must appear once: a Let var may be defined only once
+        return sign * (f32(1.0) - p * t * poly_exp(-a * a))
+
+    return let(
+        x,
+        lambda x: let(
+            tirx.abs(x),
+            lambda a: let(f32(1.0) / (f32(1.0) + f32(0.3275911) * a), lambda t: body(x, a, t), "t"),
+            "a",
+        ),
+        "x",
+    )
+
+
+@dataclass(frozen=True)
+class Math:
+    """How a device evaluates exp and erf."""
+
+    exp: Callable
+    erf: Callable
+
+
+POLYNOMIAL = Math(poly_exp, poly_erf)
+"""The CPU's: LLVM lowers tirx.exp / tirx.erf to libm calls (expf, erff), which stops vectorisation; these
+polynomials vectorise to plain vector arithmetic."""
+
+NATIVE = Math(tirx.exp, tirx.erf)
+"""The GPU's: CUDA's expf / erff, one thread per element, nothing to vectorise."""
+
+ACTIVATIONS = ("none", "relu", "gelu", "silu")
+
+
+def activation(act: str, math: Math) -> Callable:
+    """The activation ``act`` as a function of a TIR expression, exp and erf taken from ``math``."""
+    if act == "none":
+        return lambda v: v
+    if act == "relu":
+        return lambda v: tirx.max(v, f32(0.0))
+    if act == "gelu":  # exact (erf) GELU, as torch's default approximate="none"
+        return lambda v: let(v, lambda v: f32(0.5) * v * (f32(1.0) + math.erf(v * f32(0.7071067811865476))), "v")
+    if act == "silu":
+        return lambda v: let(v, lambda v: v / (f32(1.0) + math.exp(-v)), "v")
+    raise ValueError(f"unknown activation {act!r}; expected one of {sorted(ACTIVATIONS)}")
+
+
+def glu_unit(actf, gate, up):
+    """A GLU unit: act(gate) * up (the gate and up sums already carry their biases)."""
+    return actf(gate) * up
+
+
+def load_f32(value, wdtype):
+    """A weight element as fp32 (weights may be stored in fp16; arithmetic is fp32)."""
+    return value if wdtype == "float32" else tirx.Cast("float32", value)
+
+
+def clamp_index(value, extent):
+    """An index taken from an input, held inside [0, extent): a min and a max, so no input leaves the buffer."""
+    return tirx.max(tirx.min(value, extent - 1), 0)
+
+
+def clamp_count(count, capacity):
+    """A count taken from an input, held inside [0, capacity] (the length of the index buffer it counts)."""
+    return tirx.max(tirx.min(count, capacity), 0)
+
+
+def linear_epilogue(actf, bias: bool, residual: bool):
+    """act(acc + b[col]) + res[row, col] as a TIR expression builder (flags fixed at build time)."""
+
+    def apply(acc, b, res, row, col):
+        value = acc + b[col] if bias else acc
+        value = actf(value)
+        return value + res[row, col] if residual else value
+
+    return apply
+
+
+def rope_low(low, high, cos, sin):
+    """Rotate-half RoPE, first half of a head: x1 cos - x2 sin."""
+    return low * cos - high * sin
+
+
+def rope_high(low, high, cos, sin):
+    """Rotate-half RoPE, second half of a head: x2 cos + x1 sin."""
+    return high * cos + low * sin
+
+
+def passes_threshold(score, threshold, magnitude: bool):
+    """select's test: score > threshold (with `magnitude`: |score| > threshold)."""
+    return (tirx.abs(score) if magnitude else score) > threshold
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes and PrimFuncs
+# --------------------------------------------------------------------------------------------
+
+
+def row_dim(rows):
+    """The row extent: 1 for decode, a symbolic int64 ``m`` for prefill."""
+    if rows == 1:
+        return 1
+    if rows is None:
+        return tirx.Var("m", "int64")
+    raise ValueError(f"rows must be 1 (decode) or None (prefill), got {rows!r}")
+
+
+def schedule(name, tensors):
+    """A Schedule over the PrimFunc of TE ``tensors`` (int64 indices, so a symbolic ``m`` mixes freely)."""
+    func = te.create_prim_func(tensors, index_dtype_override="int64").with_attr("global_symbol", name)
+    sch = Schedule(tvm.IRModule({name: func}))
+    sch.work_on(name)
+    return sch
+
+
+def drop_params(func, names):
+    """The same kernel without the parameters its body never reads (bias, residual when absent):
+    TVMScript has no optional parameters, so kernels are written with all of them."""
+    keep = [p for p in func.params if p.name not in names]
+    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+# --------------------------------------------------------------------------------------------
+# TE compute definitions
+# --------------------------------------------------------------------------------------------
+
+
+def linear(K, N, rows, *, bias: bool, act: str, residual: bool, math: Math, wdtype="float32", w_rows=False,
+           tile=None):
+    """y[m, N] = act(x[m, K] @ w + b) + res with w [K, N] (or [N, K] when ``w_rows``).  Args: x, w, (b), (res), y.
+
+    Blocks: ``acc`` (the product), ``y`` (the epilogue). With ``tile`` (a GEMM that stages operands in whole
+    tiles), x and w are first copied into ``x_tile`` / ``w_tile``, zero-padded to multiples of ``tile`` rows
+    and columns, and acc covers the padded shape: every loop of such a GEMM is whole, so no bound check
+    leaves its buffers with a symbolic size (the CUDA code generator refuses those).
+    """
+    epilogue = linear_epilogue(activation(act, math), bias, residual)
+    m = row_dim(rows)
+    x = te.placeholder((m, K), name="x")
+    w = te.placeholder((N, K) if w_rows else (K, N), name="w", dtype=wdtype)
+    b = te.placeholder((N,), name="b") if bias else None
+    res = te.placeholder((m, N), name="res") if residual else None
+    k = te.reduce_axis((0, K), name="k")
+    w_rowmajor = (lambda kk, n: w[n, kk]) if w_rows else (lambda kk, n: w[kk, n])
+    x_at, shape = (lambda i, kk: x[i, kk]), (m, N)
+    w_at = lambda kk, n: load_f32(w_rowmajor(kk, n), wdtype)  # noqa: E731
+    if tile is not None:
+        zero = f32(0.0)
+        mp = (m + tile - 1) // tile * tile
+        np_ = -(-N // tile) * tile
+
+        def padded_w(n, kk):
+            return w_at(kk, n) if np_ == N else tirx.if_then_else(n < N, w_at(kk, n), zero)
+
+        x_tile = te.compute((mp, K), lambda i, kk: tirx.if_then_else(i < m, x[i, kk], zero), name="x_tile")
+        if w_rows:
+            w_tile = te.compute((np_, K), padded_w, name="w_tile")
+            w_at = lambda kk, n: w_tile[n, kk]  # noqa: E731
+        else:
+            w_tile = te.compute((K, np_), lambda kk, n: padded_w(n, kk), name="w_tile")
+            w_at = lambda kk, n: w_tile[kk, n]  # noqa: E731
+        x_at, shape = (lambda i, kk: x_tile[i, kk]), (mp, np_)
+    acc = te.compute(shape, lambda i, n: te.sum(x_at(i, k) * w_at(k, n), axis=k), name="acc")
+    y = te.compute((m, N), lambda i, n: epilogue(acc[i, n], b, res, i, n), name="y")
+    return [x, w] + ([b] if bias else []) + ([res] if residual else []) + [y]
+
+
+def glu(F, rows, *, act: str, math: Math):
+    """y[m, F] = act(t[:, :F]) * t[:, F:] (gate first, then up).  Args: t, y.  Block ``y``."""
+    actf = activation(act, math)
+    m = row_dim(rows)
+    t = te.placeholder((m, 2 * F), name="t")
+    y = te.compute((m, F), lambda i, j: glu_unit(actf, t[i, j], t[i, F + j]), name="y")
+    return [t, y]
+
+
+def layer_norm(D, eps, rows):
+    """y = (x - mean) / sqrt(var + eps) * g + b, biased variance (two-pass).  Args: x, g, b, y.
+
+    Blocks: ``total`` (row sums), ``sq`` (row sums of squared deviations), ``y``.
+    """
+    m = row_dim(rows)
+    x = te.placeholder((m, D), name="x")
+    g = te.placeholder((D,), name="g")
+    b = te.placeholder((D,), name="b")
+    k1 = te.reduce_axis((0, D), name="k1")
+    k2 = te.reduce_axis((0, D), name="k2")
+    total = te.compute((m,), lambda i: te.sum(x[i, k1], axis=k1), name="total")
+    sq = te.compute(
+        (m,), lambda i: te.sum(let(x[i, k2] - total[i] / f32(D), lambda d: d * d, "d"), axis=k2), name="sq"
+    )
+    y = te.compute(
+        (m, D),
+        lambda i, j: (x[i, j] - total[i] / f32(D)) * tirx.rsqrt(sq[i] / f32(D) + f32(eps)) * g[j] + b[j],
+        name="y",
+    )
+    return [x, g, b, y]
+
+
+def rms_norm(D, eps, rows):
+    """y = x / sqrt(mean(x^2) + eps) * g.  Args: x, g, y.  Blocks: ``sq`` (row sums of squares), ``y``."""
+    m = row_dim(rows)
+    x = te.placeholder((m, D), name="x")
+    g = te.placeholder((D,), name="g")
+    k = te.reduce_axis((0, D), name="k")
+    sq = te.compute((m,), lambda i: te.sum(x[i, k] * x[i, k], axis=k), name="sq")
+    y = te.compute((m, D), lambda i, j: x[i, j] * tirx.rsqrt(sq[i] / f32(D) + f32(eps)) * g[j], name="y")
+    return [x, g, y]
+
+
+def embed(V, D, rows, *, positions: int | None, wdtype="float32"):
+    """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table, (pos_table, start), y.  Block ``y``.
+
+    Token ids are clamped to the table's V rows and positions to the positions table's rows.
+    """
+    m = row_dim(rows)
+    ids = te.placeholder((m,), "int64", name="ids")
+    table = te.placeholder((V, D), name="table", dtype=wdtype)
+
+    def token(i, j):
+        return load_f32(table[clamp_index(ids[i], V), j], wdtype)
+
+    if not positions:
+        return [ids, table, te.compute((m, D), token, name="y")]
+    pos = te.placeholder((positions, D), name="pos_table")
+    start = te.var("start", "int64")
+    y = te.compute((m, D), lambda i, j: token(i, j) + pos[clamp_index(start + i, positions), j], name="y")
+    return [ids, table, pos, start, y]
+
+
+def merge(D, parts: int, rows, *, bias: bool, residual: bool):
+    """out = res + p_1 (+ p_2) + b.  Args: (res), p_1 (, p_2), (b), out; all [m, D] except b [D].  Block ``y``."""
+    m = row_dim(rows)
+    res = te.placeholder((m, D), name="res") if residual else None
+    partials = [te.placeholder((m, D), name=f"p{i}") for i in range(parts)]
+    b = te.placeholder((D,), name="b") if bias else None
+
+    def add(i, j):
+        total = partials[0][i, j]
+        for p in partials[1:]:
+            total = total + p[i, j]
+        if bias:
+            total = total + b[j]
+        if residual:
+            total = total + res[i, j]
+        return total
+
+    out = te.compute((m, D), add, name="y")
+    return ([res] if residual else []) + partials + ([b] if bias else []) + [out]
