@@ -569,7 +569,8 @@ def _find_attentions(model: ir.Model, linears: list[Linear]) -> list[Attention]:
     return attentions
 
 
-def _find_embeddings(graph: ir.Graph) -> tuple[ir.Node, ir.Node | None]:
+def find_embeddings(graph: ir.Graph) -> tuple[ir.Node, ir.Node | None]:
+    """The token embedding Gather (reading input_ids) and the learned-position one, if any (None otherwise)."""
     input_ids = next(v for v in graph.inputs if v.name == "input_ids")
     token, position = None, None
     for node in graph:
@@ -636,7 +637,7 @@ def analyse(model: ir.Model) -> Decoder:
     final_norm = _match_norm(lm_head.input)
     if final_norm is None:
         raise UserError("no final norm before the output layer")
-    token, position = _find_embeddings(graph)
+    token, position = find_embeddings(graph)
     positions = None
     if position is not None:
         offset = _position_offset(model, position)

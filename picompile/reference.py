@@ -19,17 +19,17 @@ def check_reference(path: Path) -> int:
     its logits are as wide as its vocabulary; return the vocabulary: its token embedding table's rows (the
     table recognise finds: a Gather of a constant by input_ids)."""
     from passes.import_onnx import Import, load
-    from passes.recognise import _find_embeddings
+    from passes.recognise import find_embeddings
 
     from . import ir as pir
-    from .pipeline import Context, Options
+    from .pipeline import Context
     from .targets import get_target
 
     path = Path(path)
     if not path.exists():
         raise UserError(f"reference model not found: {path}")
     try:
-        model = Import().apply(load(path, for_build=False), Context(get_target("cpu"), Options())).model
+        model = Import().apply(load(path, for_build=False), Context(get_target("cpu"))).model
     except UserError as error:
         raise UserError(f"reference {path}: {error}") from None
     unfed = [v.name for v in model.graph.inputs if v.name not in FED_INPUTS and not v.name.startswith("past_key_values.")]
@@ -37,7 +37,7 @@ def check_reference(path: Path) -> int:
         raise UserError(f"reference {path} takes {', '.join(unfed)}, which eval does not feed (it feeds "
                         f"{', '.join(FED_INPUTS)} and past_key_values.*)")
     try:
-        token, _ = _find_embeddings(model.graph)
+        token, _ = find_embeddings(model.graph)
     except UserError as error:
         raise UserError(f"reference {path}: {error}") from None
     vocab = int(pir.const_array(token.inputs[0]).shape[0])
