@@ -107,6 +107,26 @@ def build_all(files, args) -> dict[str, Path]:
     return artifacts
 
 
+def byte_agreement(artifacts: dict[str, Path]) -> dict[str, dict]:
+    """Per artifact, after a prompt and 3 decode steps: how many decode calls the cost model and the runtime
+    count the same weight bytes for (both read the calls' facts), and which do not agree."""
+    from picompile import costmodel
+    from runtime import Engine
+
+    agreement = {}
+    for name, path in artifacts.items():
+        engine = Engine(path)
+        engine.forward([1, 2, 3, 4])
+        wrong: set[str] = set()
+        for token in (5, 6, 7):
+            engine.forward([token])
+            wrong |= set(costmodel.byte_disagreements(engine))
+        agreement[name] = {"calls": len(engine.decode_steps), "disagree": sorted(wrong)}
+        del engine
+        gc.collect()
+    return agreement
+
+
 def derive(summary: dict, bandwidth: dict, dtypes) -> dict:
     """Effective bandwidth per artifact (into `summary`) and, per dtype, the sparse/dense limit and achieved ratios."""
     for figures in summary.values():
@@ -188,6 +208,11 @@ def main(argv=None) -> int:
     qualities = {name: quality(files, path, reference=reference) for name, path in artifacts.items()}
     del reference
     gc.collect()
+    agreement = byte_agreement(artifacts)
+    for name, counts in agreement.items():
+        print(f"{name}: the cost model and the runtime count the same weight bytes for "
+              f"{counts['calls'] - len(counts['disagree'])} of {counts['calls']} decode calls"
+              + (f" (not: {', '.join(counts['disagree'])})" if counts["disagree"] else ""))
     print(f"timing: {plural(args.runs, 'alternating run')} of {args.tokens} tokens after a {args.prompt_len}-token prompt")
     probe = Bandwidth(args.threads)
     summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe)
@@ -199,11 +224,13 @@ def main(argv=None) -> int:
               "cpu_isa": args.cpu_isa,
               "machine": machine()}
     text = report(config, summary, qualities, bandwidth, ratios)
+    text += "\nByte counts, cost model against runtime (every decode call, 3 steps): " + "; ".join(
+        f"{name} {c['calls'] - len(c['disagree'])}/{c['calls']} agree" for name, c in agreement.items()) + "."
     print(text)
     if args.json:
         args.json.write_text(json.dumps({
             "config": config, "summary": summary, "quality": qualities, "bandwidth": bandwidth,
-            "sparse_vs_dense": ratios,
+            "sparse_vs_dense": ratios, "byte_agreement": agreement,
             "artifacts": {name: {"path": str(path), "weight_dtypes": weight_dtypes(path)} for name, path in artifacts.items()},
         }, indent=1))
     if args.record:
