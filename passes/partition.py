@@ -12,7 +12,7 @@ Adds per FFN node: an int attribute `gpu_neurons` and an initializer `layers.{i}
 CPU), and a graph-level `metadata_props["picompile.placement"]`: a JSON report of the solve (status,
 objective, gap, times, budget breakdown, per-layer counts) that `picompile inspect` shows.
 
-Weights are priced as codegen stores them (`picompile.sizes.weight_storage_dtype`): on the GPU in fp32,
+Weights are priced as select-kernels stores them (`picompile.sizes.weight_storage_dtype`): on the GPU in fp32,
 on the CPU in `--weight-dtype` (fp16 halves a cold neuron's bytes). The FFN budget is the GPU memory
 (`--vram-budget`, else the target's) minus the dense part (every initializer that is not a per-neuron FFN
 weight), the KV cache for `max_context` tokens (`sizes.kv_cache_bytes`) and a RESERVE_FRACTION reserve. A
@@ -386,7 +386,7 @@ def _elements(value: ir.Value) -> int:
 
 def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_dtype: str) -> int:
     """One FFN neuron's weights on a device: its up (and gate) and down rows in the device's matrix type,
-    its up bias (codegen keeps biases in fp32)."""
+    its up bias (select-kernels keeps biases in fp32)."""
     return nbytes([d_model * (up_per_neuron + 1)], matrix_dtype) + nbytes([up_per_neuron if biased else 0], "float32")
 
 

@@ -1,9 +1,10 @@
-"""What each kernel call of an artifact does, as data: the contract between codegen, the runtime, the
-cost model and `inspect`.
+"""What each kernel call of an artifact does, as data: the contract between the compiler's back end, the
+runtime, the cost model and `inspect`.
 
-Codegen writes one `Call` per kernel call into the schedule (`schedule.json`, node attribute `call`); the
-runtime binds and counts bytes from it, the cost model prices it, `inspect` tabulates it. Nobody outside
-codegen looks inside a kernel's name, a call's label or an argument's position to learn what a call does.
+Kernel selection (`passes/select_kernels.py`) writes one `Call` per kernel call; plan-buffers and schedule
+carry it into the schedule (`schedule.json`, node attribute `call`); the runtime binds and counts bytes from
+it, the cost model prices it, `inspect` tabulates it. Nobody outside kernel selection looks inside a
+kernel's name, a call's label or an argument's position to learn what a call does.
 
 Byte facts describe a one-token (decode) step, the phase whose speed is bound by the weights it reads;
 prompts (prefill) read every weight whole.

@@ -1,6 +1,6 @@
 """Element types of the artifact's buffers: the one home of a dtype's name, size and file codes.
 
-The compiler (codegen, the cost model, placement) and the runtime (allocation, weight files, byte
+The compiler (kernel selection, the cost model, placement) and the runtime (allocation, weight files, byte
 counts) all ask here; nothing else writes down that a float16 is two bytes.
 """
 
