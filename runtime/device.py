@@ -60,7 +60,7 @@ def sm_version(arch: str) -> tuple[int, int]:
 def arch_problem(arch: str, compute_version: str, device_name: str) -> str | None:
     """Why kernels built for `arch` cannot run on a GPU of `compute_version`, or None when they can.
 
-    the compile pass ships a fatbin with SASS for `arch` and PTX for `compute_<arch>` (passes/kernels/cuda.py
+    The compile pass ships a fatbin with SASS for `arch` and PTX for `compute_<arch>` (passes/kernels/cuda.py
     `nvcc_flags`): the SASS runs on that arch, and the driver JIT-compiles the PTX for any newer one, so
     only an older GPU is refused."""
     built, have = sm_version(arch), sm_version(compute_version)
