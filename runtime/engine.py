@@ -128,7 +128,7 @@ class Engine:
         # token ids index these tables: forward checks them against the rows the loaded arrays really have
         self._token_rows = min(self.buffers[table].shape[0] if table in self.buffers else facts.vocab_size
                                for table in facts.token_tables)
-        # Set to {} to profile: seconds per op class, "wall" and "overhead", and for decode (one-token)
+        # Set to {} to profile: seconds per call role, "wall" and "overhead", and for decode (one-token)
         # steps "weight_bytes" (weight bytes the calls read) and "decode_steps".
         self.profile: dict[str, float] | None = None
 
@@ -240,8 +240,8 @@ class Engine:
         else:
             self.gpu.run(program, self.position, self._timer())
         if self.profile is not None:  # wall time not spent inside a kernel or copy: the runtime's own cost
-            kernels = sum(seconds for op_class, seconds in self.profile.items()
-                          if op_class not in ("overhead", "wall", *COUNTERS))
+            kernels = sum(seconds for role, seconds in self.profile.items()
+                          if role not in ("overhead", "wall", *COUNTERS))
             self.profile["wall"] = self.profile.get("wall", 0.0) + time.perf_counter() - began
             self.profile["overhead"] = max(self.profile["wall"] - kernels, 0.0)
             if program is self._decode:
@@ -254,9 +254,9 @@ class Engine:
             return None
         profile, lock = self.profile, threading.Lock()
 
-        def record(op_class: str, seconds: float, weight_bytes: int) -> None:
+        def record(role: str, seconds: float, weight_bytes: int) -> None:
             with lock:
-                profile[op_class] = profile.get(op_class, 0.0) + seconds
+                profile[role] = profile.get(role, 0.0) + seconds
                 profile["weight_bytes"] = profile.get("weight_bytes", 0) + weight_bytes
 
         return record

@@ -66,7 +66,7 @@ def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.
 
 
 def profile_per_token(profile: dict) -> dict:
-    """An engine's profile of decode steps, per step: milliseconds per op class (and wall, overhead), and the
+    """An engine's profile of decode steps, per step: milliseconds per call role (and wall, overhead), and the
     weight bytes read with the bandwidth that makes over the kernels' time and over the wall time."""
     steps = max(profile.get("decode_steps", 0), 1)
     ms = {k: v * 1000 / steps for k, v in sorted(profile.items()) if k not in COUNTERS}

@@ -269,13 +269,16 @@ def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_co
         for phase in PHASES:
             kernel = node.kernel(phase)
             if kernel and node.role is Role.COPY:  # the runtime's own transfer: the same rows on both sides
-                if len(args) != 2 or START in args:
+                sources = [arg.buffer for arg in node.args if not arg.writes]
+                targets = [arg.buffer for arg in node.args if arg.writes]
+                if len(sources) != 1 or len(targets) != 1 or START in args:
                     raise ArtifactError(f"schedule.json is damaged: copy {call} does not have a source and a target; "
                                         "rebuild the artifact")
-                source, target = (buffers[arg] for arg in args)
+                source, target = buffers[sources[0]], buffers[targets[0]]
                 if (source["shape"], source["dtype"]) != (target["shape"], target["dtype"]):
-                    raise disagrees(f"buffers.{args[0]} is {source['dtype']} {source['shape']} but buffers.{args[1]}, "
-                                    f"which copy {call} copies it to, is {target['dtype']} {target['shape']}")
+                    raise disagrees(f"buffers.{sources[0]} is {source['dtype']} {source['shape']} but "
+                                    f"buffers.{targets[0]}, which copy {call} copies it to, is {target['dtype']} "
+                                    f"{target['shape']}")
                 continue
             if not kernel:
                 continue
