@@ -61,6 +61,19 @@ def _make(spec: KernelSpec, name: str, device: str):
     return maker(name, *spec.args, rows=spec.rows, **spec.kwargs)
 
 
+def make_kernels(program: KernelProgram, names: list[str], device: str, ctx: Context) -> list:
+    """The TVM functions of kernels `names` for `device`, each made under the layer that first runs it (so a
+    kernel that fails to generate is reported with its layer)."""
+    layer_of = first_layers(program)
+    funcs = []
+    with ctx.progress(f"compile: making {'CUDA' if device == 'gpu' else 'CPU'} kernels", len(names)) as advance:
+        for name in names:
+            with ctx.layer(layer_of.get(name)):
+                funcs.append(_make(program.kernels[name], name, device))
+            advance()
+    return funcs
+
+
 @dataclass
 class Compile:
     name = "compile"
@@ -71,13 +84,7 @@ class Compile:
         library = Path(ctx.workdir) / "kernels" / "cpu.so"
         library.parent.mkdir(parents=True, exist_ok=True)
         names = sorted(program.kernels)
-        layer_of = first_layers(program)
-        funcs = []
-        with ctx.progress("compile: making CPU kernels", len(names)) as advance:
-            for name in names:
-                with ctx.layer(layer_of.get(name)):
-                    funcs.append(_make(program.kernels[name], name, "cpu"))
-                advance()
+        funcs = make_kernels(program, names, "cpu", ctx)
         with ctx.progress(f"compile: compiling {len(funcs)} CPU kernels (LLVM)"):
             cpu.build(funcs, get_cpu_isa(self.cpu_isa).llvm_target(), str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
@@ -101,12 +108,7 @@ class Compile:
         if cuda.nvcc_path() is None:
             raise UserError(f"building for {ctx.target.name} compiles its GPU kernels with nvcc, which is not installed "
                             "(install the CUDA toolkit or set CUDA_PATH), or build with --target cpu")
-        funcs, layer_of = [], first_layers(program)
-        with ctx.progress("compile: making CUDA kernels", len(names)) as advance:
-            for name in names:
-                with ctx.layer(layer_of.get(name)):
-                    funcs.append(_make(program.kernels[name], name, "gpu"))
-                advance()
+        funcs = make_kernels(program, names, "gpu", ctx)
         arch = ctx.target.cuda_arch
         library = Path(ctx.workdir) / "kernels" / f"cuda_{arch}.so"
         with ctx.progress(f"compile: compiling {len(funcs)} CUDA kernels (nvcc)"):

@@ -108,4 +108,4 @@ class PlanBuffers:
         planned = plan(program)
         copies = sum(1 for call in planned.calls if call.role is Role.COPY)
         ctx.log(f"plan-buffers: {len(planned.buffers)} buffers, {copies} copies between devices")
-        return PassResult(planned.to_model(carried_metadata(model)), modified=planned is not program)
+        return PassResult(planned.to_model(carried_metadata(model)), modified=True)  # every buffer gets its device

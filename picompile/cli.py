@@ -235,17 +235,17 @@ def _inspect(args) -> int:
 
     try:
         manifest = load_manifest(args.artifact)
-        schedule = check_files(args.artifact, manifest).schedule  # what it shows agrees with the files
+        scheduled = check_files(args.artifact, manifest).calls  # what it shows agrees with the files
     except ArtifactError as error:
         raise UserError(str(error)) from None
     from runtime.artifact import format_size
-    from runtime.calls import Role, decode_weight_reads, schedule_calls
+    from runtime.calls import Role, decode_weight_reads
     from runtime.dtypes import nbytes
 
     calls: dict[str, int] = {}
     devices: dict[str, int] = {}
     decode_reads: dict[str, dict[str, int]] = {}  # role -> fixed bytes, and bytes per selected entry
-    for call in schedule_calls(schedule):
+    for call in scheduled:
         calls[call.role.value] = calls.get(call.role.value, 0) + 1
         devices[call.device] = devices.get(call.device, 0) + 1
         if call.decode and call.role is not Role.COPY:
@@ -253,7 +253,7 @@ def _inspect(args) -> int:
             entry = decode_reads.setdefault(call.role.value, {"fixed_bytes": 0, "bytes_per_selected": 0})
             entry["fixed_bytes"] += reads.fixed
             entry["bytes_per_selected"] += reads.per_selected + reads.per_nonzero
-    kernels = sorted({name for call in schedule_calls(schedule) if call.role is not Role.COPY
+    kernels = sorted({name for call in scheduled if call.role is not Role.COPY
                       for name in (call.decode, call.prefill) if name})
 
     weight_bytes = sum(nbytes(b["shape"], b["dtype"])
