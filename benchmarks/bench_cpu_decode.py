@@ -190,8 +190,9 @@ def main(argv=None) -> int:
     parser.add_argument("--target-recall", type=float, default=0.99, help="the sparse build's predictor recall")
     parser.add_argument("--dtypes", type=_dtypes, default=["fp32"],
                         help="weight dtypes to build dense and sparse artifacts in, e.g. fp32,fp16")
-    parser.add_argument("--cpu-isa", choices=["avx2", "avx512"], default="avx2",
-                        help="instruction set of the CPU kernels (onnxruntime picks its own at run time)")
+    parser.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
+                        help="instruction set of the CPU kernels (default: the build's, this machine's widest; "
+                             "onnxruntime picks its own at run time)")
     add_run_arguments(parser, preset="1b", prompt_len=128)  # --threads also sets the bandwidth probe's
     args = parsed_run_arguments(parser, argv)
 

@@ -94,14 +94,15 @@ def main():
     import tvm_ffi
 
     from bench_cpu_decode import Bandwidth
-    from picompile.targets import CPU_ISAS
+    from picompile.targets import host_cpu_isa
 
     cpu, funcs = kernels()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench_kernels.so")
         started = time.perf_counter()
-        cpu.build(funcs, CPU_ISAS["avx2"].llvm_target(), path)
-        print(f"built {len(funcs)} kernels in {time.perf_counter() - started:.1f} s; "
+        isa = host_cpu_isa()
+        cpu.build(funcs, isa.llvm_target(), path)
+        print(f"built {len(funcs)} kernels for {isa.name} in {time.perf_counter() - started:.1f} s; "
               f"{args.threads} threads, load average {os.getloadavg()[0]:.2f}")
         lib = tvm.runtime.load_module(path)
     dl = tvm_ffi.from_dlpack

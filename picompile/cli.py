@@ -68,8 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--weight-dtype", choices=["fp32", "fp16"], default="fp32",
                        help="storage of the CPU's weight matrices (fp16 halves the bytes a token reads; math stays fp32)")
     build.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
-                       help="instruction set of the CPU kernels (default: the target's, avx2); the artifact then "
-                            "runs only on CPUs that have it")
+                       help="instruction set of the CPU kernels (default: the widest this machine has, avx512 where "
+                            "present); the artifact then runs only on CPUs that have it: avx2 makes portable artifacts")
     build.add_argument("--target-recall", type=_unit_interval, default=0.99,
                        help="share of truly active neurons the predictors must let through (held-out tokens)")
     build.add_argument("--sparsity-mode", choices=["auto", "predictor", "threshold"], default="auto",

@@ -24,7 +24,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .errors import PassError, UserError
-from .targets import CpuIsa, Target, get_cpu_isa
+from .targets import CpuIsa, Target, get_cpu_isa, host_cpu_isa
 
 __all__ = ["Options", "Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming",
            "verify_onnx", "describe_pass", "op_counts", "describe_change"]
@@ -46,7 +46,7 @@ class Options:
     target_recall: float = 0.99  # the threshold of each predictor is set to reach this on held-out tokens
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)
     weight_dtype: str = "fp32"  # storage of the CPU's weight matrices: fp32 or fp16 (converted in registers)
-    cpu_isa: str | None = None  # the CPU kernels' instruction set (targets.CPU_ISAS); None: the target's
+    cpu_isa: str | None = None  # the CPU kernels' instruction set (targets.CPU_ISAS); None: the target's, else the build machine's
     # How decode skips FFN work: "predictor" (PowerInfer: a trained predictor picks the neurons, for ReLU FFNs),
     # "threshold" (TEAL: inputs of each projection below a calibrated magnitude are dropped, for SiLU/GELU
     # FFNs) or "auto" (by the model's FFN activation; passes.sparsity_mode).
@@ -55,8 +55,9 @@ class Options:
     seed: int = 0
 
     def cpu_isa_for(self, target: Target) -> CpuIsa:
-        """The CPU kernels' instruction set: --cpu-isa, else the target's."""
-        return get_cpu_isa(self.cpu_isa or target.cpu_isa)
+        """The CPU kernels' instruction set: --cpu-isa, else the target's, else the build machine's widest."""
+        name = self.cpu_isa or target.cpu_isa
+        return get_cpu_isa(name) if name else host_cpu_isa()
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.artifact import format_size  # one definition, the runtime's (it cannot import the compiler)
+from runtime.artifact import cpu_flags, format_size  # one definition each, the runtime's (it cannot import the compiler)
 
 from .errors import UserError
 
@@ -41,6 +41,24 @@ CPU_ISAS: dict[str, CpuIsa] = {
 }
 
 
+BASELINE_CPU_ISA = "avx2"  # what every CPU picompile supports has: portable artifacts
+
+
+def host_cpu_isa() -> CpuIsa:
+    """The widest of CPU_ISAS this machine's CPU has (the build machine's, which `--target` profiles do not
+    fix: kernels for it are what a user who builds and runs on one machine wants). Where the CPU's flags
+    cannot be read, the portable baseline; where the CPU lacks even that, a UserError (pass --cpu-isa to
+    build for another machine)."""
+    flags = cpu_flags()
+    if flags is None:
+        return CPU_ISAS[BASELINE_CPU_ISA]
+    fitting = [isa for isa in CPU_ISAS.values() if set(isa.features) <= flags]
+    if not fitting:
+        raise UserError(f"this machine's CPU has none of the instruction sets picompile's CPU kernels are made for "
+                        f"({', '.join(CPU_ISAS)}): pass --cpu-isa to build for another machine")
+    return max(fitting, key=lambda isa: len(isa.features))
+
+
 def get_cpu_isa(name: str) -> CpuIsa:
     try:
         return CPU_ISAS[name]
@@ -56,7 +74,9 @@ class Target:
     cpu_bandwidth_gbs: float
     pcie_bandwidth_gbs: float
     cuda_arch: str | None  # e.g. "sm_89"
-    cpu_isa: str  # the CPU_ISAS entry the CPU kernels are generated for unless the build says otherwise
+    # the CPU_ISAS entry the CPU kernels are generated for unless the build says otherwise; None: the build
+    # machine's (host_cpu_isa), as for every profile here: a target names a GPU and bandwidths, not a CPU
+    cpu_isa: str | None = None
 
     @property
     def has_gpu(self) -> bool:
@@ -66,12 +86,12 @@ class Target:
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in [
-        # `cpu` is the project's 2-core AVX2 machine: ~38 GB/s streaming reads (np.copyto moves ~19 GB/s each way)
-        Target("cpu", 0, 0.0, 38.0, 0.0, None, "avx2"),
-        Target("rtx4090", 24 * GiB, 900.0, 60.0, 25.0, "sm_89", "avx2"),
-        Target("rtx2080ti", 11 * GiB, 550.0, 40.0, 12.0, "sm_75", "avx2"),
-        Target("a100-80g", 80 * GiB, 1700.0, 60.0, 25.0, "sm_80", "avx2"),
-        Target("h200", 141 * GiB, 4000.0, 100.0, 50.0, "sm_90", "avx2"),
+        # `cpu` is the project's 2-core machine: ~38 GB/s streaming reads (np.copyto moves ~19 GB/s each way)
+        Target("cpu", 0, 0.0, 38.0, 0.0, None),
+        Target("rtx4090", 24 * GiB, 900.0, 60.0, 25.0, "sm_89"),
+        Target("rtx2080ti", 11 * GiB, 550.0, 40.0, 12.0, "sm_75"),
+        Target("a100-80g", 80 * GiB, 1700.0, 60.0, 25.0, "sm_80"),
+        Target("h200", 141 * GiB, 4000.0, 100.0, 50.0, "sm_90"),
     ]
 }
 
@@ -86,7 +106,7 @@ def get_target(name: str) -> Target:
 CUDA_ARCHS: tuple[str, ...] = tuple(sorted({t.cuda_arch for t in TARGETS.values() if t.cuda_arch}))
 """The SM architectures picompile builds GPU kernels for: those of the GPU targets."""
 
-CUDA_HOST_ISA = CPU_ISAS["avx2"]
+CUDA_HOST_ISA = CPU_ISAS[BASELINE_CPU_ISA]
 """The instruction set of a CUDA module's host code (argument packing and launches, nothing hot): the baseline
 every supported x86 CPU runs."""
 

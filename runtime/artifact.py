@@ -169,14 +169,20 @@ def weight_files(directory: Path, manifest: dict) -> list[Path]:
             if relative.startswith("weights/") and relative.endswith(".safetensors")]
 
 
-def missing_cpu_features(required) -> list[str]:
-    """The flags of `required` this machine's CPU lacks (Linux's /proc/cpuinfo; where it cannot be read,
-    nothing is reported missing)."""
+def cpu_flags() -> frozenset[str] | None:
+    """This machine's CPU flags (Linux's /proc/cpuinfo), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
     except OSError:
-        return []
+        return None
+    return None if flags is None else frozenset(flags)
+
+
+def missing_cpu_features(required) -> list[str]:
+    """The flags of `required` this machine's CPU lacks (where its flags cannot be read, nothing is
+    reported missing)."""
+    flags = cpu_flags()
     return [] if flags is None else [flag for flag in required if flag not in flags]
 
 

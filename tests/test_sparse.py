@@ -12,6 +12,7 @@ import pytest
 from picompile import costmodel
 from picompile.cli import main
 from picompile.compiler import build, pipeline
+from picompile.errors import UserError
 from picompile.pipeline import Options
 from picompile.reference import OrtDecoder
 from picompile.targets import get_target
@@ -212,6 +213,33 @@ def test_avx512_kernels_run_where_the_cpu_has_them(sparse_models, tmp_path):
             Engine(artifact)
     else:
         assert_matches_onnxruntime(artifact, files.onnx, decode_steps=3)
+
+
+def test_default_kernels_are_the_build_machines_widest_and_avx2_is_portable(sparse_models, tmp_path):
+    """Without --cpu-isa the kernels are compiled for the widest instruction set this CPU has (AVX-512 where
+    present); --cpu-isa avx2 builds the portable artifact, which matches onnxruntime on any x86 CPU here."""
+    from picompile.targets import host_cpu_isa
+
+    files = sparse_models["opt"]
+    default = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), Options(dense=True, max_context=64))
+    assert json.loads((default / "manifest.json").read_text())["target"]["cpu_isa"] == host_cpu_isa().name
+    portable = sparse_build(files, tmp_path / "p.pic", all_neurons=True, cpu_isa="avx2")
+    target = json.loads((portable / "manifest.json").read_text())["target"]
+    assert target["cpu_isa"] == "avx2" and not any(flag.startswith("avx512") for flag in target["cpu_features"])
+    assert_matches_onnxruntime(portable, files.onnx, decode_steps=3)
+
+
+def test_host_isa_is_read_from_the_cpu_flags(monkeypatch):
+    from picompile import targets
+
+    avx2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+    for flags, expected in ((avx2, "avx2"), (avx2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}, "avx512"),
+                            (avx2 | {"avx512f"}, "avx2"), (None, "avx2")):
+        monkeypatch.setattr(targets, "cpu_flags", lambda flags=flags: None if flags is None else frozenset(flags))
+        assert targets.host_cpu_isa().name == expected, flags
+    monkeypatch.setattr(targets, "cpu_flags", lambda: frozenset({"sse2"}))
+    with pytest.raises(UserError, match="--cpu-isa"):
+        targets.host_cpu_isa()
 
 
 def test_runtime_refuses_kernels_for_a_cpu_it_is_not(sparse_models, tmp_path, capsys):
