@@ -64,9 +64,12 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
     target, build options (`options`: further pipeline Options fields) and compiler source."""
     from examples.models import cache_dir
     from picompile.pipeline import Options
+    from picompile.targets import get_target
 
     opts = Options(dense=dense, max_context=max_context, calib=files.calib, **options)
-    key = json.dumps({"model": files.dir.name, "target": target, "options": dataclasses.asdict(opts),
+    # the ISA resolved, not the option: a default build is the build machine's
+    isa = opts.cpu_isa_for(get_target(target)).name
+    key = json.dumps({"model": files.dir.name, "target": target, "options": dataclasses.asdict(opts), "cpu_isa": isa,
                       "compiler": compiler_digest()}, sort_keys=True, default=str)
     artifact = cache_dir() / "artifacts" / f"{files.dir.name}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic"
     if rebuild or not (artifact / "manifest.json").exists():
