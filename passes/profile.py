@@ -23,7 +23,6 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -36,6 +35,7 @@ from picompile.reference import OrtDecoder
 from picompile.tokens import read_tokens
 from runtime.artifact import first_line
 
+from .import_onnx import source_file
 from .recognise import source_model
 
 PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
@@ -156,45 +156,33 @@ def reference_decoder(source: ir.Model, wanted: list[str], workdir: Path) -> Ort
         raise UserError(f"onnxruntime cannot load the model to profile it: {reason}") from None
 
 
-def _batches(sequences: list[np.ndarray], limit: int | None) -> Iterator[list[np.ndarray]]:
-    """Runs of consecutive equal-length sequences of about PROFILE_BATCH_TOKENS tokens (`limit` sequences at most)."""
-    batch: list[np.ndarray] = []
-    for sequence in sequences:
-        full = batch and (len(sequence) != len(batch[0]) or (len(batch) + 1) * len(sequence) > PROFILE_BATCH_TOKENS
-                          or (limit is not None and len(batch) == limit))
-        if full:
-            yield batch
-            batch = []
-        batch.append(sequence)
-    if batch:
-        yield batch
-
-
 def run_reference(decoder: OrtDecoder, wanted: list[str], sequences: list[np.ndarray]):
-    """Yield (sequences run, the wanted tensors as [tokens, width] rows, sequence-major) for batches of the
-    sequences, each run by onnxruntime from an empty KV cache."""
-    for batch in _batches(sequences, decoder.max_batch):
-        decoder.reset(len(batch))
+    """Yield the wanted tensors as [tokens, width] rows for each sequence, run by onnxruntime from an empty KV
+    cache (one at a time: the imported source graph runs batch 1)."""
+    for sequence in sequences:
+        decoder.reset()
         try:
-            results = decoder.run(np.stack(batch), wanted)
+            results = decoder.run(sequence[None], wanted)
         except Exception as error:  # onnxruntime's own types: a node of the source model fails on real tokens
             reason = first_line(error, type(error).__name__)
             raise UserError(f"onnxruntime cannot run the model on calibration tokens: {reason}") from None
-        yield len(batch), {name: array.reshape(-1, array.shape[-1]) for name, array in results.items()}
+        yield {name: array.reshape(-1, array.shape[-1]) for name, array in results.items()}
 
 
-def sample_sequences(decoder: OrtDecoder, count: int, length: int, starts: list[np.ndarray], seed: int,
+def sample_sequences(model_file: Path, count: int, length: int, starts: list[np.ndarray], seed: int,
                      vocab_size: int) -> list[np.ndarray]:
-    """`count` sequences of `length` tokens sampled from the model (temperature 1, one batch), each from the
-    first token of a calibration sequence (cycled), or from random tokens when there are none."""
+    """`count` sequences of `length` tokens sampled from the model in `model_file` (temperature 1, one batch
+    with the KV cache: the user's file takes any batch, unlike the imported graph), each from the first token
+    of a calibration sequence (cycled), or from random tokens when there are none."""
     rng = np.random.default_rng([seed, 1])  # not the random calibration tokens' stream
     first = (np.array([int(starts[i % len(starts)][0]) for i in range(count)]) if starts
              else rng.integers(0, vocab_size, size=count))
     try:
-        return list(decoder.sample(first, length, rng, vocab_size))
+        return list(OrtDecoder(model_file).sample(first, length, rng, vocab_size))
     except Exception as error:  # onnxruntime's own types, as in run_reference
         reason = first_line(error, type(error).__name__)
-        raise UserError(f"onnxruntime cannot sample calibration tokens from the model: {reason}") from None
+        raise UserError(f"onnxruntime cannot sample calibration tokens from {model_file} (--calib-samples 0 "
+                        f"profiles without): {reason}") from None
 
 
 class _Spill:
@@ -264,7 +252,6 @@ def plot_cdf(stats: dict[int, LayerStats], path: Path) -> None:
 
 
 SEQUENCE_TOKENS = 128  # the longest calibration sequence (long prompts add little but time)
-PROFILE_BATCH_TOKENS = 512  # tokens onnxruntime profiles per run (as sequences side by side): bounds its outputs
 # A calibration set is small below this many tokens per FFN neuron (of the widest layer). A predictor's output
 # layer fits one column per neuron on (1 - HOLDOUT) of the tokens, and a neuron that fires on 1 token in 10
 # is seen active on about N/10 of them: at 2 per neuron (8 d_model at the usual ffn = 4 d_model) the least-
@@ -289,7 +276,6 @@ class Profile:
         length = min(self.max_context, SEQUENCE_TOKENS)
         given = calibration_tokens(self.calib, self.calib_tokens, length, self.seed, vocab_size, ctx.log)
         wanted = [name for node in ffns for name in (node.metadata_props["source.input"], node.metadata_props["source.activation"])]
-        decoder = reference_decoder(source, wanted, Path(ctx.workdir))
 
         width = max(node.inputs[3].const_value.shape[0] for node in ffns)  # w_down [ffn, d_model]
         needed = MIN_TOKENS_PER_NEURON * width
@@ -301,8 +287,11 @@ class Profile:
         sampled, seconds = [], 0.0
         if samples:
             started = time.perf_counter()
+            model_file = source_file(source)
+            if model_file is None:
+                raise ValueError("the source model was not loaded from a file: nothing to sample calibration from")
             with ctx.progress("profile: sampling calibration sequences from the model"):
-                sampled = sample_sequences(decoder, samples, length, given if self.calib else [], self.seed,
+                sampled = sample_sequences(model_file, samples, length, given if self.calib else [], self.seed,
                                            vocab_size)
             seconds = time.perf_counter() - started
         # The given tokens go last: the predictors' held-out tokens (the last ones) are then the user's text
@@ -313,13 +302,14 @@ class Profile:
         spill = _Spill(Path(ctx.workdir) / "profile", tokens)
         layers = [(pir.attr(node, "layer"), node.metadata_props["source.input"], node.metadata_props["source.activation"])
                   for node in ffns]
+        decoder = reference_decoder(source, wanted, Path(ctx.workdir))  # after sampling's session is gone
         with ctx.progress("profile: calibration sequences", len(sequences)) as advance:
-            for count, outputs in run_reference(decoder, wanted, sequences):
+            for sequence, outputs in zip(sequences, run_reference(decoder, wanted, sequences)):
                 for layer, input_name, activation_name in layers:
                     with ctx.layer(layer):
                         spill.write(layer, outputs[input_name], outputs[activation_name])
-                spill.advance(len(next(iter(outputs.values()))))
-                advance(count)
+                spill.advance(len(sequence))
+                advance()
         profiled = spill.close()
         stats = {}
         for node in ffns:

@@ -45,7 +45,7 @@ def write(path, sequences):
 def test_every_given_token_is_profiled_into_files(files, tmp_path):
     """5500 tokens (more than the old 4096 cap) in sequences of 1100, cut into 64s and a 12: every one is
     profiled, the layers' arrays are memory maps of the workdir's files, and each row is the one a run of its
-    own sequence alone gives (batched runs put rows in their place)."""
+    own sequence alone gives (the rows are spilled in their place)."""
     rng = np.random.default_rng(7)
     calib = write(tmp_path / "big.npy", rng.integers(0, 128, size=(5, 1100)))
     profiled, model, warnings, _ = profile(files, tmp_path / "w1", calib=calib)
@@ -107,13 +107,12 @@ def test_calib_samples_adds_sequences_drawn_from_the_model(files, tmp_path):
     assert more.layer(0).tokens == plain.layer(0).tokens + 3 * CONTEXT and warnings == []
     assert any("sampled 3 sequences of 64 tokens" in line for line in logs)
 
-    decoder = OrtDecoder(files.onnx)
     starts = list(given[:2])
-    first = np.asarray(sample_sequences(decoder, 3, 32, starts, seed=0, vocab_size=100))
+    first = np.asarray(sample_sequences(files.onnx, 3, 32, starts, seed=0, vocab_size=100))
     assert first.shape == (3, 32) and first[:, 1:].max() < 100 and first.min() >= 0  # drawn within the vocabulary
     assert list(first[:, 0]) == [given[0, 0], given[1, 0], given[0, 0]]  # the calibration's first tokens, cycled
-    assert np.array_equal(first, np.asarray(sample_sequences(decoder, 3, 32, starts, seed=0, vocab_size=100)))
-    assert not np.array_equal(first, np.asarray(sample_sequences(decoder, 3, 32, starts, seed=1, vocab_size=100)))
+    assert np.array_equal(first, np.asarray(sample_sequences(files.onnx, 3, 32, starts, seed=0, vocab_size=100)))
+    assert not np.array_equal(first, np.asarray(sample_sequences(files.onnx, 3, 32, starts, seed=1, vocab_size=100)))
 
 
 def test_sampled_tokens_are_the_models_draws(files):
