@@ -20,6 +20,7 @@ artifact (`plots/activation_cdf.png`). A calibration set below MIN_TOKENS_PER_NE
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,12 +187,11 @@ def sample_sequences(model_file: Path, count: int, length: int, starts: list[np.
 
 
 class _Spill:
-    """The profile's per-layer files, filled batch by batch: FFN inputs as float32 rows, activity as packed
-    bits, plus per-neuron counts of activity (for the statistics)."""
+    """The profile's per-layer files, filled sequence by sequence: FFN inputs as float32 rows, activity as
+    packed bits, plus per-neuron counts of activity (for the statistics)."""
 
     def __init__(self, directory: Path, tokens: int):
         self.directory, self.tokens, self.row = directory, tokens, 0
-        directory.mkdir(parents=True, exist_ok=True)
         self.inputs: dict[int, np.memmap] = {}
         self.bits: dict[int, np.memmap] = {}
         self.counts: dict[int, np.ndarray] = {}
@@ -252,11 +252,10 @@ def plot_cdf(stats: dict[int, LayerStats], path: Path) -> None:
 
 
 SEQUENCE_TOKENS = 128  # the longest calibration sequence (long prompts add little but time)
-# A calibration set is small below this many tokens per FFN neuron (of the widest layer). A predictor's output
-# layer fits one column per neuron on (1 - HOLDOUT) of the tokens, and a neuron that fires on 1 token in 10
-# is seen active on about N/10 of them: at 2 per neuron (8 d_model at the usual ffn = 4 d_model) the least-
-# squares probe's d_model x d_model input covariance has several rows per entry and a rare neuron of the
-# placement's cold tail still has tens of hits, below that the predictors' recall on new text falls.
+# A calibration set is small below this many tokens per FFN neuron (of the widest layer): a predictor fits an
+# output column per neuron, and its least-squares start a d_model x d_model input covariance, on 80% of the
+# tokens (the rest set its threshold). 2 per neuron is 8 d_model tokens at the usual ffn = 4 d_model, about
+# the least at which those fits stay well determined: a rule of thumb, not a measured knee.
 MIN_TOKENS_PER_NEURON = 2
 
 
@@ -299,7 +298,8 @@ class Profile:
         tokens = sum(len(s) for s in sequences)
         self._report(ctx, given_tokens, tokens, samples, length, seconds, width, needed)
 
-        spill = _Spill(Path(ctx.workdir) / "profile", tokens)
+        # a directory of its own: an earlier profile's memory maps (say, in the same workdir) keep their files
+        spill = _Spill(Path(tempfile.mkdtemp(prefix="activations-", dir=ctx.workdir)), tokens)
         layers = [(pir.attr(node, "layer"), node.metadata_props["source.input"], node.metadata_props["source.activation"])
                   for node in ffns]
         decoder = reference_decoder(source, wanted, Path(ctx.workdir))  # after sampling's session is gone

@@ -31,6 +31,7 @@ def files(tiny_models):
 def profile(files, workdir, **fields):
     """The profile pass alone: (its ProfiledActivations, the model, warning lines, log lines)."""
     warnings, logs = [], []
+    workdir.mkdir(exist_ok=True)
     ctx = Context(get_target("cpu"), workdir=workdir, log=logs.append, warnings=warnings.append)
     model = run_passes(load(files.onnx), [Import(), Recognise(max_context=CONTEXT),
                                           Profile(max_context=CONTEXT, **fields)], ctx)
@@ -56,7 +57,7 @@ def test_every_given_token_is_profiled_into_files(files, tmp_path):
         assert activations.bits.shape == (5500, 256 // 8) and activations.active.shape == (5500, 256)
         frequency = model.graph.initializers[f"layers.{layer}.ffn.frequency"].const_value.numpy()
         np.testing.assert_allclose(frequency, activations.active.mean(0), atol=1e-6)
-    assert sorted(p.name for p in (tmp_path / "w1" / "profile").iterdir()) == [
+    assert sorted(p.name for p in next((tmp_path / "w1").glob("activations-*")).iterdir()) == [
         "layer0.active.npy", "layer0.inputs.npy", "layer1.active.npy", "layer1.inputs.npy"]
 
     # The last piece of the fourth sequence (its 12 tokens at 1088..1100) alone, and where it sits in the whole
