@@ -2,7 +2,8 @@
 
 Runs in predictor mode. Reads: the profiled activations (`ProfiledActivations`: per layer the FFN inputs
 [tokens, d_model] float32 after the FFN's norm and the active neurons [tokens, ffn] bool; tokens
-sequence-major), written by the profile pass; the `picompile.FFN` nodes (int attributes `layer` and
+sequence-major), written by the profile pass as memory-mapped files, each layer read (its activity unpacked)
+only while it is priced or trained; the `picompile.FFN` nodes (int attributes `layer` and
 `gated`; the up (gate) weight and bias, from which the pre-activations that the predictors are fitted to
 come); the model's parameter count (`sizes.parameter_count`); its fields `target_recall`, `param_share`,
 `weight_dtype` and `seed`.

@@ -332,7 +332,7 @@ class Profile:
         """One line on what was sampled and whether the calibration data is small for the model: a warning
         where the user should act, else a log line. Random tokens (no --calib) have their own line."""
         rule = f"fewer than {MIN_TOKENS_PER_NEURON} per FFN neuron ({needed} for layers {width} wide)"
-        drawn = f"sampled {samples} sequences of {length} tokens from the model in {seconds:.1f}s"
+        drawn = f"sampled {samples} sequences of {length} tokens from the model in {seconds:.2f}s"
         if self.calib is not None and samples and self.calib_samples is None:
             ctx.warn(f"profile: {self.calib} gives {given} calibration tokens, {rule}: {drawn} "
                      f"(--calib-samples N sets how many, 0 none)")
