@@ -9,7 +9,8 @@ bring a short `calib` to MIN_TOKENS_PER_NEURON tokens per FFN neuron), `max_cont
 min(max_context, SEQUENCE_TOKENS) tokens) and `seed`.
 Adds per FFN layer: an initializer `layers.{i}.ffn.frequency` (float32 [ffn]: fraction of calibration
 tokens on which each neuron was active) and float attributes `sparsity`, `skewness` (of the frequency
-distribution) and `hot80_share` (the share of neurons that carry 80% of all activations). The FFN inputs and
+distribution) and `hot80_share` (the share of neurons that carry 80% of all activations); on the model,
+`metadata_props["picompile.calibration"]` (JSON: tokens profiled, given, sampled, wanted). The FFN inputs and
 activity masks, too large to hold (every calibration token is profiled), are spilled per layer into files
 in the workdir as they come out of onnxruntime and ride on the IR's `meta` as one `ProfiledActivations` of
 memory maps, for the predict and threshold passes. The activation CDF per layer is plotted into the
@@ -19,6 +20,7 @@ artifact (`plots/activation_cdf.png`). A calibration set below MIN_TOKENS_PER_NE
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
@@ -319,6 +321,10 @@ class Profile:
             for key in ("sparsity", "skewness", "hot80_share"):
                 node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
         profiled.attach(model)
+        model.metadata_props["picompile.calibration"] = json.dumps({  # inspect shows what the fits had
+            "tokens": tokens, "given_tokens": given_tokens, "source": str(self.calib) if self.calib else "random tokens",
+            "sampled_sequences": samples, "sequence_tokens": length, "sample_seconds": round(seconds, 3),
+            "wanted_tokens": needed})
         plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
         plot_cdf(stats, plot)
         ctx.artifact_files["plots/activation_cdf.png"] = plot

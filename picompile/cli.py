@@ -273,7 +273,7 @@ def _inspect(args) -> int:
             "calls_per_token": calls, "calls_per_device": devices, "decode_weight_reads": decode_reads,
             "kernels": kernels, "weight_bytes": weight_bytes, "devices": manifest.get("devices", {}),
             "layers": [with_shares(layer) for layer in manifest.get("layers", [])], "placement": manifest.get("placement", {}),
-            "estimate": manifest.get("estimate")}
+            "estimate": manifest.get("estimate"), "calibration": manifest.get("calibration", {})}
     if args.json:
         print(json.dumps(info))
         return _write_report(args, manifest, [])
@@ -306,6 +306,13 @@ def _inspect(args) -> int:
         from passes.sparsity_mode import Sparsity
 
         say(f"sparsity    {Sparsity(**manifest['sparsity']).describe()}")
+    calibration = info["calibration"]
+    if calibration:
+        sampled = calibration["sampled_sequences"]
+        say(f"calibration {calibration['tokens']} tokens: {calibration['given_tokens']} from {calibration['source']}"
+            + (f", {sampled} sequences of {calibration['sequence_tokens']} sampled from the model" if sampled else "")
+            + ("" if calibration["tokens"] >= calibration["wanted_tokens"] else
+               f" (small: {calibration['wanted_tokens']} wanted for the FFN width)"))
     if info["layers"] and "threshold_in" in info["layers"][0]:
         say(f"{'layer':>5} {'t_in':>9} {'drops':>6} {'t_down':>9} {'drops':>6}")
         for layer in info["layers"]:
