@@ -17,7 +17,6 @@ memory maps, for the predict and threshold passes. The activation CDF per layer 
 artifact (`plots/activation_cdf.png`). A calibration set below MIN_TOKENS_PER_NEURON gets one warning line.
 """
 
-
 from __future__ import annotations
 
 import json

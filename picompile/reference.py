@@ -85,9 +85,8 @@ class OrtDecoder:
             feeds["attention_mask"] = np.ones((batch, total), np.int64)
         if "position_ids" in self.inputs:
             feeds["position_ids"] = np.broadcast_to(np.arange(self.position, total, dtype=np.int64), ids.shape).copy()
-        names = self.outputs if names is None else names
-        results = dict(zip(names, self.session.run(names, feeds)))
-        if names is self.outputs:
+        results = dict(zip(names or self.outputs, self.session.run(names or self.outputs, feeds)))
+        if names is None:
             for name in self.past_names:
                 self.past[name] = results[name.replace("past_key_values.", "present.")]
             self.position = total
