@@ -301,8 +301,8 @@ class Profile:
 
         # a directory of its own: an earlier profile's memory maps (say, in the same workdir) keep their files
         spill = _Spill(Path(tempfile.mkdtemp(prefix="activations-", dir=ctx.workdir)), tokens)
-        layers = [(pir.attr(node, "layer"), node.metadata_props["source.input"], node.metadata_props["source.activation"])
-                  for node in ffns]
+        layers = [(pir.attr(node, "layer"), node.metadata_props["source.input"],
+                   node.metadata_props["source.activation"]) for node in ffns]
         decoder = reference_decoder(source, wanted, Path(ctx.workdir))  # after sampling's session is gone
         with ctx.progress("profile: calibration sequences", len(sequences)) as advance:
             for sequence, outputs in zip(sequences, run_reference(decoder, wanted, sequences)):
@@ -321,7 +321,8 @@ class Profile:
                 node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
         profiled.attach(model)
         model.metadata_props["picompile.calibration"] = json.dumps({  # inspect shows what the fits had
-            "tokens": tokens, "given_tokens": given_tokens, "source": str(self.calib) if self.calib else "random tokens",
+            "tokens": tokens, "given_tokens": given_tokens,
+            "source": str(self.calib) if self.calib else "random tokens",
             "sampled_sequences": samples, "sequence_tokens": length, "sample_seconds": round(seconds, 3),
             "wanted_tokens": needed})
         plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
@@ -343,7 +344,8 @@ class Profile:
                      f"(--calib-samples N sets how many, 0 none)")
         elif (self.calib is not None or samples) and tokens < needed:
             more = math.ceil((needed - tokens) / length)
-            ctx.warn(f"profile: {tokens} calibration tokens, {rule}: the predictors and the placement fit to "
-                     f"little data; give more calibration text or add --calib-samples {samples + more}")
+            ctx.warn(f"profile: {tokens} calibration tokens, {rule}: what the build fits to them (predictors, "
+                     f"placement, thresholds) rests on little data; give more calibration text or add "
+                     f"--calib-samples {samples + more}")
         elif samples:
             ctx.log(f"profile: {drawn}")

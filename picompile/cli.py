@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                             "without it)")
     build.add_argument("--calib-samples", type=_non_negative(int), default=None, metavar="N",
                        help="also profile N sequences sampled from the model itself (onnxruntime, temperature 1); "
-                            "default: enough to bring a --calib that is small for the model's FFN width up to size; 0: none")
+                            "default: enough to bring a --calib that is small for the model's FFN width up to size; "
+                            "0: none")
     build.add_argument("--vram-budget", help="GPU memory to use, e.g. 8GiB (default: the target's)")
     build.add_argument("--max-context", type=_positive_int, default=256, help="KV cache length (tokens)")
     build.add_argument("--all-neurons", action="store_true",
@@ -272,7 +273,8 @@ def _inspect(args) -> int:
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
             "calls_per_token": calls, "calls_per_device": devices, "decode_weight_reads": decode_reads,
             "kernels": kernels, "weight_bytes": weight_bytes, "devices": manifest.get("devices", {}),
-            "layers": [with_shares(layer) for layer in manifest.get("layers", [])], "placement": manifest.get("placement", {}),
+            "layers": [with_shares(layer) for layer in manifest.get("layers", [])],
+            "placement": manifest.get("placement", {}),
             "estimate": manifest.get("estimate"), "calibration": manifest.get("calibration", {})}
     if args.json:
         print(json.dumps(info))
@@ -320,8 +322,8 @@ def _inspect(args) -> int:
                 f"{layer['threshold_down']:>9.4g} {layer['sparsity_down']:>6.3f}")
     elif info["layers"]:
         # active shares: true = fired on the profiled tokens (1 - sparsity), predicted = what decode computes
-        say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} {'precision':>9} "
-            f"{'true active':>11} {'predicted':>9} {'pred/true':>9}")
+        say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} "
+            f"{'precision':>9} {'true active':>11} {'predicted':>9} {'pred/true':>9}")
         for layer in info["layers"]:
             ratio = layer.get("active_ratio")
             say(f"{layer['layer']:>5} {layer.get('sparsity', 0):>8.3f} {layer.get('hot80_share', 0) * 100:>6.1f}% "
