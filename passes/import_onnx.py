@@ -57,6 +57,7 @@ def check_memory(what: str, weights: int) -> None:
 
 
 HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+FILE = "picompile.file"  # a loaded model's `meta` entry: the path `load` read it from
 
 
 def _fp32_tensor(tensor: ir.TensorProtocol) -> ir.Tensor:
@@ -107,7 +108,14 @@ def load(path: Path, for_build: bool = True) -> ir.Model:
     _check_initializers(model, path)
     if for_build:
         check_memory(str(path), weight_bytes(model.graph))
+    model.meta[FILE] = path
     return model
+
+
+def source_file(model: ir.Model) -> Path | None:
+    """The file `model` was loaded from, or None. It still takes any batch (the import pass fixes the
+    in-memory graph's to 1 and folds shapes with it): the profile pass samples from it in batches."""
+    return model.meta.get(FILE)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
 Runs in predictor mode. Reads: the profiled activations (`ProfiledActivations`: per layer the FFN inputs
 [tokens, d_model] float32 after the FFN's norm and the active neurons [tokens, ffn] bool; tokens
-sequence-major), written by the profile pass; the `picompile.FFN` nodes (int attributes `layer` and
+sequence-major), written by the profile pass as memory-mapped files, each layer read (its activity unpacked)
+only while it is priced or trained; the `picompile.FFN` nodes (int attributes `layer` and
 `gated`; the up (gate) weight and bias, from which the pre-activations that the predictors are fitted to
 come); the model's parameter count (`sizes.parameter_count`); its fields `target_recall`, `param_share`,
 `weight_dtype` and `seed`.
@@ -470,10 +471,9 @@ class Predict:
         profiled = ProfiledActivations.of(model)
         nodes = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
         layers = [int(pir.attr(n, "layer")) for n in nodes]
-        data = [(np.asarray(profiled.layer(i).inputs, np.float32), np.asarray(profiled.layer(i).active, bool))
-                for i in layers]
-        d_model = data[0][0].shape[1]
-        widths = [d_model + active.shape[1] for _, active in data]
+        data = [profiled.layer(i) for i in layers]  # memory maps: each worker reads only its layer
+        d_model = data[0].inputs.shape[1]
+        widths = [d_model + layer.ffn for layer in data]
         gated = [bool(pir.attr(node, "gated", 0)) for node in nodes]
         params = parameter_count(model.graph)
         budget = int(self.param_share * params)
@@ -481,8 +481,9 @@ class Predict:
         row_dtype = weight_storage_dtype("cpu", self.weight_dtype)
 
         def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-            # pre-activations are recomputed per phase rather than all held: 128 MiB a layer at ffn 8192
-            inputs, active = data[index]
+            # activity unpacked and pre-activations recomputed per phase rather than all held: memory stays
+            # at the layers in flight (one per worker), however many tokens were profiled
+            inputs, active = np.asarray(data[index].inputs, np.float32), data[index].active
             return inputs, active, _pre_activations(nodes[index], inputs, active)
 
         def price(index: int) -> dict[int, tuple[float, float]]:
@@ -525,7 +526,7 @@ class Predict:
                 results = list(pool.map(train, range(len(nodes))))
             ctx.log(f"predict: trained in {time.perf_counter() - started:.1f}s")
 
-        for node, layer, rank, prices, (_, active), (predictor, from_weights) in zip(
+        for node, layer, rank, prices, profile, (predictor, from_weights) in zip(
                 nodes, layers, ranks, priced, data, results):
             prefix = f"layers.{layer}.ffn.predictor"
             pir.initializer(model.graph, f"{prefix}.w1", predictor.w1)
@@ -535,8 +536,11 @@ class Predict:
                                ("predictor_precision", predictor.precision),
                                ("predictor_active", predictor.predicted_active)):
                 node.attributes[key] = ir.AttrFloat32(key, float(value))
+            true_active = profile.active_share  # over every profiled token; predicted: on the held-out ones
+            ratio = f"{predictor.predicted_active / true_active:.2f}x" if true_active else "-"
             ctx.log(f"predict: layer {layer} rank {rank}: recall {predictor.recall:.4f} precision "
-                    f"{predictor.precision:.4f} predicted active {predictor.predicted_active:.4f} (estimated "
-                    f"{prices[rank][0]:.4f}; sparsity {1 - active.mean():.3f}, start from "
-                    f"{'weights' if from_weights else 'activity'}) in {predictor.train_seconds:.1f}s")
+                    f"{predictor.precision:.4f}; active share predicted {predictor.predicted_active:.4f}, true "
+                    f"{true_active:.4f} ({ratio}; estimated "
+                    f"{prices[rank][0]:.4f}; start from {'weights' if from_weights else 'activity'}) "
+                    f"in {predictor.train_seconds:.1f}s")
         return PassResult(model, modified=True)

@@ -1,18 +1,28 @@
 """profile: run calibration tokens through the dense model and count how often each FFN neuron fires.
 
 Reads: the block IR's `picompile.FFN` nodes (their `source.input` / `source.activation` metadata name the
-tensors in the source graph), the source graph itself (`recognise.source_model`, on the IR's `meta`), which
-onnxruntime runs as the reference executor, and its fields: the calibration file `calib` (None: random
-tokens), `calib_tokens`, `max_context` (sequences are cut to min(max_context, 128) tokens) and `seed`.
+tensors in the source graph; w_down [ffn, d_model] gives the width), the source graph itself
+(`recognise.source_model`, on the IR's `meta`), which onnxruntime runs as the reference executor, and its
+fields: the calibration file `calib` (None: RANDOM_TOKENS random tokens), `calib_tokens` (a cap; None: every
+token of `calib`), `calib_samples` (sequences sampled from the model itself and profiled too; None: enough to
+bring a short `calib` to MIN_TOKENS_PER_NEURON tokens per FFN neuron), `max_context` (sequences are cut to
+min(max_context, SEQUENCE_TOKENS) tokens) and `seed`.
 Adds per FFN layer: an initializer `layers.{i}.ffn.frequency` (float32 [ffn]: fraction of calibration
 tokens on which each neuron was active) and float attributes `sparsity`, `skewness` (of the frequency
-distribution) and `hot80_share` (the share of neurons that carry 80% of all activations). The FFN inputs and
-activity masks, too large to serialise, ride on the IR's `meta` as one `ProfiledActivations` for the predict
-and threshold passes. The activation CDF per layer is plotted into the artifact (`plots/activation_cdf.png`).
+distribution) and `hot80_share` (the share of neurons that carry 80% of all activations); on the model,
+`metadata_props["picompile.calibration"]` (JSON: tokens profiled, given, sampled, wanted). The FFN inputs and
+activity masks, too large to hold (every calibration token is profiled), are spilled per layer into files
+in the workdir as they come out of onnxruntime and ride on the IR's `meta` as one `ProfiledActivations` of
+memory maps, for the predict and threshold passes. The activation CDF per layer is plotted into the
+artifact (`plots/activation_cdf.png`). A calibration set below MIN_TOKENS_PER_NEURON gets one warning line.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +33,11 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context, Options
+from picompile.reference import OrtDecoder
 from picompile.tokens import read_tokens
 from runtime.artifact import first_line
 
+from .import_onnx import source_file
 from .recognise import source_model
 
 PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
@@ -33,10 +45,33 @@ PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
 
 @dataclass
 class LayerActivations:
-    """One FFN layer over the profiled tokens (sequence-major)."""
+    """One FFN layer over the profiled tokens (sequence-major). The profile pass leaves both arrays as
+    memory maps of its files in the build's workdir, so a consumer holds in memory only the layers
+    it works on; `active` unpacks the bits on each access (a per-layer [tokens, ffn] bool array)."""
 
     inputs: np.ndarray  # [tokens, d_model] float32: the FFN's input after its norm (what gate and up read)
-    active: np.ndarray  # [tokens, ffn] bool: which neurons fired (activation output != 0)
+    bits: np.ndarray  # [tokens, ceil(ffn / 8)] uint8: np.packbits of which neurons fired, along the neuron axis
+    ffn: int
+
+    @classmethod
+    def of(cls, inputs: np.ndarray, active: np.ndarray) -> "LayerActivations":
+        """In memory, from the FFN inputs and the [tokens, ffn] bool activity."""
+        active = np.asarray(active, bool)
+        return cls(np.asarray(inputs, np.float32), np.packbits(active, axis=1), active.shape[1])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.inputs.shape[0])
+
+    @property
+    def active_share(self) -> float:
+        """The share of (token, neuron) pairs that fired: 1 - the layer's sparsity (padding bits are 0)."""
+        return float(np.bitwise_count(self.bits).sum(dtype=np.int64) / max(self.tokens * self.ffn, 1))
+
+    @property
+    def active(self) -> np.ndarray:
+        """[tokens, ffn] bool: which neurons fired (activation output != 0)."""
+        return np.unpackbits(self.bits, axis=1, count=self.ffn).view(bool)
 
 
 @dataclass
@@ -69,8 +104,9 @@ class LayerStats:
     hot80_share: float
 
 
-def layer_stats(active: np.ndarray) -> LayerStats:
-    frequency = active.mean(axis=0, dtype=np.float64)
+def layer_stats(frequency: np.ndarray) -> LayerStats:
+    """The statistics of a layer whose neuron j fired on a share frequency[j] of the profiled tokens."""
+    frequency = np.asarray(frequency, np.float64)
     centred = frequency - frequency.mean()
     spread = frequency.std()
     skewness = float((centred**3).mean() / spread**3) if spread > 0 else 0.0
@@ -80,30 +116,33 @@ def layer_stats(active: np.ndarray) -> LayerStats:
     return LayerStats(frequency.astype(np.float32), float(1.0 - frequency.mean()), skewness, hot80)
 
 
-def calibration_tokens(calib: Path | None, budget: int, length: int, seed: int, vocab_size: int,
+RANDOM_TOKENS = 4096  # random tokens profiled without a --calib file (unless --calib-tokens says otherwise)
+
+
+def calibration_tokens(calib: Path | None, budget: int | None, length: int, seed: int, vocab_size: int,
                        log=lambda message: None) -> list[np.ndarray]:
-    """The sequences of `calib` cut to `length` tokens, or random tokens (fit only for synthetic models),
-    up to `budget` tokens."""
+    """The sequences of `calib` cut into pieces of `length` tokens, or random tokens (fit only for synthetic
+    models), `budget` tokens at most (None: all of `calib`, RANDOM_TOKENS random ones)."""
     if calib is None:
         log("profile: no --calib file: profiling on random tokens, which is only fit for synthetic models")
         rng = np.random.default_rng(seed)
-        return [rng.integers(0, vocab_size, size=length) for _ in range(max(1, budget // length))]
+        return [rng.integers(0, vocab_size, size=length)
+                for _ in range(max(1, (budget or RANDOM_TOKENS) // length))]
     sequences, used = [], 0
     for sequence in read_tokens(calib):
         if int(sequence.max()) >= vocab_size:
             raise UserError(f"{calib} holds token id {int(sequence.max())}, outside the vocabulary ({vocab_size})")
         for begin in range(0, len(sequence), length):
-            if used >= budget:
+            room = length if budget is None else min(length, budget - used)
+            if room <= 0:
                 return sequences
-            sequences.append(sequence[begin: begin + length])
+            sequences.append(sequence[begin: begin + room])
             used += len(sequences[-1])
     return sequences
 
 
-def run_reference(source: ir.Model, wanted: list[str], sequences: list[np.ndarray], workdir: Path):
-    """Yield the wanted source-graph tensors for each sequence, run by onnxruntime (empty KV cache)."""
-    import onnxruntime as ort
-
+def reference_decoder(source: ir.Model, wanted: list[str], workdir: Path) -> OrtDecoder:
+    """onnxruntime on the source model with the `wanted` source-graph tensors made outputs too."""
     values = {v.name: v for node in source.graph for v in node.outputs}
     for name in wanted:
         value = values[name]
@@ -113,26 +152,79 @@ def run_reference(source: ir.Model, wanted: list[str], sequences: list[np.ndarra
     path = workdir / "profile-source.onnx"
     pir.save(source, path)
     try:
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return OrtDecoder(path)
     except Exception as error:  # onnxruntime's own exception types: the source model is not valid ONNX
         reason = first_line(error, type(error).__name__)
         raise UserError(f"onnxruntime cannot load the model to profile it: {reason}") from None
-    inputs = {i.name: i for i in session.get_inputs()}
+
+
+def run_reference(decoder: OrtDecoder, wanted: list[str], sequences: list[np.ndarray]):
+    """Yield the wanted tensors as [tokens, width] rows for each sequence, run by onnxruntime from an empty KV
+    cache (one at a time: the imported source graph runs batch 1)."""
     for sequence in sequences:
-        feeds = {"input_ids": sequence.astype(np.int64)[None]}
-        for name, info in inputs.items():
-            if name == "attention_mask":
-                feeds[name] = np.ones((1, len(sequence)), np.int64)
-            elif name == "position_ids":
-                feeds[name] = np.arange(len(sequence), dtype=np.int64)[None]
-            elif name.startswith("past_key_values."):
-                feeds[name] = np.zeros((1, info.shape[1], 0, info.shape[3]), np.float32)
+        decoder.reset()
         try:
-            results = session.run(wanted, feeds)
+            results = decoder.run(sequence[None], wanted)
         except Exception as error:  # onnxruntime's own types: a node of the source model fails on real tokens
             reason = first_line(error, type(error).__name__)
             raise UserError(f"onnxruntime cannot run the model on calibration tokens: {reason}") from None
-        yield dict(zip(wanted, results))
+        yield {name: array.reshape(-1, array.shape[-1]) for name, array in results.items()}
+
+
+def sample_sequences(model_file: Path, count: int, length: int, starts: list[np.ndarray], seed: int,
+                     vocab_size: int) -> list[np.ndarray]:
+    """`count` sequences of `length` tokens sampled from the model in `model_file` (temperature 1, one batch
+    with the KV cache: the user's file takes any batch, unlike the imported graph), each from the first token
+    of a calibration sequence (cycled), or from random tokens when there are none."""
+    rng = np.random.default_rng([seed, 1])  # not the random calibration tokens' stream
+    first = (np.array([int(starts[i % len(starts)][0]) for i in range(count)]) if starts
+             else rng.integers(0, vocab_size, size=count))
+    try:
+        return list(OrtDecoder(model_file).sample(first, length, rng, vocab_size))
+    except Exception as error:  # onnxruntime's own types, as in run_reference
+        reason = first_line(error, type(error).__name__)
+        raise UserError(f"onnxruntime cannot sample calibration tokens from {model_file} (--calib-samples 0 "
+                        f"profiles without): {reason}") from None
+
+
+class _Spill:
+    """The profile's per-layer files, filled sequence by sequence: FFN inputs as float32 rows, activity as
+    packed bits, plus per-neuron counts of activity (for the statistics)."""
+
+    def __init__(self, directory: Path, tokens: int):
+        self.directory, self.tokens, self.row = directory, tokens, 0
+        self.inputs: dict[int, np.memmap] = {}
+        self.bits: dict[int, np.memmap] = {}
+        self.counts: dict[int, np.ndarray] = {}
+
+    def _file(self, name: str, width: int, dtype) -> np.memmap:
+        return np.lib.format.open_memmap(self.directory / name, mode="w+", dtype=dtype, shape=(self.tokens, width))
+
+    def write(self, layer: int, inputs: np.ndarray, output: np.ndarray) -> None:
+        active = output != 0
+        if layer not in self.inputs:  # widths come with the first rows
+            self.inputs[layer] = self._file(f"layer{layer}.inputs.npy", inputs.shape[1], np.float32)
+            self.bits[layer] = self._file(f"layer{layer}.active.npy", (active.shape[1] + 7) // 8, np.uint8)
+            self.counts[layer] = np.zeros(active.shape[1], np.int64)
+        rows = slice(self.row, self.row + len(inputs))
+        self.inputs[layer][rows] = inputs
+        self.bits[layer][rows] = np.packbits(active, axis=1)
+        self.counts[layer] += active.sum(0)
+
+    def advance(self, rows: int) -> None:
+        self.row += rows
+
+    def close(self) -> ProfiledActivations:
+        """The files, mapped copy-on-write from here on: torch takes only writable arrays, and a consumer's
+        writes stay its own (they never reach the files)."""
+        layers = {}
+        for layer, inputs in self.inputs.items():
+            for array in (inputs, self.bits[layer]):
+                array.flush()
+            read = lambda kind: np.load(self.directory / f"layer{layer}.{kind}.npy", mmap_mode="c")  # noqa: E731
+            layers[layer] = LayerActivations(read("inputs"), read("active"), self.counts[layer].size)
+        self.inputs.clear(), self.bits.clear()
+        return ProfiledActivations(layers)
 
 
 def plot_cdf(stats: dict[int, LayerStats], path: Path) -> None:
@@ -161,46 +253,99 @@ def plot_cdf(stats: dict[int, LayerStats], path: Path) -> None:
 
 
 SEQUENCE_TOKENS = 128  # the longest calibration sequence (long prompts add little but time)
+# A calibration set is small below this many tokens per FFN neuron (of the widest layer): a predictor fits an
+# output column per neuron, and its least-squares start a d_model x d_model input covariance, on 80% of the
+# tokens (the rest set its threshold). 2 per neuron is 8 d_model tokens at the usual ffn = 4 d_model, about
+# the least at which those fits stay well determined: a rule of thumb, not a measured knee.
+MIN_TOKENS_PER_NEURON = 2
 
 
 @dataclass
 class Profile:
     name = "profile"
     calib: Path | None = Options.calib
-    calib_tokens: int = Options.calib_tokens
+    calib_tokens: int | None = Options.calib_tokens
+    calib_samples: int | None = Options.calib_samples
     max_context: int = Options.max_context
     seed: int = Options.seed
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         source = source_model(model)
-        ffns = pir.nodes_in_domain(model, "FFN")
+        ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
         vocab_size = pir.const_array(model.graph.initializers["embed.tokens"]).shape[0]
-        sequences = calibration_tokens(self.calib, self.calib_tokens, min(self.max_context, SEQUENCE_TOKENS),
-                                       self.seed, vocab_size, ctx.log)
+        length = min(self.max_context, SEQUENCE_TOKENS)
+        given = calibration_tokens(self.calib, self.calib_tokens, length, self.seed, vocab_size, ctx.log)
         wanted = [name for node in ffns for name in (node.metadata_props["source.input"], node.metadata_props["source.activation"])]
-        collected: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
+
+        width = max(node.inputs[3].const_value.shape[0] for node in ffns)  # w_down [ffn, d_model]
+        needed = MIN_TOKENS_PER_NEURON * width
+        given_tokens = sum(len(s) for s in given)
+        samples = self.calib_samples
+        if samples is None:  # auto: make up a --calib file that falls short, unless --calib-tokens cut it short
+            short = self.calib is not None and given_tokens < needed and given_tokens != self.calib_tokens
+            samples = math.ceil((needed - given_tokens) / length) if short else 0
+        sampled, seconds = [], 0.0
+        if samples:
+            started = time.perf_counter()
+            model_file = source_file(source)
+            if model_file is None:
+                raise ValueError("the source model was not loaded from a file: nothing to sample calibration from")
+            with ctx.progress("profile: sampling calibration sequences from the model"):
+                sampled = sample_sequences(model_file, samples, length, given if self.calib else [], self.seed,
+                                           vocab_size)
+            seconds = time.perf_counter() - started
+        # The given tokens go last: the predictors' held-out tokens (the last ones) are then the user's text
+        sequences = sampled + given
+        tokens = sum(len(s) for s in sequences)
+        self._report(ctx, given_tokens, tokens, samples, length, seconds, width, needed)
+
+        # a directory of its own: an earlier profile's memory maps (say, in the same workdir) keep their files
+        spill = _Spill(Path(tempfile.mkdtemp(prefix="activations-", dir=ctx.workdir)), tokens)
+        layers = [(pir.attr(node, "layer"), node.metadata_props["source.input"],
+                   node.metadata_props["source.activation"]) for node in ffns]
+        decoder = reference_decoder(source, wanted, Path(ctx.workdir))  # after sampling's session is gone
         with ctx.progress("profile: calibration sequences", len(sequences)) as advance:
-            for outputs in run_reference(source, wanted, sequences, Path(ctx.workdir)):
-                for name, array in outputs.items():
-                    collected[name].append(array.reshape(-1, array.shape[-1]))
+            for sequence, outputs in zip(sequences, run_reference(decoder, wanted, sequences)):
+                for layer, input_name, activation_name in layers:
+                    with ctx.layer(layer):
+                        spill.write(layer, outputs[input_name], outputs[activation_name])
+                spill.advance(len(sequence))
                 advance()
-        stats, profiled = {}, ProfiledActivations({})
+        profiled = spill.close()
+        stats = {}
         for node in ffns:
             layer = pir.attr(node, "layer")
-            with ctx.layer(layer):
-                inputs = np.concatenate(collected[node.metadata_props["source.input"]]).astype(np.float32)
-                active = np.concatenate(collected[node.metadata_props["source.activation"]]) != 0
-                profiled.layers[layer] = LayerActivations(inputs, active)
-                s = stats[layer] = layer_stats(active)
-                pir.initializer(model.graph, f"layers.{layer}.ffn.frequency", s.frequency)
-                for key in ("sparsity", "skewness", "hot80_share"):
-                    node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
+            s = stats[layer] = layer_stats(spill.counts[layer] / max(tokens, 1))
+            pir.initializer(model.graph, f"layers.{layer}.ffn.frequency", s.frequency)
+            for key in ("sparsity", "skewness", "hot80_share"):
+                node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
         profiled.attach(model)
+        model.metadata_props["picompile.calibration"] = json.dumps({  # inspect shows what the fits had
+            "tokens": tokens, "given_tokens": given_tokens,
+            "source": str(self.calib) if self.calib else "random tokens",
+            "sampled_sequences": samples, "sequence_tokens": length, "sample_seconds": round(seconds, 3),
+            "wanted_tokens": needed})
         plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
         plot_cdf(stats, plot)
         ctx.artifact_files["plots/activation_cdf.png"] = plot
-        tokens = sum(len(s) for s in sequences)
         mean_sparsity = float(np.mean([s.sparsity for s in stats.values()]))
         ctx.log(f"profile: {tokens} tokens, mean sparsity {mean_sparsity:.3f}, "
                 f"hot 80% carried by {np.mean([s.hot80_share for s in stats.values()]) * 100:.1f}% of neurons")
         return PassResult(model, modified=True)
+
+    def _report(self, ctx: Context, given: int, tokens: int, samples: int, length: int, seconds: float,
+                width: int, needed: int) -> None:
+        """One line on what was sampled and whether the calibration data is small for the model: a warning
+        where the user should act, else a log line. Random tokens (no --calib) have their own line."""
+        rule = f"fewer than {MIN_TOKENS_PER_NEURON} per FFN neuron ({needed} for layers {width} wide)"
+        drawn = f"sampled {samples} sequences of {length} tokens from the model in {seconds:.2f}s"
+        if self.calib is not None and samples and self.calib_samples is None:
+            ctx.warn(f"profile: {self.calib} gives {given} calibration tokens, {rule}: {drawn} "
+                     f"(--calib-samples N sets how many, 0 none)")
+        elif (self.calib is not None or samples) and tokens < needed:
+            more = math.ceil((needed - tokens) / length)
+            ctx.warn(f"profile: {tokens} calibration tokens, {rule}: what the build fits to them (predictors, "
+                     f"placement, thresholds) rests on little data; give more calibration text or add "
+                     f"--calib-samples {samples + more}")
+        elif samples:
+            ctx.log(f"profile: {drawn}")

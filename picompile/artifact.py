@@ -104,6 +104,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             "io": {"inputs": ["input_ids", "start"], "outputs": ["logits"]},
             "buffers": buffers,
             "layers": json.loads(model.metadata_props.get("picompile.layers", "[]")),
+            "calibration": json.loads(model.metadata_props.get("picompile.calibration", "{}")),
             "placement": json.loads(model.metadata_props.get("picompile.placement", "{}")),
             "devices": json.loads(model.metadata_props.get("picompile.devices", "{}")),
             "files": files,

@@ -56,7 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("-o", "--output", type=Path, required=True)
     build.add_argument("--dense", action="store_true", help="no sparsity: compute every neuron")
     build.add_argument("--dump-ir", type=Path, help="write the IR after every pass into this directory")
-    build.add_argument("--calib", type=Path, help="calibration token file for profiling")
+    build.add_argument("--calib", type=Path, help="calibration token file for profiling (every token is profiled)")
+    build.add_argument("--calib-tokens", type=_positive_int, default=None, metavar="N",
+                       help="profile at most N calibration tokens (default: all of --calib; 4096 random tokens "
+                            "without it)")
+    build.add_argument("--calib-samples", type=_non_negative(int), default=None, metavar="N",
+                       help="also profile N sequences sampled from the model itself (onnxruntime, temperature 1); "
+                            "default: enough to bring a --calib that is small for the model's FFN width up to size; "
+                            "0: none")
     build.add_argument("--vram-budget", help="GPU memory to use, e.g. 8GiB (default: the target's)")
     build.add_argument("--max-context", type=_positive_int, default=256, help="KV cache length (tokens)")
     build.add_argument("--all-neurons", action="store_true",
@@ -123,6 +130,7 @@ def _build(args) -> int:
     if args.calib is not None and not args.calib.is_file():
         raise UserError(f"calibration file not found: {args.calib}")
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
+                      calib_tokens=args.calib_tokens, calib_samples=args.calib_samples,
                       vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
                       all_neurons=args.all_neurons, placement_batch=args.placement_batch,
                       placement_time_limit_s=args.placement_time_limit,
@@ -131,8 +139,10 @@ def _build(args) -> int:
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     from .pipeline import ProgressBars
 
-    output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, verify=args.dump_ir is not None,
-                   progress=ProgressBars.enabled_for_stderr(args.quiet))
+    # warnings (say, too little calibration data) reach the user without -v; --quiet keeps them out
+    warn = None if args.quiet else (lambda message: print(f"warning: {message}", file=sys.stderr))
+    output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, warn=warn,
+                   verify=args.dump_ir is not None, progress=ProgressBars.enabled_for_stderr(args.quiet))
     print(f"wrote {output}")
     if args.quiet:
         return 0
@@ -242,6 +252,8 @@ def _inspect(args) -> int:
     from runtime.calls import Role, decode_weight_reads
     from runtime.dtypes import nbytes
 
+    from .report import with_shares
+
     calls: dict[str, int] = {}
     devices: dict[str, int] = {}
     decode_reads: dict[str, dict[str, int]] = {}  # role -> fixed bytes, and bytes per selected entry
@@ -261,8 +273,9 @@ def _inspect(args) -> int:
     info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
             "calls_per_token": calls, "calls_per_device": devices, "decode_weight_reads": decode_reads,
             "kernels": kernels, "weight_bytes": weight_bytes, "devices": manifest.get("devices", {}),
-            "layers": manifest.get("layers", []), "placement": manifest.get("placement", {}),
-            "estimate": manifest.get("estimate")}
+            "layers": [with_shares(layer) for layer in manifest.get("layers", [])],
+            "placement": manifest.get("placement", {}),
+            "estimate": manifest.get("estimate"), "calibration": manifest.get("calibration", {})}
     if args.json:
         print(json.dumps(info))
         return _write_report(args, manifest, [])
@@ -295,18 +308,29 @@ def _inspect(args) -> int:
         from passes.sparsity_mode import Sparsity
 
         say(f"sparsity    {Sparsity(**manifest['sparsity']).describe()}")
+    calibration = info["calibration"]
+    if calibration:
+        sampled = calibration["sampled_sequences"]
+        say(f"calibration {calibration['tokens']} tokens: {calibration['given_tokens']} from {calibration['source']}"
+            + (f", {sampled} sequences of {calibration['sequence_tokens']} sampled from the model" if sampled else "")
+            + ("" if calibration["tokens"] >= calibration["wanted_tokens"] else
+               f" (small: {calibration['wanted_tokens']} wanted for the FFN width)"))
     if info["layers"] and "threshold_in" in info["layers"][0]:
         say(f"{'layer':>5} {'t_in':>9} {'drops':>6} {'t_down':>9} {'drops':>6}")
         for layer in info["layers"]:
             say(f"{layer['layer']:>5} {layer['threshold_in']:>9.4g} {layer['sparsity_in']:>6.3f} "
                 f"{layer['threshold_down']:>9.4g} {layer['sparsity_down']:>6.3f}")
     elif info["layers"]:
-        say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} {'precision':>9} {'active':>7}")
+        # active shares: true = fired on the profiled tokens (1 - sparsity), predicted = what decode computes
+        say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} "
+            f"{'precision':>9} {'true active':>11} {'predicted':>9} {'pred/true':>9}")
         for layer in info["layers"]:
+            ratio = layer.get("active_ratio")
             say(f"{layer['layer']:>5} {layer.get('sparsity', 0):>8.3f} {layer.get('hot80_share', 0) * 100:>6.1f}% "
                 f"{layer['gpu_neurons']:>6} {layer['cpu_neurons']:>6} {layer.get('predictor_rank', 0):>5} "
                 f"{layer.get('predictor_recall', 0):>7.4f} {layer.get('predictor_precision', 0):>9.4f} "
-                f"{layer.get('predictor_active', 0):>7.3f}")
+                f"{layer.get('true_active', 0):>11.3f} {layer.get('predictor_active', 0):>9.3f} "
+                f"{'-' if ratio is None else f'{ratio:.2f}x':>9}")
     sys.stdout.write("".join(line + "\n" for line in lines))
     return _write_report(args, manifest, lines)
 

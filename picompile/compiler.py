@@ -49,8 +49,8 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
     lowers each FFN to thresholded ops (on the CPU: no placement)."""
     if (mode == "dense") != options.dense:
         raise ValueError(f"mode {mode!r} does not fit options.dense={options.dense}")
-    profile = Profile(calib=options.calib, calib_tokens=options.calib_tokens, max_context=options.max_context,
-                      seed=options.seed)
+    profile = Profile(calib=options.calib, calib_tokens=options.calib_tokens, calib_samples=options.calib_samples,
+                      max_context=options.max_context, seed=options.seed)
     sparse = {
         "dense": [],
         "predictor": [profile,
@@ -86,10 +86,11 @@ def mode_of(model: ir.Model, options: Options) -> str:
 
 
 def build(model_path: Path, output: Path, target: Target, options: Options, *,
-          dump_dir: Path | None = None, log=lambda message: None, verify: bool = False,
+          dump_dir: Path | None = None, log=lambda message: None, warn=None, verify: bool = False,
           passes: list[Pass] | None = None, progress: bool = False) -> Path:
     """Compile an ONNX decoder into an artifact directory; nothing is left at `output` if it fails, and an
     artifact already there stays whole until the new one replaces it. `progress` draws bars on stderr.
+    `log` gets the passes' lines, `warn` (default: `log`) those the user should see anyway (`Context.warn`).
     `passes` replaces the pipeline (run as given, in one stage)."""
     check_vram_budget(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
@@ -100,7 +101,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
     if verify:
         hooks.append(verify_onnx)
     with tempfile.TemporaryDirectory(prefix="picompile-build-") as workdir, ProgressBars(progress) as bars:
-        ctx = Context(target=target, workdir=Path(workdir), log=log, progress_bars=bars)
+        ctx = Context(target=target, workdir=Path(workdir), log=log, warnings=warn, progress_bars=bars)
         hooks.append(bars)
         if passes is not None:
             lowered = run_passes(model, passes, ctx, hooks)

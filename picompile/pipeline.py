@@ -39,7 +39,10 @@ class Options:
     max_context: int = 256
     calib: Path | None = None
     vram_budget_bytes: int | None = None  # overrides the target's GPU memory
-    calib_tokens: int = 4096  # how many calibration tokens the profile pass runs
+    calib_tokens: int | None = None  # cap on the calibration tokens the profile pass runs (None: every one given)
+    # Sequences the profile pass samples from the model itself to add to --calib (None: "auto", enough to reach
+    # passes.profile.MIN_TOKENS_PER_NEURON tokens per FFN neuron when a --calib file falls short; 0: none)
+    calib_samples: int | None = None
     placement_batch: int = 64  # neurons per ILP variable (sorted by frequency, then grouped)
     placement_time_limit_s: float = 30.0
     predictor_param_share: float = 0.10  # cap on all predictors together, as a share of the model's parameters
@@ -70,7 +73,14 @@ class Context:
     artifact_files: dict[str, Path] = field(default_factory=dict)
     workdir: Path | None = None
     log: Callable[[str], None] = lambda message: None
+    # Where `warn` sends lines the user should see without -v (the CLI: stderr); None: to `log` like the rest
+    warnings: Callable[[str], None] | None = None
     progress_bars: "ProgressBars | None" = None  # None: no bars
+
+    def warn(self, message: str) -> None:
+        """A line about the build the user should act on (say, too little calibration data), shown even
+        without -v: to `warnings` where set, else logged."""
+        (self.warnings or self.log)(message)
 
     def progress(self, description: str, total: int | None = None):
         """A progress bar for a pass's loop: `with ctx.progress("predict: training", layers) as advance:`

@@ -50,7 +50,8 @@ def check_reference(path: Path) -> int:
 
 
 class OrtDecoder:
-    """Runs an exported decoder (optimum-style KV-cache I/O) with onnxruntime, batch 1."""
+    """Runs an exported decoder (optimum-style KV-cache I/O) with onnxruntime: batch 1 by `forward`, any batch
+    by `run` (after `reset(batch)`) and `sample`."""
 
     def __init__(self, onnx_path: Path, threads: int | None = None):
         import onnxruntime as ort
@@ -62,28 +63,59 @@ class OrtDecoder:
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.past_names = sorted((n for n in self.inputs if n.startswith("past_key_values.")), key=_layer_key)
+        batch = self.inputs["input_ids"].shape[0] if self.inputs["input_ids"].shape else None
+        self.max_batch = batch if isinstance(batch, int) and batch > 0 else None  # None: any batch
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, batch: int = 1) -> None:
+        """Empty the KV cache, for `batch` sequences side by side."""
         self.past = {}
         for name in self.past_names:
             shape = self.inputs[name].shape
-            self.past[name] = np.zeros((1, shape[1], 0, shape[3]), np.float32)
+            self.past[name] = np.zeros((batch, shape[1], 0, shape[3]), np.float32)
         self.position = 0
 
-    def forward(self, token_ids) -> np.ndarray:
-        ids = np.asarray(token_ids, np.int64).reshape(1, -1)
-        total = self.position + ids.shape[1]
+    def run(self, ids: np.ndarray, names: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Run token ids [batch, seq] after the cache; the outputs `names` (default all) by name. The cache
+        moves on only when all outputs are run (it needs the present.* ones)."""
+        ids = np.asarray(ids, np.int64)
+        batch, total = ids.shape[0], self.position + ids.shape[1]
         feeds = {"input_ids": ids, **self.past}
         if "attention_mask" in self.inputs:
-            feeds["attention_mask"] = np.ones((1, total), np.int64)
+            feeds["attention_mask"] = np.ones((batch, total), np.int64)
         if "position_ids" in self.inputs:
-            feeds["position_ids"] = np.arange(self.position, total, dtype=np.int64)[None]
-        results = dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
-        for name in self.past_names:
-            self.past[name] = results[name.replace("past_key_values.", "present.")]
-        self.position = total
-        return results["logits"][0]
+            feeds["position_ids"] = np.broadcast_to(np.arange(self.position, total, dtype=np.int64), ids.shape).copy()
+        results = dict(zip(names or self.outputs, self.session.run(names or self.outputs, feeds)))
+        if names is None:
+            for name in self.past_names:
+                self.past[name] = results[name.replace("past_key_values.", "present.")]
+            self.position = total
+        return results
+
+    def forward(self, token_ids) -> np.ndarray:
+        return self.run(np.asarray(token_ids, np.int64).reshape(1, -1))["logits"][0]
+
+    def sample(self, first: np.ndarray, length: int, rng: np.random.Generator, vocab: int | None = None) -> np.ndarray:
+        """[batch, length] token ids, each row from its `first` token on, each next token drawn by `rng` from
+        softmax(logits) (temperature 1) over the first `vocab` logits (default all). The rows decode as one
+        batch with the KV cache (in chunks of `max_batch` where the model fixes its batch)."""
+        first = np.asarray(first, np.int64).reshape(-1)
+        chunk = self.max_batch or max(1, len(first))
+        rows = []
+        for begin in range(0, len(first), chunk):
+            tokens = first[begin:begin + chunk, None]
+            self.reset(len(tokens))
+            step = tokens
+            for _ in range(length - 1):
+                logits = self.run(step)["logits"][:, -1, :vocab].astype(np.float64)
+                weights = np.exp(logits - logits.max(1, keepdims=True))
+                cdf = np.cumsum(weights, 1)
+                drawn = (cdf < rng.random((len(cdf), 1)) * cdf[:, -1:]).sum(1)  # inverse CDF, one draw per row
+                step = np.minimum(drawn, cdf.shape[1] - 1)[:, None]
+                tokens = np.concatenate([tokens, step], 1)
+            rows.append(tokens)
+        self.reset()
+        return np.concatenate(rows)
 
     def greedy(self, prompt_ids, max_new_tokens: int) -> list[int]:
         self.reset()

@@ -25,7 +25,8 @@ LAYER_COLUMNS = [
     ("GPU neurons", "gpu_neurons", "{}"), ("CPU neurons", "cpu_neurons", "{}"),
     ("GPU activation share", "gpu_activation_share", "{:.1%}"), ("predictor rank", "predictor_rank", "{}"),
     ("recall", "predictor_recall", "{:.4f}"), ("precision", "predictor_precision", "{:.4f}"),
-    ("predicted active", "predictor_active", "{:.3f}"),
+    ("true active", "true_active", "{:.3f}"), ("predicted active", "predictor_active", "{:.3f}"),
+    ("predicted/true active", "active_ratio", "{:.2f}x"),
 ]
 # ... and of a threshold-mode build (no placement, no predictors)
 THRESHOLD_COLUMNS = [
@@ -33,6 +34,18 @@ THRESHOLD_COLUMNS = [
     ("gate/up inputs dropped", "sparsity_in", "{:.3f}"), ("down threshold", "threshold_down", "{:.4g}"),
     ("down inputs dropped", "sparsity_down", "{:.3f}"),
 ]
+
+
+def with_shares(layer: dict) -> dict:
+    """A predictor build's manifest entry for a layer plus `true_active`, the share of neurons that fired on
+    the profiled tokens (1 - sparsity), and `active_ratio`, the predicted-active share over it (what the
+    predictor makes decode compute beyond the truly active neurons): inspect and the report show both."""
+    if "sparsity" not in layer or "threshold_in" in layer:
+        return layer
+    true = 1.0 - float(layer["sparsity"])
+    predicted = layer.get("predictor_active")
+    return {**layer, "true_active": true,
+            "active_ratio": None if predicted is None or true <= 0 else float(predicted) / true}
 
 
 def _predictor_layers(layers: list[dict]) -> bool:
@@ -107,7 +120,7 @@ def charts(directory: Path, manifest: dict) -> dict[str, bytes]:
 
 
 def html_report(directory: Path, manifest: dict, summary: list[str]) -> str:
-    layers = manifest.get("layers", [])
+    layers = [with_shares(layer) for layer in manifest.get("layers", [])]
     columns = LAYER_COLUMNS if _predictor_layers(layers) else THRESHOLD_COLUMNS
     escape = html.escape
     rows = "".join("<tr>" + "".join(f"<td>{escape(_cell(layer, key, fmt))}</td>" for _, key, fmt in columns)

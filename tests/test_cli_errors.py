@@ -56,6 +56,10 @@ def test_bad_model_files(tmp_path, capsys, make, words):
     (["--vram-budget", "lots"], ["malformed size", "lots"]),
     (["--max-context", "0"], ["max-context"]),
     (["--max-context", "abc"], ["max-context"]),
+    (["--calib-tokens", "0"], ["calib-tokens", "positive integer"]),
+    (["--calib-tokens", "many"], ["calib-tokens"]),
+    (["--calib-samples", "-1"], ["calib-samples", "non-negative"]),
+    (["--calib-samples", "2.5"], ["calib-samples"]),
 ])
 def test_bad_build_options(tmp_path, capsys, extra, words):
     model = tmp_path / "model.onnx"

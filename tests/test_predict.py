@@ -225,7 +225,7 @@ def test_predict_pass_on_tiny_model(tiny_models, family):
 
 def profiled(profile: dict) -> ProfiledActivations:
     """What the profile pass leaves on the IR, from torch's (inputs, active) per layer."""
-    return ProfiledActivations({layer: LayerActivations(x, active) for layer, (x, active) in profile.items()})
+    return ProfiledActivations({layer: LayerActivations.of(x, active) for layer, (x, active) in profile.items()})
 
 
 def test_predict_pass_needs_every_layer_profiled(tiny_models):
