@@ -161,7 +161,7 @@ def _row_lines(width: int, lanes: int, wdtype: str) -> tuple[int, int, int]:
 
 
 def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", prefetch_rows: int | None = None,
-               prefetch_locality: int = PREFETCH_LOCALITY):
+               prefetch_locality: int | None = None):
     """A decode step of one sparse FFN part: up, activation and down in one kernel.
 
     For each selected neuron k (row r = idx[0, k]): h = act(w_up[r] . x + b[r]) (gated:
@@ -192,6 +192,7 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
     width = 2 * n if gated else n
     tasks = FFN_TASKS
     ahead = PREFETCH_ROWS if prefetch_rows is None else prefetch_rows
+    locality = PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality
 
     @T.macro
     def row_dot(acc, dot, x, w, row, slot, w_next, next_row):
@@ -203,7 +204,7 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
                 acc[c, v] = T.float32(0)
         for s in range(steps):
             for q in T.unroll(per_step):
-                _prefetch(T.address_of(w_next[next_row, T.min(s * chains * lanes + q * line, D - 1)]), prefetch_locality)
+                _prefetch(T.address_of(w_next[next_row, T.min(s * chains * lanes + q * line, D - 1)]), locality)
             for c in T.unroll(chains):
                 for v in T.vectorized(lanes):
                     acc[c, v] = acc[c, v] + load_f32(w[row, (s * chains + c) * lanes + v], wdtype) * x[0, (s * chains + c) * lanes + v]
@@ -218,7 +219,7 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
     def row_axpy(y, t, a, w, row, w_next, next_row):
         """y[t, :] += a * w[row], prefetching w_next[next_row] a line per line consumed."""
         for s in range(lines):
-            _prefetch(T.address_of(w_next[next_row, T.min(s * line, D - 1)]), prefetch_locality)
+            _prefetch(T.address_of(w_next[next_row, T.min(s * line, D - 1)]), locality)
             for u in T.unroll(line_vectors):
                 for v in T.vectorized(lanes):
                     y[t, (s * line_vectors + u) * lanes + v] = (
