@@ -33,6 +33,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from picompile import costmodel
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
 
@@ -88,20 +89,56 @@ class LowerThresholded:
 class LowerPredicted:
     name = "lower"
     all_neurons: bool = Options.all_neurons  # every neuron passes the predictor (checks the split)
+    dense_fallback: bool = Options.dense_fallback  # a CPU-only layer whose sparse path costs more stays dense
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
         report = []
         for node in pir.nodes_in_domain(model, "FFN"):
             with ctx.layer(pir.attr(node, "layer")):
-                report.append(self._lower_one(graph, node))
+                dense = self._dense_reason(graph, node, ctx)
+                if dense is None:
+                    report.append(self._lower_one(graph, node))
+                else:
+                    report.append(self._keep_dense(node, dense))
+                    ctx.log(f"lower: layer {report[-1]['layer']} FFN stays dense: {dense}")
         _drop_unused_initializers(graph)
         model.metadata_props["picompile.layers"] = json.dumps(report)
         gpu = sum(r["gpu_neurons"] for r in report)
         total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)
-        ctx.log(f"lower: {len(report)} sparse FFNs, {gpu} of {total} neurons on the GPU"
-                f"{', every neuron computed (--all-neurons)' if self.all_neurons else ''}")
+        dense = [r["layer"] for r in report if r.get("ffn") == "dense"]
+        ctx.log(f"lower: {len(report) - len(dense)} sparse FFNs, {gpu} of {total} neurons on the GPU"
+                f"{', every neuron computed (--all-neurons)' if self.all_neurons else ''}"
+                f"{f'; {len(dense)} dense (layers {dense})' if dense else ''}")
         return PassResult(model, modified=True)
+
+    def _dense_reason(self, graph: ir.Graph, node: ir.Node, ctx: Context) -> str | None:
+        """Why this layer's FFN should stay dense, or None to lower it sparse: at the share of its neurons its
+        predictor is expected to let through, the cost model prices the sparse decode path (predictor, select,
+        gathered rows, merge) at least as high as the dense GEMVs. CPU targets only for now (on a GPU target a
+        dense layer would need partition and place to price and place it whole); never with --all-neurons
+        (which checks the split) or where predict left no expected share."""
+        if not self.dense_fallback or self.all_neurons or ctx.target.has_gpu \
+                or "predictor_active" not in node.attributes:
+            return None
+        prefix = f"layers.{pir.attr(node, 'layer')}.ffn"
+        ffn_elements = sum(int(np.prod(value.const_value.shape)) for value in (node.inputs[1], node.inputs[3]))
+        predictor_elements = sum(int(np.prod(graph.initializers[f"{prefix}.predictor.{w}"].const_value.shape))
+                                 for w in ("w1", "w2"))
+        # both stored in the build's weight dtype: the ratio of their bytes is the ratio of their elements
+        choice = costmodel.ffn_decode_seconds(ctx.target, ffn_bytes=4 * ffn_elements,
+                                              predictor_bytes=4 * predictor_elements,
+                                              share=float(pir.attr(node, "predictor_active")))
+        return choice.reason() if choice.dense_is_cheaper else None
+
+    @staticmethod
+    def _keep_dense(node: ir.Node, reason: str) -> dict:
+        """The FFN stays as it is (select-kernels lowers it as a --dense build does; its predictor's initializers
+        go unused and are dropped); the report says so, and why."""
+        stats = {key: pir.attr(node, key) for key in STATS if key in node.attributes}
+        ffn = pir.const_array(node.inputs[3]).shape[0]
+        return {"layer": pir.attr(node, "layer"), "gpu_neurons": 0, "cpu_neurons": ffn, "gpu_activation_share": 0.0,
+                **stats, "ffn": "dense", "dense_reason": reason}
 
     def _lower_one(self, graph: ir.Graph, node: ir.Node) -> dict:
         layer = pir.attr(node, "layer")

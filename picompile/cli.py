@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--max-context", type=_positive_int, default=256, help="KV cache length (tokens)")
     build.add_argument("--all-neurons", action="store_true",
                        help="lower sparse but let every neuron through the predictor (checks the hot/cold split)")
+    build.add_argument("--no-dense-fallback", action="store_true",
+                       help="predictor mode: lower every layer sparse, even where the cost model expects the dense "
+                            "FFN to be faster (at a high expected share of active neurons)")
     build.add_argument("--placement-batch", type=_positive_int, default=64, help="neurons per placement ILP variable")
     build.add_argument("--placement-time-limit", type=_non_negative(float), default=30.0, metavar="SECONDS",
                        help="time limit of the placement ILP; past it the best placement found is used and reported "
@@ -132,7 +135,8 @@ def _build(args) -> int:
     options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
                       calib_tokens=args.calib_tokens, calib_samples=args.calib_samples,
                       vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
-                      all_neurons=args.all_neurons, placement_batch=args.placement_batch,
+                      all_neurons=args.all_neurons, dense_fallback=not args.no_dense_fallback,
+                      placement_batch=args.placement_batch,
                       placement_time_limit_s=args.placement_time_limit,
                       weight_dtype=args.weight_dtype, target_recall=args.target_recall, cpu_isa=args.cpu_isa,
                       sparsity_mode=args.sparsity_mode, sparsity=args.sparsity)
@@ -323,14 +327,17 @@ def _inspect(args) -> int:
     elif info["layers"]:
         # active shares: true = fired on the profiled tokens (1 - sparsity), predicted = what decode computes
         say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} "
-            f"{'precision':>9} {'true active':>11} {'predicted':>9} {'pred/true':>9}")
+            f"{'precision':>9} {'true active':>11} {'predicted':>9} {'pred/true':>9} {'ffn':>6}")
         for layer in info["layers"]:
             ratio = layer.get("active_ratio")
             say(f"{layer['layer']:>5} {layer.get('sparsity', 0):>8.3f} {layer.get('hot80_share', 0) * 100:>6.1f}% "
                 f"{layer['gpu_neurons']:>6} {layer['cpu_neurons']:>6} {layer.get('predictor_rank', 0):>5} "
                 f"{layer.get('predictor_recall', 0):>7.4f} {layer.get('predictor_precision', 0):>9.4f} "
                 f"{layer.get('true_active', 0):>11.3f} {layer.get('predictor_active', 0):>9.3f} "
-                f"{'-' if ratio is None else f'{ratio:.2f}x':>9}")
+                f"{'-' if ratio is None else f'{ratio:.2f}x':>9} {layer.get('ffn', 'sparse'):>6}")
+        for layer in info["layers"]:
+            if layer.get("ffn") == "dense":
+                say(f"  layer {layer['layer']} FFN lowered dense: {layer['dense_reason']}")
     sys.stdout.write("".join(line + "\n" for line in lines))
     return _write_report(args, manifest, lines)
 

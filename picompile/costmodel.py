@@ -23,6 +23,17 @@ from .targets import Target
 CALL_OVERHEAD_S = {"cpu": 2e-6, "gpu": 5e-6}  # Python dispatch + thread-pool wake-up; kernel launch
 COPY_LATENCY_S = 10e-6  # one host<->device copy's fixed cost (launch, wait), whatever its size
 CONTEXT = 128  # the KV cache length the estimate reads at (mid-way through a typical generation)
+SPARSE_ROW_EFFICIENCY = 0.9
+"""The CPU's fused sparse FFN kernel (passes/kernels/neuron.py sparse_ffn) streams the rows it gathers at this
+share of the bandwidth the dense panel GEMVs stream a whole FFN at (GB/s of rows read over GB/s of weights
+read). Measured 2026-12-01 on the 2-core Zen 5 (AVX-512), shared with other work, with
+`benchmarks/bench_sparse_in_model.py --dense-ffn` (6 layers of distinct 2048x8192 fp32 weights on huge pages,
+each layer's sparse call after its attention GEMVs, against the dense up + down GEMVs of the same layers,
+alternated in one process): at 10-20% of the rows selected 1.09-1.21 on one thread (medians over rounds and
+90th percentiles of calls alike; 1.09-1.17 on 4 KiB pages), 1.11-1.14 on two (90th percentiles: the medians of
+the 10 ms dense calls measured the other work's load); before the kernel's prefetches went to L2, 0.6-0.7. Taken a little
+below 1 so that a layer near the break-even point stays dense (never slower than dense). Prices the dense
+fallback per layer (`ffn_decode_seconds`)."""
 
 
 def launch_seconds(device: str) -> float:
@@ -76,6 +87,38 @@ def expected_share(call: Call, layers: dict[int, dict]) -> float:
     rows = layer["gpu_neurons"] if hot else layer["cpu_neurons"]
     share = layer.get("gpu_activation_share", 0.0) if hot else 1.0 - layer.get("gpu_activation_share", 0.0)
     return min(1.0, layer["predictor_active"] * total * share / max(rows, 1))
+
+
+@dataclass(frozen=True)
+class FfnChoice:
+    """One CPU FFN layer's decode cost both ways (`ffn_decode_seconds`): the sparse path (predictor, select, the
+    fused sparse kernel at the expected share, merge) and the dense one (up and down panel GEMVs)."""
+
+    sparse_s: float
+    dense_s: float
+    share: float
+
+    @property
+    def dense_is_cheaper(self) -> bool:
+        return self.dense_s <= self.sparse_s
+
+    def reason(self) -> str:
+        return (f"expected {self.share:.1%} of the neurons predicted active: sparse {self.sparse_s * 1e3:.3f} ms/token, "
+                f"dense {self.dense_s * 1e3:.3f} ms/token (sparse rows at {SPARSE_ROW_EFFICIENCY:.0%} of dense bandwidth)")
+
+
+def ffn_decode_seconds(target: Target, *, ffn_bytes: int, predictor_bytes: int, share: float) -> FfnChoice:
+    """A CPU-only FFN layer's decode step, sparse and dense, as memory traffic over the CPU's bandwidth.
+    `ffn_bytes`: its up (and gate) and down weights; `predictor_bytes`: its predictor's weights (read whole every
+    step); `share`: the expected share of its neurons the predictor lets through (predict's `predictor_active`).
+    The sparse kernel reads that share of the rows (every one counted, as if all fired: the estimate's convention)
+    at SPARSE_ROW_EFFICIENCY of the bandwidth the dense GEMVs reach. The calls' fixed costs are left out: the
+    choice is then the same at every model size (share against predictor_bytes / ffn_bytes and the efficiency),
+    and the fixed cost per call (CALL_OVERHEAD_S, a guess) would decide only layers so small that the step's
+    Python dispatch dominates them anyway."""
+    bandwidth = target.cpu_bandwidth_gbs * 1e9
+    sparse = predictor_bytes / bandwidth + share * ffn_bytes / (bandwidth * SPARSE_ROW_EFFICIENCY)
+    return FfnChoice(sparse, ffn_bytes / bandwidth, share)
 
 
 def weight_bytes(call: Call, buffers: dict, selected: float = 0.0, nonzero: float = 0.0) -> float:

@@ -48,6 +48,7 @@ class Options:
     predictor_param_share: float = 0.10  # cap on all predictors together, as a share of the model's parameters
     target_recall: float = 0.99  # the threshold of each predictor is set to reach this on held-out tokens
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)
+    dense_fallback: bool = True  # predictor mode: a CPU-only layer whose sparse path the cost model prices higher stays dense
     weight_dtype: str = "fp32"  # storage of the CPU's weight matrices: fp32 or fp16 (converted in registers)
     cpu_isa: str | None = None  # the CPU kernels' instruction set (targets.CPU_ISAS); None: the target's, else the build machine's
     # How decode skips FFN work: "predictor" (PowerInfer: a trained predictor picks the neurons, for ReLU FFNs),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import struct
 from pathlib import Path
 
@@ -23,11 +25,47 @@ class ArtifactError(Exception):
     """The artifact is missing, damaged, or not for this runtime."""
 
 
-def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
+HUGE_PAGE = 2 << 20  # x86-64 transparent huge page
+HUGE_MIN_BYTES = 4 * HUGE_PAGE  # arrays at least this large go on huge pages when asked (weights)
+
+
+def aligned_empty(shape, dtype=np.float32, *, huge: bool = False) -> np.ndarray:
+    """An uninitialised 64-byte aligned array. With `huge` (weights), an array of HUGE_MIN_BYTES or more is
+    placed in its own anonymous mapping, 2 MiB aligned and advised MADV_HUGEPAGE before it is first touched,
+    so that the kernel backs it with transparent huge pages even where THP is `madvise` only (the default of
+    many distributions): a decode step reads each layer's weights once, and gathered rows spread over 4 KiB
+    pages would cost a page walk for most rows (the page tables of GBs of weights are far larger than the
+    TLBs and L2). Where THP is off or the kernel has no huge page to spare it is ordinary memory."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if huge and nbytes >= HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(OSError):  # refused (THP compiled out): 4 KiB pages, same semantics
+            region.madvise(mmap.MADV_HUGEPAGE)
+        raw = np.frombuffer(region, np.uint8)
+        offset = (-raw.ctypes.data) % HUGE_PAGE
+        return raw[offset: offset + nbytes].view(dtype).reshape(shape)
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     offset = (-raw.ctypes.data) % ALIGNMENT
     return raw[offset: offset + nbytes].view(dtype).reshape(shape)
+
+
+def huge_pages_in(array: np.ndarray) -> int:
+    """MiB of `array`'s mapping that are backed by transparent huge pages (/proc/self/smaps AnonHugePages;
+    0 where unknown): what shows whether `aligned_empty(huge=True)` got them."""
+    address = array.ctypes.data
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:
+                    begin, end = (int(part, 16) for part in head.split("-"))
+                    inside = begin <= address < end
+                elif inside and line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError):
+        return 0
+    return 0
 
 
 def aligned_zeros(shape, dtype=np.float32) -> np.ndarray:
@@ -234,7 +272,8 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
 
 def read_safetensors(path: Path, header: dict[str, dict] | None = None) -> dict[str, np.ndarray]:
     """Read every tensor of a safetensors file into its own 64-byte aligned array (shapes and types from
-    its header, checked by `read_safetensors_header` unless the caller passes what that returned)."""
+    its header, checked by `read_safetensors_header` unless the caller passes what that returned); the large
+    ones on transparent huge pages where the system grants them (`aligned_empty(huge=True)`)."""
     path = Path(path)
     header = read_safetensors_header(path) if header is None else header
     with open(path, "rb") as f:
@@ -243,7 +282,7 @@ def read_safetensors(path: Path, header: dict[str, dict] | None = None) -> dict[
         tensors = {}
         for name, info in header.items():
             begin, end = info["data_offsets"]
-            array = aligned_empty(info["shape"], dtypes.get_dtype(info["dtype"]).numpy)
+            array = aligned_empty(info["shape"], dtypes.get_dtype(info["dtype"]).numpy, huge=True)
             f.seek(base + begin)
             if f.readinto(memoryview(array.reshape(-1).view(np.uint8))) != end - begin:
                 raise ArtifactError(f"{path.name}: tensor {name} is truncated")

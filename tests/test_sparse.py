@@ -252,3 +252,52 @@ def test_runtime_refuses_kernels_for_a_cpu_it_is_not(sparse_models, tmp_path, ca
     assert main(["run", str(artifact), "--prompt-ids", "1,2", "-n", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "amx_tile_from_the_future" in err[0]
+
+
+@dataclasses.dataclass
+class _ExpectedShares:
+    """Stands in for predict's expected shares before lower: layer 0's predictor is made to expect most neurons
+    active (so the cost model prices its sparse path above the dense one); every other layer's threshold lets
+    every neuron through, so the whole artifact still computes exactly the dense model."""
+
+    name = "expected-shares"
+
+    def apply(self, model, ctx):
+        import onnx_ir as ir
+        from onnx_ir.passes import PassResult
+
+        from passes.lower import ALL_NEURONS
+        from picompile import ir as pir
+
+        for node in pir.nodes_in_domain(model, "FFN"):
+            if pir.attr(node, "layer") == 0:
+                node.attributes["predictor_active"] = ir.AttrFloat32("predictor_active", 0.95)
+            else:
+                node.attributes["predictor_threshold"] = ir.AttrFloat32("predictor_threshold", ALL_NEURONS)
+        return PassResult(model, modified=True)
+
+
+def test_a_layer_whose_sparse_path_costs_more_is_lowered_dense(sparse_models, tmp_path, capsys):
+    files = sparse_models["opt"]
+    opts = Options(max_context=64, calib=files.calib)
+    passes = pipeline(opts, "predictor")
+    at = next(i for i, p in enumerate(passes) if p.name == "lower")
+    artifact = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), opts,
+                     passes=passes[:at] + [_ExpectedShares()] + passes[at:])
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    layers = {layer["layer"]: layer for layer in manifest["layers"]}
+    assert layers[0]["ffn"] == "dense" and "95.0%" in layers[0]["dense_reason"], layers[0]
+    assert all(layer.get("ffn", "sparse") == "sparse" for number, layer in layers.items() if number != 0)
+    calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
+    dense = [call for call in calls if call.layer == 0 and call.role in (Role.FFN, Role.FFN_UP, Role.FFN_DOWN)]
+    assert dense and all(call.selection is None and call.decode for call in dense)  # dense GEMVs in decode too
+    assert not any(call.layer == 0 and call.role is Role.PREDICTOR for call in calls)  # no predictor to run
+    assert any(call.layer == 1 and call.role is Role.FFN and call.selection for call in calls)
+    assert_matches_onnxruntime(artifact, files.onnx)
+    assert main(["inspect", str(artifact)]) == 0
+    assert "layer 0 FFN lowered dense: expected 95.0% of the neurons predicted active" in capsys.readouterr().out
+    # the cost model's choice, alone: a high share goes dense, a low one stays sparse
+    target = get_target("cpu")
+    assert costmodel.ffn_decode_seconds(target, ffn_bytes=1 << 26, predictor_bytes=1 << 22, share=0.9).dense_is_cheaper
+    assert not costmodel.ffn_decode_seconds(target, ffn_bytes=1 << 26, predictor_bytes=1 << 22,
+                                            share=0.1).dense_is_cheaper
