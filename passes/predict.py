@@ -75,7 +75,8 @@ def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bo
 
 
 def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool, *, target_recall: float,
-                pre_activations: np.ndarray | None = None, row_dtype: str = "float32") -> dict[int, tuple[float, float]]:
+                pre_activations: np.ndarray | None = None, row_dtype: str = "float32",
+                up_weight: np.ndarray | None = None) -> dict[int, tuple[float, float]]:
     """rank -> (estimated predicted-active share, `step_reads`) of one layer's predictor, for the
     `candidate_ranks` up to `limit`, the share from `probe_active`. Pricing stops before the first rank
     that cannot beat the cheapest so far even if it predicted no more neurons than `target_recall` of
@@ -85,7 +86,7 @@ def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool,
     least_share = target_recall * float(np.mean(active[_training_tokens(len(active), HOLDOUT):]))
     priced: dict[int, tuple[float, float]] = {}
     for rank, share in probe_active(inputs, active, ranks, target_recall=target_recall,
-                                    pre_activations=pre_activations):
+                                    pre_activations=pre_activations, up_weight=up_weight):
         priced[rank] = (share, step_reads(rank, share, d_model, ffn, gated, row_dtype))
         best = min(reads for _, reads in priced.values())
         larger = [r for r in ranks if r > rank]
@@ -192,22 +193,51 @@ def _targets(active: np.ndarray, pre: np.ndarray | None) -> torch.Tensor:
     return torch.from_numpy(np.where(active, np.float32(1), np.float32(-1)))
 
 
-def _probe_directions(x: np.ndarray, t: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _usable_up(up: np.ndarray | None, pre: np.ndarray | None) -> np.ndarray | None:
+    """The up weight where the probe can use it: it stands for the pre-activations, so only with them."""
+    return None if up is None or pre is None else up
+
+
+def _shrinkage(xc: torch.Tensor, cov: torch.Tensor) -> float:
+    """Ledoit-Wolf's weight on mu I (mu = mean variance) in the covariance estimate (1 - a) cov + a mu I of
+    the centred inputs xc [n, d]: near 1 where n is small against d, near 0 where it is large."""
+    n, d = xc.shape
+    mu = float(cov.diagonal().mean())
+    spread = float(((cov - mu * torch.eye(d, dtype=cov.dtype)) ** 2).sum()) / d
+    # (1/n^2) sum_k ||x_k x_k^T - S||_F^2 / d, from sum_k |x_k|^4 - n ||S||_F^2
+    noise = (float((xc * xc).sum(1).pow(2).sum()) - n * float((cov * cov).sum())) / (n * n * d)
+    return 0.0 if spread <= 0 else min(max(noise, 0.0), spread) / spread
+
+
+def _probe_directions(x: np.ndarray, t: torch.Tensor, ridge: float, weights: torch.Tensor | None = None,
+                      up: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The least-squares probe's input directions [d, d] (float64), most predictive first, and the inputs'
     offset channel (`_offset_channel`) or None.
 
     Reduced-rank regression of the targets `t` (each neuron scaled to unit variance) on the centred
     inputs: the top generalised eigenvectors u_k of C C^T against the input covariance G (C = cov(x, t)),
-    scaled so that x . u_k has unit variance."""
+    scaled so that x . u_k has unit variance. With `up` [d, ffn] (t = x @ up + b exactly) G is the
+    Ledoit-Wolf shrunk estimate and C = G up: the weights give the cross-covariance exactly, and the
+    shrunk G credits the input directions the few profiled tokens leave unexplored."""
     n, d = x.shape
     xc = torch.from_numpy(x).double()
     xc -= xc.mean(0)
     cov = xc.T @ xc / n
+    if up is not None:
+        a = _shrinkage(xc, cov)
+        cov = (1 - a) * cov + a * cov.diagonal().mean() * torch.eye(d, dtype=torch.float64)
     cov += (ridge * cov.diagonal().mean().clamp_min(1e-12)) * torch.eye(d, dtype=torch.float64)
     chol = torch.linalg.cholesky(cov)  # G = L L^T: L^-1 whitens (as G^-1/2 does, up to a rotation; cheaper)
-    tc = t - t.mean(0)
-    tc = tc / tc.std(0).clamp_min(1e-12)
-    cross = (xc.float().T @ tc).double() / n  # [d, ffn]: float32 for the big product
+    if up is not None:
+        w = torch.from_numpy(np.asarray(up, np.float64))
+        cross = cov @ w
+        cross /= (w * cross).sum(0).clamp_min(1e-24).sqrt()  # each neuron at unit variance under G
+    else:
+        tc = t - t.mean(0)
+        tc = tc / tc.std(0).clamp_min(1e-12)
+        cross = (xc.float().T @ tc).double() / n  # [d, ffn]: float32 for the big product
+    if weights is not None:  # neuron j's squared error counts weights[j] times in the subspace fit
+        cross = cross * weights.sqrt().to(cross.dtype)
     white = torch.linalg.solve_triangular(chol, cross, upper=False)
     _, u = torch.linalg.eigh(white @ white.T)
     directions = torch.linalg.solve_triangular(chol.T, u.flip(1), upper=True)
@@ -286,27 +316,28 @@ def _probe_w2(m: _Moments, rank: int, ridge: float, scaled: bool) -> torch.Tenso
 
 
 def _init_weights(x: np.ndarray, active: np.ndarray, rank: int, pre: np.ndarray | None = None,
-                  ridge: float = 1e-3) -> tuple[np.ndarray, np.ndarray]:
+                  ridge: float = 1e-3, weights: torch.Tensor | None = None,
+                  w2_ridge: float | None = None, up: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """A predictor that starts as a linear least-squares probe in a supervised low-rank subspace: w1 the
     first `rank` `_probe_units` (random directions beyond those), w2 their `_probe_w2`. Targets: the
     pre-activations `pre` [N, ffn] when given (neuron j fires iff pre_j > 0), else +-1 for active /
     inactive."""
     d = x.shape[1]
     t = _targets(active, pre)
-    directions, offset = _probe_directions(x, t, ridge)
+    directions, offset = _probe_directions(x, t, ridge, weights, up)
     w1 = _probe_units(x, directions, offset, 0, min(rank, _probe_size(offset, d)))
     if w1.shape[1] < rank:
         generator = torch.Generator().manual_seed(0)
         extra = torch.randn(rank - w1.shape[1], d, generator=generator, dtype=torch.float64).T
         w1 = torch.cat([w1, directions @ extra / math.sqrt(d)], 1)
     h = torch.relu(torch.from_numpy(x).double() @ w1)
-    w2 = _probe_w2(_Moments.of(h, t), rank, ridge, scaled=pre is not None)
+    w2 = _probe_w2(_Moments.of(h, t), rank, ridge if w2_ridge is None else w2_ridge, scaled=pre is not None)
     return w1.float().numpy(), w2.numpy()
 
 
 def probe_active(inputs: np.ndarray, active: np.ndarray, ranks: list[int], *, target_recall: float = 0.99,
                  pre_activations: np.ndarray | None = None, holdout: float = HOLDOUT,
-                 ridge: float = 1e-3) -> Iterator[tuple[int, float]]:
+                 ridge: float = 1e-3, up_weight: np.ndarray | None = None) -> Iterator[tuple[int, float]]:
     """Yield, for each rank r of `ranks` in ascending order, (r, the mean fraction of neurons predicted
     active on the held-out tokens) by the predictor `train_predictor` (same arguments) starts from at rank
     r, with the threshold that reaches `target_recall` there.
@@ -320,7 +351,7 @@ def probe_active(inputs: np.ndarray, active: np.ndarray, ranks: list[int], *, ta
     n = _training_tokens(x.shape[0], holdout)
     x_train, y_hold = x[:n], y[n:]
     t = _targets(y[:n], None if pre_activations is None else pre_activations[:n])
-    directions, offset = _probe_directions(x_train, t, ridge)
+    directions, offset = _probe_directions(x_train, t, ridge, up=_usable_up(up_weight, pre_activations))
     xt, xh = torch.from_numpy(x_train).double(), torch.from_numpy(x[n:]).double()
     h, h_hold = xt[:, :0], xh[:, :0]
     moments = _Moments.of(h, t)
@@ -338,7 +369,8 @@ def probe_active(inputs: np.ndarray, active: np.ndarray, ranks: list[int], *, ta
 def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target_recall: float = 0.99,
                     epochs: int | None = None, seed: int = 0, holdout: float = HOLDOUT,
                     pre_activations: np.ndarray | None = None, batch_size: int = 256, lr: float = REL_LR,
-                    pos_weight: str | float = "global", init: str = "lstsq", threads: int = 1) -> Predictor:
+                    pos_weight: str | float = "global", init: str = "lstsq", threads: int = 1,
+                    checkpoints: int = 0, patience: int = 2, up_weight: np.ndarray | None = None) -> Predictor:
     """Train relu(x @ w1) @ w2 (no biases) to tell which FFN neurons a token activates.
 
     inputs [N, d] float32 are the FFN's inputs (after its norm), active [N, ffn] bool says which neurons
@@ -381,7 +413,8 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
     with _threads(threads):
         generator = torch.Generator().manual_seed(seed)
         if init == "lstsq":
-            w1_0, w2_0 = _init_weights(x_train, y_train, rank, pre_train)
+            w1_0, w2_0 = _init_weights(x_train, y_train, rank, pre_train,
+                                       up=_usable_up(up_weight, pre_activations))
         elif init == "random":
             w1_0 = ((torch.rand(d, rank, generator=generator) * 2 - 1) * math.sqrt(6.0 / d)).numpy()
             w2_0 = ((torch.rand(rank, ffn, generator=generator) * 2 - 1) * math.sqrt(6.0 / rank)).numpy()
@@ -411,6 +444,21 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
         optimizer = torch.optim.Adam([{"params": [w1], "lr": sizes[0]}, {"params": [w2], "lr": sizes[1]}])
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, epochs * steps_per_epoch))
         xt, yt = torch.from_numpy(x_train), torch.from_numpy(y_train)
+        xh = torch.from_numpy(x_hold)
+
+        def held_out() -> tuple[float, np.ndarray]:
+            with torch.no_grad():
+                logits = (torch.relu(xh @ w1) @ w2).numpy()
+            threshold = _threshold_for_recall(logits, y_hold, target_recall)
+            return _scores(logits > threshold, y_hold)["predicted_active"], logits
+
+        total = epochs * steps_per_epoch
+        every = max(1, math.ceil(total / checkpoints)) if checkpoints else 0
+        best = None
+        if every:  # the start is a candidate too: on few tokens BCE can only overfit it
+            share, logits = held_out()
+            best, since = (share, w1.detach().clone(), w2.detach().clone(), logits), 0
+        step = 0
         for _ in range(epochs):
             order = torch.randperm(len(x_train), generator=generator)
             for begin in range(0, len(x_train), batch_size):
@@ -420,8 +468,23 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
                 loss.backward()
                 optimizer.step()
                 schedule.step()
-        with torch.no_grad():
-            logits = (torch.relu(torch.from_numpy(x_hold) @ w1) @ w2).numpy()
+                step += 1
+                if every and (step % every == 0 or step == total):
+                    share, logits = held_out()
+                    if share < best[0]:
+                        best, since = (share, w1.detach().clone(), w2.detach().clone(), logits), 0
+                    else:
+                        since += 1
+                    if since >= patience:
+                        break
+            if every and since >= patience:
+                break
+        if best is not None:
+            _, w1_best, w2_best, logits = best
+            w1, w2 = torch.nn.Parameter(w1_best), torch.nn.Parameter(w2_best)
+        else:
+            with torch.no_grad():
+                logits = (torch.relu(xh @ w1) @ w2).numpy()
 
     threshold = _threshold_for_recall(logits, y_hold, target_recall)
     scores = _scores(logits > threshold, y_hold)
