@@ -95,7 +95,7 @@ def profiles(var: float, tokens: list[int], test_tokens: int, hidden: int, ffn: 
 
 
 def method_current(x, active, pre, rank, up):
-    p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre)
+    p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, checkpoints=0)
     return dict(predict=p.predict, rank=p.rank, seconds=p.train_seconds)
 
 
@@ -109,7 +109,7 @@ def method_select(x, active, pre, rank, up):
 def method_best(x, active, pre, rank, up):
     """BCE training to the end that keeps the best of the start and 8 checkpoints by held-out (threshold-token)
     predicted-active share."""
-    p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, checkpoints=8, patience=9)
+    p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, checkpoints=8, patience=None)
     return dict(predict=p.predict, rank=p.rank, seconds=p.train_seconds)
 
 
@@ -193,7 +193,12 @@ def probe_method(weights=None, rank_scale=1.0, thresholds="global", hot=0.0, rid
     return method
 
 
-def shrunk(checkpoints=0, patience=2, epochs=None):
+def _shrunk_rank(method):
+    method.shrunk = True  # its rank_scale applies to the rank priced with the up weight
+    return method
+
+
+def shrunk(checkpoints=0, patience=None, epochs=None):
     """train_predictor given the up weight (the shrunk-covariance probe start), then BCE as configured."""
 
     def method(x, active, pre, rank, up):
@@ -210,8 +215,11 @@ METHODS = {"current": method_current, "select": method_select, "best": method_be
            "probe-neuronthr": probe_method(thresholds="neuron"),
            "probe-hot5": probe_method(hot=0.05), "probe-hot10": probe_method(hot=0.10),
            "probe-hot20": probe_method(hot=0.20),
-           "shrink-probe": shrunk(epochs=0), "shrink-bce": shrunk(), "shrink-best": shrunk(8, 9),
+           "new": shrunk(8), "shrink-probe": shrunk(epochs=0), "shrink-bce": shrunk(), "shrink-best": shrunk(8),
            "shrink-select": shrunk(8, 2),
+           "shrink-r0.5": _shrunk_rank(probe_method(shrink=True, rank_scale=0.5)),
+           "shrink-r2": _shrunk_rank(probe_method(shrink=True, rank_scale=2.0)),
+           "shrink-w2ridge1e-5": _shrunk_rank(probe_method(shrink=True, w2_ridge=1e-5)),
            "probe-r0.5": probe_method(rank_scale=0.5),
            "probe-ridge.01": probe_method(ridge=0.01), "probe-ridge.1": probe_method(ridge=0.1),
            "probe-ridge1": probe_method(ridge=1.0), "probe-shrink": probe_method(shrink=True),

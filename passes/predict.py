@@ -50,6 +50,7 @@ REF_FAN_IN = 64
 HOLDOUT = 0.2  # share of the profiled tokens (the last ones) kept out of fitting, to set thresholds on
 INIT_LOGIT_SCALE = 4.0  # the +-1 least-squares start, scaled towards logits
 PROBIT_TO_LOGIT = 1.7  # Phi(z) ~ sigmoid(1.7 z)
+CHECKPOINTS = 8  # points of training (and the start) the kept predictor is chosen from, on held-out tokens
 
 
 # ---------------------------------------------------------------- rank choice
@@ -229,9 +230,9 @@ def _probe_directions(x: np.ndarray, t: torch.Tensor, ridge: float, weights: tor
     cov += (ridge * cov.diagonal().mean().clamp_min(1e-12)) * torch.eye(d, dtype=torch.float64)
     chol = torch.linalg.cholesky(cov)  # G = L L^T: L^-1 whitens (as G^-1/2 does, up to a rotation; cheaper)
     if up is not None:
-        w = torch.from_numpy(np.asarray(up, np.float64))
-        cross = cov @ w
-        cross /= (w * cross).sum(0).clamp_min(1e-24).sqrt()  # each neuron at unit variance under G
+        w = torch.from_numpy(np.ascontiguousarray(up, np.float32))
+        cross = (cov.float() @ w).double()  # [d, ffn]: float32 for the big product
+        cross /= (w.double() * cross).sum(0).clamp_min(1e-24).sqrt()  # each neuron at unit variance under G
     else:
         tc = t - t.mean(0)
         tc = tc / tc.std(0).clamp_min(1e-12)
@@ -370,12 +371,14 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
                     epochs: int | None = None, seed: int = 0, holdout: float = HOLDOUT,
                     pre_activations: np.ndarray | None = None, batch_size: int = 256, lr: float = REL_LR,
                     pos_weight: str | float = "global", init: str = "lstsq", threads: int = 1,
-                    checkpoints: int = 0, patience: int = 2, up_weight: np.ndarray | None = None) -> Predictor:
+                    checkpoints: int = CHECKPOINTS, patience: int | None = None,
+                    up_weight: np.ndarray | None = None) -> Predictor:
     """Train relu(x @ w1) @ w2 (no biases) to tell which FFN neurons a token activates.
 
     inputs [N, d] float32 are the FFN's inputs (after its norm), active [N, ffn] bool says which neurons
     output non-zero; `pre_activations` [N, ffn] (optional; the pass passes x @ w_up + b_up, the gate's
-    for gated FFNs) make a much better start on large layers. The last `holdout` share of the tokens is
+    for gated FFNs) make a much better start on large layers, and with them `up_weight` (w_up [d, ffn],
+    the pass passes it too) a much better one from fewer tokens than d (`_probe_directions`). The last `holdout` share of the tokens is
     kept out of training: profiles are sequence-major, so these are whole sequences (a random split
     leaks each sequence's context, and recall then falls on new text).
     Start: `init="lstsq"` is `_init_weights` (a least-squares probe in a supervised low-rank subspace),
@@ -385,6 +388,11 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
     BCE-with-logits with positives weighted up so that misses cost more than false alarms:
     `pos_weight="global"` weighs every positive by sqrt((1 - p)/p) for the mean activation rate p,
     `"neuron"` by (1 - p_j)/p_j per neuron (clipped to [1, 100]), a float by that factor.
+    With `checkpoints` > 0 the predictor kept is the best, by predicted-active share on the held-out tokens
+    at `target_recall` there, of the start and `checkpoints` evenly spaced points of training (measured on
+    an unseen model, BCE from a pre-activation start overfits on few tokens and gains about a point of
+    precision on many: keeping the best gets both); training stops after `patience` checkpoints without
+    a better one (None: never). `checkpoints=0` keeps the last.
     The threshold is then set on the held-out tokens to the largest value that reaches `target_recall`
     there, and recall, precision and the predicted-active fraction are measured on those tokens (so
     recall >= target_recall by construction; `predicted_active` is the figure of merit; `predict_active`
@@ -475,9 +483,9 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
                         best, since = (share, w1.detach().clone(), w2.detach().clone(), logits), 0
                     else:
                         since += 1
-                    if since >= patience:
+                    if patience is not None and since >= patience:
                         break
-            if every and since >= patience:
+            if every and patience is not None and since >= patience:
                 break
         if best is not None:
             _, w1_best, w2_best, logits = best
@@ -506,19 +514,22 @@ def _threads(count: int):
 # ---------------------------------------------------------------- the pass
 
 
-def _pre_activations(node: ir.Node, inputs: np.ndarray, active: np.ndarray) -> np.ndarray | None:
-    """x @ w_up + b_up of the neurons whose activity is profiled (the gate half for gated FFNs), or None
-    when the node's weights do not fit the profile (or, for ReLU, disagree with its activity)."""
+def _pre_activations(node: ir.Node, inputs: np.ndarray,
+                     active: np.ndarray) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """(x @ w_up + b_up, w_up) of the neurons whose activity is profiled (the gate half for gated FFNs; w_up
+    [d_model, ffn]), or (None, None) when the node's weights do not fit the profile (or, for ReLU, disagree
+    with its activity)."""
     w_up, b_up = pir.const_array(node.inputs[1]), pir.const_array(node.inputs[2]) if len(node.inputs) > 2 else None
     ffn = active.shape[1]
     if w_up is None or w_up.ndim != 2 or w_up.shape[0] != inputs.shape[1] or w_up.shape[1] < ffn:
-        return None
-    pre = inputs @ np.asarray(w_up[:, :ffn], np.float32)
+        return None, None
+    weight = np.asarray(w_up[:, :ffn], np.float32)
+    pre = inputs @ weight
     if b_up is not None:
         pre += np.asarray(b_up, np.float32).reshape(-1)[:ffn]
     if pir.attr(node, "activation") == "relu" and ((pre > 0) == active).mean() < 0.99:
-        return None
-    return pre
+        return None, None
+    return pre, weight
 
 
 @dataclass
@@ -543,26 +554,26 @@ class Predict:
         # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.
         row_dtype = weight_storage_dtype("cpu", self.weight_dtype)
 
-        def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
             # pre-activations are recomputed per phase rather than all held: 128 MiB a layer at ffn 8192
             inputs, active = data[index]
-            return inputs, active, _pre_activations(nodes[index], inputs, active)
+            return inputs, active, *_pre_activations(nodes[index], inputs, active)
 
         def price(index: int) -> dict[int, tuple[float, float]]:
             with ctx.layer(layers[index]):
-                inputs, active, pre = layer_data(index)
+                inputs, active, pre, up = layer_data(index)
                 # d_model: where a low-rank first layer stops being low rank
                 limit = min(d_model, budget // widths[index])
                 priced = price_ranks(inputs, active, limit, gated[index], target_recall=self.target_recall,
-                                     pre_activations=pre, row_dtype=row_dtype)
+                                     pre_activations=pre, row_dtype=row_dtype, up_weight=up)
             advance()
             return priced
 
         def train(index: int) -> tuple[Predictor, bool]:
             with ctx.layer(layers[index]):
-                inputs, active, pre = layer_data(index)
+                inputs, active, pre, up = layer_data(index)
                 predictor = train_predictor(inputs, active, ranks[index], target_recall=self.target_recall,
-                                            seed=self.seed + layers[index], pre_activations=pre)
+                                            seed=self.seed + layers[index], pre_activations=pre, up_weight=up)
             advance()
             return predictor, pre is not None
 
