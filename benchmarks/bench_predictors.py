@@ -94,29 +94,34 @@ def profiles(var: float, tokens: list[int], test_tokens: int, hidden: int, ffn: 
 # ---------------------------------------------------------------- methods: (x, active, pre, rank) -> scorer
 
 
-def method_current(x, active, pre, rank, up):
-    p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, checkpoints=0)
+OLD_W2_RIDGE = 1e-3  # the probe's w2 ridge before W2_RIDGE
+
+
+def _result(p: P.Predictor) -> dict:
     return dict(predict=p.predict, rank=p.rank, seconds=p.train_seconds)
 
 
-def method_select(x, active, pre, rank, up):
-    """BCE training that keeps the best of 8 checkpoints and the start by held-out (threshold-token)
-    predicted-active share, stopping after 2 without improvement."""
-    p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, checkpoints=8, patience=2)
-    return dict(predict=p.predict, rank=p.rank, seconds=p.train_seconds)
+def method_old(x, active, pre, rank, up):
+    """The method before: the probe from the pre-activations alone, then BCE to the end."""
+    return _result(P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, checkpoints=0,
+                                     w2_ridge=OLD_W2_RIDGE))
 
 
-def method_best(x, active, pre, rank, up):
-    """BCE training to the end that keeps the best of the start and 8 checkpoints by held-out (threshold-token)
-    predicted-active share."""
-    p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, checkpoints=8, patience=None)
-    return dict(predict=p.predict, rank=p.rank, seconds=p.train_seconds)
+def method_old_probe(x, active, pre, rank, up):
+    """The old start alone (no BCE)."""
+    return _result(P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, epochs=0,
+                                     w2_ridge=OLD_W2_RIDGE))
 
 
-def method_probe(x, active, pre, rank, up):
-    """The least-squares start alone (no BCE training)."""
-    p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, epochs=0)
-    return dict(predict=p.predict, rank=p.rank, seconds=p.train_seconds)
+def trained(**kwargs):
+    """train_predictor as the pass calls it now (the up weight given), with `kwargs` changed."""
+
+    def method(x, active, pre, rank, up):
+        return _result(P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, up_weight=up,
+                                         **kwargs))
+
+    method.new = True
+    return method
 
 
 def _split(x, active, pre):
@@ -135,47 +140,32 @@ def _neuron_weights(active, kind):
     return torch.from_numpy(w / w.max())
 
 
-def _probe(x, active, pre, rank, weights=None, neurons=None, ridge=1e-3, w2_ridge=None, up=None):
-    """(w1, w2) of the least-squares probe, on the neurons `neurons` only if given (w2's other columns 0)."""
-    cols = slice(None) if neurons is None else neurons
-    w1, w2 = P._init_weights(x, active[:, cols], rank, pre[:, cols], weights=weights, ridge=ridge, w2_ridge=w2_ridge,
-                              up=None if up is None else up[:, cols])
-    if neurons is not None:
-        full = np.zeros((w2.shape[0], active.shape[1]), np.float32)
-        full[:, neurons] = w2
-        w2 = full
-    return w1, w2
-
-
-def probe_method(weights=None, rank_scale=1.0, thresholds="global", hot=0.0, ridge=1e-3, w2_ridge=None, shrink=False):
-    """A probe (no BCE training) with subspace weights `weights` (None, "density", "rate"), at rank_scale x the
-    priced rank, thresholds "global" (one, for recall TARGET on the threshold tokens), "neuron" (each neuron at
-    recall TARGET on its own threshold-token positives; the global one where it has fewer than 5) or
-    with
-    `hot` > 0 that share of the neurons (the most often active in training) is always computed and the rest
-    need only the recall that brings the total to TARGET."""
+def probe_method(weights=None, rank_scale=1.0, thresholds="global", hot=0.0):
+    """The new start (`_init_weights` with the up weight, no BCE) with subspace weights `weights` (None,
+    "density", "rate"), at rank_scale x the priced rank, thresholds "global" (one, for recall TARGET on the
+    threshold tokens) or "neuron" (each neuron at recall TARGET on its own threshold-token positives; the
+    global one where it has fewer than 5); with `hot` > 0 that share of the neurons (the most often active
+    in training) is always computed and the rest need only the recall that brings the total to TARGET."""
 
     def method(x, active, pre, rank, up):
         started = time.perf_counter()
         rank = max(8, int(round(rank * rank_scale)))
         (xt, yt, pt), (xh, yh, ph) = _split(x, active, pre)
         ffn = active.shape[1]
-        rate = yt.mean(0)
-        order = np.argsort(-rate, kind="stable")
+        order = np.argsort(-yt.mean(0), kind="stable")
         n_hot = int(round(hot * ffn))
         hot_set, rest = order[:n_hot], np.sort(order[n_hot:])
         w = None if weights is None else _neuron_weights(yt[:, rest], weights)
-        w1, w2 = _probe(xt, yt, pt, rank, w, rest if n_hot else None, ridge, w2_ridge,
-                        up if shrink else None)
+        w1, w2_rest = P._init_weights(xt, yt[:, rest], rank, pt[:, rest], weights=w, up=up[:, rest])
+        w2 = np.zeros((w2_rest.shape[0], ffn), np.float32)
+        w2[:, rest] = w2_rest
         logits = np.maximum(xh @ w1, 0) @ w2
         target = TARGET
         if n_hot:
             total, in_hot = yh.sum(), yh[:, hot_set].sum()
             target = max(0.0, (TARGET * total - in_hot) / max(1, total - in_hot))
-        yr = yh[:, rest]
-        lr = logits[:, rest]
-        t_global = P._threshold_for_recall(lr, yr, target)
-        t = np.full(ffn, t_global, np.float32)
+        yr, lr = yh[:, rest], logits[:, rest]
+        t = np.full(ffn, P._threshold_for_recall(lr, yr, target), np.float32)
         if thresholds == "neuron":
             for k, j in enumerate(rest):
                 pos = np.sort(lr[:, k][yr[:, k]])
@@ -190,43 +180,18 @@ def probe_method(weights=None, rank_scale=1.0, thresholds="global", hot=0.0, rid
 
         return dict(predict=predict, rank=rank, seconds=seconds)
 
+    method.new = True
     return method
 
 
-def _shrunk_rank(method):
-    method.shrunk = True  # its rank_scale applies to the rank priced with the up weight
-    return method
-
-
-def shrunk(checkpoints=0, patience=None, epochs=None):
-    """train_predictor given the up weight (the shrunk-covariance probe start), then BCE as configured."""
-
-    def method(x, active, pre, rank, up):
-        p = P.train_predictor(x, active, rank, target_recall=TARGET, pre_activations=pre, up_weight=up,
-                              checkpoints=checkpoints, patience=patience, epochs=epochs)
-        return dict(predict=p.predict, rank=p.rank, seconds=p.train_seconds)
-
-    method.shrunk = True  # priced with the up weight too
-    return method
-
-
-METHODS = {"current": method_current, "select": method_select, "best": method_best, "probe": method_probe,
-           "probe-density": probe_method("density"), "probe-rate": probe_method("rate"),
-           "probe-neuronthr": probe_method(thresholds="neuron"),
-           "probe-hot5": probe_method(hot=0.05), "probe-hot10": probe_method(hot=0.10),
-           "probe-hot20": probe_method(hot=0.20),
-           "new": shrunk(8), "shrink-probe": shrunk(epochs=0), "shrink-bce": shrunk(), "shrink-best": shrunk(8),
-           "shrink-select": shrunk(8, 2),
-           "shrink-r0.5": _shrunk_rank(probe_method(shrink=True, rank_scale=0.5)),
-           "shrink-r2": _shrunk_rank(probe_method(shrink=True, rank_scale=2.0)),
-           "shrink-w2ridge1e-5": _shrunk_rank(probe_method(shrink=True, w2_ridge=1e-5)),
-           "probe-r0.5": probe_method(rank_scale=0.5),
-           "probe-ridge.01": probe_method(ridge=0.01), "probe-ridge.1": probe_method(ridge=0.1),
-           "probe-ridge1": probe_method(ridge=1.0), "probe-shrink": probe_method(shrink=True),
-           "probe-dridge.01": probe_method(ridge=0.01, w2_ridge=1e-3), "probe-dridge.1": probe_method(ridge=0.1, w2_ridge=1e-3),
-           "probe-dridge1e-4": probe_method(ridge=1e-4, w2_ridge=1e-3),
-           "probe-w2ridge1e-5": probe_method(w2_ridge=1e-5),
-           "probe-w2ridge1e-7": probe_method(w2_ridge=1e-7), "probe-w2ridge1e-2": probe_method(w2_ridge=1e-2), "probe-r2": probe_method(rank_scale=2.0)}
+METHODS = {
+    "old": method_old, "old-probe": method_old_probe,
+    "new": trained(), "new-probe": trained(epochs=0), "new-bce-to-end": trained(checkpoints=0),
+    "new+density": probe_method("density"), "new+neuron-thr": probe_method(thresholds="neuron"),
+    "new+hot5": probe_method(hot=0.05), "new+hot10": probe_method(hot=0.10), "new+hot20": probe_method(hot=0.20),
+    "new-rank/2": probe_method(rank_scale=0.5), "new-rank*2": probe_method(rank_scale=2.0),
+}
+DEFAULT_METHODS = "old,old-probe,new,new-probe,new-bce-to-end,new+neuron-thr,new+hot10,new-rank/2,new-rank*2"
 
 
 def evaluate(result: dict, test) -> dict:
@@ -239,7 +204,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vars", default="0.9,0.8,0.7")
     parser.add_argument("--tokens", default="1024,4096,16384")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"of {', '.join(METHODS)}")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--ffn", type=int, default=3072)
     parser.add_argument("--layers", type=int, default=2)
@@ -253,7 +218,7 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     methods = args.methods.split(",")
     rows = []
-    header = (f"{'var':>5} {'tokens':>6} {'layer':>5} {'sparsity':>8} {'method':<14} {'rank':>5} {'recall':>7} "
+    header = (f"{'var':>5} {'tokens':>6} {'layer':>5} {'sparsity':>8} {'method':<15} {'rank':>5} {'recall':>7} "
               f"{'precision':>9} {'active':>7} {'MiB/step':>8} {'train s':>7}")
     print(header, flush=True)
     for var in variances:
@@ -263,20 +228,17 @@ def main(argv=None) -> int:
                 if args.only_layer is not None and layer != args.only_layer:
                     continue
                 d, ffn = x.shape[1], active.shape[1]
-                priced = P.price_ranks(x, active, d, False, target_recall=TARGET, pre_activations=pre)
-                rank = min(priced, key=lambda r: (priced[r][1], r))
-                shrunk_rank = None
-                if any(getattr(METHODS[name], "shrunk", False) for name in methods):
+                # each method at the rank its own pricing picks: the old probe's, or the new one's (the pass's)
+                ranks = {}
+                for kind, kwargs in (("old", dict(w2_ridge=OLD_W2_RIDGE)), ("new", dict(up_weight=ups[layer]))):
                     started = time.perf_counter()
-                    priced_up = P.price_ranks(x, active, d, False, target_recall=TARGET, pre_activations=pre,
-                                              up_weight=ups[layer])
-                    shrunk_rank = min(priced_up, key=lambda r: (priced_up[r][1], r))
-                    print(f"# var {var} tokens {n} layer {layer}: priced ranks {sorted(priced)} -> {rank}; with the "
-                          f"up weight {sorted(priced_up)} -> {shrunk_rank} "
-                          f"({time.perf_counter() - started:.1f}s)", flush=True)
+                    priced = P.price_ranks(x, active, d, False, target_recall=TARGET, pre_activations=pre, **kwargs)
+                    ranks[kind] = min(priced, key=lambda r: (priced[r][1], r))
+                    print(f"# var {var} tokens {n} layer {layer}: {kind} pricing: ranks {sorted(priced)} -> "
+                          f"{ranks[kind]} in {time.perf_counter() - started:.1f}s", flush=True)
                 for name in methods:
                     started = time.perf_counter()
-                    chosen = shrunk_rank if getattr(METHODS[name], "shrunk", False) else rank
+                    chosen = ranks["new" if getattr(METHODS[name], "new", False) else "old"]
                     result = METHODS[name](x, active, pre, chosen, ups[layer])
                     seconds = result.get("seconds", time.perf_counter() - started)
                     s = evaluate(result, test[layer])
@@ -285,7 +247,7 @@ def main(argv=None) -> int:
                     row = dict(var=var, tokens=n, layer=layer, sparsity=float(1 - test[layer][1].mean()),
                                method=name, rank=result["rank"], **s, step_mib=reads / 2**20, train_s=seconds)
                     rows.append(row)
-                    print(f"{var:>5} {n:>6} {layer:>5} {row['sparsity']:>8.3f} {name:<14} {row['rank']:>5} "
+                    print(f"{var:>5} {n:>6} {layer:>5} {row['sparsity']:>8.3f} {name:<15} {row['rank']:>5} "
                           f"{s['recall']:>7.4f} {s['precision']:>9.3f} {s['predicted_active']:>7.4f} "
                           f"{row['step_mib']:>8.2f} {seconds:>7.1f}", flush=True)
     if args.json:
