@@ -42,7 +42,8 @@ TARGET = 0.99
 def profiles(var: float, tokens: list[int], test_tokens: int, hidden: int, ffn: int, layers: int,
              seed: int = 0) -> tuple[dict, dict]:
     """{n_tokens: [(x, active, pre) per layer]} for each calibration size (nested: the first n of one draw),
-    the test draw [(x, active, pre) per layer] and the up weights [d, ffn] per layer; cached under PICOMPILE_CACHE (the maker is deterministic)."""
+    the test draw [(x, active, pre) per layer] and the up weights [d, ffn] per layer; cached under
+    PICOMPILE_CACHE (the maker is deterministic)."""
     from examples.models import build_model, cache_dir, ffn_modules, random_tokens
 
     key = json.dumps(dict(v=var, n=max(tokens), t=test_tokens, h=hidden, f=ffn, l=layers, s=seed, version=2))

@@ -388,9 +388,9 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
     inputs [N, d] float32 are the FFN's inputs (after its norm), active [N, ffn] bool says which neurons
     output non-zero; `pre_activations` [N, ffn] (optional; the pass passes x @ w_up + b_up, the gate's
     for gated FFNs) make a much better start on large layers, and with them `up_weight` (w_up [d, ffn],
-    the pass passes it too) a much better one from fewer tokens than d (`_probe_directions`). The last `holdout` share of the tokens is
-    kept out of training: profiles are sequence-major, so these are whole sequences (a random split
-    leaks each sequence's context, and recall then falls on new text).
+    the pass passes it too) a much better one from fewer tokens than d (`_probe_directions`). The last
+    `holdout` share of the tokens is kept out of training: profiles are sequence-major, so these are whole
+    sequences (a random split leaks each sequence's context, and recall then falls on new text).
     Start: `init="lstsq"` is `_init_weights` (a least-squares probe in a supervised low-rank subspace),
     `"random"` Kaiming-uniform. Then Adam over shuffled mini-batches of `batch_size` tokens for `epochs`
     passes (default: STEPS updates, fewer where they would cost over TRAIN_FLOPS, at least MIN_EPOCHS
