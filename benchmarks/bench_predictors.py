@@ -14,7 +14,21 @@ x @ w_up + b (what the pass's `_pre_activations` computes); tokens are random id
 Splits: each method trains on the first 80% of the calibration tokens and sets its threshold(s) on the
 last 20% (whole sequences, as the pass does); every figure in the table is then measured on `--test-tokens`
 other tokens (another seed) that neither saw. The rank of every method is the one `price_ranks` picks for
-the layer (the pass's choice, before the parameter budget), unless a method says otherwise.
+the layer (the pass's choice, before the parameter budget) with that method's own probe (old or new),
+times the factor its name says (rank/2, rank*2). "train s" is that method's own seconds (one torch thread),
+not counting pricing, which the '#' lines time.
+
+Methods: "old" is the pass before issue 13 (probe from the pre-activations alone, w2 ridge 1e-3, BCE to the
+end); "new" is the pass now (probe given the up weight: exact cross-covariance, Ledoit-Wolf shrunk input
+covariance, w2 ridge 1e-5; BCE; the best of the start and 8 checkpoints on the threshold tokens); "-probe"
+is a start alone, "new-bce-to-end" the new start then BCE keeping the last; "new+..." are candidates on the
+new start: "density" weights the subspace fit per neuron by phi(Phi^-1(1 - p_j)), "neuron-thr" sets one
+threshold per neuron (recall 0.99 on its own threshold-token positives), "hotK" always computes the K% most
+often active neurons and thresholds the rest for the recall that brings the total to 0.99.
+
+    # the unseen-model shape (h2048, ffn 8192), one layer; then the small preset's layer 1, 1k-16k tokens
+    python benchmarks/bench_predictors.py --vars 0.9 --tokens 1024,4096 --hidden 2048 --ffn 8192 --layers 1
+    python benchmarks/bench_predictors.py --vars 0.7 --tokens 1024,4096,16384 --only-layer 1
 """
 
 from __future__ import annotations
@@ -203,7 +217,7 @@ def evaluate(result: dict, test) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vars", default="0.9,0.8,0.7")
+    parser.add_argument("--vars", default="0.9,0.8,0.7", help="lowrank_var values (lower: harder to predict)")
     parser.add_argument("--tokens", default="1024,4096,16384")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"of {', '.join(METHODS)}")
     parser.add_argument("--hidden", type=int, default=768)
