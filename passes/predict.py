@@ -4,8 +4,9 @@ Runs in predictor mode. Reads: the profiled activations (`ProfiledActivations`: 
 [tokens, d_model] float32 after the FFN's norm and the active neurons [tokens, ffn] bool; tokens
 sequence-major), written by the profile pass as memory-mapped files, each layer read (its activity unpacked)
 only while it is priced or trained; the `picompile.FFN` nodes (int attributes `layer` and
-`gated`; the up (gate) weight and bias, from which the pre-activations that the predictors are fitted to
-come); the model's parameter count (`sizes.parameter_count`); its fields `target_recall`, `param_share`,
+`gated`; the up (gate) weight and bias: the pre-activations the predictors are fitted to, and the weight
+that gives the fit's cross-covariance exactly, so a profile of fewer tokens than d_model still finds the
+right subspace); the model's parameter count (`sizes.parameter_count`); its fields `target_recall`, `param_share`,
 `weight_dtype` and `seed`.
 Adds: per FFN layer i the initializers `layers.{i}.ffn.predictor.w1` [d_model, r] and
 `layers.{i}.ffn.predictor.w2` [r, ffn] (float32; neuron j is predicted active for input x iff
@@ -16,7 +17,11 @@ for). Each layer's rank r is the one whose decode step reads the fewest weight b
 r * (d_model + ffn) fp32 weights plus the up (gate) and down rows of the neurons it predicts active at the
 CPU's storage type (`step_reads`: fp16 rows under `--weight-dtype fp16` make a predictor relatively
 dearer), as estimated before training by the least-squares probe training starts from (`price_ranks`);
-all predictors together stay within `param_share` of the model's parameters (`choose_ranks`).
+all predictors together stay within `param_share` of the model's parameters (`choose_ranks`). Training
+refines that probe with BCE and keeps whichever of the start and its checkpoints predicts fewest neurons on
+the held-out tokens. Measured and not kept (benchmarks/bench_predictors.py): per-neuron thresholds (they
+overfit the held-out tokens: recall 0.93-0.97 on new ones), always computing the hottest 5-20% (more
+predicted active than thresholding them), weighting the subspace fit by neuron.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ REF_FAN_IN = 64
 HOLDOUT = 0.2  # share of the profiled tokens (the last ones) kept out of fitting, to set thresholds on
 INIT_LOGIT_SCALE = 4.0  # the +-1 least-squares start, scaled towards logits
 PROBIT_TO_LOGIT = 1.7  # Phi(z) ~ sigmoid(1.7 z)
+# Ridge of the probe's w2 fit, relative to the mean diagonal of E[h h^T]: that mean is mostly the units'
+# constant parts (they keep x . w1_k > 0), so 1e-3 of it over-shrank the varying part; 1e-5 predicted
+# 1-4% fewer neurons on every measured layer (benchmarks/bench_predictors.py).
+W2_RIDGE = 1e-5
+CHECKPOINTS = 8  # points of training (and the start) the kept predictor is chosen from, on held-out tokens
 
 
 # ---------------------------------------------------------------- rank choice
@@ -76,7 +86,8 @@ def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bo
 
 
 def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool, *, target_recall: float,
-                pre_activations: np.ndarray | None = None, row_dtype: str = "float32") -> dict[int, tuple[float, float]]:
+                pre_activations: np.ndarray | None = None, row_dtype: str = "float32",
+                up_weight: np.ndarray | None = None, w2_ridge: float = W2_RIDGE) -> dict[int, tuple[float, float]]:
     """rank -> (estimated predicted-active share, `step_reads`) of one layer's predictor, for the
     `candidate_ranks` up to `limit`, the share from `probe_active`. Pricing stops before the first rank
     that cannot beat the cheapest so far even if it predicted no more neurons than `target_recall` of
@@ -86,7 +97,7 @@ def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool,
     least_share = target_recall * float(np.mean(active[_training_tokens(len(active), HOLDOUT):]))
     priced: dict[int, tuple[float, float]] = {}
     for rank, share in probe_active(inputs, active, ranks, target_recall=target_recall,
-                                    pre_activations=pre_activations):
+                                    pre_activations=pre_activations, up_weight=up_weight, w2_ridge=w2_ridge):
         priced[rank] = (share, step_reads(rank, share, d_model, ffn, gated, row_dtype))
         best = min(reads for _, reads in priced.values())
         larger = [r for r in ranks if r > rank]
@@ -193,22 +204,51 @@ def _targets(active: np.ndarray, pre: np.ndarray | None) -> torch.Tensor:
     return torch.from_numpy(np.where(active, np.float32(1), np.float32(-1)))
 
 
-def _probe_directions(x: np.ndarray, t: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _usable_up(up: np.ndarray | None, pre: np.ndarray | None) -> np.ndarray | None:
+    """The up weight where the probe can use it: it stands for the pre-activations, so only with them."""
+    return None if up is None or pre is None else up
+
+
+def _shrinkage(xc: torch.Tensor, cov: torch.Tensor) -> float:
+    """Ledoit-Wolf's weight on mu I (mu = mean variance) in the covariance estimate (1 - a) cov + a mu I of
+    the centred inputs xc [n, d]: near 1 where n is small against d, near 0 where it is large."""
+    n, d = xc.shape
+    mu = float(cov.diagonal().mean())
+    spread = float(((cov - mu * torch.eye(d, dtype=cov.dtype)) ** 2).sum()) / d
+    # (1/n^2) sum_k ||x_k x_k^T - S||_F^2 / d, from sum_k |x_k|^4 - n ||S||_F^2
+    noise = (float((xc * xc).sum(1).pow(2).sum()) - n * float((cov * cov).sum())) / (n * n * d)
+    return 0.0 if spread <= 0 else min(max(noise, 0.0), spread) / spread
+
+
+def _probe_directions(x: np.ndarray, t: torch.Tensor, ridge: float, weights: torch.Tensor | None = None,
+                      up: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The least-squares probe's input directions [d, d] (float64), most predictive first, and the inputs'
     offset channel (`_offset_channel`) or None.
 
     Reduced-rank regression of the targets `t` (each neuron scaled to unit variance) on the centred
     inputs: the top generalised eigenvectors u_k of C C^T against the input covariance G (C = cov(x, t)),
-    scaled so that x . u_k has unit variance."""
+    scaled so that x . u_k has unit variance. With `up` [d, ffn] (t = x @ up + b exactly) G is the
+    Ledoit-Wolf shrunk estimate and C = G up: the weights give the cross-covariance exactly, and the
+    shrunk G credits the input directions the few profiled tokens leave unexplored."""
     n, d = x.shape
     xc = torch.from_numpy(x).double()
     xc -= xc.mean(0)
     cov = xc.T @ xc / n
+    if up is not None:
+        a = _shrinkage(xc, cov)
+        cov = (1 - a) * cov + a * cov.diagonal().mean() * torch.eye(d, dtype=torch.float64)
     cov += (ridge * cov.diagonal().mean().clamp_min(1e-12)) * torch.eye(d, dtype=torch.float64)
     chol = torch.linalg.cholesky(cov)  # G = L L^T: L^-1 whitens (as G^-1/2 does, up to a rotation; cheaper)
-    tc = t - t.mean(0)
-    tc = tc / tc.std(0).clamp_min(1e-12)
-    cross = (xc.float().T @ tc).double() / n  # [d, ffn]: float32 for the big product
+    if up is not None:
+        w = torch.from_numpy(np.ascontiguousarray(up, np.float32))
+        cross = (cov.float() @ w).double()  # [d, ffn]: float32 for the big product
+        cross /= (w.double() * cross).sum(0).clamp_min(1e-24).sqrt()  # each neuron at unit variance under G
+    else:
+        tc = t - t.mean(0)
+        tc = tc / tc.std(0).clamp_min(1e-12)
+        cross = (xc.float().T @ tc).double() / n  # [d, ffn]: float32 for the big product
+    if weights is not None:  # neuron j's squared error counts weights[j] times in the subspace fit
+        cross = cross * weights.sqrt().to(cross.dtype)
     white = torch.linalg.solve_triangular(chol, cross, upper=False)
     _, u = torch.linalg.eigh(white @ white.T)
     directions = torch.linalg.solve_triangular(chol.T, u.flip(1), upper=True)
@@ -287,27 +327,29 @@ def _probe_w2(m: _Moments, rank: int, ridge: float, scaled: bool) -> torch.Tenso
 
 
 def _init_weights(x: np.ndarray, active: np.ndarray, rank: int, pre: np.ndarray | None = None,
-                  ridge: float = 1e-3) -> tuple[np.ndarray, np.ndarray]:
+                  ridge: float = 1e-3, weights: torch.Tensor | None = None,
+                  w2_ridge: float = W2_RIDGE, up: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """A predictor that starts as a linear least-squares probe in a supervised low-rank subspace: w1 the
     first `rank` `_probe_units` (random directions beyond those), w2 their `_probe_w2`. Targets: the
     pre-activations `pre` [N, ffn] when given (neuron j fires iff pre_j > 0), else +-1 for active /
     inactive."""
     d = x.shape[1]
     t = _targets(active, pre)
-    directions, offset = _probe_directions(x, t, ridge)
+    directions, offset = _probe_directions(x, t, ridge, weights, up)
     w1 = _probe_units(x, directions, offset, 0, min(rank, _probe_size(offset, d)))
     if w1.shape[1] < rank:
         generator = torch.Generator().manual_seed(0)
         extra = torch.randn(rank - w1.shape[1], d, generator=generator, dtype=torch.float64).T
         w1 = torch.cat([w1, directions @ extra / math.sqrt(d)], 1)
     h = torch.relu(torch.from_numpy(x).double() @ w1)
-    w2 = _probe_w2(_Moments.of(h, t), rank, ridge, scaled=pre is not None)
+    w2 = _probe_w2(_Moments.of(h, t), rank, w2_ridge, scaled=pre is not None)
     return w1.float().numpy(), w2.numpy()
 
 
 def probe_active(inputs: np.ndarray, active: np.ndarray, ranks: list[int], *, target_recall: float = 0.99,
                  pre_activations: np.ndarray | None = None, holdout: float = HOLDOUT,
-                 ridge: float = 1e-3) -> Iterator[tuple[int, float]]:
+                 ridge: float = 1e-3, up_weight: np.ndarray | None = None,
+                 w2_ridge: float = W2_RIDGE) -> Iterator[tuple[int, float]]:
     """Yield, for each rank r of `ranks` in ascending order, (r, the mean fraction of neurons predicted
     active on the held-out tokens) by the predictor `train_predictor` (same arguments) starts from at rank
     r, with the threshold that reaches `target_recall` there.
@@ -321,7 +363,7 @@ def probe_active(inputs: np.ndarray, active: np.ndarray, ranks: list[int], *, ta
     n = _training_tokens(x.shape[0], holdout)
     x_train, y_hold = x[:n], y[n:]
     t = _targets(y[:n], None if pre_activations is None else pre_activations[:n])
-    directions, offset = _probe_directions(x_train, t, ridge)
+    directions, offset = _probe_directions(x_train, t, ridge, up=_usable_up(up_weight, pre_activations))
     xt, xh = torch.from_numpy(x_train).double(), torch.from_numpy(x[n:]).double()
     h, h_hold = xt[:, :0], xh[:, :0]
     moments = _Moments.of(h, t)
@@ -330,7 +372,7 @@ def probe_active(inputs: np.ndarray, active: np.ndarray, ranks: list[int], *, ta
         new = torch.relu(xt @ units)
         moments = moments.extend(h, new, t)
         h, h_hold = torch.cat([h, new], 1), torch.cat([h_hold, torch.relu(xh @ units)], 1)
-        w2 = _probe_w2(moments, rank, ridge, scaled=pre_activations is not None)
+        w2 = _probe_w2(moments, rank, w2_ridge, scaled=pre_activations is not None)
         logits = (h_hold.float() @ w2).numpy()
         threshold = _threshold_for_recall(logits, y_hold, target_recall)
         yield rank, _scores(logits > threshold, y_hold)["predicted_active"]
@@ -339,14 +381,17 @@ def probe_active(inputs: np.ndarray, active: np.ndarray, ranks: list[int], *, ta
 def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target_recall: float = 0.99,
                     epochs: int | None = None, seed: int = 0, holdout: float = HOLDOUT,
                     pre_activations: np.ndarray | None = None, batch_size: int = 256, lr: float = REL_LR,
-                    pos_weight: str | float = "global", init: str = "lstsq", threads: int = 1) -> Predictor:
+                    pos_weight: str | float = "global", init: str = "lstsq", threads: int = 1,
+                    checkpoints: int = CHECKPOINTS, patience: int | None = None,
+                    up_weight: np.ndarray | None = None, w2_ridge: float = W2_RIDGE) -> Predictor:
     """Train relu(x @ w1) @ w2 (no biases) to tell which FFN neurons a token activates.
 
     inputs [N, d] float32 are the FFN's inputs (after its norm), active [N, ffn] bool says which neurons
     output non-zero; `pre_activations` [N, ffn] (optional; the pass passes x @ w_up + b_up, the gate's
-    for gated FFNs) make a much better start on large layers. The last `holdout` share of the tokens is
-    kept out of training: profiles are sequence-major, so these are whole sequences (a random split
-    leaks each sequence's context, and recall then falls on new text).
+    for gated FFNs) make a much better start on large layers, and with them `up_weight` (w_up [d, ffn],
+    the pass passes it too) a much better one from fewer tokens than d (`_probe_directions`). The last
+    `holdout` share of the tokens is kept out of training: profiles are sequence-major, so these are whole
+    sequences (a random split leaks each sequence's context, and recall then falls on new text).
     Start: `init="lstsq"` is `_init_weights` (a least-squares probe in a supervised low-rank subspace),
     `"random"` Kaiming-uniform. Then Adam over shuffled mini-batches of `batch_size` tokens for `epochs`
     passes (default: STEPS updates, fewer where they would cost over TRAIN_FLOPS, at least MIN_EPOCHS
@@ -354,6 +399,11 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
     BCE-with-logits with positives weighted up so that misses cost more than false alarms:
     `pos_weight="global"` weighs every positive by sqrt((1 - p)/p) for the mean activation rate p,
     `"neuron"` by (1 - p_j)/p_j per neuron (clipped to [1, 100]), a float by that factor.
+    With `checkpoints` > 0 the predictor kept is the best, by predicted-active share on the held-out tokens
+    at `target_recall` there, of the start and `checkpoints` evenly spaced points of training (measured on
+    an unseen model, BCE from a pre-activation start overfits on few tokens and gains about a point of
+    precision on many: keeping the best gets both); training stops after `patience` checkpoints without
+    a better one (None: never). `checkpoints=0` keeps the last.
     The threshold is then set on the held-out tokens to the largest value that reaches `target_recall`
     there, and recall, precision and the predicted-active fraction are measured on those tokens (so
     recall >= target_recall by construction; `predicted_active` is the figure of merit; `predict_active`
@@ -382,7 +432,8 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
     with _threads(threads):
         generator = torch.Generator().manual_seed(seed)
         if init == "lstsq":
-            w1_0, w2_0 = _init_weights(x_train, y_train, rank, pre_train)
+            w1_0, w2_0 = _init_weights(x_train, y_train, rank, pre_train, w2_ridge=w2_ridge,
+                                       up=_usable_up(up_weight, pre_activations))
         elif init == "random":
             w1_0 = ((torch.rand(d, rank, generator=generator) * 2 - 1) * math.sqrt(6.0 / d)).numpy()
             w2_0 = ((torch.rand(rank, ffn, generator=generator) * 2 - 1) * math.sqrt(6.0 / rank)).numpy()
@@ -412,6 +463,21 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
         optimizer = torch.optim.Adam([{"params": [w1], "lr": sizes[0]}, {"params": [w2], "lr": sizes[1]}])
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, epochs * steps_per_epoch))
         xt, yt = torch.from_numpy(x_train), torch.from_numpy(y_train)
+        xh = torch.from_numpy(x_hold)
+
+        def held_out() -> tuple[float, np.ndarray]:
+            with torch.no_grad():
+                logits = (torch.relu(xh @ w1) @ w2).numpy()
+            threshold = _threshold_for_recall(logits, y_hold, target_recall)
+            return _scores(logits > threshold, y_hold)["predicted_active"], logits
+
+        total = epochs * steps_per_epoch
+        every = max(1, math.ceil(total / checkpoints)) if checkpoints else 0
+        best = None
+        if every:  # the start is a candidate too: on few tokens BCE can only overfit it
+            share, logits = held_out()
+            best, since = (share, w1.detach().clone(), w2.detach().clone(), logits), 0
+        step = 0
         for _ in range(epochs):
             order = torch.randperm(len(x_train), generator=generator)
             for begin in range(0, len(x_train), batch_size):
@@ -421,8 +487,23 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
                 loss.backward()
                 optimizer.step()
                 schedule.step()
-        with torch.no_grad():
-            logits = (torch.relu(torch.from_numpy(x_hold) @ w1) @ w2).numpy()
+                step += 1
+                if every and (step % every == 0 or step == total):
+                    share, logits = held_out()
+                    if share < best[0]:
+                        best, since = (share, w1.detach().clone(), w2.detach().clone(), logits), 0
+                    else:
+                        since += 1
+                    if patience is not None and since >= patience:
+                        break
+            if every and patience is not None and since >= patience:
+                break
+        if best is not None:
+            _, w1_best, w2_best, logits = best
+            w1, w2 = torch.nn.Parameter(w1_best), torch.nn.Parameter(w2_best)
+        else:
+            with torch.no_grad():
+                logits = (torch.relu(xh @ w1) @ w2).numpy()
 
     threshold = _threshold_for_recall(logits, y_hold, target_recall)
     scores = _scores(logits > threshold, y_hold)
@@ -444,19 +525,22 @@ def _threads(count: int):
 # ---------------------------------------------------------------- the pass
 
 
-def _pre_activations(node: ir.Node, inputs: np.ndarray, active: np.ndarray) -> np.ndarray | None:
-    """x @ w_up + b_up of the neurons whose activity is profiled (the gate half for gated FFNs), or None
-    when the node's weights do not fit the profile (or, for ReLU, disagree with its activity)."""
+def _pre_activations(node: ir.Node, inputs: np.ndarray,
+                     active: np.ndarray) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """(x @ w_up + b_up, w_up) of the neurons whose activity is profiled (the gate half for gated FFNs; w_up
+    [d_model, ffn]), or (None, None) when the node's weights do not fit the profile (or, for ReLU, disagree
+    with its activity)."""
     w_up, b_up = pir.const_array(node.inputs[1]), pir.const_array(node.inputs[2]) if len(node.inputs) > 2 else None
     ffn = active.shape[1]
     if w_up is None or w_up.ndim != 2 or w_up.shape[0] != inputs.shape[1] or w_up.shape[1] < ffn:
-        return None
-    pre = inputs @ np.asarray(w_up[:, :ffn], np.float32)
+        return None, None
+    weight = np.asarray(w_up[:, :ffn], np.float32)
+    pre = inputs @ weight
     if b_up is not None:
         pre += np.asarray(b_up, np.float32).reshape(-1)[:ffn]
     if pir.attr(node, "activation") == "relu" and ((pre > 0) == active).mean() < 0.99:
-        return None
-    return pre
+        return None, None
+    return pre, weight
 
 
 @dataclass
@@ -480,27 +564,27 @@ class Predict:
         # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.
         row_dtype = weight_storage_dtype("cpu", self.weight_dtype)
 
-        def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
             # activity unpacked and pre-activations recomputed per phase rather than all held: memory stays
             # at the layers in flight (one per worker), however many tokens were profiled
             inputs, active = np.asarray(data[index].inputs, np.float32), data[index].active
-            return inputs, active, _pre_activations(nodes[index], inputs, active)
+            return inputs, active, *_pre_activations(nodes[index], inputs, active)
 
         def price(index: int) -> dict[int, tuple[float, float]]:
             with ctx.layer(layers[index]):
-                inputs, active, pre = layer_data(index)
+                inputs, active, pre, up = layer_data(index)
                 # d_model: where a low-rank first layer stops being low rank
                 limit = min(d_model, budget // widths[index])
                 priced = price_ranks(inputs, active, limit, gated[index], target_recall=self.target_recall,
-                                     pre_activations=pre, row_dtype=row_dtype)
+                                     pre_activations=pre, row_dtype=row_dtype, up_weight=up)
             advance()
             return priced
 
         def train(index: int) -> tuple[Predictor, bool]:
             with ctx.layer(layers[index]):
-                inputs, active, pre = layer_data(index)
+                inputs, active, pre, up = layer_data(index)
                 predictor = train_predictor(inputs, active, ranks[index], target_recall=self.target_recall,
-                                            seed=self.seed + layers[index], pre_activations=pre)
+                                            seed=self.seed + layers[index], pre_activations=pre, up_weight=up)
             advance()
             return predictor, pre is not None
 

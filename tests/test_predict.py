@@ -108,6 +108,59 @@ def test_train_predictor_on_low_rank_data():
     assert trivial.recall == 1.0 and not good_enough(trivial)
 
 
+def weight_layer(d=256, ffn=512, rank=16, low_var=0.9, mean_p=0.1, seed=0):
+    """A synthetic ReLU FFN layer given by its weights, as the pass sees one: pre-activation = x @ w + bias
+    exactly, w a rank-16 part carrying `low_var` of each neuron's variance plus a full-rank part, biases for
+    Zipf activation probabilities of mean 0.1; inputs Gaussian with channel scales from 0.5 to 2 (not
+    isotropic, so that shrinking their covariance towards a multiple of I is not exact).
+    Returns (w [d, ffn] float32, draw(n, seed) -> (x [n, d] float32, active [n, ffn] bool, pre-activations))."""
+    from examples.models import activation_probs
+
+    rng = np.random.default_rng(seed)
+    scales = np.exp(rng.uniform(np.log(0.5), np.log(2), d))
+    low = rng.standard_normal((d, rank)) @ rng.standard_normal((rank, ffn))
+    full = rng.standard_normal((d, ffn))
+
+    def variance(part):
+        return ((part * scales[:, None]) ** 2).sum(0)
+
+    w = (low * np.sqrt(low_var / variance(low)) + full * np.sqrt((1 - low_var) / variance(full))).astype(np.float32)
+    normal = statistics.NormalDist()
+    bias = np.array([normal.inv_cdf(pj) for pj in activation_probs(ffn, mean_p, "zipf", rng=rng)], np.float32)
+
+    def draw(n, draw_seed):
+        x = (np.random.default_rng(draw_seed).standard_normal((n, d)) * scales).astype(np.float32)
+        pre = x @ w + bias
+        return x, pre > 0, pre
+
+    return w, draw
+
+
+def test_up_weight_start_needs_fewer_tokens():
+    """Given the up weight, the probe's cross-covariance is exact and its input covariance shrunk
+    (Ledoit-Wolf): fitted on fewer tokens than inputs it must predict far fewer neurons on new tokens at the
+    same recall than the probe from the profiled pre-activations alone; on many tokens both agree."""
+    w, draw = weight_layer()
+    x, active, pre = draw(160, 1)  # 128 fitted tokens for 256 inputs
+    x_new, active_new, _ = draw(4096, 2)
+    alone = predict_active(train_predictor(x, active, 32, pre_activations=pre, epochs=0), x_new, active_new)
+    with_up = train_predictor(x, active, 32, pre_activations=pre, up_weight=w, epochs=0)
+    fresh = predict_active(with_up, x_new, active_new)
+    assert fresh["recall"] >= 0.97, fresh
+    assert fresh["predicted_active"] < 0.7 * alone["predicted_active"], (fresh, alone)
+    # the method before it (BCE to the end from the probe without the weight) against the default now
+    old = predict_active(train_predictor(x, active, 32, pre_activations=pre, checkpoints=0), x_new, active_new)
+    new = predict_active(train_predictor(x, active, 32, pre_activations=pre, up_weight=w), x_new, active_new)
+    assert new["recall"] >= 0.97 and new["predicted_active"] < 0.7 * old["predicted_active"], (new, old)
+    x, active, pre = draw(8192, 3)
+    many = [train_predictor(x, active, 32, pre_activations=pre, up_weight=up, epochs=0).predicted_active
+            for up in (None, w)]
+    assert abs(many[0] - many[1]) < 0.01, many
+    # the weight only stands in for the pre-activations: without them it is not used
+    no_pre = [train_predictor(x[:512], active[:512], 16, up_weight=up, epochs=0) for up in (None, w)]
+    np.testing.assert_array_equal(no_pre[0].w2, no_pre[1].w2)
+
+
 def test_train_predictor_is_deterministic():
     x, active, _ = low_rank_layer(ffn=128)(1024, 3)
     first = train_predictor(x, active, 16, epochs=3, seed=5)
@@ -117,6 +170,20 @@ def test_train_predictor_is_deterministic():
     np.testing.assert_array_equal(first.w2, again.w2)
     assert first.threshold == again.threshold
     assert not np.array_equal(first.w2, other.w2)
+
+
+def test_training_keeps_the_best_checkpoint_on_held_out_tokens():
+    """The predictor kept is the start or a point of training, whichever predicts fewest neurons on the
+    held-out tokens at the target recall: never worse there than the start or the end of training."""
+    x, active, pre = low_rank_layer()(2048, 1)
+    for kwargs in (dict(), dict(pre_activations=pre)):
+        start = train_predictor(x, active, 32, epochs=0, **kwargs)
+        last = train_predictor(x, active, 32, checkpoints=0, **kwargs)
+        kept = train_predictor(x, active, 32, **kwargs)
+        assert kept.recall >= 0.99
+        assert kept.predicted_active <= min(start.predicted_active, last.predicted_active), (kept, start, last)
+        if not kwargs:  # from the +-1 start training helps: a later point is kept
+            assert kept.predicted_active < start.predicted_active and not np.array_equal(kept.w2, start.w2)
 
 
 def test_threshold_is_the_largest_reaching_the_target():
