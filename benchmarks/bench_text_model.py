@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target-recall", type=float, default=0.99, help="the sparse build's predictor recall")
     parser.add_argument("--eval-seqs", type=int, default=8, help="held-out windows to evaluate on")
-    parser.add_argument("--calib-seqs", type=int, default=None, help="calibration windows (default: the preset's)")
+    parser.add_argument("--calib-seqs", type=int, default=None, help="calibration windows (default: the preset's; another size is another cached model, trained again)")
     parser.add_argument("--train-threads", type=int, default=2, help="torch threads if the model must be trained")
     add_run_arguments(parser, preset="small", prompt_len=16)
     args = parsed_run_arguments(parser, argv)
