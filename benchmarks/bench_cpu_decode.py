@@ -3,7 +3,7 @@ with the memory bandwidth each reaches and the quality each speed comes at.
 
     python benchmarks/bench_cpu_decode.py [--preset 1b] [--sparsity 0.9] [--threads 2] [--tokens 32] [--runs 3]
         [--prompt-len 128] [--max-context 256] [--target-recall 0.99] [--dtypes fp32,fp16] [--cpu-isa avx2|avx512]
-        [--predictability family|easy,hard|0.95,...] [--calib-tokens 1024,4096] [--json PATH] [--record]
+        [--family | --predictability family|easy,hard|0.95,... --calib-tokens 1024,4096] [--json PATH] [--record]
 
 The benchmark family (issue 13): `--predictability` takes level names of examples/models.py's
 PREDICTABILITY_LEVELS, numbers, or `family` (every level), and `--calib-tokens` the calibration file sizes
@@ -12,7 +12,9 @@ PREDICTABILITY_LEVELS, numbers, or `family` (every level), and `--calib-tokens` 
 one model it always was (the maker's default predictability and 4,096 calibration tokens). Members of one
 predictability share onnxruntime and the dense artifacts; the report gives, per member, the sparse build's
 speed, bytes/token, eval KL per position and top-1 against onnxruntime, and the predictors' recall and
-precision (the manifest's per-layer figures). `--preset tiny` is a smoke run (seconds per member).
+precision (the manifest's per-layer figures). `--family` is examples/models.py's FAMILY sweep: every level
+at each of its calibration sizes (1,024 and 4,096 tokens). `--preset tiny` is a smoke run (a minute or two
+per member here).
 
 One run makes the model (or reuses it from the cache, keyed by its config hash), builds it for `--target cpu`
 dense and sparse for each weight dtype of `--dtypes` (or reuses the builds: they are cached by model, build
@@ -294,8 +296,17 @@ def main(argv=None) -> int:
                              "(examples/models.py PREDICTABILITY_LEVELS) or numbers, comma-separated")
     parser.add_argument("--calib-tokens", type=_calib_tokens, default=None,
                         help="calibration file sizes in tokens (multiples of 64), comma-separated, e.g. 1024,4096")
+    parser.add_argument("--family", action="store_true",
+                        help="the whole FAMILY sweep of examples/models.py: every level x its calibration sizes")
     add_run_arguments(parser, preset="1b", prompt_len=128)  # --threads also sets the bandwidth probe's
     args = parsed_run_arguments(parser, argv)
+    if args.family:
+        from examples.models import FAMILY, TOKEN_DEFAULTS
+
+        if args.predictability is not None or args.calib_tokens is not None:
+            parser.error("--family is every level at every calibration size: give it alone, or the two lists")
+        args.predictability = list(FAMILY["levels"].values())
+        args.calib_tokens = [seqs * TOKEN_DEFAULTS["seq_len"] for seqs in FAMILY["calib_seqs"]]
 
     from examples.bench_decode import machine, measure, quality, record
     from examples.models import SYNTH_DEFAULTS, TOKEN_DEFAULTS, cached_models

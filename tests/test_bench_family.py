@@ -34,3 +34,19 @@ def test_the_default_member_is_the_suite_model_of_before():
     plain = models.config_hash("opt", "1b", sparsity=0.9)
     assert models.config_hash("opt", "1b", sparsity=0.9, **bench.member_overrides(0.95, 4096)) == plain
     assert models.config_hash("opt", "1b", sparsity=0.9, **bench.member_overrides(0.6, 4096)) != plain
+
+
+def test_family_flag_is_the_models_sweep(monkeypatch):
+    seen = {}
+
+    def stop(specs, log=None):  # stop before anything is built: record what the run would make
+        seen["specs"] = specs
+        raise SystemExit(0)
+
+    monkeypatch.setattr(models, "cached_models", stop)
+    with pytest.raises(SystemExit):
+        bench.main(["--family", "--preset", "tiny", "--max-context", "64", "--prompt-len", "8", "--tokens", "4"])
+    easy = models.FAMILY["levels"]["easy"]
+    # the first level's members, one per calibration size of the sweep
+    assert [s.get("calib_seqs", models.TOKEN_DEFAULTS["n_seqs"]) for s in seen["specs"]] == list(models.FAMILY["calib_seqs"])
+    assert all(s.get("predictability") == easy and s["preset"] == "tiny" for s in seen["specs"])
