@@ -222,7 +222,8 @@ MODEL_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig"
 ROTARY_TYPES = ("llama", "gpt_neox", "falcon")  # these take position_ids (optimum's inputs too)
 BIASED_FFN_TYPES = ("opt", "gpt2", "gpt_neox")  # synthetic thresholds go into the FFN up bias
 
-# Knobs of the synthetic structure (may be passed as keyword overrides).
+# Knobs of the synthetic structure (may be passed as keyword overrides). Only overrides given are hashed,
+# so changing a default here must bump MAKER_VERSION (else cached models of the old default are reused).
 # `predictability` (called lowrank_var before; that name is still accepted) is the difficulty knob of the
 # benchmark family: see PREDICTABILITY_LEVELS.
 SYNTH_DEFAULTS: dict[str, Any] = dict(lowrank_rank=None, predictability=0.95, pmax=0.95)
