@@ -17,7 +17,12 @@ AdamW steps (linear warm-up, cosine decay) on random windows of the training str
 whatever the ReLU FFNs learn, measured on the held-out windows afterwards (models.measure_sparsity).
 
 Presets (TEXT_PRESETS): ``tiny`` (tests: seconds) and ``small`` (hidden 256, 4 layers, FFN 1024, context
-256; a few minutes on 2 CPU cores). :func:`cached_text_model` trains once per configuration into
+256, 3.3M parameters, 800 steps of 8 windows = 1.6M bytes seen). Measured 2026-12-01 (torch 2.13, Python
+3.11 stdlib: 512 training files, 9.3M bytes; 65 held out, 1.7M bytes): 0.64 CPU-seconds a step on one
+thread, so about 9 minutes on one idle core (27 minutes wall at nice 10 on a 2-core machine loaded ~8, one
+thread: two threads were several times slower there); held-out loss 5.54 -> 2.08 nats/byte (perplexity
+255 -> 8.0); learned FFN sparsity per layer 0.70, 0.93, 0.96, 0.95 on the held-out windows (top-20%
+neurons carry 35%, 65%, 71%, 75% of the activations). :func:`cached_text_model` trains once per configuration into
 ``cache_dir()/models/text-opt-<preset>-<hash12>/`` with the files every model directory has (model.onnx,
 calib.npy: windows of the training files, heldout.npy: windows of the held-out files, config.json with the
 training record, losses and measured sparsity), so ``picompile build model.onnx --calib calib.npy`` and the
