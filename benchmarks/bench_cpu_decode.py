@@ -3,7 +3,18 @@ with the memory bandwidth each reaches and the quality each speed comes at.
 
     python benchmarks/bench_cpu_decode.py [--preset 1b] [--sparsity 0.9] [--threads 2] [--tokens 32] [--runs 3]
         [--prompt-len 128] [--max-context 256] [--target-recall 0.99] [--dtypes fp32,fp16] [--cpu-isa avx2|avx512]
-        [--json PATH] [--record]
+        [--family | --predictability family|easy,hard|0.95,... --calib-tokens 1024,4096] [--json PATH] [--record]
+
+The benchmark family (issue 13): `--predictability` takes level names of examples/models.py's
+PREDICTABILITY_LEVELS, numbers, or `family` (every level), and `--calib-tokens` the calibration file sizes
+(multiples of 64 tokens); each (predictability, calibration size) pair is one family member, a model of its own
+(the same weights for one predictability: only its calib.npy differs). Without either option the run is the
+one model it always was (the maker's default predictability and 4,096 calibration tokens). Members of one
+predictability share onnxruntime and the dense artifacts; the report gives, per member, the sparse build's
+speed, bytes/token, eval KL per position and top-1 against onnxruntime, and the predictors' recall and
+precision (the manifest's per-layer figures). `--family` is examples/models.py's FAMILY sweep: every level
+at each of its calibration sizes (1,024 and 4,096 tokens). `--preset tiny` is a smoke run (a minute or two
+per member here).
 
 One run makes the model (or reuses it from the cache, keyed by its config hash), builds it for `--target cpu`
 dense and sparse for each weight dtype of `--dtypes` (or reuses the builds: they are cached by model, build
@@ -79,8 +90,8 @@ class Bandwidth:
                 "buffer_mib": self.elements * 4 >> 20, "threads": self.threads}
 
 
-def engine_name(kind: str, dtype: str) -> str:
-    return f"picompile {kind}" + ("" if dtype == "fp32" else f" {dtype}")
+def engine_name(kind: str, dtype: str, member: str = "") -> str:
+    return f"picompile {kind}" + ("" if dtype == "fp32" else f" {dtype}") + (f" ({member})" if member else "")
 
 
 def weight_dtypes(artifact: Path) -> list[str]:
@@ -88,22 +99,27 @@ def weight_dtypes(artifact: Path) -> list[str]:
     return sorted({b["dtype"] for b in manifest["buffers"].values() if b["kind"] == "weight" and b["dtype"].startswith("float")})
 
 
-def build_all(files, args) -> dict[str, Path]:
-    """Dense and sparse artifacts for each weight dtype, in the order the runs alternate."""
+def build_all(members: dict[str, object], args) -> dict[str, Path]:
+    """Dense and sparse artifacts for each weight dtype, in the order the runs alternate. `members` maps a
+    label ("" for a lone model) to the ModelFiles of one predictability; the first one's dense artifacts
+    serve all (the same weights: only the calibration file differs, and a dense build uses it for nothing
+    that changes its arithmetic), each gets its own sparse ones."""
     from examples.bench_decode import ensure_artifact
 
     artifacts = {}
+    first = next(iter(members.values()))
     for dtype in args.dtypes:
         for kind in ("dense", "sparse"):
             options = {"weight_dtype": dtype, "cpu_isa": args.cpu_isa}
             if kind == "sparse":
                 options["target_recall"] = args.target_recall
-            path = ensure_artifact(files, f"{kind}-{dtype}", args.max_context, dense=kind == "dense",
-                                   rebuild=args.rebuild, **options)
-            if NUMPY_DTYPES[dtype] not in weight_dtypes(path):
-                print(f"warning: {path.name} was built with weight_dtype={dtype} but stores {weight_dtypes(path)} weights "
-                      "(the compiler does not apply that option)")
-            artifacts[engine_name(kind, dtype)] = path
+            for label, files in (members.items() if kind == "sparse" else [("", first)]):
+                path = ensure_artifact(files, f"{kind}-{dtype}", args.max_context, dense=kind == "dense",
+                                       rebuild=args.rebuild, **options)
+                if NUMPY_DTYPES[dtype] not in weight_dtypes(path):
+                    print(f"warning: {path.name} was built with weight_dtype={dtype} but stores {weight_dtypes(path)} "
+                          "weights (the compiler does not apply that option)")
+                artifacts[engine_name(kind, dtype, label)] = path
     return artifacts
 
 
@@ -127,18 +143,22 @@ def byte_agreement(artifacts: dict[str, Path]) -> dict[str, dict]:
     return agreement
 
 
-def derive(summary: dict, bandwidth: dict, dtypes) -> dict:
-    """Effective bandwidth per artifact (into `summary`) and, per dtype, the sparse/dense limit and achieved ratios."""
+def derive(summary: dict, bandwidth: dict, dtypes, labels=("",)) -> dict:
+    """Effective bandwidth per artifact (into `summary`) and, per dtype (and member label), the sparse/dense
+    limit and achieved ratios."""
     for figures in summary.values():
         if "weight_bytes_per_token" in figures:
             figures["effective_gbs"] = figures["weight_bytes_per_token"] * figures["decode_tokens_per_s"] / 1e9
             figures["copy_bandwidth_share"] = figures["effective_gbs"] / bandwidth["copy_gbs"]
     ratios = {}
     for dtype in dtypes:
-        dense, sparse = summary[engine_name("dense", dtype)], summary[engine_name("sparse", dtype)]
-        limit = dense["weight_bytes_per_token"] / sparse["weight_bytes_per_token"]
-        achieved = sparse["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
-        ratios[dtype] = {"limit_ratio": limit, "achieved_ratio": achieved, "share_of_limit": achieved / limit}
+        for label in labels:
+            dense, sparse = summary[engine_name("dense", dtype)], summary[engine_name("sparse", dtype, label)]
+            limit = dense["weight_bytes_per_token"] / sparse["weight_bytes_per_token"]
+            achieved = sparse["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+            ratios[dtype + (f" ({label})" if label else "")] = {
+                "limit_ratio": limit, "achieved_ratio": achieved, "share_of_limit": achieved / limit,
+                "dense": engine_name("dense", dtype), "sparse": engine_name("sparse", dtype, label)}
     return ratios
 
 
@@ -162,7 +182,7 @@ def report(config: dict, summary: dict, qualities: dict, bandwidth: dict, ratios
              f"{plural(len(bandwidth['copy_samples_gbs']), 'run')}): copy {bandwidth['copy_gbs']:.1f} GB/s (bytes copied), "
              f"read {bandwidth['read_gbs']:.1f} GB/s."]
     for dtype, r in ratios.items():
-        dense, sparse = summary[engine_name("dense", dtype)], summary[engine_name("sparse", dtype)]
+        dense, sparse = summary[r["dense"]], summary[r["sparse"]]
         lines.append(f"Sparse over dense ({dtype} weights): limit {r['limit_ratio']:.2f}x "
                      f"({mib(dense['weight_bytes_per_token'])} / {mib(sparse['weight_bytes_per_token'])} MiB per token), achieved {r['achieved_ratio']:.2f}x = {r['share_of_limit'] * 100:.0f}% of the limit.")
     return "\n".join(lines)
@@ -184,6 +204,85 @@ def _dtypes(text: str) -> list[str]:
     return list(dict.fromkeys(dtypes))
 
 
+def _predictabilities(text: str) -> list:
+    """`family`, level names and/or numbers in [0, 1], comma-separated -> predictability values."""
+    from examples.models import PREDICTABILITY_LEVELS
+
+    values = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        if item == "family":
+            values += PREDICTABILITY_LEVELS.values()
+        elif item in PREDICTABILITY_LEVELS:
+            values.append(PREDICTABILITY_LEVELS[item])
+        else:
+            try:
+                value = float(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{item!r} is neither a number nor one of family, "
+                                                 f"{', '.join(PREDICTABILITY_LEVELS)}") from None
+            if not 0 <= value <= 1:
+                raise argparse.ArgumentTypeError(f"predictability {value} is not in [0, 1]")
+            values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one predictability")
+    return list(dict.fromkeys(values))
+
+
+def _calib_tokens(text: str) -> list[int]:
+    from examples.models import TOKEN_DEFAULTS
+
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    step = TOKEN_DEFAULTS["seq_len"]
+    if not values or any(v < step or v % step for v in values):
+        raise argparse.ArgumentTypeError(f"calibration sizes must be positive multiples of {step} tokens (sequences of {step})")
+    return list(dict.fromkeys(values))
+
+
+def member_overrides(predictability, calib_tokens) -> dict:
+    """cached_model overrides of one family member; the maker's defaults are left out, so that the default
+    member is the very model (and cache entry) the suite measured before it had a family."""
+    from examples.models import SYNTH_DEFAULTS, TOKEN_DEFAULTS
+
+    over = {}
+    if predictability is not None and predictability != SYNTH_DEFAULTS["predictability"]:
+        over["predictability"] = predictability
+    if calib_tokens is not None:
+        seqs = calib_tokens // TOKEN_DEFAULTS["seq_len"]
+        if seqs != TOKEN_DEFAULTS["n_seqs"]:
+            over["calib_seqs"] = seqs
+    return over
+
+
+def member_label(predictability, calib_tokens, family: bool) -> str:
+    """"" for the lone default model, else e.g. "p=0.6, calib 1024" (what the member's engines are called)."""
+    from examples.models import SYNTH_DEFAULTS, TOKEN_DEFAULTS
+
+    if not family:
+        return ""
+    p = SYNTH_DEFAULTS["predictability"] if predictability is None else predictability
+    c = TOKEN_DEFAULTS["n_seqs"] * TOKEN_DEFAULTS["seq_len"] if calib_tokens is None else calib_tokens
+    return f"p={p:g}, calib {c}"
+
+
+def family_table(rows: list[dict]) -> str:
+    """One row per family member: its sparse build's speed, traffic and quality (fp32 or the first dtype)."""
+    lines = ["| predictability | calib tokens | sparse tok/s | vs dense | vs onnxruntime | MiB/token | KL/position "
+             "| top-1 | recall min | precision mean | predicted active |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        q = r["quality"]
+        recall = f"{q['recall_min']:.3f}" if "recall_min" in q else "-"
+        precision = f"{q['precision_mean']:.2f}" if "precision_mean" in q else "-"
+        active = f"{q['predicted_active_mean'] * 100:.1f}%" if "predicted_active_mean" in q else "-"
+        lines.append(f"| {r['predictability']:g} | {r['calib_tokens']} | {r['tokens_per_s']:.2f} | {r['vs_dense']:.2f}x "
+                     f"| {r['vs_onnxruntime']:.2f}x | {mib(r['bytes_per_token'])} | {q['kl_mean']:.2e} "
+                     f"| {q['top1_agreement']:.3f} | {recall} | {precision} | {active} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sparsity", type=float, default=0.9, help="synthetic FFN sparsity (power-law hot set)")
@@ -193,50 +292,93 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
                         help="instruction set of the CPU kernels (default: the build's, this machine's widest; "
                              "onnxruntime picks its own at run time)")
+    parser.add_argument("--predictability", type=_predictabilities, default=None,
+                        help="family members' predictability: 'family' (every level), level names "
+                             "(examples/models.py PREDICTABILITY_LEVELS) or numbers, comma-separated")
+    parser.add_argument("--calib-tokens", type=_calib_tokens, default=None,
+                        help="calibration file sizes in tokens (multiples of 64), comma-separated, e.g. 1024,4096")
+    parser.add_argument("--family", action="store_true",
+                        help="the whole FAMILY sweep of examples/models.py: every level x its calibration sizes")
     add_run_arguments(parser, preset="1b", prompt_len=128)  # --threads also sets the bandwidth probe's
     args = parsed_run_arguments(parser, argv)
+    if args.family:
+        from examples.models import FAMILY, TOKEN_DEFAULTS
+
+        if args.predictability is not None or args.calib_tokens is not None:
+            parser.error("--family is every level at every calibration size: give it alone, or the two lists")
+        args.predictability = list(FAMILY["levels"].values())
+        args.calib_tokens = [seqs * TOKEN_DEFAULTS["seq_len"] for seqs in FAMILY["calib_seqs"]]
 
     from examples.bench_decode import machine, measure, quality, record
-    from examples.models import cached_model
-
-    files = cached_model("opt", preset=args.preset, sparsity=args.sparsity, log=print)
-    params = json.loads(files.config.read_text())["num_params"]
-    artifacts = build_all(files, args)
-    print(f"evaluating {len(artifacts)} artifacts against onnxruntime on held-out tokens")
+    from examples.models import SYNTH_DEFAULTS, TOKEN_DEFAULTS, cached_models
     from picompile.reference import OrtDecoder
 
-    reference = OrtDecoder(files.onnx)
-    qualities = {name: quality(files, path, reference=reference) for name, path in artifacts.items()}
-    del reference
-    gc.collect()
-    agreement = byte_agreement(artifacts)
-    for name, counts in agreement.items():
-        print(f"{name}: the cost model and the runtime count the same weight bytes for "
-              f"{counts['calls'] - len(counts['disagree'])} of {counts['calls']} decode calls"
-              + (f" (not: {', '.join(counts['disagree'])})" if counts["disagree"] else ""))
-    print(f"timing: {plural(args.runs, 'alternating run')} of {args.tokens} tokens after a {args.prompt_len}-token prompt")
-    probe = Bandwidth(args.threads)
-    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe)
-    bandwidth = probe.summary()
-    ratios = derive(summary, bandwidth, args.dtypes)
-    config = {"family": "opt", "preset": args.preset, "params": params, "sparsity": args.sparsity,
-              "threads": args.threads, "tokens": args.tokens, "runs": args.runs, "prompt_len": args.prompt_len,
-              "max_context": args.max_context, "target_recall": args.target_recall, "dtypes": args.dtypes,
-              "cpu_isa": args.cpu_isa,
-              "machine": machine()}
-    text = report(config, summary, qualities, bandwidth, ratios)
-    text += "\nByte counts, cost model against runtime (every decode call, 3 steps): " + "; ".join(
-        f"{name} {c['calls'] - len(c['disagree'])}/{c['calls']} agree" for name, c in agreement.items()) + "."
-    print(text)
+    family = args.predictability is not None or args.calib_tokens is not None
+    levels = args.predictability or [None]
+    sizes = args.calib_tokens or [None]
+    texts, results, rows, params = [], [], [], None
+    for level in levels:
+        labels = [member_label(level, size, family) for size in sizes]
+        specs = [dict(family="opt", preset=args.preset, sparsity=args.sparsity, **member_overrides(level, size))
+                 for size in sizes]
+        members = dict(zip(labels, cached_models(specs, log=print)))
+        files = next(iter(members.values()))
+        params = json.loads(files.config.read_text())["num_params"]
+        artifacts = build_all(members, args)
+        print(f"evaluating {len(artifacts)} artifacts against onnxruntime on held-out tokens")
+        reference = OrtDecoder(files.onnx)
+        qualities = {name: quality(files, path, reference=reference) for name, path in artifacts.items()}
+        del reference
+        gc.collect()
+        agreement = byte_agreement(artifacts)
+        for name, counts in agreement.items():
+            print(f"{name}: the cost model and the runtime count the same weight bytes for "
+                  f"{counts['calls'] - len(counts['disagree'])} of {counts['calls']} decode calls"
+                  + (f" (not: {', '.join(counts['disagree'])})" if counts["disagree"] else ""))
+        print(f"timing: {plural(args.runs, 'alternating run')} of {args.tokens} tokens after a {args.prompt_len}-token prompt")
+        probe = Bandwidth(args.threads)
+        summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe)
+        bandwidth = probe.summary()
+        ratios = derive(summary, bandwidth, args.dtypes, labels)
+        config = {"family": "opt", "preset": args.preset, "params": params, "sparsity": args.sparsity,
+                  "predictability": SYNTH_DEFAULTS["predictability"] if level is None else level,
+                  "calib_tokens": [json.loads(m.config.read_text()).get("calib_tokens") for m in members.values()],
+                  "threads": args.threads, "tokens": args.tokens, "runs": args.runs, "prompt_len": args.prompt_len,
+                  "max_context": args.max_context, "target_recall": args.target_recall, "dtypes": args.dtypes,
+                  "cpu_isa": args.cpu_isa, "machine": machine()}
+        text = report(config, summary, qualities, bandwidth, ratios)
+        text += "\nByte counts, cost model against runtime (every decode call, 3 steps): " + "; ".join(
+            f"{name} {c['calls'] - len(c['disagree'])}/{c['calls']} agree" for name, c in agreement.items()) + "."
+        if family:
+            text = f"Predictability {config['predictability']:g}:\n\n" + text
+        print(text)
+        texts.append(text)
+        for label, size, member in zip(labels, sizes, members.values()):
+            sparse, dense = engine_name("sparse", args.dtypes[0], label), engine_name("dense", args.dtypes[0])
+            rows.append({"predictability": config["predictability"],
+                         "calib_tokens": json.loads(member.config.read_text()).get("calib_tokens")
+                         or TOKEN_DEFAULTS["n_seqs"] * TOKEN_DEFAULTS["seq_len"],
+                         "dtype": args.dtypes[0], "model": str(member.dir),
+                         "tokens_per_s": summary[sparse]["decode_tokens_per_s"],
+                         "vs_dense": summary[sparse]["decode_tokens_per_s"] / summary[dense]["decode_tokens_per_s"],
+                         "vs_onnxruntime": summary[sparse]["ratio"],
+                         "bytes_per_token": summary[sparse]["weight_bytes_per_token"], "quality": qualities[sparse]})
+        results.append({"config": config, "summary": summary, "quality": qualities, "bandwidth": bandwidth,
+                        "sparse_vs_dense": ratios, "byte_agreement": agreement,
+                        "artifacts": {name: {"path": str(path), "weight_dtypes": weight_dtypes(path)}
+                                      for name, path in artifacts.items()}})
+    if family:
+        table = family_table(rows)
+        print(f"\nThe family (sparse {args.dtypes[0]} builds, target recall {args.target_recall}):\n\n{table}")
+        texts.append(f"The family (sparse {args.dtypes[0]} builds, target recall {args.target_recall}):\n\n{table}")
     if args.json:
-        args.json.write_text(json.dumps({
-            "config": config, "summary": summary, "quality": qualities, "bandwidth": bandwidth,
-            "sparse_vs_dense": ratios, "byte_agreement": agreement,
-            "artifacts": {name: {"path": str(path), "weight_dtypes": weight_dtypes(path)} for name, path in artifacts.items()},
-        }, indent=1))
+        payload = results[0] if not family else {"members": rows, "runs": results}
+        args.json.write_text(json.dumps(payload, indent=1))
     if args.record:
-        record(f"CPU decode suite, opt-{args.preset} ({params / 1e6:.0f}M params, synthetic {args.sparsity:.0%}-sparse)",
-               config, text, "benchmarks/bench_cpu_decode.py", argv)
+        what = (f"benchmark family, predictability {', '.join(f'{r:g}' for r in dict.fromkeys(x['predictability'] for x in rows))}"
+                if family else f"synthetic {args.sparsity:.0%}-sparse")
+        record(f"CPU decode suite, opt-{args.preset} ({params / 1e6:.0f}M params, {what})",
+               results[-1]["config"], "\n\n".join(texts), "benchmarks/bench_cpu_decode.py", argv)
     return 0
 
 

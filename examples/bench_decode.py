@@ -160,6 +160,8 @@ def quality(files, artifact: Path, sequences: int = 4, reference=None) -> dict:
     layers = engine.manifest.get("layers", [])
     if layers and "predictor_recall" in layers[0]:
         report["recall_min"] = min(layer["predictor_recall"] for layer in layers)
+        report["recall_mean"] = sum(layer["predictor_recall"] for layer in layers) / len(layers)
+        report["precision_mean"] = sum(layer.get("predictor_precision", 0.0) for layer in layers) / len(layers)
         report["predicted_active_mean"] = sum(layer["predictor_active"] for layer in layers) / len(layers)
     del engine
     gc.collect()  # a 1B engine holds GBs: free it before the next one loads
@@ -172,7 +174,8 @@ def quality_text(q: dict) -> str:
         return "reference"
     text = f"top-1 {q['top1_agreement']:.3f}, KL {q['kl_mean']:.2e}"
     if "recall_min" in q:
-        text += f", recall >= {q['recall_min']:.3f}, {q['predicted_active_mean'] * 100:.1f}% predicted active"
+        text += (f", recall >= {q['recall_min']:.3f}, precision {q.get('precision_mean', 0.0):.2f}, "
+                 f"{q['predicted_active_mean'] * 100:.1f}% predicted active")
     return text
 
 

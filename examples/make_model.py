@@ -1,7 +1,7 @@
 """Make a random-weight ReLU decoder LLM (optionally with *synthetic* sparsity) as ONNX + token files.
 
     python examples/make_model.py {opt,llama,llama_tied,gpt2,neox,falcon} --preset tiny --sparsity 0.9 --skew zipf \
-        --exporter {dynamo,legacy,ort_basic,ort_extended,optimum} -o DIR [--seed 0] [--set hidden_size=128 --set lowrank_var=0.9]
+        --exporter {dynamo,legacy,ort_basic,ort_extended,optimum} -o DIR [--seed 0] [--set hidden_size=128 --set predictability=0.9]
 
 Prints the paths it wrote, one per line. Without -o the model goes to the cache
 (``$PICOMPILE_CACHE`` or ``~/.cache/picompile``) and is reused when it is already there.

@@ -174,7 +174,7 @@ def test_low_rank_probe_predicts_activity(family):
     recalls = _probe_recall(model, family)
     assert min(recalls) > 0.9, recalls
     # control: the same sparsity on full-rank weights is much harder to predict
-    control, _ = models.build_model(family, "tiny", sparsity=0.9, seed=0, lowrank_var=0.0)
+    control, _ = models.build_model(family, "tiny", sparsity=0.9, seed=0, predictability=0.0)
     assert max(_probe_recall(control, family)) < 0.85
 
 
@@ -282,3 +282,30 @@ def test_cli_writes_and_prints_paths(tmp_path, capsys):
     assert meta["synthetic_sparsity"]["synthetic"] is True
     assert meta["measured_sparsity"]["checks"]["sparsity_ok"] and meta["measured_sparsity"]["checks"]["skew_ok"]
     assert len(models.ort_greedy(files.onnx, PROMPT, 3)) == 3
+
+
+def test_predictability_orders_the_family_and_is_hashed_under_either_name():
+    levels = models.PREDICTABILITY_LEVELS
+    assert list(levels.values()) == sorted(levels.values(), reverse=True)  # easy first
+    recall = {}
+    for name, value in levels.items():
+        model, report = models.build_model("opt", "tiny", sparsity=0.9, seed=0, predictability=value)
+        assert report["predictability"] == value
+        recall[name] = min(_probe_recall(model, "opt"))
+    assert recall["easy"] > recall["medium"] > recall["hard"], recall
+    assert models.config_hash("opt", sparsity=0.9, lowrank_var=0.8) == models.config_hash("opt", sparsity=0.9, predictability=0.8)
+    assert models.config_hash("opt", sparsity=0.9, predictability=0.8) != models.config_hash("opt", sparsity=0.9, predictability=0.6)
+    with pytest.raises(ValueError, match="twice"):
+        models.config_hash("opt", sparsity=0.9, lowrank_var=0.8, predictability=0.8)
+
+
+def test_predictability_and_calibration_size_reach_the_model_files(tmp_path):
+    files = models.make_model("opt", tmp_path, sparsity=0.9, predictability=0.7, calib_seqs=4)
+    meta = json.loads(files.config.read_text())
+    assert files.predictability == meta["predictability"] == meta["synthetic_sparsity"]["predictability"] == 0.7
+    assert np.load(files.calib).shape == (4, models.TOKEN_DEFAULTS["seq_len"]) and meta["calib_tokens"] == 4 * 64
+    assert np.load(files.heldout).shape[0] == models.TOKEN_DEFAULTS["n_seqs"]  # held-out data keeps its size
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(files.onnx), load_external_data=False).metadata_props}
+    assert props["picompile.predictability"] == "0.7"
