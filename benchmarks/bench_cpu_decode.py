@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.bench_decode import add_run_arguments, parsed_run_arguments  # noqa: E402 (stdlib only: TVM not yet)
+from examples.bench_decode import add_run_arguments, parsed_run_arguments, predictor_cells  # noqa: E402 (stdlib only: TVM not yet)
 
 DTYPES = ("fp32", "fp16")
 NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16"}
@@ -274,12 +274,9 @@ def family_table(rows: list[dict]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         q = r["quality"]
-        recall = f"{q['recall_min']:.3f}" if "recall_min" in q else "-"
-        precision = f"{q['precision_mean']:.2f}" if "precision_mean" in q else "-"
-        active = f"{q['predicted_active_mean'] * 100:.1f}%" if "predicted_active_mean" in q else "-"
         lines.append(f"| {r['predictability']:g} | {r['calib_tokens']} | {r['tokens_per_s']:.2f} | {r['vs_dense']:.2f}x "
                      f"| {r['vs_onnxruntime']:.2f}x | {mib(r['bytes_per_token'])} | {q['kl_mean']:.2e} "
-                     f"| {q['top1_agreement']:.3f} | {recall} | {precision} | {active} |")
+                     f"| {q['top1_agreement']:.3f} | {predictor_cells(q)} |")
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.bench_decode import add_run_arguments, parsed_run_arguments  # noqa: E402 (stdlib only: TVM not yet)
+from examples.bench_decode import add_run_arguments, parsed_run_arguments, predictor_cells  # noqa: E402 (stdlib only: TVM not yet)
 
 
 def fewer_calibration_windows(files, count: int):
@@ -56,8 +56,7 @@ def perplexity_table(summary: dict, qualities: dict) -> str:
             rows.append(f"| {name} | {f['decode_tokens_per_s']:.2f} | {speed} | - | - | - | - | - | - | - | - |")
             continue
         change = q["ppl_compiled"] / q["ppl_reference"] - 1
-        predictor = ("- | - | -" if "recall_min" not in q else
-                     f"{q['recall_min']:.3f} | {q['precision_mean']:.2f} | {q['predicted_active_mean'] * 100:.1f}%")
+        predictor = predictor_cells(q)
         rows.append(f"| {name} | {f['decode_tokens_per_s']:.2f} | {speed} | {q['ppl_compiled']:.3f} | "
                     f"{q['ppl_reference']:.3f} | {change * 100:+.2f}% | {q['kl_mean']:.2e} | {q['top1_agreement']:.3f} | "
                     f"{predictor} |")

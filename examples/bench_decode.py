@@ -179,6 +179,14 @@ def quality_text(q: dict) -> str:
     return text
 
 
+def predictor_cells(q: dict) -> str:
+    """A quality() report's predictor figures as three table cells: min recall | mean precision | predicted
+    active ("-" each for a dense build)."""
+    if "recall_min" not in q:
+        return "- | - | -"
+    return f"{q['recall_min']:.3f} | {q.get('precision_mean', 0.0):.2f} | {q['predicted_active_mean'] * 100:.1f}%"
+
+
 def table(config: dict, summary: dict, qualities: dict) -> str:
     rows = [f"| engine | decode tok/s | vs onnxruntime | prefill {config['prompt_len']} tokens (ms) | quality |",
             "| --- | --- | --- | --- | --- |"]
