@@ -184,7 +184,8 @@ def test_cli_build_warns_once_and_inspect_shows_both_shares(files, tmp_path, cap
     layers = json.loads((out / "manifest.json").read_text())["layers"]
     for layer in layers:
         row = next(line.split() for line in text.splitlines() if line.split()[:1] == [str(layer["layer"])])
-        true, predicted, ratio = float(row[-3]), float(row[-2]), float(row[-1].rstrip("x"))
+        true, predicted, ratio = float(row[-4]), float(row[-3]), float(row[-2].rstrip("x"))
+        assert row[-1] == layer.get("ffn", "sparse")  # the layer's FFN lowering, last
         assert true == pytest.approx(1 - layer["sparsity"], abs=1e-3)
         assert predicted == pytest.approx(layer["predictor_active"], abs=1e-3)
         assert ratio == pytest.approx(layer["predictor_active"] / (1 - layer["sparsity"]), abs=0.01)
