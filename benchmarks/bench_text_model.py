@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.bench_decode import add_run_arguments, parsed_run_arguments, predictor_cells  # noqa: E402 (stdlib only: TVM not yet)
+from examples.bench_decode import add_run_arguments, parsed_run_arguments, QUALITY_COLUMNS, quality_cells  # noqa: E402 (stdlib only: TVM not yet)
 
 
 def fewer_calibration_windows(files, count: int):
@@ -46,20 +46,18 @@ def fewer_calibration_windows(files, count: int):
 
 
 def perplexity_table(summary: dict, qualities: dict) -> str:
-    rows = ["| engine | decode tok/s | vs onnxruntime | held-out ppl | onnxruntime ppl | ppl change | KL/position "
-            "| top-1 | recall min | precision mean | predicted active |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    columns = ("engine", "decode tok/s", "vs onnxruntime", "held-out ppl", "onnxruntime ppl", "ppl change",
+               *QUALITY_COLUMNS)
+    rows = [f"| {' | '.join(columns)} |", "| --- " * len(columns) + "|"]
     for name, f in summary.items():
         q = qualities.get(name)
         speed = f"**{f['ratio']:.2f}x**" if "ratio" in f else "1.00x"
         if q is None:
-            rows.append(f"| {name} | {f['decode_tokens_per_s']:.2f} | {speed} | - | - | - | - | - | - | - | - |")
+            rows.append(f"| {name} | {f['decode_tokens_per_s']:.2f} | {speed} |" + " - |" * (len(columns) - 3))
             continue
         change = q["ppl_compiled"] / q["ppl_reference"] - 1
-        predictor = predictor_cells(q)
         rows.append(f"| {name} | {f['decode_tokens_per_s']:.2f} | {speed} | {q['ppl_compiled']:.3f} | "
-                    f"{q['ppl_reference']:.3f} | {change * 100:+.2f}% | {q['kl_mean']:.2e} | {q['top1_agreement']:.3f} | "
-                    f"{predictor} |")
+                    f"{q['ppl_reference']:.3f} | {change * 100:+.2f}% | {quality_cells(q)} |")
     return "\n".join(rows)
 
 

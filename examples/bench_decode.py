@@ -179,12 +179,14 @@ def quality_text(q: dict) -> str:
     return text
 
 
-def predictor_cells(q: dict) -> str:
-    """A quality() report's predictor figures as three table cells: min recall | mean precision | predicted
-    active ("-" each for a dense build)."""
-    if "recall_min" not in q:
-        return "- | - | -"
-    return f"{q['recall_min']:.3f} | {q.get('precision_mean', 0.0):.2f} | {q['predicted_active_mean'] * 100:.1f}%"
+QUALITY_COLUMNS = ("KL/position", "top-1", "recall min", "precision mean", "predicted active")
+
+
+def quality_cells(q: dict) -> str:
+    """A quality() report as the QUALITY_COLUMNS table cells (the predictor's three "-" for a dense build)."""
+    predictor = ("- | - | -" if "recall_min" not in q else
+                 f"{q['recall_min']:.3f} | {q.get('precision_mean', 0.0):.2f} | {q['predicted_active_mean'] * 100:.1f}%")
+    return f"{q['kl_mean']:.2e} | {q['top1_agreement']:.3f} | {predictor}"
 
 
 def table(config: dict, summary: dict, qualities: dict) -> str:
