@@ -36,6 +36,8 @@ from onnx_ir.passes import PassResult
 from picompile import costmodel
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
+from picompile.sizes import PREDICTOR_DTYPE, weight_storage_dtype
+from runtime.dtypes import itemsize
 
 ALL_NEURONS = -3.0e38  # a threshold every score passes
 STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
@@ -90,6 +92,7 @@ class LowerPredicted:
     name = "lower"
     all_neurons: bool = Options.all_neurons  # every neuron passes the predictor (checks the split)
     dense_fallback: bool = Options.dense_fallback  # a CPU-only layer whose sparse path costs more stays dense
+    weight_dtype: str = Options.weight_dtype  # --weight-dtype: the CPU's FFN rows are priced as stored
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
@@ -125,9 +128,10 @@ class LowerPredicted:
         ffn_elements = sum(int(np.prod(value.const_value.shape)) for value in (node.inputs[1], node.inputs[3]))
         predictor_elements = sum(int(np.prod(graph.initializers[f"{prefix}.predictor.{w}"].const_value.shape))
                                  for w in ("w1", "w2"))
-        # both stored in the build's weight dtype: the ratio of their bytes is the ratio of their elements
-        choice = costmodel.ffn_decode_seconds(ctx.target, ffn_bytes=4 * ffn_elements,
-                                              predictor_bytes=4 * predictor_elements,
+        # priced as stored: the rows in the CPU's storage type, the predictor as trained (fp32 under fp16 rows)
+        choice = costmodel.ffn_decode_seconds(ctx.target,
+                                              ffn_bytes=ffn_elements * itemsize(weight_storage_dtype("cpu", self.weight_dtype)),
+                                              predictor_bytes=predictor_elements * itemsize(PREDICTOR_DTYPE),
                                               share=float(pir.attr(node, "predictor_active")))
         return choice.reason() if choice.dense_is_cheaper else None
 

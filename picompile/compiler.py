@@ -59,7 +59,8 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
                       Partition(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context,
                                 placement_batch=options.placement_batch,
                                 time_limit_s=options.placement_time_limit_s, weight_dtype=options.weight_dtype),
-                      LowerPredicted(all_neurons=options.all_neurons, dense_fallback=options.dense_fallback)],
+                      LowerPredicted(all_neurons=options.all_neurons, dense_fallback=options.dense_fallback,
+                                     weight_dtype=options.weight_dtype)],
         "threshold": [profile, Threshold(), LowerThresholded()],
     }[mode]
     return sparse + back(options, target)
