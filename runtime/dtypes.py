@@ -30,11 +30,52 @@ DTYPES: dict[str, DType] = {
         DType("float16", 2, "F16"),
         DType("int32", 4, "I32"),
         DType("int64", 8, "I64"),
+        DType("int8", 1, "I8"),  # int8 block-quantized weights
+        DType("uint8", 1, "U8"),  # int4 block-quantized weights, two to a byte
     ]
 }
 BY_SAFETENSORS: dict[str, DType] = {dtype.safetensors: dtype for dtype in DTYPES.values()}
-# The command line's names of the weight storage types (--weight-dtype) and what they are stored as.
-WEIGHT_DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a weight matrix is stored: a --weight-dtype. Float formats hold one element per weight; block-
+    quantized ones (`block` > 0) hold `bits`-bit integers in `storage` (int4: two to a uint8) and one scale
+    in `scale_dtype` per `block` consecutive weights along the axis a kernel reads contiguously (the
+    reduction axis of a dense linear, the row of a gathered one; `passes.kernels.quant` has the layouts).
+    int8 is Q8_0's rule (scale = max|w| / 127, q in [-127, 127]), int4 Q4_0's (scale = the block's
+    largest-magnitude weight / -8, q in [-8, 7], stored q + 8)."""
+
+    name: str  # the command line's spelling
+    storage: str  # the element type of the stored values (a DTYPES name)
+    bits: int = 0  # bits per quantized weight (0: a float format)
+    block: int = 0  # weights per scale (0: no scales)
+    scale_dtype: str = "float16"
+
+    @property
+    def quantized(self) -> bool:
+        return self.block > 0
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Stored bytes per weight, its share of a scale included: what every byte count prices a weight at."""
+        if not self.quantized:
+            return float(itemsize(self.storage))
+        return self.bits / 8 + itemsize(self.scale_dtype) / self.block
+
+
+QUANT_BLOCK = 32  # weights per scale (Q8_0 / Q4_0, MatMulNBits' default)
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    fmt.name: fmt
+    for fmt in [
+        WeightFormat("fp32", "float32"),
+        WeightFormat("fp16", "float16"),
+        WeightFormat("int8", "int8", bits=8, block=QUANT_BLOCK),
+        WeightFormat("int4", "uint8", bits=4, block=QUANT_BLOCK),
+    ]
+}
+# The float formats' names and element types (the quantized ones store integers and scales).
+WEIGHT_DTYPES: dict[str, str] = {name: fmt.storage for name, fmt in WEIGHT_FORMATS.items() if not fmt.quantized}
 
 
 def get_dtype(name: str) -> DType:
