@@ -36,8 +36,7 @@ from onnx_ir.passes import PassResult
 from picompile import costmodel
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
-from picompile.sizes import PREDICTOR_DTYPE, weight_storage_dtype
-from runtime.dtypes import itemsize
+from picompile.sizes import predictor_format, weight_format
 
 ALL_NEURONS = -3.0e38  # a threshold every score passes
 STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
@@ -48,13 +47,6 @@ def _rows(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return pir.initializer(graph, name, np.ascontiguousarray(array, np.float32))
 
 
-def _drop_unused_initializers(graph: ir.Graph) -> None:
-    """Dense FFN weights, frequencies, orders: folded into the new ops."""
-    consumed = {v.name for n in graph for v in n.inputs if v is not None}
-    for name in [n for n in graph.initializers if n not in consumed]:
-        graph.initializers.pop(name)
-
-
 @dataclass
 class LowerThresholded:
     name = "lower"
@@ -62,7 +54,7 @@ class LowerThresholded:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
         report = [self._lower_one(graph, node) for node in pir.nodes_in_domain(model, "FFN")]
-        _drop_unused_initializers(graph)
+        pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
         model.metadata_props["picompile.layers"] = json.dumps(report)
         ctx.log(f"lower: {len(report)} threshold FFNs")
         return PassResult(model, modified=True)
@@ -105,7 +97,7 @@ class LowerPredicted:
                 else:
                     report.append(self._keep_dense(node, dense))
                     ctx.log(f"lower: layer {report[-1]['layer']} FFN stays dense: {dense}")
-        _drop_unused_initializers(graph)
+        pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
         model.metadata_props["picompile.layers"] = json.dumps(report)
         gpu = sum(r["gpu_neurons"] for r in report)
         total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)
@@ -128,10 +120,10 @@ class LowerPredicted:
         ffn_elements = sum(int(np.prod(value.const_value.shape)) for value in (node.inputs[1], node.inputs[3]))
         predictor_elements = sum(int(np.prod(graph.initializers[f"{prefix}.predictor.{w}"].const_value.shape))
                                  for w in ("w1", "w2"))
-        # priced as stored: the rows in the CPU's storage type, the predictor as trained (fp32 under fp16 rows)
+        # priced as stored: the rows in the CPU's weight format, the predictor in its float format
         choice = costmodel.ffn_decode_seconds(ctx.target,
-                                              ffn_bytes=ffn_elements * itemsize(weight_storage_dtype("cpu", self.weight_dtype)),
-                                              predictor_bytes=predictor_elements * itemsize(PREDICTOR_DTYPE),
+                                              ffn_bytes=ffn_elements * weight_format("cpu", self.weight_dtype).bytes_per_weight,
+                                              predictor_bytes=predictor_elements * predictor_format(self.weight_dtype).bytes_per_weight,
                                               share=float(pir.attr(node, "predictor_active")))
         return choice.reason() if choice.dense_is_cheaper else None
 

@@ -12,7 +12,7 @@ Adds per FFN node: an int attribute `gpu_neurons` and an initializer `layers.{i}
 CPU), and a graph-level `metadata_props["picompile.placement"]`: a JSON report of the solve (status,
 objective, gap, times, budget breakdown, per-layer counts) that `picompile inspect` shows.
 
-Weights are priced as select-kernels stores them (`picompile.sizes.weight_storage_dtype`): on the GPU in fp32,
+Weights are priced as select-kernels stores them (`picompile.sizes.weight_format`): on the GPU in fp32,
 on the CPU in `--weight-dtype` (fp16 halves a cold neuron's bytes). The FFN budget is the GPU memory
 (`--vram-budget`, else the target's) minus the dense part (every initializer that is not a per-neuron FFN
 weight), the KV cache for `max_context` tokens (`sizes.kv_cache_bytes`) and a RESERVE_FRACTION reserve. A
@@ -42,9 +42,9 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.costmodel import sync_seconds
 from picompile.pipeline import Context, Options
-from picompile.sizes import GPU_WEIGHT_DTYPE, kv_cache_bytes, weight_storage_dtype
+from picompile.sizes import GPU_WEIGHT_DTYPE, GPU_WEIGHT_FORMAT, kv_cache_bytes, weight_format
 from picompile.targets import check_vram_budget, format_size
-from runtime.dtypes import itemsize, nbytes
+from runtime.dtypes import WeightFormat, itemsize, nbytes
 
 # Share of the GPU memory kept free for activations, kernel workspace and the allocator's slack.
 RESERVE_FRACTION = 0.05
@@ -384,10 +384,11 @@ def _elements(value: ir.Value) -> int:
     return int(value.const_value.size) if value.const_value is not None else 0
 
 
-def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_dtype: str) -> int:
-    """One FFN neuron's weights on a device: its up (and gate) and down rows in the device's matrix type,
+def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: WeightFormat) -> int:
+    """One FFN neuron's weights on a device: its up (and gate) and down rows in the device's matrix format,
     its up bias (select-kernels keeps biases in fp32)."""
-    return nbytes([d_model * (up_per_neuron + 1)], matrix_dtype) + nbytes([up_per_neuron if biased else 0], "float32")
+    rows = math.ceil(d_model * (up_per_neuron + 1) * matrix_format.bytes_per_weight)
+    return rows + nbytes([up_per_neuron if biased else 0], "float32")
 
 
 @dataclass
@@ -406,7 +407,7 @@ class Partition:
         graph, target = model.graph, ctx.target
         ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
         attentions = pir.nodes_in_domain(model, "Attention")
-        cpu_dtype = weight_storage_dtype("cpu", self.weight_dtype)
+        cpu_format = weight_format("cpu", self.weight_dtype)
 
         check_vram_budget(target, self.vram_budget_bytes)
 
@@ -428,8 +429,8 @@ class Partition:
             order = np.argsort(-frequency, kind="stable").astype(np.int64)
             frequencies.append(frequency[order])
             orders.append((layer, order))
-            bytes_per_neuron.append(neuron_bytes(d_model, up_per_neuron, b_up is not None, GPU_WEIGHT_DTYPE))
-            cpu_bytes_per_neuron.append(neuron_bytes(d_model, up_per_neuron, b_up is not None, cpu_dtype))
+            bytes_per_neuron.append(neuron_bytes(d_model, up_per_neuron, b_up is not None, GPU_WEIGHT_FORMAT))
+            cpu_bytes_per_neuron.append(neuron_bytes(d_model, up_per_neuron, b_up is not None, cpu_format))
             d_models.append(d_model)
             per_neuron_values.update(id(v) for v in (w_up, b_up, w_down) if v is not None)
 
@@ -458,7 +459,7 @@ class Partition:
             timing = {}
             if self.balance and target.gpu_bandwidth_gbs > 0 and target.cpu_bandwidth_gbs > 0:
                 # the solver counts a neuron's GPU bytes; the CPU reads it at its own storage type
-                cpu_share = itemsize(cpu_dtype) / itemsize(GPU_WEIGHT_DTYPE)
+                cpu_share = cpu_format.bytes_per_weight / GPU_WEIGHT_FORMAT.bytes_per_weight
                 timing = {"gpu_time_per_byte": 1 / (target.gpu_bandwidth_gbs * 1e9),
                           "cpu_time_per_byte": cpu_share / (target.cpu_bandwidth_gbs * 1e9)}
             # HiGHS reports no progress while it solves: a spinner with the elapsed time
@@ -490,8 +491,8 @@ class Partition:
             "reserve_bytes": reserve,
             "ffn_bytes": ffn_bytes,
             "used_bytes": placement.used_bytes,
-            "gpu_weight_dtype": GPU_WEIGHT_DTYPE,
-            "cpu_weight_dtype": cpu_dtype,
+            "gpu_weight_format": GPU_WEIGHT_FORMAT.name,
+            "cpu_weight_format": cpu_format.name,
             "layers": [layer for layer, _ in orders],
             "gpu_neurons": [int(n) for n in placement.gpu_neurons],
             "min_neurons": [int(n) for n in placement.min_neurons],

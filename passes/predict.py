@@ -40,8 +40,7 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
-from picompile.sizes import PREDICTOR_DTYPE, parameter_count, weight_storage_dtype
-from runtime.dtypes import itemsize
+from picompile.sizes import parameter_count, predictor_format, weight_format
 
 from .profile import ProfiledActivations
 
@@ -77,16 +76,17 @@ def candidate_ranks(limit: int) -> list[int]:
 
 
 def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bool,
-               row_dtype: str = "float32") -> float:
+               row_bytes: float = 4.0, predictor_bytes: float = 4.0) -> float:
     """Weight bytes one FFN layer reads in a one-token decode step: the whole predictor (w1 [d_model, rank],
-    w2 [rank, ffn], stored as PREDICTOR_DTYPE) and the up (gate) and down rows of the neurons it predicts
-    active, stored as `row_dtype`. Decode is memory-bound, so this is its cost."""
-    return (rank * (d_model + ffn) * itemsize(PREDICTOR_DTYPE)
-            + active_share * ffn * d_model * (3 if gated else 2) * itemsize(row_dtype))
+    w2 [rank, ffn]) and the up (gate) and down rows of the neurons it predicts active, each at its bytes per
+    weight as stored (`WeightFormat.bytes_per_weight`; `sizes.predictor_format`). Decode is memory-bound, so
+    this is its cost."""
+    return (rank * (d_model + ffn) * predictor_bytes
+            + active_share * ffn * d_model * (3 if gated else 2) * row_bytes)
 
 
 def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool, *, target_recall: float,
-                pre_activations: np.ndarray | None = None, row_dtype: str = "float32",
+                pre_activations: np.ndarray | None = None, row_bytes: float = 4.0, predictor_bytes: float = 4.0,
                 up_weight: np.ndarray | None = None, w2_ridge: float = W2_RIDGE) -> dict[int, tuple[float, float]]:
     """rank -> (estimated predicted-active share, `step_reads`) of one layer's predictor, for the
     `candidate_ranks` up to `limit`, the share from `probe_active`. Pricing stops before the first rank
@@ -98,10 +98,10 @@ def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool,
     priced: dict[int, tuple[float, float]] = {}
     for rank, share in probe_active(inputs, active, ranks, target_recall=target_recall,
                                     pre_activations=pre_activations, up_weight=up_weight, w2_ridge=w2_ridge):
-        priced[rank] = (share, step_reads(rank, share, d_model, ffn, gated, row_dtype))
+        priced[rank] = (share, step_reads(rank, share, d_model, ffn, gated, row_bytes, predictor_bytes))
         best = min(reads for _, reads in priced.values())
         larger = [r for r in ranks if r > rank]
-        if not larger or step_reads(larger[0], least_share, d_model, ffn, gated, row_dtype) >= best:
+        if not larger or step_reads(larger[0], least_share, d_model, ffn, gated, row_bytes, predictor_bytes) >= best:
             break
     return priced
 
@@ -562,7 +562,8 @@ class Predict:
         params = parameter_count(model.graph)
         budget = int(self.param_share * params)
         # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.
-        row_dtype = weight_storage_dtype("cpu", self.weight_dtype)
+        row_bytes = weight_format("cpu", self.weight_dtype).bytes_per_weight
+        predictor_bytes = predictor_format(self.weight_dtype).bytes_per_weight
 
         def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
             # activity unpacked and pre-activations recomputed per phase rather than all held: memory stays
@@ -576,7 +577,8 @@ class Predict:
                 # d_model: where a low-rank first layer stops being low rank
                 limit = min(d_model, budget // widths[index])
                 priced = price_ranks(inputs, active, limit, gated[index], target_recall=self.target_recall,
-                                     pre_activations=pre, row_dtype=row_dtype, up_weight=up)
+                                     pre_activations=pre, row_bytes=row_bytes,
+                                     predictor_bytes=predictor_bytes, up_weight=up)
             advance()
             return priced
 

@@ -23,14 +23,15 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
-from picompile.sizes import KV_CACHE_DTYPE, weight_storage_dtype
+from picompile.sizes import KV_CACHE_DTYPE, float_format, weight_format
 from picompile.targets import get_cpu_isa
 from runtime.calls import START, Access, Arg, Call, Role, Selection
 from runtime.dtypes import itemsize
 
 from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
-from .kernels import cpu, neuron, ops
+from .kernels import cpu, neuron, ops, quant
 from .place import device_of, node_layers
+from .quantize import QuantizedMatrix
 
 
 def read(buffer: str) -> Arg:
@@ -49,6 +50,8 @@ class Lowering:
     weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's large weights (matrices, embeddings)
     gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
     program: KernelProgram = field(default_factory=KernelProgram)
+    # the quantize pass's matrices, by the name of their values' buffer (packed into a layout on first use)
+    quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)
     device: str = "cpu"  # the device of the block being lowered
     layer: int | None = None  # ... and its layer
 
@@ -90,11 +93,45 @@ class Lowering:
         return name
 
     def stored_for(self, name: str, device: str) -> str:
-        """A large weight in its device's storage type (done once; later calls see it converted)."""
-        dtype = weight_storage_dtype(device, self.weight_dtype)
+        """A large float weight in its device's storage type (done once; later calls see it converted): the
+        weight format's, or for a quantized build's matrices the quantize pass left in floats, fp16."""
+        if name in self.quantized:
+            return name
+        dtype = float_format(weight_format(device, self.weight_dtype)).storage
         if self.buffers[name]["dtype"] != dtype:
             self.weight(name, self.weights[name], dtype, self.buffers[name].get("layout", ""))
         return name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical shape of a weight (a matrix's [rows, columns]), however it is packed or quantized."""
+        if name in self.quantized:
+            return self.quantized[name].shape
+        return self.matrix_shape(name) if self.buffers[name].get("layout") == "panels" else self.weights[name].shape
+
+    def quantized_in(self, name: str, layout: str) -> tuple[str, str, QuantizedMatrix]:
+        """A quantized matrix packed in `layout` ("quant_rows": blocks along each row, the rows a kernel gathers
+        or a row-major GEMM reads; "quant_panels": a [K, N] linear's panels, blocks along K), stored once as
+        two weights: its values and its scales. Returns (values, scales, matrix)."""
+        matrix = self.quantized[name]
+        axis, pack = {"quant_rows": (1, quant.pack_rows), "quant_panels": (0, quant.pack_panels)}[layout]
+        if matrix.axis != axis:
+            raise ValueError(f"{name} is blocked along axis {matrix.axis}; the {layout} layout needs axis {axis}")
+        scales = f"{name}.scales"
+        if name not in self.buffers:
+            values, scale_array = pack(matrix.values, matrix.scales, matrix.fmt)
+            self.weight(name, values, values.dtype.name, layout)
+            self.weight(scales, scale_array, scale_array.dtype.name, layout)
+            for buffer in (name, scales):
+                self.buffers[buffer].update(format=matrix.fmt.name, matrix=list(matrix.shape))
+        elif self.buffers[name].get("layout") != layout:
+            raise ValueError(f"{name} is read in two layouts ({self.buffers[name].get('layout')} and {layout})")
+        return name, scales, matrix
+
+    @staticmethod
+    def quant_tag(matrix: QuantizedMatrix) -> tuple[str, dict]:
+        """A quantized kernel's name suffix and its format arguments."""
+        tag = f"_q{matrix.fmt.bits}{'' if matrix.fmt.scale_dtype == 'float16' else '_s32'}"
+        return tag, {"bits": matrix.fmt.bits, "sdtype": matrix.fmt.scale_dtype}
 
     def row_bytes(self, name: str) -> int:
         """Bytes of one row of a row-major weight (its last axis)."""
@@ -128,6 +165,9 @@ class Lowering:
         the GPU reads [K, N] fp32."""
         device = device or self.device
         packed = device == "cpu" if packed is None else packed
+        if weight in self.quantized:
+            self.linear_quantized(x, weight, bias, out, label, role, act, residual, phases, device, packed)
+            return
         self.stored_for(weight, device)
         if packed:
             self.pack(weight)
@@ -141,6 +181,29 @@ class Lowering:
         kernels = self.kernel(ops.linear_panels if packed else ops.linear, f"linear_k{k}_n{n}{tags}", k, n,
                               phases=phases, **flags, **self.gemm_tile(device))
         args = [read(x), read(weight)] + ([read(bias)] if bias else []) + ([read(residual)] if residual else []) + [write(out)]
+        self.call(label, kernels, args, role, device)
+
+    def linear_quantized(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role, act: str,
+                         residual: str | None, phases, device: str, packed: bool) -> None:
+        """`linear` over a quantized matrix: panels blocked along K (decode GEMV, prefill GEMM), or, for rows a
+        sparse kernel also gathers (`packed` False: the FFN parts' down rows), a prefill GEMM over the rows."""
+        if device != "cpu":
+            raise ValueError(f"{weight}: quantized weights are CPU-only for now")
+        values, scales, matrix = self.quantized_in(weight, "quant_panels" if packed else "quant_rows")
+        k, n = matrix.shape
+        tag, fmt_args = self.quant_tag(matrix)
+        if packed:
+            tags = f"{tag}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
+            kernels = self.kernel(ops.linear_panels_q, f"linear_q_k{k}_n{n}{tags}", k, n, phases=phases,
+                                  bias=bias is not None, act=act, residual=residual is not None, **fmt_args,
+                                  **self.gemm_tile(device))
+        else:
+            if bias or act != "none" or residual or "decode" in phases:
+                raise ValueError(f"{weight}: the quantized rows GEMM is prefill-only, without an epilogue")
+            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tag}", k, n, phases=phases, **fmt_args,
+                                  **self.gemm_tile(device))
+        args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
+                + ([read(residual)] if residual else []) + [write(out)])
         self.call(label, kernels, args, role, device)
 
     def gemm_tile(self, device: str) -> dict:
@@ -172,8 +235,15 @@ class _Walker:
         self.residual_turn = 0
 
     def weight_of(self, value: ir.Value | None) -> str | None:
+        """The buffer of a weight input: a constant's own name, or for the quantize pass's DequantizeLinear
+        the name of its values (the matrix is packed when a kernel first reads it)."""
         if value is None:
             return None
+        matrix = QuantizedMatrix.of(value)
+        if matrix is not None:
+            name = value.producer().inputs[0].name
+            self.low.quantized.setdefault(name, matrix)
+            return name
         array = pir.const_array(value)
         if array is None:
             raise UserError(f"{value.name} must be a constant weight")
@@ -204,16 +274,22 @@ class _Walker:
     def lower_Embed(self, node: ir.Node) -> None:
         table = self.low.stored_for(self.weight_of(node.inputs[2]), self.low.device)
         positions = self.weight_of(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
-        vocab, width = self.low.weights[table].shape
-        dtype = self.low.buffers[table]["dtype"]
+        vocab, width = self.low.shape(table)
         out = self.next_residual(width)
-        kernels = self.low.kernel(ops.embed, f"embed_v{vocab}_d{width}{'_pos' if positions else ''}"
-                                  f"{'_f16' if dtype == 'float16' else ''}", vocab, width,
-                                  positions=self.low.max_context if positions else None,
-                                  **({"wdtype": dtype} if dtype != "float32" else {}))
+        base, pos_args = f"embed_v{vocab}_d{width}{'_pos' if positions else ''}", self.low.max_context if positions else None
+        if table in self.low.quantized:  # the table's rows, blocked along each row, and their scales
+            values, scales, matrix = self.low.quantized_in(table, "quant_rows")
+            tag, fmt_args = self.low.quant_tag(matrix)
+            kernels = self.low.kernel(ops.embed_q, base + tag, vocab, width, positions=pos_args, **fmt_args)
+            tables = [values, scales]
+        else:
+            dtype = self.low.buffers[table]["dtype"]
+            kernels = self.low.kernel(ops.embed, base + ("_f16" if dtype == "float16" else ""), vocab, width,
+                                      positions=pos_args, **({"wdtype": dtype} if dtype != "float32" else {}))
+            tables = [table]
         if positions:  # the kernel indexes positions up to max_context: store exactly that many rows
             self.low.weight(positions, self.low.weights[positions][: self.low.max_context])
-        gathered = [Arg(table, Access.GATHER, row_bytes=self.low.row_bytes(table))]
+        gathered = [Arg(t, Access.GATHER, row_bytes=self.low.row_bytes(t)) for t in tables]
         if positions:
             gathered += [Arg(positions, Access.GATHER, row_bytes=self.low.row_bytes(positions)), Arg(START)]
         self.low.call(node.name, kernels, [read("input_ids"), *gathered, write(out)], Role.EMBED)
@@ -268,7 +344,7 @@ class _Walker:
         self.low.call(f"{p}.attention", kernels, [read(q), Arg(key_cache, Access.CONTEXT),
                                                   Arg(value_cache, Access.CONTEXT), write(attn), Arg(START)],
                       Role.ATTENTION)
-        out, residual = self.output_for(node, self.low.weights[w_o].shape[1])
+        out, residual = self.output_for(node, self.low.shape(w_o)[1])
         self.low.linear(attn, w_o, b_o, out, f"{p}.o", Role.ATTENTION, residual=residual)
         self.location[node.outputs[0].name] = out
         self.location[node.outputs[1].name], self.location[node.outputs[2].name] = key_cache, value_cache
@@ -287,7 +363,7 @@ class _Walker:
         x = self.location[node.inputs[0].name]
         w_up, b_up = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2])
         w_down, b_down = self.weight_of(node.inputs[3]), self.weight_of(node.inputs[4])
-        width_up = self.low.weights[w_up].shape[1]
+        width_up = self.low.shape(w_up)[1]
         ffn_width = width_up // 2 if gated else width_up
         p = node.name
         if gated:
@@ -298,7 +374,7 @@ class _Walker:
         else:
             hidden = self.low.activation("act.ffn_hidden", ffn_width)
             self.low.linear(x, w_up, b_up, hidden, f"{p}.up", Role.FFN_UP, act=activation)
-        out, residual = self.output_for(node, self.low.weights[w_down].shape[1])
+        out, residual = self.output_for(node, self.low.shape(w_down)[1])
         self.low.linear(hidden, w_down, b_down, out, f"{p}.down", Role.FFN_DOWN, residual=residual)
         self.location[node.outputs[0].name] = out
 
@@ -321,8 +397,8 @@ class _Walker:
         x, scores = self.location[node.inputs[0].name], self.location[node.inputs[1].name]
         up_rows, up_bias = self.weight_of(node.inputs[2]), self.weight_of(node.inputs[3])
         down_rows = self.weight_of(node.inputs[4])
-        width = self.low.weights[down_rows].shape[1]
-        d_in = self.low.weights[up_rows].shape[1]
+        width = self.low.shape(down_rows)[1]
+        d_in = self.low.shape(up_rows)[1]
         p, tag = node.name, f"{part}.n{neurons}"
         partial = self.low.activation(f"act.partial.{part}", width)
         # one-token steps: predicted neurons only
@@ -330,34 +406,48 @@ class _Walker:
         index = self.low.activation(f"act.ffn_index.{tag}", neurons, dtype="int32", rows=1)
         count = self.low.activation(f"act.ffn_count.{part}", 1, dtype="int32", rows=1)
         hidden = self.low.activation(f"act.ffn_sparse_hidden.{tag}", neurons, rows=1)
-        up_width = self.low.weights[up_rows].shape[0]
+        up_width = self.low.shape(up_rows)[0]
         up_bias = up_bias or self.low.zeros(f"{p}.up_bias", up_width)
         gate_tag = "_gated" if gated else ""
-        for rows in (up_rows, down_rows):
-            self.low.stored_for(rows, device)
-        dtype = self.low.buffers[up_rows]["dtype"]
-        dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
+        quantized = up_rows in self.low.quantized
+        if quantized:  # each row's values and its scales, blocked along the row
+            *up_parts, matrix = self.low.quantized_in(up_rows, "quant_rows")
+            *down_parts, _ = self.low.quantized_in(down_rows, "quant_rows")
+            dtype_tag, dtype_arg = self.low.quant_tag(matrix)
+        else:
+            up_parts, down_parts = [self.low.stored_for(up_rows, device)], [self.low.stored_for(down_rows, device)]
+            dtype = self.low.buffers[up_rows]["dtype"]
+            dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
         halves = 2 if gated else 1  # up rows per neuron: gate and up when gated
-        row, bias_row = self.low.row_bytes(up_rows), halves * itemsize(self.low.buffers[up_bias]["dtype"])
+        bias_row = halves * itemsize(self.low.buffers[up_bias]["dtype"])
         kernels = self.low.kernel(ops.select, f"select_n{neurons}", neurons, phases=("decode",))
         self.low.call(f"{p}.select", kernels, [read(scores), read(threshold), write(index), write(count)], Role.PREDICTOR)
         selected = [read(x), read(index), read(count)]
         if device == "cpu":  # up and down in one pass over the rows
             scratch = self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
             fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
-            kernels = self.low.kernel(ops.sparse_ffn, f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
+            kernels = self.low.kernel(ops.sparse_ffn_q if quantized else ops.sparse_ffn,
+                                      f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",), **dtype_arg)
             # With ReLU a neuron whose first row (the gate's when gated) gives 0 is done: its other rows are not read.
             skips = activation == "relu"
-            reads = [Arg(up_rows, Access.SELECTED_ROWS, row_bytes=row if skips else halves * row,
-                         nonzero_row_bytes=(halves - 1) * row if skips else 0),
-                     Arg(up_bias, Access.SELECTED_ROWS, row_bytes=bias_row),
-                     Arg(down_rows, Access.SELECTED_ROWS, row_bytes=0 if skips else self.low.row_bytes(down_rows),
-                         nonzero_row_bytes=self.low.row_bytes(down_rows) if skips else 0)]
+
+            def up_read(buffer: str) -> Arg:
+                row = self.low.row_bytes(buffer)
+                return Arg(buffer, Access.SELECTED_ROWS, row_bytes=row if skips else halves * row,
+                           nonzero_row_bytes=(halves - 1) * row if skips else 0)
+
+            def down_read(buffer: str) -> Arg:
+                row = self.low.row_bytes(buffer)
+                return Arg(buffer, Access.SELECTED_ROWS, row_bytes=0 if skips else row, nonzero_row_bytes=row if skips else 0)
+
+            reads = [*map(up_read, up_parts), Arg(up_bias, Access.SELECTED_ROWS, row_bytes=bias_row),
+                     *map(down_read, down_parts)]
             self.low.call(f"{p}.up_down", kernels, [*selected, *reads, write(hidden), write(fired), write(scratch),
                                                     write(partial)], Role.FFN,
                           selection=Selection("predictor", part, count, neurons, hidden if skips else None))
         else:
+            row = self.low.row_bytes(up_rows)
             kernels = self.low.kernel(ops.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",))
             self.low.call(f"{p}.up", kernels, [*selected, Arg(up_rows, Access.SELECTED_ROWS, row_bytes=halves * row),
@@ -372,9 +462,10 @@ class _Walker:
         # multi-token steps: every neuron of the part, as dense GEMMs over the same row-major weights
         pre = self.low.activation(f"act.ffn_pre.{tag}", up_width)
         up_act = "none" if gated else activation
-        kernels = self.low.kernel(ops.linear_rows, f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in,
-                                  up_width, act=up_act, phases=("prefill",), **dtype_arg, **self.low.gemm_tile(device))
-        self.low.call(f"{p}.up_dense", kernels, [read(x), read(up_rows), read(up_bias), write(pre)], Role.FFN_UP)
+        kernels = self.low.kernel(ops.linear_rows_q if quantized else ops.linear_rows,
+                                  f"linear_rows_k{d_in}_n{up_width}_{up_act}{dtype_tag}", d_in, up_width, act=up_act,
+                                  phases=("prefill",), **dtype_arg, **self.low.gemm_tile(device))
+        self.low.call(f"{p}.up_dense", kernels, [read(x), *map(read, up_parts), read(up_bias), write(pre)], Role.FFN_UP)
         if gated:
             dense_hidden = self.low.activation(f"act.ffn_dense_hidden.{tag}", neurons)
             self.low.glu(pre, dense_hidden, neurons, activation, f"{p}.glu", phases=("prefill",))
@@ -440,7 +531,7 @@ class _Walker:
     def lower_Linear(self, node: ir.Node) -> None:
         """The output layer (fuse made it a Linear, with its bias where the model has one)."""
         weight, bias = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2] if len(node.inputs) > 2 else None)
-        out = self.low.activation("logits", self.low.weights[weight].shape[1])
+        out = self.low.activation("logits", self.low.shape(weight)[1])
         self.low.linear(self.location[node.inputs[0].name], weight, bias, out, node.name, Role.HEAD)
         self.location[node.outputs[0].name] = out
 

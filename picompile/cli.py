@@ -13,6 +13,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from runtime.dtypes import WEIGHT_FORMATS
+
 from .errors import PassError, UserError
 
 
@@ -75,8 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--placement-time-limit", type=_non_negative(float), default=30.0, metavar="SECONDS",
                        help="time limit of the placement ILP; past it the best placement found is used and reported "
                             "as not optimal, with its gap (picompile inspect)")
-    build.add_argument("--weight-dtype", choices=["fp32", "fp16"], default="fp32",
-                       help="storage of the CPU's weight matrices (fp16 halves the bytes a token reads; math stays fp32)")
+    build.add_argument("--weight-dtype", choices=list(WEIGHT_FORMATS), default="fp32",
+                       help="storage of the CPU's weight matrices: fp16 halves the bytes a token reads; int8 and int4 "
+                            "store blocks of 32 integers with an fp16 scale (Q8_0 / Q4_0), about 1/4 and 1/7 of fp32. "
+                            "Math stays fp32")
     build.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
                        help="instruction set of the CPU kernels (default: the widest this machine has, avx512 where "
                             "present); the artifact then runs only on CPUs that have it: avx2 makes portable artifacts")

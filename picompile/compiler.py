@@ -22,11 +22,13 @@ from passes.place import Place
 from passes.plan_buffers import PlanBuffers
 from passes.predict import Predict
 from passes.profile import Profile
+from passes.quantize import Quantize
 from passes.recognise import Recognise
 from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
 from passes.sparsity_mode import Sparsity, SparsityMode
 from passes.threshold import Threshold
+from runtime.dtypes import WEIGHT_FORMATS
 
 from . import artifact
 from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
@@ -67,10 +69,12 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
 
 
 def back(options: Options, target: Target) -> list[Pass]:
-    """The back end, the same in every mode: fold the residuals, place each block on its device, select its
-    kernels, give each device its buffers, compile the kernels, order the calls."""
+    """The back end, the same in every mode: fold the residuals, place each block on its device, (for int8 /
+    int4 weights) quantize its matrices, select its kernels, give each device its buffers, compile the kernels,
+    order the calls."""
     cpu_isa = options.cpu_isa_for(target).name
-    return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context),
+    quantize = [Quantize(weight_dtype=options.weight_dtype)] if WEIGHT_FORMATS[options.weight_dtype].quantized else []
+    return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context), *quantize,
             SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa),
             PlanBuffers(), Compile(cpu_isa=cpu_isa), Schedule()]
 

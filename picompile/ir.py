@@ -38,6 +38,13 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     return value.const_value.numpy()
 
 
+def drop_unused_initializers(graph: ir.Graph) -> None:
+    """Remove the constants no node reads any more (a pass folded or replaced them)."""
+    consumed = {v.name for n in graph for v in n.inputs if v is not None}
+    for name in [n for n in graph.initializers if n not in consumed]:
+        graph.initializers.pop(name)
+
+
 def attr(node: ir.Node, name: str, default=None):
     a = node.attributes.get(name)
     return default if a is None else a.value

@@ -9,11 +9,11 @@ from typing import Iterable
 
 import onnx_ir as ir
 
-from runtime.dtypes import WEIGHT_DTYPES, itemsize
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
 
 KV_CACHE_DTYPE = "float32"  # the KV cache buffers select-kernels makes
-GPU_WEIGHT_DTYPE = "float32"  # --weight-dtype changes the CPU's storage only (`weight_storage_dtype`)
-PREDICTOR_DTYPE = "float32"  # select-kernels stores the predictors as they are trained, on either device
+GPU_WEIGHT_FORMAT = WEIGHT_FORMATS["fp32"]  # --weight-dtype changes the CPU's storage only (`weight_format`)
+GPU_WEIGHT_DTYPE = GPU_WEIGHT_FORMAT.storage
 
 
 def weight_bytes(graph: ir.Graph) -> int:
@@ -31,7 +31,20 @@ def kv_cache_bytes(attentions: Iterable[tuple[int, int]], max_context: int) -> i
     return sum(2 * heads * head_dim for heads, head_dim in attentions) * max_context * itemsize(KV_CACHE_DTYPE)
 
 
-def weight_storage_dtype(device: str, weight_dtype: str) -> str:
-    """The element type a device stores its weight matrices in, for `--weight-dtype` (fp32 or fp16):
-    the CPU's follow it, the GPU's stay fp32. select-kernels stores them so; placement prices them so."""
-    return WEIGHT_DTYPES[weight_dtype] if device == "cpu" else GPU_WEIGHT_DTYPE
+def weight_format(device: str, weight_dtype: str) -> WeightFormat:
+    """The format a device stores its weight matrices in, for `--weight-dtype` (fp32, fp16, int8, int4): the
+    CPU's follow it, the GPU's stay fp32. The quantize pass and select-kernels store them so; predict, partition
+    and lower price them so (`WeightFormat.bytes_per_weight`)."""
+    return WEIGHT_FORMATS[weight_dtype] if device == "cpu" else GPU_WEIGHT_FORMAT
+
+
+def float_format(fmt: WeightFormat) -> WeightFormat:
+    """The float format a build in `fmt` stores a matrix in that it does not quantize (not a whole number of
+    blocks): fmt itself for float builds, fp16 for quantized ones."""
+    return WEIGHT_FORMATS["fp16"] if fmt.quantized else fmt
+
+
+def predictor_format(weight_dtype: str) -> WeightFormat:
+    """What the CPU stores predictors in: the build's float format (fp16 in a quantized build), as select-kernels
+    stores any linear's float weight; predict and lower price them so."""
+    return float_format(weight_format("cpu", weight_dtype))

@@ -291,8 +291,8 @@ def test_weights_are_priced_as_stored(lifted):
     model = with_frequencies(lifted())
     _, fp32, _ = partition(model, vram_budget_bytes=GiB)
     _, fp16, _ = partition(model, vram_budget_bytes=GiB, weight_dtype="fp16")
-    assert (fp32["cpu_weight_dtype"], fp16["cpu_weight_dtype"]) == ("float32", "float16")
-    assert fp32["gpu_weight_dtype"] == fp16["gpu_weight_dtype"] == "float32"
+    assert (fp32["cpu_weight_format"], fp16["cpu_weight_format"]) == ("fp32", "fp16")
+    assert fp32["gpu_weight_format"] == fp16["gpu_weight_format"] == "fp32"
     for key in ("dense_gpu_bytes", "kv_cache_bytes", "ffn_bytes", "budget_bytes"):
         assert fp32[key] == fp16[key], key
     d_model, ffn = 64, 256  # the tiny llama: gated, no biases

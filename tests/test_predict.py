@@ -14,6 +14,7 @@ from passes.predict import (Predict, Predictor, _threshold_for_recall, candidate
 from passes.profile import LayerActivations, ProfiledActivations
 from passes.recognise import Recognise
 from picompile import ir as pir
+from runtime.dtypes import WEIGHT_FORMATS
 from picompile.pipeline import Context, run_passes, verify_onnx
 from picompile.targets import get_target
 
@@ -35,8 +36,11 @@ def test_candidate_ranks_and_step_reads():
     # bytes: the fp32 predictor, and the rows of the predicted neurons as the CPU stores them
     assert step_reads(64, 0.1, 2048, 8192, gated=False) == (64 * 10240 + 0.1 * 8192 * 2048 * 2) * 4
     assert step_reads(64, 0.1, 2048, 8192, gated=True) == (64 * 10240 + 0.1 * 8192 * 2048 * 3) * 4
-    assert step_reads(64, 0.1, 2048, 8192, gated=True, row_dtype="float16") == (
-        64 * 10240 * 4 + 0.1 * 8192 * 2048 * 3 * 2)  # fp16 rows: the predictor weighs relatively more
+    assert step_reads(64, 0.1, 2048, 8192, gated=True, row_bytes=2.0, predictor_bytes=2.0) == (
+        64 * 10240 * 2 + 0.1 * 8192 * 2048 * 3 * 2)
+    int4 = WEIGHT_FORMATS["int4"].bytes_per_weight  # 4 bits and a 2-byte scale per 32 weights
+    assert step_reads(64, 0.1, 2048, 8192, gated=False, row_bytes=int4, predictor_bytes=2.0) == (
+        64 * 10240 * 2 + 0.1 * 8192 * 2048 * 2 * (0.5 + 2 / 32))  # int4 rows: the predictor weighs relatively more
 
 
 def test_choose_ranks_takes_each_layers_cheapest_rank_within_the_budget():

@@ -1,0 +1,143 @@
+"""quantize: store the CPU's weight matrices in blocks of int8 or int4 (--weight-dtype int8|int4).
+
+Reads: the block IR after place (each node's device), `weight_dtype` and `method`. Rewrites each weight matrix
+of a CPU block into a standard ONNX `DequantizeLinear` of its block-quantized values (INT8 or INT4, one scale
+per `runtime.dtypes.QUANT_BLOCK` weights along `axis`, `block_size` set; no zero point: the formats are
+symmetric), so the IR between passes stays valid ONNX and says exactly which values the kernels will read.
+select-kernels packs those values into its layouts and never rounds anything itself.
+
+The block axis is the one each matrix's kernels read contiguously (`BLOCKED`): the reduction axis K of a dense
+linear's [K, N] (panels), the row of a weight whose rows are gathered (the FFN parts' up and down rows, one row
+per neuron; the embedding table). A matrix whose axis is not a whole number of blocks stays in floats (as
+`sizes.float_format` says: fp16). Predictors stay in floats (`sizes.predictor_format`), biases and norms fp32,
+and GPU blocks keep the GPU's format (fp32).
+
+`method` "rtn" rounds each weight to the nearest step of its block's scale (`passes.kernels.quant.quantize`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import PassResult
+
+from picompile import ir as pir
+from picompile.pipeline import Context, Options
+from picompile.sizes import weight_format
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
+
+from .kernels import quant
+from .place import device_of
+
+# op type -> (input index, block axis) of each weight matrix a quantized build stores in blocks
+BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
+    "Embed": ((2, 1),),  # table [V, D]: rows gathered
+    "Attention": ((4, 0), (6, 0)),  # qkv and o: [K, N] linears
+    "FFN": ((1, 0), (3, 0)),  # a dense FFN's up and down
+    "Linear": ((1, 0),),  # the output layer
+    "SparseFFN": ((2, 1), (4, 1)),  # a part's up (gate) rows [n, D] and down rows [n, D]: rows gathered
+}
+METHODS = ("rtn",)
+QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored, for inspect and -v
+_ONNX_TYPES = {8: (ir.DataType.INT8, np.int8), 4: (ir.DataType.INT4, ml_dtypes.int4)}
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A weight matrix as select-kernels reads it from the IR: integer values (int8 numpy, unpacked), scales,
+    the block axis and the format."""
+
+    values: np.ndarray
+    scales: np.ndarray
+    axis: int
+    fmt: WeightFormat
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    @classmethod
+    def of(cls, value: ir.Value | None) -> "QuantizedMatrix | None":
+        """The matrix `value` stands for, when a DequantizeLinear of constants (this pass's rewrite) makes it."""
+        node = None if value is None else value.producer()
+        if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+            return None
+        q, scales = (pir.const_array(v) for v in node.inputs[:2])
+        if q is None or scales is None or (len(node.inputs) > 2 and node.inputs[2] is not None):
+            return None
+        bits = 4 if node.inputs[0].const_value.dtype == ir.DataType.INT4 else 8
+        fmt = next(f for f in WEIGHT_FORMATS.values() if f.bits == bits)
+        if scales.dtype != np.dtype(fmt.scale_dtype):  # e.g. float32 scales, as an imported model had them
+            fmt = replace(fmt, scale_dtype=scales.dtype.name)
+        return cls(np.asarray(q).astype(np.int8), scales, int(pir.attr(node, "axis", 1)), fmt)
+
+
+@dataclass
+class Quantize:
+    name = "quantize"
+    weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 quantize, float formats leave the IR alone
+    method: str = "rtn"
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        fmt = weight_format("cpu", self.weight_dtype)
+        if not fmt.quantized:
+            return PassResult(model, modified=False)
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization method {self.method!r}; known: {', '.join(METHODS)}")
+        graph = model.graph
+        done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
+        kept, stored, floats, errors = [], 0, 0, []
+        for node in list(graph):
+            if node.op_type not in BLOCKED or node.domain != pir.DOMAIN or device_of(node) != "cpu":
+                continue
+            for index, axis in BLOCKED[node.op_type]:
+                value = node.inputs[index]
+                key = (id(value), axis)
+                if key not in done:
+                    array = pir.const_array(value)
+                    if array is None or not quant.quantizable(array.shape, axis, fmt.block):
+                        kept.append(value.name)
+                        continue
+                    q, scales = quant.quantize(array, fmt, axis)
+                    errors.append(_relative_error(array, quant.dequantize(q, scales, axis)))
+                    done[key] = self._dequantize(graph, node, value.name, q, scales, axis, fmt)
+                    stored += array.size
+                    floats += array.nbytes
+                node.replace_input_with(index, done[key])
+        pir.drop_unused_initializers(graph)
+        quantized_bytes = stored * fmt.bytes_per_weight
+        summary = {"format": fmt.name, "method": self.method, "block": fmt.block, "matrices": len(done),
+                   "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
+                   "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept}
+        model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
+        ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({self.method}, blocks of {fmt.block}): "
+                f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
+                f"{summary['mean_relative_error']:.4f}"
+                f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}")
+        return PassResult(model, modified=bool(done))
+
+    @staticmethod
+    def _dequantize(graph: ir.Graph, before: ir.Node, name: str, q: np.ndarray, scales: np.ndarray, axis: int,
+                    fmt: WeightFormat) -> ir.Value:
+        onnx_type, numpy_type = _ONNX_TYPES[fmt.bits]
+        q_value = ir.val(f"{name}.q", const_value=ir.tensor(q.astype(numpy_type), dtype=onnx_type, name=f"{name}.q"))
+        graph.register_initializer(q_value)
+        s_value = pir.initializer(graph, f"{name}.scales", scales)
+        node = ir.node("DequantizeLinear", [q_value, s_value],
+                       {"axis": axis, "block_size": fmt.block, "output_dtype": int(ir.DataType.FLOAT)},
+                       name=f"{name}.dequantize")
+        node.outputs[0].name, node.outputs[0].dtype = f"{name}.dequantized", ir.DataType.FLOAT
+        node.outputs[0].shape = ir.Shape(list(q.shape))
+        node.metadata_props["picompile.device"] = "cpu"
+        graph.insert_before(before, node)
+        return node.outputs[0]
+
+
+def _relative_error(w: np.ndarray, approx: np.ndarray) -> float:
+    """||w - approx|| / ||w||: how much of the matrix the rounding changed."""
+    norm = float(np.linalg.norm(w))
+    return float(np.linalg.norm(w - approx)) / norm if norm else 0.0

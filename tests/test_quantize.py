@@ -1,0 +1,175 @@
+"""--weight-dtype int8 / int4: the quantization rules, the quantize pass's IR, and quantized artifacts end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx_ir.passes import PassResult
+
+from passes.import_onnx import load
+from passes.kernels import quant
+from passes.quantize import BLOCKED, QuantizedMatrix, Quantize
+from picompile import ir as pir
+from picompile.compiler import build, pipeline
+from picompile.pipeline import Context, Options, run_passes
+from picompile.reference import OrtDecoder
+from picompile.targets import get_target
+from runtime import Engine
+from runtime.dtypes import WEIGHT_FORMATS
+
+QUANTIZED = ("int8", "int4")
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_rounding_stays_within_half_a_step_and_is_idempotent(name, axis):
+    fmt = WEIGHT_FORMATS[name]
+    w = np.random.default_rng(0).standard_normal((96, 40) if axis == 0 else (40, 96)).astype(np.float32)
+    w[:, :3] = 0.0  # an all-zero block gets scale 0 and values 0
+    q, scales = quant.quantize(w, fmt, axis)
+    assert q.shape == w.shape and scales.dtype == np.float16
+    assert scales.shape == ((3, 40) if axis == 0 else (40, 3))
+    assert q.min() >= (-127 if fmt.bits == 8 else -8) and q.max() <= (127 if fmt.bits == 8 else 7)
+    back = quant.dequantize(q, scales, axis)
+    step = np.repeat(np.abs(scales.astype(np.float32)), fmt.block, axis=axis)
+    # half a step, except int4's +8 steps (the sign opposite the block's largest weight), clipped to 7
+    clipped = (q == 7) if fmt.bits == 4 else np.zeros_like(q, bool)
+    assert np.all(np.abs(back - w)[~clipped] <= step[~clipped] / 2 + 1e-7)
+    assert np.all(np.abs(back - w)[clipped] <= step[clipped] + 1e-7)
+    again, again_scales = quant.quantize(back, fmt, axis)  # dequantized weights are on the grid: kept exactly
+    assert np.array_equal(again, q) and np.array_equal(again_scales, scales)
+    if fmt.bits == 4:  # the largest-magnitude weight of each (non-zero) block is exactly -8 steps
+        blocks = (q if axis == 1 else q.T).reshape(40, -1, fmt.block)
+        assert np.all((blocks == -8).any(axis=-1) | ((scales if axis == 1 else scales.T) == 0))
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_layouts_hold_every_value_where_the_module_says(name):
+    fmt = WEIGHT_FORMATS[name]
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((5, 64)).astype(np.float32)
+    q, scales = quant.quantize(rows, fmt, 1)
+    packed, packed_scales = quant.pack_rows(q, scales, fmt)
+    assert packed.shape == ((5, 64) if fmt.bits == 8 else (5, 32)) and np.array_equal(packed_scales, scales)
+    assert np.array_equal(quant.unpack_rows(packed, fmt), q)
+    if fmt.bits == 4:  # byte 16 b + i: element 32 b + i low, 32 b + 16 + i high, each + 8
+        assert packed[2, 16 + 3] & 0xF == q[2, 32 + 3] + 8 and packed[2, 16 + 3] >> 4 == q[2, 48 + 3] + 8
+    matrix = rng.standard_normal((64, 20)).astype(np.float32)  # N = 20: two panels, the second padded
+    q, scales = quant.quantize(matrix, fmt, 0)
+    panels, panel_scales = quant.pack_panels(q, scales, fmt)
+    assert panel_scales.shape == (2, 2, 16) and panel_scales[1, 1, 3] == scales[1, 16 + 3]
+    assert np.all(panel_scales[1, :, 4:] == 0)
+    if fmt.bits == 8:
+        assert panels.shape == (2, 64, 16) and panels[1, 40, 2] == q[40, 18]
+    else:  # byte v of a panel row: column v low, column v + 8 high
+        assert panels.shape == (2, 64, 8) and panels[0, 40, 2] & 0xF == q[40, 2] + 8
+        assert panels[0, 40, 2] >> 4 == q[40, 10] + 8
+
+
+@pytest.fixture(scope="module")
+def sparse_opt(tiny_models):
+    return tiny_models("opt", sparsity=0.9)
+
+
+def _placed(files, weight_dtype: str, dense: bool, workdir):
+    """The IR a build hands the quantize pass (every pass before it) and the quantize pass's output."""
+    options = Options(max_context=64, calib=files.calib, dense=dense, weight_dtype=weight_dtype, all_neurons=True)
+    passes = pipeline(options, "dense" if dense else "predictor")
+    index = next(i for i, p in enumerate(passes) if p.name == "quantize")
+    ctx = Context(get_target("cpu"), workdir=workdir)
+    before = run_passes(load(files.onnx), passes[:index], ctx)
+    floats = {node.name: [pir.const_array(node.inputs[i]).copy() for i, _ in BLOCKED.get(node.op_type, ())]
+              for node in before.graph if node.domain == pir.DOMAIN}
+    return floats, passes[index].apply(before, ctx).model
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+def test_quantize_pass_writes_valid_onnx_dequantizing_each_matrix_it_blocks(sparse_opt, tmp_path, dense):
+    floats, model = _placed(sparse_opt, "int4", dense, tmp_path)
+    onnx.checker.check_model(ir.to_proto(model))  # standard DequantizeLinear nodes, INT4 values
+    dequantize = [n for n in model.graph if n.op_type == "DequantizeLinear"]
+    blocked = [n for n in model.graph if n.domain == pir.DOMAIN and n.op_type in BLOCKED]
+    assert {"SparseFFN"} <= {n.op_type for n in blocked} or dense
+    assert len(dequantize) == sum(len(BLOCKED[n.op_type]) for n in blocked)
+    for node in blocked:
+        for (index, axis), original in zip(BLOCKED[node.op_type], floats[node.name]):
+            matrix = QuantizedMatrix.of(node.inputs[index])
+            assert matrix is not None and matrix.axis == axis and matrix.fmt.name == "int4"
+            assert node.inputs[index].producer().inputs[0].const_value.dtype == ir.DataType.INT4
+            expected_q, expected_scales = quant.quantize(original, matrix.fmt, axis)
+            assert np.array_equal(matrix.values, expected_q) and np.array_equal(matrix.scales, expected_scales)
+    summary = json.loads(model.metadata_props["picompile.quantized"])
+    assert summary["format"] == "int4" and summary["matrices"] == len(dequantize)
+    assert summary["bytes"] < 0.15 * summary["float32_bytes"] and 0 < summary["mean_relative_error"] < 0.2
+
+
+def test_float_builds_do_not_run_the_quantize_pass():
+    for weight_dtype in ("fp32", "fp16"):
+        assert "quantize" not in [p.name for p in pipeline(Options(weight_dtype=weight_dtype), "predictor")]
+    assert Quantize(weight_dtype="fp16").apply(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10),
+                                               Context(get_target("cpu"))).modified is False
+
+
+class _FoldDequantize:
+    """Test-only pass: replace each DequantizeLinear by the float32 weight it stands for, so the rest of the
+    build stores and reads exactly the quantized values in fp32 kernels: the reference for quantized kernels."""
+
+    name = "fold-dequantize"
+
+    def apply(self, model, ctx):
+        for node in [n for n in model.graph if n.op_type == "DequantizeLinear"]:
+            matrix = QuantizedMatrix.of(node.outputs[0])
+            value = pir.initializer(model.graph, node.outputs[0].name + ".folded",
+                                    quant.dequantize(matrix.values, matrix.scales, matrix.axis))
+            node.outputs[0].replace_all_uses_with(value)
+            model.graph.remove(node, safe=True)
+        pir.drop_unused_initializers(model.graph)
+        return PassResult(model, modified=True)
+
+
+def _build(files, out, weight_dtype, dense, fold=False):
+    options = Options(max_context=64, calib=files.calib, dense=dense, weight_dtype=weight_dtype,
+                      all_neurons=not dense)
+    passes = pipeline(options, "dense" if dense else "predictor")
+    if fold:
+        index = next(i for i, p in enumerate(passes) if p.name == "quantize")
+        passes.insert(index + 1, _FoldDequantize())
+    return build(files.onnx, out, get_target("cpu"), options, passes=passes)
+
+
+@pytest.mark.parametrize("weight_dtype", QUANTIZED)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+def test_quantized_kernels_compute_exactly_the_quantized_model(sparse_opt, tmp_path, weight_dtype, dense):
+    """The artifact's int8 / int4 kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the logits of
+    the same quantized values run through fp32 kernels, within fp32 rounding; and it stores ~1/4 (int8) or ~1/7
+    (int4) of the fp32 weight bytes."""
+    quantized = _build(sparse_opt, tmp_path / "q.pic", weight_dtype, dense)
+    folded = _build(sparse_opt, tmp_path / "f.pic", weight_dtype, dense, fold=True)
+    manifest = json.loads((quantized / "manifest.json").read_text())
+    layouts = {info.get("layout") for info in manifest["buffers"].values() if info["kind"] == "weight"}
+    assert {"quant_panels", "quant_rows"} <= layouts
+    ours, reference = Engine(quantized), Engine(folded)
+    tokens = [11, 22, 33, 44, 55]
+    for _ in range(6):  # the prompt (prefill kernels), then decode steps
+        expected = reference.forward(tokens)
+        np.testing.assert_allclose(ours.forward(tokens), expected, atol=2e-4 * max(1.0, np.abs(expected).max()), rtol=0)
+        tokens = [int(np.argmax(expected[-1]))]
+
+
+@pytest.mark.parametrize("weight_dtype", QUANTIZED)
+def test_quantized_builds_stay_near_the_fp32_model_and_read_fewer_bytes(sparse_opt, tmp_path, weight_dtype):
+    artifact = _build(sparse_opt, tmp_path / "q.pic", weight_dtype, dense=False)
+    fp32 = _build(sparse_opt, tmp_path / "f32.pic", "fp32", dense=False)
+    size = lambda a: sum(f.stat().st_size for f in (a / "weights").iterdir())  # noqa: E731
+    assert size(artifact) < (0.4 if weight_dtype == "int8" else 0.3) * size(fp32)
+    engine, reference = Engine(artifact), OrtDecoder(sparse_opt.onnx)
+    tokens, errors = [11, 22, 33, 44, 55], []
+    for _ in range(6):
+        expected = reference.forward(tokens)
+        errors.append(np.abs(engine.forward(tokens) - expected).max() / expected.std())
+        tokens = [int(np.argmax(expected[-1]))]
+    assert 0 < max(errors) < (0.05 if weight_dtype == "int8" else 0.5), errors
