@@ -115,6 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--reference", type=Path, required=True)
     evaluate.add_argument("--tokens", type=Path, required=True)
     evaluate.add_argument("--max-sequences", type=_positive_int, default=8)
+    evaluate.add_argument("--baseline", type=Path, default=None, metavar="ARTIFACT",
+                          help="a second artifact of the same model (say its dense build in the same weight dtype): "
+                               "eval reports it against the reference too, and the artifact against it, so that the "
+                               "error of sparsity and of the weights' precision show apart")
     evaluate.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
     evaluate.add_argument("--json", action="store_true")
 
@@ -204,7 +208,7 @@ def _run(args) -> int:
 
 
 def _eval(args) -> int:
-    from .evaluate import evaluate
+    from .evaluate import ArtifactReference, evaluate
     from .reference import OrtDecoder, check_reference
     from .tokens import read_tokens
 
@@ -220,6 +224,15 @@ def _eval(args) -> int:
                         f"{args.artifact} has {engine.vocab_size}: eval compares an artifact with the model it was "
                         "built from")
     report = evaluate(engine, OrtDecoder(args.reference), sequences)
+    if args.baseline is not None:
+        baseline = _engine(args.baseline, args.emulate_gpu)
+        if baseline.vocab_size != engine.vocab_size:
+            raise UserError(f"the baseline {args.baseline} has a vocabulary of {baseline.vocab_size} tokens but "
+                            f"{args.artifact} has {engine.vocab_size}: a baseline is another build of the same model")
+        for name, found in (("baseline", evaluate(baseline, OrtDecoder(args.reference), sequences)),
+                            ("vs_baseline", evaluate(engine, ArtifactReference(baseline), sequences))):
+            report.update({f"{name}.{key}": value for key, value in found.items()
+                           if key in ("kl_mean", "top1_agreement", "max_abs_logit_diff", "ppl_compiled")})
     sparsity = engine.manifest.get("sparsity", {})
     if sparsity:
         report["sparsity_mode"] = sparsity["mode"]
@@ -283,7 +296,8 @@ def _inspect(args) -> int:
             "kernels": kernels, "weight_bytes": weight_bytes, "devices": manifest.get("devices", {}),
             "layers": [with_shares(layer) for layer in manifest.get("layers", [])],
             "placement": manifest.get("placement", {}),
-            "estimate": manifest.get("estimate"), "calibration": manifest.get("calibration", {})}
+            "estimate": manifest.get("estimate"), "calibration": manifest.get("calibration", {}),
+            "quantization": manifest.get("quantization", {})}
     if args.json:
         print(json.dumps(info))
         return _write_report(args, manifest, [])
@@ -323,6 +337,12 @@ def _inspect(args) -> int:
             + (f", {sampled} sequences of {calibration['sequence_tokens']} sampled from the model" if sampled else "")
             + ("" if calibration["tokens"] >= calibration["wanted_tokens"] else
                f" (small: {calibration['wanted_tokens']} wanted for the FFN width)"))
+    quantized = info["quantization"]
+    if quantized:
+        say(f"weights    {quantized['matrices']} matrices in {quantized['format']} ({quantized['method']}, blocks of "
+            f"{quantized['block']}): {format_size(quantized['bytes'])} from {format_size(quantized['float32_bytes'])} "
+            f"fp32, mean relative error {quantized['mean_relative_error']:.4f}"
+            + (f"; {len(quantized['kept_in_floats'])} kept in fp16 (not whole blocks)" if quantized["kept_in_floats"] else ""))
     if info["layers"] and "threshold_in" in info["layers"][0]:
         say(f"{'layer':>5} {'t_in':>9} {'drops':>6} {'t_down':>9} {'drops':>6}")
         for layer in info["layers"]:

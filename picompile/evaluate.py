@@ -35,6 +35,21 @@ def compare(reference: np.ndarray, compiled: np.ndarray, sequence: np.ndarray) -
     }
 
 
+class ArtifactReference:
+    """An artifact in onnxruntime's place as eval's reference (`eval --baseline`): its logits along the path
+    decoding takes. Eval of a quantized sparse artifact against its quantized dense build measures what
+    sparsity costs on its own; the dense build against onnxruntime what quantization costs."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def forward(self, sequence: np.ndarray) -> np.ndarray:
+        return compiled_logits(self.engine, sequence)
+
+
 def evaluate(engine, reference, sequences) -> dict:
     totals = None
     for sequence in sequences:
