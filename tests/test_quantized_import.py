@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from examples.models import ort_quantize_nbits
+from examples.models import matmul_weights_as_initializers, ort_quantize_nbits
 from passes.import_onnx import SOURCE_QUANTIZATION, Import, SourceQuantization, load
 from passes.kernels import quant
 from picompile import ir as pir
@@ -58,6 +58,37 @@ def logits_steps(engine, steps: int = 6) -> list[np.ndarray]:
     for _ in range(steps):
         rows.append(engine.forward([int(np.argmax(rows[-1][-1]))]))
     return rows
+
+
+def test_linear_layers_become_matmuls_of_initializers_for_the_quantizer():
+    """A Gemm (transB, alpha, beta) becomes MatMul + Add over a [K, N] initializer and a tied head's
+    Transpose is folded, with the same outputs in onnxruntime."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    w, c, e = (rng.standard_normal(shape).astype(np.float32) for shape in ((8, 4), (8,), (16, 8)))
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gemm", ["x", "w", "c"], ["h"], transB=1, alpha=0.5, beta=2.0),
+         onnx.helper.make_node("Transpose", ["e"], ["et"], perm=[1, 0]),
+         onnx.helper.make_node("MatMul", ["h", "et"], ["y"]),
+         onnx.helper.make_node("Gather", ["e", "ids"], ["g"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 4]),
+         onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [2])],
+        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("y", "g")],
+        [numpy_helper.from_array(a, n) for a, n in ((w, "w"), (c, "c"), (e, "e"))])
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    feeds = {"x": rng.standard_normal((3, 4)).astype(np.float32), "ids": np.array([1, 5])}
+
+    def run(model):
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    before = run(proto)
+    assert matmul_weights_as_initializers(proto) == 2
+    inits = {t.name for t in proto.graph.initializer}
+    assert [n.op_type for n in proto.graph.node] == ["MatMul", "Add", "MatMul", "Gather"]
+    assert all(n.input[1] in inits for n in proto.graph.node if n.op_type == "MatMul") and "w" not in inits
+    for got, expected in zip(run(proto), before):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_ort_int4_model_builds_and_matches_onnxruntime(quantized, tmp_path, capsys):
