@@ -160,6 +160,30 @@ def test_int4_requantizes_to_the_same_q_and_scales(quantized):
         np.testing.assert_array_equal(s, scales.T)
 
 
+def test_fp16_scales_requantize_to_picompile_int4_as_it_stores_it(tiny_models, tmp_path):
+    """An fp16 model's MatMulNBits have fp16 scales, picompile's int4 default: its q and scales come back
+    from the dequantized weight with no second rounding."""
+    proto = onnx.load(str(tiny_models("opt").onnx))
+    matmul_weights_as_initializers(proto)
+    weights = {n.input[1] for n in proto.graph.node if n.op_type == "MatMul"}
+    for tensor in proto.graph.initializer:  # only the weights: the import pass never runs this graph
+        if tensor.name in weights:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    half = tmp_path / "fp16-weights.onnx"
+    onnx.save(proto, str(half))
+    source = ort_quantize_nbits(half, tmp_path / "q4-fp16.onnx", bits=4, block_size=32, symmetric=True)
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(source)).graph.initializer}
+    model = imported(source)
+    fact = SourceQuantization.of(model)
+    assert {w.scale_dtype for w in fact.weights} == {"float16"} and WEIGHT_FORMATS["int4"].scale_dtype == "float16"
+    for w in fact.weights:
+        packed, scales = inits[w.initializers[0]], inits[w.initializers[1]]
+        codes = np.stack([packed & 0xF, packed >> 4], -1).reshape(w.N, -1).astype(np.int8) - 8
+        q, s = quant.quantize(pir.const_array(model.graph.initializers[w.weight]), WEIGHT_FORMATS["int4"], axis=0)
+        np.testing.assert_array_equal(q, codes.T)
+        np.testing.assert_array_equal(s, scales.T)
+
+
 def _bits2(path, source):
     return ort_quantize_nbits(source, path, bits=2, block_size=32, symmetric=True, accuracy_level=None)
 
