@@ -17,12 +17,11 @@ model, `metadata_props["picompile.source_quantization"]`: the JSON of a `SourceQ
 dequantized weight (its node, the new weight initializer, the B / scales / zero_points initializers it was
 stored in, bits, block_size, whether symmetric (no zero points, or all equal to 2^(bits-1)), the scales'
 dtype, K and N); read it with `SourceQuantization.of(model)` (recognise keeps it on the lifted model).
-Symmetric 4-bit MatMulNBits with block_size 32 is Q4_0's rule, picompile's int4 (scale = the block's
-largest-magnitude weight / -8): `passes.kernels.quant.quantize` recovers its q and scales exactly from the
-dequantized weight where the scales are representable in the format's scale dtype (float16: an fp16
-model's; an fp32 model's float32 scales would round once more), so a later pass may store such weights in
-int4 without a second rounding. 8-bit is not Q8_0's rule (MatMulNBits: largest-magnitude / -128, q in
-[-128, 127]; int8: max|w| / 127), so int8 re-rounds.
+Symmetric MatMulNBits with block_size 32 is picompile's int4 / int8 rule (scale = the block's
+largest-magnitude weight / -2^(bits-1)): `passes.kernels.quant.quantize` recovers its q and scales exactly
+from the dequantized weight where the scales are representable in the format's scale dtype (float16: an fp16
+model's; an fp32 model's float32 scales would round once more), so a later pass may store such weights
+without a second rounding.
 Refuses, naming the node or value: files that are not ONNX, graphs with dangling references or missing
 external data, models that are not decoders with a KV cache (CNNs, encoders), weights fed as graph
 inputs, MatMulNBits that cannot be honoured (bits other than 4 or 8, a g_idx input, a weight prepacked for an

@@ -33,18 +33,18 @@ def test_rounding_stays_within_half_a_step_and_is_idempotent(name, axis):
     q, scales = quant.quantize(w, fmt, axis)
     assert q.shape == w.shape and scales.dtype == np.float16
     assert scales.shape == ((3, 40) if axis == 0 else (40, 3))
-    assert q.min() >= (-127 if fmt.bits == 8 else -8) and q.max() <= (127 if fmt.bits == 8 else 7)
+    assert q.min() >= (-128 if fmt.bits == 8 else -8) and q.max() <= (127 if fmt.bits == 8 else 7)
     back = quant.dequantize(q, scales, axis)
     step = np.repeat(np.abs(scales.astype(np.float32)), fmt.block, axis=axis)
-    # half a step, except int4's +8 steps (the sign opposite the block's largest weight), clipped to 7
-    clipped = (q == 7) if fmt.bits == 4 else np.zeros_like(q, bool)
+    # half a step, except +2^(bits-1) steps (the sign opposite the block's largest weight), clipped to one less
+    clipped = q == (7 if fmt.bits == 4 else 127)
     assert np.all(np.abs(back - w)[~clipped] <= step[~clipped] / 2 + 1e-7)
     assert np.all(np.abs(back - w)[clipped] <= step[clipped] + 1e-7)
     again, again_scales = quant.quantize(back, fmt, axis)  # dequantized weights are on the grid: kept exactly
     assert np.array_equal(again, q) and np.array_equal(again_scales, scales)
-    if fmt.bits == 4:  # the largest-magnitude weight of each (non-zero) block is exactly -8 steps
-        blocks = (q if axis == 1 else q.T).reshape(40, -1, fmt.block)
-        assert np.all((blocks == -8).any(axis=-1) | ((scales if axis == 1 else scales.T) == 0))
+    # the largest-magnitude weight of each (non-zero) block is exactly -2^(bits-1) steps
+    blocks = (q if axis == 1 else q.T).reshape(40, -1, fmt.block)
+    assert np.all((blocks == (-8 if fmt.bits == 4 else -128)).any(axis=-1) | ((scales if axis == 1 else scales.T) == 0))
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

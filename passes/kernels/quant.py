@@ -43,18 +43,16 @@ def _blocked(w: np.ndarray, axis: int, block: int) -> np.ndarray:
 
 def quantize(w: np.ndarray, fmt: WeightFormat, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Round-to-nearest block quantization of the matrix `w` along `axis`: (q, scales), q int8 shaped like w
-    (int8: [-127, 127]; int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the
-    block. q * scales (each scale repeated over its block) is the dequantized weight (`dequantize`)."""
-    blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
-    if fmt.bits == 8:
-        scale = np.abs(blocks).max(axis=-1) / 127.0
-        low, high = -127, 127
-    elif fmt.bits == 4:  # the block's largest-magnitude weight maps to -8 exactly (Q4_0, MatMulNBits symmetric)
-        pick = np.abs(blocks).argmax(axis=-1)
-        scale = np.take_along_axis(blocks, pick[..., None], axis=-1)[..., 0] / -8.0
-        low, high = -8, 7
-    else:
+    (int8: [-128, 127]; int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the
+    block. q * scales (each scale repeated over its block) is the dequantized weight (`dequantize`).
+    The block's largest-magnitude weight maps to -2^(bits-1) exactly (Q4_0's rule, MatMulNBits' symmetric
+    one), so an imported MatMulNBits weight re-quantizes to its own values."""
+    if fmt.bits not in (4, 8):
         raise ValueError(f"{fmt.name} is not a block-quantized format")
+    blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
+    low, high = -(1 << (fmt.bits - 1)), (1 << (fmt.bits - 1)) - 1
+    pick = np.abs(blocks).argmax(axis=-1)
+    scale = np.take_along_axis(blocks, pick[..., None], axis=-1)[..., 0] / float(low)
     scale = scale.astype(fmt.scale_dtype)
     stored = scale.astype(np.float32)[..., None]  # round with the scale as stored, so q * scale is exact
     with np.errstate(divide="ignore", invalid="ignore"):
