@@ -13,6 +13,9 @@ per neuron; the embedding table). A matrix whose axis is not a whole number of b
 and GPU blocks keep the GPU's format (fp32).
 
 `method` "rtn" rounds each weight to the nearest step of its block's scale (`passes.kernels.quant.quantize`).
+A model that came quantized in this format (MatMulNBits, symmetric, the same bits and block: import's
+`SourceQuantization`) keeps its own values: they are on the grid, and rounding them again returns them, with
+the source's scale type (float32 where it had float32 scales) so that no scale rounds either.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from picompile.pipeline import Context, Options
 from picompile.sizes import weight_format
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
+from .import_onnx import SourceQuantization
 from .kernels import quant
 from .place import device_of
 
@@ -88,6 +92,7 @@ class Quantize:
             return PassResult(model, modified=False)
         if self.method not in METHODS:
             raise ValueError(f"unknown quantization method {self.method!r}; known: {', '.join(METHODS)}")
+        fmt = _source_format(SourceQuantization.of(model), fmt)
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors = [], 0, 0, []
@@ -110,11 +115,13 @@ class Quantize:
                 node.replace_input_with(index, done[key])
         pir.drop_unused_initializers(graph)
         quantized_bytes = stored * fmt.bytes_per_weight
-        summary = {"format": fmt.name, "method": self.method, "block": fmt.block, "matrices": len(done),
+        summary = {"format": fmt.name, "method": self.method, "block": fmt.block, "scale_dtype": fmt.scale_dtype,
+                   "matrices": len(done),
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
-        ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({self.method}, blocks of {fmt.block}): "
+        ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({self.method}, blocks of {fmt.block}, "
+                f"{fmt.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
                 f"{summary['mean_relative_error']:.4f}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}")
@@ -135,6 +142,18 @@ class Quantize:
         node.metadata_props["picompile.device"] = "cpu"
         graph.insert_before(before, node)
         return node.outputs[0]
+
+
+def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> WeightFormat:
+    """`fmt`, with the source's scale type where every weight of the model came quantized in it (bits, block,
+    symmetric)."""
+    if source is None or not source.weights:
+        return fmt
+    if all(w.symmetric and w.bits == fmt.bits and w.block_size == fmt.block for w in source.weights):
+        scale_types = {w.scale_dtype for w in source.weights}
+        if scale_types == {"float32"}:
+            return replace(fmt, scale_dtype="float32")
+    return fmt
 
 
 def _relative_error(w: np.ndarray, approx: np.ndarray) -> float:
