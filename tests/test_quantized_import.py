@@ -97,6 +97,7 @@ def test_an_ort_int4_model_builds_and_matches_onnxruntime(quantized, tmp_path, c
     assert main(["build", str(source), "--target", "cpu", "--dense", "-o", str(out), "--max-context", "64", "-v"]) == 0
     log = capsys.readouterr().err
     assert "MatMulNBits weights dequantized" in log and "4-bit, block 32, symmetric" in log
+    assert "warning: the model's weights came 4-bit quantized" in log and "--weight-dtype int4 keeps" in log
     ours, reference = logits_steps(Engine(out)), logits_steps(OrtDecoder(source))
     for got, expected in zip(ours, reference):
         np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
