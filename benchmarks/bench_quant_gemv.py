@@ -10,7 +10,9 @@ that variant's bytes), alternating in blocks of calls separated by a pause (as b
   picompile fp16      `linear_panels` decode, fp16 panels (the float baseline)
   picompile int8      `linear_panels_q` decode, int8 panels, fp16 scales
   picompile int4      `linear_panels_q` decode, int4 panels, fp16 scales
-  picompile int4 vnni the same with int8 activations (AVX512-VNNI; only where the CPU has it)
+  picompile int4 x8 madd / vnni   the same with int8 activations (x quantized per 32-block), the block sums
+                      integer dot products: vpmaddubsw + vpmaddwd (AVX512BW, the avx512 kernels), or vpdpbusd
+                      (AVX512-VNNI: built for LLVM's icelake-server, only where this CPU has VNNI)
 
 over `--threads` threads (onnxruntime intra-op threads, TVM_NUM_THREADS), kernels built for `--isa` (default: this
 machine's). Checks every variant against a float64 reference of the dequantized matrix first and reports its
@@ -36,6 +38,7 @@ import numpy as np  # noqa: E402
 
 SETTLE = 0.3  # seconds between blocks: longer than TVM's pool spins after a call (onnxruntime's does not spin)
 SHAPES = "2048x2048,2048x8192,8192x2048,2048x32000"
+VNNI_MCPU = "icelake-server"  # no CPU_ISAS entry has AVX512-VNNI: the vnni kernels are built for this LLVM CPU
 
 
 def ort_int4_session(q: np.ndarray, scales: np.ndarray, threads: int):
@@ -84,18 +87,25 @@ def main():
     isa = CPU_ISAS[args.isa] if args.isa else host_cpu_isa()
     vnni = isa.name == "avx512" and "avx512_vnni" in (cpu_flags() or set())
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    variants = ["int8", "int4"] + (["int4 vnni"] if vnni else [])
-    funcs = []
+    variants = ["int8", "int4"] + (["int4 x8 madd"] if isa.name == "avx512" else []) + (["int4 x8 vnni"] if vnni else [])
+    funcs = {"base": [], "vnni": []}
     for K, N in shapes:
-        funcs.append(cpu.linear_panels(f"fp16_{K}_{N}", K, N, rows=1, wdtype="float16", bias=False))
+        funcs["base"].append(cpu.linear_panels(f"fp16_{K}_{N}", K, N, rows=1, wdtype="float16", bias=False))
         for v in variants:
-            fmt = WEIGHT_FORMATS[v.split()[0]]
-            funcs.append(quant.linear_panels_q(f"{v.replace(' ', '_')}_{K}_{N}", K, N, rows=1, bits=fmt.bits,
-                                               bias=False, vnni=v.endswith("vnni")))
+            dot = v.split()[-1] if " x8 " in v else None
+            funcs["vnni" if dot == "vnni" else "base"].append(quant.linear_panels_q(
+                f"{v.replace(' ', '_')}_{K}_{N}", K, N, rows=1, bits=int(v[3]), bias=False, int8_dot=dot))
+    targets = {"base": isa.llvm_target(), "vnni": dict(isa.llvm_target(), mcpu=VNNI_MCPU)}
+    libs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "gemv.so")
-        cpu.build(funcs, isa.llvm_target(), path)
-        lib = tvm.runtime.load_module(path)
+        for part, fs in funcs.items():
+            if fs:
+                path = os.path.join(tmp, f"{part}.so")
+                cpu.build(fs, targets[part], path)
+                libs[part] = tvm.runtime.load_module(path)
+
+    def kernel(symbol):
+        return libs["vnni" if "vnni" in symbol else "base"][symbol]
     dl = tvm_ffi.from_dlpack
     rng = np.random.default_rng(0)
     clock = time.perf_counter
@@ -132,7 +142,7 @@ def main():
         calls["ort int4"] = lambda c, s=sessions: s[c].run(None, {"x": x})[0]
         fp16 = variant_copies("picompile fp16",
                               lambda c: placed(cpu.pack_panels(np.roll(w0, 17 * c, axis=1).astype(np.float16))))
-        f = lib[f"fp16_{K}_{N}"]
+        f = kernel(f"fp16_{K}_{N}")
         calls["picompile fp16"] = lambda c, f=f, w=fp16: (f(dl(xa), dl(w[c]), dl(y)), y)[1]
         refs = {"picompile fp16": x[0].astype(np.float64) @ w0.astype(np.float16).astype(np.float64)}
         for v in variants:
@@ -141,7 +151,7 @@ def main():
             refs[f"picompile {v}"] = x[0].astype(np.float64) @ quant.dequantize(q, s, 0).astype(np.float64)
             packed = variant_copies(f"picompile {v}", lambda c: [placed(a) for a in quant.pack_panels(
                 shuffled(q, c), shuffled(s, c), fmt)])
-            f = lib[f"{v.replace(' ', '_')}_{K}_{N}"]
+            f = kernel(f"{v.replace(' ', '_')}_{K}_{N}")
             calls[f"picompile {v}"] = lambda c, f=f, w=packed: (f(dl(xa), dl(w[c][0]), dl(w[c][1]), dl(y)), y)[1]
         refs["ort int4"] = refs["picompile int4"]
         for label, fn in calls.items():

@@ -34,6 +34,12 @@ ROWS_Q = {  # up rows [N, K]: (K, N, act, sdtype, tile_panels)
     "relu": (96, 40, "relu", "float16", 1),
     "f32": (32, 72, "none", "float32", 2),
 }
+X8 = {  # int4 decode with int8 activations: (K, N, bias, act, residual, sdtype)
+    "gelu": (96, 72, True, "gelu", True, "float16"),
+    "group4": (64, 500, True, "silu", True, "float16"),
+    "f32": (32, 256, False, "none", False, "float32"),
+}
+VNNI_MCPU = "icelake-server"  # an LLVM CPU with AVX512-VNNI (no CPU_ISAS entry has it)
 KN_Q = {  # down rows [K, N]: (K, N, bias, act, residual, sdtype, tile_panels)
     "plain": (40, 96, False, "none", False, "float16", 2),
     "res": (24, 32, True, "gelu", True, "float32", 1),
@@ -44,8 +50,14 @@ def _fmt(bits):
     return WEIGHT_FORMATS[f"int{bits}"]
 
 
-def all_kernels():
-    funcs = []
+def x8_kernels(dot):
+    return [ops.linear_panels_q.cpu(kname(f"x8{dot}", cfg, "d"), K, N, rows=1, bits=4, sdtype=sdtype, bias=bias,
+                                    act=act, residual=res, int8_dot=dot)
+            for cfg, (K, N, bias, act, res, sdtype) in X8.items()]
+
+
+def all_kernels(isa):
+    funcs = x8_kernels("madd") if isa == "avx512" else []
     for bits in BITS:
         for cfg, (K, N, bias, act, res, sdtype, tp) in PANELS.items():
             for v, rows in ROWS.items():
@@ -66,7 +78,16 @@ def lib(request, tmp_path_factory):
     if not set(isa.features) <= (cpu_flags() or set()):
         pytest.skip(f"this CPU has no {isa.name}")
     path = str(tmp_path_factory.mktemp("quant") / f"{isa.name}.so")
-    cpu.build(all_kernels(), isa.llvm_target(), path)
+    cpu.build(all_kernels(isa.name), isa.llvm_target(), path)
+    return tvm.runtime.load_module(path)
+
+
+@pytest.fixture(scope="module")
+def vnni_lib(tmp_path_factory):
+    if not {"avx512f", "avx512bw", "avx512_vnni"} <= (cpu_flags() or set()):
+        pytest.skip("this CPU has no AVX512-VNNI")
+    path = str(tmp_path_factory.mktemp("quant") / "vnni.so")
+    cpu.build(x8_kernels("vnni"), dict(CPU_ISAS["avx512"].llvm_target(), mcpu=VNNI_MCPU), path)
     return tvm.runtime.load_module(path)
 
 
@@ -156,3 +177,39 @@ def test_rows_untouched(lib):
          rows_buf(rng, 3, N)[1], y)
     np.testing.assert_array_equal(ys[3:], before)
     assert ys.shape[0] == MAX_ROWS
+
+
+def x8_reference(x, w):
+    """x quantized as the kernel does (per 32-block, scale max|x| / 127, fp32) times the dequantized matrix."""
+    blocks = x.reshape(-1, quant.QUANT_BLOCK).astype(np.float32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    xq = np.round(blocks * inv) * (amax / np.float32(127)).astype(np.float64)
+    return xq.reshape(x.shape) @ w
+
+
+def check_int8_activations(lib, dot, cfg):
+    K, N, bias, act, res, sdtype = X8[cfg]
+    rng = np.random.default_rng(30)
+    q, s, w = quantized(rng, (K, N), 4, 0, sdtype)
+    _, x = rows_buf(rng, 1, K, scale=0.5)
+    y, b, r = run(lib, kname(f"x8{dot}", cfg, "d"), x, quant.pack_panels(q, s, _fmt(4)), bias, res, N, 1, rng)
+    pre = x8_reference(x, w) + (0 if b is None else b)
+    close(y, act_ref(pre, act) + (0 if r is None else r))
+    exact = expected(x, w, b, r, act)
+    assert np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("cfg", X8)
+def test_int8_activations_madd(request, lib, cfg):
+    """int4 decode with int8 activations (vpmaddubsw): exact against x quantized the same way, and within
+    int8's error of the float product."""
+    if request.node.callspec.params["lib"] != "avx512":
+        pytest.skip("AVX-512 only")
+    check_int8_activations(lib, "madd", cfg)
+
+
+@pytest.mark.parametrize("cfg", X8)
+def test_int8_activations_vnni(vnni_lib, cfg):
+    check_int8_activations(vnni_lib, "vnni", cfg)

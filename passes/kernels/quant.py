@@ -122,8 +122,7 @@ def _gemv_group(panels):
                 if panels % g == 0 and (panels // g >= _cpu.GEMV_MIN_TASKS or g == 1))
 
 
-def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None,
-                  prefetch=0, wide=True, vnni=False):
+def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None):
     """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in the quant panels layout.  Args: x, w, ws, (b), (res), y.
 
     int8: w [P, K, 16] int8; int4: w [P, K, 8] uint8 (q + 8 nibbles); ws [P, K / 32, 16] in `sdtype`.
@@ -142,9 +141,6 @@ def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none",
     nb = K // B
     full = N % width == 0
     epilogue = _cpu._epilogue(act, bias, residual)
-    wdt = "int32" if wide else "uint8"
-    widen = (lambda v: T.Cast("int32", v)) if wide else (lambda v: v)
-    mask, shift = tirx.const(15, wdt), tirx.const(4, wdt)
 
     if bits == 8:
         @T.prim_func
@@ -200,19 +196,13 @@ def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none",
                     for g, h in T.grid(group, 2):
                         for v in T.vectorized(PANEL):
                             part[g, h, v] = xc[kb, v]
-                    if prefetch > 0:
-                        for g in T.unroll(group):
-                            for line in T.unroll(B * HALF // 64):
-                                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(qf[T.min(
-                                    ((t * group + g) * K + kb * B) * HALF + line * 64 + prefetch * B * HALF,
-                                    panels * K * HALF - 1)]), T.int32(0), T.int32(3), T.int32(1)))
                     for j in T.unroll(B // 2):
                         for g in T.unroll(group):
                             for v in T.vectorized(PANEL):
-                                part[g, 0, v] = part[g, 0, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32", widen(
-                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v]) & mask)
-                                part[g, 1, v] = part[g, 1, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32", widen(
-                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v]) >> shift)
+                                part[g, 0, v] = part[g, 0, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
+                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] & T.uint8(15))
+                                part[g, 1, v] = part[g, 1, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
+                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] >> T.uint8(4))
                     for g, h, half in T.grid(group, 2, 2):
                         for c in T.vectorized(HALF):
                             acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * load_f32(
@@ -224,6 +214,119 @@ def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none",
                                 acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
     else:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+# int8 activations for int4 weights: x is quantized per 32-block (ORT's accuracy_level 4, llama.cpp's Q8_0 x)
+# and the block sums are integer dot products of the stored bytes (u8, q + 8) with x's (s8).
+OCTET = 8  # k steps per 64-byte vector of an int4 panel
+# byte 4 l + j of a permuted octet = column l % 8 at k step 4 (l // 8) + j: each dword one column's 4 k steps
+_OCTET_PERM = [8 * (4 * (e // 32) + e % 4) + (e // 4) % 8 for e in range(64)]
+DOTS = {
+    "vnni": "llvm.x86.avx512.vpdpbusd.512",  # AVX512-VNNI: one instruction per 64 products
+    "madd": "llvm.x86.avx512.pmaddubs.w.512",  # AVX512BW: vpmaddubsw + vpmaddwd + vpaddd
+}
+
+
+def _dot_u8s8(dot, acc, a, b):
+    """acc[l] + sum_j a[4 l + j] * b[4 l + j] (int32x16; a unsigned, b signed bytes)."""
+    if dot == "vnni":
+        return T.call_llvm_pure_intrin("int32x16", DOTS["vnni"], acc, a, b)
+    pairs = T.call_llvm_pure_intrin("int16x32", DOTS["madd"], a, b)  # no saturation: |15 * 127 * 2| < 2^15
+    return acc + T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", pairs,
+                                         T.broadcast(T.int16(1), 32))
+
+
+def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", residual=False, dot="vnni", group=None):
+    """Decode y[1, N] = act(x[1, K] @ W + b) + res, W int4 quant panels, x quantized to int8 per 32-block.
+    Args: x, w, ws, (b), (res), y (as gemv_panels_q). AVX-512 only: `dot` "vnni" needs a target with
+    AVX512-VNNI, "madd" AVX512BW.
+
+    Per call (serial prologue): x's block scales sx = max|x| / 127, xq = round(x / sx), -8 * sum(xq) per block
+    (the stored offset, folded into the integer sums' start) and xpat, xq's dwords laid out as the permuted
+    weights' (lanes 0-7: k steps 0-3 of an octet, lanes 8-15: 4-7). Per task and block, each 64-byte octet of
+    a panel is permuted so each dword holds one column's 4 k steps (_OCTET_PERM), split into low and high
+    nibbles and dotted with xpat into int32 accumulators; then acc += float(sum) * ws * sx, once per block.
+    """
+    B = QUANT_BLOCK
+    _check(K, N, 4, K, "K")
+    if dot not in DOTS:
+        raise ValueError(f"dot must be one of {sorted(DOTS)}, got {dot!r}")
+    panels = -(-N // PANEL)
+    group = group or _gemv_group(panels)
+    width = group * PANEL
+    nb = K // B
+    full = N % width == 0
+    epilogue = _cpu._epilogue(act, bias, residual)
+    lanes = PANEL  # int32 lanes of a zmm
+    perm = [tirx.IntImm("int32", i) for i in _OCTET_PERM]
+    m15, m4 = T.broadcast(T.uint8(15), 64), T.broadcast(T.uint8(4), 64)
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
+               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        wf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
+        xq = T.alloc_buffer((K,), "int8")
+        xq32 = T.decl_buffer((K // 4,), "int32", data=xq.data)
+        sx = T.alloc_buffer((nb,), "float32")
+        xc = T.alloc_buffer((nb, lanes), "int32")
+        xpat = T.alloc_buffer((K // OCTET, lanes), "int32")
+        xpat8 = T.decl_buffer((K * OCTET,), "int8", data=xpat.data)
+        amax = T.alloc_local((lanes,), "float32")
+        stat = T.alloc_local((2,), "float32")
+        total = T.alloc_local((1,), "int32")
+        for kb in range(nb):
+            for v in T.vectorized(lanes):
+                amax[v] = T.max(T.abs(x[0, kb * B + v]), T.abs(x[0, kb * B + lanes + v]))
+            stat[0] = amax[0]
+            for v in range(1, lanes):
+                stat[0] = T.max(stat[0], amax[v])
+            sx[kb] = stat[0] / T.float32(127)
+            stat[1] = T.if_then_else(stat[0] > T.float32(0), T.float32(127) / stat[0], T.float32(0))
+            for v in T.vectorized(B):
+                xq[kb * B + v] = T.Cast("int8", T.round(x[0, kb * B + v] * stat[1]))
+            total[0] = 0
+            for v in range(B):
+                total[0] = total[0] + T.Cast("int32", xq[kb * B + v])
+            for v in T.vectorized(lanes):
+                xc[kb, v] = T.if_then_else(v < lanes // 2, -INT4_OFFSET * total[0], 0)
+        for o in range(K // OCTET):
+            for v in range(lanes):
+                xpat[o, v] = xq32[2 * o + v // (lanes // 2)]
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((group, 2, lanes), "float32")
+            part = T.alloc_local((group, 2, lanes), "int32")
+            for g, h in T.grid(group, 2):
+                for v in T.vectorized(lanes):
+                    acc[g, h, v] = T.float32(0)
+            for kb in range(nb):
+                for g, h in T.grid(group, 2):
+                    for v in T.vectorized(lanes):
+                        part[g, h, v] = xc[kb, v]
+                for o in T.unroll(B // OCTET):
+                    for g in T.unroll(group):
+                        part[g, 0, T.ramp(0, 1, lanes)] = _dot_u8s8(
+                            dot, part[g, 0, T.ramp(0, 1, lanes)],
+                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * OCTET) * HALF, 1, 64)]], perm) & m15,
+                            xpat8[T.ramp((kb * (B // OCTET) + o) * 64, 1, 64)])
+                        part[g, 1, T.ramp(0, 1, lanes)] = _dot_u8s8(
+                            dot, part[g, 1, T.ramp(0, 1, lanes)],
+                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * OCTET) * HALF, 1, 64)]], perm) >> m4,
+                            xpat8[T.ramp((kb * (B // OCTET) + o) * 64, 1, 64)])
+                for g, h, half in T.grid(group, 2, 2):
+                    for c in T.vectorized(HALF):
+                        acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + T.Cast(
+                            "float32", part[g, h, half * HALF + c]) * (load_f32(ws[t * group + g, kb, h * HALF + c], sdtype)
+                                                                       * sx[kb])
+            for g, h in T.grid(group, 2):
+                for c in (T.vectorized if full else T.serial)(HALF):
+                    if full or t * width + g * PANEL + h * HALF + c < N:
+                        y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
+                            acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
+
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
 
@@ -334,12 +437,17 @@ def kn_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
 
 
 def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
-                    tile_panels=1, vnni=False):
+                    tile_panels=1, int8_dot=None):
     """y[m, N] = act(x[m, K] @ W + b) + res, W in the quant panels layout (pack_panels; int8 or int4 by `bits`,
-    scales in `sdtype`).  Args: x, w, ws, (b), (res), y. Decode: gemv_panels_q (with `vnni`, int8
-    activations); prefill: cpu.gemm over panels_weight, `tile_panels` per register tile."""
+    scales in `sdtype`).  Args: x, w, ws, (b), (res), y. Decode: gemv_panels_q, or with `int8_dot` ("vnni",
+    "madd"; int4, AVX-512 only) gemv_panels_q4x8 (x quantized to int8 per block: ~1e-2 relative error, like
+    onnxruntime's accuracy_level 4); prefill: cpu.gemm over panels_weight, `tile_panels` per register tile."""
+    if rows == 1 and int8_dot is not None:
+        if bits != 4:
+            raise ValueError("int8 activations are implemented for int4 weights only")
+        return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot)
     if rows == 1:
-        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual, vnni=vnni)
+        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual)
     row_dim(rows)
     return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
                      residual=residual, tile_panels=tile_panels)
