@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import cpu, cuda, neuron
+from . import cpu, cuda, neuron, quant
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,10 @@ sparse_ffn = KernelOp("sparse_ffn", neuron.sparse_ffn, None)
 sparse_columns = KernelOp("sparse_columns", neuron.sparse_columns, None)
 merge = KernelOp("merge", neuron.merge, cuda.merge)
 linear_rows = KernelOp("linear_rows", neuron.linear_rows, cuda.linear_rows)
+# block-quantized weights (--weight-dtype int8 / int4): CPU only; the makers also take bits and sdtype (scales)
+linear_panels_q = KernelOp("linear_panels_q", quant.linear_panels_q, None)
+linear_rows_q = KernelOp("linear_rows_q", quant.linear_rows_q, None)
+linear_kn_q = KernelOp("linear_kn_q", quant.linear_kn_q, None)
 
 
 def get(name: str) -> KernelOp:
