@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.dtypes import QUANT_BLOCK, WeightFormat
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat
 
 from .cpu import PANEL
-
-INT4_OFFSET = 8  # int4 values are stored as q + 8, in [0, 15]
 
 
 def quantizable(shape, axis: int, block: int = QUANT_BLOCK) -> bool:
