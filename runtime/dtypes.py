@@ -65,6 +65,7 @@ class WeightFormat:
 
 
 QUANT_BLOCK = 32  # weights per scale (Q8_0 / Q4_0, MatMulNBits' default)
+INT4_OFFSET = 8  # int4 values are stored as q + 8, in [0, 15]
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     fmt.name: fmt
     for fmt in [

@@ -21,6 +21,8 @@ import tvm
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK
+
 NEG_INF = -3.0e38  # "minus infinity" that stays finite through max/exp (softmax padding, running max)
 
 
@@ -121,6 +123,49 @@ def glu_unit(actf, gate, up):
 def load_f32(value, wdtype):
     """A weight element as fp32 (weights may be stored in fp16; arithmetic is fp32)."""
     return value if wdtype == "float32" else tirx.Cast("float32", value)
+
+
+def quant_storage(bits: int) -> str:
+    """The element type of a rows-layout q (`passes.kernels.quant`): int8 values, or two int4 values a byte."""
+    if bits not in (4, 8):
+        raise ValueError(f"block-quantized weights are int8 or int4, not {bits}-bit")
+    return "int8" if bits == 8 else "uint8"
+
+
+def quant_width(columns: int, bits: int) -> int:
+    """Stored elements of a rows-layout q row of `columns` weights (int4: two weights a byte)."""
+    if columns % QUANT_BLOCK:
+        raise ValueError(f"a quantized row is whole {QUANT_BLOCK}-blocks, not {columns} weights")
+    return columns * bits // 8
+
+
+def quant_value(q, row, block, half, i, bits, centred: bool = True, wide: bool = True):
+    """Weight block * 32 + half * 16 + i of row `row` of a rows-layout q, as the fp32 integer it stands for
+    (the scale not applied; int4 without `centred`: the stored nibble, the value + 8, for kernels that take the
+    8 off once per block instead of once per weight). int4: byte 16 block + i holds the half-0 weight in its
+    low nibble, the half-1 weight in its high one (quant's module doc); the (half, i) split keeps both an affine
+    function of i, so a vector over i is one contiguous load. `wide`: the nibble is cut out of the byte widened
+    to int32 (`int4_byte`); else in uint8, for TE definitions, whose int64 indices widen int32 lanes to int64."""
+    if bits == 8:
+        return tirx.Cast("float32", q[row, block * QUANT_BLOCK + half * (QUANT_BLOCK // 2) + i])
+    if wide:
+        nibble = int4_nibble(int4_byte(q, row, block, i), half)
+    else:
+        nibble = int4_nibble(q[row, block * (QUANT_BLOCK // 2) + i], half, "uint8")
+    return nibble - f32(INT4_OFFSET) if centred else nibble
+
+
+def int4_byte(q, row, block, i):
+    """Byte i of block `block` of an int4 rows-layout row, as int32: the two nibbles are cut out of 32-bit lanes
+    (one zero-extension a byte, then a shift and a mask; in 8-bit lanes x86 has no byte shift, so the high
+    nibble costs a word shift, a mask and a second widening)."""
+    return tirx.Cast("int32", q[row, block * (QUANT_BLOCK // 2) + i])
+
+
+def int4_nibble(byte, half, kind: str = "int32"):
+    """The stored int4 value (weight + 8) of `half` of a byte (an `int4_byte`, or a uint8 of `kind`), as fp32."""
+    shifted = tirx.shift_right(byte, tirx.Cast(kind, half * 4))
+    return tirx.Cast("float32", tirx.bitwise_and(shifted, tirx.const(15, kind)))
 
 
 def clamp_index(value, extent):
@@ -288,12 +333,36 @@ def embed(V, D, rows, *, positions: int | None, wdtype="float32"):
     def token(i, j):
         return load_f32(table[clamp_index(ids[i], V), j], wdtype)
 
+    return [ids, table] + _embedded(token, m, D, positions)
+
+
+def embed_q(V, D, rows, *, positions: int | None, bits: int, sdtype="float16"):
+    """`embed` over a block-quantized table in the rows layout (blocks along D): y[i, j] = q[ids[i], j] *
+    scales[ids[i], j / 32] (+ pos_table[start + i]).  Args: ids, table_q, table_s, (pos_table, start), y.
+    Block ``y``."""
+    m = row_dim(rows)
+    ids = te.placeholder((m,), "int64", name="ids")
+    table_q = te.placeholder((V, quant_width(D, bits)), name="table_q", dtype=quant_storage(bits))
+    table_s = te.placeholder((V, D // QUANT_BLOCK), name="table_s", dtype=sdtype)
+    half = QUANT_BLOCK // 2
+
+    def token(i, j):
+        row = clamp_index(ids[i], V)
+        value = quant_value(table_q, row, j // QUANT_BLOCK, j % QUANT_BLOCK // half, j % half, bits, wide=False)
+        return value * load_f32(table_s[row, j // QUANT_BLOCK], sdtype)
+
+    return [ids, table_q, table_s] + _embedded(token, m, D, positions)
+
+
+def _embedded(token, m, D, positions):
+    """The rest of an embedding's arguments, (pos_table, start,) y, for y[i, j] = token(i, j) (+ the position's
+    row)."""
     if not positions:
-        return [ids, table, te.compute((m, D), token, name="y")]
+        return [te.compute((m, D), token, name="y")]
     pos = te.placeholder((positions, D), name="pos_table")
     start = te.var("start", "int64")
     y = te.compute((m, D), lambda i, j: token(i, j) + pos[clamp_index(start + i, positions), j], name="y")
-    return [ids, table, pos, start, y]
+    return [pos, start, y]
 
 
 def merge(D, parts: int, rows, *, bias: bool, residual: bool):

@@ -29,6 +29,8 @@ from tvm.script import tirx as T
 
 
 from . import compute
+from runtime.dtypes import QUANT_BLOCK
+
 from .compute import drop_params, load_f32, rope_high, rope_low, row_dim
 
 MATH = compute.POLYNOMIAL  # exp / erf as vectorisable polynomials (LLVM's libm calls would stop vectorisation)
@@ -184,6 +186,15 @@ def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
     Args: ids, table, (pos_table, start), y."""
     sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions, wdtype=wdtype))
     _rowwise(sch, sch.get_sblock("y"), _lanes(D), rows)
+    return sch.mod[name]
+
+
+def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
+    """`embed` over a block-quantized table (rows layout, int8 or int4 by `bits`, scales in `sdtype`).
+    Args: ids, table_q, table_s, (pos_table, start), y. Vectors of half a block (16 lanes), so that an int4
+    vector is the low or the high nibbles of 16 consecutive bytes."""
+    sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
+    _rowwise(sch, sch.get_sblock("y"), QUANT_BLOCK // 2, rows)
     return sch.mod[name]
 
 

@@ -2,9 +2,10 @@
 
 Code that requests kernels names an op (``ops.linear``), never a function name, and asks it for the device
 it builds for: ``op.cpu(name, *args, rows=rows, **kwargs)`` or ``op.cuda(...)``, the same arguments for
-both (the CPU makers also take CPU-only options, ``wdtype`` for fp16 weight storage and ``tile_panels``,
-which a GPU call never passes: GPU weights are fp32). A maker is None where the device has no version of
-the kernel: the panel kernels and the fused / column-sparse FFN kernels are CPU-only. Every op has a CPU
+both (the CPU makers also take CPU-only options, ``wdtype`` for fp16 weight storage, ``bits`` and ``sdtype``
+for block-quantized weights, and ``tile_panels``, which a GPU call never passes: GPU weights are fp32). A maker
+is None where the device has no version of the kernel: the panel kernels, the fused / column-sparse FFN kernels
+and the block-quantized ones are CPU-only. Every op has a CPU
 maker, since the CPU stands in for the GPU when emulating.
 """
 
@@ -32,12 +33,14 @@ glu = KernelOp("glu", cpu.glu, cuda.glu)
 layer_norm = KernelOp("layer_norm", cpu.layer_norm, cuda.layer_norm)
 rms_norm = KernelOp("rms_norm", cpu.rms_norm, cuda.rms_norm)
 embed = KernelOp("embed", cpu.embed, cuda.embed)
+embed_q = KernelOp("embed_q", cpu.embed_q, None)  # block-quantized tables (CPU only for now)
 rope_kv_write = KernelOp("rope_kv_write", cpu.rope_kv_write, cuda.rope_kv_write)
 attention = KernelOp("attention", cpu.attention, cuda.attention)
 select = KernelOp("select", neuron.select, cuda.select)
 sparse_up = KernelOp("sparse_up", neuron.sparse_up, cuda.sparse_up)
 sparse_down = KernelOp("sparse_down", neuron.sparse_down, cuda.sparse_down)
 sparse_ffn = KernelOp("sparse_ffn", neuron.sparse_ffn, None)
+sparse_ffn_q = KernelOp("sparse_ffn_q", neuron.sparse_ffn_q, None)  # over int8 / int4 rows
 sparse_columns = KernelOp("sparse_columns", neuron.sparse_columns, None)
 merge = KernelOp("merge", neuron.merge, cuda.merge)
 linear_rows = KernelOp("linear_rows", neuron.linear_rows, cuda.linear_rows)

@@ -23,13 +23,11 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from runtime.dtypes import QUANT_BLOCK, WeightFormat
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat
 
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, row_dim
 from .cpu import PANEL
-
-INT4_OFFSET = 8  # int4 values are stored as q + 8, in [0, 15]
 
 
 def quantizable(shape, axis: int, block: int = QUANT_BLOCK) -> bool:
