@@ -200,8 +200,8 @@ class Lowering:
         else:
             if bias or act != "none" or residual or "decode" in phases:
                 raise ValueError(f"{weight}: the quantized rows GEMM is prefill-only, without an epilogue")
-            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tag}", k, n, phases=phases, **fmt_args,
-                                  **self.gemm_tile(device))
+            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tag}", k, n, phases=phases, bias=False,
+                                  **fmt_args, **self.gemm_tile(device))
         args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
                 + ([read(residual)] if residual else []) + [write(out)])
         self.call(label, kernels, args, role, device)
@@ -534,6 +534,9 @@ class _Walker:
         out = self.low.activation("logits", self.low.shape(weight)[1])
         self.low.linear(self.location[node.inputs[0].name], weight, bias, out, node.name, Role.HEAD)
         self.location[node.outputs[0].name] = out
+
+    def lower_DequantizeLinear(self, node: ir.Node) -> None:
+        """The quantize pass's weights: no call; the blocks that read one store it (`weight_of`)."""
 
     def lower_Add(self, node: ir.Node) -> None:
         raise UserError(f"select-kernels: residual add {node.name} does not follow a block fuse folds it into")
