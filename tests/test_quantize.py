@@ -131,24 +131,35 @@ class _FoldDequantize:
         return PassResult(model, modified=True)
 
 
-def _build(files, out, weight_dtype, dense, fold=False):
-    options = Options(max_context=64, calib=files.calib, dense=dense, weight_dtype=weight_dtype,
-                      all_neurons=not dense)
-    passes = pipeline(options, "dense" if dense else "predictor")
-    if fold:
-        index = next(i for i, p in enumerate(passes) if p.name == "quantize")
-        passes.insert(index + 1, _FoldDequantize())
-    return build(files.onnx, out, get_target("cpu"), options, passes=passes)
+@pytest.fixture(scope="module")
+def built(sparse_opt, tmp_path_factory):
+    """(weight dtype, dense, fold) -> the tiny sparse OPT's artifact, built once per module (sparse builds let
+    every neuron through: the split is exact, so only the weights' precision moves the logits)."""
+    artifacts = {}
+
+    def get(weight_dtype: str, dense: bool, fold: bool = False):
+        key = (weight_dtype, dense, fold)
+        if key not in artifacts:
+            options = Options(max_context=64, calib=sparse_opt.calib, dense=dense, weight_dtype=weight_dtype,
+                              all_neurons=not dense)
+            passes = pipeline(options, "dense" if dense else "predictor")
+            if fold:
+                index = next(i for i, p in enumerate(passes) if p.name == "quantize")
+                passes.insert(index + 1, _FoldDequantize())
+            out = tmp_path_factory.mktemp("quantized") / f"{weight_dtype}-{'dense' if dense else 'sparse'}.pic"
+            artifacts[key] = build(sparse_opt.onnx, out, get_target("cpu"), options, passes=passes)
+        return artifacts[key]
+
+    return get
 
 
 @pytest.mark.parametrize("weight_dtype", QUANTIZED)
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
-def test_quantized_kernels_compute_exactly_the_quantized_model(sparse_opt, tmp_path, weight_dtype, dense):
+def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dtype, dense):
     """The artifact's int8 / int4 kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the logits of
     the same quantized values run through fp32 kernels, within fp32 rounding; and it stores ~1/4 (int8) or ~1/7
     (int4) of the fp32 weight bytes."""
-    quantized = _build(sparse_opt, tmp_path / "q.pic", weight_dtype, dense)
-    folded = _build(sparse_opt, tmp_path / "f.pic", weight_dtype, dense, fold=True)
+    quantized, folded = built(weight_dtype, dense), built(weight_dtype, dense, fold=True)
     manifest = json.loads((quantized / "manifest.json").read_text())
     layouts = {info.get("layout") for info in manifest["buffers"].values() if info["kind"] == "weight"}
     assert {"quant_panels", "quant_rows"} <= layouts
@@ -161,9 +172,8 @@ def test_quantized_kernels_compute_exactly_the_quantized_model(sparse_opt, tmp_p
 
 
 @pytest.mark.parametrize("weight_dtype", QUANTIZED)
-def test_quantized_builds_stay_near_the_fp32_model_and_read_fewer_bytes(sparse_opt, tmp_path, weight_dtype):
-    artifact = _build(sparse_opt, tmp_path / "q.pic", weight_dtype, dense=False)
-    fp32 = _build(sparse_opt, tmp_path / "f32.pic", "fp32", dense=False)
+def test_quantized_builds_stay_near_the_fp32_model_and_read_fewer_bytes(built, sparse_opt, weight_dtype):
+    artifact, fp32 = built(weight_dtype, dense=False), built("fp32", dense=False)
     size = lambda a: sum(f.stat().st_size for f in (a / "weights").iterdir())  # noqa: E731
     assert size(artifact) < (0.4 if weight_dtype == "int8" else 0.3) * size(fp32)
     engine, reference = Engine(artifact), OrtDecoder(sparse_opt.onnx)
@@ -173,3 +183,26 @@ def test_quantized_builds_stay_near_the_fp32_model_and_read_fewer_bytes(sparse_o
         errors.append(np.abs(engine.forward(tokens) - expected).max() / expected.std())
         tokens = [int(np.argmax(expected[-1]))]
     assert 0 < max(errors) < (0.05 if weight_dtype == "int8" else 0.5), errors
+
+
+def test_eval_with_a_baseline_reports_quantization_and_sparsity_apart(built, sparse_opt, capsys):
+    """eval --baseline: the int4 dense build against onnxruntime is what quantization costs, the int4 sparse
+    build against the int4 dense one what sparsity costs; an artifact against itself costs nothing."""
+    from picompile.cli import main
+
+    dense, sparse = built("int4", dense=True), built("int4", dense=False)
+
+    def report(artifact, baseline):
+        assert main(["eval", str(artifact), "--reference", str(sparse_opt.onnx), "--tokens", str(sparse_opt.heldout),
+                     "--max-sequences", "2", "--baseline", str(baseline), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    apart = report(sparse, dense)
+    assert apart["baseline.kl_mean"] > 0 and apart["vs_baseline.kl_mean"] > 0
+    # the artifact's own figures are those of an eval without a baseline
+    assert main(["eval", str(sparse), "--reference", str(sparse_opt.onnx), "--tokens", str(sparse_opt.heldout),
+                 "--max-sequences", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kl_mean"] == apart["kl_mean"]
+    itself = report(dense, dense)
+    assert itself["vs_baseline.kl_mean"] == 0.0 and itself["vs_baseline.top1_agreement"] == 1.0
+    assert itself["baseline.kl_mean"] == itself["kl_mean"]
