@@ -381,12 +381,13 @@ class _Walker:
     def lower_Predict(self, node: ir.Node) -> None:
         """The predictor runs for one-token steps only: prompts compute every neuron."""
         x, w1 = self.location[node.inputs[0].name], self.weight_of(node.inputs[1])
-        rank = self.low.weights[w1].shape[1]
+        rank = self.low.shape(w1)[1]
         hidden = self.low.activation(f"act.predictor_hidden.r{rank}", rank, rows=1)
         self.low.linear(x, w1, None, hidden, f"{node.name}.fc1", Role.PREDICTOR, act="relu", phases=("decode",))
         for w2_value, scores in zip(node.inputs[2:], node.outputs):
             w2 = self.weight_of(w2_value)
-            out = self.low.activation(f"act.scores.n{self.low.weights[w2].shape[1]}", self.low.weights[w2].shape[1], rows=1)
+            width = self.low.shape(w2)[1]
+            out = self.low.activation(f"act.scores.n{width}", width, rows=1)
             self.low.linear(hidden, w2, None, out, f"{scores.name}.fc2", Role.PREDICTOR, phases=("decode",))
             self.location[scores.name] = out
 

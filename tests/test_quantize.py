@@ -94,7 +94,19 @@ def test_quantize_pass_writes_valid_onnx_dequantizing_each_matrix_it_blocks(spar
     dequantize = [n for n in model.graph if n.op_type == "DequantizeLinear"]
     blocked = [n for n in model.graph if n.domain == pir.DOMAIN and n.op_type in BLOCKED]
     assert {"SparseFFN"} <= {n.op_type for n in blocked} or dense
-    assert len(dequantize) == sum(len(BLOCKED[n.op_type]) for n in blocked)
+    # predictors: int8 where whole blocks (w1 [64, r]; w2 [r, n] only from rank 32), exactly the values predict
+    # fitted the thresholds to (on the int8 grid); else fp16 values, as select-kernels then stores them
+    weights = [value for n in model.graph if n.op_type == "Predict" for value in n.inputs[1:]]
+    int8 = [QuantizedMatrix.of(value) for value in weights if QuantizedMatrix.of(value) is not None]
+    assert len(dequantize) == sum(len(BLOCKED[n.op_type]) for n in blocked) + len(int8) and (dense or int8)
+    for matrix in int8:
+        assert matrix.fmt.name == "int8" and matrix.axis == 0
+        values = quant.dequantize(matrix.values, matrix.scales, 0)
+        assert np.array_equal(quant.as_stored(values, matrix.fmt, 0), values)
+    for value in weights:
+        if QuantizedMatrix.of(value) is None:
+            array = pir.const_array(value)
+            assert array.shape[0] % 32 and np.array_equal(array.astype(np.float16).astype(np.float32), array)
     for node in blocked:
         for (index, axis), original in zip(BLOCKED[node.op_type], floats[node.name]):
             matrix = QuantizedMatrix.of(node.inputs[index])

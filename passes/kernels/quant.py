@@ -23,6 +23,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
+from picompile.sizes import float_format
 from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat
 
 from . import cpu as _cpu
@@ -67,6 +68,15 @@ def dequantize(q: np.ndarray, scales: np.ndarray, axis: int) -> np.ndarray:
     """The float32 matrix that `quantize`'s (q, scales) stand for."""
     block = q.shape[axis] // scales.shape[axis]
     return q.astype(np.float32) * np.repeat(scales.astype(np.float32), block, axis=axis)
+
+
+def as_stored(w: np.ndarray, fmt: WeightFormat, axis: int) -> np.ndarray:
+    """The float32 values the matrix `w` holds once stored in `fmt` (blocked along `axis` where it is whole
+    blocks, else in the build's float format, `sizes.float_format`): what a kernel will read. Passes that fit
+    something to a stored weight (predict's thresholds) fit it to these."""
+    if fmt.quantized and quantizable(w.shape, axis, fmt.block):
+        return dequantize(*quantize(w, fmt, axis), axis)
+    return np.asarray(w, np.float32).astype(float_format(fmt).storage).astype(np.float32)
 
 
 def pack_rows(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
