@@ -306,6 +306,12 @@ def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="
     the block's scale once; the down axpy adds (h * scale) * q. An int4 row is D/2 bytes and D/32 scales:
     fewer lines to read and prefetch than an fp16 row's 2 D bytes, so more rows are prefetched ahead
     (QUANT_PREFETCH_BYTES) unless `prefetch_rows` says otherwise.
+
+    The arithmetic, not the bytes, bounds an int4 row: per 32 weights a widening, a mask and a shift, two
+    conversions and three FMAs. Measured 2026-12-01 (2.6 GHz EPYC VM, AVX-512, one thread, rows in L2, D = 2048):
+    a row's dot product took 119 ns in int4, 96 in int8, 103 in fp16, 108 in fp32 (whose bound is the FMA
+    chains' latency); between attention GEMVs over 6 layers, one thread, 10% selected: 0.30 ms a call in int4,
+    0.29 int8, 0.43 fp16, 0.69 fp32 (4.9, 9.3, 11.7, 14.7 GB/s of rows and scales read).
     """
     if rows != 1:
         raise ValueError("sparse_ffn_q runs in decode only")
