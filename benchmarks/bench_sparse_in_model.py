@@ -12,22 +12,24 @@ by running, alternated inside one process (A, B, A, B, ...; medians):
 each with the weights in ordinary anonymous memory (`numpy`/malloc: 4 KiB pages while THP is `madvise`,
 the runtime's allocation) and in huge-page-advised memory (mmap + madvise(MADV_HUGEPAGE), 2 MiB aligned:
 runtime.artifact.aligned_empty(huge=True)). A variant may name the sparse kernel, `model-huge-ffn2`: prefetching
-2 rows ahead (sparse_ffn's prefetch_rows), `ffn2t3` with prefetch locality 3 (prefetcht0,
-the kernel's default before 2026-12-01; the default is 2); or a weight format, `model-huge-int4`: the kernel over
-that format's copy of the same layers (fp32, fp16: sparse_ffn; int8, int4: sparse_ffn_q, blocks of 32 with fp16
-scales, rows layout), whose bytes read are its own (an int4 row of 2048 is 1,152 bytes: 1,024 of nibbles, 128 of
-scales; the neurons that fire are counted with its own dequantized rows). `--dense-ffn` also times the dense FFN (up + down panel GEMVs of
+2 rows ahead (sparse_ffn's prefetch_rows), `ffn2t3` with prefetch locality 3 (prefetcht0, the kernel's default
+before 2026-12-01; the default is 2); or a weight format, `model-huge-int4`: the kernel over that format's copy
+of the same layers (fp32, fp16: sparse_ffn; int8, int4: sparse_ffn_q, blocks of 32 with fp16 scales, rows
+layout, q and scales in one allocation), whose bytes read are its own (an int4 row of 2048 is 1,152 bytes: 1,024
+of nibbles, 128 of scales; the neurons that fire are counted with its own dequantized rows), `int4p8` / `int4p2t3`
+with 8 rows prefetched ahead / 2 at locality 3. `--dense-ffn` also times the dense FFN (up + down panel GEMVs of
 each layer) in the model loop. It prints GB/s of rows read by the sparse kernel (every selected up row, the
 down rows of neurons that fired), the dense GEMVs' GB/s, and the ratios: of the medians over rounds, and of the
-90th percentiles over calls. On a shared machine a parallel call that outlasts a scheduler time slice is
-stretched by whole ticks (4 ms) while another process holds a core, so long calls (a dense FFN: ~10 ms) are hit
-far more often than short ones (a sparse one at 10%: ~1 ms) and the medians compare load, not kernels; the 90th
-percentile of calls is the uncontended figure there. The time per call (median over every call) is printed too.
-numpy's BLAS pool is held to one thread (its spinning
-workers would take a core from TVM's).
+90th percentiles over calls, and the time per call (median over every call). On a shared machine a parallel
+call that outlasts a scheduler time slice is stretched by whole ticks (4 ms) while another process holds a core,
+so long calls (a dense FFN: ~10 ms) are hit far more often than short ones (a sparse one at 10%: ~1 ms) and the
+medians compare load, not kernels; the 90th percentile of calls is the uncontended figure there (`--threads 1`
+sidesteps the waits for a second core). numpy's BLAS pool is held to one thread (its spinning workers would take
+a core from TVM's).
 
     python benchmarks/bench_sparse_in_model.py [--layers 8] [--active 0.1,0.2] [--rounds 5] [--isa avx512]
-    python benchmarks/bench_sparse_in_model.py --layers 6 --variants model-huge-fp32,model-huge-fp16,model-huge-int8,model-huge-int4
+    python benchmarks/bench_sparse_in_model.py --layers 6 --threads 1 \
+        --variants model-huge-fp32,model-huge-fp16,model-huge-int8,model-huge-int4
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ FORMATS = ("fp32", "fp16", "int8", "int4")  # a variant's kernel field naming on
 
 
 def format_field(variant: str):
-    """(format, rows prefetched ahead or None) of a variant whose kernel field names a format (`int4`, `int4p8`),
-    else None."""
+    """(format, rows prefetched ahead, prefetch locality; None: the kernel's defaults) of a variant whose kernel
+    field names a format (`int4`, `int4p8`, `int4p2t3`), else None."""
     fields = variant.split("-")
-    found = re.fullmatch(r"(%s)(?:p(\d+))?" % "|".join(FORMATS), fields[2]) if len(fields) > 2 else None
-    return (found[1], int(found[2]) if found[2] else None) if found else None
+    found = re.fullmatch(r"(%s)(?:p(\d+))?(?:t(\d))?" % "|".join(FORMATS), fields[2]) if len(fields) > 2 else None
+    return (found[1], *(int(g) if g else None for g in found.groups()[1:])) if found else None
 
 
 def fmt_of(variant: str) -> str:
@@ -70,12 +72,12 @@ def kernel_of(variant: str) -> str:
     return ("ffn_" + fields[2]) if format_field(variant) else (fields[2] if len(fields) > 2 else "ffn")
 
 
-def format_kernel(neuron, name, fmt, ahead):
-    """The relu sparse FFN kernel over 2048 x 8192 rows in weight format `fmt` (None ahead: the default)."""
+def format_kernel(neuron, name, fmt, ahead, locality):
+    """The relu sparse FFN kernel over 2048 x 8192 rows in weight format `fmt` (None: the default prefetching)."""
+    options = dict(rows=1, gated=False, act="relu", prefetch_rows=ahead, prefetch_locality=locality)
     if fmt in ("fp32", "fp16"):
-        return neuron.sparse_ffn(name, D, FFN, rows=1, gated=False, act="relu", prefetch_rows=ahead,
-                                 wdtype="float32" if fmt == "fp32" else "float16")
-    return neuron.sparse_ffn_q(name, D, FFN, rows=1, gated=False, act="relu", bits=int(fmt[3:]), prefetch_rows=ahead)
+        return neuron.sparse_ffn(name, D, FFN, wdtype="float32" if fmt == "fp32" else "float16", **options)
+    return neuron.sparse_ffn_q(name, D, FFN, bits=int(fmt[3:]), **options)
 
 
 def main():
@@ -102,8 +104,8 @@ def main():
              *(neuron.sparse_ffn(f"ffn{a}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a) for a in (1, 2, 4)),
              *(neuron.sparse_ffn(f"ffn{a}t{loc}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a,
                                  prefetch_locality=loc) for a in (1, 2, 4) for loc in (1, 2, 3)),
-             *(format_kernel(neuron, kernel_of(v), *format_field(v)) for v in sorted(set(args.variants.split(",")))
-               if format_field(v)),
+             *(format_kernel(neuron, kernel, *format_field(v))
+               for kernel, v in {kernel_of(v): v for v in args.variants.split(",") if format_field(v)}.items()),
              cpu.linear_panels("qkv", D, 3 * D, rows=1, bias=False),
              cpu.linear_panels("o", D, D, rows=1, bias=False),
              cpu.linear_panels("up_dense", D, FFN, rows=1, bias=False, act="relu"),
@@ -127,13 +129,21 @@ def main():
 
     def stored(w, fmt, huge):
         """w in `fmt`, as the kernel's weight arguments: [w] in a float format, [q, scales] (rows layout) in a
-        quantized one."""
+        quantized one, both in one allocation (q, then the scales at a 64-byte boundary): so that the scales,
+        1 MiB a matrix, share q's huge pages (alone they are too small for aligned_empty's)."""
         wf = WEIGHT_FORMATS[fmt]
-        arrays = [w] if not wf.quantized else quant.pack_rows(*quant.quantize(w, wf, axis=1), wf)
-        copies = [aligned_empty(a.shape, wf.storage if not wf.quantized else a.dtype, huge=huge) for a in arrays]
-        for copy, array in zip(copies, arrays):
-            copy[...] = array
-        return copies
+        if not wf.quantized:
+            copy = aligned_empty(w.shape, wf.storage, huge=huge)
+            copy[...] = w
+            return [copy]
+        arrays = quant.pack_rows(*quant.quantize(w, wf, axis=1), wf)
+        starts = [0, -(-arrays[0].nbytes // 64) * 64]
+        whole = aligned_empty((starts[1] + arrays[1].nbytes,), np.uint8, huge=huge)
+        views = []
+        for start, array in zip(starts, arrays):
+            views.append(whole[start:start + array.nbytes].view(array.dtype).reshape(array.shape))
+            views[-1][...] = array
+        return views
 
     layers = {}
     for kind in kinds:
