@@ -94,7 +94,8 @@ def main():
         for v in variants:
             dot = v.split()[-1] if " x8 " in v else None
             funcs["vnni" if dot == "vnni" else "base"].append(quant.linear_panels_q(
-                f"{v.replace(' ', '_')}_{K}_{N}", K, N, rows=1, bits=int(v[3]), bias=False, int8_dot=dot))
+                f"{v.replace(' ', '_')}_{K}_{N}", K, N, rows=1, bits=int(v[3]), bias=False, int8_dot=dot,
+                tile_panels=isa.gemm_panels))
     targets = {"base": isa.llvm_target(), "vnni": dict(isa.llvm_target(), mcpu=VNNI_MCPU)}
     libs = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -117,9 +117,10 @@ def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[n
 HALF = PANEL // 2  # int4 panels: bytes per k step (columns v and v + 8 share byte v)
 
 
-def _gemv_group(panels):
-    return next(g for g in (_cpu.GEMV_PANELS, 2, 1)
-                if panels % g == 0 and (panels // g >= _cpu.GEMV_MIN_TASKS or g == 1))
+def _gemv_group(panels, cap=_cpu.GEMV_PANELS):
+    """Panels per decode task, as cpu._gemv_panels (at most `cap`: the accumulators must fit the registers)."""
+    return next(g for g in (4, 2, 1)
+                if g <= cap and panels % g == 0 and (panels // g >= _cpu.GEMV_MIN_TASKS or g == 1))
 
 
 def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None):
@@ -294,7 +295,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
             for v in T.vectorized(lanes):
                 xc[kb, v] = T.if_then_else(v < lanes // 2, -INT4_OFFSET * total[0], 0)
         for o in range(K // OCTET):
-            for v in range(lanes):
+            for v in T.vectorized(lanes):
                 xpat[o, v] = xq32[2 * o + v // (lanes // 2)]
         for t in T.parallel(panels // group):
             acc = T.alloc_local((group, 2, lanes), "float32")
@@ -439,15 +440,18 @@ def kn_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
 def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
                     tile_panels=1, int8_dot=None):
     """y[m, N] = act(x[m, K] @ W + b) + res, W in the quant panels layout (pack_panels; int8 or int4 by `bits`,
-    scales in `sdtype`).  Args: x, w, ws, (b), (res), y. Decode: gemv_panels_q, or with `int8_dot` ("vnni",
-    "madd"; int4, AVX-512 only) gemv_panels_q4x8 (x quantized to int8 per block: ~1e-2 relative error, like
-    onnxruntime's accuracy_level 4); prefill: cpu.gemm over panels_weight, `tile_panels` per register tile."""
+    scales in `sdtype`).  Args: x, w, ws, (b), (res), y. `tile_panels` is the ISA's register budget as for
+    cpu.linear_panels (1: AVX2, 2: AVX-512), which also sizes the int4 decode tasks. Decode: gemv_panels_q, or
+    with `int8_dot` ("vnni", "madd"; int4, AVX-512 only) gemv_panels_q4x8, x quantized to int8 per block (an
+    error of ~5e-3 of max |y| on random data, as onnxruntime's accuracy_level 4). Prefill: cpu.gemm over
+    panels_weight, `tile_panels` per register tile."""
     if rows == 1 and int8_dot is not None:
         if bits != 4:
             raise ValueError("int8 activations are implemented for int4 weights only")
         return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot)
-    if rows == 1:
-        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual)
+    if rows == 1:  # int4's float path holds 4 vectors per panel: 4 panels per task only in AVX-512's 32 registers
+        group = _gemv_group(-(-N // PANEL), _cpu.GEMV_PANELS if bits == 8 or tile_panels > 1 else 1)
+        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
     return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
                      residual=residual, tile_panels=tile_panels)
