@@ -127,96 +127,105 @@ def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none",
     """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in the quant panels layout.  Args: x, w, ws, (b), (res), y.
 
     int8: w [P, K, 16] int8; int4: w [P, K, 8] uint8 (q + 8 nibbles); ws [P, K / 32, 16] in `sdtype`.
-    Each parallel task takes `group` adjacent panels; per 32-row block it sums x[k] * q in registers and adds
-    that sum times the block's scales to the accumulators (one multiply per block). int4 reads two k steps
-    (16 bytes) per vector: lanes 0-7 are row k, 8-15 row k + 1, so a k pair's low nibbles are one vector
-    (columns 0-7) and its high nibbles another (columns 8-15), against x[k] x8 ++ x[k+1] x8 (xp, made once
-    per call); the +8 offset is folded into the block sums' start, -8 * sum(x) over the block (xc).
+    Each parallel task takes `group` adjacent panels (default: as cpu._gemv_panels); per 32-row block it sums
+    x[k] * q in registers and adds that sum times the block's scales to the accumulators (one multiply per
+    block), then runs the epilogue on the accumulators.
     """
-    B = QUANT_BLOCK
-    if K % B:
-        raise ValueError(f"K = {K} is not a whole number of {B}-blocks")
+    _check(K, N, bits, K, "K")
     panels = -(-N // PANEL)
     group = group or _gemv_group(panels)
-    width = group * PANEL
-    nb = K // B
-    full = N % width == 0
-    epilogue = _cpu._epilogue(act, bias, residual)
-
-    if bits == 8:
-        @T.prim_func
-        def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), "int8"),
-                   ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
-                   res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
-            T.func_attr({"tirx.noalias": True})
-            for t in T.parallel(panels // group):
-                acc = T.alloc_local((width,), "float32")
-                part = T.alloc_local((width,), "float32")
-                for j in T.vectorized(width):
-                    acc[j] = T.float32(0)
-                for kb in range(nb):
-                    for j in T.vectorized(width):
-                        part[j] = T.float32(0)
-                    for kk in range(B):
-                        for g in T.unroll(group):
-                            for v in T.vectorized(PANEL):
-                                part[g * PANEL + v] = part[g * PANEL + v] + x[0, kb * B + kk] * T.Cast(
-                                    "float32", w[t * group + g, kb * B + kk, v])
-                    for g in T.unroll(group):
-                        for v in T.vectorized(PANEL):
-                            acc[g * PANEL + v] = acc[g * PANEL + v] + part[g * PANEL + v] * load_f32(
-                                ws[t * group + g, kb, v], sdtype)
-                for j in (T.vectorized if full else T.serial)(width):
-                    if full or t * width + j < N:
-                        y[0, t * width + j] = epilogue(acc[j], b, res, 0, t * width + j)
-    elif bits == 4:
-        @T.prim_func
-        def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
-                   ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
-                   res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
-            T.func_attr({"tirx.noalias": True})
-            qf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
-            xp = T.alloc_buffer((K // 2, PANEL), "float32")
-            xc = T.alloc_buffer((nb, PANEL), "float32")
-            for j in range(K // 2):
-                for v in T.vectorized(PANEL):
-                    xp[j, v] = x[0, 2 * j + v // HALF]
-            for kb in range(nb):
-                for v in T.vectorized(PANEL):
-                    xc[kb, v] = T.float32(0)
-                for j in range(B // 2):
-                    for v in T.vectorized(PANEL):
-                        xc[kb, v] = xc[kb, v] - T.float32(INT4_OFFSET) * xp[kb * (B // 2) + j, v]
-            for t in T.parallel(panels // group):
-                acc = T.alloc_local((group, 2, PANEL), "float32")
-                part = T.alloc_local((group, 2, PANEL), "float32")
-                for g, h in T.grid(group, 2):
-                    for v in T.vectorized(PANEL):
-                        acc[g, h, v] = T.float32(0)
-                for kb in range(nb):
-                    for g, h in T.grid(group, 2):
-                        for v in T.vectorized(PANEL):
-                            part[g, h, v] = xc[kb, v]
-                    for j in T.unroll(B // 2):
-                        for g in T.unroll(group):
-                            for v in T.vectorized(PANEL):
-                                part[g, 0, v] = part[g, 0, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
-                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] & T.uint8(15))
-                                part[g, 1, v] = part[g, 1, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
-                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] >> T.uint8(4))
-                    for g, h, half in T.grid(group, 2, 2):
-                        for c in T.vectorized(HALF):
-                            acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * load_f32(
-                                ws[t * group + g, kb, h * HALF + c], sdtype)
-                for g, h in T.grid(group, 2):
-                    for c in (T.vectorized if full else T.serial)(HALF):
-                        if full or t * width + g * PANEL + h * HALF + c < N:
-                            y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
-                                acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
-    else:
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    kernel = (_gemv_q8 if bits == 8 else _gemv_q4)(K, N, panels, group, sdtype, _cpu._epilogue(act, bias, residual))
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+def _gemv_q8(K, N, panels, group, sdtype, epilogue):
+    """gemv_panels_q's int8 kernel: per k, one int8 -> fp32 conversion and FMA per 16 columns."""
+    B, nb, width = QUANT_BLOCK, K // QUANT_BLOCK, group * PANEL
+    full = N % width == 0
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), "int8"),
+               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((width,), "float32")
+            part = T.alloc_local((width,), "float32")
+            for j in T.vectorized(width):
+                acc[j] = T.float32(0)
+            for kb in range(nb):
+                for j in T.vectorized(width):
+                    part[j] = T.float32(0)
+                for kk in range(B):
+                    for g in T.unroll(group):
+                        for v in T.vectorized(PANEL):
+                            part[g * PANEL + v] = part[g * PANEL + v] + x[0, kb * B + kk] * T.Cast(
+                                "float32", w[t * group + g, kb * B + kk, v])
+                for g in T.unroll(group):
+                    for v in T.vectorized(PANEL):
+                        acc[g * PANEL + v] = acc[g * PANEL + v] + part[g * PANEL + v] * load_f32(
+                            ws[t * group + g, kb, v], sdtype)
+            for j in (T.vectorized if full else T.serial)(width):
+                if full or t * width + j < N:
+                    y[0, t * width + j] = epilogue(acc[j], b, res, 0, t * width + j)
+
+    return kernel
+
+
+def _gemv_q4(K, N, panels, group, sdtype, epilogue):
+    """gemv_panels_q's int4 kernel. It reads two k steps (16 bytes) per vector: lanes 0-7 are row k, 8-15 row
+    k + 1, so a k pair's low nibbles are one vector (columns 0-7) and its high nibbles another (columns 8-15),
+    against x[k] x8 ++ x[k+1] x8 (xp, made once per call); lanes l and l + 8 are summed in the epilogue. The +8
+    offset is folded into the block sums' start, -8 * sum(x) over the block (xc)."""
+    B, nb, width = QUANT_BLOCK, K // QUANT_BLOCK, group * PANEL
+    full = N % width == 0
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
+               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        qf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
+        xp = T.alloc_buffer((K // 2, PANEL), "float32")
+        xc = T.alloc_buffer((nb, PANEL), "float32")
+        for j in range(K // 2):
+            for v in T.vectorized(PANEL):
+                xp[j, v] = x[0, 2 * j + v // HALF]
+        for kb in range(nb):
+            for v in T.vectorized(PANEL):
+                xc[kb, v] = T.float32(0)
+            for j in range(B // 2):
+                for v in T.vectorized(PANEL):
+                    xc[kb, v] = xc[kb, v] - T.float32(INT4_OFFSET) * xp[kb * (B // 2) + j, v]
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((group, 2, PANEL), "float32")
+            part = T.alloc_local((group, 2, PANEL), "float32")
+            for g, h in T.grid(group, 2):
+                for v in T.vectorized(PANEL):
+                    acc[g, h, v] = T.float32(0)
+            for kb in range(nb):
+                for g, h in T.grid(group, 2):
+                    for v in T.vectorized(PANEL):
+                        part[g, h, v] = xc[kb, v]
+                for j in T.unroll(B // 2):
+                    for g in T.unroll(group):
+                        for v in T.vectorized(PANEL):
+                            part[g, 0, v] = part[g, 0, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
+                                qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] & T.uint8(15))
+                            part[g, 1, v] = part[g, 1, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
+                                qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] >> T.uint8(4))
+                for g, h, half in T.grid(group, 2, 2):
+                    for c in T.vectorized(HALF):
+                        acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * load_f32(
+                            ws[t * group + g, kb, h * HALF + c], sdtype)
+            for g, h in T.grid(group, 2):
+                for c in (T.vectorized if full else T.serial)(HALF):
+                    if full or t * width + g * PANEL + h * HALF + c < N:
+                        y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
+                            acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
+
+    return kernel
 
 
 # int8 activations for int4 weights: x is quantized per 32-block (ORT's accuracy_level 4, llama.cpp's Q8_0 x)
