@@ -29,7 +29,7 @@ PANELS = {  # name: (K, N, bias, act, residual, sdtype, tile_panels)
     "wide": (64, 96, True, "none", True, "float16", 2),  # the AVX-512 GEMM tile (two panels)
     "group4": (64, 500, True, "silu", True, "float16", 2),  # decode: 4 panels per task, padded columns
     "group2": (32, 256, False, "none", False, "float32", 2),  # decode: 2 panels per task, no padding
-    "group4_int8": (32, 512, True, "none", False, "float16", 1),  # int8 and AVX2's budget: int4 takes 1 panel
+    "budget1": (32, 512, True, "none", False, "float16", 1),  # AVX2's budget: int8 2 panels per task, int4 1
 }
 ROWS_Q = {  # up rows [N, K]: (K, N, act, sdtype, tile_panels)
     "relu": (96, 40, "relu", "float16", 1),

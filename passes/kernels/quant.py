@@ -458,8 +458,9 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
         if bits != 4:
             raise ValueError("int8 activations are implemented for int4 weights only")
         return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot)
-    if rows == 1:  # int4's float path holds 4 vectors per panel: 4 panels per task only in AVX-512's 32 registers
-        group = _gemv_group(-(-N // PANEL), _cpu.GEMV_PANELS if bits == 8 or tile_panels > 1 else 1)
+    if rows == 1:  # 4 panels' accumulators and block sums fit AVX-512's 32 registers; in AVX2's 16 they spill:
+        # 2 panels per task for int8, 1 for int4 (its 16-lane vectors are 2 ymm each)
+        group = _gemv_group(-(-N // PANEL), _cpu.GEMV_PANELS if tile_panels > 1 else (2 if bits == 8 else 1))
         return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
     return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
