@@ -15,6 +15,11 @@ of the kernel that reads it:
   Scales [P, K / 32, 16]. Padded columns are 0 with scale 0.
 
 A quantized axis must be a whole number of blocks (`quantizable`); other weights stay in floats.
+
+Below the numpy code, the CPU kernels that read these layouts (TVMScript, fp32 arithmetic): the decode GEMV over
+panels (`gemv_panels_q`; `gemv_panels_q4x8`, int4 with int8 activations), `cpu.gemm` operands that dequantize
+into its per-task panels for prefill (`panels_weight`, `rows_weight` for [N, K] up rows, `kn_weight` for [K, N]
+down rows), and the makers `ops` registers (`linear_panels_q`, `linear_rows_q`, `linear_kn_q`).
 """
 
 from __future__ import annotations
