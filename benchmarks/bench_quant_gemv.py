@@ -11,8 +11,8 @@ that variant's bytes), alternating in blocks of calls separated by a pause (as b
   picompile int8      `linear_panels_q` decode, int8 panels, fp16 scales
   picompile int4      `linear_panels_q` decode, int4 panels, fp16 scales
   picompile int4 x8 madd / vnni   the same with int8 activations (x quantized per 32-block), the block sums
-                      integer dot products: vpmaddubsw + vpmaddwd (AVX512BW, the avx512 kernels), or vpdpbusd
-                      (AVX512-VNNI: built for LLVM's icelake-server, only where this CPU has VNNI)
+                      integer dot products: vpmaddubsw + vpmaddwd (zmm under avx512, ymm under avx2), or vpdpbusd
+                      (AVX512-VNNI: built for LLVM's icelake-server, only for avx512 where this CPU has VNNI)
 
 over `--threads` threads (onnxruntime intra-op threads, TVM_NUM_THREADS), kernels built for `--isa` (default: this
 machine's). Checks every variant against a float64 reference of the dequantized matrix first and reports its
@@ -89,7 +89,7 @@ def main():
     isa = CPU_ISAS[args.isa] if args.isa else host_cpu_isa()
     vnni = isa.name == "avx512" and "avx512_vnni" in (cpu_flags() or set())
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    variants = ["int8", "int4"] + (["int4 x8 madd"] if isa.name == "avx512" else []) + (["int4 x8 vnni"] if vnni else [])
+    variants = ["int8", "int4", "int4 x8 madd"] + (["int4 x8 vnni"] if vnni else [])
     funcs = {"base": [], "vnni": []}
     for K, N in shapes:
         funcs["base"].append(cpu.linear_panels(f"fp16_{K}_{N}", K, N, rows=1, wdtype="float16", bias=False))
