@@ -27,8 +27,9 @@ PANELS = {  # name: (K, N, bias, act, residual, sdtype, tile_panels)
     "gelu": (96, 72, True, "gelu", True, "float16", 1),  # three blocks
     "f32": (96, 40, True, "relu", False, "float32", 1),  # float32 scales
     "wide": (64, 96, True, "none", True, "float16", 2),  # the AVX-512 GEMM tile (two panels)
-    "group4": (64, 500, True, "silu", True, "float16", 1),  # decode: 4 panels per task, padded columns
-    "group2": (32, 256, False, "none", False, "float32", 1),  # decode: 2 panels per task, no padding
+    "group4": (64, 500, True, "silu", True, "float16", 2),  # decode: 4 panels per task, padded columns
+    "group2": (32, 256, False, "none", False, "float32", 2),  # decode: 2 panels per task, no padding
+    "budget1": (32, 512, True, "none", False, "float16", 1),  # AVX2's budget: int8 2 panels per task, int4 1
 }
 ROWS_Q = {  # up rows [N, K]: (K, N, act, sdtype, tile_panels)
     "relu": (96, 40, "relu", "float16", 1),
@@ -50,14 +51,14 @@ def _fmt(bits):
     return WEIGHT_FORMATS[f"int{bits}"]
 
 
-def x8_kernels(dot):
+def x8_kernels(dot, isa):
     return [ops.linear_panels_q.cpu(kname(f"x8{dot}", cfg, "d"), K, N, rows=1, bits=4, sdtype=sdtype, bias=bias,
-                                    act=act, residual=res, int8_dot=dot)
+                                    act=act, residual=res, int8_dot=dot, tile_panels=CPU_ISAS[isa].gemm_panels)
             for cfg, (K, N, bias, act, res, sdtype) in X8.items()]
 
 
 def all_kernels(isa):
-    funcs = x8_kernels("madd") if isa == "avx512" else []
+    funcs = x8_kernels("madd", isa)
     for bits in BITS:
         for cfg, (K, N, bias, act, res, sdtype, tp) in PANELS.items():
             for v, rows in ROWS.items():
@@ -87,7 +88,7 @@ def vnni_lib(tmp_path_factory):
     if not {"avx512f", "avx512bw", "avx512_vnni"} <= (cpu_flags() or set()):
         pytest.skip("this CPU has no AVX512-VNNI")
     path = str(tmp_path_factory.mktemp("quant") / "vnni.so")
-    cpu.build(x8_kernels("vnni"), dict(CPU_ISAS["avx512"].llvm_target(), mcpu=VNNI_MCPU), path)
+    cpu.build(x8_kernels("vnni", "avx512"), dict(CPU_ISAS["avx512"].llvm_target(), mcpu=VNNI_MCPU), path)
     return tvm.runtime.load_module(path)
 
 
@@ -126,6 +127,8 @@ def test_interface():
         quant.linear_rows_q("q", 64, 40, rows=1, bits=4)  # prefill only
     with pytest.raises(ValueError):
         quant.linear_panels_q("q", 64, 40, rows=1, bits=3, bias=False)
+    with pytest.raises(ValueError):  # VNNI in zmm only
+        quant.linear_panels_q("q", 64, 40, rows=1, bits=4, bias=False, int8_dot="vnni", tile_panels=1)
 
 
 @pytest.mark.parametrize("variant,m", VARIANTS)
@@ -202,11 +205,9 @@ def check_int8_activations(lib, dot, cfg):
 
 
 @pytest.mark.parametrize("cfg", X8)
-def test_int8_activations_madd(request, lib, cfg):
-    """int4 decode with int8 activations (vpmaddubsw): exact against x quantized the same way, and within
-    int8's error of the float product."""
-    if request.node.callspec.params["lib"] != "avx512":
-        pytest.skip("AVX-512 only")
+def test_int8_activations_madd(lib, cfg):
+    """int4 decode with int8 activations (vpmaddubsw; zmm under AVX-512's budget, ymm under AVX2's): exact
+    against x quantized the same way, and within int8's error of the float product."""
     check_int8_activations(lib, "madd", cfg)
 
 

@@ -15,6 +15,11 @@ of the kernel that reads it:
   Scales [P, K / 32, 16]. Padded columns are 0 with scale 0.
 
 A quantized axis must be a whole number of blocks (`quantizable`); other weights stay in floats.
+
+Below the numpy code, the CPU kernels that read these layouts (TVMScript, fp32 arithmetic): the decode GEMV over
+panels (`gemv_panels_q`; `gemv_panels_q4x8`, int4 with int8 activations), `cpu.gemm` operands that dequantize
+into its per-task panels for prefill (`panels_weight`, `rows_weight` for [N, K] up rows, `kn_weight` for [K, N]
+down rows), and the makers `ops` registers (`linear_panels_q`, `linear_rows_q`, `linear_kn_q`).
 """
 
 from __future__ import annotations
@@ -123,151 +128,170 @@ def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[n
 HALF = PANEL // 2  # int4 panels: bytes per k step (columns v and v + 8 share byte v)
 
 
-def _gemv_group(panels):
-    return next(g for g in (_cpu.GEMV_PANELS, 2, 1)
-                if panels % g == 0 and (panels // g >= _cpu.GEMV_MIN_TASKS or g == 1))
+def _gemv_group(panels, cap=_cpu.GEMV_PANELS):
+    """Panels per decode task, as cpu._gemv_panels (at most `cap`: the accumulators must fit the registers)."""
+    return next(g for g in (4, 2, 1)
+                if g <= cap and panels % g == 0 and (panels // g >= _cpu.GEMV_MIN_TASKS or g == 1))
 
 
 def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None):
     """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in the quant panels layout.  Args: x, w, ws, (b), (res), y.
 
     int8: w [P, K, 16] int8; int4: w [P, K, 8] uint8 (q + 8 nibbles); ws [P, K / 32, 16] in `sdtype`.
-    Each parallel task takes `group` adjacent panels; per 32-row block it sums x[k] * q in registers and adds
-    that sum times the block's scales to the accumulators (one multiply per block). int4 reads two k steps
-    (16 bytes) per vector: lanes 0-7 are row k, 8-15 row k + 1, so a k pair's low nibbles are one vector
-    (columns 0-7) and its high nibbles another (columns 8-15), against x[k] x8 ++ x[k+1] x8 (xp, made once
-    per call); the +8 offset is folded into the block sums' start, -8 * sum(x) over the block (xc).
+    Each parallel task takes `group` adjacent panels (default: as cpu._gemv_panels); per 32-row block it sums
+    x[k] * q in registers and adds that sum times the block's scales to the accumulators (one multiply per
+    block), then runs the epilogue on the accumulators.
     """
-    B = QUANT_BLOCK
-    if K % B:
-        raise ValueError(f"K = {K} is not a whole number of {B}-blocks")
+    _check(K, N, bits, K, "K")
     panels = -(-N // PANEL)
     group = group or _gemv_group(panels)
-    width = group * PANEL
-    nb = K // B
-    full = N % width == 0
-    epilogue = _cpu._epilogue(act, bias, residual)
-
-    if bits == 8:
-        @T.prim_func
-        def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), "int8"),
-                   ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
-                   res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
-            T.func_attr({"tirx.noalias": True})
-            for t in T.parallel(panels // group):
-                acc = T.alloc_local((width,), "float32")
-                part = T.alloc_local((width,), "float32")
-                for j in T.vectorized(width):
-                    acc[j] = T.float32(0)
-                for kb in range(nb):
-                    for j in T.vectorized(width):
-                        part[j] = T.float32(0)
-                    for kk in range(B):
-                        for g in T.unroll(group):
-                            for v in T.vectorized(PANEL):
-                                part[g * PANEL + v] = part[g * PANEL + v] + x[0, kb * B + kk] * T.Cast(
-                                    "float32", w[t * group + g, kb * B + kk, v])
-                    for g in T.unroll(group):
-                        for v in T.vectorized(PANEL):
-                            acc[g * PANEL + v] = acc[g * PANEL + v] + part[g * PANEL + v] * load_f32(
-                                ws[t * group + g, kb, v], sdtype)
-                for j in (T.vectorized if full else T.serial)(width):
-                    if full or t * width + j < N:
-                        y[0, t * width + j] = epilogue(acc[j], b, res, 0, t * width + j)
-    elif bits == 4:
-        @T.prim_func
-        def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
-                   ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
-                   res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
-            T.func_attr({"tirx.noalias": True})
-            qf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
-            xp = T.alloc_buffer((K // 2, PANEL), "float32")
-            xc = T.alloc_buffer((nb, PANEL), "float32")
-            for j in range(K // 2):
-                for v in T.vectorized(PANEL):
-                    xp[j, v] = x[0, 2 * j + v // HALF]
-            for kb in range(nb):
-                for v in T.vectorized(PANEL):
-                    xc[kb, v] = T.float32(0)
-                for j in range(B // 2):
-                    for v in T.vectorized(PANEL):
-                        xc[kb, v] = xc[kb, v] - T.float32(INT4_OFFSET) * xp[kb * (B // 2) + j, v]
-            for t in T.parallel(panels // group):
-                acc = T.alloc_local((group, 2, PANEL), "float32")
-                part = T.alloc_local((group, 2, PANEL), "float32")
-                for g, h in T.grid(group, 2):
-                    for v in T.vectorized(PANEL):
-                        acc[g, h, v] = T.float32(0)
-                for kb in range(nb):
-                    for g, h in T.grid(group, 2):
-                        for v in T.vectorized(PANEL):
-                            part[g, h, v] = xc[kb, v]
-                    for j in T.unroll(B // 2):
-                        for g in T.unroll(group):
-                            for v in T.vectorized(PANEL):
-                                part[g, 0, v] = part[g, 0, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
-                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] & T.uint8(15))
-                                part[g, 1, v] = part[g, 1, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
-                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] >> T.uint8(4))
-                    for g, h, half in T.grid(group, 2, 2):
-                        for c in T.vectorized(HALF):
-                            acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * load_f32(
-                                ws[t * group + g, kb, h * HALF + c], sdtype)
-                for g, h in T.grid(group, 2):
-                    for c in (T.vectorized if full else T.serial)(HALF):
-                        if full or t * width + g * PANEL + h * HALF + c < N:
-                            y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
-                                acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
-    else:
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    kernel = (_gemv_q8 if bits == 8 else _gemv_q4)(K, N, panels, group, sdtype, _cpu._epilogue(act, bias, residual))
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
 
 
+def _gemv_q8(K, N, panels, group, sdtype, epilogue):
+    """gemv_panels_q's int8 kernel: per k, one int8 -> fp32 conversion and FMA per 16 columns."""
+    B, nb, width = QUANT_BLOCK, K // QUANT_BLOCK, group * PANEL
+    full = N % width == 0
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), "int8"),
+               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((width,), "float32")
+            part = T.alloc_local((width,), "float32")
+            for j in T.vectorized(width):
+                acc[j] = T.float32(0)
+            for kb in range(nb):
+                for j in T.vectorized(width):
+                    part[j] = T.float32(0)
+                for kk in range(B):
+                    for g in T.unroll(group):
+                        for v in T.vectorized(PANEL):
+                            part[g * PANEL + v] = part[g * PANEL + v] + x[0, kb * B + kk] * T.Cast(
+                                "float32", w[t * group + g, kb * B + kk, v])
+                for g in T.unroll(group):
+                    for v in T.vectorized(PANEL):
+                        acc[g * PANEL + v] = acc[g * PANEL + v] + part[g * PANEL + v] * load_f32(
+                            ws[t * group + g, kb, v], sdtype)
+            for j in (T.vectorized if full else T.serial)(width):
+                if full or t * width + j < N:
+                    y[0, t * width + j] = epilogue(acc[j], b, res, 0, t * width + j)
+
+    return kernel
+
+
+def _gemv_q4(K, N, panels, group, sdtype, epilogue):
+    """gemv_panels_q's int4 kernel. It reads two k steps (16 bytes) per vector: lanes 0-7 are row k, 8-15 row
+    k + 1, so a k pair's low nibbles are one vector (columns 0-7) and its high nibbles another (columns 8-15),
+    against x[k] x8 ++ x[k+1] x8 (xp, made once per call); lanes l and l + 8 are summed in the epilogue. The +8
+    offset is folded into the block sums' start, -8 * sum(x) over the block (xc)."""
+    B, nb, width = QUANT_BLOCK, K // QUANT_BLOCK, group * PANEL
+    full = N % width == 0
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
+               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        qf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
+        xp = T.alloc_buffer((K // 2, PANEL), "float32")
+        xc = T.alloc_buffer((nb, PANEL), "float32")
+        for j in range(K // 2):
+            for v in T.vectorized(PANEL):
+                xp[j, v] = x[0, 2 * j + v // HALF]
+        for kb in range(nb):
+            for v in T.vectorized(PANEL):
+                xc[kb, v] = T.float32(0)
+            for j in range(B // 2):
+                for v in T.vectorized(PANEL):
+                    xc[kb, v] = xc[kb, v] - T.float32(INT4_OFFSET) * xp[kb * (B // 2) + j, v]
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((group, 2, PANEL), "float32")
+            part = T.alloc_local((group, 2, PANEL), "float32")
+            for g, h in T.grid(group, 2):
+                for v in T.vectorized(PANEL):
+                    acc[g, h, v] = T.float32(0)
+            for kb in range(nb):
+                for g, h in T.grid(group, 2):
+                    for v in T.vectorized(PANEL):
+                        part[g, h, v] = xc[kb, v]
+                for j in T.unroll(B // 2):
+                    for g in T.unroll(group):
+                        for v in T.vectorized(PANEL):
+                            part[g, 0, v] = part[g, 0, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
+                                qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] & T.uint8(15))
+                            part[g, 1, v] = part[g, 1, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
+                                qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] >> T.uint8(4))
+                for g, h, half in T.grid(group, 2, 2):
+                    for c in T.vectorized(HALF):
+                        acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * load_f32(
+                            ws[t * group + g, kb, h * HALF + c], sdtype)
+            for g, h in T.grid(group, 2):
+                for c in (T.vectorized if full else T.serial)(HALF):
+                    if full or t * width + g * PANEL + h * HALF + c < N:
+                        y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
+                            acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
+
+    return kernel
+
+
 # int8 activations for int4 weights: x is quantized per 32-block (ORT's accuracy_level 4, llama.cpp's Q8_0 x)
-# and the block sums are integer dot products of the stored bytes (u8, q + 8) with x's (s8).
-OCTET = 8  # k steps per 64-byte vector of an int4 panel
-# byte 4 l + j of a permuted octet = column l % 8 at k step 4 (l // 8) + j: each dword one column's 4 k steps
-_OCTET_PERM = [8 * (4 * (e // 32) + e % 4) + (e // 4) % 8 for e in range(64)]
-DOTS = {
-    "vnni": "llvm.x86.avx512.vpdpbusd.512",  # AVX512-VNNI: one instruction per 64 products
-    "madd": "llvm.x86.avx512.pmaddubs.w.512",  # AVX512BW: vpmaddubsw + vpmaddwd + vpaddd
+# and the block sums are integer dot products of the stored bytes (u8, q + 8) with x's (s8), a vector of
+# `lanes` int32 lanes (16: AVX-512, 8: AVX2) at a time: 4 * lanes bytes of a panel, lanes / 2 k steps.
+DOTS = {  # (dot, lanes): the LLVM intrinsics of sum_j a[4 l + j] * b[4 l + j], a unsigned, b signed bytes
+    ("vnni", 16): ("llvm.x86.avx512.vpdpbusd.512",),  # AVX512-VNNI: one instruction per 64 products
+    ("madd", 16): ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),  # AVX512BW
+    ("madd", 8): ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),  # AVX2
 }
 
 
-def _dot_u8s8(dot, acc, a, b):
-    """acc[l] + sum_j a[4 l + j] * b[4 l + j] (int32x16; a unsigned, b signed bytes)."""
+def _vector_perm(lanes):
+    """Byte e = 4 l + j of a permuted vector: column l % 8 at k step 4 (l // 8) + j of the vector's k steps (8
+    bytes each), so each dword holds one column's 4 consecutive k steps."""
+    return [8 * (4 * (e // 32) + e % 4) + (e // 4) % 8 for e in range(4 * lanes)]
+
+
+def _dot_u8s8(dot, lanes, acc, a, b):
+    """acc[l] + sum_j a[4 l + j] * b[4 l + j] over int32 lanes."""
+    names = DOTS[(dot, lanes)]
     if dot == "vnni":
-        return T.call_llvm_pure_intrin("int32x16", DOTS["vnni"], acc, a, b)
-    pairs = T.call_llvm_pure_intrin("int16x32", DOTS["madd"], a, b)  # no saturation: |15 * 127 * 2| < 2^15
-    return acc + T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", pairs,
-                                         T.broadcast(T.int16(1), 32))
+        return T.call_llvm_pure_intrin(f"int32x{lanes}", names[0], acc, a, b)
+    pairs = T.call_llvm_pure_intrin(f"int16x{2 * lanes}", names[0], a, b)  # no saturation: 15 * 127 * 2 < 2^15
+    return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", names[1], pairs, T.broadcast(T.int16(1), 2 * lanes))
 
 
-def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", residual=False, dot="vnni", group=None):
+def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", residual=False, dot="vnni", lanes=16,
+                     group=None):
     """Decode y[1, N] = act(x[1, K] @ W + b) + res, W int4 quant panels, x quantized to int8 per 32-block.
-    Args: x, w, ws, (b), (res), y (as gemv_panels_q). AVX-512 only: `dot` "vnni" needs a target with
-    AVX512-VNNI, "madd" AVX512BW.
+    Args: x, w, ws, (b), (res), y (as gemv_panels_q). `dot`, `lanes`: "vnni", 16 needs a target with
+    AVX512-VNNI; "madd", 16 AVX512BW; "madd", 8 AVX2.
 
     Per call (serial prologue): x's block scales sx = max|x| / 127, xq = round(x / sx), -8 * sum(xq) per block
     (the stored offset, folded into the integer sums' start) and xpat, xq's dwords laid out as the permuted
-    weights' (lanes 0-7: k steps 0-3 of an octet, lanes 8-15: 4-7). Per task and block, each 64-byte octet of
-    a panel is permuted so each dword holds one column's 4 k steps (_OCTET_PERM), split into low and high
-    nibbles and dotted with xpat into int32 accumulators; then acc += float(sum) * ws * sx, once per block.
+    weights' (with 16 lanes: lanes 0-7 k steps 0-3 of the vector, lanes 8-15 k steps 4-7). Per task and block,
+    each vector of a panel is permuted so each dword holds one column's 4 k steps (_vector_perm), split into
+    low and high nibbles and dotted with xpat into int32 accumulators; then acc += float(sum) * ws * sx, once
+    per block; lanes l and l + 8 (16 lanes) are summed in the epilogue.
     """
     B = QUANT_BLOCK
     _check(K, N, 4, K, "K")
-    if dot not in DOTS:
-        raise ValueError(f"dot must be one of {sorted(DOTS)}, got {dot!r}")
+    if (dot, lanes) not in DOTS:
+        raise ValueError(f"(dot, lanes) must be one of {sorted(DOTS)}, got {(dot, lanes)!r}")
     panels = -(-N // PANEL)
     group = group or _gemv_group(panels)
     width = group * PANEL
     nb = K // B
     full = N % width == 0
     epilogue = _cpu._epilogue(act, bias, residual)
-    lanes = PANEL  # int32 lanes of a zmm
-    perm = [tirx.IntImm("int32", i) for i in _OCTET_PERM]
-    m15, m4 = T.broadcast(T.uint8(15), 64), T.broadcast(T.uint8(4), 64)
+    nbytes = 4 * lanes  # bytes per vector
+    steps = nbytes // HALF  # k steps per vector
+    kgroups = lanes // HALF  # 4-step k groups per vector (lanes l and l + 8 hold different ones)
+    perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
+    m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
@@ -279,16 +303,16 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
         xq32 = T.decl_buffer((K // 4,), "int32", data=xq.data)
         sx = T.alloc_buffer((nb,), "float32")
         xc = T.alloc_buffer((nb, lanes), "int32")
-        xpat = T.alloc_buffer((K // OCTET, lanes), "int32")
-        xpat8 = T.decl_buffer((K * OCTET,), "int8", data=xpat.data)
-        amax = T.alloc_local((lanes,), "float32")
+        xpat = T.alloc_buffer((K // steps, lanes), "int32")
+        xpat8 = T.decl_buffer((K // steps * nbytes,), "int8", data=xpat.data)
+        amax = T.alloc_local((PANEL,), "float32")
         stat = T.alloc_local((2,), "float32")
         total = T.alloc_local((1,), "int32")
         for kb in range(nb):
-            for v in T.vectorized(lanes):
-                amax[v] = T.max(T.abs(x[0, kb * B + v]), T.abs(x[0, kb * B + lanes + v]))
+            for v in T.vectorized(PANEL):
+                amax[v] = T.max(T.abs(x[0, kb * B + v]), T.abs(x[0, kb * B + PANEL + v]))
             stat[0] = amax[0]
-            for v in range(1, lanes):
+            for v in range(1, PANEL):
                 stat[0] = T.max(stat[0], amax[v])
             sx[kb] = stat[0] / T.float32(127)
             stat[1] = T.if_then_else(stat[0] > T.float32(0), T.float32(127) / stat[0], T.float32(0))
@@ -298,10 +322,10 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
             for v in range(B):
                 total[0] = total[0] + T.Cast("int32", xq[kb * B + v])
             for v in T.vectorized(lanes):
-                xc[kb, v] = T.if_then_else(v < lanes // 2, -INT4_OFFSET * total[0], 0)
-        for o in range(K // OCTET):
-            for v in range(lanes):
-                xpat[o, v] = xq32[2 * o + v // (lanes // 2)]
+                xc[kb, v] = T.if_then_else(v < HALF, -INT4_OFFSET * total[0], 0)
+        for o in range(K // steps):
+            for v in T.vectorized(lanes):
+                xpat[o, v] = xq32[kgroups * o + v // HALF]
         for t in T.parallel(panels // group):
             acc = T.alloc_local((group, 2, lanes), "float32")
             part = T.alloc_local((group, 2, lanes), "int32")
@@ -312,29 +336,39 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
                 for g, h in T.grid(group, 2):
                     for v in T.vectorized(lanes):
                         part[g, h, v] = xc[kb, v]
-                for o in T.unroll(B // OCTET):
+                for o in T.unroll(B // steps):
                     for g in T.unroll(group):
                         part[g, 0, T.ramp(0, 1, lanes)] = _dot_u8s8(
-                            dot, part[g, 0, T.ramp(0, 1, lanes)],
-                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * OCTET) * HALF, 1, 64)]], perm) & m15,
-                            xpat8[T.ramp((kb * (B // OCTET) + o) * 64, 1, 64)])
+                            dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
+                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * HALF, 1, nbytes)]],
+                                      perm) & m15,
+                            xpat8[T.ramp((kb * (B // steps) + o) * nbytes, 1, nbytes)])
                         part[g, 1, T.ramp(0, 1, lanes)] = _dot_u8s8(
-                            dot, part[g, 1, T.ramp(0, 1, lanes)],
-                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * OCTET) * HALF, 1, 64)]], perm) >> m4,
-                            xpat8[T.ramp((kb * (B // OCTET) + o) * 64, 1, 64)])
-                for g, h, half in T.grid(group, 2, 2):
+                            dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
+                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * HALF, 1, nbytes)]],
+                                      perm) >> m4,
+                            xpat8[T.ramp((kb * (B // steps) + o) * nbytes, 1, nbytes)])
+                for g, h, kg in T.grid(group, 2, kgroups):
                     for c in T.vectorized(HALF):
-                        acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + T.Cast(
-                            "float32", part[g, h, half * HALF + c]) * (load_f32(ws[t * group + g, kb, h * HALF + c], sdtype)
-                                                                       * sx[kb])
+                        acc[g, h, kg * HALF + c] = acc[g, h, kg * HALF + c] + T.Cast(
+                            "float32", part[g, h, kg * HALF + c]) * (load_f32(ws[t * group + g, kb, h * HALF + c], sdtype)
+                                                                     * sx[kb])
             for g, h in T.grid(group, 2):
                 for c in (T.vectorized if full else T.serial)(HALF):
                     if full or t * width + g * PANEL + h * HALF + c < N:
                         y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
-                            acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
+                            _sum_kgroups(acc, g, h, c, kgroups), b, res, 0, t * width + g * PANEL + h * HALF + c)
 
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+def _sum_kgroups(acc, g, h, c, kgroups):
+    """Column h * 8 + c of panel g: the sum of its lanes c, c + 8, ... (one per 4-step k group of a vector)."""
+    total = acc[g, h, c]
+    for kg in range(1, kgroups):
+        total = total + acc[g, h, kg * HALF + c]
+    return total
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,15 +479,22 @@ def kn_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
 def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
                     tile_panels=1, int8_dot=None):
     """y[m, N] = act(x[m, K] @ W + b) + res, W in the quant panels layout (pack_panels; int8 or int4 by `bits`,
-    scales in `sdtype`).  Args: x, w, ws, (b), (res), y. Decode: gemv_panels_q, or with `int8_dot` ("vnni",
-    "madd"; int4, AVX-512 only) gemv_panels_q4x8 (x quantized to int8 per block: ~1e-2 relative error, like
-    onnxruntime's accuracy_level 4); prefill: cpu.gemm over panels_weight, `tile_panels` per register tile."""
+    scales in `sdtype`).  Args: x, w, ws, (b), (res), y. `tile_panels` is the ISA's register budget as for
+    cpu.linear_panels (1: AVX2, 2: AVX-512), which also sizes the int4 decode tasks. Decode: gemv_panels_q, or
+    with `int8_dot` ("vnni": AVX-512 with VNNI; "madd": AVX-512 or AVX2; int4 only) gemv_panels_q4x8, x
+    quantized to int8 per block (an error of ~5e-3 of max |y| on random data, as onnxruntime's accuracy_level
+    4). Prefill: cpu.gemm over panels_weight, `tile_panels` per register tile."""
     if rows == 1 and int8_dot is not None:
         if bits != 4:
             raise ValueError("int8 activations are implemented for int4 weights only")
-        return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot)
-    if rows == 1:
-        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual)
+        wide = tile_panels > 1  # AVX-512: zmm vectors, 4 panels per task; AVX2: ymm, 2
+        group = _gemv_group(-(-N // PANEL), _cpu.GEMV_PANELS if wide else 2)
+        return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot,
+                                lanes=16 if wide else 8, group=group)
+    if rows == 1:  # 4 panels' accumulators and block sums fit AVX-512's 32 registers; in AVX2's 16 they spill:
+        # 2 panels per task for int8, 1 for int4 (its 16-lane vectors are 2 ymm each)
+        group = _gemv_group(-(-N // PANEL), _cpu.GEMV_PANELS if tile_panels > 1 else (2 if bits == 8 else 1))
+        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
     return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
                      residual=residual, tile_panels=tile_panels)
