@@ -30,7 +30,7 @@ import tvm  # noqa: E402
 
 from passes.kernels import cuda, ops  # noqa: E402
 from picompile.targets import CUDA_ARCHS, CUDA_HOST_ISA, cuda_target  # noqa: E402
-from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
+from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, fatbin_entries, kname  # noqa: E402
 
 if cuda.nvcc_path() is None or not os.path.isdir(os.environ.get("CUDA_PATH", "/usr/local/cuda")):
     pytest.skip("nvcc / the CUDA toolkit is not installed (set CUDA_PATH)", allow_module_level=True)
@@ -147,23 +147,6 @@ def built(arch, build_dir):
         facts = cuda.build(KERNELS, arch, path)
         _BUILDS[arch] = (path, facts, time.perf_counter() - began)
     return _BUILDS[arch]
-
-
-def fatbin_entries(binary):
-    """[(kind, sm, payload)] of a fatbin; kind 1 = PTX, 2 = ELF (SASS), sm e.g. 80.
-
-    Container: u32 magic 0xBA55ED50, u16 version, u16 header size, u64 payload size; then entries,
-    each: u16 kind, u16 version, u32 header size, u64 padded payload size, ..., u32 sm at +0x1c.
-    """
-    magic, _, header, size = struct.unpack_from("<IHHQ", binary, 0)
-    assert magic == 0xBA55ED50, "not a fatbin"
-    entries, pos = [], header
-    while pos < header + size:
-        kind, _, ehs, padded = struct.unpack_from("<HHIQ", binary, pos)
-        sm = struct.unpack_from("<I", binary, pos + 0x1C)[0]
-        entries.append((kind, sm, binary[pos + ehs : pos + ehs + padded]))
-        pos += ehs + padded
-    return entries
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -2,10 +2,12 @@
 
 Code that requests kernels names an op (``ops.linear``), never a function name, and asks it for the device
 it builds for: ``op.cpu(name, *args, rows=rows, **kwargs)`` or ``op.cuda(...)``, the same arguments for
-both (the CPU makers also take CPU-only options, ``wdtype`` for fp16 weight storage and ``tile_panels``,
-which a GPU call never passes: GPU weights are fp32). A maker is None where the device has no version of
-the kernel: the panel kernels and the fused / column-sparse FFN kernels are CPU-only. Every op has a CPU
-maker, since the CPU stands in for the GPU when emulating.
+both (the CPU makers also take CPU-only options, e.g. ``tile_panels``, which a GPU call never passes).
+Weight storage is an argument of both: ``wdtype`` ("float32" or "float16") for the float kernels that read a
+weight matrix; the ``*_qrows`` / ``*_q`` ops read block-quantized weights in ``quant``'s rows layout, each
+weight as (q, scales), with ``bits`` (8 or 4) and ``sdtype`` (the scales', "float16" or "float32"). A maker is
+None where the device has no version of the kernel: the panel kernels and the fused / column-sparse FFN
+kernels are CPU-only. Every op has a CPU maker, since the CPU stands in for the GPU when emulating.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ sparse_ffn = KernelOp("sparse_ffn", neuron.sparse_ffn, None)
 sparse_columns = KernelOp("sparse_columns", neuron.sparse_columns, None)
 merge = KernelOp("merge", neuron.merge, cuda.merge)
 linear_rows = KernelOp("linear_rows", neuron.linear_rows, cuda.linear_rows)
+# over block-quantized weights in quant's rows layout (the GPU's; the CPU makers are simple twins)
+linear_qrows = KernelOp("linear_qrows", cpu.linear_qrows, cuda.linear_qrows)  # W^T [N, K] as quant rows
+embed_qrows = KernelOp("embed_qrows", cpu.embed_qrows, cuda.embed_qrows)
+sparse_up_q = KernelOp("sparse_up_q", neuron.sparse_up_q, cuda.sparse_up_q)
+sparse_down_q = KernelOp("sparse_down_q", neuron.sparse_down_q, cuda.sparse_down_q)
 
 
 def get(name: str) -> KernelOp:
