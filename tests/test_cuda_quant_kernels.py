@@ -275,6 +275,8 @@ def test_module_source_is_cuda():
             assert "*(int*)(" in body or "*(uint*)(" in body, f"{name}: no 32-bit loads of the row bytes"
         if name.startswith(("lq_",)) and name.endswith("_d") or name.startswith("upq_"):
             assert "__shfl" in body, f"{name}: no warp shuffle"
+        if name.startswith(("upq_", "downq_", "embq_")):  # counts, indices, token ids clamped (as in the CPU's)
+            assert body.count("max(min(") >= (2 if name.startswith("embq_") and "nopos" not in name else 1), name
 
 
 # ---------------------------------------------------------------------------------- numerics (CPU twins, GPU)

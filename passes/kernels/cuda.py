@@ -1,7 +1,7 @@
 """CUDA kernels for picompile (the GPU half of PowerInfer-style execution), generated with TVM 0.27.
 
 The same kernels as ``passes.kernels.cpu`` and ``passes.kernels.neuron`` (``ops`` pairs them): same
-arguments in the same order, same contracts (``compute``'s: fp32, row-major, ``rows=1`` decode variant,
+arguments in the same order, same contracts (``compute``'s: fp32 arithmetic, row-major, ``rows=1`` decode variant,
 ``rows=None`` prefill variant with a symbolic int64 ``m``, int64 scalar ``start``, int32 index and
 count buffers, indices from inputs clamped to their buffers), only the schedules differ: the TE kernels
 are ``compute``'s definitions scheduled here, with exp / erf from ``compute.NATIVE``; the TVMScript
@@ -24,6 +24,12 @@ Schedules, in short (each function's docstring says more):
   a fixed grid walking the data-dependent neuron count in a grid-stride loop;
 * ``sparse_down``: 32 columns per block on ``threadIdx.x``, the active rows split over 16
   ``threadIdx.y`` groups, partial sums added in shared memory;
+* weights: fp32 or fp16 (``wdtype``: fp16 converted to fp32 as it is loaded or staged), or block-quantized
+  int8 / int4 in ``quant``'s rows layout (``linear_qrows``, ``embed_qrows``, ``sparse_up_q``,
+  ``sparse_down_q``; see their section): a thread takes 4 consecutive bytes of a row per step (one 32-bit
+  load), a warp a coalesced 128-byte run; ``linear_qrows`` decode is a warp per output row (W^T stored
+  [N, K], llama.cpp's GPU matvec layout) with a warp-shuffle reduction, its prefill the tiled GEMM with the
+  weights dequantized into shared memory;
 * ``select``: one block, an ordered parallel compaction (count per thread segment, block prefix sum,
   scatter);
 * ``attention``: one block per (head, row), 128 threads: one key per thread for the scores, online
@@ -810,6 +816,7 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
             for wy in T.thread_binding(UP_WARPS, thread="threadIdx.y"):
                 for lane in T.thread_binding(WARP, thread="threadIdx.x"):
                     qv = T.alloc_local((QROW_BYTES,), storage)
+                    xv = T.alloc_local((values,), "float32")
                     part = T.alloc_local((1,), "float32")
                     tot = T.alloc_local((2,), "float32")
                     active = clamp_count(count[0, 0], n)
@@ -822,14 +829,17 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
                             for c in range(steps):
                                 blk = c * blocks_per_step + lane // per_block
                                 if exact or blk < nb:
+                                    # the x values of this lane's weights, float4 loads, shared by gate and up
+                                    for r in T.unroll(values // QROW_BYTES):
+                                        for v in T.vectorized(QROW_BYTES):
+                                            xv[r * QROW_BYTES + v] = x[0, blk * compute.QUANT_BLOCK + r * 16
+                                                                       + lane % per_block * QROW_BYTES + v]
                                     for g in T.unroll(rows_read):  # gate row, then up row (g = 1)
                                         for v in T.vectorized(QROW_BYTES):
                                             qv[v] = w_q[g * n + row, c * WARP * QROW_BYTES + lane * QROW_BYTES + v]
                                         part[0] = T.float32(0)
                                         for e in T.unroll(values):
-                                            part[0] = part[0] + (
-                                                x[0, _qrow_columns(bits, blk, lane % per_block)(e)]
-                                                * _qrow_value(bits, qv, e))
+                                            part[0] = part[0] + xv[e] * _qrow_value(bits, qv, e)
                                         tot[g] = tot[g] + part[0] * load_f32(w_s[g * n + row, blk], sdtype)
                             for lv in range(5):  # xor butterfly: 16, 8, 4, 2, 1
                                 tot[0] = tot[0] + T.tvm_warp_shuffle_xor(
@@ -873,7 +883,7 @@ def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
         for bx in T.thread_binding(grid, thread="blockIdx.x"):
             for ty in T.thread_binding(DOWN_TY, thread="threadIdx.y"):
                 for tx in T.thread_binding(WARP, thread="threadIdx.x"):
-                    part = T.alloc_shared((DOWN_TY, WARP, values), "float32")
+                    part = T.alloc_shared((DOWN_TY, values, WARP), "float32")  # [.., tx] last: no bank conflicts
                     acc = T.alloc_local((values,), "float32")
                     qv = T.alloc_local((QROW_BYTES,), storage)
                     coef = T.alloc_local((1,), "float32")
@@ -891,13 +901,13 @@ def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
                                 for e in T.unroll(values):
                                     acc[e] = acc[e] + coef[0] * _qrow_value(bits, qv, e)
                     for e in T.unroll(values):
-                        part[ty, tx, e] = acc[e]
+                        part[ty, e, tx] = acc[e]
                     T.tvm_storage_sync("shared")
                     if ty == 0:
                         if exact or blk < nb:
                             for e in T.unroll(values):
                                 for r in range(1, DOWN_TY):
-                                    acc[e] = acc[e] + part[r, tx, e]
+                                    acc[e] = acc[e] + part[r, e, tx]
                                 out[0, _qrow_columns(bits, blk, tx % per_block)(e)] = acc[e]
 
     return kernel.with_attr("global_symbol", name)
