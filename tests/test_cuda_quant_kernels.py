@@ -7,7 +7,8 @@ quantized by ``quant.quantize`` / ``pack_rows``, references over ``quant.dequant
 needed): the CUDA set (quantized and fp16 variants) built for each of sm_75, sm_86, sm_89 and sm_90 into ONE
 module per arch (one nvcc run each): the fatbin holds SASS for the arch plus its PTX and every kernel; the
 module source has one __global__ kernel per function; every CUDA kernel has its CPU twin's signature. With a
-GPU (``tvm.cuda(0).exist``): the same numpy checks run on the CUDA kernels.
+GPU (``tvm.cuda(0).exist``): the same numpy checks run on the CUDA kernels. With PICOMPILE_CUDA_EMULATE=1 (and
+g++): the same checks on the CUDA kernels' generated source run on the CPU by ``cuda_emulator`` (~1 minute).
 """
 
 from __future__ import annotations
@@ -166,13 +167,35 @@ def gpu_present():
         return False
 
 
+def poison(dtype):
+    return np.nan if dtype.kind == "f" else np.iinfo(dtype).max
+
+
+def make_emulated_runner(emulated):
+    """Like make_gpu_runner, on ``cuda_emulator``'s CPU build of the CUDA source."""
+
+    def call(name, *args):
+        talls = [np.full((a.shape[0] + 4,) + a.shape[1:], poison(a.dtype), a.dtype) if isinstance(a, np.ndarray)
+                 else None for a in args]
+        for a, tall in zip(args, talls):
+            if tall is not None:
+                tall[: a.shape[0]] = a
+        rows = args[-1].shape[0]
+        emulated.call(name, *[a if tall is None else tall[: a.shape[0]] for a, tall in zip(args, talls)], rows=rows)
+        for a, tall in zip(args, talls):
+            if tall is not None:
+                a[...] = tall[: a.shape[0]]
+                tail = tall[a.shape[0]:]
+                assert (np.isnan(tail).all() if a.dtype.kind == "f" else (tail == poison(a.dtype)).all()), name
+
+    call.device = "emulated"
+    return call
+
+
 def make_gpu_runner(lib):
     """Arrays go to the GPU as views of taller, poisoned allocations; their poisoned rows must come back
     unchanged (no write outside an argument)."""
     dev = tvm.cuda(0)
-
-    def poison(dtype):
-        return np.nan if dtype.kind == "f" else np.iinfo(dtype).max
 
     def call(name, *args):
         placed = []
@@ -216,9 +239,16 @@ def built(arch, build_dir):
     return _BUILDS[arch]
 
 
-@pytest.fixture(scope="module", params=["cpu", "gpu"])
+@pytest.fixture(scope="module", params=["cpu", "gpu", "emulated"])
 def run(request, build_dir):
-    """call(name, *args) on the CPU twins, then (where a GPU is) on the CUDA kernels."""
+    """call(name, *args) on the CPU twins, then (where a GPU is) on the CUDA kernels, then (opt-in) on the CUDA
+    kernels' source emulated on the CPU."""
+    if request.param == "emulated":
+        import cuda_emulator
+
+        if os.environ.get("PICOMPILE_CUDA_EMULATE") != "1" or not cuda_emulator.available():
+            pytest.skip("CUDA emulation is opt-in: PICOMPILE_CUDA_EMULATE=1 (needs g++)")
+        return make_emulated_runner(cuda_emulator.Emulated(gpu_kernels(), workdir=str(build_dir)))
     if request.param == "cpu":
         path = build_dir / "quant_cpu.so"
         if not path.exists():
