@@ -39,6 +39,7 @@ struct alignas(8) half4 { half x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 #define uint unsigned int
 #define uchar unsigned char
 #define ushort unsigned short
@@ -170,12 +171,16 @@ class Emulated:
         return name in self.funcs
 
     def call(self, name, *args, rows=None):
-        """Run kernel ``name``; ``rows`` is the prefill row count m (default: the last argument's rows)."""
+        """Run kernel ``name``; the prefill row count m is read off the arrays (or given as ``rows``)."""
         func = self.funcs[name]
         by_name, env = {}, {}
         for param, value in zip(func.params, args):
             (by_name if isinstance(value, np.ndarray) else env)[param.name] = value
-        env["m"] = rows if rows is not None else args[-1].shape[0]
+            for axis, dim in enumerate(getattr(param, "shape", None) or []):
+                if isinstance(dim, tvm.tirx.Var) and isinstance(value, np.ndarray):  # the symbolic row count m
+                    env[dim.name] = value.shape[axis]
+        if rows is not None:
+            env["m"] = rows
         call_args, tags, lets = self.launches[name]
         names = self.source_params[name]
         extents = {tag: _evaluate(expr, env, lets) for tag, expr in zip(tags, call_args[len(names) :])}
@@ -192,3 +197,29 @@ class Emulated:
         dims = [extents.get(t, 1) for t in ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y",
                                              "threadIdx.z")]
         self.lib[f"run_{name}"](argv, *dims)
+
+    def runner(self, extra_rows: int = 4):
+        """call(name, *args) as the GPU tests' runners: each array is passed as the first rows of a taller copy
+        whose extra rows are poisoned (NaN, or the integer type's max) and must come back unchanged."""
+
+        def poison(dtype):
+            return np.nan if dtype.kind == "f" else np.iinfo(dtype).max
+
+        def call(name, *args):
+            talls = []
+            for a in args:
+                tall = None
+                if isinstance(a, np.ndarray):
+                    tall = np.full((a.shape[0] + extra_rows,) + a.shape[1:], poison(a.dtype), a.dtype)
+                    tall[: a.shape[0]] = a
+                talls.append(tall)
+            self.call(name, *[a if t is None else t[: a.shape[0]] for a, t in zip(args, talls)])
+            for a, tall in zip(args, talls):
+                if tall is not None:
+                    a[...] = tall[: a.shape[0]]
+                    tail = tall[a.shape[0] :]
+                    ok = np.isnan(tail).all() if a.dtype.kind == "f" else (tail == poison(a.dtype)).all()
+                    assert ok, f"{name} wrote outside an argument"
+
+        call.device = "emulated"
+        return call

@@ -8,7 +8,9 @@ signature of its CPU twin (the same ops.KernelOp's cpu maker).
 
 With a GPU (``tvm.cuda(0).exist``): every kernel is run through ``tvm.runtime.load_module`` of the
 exported library and compared with numpy, and a fresh runtime-only process loads and runs the
-library. These tests skip cleanly elsewhere; ``scripts/gpu_check.sh`` runs them on a GPU machine.
+library. These tests skip cleanly elsewhere; ``scripts/gpu_check.sh`` runs them on a GPU machine. Without a
+GPU, PICOMPILE_CUDA_EMULATE=1 runs the same numpy checks on the CUDA source through ``cuda_emulator`` (g++ on
+the CPU; ~1 minute), all but the runtime-only process test.
 """
 
 import math
@@ -295,6 +297,10 @@ def make_gpu_runner(kernels, lib_path):
 @pytest.fixture(scope="module")
 def run(build_dir):
     if not gpu_present():
+        if os.environ.get("PICOMPILE_CUDA_EMULATE") == "1":  # opt-in: the CUDA source run on the CPU (cuda_emulator)
+            import cuda_emulator
+
+            return cuda_emulator.Emulated(KERNELS, workdir=str(build_dir)).runner(extra_rows=MAX_ROWS)
         pytest.skip("no CUDA GPU here (tvm.cuda(0).exist is false)")
     path, _, _ = built(gpu_arch(), build_dir)
     return make_gpu_runner(KERNELS, path)
@@ -529,6 +535,8 @@ def test_sparse_out_of_range(run, count):
 def test_runtime_only_process(run, build_dir):
     """A fresh process with TVM_USE_RUNTIME_LIB=1 (no compiler, no NVRTC) loads the library and runs a
     kernel: the device code comes from the embedded fatbin, nothing is compiled at load time."""
+    if not gpu_present():
+        pytest.skip("needs a GPU (the emulation runs no CUDA runtime)")
     path, _, _ = built(gpu_arch(), build_dir)
     script = textwrap.dedent(
         f"""

@@ -171,27 +171,6 @@ def poison(dtype):
     return np.nan if dtype.kind == "f" else np.iinfo(dtype).max
 
 
-def make_emulated_runner(emulated):
-    """Like make_gpu_runner, on ``cuda_emulator``'s CPU build of the CUDA source."""
-
-    def call(name, *args):
-        talls = [np.full((a.shape[0] + 4,) + a.shape[1:], poison(a.dtype), a.dtype) if isinstance(a, np.ndarray)
-                 else None for a in args]
-        for a, tall in zip(args, talls):
-            if tall is not None:
-                tall[: a.shape[0]] = a
-        rows = args[-1].shape[0]
-        emulated.call(name, *[a if tall is None else tall[: a.shape[0]] for a, tall in zip(args, talls)], rows=rows)
-        for a, tall in zip(args, talls):
-            if tall is not None:
-                a[...] = tall[: a.shape[0]]
-                tail = tall[a.shape[0]:]
-                assert (np.isnan(tail).all() if a.dtype.kind == "f" else (tail == poison(a.dtype)).all()), name
-
-    call.device = "emulated"
-    return call
-
-
 def make_gpu_runner(lib):
     """Arrays go to the GPU as views of taller, poisoned allocations; their poisoned rows must come back
     unchanged (no write outside an argument)."""
@@ -248,7 +227,7 @@ def run(request, build_dir):
 
         if os.environ.get("PICOMPILE_CUDA_EMULATE") != "1" or not cuda_emulator.available():
             pytest.skip("CUDA emulation is opt-in: PICOMPILE_CUDA_EMULATE=1 (needs g++)")
-        return make_emulated_runner(cuda_emulator.Emulated(gpu_kernels(), workdir=str(build_dir)))
+        return cuda_emulator.Emulated(gpu_kernels(), workdir=str(build_dir)).runner()
     if request.param == "cpu":
         path = build_dir / "quant_cpu.so"
         if not path.exists():
