@@ -658,9 +658,8 @@ def sparse_down(name, n, D, *, rows, wdtype="float32"):
                     if bx * DOWN_TX + tx < D:
                         for it in range((active + DOWN_TY - 1) // DOWN_TY):
                             if it * DOWN_TY + ty < active:
-                                acc[0] = acc[0] + (h[0, it * DOWN_TY + ty]
-                                                   * load_f32(w[clamp_index(idx[0, it * DOWN_TY + ty], n), bx * DOWN_TX + tx],
-                                                              wdtype))
+                                row = clamp_index(idx[0, it * DOWN_TY + ty], n)
+                                acc[0] = acc[0] + h[0, it * DOWN_TY + ty] * load_f32(w[row, bx * DOWN_TX + tx], wdtype)
                     part[ty, tx] = acc[0]
                     T.tvm_storage_sync("shared")
                     if ty == 0:
@@ -721,6 +720,10 @@ def _qgemv(sch, K, N, bits):
     meet in a warp-shuffle all-reduce (threadIdx.x-bound reduction); lane 0 applies the epilogue and stores
     y. A row shorter than a whole run (K not a multiple of 128 weights for int8, 256 for int4) leaves lanes
     idle rather than predicated: the run is cut to the blocks that divide K.
+
+    Not measured (no GPU where this was written). A known cost: every warp reads x in fp32 from L1 / L2, 16
+    bytes of x per 4 weight bytes for int8 and 32 for int4, so int4 may run into L1 bandwidth before DRAM's;
+    llama.cpp quantizes x to int8 once per call (q8_1) and uses dp4a, the step to take if it does.
     """
     per_block, blocks_per_step, _ = _qrow_geometry(bits)
     nb = K // compute.QUANT_BLOCK
