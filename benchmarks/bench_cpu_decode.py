@@ -1,8 +1,9 @@
-"""CPU decode suite: onnxruntime, picompile dense and picompile sparse on a synthetic ~1B OPT-ReLU model,
-with the memory bandwidth each reaches and the quality each speed comes at.
+"""CPU decode suite: onnxruntime (fp32 and int4), picompile dense and picompile sparse on a synthetic ~1B
+OPT-ReLU model, with the memory bandwidth each reaches and the quality each speed comes at.
 
     python benchmarks/bench_cpu_decode.py [--preset 1b] [--sparsity 0.9] [--threads 2] [--tokens 32] [--runs 3]
-        [--prompt-len 128] [--max-context 256] [--target-recall 0.99] [--dtypes fp32,fp16] [--cpu-isa avx2|avx512]
+        [--prompt-len 128] [--max-context 256] [--target-recall 0.99] [--dtypes fp32,fp16,int8,int4]
+        [--cpu-isa avx2|avx512] [--ort-int4 | --no-ort-int4]
         [--family | --predictability family|easy,hard|0.95,... --calib-tokens 1024,4096] [--json PATH] [--record]
 
 The benchmark family (issue 13): `--predictability` takes level names of examples/models.py's
@@ -17,19 +18,29 @@ at each of its calibration sizes (1,024 and 4,096 tokens). `--preset tiny` is a 
 per member here).
 
 One run makes the model (or reuses it from the cache, keyed by its config hash), builds it for `--target cpu`
-dense and sparse for each weight dtype of `--dtypes` (or reuses the builds: they are cached by model, build
-options and the compiler's source, so a changed compiler rebuilds), evaluates each artifact against
-onnxruntime on held-out tokens, then alternates runs (onnxruntime, dense, sparse, [dense fp16, sparse fp16],
+dense and sparse for each weight dtype of `--dtypes` (`runtime.dtypes.WEIGHT_FORMATS`: fp32, fp16 and the
+block-quantized int8 and int4; or reuses the builds: they are cached by model, build options and the
+compiler's source, so a changed compiler rebuilds), evaluates each artifact against onnxruntime on held-out
+tokens, then alternates runs (onnxruntime, onnxruntime int4, dense, sparse, [dense fp16, sparse fp16],
 memory bandwidth, onnxruntime, ...) so that machine drift cancels, and reports medians:
 
 - decode tokens/s and the prefill time of a `--prompt-len` prompt, each beside onnxruntime's (fp32, same
-  thread count);
+  thread count), and each picompile artifact's decode speed beside onnxruntime int4's too;
 - the machine's copy bandwidth (np.copyto of a 512 MiB buffer over `--threads` threads, GB/s of bytes
   copied; the memory traffic is twice that) and, for context, its read bandwidth (a sum over that buffer);
 - per artifact: the weight bytes a decoded token reads (the runtime's profile), the effective bandwidth
   (bytes/token x tokens/s) and its share of the copy bandwidth;
 - per weight dtype: the limit ratio (dense bytes/token over sparse bytes/token), the achieved ratio (sparse
   tokens/s over dense tokens/s) and the achieved ratio as a share of the limit.
+
+onnxruntime int4 (on by default; `--no-ort-int4` leaves it out) is the second baseline, made here and cached
+beside the model (a directory keyed by its recipe, ORT_INT4_RECIPE, and onnxruntime's version, so a changed
+recipe makes it again): the model's Gemms rewritten as MatMul + Add and a tied output layer's Transpose
+folded (onnxruntime's quantizer takes MatMul weights that are initializers only), then every MatMul weight,
+the output layer's included, quantized by onnxruntime's MatMulNBitsQuantizer to 4 bits, round to
+nearest, symmetric, blocks of 32 along K, float32 scales, accuracy_level 4 (its int8-activation CPU kernels).
+It decodes with its KV cache, as the fp32 model does; its quality row is its eval KL per position and top-1
+against onnxruntime fp32, on the artifacts' held-out sequences.
 
 `--json PATH` writes every figure; `--record` appends the table to BENCHMARKS.md with the date, the machine
 and the exact command.
@@ -50,10 +61,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.bench_decode import add_run_arguments, parsed_run_arguments, QUALITY_COLUMNS, quality_cells  # noqa: E402 (stdlib only: TVM not yet)
+from runtime.dtypes import WEIGHT_FORMATS  # noqa: E402 (numpy only)
 
-DTYPES = ("fp32", "fp16")
-NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16"}
+# The weight dtypes `--dtypes` takes and the element type each stores its weight matrices in (int4: packed
+# two to a uint8): runtime.dtypes is their one home.
+DTYPES = tuple(WEIGHT_FORMATS)
+NUMPY_DTYPES = {name: fmt.storage for name, fmt in WEIGHT_FORMATS.items()}
 BANDWIDTH_MIB = 512  # far larger than any L3 here (32 MiB)
+ORT_INT4 = "onnxruntime int4"  # the second baseline's engine name
+# How it is made (examples/models.ort_quantize_nbits); its cache key, with onnxruntime's version. Bump
+# "rewrite" when examples/models.matmul_weights_as_initializers changes what it writes.
+ORT_INT4_RECIPE = {"bits": 4, "block_size": 32, "symmetric": True, "accuracy_level": 4, "rewrite": 2,
+                   "algorithm": "MatMulNBitsQuantizer DEFAULT (round to nearest)",
+                   "ops": "every MatMul of a constant weight (Gemm as MatMul + Add, tied head transposed)"}
 
 
 class Bandwidth:
@@ -95,8 +115,54 @@ def engine_name(kind: str, dtype: str, member: str = "") -> str:
 
 
 def weight_dtypes(artifact: Path) -> list[str]:
+    """The element types of an artifact's weight buffers (quantized weights: their integers and scales)."""
     manifest = json.loads((artifact / "manifest.json").read_text())
-    return sorted({b["dtype"] for b in manifest["buffers"].values() if b["kind"] == "weight" and b["dtype"].startswith("float")})
+    return sorted({b["dtype"] for b in manifest["buffers"].values() if b["kind"] == "weight"})
+
+
+def ort_int4_model(files, log=print) -> Path:
+    """The onnxruntime int4 baseline of a made model (see the module doc), made once into a directory beside
+    the model keyed by ORT_INT4_RECIPE and onnxruntime's version. Made in a child process: quantizing a 1B
+    model holds its fp32 weights several times over, which this process would keep from the engines."""
+    import hashlib
+    import multiprocessing
+
+    import onnxruntime
+
+    from examples.models import build_cached
+
+    recipe = {**ORT_INT4_RECIPE, "onnxruntime": onnxruntime.__version__}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+    def make(work: Path) -> None:
+        started = time.perf_counter()
+        child = multiprocessing.get_context("spawn").Process(target=_quantize, args=(files.onnx, work / "model.onnx"))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"quantizing {files.onnx} with onnxruntime failed (exit code {child.exitcode})")
+        (work / "config.json").write_text(json.dumps({"source": str(files.onnx), "recipe": recipe}, indent=1))
+        log(f"made {ORT_INT4} ({files.dir.name}/ort-int4-{key}) in {time.perf_counter() - started:.1f}s")
+
+    return build_cached(files.dir / f"ort-int4-{key}", make, log) / "model.onnx"
+
+
+def _quantize(source: Path, target: Path) -> None:
+    from examples.models import ort_quantize_nbits
+
+    r = ORT_INT4_RECIPE
+    ort_quantize_nbits(source, target, bits=r["bits"], block_size=r["block_size"], symmetric=r["symmetric"],
+                       accuracy_level=r["accuracy_level"])
+
+
+def accepted_weight_dtypes() -> list[str]:
+    """The --weight-dtype values `picompile build` accepts now (its parser's choices): int8 and int4 are
+    WEIGHT_FORMATS before the compiler builds them, so the run stops before it makes anything."""
+    from picompile.cli import _parser
+
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    option = next(a for a in commands.choices["build"]._actions if "--weight-dtype" in a.option_strings)
+    return list(option.choices or DTYPES)
 
 
 def build_all(members: dict[str, object], args) -> dict[str, Path]:
@@ -114,8 +180,12 @@ def build_all(members: dict[str, object], args) -> dict[str, Path]:
             if kind == "sparse":
                 options["target_recall"] = args.target_recall
             for label, files in (members.items() if kind == "sparse" else [("", first)]):
-                path = ensure_artifact(files, f"{kind}-{dtype}", args.max_context, dense=kind == "dense",
-                                       rebuild=args.rebuild, **options)
+                try:
+                    path = ensure_artifact(files, f"{kind}-{dtype}", args.max_context, dense=kind == "dense",
+                                           rebuild=args.rebuild, **options)
+                except RuntimeError as error:  # the child's own error or traceback is above
+                    raise SystemExit(f"error: picompile could not build the {kind} {dtype} artifact of "
+                                     f"{files.dir.name} ({error}); its message is above") from None
                 if NUMPY_DTYPES[dtype] not in weight_dtypes(path):
                     print(f"warning: {path.name} was built with weight_dtype={dtype} but stores {weight_dtypes(path)} "
                           "weights (the compiler does not apply that option)")
@@ -162,20 +232,34 @@ def derive(summary: dict, bandwidth: dict, dtypes, labels=("",)) -> dict:
     return ratios
 
 
+def int4_ratios(summary: dict, artifacts) -> None:
+    """Each artifact's decode and prefill speed over onnxruntime int4's (into `summary`), where it ran."""
+    base = summary.get(ORT_INT4)
+    for name in artifacts if base is not None else ():
+        summary[name]["ratio_ort_int4"] = summary[name]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        summary[name]["prefill_ratio_ort_int4"] = base["prefill_ms"] / summary[name]["prefill_ms"]
+
+
 def report(config: dict, summary: dict, qualities: dict, bandwidth: dict, ratios: dict) -> str:
     from examples.bench_decode import quality_text
 
-    rows = [f"| engine | decode tok/s | vs onnxruntime | prefill {config['prompt_len']} tokens (ms) | vs onnxruntime "
-            "| weights MiB/token | effective GB/s | of copy bandwidth | quality |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    int4 = ORT_INT4 in summary
+    rows = [f"| engine | decode tok/s | vs onnxruntime |{' vs onnxruntime int4 |' if int4 else ''} prefill "
+            f"{config['prompt_len']} tokens (ms) | vs onnxruntime | weights MiB/token | effective GB/s | of copy bandwidth "
+            "| quality |",
+            "| --- " * (10 if int4 else 9) + "|"]
     for name, f in summary.items():
         speed = f"**{f['ratio']:.2f}x**" if "ratio" in f else "1.00x"
+        over_int4 = ""
+        if int4:
+            over_int4 = (f" {f['ratio_ort_int4']:.2f}x |" if "ratio_ort_int4" in f else
+                         " 1.00x |" if name == ORT_INT4 else " - |")
         prefill = f"{f['prefill_ratio']:.2f}x" if "prefill_ratio" in f else "1.00x"
         traffic = "- | - | -"
         if "weight_bytes_per_token" in f:
             traffic = (f"{mib(f['weight_bytes_per_token'])} | {f['effective_gbs']:.1f} | "
                        f"{f['copy_bandwidth_share'] * 100:.0f}%")
-        rows.append(f"| {name} | {f['decode_tokens_per_s']:.2f} | {speed} | {f['prefill_ms']:.1f} | {prefill} | "
+        rows.append(f"| {name} | {f['decode_tokens_per_s']:.2f} | {speed} |{over_int4} {f['prefill_ms']:.1f} | {prefill} | "
                     f"{traffic} | {quality_text(qualities.get(name, {}))} |")
     lines = ["\n".join(rows), "",
              f"Memory bandwidth ({bandwidth['threads']} threads, {bandwidth['buffer_mib']} MiB, median of "
@@ -185,7 +269,18 @@ def report(config: dict, summary: dict, qualities: dict, bandwidth: dict, ratios
         dense, sparse = summary[r["dense"]], summary[r["sparse"]]
         lines.append(f"Sparse over dense ({dtype} weights): limit {r['limit_ratio']:.2f}x "
                      f"({mib(dense['weight_bytes_per_token'])} / {mib(sparse['weight_bytes_per_token'])} MiB per token), achieved {r['achieved_ratio']:.2f}x = {r['share_of_limit'] * 100:.0f}% of the limit.")
+    if int4:
+        r = config["ort_int4"]
+        lines.append(f"{ORT_INT4}: every MatMul weight (Gemms as MatMul + Add, the output layer too) in MatMulNBits, {r['bits']}-bit, "
+                     f"{'symmetric' if r['symmetric'] else 'asymmetric'}, block {r['block_size']}, round to nearest, "
+                     f"accuracy_level {r['accuracy_level']} (onnxruntime {r['onnxruntime']}); quality against onnxruntime fp32.")
     return "\n".join(lines)
+
+
+def _ort_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
 
 
 def mib(nbytes: float) -> str:
@@ -269,12 +364,14 @@ def member_label(predictability, calib_tokens, family: bool) -> str:
 
 def family_table(rows: list[dict]) -> str:
     """One row per family member: its sparse build's speed, traffic and quality (fp32 or the first dtype)."""
-    columns = ("predictability", "calib tokens", "sparse tok/s", "vs dense", "vs onnxruntime", "MiB/token",
-               *QUALITY_COLUMNS)
+    int4 = any(r.get("vs_ort_int4") is not None for r in rows)
+    columns = ("predictability", "calib tokens", "sparse tok/s", "vs dense", "vs onnxruntime",
+               *(["vs onnxruntime int4"] if int4 else []), "MiB/token", *QUALITY_COLUMNS)
     lines = [f"| {' | '.join(columns)} |", "| --- " * len(columns) + "|"]
     for r in rows:
+        over_int4 = (f" {r['vs_ort_int4']:.2f}x |" if r.get("vs_ort_int4") is not None else " - |") if int4 else ""
         lines.append(f"| {r['predictability']:g} | {r['calib_tokens']} | {r['tokens_per_s']:.2f} | {r['vs_dense']:.2f}x "
-                     f"| {r['vs_onnxruntime']:.2f}x | {mib(r['bytes_per_token'])} | {quality_cells(r['quality'])} |")
+                     f"| {r['vs_onnxruntime']:.2f}x |{over_int4} {mib(r['bytes_per_token'])} | {quality_cells(r['quality'])} |")
     return "\n".join(lines)
 
 
@@ -283,7 +380,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sparsity", type=float, default=0.9, help="synthetic FFN sparsity (power-law hot set)")
     parser.add_argument("--target-recall", type=float, default=0.99, help="the sparse build's predictor recall")
     parser.add_argument("--dtypes", type=_dtypes, default=["fp32"],
-                        help="weight dtypes to build dense and sparse artifacts in, e.g. fp32,fp16")
+                        help=f"weight dtypes to build dense and sparse artifacts in ({', '.join(DTYPES)}), e.g. fp32,int4")
+    parser.add_argument("--ort-int4", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time onnxruntime on the model quantized to int4 (MatMulNBits; made once, cached "
+                             "beside the model) and give every artifact its ratio against it")
     parser.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
                         help="instruction set of the CPU kernels (default: the build's, this machine's widest; "
                              "onnxruntime picks its own at run time)")
@@ -303,8 +403,13 @@ def main(argv=None) -> int:
             parser.error("--family is every level at every calibration size: give it alone, or the two lists")
         args.predictability = list(FAMILY["levels"].values())
         args.calib_tokens = [seqs * TOKEN_DEFAULTS["seq_len"] for seqs in FAMILY["calib_seqs"]]
+    accepted = accepted_weight_dtypes()
+    refused = [d for d in args.dtypes if d not in accepted]
+    if refused:  # before a model is made: a 1B model's builds take minutes
+        parser.error(f"picompile build does not accept --weight-dtype {', '.join(refused)} yet "
+                     f"(it accepts {', '.join(accepted)})")
 
-    from examples.bench_decode import machine, measure, quality, record
+    from examples.bench_decode import machine, measure, ort_quality, quality, record
     from examples.models import SYNTH_DEFAULTS, TOKEN_DEFAULTS, cached_models
     from picompile.reference import OrtDecoder
 
@@ -319,10 +424,15 @@ def main(argv=None) -> int:
         members = dict(zip(labels, cached_models(specs, log=print)))
         files = next(iter(members.values()))
         params = json.loads(files.config.read_text())["num_params"]
+        # one per predictability: the members share their weights (only calib.npy differs)
+        int4_model = ort_int4_model(files) if args.ort_int4 else None
         artifacts = build_all(members, args)
-        print(f"evaluating {len(artifacts)} artifacts against onnxruntime on held-out tokens")
+        print(f"evaluating {len(artifacts)} artifacts{f' and {ORT_INT4}' if int4_model else ''} against onnxruntime "
+              "on held-out tokens")
         reference = OrtDecoder(files.onnx)
         qualities = {name: quality(files, path, reference=reference) for name, path in artifacts.items()}
+        if int4_model is not None:
+            qualities[ORT_INT4] = ort_quality(files, int4_model, args.max_context, reference=reference)
         del reference
         gc.collect()
         agreement = byte_agreement(artifacts)
@@ -332,7 +442,9 @@ def main(argv=None) -> int:
                   + (f" (not: {', '.join(counts['disagree'])})" if counts["disagree"] else ""))
         print(f"timing: {plural(args.runs, 'alternating run')} of {args.tokens} tokens after a {args.prompt_len}-token prompt")
         probe = Bandwidth(args.threads)
-        summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe)
+        summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe,
+                          baselines={ORT_INT4: int4_model} if int4_model else None)
+        int4_ratios(summary, artifacts)
         bandwidth = probe.summary()
         ratios = derive(summary, bandwidth, args.dtypes, labels)
         config = {"family": "opt", "preset": args.preset, "params": params, "sparsity": args.sparsity,
@@ -340,7 +452,9 @@ def main(argv=None) -> int:
                   "calib_tokens": [json.loads(m.config.read_text()).get("calib_tokens") for m in members.values()],
                   "threads": args.threads, "tokens": args.tokens, "runs": args.runs, "prompt_len": args.prompt_len,
                   "max_context": args.max_context, "target_recall": args.target_recall, "dtypes": args.dtypes,
-                  "cpu_isa": args.cpu_isa, "machine": machine()}
+                  "cpu_isa": args.cpu_isa, "machine": machine(),
+                  "ort_int4": ({**ORT_INT4_RECIPE, "onnxruntime": _ort_version(), "model": str(int4_model)}
+                               if int4_model else None)}
         text = report(config, summary, qualities, bandwidth, ratios)
         text += "\nByte counts, cost model against runtime (every decode call, 3 steps): " + "; ".join(
             f"{name} {c['calls'] - len(c['disagree'])}/{c['calls']} agree" for name, c in agreement.items()) + "."
@@ -357,6 +471,7 @@ def main(argv=None) -> int:
                          "tokens_per_s": summary[sparse]["decode_tokens_per_s"],
                          "vs_dense": summary[sparse]["decode_tokens_per_s"] / summary[dense]["decode_tokens_per_s"],
                          "vs_onnxruntime": summary[sparse]["ratio"],
+                         "vs_ort_int4": summary[sparse].get("ratio_ort_int4"),
                          "bytes_per_token": summary[sparse]["weight_bytes_per_token"], "quality": qualities[sparse]})
         results.append({"config": config, "summary": summary, "quality": qualities, "bandwidth": bandwidth,
                         "sparse_vs_dense": ratios, "byte_agreement": agreement,

@@ -12,23 +12,31 @@ by running, alternated inside one process (A, B, A, B, ...; medians):
 each with the weights in ordinary anonymous memory (`numpy`/malloc: 4 KiB pages while THP is `madvise`,
 the runtime's allocation) and in huge-page-advised memory (mmap + madvise(MADV_HUGEPAGE), 2 MiB aligned:
 runtime.artifact.aligned_empty(huge=True)). A variant may name the sparse kernel, `model-huge-ffn2`: prefetching
-2 rows ahead (sparse_ffn's prefetch_rows), `ffn2t3` with prefetch locality 3 (prefetcht0,
-the kernel's default before 2026-12-01; the default is 2). `--dense-ffn` also times the dense FFN (up + down panel GEMVs of
+2 rows ahead (sparse_ffn's prefetch_rows), `ffn2t3` with prefetch locality 3 (prefetcht0, the kernel's default
+before 2026-12-01; the default is 2); or a weight format, `model-huge-int4`: the kernel over that format's copy
+of the same layers (fp32, fp16: sparse_ffn; int8, int4: sparse_ffn_q, blocks of 32 with fp16 scales, rows
+layout, q and scales in one allocation), whose bytes read are its own (an int4 row of 2048 is 1,152 bytes: 1,024
+of nibbles, 128 of scales; the neurons that fire are counted with its own dequantized rows), `int4p8` / `int4p2t3`
+with 8 rows prefetched ahead / 2 at locality 3. `--dense-ffn` also times the dense FFN (up + down panel GEMVs of
 each layer) in the model loop. It prints GB/s of rows read by the sparse kernel (every selected up row, the
 down rows of neurons that fired), the dense GEMVs' GB/s, and the ratios: of the medians over rounds, and of the
-90th percentiles over calls. On a shared machine a parallel call that outlasts a scheduler time slice is
-stretched by whole ticks (4 ms) while another process holds a core, so long calls (a dense FFN: ~10 ms) are hit
-far more often than short ones (a sparse one at 10%: ~1 ms) and the medians compare load, not kernels; the 90th
-percentile of calls is the uncontended figure there. numpy's BLAS pool is held to one thread (its spinning
-workers would take a core from TVM's).
+90th percentiles over calls, and the time per call (median over every call). On a shared machine a parallel
+call that outlasts a scheduler time slice is stretched by whole ticks (4 ms) while another process holds a core,
+so long calls (a dense FFN: ~10 ms) are hit far more often than short ones (a sparse one at 10%: ~1 ms) and the
+medians compare load, not kernels; the 90th percentile of calls is the uncontended figure there (`--threads 1`
+sidesteps the waits for a second core). numpy's BLAS pool is held to one thread (its spinning workers would take
+a core from TVM's).
 
     python benchmarks/bench_sparse_in_model.py [--layers 8] [--active 0.1,0.2] [--rounds 5] [--isa avx512]
+    python benchmarks/bench_sparse_in_model.py --layers 6 --threads 1 \
+        --variants model-huge-fp32,model-huge-fp16,model-huge-int8,model-huge-int4
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -41,6 +49,35 @@ import numpy as np  # noqa: E402
 
 D, FFN = 2048, 8192
 INDEX_SETS = 8
+FORMATS = ("fp32", "fp16", "int8", "int4")  # a variant's kernel field naming one: the layers in that weight format
+
+
+def format_field(variant: str):
+    """(format, rows prefetched ahead, prefetch locality; None: the kernel's defaults) of a variant whose kernel
+    field names a format (`int4`, `int4p8`, `int4p2t3`), else None."""
+    fields = variant.split("-")
+    found = re.fullmatch(r"(%s)(?:p(\d+))?(?:t(\d))?" % "|".join(FORMATS), fields[2]) if len(fields) > 2 else None
+    return (found[1], *(int(g) if g else None for g in found.groups()[1:])) if found else None
+
+
+def fmt_of(variant: str) -> str:
+    """The weight format a variant's kernel reads: the one its kernel field names, else fp32."""
+    field = format_field(variant)
+    return field[0] if field else "fp32"
+
+
+def kernel_of(variant: str) -> str:
+    """The kernel a variant times: ffn_<format>[p<rows>] for a format, its prefetch variant (ffn2t3, ...), else ffn."""
+    fields = variant.split("-")
+    return ("ffn_" + fields[2]) if format_field(variant) else (fields[2] if len(fields) > 2 else "ffn")
+
+
+def format_kernel(neuron, name, fmt, ahead, locality):
+    """The relu sparse FFN kernel over 2048 x 8192 rows in weight format `fmt` (None: the default prefetching)."""
+    options = dict(rows=1, gated=False, act="relu", prefetch_rows=ahead, prefetch_locality=locality)
+    if fmt in ("fp32", "fp16"):
+        return neuron.sparse_ffn(name, D, FFN, wdtype="float32" if fmt == "fp32" else "float16", **options)
+    return neuron.sparse_ffn_q(name, D, FFN, bits=int(fmt[3:]), **options)
 
 
 def main():
@@ -58,44 +95,73 @@ def main():
     import tvm
     import tvm_ffi
 
-    from passes.kernels import cpu, neuron
+    from passes.kernels import cpu, neuron, quant
     from picompile.targets import CPU_ISAS
     from runtime.artifact import aligned_empty, huge_pages_in
+    from runtime.dtypes import WEIGHT_FORMATS
 
     funcs = [neuron.sparse_ffn("ffn", D, FFN, rows=1, gated=False, act="relu"),
              *(neuron.sparse_ffn(f"ffn{a}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a) for a in (1, 2, 4)),
              *(neuron.sparse_ffn(f"ffn{a}t{loc}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a,
                                  prefetch_locality=loc) for a in (1, 2, 4) for loc in (1, 2, 3)),
+             *(format_kernel(neuron, kernel, *format_field(v))
+               for kernel, v in {kernel_of(v): v for v in args.variants.split(",") if format_field(v)}.items()),
              cpu.linear_panels("qkv", D, 3 * D, rows=1, bias=False),
              cpu.linear_panels("o", D, D, rows=1, bias=False),
              cpu.linear_panels("up_dense", D, FFN, rows=1, bias=False, act="relu"),
              cpu.linear_panels("down_dense", FFN, D, rows=1, bias=False)]
+    variants = args.variants.split(",")
+    kernels = {kernel_of(v) for v in variants} | {"qkv", "o", "up_dense", "down_dense"}
+    funcs = [f for f in funcs if str(f.attrs["global_symbol"]) in kernels]  # (each kernel compiles for seconds)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.so")
         cpu.build(funcs, CPU_ISAS[args.isa].llvm_target(), path)
         lib = tvm.runtime.load_module(path)
     dl = tvm_ffi.from_dlpack
     rng = np.random.default_rng(0)
-    variants = args.variants.split(",")
     kinds = sorted({v.split("-")[1] for v in variants})  # where-pages[-kernel]: kernel ffn{a}, a rows prefetched ahead
+    formats = {kind: {fmt_of(v) for v in variants if v.split("-")[1] == kind} for kind in kinds}
 
     def fill(shape, huge, scale=0.02):
         out = aligned_empty(shape, np.float32, huge=huge)
         out[...] = rng.standard_normal(shape, dtype=np.float32) * scale
         return out
 
+    def stored(w, fmt, huge):
+        """w in `fmt`, as the kernel's weight arguments: [w] in a float format, [q, scales] (rows layout) in a
+        quantized one, both in one allocation (q, then the scales at a 64-byte boundary): so that the scales,
+        1 MiB a matrix, share q's huge pages (alone they are too small for aligned_empty's)."""
+        wf = WEIGHT_FORMATS[fmt]
+        if not wf.quantized:
+            copy = aligned_empty(w.shape, wf.storage, huge=huge)
+            copy[...] = w
+            return [copy]
+        arrays = quant.pack_rows(*quant.quantize(w, wf, axis=1), wf)
+        starts = [0, -(-arrays[0].nbytes // 64) * 64]
+        whole = aligned_empty((starts[1] + arrays[1].nbytes,), np.uint8, huge=huge)
+        views = []
+        for start, array in zip(starts, arrays):
+            views.append(whole[start:start + array.nbytes].view(array.dtype).reshape(array.shape))
+            views[-1][...] = array
+        return views
+
     layers = {}
     for kind in kinds:
         huge = kind == "huge"
-        layers[kind] = [dict(up=fill((FFN, D), huge), down=fill((FFN, D), huge),
-                             qkv=fill((3 * D // 16, D, 16), huge), o=fill((D // 16, D, 16), huge))
-                        for _ in range(args.layers)]
+        layers[kind] = []
+        for _ in range(args.layers):
+            up, down = (rng.standard_normal((FFN, D), dtype=np.float32) * 0.02 for _ in range(2))
+            layer = dict(qkv=fill((3 * D // 16, D, 16), huge), o=fill((D // 16, D, 16), huge))
+            for fmt in formats[kind]:
+                layer[fmt] = (stored(up, fmt, huge), stored(down, fmt, huge))
+            layers[kind].append(layer)
         if args.dense_ffn:
             for layer in layers[kind]:
                 layer["up_p"] = fill((FFN // 16, D, 16), huge)
                 layer["down_p"] = fill((D // 16, FFN, 16), huge)
-        mib = huge_pages_in(layers[kind][0]["up"])
-        print(f"{kind}: {args.layers} layers, {mib} MiB of the first up rows' 64 MiB on huge pages")
+        first = layers[kind][0][sorted(formats[kind])[0]][0][0]
+        print(f"{kind}: {args.layers} layers, {huge_pages_in(first)} MiB of the first up rows' "
+              f"{first.nbytes >> 20} MiB on huge pages")
 
     x = aligned_empty((1, D)); x[...] = rng.standard_normal((1, D))
     h = aligned_empty((1, FFN)); fired = aligned_empty((1, FFN), np.int32)
@@ -114,23 +180,31 @@ def main():
         count = aligned_empty((1, 1), np.int32); count[...] = n
         index_sets[share] = (sets, count)
 
-    fired_rows = {}  # (kind, layer, share, index set) -> rows the fused kernel reads; computed before timing
+    fired_rows = {}  # (kind, format, layer, share, index set) -> rows the fused kernel reads; computed before timing
 
-    def rows_read(kind, li, share, si):
-        key = (kind, li, share, si)
+    def rows_read(kind, fmt, li, share, si):
+        key = (kind, fmt, li, share, si)
         if key not in fired_rows:
             sets, count = index_sets[share]
             sel = sets[si][0, :int(count[0, 0])]
-            fired_rows[key] = len(sel) + int(np.count_nonzero(layers[kind][li]["up"][sel] @ x[0] > 0))
+            up_args = layers[kind][li][fmt][0]
+            if len(up_args) == 1:
+                up = up_args[0][sel].astype(np.float32)
+            else:  # the format's own rows: rounding moves some neurons across 0
+                q, scales = up_args
+                up = quant.dequantize(quant.unpack_rows(q[sel], WEIGHT_FORMATS[fmt]), scales[sel], axis=1)
+            fired_rows[key] = len(sel) + int(np.count_nonzero(up @ x[0] > 0))
         return fired_rows[key]
 
     clock = time.perf_counter
     results = {}  # (variant, share) -> list of GB/s samples; ("gemv", variant) -> GB/s
     best = {}  # (variant, share) -> every call's GB/s
+    call_s = {}  # (variant, share) -> every call's seconds
 
     def one(variant, share, calls):
-        where, kind, *kernel = variant.split("-")
-        kernel = kernel[0] if kernel else "ffn"
+        where, kind = variant.split("-")[:2]
+        fmt, kernel = fmt_of(variant), kernel_of(variant)
+        row_bytes = int(D * WEIGHT_FORMATS[fmt].bytes_per_weight)
         sets, count = index_sets[share]
         n = int(count[0, 0])
         pool = layers[kind] if where in ("model", "cycle") else layers[kind][:1]
@@ -139,18 +213,19 @@ def main():
         for r in range(calls):
             li, si = r % len(pool), r % INDEX_SETS
             layer, idx = pool[li], sets[si]
-            rows = rows_read(kind, li, share, si)
+            rows = rows_read(kind, fmt, li, share, si)
             if gemvs:
                 began = clock()
                 lib["qkv"](dl(x), dl(layer["qkv"]), dl(qkv_y))
                 lib["o"](dl(x), dl(layer["o"]), dl(o_y))
                 gemv_s.append(clock() - began)
                 gemv_b.append(layer["qkv"].nbytes + layer["o"].nbytes)
+            up_args, down_args = layer[fmt]
             began = clock()
-            lib[kernel](dl(x), dl(idx), dl(count), dl(layer["up"]), dl(zeros),
-                       dl(layer["down"]), dl(h), dl(fired), dl(scratch), dl(out))
+            lib[kernel](dl(x), dl(idx), dl(count), *map(dl, up_args), dl(zeros), *map(dl, down_args),
+                        dl(h), dl(fired), dl(scratch), dl(out))
             ffn_s.append(clock() - began)
-            ffn_bytes.append(rows * D * 4)
+            ffn_bytes.append(rows * row_bytes)
             if where == "model" and args.dense_ffn:
                 began = clock()
                 lib["up_dense"](dl(x), dl(layer["up_p"]), dl(hid_d))
@@ -160,6 +235,7 @@ def main():
         if os.environ.get("TRACE"):
             print(variant, share, "ffn ms", " ".join(f"{1e3 * s:.2f}" for s in ffn_s))
         results.setdefault((variant, share), []).append(float(np.median(rates)))
+        call_s.setdefault((variant, share), []).extend(ffn_s)
         best.setdefault((variant, share), []).extend(rates)
         if gemvs:
             results.setdefault(("gemv", variant), []).append(sum(gemv_b) / sum(gemv_s) / 1e9)
@@ -175,7 +251,8 @@ def main():
         for li in range(args.layers):
             for share in shares:
                 for si in range(INDEX_SETS):
-                    rows_read(kind, li, share, si)
+                    for fmt in formats[kind]:
+                        rows_read(kind, fmt, li, share, si)
     for variant in variants:  # warm-up (and a correctness check)
         one(variant, shares[0], args.layers)
     for _ in range(args.rounds):
@@ -184,10 +261,12 @@ def main():
                 one(variant, share, calls)
     print(f"{args.threads} threads, {args.isa}, {args.layers} layers, {args.rounds} rounds x {calls} calls, "
           f"load average {os.getloadavg()[0]:.2f}")
-    print(f"{'variant':<14} {'share':>11} {'GB/s median':>12} {'p90 call':>9}  round medians")
+    print(f"{'variant':<18} {'share':>11} {'GB/s median':>12} {'p90 call':>9} {'ms/call':>8}  round medians")
     for (variant, share), samples in results.items():
         p90 = f"{np.percentile(best[(variant, share)], 90):9.1f}" if (variant, share) in best else " " * 9
-        print(f"{variant!s:<14} {share!s:>11} {np.median(samples):12.1f} {p90}  {' '.join(f'{s:.1f}' for s in samples)}")
+        ms = f"{1e3 * np.median(call_s[(variant, share)]):8.3f}" if (variant, share) in call_s else " " * 8
+        print(f"{variant!s:<18} {share!s:>11} {np.median(samples):12.1f} {p90} {ms}  "
+              f"{' '.join(f'{s:.1f}' for s in samples)}")
     for variant in variants:
         if ("dense ffn", variant) in results:
             dense = np.median(results[("dense ffn", variant)])
@@ -199,7 +278,9 @@ def main():
     base = {share: np.median(results[(variants[0], share)]) for share in shares}
     for (variant, share), samples in results.items():
         if variant in variants:
-            print(f"ratio {variant} / {variants[0]} at {share}: {np.median(samples) / base[share]:.2f}")
+            ms = np.median(call_s[(variant, share)]) / np.median(call_s[(variants[0], share)])
+            print(f"ratio {variant} / {variants[0]} at {share}: GB/s {np.median(samples) / base[share]:.2f}, "
+                  f"time per call {ms:.2f}")
 
 
 if __name__ == "__main__":

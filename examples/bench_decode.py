@@ -107,17 +107,21 @@ def time_decode(forward, reset, prompt, tokens: int) -> tuple[float, float]:
 
 
 def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: int, prompt_len: int = 16,
-            each_run=None) -> dict:
-    """Decode tokens/s and prefill time per engine: onnxruntime, then each artifact, alternating per run after
+            each_run=None, baselines: dict[str, Path] | None = None) -> dict:
+    """Decode tokens/s and prefill time per engine: onnxruntime, then each further onnxruntime model of
+    `baselines` (name -> ONNX path, e.g. the model quantized), then each artifact, alternating per run after
     one untimed warm-up each (`each_run()`, if given, is called after each run's engines, to measure something
     else alternately). Then one profiled generation per artifact: the weight bytes a decoded token reads and
-    the time per kernel class."""
+    the time per kernel class. Artifacts and baselines get their ratios against onnxruntime (`ratio`,
+    `prefill_ratio`)."""
     import numpy as np
 
     from picompile.reference import OrtDecoder
     from runtime import Engine, generate
 
     engines = {"onnxruntime": OrtDecoder(files.onnx, threads=threads)}
+    # with their KV cache, as the fp32 model runs: OrtDecoder feeds present.* back as past_key_values.*
+    engines.update({name: OrtDecoder(path, threads=threads) for name, path in (baselines or {}).items()})
     engines.update({name: Engine(path) for name, path in artifacts.items()})
     vocab = engines[next(iter(artifacts))].vocab_size
     prompt = np.random.default_rng(0).integers(0, vocab, size=prompt_len)
@@ -136,9 +140,10 @@ def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: 
         summary[name] = {"decode_tokens_per_s": statistics.median(s[1] for s in runs_of),
                          "prefill_ms": 1000 * statistics.median(s[0] for s in runs_of)}
     base = summary["onnxruntime"]
-    for name in artifacts:
+    for name in [*(baselines or {}), *artifacts]:
         summary[name]["ratio"] = summary[name]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         summary[name]["prefill_ratio"] = base["prefill_ms"] / summary[name]["prefill_ms"]
+    for name in artifacts:
         profiled = generate(engines[name], prompt, max(tokens, 2), profile=True)
         summary[name].update({key: profiled[key] for key in ("weight_bytes_per_token", "profile_ms_per_token")})
     return summary
@@ -165,6 +170,24 @@ def quality(files, artifact: Path, sequences: int = 4, reference=None) -> dict:
         report["predicted_active_mean"] = sum(layer["predictor_active"] for layer in layers) / len(layers)
     del engine
     gc.collect()  # a 1B engine holds GBs: free it before the next one loads
+    return report
+
+
+def ort_quality(files, onnx_path: Path, max_context: int, sequences: int = 4, reference=None) -> dict:
+    """quality() of another onnxruntime model of the same decoder (e.g. the model quantized) against
+    onnxruntime on the source model: the same held-out sequences, cut to `max_context` tokens as an
+    artifact's are, run through its KV cache (a short prefill, then one token per step)."""
+    import gc
+
+    from picompile.evaluate import evaluate
+    from picompile.reference import OrtDecoder
+    from picompile.tokens import read_tokens
+
+    candidate = OrtDecoder(onnx_path)
+    candidate.max_context = max_context  # what evaluate() cuts each sequence to (an Engine's own limit)
+    report = evaluate(candidate, reference or OrtDecoder(files.onnx), read_tokens(files.heldout)[:sequences])
+    del candidate
+    gc.collect()
     return report
 
 

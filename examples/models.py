@@ -254,6 +254,7 @@ __all__ = [
     "activation_probs", "measure_sparsity", "ffn_modules", "export_onnx", "make_model",
     "cached_model", "cache_dir", "config_hash", "write_tokens", "read_tokens", "random_tokens",
     "ort_logits_steps", "ort_greedy", "num_params", "io_names", "make_models", "cached_models", "ort_optimise",
+    "matmul_weights_as_initializers", "ort_quantize_nbits",
     "export_optimum", "optimum_python", "optimum_venv", "make_optimum_venv", "build_cached",
     "PREDICTABILITY_LEVELS", "FAMILY",
 ]
@@ -740,6 +741,123 @@ def ort_optimise(source: str | os.PathLike, target: str | os.PathLike, level: st
     options.log_severity_level = 3
     ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
     return Path(target)
+
+
+def matmul_weights_as_initializers(proto) -> int:
+    """Rewrite `proto` in place so that each linear layer is a MatMul reading its weight from a [K, N]
+    initializer, which is what onnxruntime's MatMulNBits quantizer quantizes (MatMul weights that are
+    initializers, nothing else): a Gemm whose weight is a 2-D initializer becomes MatMul (+ Add of beta x C;
+    alpha folded into the weight; the dynamo export writes OPT's FFN projections so), and a MatMul of a
+    Transpose of a 2-D initializer (a tied output layer, which the exporter's folding leaves when large) reads
+    the transposed initializer. A Gemm with transA, or whose weight or bias is computed, stays. Returns how
+    many nodes were rewritten."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = proto.graph
+    initializers = {t.name: t for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    taken = set(initializers) | set(producers)
+    transposed: dict[str, str] = {}  # initializer -> its [K, N] transpose, made once however many read it
+
+    def fresh(name: str) -> str:
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
+    def release(name: str) -> None:
+        uses[name] -= 1
+        if not uses[name] and name in initializers:  # no longer read: drop it rather than keep both
+            graph.initializer.remove(initializers.pop(name))
+
+    nodes, rewritten, dead = [], 0, set()
+    for node in graph.node:
+        standard = node.domain in ("", "ai.onnx")
+        if standard and node.op_type == "MatMul" and node.input[1] in producers:
+            transpose = producers[node.input[1]]
+            perm = [list(a.ints) for a in transpose.attribute if a.name == "perm"]
+            source = initializers.get(transpose.input[0]) if transpose.op_type == "Transpose" else None
+            if source is not None and len(source.dims) == 2 and perm in ([], [[1, 0]]):
+                if source.name not in transposed:
+                    transposed[source.name] = fresh(source.name + ".T")
+                    w = np.ascontiguousarray(numpy_helper.to_array(source).T)
+                    graph.initializer.append(numpy_helper.from_array(w, transposed[source.name]))
+                uses[node.input[1]] -= 1
+                if not uses[node.input[1]]:
+                    dead.add(id(transpose))
+                node.input[1] = transposed[source.name]
+                rewritten += 1
+            nodes.append(node)
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        weight = initializers.get(node.input[1]) if standard and node.op_type == "Gemm" else None
+        bias_name = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        if (weight is None or len(weight.dims) != 2 or attrs.get("transA", 0)
+                or (bias_name is not None and bias_name not in initializers)):
+            nodes.append(node)
+            continue
+        w = numpy_helper.to_array(weight).astype(np.float32)
+        w = (w.T if attrs.get("transB", 0) else w) * np.float32(attrs.get("alpha", 1.0))
+        name = fresh(weight.name + ".kn")
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w), name))
+        release(weight.name)
+        out = node.output[0]
+        if bias_name is None:
+            nodes.append(onnx.helper.make_node("MatMul", [node.input[0], name], [out], name=node.name))
+        else:
+            beta = np.float32(attrs.get("beta", 1.0))
+            if beta != 1.0:
+                bias = numpy_helper.to_array(initializers[bias_name]).astype(np.float32) * beta
+                release(bias_name)
+                bias_name = fresh(bias_name + ".scaled")
+                graph.initializer.append(numpy_helper.from_array(bias, bias_name))
+            product = fresh(out + ".matmul")
+            nodes += [onnx.helper.make_node("MatMul", [node.input[0], name], [product], name=node.name),
+                      onnx.helper.make_node("Add", [product, bias_name], [out], name=node.name + ".bias")]
+        rewritten += 1
+    for transpose in (n for n in nodes if id(n) in dead):
+        release(transpose.input[0])  # the untransposed initializer, where nothing else reads it
+    del graph.node[:]
+    graph.node.extend(n for n in nodes if id(n) not in dead)
+    return rewritten
+
+
+def ort_quantize_nbits(source: str | os.PathLike, target: str | os.PathLike, bits: int = 4, block_size: int = 32,
+                       symmetric: bool = True, accuracy_level: int | None = 4) -> Path:
+    """Save `source` with its MatMul weights quantized by onnxruntime's MatMulNBitsQuantizer into com.microsoft
+    MatMulNBits nodes (its linear layers first made MatMuls of initializers, `matmul_weights_as_initializers`:
+    Gemms as MatMul + Add, a tied output layer's transpose folded), in `target` (with
+    external data beside it when large). Round to nearest: the quantizer's "DEFAULT" algorithm (its C++
+    blockwise quantizer; symmetric: scale = the block's largest-magnitude weight / -2^(bits-1), no zero
+    points), not its RTNWeightOnlyQuantConfig, which runs Intel neural-compressor, not installed here.
+    accuracy_level 4 lets onnxruntime quantize the activations to int8 inside the kernel (its fast CPU path)."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                 MatMulNBitsQuantizer)
+
+    proto = onnx.load(str(source))
+    matmul_weights_as_initializers(proto)
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
+                                          accuracy_level=accuracy_level, bits=bits)
+    quantizer = MatMulNBitsQuantizer(proto, algo_config=config)
+    with _quiet_loggers("onnxruntime.quantization"):
+        quantizer.process()
+    quantized = quantizer.model.model
+    target = Path(target)
+    for stale in (target, target.with_name(target.name + ".data")):
+        if stale.exists():
+            stale.unlink()
+    if quantized.ByteSize() < INLINE_LIMIT_BYTES:
+        onnx.save(quantized, str(target))
+    else:
+        onnx.save(quantized, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=target.name + ".data", size_threshold=1024)
+    return target
 
 
 def _save_onnx(proto, out_dir: Path, name: str, n_bytes: int, exporter: str, metadata: dict[str, str] | None) -> Path:

@@ -7,16 +7,34 @@ compiler computes in fp32; `--weight-dtype` decides how weights are stored later
 keeps its rounded weight values exactly), and constant subgraphs folded (onnxscript's optimizer), so that
 the recognise pass sees weights as initializers whatever exporter made the graph. Sequence and past
 lengths stay symbolic.
+
+Models quantized by onnxruntime (com.microsoft `MatMulNBits`, as its MatMulNBitsQuantizer, optimum and
+onnxruntime-genai's builder write them) come in as ordinary models: each MatMulNBits with constant B, scales
+(and zero_points) becomes a MatMul over its exactly dequantized float32 [K, N] weight, (q - zero_point) x
+scale (zero point 2^(bits-1) where there is none), plus an Add of its bias if it has one, so every pass
+after this one sees the MatMul (+ bias) it knows. That the weights came quantized is kept as a fact on the
+model, `metadata_props["picompile.source_quantization"]`: the JSON of a `SourceQuantization`, one entry per
+dequantized weight (its node, the new weight initializer, the B / scales / zero_points initializers it was
+stored in, bits, block_size, whether symmetric (no zero points, or all equal to 2^(bits-1)), the scales'
+dtype, K and N); read it with `SourceQuantization.of(model)` (recognise keeps it on the lifted model).
+Symmetric MatMulNBits with block_size 32 is picompile's int4 / int8 rule (scale = the block's
+largest-magnitude weight / -2^(bits-1)): `passes.kernels.quant.quantize` recovers its q and scales exactly
+from the dequantized weight where the scales are representable in the format's scale dtype (float16: an fp16
+model's; an fp32 model's float32 scales would round once more), so a later pass may store such weights
+without a second rounding.
 Refuses, naming the node or value: files that are not ONNX, graphs with dangling references or missing
 external data, models that are not decoders with a KV cache (CNNs, encoders), weights fed as graph
-inputs, and models whose weights need more memory than the machine has available.
+inputs, MatMulNBits that cannot be honoured (bits other than 4 or 8, a g_idx input, a weight prepacked for an
+execution provider, unknown attributes, non-constant or misshapen weights), and models whose weights need
+more memory than the machine has available.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -248,6 +266,195 @@ def _check_weights_are_constants(graph: ir.Graph) -> None:
                                 "initializers (export with the parameters included)")
 
 
+NBITS_DOMAIN = "com.microsoft"
+# MatMulNBits' attributes (onnxruntime's contrib schema). accuracy_level only lets onnxruntime compute less
+# exactly (int8 activations at 4): the exact dequantized MatMul honours every level.
+NBITS_ATTRIBUTES = {"K", "N", "bits", "block_size", "accuracy_level", "weight_prepacked"}
+NBITS_BITS = (4, 8)  # the widths of picompile's integer formats (runtime.dtypes.WEIGHT_FORMATS)
+NBITS_INPUTS = ("A", "B", "scales", "zero_points", "g_idx", "bias")
+SOURCE_QUANTIZATION = "picompile.source_quantization"  # the metadata_props entry
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight the model stored quantized (a MatMulNBits), now a float32 [K, N] initializer."""
+
+    node: str  # the MatMulNBits node, now a MatMul of the same name
+    weight: str  # the dequantized [K, N] initializer the MatMul reads
+    initializers: tuple[str, ...]  # where it was stored: B, scales (, zero_points)
+    bits: int
+    block_size: int  # weights per scale, along K
+    symmetric: bool  # no zero points, or all of them 2^(bits-1)
+    scale_dtype: str  # numpy's name: float32, float16 or bfloat16
+    K: int
+    N: int
+
+
+@dataclass(frozen=True)
+class SourceQuantization:
+    """The fact that (some of) the model's weights came block-quantized, and how (see the module doc)."""
+
+    weights: tuple[QuantizedWeight, ...]
+    op: str = "com.microsoft.MatMulNBits"
+
+    def attach(self, model: ir.Model) -> None:
+        model.metadata_props[SOURCE_QUANTIZATION] = json.dumps(asdict(self))
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "SourceQuantization | None":
+        """The model's source quantization, or None where its weights came in floats."""
+        text = model.metadata_props.get(SOURCE_QUANTIZATION)
+        if text is None:
+            return None
+        fields = json.loads(text)
+        weights = tuple(QuantizedWeight(**{**w, "initializers": tuple(w["initializers"])}) for w in fields.pop("weights"))
+        return cls(weights=weights, **fields)
+
+    def describe(self) -> str:
+        """One line: how many weights, and their recipes."""
+        recipes: dict[tuple, int] = {}
+        for w in self.weights:
+            key = (w.bits, w.block_size, w.symmetric, w.scale_dtype)
+            recipes[key] = recipes.get(key, 0) + 1
+        parts = [f"{count} {bits}-bit, block {block}, {'symmetric' if symmetric else 'with zero points'}, "
+                 f"{scale} scales" for (bits, block, symmetric, scale), count in recipes.items()]
+        return f"{len(self.weights)} {self.op} weights dequantized to float32 MatMuls ({'; '.join(parts)})"
+
+
+def _nbits_refusal(node: ir.Node, reason: str) -> UserError:
+    return UserError(f"MatMulNBits node {node.name or '(unnamed)'}: {reason}")
+
+
+def _nbits_constant(node: ir.Node, index: int) -> np.ndarray | None:
+    """Input `index` of a MatMulNBits as an array (None where absent); refused where it is computed."""
+    value = node.inputs[index] if index < len(node.inputs) else None
+    if value is None:
+        return None
+    if value.const_value is None:
+        raise _nbits_refusal(node, f"its {NBITS_INPUTS[index]} ({value.name}) is not a constant: picompile needs "
+                                   "the quantized weights stored in the model")
+    return value.const_value.numpy()
+
+
+def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """uint8 bytes [..., n] holding `bits`-bit codes low bits first -> the first `count` codes [..., count]."""
+    if bits == 8:
+        return packed[..., :count].astype(np.float32)
+    per_byte = 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * bits
+    codes = (packed[..., None] >> shifts) & np.uint8((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :count].astype(np.float32)
+
+
+def _read_matmul_nbits(node: ir.Node) -> dict:
+    """Check one MatMulNBits against what can be honoured; its arrays and facts, not yet dequantized."""
+    unknown = sorted(set(node.attributes) - NBITS_ATTRIBUTES)
+    if unknown:
+        raise _nbits_refusal(node, f"attribute {', '.join(unknown)} is unknown to picompile (it knows "
+                                   f"{', '.join(sorted(NBITS_ATTRIBUTES))})")
+    missing = [name for name in ("K", "N", "block_size") if name not in node.attributes]
+    if missing:
+        raise _nbits_refusal(node, f"required attribute {', '.join(missing)} is missing")
+    K, N, block = (int(pir.attr(node, name)) for name in ("K", "N", "block_size"))
+    bits = int(pir.attr(node, "bits", 4))
+    if bits not in NBITS_BITS:
+        raise _nbits_refusal(node, f"its weights are {bits}-bit; picompile takes 4- and 8-bit MatMulNBits weights")
+    if int(pir.attr(node, "weight_prepacked", 0)):
+        raise _nbits_refusal(node, f"its B is prepacked in an execution provider's layout (weight_prepacked="
+                                   f"{pir.attr(node, 'weight_prepacked')}); picompile reads the standard packing only")
+    if K <= 0 or N <= 0 or block < 16 or block & (block - 1):
+        raise _nbits_refusal(node, f"K={K}, N={N}, block_size={block}: K and N must be positive and block_size a "
+                                   "power of two of at least 16")
+    if len(node.inputs) > len(NBITS_INPUTS):
+        raise _nbits_refusal(node, f"it has {len(node.inputs)} inputs; MatMulNBits has at most {len(NBITS_INPUTS)}")
+    if len(node.inputs) > 4 and node.inputs[4] is not None:
+        raise _nbits_refusal(node, "it has a g_idx input (act-order column groups, deprecated in onnxruntime), "
+                                   "which picompile does not support")
+    if len(node.inputs) < 3 or node.inputs[0] is None or node.inputs[1] is None or node.inputs[2] is None:
+        raise _nbits_refusal(node, "it lacks one of its inputs A, B and scales")
+    B, scales, zero_points, bias = (_nbits_constant(node, i) for i in (1, 2, 3, 5))
+    blocks, blob = -(-K // block), block * bits // 8
+    if B.dtype != np.uint8 or (B.size and tuple(B.shape) != (N, blocks, blob)):
+        raise _nbits_refusal(node, f"its B is {B.dtype} {list(B.shape)}; K={K}, N={N}, bits={bits}, "
+                                   f"block_size={block} make it uint8 {[N, blocks, blob]}")
+    if (scales.dtype.kind != "f" and str(scales.dtype) != "bfloat16") or (B.size and scales.size != N * blocks):
+        raise _nbits_refusal(node, f"its scales are {scales.dtype} {list(scales.shape)}; they must be floats, "
+                                   f"{N} x {blocks} of them")
+    midpoint = float(1 << (bits - 1))
+    if zero_points is None:
+        points = None
+    elif zero_points.dtype == np.uint8:
+        per_row = -(-blocks * bits // 8)
+        if zero_points.size != N * per_row:
+            raise _nbits_refusal(node, f"its packed zero_points have {zero_points.size} bytes; {N} x {per_row} expected")
+        points = _unpack(zero_points.reshape(N, per_row), bits, blocks)
+    else:
+        if zero_points.size != N * blocks:
+            raise _nbits_refusal(node, f"its zero_points have {zero_points.size} values; {N} x {blocks} expected")
+        points = zero_points.astype(np.float32).reshape(N, blocks)
+    if bias is not None and bias.size != N:
+        raise _nbits_refusal(node, f"its bias has {bias.size} values; N={N} expected")
+    sources = tuple(v.name for v in node.inputs[1:4] if v is not None)
+    symmetric = points is None or bool(np.all(points == midpoint))
+    return dict(node=node, K=K, N=N, bits=bits, block=block, B=B, scales=scales, points=points, midpoint=midpoint,
+                fact=dict(node=node.name, initializers=sources, bits=bits, block_size=block, symmetric=symmetric,
+                          scale_dtype=str(scales.dtype), K=K, N=N))
+
+
+def _dequantize(read: dict) -> np.ndarray:
+    """The float32 [K, N] weight a MatMulNBits stands for: (q - zero_point) x scale per block along K."""
+    K, N, B = read["K"], read["N"], read["B"]
+    if not B.size:  # the schema's omitted projection: every weight 0
+        return np.zeros((K, N), np.float32)
+    blocks = B.shape[1]
+    codes = _unpack(B, read["bits"], read["block"])  # [N, blocks, block]
+    points = read["midpoint"] if read["points"] is None else read["points"][..., None]
+    scales = read["scales"].astype(np.float32).reshape(N, blocks, 1)
+    weight = ((codes - np.float32(points)) * scales).reshape(N, blocks * read["block"])[:, :K]
+    return np.ascontiguousarray(weight.T)
+
+
+def dequantize_matmul_nbits(model: ir.Model, ctx: Context) -> SourceQuantization | None:
+    """Replace each MatMulNBits with a MatMul over its dequantized weight (+ Add of its bias), drop the
+    quantized initializers, and attach the SourceQuantization fact; None where the model has none."""
+    graph = model.graph
+    nodes = [n for n in graph if n.op_type == "MatMulNBits" and n.domain == NBITS_DOMAIN]
+    if not nodes:
+        return None
+    reads = [_read_matmul_nbits(node) for node in nodes]  # refuse before anything is allocated
+    added = sum(4 * r["K"] * r["N"] for r in reads)
+    path = source_file(model)
+    check_memory(f"{path or 'the model'} (its {len(nodes)} MatMulNBits weights dequantized to float32)",
+                 weight_bytes(graph) + added)
+    taken = set(graph.initializers) | {v.name for n in graph for v in n.outputs}
+    facts = []
+    for read in reads:
+        node = read["node"]
+        name = f"{node.inputs[1].name}.dequantized"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        weight = pir.initializer(graph, name, _dequantize(read))
+        output = node.outputs[0]
+        matmul = ir.node("MatMul", [node.inputs[0], weight], name=node.name)
+        new_nodes, result = [matmul], matmul.outputs[0]
+        bias = node.inputs[5] if len(node.inputs) > 5 else None
+        if bias is not None:
+            result.name = f"{output.name}/matmul"
+            new_nodes.append(ir.node("Add", [result, bias], name=f"{node.name}/bias"))
+            result = new_nodes[-1].outputs[0]
+        quantized = [v for v in node.inputs[1:5] if v is not None]
+        ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, [output], [result])
+        for value in quantized:  # B, scales, zero points: read by no one now
+            if value.is_initializer() and not value.uses():
+                graph.initializers.pop(value.name)
+        facts.append(QuantizedWeight(weight=name, **read["fact"]))
+    fact = SourceQuantization(tuple(facts))
+    fact.attach(model)
+    ctx.log(f"import: {fact.describe()}")
+    return fact
+
+
 @dataclass
 class Import:
     name = "import"
@@ -263,6 +470,8 @@ class Import:
             # weights in external data files (as small models may be saved too) are read in now, while no
             # array views of the memory map exist, so that the source graph saves as one file when profiled
             ir.external_data.load_to_model(model)
+        # before the fp32 widening, which would hide the scales' dtype the fact records
+        dequantize_matmul_nbits(model, ctx)
         widened = compute_in_fp32(graph)
         if widened:
             ctx.log(f"import: {widened} fp16/bf16 tensors widened to fp32")

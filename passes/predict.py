@@ -31,7 +31,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -42,6 +42,7 @@ from picompile import ir as pir
 from picompile.pipeline import Context, Options
 from picompile.sizes import parameter_count, predictor_format, weight_format
 
+from .kernels import quant
 from .profile import ProfiledActivations
 
 __all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "price_ranks", "choose_ranks", "probe_active",
@@ -383,7 +384,8 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
                     pre_activations: np.ndarray | None = None, batch_size: int = 256, lr: float = REL_LR,
                     pos_weight: str | float = "global", init: str = "lstsq", threads: int = 1,
                     checkpoints: int = CHECKPOINTS, patience: int | None = None,
-                    up_weight: np.ndarray | None = None, w2_ridge: float = W2_RIDGE) -> Predictor:
+                    up_weight: np.ndarray | None = None, w2_ridge: float = W2_RIDGE,
+                    stored: Callable[[np.ndarray], np.ndarray] | None = None) -> Predictor:
     """Train relu(x @ w1) @ w2 (no biases) to tell which FFN neurons a token activates.
 
     inputs [N, d] float32 are the FFN's inputs (after its norm), active [N, ffn] bool says which neurons
@@ -407,7 +409,9 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
     The threshold is then set on the held-out tokens to the largest value that reaches `target_recall`
     there, and recall, precision and the predicted-active fraction are measured on those tokens (so
     recall >= target_recall by construction; `predicted_active` is the figure of merit; `predict_active`
-    measures a predictor on other tokens). Torch runs with `threads` threads here (one by default: on a
+    measures a predictor on other tokens). With `stored` (a matrix -> the values it holds as the artifact stores
+    it: rounded to fp16 or to int8 blocks) the threshold and the figures are those of the predictor as stored,
+    and the weights returned are those values. Torch runs with `threads` threads here (one by default: on a
     shared 2-core machine two were 10-15x slower; the pass trains layers in parallel instead).
     Deterministic for a given seed.
     """
@@ -501,7 +505,9 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
         if best is not None:
             _, w1_best, w2_best, logits = best
             w1, w2 = torch.nn.Parameter(w1_best), torch.nn.Parameter(w2_best)
-        else:
+        if stored is not None:
+            w1, w2 = (torch.nn.Parameter(torch.from_numpy(stored(w.detach().numpy()))) for w in (w1, w2))
+        if best is None or stored is not None:
             with torch.no_grad():
                 logits = (torch.relu(xh @ w1) @ w2).numpy()
 
@@ -565,6 +571,9 @@ class Predict:
         row_bytes = weight_format("cpu", self.weight_dtype).bytes_per_weight
         predictor_bytes = predictor_format(self.weight_dtype).bytes_per_weight
 
+        def as_stored(w: np.ndarray) -> np.ndarray:  # w1 [d, r] and w2 [r, ffn]: blocked along their first axis
+            return quant.as_stored(w, predictor_format(self.weight_dtype), axis=0)
+
         def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
             # activity unpacked and pre-activations recomputed per phase rather than all held: memory stays
             # at the layers in flight (one per worker), however many tokens were profiled
@@ -586,7 +595,8 @@ class Predict:
             with ctx.layer(layers[index]):
                 inputs, active, pre, up = layer_data(index)
                 predictor = train_predictor(inputs, active, ranks[index], target_recall=self.target_recall,
-                                            seed=self.seed + layers[index], pre_activations=pre, up_weight=up)
+                                            seed=self.seed + layers[index], pre_activations=pre, up_weight=up,
+                                            stored=as_stored)
             advance()
             return predictor, pre is not None
 

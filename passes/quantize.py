@@ -9,10 +9,13 @@ select-kernels packs those values into its layouts and never rounds anything its
 The block axis is the one each matrix's kernels read contiguously (`BLOCKED`): the reduction axis K of a dense
 linear's [K, N] (panels), the row of a weight whose rows are gathered (the FFN parts' up and down rows, one row
 per neuron; the embedding table). A matrix whose axis is not a whole number of blocks stays in floats (as
-`sizes.float_format` says: fp16). Predictors stay in floats (`sizes.predictor_format`), biases and norms fp32,
+`sizes.float_format` says: fp16). Predictors are stored in `sizes.predictor_format` (int8: predict fitted their thresholds to those values), biases and norms fp32,
 and GPU blocks keep the GPU's format (fp32).
 
 `method` "rtn" rounds each weight to the nearest step of its block's scale (`passes.kernels.quant.quantize`).
+A model that came quantized in this format (MatMulNBits, symmetric, the same bits and block: import's
+`SourceQuantization`) keeps its own values: they are on the grid, and rounding them again returns them, with
+the source's scale type (float32 where it had float32 scales) so that no scale rounds either.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
-from picompile.sizes import weight_format
+from picompile.sizes import predictor_format, weight_format
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
+from .import_onnx import SourceQuantization
 from .kernels import quant
 from .place import device_of
 
@@ -41,6 +45,7 @@ BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
     "Linear": ((1, 0),),  # the output layer
     "SparseFFN": ((2, 1), (4, 1)),  # a part's up (gate) rows [n, D] and down rows [n, D]: rows gathered
 }
+PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in predictor_format
 METHODS = ("rtn",)
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored, for inspect and -v
 _ONNX_TYPES = {8: (ir.DataType.INT8, np.int8), 4: (ir.DataType.INT4, ml_dtypes.int4)}
@@ -88,33 +93,36 @@ class Quantize:
             return PassResult(model, modified=False)
         if self.method not in METHODS:
             raise ValueError(f"unknown quantization method {self.method!r}; known: {', '.join(METHODS)}")
+        fmt = _source_format(SourceQuantization.of(model), fmt)
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
-        kept, stored, floats, errors = [], 0, 0, []
+        kept, stored, floats, errors, quantized_bytes = [], 0, 0, [], 0.0
         for node in list(graph):
-            if node.op_type not in BLOCKED or node.domain != pir.DOMAIN or device_of(node) != "cpu":
+            if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
-            for index, axis in BLOCKED[node.op_type]:
+            for index, axis, matrix_format in _matrices(node, fmt, self.weight_dtype):
                 value = node.inputs[index]
                 key = (id(value), axis)
                 if key not in done:
                     array = pir.const_array(value)
-                    if array is None or not quant.quantizable(array.shape, axis, fmt.block):
+                    if array is None or not quant.quantizable(array.shape, axis, matrix_format.block):
                         kept.append(value.name)
                         continue
-                    q, scales = quant.quantize(array, fmt, axis)
+                    q, scales = quant.quantize(array, matrix_format, axis)
                     errors.append(_relative_error(array, quant.dequantize(q, scales, axis)))
-                    done[key] = self._dequantize(graph, node, value.name, q, scales, axis, fmt)
+                    done[key] = self._dequantize(graph, node, value.name, q, scales, axis, matrix_format)
                     stored += array.size
                     floats += array.nbytes
+                    quantized_bytes += array.size * matrix_format.bytes_per_weight
                 node.replace_input_with(index, done[key])
         pir.drop_unused_initializers(graph)
-        quantized_bytes = stored * fmt.bytes_per_weight
-        summary = {"format": fmt.name, "method": self.method, "block": fmt.block, "matrices": len(done),
+        summary = {"format": fmt.name, "method": self.method, "block": fmt.block, "scale_dtype": fmt.scale_dtype,
+                   "matrices": len(done),
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
-        ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({self.method}, blocks of {fmt.block}): "
+        ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({self.method}, blocks of {fmt.block}, "
+                f"{fmt.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
                 f"{summary['mean_relative_error']:.4f}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}")
@@ -135,6 +143,25 @@ class Quantize:
         node.metadata_props["picompile.device"] = "cpu"
         graph.insert_before(before, node)
         return node.outputs[0]
+
+
+def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str) -> list[tuple[int, int, WeightFormat]]:
+    """(input index, block axis, format) of each weight matrix of `node` the pass blocks."""
+    if node.op_type == "Predict":
+        return [(index, PREDICTOR_AXIS, predictor_format(weight_dtype)) for index in range(1, len(node.inputs))]
+    return [(index, axis, fmt) for index, axis in BLOCKED.get(node.op_type, ())]
+
+
+def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> WeightFormat:
+    """`fmt`, with the source's scale type where every weight of the model came quantized in it (bits, block,
+    symmetric)."""
+    if source is None or not source.weights:
+        return fmt
+    if all(w.symmetric and w.bits == fmt.bits and w.block_size == fmt.block for w in source.weights):
+        scale_types = {w.scale_dtype for w in source.weights}
+        if scale_types == {"float32"}:
+            return replace(fmt, scale_dtype="float32")
+    return fmt
 
 
 def _relative_error(w: np.ndarray, approx: np.ndarray) -> float:

@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from passes.import_onnx import available_memory_bytes
+from passes.import_onnx import SOURCE_QUANTIZATION, available_memory_bytes
 from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context, Options
@@ -848,6 +848,8 @@ class Recognise:
         _check_context(decoder, self.max_context)
         lifted = build_graph(decoder)
         lifted.meta[SOURCE] = model
+        if SOURCE_QUANTIZATION in model.metadata_props:  # a fact about the weights, which the lifted graph keeps
+            lifted.metadata_props[SOURCE_QUANTIZATION] = model.metadata_props[SOURCE_QUANTIZATION]
         ctx.log(f"recognised {len(decoder.attentions)} layers: "
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "

@@ -200,8 +200,8 @@ class Lowering:
         else:
             if bias or act != "none" or residual or "decode" in phases:
                 raise ValueError(f"{weight}: the quantized rows GEMM is prefill-only, without an epilogue")
-            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tag}", k, n, phases=phases, **fmt_args,
-                                  **self.gemm_tile(device))
+            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tag}", k, n, phases=phases, bias=False,
+                                  **fmt_args, **self.gemm_tile(device))
         args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
                 + ([read(residual)] if residual else []) + [write(out)])
         self.call(label, kernels, args, role, device)
@@ -381,12 +381,13 @@ class _Walker:
     def lower_Predict(self, node: ir.Node) -> None:
         """The predictor runs for one-token steps only: prompts compute every neuron."""
         x, w1 = self.location[node.inputs[0].name], self.weight_of(node.inputs[1])
-        rank = self.low.weights[w1].shape[1]
+        rank = self.low.shape(w1)[1]
         hidden = self.low.activation(f"act.predictor_hidden.r{rank}", rank, rows=1)
         self.low.linear(x, w1, None, hidden, f"{node.name}.fc1", Role.PREDICTOR, act="relu", phases=("decode",))
         for w2_value, scores in zip(node.inputs[2:], node.outputs):
             w2 = self.weight_of(w2_value)
-            out = self.low.activation(f"act.scores.n{self.low.weights[w2].shape[1]}", self.low.weights[w2].shape[1], rows=1)
+            width = self.low.shape(w2)[1]
+            out = self.low.activation(f"act.scores.n{width}", width, rows=1)
             self.low.linear(hidden, w2, None, out, f"{scores.name}.fc2", Role.PREDICTOR, phases=("decode",))
             self.location[scores.name] = out
 
@@ -534,6 +535,9 @@ class _Walker:
         out = self.low.activation("logits", self.low.shape(weight)[1])
         self.low.linear(self.location[node.inputs[0].name], weight, bias, out, node.name, Role.HEAD)
         self.location[node.outputs[0].name] = out
+
+    def lower_DequantizeLinear(self, node: ir.Node) -> None:
+        """The quantize pass's weights: no call; the blocks that read one store it (`weight_of`)."""
 
     def lower_Add(self, node: ir.Node) -> None:
         raise UserError(f"select-kernels: residual add {node.name} does not follow a block fuse folds it into")

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from passes.compile import Compile
 from passes.fuse import Fuse
-from passes.import_onnx import Import, load
+from passes.import_onnx import Import, SourceQuantization, load
 from passes.lower import LowerPredicted, LowerThresholded
 from passes.partition import Partition
 from passes.place import Place
@@ -90,6 +90,17 @@ def mode_of(model: ir.Model, options: Options) -> str:
     return "dense" if options.dense else Sparsity.of(model).mode
 
 
+def _warn_if_dequantized(model: ir.Model, options: Options, ctx: Context) -> None:
+    """A model that came block-quantized, built in a float format, keeps its values but not its size: say so."""
+    source = SourceQuantization.of(model)
+    if source is None or WEIGHT_FORMATS[options.weight_dtype].quantized:
+        return
+    bits = sorted({w.bits for w in source.weights})
+    ctx.warn(f"the model's weights came {'/'.join(map(str, bits))}-bit quantized ({source.op}); this "
+             f"{options.weight_dtype} build stores them dequantized, "
+             f"{'--weight-dtype int' + str(bits[0]) + ' keeps their values' if len(bits) == 1 else ''}".rstrip(", "))
+
+
 def build(model_path: Path, output: Path, target: Target, options: Options, *,
           dump_dir: Path | None = None, log=lambda message: None, warn=None, verify: bool = False,
           passes: list[Pass] | None = None, progress: bool = False) -> Path:
@@ -113,6 +124,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
         else:
             first = front(options)
             lifted = run_passes(model, first, ctx, hooks)
+            _warn_if_dequantized(lifted, options, ctx)
             lowered = run_passes(lifted, rest(options, mode_of(lifted, options), target), ctx, hooks,
                                  first=len(first))
         return artifact.write(lowered, ctx, output, options, source=model_path)

@@ -45,6 +45,8 @@ def float_format(fmt: WeightFormat) -> WeightFormat:
 
 
 def predictor_format(weight_dtype: str) -> WeightFormat:
-    """What the CPU stores predictors in: the build's float format (fp16 in a quantized build), as select-kernels
-    stores any linear's float weight; predict and lower price them so."""
-    return float_format(weight_format("cpu", weight_dtype))
+    """What the CPU stores predictors in: the build's float format, or int8 in a quantized build (the quantize
+    pass blocks them; an int4 predictor would lose too much of a score's margin). Predict fits the thresholds to
+    the predictors as stored; predict and lower price them so."""
+    fmt = weight_format("cpu", weight_dtype)
+    return WEIGHT_FORMATS["int8"] if fmt.quantized else fmt

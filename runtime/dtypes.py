@@ -43,8 +43,8 @@ class WeightFormat:
     quantized ones (`block` > 0) hold `bits`-bit integers in `storage` (int4: two to a uint8) and one scale
     in `scale_dtype` per `block` consecutive weights along the axis a kernel reads contiguously (the
     reduction axis of a dense linear, the row of a gathered one; `passes.kernels.quant` has the layouts).
-    int8 is Q8_0's rule (scale = max|w| / 127, q in [-127, 127]), int4 Q4_0's (scale = the block's
-    largest-magnitude weight / -8, q in [-8, 7], stored q + 8)."""
+    Both round to nearest with one rule, Q4_0's and MatMulNBits' symmetric one: scale = the block's
+    largest-magnitude weight / -2^(bits-1), q in [-2^(bits-1), 2^(bits-1) - 1] (int4 stored as q + 8)."""
 
     name: str  # the command line's spelling
     storage: str  # the element type of the stored values (a DTYPES name)
@@ -65,6 +65,7 @@ class WeightFormat:
 
 
 QUANT_BLOCK = 32  # weights per scale (Q8_0 / Q4_0, MatMulNBits' default)
+INT4_OFFSET = 8  # int4 values are stored as q + 8, in [0, 15]
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     fmt.name: fmt
     for fmt in [

@@ -1,5 +1,5 @@
 """The GPU's weight formats: fp16 weights in the float CUDA kernels, and the kernels over block-quantized weights
-in ``passes.kernels.quant``'s rows layout (``ops.linear_qrows``, ``embed_qrows``, ``sparse_up_q``,
+in ``passes.kernels.quant``'s rows layout (``ops.linear_qrows``, ``embed_q``, ``sparse_up_q``,
 ``sparse_down_q``).
 
 Everywhere: the CPU twins of the quantized kernels (the same ops' cpu makers) against numpy (weights
@@ -73,7 +73,7 @@ def quant_kernels(device):
         for cfg, (n, D) in QDOWN.items():
             funcs.append(make("sparse_down_q")(kn("downq", bits, cfg), n, D, rows=1, bits=bits))
         for cfg, (D, positions, v) in QEMBED.items():
-            funcs.append(make("embed_qrows")(kn("embq", bits, cfg, v), V, D, rows=ROWS[v], positions=positions,
+            funcs.append(make("embed_q")(kn("embq", bits, cfg, v), V, D, rows=ROWS[v], positions=positions,
                                              bits=bits))
     # fp32 scales, one of each kind
     K, N, bias, act, res = QLINEAR["short"]
@@ -83,7 +83,7 @@ def quant_kernels(device):
     funcs.append(make("sparse_up_q")(kn("upq", 8, "s32"), 96, 50, rows=1, gated=True, act="gelu", bits=8,
                                      sdtype="float32"))
     funcs.append(make("sparse_down_q")(kn("downq", 4, "s32"), 50, 96, rows=1, bits=4, sdtype="float32"))
-    funcs.append(make("embed_qrows")(kn("embq", 8, "s32", "p"), V, 64, rows=None, positions=MAX_CTX, bits=8,
+    funcs.append(make("embed_q")(kn("embq", 8, "s32", "p"), V, 64, rows=None, positions=MAX_CTX, bits=8,
                                      sdtype="float32"))
     return funcs
 
@@ -130,7 +130,7 @@ def test_same_signatures_as_cpu_twins():
     for name, sig in host.items():
         assert gpu[name] == sig, name
     lq = dict((p, (shape, dt)) for p, shape, dt in host["lq_4_runs_d"])
-    assert lq["w_q"] == ((72, 128), "uint8") and lq["w_s"] == ((72, 8), "float16")
+    assert lq["w"] == ((72, 128), "uint8") and lq["ws"] == ((72, 8), "float16")
     assert dict((p, dt) for p, _, dt in host["lf16_d"])["w"] == "float16"
 
 
@@ -396,7 +396,7 @@ def test_sparse_q_out_of_range(run, count):
 
 @pytest.mark.parametrize("bits,cfg,sdtype", [pytest.param(b, c, "float16", id=kn(b, c)) for b in BITS for c in QEMBED]
                          + [pytest.param(8, "s32", "float32", id="8_s32")])
-def test_embed_qrows(run, bits, cfg, sdtype):
+def test_embed_q(run, bits, cfg, sdtype):
     D, positions, variant = (64, MAX_CTX, "p") if cfg == "s32" else QEMBED[cfg]
     rng = np.random.default_rng(4)
     m = 1 if variant == "d" else 5

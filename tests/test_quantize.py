@@ -33,18 +33,18 @@ def test_rounding_stays_within_half_a_step_and_is_idempotent(name, axis):
     q, scales = quant.quantize(w, fmt, axis)
     assert q.shape == w.shape and scales.dtype == np.float16
     assert scales.shape == ((3, 40) if axis == 0 else (40, 3))
-    assert q.min() >= (-127 if fmt.bits == 8 else -8) and q.max() <= (127 if fmt.bits == 8 else 7)
+    assert q.min() >= (-128 if fmt.bits == 8 else -8) and q.max() <= (127 if fmt.bits == 8 else 7)
     back = quant.dequantize(q, scales, axis)
     step = np.repeat(np.abs(scales.astype(np.float32)), fmt.block, axis=axis)
-    # half a step, except int4's +8 steps (the sign opposite the block's largest weight), clipped to 7
-    clipped = (q == 7) if fmt.bits == 4 else np.zeros_like(q, bool)
+    # half a step, except +2^(bits-1) steps (the sign opposite the block's largest weight), clipped to one less
+    clipped = q == (7 if fmt.bits == 4 else 127)
     assert np.all(np.abs(back - w)[~clipped] <= step[~clipped] / 2 + 1e-7)
     assert np.all(np.abs(back - w)[clipped] <= step[clipped] + 1e-7)
     again, again_scales = quant.quantize(back, fmt, axis)  # dequantized weights are on the grid: kept exactly
     assert np.array_equal(again, q) and np.array_equal(again_scales, scales)
-    if fmt.bits == 4:  # the largest-magnitude weight of each (non-zero) block is exactly -8 steps
-        blocks = (q if axis == 1 else q.T).reshape(40, -1, fmt.block)
-        assert np.all((blocks == -8).any(axis=-1) | ((scales if axis == 1 else scales.T) == 0))
+    # the largest-magnitude weight of each (non-zero) block is exactly -2^(bits-1) steps
+    blocks = (q if axis == 1 else q.T).reshape(40, -1, fmt.block)
+    assert np.all((blocks == (-8 if fmt.bits == 4 else -128)).any(axis=-1) | ((scales if axis == 1 else scales.T) == 0))
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -94,7 +94,19 @@ def test_quantize_pass_writes_valid_onnx_dequantizing_each_matrix_it_blocks(spar
     dequantize = [n for n in model.graph if n.op_type == "DequantizeLinear"]
     blocked = [n for n in model.graph if n.domain == pir.DOMAIN and n.op_type in BLOCKED]
     assert {"SparseFFN"} <= {n.op_type for n in blocked} or dense
-    assert len(dequantize) == sum(len(BLOCKED[n.op_type]) for n in blocked)
+    # predictors: int8 where whole blocks (w1 [64, r]; w2 [r, n] only from rank 32), exactly the values predict
+    # fitted the thresholds to (on the int8 grid); else fp16 values, as select-kernels then stores them
+    weights = [value for n in model.graph if n.op_type == "Predict" for value in n.inputs[1:]]
+    int8 = [QuantizedMatrix.of(value) for value in weights if QuantizedMatrix.of(value) is not None]
+    assert len(dequantize) == sum(len(BLOCKED[n.op_type]) for n in blocked) + len(int8) and (dense or int8)
+    for matrix in int8:
+        assert matrix.fmt.name == "int8" and matrix.axis == 0
+        values = quant.dequantize(matrix.values, matrix.scales, 0)
+        assert np.array_equal(quant.as_stored(values, matrix.fmt, 0), values)
+    for value in weights:
+        if QuantizedMatrix.of(value) is None:
+            array = pir.const_array(value)
+            assert array.shape[0] % 32 and np.array_equal(array.astype(np.float16).astype(np.float32), array)
     for node in blocked:
         for (index, axis), original in zip(BLOCKED[node.op_type], floats[node.name]):
             matrix = QuantizedMatrix.of(node.inputs[index])
@@ -131,24 +143,35 @@ class _FoldDequantize:
         return PassResult(model, modified=True)
 
 
-def _build(files, out, weight_dtype, dense, fold=False):
-    options = Options(max_context=64, calib=files.calib, dense=dense, weight_dtype=weight_dtype,
-                      all_neurons=not dense)
-    passes = pipeline(options, "dense" if dense else "predictor")
-    if fold:
-        index = next(i for i, p in enumerate(passes) if p.name == "quantize")
-        passes.insert(index + 1, _FoldDequantize())
-    return build(files.onnx, out, get_target("cpu"), options, passes=passes)
+@pytest.fixture(scope="module")
+def built(sparse_opt, tmp_path_factory):
+    """(weight dtype, dense, fold) -> the tiny sparse OPT's artifact, built once per module (sparse builds let
+    every neuron through: the split is exact, so only the weights' precision moves the logits)."""
+    artifacts = {}
+
+    def get(weight_dtype: str, dense: bool, fold: bool = False):
+        key = (weight_dtype, dense, fold)
+        if key not in artifacts:
+            options = Options(max_context=64, calib=sparse_opt.calib, dense=dense, weight_dtype=weight_dtype,
+                              all_neurons=not dense)
+            passes = pipeline(options, "dense" if dense else "predictor")
+            if fold:
+                index = next(i for i, p in enumerate(passes) if p.name == "quantize")
+                passes.insert(index + 1, _FoldDequantize())
+            out = tmp_path_factory.mktemp("quantized") / f"{weight_dtype}-{'dense' if dense else 'sparse'}.pic"
+            artifacts[key] = build(sparse_opt.onnx, out, get_target("cpu"), options, passes=passes)
+        return artifacts[key]
+
+    return get
 
 
 @pytest.mark.parametrize("weight_dtype", QUANTIZED)
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
-def test_quantized_kernels_compute_exactly_the_quantized_model(sparse_opt, tmp_path, weight_dtype, dense):
+def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dtype, dense):
     """The artifact's int8 / int4 kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the logits of
     the same quantized values run through fp32 kernels, within fp32 rounding; and it stores ~1/4 (int8) or ~1/7
     (int4) of the fp32 weight bytes."""
-    quantized = _build(sparse_opt, tmp_path / "q.pic", weight_dtype, dense)
-    folded = _build(sparse_opt, tmp_path / "f.pic", weight_dtype, dense, fold=True)
+    quantized, folded = built(weight_dtype, dense), built(weight_dtype, dense, fold=True)
     manifest = json.loads((quantized / "manifest.json").read_text())
     layouts = {info.get("layout") for info in manifest["buffers"].values() if info["kind"] == "weight"}
     assert {"quant_panels", "quant_rows"} <= layouts
@@ -161,9 +184,8 @@ def test_quantized_kernels_compute_exactly_the_quantized_model(sparse_opt, tmp_p
 
 
 @pytest.mark.parametrize("weight_dtype", QUANTIZED)
-def test_quantized_builds_stay_near_the_fp32_model_and_read_fewer_bytes(sparse_opt, tmp_path, weight_dtype):
-    artifact = _build(sparse_opt, tmp_path / "q.pic", weight_dtype, dense=False)
-    fp32 = _build(sparse_opt, tmp_path / "f32.pic", "fp32", dense=False)
+def test_quantized_builds_stay_near_the_fp32_model_and_read_fewer_bytes(built, sparse_opt, weight_dtype):
+    artifact, fp32 = built(weight_dtype, dense=False), built("fp32", dense=False)
     size = lambda a: sum(f.stat().st_size for f in (a / "weights").iterdir())  # noqa: E731
     assert size(artifact) < (0.4 if weight_dtype == "int8" else 0.3) * size(fp32)
     engine, reference = Engine(artifact), OrtDecoder(sparse_opt.onnx)
@@ -173,3 +195,26 @@ def test_quantized_builds_stay_near_the_fp32_model_and_read_fewer_bytes(sparse_o
         errors.append(np.abs(engine.forward(tokens) - expected).max() / expected.std())
         tokens = [int(np.argmax(expected[-1]))]
     assert 0 < max(errors) < (0.05 if weight_dtype == "int8" else 0.5), errors
+
+
+def test_eval_with_a_baseline_reports_quantization_and_sparsity_apart(built, sparse_opt, capsys):
+    """eval --baseline: the int4 dense build against onnxruntime is what quantization costs, the int4 sparse
+    build against the int4 dense one what sparsity costs; an artifact against itself costs nothing."""
+    from picompile.cli import main
+
+    dense, sparse = built("int4", dense=True), built("int4", dense=False)
+
+    def report(artifact, baseline):
+        assert main(["eval", str(artifact), "--reference", str(sparse_opt.onnx), "--tokens", str(sparse_opt.heldout),
+                     "--max-sequences", "2", "--baseline", str(baseline), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    apart = report(sparse, dense)
+    assert apart["baseline.kl_mean"] > 0 and apart["vs_baseline.kl_mean"] > 0
+    # the artifact's own figures are those of an eval without a baseline
+    assert main(["eval", str(sparse), "--reference", str(sparse_opt.onnx), "--tokens", str(sparse_opt.heldout),
+                 "--max-sequences", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kl_mean"] == apart["kl_mean"]
+    itself = report(dense, dense)
+    assert itself["vs_baseline.kl_mean"] == 0.0 and itself["vs_baseline.top1_agreement"] == 1.0
+    assert itself["baseline.kl_mean"] == itself["kl_mean"]

@@ -21,7 +21,7 @@ import tvm
 from tvm import te, tirx
 from tvm.s_tir import Schedule
 
-from runtime.dtypes import QUANT_BLOCK
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK
 
 NEG_INF = -3.0e38  # "minus infinity" that stays finite through max/exp (softmax padding, running max)
 
@@ -123,6 +123,49 @@ def glu_unit(actf, gate, up):
 def load_f32(value, wdtype):
     """A weight element as fp32 (weights may be stored in fp16; arithmetic is fp32)."""
     return value if wdtype == "float32" else tirx.Cast("float32", value)
+
+
+def quant_storage(bits: int) -> str:
+    """The element type of a rows-layout q (`passes.kernels.quant`): int8 values, or two int4 values a byte."""
+    if bits not in (4, 8):
+        raise ValueError(f"block-quantized weights are int8 or int4, not {bits}-bit")
+    return "int8" if bits == 8 else "uint8"
+
+
+def quant_width(columns: int, bits: int) -> int:
+    """Stored elements of a rows-layout q row of `columns` weights (int4: two weights a byte)."""
+    if columns % QUANT_BLOCK:
+        raise ValueError(f"a quantized row is whole {QUANT_BLOCK}-blocks, not {columns} weights")
+    return columns * bits // 8
+
+
+def quant_value(q, row, block, half, i, bits, centred: bool = True, wide: bool = True):
+    """Weight block * 32 + half * 16 + i of row `row` of a rows-layout q, as the fp32 integer it stands for
+    (the scale not applied; int4 without `centred`: the stored nibble, the value + 8, for kernels that take the
+    8 off once per block instead of once per weight). int4: byte 16 block + i holds the half-0 weight in its
+    low nibble, the half-1 weight in its high one (quant's module doc); the (half, i) split keeps both an affine
+    function of i, so a vector over i is one contiguous load. `wide`: the nibble is cut out of the byte widened
+    to int32 (`int4_byte`); else in uint8, for TE definitions, whose int64 indices widen int32 lanes to int64."""
+    if bits == 8:
+        return tirx.Cast("float32", q[row, block * QUANT_BLOCK + half * (QUANT_BLOCK // 2) + i])
+    if wide:
+        nibble = int4_nibble(int4_byte(q, row, block, i), half)
+    else:
+        nibble = int4_nibble(q[row, block * (QUANT_BLOCK // 2) + i], half, "uint8")
+    return nibble - f32(INT4_OFFSET) if centred else nibble
+
+
+def int4_byte(q, row, block, i):
+    """Byte i of block `block` of an int4 rows-layout row, as int32: the two nibbles are cut out of 32-bit lanes
+    (one zero-extension a byte, then a shift and a mask; in 8-bit lanes x86 has no byte shift, so the high
+    nibble costs a word shift, a mask and a second widening)."""
+    return tirx.Cast("int32", q[row, block * (QUANT_BLOCK // 2) + i])
+
+
+def int4_nibble(byte, half, kind: str = "int32"):
+    """The stored int4 value (weight + 8) of `half` of a byte (an `int4_byte`, or a uint8 of `kind`), as fp32."""
+    shifted = tirx.shift_right(byte, tirx.Cast(kind, half * 4))
+    return tirx.Cast("float32", tirx.bitwise_and(shifted, tirx.const(15, kind)))
 
 
 def clamp_index(value, extent):
@@ -302,12 +345,36 @@ def embed(V, D, rows, *, positions: int | None, wdtype="float32"):
     def token(i, j):
         return load_f32(table[clamp_index(ids[i], V), j], wdtype)
 
+    return [ids, table] + _embedded(token, m, D, positions)
+
+
+def embed_q(V, D, rows, *, positions: int | None, bits: int, sdtype="float16"):
+    """`embed` over a block-quantized table in the rows layout (blocks along D): y[i, j] = q[ids[i], j] *
+    scales[ids[i], j / 32] (+ pos_table[start + i]).  Args: ids, table_q, table_s, (pos_table, start), y.
+    Block ``y``."""
+    m = row_dim(rows)
+    ids = te.placeholder((m,), "int64", name="ids")
+    table_q = te.placeholder((V, quant_width(D, bits)), name="table_q", dtype=quant_storage(bits))
+    table_s = te.placeholder((V, D // QUANT_BLOCK), name="table_s", dtype=sdtype)
+    half = QUANT_BLOCK // 2
+
+    def token(i, j):
+        row = clamp_index(ids[i], V)
+        value = quant_value(table_q, row, j // QUANT_BLOCK, j % QUANT_BLOCK // half, j % half, bits, wide=False)
+        return value * load_f32(table_s[row, j // QUANT_BLOCK], sdtype)
+
+    return [ids, table_q, table_s] + _embedded(token, m, D, positions)
+
+
+def _embedded(token, m, D, positions):
+    """The rest of an embedding's arguments, (pos_table, start,) y, for y[i, j] = token(i, j) (+ the position's
+    row)."""
     if not positions:
-        return [ids, table, te.compute((m, D), token, name="y")]
+        return [te.compute((m, D), token, name="y")]
     pos = te.placeholder((positions, D), name="pos_table")
     start = te.var("start", "int64")
     y = te.compute((m, D), lambda i, j: token(i, j) + pos[clamp_index(start + i, positions), j], name="y")
-    return [ids, table, pos, start, y]
+    return [pos, start, y]
 
 
 def merge(D, parts: int, rows, *, bias: bool, residual: bool):
@@ -336,47 +403,16 @@ def merge(D, parts: int, rows, *, bias: bool, residual: bool):
 # --------------------------------------------------------------------------------------------
 
 
-def qrows_storage(bits: int) -> str:
-    """The element type of a rows-layout q: int8 values, or (int4) two values a uint8 byte."""
-    if bits not in (4, 8):
-        raise ValueError(f"block-quantized weights are int8 or int4, not {bits}-bit")
-    return "int8" if bits == 8 else "uint8"
-
-
-def qrows_width(columns: int, bits: int) -> int:
-    """Stored elements of a rows-layout q row of ``columns`` weights (int4: two weights a byte)."""
-    if columns % QUANT_BLOCK or columns <= 0:
-        raise ValueError(f"a quantized row is whole {QUANT_BLOCK}-blocks, not {columns} weights")
-    return columns * bits // 8
-
-
 def qrows_check_sdtype(sdtype: str):
     if sdtype not in ("float16", "float32"):
         raise ValueError(f"block scales are float16 or float32, not {sdtype!r}")
 
 
 def qrows_value(q, row, column, bits):
-    """Weight ``column`` of row ``row`` of a rows-layout q as the fp32 integer it stands for (no scale).
-
-    int4: element 32 b + 16 h + i lives in byte 16 b + i, low nibble for h = 0, high for h = 1, stored + 8.
-    The nibble is cut out in uint8 (wider integers would widen the vectors for nothing)."""
-    if bits == 8:
-        return tirx.Cast("float32", q[row, column])
+    """Weight ``column`` of row ``row`` of a rows-layout q as the fp32 integer it stands for (no scale):
+    ``quant_value`` with the column split into (block, half, i), the nibble cut out in uint8."""
     half = QUANT_BLOCK // 2
-    byte = q[row, column // QUANT_BLOCK * half + column % half]
-    shift = tirx.Cast("uint8", column % QUANT_BLOCK // half * 4)
-    nibble = tirx.bitwise_and(tirx.shift_right(byte, shift), tirx.const(15, "uint8"))
-    return tirx.Cast("float32", nibble) - f32(8.0)
-
-
-def qrows_block_value(q, row, block, half, i, bits):
-    """``qrows_value`` of weight 32 block + 16 half + i: byte addresses affine in (block, half, i), for
-    reductions split along the layout's blocks and bytes."""
-    if bits == 8:
-        return tirx.Cast("float32", q[row, block * QUANT_BLOCK + half * (QUANT_BLOCK // 2) + i])
-    byte = q[row, block * (QUANT_BLOCK // 2) + i]
-    nibble = tirx.bitwise_and(tirx.shift_right(byte, tirx.Cast("uint8", half * 4)), tirx.const(15, "uint8"))
-    return tirx.Cast("float32", nibble) - f32(8.0)
+    return quant_value(q, row, column // QUANT_BLOCK, column % QUANT_BLOCK // half, column % half, bits, wide=False)
 
 
 def qrows_weight(q, s, row, column, bits, sdtype):
@@ -384,48 +420,33 @@ def qrows_weight(q, s, row, column, bits, sdtype):
     return qrows_value(q, row, column, bits) * load_f32(s[row, column // QUANT_BLOCK], sdtype)
 
 
-def qrows_placeholders(R, C, bits, sdtype, name):
-    """(``name``_q [R, C * bits / 8], ``name``_s [R, C / 32]) of a rows-layout weight."""
+def qrows_placeholders(R, C, bits, sdtype, names=("w", "ws")):
+    """(q [R, C * bits / 8], scales [R, C / 32]) placeholders of a rows-layout weight, named ``names``."""
     qrows_check_sdtype(sdtype)
-    q = te.placeholder((R, qrows_width(C, bits)), name=f"{name}_q", dtype=qrows_storage(bits))
-    s = te.placeholder((R, C // QUANT_BLOCK), name=f"{name}_s", dtype=sdtype)
+    if C <= 0:
+        raise ValueError("a quantized row has weights")
+    q = te.placeholder((R, quant_width(C, bits)), name=names[0], dtype=quant_storage(bits))
+    s = te.placeholder((R, C // QUANT_BLOCK), name=names[1], dtype=sdtype)
     return q, s
 
 
 def linear_qrows(K, N, rows, *, bias: bool, act: str, residual: bool, math: Math, bits: int, sdtype="float16",
                  tile=None):
     """`linear` with W^T [N, K] stored as quant rows (blocks along K, one row per output: llama.cpp's GPU
-    layout).  Args: x, w_q [N, K or K/2], w_s [N, K/32], (b), (res), y.  Blocks as `linear`'s (w_rows).
+    layout).  Args: x, w [N, K or K/2], ws [N, K/32], (b), (res), y (the names of quant's CPU linears).  Blocks
+    as `linear`'s (w_rows).
 
     Untiled, acc reduces over three axes (``kb`` block, ``kh`` half, ``ki`` 0..15: k = 32 kb + 16 kh + ki), so
     that every byte address is affine in them (a single k would put k / 32 and k % 16 in the int4 address)."""
-    w_q, w_s = qrows_placeholders(N, K, bits, sdtype, "w")
+    w_q, w_s = qrows_placeholders(N, K, bits, sdtype)
     half = QUANT_BLOCK // 2
 
     def product(x, i, n):
         kb = te.reduce_axis((0, K // QUANT_BLOCK), name="kb")
         kh = te.reduce_axis((0, 2), name="kh")
         ki = te.reduce_axis((0, half), name="ki")
-        value = qrows_block_value(w_q, n, kb, kh, ki, bits) * load_f32(w_s[n, kb], sdtype)
+        value = quant_value(w_q, n, kb, kh, ki, bits, wide=False) * load_f32(w_s[n, kb], sdtype)
         return te.sum(x[i, kb * QUANT_BLOCK + kh * half + ki] * value, axis=[kb, kh, ki])
 
     return _linear(K, N, rows, [w_q, w_s], lambda kk, n: qrows_weight(w_q, w_s, n, kk, bits, sdtype), bias=bias,
                    act=act, residual=residual, math=math, w_rows=True, tile=tile, product=product)
-
-
-def embed_qrows(V, D, rows, *, positions: int | None, bits: int, sdtype="float16"):
-    """`embed` over a quant-rows table (blocks along D).  Args: ids, table_q, table_s, (pos_table, start), y.
-    Block ``y``."""
-    m = row_dim(rows)
-    ids = te.placeholder((m,), "int64", name="ids")
-    table_q, table_s = qrows_placeholders(V, D, bits, sdtype, "table")
-
-    def token(i, j):
-        return qrows_weight(table_q, table_s, clamp_index(ids[i], V), j, bits, sdtype)
-
-    if not positions:
-        return [ids, table_q, table_s, te.compute((m, D), token, name="y")]
-    pos = te.placeholder((positions, D), name="pos_table")
-    start = te.var("start", "int64")
-    y = te.compute((m, D), lambda i, j: token(i, j) + pos[clamp_index(start + i, positions), j], name="y")
-    return [ids, table_q, table_s, pos, start, y]

@@ -20,6 +20,8 @@ activations, RoPE, exp) is ``compute``'s.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import tvm
@@ -27,6 +29,8 @@ from tvm.script import tirx as T
 
 
 from . import compute
+from runtime.dtypes import QUANT_BLOCK
+
 from .compute import drop_params, load_f32, rope_high, rope_low, row_dim
 
 MATH = compute.POLYNOMIAL  # exp / erf as vectorisable polynomials (LLVM's libm calls would stop vectorisation)
@@ -185,6 +189,15 @@ def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
     return sch.mod[name]
 
 
+def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
+    """`embed` over a block-quantized table (rows layout, int8 or int4 by `bits`, scales in `sdtype`).
+    Args: ids, table_q, table_s, (pos_table, start), y. Vectors of half a block (16 lanes), so that an int4
+    vector is the low or the high nibbles of 16 consecutive bytes."""
+    sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
+    _rowwise(sch, sch.get_sblock("y"), QUANT_BLOCK // 2, rows)
+    return sch.mod[name]
+
+
 # --------------------------------------------------------------------------------------------
 # Panel-packed linear layers (the CPU's dense weights) and the register-tiled GEMM they share
 # with row-major weights. TVMScript: the loops are the schedule.
@@ -247,47 +260,102 @@ def _gemv_panels(name, K, N, *, wdtype, bias, act, residual):
     return drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
 
 
-def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):
-    """Prefill y[m, N] = act(x[m, K] @ W + b) + res, W panel-packed ("panels": [P, K, 16], see
-    pack_panels), one row per output ("rows": [N, K], the neuron-major FFN up rows) or row-major
-    ("kn": [K, N], e.g. the FFN down rows a sparse decode kernel gathers).
+@dataclass(frozen=True)
+class GemmWeight:
+    """`gemm`'s weight operand: its parameters and how a task fills its fp32 panels from them.
+
+    `w` (and `ws`, the scales of a quantized weight; None for float weights) are (shape, dtype) of the kernel's
+    parameters. `pack(tile_panels)` returns a T.macro `(packed, w, ws, p)` that stores panel group p's columns
+    p * tile_panels * 16 + [0, tile_panels * 16) into packed [tile_panels, K, 16] as fp32 (columns past N: any
+    finite value, they are not stored); pack None means w is already [P, K, 16] panels, read in place.
+    """
+
+    w: tuple
+    ws: tuple | None
+    pack: Callable | None
+
+
+def _pack_float_rows(K, N, wdtype):
+    """[N, K] rows (the neuron-major FFN up rows): panel column v is row n, read along k."""
+
+    def make(tile_panels):
+        @T.macro
+        def pack(packed, w, ws, p):
+            for q, v, k in T.grid(tile_panels, PANEL, K):
+                packed[q, k, v] = load_f32(w[T.min((p * tile_panels + q) * PANEL + v, N - 1), k], wdtype)
+
+        return pack
+
+    return GemmWeight(((N, K), wdtype), None, make)
+
+
+def _pack_float_kn(K, N, wdtype):
+    """[K, N] row-major: a panel's k step is 16 adjacent elements of row k."""
+
+    def make(tile_panels):
+        @T.macro
+        def pack(packed, w, ws, p):
+            for k, q, v in T.grid(K, tile_panels, PANEL):
+                packed[q, k, v] = load_f32(w[k, T.min((p * tile_panels + q) * PANEL + v, N - 1)], wdtype)
+
+        return pack
+
+    return GemmWeight(((K, N), wdtype), None, make)
+
+
+def gemm_weight(layout: str, K, N, wdtype="float32") -> GemmWeight:
+    """The float weight operands: "panels" [P, K, 16] (pack_panels, read in place), "rows" [N, K] (one row per
+    output, the neuron-major FFN up rows), "kn" [K, N] (row-major, e.g. the FFN down rows a sparse decode
+    kernel gathers)."""
+    if layout == "panels":
+        return GemmWeight(((-(-N // PANEL), K, PANEL), wdtype), None, None)
+    if layout == "rows":
+        return _pack_float_rows(K, N, wdtype)
+    if layout == "kn":
+        return _pack_float_kn(K, N, wdtype)
+    raise ValueError(f"unknown weight layout {layout!r}")
+
+
+def gemm(name, K, N, *, layout: str | GemmWeight, wdtype="float32", bias: bool, act="none", residual=False,
+         tile_panels=1):
+    """Prefill y[m, N] = act(x[m, K] @ W + b) + res.  Args: x, w, (ws), (b), (res), y.
+
+    W is a float layout of `gemm_weight` ("panels", "rows", "kn", stored in `wdtype`) or any `GemmWeight`
+    (the quantized ones of `quant`, which add the scales ws).
 
     Loop order: groups of `tile_panels` column panels (parallel) > 6-row tiles > k > register tile
     of 6 rows x 16 * tile_panels columns. Per k step the tile broadcasts 6 values of x, loads its
     panels' columns and issues 6 * 16 * tile_panels / lanes FMAs into accumulators that stay in
     registers for the whole k loop: 12 of them either way, ymm with AVX2 (tile_panels=1) or zmm with
     AVX-512 (tile_panels=2). A panel (K x 64 B) is read from memory once and then from L2 for every
-    row tile. "rows" and "kn" weights are first copied into per-task panels (K x 16 elements per
-    panel, against m x K x 16 FMAs). Pad rows of the last tile recompute row m-1 and are not stored,
-    so the k loop carries no predicate.
+    row tile. Weights not in float panels are first packed into per-task fp32 panels (the operand's
+    pack: K x 16 elements per panel, against m x K x 16 FMAs). Pad rows of the last tile recompute
+    row m-1 and are not stored, so the k loop carries no predicate.
     """
-    if layout not in ("panels", "rows", "kn"):
-        raise ValueError(f"unknown weight layout {layout!r}")
+    weight = gemm_weight(layout, K, N, wdtype) if isinstance(layout, str) else layout
     m = row_dim(None)
     panels = -(-N // PANEL)
     tile_panels = tile_panels if panels % tile_panels == 0 else 1
     width = tile_panels * PANEL
-    wshape = {"panels": (panels, K, PANEL), "rows": (N, K), "kn": (K, N)}[layout]
+    (wshape, wtype), (sshape, stype) = weight.w, weight.ws or ((1,), "float32")
+    direct = weight.pack is None  # float panels, read in place
+    pack = None if direct else weight.pack(tile_panels)
     full = N % width == 0
     epilogue = _epilogue(act, bias, residual)
     out_loop = T.vectorized if full else T.serial
     MR = GEMM_MR
 
     @T.prim_func
-    def kernel(x_h: T.handle, w: T.Buffer(wshape, wdtype), b: T.Buffer((N,), "float32"), res_h: T.handle,
-               y_h: T.handle):
+    def kernel(x_h: T.handle, w: T.Buffer(wshape, wtype), ws: T.Buffer(sshape, stype), b: T.Buffer((N,), "float32"),
+               res_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         x = T.match_buffer(x_h, (m, K), "float32")
         res = T.match_buffer(res_h, (m, N), "float32")
         y = T.match_buffer(y_h, (m, N), "float32")
         for p in T.parallel(panels // tile_panels):
             packed = T.alloc_buffer((tile_panels, K, PANEL), "float32")
-            if layout == "rows":
-                for q, v, k in T.grid(tile_panels, PANEL, K):
-                    packed[q, k, v] = load_f32(w[T.min((p * tile_panels + q) * PANEL + v, N - 1), k], wdtype)
-            if layout == "kn":
-                for k, q, v in T.grid(K, tile_panels, PANEL):
-                    packed[q, k, v] = load_f32(w[k, T.min((p * tile_panels + q) * PANEL + v, N - 1)], wdtype)
+            if not direct:
+                pack(packed, w, ws, p)
             for io in range((m + MR - 1) // MR):
                 acc = T.alloc_local((MR, width), "float32")
                 for r in T.unroll(MR):
@@ -297,20 +365,21 @@ def gemm(name, K, N, *, layout: str, wdtype="float32", bias: bool, act="none", r
                     for r in T.unroll(MR):
                         for q in T.unroll(tile_panels):
                             for v in T.vectorized(PANEL):
-                                if layout != "panels":
+                                if not direct:
                                     acc[r, q * PANEL + v] = (acc[r, q * PANEL + v]
                                                              + x[T.min(io * MR + r, m - 1), k] * packed[q, k, v])
                                 else:
                                     acc[r, q * PANEL + v] = (
                                         acc[r, q * PANEL + v]
-                                        + x[T.min(io * MR + r, m - 1), k] * load_f32(w[p * tile_panels + q, k, v], wdtype))
+                                        + x[T.min(io * MR + r, m - 1), k] * load_f32(w[p * tile_panels + q, k, v], wtype))
                 for r in T.unroll(MR):
                     if io * MR + r < m:
                         for v in out_loop(width):
                             if full or p * width + v < N:
                                 y[io * MR + r, p * width + v] = epilogue(acc[r, v], b, res, io * MR + r, p * width + v)
 
-    return drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
+    unused = _unused(bias, residual) + ([] if weight.ws else ["ws"])
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
 
 
 def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):
@@ -331,7 +400,7 @@ def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none",
 
 def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False):
     """y[m, N] = act(x[m, K] @ W + b) + res with W^T [N, K] in the quant rows layout (``cuda.linear_qrows``'s
-    weights).  Args: x, w_q [N, K or K/2], w_s [N, K/32], (b), (res), y.
+    weights).  Args: x, w [N, K or K/2], ws [N, K/32], (b), (res), y.
 
     Simple and correct rather than fast: output columns in parallel chunks of 16, each a serial dot product
     over the row's blocks (decode and prefill alike).
@@ -345,14 +414,6 @@ def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, a
     sch.reorder(no, i, ni)
     sch.parallel(no)
     _rowwise(sch, sch.get_sblock("y"), _lanes(N), rows)
-    return sch.mod[name]
-
-
-def embed_qrows(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
-    """``cuda.embed_qrows``'s twin: ``embed`` over a quant-rows table.  Args: ids, table_q, table_s,
-    (pos_table, start), y."""
-    sch = compute.schedule(name, compute.embed_qrows(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
-    _rowwise(sch, sch.get_sblock("y"), _lanes(D), rows)
     return sch.mod[name]
 
 

@@ -25,7 +25,7 @@ Schedules, in short (each function's docstring says more):
 * ``sparse_down``: 32 columns per block on ``threadIdx.x``, the active rows split over 16
   ``threadIdx.y`` groups, partial sums added in shared memory;
 * weights: fp32 or fp16 (``wdtype``: fp16 converted to fp32 as it is loaded or staged), or block-quantized
-  int8 / int4 in ``quant``'s rows layout (``linear_qrows``, ``embed_qrows``, ``sparse_up_q``,
+  int8 / int4 in ``quant``'s rows layout (``linear_qrows``, ``embed_q``, ``sparse_up_q``,
   ``sparse_down_q``; see their section): a thread takes 4 consecutive bytes of a row per step (one 32-bit
   load), a warp a coalesced 128-byte run; ``linear_qrows`` decode is a warp per output row (W^T stored
   [N, K], llama.cpp's GPU matvec layout) with a warp-shuffle reduction, its prefill the tiled GEMM with the
@@ -745,7 +745,7 @@ def _qgemv(sch, K, N, bits):
     steps = nb // bl  # runs of the row per lane
     unroll = max(u for u in (QGEMV_UNROLL, 2, 1) if steps % u == 0)
     _, ku = sch.split(ko, [None, unroll])  # several runs' loads in flight per lane
-    staged = sch.cache_read(block, 1, "local")  # read buffer 1 is w_q (x, w_q, w_s, ...): one 32-bit load
+    staged = sch.cache_read(block, 1, "local")  # read buffer 1 is w (x, w, ws, ...): one 32-bit load
     sch.compute_at(staged, ku)
     sch.vectorize(sch.get_loops(staged)[-1])
     x_staged = sch.cache_read(block, 0, "local")  # x: float4 loads (int4: one per half-block)
@@ -762,7 +762,7 @@ def _qgemv(sch, K, N, bits):
 def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False):
     """y[m, N] = act(x[m, K] @ W + b) + res with W^T [N, K] in the quant rows layout (blocks along K).
 
-    Args: x, w_q [N, K (int8) or K/2 (int4)], w_s [N, K/32] (``sdtype``), (b), (res), y. Decode: warp-per-row
+    Args: x, w [N, K (int8) or K/2 (int4)], ws [N, K/32] (``sdtype``), (b), (res), y. Decode: warp-per-row
     GEMV (``_qgemv``). Prefill: the tiled GEMM of ``linear_rows`` (``_gemm``), the weights dequantized to fp32
     as they are staged into shared memory.
     """
@@ -776,12 +776,12 @@ def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, a
     return sch.mod[name]
 
 
-def embed_qrows(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
-    """``embed`` over a quant-rows table (blocks along D).  Args: ids, table_q, table_s, (pos_table, start), y.
-
-    Elementwise over (row, column), like ``embed``: each thread dequantizes the weight it stores.
+def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
+    """``embed`` over a quant-rows table (blocks along D): ``compute.embed_q``, the CPU's ``embed_q``'s definition.
+    Args: ids, table_q, table_s, (pos_table, start), y. Elementwise over (row, column), like ``embed``: each
+    thread dequantizes the weight it stores.
     """
-    sch = compute.schedule(name, compute.embed_qrows(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
+    sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 
@@ -789,7 +789,7 @@ def embed_qrows(name, V, D, *, rows, positions: int | None, bits: int, sdtype="f
 def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16"):
     """``sparse_up`` over quant rows: the gathered gate / up rows [(2 if gated) n, D] as (q, scales).
 
-    Args: x[1, D], idx[1, n], count[1, 1], w_q[(2 if gated) n, D or D/2], w_s[(2 if gated) n, D/32],
+    Args: x[1, D], idx[1, n], count[1, 1], w[(2 if gated) n, D or D/2], ws[(2 if gated) n, D/32],
     b[(2 if gated) n], h[1, n]. One warp per active neuron, as ``sparse_up``: lane l loads bytes 4l .. 4l+3 of
     each 128-byte run of the neuron's row (one 32-bit load), sums their 4 (int8) or 8 (int4) products with x,
     scales the sum by its block's scale; a warp-shuffle all-reduce, then lane 0 stores h[k]. Fixed grid,
@@ -800,8 +800,8 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
     width = 2 * n if gated else n
     per_block, blocks_per_step, values = _qrow_geometry(bits)
     nb = D // compute.QUANT_BLOCK
-    qw = compute.qrows_width(D, bits)
-    storage = compute.qrows_storage(bits)
+    qw = compute.quant_width(D, bits)
+    storage = compute.quant_storage(bits)
     compute.qrows_check_sdtype(sdtype)
     steps = _ceil_div(nb, blocks_per_step)
     exact = nb % blocks_per_step == 0
@@ -812,7 +812,7 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
 
     @T.prim_func
     def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w_q: T.Buffer((width, qw), storage), w_s: T.Buffer((width, nb), sdtype),
+               w: T.Buffer((width, qw), storage), ws: T.Buffer((width, nb), sdtype),
                b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
         T.func_attr({"tirx.noalias": True})
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
@@ -839,11 +839,11 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
                                                                        + lane % per_block * QROW_BYTES + v]
                                     for g in T.unroll(rows_read):  # gate row, then up row (g = 1)
                                         for v in T.vectorized(QROW_BYTES):
-                                            qv[v] = w_q[g * n + row, c * WARP * QROW_BYTES + lane * QROW_BYTES + v]
+                                            qv[v] = w[g * n + row, c * WARP * QROW_BYTES + lane * QROW_BYTES + v]
                                         part[0] = T.float32(0)
                                         for e in T.unroll(values):
                                             part[0] = part[0] + xv[e] * _qrow_value(bits, qv, e)
-                                        tot[g] = tot[g] + part[0] * load_f32(w_s[g * n + row, blk], sdtype)
+                                        tot[g] = tot[g] + part[0] * load_f32(ws[g * n + row, blk], sdtype)
                             for lv in range(5):  # xor butterfly: 16, 8, 4, 2, 1
                                 tot[0] = tot[0] + T.tvm_warp_shuffle_xor(
                                     T.uint32(full_mask), tot[0], T.shift_right(16, lv), WARP, WARP
@@ -864,7 +864,7 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
 def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
     """``sparse_down`` over quant rows: out[0, :] = sum over k < count of h[0, k] * W[idx[0, k], :].
 
-    Args: h[1, n], idx[1, n], count[1, 1], w_q[n, D or D/2], w_s[n, D/32], out[1, D]. Block = 32 threads
+    Args: h[1, n], idx[1, n], count[1, 1], w[n, D or D/2], ws[n, D/32], out[1, D]. Block = 32 threads
     (threadIdx.x) x DOWN_TY (16) row groups; a block covers one 128-byte run of every row (128 columns for
     int8, 256 for int4): thread tx loads bytes 4 tx .. 4 tx + 3 of the run of each active row k = ty, ty + 16,
     ... and adds (h[k] * scale) times its 4 or 8 values to as many column sums; the 16 row groups' sums meet
@@ -873,15 +873,15 @@ def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
     _decode_only("sparse_down_q", rows)
     per_block, blocks_per_step, values = _qrow_geometry(bits)
     nb = D // compute.QUANT_BLOCK
-    qw = compute.qrows_width(D, bits)
-    storage = compute.qrows_storage(bits)
+    qw = compute.quant_width(D, bits)
+    storage = compute.quant_storage(bits)
     compute.qrows_check_sdtype(sdtype)
     grid = _ceil_div(nb, blocks_per_step)
     exact = nb % blocks_per_step == 0
 
     @T.prim_func
     def kernel(h: T.Buffer((1, n), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w_q: T.Buffer((n, qw), storage), w_s: T.Buffer((n, nb), sdtype), out: T.Buffer((1, D), "float32")):
+               w: T.Buffer((n, qw), storage), ws: T.Buffer((n, nb), sdtype), out: T.Buffer((1, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         for bx in T.thread_binding(grid, thread="blockIdx.x"):
             for ty in T.thread_binding(DOWN_TY, thread="threadIdx.y"):
@@ -899,8 +899,8 @@ def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
                             if it * DOWN_TY + ty < active:
                                 row = clamp_index(idx[0, it * DOWN_TY + ty], n)
                                 for v in T.vectorized(QROW_BYTES):
-                                    qv[v] = w_q[row, bx * WARP * QROW_BYTES + tx * QROW_BYTES + v]
-                                coef[0] = h[0, it * DOWN_TY + ty] * load_f32(w_s[row, blk], sdtype)
+                                    qv[v] = w[row, bx * WARP * QROW_BYTES + tx * QROW_BYTES + v]
+                                coef[0] = h[0, it * DOWN_TY + ty] * load_f32(ws[row, blk], sdtype)
                                 for e in T.unroll(values):
                                     acc[e] = acc[e] + coef[0] * _qrow_value(bits, qv, e)
                     for e in T.unroll(values):

@@ -23,9 +23,11 @@ the CPU's elementwise schedule.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm.script import tirx as T
 
-from runtime.dtypes import QUANT_BLOCK
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, itemsize
 
 from . import compute
 from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32
@@ -166,6 +168,108 @@ def _row_lines(width: int, lanes: int, wdtype: str) -> tuple[int, int, int]:
     return line, line // lanes, width // line
 
 
+@dataclass(frozen=True)
+class RowFormat:
+    """How the gathered-row kernels read a weight row of D elements: as `block`s of `block / lanes` vectors.
+
+    A float row (fp32, fp16) is read a vector at a time and has no scales: a block is one vector. A block-
+    quantized row (rows layout, `passes.kernels.quant`) is read a quantization block at a time: two vectors of
+    16 lanes (the low and the high nibbles of 16 bytes, for int4), summed, then scaled once; its scales are
+    first converted into a row of fp32 factors (`rs`, in the kernel), one vector operation per 16 blocks instead
+    of a conversion per block. The kernel's loops (`_sparse_ffn`) are the same for every format; these methods
+    are the expressions and sizes that differ."""
+
+    storage: str  # the element type of the weight buffer (int4: uint8, two weights a byte)
+    lanes: int
+    bits: int = 0  # 0: a float format
+    sdtype: str = "float32"  # the scales' element type (quantized formats only)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits > 0
+
+    @property
+    def offset(self) -> int:
+        """What a stored value exceeds the weight by (int4's + 8): taken off per block or per row, not per weight."""
+        return INT4_OFFSET if self.bits == 4 else 0
+
+    @property
+    def block(self) -> int:
+        return QUANT_BLOCK if self.quantized else self.lanes
+
+    @property
+    def vectors(self) -> int:
+        return self.block // self.lanes
+
+    def stored(self, elements):
+        """Buffer elements holding `elements` weights (an int or a TIR expression)."""
+        return elements // 2 if self.bits == 4 else elements
+
+    @property
+    def block_bytes(self) -> int:
+        return QUANT_BLOCK * self.bits // 8 if self.quantized else self.lanes * itemsize(self.storage)
+
+    def line_blocks(self, blocks: int) -> int:
+        """Blocks per 64-byte line of the stored row (1 where lines do not tile the row: a prefetch per block)."""
+        per = 64 // self.block_bytes
+        return per if per and blocks % per == 0 else 1
+
+    def scale_lines(self, D: int) -> int:
+        """Cache lines of one row's scales (0 for a float row): prefetched up front, they are a few lines."""
+        return -(-(D // QUANT_BLOCK) * itemsize(self.sdtype) // 64) if self.quantized else 0
+
+    def row_bytes(self, D: int) -> int:
+        """Bytes of one stored row, its scales included."""
+        scales = D // QUANT_BLOCK * itemsize(self.sdtype) if self.quantized else 0
+        return self.stored(D) * itemsize(self.storage) + scales
+
+    def weight(self, w, row, blk, u, v):
+        """Element v of vector u of block blk of row `row`, as fp32, unscaled (int4: + 8, see `offset`)."""
+        if not self.quantized:
+            return load_f32(w[row, blk * self.block + u * self.lanes + v], self.storage)
+        return compute.quant_value(w, row, blk, u, v, self.bits, centred=False)
+
+    def coefficient(self, a, rs, blk):
+        """An axpy's factor for block blk: a for a float row; rs[blk] (a times the block's scale, made per row)
+        for a quantized one."""
+        return rs[blk] if self.quantized else a
+
+    def block_dot(self, x, w, rs, row, blk, v):
+        """Lane v of block blk's share of w[row] . x: a float row's vector FMA term; a quantized row's vector
+        products summed, then scaled once."""
+        if not self.quantized:
+            return self.weight(w, row, blk, 0, v) * x[0, blk * self.block + v]
+        total = x[0, blk * self.block + v] * self.weight(w, row, blk, 0, v)
+        for u in range(1, self.vectors):
+            total = total + x[0, blk * self.block + u * self.lanes + v] * self.weight(w, row, blk, u, v)
+        return total * rs[blk]
+
+
+QUANT_LANES = QUANT_BLOCK // 2  # a quantized row's vectors: half a block, one nibble of 16 int4 bytes
+
+
+def float_rows(D: int, wdtype: str) -> RowFormat:
+    return RowFormat(wdtype, _lanes(D))
+
+
+QUANT_PREFETCH_BYTES = 4096
+"""sparse_ffn_q prefetches the rows of the neuron this many bytes of rows later (int4 at D = 2048: 4 rows of
+1,152 bytes; int8: 2 of 2,176) instead of one row: a short row prefetched one ahead arrives late. Measured
+2026-12-01 (benchmarks/bench_sparse_in_model.py, 6 layers of 2048 x 8192 between attention GEMVs, one thread,
+medians of 4-5 rounds): int4 1, 2, 4, 8 rows ahead 0.31, 0.29, 0.26, 0.26 ms a call at 10% selected, int8 1 and
+2 rows 0.32, 0.27 ms; prefetcht0 (locality 3) was slower (0.32 ms at 4 rows)."""
+
+
+def quant_prefetch_rows(D: int, bits: int, sdtype: str = "float16") -> int:
+    """Rows ahead for QUANT_PREFETCH_BYTES, at most 8 (no more was measured to help)."""
+    return min(8, max(1, -(-QUANT_PREFETCH_BYTES // quant_rows(D, bits, sdtype).row_bytes(D))))
+
+
+def quant_rows(D: int, bits: int, sdtype: str = "float16") -> RowFormat:
+    compute.quant_width(D, bits)  # (refuses a row that is not whole blocks)
+    return RowFormat(compute.quant_storage(bits), QUANT_LANES, bits, sdtype)
+
+
 def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", prefetch_rows: int | None = None,
                prefetch_locality: int | None = None):
     """A decode step of one sparse FFN part: up, activation and down in one kernel.
@@ -188,32 +292,115 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
     """
     if rows != 1:
         raise ValueError("sparse_ffn runs in decode only")
+    kernel = _sparse_ffn(D, n, float_rows(D, wdtype), gated=gated, act=act, prefetch_rows=prefetch_rows,
+                         prefetch_locality=prefetch_locality)
+    return drop_params(kernel, ["w_up_s", "w_down_s"]).with_attr("global_symbol", name)
+
+
+def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16",
+                 prefetch_rows: int | None = None, prefetch_locality: int | None = None):
+    """`sparse_ffn` over block-quantized rows (int8 or int4 by `bits`, the rows layout of
+    `passes.kernels.quant`, scales in `sdtype`).
+
+    Args: x[1, D], idx[1, n], count[1, 1], w_up_q[(2 if gated) n, D or D/2], w_up_s[(2 if gated) n, D/32],
+    b_up[(2 if gated) n], w_down_q[n, D or D/2], w_down_s[n, D/32], h[1, n], fired[1, n] int32,
+    scratch[FFN_TASKS, D], out[1, D]. A dot product accumulates x * q over a block in fp32 and multiplies by
+    the block's scale once; the down axpy adds (h * scale) * q. An int4 row is D/2 bytes and D/32 scales:
+    fewer lines to read and prefetch than an fp16 row's 2 D bytes, so more rows are prefetched ahead
+    (QUANT_PREFETCH_BYTES) unless `prefetch_rows` says otherwise.
+
+    The arithmetic, not the bytes, bounds an int4 row: per 32 weights a widening, a mask and a shift, two
+    conversions and three FMAs. Measured 2026-12-01 (2.6 GHz EPYC VM, AVX-512, one thread, rows in L2, D = 2048):
+    a row's dot product took 119 ns in int4, 96 in int8, 103 in fp16, 108 in fp32 (whose bound is the FMA
+    chains' latency); between attention GEMVs over 6 layers, one thread, 10% selected: 0.30 ms a call in int4,
+    0.29 int8, 0.43 fp16, 0.69 fp32 (4.9, 9.3, 11.7, 14.7 GB/s of rows and scales read).
+    """
+    if rows != 1:
+        raise ValueError("sparse_ffn_q runs in decode only")
+    if prefetch_rows is None:
+        prefetch_rows = quant_prefetch_rows(D, bits, sdtype)
+    kernel = _sparse_ffn(D, n, quant_rows(D, bits, sdtype), gated=gated, act=act, prefetch_rows=prefetch_rows,
+                         prefetch_locality=prefetch_locality)
+    return kernel.with_attr("global_symbol", name)
+
+
+def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: int | None,
+                prefetch_locality: int | None):
+    """sparse_ffn's kernel over rows read as `fmt` says, with a scales buffer after each weight (w_up_s,
+    w_down_s; the float formats' are placeholders the caller drops).
+
+    A quantized row's scales become fp32 factors first (rs: the scales for a dot product, h * scales for an
+    axpy). int4's offset (values stored + 8) is taken out once per row, not per weight: a dot product subtracts
+    8 * sum over blocks of rs[b] * xs[b] (xs[b]: block b's sum of x, once per call), an axpy adds 8 * rs[b]
+    into off[b], which each task subtracts from its scratch row at the end."""
     actf = compute.activation(act, MATH)
     relu = act == "relu"
-    lanes = _lanes(D)
-    chains = DOT_CHAINS if (D // lanes) % DOT_CHAINS == 0 else 1
-    steps = D // lanes // chains
-    line, line_vectors, lines = _row_lines(D, lanes, wdtype)
-    per_step = max(1, chains * lanes // line)  # prefetches per dot-product step
+    lanes, vectors, block = fmt.lanes, fmt.vectors, fmt.block
+    int4 = fmt.bits == 4
+    blocks = D // block
+    chains = DOT_CHAINS if blocks % DOT_CHAINS == 0 else 1
+    steps = blocks // chains
+    line_blocks = fmt.line_blocks(blocks)
+    per_step = max(1, chains // line_blocks)  # prefetches per dot-product step
+    lines = blocks // line_blocks
+    stored = fmt.stored(D)
+    last_stored = stored - 1
+    sblocks = D // QUANT_BLOCK if fmt.quantized else 1
+    scale_lines = fmt.scale_lines(D)
+    per_scale_line = 64 // itemsize(fmt.sdtype)
+    offset = fmt.offset
+    has_offset = offset > 0  # (TVMScript branches on Python bools only)
+    slanes = lanes if sblocks % lanes == 0 else 1  # the offset sums over blocks: in acc's vectors when they tile
+    half = QUANT_BLOCK // 2
+    factors = sblocks if fmt.quantized else 0  # (empty buffers cost nothing: a float kernel allocates none)
+    sums = sblocks if has_offset else 0
     width = 2 * n if gated else n
     tasks = FFN_TASKS
     ahead = PREFETCH_ROWS if prefetch_rows is None else prefetch_rows
     locality = PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality
 
     @T.macro
-    def row_dot(acc, dot, x, w, row, slot, w_next, next_row):
-        """dot[slot] = w[row] . x in `chains` vector accumulators and one horizontal sum, prefetching the
-        row w_next[next_row] line by line as it goes (spread out, so the prefetches overlap the FMAs
-        instead of queueing up in front of them)."""
+    def prefetch_scales(ws_next, next_row):
+        """The scales of the row to come, all of them up front (a few lines; a float row has none)."""
+        if fmt.quantized:
+            for q in T.unroll(scale_lines):
+                _prefetch(T.address_of(ws_next[next_row, T.min(q * per_scale_line, sblocks - 1)]), locality)
+
+    @T.macro
+    def block_sums(xs, x):
+        """xs[b] = the sum of x over block b (int4's offset term), two half-block vectors and a horizontal sum."""
+        if has_offset:
+            for b in range(sblocks):
+                part = T.alloc_local((half,), "float32")
+                for v in T.vectorized(half):
+                    part[v] = x[0, b * QUANT_BLOCK + v] + x[0, b * QUANT_BLOCK + half + v]
+                xs[b] = part[0]
+                for v in T.unroll(1, half):
+                    xs[b] = xs[b] + part[v]
+
+    @T.macro
+    def row_dot(acc, dot, rs, xs, x, w, ws, row, slot, w_next, ws_next, next_row):
+        """dot[slot] = w[row] . x in `chains` vector accumulators (a block each per step) and one horizontal
+        sum, prefetching the row w_next[next_row] line by line as it goes (spread out, so the prefetches overlap
+        the FMAs instead of queueing up in front of them)."""
+        prefetch_scales(ws_next, next_row)
+        if fmt.quantized:
+            for b in T.vectorized(sblocks):
+                rs[b] = load_f32(ws[row, b], fmt.sdtype)
         for c in T.unroll(chains):
             for v in T.vectorized(lanes):
                 acc[c, v] = T.float32(0)
         for s in range(steps):
             for q in T.unroll(per_step):
-                _prefetch(T.address_of(w_next[next_row, T.min(s * chains * lanes + q * line, D - 1)]), locality)
+                _prefetch(T.address_of(w_next[next_row, T.min(fmt.stored((s * chains + q * line_blocks) * block),
+                                                              last_stored)]), locality)
             for c in T.unroll(chains):
                 for v in T.vectorized(lanes):
-                    acc[c, v] = acc[c, v] + load_f32(w[row, (s * chains + c) * lanes + v], wdtype) * x[0, (s * chains + c) * lanes + v]
+                    acc[c, v] = acc[c, v] + fmt.block_dot(x, w, rs, row, s * chains + c, v)
+        if has_offset:
+            for b in range(sblocks // slanes):
+                for v in T.vectorized(slanes):
+                    acc[0, v] = acc[0, v] - T.float32(offset) * rs[b * slanes + v] * xs[b * slanes + v]
         for c in T.unroll(1, chains):
             for v in T.vectorized(lanes):
                 acc[0, v] = acc[0, v] + acc[c, v]
@@ -222,21 +409,47 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
             dot[slot] = dot[slot] + acc[0, v]
 
     @T.macro
-    def row_axpy(y, t, a, w, row, w_next, next_row):
-        """y[t, :] += a * w[row], prefetching w_next[next_row] a line per line consumed."""
-        for s in range(lines):
-            _prefetch(T.address_of(w_next[next_row, T.min(s * line, D - 1)]), locality)
-            for u in T.unroll(line_vectors):
+    def axpy_block(y, t, a, rs, w, row, blk):
+        """y[t, block blk] += the block's coefficient * w's block. int4: the 16 bytes are widened once, into
+        `wide`, and both nibbles cut from it (separate loads of the two halves compile to byte-wide masks and
+        two widenings, as in an 8-bit lane there is no shift)."""
+        if int4:
+            wide = T.alloc_local((lanes,), "int32")
+            for v in T.vectorized(lanes):
+                wide[v] = compute.int4_byte(w, row, blk, v)
+            for u in T.unroll(2):
                 for v in T.vectorized(lanes):
-                    y[t, (s * line_vectors + u) * lanes + v] = (
-                        y[t, (s * line_vectors + u) * lanes + v]
-                        + a * load_f32(w[row, (s * line_vectors + u) * lanes + v], wdtype))
+                    y[t, blk * block + u * lanes + v] = (y[t, blk * block + u * lanes + v]
+                                                         + rs[blk] * compute.int4_nibble(wide[v], u))
+        else:
+            for u in T.unroll(vectors):
+                for v in T.vectorized(lanes):
+                    y[t, blk * block + u * lanes + v] = (y[t, blk * block + u * lanes + v]
+                                                         + fmt.coefficient(a, rs, blk) * fmt.weight(w, row, blk, u, v))
+
+    @T.macro
+    def row_axpy(y, t, a, rs, off, w, ws, row, w_next, ws_next, next_row):
+        """y[t, :] += a * w[row] (a quantized block: (a * scale) * q), prefetching w_next[next_row] a line per
+        line consumed."""
+        prefetch_scales(ws_next, next_row)
+        if fmt.quantized:
+            for b in T.vectorized(sblocks):
+                rs[b] = a * load_f32(ws[row, b], fmt.sdtype)
+                if has_offset:
+                    off[b] = off[b] + rs[b]
+        for s in range(lines):
+            _prefetch(T.address_of(w_next[next_row, T.min(fmt.stored(s * line_blocks * block), last_stored)]),
+                      locality)
+            for b in T.unroll(line_blocks):
+                axpy_block(y, t, a, rs, w, row, s * line_blocks + b)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w_up: T.Buffer((width, D), wdtype), b_up: T.Buffer((width,), "float32"),
-               w_down: T.Buffer((n, D), wdtype), h: T.Buffer((1, n), "float32"), fired: T.Buffer((1, n), "int32"),
-               scratch: T.Buffer((tasks, D), "float32"), out: T.Buffer((1, D), "float32")):
+               w_up: T.Buffer((width, stored), fmt.storage), w_up_s: T.Buffer((width, sblocks), fmt.sdtype),
+               b_up: T.Buffer((width,), "float32"), w_down: T.Buffer((n, stored), fmt.storage),
+               w_down_s: T.Buffer((n, sblocks), fmt.sdtype), h: T.Buffer((1, n), "float32"),
+               fired: T.Buffer((1, n), "int32"), scratch: T.Buffer((tasks, D), "float32"),
+               out: T.Buffer((1, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         for t in T.parallel(tasks):
             first = clamp_count(count[0, 0], n) * t // tasks
@@ -244,11 +457,16 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
             acc = T.alloc_local((chains, lanes), "float32")
             dot = T.alloc_local((2,), "float32")
             listed = T.alloc_local((1,), "int32")
+            rs = T.alloc_local((factors,), "float32")  # a quantized row's fp32 scale factors
+            xs = T.alloc_local((sums,), "float32")  # int4: x's block sums
+            off = T.alloc_local((sums,), "float32")  # int4: the offsets the axpys added, per block
             listed[0] = first
+            block_sums(xs, x)
             # 1. the first row of every selected neuron; list the ones that fired
             for k in range(first, last):
                 row = clamp_index(idx[0, k], n)
-                row_dot(acc, dot, x, w_up, row, 0, w_up, clamp_index(idx[0, T.min(k + ahead, last - 1)], n))
+                row_dot(acc, dot, rs, xs, x, w_up, w_up_s, row, 0, w_up, w_up_s,
+                        clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one would cost a workspace)
                 dot[0] = actf(dot[0] + b_up[row])
                 h[0, k] = dot[0]
                 if not relu or dot[0] != T.float32(0):
@@ -257,25 +475,32 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
             # 2. the other rows of the neurons that fired
             for j in T.vectorized(D):
                 scratch[t, j] = T.float32(0)
+            if has_offset:
+                for b in T.vectorized(sblocks):
+                    off[b] = T.float32(0)
             for i in range(first, listed[0]):
                 k = fired[0, i]
                 row = clamp_index(idx[0, k], n)
                 after = clamp_index(idx[0, fired[0, T.min(i + ahead, listed[0] - 1)]], n)  # a later listed neuron's row
                 dot[0] = h[0, k]
                 if gated:
-                    row_dot(acc, dot, x, w_up, n + row, 1, w_down, row)
+                    row_dot(acc, dot, rs, xs, x, w_up, w_up_s, n + row, 1, w_down, w_down_s, row)
                     dot[0] = dot[0] * (dot[1] + b_up[n + row])  # the GLU, act(gate) taken in step 1
                     h[0, k] = dot[0]
-                    row_axpy(scratch, t, dot[0], w_down, row, w_up, n + after)
+                    row_axpy(scratch, t, dot[0], rs, off, w_down, w_down_s, row, w_up, w_up_s, n + after)
                 else:
-                    row_axpy(scratch, t, dot[0], w_down, row, w_down, after)
+                    row_axpy(scratch, t, dot[0], rs, off, w_down, w_down_s, row, w_down, w_down_s, after)
+            if has_offset:
+                for b in range(sblocks):
+                    for v in T.vectorized(QUANT_BLOCK):
+                        scratch[t, b * QUANT_BLOCK + v] = scratch[t, b * QUANT_BLOCK + v] - T.float32(offset) * off[b]
         for j in T.vectorized(D):
             out[0, j] = scratch[0, j]
         for t in range(1, tasks):
             for j in T.vectorized(D):
                 out[0, j] = out[0, j] + scratch[t, j]
 
-    return kernel.with_attr("global_symbol", name)
+    return kernel
 
 COLUMN_TASKS = 8  # sparse_columns: parallel tasks, each over an equal share of the selected rows
 COLUMN_ROWS = 4  # sparse_columns: selected rows accumulated per pass over a task's partial sums
@@ -397,18 +622,18 @@ def linear_rows(name, K, N, *, rows, act="none", wdtype="float32", tile_panels=1
 
 
 def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16"):
-    """``sparse_up`` over quant rows.  Args: x[1, D], idx[1, n], count[1, 1], w_q[(2 if gated) n, D or D/2],
-    w_s[(2 if gated) n, D/32], b[(2 if gated) n], h[1, n]. Active neurons in parallel, a serial dot each."""
+    """``sparse_up`` over quant rows.  Args: x[1, D], idx[1, n], count[1, 1], w[(2 if gated) n, D or D/2],
+    ws[(2 if gated) n, D/32], b[(2 if gated) n], h[1, n]. Active neurons in parallel, a serial dot each."""
     if rows != 1:
         raise ValueError("sparse_up_q runs in decode only")
     actf = compute.activation(act, MATH)
     width = 2 * n if gated else n
-    qw, storage, nb = compute.qrows_width(D, bits), compute.qrows_storage(bits), D // QUANT_BLOCK
+    qw, storage, nb = compute.quant_width(D, bits), compute.quant_storage(bits), D // QUANT_BLOCK
     compute.qrows_check_sdtype(sdtype)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w_q: T.Buffer((width, qw), storage), w_s: T.Buffer((width, nb), sdtype),
+               w: T.Buffer((width, qw), storage), ws: T.Buffer((width, nb), sdtype),
                b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
         T.func_attr({"tirx.noalias": True})
         for k in T.parallel(clamp_count(count[0, 0], n)):
@@ -419,9 +644,9 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
             if gated:
                 tot[1] = b[n + row]
             for j in range(D):
-                tot[0] = tot[0] + x[0, j] * compute.qrows_weight(w_q, w_s, row, j, bits, sdtype)
+                tot[0] = tot[0] + x[0, j] * compute.qrows_weight(w, ws, row, j, bits, sdtype)
                 if gated:
-                    tot[1] = tot[1] + x[0, j] * compute.qrows_weight(w_q, w_s, n + row, j, bits, sdtype)
+                    tot[1] = tot[1] + x[0, j] * compute.qrows_weight(w, ws, n + row, j, bits, sdtype)
             if gated:
                 h[0, k] = glu_unit(actf, tot[0], tot[1])
             else:
@@ -431,16 +656,16 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
 
 
 def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
-    """``sparse_down`` over quant rows.  Args: h[1, n], idx[1, n], count[1, 1], w_q[n, D or D/2], w_s[n, D/32],
+    """``sparse_down`` over quant rows.  Args: h[1, n], idx[1, n], count[1, 1], w[n, D or D/2], ws[n, D/32],
     out[1, D]. Blocks of 32 columns in parallel, each walking every active row."""
     if rows != 1:
         raise ValueError("sparse_down_q runs in decode only")
-    qw, storage, nb = compute.qrows_width(D, bits), compute.qrows_storage(bits), D // QUANT_BLOCK
+    qw, storage, nb = compute.quant_width(D, bits), compute.quant_storage(bits), D // QUANT_BLOCK
     compute.qrows_check_sdtype(sdtype)
 
     @T.prim_func
     def kernel(h: T.Buffer((1, n), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w_q: T.Buffer((n, qw), storage), w_s: T.Buffer((n, nb), sdtype), out: T.Buffer((1, D), "float32")):
+               w: T.Buffer((n, qw), storage), ws: T.Buffer((n, nb), sdtype), out: T.Buffer((1, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         for c in T.parallel(nb):
             for j in range(QUANT_BLOCK):
@@ -449,6 +674,6 @@ def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
                 row = clamp_index(idx[0, k], n)
                 for j in range(QUANT_BLOCK):
                     out[0, c * QUANT_BLOCK + j] = out[0, c * QUANT_BLOCK + j] + h[0, k] * compute.qrows_weight(
-                        w_q, w_s, row, c * QUANT_BLOCK + j, bits, sdtype)
+                        w, ws, row, c * QUANT_BLOCK + j, bits, sdtype)
 
     return kernel.with_attr("global_symbol", name)

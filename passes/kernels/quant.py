@@ -20,12 +20,15 @@ A quantized axis must be a whole number of blocks (`quantizable`); other weights
 from __future__ import annotations
 
 import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
 
-from runtime.dtypes import QUANT_BLOCK, WeightFormat
+from picompile.sizes import float_format
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat
 
+from . import cpu as _cpu
+from .compute import drop_params, load_f32, row_dim
 from .cpu import PANEL
-
-INT4_OFFSET = 8  # int4 values are stored as q + 8, in [0, 15]
 
 
 def quantizable(shape, axis: int, block: int = QUANT_BLOCK) -> bool:
@@ -43,18 +46,16 @@ def _blocked(w: np.ndarray, axis: int, block: int) -> np.ndarray:
 
 def quantize(w: np.ndarray, fmt: WeightFormat, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Round-to-nearest block quantization of the matrix `w` along `axis`: (q, scales), q int8 shaped like w
-    (int8: [-127, 127]; int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the
-    block. q * scales (each scale repeated over its block) is the dequantized weight (`dequantize`)."""
-    blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
-    if fmt.bits == 8:
-        scale = np.abs(blocks).max(axis=-1) / 127.0
-        low, high = -127, 127
-    elif fmt.bits == 4:  # the block's largest-magnitude weight maps to -8 exactly (Q4_0, MatMulNBits symmetric)
-        pick = np.abs(blocks).argmax(axis=-1)
-        scale = np.take_along_axis(blocks, pick[..., None], axis=-1)[..., 0] / -8.0
-        low, high = -8, 7
-    else:
+    (int8: [-128, 127]; int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the
+    block. q * scales (each scale repeated over its block) is the dequantized weight (`dequantize`).
+    The block's largest-magnitude weight maps to -2^(bits-1) exactly (Q4_0's rule, MatMulNBits' symmetric
+    one), so an imported MatMulNBits weight re-quantizes to its own values."""
+    if fmt.bits not in (4, 8):
         raise ValueError(f"{fmt.name} is not a block-quantized format")
+    blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
+    low, high = -(1 << (fmt.bits - 1)), (1 << (fmt.bits - 1)) - 1
+    pick = np.abs(blocks).argmax(axis=-1)
+    scale = np.take_along_axis(blocks, pick[..., None], axis=-1)[..., 0] / float(low)
     scale = scale.astype(fmt.scale_dtype)
     stored = scale.astype(np.float32)[..., None]  # round with the scale as stored, so q * scale is exact
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -67,6 +68,15 @@ def dequantize(q: np.ndarray, scales: np.ndarray, axis: int) -> np.ndarray:
     """The float32 matrix that `quantize`'s (q, scales) stand for."""
     block = q.shape[axis] // scales.shape[axis]
     return q.astype(np.float32) * np.repeat(scales.astype(np.float32), block, axis=axis)
+
+
+def as_stored(w: np.ndarray, fmt: WeightFormat, axis: int) -> np.ndarray:
+    """The float32 values the matrix `w` holds once stored in `fmt` (blocked along `axis` where it is whole
+    blocks, else in the build's float format, `sizes.float_format`): what a kernel will read. Passes that fit
+    something to a stored weight (predict's thresholds) fit it to these."""
+    if fmt.quantized and quantizable(w.shape, axis, fmt.block):
+        return dequantize(*quantize(w, fmt, axis), axis)
+    return np.asarray(w, np.float32).astype(float_format(fmt).storage).astype(np.float32)
 
 
 def pack_rows(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
@@ -104,3 +114,365 @@ def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[n
     stored = (q_panels.astype(np.int16) + INT4_OFFSET).astype(np.uint8)
     half = PANEL // 2
     return np.ascontiguousarray(stored[..., :half] | (stored[..., half:] << 4)), s_panels
+
+
+# --------------------------------------------------------------------------------------------
+# CPU kernels over quantized panels (TVMScript, the loops are the schedule; see cpu._gemv_panels)
+# --------------------------------------------------------------------------------------------
+
+HALF = PANEL // 2  # int4 panels: bytes per k step (columns v and v + 8 share byte v)
+
+
+def _gemv_group(panels):
+    return next(g for g in (_cpu.GEMV_PANELS, 2, 1)
+                if panels % g == 0 and (panels // g >= _cpu.GEMV_MIN_TASKS or g == 1))
+
+
+def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None):
+    """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in the quant panels layout.  Args: x, w, ws, (b), (res), y.
+
+    int8: w [P, K, 16] int8; int4: w [P, K, 8] uint8 (q + 8 nibbles); ws [P, K / 32, 16] in `sdtype`.
+    Each parallel task takes `group` adjacent panels; per 32-row block it sums x[k] * q in registers and adds
+    that sum times the block's scales to the accumulators (one multiply per block). int4 reads two k steps
+    (16 bytes) per vector: lanes 0-7 are row k, 8-15 row k + 1, so a k pair's low nibbles are one vector
+    (columns 0-7) and its high nibbles another (columns 8-15), against x[k] x8 ++ x[k+1] x8 (xp, made once
+    per call); the +8 offset is folded into the block sums' start, -8 * sum(x) over the block (xc).
+    """
+    B = QUANT_BLOCK
+    if K % B:
+        raise ValueError(f"K = {K} is not a whole number of {B}-blocks")
+    panels = -(-N // PANEL)
+    group = group or _gemv_group(panels)
+    width = group * PANEL
+    nb = K // B
+    full = N % width == 0
+    epilogue = _cpu._epilogue(act, bias, residual)
+
+    if bits == 8:
+        @T.prim_func
+        def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), "int8"),
+                   ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+                   res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+            T.func_attr({"tirx.noalias": True})
+            for t in T.parallel(panels // group):
+                acc = T.alloc_local((width,), "float32")
+                part = T.alloc_local((width,), "float32")
+                for j in T.vectorized(width):
+                    acc[j] = T.float32(0)
+                for kb in range(nb):
+                    for j in T.vectorized(width):
+                        part[j] = T.float32(0)
+                    for kk in range(B):
+                        for g in T.unroll(group):
+                            for v in T.vectorized(PANEL):
+                                part[g * PANEL + v] = part[g * PANEL + v] + x[0, kb * B + kk] * T.Cast(
+                                    "float32", w[t * group + g, kb * B + kk, v])
+                    for g in T.unroll(group):
+                        for v in T.vectorized(PANEL):
+                            acc[g * PANEL + v] = acc[g * PANEL + v] + part[g * PANEL + v] * load_f32(
+                                ws[t * group + g, kb, v], sdtype)
+                for j in (T.vectorized if full else T.serial)(width):
+                    if full or t * width + j < N:
+                        y[0, t * width + j] = epilogue(acc[j], b, res, 0, t * width + j)
+    elif bits == 4:
+        @T.prim_func
+        def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
+                   ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+                   res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+            T.func_attr({"tirx.noalias": True})
+            qf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
+            xp = T.alloc_buffer((K // 2, PANEL), "float32")
+            xc = T.alloc_buffer((nb, PANEL), "float32")
+            for j in range(K // 2):
+                for v in T.vectorized(PANEL):
+                    xp[j, v] = x[0, 2 * j + v // HALF]
+            for kb in range(nb):
+                for v in T.vectorized(PANEL):
+                    xc[kb, v] = T.float32(0)
+                for j in range(B // 2):
+                    for v in T.vectorized(PANEL):
+                        xc[kb, v] = xc[kb, v] - T.float32(INT4_OFFSET) * xp[kb * (B // 2) + j, v]
+            for t in T.parallel(panels // group):
+                acc = T.alloc_local((group, 2, PANEL), "float32")
+                part = T.alloc_local((group, 2, PANEL), "float32")
+                for g, h in T.grid(group, 2):
+                    for v in T.vectorized(PANEL):
+                        acc[g, h, v] = T.float32(0)
+                for kb in range(nb):
+                    for g, h in T.grid(group, 2):
+                        for v in T.vectorized(PANEL):
+                            part[g, h, v] = xc[kb, v]
+                    for j in T.unroll(B // 2):
+                        for g in T.unroll(group):
+                            for v in T.vectorized(PANEL):
+                                part[g, 0, v] = part[g, 0, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
+                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] & T.uint8(15))
+                                part[g, 1, v] = part[g, 1, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
+                                    qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] >> T.uint8(4))
+                    for g, h, half in T.grid(group, 2, 2):
+                        for c in T.vectorized(HALF):
+                            acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * load_f32(
+                                ws[t * group + g, kb, h * HALF + c], sdtype)
+                for g, h in T.grid(group, 2):
+                    for c in (T.vectorized if full else T.serial)(HALF):
+                        if full or t * width + g * PANEL + h * HALF + c < N:
+                            y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
+                                acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
+    else:
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+# int8 activations for int4 weights: x is quantized per 32-block (ORT's accuracy_level 4, llama.cpp's Q8_0 x)
+# and the block sums are integer dot products of the stored bytes (u8, q + 8) with x's (s8).
+OCTET = 8  # k steps per 64-byte vector of an int4 panel
+# byte 4 l + j of a permuted octet = column l % 8 at k step 4 (l // 8) + j: each dword one column's 4 k steps
+_OCTET_PERM = [8 * (4 * (e // 32) + e % 4) + (e // 4) % 8 for e in range(64)]
+DOTS = {
+    "vnni": "llvm.x86.avx512.vpdpbusd.512",  # AVX512-VNNI: one instruction per 64 products
+    "madd": "llvm.x86.avx512.pmaddubs.w.512",  # AVX512BW: vpmaddubsw + vpmaddwd + vpaddd
+}
+
+
+def _dot_u8s8(dot, acc, a, b):
+    """acc[l] + sum_j a[4 l + j] * b[4 l + j] (int32x16; a unsigned, b signed bytes)."""
+    if dot == "vnni":
+        return T.call_llvm_pure_intrin("int32x16", DOTS["vnni"], acc, a, b)
+    pairs = T.call_llvm_pure_intrin("int16x32", DOTS["madd"], a, b)  # no saturation: |15 * 127 * 2| < 2^15
+    return acc + T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.pmaddw.d.512", pairs,
+                                         T.broadcast(T.int16(1), 32))
+
+
+def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", residual=False, dot="vnni", group=None):
+    """Decode y[1, N] = act(x[1, K] @ W + b) + res, W int4 quant panels, x quantized to int8 per 32-block.
+    Args: x, w, ws, (b), (res), y (as gemv_panels_q). AVX-512 only: `dot` "vnni" needs a target with
+    AVX512-VNNI, "madd" AVX512BW.
+
+    Per call (serial prologue): x's block scales sx = max|x| / 127, xq = round(x / sx), -8 * sum(xq) per block
+    (the stored offset, folded into the integer sums' start) and xpat, xq's dwords laid out as the permuted
+    weights' (lanes 0-7: k steps 0-3 of an octet, lanes 8-15: 4-7). Per task and block, each 64-byte octet of
+    a panel is permuted so each dword holds one column's 4 k steps (_OCTET_PERM), split into low and high
+    nibbles and dotted with xpat into int32 accumulators; then acc += float(sum) * ws * sx, once per block.
+    """
+    B = QUANT_BLOCK
+    _check(K, N, 4, K, "K")
+    if dot not in DOTS:
+        raise ValueError(f"dot must be one of {sorted(DOTS)}, got {dot!r}")
+    panels = -(-N // PANEL)
+    group = group or _gemv_group(panels)
+    width = group * PANEL
+    nb = K // B
+    full = N % width == 0
+    epilogue = _cpu._epilogue(act, bias, residual)
+    lanes = PANEL  # int32 lanes of a zmm
+    perm = [tirx.IntImm("int32", i) for i in _OCTET_PERM]
+    m15, m4 = T.broadcast(T.uint8(15), 64), T.broadcast(T.uint8(4), 64)
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
+               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        wf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
+        xq = T.alloc_buffer((K,), "int8")
+        xq32 = T.decl_buffer((K // 4,), "int32", data=xq.data)
+        sx = T.alloc_buffer((nb,), "float32")
+        xc = T.alloc_buffer((nb, lanes), "int32")
+        xpat = T.alloc_buffer((K // OCTET, lanes), "int32")
+        xpat8 = T.decl_buffer((K * OCTET,), "int8", data=xpat.data)
+        amax = T.alloc_local((lanes,), "float32")
+        stat = T.alloc_local((2,), "float32")
+        total = T.alloc_local((1,), "int32")
+        for kb in range(nb):
+            for v in T.vectorized(lanes):
+                amax[v] = T.max(T.abs(x[0, kb * B + v]), T.abs(x[0, kb * B + lanes + v]))
+            stat[0] = amax[0]
+            for v in range(1, lanes):
+                stat[0] = T.max(stat[0], amax[v])
+            sx[kb] = stat[0] / T.float32(127)
+            stat[1] = T.if_then_else(stat[0] > T.float32(0), T.float32(127) / stat[0], T.float32(0))
+            for v in T.vectorized(B):
+                xq[kb * B + v] = T.Cast("int8", T.round(x[0, kb * B + v] * stat[1]))
+            total[0] = 0
+            for v in range(B):
+                total[0] = total[0] + T.Cast("int32", xq[kb * B + v])
+            for v in T.vectorized(lanes):
+                xc[kb, v] = T.if_then_else(v < lanes // 2, -INT4_OFFSET * total[0], 0)
+        for o in range(K // OCTET):
+            for v in range(lanes):
+                xpat[o, v] = xq32[2 * o + v // (lanes // 2)]
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((group, 2, lanes), "float32")
+            part = T.alloc_local((group, 2, lanes), "int32")
+            for g, h in T.grid(group, 2):
+                for v in T.vectorized(lanes):
+                    acc[g, h, v] = T.float32(0)
+            for kb in range(nb):
+                for g, h in T.grid(group, 2):
+                    for v in T.vectorized(lanes):
+                        part[g, h, v] = xc[kb, v]
+                for o in T.unroll(B // OCTET):
+                    for g in T.unroll(group):
+                        part[g, 0, T.ramp(0, 1, lanes)] = _dot_u8s8(
+                            dot, part[g, 0, T.ramp(0, 1, lanes)],
+                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * OCTET) * HALF, 1, 64)]], perm) & m15,
+                            xpat8[T.ramp((kb * (B // OCTET) + o) * 64, 1, 64)])
+                        part[g, 1, T.ramp(0, 1, lanes)] = _dot_u8s8(
+                            dot, part[g, 1, T.ramp(0, 1, lanes)],
+                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * OCTET) * HALF, 1, 64)]], perm) >> m4,
+                            xpat8[T.ramp((kb * (B // OCTET) + o) * 64, 1, 64)])
+                for g, h, half in T.grid(group, 2, 2):
+                    for c in T.vectorized(HALF):
+                        acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + T.Cast(
+                            "float32", part[g, h, half * HALF + c]) * (load_f32(ws[t * group + g, kb, h * HALF + c], sdtype)
+                                                                       * sx[kb])
+            for g, h in T.grid(group, 2):
+                for c in (T.vectorized if full else T.serial)(HALF):
+                    if full or t * width + g * PANEL + h * HALF + c < N:
+                        y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
+                            acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
+
+    unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill: cpu.gemm over quantized weights, dequantized into its per-task fp32 panels
+# --------------------------------------------------------------------------------------------
+
+
+def _int4(byte, high):
+    """The int4 weight q (stored q + 8) in the low (high=0) or high (high=1) nibble of `byte`, as fp32.
+    `high` may be an expression (a loop-dependent nibble)."""
+    return T.Cast("float32", ((T.Cast("int32", byte) >> (high * 4)) & 15) - INT4_OFFSET)
+
+
+def _int8(value):
+    return T.Cast("float32", value)
+
+
+def _check(K, N, bits, axis_len, axis):
+    if bits not in (8, 4):
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if axis_len % QUANT_BLOCK or axis_len <= 0:
+        raise ValueError(f"a {K}x{N} weight blocked along {axis} needs {axis} a multiple of {QUANT_BLOCK}")
+
+
+def panels_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
+    """The quant panels layout (pack_panels) as a gemm operand: w [P, K, 16] int8 / [P, K, 8] uint8,
+    ws [P, K / 32, 16]; a task dequantizes its panels k step by k step (one 64 B line of packed per k)."""
+    _check(K, N, bits, K, "K")
+    panels, B = -(-N // PANEL), QUANT_BLOCK
+
+    def make(tile_panels):
+        @T.macro
+        def pack(packed, w, ws, p):
+            for q, k in T.grid(tile_panels, K):
+                if bits == 8:
+                    for v in T.vectorized(PANEL):
+                        packed[q, k, v] = _int8(w[p * tile_panels + q, k, v]) * load_f32(
+                            ws[p * tile_panels + q, k // B, v], sdtype)
+                else:
+                    for v in T.vectorized(HALF):
+                        packed[q, k, v] = _int4(w[p * tile_panels + q, k, v], 0) * load_f32(
+                            ws[p * tile_panels + q, k // B, v], sdtype)
+                        packed[q, k, HALF + v] = _int4(w[p * tile_panels + q, k, v], 1) * load_f32(
+                            ws[p * tile_panels + q, k // B, HALF + v], sdtype)
+
+        return pack
+
+    wq = ((panels, K, PANEL if bits == 8 else HALF), "int8" if bits == 8 else "uint8")
+    return _cpu.GemmWeight(wq, ((panels, K // B, PANEL), sdtype), make)
+
+
+def rows_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
+    """Quant rows of an [N, K] weight (pack_rows of W^T, one row per output: the FFN up rows) as a gemm operand:
+    w [N, K] int8 / [N, K / 2] uint8, ws [N, K / 32]; panel column v is row n, dequantized along k (int4: byte
+    16 b + i of a row holds k = 32 b + i and 32 b + 16 + i)."""
+    _check(K, N, bits, K, "K")
+    B = QUANT_BLOCK
+
+    def make(tile_panels):
+        @T.macro
+        def pack(packed, w, ws, p):
+            for q, v in T.grid(tile_panels, PANEL):
+                n = T.min((p * tile_panels + q) * PANEL + v, N - 1)
+                if bits == 8:
+                    for k in range(K):
+                        packed[q, k, v] = _int8(w[n, k]) * load_f32(ws[n, k // B], sdtype)
+                else:
+                    for kb, i in T.grid(K // B, B // 2):
+                        packed[q, kb * B + i, v] = _int4(w[n, kb * (B // 2) + i], 0) * load_f32(ws[n, kb], sdtype)
+                        packed[q, kb * B + B // 2 + i, v] = _int4(w[n, kb * (B // 2) + i], 1) * load_f32(
+                            ws[n, kb], sdtype)
+
+        return pack
+
+    wq = ((N, K), "int8") if bits == 8 else ((N, K // 2), "uint8")
+    return _cpu.GemmWeight(wq, ((N, K // B), sdtype), make)
+
+
+def kn_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
+    """Quant rows of a [K, N] weight (pack_rows of W, one row per reduction index: the FFN down rows) as a gemm
+    operand: w [K, N] int8 / [K, N / 2] uint8, ws [K, N / 32]. A 32-block of a row is two panels: panel pp
+    reads the block pp // 2 (int4: the low nibbles of its 16 bytes for an even pp, the high ones for an odd)."""
+    _check(K, N, bits, N, "N")
+    B = QUANT_BLOCK
+
+    def make(tile_panels):
+        @T.macro
+        def pack(packed, w, ws, p):
+            for k, q in T.grid(K, tile_panels):
+                pp = p * tile_panels + q
+                for v in T.vectorized(PANEL):
+                    if bits == 8:
+                        packed[q, k, v] = _int8(w[k, pp * PANEL + v]) * load_f32(ws[k, pp // 2], sdtype)
+                    else:
+                        packed[q, k, v] = _int4(w[k, pp // 2 * PANEL + v], pp % 2) * load_f32(ws[k, pp // 2], sdtype)
+
+        return pack
+
+    wq = ((K, N), "int8") if bits == 8 else ((K, N // 2), "uint8")
+    return _cpu.GemmWeight(wq, ((K, N // B), sdtype), make)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel makers (ops.linear_panels_q, ops.linear_rows_q, ops.linear_kn_q)
+# --------------------------------------------------------------------------------------------
+
+
+def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
+                    tile_panels=1, int8_dot=None):
+    """y[m, N] = act(x[m, K] @ W + b) + res, W in the quant panels layout (pack_panels; int8 or int4 by `bits`,
+    scales in `sdtype`).  Args: x, w, ws, (b), (res), y. Decode: gemv_panels_q, or with `int8_dot` ("vnni",
+    "madd"; int4, AVX-512 only) gemv_panels_q4x8 (x quantized to int8 per block: ~1e-2 relative error, like
+    onnxruntime's accuracy_level 4); prefill: cpu.gemm over panels_weight, `tile_panels` per register tile."""
+    if rows == 1 and int8_dot is not None:
+        if bits != 4:
+            raise ValueError("int8 activations are implemented for int4 weights only")
+        return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot)
+    if rows == 1:
+        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual)
+    row_dim(rows)
+    return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
+                     residual=residual, tile_panels=tile_panels)
+
+
+def linear_rows_q(name, K, N, *, rows, bits, sdtype="float16", act="none", tile_panels=1):
+    """y[m, N] = act(x[m, K] @ W[N, K]^T + b), W quantized rows one per output neuron (rows_weight; the FFN up
+    rows, as neuron.linear_rows).  Args: x, w, ws, b (zeros for bias-free models), y. Prefill only."""
+    if rows is not None:
+        raise ValueError("linear_rows_q runs in prefill only")
+    return _cpu.gemm(name, K, N, layout=rows_weight(K, N, bits=bits, sdtype=sdtype), bias=True, act=act,
+                     tile_panels=tile_panels)
+
+
+def linear_kn_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
+                tile_panels=1):
+    """y[m, N] = act(x[m, K] @ W[K, N] + b) + res, W quantized rows one per reduction index (kn_weight; the FFN
+    down rows).  Args: x, w, ws, (b), (res), y. Prefill only (N a multiple of 32)."""
+    if rows is not None:
+        raise ValueError("linear_kn_q runs in prefill only")
+    return _cpu.gemm(name, K, N, layout=kn_weight(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
+                     residual=residual, tile_panels=tile_panels)
