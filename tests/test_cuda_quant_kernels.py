@@ -1,6 +1,6 @@
 """The GPU's weight formats: fp16 weights in the float CUDA kernels, and the kernels over block-quantized weights
-in ``passes.kernels.quant``'s rows layout (``ops.linear_qrows``, ``embed_q``, ``sparse_up_q``,
-``sparse_down_q``).
+in ``passes.kernels.quant``'s rows layout (``ops.linear_qrows``, ``linear_rows_q``, ``linear_kn_q``, ``embed_q``,
+``sparse_up_q``, ``sparse_down_q``).
 
 Everywhere: the CPU twins of the quantized kernels (the same ops' cpu makers) against numpy (weights
 quantized by ``quant.quantize`` / ``pack_rows``, references over ``quant.dequantize``). With nvcc (no GPU
@@ -40,6 +40,7 @@ QLINEAR = {  # name: (K, N, bias, act, residual)
     "runs": (256, 72, True, "silu", True),  # whole 128-byte runs for int8 and int4, 18 GEMV blocks
     "short": (96, 70, False, "none", False),  # 3 blocks a row: idle lanes; N tails (4-row GEMV block, GEMM tile)
 }
+QKN = {"bias": (50, 96, True, True), "wide": (40, 288, False, False)}  # linear_kn_q: (K, N, bias, residual)
 QUP = {"gated": (96, 50, True, "silu"), "plain": (256, 40, False, "relu")}  # (D, n, gated, act)
 QDOWN = {"small": (50, 96), "wide": (40, 288)}  # (n, D); 288 = 9 blocks: a partial last run
 QEMBED = {"pos": (64, MAX_CTX, "d"), "nopos": (96, None, "p")}  # (D, positions, variant)
@@ -75,6 +76,10 @@ def quant_kernels(device):
         for cfg, (D, positions, v) in QEMBED.items():
             funcs.append(make("embed_q")(kn("embq", bits, cfg, v), V, D, rows=ROWS[v], positions=positions,
                                              bits=bits))
+        funcs.append(make("linear_rows_q")(kn("lrq", bits, "p"), 96, 70, rows=None, bits=bits, act="silu"))
+        for cfg, (K, N, bias, res) in QKN.items():
+            funcs.append(make("linear_kn_q")(kn("lknq", bits, cfg, "p"), K, N, rows=None, bits=bits, bias=bias,
+                                             act="relu" if bias else "none", residual=res))
     # fp32 scales, one of each kind
     K, N, bias, act, res = QLINEAR["short"]
     for v, rows in ROWS.items():
@@ -330,6 +335,23 @@ def test_linear_qrows(run, bits, cfg, sdtype, m):
         y1 = rand(rng, 1, N)
         run(kn("lq", bits, cfg, "p"), *([x, w_q, w_s] + ([b] if bias else []) + ([r] if res else []) + [y1]))
         close(y1, y, tol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3, 70])
+@pytest.mark.parametrize("bits", BITS)
+def test_linear_rows_q(run, bits, m):
+    """The quantized FFN parts' prefill GEMMs: up rows W [N, K] (linear_rows_q), down rows W [K, N] (linear_kn_q)."""
+    rng = np.random.default_rng(30 + bits)
+    w_q, w_s, w = quantized(rng, 70, 96, bits)
+    x, b, y = rand(rng, m, 96, scale=0.5), rand(rng, 70), rand(rng, m, 70)
+    run(kn("lrq", bits, "p"), x, w_q, w_s, b, y)
+    close(y, act_ref(x.astype(np.float64) @ w.T + b, "silu"))
+    for cfg, (K, N, bias, res) in QKN.items():
+        d_q, d_s, d = quantized(rng, K, N, bits)  # W [K, N], blocks along N
+        x2, b2, r2, y2 = rand(rng, m, K, scale=0.5), rand(rng, N), rand(rng, m, N), rand(rng, m, N)
+        run(kn("lknq", bits, cfg, "p"), *([x2, d_q, d_s] + ([b2] if bias else []) + ([r2] if res else []) + [y2]))
+        close(y2, act_ref(x2.astype(np.float64) @ d + (b2 if bias else 0), "relu" if bias else "none")
+              + (r2 if res else 0))
 
 
 def _up_cases():

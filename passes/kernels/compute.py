@@ -450,3 +450,12 @@ def linear_qrows(K, N, rows, *, bias: bool, act: str, residual: bool, math: Math
 
     return _linear(K, N, rows, [w_q, w_s], lambda kk, n: qrows_weight(w_q, w_s, n, kk, bits, sdtype), bias=bias,
                    act=act, residual=residual, math=math, w_rows=True, tile=tile, product=product)
+
+
+def linear_kn_qrows(K, N, rows, *, bias: bool, act: str, residual: bool, math: Math, bits: int, sdtype="float16",
+                    tile=None):
+    """`linear` with W [K, N] stored as quant rows (blocks along N, one row per reduction index: the FFN down
+    rows, quant's ``linear_kn_q``).  Args: x, w [K, N or N/2], ws [K, N/32], (b), (res), y."""
+    w_q, w_s = qrows_placeholders(K, N, bits, sdtype)
+    return _linear(K, N, rows, [w_q, w_s], lambda kk, n: qrows_weight(w_q, w_s, kk, n, bits, sdtype), bias=bias,
+                   act=act, residual=residual, math=math, w_rows=False, tile=tile)

@@ -776,6 +776,25 @@ def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, a
     return sch.mod[name]
 
 
+def linear_rows_q(name, K, N, *, rows, bits: int, sdtype="float16", act="none"):
+    """``linear_rows`` over quant rows, the GPU twin of ``quant.linear_rows_q`` (the FFN up rows, prefill):
+    y[m, N] = act(x @ W[N, K]^T + b).  Args: x, w [N, K or K/2], ws [N, K/32], b, y. ``linear_qrows``' GEMM."""
+    _prefill_only("linear_rows_q", rows)
+    return linear_qrows(name, K, N, rows=rows, bits=bits, sdtype=sdtype, bias=True, act=act)
+
+
+def linear_kn_q(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False):
+    """y[m, N] = act(x[m, K] @ W[K, N] + b) + res with W stored as quant rows one per reduction index (blocks
+    along N: the FFN down rows), the GPU twin of ``quant.linear_kn_q``.  Args: x, w [K, N or N/2], ws [K, N/32],
+    (b), (res), y. Prefill only: ``linear``'s tiled GEMM, the weights dequantized as they are staged."""
+    _prefill_only("linear_kn_q", rows)
+    args = compute.linear_kn_qrows(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, bits=bits,
+                                   sdtype=sdtype, tile=_gemm_tile(rows))
+    sch = compute.schedule(name, args)
+    _gemm(sch, K, w_rows=False)
+    return sch.mod[name]
+
+
 def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
     """``embed`` over a quant-rows table (blocks along D): ``compute.embed_q``, the CPU's ``embed_q``'s definition.
     Args: ids, table_q, table_s, (pos_table, start), y. Elementwise over (row, column), like ``embed``: each

@@ -46,10 +46,11 @@ sparse_ffn_q = KernelOp("sparse_ffn_q", neuron.sparse_ffn_q, None)  # over int8 
 sparse_columns = KernelOp("sparse_columns", neuron.sparse_columns, None)
 merge = KernelOp("merge", neuron.merge, cuda.merge)
 linear_rows = KernelOp("linear_rows", neuron.linear_rows, cuda.linear_rows)
-# block-quantized weights (--weight-dtype int8 / int4): CPU only; the makers also take bits and sdtype (scales)
+# block-quantized weights (--weight-dtype int8 / int4); the makers also take bits and sdtype (scales). The panels
+# are the CPU's alone; the rows kernels (the FFN parts' prefill GEMMs) have GPU twins
 linear_panels_q = KernelOp("linear_panels_q", quant.linear_panels_q, None)
-linear_rows_q = KernelOp("linear_rows_q", quant.linear_rows_q, None)
-linear_kn_q = KernelOp("linear_kn_q", quant.linear_kn_q, None)
+linear_rows_q = KernelOp("linear_rows_q", quant.linear_rows_q, cuda.linear_rows_q)  # quant rows, as on the GPU
+linear_kn_q = KernelOp("linear_kn_q", quant.linear_kn_q, cuda.linear_kn_q)
 # over block-quantized weights in quant's rows layout (the GPU's; the CPU makers are simple twins)
 linear_qrows = KernelOp("linear_qrows", cpu.linear_qrows, cuda.linear_qrows)  # W^T [N, K] as quant rows
 sparse_up_q = KernelOp("sparse_up_q", neuron.sparse_up_q, cuda.sparse_up_q)
