@@ -41,6 +41,9 @@ PY
 section "CUDA kernels: builds for sm_75/80/89/90 + numeric checks on this GPU"
 timeout 420 "$PYTHON" -m pytest -q -rs tests/test_cuda_kernels.py || status=1
 
+section "CUDA kernels over fp16 and int8 / int4 weights: builds for sm_75/86/89/90 + numeric checks on this GPU"
+timeout 240 "$PYTHON" -m pytest -q -rs tests/test_cuda_quant_kernels.py || status=1
+
 section "runtime: the device executor on this GPU (tiny hybrid build; real GPU vs emulation)"
 # test_hybrid_on_the_real_gpu_matches_emulation skips without a GPU; here it must run, so that skip is a failure
 # (the no-GPU refusal test skips here, as it should).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 
@@ -72,3 +73,20 @@ def aligned(array: np.ndarray) -> np.ndarray:
     out = aligned_empty(array.shape, array.dtype)
     out[...] = array
     return out
+
+
+def fatbin_entries(binary):
+    """[(kind, sm, payload)] of a fatbin; kind 1 = PTX, 2 = ELF (SASS), sm e.g. 80.
+
+    Container: u32 magic 0xBA55ED50, u16 version, u16 header size, u64 payload size; then entries,
+    each: u16 kind, u16 version, u32 header size, u64 padded payload size, ..., u32 sm at +0x1c.
+    """
+    magic, _, header, size = struct.unpack_from("<IHHQ", binary, 0)
+    assert magic == 0xBA55ED50, "not a fatbin"
+    entries, pos = [], header
+    while pos < header + size:
+        kind, _, ehs, padded = struct.unpack_from("<HHIQ", binary, pos)
+        sm = struct.unpack_from("<I", binary, pos + 0x1C)[0]
+        entries.append((kind, sm, binary[pos + ehs : pos + ehs + padded]))
+        pos += ehs + padded
+    return entries

@@ -8,7 +8,9 @@ signature of its CPU twin (the same ops.KernelOp's cpu maker).
 
 With a GPU (``tvm.cuda(0).exist``): every kernel is run through ``tvm.runtime.load_module`` of the
 exported library and compared with numpy, and a fresh runtime-only process loads and runs the
-library. These tests skip cleanly elsewhere; ``scripts/gpu_check.sh`` runs them on a GPU machine.
+library. These tests skip cleanly elsewhere; ``scripts/gpu_check.sh`` runs them on a GPU machine. Without a
+GPU, PICOMPILE_CUDA_EMULATE=1 runs the same numpy checks on the CUDA source through ``cuda_emulator`` (g++ on
+the CPU; ~1 minute), all but the runtime-only process test.
 """
 
 import math
@@ -30,7 +32,7 @@ import tvm  # noqa: E402
 
 from passes.kernels import cuda, ops  # noqa: E402
 from picompile.targets import CUDA_ARCHS, CUDA_HOST_ISA, cuda_target  # noqa: E402
-from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
+from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, fatbin_entries, kname  # noqa: E402
 
 if cuda.nvcc_path() is None or not os.path.isdir(os.environ.get("CUDA_PATH", "/usr/local/cuda")):
     pytest.skip("nvcc / the CUDA toolkit is not installed (set CUDA_PATH)", allow_module_level=True)
@@ -147,23 +149,6 @@ def built(arch, build_dir):
         facts = cuda.build(KERNELS, arch, path)
         _BUILDS[arch] = (path, facts, time.perf_counter() - began)
     return _BUILDS[arch]
-
-
-def fatbin_entries(binary):
-    """[(kind, sm, payload)] of a fatbin; kind 1 = PTX, 2 = ELF (SASS), sm e.g. 80.
-
-    Container: u32 magic 0xBA55ED50, u16 version, u16 header size, u64 payload size; then entries,
-    each: u16 kind, u16 version, u32 header size, u64 padded payload size, ..., u32 sm at +0x1c.
-    """
-    magic, _, header, size = struct.unpack_from("<IHHQ", binary, 0)
-    assert magic == 0xBA55ED50, "not a fatbin"
-    entries, pos = [], header
-    while pos < header + size:
-        kind, _, ehs, padded = struct.unpack_from("<HHIQ", binary, pos)
-        sm = struct.unpack_from("<I", binary, pos + 0x1C)[0]
-        entries.append((kind, sm, binary[pos + ehs : pos + ehs + padded]))
-        pos += ehs + padded
-    return entries
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -312,6 +297,10 @@ def make_gpu_runner(kernels, lib_path):
 @pytest.fixture(scope="module")
 def run(build_dir):
     if not gpu_present():
+        if os.environ.get("PICOMPILE_CUDA_EMULATE") == "1":  # opt-in: the CUDA source run on the CPU (cuda_emulator)
+            import cuda_emulator
+
+            return cuda_emulator.Emulated(KERNELS, workdir=str(build_dir)).runner(extra_rows=MAX_ROWS)
         pytest.skip("no CUDA GPU here (tvm.cuda(0).exist is false)")
     path, _, _ = built(gpu_arch(), build_dir)
     return make_gpu_runner(KERNELS, path)
@@ -546,6 +535,8 @@ def test_sparse_out_of_range(run, count):
 def test_runtime_only_process(run, build_dir):
     """A fresh process with TVM_USE_RUNTIME_LIB=1 (no compiler, no NVRTC) loads the library and runs a
     kernel: the device code comes from the embedded fatbin, nothing is compiled at load time."""
+    if not gpu_present():
+        pytest.skip("needs a GPU (the emulation runs no CUDA runtime)")
     path, _, _ = built(gpu_arch(), build_dir)
     script = textwrap.dedent(
         f"""

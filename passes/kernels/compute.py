@@ -247,23 +247,32 @@ def linear(K, N, rows, *, bias: bool, act: str, residual: bool, math: Math, wdty
     and columns, and acc covers the padded shape: every loop of such a GEMM is whole, so no bound check
     leaves its buffers with a symbolic size (the CUDA code generator refuses those).
     """
+    w = te.placeholder((N, K) if w_rows else (K, N), name="w", dtype=wdtype)
+    w_rowmajor = (lambda kk, n: w[n, kk]) if w_rows else (lambda kk, n: w[kk, n])
+    return _linear(K, N, rows, [w], lambda kk, n: load_f32(w_rowmajor(kk, n), wdtype), bias=bias, act=act,
+                   residual=residual, math=math, w_rows=w_rows, tile=tile)
+
+
+def _linear(K, N, rows, weights, w_at, *, bias: bool, act: str, residual: bool, math: Math, w_rows: bool, tile,
+            product=None):
+    """`linear` over any weight storage: ``weights`` are its placeholders (the arguments between x and b),
+    ``w_at(k, n)`` the fp32 weight W[k, n] read from them. ``product(x, i, n)``, if given, is the untiled
+    acc[i, n] (a reduction of its own axes) in place of sum over k of x[i, k] * w_at(k, n)."""
     epilogue = linear_epilogue(activation(act, math), bias, residual)
     m = row_dim(rows)
     x = te.placeholder((m, K), name="x")
-    w = te.placeholder((N, K) if w_rows else (K, N), name="w", dtype=wdtype)
     b = te.placeholder((N,), name="b") if bias else None
     res = te.placeholder((m, N), name="res") if residual else None
     k = te.reduce_axis((0, K), name="k")
-    w_rowmajor = (lambda kk, n: w[n, kk]) if w_rows else (lambda kk, n: w[kk, n])
     x_at, shape = (lambda i, kk: x[i, kk]), (m, N)
-    w_at = lambda kk, n: load_f32(w_rowmajor(kk, n), wdtype)  # noqa: E731
     if tile is not None:
         zero = f32(0.0)
         mp = (m + tile - 1) // tile * tile
         np_ = -(-N // tile) * tile
+        element = w_at
 
         def padded_w(n, kk):
-            return w_at(kk, n) if np_ == N else tirx.if_then_else(n < N, w_at(kk, n), zero)
+            return element(kk, n) if np_ == N else tirx.if_then_else(n < N, element(kk, n), zero)
 
         x_tile = te.compute((mp, K), lambda i, kk: tirx.if_then_else(i < m, x[i, kk], zero), name="x_tile")
         if w_rows:
@@ -273,9 +282,12 @@ def linear(K, N, rows, *, bias: bool, act: str, residual: bool, math: Math, wdty
             w_tile = te.compute((K, np_), lambda kk, n: padded_w(n, kk), name="w_tile")
             w_at = lambda kk, n: w_tile[kk, n]  # noqa: E731
         x_at, shape = (lambda i, kk: x_tile[i, kk]), (mp, np_)
-    acc = te.compute(shape, lambda i, n: te.sum(x_at(i, k) * w_at(k, n), axis=k), name="acc")
+    if product is not None and tile is None:
+        acc = te.compute(shape, lambda i, n: product(x, i, n), name="acc")
+    else:
+        acc = te.compute(shape, lambda i, n: te.sum(x_at(i, k) * w_at(k, n), axis=k), name="acc")
     y = te.compute((m, N), lambda i, n: epilogue(acc[i, n], b, res, i, n), name="y")
-    return [x, w] + ([b] if bias else []) + ([res] if residual else []) + [y]
+    return [x] + list(weights) + ([b] if bias else []) + ([res] if residual else []) + [y]
 
 
 def glu(F, rows, *, act: str, math: Math):
@@ -384,3 +396,66 @@ def merge(D, parts: int, rows, *, bias: bool, residual: bool):
 
     out = te.compute((m, D), add, name="y")
     return ([res] if residual else []) + partials + ([b] if bias else []) + [out]
+
+
+# --------------------------------------------------------------------------------------------
+# Block-quantized rows (``passes.kernels.quant``'s rows layout: blocks of QUANT_BLOCK along each row)
+# --------------------------------------------------------------------------------------------
+
+
+def qrows_check_sdtype(sdtype: str):
+    if sdtype not in ("float16", "float32"):
+        raise ValueError(f"block scales are float16 or float32, not {sdtype!r}")
+
+
+def qrows_value(q, row, column, bits):
+    """Weight ``column`` of row ``row`` of a rows-layout q as the fp32 integer it stands for (no scale):
+    ``quant_value`` with the column split into (block, half, i), the nibble cut out in uint8."""
+    half = QUANT_BLOCK // 2
+    return quant_value(q, row, column // QUANT_BLOCK, column % QUANT_BLOCK // half, column % half, bits, wide=False)
+
+
+def qrows_weight(q, s, row, column, bits, sdtype):
+    """The dequantized fp32 weight [row, column] of a rows-layout (q, scales)."""
+    return qrows_value(q, row, column, bits) * load_f32(s[row, column // QUANT_BLOCK], sdtype)
+
+
+def qrows_placeholders(R, C, bits, sdtype, names=("w", "ws")):
+    """(q [R, C * bits / 8], scales [R, C / 32]) placeholders of a rows-layout weight, named ``names``."""
+    qrows_check_sdtype(sdtype)
+    if C <= 0:
+        raise ValueError("a quantized row has weights")
+    q = te.placeholder((R, quant_width(C, bits)), name=names[0], dtype=quant_storage(bits))
+    s = te.placeholder((R, C // QUANT_BLOCK), name=names[1], dtype=sdtype)
+    return q, s
+
+
+def linear_qrows(K, N, rows, *, bias: bool, act: str, residual: bool, math: Math, bits: int, sdtype="float16",
+                 tile=None):
+    """`linear` with W^T [N, K] stored as quant rows (blocks along K, one row per output: llama.cpp's GPU
+    layout).  Args: x, w [N, K or K/2], ws [N, K/32], (b), (res), y (the names of quant's CPU linears).  Blocks
+    as `linear`'s (w_rows).
+
+    Untiled, acc reduces over three axes (``kb`` block, ``kh`` half, ``ki`` 0..15: k = 32 kb + 16 kh + ki), so
+    that every byte address is affine in them (a single k would put k / 32 and k % 16 in the int4 address)."""
+    w_q, w_s = qrows_placeholders(N, K, bits, sdtype)
+    half = QUANT_BLOCK // 2
+
+    def product(x, i, n):
+        kb = te.reduce_axis((0, K // QUANT_BLOCK), name="kb")
+        kh = te.reduce_axis((0, 2), name="kh")
+        ki = te.reduce_axis((0, half), name="ki")
+        value = quant_value(w_q, n, kb, kh, ki, bits, wide=False) * load_f32(w_s[n, kb], sdtype)
+        return te.sum(x[i, kb * QUANT_BLOCK + kh * half + ki] * value, axis=[kb, kh, ki])
+
+    return _linear(K, N, rows, [w_q, w_s], lambda kk, n: qrows_weight(w_q, w_s, n, kk, bits, sdtype), bias=bias,
+                   act=act, residual=residual, math=math, w_rows=True, tile=tile, product=product)
+
+
+def linear_kn_qrows(K, N, rows, *, bias: bool, act: str, residual: bool, math: Math, bits: int, sdtype="float16",
+                    tile=None):
+    """`linear` with W [K, N] stored as quant rows (blocks along N, one row per reduction index: the FFN down
+    rows, quant's ``linear_kn_q``).  Args: x, w [K, N or N/2], ws [K, N/32], (b), (res), y."""
+    w_q, w_s = qrows_placeholders(K, N, bits, sdtype)
+    return _linear(K, N, rows, [w_q, w_s], lambda kk, n: qrows_weight(w_q, w_s, kk, n, bits, sdtype), bias=bias,
+                   act=act, residual=residual, math=math, w_rows=False, tile=tile)

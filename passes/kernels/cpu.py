@@ -393,6 +393,31 @@ def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none",
 
 
 # --------------------------------------------------------------------------------------------
+# Block-quantized rows (quant's rows layout) for the GPU's kernels: plain TE schedules, so the CPU can stand
+# in for the GPU (emulation) and check it; the CPU's own quantized layouts are the panels.
+# --------------------------------------------------------------------------------------------
+
+
+def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False):
+    """y[m, N] = act(x[m, K] @ W + b) + res with W^T [N, K] in the quant rows layout (``cuda.linear_qrows``'s
+    weights).  Args: x, w [N, K or K/2], ws [N, K/32], (b), (res), y.
+
+    Simple and correct rather than fast: output columns in parallel chunks of 16, each a serial dot product
+    over the row's blocks (decode and prefill alike).
+    """
+    args = compute.linear_qrows(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, bits=bits,
+                                sdtype=sdtype)
+    sch = compute.schedule(name, args)
+    block = sch.get_sblock("acc")
+    i, n, *_ = sch.get_loops(block)
+    no, ni = sch.split(n, [None, PANEL])
+    sch.reorder(no, i, ni)
+    sch.parallel(no)
+    _rowwise(sch, sch.get_sblock("y"), _lanes(N), rows)
+    return sch.mod[name]
+
+
+# --------------------------------------------------------------------------------------------
 # TVMScript kernels (in-place cache writes, causal loop bounds). Per device because the loops are the
 # schedule: here one thread per row (rope) or per (head, row) pair (attention) walking vectors, where
 # the GPU's are thread blocks with cross-thread reductions and an online softmax.

@@ -1,7 +1,7 @@
 """CUDA kernels for picompile (the GPU half of PowerInfer-style execution), generated with TVM 0.27.
 
 The same kernels as ``passes.kernels.cpu`` and ``passes.kernels.neuron`` (``ops`` pairs them): same
-arguments in the same order, same contracts (``compute``'s: fp32, row-major, ``rows=1`` decode variant,
+arguments in the same order, same contracts (``compute``'s: fp32 arithmetic, row-major, ``rows=1`` decode variant,
 ``rows=None`` prefill variant with a symbolic int64 ``m``, int64 scalar ``start``, int32 index and
 count buffers, indices from inputs clamped to their buffers), only the schedules differ: the TE kernels
 are ``compute``'s definitions scheduled here, with exp / erf from ``compute.NATIVE``; the TVMScript
@@ -24,6 +24,12 @@ Schedules, in short (each function's docstring says more):
   a fixed grid walking the data-dependent neuron count in a grid-stride loop;
 * ``sparse_down``: 32 columns per block on ``threadIdx.x``, the active rows split over 16
   ``threadIdx.y`` groups, partial sums added in shared memory;
+* weights: fp32 or fp16 (``wdtype``: fp16 converted to fp32 as it is loaded or staged), or block-quantized
+  int8 / int4 in ``quant``'s rows layout (``linear_qrows``, ``embed_q``, ``sparse_up_q``,
+  ``sparse_down_q``; see their section): a thread takes 4 consecutive bytes of a row per step (one 32-bit
+  load), a warp a coalesced 128-byte run; ``linear_qrows`` decode is a warp per output row (W^T stored
+  [N, K], llama.cpp's GPU matvec layout) with a warp-shuffle reduction, its prefill the tiled GEMM with the
+  weights dequantized into shared memory;
 * ``select``: one block, an ordered parallel compaction (count per thread segment, block prefix sum,
   scatter);
 * ``attention``: one block per (head, row), 128 threads: one key per thread for the scores, online
@@ -68,7 +74,7 @@ from tvm.script import tirx as T
 from picompile.targets import cuda_target
 
 from . import compute
-from .compute import clamp_count, clamp_index, drop_params, glu_unit, rope_high, rope_low, row_dim
+from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32, rope_high, rope_low, row_dim
 
 MATH = compute.NATIVE  # CUDA's own expf / erff: one thread per element, nothing to vectorise
 
@@ -247,12 +253,14 @@ def _gemm(sch, K, w_rows):
 # --------------------------------------------------------------------------------------------
 
 
-def linear(name, K, N, *, rows, bias: bool, act="none", residual=False):
-    """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y.
+def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="float32"):
+    """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y; w in ``wdtype`` (fp32 or fp16,
+    converted to fp32 where it is read: in the GEMV's loads, in the GEMM's shared-memory staging).
 
     Decode: K-split GEMV (``_gemv``). Prefill: shared-memory tiled GEMM (``_gemm``).
     """
-    args = compute.linear(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, tile=_gemm_tile(rows))
+    args = compute.linear(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, wdtype=wdtype,
+                          tile=_gemm_tile(rows))
     sch = compute.schedule(name, args)
     if rows == 1:
         _gemv(sch, K)
@@ -285,12 +293,12 @@ def rms_norm(name, D, eps, *, rows):
     return sch.mod[name]
 
 
-def embed(name, V, D, *, rows, positions: int | None):
-    """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table, (pos_table, start), y.
+def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
+    """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table (``wdtype``), (pos_table, start), y.
 
     Elementwise over (row, column): a gather of whole table rows, coalesced along the row.
     """
-    sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions))
+    sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions, wdtype=wdtype))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 
@@ -302,14 +310,14 @@ def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
     return sch.mod[name]
 
 
-def linear_rows(name, K, N, *, rows, act="none"):
+def linear_rows(name, K, N, *, rows, act="none", wdtype="float32"):
     """y[m, N] = act(x[m, K] @ w[N, K]^T + b), for weights stored one row per output neuron.
 
-    Args: x, w, b (zeros for bias-free models), y. Prefill only: the tiled GEMM of ``linear``
+    Args: x, w (``wdtype``), b (zeros for bias-free models), y. Prefill only: the tiled GEMM of ``linear``
     with the w tile read as [64 neurons, BK] runs of weight rows.
     """
     _prefill_only("linear_rows", rows)
-    args = compute.linear(K, N, rows, bias=True, act=act, residual=False, math=MATH, w_rows=True,
+    args = compute.linear(K, N, rows, bias=True, act=act, residual=False, math=MATH, wdtype=wdtype, w_rows=True,
                           tile=_gemm_tile(rows))
     sch = compute.schedule(name, args)
     _gemm(sch, K, w_rows=True)
@@ -553,11 +561,12 @@ def select(name, n, *, rows, magnitude: bool = False):
     return kernel.with_attr("global_symbol", name)
 
 
-def sparse_up(name, D, n, *, rows, gated: bool, act: str):
+def sparse_up(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
     """Gathered-row GEMV over the active neurons.
 
     Args: x[1, D], idx[1, n], count[1, 1], w[(2 if gated) n, D] (gate rows, then up rows),
-    b[(2 if gated) n] (zeros for bias-free models), h[1, n]. One warp per active neuron: lane l
+    b[(2 if gated) n] (zeros for bias-free models), h[1, n]; w in ``wdtype`` (fp16: half4 loads, converted to
+    fp32 in registers). One warp per active neuron: lane l
     reads floats 4l .. 4l+3 of every 128-float run of the neuron's row (float4, coalesced) and of
     x, then a warp-shuffle all-reduce (xor butterfly) gives every lane the dot product; lane 0
     applies bias and activation and stores h[k]. The count lives on the GPU, so the grid is fixed
@@ -575,7 +584,7 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
 
     @T.prim_func
     def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w: T.Buffer((width, D), "float32"), b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
+               w: T.Buffer((width, D), wdtype), b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
         T.func_attr({"tirx.noalias": True})
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for wy in T.thread_binding(UP_WARPS, thread="threadIdx.y"):
@@ -594,11 +603,12 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
                                 if exact or (c * WARP + lane) * vw < D:
                                     for v in T.vectorized(vw):
                                         acc[0, v] = acc[0, v] + (
-                                            w[row, (c * WARP + lane) * vw + v] * x[0, (c * WARP + lane) * vw + v]
+                                            load_f32(w[row, (c * WARP + lane) * vw + v], wdtype)
+                                            * x[0, (c * WARP + lane) * vw + v]
                                         )
                                         if gated:
                                             acc[1, v] = acc[1, v] + (
-                                                w[n + row, (c * WARP + lane) * vw + v]
+                                                load_f32(w[n + row, (c * WARP + lane) * vw + v], wdtype)
                                                 * x[0, (c * WARP + lane) * vw + v]
                                             )
                             tot[0] = acc[0, 0]
@@ -623,10 +633,10 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
     return kernel.with_attr("global_symbol", name)
 
 
-def sparse_down(name, n, D, *, rows):
+def sparse_down(name, n, D, *, rows, wdtype="float32"):
     """out[0, :] = sum over k < count of h[0, k] * w[idx[0, k], :].
 
-    Args: h[1, n], idx[1, n], count[1, 1], w[n, D], out[1, D]. Block = DOWN_TX (32) columns x
+    Args: h[1, n], idx[1, n], count[1, 1], w[n, D] (``wdtype``), out[1, D]. Block = DOWN_TX (32) columns x
     DOWN_TY (16) row groups: thread (ty, tx) accumulates column c = block*32 + tx over the active
     rows k = ty, ty + 16, ... (each warp reads a coalesced 128-byte run of a weight row per step);
     the 16 partial sums of a column are added in shared memory and stored by the ty = 0 thread.
@@ -636,7 +646,7 @@ def sparse_down(name, n, D, *, rows):
 
     @T.prim_func
     def kernel(h: T.Buffer((1, n), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w: T.Buffer((n, D), "float32"), out: T.Buffer((1, D), "float32")):
+               w: T.Buffer((n, D), wdtype), out: T.Buffer((1, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for ty in T.thread_binding(DOWN_TY, thread="threadIdx.y"):
@@ -648,8 +658,8 @@ def sparse_down(name, n, D, *, rows):
                     if bx * DOWN_TX + tx < D:
                         for it in range((active + DOWN_TY - 1) // DOWN_TY):
                             if it * DOWN_TY + ty < active:
-                                acc[0] = acc[0] + (h[0, it * DOWN_TY + ty]
-                                                   * w[clamp_index(idx[0, it * DOWN_TY + ty], n), bx * DOWN_TX + tx])
+                                row = clamp_index(idx[0, it * DOWN_TY + ty], n)
+                                acc[0] = acc[0] + h[0, it * DOWN_TY + ty] * load_f32(w[row, bx * DOWN_TX + tx], wdtype)
                     part[ty, tx] = acc[0]
                     T.tvm_storage_sync("shared")
                     if ty == 0:
@@ -657,6 +667,270 @@ def sparse_down(name, n, D, *, rows):
                             for r in range(1, DOWN_TY):
                                 acc[0] = acc[0] + part[r, tx]
                             out[0, bx * DOWN_TX + tx] = acc[0]
+
+    return kernel.with_attr("global_symbol", name)
+
+
+# --------------------------------------------------------------------------------------------
+# Block-quantized weights: ``passes.kernels.quant``'s rows layout (blocks of 32 along each row; int8 q [R, C]
+# int8, int4 q [R, C/2] uint8 with byte 16 b + i holding weights 32 b + i (low nibble) and 32 b + 16 + i
+# (high), each + 8; scales [R, C/32] in fp16 or fp32). Every GPU reader gives a thread 4 consecutive bytes of
+# a row (one 32-bit load): int8, 4 weights of a block (8 threads a block); int4, 8 weights, 4 low and 4 high
+# nibbles (4 threads a block). A warp thus covers a coalesced 128-byte run of a row per step, 4 (int8) or 8
+# (int4) blocks, and each thread applies its block's scale once to its 4 or 8 products.
+# --------------------------------------------------------------------------------------------
+
+QROW_BYTES = 4  # bytes of a quantized row per thread and step
+QGEMV_WARPS = 4  # linear_qrows decode: output rows (one warp each) per block
+QGEMV_UNROLL = 4  # linear_qrows decode: 128-byte runs per unrolled step (loads in flight per lane)
+
+
+def _qrow_geometry(bits):
+    """(threads per block of 32 weights, blocks per warp step, weights per thread and step) of quant rows."""
+    per_block = compute.QUANT_BLOCK * bits // 8 // QROW_BYTES
+    return per_block, WARP // per_block, QROW_BYTES * 8 // bits
+
+
+def _qrow_columns(bits, blk, part):
+    """The weight columns of the (up to) 8 values a thread takes from bytes 4 ``part`` .. of block ``blk``:
+    value e is weight 32 blk + 4 part + e (int8); int4: e < 4 the low nibbles, e >= 4 the high ones (+16)."""
+    if bits == 8:
+        return lambda e: blk * compute.QUANT_BLOCK + part * QROW_BYTES + e
+    return lambda e: blk * compute.QUANT_BLOCK + part * QROW_BYTES + e % QROW_BYTES + e // QROW_BYTES * 16
+
+
+def _qrow_value(bits, qv, e):
+    """Value e (see _qrow_columns) of a thread's 4 loaded bytes ``qv``, as fp32 (no scale)."""
+    if bits == 8:
+        return tvm.tirx.Cast("float32", qv[e])
+    # e is an unrolled loop's variable: the shift (0 or 4) is a constant once unrolled
+    nibble = tvm.tirx.shift_right(qv[e % QROW_BYTES], tvm.tirx.Cast("uint8", e // QROW_BYTES * 4))
+    return tvm.tirx.Cast("float32", tvm.tirx.bitwise_and(nibble, tvm.tirx.const(15, "uint8"))) - compute.f32(8.0)
+
+
+def _qgemv(sch, K, N, bits):
+    """Decode ``acc[1, N] = x @ W`` over W^T's quant rows [N, K]: one warp per output row (llama.cpp's
+    GPU matvec), QGEMV_WARPS rows per block.
+
+    The reduction axes (kb, kh, ki: k = 32 kb + 16 kh + ki, ki = 4 j + v) are split so that lane (b', j)
+    (int8: (b', h, j)) owns
+    bytes 4 lane .. 4 lane + 3 of each 128-byte run of the row: those bytes are staged into registers by one
+    vectorised 32-bit load (cache_read; x by float4 loads), QGEMV_UNROLL runs unrolled so their loads are in
+    flight together; the lane sums its products of every run, and the lanes' partial sums
+    meet in a warp-shuffle all-reduce (threadIdx.x-bound reduction); lane 0 applies the epilogue and stores
+    y. A row shorter than a whole run (K not a multiple of 128 weights for int8, 256 for int4) leaves lanes
+    idle rather than predicated: the run is cut to the blocks that divide K.
+
+    Not measured (no GPU where this was written). A known cost: every warp reads x in fp32 from L1 / L2, 16
+    bytes of x per 4 weight bytes for int8 and 32 for int4, so int4 may run into L1 bandwidth before DRAM's;
+    llama.cpp quantizes x to int8 once per call (q8_1) and uses dp4a, the step to take if it does.
+    """
+    per_block, blocks_per_step, _ = _qrow_geometry(bits)
+    nb = K // compute.QUANT_BLOCK
+    bl = max(b for b in (blocks_per_step, 4, 2, 1) if b <= blocks_per_step and nb % b == 0)
+    block = sch.get_sblock("acc")
+    _, n, kblock, h, ki = sch.get_loops(block)
+    ko, kb = sch.split(kblock, [None, bl])
+    kj, kv = sch.split(ki, [None, QROW_BYTES])
+    if bits == 4:  # both nibbles of a byte in one lane: h below the lane
+        sch.reorder(ko, kb, kj, h, kv)
+        lane = sch.fuse(kb, kj)
+    else:
+        lane = sch.fuse(kb, h, kj)
+    bx, ty = sch.split(n, [None, QGEMV_WARPS])
+    sch.reorder(bx, ty, lane, ko)
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(lane, "threadIdx.x")
+    steps = nb // bl  # runs of the row per lane
+    unroll = max(u for u in (QGEMV_UNROLL, 2, 1) if steps % u == 0)
+    _, ku = sch.split(ko, [None, unroll])  # several runs' loads in flight per lane
+    staged = sch.cache_read(block, 1, "local")  # read buffer 1 is w (x, w, ws, ...): one 32-bit load
+    sch.compute_at(staged, ku)
+    sch.vectorize(sch.get_loops(staged)[-1])
+    x_staged = sch.cache_read(block, 0, "local")  # x: float4 loads (int4: one per half-block)
+    sch.compute_at(x_staged, h if bits == 4 else ku)
+    sch.vectorize(sch.get_loops(x_staged)[-1])
+    sch.unroll(ku)
+    if bits == 4:
+        sch.unroll(h)
+    sch.unroll(kv)
+    sch.set_scope(block, 0, "local")
+    sch.reverse_compute_at(sch.get_sblock("y"), ty)
+
+
+def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False):
+    """y[m, N] = act(x[m, K] @ W + b) + res with W^T [N, K] in the quant rows layout (blocks along K).
+
+    Args: x, w [N, K (int8) or K/2 (int4)], ws [N, K/32] (``sdtype``), (b), (res), y. Decode: warp-per-row
+    GEMV (``_qgemv``). Prefill: the tiled GEMM of ``linear_rows`` (``_gemm``), the weights dequantized to fp32
+    as they are staged into shared memory.
+    """
+    args = compute.linear_qrows(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, bits=bits,
+                                sdtype=sdtype, tile=_gemm_tile(rows))
+    sch = compute.schedule(name, args)
+    if rows == 1:
+        _qgemv(sch, K, N, bits)
+    else:
+        _gemm(sch, K, w_rows=True)
+    return sch.mod[name]
+
+
+def linear_rows_q(name, K, N, *, rows, bits: int, sdtype="float16", act="none"):
+    """``linear_rows`` over quant rows, the GPU twin of ``quant.linear_rows_q`` (the FFN up rows, prefill):
+    y[m, N] = act(x @ W[N, K]^T + b).  Args: x, w [N, K or K/2], ws [N, K/32], b, y. ``linear_qrows``' GEMM."""
+    _prefill_only("linear_rows_q", rows)
+    return linear_qrows(name, K, N, rows=rows, bits=bits, sdtype=sdtype, bias=True, act=act)
+
+
+def linear_kn_q(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False):
+    """y[m, N] = act(x[m, K] @ W[K, N] + b) + res with W stored as quant rows one per reduction index (blocks
+    along N: the FFN down rows), the GPU twin of ``quant.linear_kn_q``.  Args: x, w [K, N or N/2], ws [K, N/32],
+    (b), (res), y. Prefill only: ``linear``'s tiled GEMM, the weights dequantized as they are staged."""
+    _prefill_only("linear_kn_q", rows)
+    args = compute.linear_kn_qrows(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, bits=bits,
+                                   sdtype=sdtype, tile=_gemm_tile(rows))
+    sch = compute.schedule(name, args)
+    _gemm(sch, K, w_rows=False)
+    return sch.mod[name]
+
+
+def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
+    """``embed`` over a quant-rows table (blocks along D): ``compute.embed_q``, the CPU's ``embed_q``'s definition.
+    Args: ids, table_q, table_s, (pos_table, start), y. Elementwise over (row, column), like ``embed``: each
+    thread dequantizes the weight it stores.
+    """
+    sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
+    _elementwise(sch, sch.get_sblock("y"))
+    return sch.mod[name]
+
+
+def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16"):
+    """``sparse_up`` over quant rows: the gathered gate / up rows [(2 if gated) n, D] as (q, scales).
+
+    Args: x[1, D], idx[1, n], count[1, 1], w[(2 if gated) n, D or D/2], ws[(2 if gated) n, D/32],
+    b[(2 if gated) n], h[1, n]. One warp per active neuron, as ``sparse_up``: lane l loads bytes 4l .. 4l+3 of
+    each 128-byte run of the neuron's row (one 32-bit load), sums their 4 (int8) or 8 (int4) products with x,
+    scales the sum by its block's scale; a warp-shuffle all-reduce, then lane 0 stores h[k]. Fixed grid,
+    warps striding over k < count.
+    """
+    _decode_only("sparse_up_q", rows)
+    actf = compute.activation(act, MATH)
+    width = 2 * n if gated else n
+    per_block, blocks_per_step, values = _qrow_geometry(bits)
+    nb = D // compute.QUANT_BLOCK
+    qw = compute.quant_width(D, bits)
+    storage = compute.quant_storage(bits)
+    compute.qrows_check_sdtype(sdtype)
+    steps = _ceil_div(nb, blocks_per_step)
+    exact = nb % blocks_per_step == 0
+    blocks = min(UP_MAX_BLOCKS, _ceil_div(n, UP_WARPS))
+    stride = blocks * UP_WARPS
+    full_mask = 0xFFFFFFFF
+    rows_read = 2 if gated else 1
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
+               w: T.Buffer((width, qw), storage), ws: T.Buffer((width, nb), sdtype),
+               b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
+            for wy in T.thread_binding(UP_WARPS, thread="threadIdx.y"):
+                for lane in T.thread_binding(WARP, thread="threadIdx.x"):
+                    qv = T.alloc_local((QROW_BYTES,), storage)
+                    xv = T.alloc_local((values,), "float32")
+                    part = T.alloc_local((1,), "float32")
+                    tot = T.alloc_local((2,), "float32")
+                    active = clamp_count(count[0, 0], n)
+                    for it in range((active + stride - 1) // stride):
+                        if it * stride + bx * UP_WARPS + wy < active:  # uniform across the warp
+                            k = it * stride + bx * UP_WARPS + wy
+                            row = clamp_index(idx[0, k], n)
+                            tot[0] = T.float32(0)
+                            tot[1] = T.float32(0)
+                            for c in range(steps):
+                                blk = c * blocks_per_step + lane // per_block
+                                if exact or blk < nb:
+                                    # the x values of this lane's weights, float4 loads, shared by gate and up
+                                    for r in T.unroll(values // QROW_BYTES):
+                                        for v in T.vectorized(QROW_BYTES):
+                                            xv[r * QROW_BYTES + v] = x[0, blk * compute.QUANT_BLOCK + r * 16
+                                                                       + lane % per_block * QROW_BYTES + v]
+                                    for g in T.unroll(rows_read):  # gate row, then up row (g = 1)
+                                        for v in T.vectorized(QROW_BYTES):
+                                            qv[v] = w[g * n + row, c * WARP * QROW_BYTES + lane * QROW_BYTES + v]
+                                        part[0] = T.float32(0)
+                                        for e in T.unroll(values):
+                                            part[0] = part[0] + xv[e] * _qrow_value(bits, qv, e)
+                                        tot[g] = tot[g] + part[0] * load_f32(ws[g * n + row, blk], sdtype)
+                            for lv in range(5):  # xor butterfly: 16, 8, 4, 2, 1
+                                tot[0] = tot[0] + T.tvm_warp_shuffle_xor(
+                                    T.uint32(full_mask), tot[0], T.shift_right(16, lv), WARP, WARP
+                                )
+                                if gated:
+                                    tot[1] = tot[1] + T.tvm_warp_shuffle_xor(
+                                        T.uint32(full_mask), tot[1], T.shift_right(16, lv), WARP, WARP
+                                    )
+                            if lane == 0:
+                                if gated:
+                                    h[0, k] = glu_unit(actf, tot[0] + b[row], tot[1] + b[n + row])
+                                else:
+                                    h[0, k] = actf(tot[0] + b[row])
+
+    return kernel.with_attr("global_symbol", name)
+
+
+def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
+    """``sparse_down`` over quant rows: out[0, :] = sum over k < count of h[0, k] * W[idx[0, k], :].
+
+    Args: h[1, n], idx[1, n], count[1, 1], w[n, D or D/2], ws[n, D/32], out[1, D]. Block = 32 threads
+    (threadIdx.x) x DOWN_TY (16) row groups; a block covers one 128-byte run of every row (128 columns for
+    int8, 256 for int4): thread tx loads bytes 4 tx .. 4 tx + 3 of the run of each active row k = ty, ty + 16,
+    ... and adds (h[k] * scale) times its 4 or 8 values to as many column sums; the 16 row groups' sums meet
+    in shared memory and the ty = 0 threads store them.
+    """
+    _decode_only("sparse_down_q", rows)
+    per_block, blocks_per_step, values = _qrow_geometry(bits)
+    nb = D // compute.QUANT_BLOCK
+    qw = compute.quant_width(D, bits)
+    storage = compute.quant_storage(bits)
+    compute.qrows_check_sdtype(sdtype)
+    grid = _ceil_div(nb, blocks_per_step)
+    exact = nb % blocks_per_step == 0
+
+    @T.prim_func
+    def kernel(h: T.Buffer((1, n), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
+               w: T.Buffer((n, qw), storage), ws: T.Buffer((n, nb), sdtype), out: T.Buffer((1, D), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for bx in T.thread_binding(grid, thread="blockIdx.x"):
+            for ty in T.thread_binding(DOWN_TY, thread="threadIdx.y"):
+                for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                    part = T.alloc_shared((DOWN_TY, values, WARP), "float32")  # [.., tx] last: no bank conflicts
+                    acc = T.alloc_local((values,), "float32")
+                    qv = T.alloc_local((QROW_BYTES,), storage)
+                    coef = T.alloc_local((1,), "float32")
+                    blk = bx * blocks_per_step + tx // per_block
+                    for e in T.unroll(values):
+                        acc[e] = T.float32(0)
+                    active = clamp_count(count[0, 0], n)
+                    if exact or blk < nb:
+                        for it in range((active + DOWN_TY - 1) // DOWN_TY):
+                            if it * DOWN_TY + ty < active:
+                                row = clamp_index(idx[0, it * DOWN_TY + ty], n)
+                                for v in T.vectorized(QROW_BYTES):
+                                    qv[v] = w[row, bx * WARP * QROW_BYTES + tx * QROW_BYTES + v]
+                                coef[0] = h[0, it * DOWN_TY + ty] * load_f32(ws[row, blk], sdtype)
+                                for e in T.unroll(values):
+                                    acc[e] = acc[e] + coef[0] * _qrow_value(bits, qv, e)
+                    for e in T.unroll(values):
+                        part[ty, e, tx] = acc[e]
+                    T.tvm_storage_sync("shared")
+                    if ty == 0:
+                        if exact or blk < nb:
+                            for e in T.unroll(values):
+                                for r in range(1, DOWN_TY):
+                                    acc[e] = acc[e] + part[r, e, tx]
+                                out[0, _qrow_columns(bits, blk, tx % per_block)(e)] = acc[e]
 
     return kernel.with_attr("global_symbol", name)
 

@@ -61,11 +61,12 @@ def select(name, n, *, rows, magnitude: bool = False):
     return kernel.with_attr("global_symbol", name)
 
 
-def sparse_up(name, D, n, *, rows, gated: bool, act: str):
+def sparse_up(name, D, n, *, rows, gated: bool, act: str, wdtype="float32"):
     """Gathered-row GEMV over the active neurons.
 
     Args: x[1, D], idx[1, n], count[1, 1], w[(2 if gated) n, D] (gate rows, then up rows),
-    b[(2 if gated) n] (zeros for bias-free models), h[1, n]. Each active neuron's dot product runs
+    b[(2 if gated) n] (zeros for bias-free models), h[1, n]; w in ``wdtype`` (fp32 or fp16, math in fp32).
+    Each active neuron's dot product runs
     as D/8 vector FMAs into one ymm accumulator (two when gated) and a horizontal sum; neurons
     are spread over the thread pool.
     """
@@ -78,7 +79,7 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
 
     @T.prim_func
     def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w: T.Buffer((width, D), "float32"), b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
+               w: T.Buffer((width, D), wdtype), b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
         T.func_attr({"tirx.noalias": True})
         for k in T.parallel(clamp_count(count[0, 0], n)):
             acc = T.alloc_local((2, lanes), "float32")
@@ -89,9 +90,9 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
                 acc[1, v] = T.float32(0)
             for c in range(chunks):
                 for v in T.vectorized(lanes):
-                    acc[0, v] = acc[0, v] + w[row, c * lanes + v] * x[0, c * lanes + v]
+                    acc[0, v] = acc[0, v] + load_f32(w[row, c * lanes + v], wdtype) * x[0, c * lanes + v]
                     if gated:
-                        acc[1, v] = acc[1, v] + w[n + row, c * lanes + v] * x[0, c * lanes + v]
+                        acc[1, v] = acc[1, v] + load_f32(w[n + row, c * lanes + v], wdtype) * x[0, c * lanes + v]
             tot[0] = acc[0, 0] + b[row]
             tot[1] = acc[1, 0]
             for v in T.unroll(1, lanes):
@@ -105,10 +106,10 @@ def sparse_up(name, D, n, *, rows, gated: bool, act: str):
     return kernel.with_attr("global_symbol", name)
 
 
-def sparse_down(name, n, D, *, rows):
+def sparse_down(name, n, D, *, rows, wdtype="float32"):
     """out[0, :] = sum over k < count of h[0, k] * w[idx[0, k], :].
 
-    Args: h[1, n], idx[1, n], count[1, 1], w[n, D], out[1, D]. Columns are cut into chunks of
+    Args: h[1, n], idx[1, n], count[1, 1], w[n, D] (``wdtype``), out[1, D]. Columns are cut into chunks of
     DOWN_CHUNK run in parallel; each thread walks every active row but reads only its chunk, a
     contiguous segment, accumulating into its slice of out (which stays in L1).
     """
@@ -119,7 +120,7 @@ def sparse_down(name, n, D, *, rows):
 
     @T.prim_func
     def kernel(h: T.Buffer((1, n), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w: T.Buffer((n, D), "float32"), out: T.Buffer((1, D), "float32")):
+               w: T.Buffer((n, D), wdtype), out: T.Buffer((1, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         for c in T.parallel(D // chunk):
             for j in T.vectorized(chunk):
@@ -129,7 +130,8 @@ def sparse_down(name, n, D, *, rows):
                 for j0 in range(chunk // lanes):
                     for v in T.vectorized(lanes):
                         out[0, c * chunk + j0 * lanes + v] = (
-                            out[0, c * chunk + j0 * lanes + v] + h[0, k] * w[row, c * chunk + j0 * lanes + v]
+                            out[0, c * chunk + j0 * lanes + v]
+                            + h[0, k] * load_f32(w[row, c * chunk + j0 * lanes + v], wdtype)
                         )
 
     return kernel.with_attr("global_symbol", name)
@@ -610,3 +612,68 @@ def linear_rows(name, K, N, *, rows, act="none", wdtype="float32", tile_panels=1
     if rows is not None:
         raise ValueError("linear_rows runs in prefill only")
     return gemm(name, K, N, layout="rows", wdtype=wdtype, bias=True, act=act, tile_panels=tile_panels)
+
+
+# --------------------------------------------------------------------------------------------
+# Over block-quantized rows (quant's rows layout): the CPU twins of cuda.sparse_up_q / sparse_down_q, simple
+# and correct (one weight at a time through compute.qrows_weight) so the CPU can emulate and check the GPU.
+# The CPU's own fused kernel over the same rows is sparse_ffn_q.
+# --------------------------------------------------------------------------------------------
+
+
+def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16"):
+    """``sparse_up`` over quant rows.  Args: x[1, D], idx[1, n], count[1, 1], w[(2 if gated) n, D or D/2],
+    ws[(2 if gated) n, D/32], b[(2 if gated) n], h[1, n]. Active neurons in parallel, a serial dot each."""
+    if rows != 1:
+        raise ValueError("sparse_up_q runs in decode only")
+    actf = compute.activation(act, MATH)
+    width = 2 * n if gated else n
+    qw, storage, nb = compute.quant_width(D, bits), compute.quant_storage(bits), D // QUANT_BLOCK
+    compute.qrows_check_sdtype(sdtype)
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
+               w: T.Buffer((width, qw), storage), ws: T.Buffer((width, nb), sdtype),
+               b: T.Buffer((width,), "float32"), h: T.Buffer((1, n), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for k in T.parallel(clamp_count(count[0, 0], n)):
+            tot = T.alloc_local((2,), "float32")
+            row = clamp_index(idx[0, k], n)
+            tot[0] = b[row]
+            tot[1] = T.float32(0)
+            if gated:
+                tot[1] = b[n + row]
+            for j in range(D):
+                tot[0] = tot[0] + x[0, j] * compute.qrows_weight(w, ws, row, j, bits, sdtype)
+                if gated:
+                    tot[1] = tot[1] + x[0, j] * compute.qrows_weight(w, ws, n + row, j, bits, sdtype)
+            if gated:
+                h[0, k] = glu_unit(actf, tot[0], tot[1])
+            else:
+                h[0, k] = actf(tot[0])
+
+    return kernel.with_attr("global_symbol", name)
+
+
+def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
+    """``sparse_down`` over quant rows.  Args: h[1, n], idx[1, n], count[1, 1], w[n, D or D/2], ws[n, D/32],
+    out[1, D]. Blocks of 32 columns in parallel, each walking every active row."""
+    if rows != 1:
+        raise ValueError("sparse_down_q runs in decode only")
+    qw, storage, nb = compute.quant_width(D, bits), compute.quant_storage(bits), D // QUANT_BLOCK
+    compute.qrows_check_sdtype(sdtype)
+
+    @T.prim_func
+    def kernel(h: T.Buffer((1, n), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
+               w: T.Buffer((n, qw), storage), ws: T.Buffer((n, nb), sdtype), out: T.Buffer((1, D), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for c in T.parallel(nb):
+            for j in range(QUANT_BLOCK):
+                out[0, c * QUANT_BLOCK + j] = T.float32(0)
+            for k in range(clamp_count(count[0, 0], n)):
+                row = clamp_index(idx[0, k], n)
+                for j in range(QUANT_BLOCK):
+                    out[0, c * QUANT_BLOCK + j] = out[0, c * QUANT_BLOCK + j] + h[0, k] * compute.qrows_weight(
+                        w, ws, row, c * QUANT_BLOCK + j, bits, sdtype)
+
+    return kernel.with_attr("global_symbol", name)

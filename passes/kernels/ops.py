@@ -2,11 +2,13 @@
 
 Code that requests kernels names an op (``ops.linear``), never a function name, and asks it for the device
 it builds for: ``op.cpu(name, *args, rows=rows, **kwargs)`` or ``op.cuda(...)``, the same arguments for
-both (the CPU makers also take CPU-only options, ``wdtype`` for fp16 weight storage, ``bits`` and ``sdtype``
-for block-quantized weights, and ``tile_panels``, which a GPU call never passes: GPU weights are fp32). A maker
-is None where the device has no version of the kernel: the panel kernels, the fused / column-sparse FFN kernels
-and the block-quantized ones are CPU-only. Every op has a CPU
-maker, since the CPU stands in for the GPU when emulating.
+both (the CPU makers also take CPU-only options, e.g. ``tile_panels``, which a GPU call never passes).
+Weight storage is an argument of both: ``wdtype`` ("float32" or "float16") for the float kernels that read a
+weight matrix; the block-quantized ops (``*_q``, ``*_qrows``) take ``bits`` (8 or 4) and ``sdtype`` (the scales',
+"float16" or "float32"), each weight as (q, scales). A maker is None where the device has no version of the
+kernel: the panel kernels, the fused / column-sparse FFN kernels and the CPU's quantized layouts are CPU-only;
+the GPU's quantized kernels read ``quant``'s rows layout (``linear_qrows``, ``embed_q``, ``sparse_up_q``,
+``sparse_down_q``). Every op has a CPU maker, since the CPU stands in for the GPU when emulating.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ glu = KernelOp("glu", cpu.glu, cuda.glu)
 layer_norm = KernelOp("layer_norm", cpu.layer_norm, cuda.layer_norm)
 rms_norm = KernelOp("rms_norm", cpu.rms_norm, cuda.rms_norm)
 embed = KernelOp("embed", cpu.embed, cuda.embed)
-embed_q = KernelOp("embed_q", cpu.embed_q, None)  # block-quantized tables (CPU only for now)
+embed_q = KernelOp("embed_q", cpu.embed_q, cuda.embed_q)  # block-quantized tables (quant's rows layout)
 rope_kv_write = KernelOp("rope_kv_write", cpu.rope_kv_write, cuda.rope_kv_write)
 attention = KernelOp("attention", cpu.attention, cuda.attention)
 select = KernelOp("select", neuron.select, cuda.select)
@@ -44,10 +46,15 @@ sparse_ffn_q = KernelOp("sparse_ffn_q", neuron.sparse_ffn_q, None)  # over int8 
 sparse_columns = KernelOp("sparse_columns", neuron.sparse_columns, None)
 merge = KernelOp("merge", neuron.merge, cuda.merge)
 linear_rows = KernelOp("linear_rows", neuron.linear_rows, cuda.linear_rows)
-# block-quantized weights (--weight-dtype int8 / int4): CPU only; the makers also take bits and sdtype (scales)
+# block-quantized weights (--weight-dtype int8 / int4); the makers also take bits and sdtype (scales). The panels
+# are the CPU's alone; the rows kernels (the FFN parts' prefill GEMMs) have GPU twins
 linear_panels_q = KernelOp("linear_panels_q", quant.linear_panels_q, None)
-linear_rows_q = KernelOp("linear_rows_q", quant.linear_rows_q, None)
-linear_kn_q = KernelOp("linear_kn_q", quant.linear_kn_q, None)
+linear_rows_q = KernelOp("linear_rows_q", quant.linear_rows_q, cuda.linear_rows_q)  # quant rows, as on the GPU
+linear_kn_q = KernelOp("linear_kn_q", quant.linear_kn_q, cuda.linear_kn_q)
+# over block-quantized weights in quant's rows layout (the GPU's; the CPU makers are simple twins)
+linear_qrows = KernelOp("linear_qrows", cpu.linear_qrows, cuda.linear_qrows)  # W^T [N, K] as quant rows
+sparse_up_q = KernelOp("sparse_up_q", neuron.sparse_up_q, cuda.sparse_up_q)
+sparse_down_q = KernelOp("sparse_down_q", neuron.sparse_down_q, cuda.sparse_down_q)
 
 
 def get(name: str) -> KernelOp:
