@@ -22,7 +22,7 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.errors import UserError
-from picompile.pipeline import Context
+from picompile.pipeline import Context, Options
 from picompile.sizes import KV_CACHE_DTYPE, float_format, weight_format
 from picompile.targets import get_cpu_isa
 from runtime.calls import START, Access, Arg, Call, Role, Selection
@@ -49,6 +49,7 @@ class Lowering:
     max_context: int
     weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's large weights (matrices, embeddings)
     gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
+    int8_dot: str | None = None  # int4 decode GEMVs: the ISA's integer dot product over int8 activations, or None
     program: KernelProgram = field(default_factory=KernelProgram)
     # the quantize pass's matrices, by the name of their values' buffer (packed into a layout on first use)
     quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)
@@ -193,6 +194,8 @@ class Lowering:
         k, n = matrix.shape
         tag, fmt_args = self.quant_tag(matrix)
         if packed:
+            if matrix.fmt.bits == 4 and self.int8_dot:  # decode quantizes x per block (prefill stays fp32)
+                tag, fmt_args = f"{tag}_x8", {**fmt_args, "int8_dot": self.int8_dot}
             tags = f"{tag}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
             kernels = self.kernel(ops.linear_panels_q, f"linear_q_k{k}_n{n}{tags}", k, n, phases=phases,
                                   bias=bias is not None, act=act, residual=residual is not None, **fmt_args,
@@ -549,10 +552,12 @@ class SelectKernels:
     max_context: int = 256
     weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's weight matrices
     cpu_isa: str = "avx2"  # targets.CPU_ISAS: decides the prefill GEMM's register tile
+    int8_activations: bool = Options.int8_activations  # int4 decode GEMVs over int8-quantized inputs
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        lowering = Lowering(max_context=self.max_context, weight_dtype=self.weight_dtype,
-                            gemm_panels=get_cpu_isa(self.cpu_isa).gemm_panels)
+        isa = get_cpu_isa(self.cpu_isa)
+        lowering = Lowering(max_context=self.max_context, weight_dtype=self.weight_dtype, gemm_panels=isa.gemm_panels,
+                            int8_dot=isa.int8_dot if self.int8_activations else None)
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(lowering)
         nodes, layers = list(model.graph), node_layers(model.graph)

@@ -75,7 +75,8 @@ def back(options: Options, target: Target) -> list[Pass]:
     cpu_isa = options.cpu_isa_for(target).name
     quantize = [Quantize(weight_dtype=options.weight_dtype)] if WEIGHT_FORMATS[options.weight_dtype].quantized else []
     return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context), *quantize,
-            SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa),
+            SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa,
+                          int8_activations=options.int8_activations),
             PlanBuffers(), Compile(cpu_isa=cpu_isa), Schedule()]
 
 

@@ -22,6 +22,7 @@ class CpuIsa:
     mcpu: str  # the LLVM CPU the kernels are compiled for
     features: tuple[str, ...]  # /proc/cpuinfo flags the kernels need (the runtime checks them)
     gemm_panels: int  # 16-column weight panels per prefill GEMM register tile (12 ymm or 12 zmm accumulators)
+    int8_dot: str = "madd"  # the integer dot product of int8-activation kernels: vpmaddubsw + vpmaddwd
 
     def llvm_target(self) -> dict:
         """The TVM target dict for code on this instruction set: the CPU kernels, and a CUDA module's host side."""

@@ -145,15 +145,16 @@ class _FoldDequantize:
 
 @pytest.fixture(scope="module")
 def built(sparse_opt, tmp_path_factory):
-    """(weight dtype, dense, fold) -> the tiny sparse OPT's artifact, built once per module (sparse builds let
-    every neuron through: the split is exact, so only the weights' precision moves the logits)."""
+    """(weight dtype, dense, fold, int8 activations) -> the tiny sparse OPT's artifact, built once per module
+    (sparse builds let every neuron through: the split is exact, so only the weights' precision moves the
+    logits)."""
     artifacts = {}
 
-    def get(weight_dtype: str, dense: bool, fold: bool = False):
-        key = (weight_dtype, dense, fold)
+    def get(weight_dtype: str, dense: bool, fold: bool = False, int8_activations: bool = False):
+        key = (weight_dtype, dense, fold, int8_activations)
         if key not in artifacts:
             options = Options(max_context=64, calib=sparse_opt.calib, dense=dense, weight_dtype=weight_dtype,
-                              all_neurons=not dense)
+                              all_neurons=not dense, int8_activations=int8_activations)
             passes = pipeline(options, "dense" if dense else "predictor")
             if fold:
                 index = next(i for i, p in enumerate(passes) if p.name == "quantize")
@@ -181,6 +182,25 @@ def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dty
         expected = reference.forward(tokens)
         np.testing.assert_allclose(ours.forward(tokens), expected, atol=2e-4 * max(1.0, np.abs(expected).max()), rtol=0)
         tokens = [int(np.argmax(expected[-1]))]
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+def test_int8_activations_move_int4_logits_by_their_rounding_only(built, dense):
+    """--int8-activations (the default): int4 decode GEMVs take x rounded to int8 blocks, an error of a few
+    thousandths of each output, like onnxruntime's accuracy_level 4; prompts (prefill) stay exact."""
+    ours, reference = built("int4", dense, int8_activations=True), built("int4", dense, fold=True)
+    kernels = json.loads((ours / "kernels" / "signatures.json").read_text())
+    assert any("_x8_" in name for name in kernels) and not any("_x8_" in name for name in
+                                                                  json.loads((reference / "kernels" / "signatures.json").read_text()))
+    engine, folded = Engine(ours), Engine(reference)
+    prompt = [11, 22, 33, 44, 55]
+    np.testing.assert_allclose(engine.forward(prompt), folded.forward(prompt), atol=2e-4, rtol=0)
+    errors, token = [], 7
+    for _ in range(5):
+        expected = folded.forward([token])
+        errors.append(np.abs(engine.forward([token]) - expected).max() / expected.std())
+        token = int(np.argmax(expected[-1]))
+    assert 1e-6 < max(errors) < 5e-2, errors
 
 
 @pytest.mark.parametrize("weight_dtype", QUANTIZED)
