@@ -226,6 +226,8 @@ def row_gemm_kernels():
                 funcs.append(cpu.gemm_nt(f"nt_{cfg}_{dtype}_{tile}", K, N, **flags))
                 funcs.append(cpu.gemm_kn(f"kn_{cfg}_{dtype}_{tile}", K, N, **flags))
                 funcs.append(cpu.gemm_kn(f"kn_blocks_{cfg}_{dtype}_{tile}", K, N, columns=32, kb=5, **flags))
+                funcs.append(cpu.gemm_kn(f"kn_skip_{cfg}_{dtype}_{tile}", K, N, columns=32, kb=5, skip_zero_rows=True,
+                                         **flags))
     return funcs
 
 
@@ -259,6 +261,27 @@ def test_row_layout_gemms(row_gemm_lib, cfg, dtype, tile, m):
         call(row_gemm_lib, kernel, *args)
         close(y[:m], ref)
         assert np.isnan(y[m:]).all(), f"{kernel} wrote past row {m}"
+
+
+@pytest.mark.parametrize("m", ROW_GEMM_M)
+@pytest.mark.parametrize("density", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("cfg", ROW_GEMMS)
+def test_kn_gemm_skipping_zero_rows(row_gemm_lib, cfg, density, m):
+    """gemm_kn with skip_zero_rows over an x of ReLU outputs: none, some and all of its columns nonzero."""
+    K, N, bias, act, res = ROW_GEMMS[cfg]
+    rng = np.random.default_rng(m)
+    tall = ROW_GEMM_M[-1] + 2
+    x = rand(rng, tall, K)[:m]
+    x[...] = np.maximum(x, 0) * (rng.random((m, K)) < density)
+    w = (rng.standard_normal((K, N)) * 0.5).astype(np.float32)
+    b, r = rand(rng, N), rand(rng, tall, N)[:m]
+    y = rand(rng, tall, N)
+    y[:] = np.nan
+    args = [x, aligned(w)] + ([b] if bias else []) + ([r] if res else []) + [y[:m]]
+    call(row_gemm_lib, f"kn_skip_{cfg}_float32_1", *args)
+    ref = act_ref(x.astype(np.float64) @ w + (b if bias else 0), act) + (r if res else 0)
+    close(y[:m], ref)
+    assert np.isnan(y[m:]).all()
 
 
 @pytest.mark.parametrize("variant,m", VARIANTS)

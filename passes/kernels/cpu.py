@@ -140,15 +140,18 @@ def _schedule_gemv(sch, nr, lanes, K, N):
 # --------------------------------------------------------------------------------------------
 
 
-def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="float32", tile_panels=1):
+def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="float32", tile_panels=1,
+           skip_zero_rows=False):
     """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y.
 
     The [K, N] layout, for weights that are not panel-packed: the GPU's (when emulated), and the FFN
     down rows the sparse decode kernels gather. Decode is a TE GEMV; prefill is `gemm_kn` (w read in
-    place, `tile_panels` per register tile).
+    place, `tile_panels` per register tile; `skip_zero_rows` for an x that is mostly exact zeros, a ReLU
+    FFN's hidden values: the rows of w only zeros multiply are not read).
     """
     if rows is None:
-        return gemm_kn(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual, tile_panels=tile_panels)
+        return gemm_kn(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual, tile_panels=tile_panels,
+                       skip_zero_rows=skip_zero_rows)
     args = compute.linear(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, wdtype=wdtype)
     sch = compute.schedule(name, args)
     _schedule_gemv(sch, _col_block(N, GEMV_NR), _lanes(N), K, N)
@@ -404,7 +407,7 @@ gained nothing or lost."""
 
 
 def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
-            columns=KN_COLUMNS, kb=KN_KB):
+            columns=KN_COLUMNS, kb=KN_KB, skip_zero_rows=False):
     """Prefill y[m, N] = act(x[m, K] @ w[K, N] + b) + res over a row-major w (the FFN down rows the sparse
     decode kernels gather), read in place: no per-call packing.
 
@@ -414,6 +417,11 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     from L1 by the others; a tile's partial sums go through y between k blocks, and the epilogue is applied
     after the last. A last column block narrower than the register tile reads its columns clamped and does
     not store the pad columns.
+
+    `skip_zero_rows` (x a ReLU's output, as the FFN hidden values are): first list the k whose column of x
+    has a nonzero in any of the m rows (a serial scan of x), then run the k blocks over that list only, so a
+    row of w that only zeros multiply is never read. Exact; over a prompt of 16 tokens of the 1B OPT-ReLU
+    the list held 26-45% of the rows.
     """
     m = row_dim(None)
     width = 16 * tile_panels
@@ -421,7 +429,6 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     chunk = max(1, min(columns // width, blocks))
     tasks = -(-blocks // chunk)
     kb = min(kb, K)
-    kblocks = -(-K // kb)
     full = N % width == 0
     epilogue = _epilogue(act, bias, residual)
     out_loop = T.vectorized if full else T.serial
@@ -430,6 +437,12 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     def clamp(col):
         return col if full else T.min(col, N - 1)
 
+    def row(live, kk):  # the kk-th row of w a k block reads
+        return live[kk] if skip_zero_rows else kk
+
+    def rows_read(found):  # how many rows of w the k blocks read
+        return found[0] if skip_zero_rows else K
+
     @T.prim_func
     def kernel(x_h: T.handle, w: T.Buffer((K, N), wdtype), b: T.Buffer((N,), "float32"), res_h: T.handle,
                y_h: T.handle):
@@ -437,8 +450,21 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
         x = T.match_buffer(x_h, (m, K), "float32")
         res = T.match_buffer(res_h, (m, N), "float32")
         y = T.match_buffer(y_h, (m, N), "float32")
+        live = T.alloc_buffer((K,), "int32")
+        found = T.alloc_buffer((1,), "int32")
+        if skip_zero_rows:
+            found[0] = 0
+            for k in range(K):
+                nonzero = T.alloc_local((1,), "int32")
+                nonzero[0] = 0
+                for i in range(m):
+                    if x[i, k] != T.float32(0):
+                        nonzero[0] = 1
+                if nonzero[0] != 0:
+                    live[found[0]] = T.Cast("int32", k)
+                    found[0] = found[0] + 1
         for p in T.parallel(tasks):
-            for ko in range(kblocks):
+            for ko in range(T.max(1, (rows_read(found) + kb - 1) // kb)):
                 for io in range((m + MR - 1) // MR):
                     for j in range(T.min(chunk, blocks - p * chunk)):
                         acc = T.alloc_local((MR, width), "float32")
@@ -451,22 +477,22 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
                                 for v in out_loop(width):
                                     acc[r, v] = y[T.min(io * MR + r, m - 1), clamp(col + v)]
                         if full or col + width <= N:
-                            for k in range(ko * kb, T.min(ko * kb + kb, K)):
+                            for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
                                 for r in T.unroll(MR):
                                     for v in T.vectorized(width):
-                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), k] * load_f32(
-                                            w[k, col + v], wdtype)
+                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * load_f32(
+                                            w[row(live, kk), col + v], wdtype)
                         else:
-                            for k in range(ko * kb, T.min(ko * kb + kb, K)):
+                            for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
                                 for r in T.unroll(MR):
                                     for v in range(width):
-                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), k] * load_f32(
-                                            w[k, T.min(col + v, N - 1)], wdtype)
+                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * load_f32(
+                                            w[row(live, kk), T.min(col + v, N - 1)], wdtype)
                         for r in T.unroll(MR):
                             if io * MR + r < m:
                                 for v in out_loop(width):
                                     if full or col + v < N:
-                                        if ko == kblocks - 1:
+                                        if ko == T.max(1, (rows_read(found) + kb - 1) // kb) - 1:
                                             y[io * MR + r, col + v] = epilogue(acc[r, v], b, res, io * MR + r, col + v)
                                         else:
                                             y[io * MR + r, col + v] = acc[r, v]
