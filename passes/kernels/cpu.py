@@ -145,13 +145,18 @@ def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="
     """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y.
 
     The [K, N] layout, for weights that are not panel-packed: the GPU's (when emulated), and the FFN
-    down rows the sparse decode kernels gather. Decode is a TE GEMV; prefill is `gemm_kn` (w read in
-    place, `tile_panels` per register tile; `skip_zero_rows` for an x that is mostly exact zeros, a ReLU
-    FFN's hidden values: the rows of w only zeros multiply are not read).
+    down rows the sparse decode kernels gather. Decode is a TE GEMV; prefill is `gemm` with layout "kn"
+    (panels packed per call, `tile_panels` per register tile), or with `skip_zero_rows`, for an x that is
+    mostly exact zeros (a ReLU FFN's hidden values), `gemm_kn`, which reads w in place and skips the rows
+    of w that only zeros multiply. (gemm_kn without skipping beat the packing GEMM at m = 16 in fp32 only;
+    at m = 64, and at m = 16 in fp16, the packing GEMM was faster: see gemm_kn.)
     """
-    if rows is None:
+    if rows is None and skip_zero_rows:
         return gemm_kn(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual, tile_panels=tile_panels,
-                       skip_zero_rows=skip_zero_rows)
+                       skip_zero_rows=True)
+    if rows is None:
+        return gemm(name, K, N, layout="kn", wdtype=wdtype, bias=bias, act=act, residual=residual,
+                    tile_panels=tile_panels)
     args = compute.linear(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, wdtype=wdtype)
     sch = compute.schedule(name, args)
     _schedule_gemv(sch, _col_block(N, GEMV_NR), _lanes(N), K, N)
@@ -403,7 +408,11 @@ with 2 threads, tasks of 1024 columns took 25-45% less time than tasks of 256 or
 long contiguous row segments); k blocks of 12 rows beat 4, 8, 16, 24, 32 and 64 (rows 8 KiB apart share L1
 sets: a block much deeper than the L1's ways falls out before the next row tile reads it); software prefetches
 of the next k block, per-call packing of each k block into a contiguous buffer and 8- or 16-row register tiles
-gained nothing or lost."""
+gained nothing or lost. Against `gemm`'s "kn" layout (a panel packed per call) over a dense x, gemm_kn was faster
+at m = 16 in fp32 (20.5 against 25.8 ms, medians) but slower in fp16 (17.0 against 14.7) and at m = 64 (fp32
+61.6 against 31.4, fp16 36.4 against 30.7; heavily loaded machine): `linear` uses it only with skip_zero_rows,
+where, over ReLU hidden values of which 35% of the columns hold a nonzero, it took 11.7 (fp32) and 7.4 ms (fp16)
+at m = 16, about the panel GEMM's 12.0 and 7.5 over the whole matrix."""
 
 
 def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
