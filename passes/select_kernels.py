@@ -160,10 +160,11 @@ class Lowering:
 
     def linear(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role,
                act: str = "none", residual: str | None = None, phases=("decode", "prefill"), device: str | None = None,
-               packed: bool | None = None) -> None:
+               packed: bool | None = None, skip_zero_rows: bool = False) -> None:
         """y = act(x @ W + b) + residual for W given in [K, N] layout. On the CPU W is panel-packed (unless
         `packed` is False: rows a sparse kernel also gathers keep their layout) and stored in the weight dtype;
-        the GPU reads [K, N] fp32."""
+        the GPU reads [K, N] fp32. `skip_zero_rows` (CPU, [K, N] prefill only): x is a ReLU's output, and the
+        rows of W that only its zeros multiply are not read (cpu.gemm_kn)."""
         device = device or self.device
         packed = device == "cpu" if packed is None else packed
         if weight in self.quantized:
@@ -179,6 +180,10 @@ class Lowering:
         flags = dict(bias=bias is not None, act=act, residual=residual is not None)
         if dtype != "float32":
             flags["wdtype"] = dtype
+        skip_zero_rows = skip_zero_rows and device == "cpu" and not packed and phases == ("prefill",)
+        if skip_zero_rows:
+            flags["skip_zero_rows"] = True
+            tags += "_skip0"
         kernels = self.kernel(ops.linear_panels if packed else ops.linear, f"linear_k{k}_n{n}{tags}", k, n,
                               phases=phases, **flags, **self.gemm_tile(device))
         args = [read(x), read(weight)] + ([read(bias)] if bias else []) + ([read(residual)] if residual else []) + [write(out)]
@@ -474,8 +479,9 @@ class _Walker:
             dense_hidden = self.low.activation(f"act.ffn_dense_hidden.{tag}", neurons)
             self.low.glu(pre, dense_hidden, neurons, activation, f"{p}.glu", phases=("prefill",))
             pre = dense_hidden
+        # with ReLU most hidden values are exact zeros, and a neuron no token of the prompt fired needs no down row
         self.low.linear(pre, down_rows, None, partial, f"{p}.down_dense", Role.FFN_DOWN, phases=("prefill",),
-                        packed=False)
+                        packed=False, skip_zero_rows=activation == "relu")
         self.location[node.outputs[0].name] = partial
 
     def lower_ThresholdFFN(self, node: ir.Node) -> None:

@@ -205,6 +205,85 @@ def test_linear_fp16_weights(lib, variant, m):
     close(y, act_ref(x.astype(np.float64) @ w.astype(np.float64) + b, "gelu") + r)
 
 
+ROW_GEMMS = {  # name: (K, N, bias, act, residual): odd sizes (scalar k tails, partial neuron / column tiles)
+    "odd": (37, 53, True, "relu", True),
+    "small": (5, 3, True, "gelu", False),
+    "even": (64, 48, False, "none", False),
+    "wide": (40, 100, False, "silu", True),
+}
+ROW_GEMM_M = (1, 3, 7, 17)
+ROW_GEMM_TILES = (1, 2)  # tile_panels: the AVX2 and AVX-512 register tiles (both run on an AVX2 target)
+
+
+def row_gemm_kernels():
+    """gemm_nt and gemm_kn (the prefill GEMMs over the sparse FFN's row layouts), each also with small k blocks
+    and column chunks so that several of each run."""
+    funcs = []
+    for cfg, (K, N, bias, act, res) in ROW_GEMMS.items():
+        for dtype in WEIGHT_DTYPES:
+            for tile in ROW_GEMM_TILES:
+                flags = dict(wdtype=dtype, bias=bias, act=act, residual=res, tile_panels=tile)
+                funcs.append(cpu.gemm_nt(f"nt_{cfg}_{dtype}_{tile}", K, N, **flags))
+                funcs.append(cpu.gemm_kn(f"kn_{cfg}_{dtype}_{tile}", K, N, **flags))
+                funcs.append(cpu.gemm_kn(f"kn_blocks_{cfg}_{dtype}_{tile}", K, N, columns=32, kb=5, **flags))
+                funcs.append(cpu.gemm_kn(f"kn_skip_{cfg}_{dtype}_{tile}", K, N, columns=32, kb=5, skip_zero_rows=True,
+                                         **flags))
+    return funcs
+
+
+@pytest.fixture(scope="module")
+def row_gemm_lib(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("row_gemms") / "row_gemms.so")
+    cpu.build(row_gemm_kernels(), CPU_ISAS["avx2"].llvm_target(), path)
+    return tvm.runtime.load_module(path)
+
+
+@pytest.mark.parametrize("m", ROW_GEMM_M)
+@pytest.mark.parametrize("tile", ROW_GEMM_TILES)
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("cfg", ROW_GEMMS)
+def test_row_layout_gemms(row_gemm_lib, cfg, dtype, tile, m):
+    """Prefill over weights read in place: gemm_nt over rows [N, K], gemm_kn over [K, N], against numpy; row
+    slices of taller buffers, as the runtime passes them."""
+    K, N, bias, act, res = ROW_GEMMS[cfg]
+    rng = np.random.default_rng(m)
+    tall = ROW_GEMM_M[-1] + 2
+    x = rand(rng, tall, K, scale=0.5)[:m]
+    w = (rng.standard_normal((K, N)) * 0.5).astype(dtype)
+    b = rand(rng, N)
+    r = rand(rng, tall, N)[:m]
+    ref = act_ref(x.astype(np.float64) @ w.astype(np.float64) + (b if bias else 0), act) + (r if res else 0)
+    for kernel, weight in ((f"nt_{cfg}_{dtype}_{tile}", w.T), (f"kn_{cfg}_{dtype}_{tile}", w),
+                           (f"kn_blocks_{cfg}_{dtype}_{tile}", w)):
+        y = rand(rng, tall, N)
+        y[:] = np.nan
+        args = [x, aligned(np.ascontiguousarray(weight))] + ([b] if bias else []) + ([r] if res else []) + [y[:m]]
+        call(row_gemm_lib, kernel, *args)
+        close(y[:m], ref)
+        assert np.isnan(y[m:]).all(), f"{kernel} wrote past row {m}"
+
+
+@pytest.mark.parametrize("m", ROW_GEMM_M)
+@pytest.mark.parametrize("density", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("cfg", ROW_GEMMS)
+def test_kn_gemm_skipping_zero_rows(row_gemm_lib, cfg, density, m):
+    """gemm_kn with skip_zero_rows over an x of ReLU outputs: none, some and all of its columns nonzero."""
+    K, N, bias, act, res = ROW_GEMMS[cfg]
+    rng = np.random.default_rng(m)
+    tall = ROW_GEMM_M[-1] + 2
+    x = rand(rng, tall, K)[:m]
+    x[...] = np.maximum(x, 0) * (rng.random((m, K)) < density)
+    w = (rng.standard_normal((K, N)) * 0.5).astype(np.float32)
+    b, r = rand(rng, N), rand(rng, tall, N)[:m]
+    y = rand(rng, tall, N)
+    y[:] = np.nan
+    args = [x, aligned(w)] + ([b] if bias else []) + ([r] if res else []) + [y[:m]]
+    call(row_gemm_lib, f"kn_skip_{cfg}_float32_1", *args)
+    ref = act_ref(x.astype(np.float64) @ w + (b if bias else 0), act) + (r if res else 0)
+    close(y[:m], ref)
+    assert np.isnan(y[m:]).all()
+
+
 @pytest.mark.parametrize("variant,m", VARIANTS)
 @pytest.mark.parametrize("cfg", GLU)
 def test_glu(lib, cfg, variant, m):

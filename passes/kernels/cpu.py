@@ -144,13 +144,20 @@ def _schedule_gemv(sch, nr, lanes, K, N):
 # --------------------------------------------------------------------------------------------
 
 
-def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="float32", tile_panels=1):
+def linear(name, K, N, *, rows, bias: bool, act="none", residual=False, wdtype="float32", tile_panels=1,
+           skip_zero_rows=False):
     """y[m, N] = act(x[m, K] @ w[K, N] + b) + res.  Args: x, w, (b), (res), y.
 
     The [K, N] layout, for weights that are not panel-packed: the GPU's (when emulated), and the FFN
-    down rows the sparse decode kernels gather. Decode is a TE GEMV; prefill is `gemm` with
-    layout "kn" (panels packed per call, `tile_panels` per register tile).
+    down rows the sparse decode kernels gather. Decode is a TE GEMV; prefill is `gemm` with layout "kn"
+    (panels packed per call, `tile_panels` per register tile), or with `skip_zero_rows`, for an x that is
+    mostly exact zeros (a ReLU FFN's hidden values), `gemm_kn`, which reads w in place and skips the rows
+    of w that only zeros multiply. (gemm_kn without skipping beat the packing GEMM at m = 16 in fp32 only;
+    at m = 64, and at m = 16 in fp16, the packing GEMM was faster: see gemm_kn.)
     """
+    if rows is None and skip_zero_rows:
+        return gemm_kn(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual, tile_panels=tile_panels,
+                       skip_zero_rows=True)
     if rows is None:
         return gemm(name, K, N, layout="kn", wdtype=wdtype, bias=bias, act=act, residual=residual,
                     tile_panels=tile_panels)
@@ -380,6 +387,195 @@ def gemm(name, K, N, *, layout: str | GemmWeight, wdtype="float32", bias: bool, 
 
     unused = _unused(bias, residual) + ([] if weight.ws else ["ws"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+NT_TILE = {1: (8, 3, 4), 2: (16, 4, 6)}
+"""gemm_nt's register tile per `tile_panels` (the ISA's, see gemm): (fp32 lanes per vector, tokens, neurons),
+tokens x neurons vector accumulators: 12 ymm (AVX2) or 24 zmm (AVX-512). Measured 2026-12-01 on the Zen 5
+(benchmarks/bench_prefill_gemm.py, up 2048 -> 8192 at m = 16, 2 threads, alternated): with AVX-512, 4 x 6 read
+the rows 10-25% faster than 4 x 4, 6 x 4, 3 x 8, 2 x 8 and 4 x 5 (2 x 12 and 8 x 2 far slower); the tree of
+halvings before the horizontal sum ~3% over a scalar sum of each accumulator's lanes."""
+
+
+def gemm_nt(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
+            tokens: int | None = None, neurons: int | None = None):
+    """Prefill y[m, N] = act(x[m, K] @ w[N, K]^T + b) + res over weights stored one row per output (the FFN
+    up rows the sparse decode kernels gather), read in place: no per-call packing.
+
+    Loop order: groups of `neurons` rows (parallel: each thread streams a contiguous range of rows) >
+    tiles of `tokens` rows of x > k in vectors > register tile of tokens x neurons vector accumulators
+    (NT_TILE), each a dot product along k: per step `tokens` + `neurons` vector loads and their
+    tokens x neurons FMAs. A group's rows are read from memory by its first token tile and from L1/L2 by
+    the others; x stays in L2. Each accumulator is reduced once, after its k loop (halved in vectors down
+    to one lane), plus a scalar tail where K is not a whole number of vectors. Pad rows and neurons of the
+    last tiles recompute the last row / neuron and are not stored.
+    """
+    lanes, TR, NR = NT_TILE.get(tile_panels, NT_TILE[1])
+    TR, NR = tokens or TR, neurons or NR
+    m = row_dim(None)
+    L = lanes
+    steps = K // L
+    halvings = int(math.log2(L))  # L >> halvings == 1
+    groups = -(-N // NR)
+    full = N % NR == 0
+    epilogue = _epilogue(act, bias, residual)
+
+    @T.prim_func
+    def kernel(x_h: T.handle, w: T.Buffer((N, K), wdtype), b: T.Buffer((N,), "float32"), res_h: T.handle,
+               y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        x = T.match_buffer(x_h, (m, K), "float32")
+        res = T.match_buffer(res_h, (m, N), "float32")
+        y = T.match_buffer(y_h, (m, N), "float32")
+        for g in T.parallel(groups):
+            for io in range((m + TR - 1) // TR):
+                acc = T.alloc_local((TR, NR, L), "float32")
+                tot = T.alloc_local((TR, NR), "float32")
+                for t in T.unroll(TR):
+                    for n in T.unroll(NR):
+                        for v in T.vectorized(L):
+                            acc[t, n, v] = T.float32(0)
+                for c in range(steps):
+                    for t in T.unroll(TR):
+                        for n in T.unroll(NR):
+                            for v in T.vectorized(L):
+                                acc[t, n, v] = acc[t, n, v] + x[T.min(io * TR + t, m - 1), c * L + v] * load_f32(
+                                    w[T.min(g * NR + n, N - 1), c * L + v], wdtype)
+                for t in T.unroll(TR):
+                    for n in T.unroll(NR):
+                        if halvings >= 1:
+                            for v in T.vectorized(L >> 1):
+                                acc[t, n, v] = acc[t, n, v] + acc[t, n, v + (L >> 1)]
+                        if halvings >= 2:
+                            for v in T.vectorized(L >> 2):
+                                acc[t, n, v] = acc[t, n, v] + acc[t, n, v + (L >> 2)]
+                        if halvings >= 3:
+                            for v in T.vectorized(L >> 3):
+                                acc[t, n, v] = acc[t, n, v] + acc[t, n, v + (L >> 3)]
+                        if halvings >= 4:
+                            for v in T.vectorized(L >> 4):
+                                acc[t, n, v] = acc[t, n, v] + acc[t, n, v + (L >> 4)]
+                        tot[t, n] = acc[t, n, 0]
+                        for v in T.unroll(1, L >> halvings):
+                            tot[t, n] = tot[t, n] + acc[t, n, v]
+                        for k in range(steps * L, K):
+                            tot[t, n] = tot[t, n] + x[T.min(io * TR + t, m - 1), k] * load_f32(
+                                w[T.min(g * NR + n, N - 1), k], wdtype)
+                for t in T.unroll(TR):
+                    if io * TR + t < m:
+                        for n in T.unroll(NR):
+                            if full or g * NR + n < N:
+                                y[io * TR + t, g * NR + n] = epilogue(tot[t, n], b, res, io * TR + t, g * NR + n)
+
+    return drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
+
+
+KN_COLUMNS = 1024  # gemm_kn: columns per parallel task (4 KiB of each fp32 row)
+KN_KB = 12  # gemm_kn: rows of w per k block, reused from L1 by a task's row tiles
+"""Measured 2026-12-01 on the Zen 5 (benchmarks/bench_prefill_gemm.py, down 8192 -> 2048 at m = 16, alternated):
+with 2 threads, tasks of 1024 columns took 25-45% less time than tasks of 256 or 512 (the two threads then read
+long contiguous row segments); k blocks of 12 rows beat 4, 8, 16, 24, 32 and 64 (rows 8 KiB apart share L1
+sets: a block much deeper than the L1's ways falls out before the next row tile reads it); software prefetches
+of the next k block, per-call packing of each k block into a contiguous buffer and 8- or 16-row register tiles
+gained nothing or lost. Against `gemm`'s "kn" layout (a panel packed per call) over a dense x, gemm_kn was faster
+at m = 16 in fp32 (20.5 against 25.8 ms, medians) but slower in fp16 (17.0 against 14.7) and at m = 64 (fp32
+61.6 against 31.4, fp16 36.4 against 30.7; heavily loaded machine): `linear` uses it only with skip_zero_rows,
+where, over ReLU hidden values of which 35% of the columns hold a nonzero, it took 11.7 (fp32) and 7.4 ms (fp16)
+at m = 16, about the panel GEMM's 12.0 and 7.5 over the whole matrix."""
+
+
+def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
+            columns=KN_COLUMNS, kb=KN_KB, skip_zero_rows=False):
+    """Prefill y[m, N] = act(x[m, K] @ w[K, N] + b) + res over a row-major w (the FFN down rows the sparse
+    decode kernels gather), read in place: no per-call packing.
+
+    Loop order: chunks of `columns` columns (parallel) > blocks of `kb` rows of w > 6-row tiles of x >
+    column blocks of the chunk > k > gemm's register tile (6 rows x 16 * tile_panels columns, broadcast x,
+    FMA). A k block of a chunk (kb contiguous row segments) is read from memory by the first row tile and
+    from L1 by the others; a tile's partial sums go through y between k blocks, and the epilogue is applied
+    after the last. A last column block narrower than the register tile reads its columns clamped and does
+    not store the pad columns.
+
+    `skip_zero_rows` (x a ReLU's output, as the FFN hidden values are): first list the k whose column of x
+    has a nonzero in any of the m rows (a serial scan of x), then run the k blocks over that list only, so a
+    row of w that only zeros multiply is never read. Exact; over a prompt of 16 tokens of the 1B OPT-ReLU
+    the list held 26-45% of the rows.
+    """
+    m = row_dim(None)
+    width = 16 * tile_panels
+    blocks = -(-N // width)
+    chunk = max(1, min(columns // width, blocks))
+    tasks = -(-blocks // chunk)
+    kb = min(kb, K)
+    full = N % width == 0
+    epilogue = _epilogue(act, bias, residual)
+    out_loop = T.vectorized if full else T.serial
+    MR = GEMM_MR
+
+    def clamp(col):
+        return col if full else T.min(col, N - 1)
+
+    def row(live, kk):  # the kk-th row of w a k block reads
+        return live[kk] if skip_zero_rows else kk
+
+    def rows_read(found):  # how many rows of w the k blocks read
+        return found[0] if skip_zero_rows else K
+
+    @T.prim_func
+    def kernel(x_h: T.handle, w: T.Buffer((K, N), wdtype), b: T.Buffer((N,), "float32"), res_h: T.handle,
+               y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        x = T.match_buffer(x_h, (m, K), "float32")
+        res = T.match_buffer(res_h, (m, N), "float32")
+        y = T.match_buffer(y_h, (m, N), "float32")
+        live = T.alloc_buffer((K,), "int32")
+        found = T.alloc_buffer((1,), "int32")
+        if skip_zero_rows:
+            found[0] = 0
+            for k in range(K):
+                nonzero = T.alloc_local((1,), "int32")
+                nonzero[0] = 0
+                for i in range(m):
+                    if x[i, k] != T.float32(0):
+                        nonzero[0] = 1
+                if nonzero[0] != 0:
+                    live[found[0]] = T.Cast("int32", k)
+                    found[0] = found[0] + 1
+        for p in T.parallel(tasks):
+            for ko in range(T.max(1, (rows_read(found) + kb - 1) // kb)):
+                for io in range((m + MR - 1) // MR):
+                    for j in range(T.min(chunk, blocks - p * chunk)):
+                        acc = T.alloc_local((MR, width), "float32")
+                        col = (p * chunk + j) * width
+                        for r in T.unroll(MR):
+                            for v in T.vectorized(width):
+                                acc[r, v] = T.float32(0)
+                        if ko > 0:
+                            for r in T.unroll(MR):
+                                for v in out_loop(width):
+                                    acc[r, v] = y[T.min(io * MR + r, m - 1), clamp(col + v)]
+                        if full or col + width <= N:
+                            for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
+                                for r in T.unroll(MR):
+                                    for v in T.vectorized(width):
+                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * load_f32(
+                                            w[row(live, kk), col + v], wdtype)
+                        else:
+                            for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
+                                for r in T.unroll(MR):
+                                    for v in range(width):
+                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * load_f32(
+                                            w[row(live, kk), T.min(col + v, N - 1)], wdtype)
+                        for r in T.unroll(MR):
+                            if io * MR + r < m:
+                                for v in out_loop(width):
+                                    if full or col + v < N:
+                                        if ko == T.max(1, (rows_read(found) + kb - 1) // kb) - 1:
+                                            y[io * MR + r, col + v] = epilogue(acc[r, v], b, res, io * MR + r, col + v)
+                                        else:
+                                            y[io * MR + r, col + v] = acc[r, v]
+
+    return drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
 
 
 def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):

@@ -7,7 +7,7 @@ One decode step of a sparse FFN part is three kernels over the part's rows (one 
   sparse_down  out = sum_k h[k] * W_down[idx[k]], an axpy over the same rows ("ffn_down_t"),
                parallel over column chunks so each thread streams contiguous row segments.
 Prompts (prefill) compute a whole part densely with `linear_rows`, a GEMM over the same row-major
-weights; `merge` adds the parts, the down bias and the residual.
+weights read in place; `merge` adds the parts, the down bias and the residual.
 
 Conventions are those of `passes.kernels.cpu` (fp32, 64-byte aligned buffers, rows=1 for decode and a
 symbolic `m` for prefill); index and count buffers are int32, shaped [1, n] and [1, 1]. A count is clamped to
@@ -31,7 +31,7 @@ from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, itemsize
 
 from . import compute
 from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32
-from .cpu import MATH, _col_block, _lanes, _rowwise, gemm
+from .cpu import MATH, _col_block, _lanes, _rowwise, gemm_nt
 
 DOWN_CHUNK = 256  # columns per parallel chunk of sparse_down: 1 KiB contiguous per row and thread
 
@@ -606,12 +606,12 @@ def merge(name, D, parts: int, *, rows, bias: bool, residual: bool):
 def linear_rows(name, K, N, *, rows, act="none", wdtype="float32", tile_panels=1):
     """y[m, N] = act(x[m, K] @ w[N, K]^T + b), for weights stored one row per output neuron.
 
-    Args: x, w, b (zeros for bias-free models), y. Prefill only: the register-tiled GEMM of
-    `passes.kernels.cpu.gemm`, which transposes each 16-neuron slice of the rows into a panel first.
+    Args: x, w, b (zeros for bias-free models), y. Prefill only: `passes.kernels.cpu.gemm_nt`, register tiles
+    of a few tokens x a few neurons taking dot products along the rows as stored (no per-call packing).
     """
     if rows is not None:
         raise ValueError("linear_rows runs in prefill only")
-    return gemm(name, K, N, layout="rows", wdtype=wdtype, bias=True, act=act, tile_panels=tile_panels)
+    return gemm_nt(name, K, N, wdtype=wdtype, bias=True, act=act, tile_panels=tile_panels)
 
 
 # --------------------------------------------------------------------------------------------
