@@ -26,7 +26,7 @@ CONTEXT = 128  # the KV cache length the estimate reads at (mid-way through a ty
 SPARSE_ROW_EFFICIENCY = 0.9
 """The CPU's fused sparse FFN kernel (passes/kernels/neuron.py sparse_ffn) streams the rows it gathers at this
 share of the bandwidth the dense panel GEMVs stream a whole FFN at (GB/s of rows read over GB/s of weights
-read). Measured 2026-12-01 on the 2-core Zen 5 (AVX-512), shared with other work, with
+read). Measured 2026-12-01 on the 2-core Zen 4 (AVX-512), shared with other work, with
 `benchmarks/bench_sparse_in_model.py --dense-ffn` (6 layers of distinct 2048x8192 fp32 weights on huge pages,
 each layer's sparse call after its attention GEMVs, against the dense up + down GEMVs of the same layers,
 alternated in one process): at 10-20% of the rows selected 1.09-1.21 on one thread (medians over rounds and

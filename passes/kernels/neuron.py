@@ -143,7 +143,7 @@ PREFETCH_ROWS = 1  # sparse_ffn: while a neuron's row is read, the row of the ne
 PREFETCH_LOCALITY = 2
 """sparse_ffn's prefetches go to L2 (prefetcht1), not L1 (prefetcht0): a row of 8 KiB is 128 lines in flight,
 far more than L1's miss buffers hold, and L1-bound prefetches queue behind each other (and behind the demand
-loads of the row being read). Measured 2026-12-01 on the Zen 5 (benchmarks/bench_sparse_in_model.py, 6 layers
+loads of the row being read). Measured 2026-12-01 on the Zen 4 (benchmarks/bench_sparse_in_model.py, 6 layers
 of 2048x8192, each call after its layer's attention GEMVs, alternated variants): rows read at 1.9-2.0x the
 bandwidth of locality 3 (one thread: 16.1 against 8.2 GB/s at 10% selected, 17.6 against 8.8 at 20%; two: 15.2
 against 7.7 at 10%, medians), now faster per byte than the dense panel GEMVs of the same layers (1.1-1.2x);
