@@ -320,9 +320,9 @@ def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="
     `int8_dot` ("madd": AVX-512BW zmm or AVX2 ymm; "vnni": AVX512-VNNI, zmm; None: the fp32 path above) takes
     the up rows' dot products (the first row and, gated, the second) as integer dot products instead: x is
     quantized to int8 per 32-block once per call (quant.x_quantizer, as gemv_panels_q4x8; an error of ~1e-2 of
-    the products' magnitude), each row's bytes dotted with it into int32 (quant.dot_u8s8) and scaled by x's block
-    scale times the row's, in fp32. The down axpy stays fp32. int4 with either dot; int8 with "vnni" only
-    (vpmaddubsw's unsigned operand would have to be |q| and q = -128 occurs: no cheap madd form). `tile_panels`
+    the products' magnitude), each row's bytes dotted with it into int32 (quant.dot_u8s8, dot2_u8s8) and scaled
+    by x's block scale times the row's, in fp32. The down axpy stays fp32. int4 with either dot; int8 with "vnni"
+    only (vpmaddubsw's unsigned operand would have to be |q| and q = -128 occurs: no cheap madd form). `tile_panels`
     is the ISA's register budget as for quant.linear_panels_q (1: AVX2, ymm dots; 2: AVX-512, zmm). D must be
     whole vectors of the row's bytes (int4 zmm: a multiple of 128; ymm 64; int8 zmm 64).
     """
@@ -463,12 +463,10 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             for c in T.unroll(qchains):
                 part[c, T.ramp(0, 1, L)] = xc[s * qchains + c, T.ramp(0, 1, L)]
                 if int4:
-                    part[c, T.ramp(0, 1, L)] = quant.dot_u8s8(
+                    part[c, T.ramp(0, 1, L)] = quant.dot2_u8s8(  # both nibbles: the same blocks' lanes
                         int8_dot, L, part[c, T.ramp(0, 1, L)],
                         w[row, T.ramp((s * qchains + c) * nbytes, 1, nbytes)] & m15,
-                        xpat[0, T.ramp((s * qchains + c) * nbytes, 1, nbytes)])
-                    part[c, T.ramp(0, 1, L)] = quant.dot_u8s8(
-                        int8_dot, L, part[c, T.ramp(0, 1, L)],
+                        xpat[0, T.ramp((s * qchains + c) * nbytes, 1, nbytes)],
                         w[row, T.ramp((s * qchains + c) * nbytes, 1, nbytes)] >> m4,
                         xpat[1, T.ramp((s * qchains + c) * nbytes, 1, nbytes)])
                 else:

@@ -264,6 +264,17 @@ def dot_u8s8(dot, lanes, acc, a, b):
     return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", names[1], pairs, T.broadcast(T.int16(1), 2 * lanes))
 
 
+def dot2_u8s8(dot, lanes, acc, a, b, c, d):
+    """acc[l] + sum_j a[4 l + j] * b[4 l + j] + c[4 l + j] * d[4 l + j] (a, c unsigned nibbles, < 16): with
+    "madd" the two vpmaddubsw pair sums are added in int16 (2 * 2 * 15 * 127 < 2^15), one vpmaddwd for both."""
+    if dot == "vnni":
+        return dot_u8s8(dot, lanes, dot_u8s8(dot, lanes, acc, a, b), c, d)
+    names = DOTS[(dot, lanes)]
+    pairs = (T.call_llvm_pure_intrin(f"int16x{2 * lanes}", names[0], a, b)
+             + T.call_llvm_pure_intrin(f"int16x{2 * lanes}", names[0], c, d))
+    return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", names[1], pairs, T.broadcast(T.int16(1), 2 * lanes))
+
+
 def check_dot(dot, lanes):
     if (dot, lanes) not in DOTS:
         raise ValueError(f"(dot, lanes) must be one of {sorted(DOTS)}, got {(dot, lanes)!r}")
