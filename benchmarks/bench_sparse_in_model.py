@@ -52,12 +52,17 @@ INDEX_SETS = 8
 FORMATS = ("fp32", "fp16", "int8", "int4")  # a variant's kernel field naming one: the layers in that weight format
 
 
+DOTS = {"m": "madd", "v": "vnni"}  # a format field's suffix: sparse_ffn_q's int8_dot
+
+
 def format_field(variant: str):
-    """(format, rows prefetched ahead, prefetch locality; None: the kernel's defaults) of a variant whose kernel
-    field names a format (`int4`, `int4p8`, `int4p2t3`), else None."""
+    """(format, rows prefetched ahead, prefetch locality, int8_dot; None: the kernel's defaults) of a variant
+    whose kernel field names a format (`int4`, `int4p8`, `int4p2t3`, `int4m`: int8_dot "madd", `int4v`: "vnni"),
+    else None."""
     fields = variant.split("-")
-    found = re.fullmatch(r"(%s)(?:p(\d+))?(?:t(\d))?" % "|".join(FORMATS), fields[2]) if len(fields) > 2 else None
-    return (found[1], *(int(g) if g else None for g in found.groups()[1:])) if found else None
+    found = (re.fullmatch(r"(%s)(?:p(\d+))?(?:t(\d))?([mv])?" % "|".join(FORMATS), fields[2])
+             if len(fields) > 2 else None)
+    return (found[1], *(int(g) if g else None for g in found.groups()[1:3]), DOTS.get(found[4])) if found else None
 
 
 def fmt_of(variant: str) -> str:
@@ -72,12 +77,12 @@ def kernel_of(variant: str) -> str:
     return ("ffn_" + fields[2]) if format_field(variant) else (fields[2] if len(fields) > 2 else "ffn")
 
 
-def format_kernel(neuron, name, fmt, ahead, locality):
+def format_kernel(neuron, name, fmt, ahead, locality, dot, tile_panels):
     """The relu sparse FFN kernel over 2048 x 8192 rows in weight format `fmt` (None: the default prefetching)."""
     options = dict(rows=1, gated=False, act="relu", prefetch_rows=ahead, prefetch_locality=locality)
     if fmt in ("fp32", "fp16"):
         return neuron.sparse_ffn(name, D, FFN, wdtype="float32" if fmt == "fp32" else "float16", **options)
-    return neuron.sparse_ffn_q(name, D, FFN, bits=int(fmt[3:]), **options)
+    return neuron.sparse_ffn_q(name, D, FFN, bits=int(fmt[3:]), int8_dot=dot, tile_panels=tile_panels, **options)
 
 
 def main():
@@ -87,6 +92,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isa", default="avx512")
+    parser.add_argument("--mcpu", help="the LLVM CPU to build for instead of the ISA's (int4v needs VNNI: znver4)")
     parser.add_argument("--variants", default="alone-4k,model-4k,alone-huge,model-huge")
     parser.add_argument("--dense-ffn", action="store_true", help="also time a dense FFN (panel GEMVs) in the model loop")
     args = parser.parse_args()
@@ -104,7 +110,7 @@ def main():
              *(neuron.sparse_ffn(f"ffn{a}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a) for a in (1, 2, 4)),
              *(neuron.sparse_ffn(f"ffn{a}t{loc}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a,
                                  prefetch_locality=loc) for a in (1, 2, 4) for loc in (1, 2, 3)),
-             *(format_kernel(neuron, kernel, *format_field(v))
+             *(format_kernel(neuron, kernel, *format_field(v), CPU_ISAS[args.isa].gemm_panels)
                for kernel, v in {kernel_of(v): v for v in args.variants.split(",") if format_field(v)}.items()),
              cpu.linear_panels("qkv", D, 3 * D, rows=1, bias=False),
              cpu.linear_panels("o", D, D, rows=1, bias=False),
@@ -115,7 +121,8 @@ def main():
     funcs = [f for f in funcs if str(f.attrs["global_symbol"]) in kernels]  # (each kernel compiles for seconds)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.so")
-        cpu.build(funcs, CPU_ISAS[args.isa].llvm_target(), path)
+        target = CPU_ISAS[args.isa].llvm_target()
+        cpu.build(funcs, dict(target, mcpu=args.mcpu) if args.mcpu else target, path)
         lib = tvm.runtime.load_module(path)
     dl = tvm_ffi.from_dlpack
     rng = np.random.default_rng(0)

@@ -18,6 +18,17 @@ def act_ref(v, act):
     return v
 
 
+def int8_blocks_ref(x, block=32):
+    """x (float32 values) as the int8-activation kernels quantize it (quant.x_quantizer): per block of the last
+    axis, scale max|x| / 127 (fp32), q = round(x * (127 / max|x|)); returns q * scale in float64."""
+    blocks = np.asarray(x, np.float32).reshape(-1, block)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    xq = np.round(blocks * inv) * (amax / np.float32(127)).astype(np.float64)
+    return xq.reshape(np.shape(x))
+
+
 def close(got, ref, tol=1e-4):
     np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
 

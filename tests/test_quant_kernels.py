@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tvm
 
-from kernel_reference import act_ref, close, kname
+from kernel_reference import act_ref, close, int8_blocks_ref, kname
 from passes.kernels import cpu, ops, quant
 from picompile.targets import CPU_ISAS
 from runtime.artifact import cpu_flags
@@ -184,12 +184,7 @@ def test_rows_untouched(lib):
 
 def x8_reference(x, w):
     """x quantized as the kernel does (per 32-block, scale max|x| / 127, fp32) times the dequantized matrix."""
-    blocks = x.reshape(-1, quant.QUANT_BLOCK).astype(np.float32)
-    amax = np.abs(blocks).max(axis=1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    xq = np.round(blocks * inv) * (amax / np.float32(127)).astype(np.float64)
-    return xq.reshape(x.shape) @ w
+    return int8_blocks_ref(x, quant.QUANT_BLOCK) @ w
 
 
 def check_int8_activations(lib, dot, cfg):

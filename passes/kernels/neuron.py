@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, itemsize
 
-from . import compute
+from . import compute, quant
 from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32
 from .cpu import MATH, _col_block, _lanes, _rowwise, gemm_nt
 
@@ -298,7 +299,8 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
 
 
 def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16",
-                 prefetch_rows: int | None = None, prefetch_locality: int | None = None):
+                 prefetch_rows: int | None = None, prefetch_locality: int | None = None,
+                 int8_dot: str | None = None, tile_panels: int = 1):
     """`sparse_ffn` over block-quantized rows (int8 or int4 by `bits`, the rows layout of
     `passes.kernels.quant`, scales in `sdtype`).
 
@@ -314,25 +316,41 @@ def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="
     a row's dot product took 119 ns in int4, 96 in int8, 103 in fp16, 108 in fp32 (whose bound is the FMA
     chains' latency); between attention GEMVs over 6 layers, one thread, 10% selected: 0.30 ms a call in int4,
     0.29 int8, 0.43 fp16, 0.69 fp32 (4.9, 9.3, 11.7, 14.7 GB/s of rows and scales read).
+
+    `int8_dot` ("madd": AVX-512BW zmm or AVX2 ymm; "vnni": AVX512-VNNI, zmm; None: the fp32 path above) takes
+    the up rows' dot products (the first row and, gated, the second) as integer dot products instead: x is
+    quantized to int8 per 32-block once per call (quant.x_quantizer, as gemv_panels_q4x8; an error of ~1e-2 of
+    the products' magnitude), each row's bytes dotted with it into int32 (quant.dot_u8s8, dot2_u8s8) and scaled
+    by x's block scale times the row's, in fp32. The down axpy stays fp32. int4 with either dot; int8 with "vnni"
+    only (vpmaddubsw's unsigned operand would have to be |q| and q = -128 occurs: no cheap madd form). `tile_panels`
+    is the ISA's register budget as for quant.linear_panels_q (1: AVX2, ymm dots; 2: AVX-512, zmm). D must be
+    whole vectors of the row's bytes (int4 zmm: a multiple of 128; ymm 64; int8 zmm 64).
+    Measured 2026-12-01 (Zen 4, benchmarks/bench_sparse_in_model.py, relu 2048 x 8192, int4, medians): with one
+    layer's rows cached ("alone") 1.4-1.8x the fp32 path's rate ("vnni" 0.17 against 0.26 ms a call at 10%);
+    between attention GEMVs over 6 layers only 1.1-1.2x (0.27 against 0.30 ms, one thread), no longer the
+    arithmetic's bound (8 rows prefetched ahead instead of 4 changed nothing).
     """
     if rows != 1:
         raise ValueError("sparse_ffn_q runs in decode only")
     if prefetch_rows is None:
         prefetch_rows = quant_prefetch_rows(D, bits, sdtype)
     kernel = _sparse_ffn(D, n, quant_rows(D, bits, sdtype), gated=gated, act=act, prefetch_rows=prefetch_rows,
-                         prefetch_locality=prefetch_locality)
+                         prefetch_locality=prefetch_locality, int8_dot=int8_dot,
+                         dot_lanes=16 if tile_panels > 1 else 8)
     return kernel.with_attr("global_symbol", name)
 
 
 def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: int | None,
-                prefetch_locality: int | None):
+                prefetch_locality: int | None, int8_dot: str | None = None, dot_lanes: int = 16):
     """sparse_ffn's kernel over rows read as `fmt` says, with a scales buffer after each weight (w_up_s,
     w_down_s; the float formats' are placeholders the caller drops).
 
     A quantized row's scales become fp32 factors first (rs: the scales for a dot product, h * scales for an
     axpy). int4's offset (values stored + 8) is taken out once per row, not per weight: a dot product subtracts
     8 * sum over blocks of rs[b] * xs[b] (xs[b]: block b's sum of x, once per call), an axpy adds 8 * rs[b]
-    into off[b], which each task subtracts from its scratch row at the end."""
+    into off[b], which each task subtracts from its scratch row at the end.
+
+    With `int8_dot` (sparse_ffn_q's), the up rows' dot products are integer: see row_dot8."""
     actf = compute.activation(act, MATH)
     relu = act == "relu"
     lanes, vectors, block = fmt.lanes, fmt.vectors, fmt.block
@@ -358,6 +376,28 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     tasks = FFN_TASKS
     ahead = PREFETCH_ROWS if prefetch_rows is None else prefetch_rows
     locality = PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality
+    q8 = int8_dot is not None  # (TVMScript branches on Python bools only)
+    if q8:
+        # A dot vector is `dot_lanes` int32 lanes, 4 row bytes each: nbytes bytes of the stored row, qblocks
+        # whole blocks (int4: 16 bytes of nibbles a block; int8: 32), `group` lanes per block.
+        quant.check_dot(int8_dot, dot_lanes)
+        if not fmt.quantized or (fmt.bits == 8 and int8_dot != "vnni"):
+            raise ValueError(f"int8_dot={int8_dot!r} takes int4 rows, or int8 rows with 'vnni'")
+        L, nbytes = dot_lanes, 4 * dot_lanes
+        if stored % nbytes:
+            raise ValueError(f"int8_dot over {dot_lanes} lanes needs rows of whole {nbytes}-byte vectors, D = {D}")
+        qblocks = nbytes // fmt.block_bytes
+        group = L // qblocks
+        qvectors = stored // nbytes
+        qchains = next(c for c in (4, 2, 1) if qvectors % c == 0)  # independent accumulators (cvt + FMA latency)
+        qsteps = qvectors // qchains
+        qprefetch = max(1, qchains * nbytes // 64)  # lines of the next row per step
+        stored_offset = INT4_OFFSET if int4 else 128  # int8: q ^ 0x80 = q + 128, the unsigned operand
+        xpats = 2 if int4 else 1
+        m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
+        flip = T.broadcast(T.uint8(128), nbytes)
+        spread = [tirx.IntImm("int32", lane // group) for lane in range(L)]  # lane -> its block in the vector
+        quantize_x = quant.x_quantizer(D)
 
     @T.macro
     def prefetch_scales(ws_next, next_row):
@@ -409,6 +449,51 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             dot[slot] = dot[slot] + acc[0, v]
 
     @T.macro
+    def row_dot8(qacc, part, dot, rs, sx, xpat, xc, w, ws, row, slot, w_next, ws_next, next_row):
+        """row_dot with int8_dot: per vector of nbytes row bytes, part = xc (the stored offset's -offset * the
+        block sums of xq, in one lane per block) + the u8 x s8 dot products with xq laid out as the row
+        (xpat: int4 one pattern per nibble), exact in int32; then qacc += float(part) * (ws * sx) lane by
+        lane (rs, made per row, spread over each block's lanes), in `qchains` fp32 accumulators."""
+        prefetch_scales(ws_next, next_row)
+        for b in T.vectorized(sblocks):
+            rs[b] = load_f32(ws[row, b], fmt.sdtype) * sx[b]
+        for c in T.unroll(qchains):
+            for v in T.vectorized(L):
+                qacc[c, v] = T.float32(0)
+        for s in range(qsteps):
+            for q in T.unroll(qprefetch):
+                _prefetch(T.address_of(w_next[next_row, T.min((s * qchains * nbytes + q * 64), last_stored)]),
+                          locality)
+            for c in T.unroll(qchains):
+                part[c, T.ramp(0, 1, L)] = xc[s * qchains + c, T.ramp(0, 1, L)]
+                if int4:
+                    part[c, T.ramp(0, 1, L)] = quant.dot2_u8s8(  # both nibbles: the same blocks' lanes
+                        int8_dot, L, part[c, T.ramp(0, 1, L)],
+                        w[row, T.ramp((s * qchains + c) * nbytes, 1, nbytes)] & m15,
+                        xpat[0, T.ramp((s * qchains + c) * nbytes, 1, nbytes)],
+                        w[row, T.ramp((s * qchains + c) * nbytes, 1, nbytes)] >> m4,
+                        xpat[1, T.ramp((s * qchains + c) * nbytes, 1, nbytes)])
+                else:
+                    part[c, T.ramp(0, 1, L)] = quant.dot_u8s8(
+                        int8_dot, L, part[c, T.ramp(0, 1, L)],
+                        T.Cast(f"uint8x{nbytes}", w[row, T.ramp((s * qchains + c) * nbytes, 1, nbytes)]) ^ flip,
+                        xpat[0, T.ramp((s * qchains + c) * nbytes, 1, nbytes)])
+                if qblocks == 1:
+                    qacc[c, T.ramp(0, 1, L)] = qacc[c, T.ramp(0, 1, L)] + T.Cast(
+                        f"float32x{L}", part[c, T.ramp(0, 1, L)]) * T.broadcast(rs[s * qchains + c], L)
+                else:
+                    qacc[c, T.ramp(0, 1, L)] = qacc[c, T.ramp(0, 1, L)] + T.Cast(
+                        f"float32x{L}", part[c, T.ramp(0, 1, L)]) * T.Shuffle(
+                        [rs[T.ramp((s * qchains + c) * qblocks, 1, qblocks)]] * group, spread)  # (a shuffle
+                    # has no more lanes than its operands: the group copies only make up the width)
+        for c in T.unroll(1, qchains):
+            for v in T.vectorized(L):
+                qacc[0, v] = qacc[0, v] + qacc[c, v]
+        dot[slot] = qacc[0, 0]
+        for v in T.unroll(1, L):
+            dot[slot] = dot[slot] + qacc[0, v]
+
+    @T.macro
     def axpy_block(y, t, a, rs, w, row, blk):
         """y[t, block blk] += the block's coefficient * w's block. int4: the 16 bytes are widened once, into
         `wide`, and both nibbles cut from it (separate loads of the two halves compile to byte-wide masks and
@@ -451,6 +536,23 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                fired: T.Buffer((1, n), "int32"), scratch: T.Buffer((tasks, D), "float32"),
                out: T.Buffer((1, D), "float32")):
         T.func_attr({"tirx.noalias": True})
+        if q8:  # x quantized once per call, and laid out as the rows' bytes
+            xq = T.alloc_buffer((D,), "int8")
+            sx = T.alloc_buffer((sblocks,), "float32")
+            xsum = T.alloc_buffer((sblocks,), "int32")
+            xpat = T.alloc_buffer((xpats, stored), "int8")
+            xc = T.alloc_buffer((qvectors, L), "int32")
+            quantize_x(x, xq, sx, xsum)
+            for b in range(sblocks):
+                for i in T.vectorized(stored // sblocks):
+                    if int4:  # byte 16 b + i of a row: element 32 b + i (low nibble), 32 b + 16 + i (high)
+                        xpat[0, b * half + i] = xq[b * QUANT_BLOCK + i]
+                        xpat[1, b * half + i] = xq[b * QUANT_BLOCK + half + i]
+                    else:
+                        xpat[0, b * QUANT_BLOCK + i] = xq[b * QUANT_BLOCK + i]
+            for o in range(qvectors):
+                for v in range(L):
+                    xc[o, v] = T.if_then_else(v % group == 0, -stored_offset * xsum[o * qblocks + v // group], 0)
         for t in T.parallel(tasks):
             first = clamp_count(count[0, 0], n) * t // tasks
             last = clamp_count(count[0, 0], n) * (t + 1) // tasks
@@ -460,13 +562,21 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             rs = T.alloc_local((factors,), "float32")  # a quantized row's fp32 scale factors
             xs = T.alloc_local((sums,), "float32")  # int4: x's block sums
             off = T.alloc_local((sums,), "float32")  # int4: the offsets the axpys added, per block
+            if q8:
+                qacc = T.alloc_local((qchains, L), "float32")
+                part = T.alloc_local((qchains, L), "int32")
             listed[0] = first
-            block_sums(xs, x)
+            if not q8:
+                block_sums(xs, x)
             # 1. the first row of every selected neuron; list the ones that fired
             for k in range(first, last):
                 row = clamp_index(idx[0, k], n)
-                row_dot(acc, dot, rs, xs, x, w_up, w_up_s, row, 0, w_up, w_up_s,
-                        clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one would cost a workspace)
+                if q8:
+                    row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, row, 0, w_up, w_up_s,
+                             clamp_index(idx[0, T.min(k + ahead, last - 1)], n))
+                else:
+                    row_dot(acc, dot, rs, xs, x, w_up, w_up_s, row, 0, w_up, w_up_s,
+                            clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one would cost a workspace)
                 dot[0] = actf(dot[0] + b_up[row])
                 h[0, k] = dot[0]
                 if not relu or dot[0] != T.float32(0):
@@ -484,7 +594,10 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 after = clamp_index(idx[0, fired[0, T.min(i + ahead, listed[0] - 1)]], n)  # a later listed neuron's row
                 dot[0] = h[0, k]
                 if gated:
-                    row_dot(acc, dot, rs, xs, x, w_up, w_up_s, n + row, 1, w_down, w_down_s, row)
+                    if q8:
+                        row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, n + row, 1, w_down, w_down_s, row)
+                    else:
+                        row_dot(acc, dot, rs, xs, x, w_up, w_up_s, n + row, 1, w_down, w_down_s, row)
                     dot[0] = dot[0] * (dot[1] + b_up[n + row])  # the GLU, act(gate) taken in step 1
                     h[0, k] = dot[0]
                     row_axpy(scratch, t, dot[0], rs, off, w_down, w_down_s, row, w_up, w_up_s, n + after)

@@ -255,13 +255,57 @@ def _vector_perm(lanes):
     return [8 * (4 * (e // 32) + e % 4) + (e // 4) % 8 for e in range(4 * lanes)]
 
 
-def _dot_u8s8(dot, lanes, acc, a, b):
+def dot_u8s8(dot, lanes, acc, a, b):
     """acc[l] + sum_j a[4 l + j] * b[4 l + j] over int32 lanes."""
     names = DOTS[(dot, lanes)]
     if dot == "vnni":
         return T.call_llvm_pure_intrin(f"int32x{lanes}", names[0], acc, a, b)
     pairs = T.call_llvm_pure_intrin(f"int16x{2 * lanes}", names[0], a, b)  # no saturation: 15 * 127 * 2 < 2^15
     return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", names[1], pairs, T.broadcast(T.int16(1), 2 * lanes))
+
+
+def dot2_u8s8(dot, lanes, acc, a, b, c, d):
+    """acc[l] + sum_j a[4 l + j] * b[4 l + j] + c[4 l + j] * d[4 l + j] (a, c unsigned nibbles, < 16): with
+    "madd" the two vpmaddubsw pair sums are added in int16 (2 * 2 * 15 * 127 < 2^15), one vpmaddwd for both."""
+    if dot == "vnni":
+        return dot_u8s8(dot, lanes, dot_u8s8(dot, lanes, acc, a, b), c, d)
+    names = DOTS[(dot, lanes)]
+    pairs = (T.call_llvm_pure_intrin(f"int16x{2 * lanes}", names[0], a, b)
+             + T.call_llvm_pure_intrin(f"int16x{2 * lanes}", names[0], c, d))
+    return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", names[1], pairs, T.broadcast(T.int16(1), 2 * lanes))
+
+
+def check_dot(dot, lanes):
+    if (dot, lanes) not in DOTS:
+        raise ValueError(f"(dot, lanes) must be one of {sorted(DOTS)}, got {(dot, lanes)!r}")
+
+
+def x_quantizer(K):
+    """A macro quantize_x(x, xq, sx, xsum) quantizing x[1, K] to int8 per 32-block, serially (once per call,
+    before a kernel's parallel loop): sx[b] = max|x| / 127 over block b (fp32; 0 for a zero block), xq =
+    round(x * 127 / max|x|) in [-127, 127], xsum[b] = the int32 sum of block b's xq (what an offset-stored
+    weight's dot product takes off)."""
+    B, nb = QUANT_BLOCK, K // QUANT_BLOCK
+
+    @T.macro
+    def quantize_x(x, xq, sx, xsum):
+        amax = T.alloc_local((PANEL,), "float32")
+        stat = T.alloc_local((2,), "float32")
+        for kb in range(nb):
+            for v in T.vectorized(PANEL):
+                amax[v] = T.max(T.abs(x[0, kb * B + v]), T.abs(x[0, kb * B + PANEL + v]))
+            stat[0] = amax[0]
+            for v in range(1, PANEL):
+                stat[0] = T.max(stat[0], amax[v])
+            sx[kb] = stat[0] / T.float32(127)
+            stat[1] = T.if_then_else(stat[0] > T.float32(0), T.float32(127) / stat[0], T.float32(0))
+            for v in T.vectorized(B):
+                xq[kb * B + v] = T.Cast("int8", T.round(x[0, kb * B + v] * stat[1]))
+            xsum[kb] = 0
+            for v in range(B):
+                xsum[kb] = xsum[kb] + T.Cast("int32", xq[kb * B + v])
+
+    return quantize_x
 
 
 def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", residual=False, dot="vnni", lanes=16,
@@ -279,8 +323,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     """
     B = QUANT_BLOCK
     _check(K, N, 4, K, "K")
-    if (dot, lanes) not in DOTS:
-        raise ValueError(f"(dot, lanes) must be one of {sorted(DOTS)}, got {(dot, lanes)!r}")
+    check_dot(dot, lanes)
     panels = -(-N // PANEL)
     group = group or _gemv_group(panels)
     width = group * PANEL
@@ -292,6 +335,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     kgroups = lanes // HALF  # 4-step k groups per vector (lanes l and l + 8 hold different ones)
     perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
+    quantize_x = x_quantizer(K)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
@@ -305,24 +349,11 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
         xc = T.alloc_buffer((nb, lanes), "int32")
         xpat = T.alloc_buffer((K // steps, lanes), "int32")
         xpat8 = T.decl_buffer((K // steps * nbytes,), "int8", data=xpat.data)
-        amax = T.alloc_local((PANEL,), "float32")
-        stat = T.alloc_local((2,), "float32")
-        total = T.alloc_local((1,), "int32")
+        xsum = T.alloc_buffer((nb,), "int32")
+        quantize_x(x, xq, sx, xsum)
         for kb in range(nb):
-            for v in T.vectorized(PANEL):
-                amax[v] = T.max(T.abs(x[0, kb * B + v]), T.abs(x[0, kb * B + PANEL + v]))
-            stat[0] = amax[0]
-            for v in range(1, PANEL):
-                stat[0] = T.max(stat[0], amax[v])
-            sx[kb] = stat[0] / T.float32(127)
-            stat[1] = T.if_then_else(stat[0] > T.float32(0), T.float32(127) / stat[0], T.float32(0))
-            for v in T.vectorized(B):
-                xq[kb * B + v] = T.Cast("int8", T.round(x[0, kb * B + v] * stat[1]))
-            total[0] = 0
-            for v in range(B):
-                total[0] = total[0] + T.Cast("int32", xq[kb * B + v])
             for v in T.vectorized(lanes):
-                xc[kb, v] = T.if_then_else(v < HALF, -INT4_OFFSET * total[0], 0)
+                xc[kb, v] = T.if_then_else(v < HALF, -INT4_OFFSET * xsum[kb], 0)
         for o in range(K // steps):
             for v in T.vectorized(lanes):
                 xpat[o, v] = xq32[kgroups * o + v // HALF]
@@ -338,12 +369,12 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
                         part[g, h, v] = xc[kb, v]
                 for o in T.unroll(B // steps):
                     for g in T.unroll(group):
-                        part[g, 0, T.ramp(0, 1, lanes)] = _dot_u8s8(
+                        part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
                             dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
                             T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * HALF, 1, nbytes)]],
                                       perm) & m15,
                             xpat8[T.ramp((kb * (B // steps) + o) * nbytes, 1, nbytes)])
-                        part[g, 1, T.ramp(0, 1, lanes)] = _dot_u8s8(
+                        part[g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
                             dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
                             T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * HALF, 1, nbytes)]],
                                       perm) >> m4,
