@@ -423,10 +423,18 @@ class _Walker:
             *up_parts, matrix = self.low.quantized_in(up_rows, "quant_rows")
             *down_parts, _ = self.low.quantized_in(down_rows, "quant_rows")
             dtype_tag, dtype_arg = self.low.quant_tag(matrix)
+            tile = self.low.gemm_tile(device).get("tile_panels", 1)
+            dot = self.low.int8_dot
+            if device == "cpu" and dot and neuron.int8_dot_fits(d_in, matrix.fmt.bits, dot, tile):
+                # the up rows' dots over int8-quantized x (decode only: the prefill GEMMs stay fp32)
+                decode_tag, decode_arg = f"{dtype_tag}_x8", {**dtype_arg, "int8_dot": dot, "tile_panels": tile}
+            else:
+                decode_tag, decode_arg = dtype_tag, dtype_arg
         else:
             up_parts, down_parts = [self.low.stored_for(up_rows, device)], [self.low.stored_for(down_rows, device)]
             dtype = self.low.buffers[up_rows]["dtype"]
             dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
+            decode_tag, decode_arg = dtype_tag, dtype_arg
         halves = 2 if gated else 1  # up rows per neuron: gate and up when gated
         bias_row = halves * itemsize(self.low.buffers[up_bias]["dtype"])
         kernels = self.low.kernel(ops.select, f"select_n{neurons}", neurons, phases=("decode",))
@@ -436,8 +444,8 @@ class _Walker:
             scratch = self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
             fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
             kernels = self.low.kernel(ops.sparse_ffn_q if quantized else ops.sparse_ffn,
-                                      f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
-                                      d_in, neurons, gated=gated, act=activation, phases=("decode",), **dtype_arg)
+                                      f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{decode_tag}",
+                                      d_in, neurons, gated=gated, act=activation, phases=("decode",), **decode_arg)
             # With ReLU a neuron whose first row (the gate's when gated) gives 0 is done: its other rows are not read.
             skips = activation == "relu"
 

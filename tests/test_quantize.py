@@ -150,11 +150,11 @@ def built(sparse_opt, tmp_path_factory):
     logits)."""
     artifacts = {}
 
-    def get(weight_dtype: str, dense: bool, fold: bool = False, int8_activations: bool = False):
-        key = (weight_dtype, dense, fold, int8_activations)
+    def get(weight_dtype: str, dense: bool, fold: bool = False, int8_activations: bool = False, cpu_isa=None):
+        key = (weight_dtype, dense, fold, int8_activations, cpu_isa)
         if key not in artifacts:
             options = Options(max_context=64, calib=sparse_opt.calib, dense=dense, weight_dtype=weight_dtype,
-                              all_neurons=not dense, int8_activations=int8_activations)
+                              all_neurons=not dense, int8_activations=int8_activations, cpu_isa=cpu_isa)
             passes = pipeline(options, "dense" if dense else "predictor")
             if fold:
                 index = next(i for i, p in enumerate(passes) if p.name == "quantize")
@@ -184,14 +184,17 @@ def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dty
         tokens = [int(np.argmax(expected[-1]))]
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
-def test_int8_activations_move_int4_logits_by_their_rounding_only(built, dense):
-    """--int8-activations (the default): int4 decode GEMVs take x rounded to int8 blocks, an error of a few
-    thousandths of each output, like onnxruntime's accuracy_level 4; prompts (prefill) stay exact."""
-    ours, reference = built("int4", dense, int8_activations=True), built("int4", dense, fold=True)
+@pytest.mark.parametrize("dense,cpu_isa", [(True, None), (False, "avx2")], ids=["dense", "sparse-avx2"])
+def test_int8_activations_move_int4_logits_by_their_rounding_only(built, dense, cpu_isa):
+    """--int8-activations (the default): int4 decode GEMVs (and the sparse FFN's up rows, where a row is whole
+    dot vectors: 64 weights on AVX2's ymm) take x rounded to int8 blocks, an error of a few thousandths of each
+    output, like onnxruntime's accuracy_level 4; prompts (prefill) stay exact."""
+    ours = built("int4", dense, int8_activations=True, cpu_isa=cpu_isa)
+    reference = built("int4", dense, fold=True, cpu_isa=cpu_isa)
     kernels = json.loads((ours / "kernels" / "signatures.json").read_text())
-    assert any("_x8_" in name for name in kernels) and not any("_x8_" in name for name in
-                                                                  json.loads((reference / "kernels" / "signatures.json").read_text()))
+    assert any(name.startswith("linear_q") and "_x8_" in name for name in kernels)
+    assert dense or any(name.startswith("sparse_ffn") and "_x8_" in name for name in kernels)
+    assert not any("_x8_" in name for name in json.loads((reference / "kernels" / "signatures.json").read_text()))
     engine, folded = Engine(ours), Engine(reference)
     prompt = [11, 22, 33, 44, 55]
     np.testing.assert_allclose(engine.forward(prompt), folded.forward(prompt), atol=2e-4, rtol=0)

@@ -298,6 +298,13 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
     return drop_params(kernel, ["w_up_s", "w_down_s"]).with_attr("global_symbol", name)
 
 
+def int8_dot_fits(D: int, bits: int, dot: str, tile_panels: int) -> bool:
+    """Whether sparse_ffn_q takes `dot` over rows of D weights on that register budget (its ValueErrors' rule)."""
+    lanes = 16 if tile_panels > 1 else 8
+    row_bytes = D // 2 if bits == 4 else D
+    return (bits == 4 or dot == "vnni") and (dot, lanes) in quant.DOTS and row_bytes % (4 * lanes) == 0
+
+
 def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16",
                  prefetch_rows: int | None = None, prefetch_locality: int | None = None,
                  int8_dot: str | None = None, tile_panels: int = 1):
