@@ -203,8 +203,10 @@ def _run(args) -> int:
     else:
         print(" ".join(map(str, result["generated_ids"])))
         print(f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+        by_role, gbs = result.get("weight_bytes_per_token_by_role", {}), result.get("weight_gbs_by_role", {})
         for role, ms in result.get("profile_ms_per_token", {}).items():
-            print(f"  {role:<10} {ms:8.3f} ms/token", file=sys.stderr)
+            reads = (f"  {by_role[role] / 2**20:9.3f} MiB/token at {gbs[role]:5.1f} GB/s" if role in gbs else "")
+            print(f"  {role:<10} {ms:8.3f} ms/token{reads}", file=sys.stderr)
         if "weight_bytes_per_token" in result:
             print(f"  weights    {result['weight_bytes_per_token'] / 2**20:8.3f} MiB/token "
                   f"({result['weight_bytes_per_token']:.0f} bytes), {result['weight_gbs_kernels']:.1f} GB/s over "

@@ -25,7 +25,8 @@ from .device import DeviceExecutor, _host, cuda_device, device_library
 from .dtypes import get_dtype
 from .verify import check_files
 
-COUNTERS = ("weight_bytes", "decode_steps")  # the profile's entries that are not seconds
+# the profile's entries that are not seconds: bytes, steps, and the weight bytes per call role (a dict)
+COUNTERS = ("weight_bytes", "decode_steps", "weight_bytes_by_role")
 
 
 def _tvm_runtime():
@@ -129,7 +130,8 @@ class Engine:
         self._token_rows = min(self.buffers[table].shape[0] if table in self.buffers else facts.vocab_size
                                for table in facts.token_tables)
         # Set to {} to profile: seconds per call role, "wall" and "overhead", and for decode (one-token)
-        # steps "weight_bytes" (weight bytes the calls read) and "decode_steps".
+        # steps "weight_bytes" (weight bytes the calls read), "weight_bytes_by_role" (the same per call role) and
+        # "decode_steps".
         self.profile: dict[str, float] | None = None
 
     # ---------------------------------------------------------------- binding
@@ -258,6 +260,8 @@ class Engine:
             with lock:
                 profile[role] = profile.get(role, 0.0) + seconds
                 profile["weight_bytes"] = profile.get("weight_bytes", 0) + weight_bytes
+                by_role = profile.setdefault("weight_bytes_by_role", {})
+                by_role[role] = by_role.get(role, 0) + weight_bytes
 
         return record
 

@@ -67,13 +67,17 @@ def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.
 
 def profile_per_token(profile: dict) -> dict:
     """An engine's profile of decode steps, per step: milliseconds per call role (and wall, overhead), and the
-    weight bytes read with the bandwidth that makes over the kernels' time and over the wall time."""
+    weight bytes read with the bandwidth that makes over the kernels' time and over the wall time, in all and
+    per call role (GB/s over that role's kernel time: the sparse FFN's against the dense GEMVs')."""
     steps = max(profile.get("decode_steps", 0), 1)
     ms = {k: v * 1000 / steps for k, v in sorted(profile.items()) if k not in COUNTERS}
     kernel_s = sum(v for k, v in ms.items() if k not in ("wall", "overhead")) / 1000
     weight_bytes = profile.get("weight_bytes", 0) / steps
+    by_role = {role: count / steps for role, count in sorted(profile.get("weight_bytes_by_role", {}).items()) if count}
     return {
         "profile_ms_per_token": ms,
+        "weight_bytes_per_token_by_role": by_role,
+        "weight_gbs_by_role": {role: count / (ms[role] / 1000) / 1e9 for role, count in by_role.items() if ms.get(role)},
         "weight_bytes_per_token": weight_bytes,
         "weight_gbs_kernels": weight_bytes / kernel_s / 1e9 if kernel_s > 0 else 0.0,
         "weight_gbs_wall": weight_bytes / (ms["wall"] / 1000) / 1e9 if ms.get("wall") else 0.0,

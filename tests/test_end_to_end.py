@@ -95,10 +95,14 @@ def test_cli_build_dump_run_eval_inspect(tiny_models, tmp_path, capsys):
     assert result["generated_ids"] == OrtDecoder(files.onnx).greedy([1, 2, 3], 6)
 
     assert main(["run", str(out), "--prompt-ids", "1,2,3", "-n", "6", "--json", "--profile"]) == 0
-    profile = json.loads(capsys.readouterr().out)["profile_ms_per_token"]
+    profiled = json.loads(capsys.readouterr().out)
+    profile = profiled["profile_ms_per_token"]
     assert {"attention", "ffn_up", "ffn_down", "norm", "head", "embed", "overhead", "wall"} <= set(profile)
     parts = sum(v for k, v in profile.items() if k != "wall")
     assert abs(parts - profile["wall"]) <= 0.05 * profile["wall"]  # the classes and the overhead add up
+    by_role = profiled["weight_bytes_per_token_by_role"]  # each class's weights, adding up to the total
+    assert sum(by_role.values()) == pytest.approx(profiled["weight_bytes_per_token"])
+    assert by_role["head"] == 64 * 128 * 4 and set(profiled["weight_gbs_by_role"]) == set(by_role)
 
     assert main(["eval", str(out), "--reference", str(files.onnx), "--tokens", str(files.heldout),
                  "--max-sequences", "2", "--json"]) == 0
