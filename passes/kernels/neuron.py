@@ -426,6 +426,16 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                     xs[b] = xs[b] + part[v]
 
     @T.macro
+    def sum_chains(acc, count, width, dot, slot):
+        """dot[slot] = the sum of acc's first `count` rows of `width` lanes: the chains, then the lanes."""
+        for c in T.unroll(1, count):
+            for v in T.vectorized(width):
+                acc[0, v] = acc[0, v] + acc[c, v]
+        dot[slot] = acc[0, 0]
+        for v in T.unroll(1, width):
+            dot[slot] = dot[slot] + acc[0, v]
+
+    @T.macro
     def row_dot(acc, dot, rs, xs, x, w, ws, row, slot, w_next, ws_next, next_row):
         """dot[slot] = w[row] . x in `chains` vector accumulators (a block each per step) and one horizontal
         sum, prefetching the row w_next[next_row] line by line as it goes (spread out, so the prefetches overlap
@@ -448,12 +458,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             for b in range(sblocks // slanes):
                 for v in T.vectorized(slanes):
                     acc[0, v] = acc[0, v] - T.float32(offset) * rs[b * slanes + v] * xs[b * slanes + v]
-        for c in T.unroll(1, chains):
-            for v in T.vectorized(lanes):
-                acc[0, v] = acc[0, v] + acc[c, v]
-        dot[slot] = acc[0, 0]
-        for v in T.unroll(1, lanes):
-            dot[slot] = dot[slot] + acc[0, v]
+        sum_chains(acc, chains, lanes, dot, slot)
 
     @T.macro
     def row_dot8(qacc, part, dot, rs, sx, xpat, xc, w, ws, row, slot, w_next, ws_next, next_row):
@@ -493,12 +498,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                         f"float32x{L}", part[c, T.ramp(0, 1, L)]) * T.Shuffle(
                         [rs[T.ramp((s * qchains + c) * qblocks, 1, qblocks)]] * group, spread)  # (a shuffle
                     # has no more lanes than its operands: the group copies only make up the width)
-        for c in T.unroll(1, qchains):
-            for v in T.vectorized(L):
-                qacc[0, v] = qacc[0, v] + qacc[c, v]
-        dot[slot] = qacc[0, 0]
-        for v in T.unroll(1, L):
-            dot[slot] = dot[slot] + qacc[0, v]
+        sum_chains(qacc, qchains, L, dot, slot)
 
     @T.macro
     def axpy_block(y, t, a, rs, w, row, blk):
