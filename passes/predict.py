@@ -569,10 +569,11 @@ class Predict:
         budget = int(self.param_share * params)
         # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.
         row_bytes = weight_format("cpu", self.weight_dtype).bytes_per_weight
-        predictor_bytes = predictor_format(self.weight_dtype).bytes_per_weight
+        predictor_fmt = predictor_format(self.weight_dtype)
+        predictor_bytes = predictor_fmt.bytes_per_weight
 
         def as_stored(w: np.ndarray) -> np.ndarray:  # w1 [d, r] and w2 [r, ffn]: blocked along their first axis
-            return quant.as_stored(w, predictor_format(self.weight_dtype), axis=0)
+            return quant.as_stored(w, predictor_fmt, axis=0)
 
         def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
             # activity unpacked and pre-activations recomputed per phase rather than all held: memory stays
