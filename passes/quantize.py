@@ -35,7 +35,7 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
 from .import_onnx import SourceQuantization
 from .kernels import quant
-from .place import device_of
+from .place import DEVICE_KEY, device_of
 
 # op type -> (input index, block axis) of each weight matrix a quantized build stores in blocks
 BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
@@ -140,7 +140,7 @@ class Quantize:
                        name=f"{name}.dequantize")
         node.outputs[0].name, node.outputs[0].dtype = f"{name}.dequantized", ir.DataType.FLOAT
         node.outputs[0].shape = ir.Shape(list(q.shape))
-        node.metadata_props["picompile.device"] = "cpu"
+        node.metadata_props[DEVICE_KEY] = "cpu"
         graph.insert_before(before, node)
         return node.outputs[0]
 
