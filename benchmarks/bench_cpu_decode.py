@@ -3,7 +3,7 @@ OPT-ReLU model, with the memory bandwidth each reaches and the quality each spee
 
     python benchmarks/bench_cpu_decode.py [--preset 1b] [--sparsity 0.9] [--threads 2] [--tokens 32] [--runs 3]
         [--prompt-len 128] [--max-context 256] [--target-recall 0.99] [--dtypes fp32,fp16,int8,int4]
-        [--cpu-isa avx2|avx512] [--ort-int4 | --no-ort-int4]
+        [--cpu-isa avx2|avx512|avx512vnni] [--ort-int4 | --no-ort-int4]
         [--family | --predictability family|easy,hard|0.95,... --calib-tokens 1024,4096] [--json PATH] [--record]
 
 The benchmark family (issue 13): `--predictability` takes level names of examples/models.py's
@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.bench_decode import add_run_arguments, parsed_run_arguments, QUALITY_COLUMNS, quality_cells  # noqa: E402 (stdlib only: TVM not yet)
+from picompile.targets import CPU_ISAS  # noqa: E402 (numpy only)
 from runtime.dtypes import WEIGHT_FORMATS  # noqa: E402 (numpy only)
 
 # The weight dtypes `--dtypes` takes and the element type each stores its weight matrices in (int4: packed
@@ -384,7 +385,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ort-int4", action=argparse.BooleanOptionalAction, default=True,
                         help="also time onnxruntime on the model quantized to int4 (MatMulNBits; made once, cached "
                              "beside the model) and give every artifact its ratio against it")
-    parser.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
+    parser.add_argument("--cpu-isa", choices=list(CPU_ISAS), default=None,
                         help="instruction set of the CPU kernels (default: the build's, this machine's widest; "
                              "onnxruntime picks its own at run time)")
     parser.add_argument("--predictability", type=_predictabilities, default=None,

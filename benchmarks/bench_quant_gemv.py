@@ -12,7 +12,7 @@ that variant's bytes), alternating in blocks of calls separated by a pause (as b
   picompile int4      `linear_panels_q` decode, int4 panels, fp16 scales
   picompile int4 x8 madd / vnni   the same with int8 activations (x quantized per 32-block), the block sums
                       integer dot products: vpmaddubsw + vpmaddwd (zmm under avx512, ymm under avx2), or vpdpbusd
-                      (AVX512-VNNI: built for LLVM's icelake-server, only for avx512 where this CPU has VNNI)
+                      (AVX512-VNNI: built for the avx512vnni ISA, where this CPU has it)
 
 over `--threads` threads (onnxruntime intra-op threads, TVM_NUM_THREADS), kernels built for `--isa` (default: this
 machine's). Checks every variant against a float64 reference of the dequantized matrix first and reports its
@@ -40,7 +40,6 @@ import numpy as np  # noqa: E402
 WARM_CALLS = 8  # per round and variant: the same copy repeated, its best time (compute where the copy fits in cache)
 SETTLE = 0.3  # seconds between blocks: longer than TVM's pool spins after a call (onnxruntime's does not spin)
 SHAPES = "2048x2048,2048x8192,8192x2048,2048x32000"
-VNNI_MCPU = "icelake-server"  # no CPU_ISAS entry has AVX512-VNNI: the vnni kernels are built for this LLVM CPU
 
 
 def ort_int4_session(q: np.ndarray, scales: np.ndarray, threads: int):
@@ -87,7 +86,8 @@ def main():
     from runtime.dtypes import WEIGHT_FORMATS
 
     isa = CPU_ISAS[args.isa] if args.isa else host_cpu_isa()
-    vnni = isa.name == "avx512" and "avx512_vnni" in (cpu_flags() or set())
+    vnni_isa = CPU_ISAS["avx512vnni"]
+    vnni = isa.gemm_panels == vnni_isa.gemm_panels and set(vnni_isa.features) <= (cpu_flags() or set())
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     variants = ["int8", "int4", "int4 x8 madd"] + (["int4 x8 vnni"] if vnni else [])
     funcs = {"base": [], "vnni": []}
@@ -98,7 +98,7 @@ def main():
             funcs["vnni" if dot == "vnni" else "base"].append(quant.linear_panels_q(
                 f"{v.replace(' ', '_')}_{K}_{N}", K, N, rows=1, bits=int(v[3]), bias=False, int8_dot=dot,
                 tile_panels=isa.gemm_panels))
-    targets = {"base": isa.llvm_target(), "vnni": dict(isa.llvm_target(), mcpu=VNNI_MCPU)}
+    targets = {"base": isa.llvm_target(), "vnni": vnni_isa.llvm_target()}
     libs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for part, fs in funcs.items():

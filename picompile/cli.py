@@ -16,6 +16,7 @@ from pathlib import Path
 from runtime.dtypes import WEIGHT_FORMATS
 
 from .errors import PassError, UserError
+from .targets import CPU_ISAS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,9 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="int4 builds: decode GEMVs quantize their input to int8 per block of 32 and use integer dot "
                             "products, as llama.cpp's Q4_0 and onnxruntime's int4 do (~5e-3 relative error of a "
                             "layer's output, 1.3-1.9x faster); --no-int8-activations keeps fp32 inputs")
-    build.add_argument("--cpu-isa", choices=["avx2", "avx512"], default=None,
-                       help="instruction set of the CPU kernels (default: the widest this machine has, avx512 where "
-                            "present); the artifact then runs only on CPUs that have it: avx2 makes portable artifacts")
+    build.add_argument("--cpu-isa", choices=list(CPU_ISAS), default=None,
+                       help="instruction set of the CPU kernels (default: the widest this machine has: avx512vnni, avx512 "
+                            "or avx2); the artifact then runs only on CPUs that have it: avx2 makes portable artifacts")
     build.add_argument("--target-recall", type=_unit_interval, default=0.99,
                        help="share of truly active neurons the predictors must let through (held-out tokens)")
     build.add_argument("--sparsity-mode", choices=["auto", "predictor", "threshold"], default="auto",

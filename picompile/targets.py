@@ -33,11 +33,17 @@ LLVM_NUM_CORES = 2
 """`num-cores` of the LLVM targets: only a hint for TVM's tuners (kernels take their threads from the pool at run
 time); the project's `cpu` machine has 2 cores."""
 
+AVX512 = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl")
+
 CPU_ISAS: dict[str, CpuIsa] = {
     isa.name: isa
     for isa in [
         CpuIsa("avx2", "haswell", ("avx2", "fma", "f16c"), 1),
-        CpuIsa("avx512", "skylake-avx512", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"), 2),
+        CpuIsa("avx512", "skylake-avx512", AVX512, 2),
+        # AVX512-VNNI: int8-activation kernels use vpdpbusd (one instruction per 64 byte products instead of
+        # vpmaddubsw + vpmaddwd). cascadelake is skylake-avx512 plus VNNI and nothing else, so LLVM emits no
+        # instruction of the later AVX-512 extensions (VBMI, BITALG, ...) that a VNNI CPU may lack.
+        CpuIsa("avx512vnni", "cascadelake", (*AVX512, "avx512_vnni"), 2, int8_dot="vnni"),
     ]
 }
 

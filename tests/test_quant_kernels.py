@@ -40,7 +40,6 @@ X8 = {  # int4 decode with int8 activations: (K, N, bias, act, residual, sdtype)
     "group4": (64, 500, True, "silu", True, "float16"),
     "f32": (32, 256, False, "none", False, "float32"),
 }
-VNNI_MCPU = "icelake-server"  # an LLVM CPU with AVX512-VNNI (no CPU_ISAS entry has it)
 KN_Q = {  # down rows [K, N]: (K, N, bias, act, residual, sdtype, tile_panels)
     "plain": (40, 96, False, "none", False, "float16", 2),
     "res": (24, 32, True, "gelu", True, "float32", 1),
@@ -85,10 +84,10 @@ def lib(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vnni_lib(tmp_path_factory):
-    if not {"avx512f", "avx512bw", "avx512_vnni"} <= (cpu_flags() or set()):
+    if not set(CPU_ISAS["avx512vnni"].features) <= (cpu_flags() or set()):
         pytest.skip("this CPU has no AVX512-VNNI")
     path = str(tmp_path_factory.mktemp("quant") / "vnni.so")
-    cpu.build(x8_kernels("vnni", "avx512"), dict(CPU_ISAS["avx512"].llvm_target(), mcpu=VNNI_MCPU), path)
+    cpu.build(x8_kernels("vnni", "avx512"), CPU_ISAS["avx512vnni"].llvm_target(), path)
     return tvm.runtime.load_module(path)
 
 

@@ -32,13 +32,12 @@ INT8_DOT = {  # sparse_ffn_q with int8_dot: (D, bits, gated, activation, scale d
     "int4_gated_silu": (128, 4, True, "silu", "float32", "madd"),  # zmm: 1 vector; ymm: 2
     "int4_wide_gated_gelu": (1024, 4, True, "gelu", "float16", "madd"),  # zmm: 8 vectors, 2 steps of 4 chains
 }
-INT8_VNNI = {  # AVX512-VNNI only (an LLVM CPU with it: no CPU_ISAS entry has it)
+INT8_VNNI = {  # AVX512-VNNI only (the avx512vnni ISA)
     "int4_relu": (256, 4, False, "relu", "float16", "vnni"),
     "int4_gated_silu": (128, 4, True, "silu", "float32", "vnni"),
     "int8_relu": (192, 8, False, "relu", "float16", "vnni"),  # int8: 2 blocks a zmm; 3 vectors (1 chain)
     "int8_gated_gelu": (256, 8, True, "gelu", "float32", "vnni"),
 }
-VNNI_MCPU = "icelake-server"
 V, MAX_CTX, MAX_ROWS = 50, 20, 8
 EMBED = {"int8_pos": (96, 8, MAX_CTX, "float16"), "int4_pos": (96, 4, MAX_CTX, "float32"),
          "int4_nopos": (64, 4, None, "float16"), "int8_nopos": (64, 8, None, "float32")}
@@ -65,13 +64,13 @@ def lib(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vnni_lib(tmp_path_factory):
-    if not {"avx512f", "avx512bw", "avx512_vnni"} <= (cpu_flags() or set()):
+    if not set(CPU_ISAS["avx512vnni"].features) <= (cpu_flags() or set()):
         pytest.skip("this CPU has no AVX512-VNNI")
     funcs = [neuron.sparse_ffn_q(f"ffn8_{name}", D, N, rows=1, gated=gated, act=act, bits=bits, sdtype=sdtype,
                                  int8_dot=dot, tile_panels=CPU_ISAS["avx512"].gemm_panels)
              for name, (D, bits, gated, act, sdtype, dot) in INT8_VNNI.items()]
     path = str(tmp_path_factory.mktemp("quant_vnni") / "vnni.so")
-    cpu.build(funcs, dict(CPU_ISAS["avx512"].llvm_target(), mcpu=VNNI_MCPU), path)
+    cpu.build(funcs, CPU_ISAS["avx512vnni"].llvm_target(), path)
     return tvm.runtime.load_module(path)
 
 

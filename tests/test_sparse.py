@@ -233,8 +233,9 @@ def test_host_isa_is_read_from_the_cpu_flags(monkeypatch):
     from picompile import targets
 
     avx2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
-    for flags, expected in ((avx2, "avx2"), (avx2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}, "avx512"),
-                            (avx2 | {"avx512f"}, "avx2"), (None, "avx2")):
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
+    for flags, expected in ((avx2, "avx2"), (avx512, "avx512"), (avx512 | {"avx512_vnni"}, "avx512vnni"),
+                            (avx2 | {"avx512f"}, "avx2"), (avx2 | {"avx512_vnni"}, "avx2"), (None, "avx2")):
         monkeypatch.setattr(targets, "cpu_flags", lambda flags=flags: None if flags is None else frozenset(flags))
         assert targets.host_cpu_isa().name == expected, flags
     monkeypatch.setattr(targets, "cpu_flags", lambda: frozenset({"sse2"}))
