@@ -41,6 +41,7 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
 from picompile.sizes import parameter_count, predictor_format, weight_format
+from picompile.targets import BASELINE_CPU_ISA, get_cpu_isa
 
 from .kernels import quant
 from .profile import ProfiledActivations
@@ -385,7 +386,8 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
                     pos_weight: str | float = "global", init: str = "lstsq", threads: int = 1,
                     checkpoints: int = CHECKPOINTS, patience: int | None = None,
                     up_weight: np.ndarray | None = None, w2_ridge: float = W2_RIDGE,
-                    stored: Callable[[np.ndarray], np.ndarray] | None = None) -> Predictor:
+                    stored: Callable[[np.ndarray], np.ndarray] | None = None,
+                    seen: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> Predictor:
     """Train relu(x @ w1) @ w2 (no biases) to tell which FFN neurons a token activates.
 
     inputs [N, d] float32 are the FFN's inputs (after its norm), active [N, ffn] bool says which neurons
@@ -411,7 +413,8 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
     recall >= target_recall by construction; `predicted_active` is the figure of merit; `predict_active`
     measures a predictor on other tokens). With `stored` (a matrix -> the values it holds as the artifact stores
     it: rounded to fp16 or to int8 blocks) the threshold and the figures are those of the predictor as stored,
-    and the weights returned are those values. Torch runs with `threads` threads here (one by default: on a
+    and the weights returned are those values; with `seen` ((an input, the stored matrix it multiplies) -> the
+    input as that decode GEMV reads it: int8 blocks where it quantizes its input) so are the inputs. Torch runs with `threads` threads here (one by default: on a
     shared 2-core machine two were 10-15x slower; the pass trains layers in parallel instead).
     Deterministic for a given seed.
     """
@@ -507,9 +510,13 @@ def train_predictor(inputs: np.ndarray, active: np.ndarray, rank: int, *, target
             w1, w2 = torch.nn.Parameter(w1_best), torch.nn.Parameter(w2_best)
         if stored is not None:
             w1, w2 = (torch.nn.Parameter(torch.from_numpy(stored(w.detach().numpy()))) for w in (w1, w2))
-        if best is None or stored is not None:
+        if best is None or stored is not None or seen is not None:
             with torch.no_grad():
-                logits = (torch.relu(xh @ w1) @ w2).numpy()
+                if seen is None:
+                    logits = (torch.relu(xh @ w1) @ w2).numpy()
+                else:
+                    w1n, w2n = w1.detach().numpy(), w2.detach().numpy()
+                    logits = seen(np.maximum(seen(xh.numpy(), w1n) @ w1n, 0), w2n) @ w2n
 
     threshold = _threshold_for_recall(logits, y_hold, target_recall)
     scores = _scores(logits > threshold, y_hold)
@@ -556,6 +563,8 @@ class Predict:
     param_share: float = Options.predictor_param_share  # cap on all predictors together, of the model's parameters
     weight_dtype: str = Options.weight_dtype  # --weight-dtype: the CPU's FFN rows are priced as stored
     seed: int = Options.seed
+    cpu_isa: str = BASELINE_CPU_ISA  # targets.CPU_ISAS: with int8_activations, whether the predictor GEMVs quantize x
+    int8_activations: bool = Options.int8_activations
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         profiled = ProfiledActivations.of(model)
@@ -574,6 +583,13 @@ class Predict:
 
         def as_stored(w: np.ndarray) -> np.ndarray:  # w1 [d, r] and w2 [r, ffn]: blocked along their first axis
             return quant.as_stored(w, predictor_fmt, axis=0)
+
+        isa = get_cpu_isa(self.cpu_isa)
+        int8_inputs = (self.int8_activations and predictor_fmt.quantized
+                       and quant.gemv_int8_dot_fits(predictor_fmt.bits, isa.int8_dot, isa.gemm_panels))
+
+        def seen(v: np.ndarray, w: np.ndarray) -> np.ndarray:  # select-kernels' rule: a quantized GEMV's x8 form
+            return quant.int8_blocks(v) if quant.quantizable(w.shape, 0, predictor_fmt.block) else v
 
         def layer_data(index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
             # activity unpacked and pre-activations recomputed per phase rather than all held: memory stays
@@ -597,7 +613,7 @@ class Predict:
                 inputs, active, pre, up = layer_data(index)
                 predictor = train_predictor(inputs, active, ranks[index], target_recall=self.target_recall,
                                             seed=self.seed + layers[index], pre_activations=pre, up_weight=up,
-                                            stored=as_stored)
+                                            stored=as_stored, seen=seen if int8_inputs else None)
             advance()
             return predictor, pre is not None
 

@@ -49,7 +49,7 @@ class Lowering:
     max_context: int
     weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's large weights (matrices, embeddings)
     gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
-    int8_dot: str | None = None  # int4 decode GEMVs: the ISA's integer dot product over int8 activations, or None
+    int8_dot: str | None = None  # quantized decode GEMVs: the ISA's integer dot product over int8 activations, or None
     program: KernelProgram = field(default_factory=KernelProgram)
     # the quantize pass's matrices, by the name of their values' buffer (packed into a layout on first use)
     quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)
@@ -199,7 +199,8 @@ class Lowering:
         k, n = matrix.shape
         tag, fmt_args = self.quant_tag(matrix)
         if packed:
-            if matrix.fmt.bits == 4 and self.int8_dot:  # decode quantizes x per block (prefill stays fp32)
+            if self.int8_dot and quant.gemv_int8_dot_fits(matrix.fmt.bits, self.int8_dot, self.gemm_panels):
+                # decode quantizes x per block (prefill stays fp32)
                 tag, fmt_args = f"{tag}_x8", {**fmt_args, "int8_dot": self.int8_dot}
             tags = f"{tag}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
             kernels = self.kernel(ops.linear_panels_q, f"linear_q_k{k}_n{n}{tags}", k, n, phases=phases,

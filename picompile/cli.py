@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                             "store blocks of 32 integers with an fp16 scale (Q8_0 / Q4_0), about 1/4 and 1/7 of fp32. "
                             "Math stays fp32")
     build.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
-                       help="int4 builds: decode GEMVs quantize their input to int8 per block of 32 and use integer dot "
-                            "products, as llama.cpp's Q4_0 and onnxruntime's int4 do (~5e-3 relative error of a "
+                       help="quantized builds: int4 decode GEMVs (int8 ones too on CPUs with AVX512-VNNI) quantize their "
+                            "input to int8 per block of 32 and use integer dot products, as llama.cpp's Q4_0 and onnxruntime's int4 do (~5e-3 relative error of a "
                             "layer's output, 1.3-1.9x faster); --no-int8-activations keeps fp32 inputs")
     build.add_argument("--cpu-isa", choices=list(CPU_ISAS), default=None,
                        help="instruction set of the CPU kernels (default: the widest this machine has: avx512vnni, avx512 "

@@ -89,6 +89,26 @@ def low_rank_layer(d=64, ffn=512, rank=16, noise=0.1, mean_p=0.1, seed=0, offset
     return draw
 
 
+def test_thresholds_are_fitted_to_the_inputs_as_the_decode_gemvs_read_them():
+    """With `seen` (int8-activation predictor GEMVs: both inputs rounded to int8 blocks) the threshold is set on
+    the scores computed that way, so the held-out tokens reach the target recall as the kernels score them."""
+    from passes.kernels.quant import int8_blocks, QUANT_BLOCK
+    from passes.predict import HOLDOUT, _training_tokens
+
+    draw = low_rank_layer()
+    x, active, _ = draw(2048, 1)
+    seen = lambda v, w: int8_blocks(v) if w.shape[0] % QUANT_BLOCK == 0 else v  # noqa: E731
+    plain = train_predictor(x, active, 32, target_recall=0.99, seed=0)
+    rounded = train_predictor(x, active, 32, target_recall=0.99, seed=0, seen=seen)
+    np.testing.assert_array_equal(rounded.w2, plain.w2)  # the same training: only the inputs scored differ
+    assert rounded.threshold != plain.threshold
+    hold = slice(_training_tokens(len(x), HOLDOUT), None)
+    scores = seen(np.maximum(seen(x[hold], rounded.w1) @ rounded.w1, 0), rounded.w2) @ rounded.w2
+    predicted, truth = scores > rounded.threshold, active[hold]
+    assert (predicted & truth).sum() / truth.sum() >= 0.99
+    assert rounded.recall == pytest.approx((predicted & truth).sum() / truth.sum())
+
+
 def test_train_predictor_on_low_rank_data():
     draw = low_rank_layer()
     x, active, pre = draw(4096, 1)

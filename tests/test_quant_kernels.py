@@ -50,9 +50,10 @@ def _fmt(bits):
     return WEIGHT_FORMATS[f"int{bits}"]
 
 
-def x8_kernels(dot, isa):
-    return [ops.linear_panels_q.cpu(kname(f"x8{dot}", cfg, "d"), K, N, rows=1, bits=4, sdtype=sdtype, bias=bias,
-                                    act=act, residual=res, int8_dot=dot, tile_panels=CPU_ISAS[isa].gemm_panels)
+def x8_kernels(dot, isa, bits=4):
+    return [ops.linear_panels_q.cpu(kname(f"x8{dot}{bits}", cfg, "d"), K, N, rows=1, bits=bits, sdtype=sdtype,
+                                    bias=bias, act=act, residual=res, int8_dot=dot,
+                                    tile_panels=CPU_ISAS[isa].gemm_panels)
             for cfg, (K, N, bias, act, res, sdtype) in X8.items()]
 
 
@@ -87,7 +88,8 @@ def vnni_lib(tmp_path_factory):
     if not set(CPU_ISAS["avx512vnni"].features) <= (cpu_flags() or set()):
         pytest.skip("this CPU has no AVX512-VNNI")
     path = str(tmp_path_factory.mktemp("quant") / "vnni.so")
-    cpu.build(x8_kernels("vnni", "avx512"), CPU_ISAS["avx512vnni"].llvm_target(), path)
+    cpu.build(x8_kernels("vnni", "avx512") + x8_kernels("vnni", "avx512", bits=8), CPU_ISAS["avx512vnni"].llvm_target(),
+              path)
     return tvm.runtime.load_module(path)
 
 
@@ -128,6 +130,8 @@ def test_interface():
         quant.linear_panels_q("q", 64, 40, rows=1, bits=3, bias=False)
     with pytest.raises(ValueError):  # VNNI in zmm only
         quant.linear_panels_q("q", 64, 40, rows=1, bits=4, bias=False, int8_dot="vnni", tile_panels=1)
+    with pytest.raises(ValueError):  # int8 weights: VNNI only
+        quant.linear_panels_q("q", 64, 40, rows=1, bits=8, bias=False, int8_dot="madd", tile_panels=2)
 
 
 @pytest.mark.parametrize("variant,m", VARIANTS)
@@ -186,12 +190,13 @@ def x8_reference(x, w):
     return int8_blocks_ref(x, quant.QUANT_BLOCK) @ w
 
 
-def check_int8_activations(lib, dot, cfg):
+def check_int8_activations(lib, dot, cfg, bits=4):
     K, N, bias, act, res, sdtype = X8[cfg]
     rng = np.random.default_rng(30)
-    q, s, w = quantized(rng, (K, N), 4, 0, sdtype)
+    q, s, w = quantized(rng, (K, N), bits, 0, sdtype)
     _, x = rows_buf(rng, 1, K, scale=0.5)
-    y, b, r = run(lib, kname(f"x8{dot}", cfg, "d"), x, quant.pack_panels(q, s, _fmt(4)), bias, res, N, 1, rng)
+    y, b, r = run(lib, kname(f"x8{dot}{bits}", cfg, "d"), x, quant.pack_panels(q, s, _fmt(bits)), bias, res, N, 1,
+                  rng)
     pre = x8_reference(x, w) + (0 if b is None else b)
     close(y, act_ref(pre, act) + (0 if r is None else r))
     exact = expected(x, w, b, r, act)
@@ -208,3 +213,9 @@ def test_int8_activations_madd(lib, cfg):
 @pytest.mark.parametrize("cfg", X8)
 def test_int8_activations_vnni(vnni_lib, cfg):
     check_int8_activations(vnni_lib, "vnni", cfg)
+
+
+@pytest.mark.parametrize("cfg", X8)
+def test_int8_weights_int8_activations_vnni(vnni_lib, cfg):
+    """int8 weights with int8 activations (vpdpbusd over q ^ 0x80): exact against x quantized the same way."""
+    check_int8_activations(vnni_lib, "vnni", cfg, bits=8)

@@ -17,7 +17,8 @@ from picompile import ir as pir
 from picompile.compiler import build, pipeline
 from picompile.pipeline import Context, Options, run_passes
 from picompile.reference import OrtDecoder
-from picompile.targets import get_target
+from picompile.targets import get_cpu_isa, get_target
+from runtime.artifact import missing_cpu_features
 from runtime import Engine
 from runtime.dtypes import WEIGHT_FORMATS
 
@@ -186,16 +187,21 @@ def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dty
         tokens = [int(np.argmax(expected[-1]))]
 
 
-@pytest.mark.parametrize("dense,cpu_isa", [(True, None), (False, "avx2")], ids=["dense", "sparse-avx2"])
-def test_int8_activations_move_int4_logits_by_their_rounding_only(built, dense, cpu_isa):
+@pytest.mark.parametrize("weight_dtype,dense,cpu_isa", [("int4", True, None), ("int4", False, "avx2"),
+                                                      ("int8", False, "avx512vnni")],
+                         ids=["int4-dense", "int4-sparse-avx2", "int8-sparse-vnni"])
+def test_int8_activations_move_quantized_logits_by_their_rounding_only(built, weight_dtype, dense, cpu_isa):
     """--int8-activations (the default): int4 decode GEMVs (and the sparse FFN's up rows, where a row is whole
-    dot vectors: 64 weights on AVX2's ymm) take x rounded to int8 blocks, an error of a few thousandths of each
-    output, like onnxruntime's accuracy_level 4; prompts (prefill) stay exact."""
-    ours = built("int4", dense, int8_activations=True, cpu_isa=cpu_isa)
-    reference = built("int4", dense, fold=True, cpu_isa=cpu_isa)
+    dot vectors: 64 weights on AVX2's ymm), and with AVX512-VNNI int8 ones (attention, the output layer, the
+    predictors), take x rounded to int8 blocks, an error of a few thousandths of each output, like
+    onnxruntime's accuracy_level 4; prompts (prefill) stay exact."""
+    if cpu_isa and missing_cpu_features(get_cpu_isa(cpu_isa).features):
+        pytest.skip(f"this CPU cannot run {cpu_isa} kernels")
+    ours = built(weight_dtype, dense, int8_activations=True, cpu_isa=cpu_isa)
+    reference = built(weight_dtype, dense, fold=True, cpu_isa=cpu_isa)
     kernels = json.loads((ours / "kernels" / "signatures.json").read_text())
     assert any(name.startswith("linear_q") and "_x8_" in name for name in kernels)
-    assert dense or any(name.startswith("sparse_ffn") and "_x8_" in name for name in kernels)
+    assert dense or weight_dtype == "int8" or any(name.startswith("sparse_ffn") and "_x8_" in name for name in kernels)
     assert not any("_x8_" in name for name in json.loads((reference / "kernels" / "signatures.json").read_text()))
     engine, folded = Engine(ours), Engine(reference)
     prompt = [11, 22, 33, 44, 55]

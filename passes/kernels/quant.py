@@ -84,6 +84,17 @@ def as_stored(w: np.ndarray, fmt: WeightFormat, axis: int) -> np.ndarray:
     return np.asarray(w, np.float32).astype(float_format(fmt).storage).astype(np.float32)
 
 
+def int8_blocks(x: np.ndarray) -> np.ndarray:
+    """The float32 values the int8-activation GEMVs compute with for the input `x` (x_quantizer's numpy twin):
+    per 32-block of the last axis, round(x * (127 / max|x|)) * (max|x| / 127). Passes that fit something to a
+    decode GEMV's output (predict's thresholds) feed it these."""
+    blocks = np.asarray(x, np.float32).reshape(-1, QUANT_BLOCK)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    return (np.round(blocks * inv) * (amax / np.float32(127))).astype(np.float32).reshape(np.shape(x))
+
+
 def pack_rows(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
     """(q, scales) of a matrix quantized along its rows (axis 1) in the rows layout (see the module doc)."""
     if fmt.bits == 8:
@@ -275,6 +286,13 @@ def dot2_u8s8(dot, lanes, acc, a, b, c, d):
     return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", names[1], pairs, T.broadcast(T.int16(1), 2 * lanes))
 
 
+def gemv_int8_dot_fits(bits: int, dot: str, tile_panels: int) -> bool:
+    """Whether linear_panels_q's decode GEMV takes int8 activations with `dot` over `bits`-bit weights on that
+    register budget (its ValueErrors' rule): int4 with any dot of the vector width, int8 with VNNI in zmm."""
+    lanes = 16 if tile_panels > 1 else 8
+    return (dot, lanes) in DOTS and (bits == 4 or (bits == 8 and dot == "vnni"))
+
+
 def check_dot(dot, lanes):
     if (dot, lanes) not in DOTS:
         raise ValueError(f"(dot, lanes) must be one of {sorted(DOTS)}, got {(dot, lanes)!r}")
@@ -389,6 +407,75 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
                     if full or t * width + g * PANEL + h * HALF + c < N:
                         y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
                             _sum_kgroups(acc, g, h, c, kgroups), b, res, 0, t * width + g * PANEL + h * HALF + c)
+
+    unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+def gemv_panels_q8x8(name, K, N, *, sdtype="float16", bias=False, act="none", residual=False, group=None):
+    """Decode y[1, N] = act(x[1, K] @ W + b) + res, W int8 quant panels, x quantized to int8 per 32-block, with
+    AVX512-VNNI (vpdpbusd; int8 weights have no vpmaddubsw form: 255 * 127 * 2 overflows its int16 pairs).
+    Args: x, w, ws, (b), (res), y (as gemv_panels_q).
+
+    A vector of a panel is 4 k steps x 16 columns; a byte permute makes each dword one column's 4 k steps, and
+    q ^ 0x80 (= q + 128, unsigned) is dotted with xq's 4 k steps broadcast to every lane (xpat, made once per
+    call). The +128 is taken off in the block sums' start, -128 * sum(xq) over the block (xc); then acc +=
+    float(sum) * ws * sx per block, as gemv_panels_q4x8.
+    """
+    B, lanes = QUANT_BLOCK, 16
+    _check(K, N, 8, K, "K")
+    panels = -(-N // PANEL)
+    group = group or _gemv_group(panels)
+    width = group * PANEL
+    nb = K // B
+    full = N % width == 0
+    epilogue = _cpu._epilogue(act, bias, residual)
+    nbytes, steps = 4 * lanes, 4  # bytes and k steps per vector
+    perm = [tirx.IntImm("int32", PANEL * (e % steps) + e // steps) for e in range(nbytes)]
+    flip = T.broadcast(T.uint8(128), nbytes)
+    quantize_x = x_quantizer(K)
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), "int8"),
+               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        wf = T.decl_buffer((panels * K * PANEL,), "uint8", data=w.data)
+        xq = T.alloc_buffer((K,), "int8")
+        xq32 = T.decl_buffer((K // steps,), "int32", data=xq.data)
+        sx = T.alloc_buffer((nb,), "float32")
+        xpat = T.alloc_buffer((K // steps, lanes), "int32")
+        xpat8 = T.decl_buffer((K // steps * nbytes,), "int8", data=xpat.data)
+        xsum = T.alloc_buffer((nb,), "int32")
+        quantize_x(x, xq, sx, xsum)
+        for o in range(K // steps):
+            for v in T.vectorized(lanes):
+                xpat[o, v] = xq32[o]
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((group, lanes), "float32")
+            part = T.alloc_local((group, lanes), "int32")
+            for g in T.unroll(group):
+                for v in T.vectorized(lanes):
+                    acc[g, v] = T.float32(0)
+            for kb in range(nb):
+                for g in T.unroll(group):
+                    for v in T.vectorized(lanes):
+                        part[g, v] = -128 * xsum[kb]
+                for o in T.unroll(B // steps):
+                    for g in T.unroll(group):
+                        part[g, T.ramp(0, 1, lanes)] = dot_u8s8(
+                            "vnni", lanes, part[g, T.ramp(0, 1, lanes)],
+                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * PANEL, 1, nbytes)]],
+                                      perm) ^ flip,
+                            xpat8[T.ramp((kb * (B // steps) + o) * nbytes, 1, nbytes)])
+                for g in T.unroll(group):
+                    for v in T.vectorized(lanes):
+                        acc[g, v] = acc[g, v] + T.Cast("float32", part[g, v]) * (
+                            load_f32(ws[t * group + g, kb, v], sdtype) * sx[kb])
+            for g in T.unroll(group):
+                for v in (T.vectorized if full else T.serial)(lanes):
+                    if full or t * width + g * PANEL + v < N:
+                        y[0, t * width + g * PANEL + v] = epilogue(acc[g, v], b, res, 0, t * width + g * PANEL + v)
 
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
@@ -512,14 +599,18 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
     """y[m, N] = act(x[m, K] @ W + b) + res, W in the quant panels layout (pack_panels; int8 or int4 by `bits`,
     scales in `sdtype`).  Args: x, w, ws, (b), (res), y. `tile_panels` is the ISA's register budget as for
     cpu.linear_panels (1: AVX2, 2: AVX-512), which also sizes the int4 decode tasks. Decode: gemv_panels_q, or
-    with `int8_dot` ("vnni": AVX-512 with VNNI; "madd": AVX-512 or AVX2; int4 only) gemv_panels_q4x8, x
+    with `int8_dot` ("vnni": AVX-512 with VNNI; "madd": AVX-512 or AVX2, int4 only) gemv_panels_q4x8 (int4) or
+    gemv_panels_q8x8 (int8, vnni), x
     quantized to int8 per block (an error of ~5e-3 of max |y| on random data, as onnxruntime's accuracy_level
     4). Prefill: cpu.gemm over panels_weight, `tile_panels` per register tile."""
     if rows == 1 and int8_dot is not None:
-        if bits != 4:
-            raise ValueError("int8 activations are implemented for int4 weights only")
+        if not gemv_int8_dot_fits(bits, int8_dot, tile_panels):
+            raise ValueError(f"int8 activations over int{bits} weights with {int8_dot!r} at tile_panels={tile_panels}: "
+                             "int4 takes any dot of the vector width, int8 'vnni' (AVX512-VNNI) in zmm only")
         wide = tile_panels > 1  # AVX-512: zmm vectors, 4 panels per task; AVX2: ymm, 2
         group = _gemv_group(-(-N // PANEL), _cpu.GEMV_PANELS if wide else 2)
+        if bits == 8:
+            return gemv_panels_q8x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
         return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot,
                                 lanes=16 if wide else 8, group=group)
     if rows == 1:  # 4 panels' accumulators and block sums fit AVX-512's 32 registers; in AVX2's 16 they spill:
