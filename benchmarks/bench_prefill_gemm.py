@@ -14,8 +14,10 @@ h is given zeros in all but a share `--union` of its columns, as a prompt's ReLU
 
 each against onnxruntime MatMul (x @ W[K, N], the exported decoder's form) and picompile's panel GEMM over the
 same matrix panel-packed (`linear_panels` prefill, the dense build's kernel: no per-call packing). Shapes default
-to a 1B OPT's FFN (D=2048, F=8192), `--m` prompt rows (16 and 64), `--dtypes` weight storage (fp32, fp16; the
-onnxruntime figure is fp32 always). `--copies` distinct weight copies (default: enough for 256 MiB) so every call
+to a 1B OPT's FFN (D=2048, F=8192), `--m` prompt rows (16 and 64), `--dtypes` weight storage (fp32, fp16, int8,
+int4; the onnxruntime figure is fp32 always; a quantized dtype times its own kernels: "panels q", the dense
+build's; up "rows q (packing)", linear_rows_q; down "kn q (packing)", gemm over kn_weight, what linear_kn_q ran
+before gemm_kn read quantized rows in place, "kn q (direct)" and "kn q (skip 0 rows)", now linear_kn_q's). `--copies` distinct weight copies (default: enough for 256 MiB) so every call
 streams its weight from memory. Calls alternate in blocks (a pause longer than TVM's pool spin between blocks);
 prints milliseconds per call (median, p10) and GB/s of weight bytes, and each kernel's ratio to onnxruntime.
 
@@ -38,8 +40,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 SETTLE = 0.3  # seconds between blocks (see bench_gemv_vs_ort.py)
-NUMPY = {"fp32": np.float32, "fp16": np.float16}
-WDTYPE = {"fp32": "float32", "fp16": "float16"}
+QUANTIZED_LAYOUTS = {  # a quantized variant's layout -> (the matrix it stores: [K, N] or its transpose, the blocked axis)
+    "qpanels": (False, 0), "qrows": (True, 1), "qkn": (False, 1)}
 
 
 def ort_session(K: int, N: int, w: np.ndarray, threads: int, bias: np.ndarray | None, relu: bool):
@@ -67,11 +69,29 @@ def ort_session(K: int, N: int, w: np.ndarray, threads: int, bias: np.ndarray | 
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def kernel_variants(which: str, K: int, N: int, wdtype: str, tile: int):
-    """{label: (PrimFunc, weight layout, bias?)} for one GEMM (`which`: "up" relu+bias, "down" plain)."""
-    from passes.kernels import cpu, neuron
+def kernel_variants(which: str, K: int, N: int, dtype: str, tile: int):
+    """{label: (PrimFunc, weight layout)} for one GEMM (`which`: "up" relu+bias, "down" plain) over weights
+    stored as `dtype` (runtime.dtypes.WEIGHT_FORMATS)."""
+    from passes.kernels import cpu, neuron, quant
+    from runtime.dtypes import WEIGHT_FORMATS
 
     up = which == "up"
+    fmt = WEIGHT_FORMATS[dtype]
+    if fmt.quantized:  # the dense build's panels; up: linear_rows_q; down: the per-call packing gemm before gemm_kn
+        q = dict(bits=fmt.bits, tile_panels=tile)
+        name = f"{which}_{K}_{N}_{dtype}"
+        out = {"panels q": (quant.linear_panels_q(f"qpanels_{name}", K, N, rows=None, bias=up, act="relu" if up else "none",
+                                                  **q), "qpanels")}
+        if up:
+            out["rows q (packing)"] = (quant.linear_rows_q(f"qrows_{name}", K, N, rows=None, act="relu", **q), "qrows")
+        else:
+            out["kn q (packing)"] = (cpu.gemm(f"qknp_{name}", K, N, layout=quant.kn_weight(K, N, bits=fmt.bits),
+                                              bias=False, tile_panels=tile), "qkn")
+            out["kn q (direct)"] = (quant.linear_kn_q(f"qkn_{name}", K, N, rows=None, bias=False, **q), "qkn")
+            out["kn q (skip 0 rows)"] = (quant.linear_kn_q(f"qknz_{name}", K, N, rows=None, bias=False,
+                                                           skip_zero_rows=True, **q), "qkn")
+        return out
+    wdtype = fmt.storage
     flags = dict(bias=up, act="relu" if up else "none", wdtype=wdtype, tile_panels=tile)
     name = f"{which}_{K}_{N}_{wdtype}"
     out = {"panels": (cpu.linear_panels(f"panels_{name}", K, N, rows=None, **flags), "panels")}
@@ -109,9 +129,10 @@ def main():
     import tvm
     import tvm_ffi
 
-    from passes.kernels import cpu
+    from passes.kernels import cpu, quant
     from picompile.targets import CPU_ISAS
     from runtime.artifact import aligned_empty
+    from runtime.dtypes import WEIGHT_FORMATS
 
     isa = CPU_ISAS[args.isa]
     dl = tvm_ffi.from_dlpack
@@ -125,8 +146,8 @@ def main():
         rows_f32 = [rng.standard_normal((K, N), dtype=np.float32) * np.float32(K ** -0.5) for _ in range(copies)]  # [K, N]
         bias = rng.standard_normal(N, dtype=np.float32) if which == "up" else None
         for dtype in args.dtypes.split(","):
-            wd = WDTYPE[dtype]
-            variants = kernel_variants(which, K, N, wd, isa.gemm_panels)
+            fmt = WEIGHT_FORMATS[dtype]
+            variants = kernel_variants(which, K, N, dtype, isa.gemm_panels)
             if args.kernels:
                 variants = {k: v for k, v in variants.items() if k in args.kernels.split(",")}
             with tempfile.TemporaryDirectory() as tmp:
@@ -134,16 +155,27 @@ def main():
                 cpu.build([f for f, _ in variants.values()], isa.llvm_target(), path)
                 lib = tvm.runtime.load_module(path)
             funcs = {label: lib[str(f.attrs["global_symbol"])] for label, (f, _) in variants.items()}
-            weights = {}  # layout -> copies, stored in `dtype`, 64-byte aligned
+            weights = {}  # layout -> copies, each the kernel's weight arguments, stored in `dtype`, 64-byte aligned
+
+            def stored(w, layout):
+                if layout in QUANTIZED_LAYOUTS:
+                    transposed, axis = QUANTIZED_LAYOUTS[layout]
+                    pack = quant.pack_panels if layout == "qpanels" else quant.pack_rows
+                    return pack(*quant.quantize(w.T if transposed else w, fmt, axis=axis), fmt)
+                return [{"panels": lambda: cpu.pack_panels(w), "rows": lambda: w.T, "kn": lambda: w}[layout]()
+                        .astype(fmt.storage)]
+
             for layout in {lay for _, lay in variants.values()}:
                 arrs = []
                 for w in rows_f32:
-                    a = {"panels": lambda: cpu.pack_panels(w), "rows": lambda: w.T, "kn": lambda: w}[layout]()
-                    b = aligned_empty(a.shape, NUMPY[dtype], huge=True)
-                    b[...] = a
-                    arrs.append(b)
+                    parts = []
+                    for a in stored(w, layout):
+                        b = aligned_empty(a.shape, a.dtype, huge=True)
+                        b[...] = a
+                        parts.append(b)
+                    arrs.append(parts)
                 weights[layout] = arrs
-            reference_w = [w.astype(NUMPY[dtype]).astype(np.float32) for w in rows_f32]
+            reference_w = [quant.as_stored(w, fmt, axis=1 if which == "down" else 0) for w in rows_f32]
             sessions = [ort_session(K, N, w, args.threads, bias, which == "up") for w in rows_f32]
             ba = None
             if bias is not None:
@@ -163,10 +195,11 @@ def main():
                     layout = variants[label][1]
                     extra = [dl(ba)] if bias is not None else []
                     calls[label] = (lambda c, fn=fn, ws=weights[layout], extra=extra:
-                                    fn(dl(xa), dl(ws[c]), *extra, dl(y)))
+                                    fn(dl(xa), *map(dl, ws[c]), *extra, dl(y)))
                     y[...] = np.nan
                     calls[label](0)
-                    np.testing.assert_allclose(y, expected, rtol=2e-3, atol=2e-3, err_msg=label)
+                    if not fmt.quantized or layout != "qpanels":  # (the panels block along K: other values)
+                        np.testing.assert_allclose(y, expected, rtol=2e-3, atol=2e-3, err_msg=label)
                 for fn in calls.values():
                     for c in range(copies):
                         fn(c)
@@ -180,7 +213,7 @@ def main():
                             began = clock()
                             fn((r + i) % copies)
                             samples[label].append(clock() - began)
-                nbytes = K * N * np.dtype(NUMPY[dtype]).itemsize
+                nbytes = int(K * N * fmt.bytes_per_weight)
                 ort_ms = np.median(samples["ort MatMul"]) * 1e3
                 print(f"{which} {K}x{N} m={m} weights {dtype} ({nbytes / 2**20:.0f} MiB, {copies} copies; "
                       f"onnxruntime fp32){f', union {args.union}' if which == 'down' else ''}, "

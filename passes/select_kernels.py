@@ -167,8 +167,10 @@ class Lowering:
         rows of W that only its zeros multiply are not read (cpu.gemm_kn)."""
         device = device or self.device
         packed = device == "cpu" if packed is None else packed
+        skip_zero_rows = skip_zero_rows and device == "cpu" and not packed and phases == ("prefill",)
         if weight in self.quantized:
-            self.linear_quantized(x, weight, bias, out, label, role, act, residual, phases, device, packed)
+            self.linear_quantized(x, weight, bias, out, label, role, act, residual, phases, device, packed,
+                                  skip_zero_rows)
             return
         self.stored_for(weight, device)
         if packed:
@@ -180,7 +182,6 @@ class Lowering:
         flags = dict(bias=bias is not None, act=act, residual=residual is not None)
         if dtype != "float32":
             flags["wdtype"] = dtype
-        skip_zero_rows = skip_zero_rows and device == "cpu" and not packed and phases == ("prefill",)
         if skip_zero_rows:
             flags["skip_zero_rows"] = True
             tags += "_skip0"
@@ -190,7 +191,7 @@ class Lowering:
         self.call(label, kernels, args, role, device)
 
     def linear_quantized(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role, act: str,
-                         residual: str | None, phases, device: str, packed: bool) -> None:
+                         residual: str | None, phases, device: str, packed: bool, skip_zero_rows: bool) -> None:
         """`linear` over a quantized matrix: panels blocked along K (decode GEMV, prefill GEMM), or, for rows a
         sparse kernel also gathers (`packed` False: the FFN parts' down rows), a prefill GEMM over the rows."""
         if device != "cpu":
@@ -209,8 +210,9 @@ class Lowering:
         else:
             if bias or act != "none" or residual or "decode" in phases:
                 raise ValueError(f"{weight}: the quantized rows GEMM is prefill-only, without an epilogue")
-            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tag}", k, n, phases=phases, bias=False,
-                                  **fmt_args, **self.gemm_tile(device))
+            skip = {"skip_zero_rows": True} if skip_zero_rows else {}
+            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tag}{'_skip0' if skip else ''}", k, n,
+                                  phases=phases, bias=False, **fmt_args, **skip, **self.gemm_tile(device))
         args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
                 + ([read(residual)] if residual else []) + [write(out)])
         self.call(label, kernels, args, role, device)

@@ -40,9 +40,11 @@ X8 = {  # int4 decode with int8 activations: (K, N, bias, act, residual, sdtype)
     "group4": (64, 500, True, "silu", True, "float16"),
     "f32": (32, 256, False, "none", False, "float32"),
 }
-KN_Q = {  # down rows [K, N]: (K, N, bias, act, residual, sdtype, tile_panels)
-    "plain": (40, 96, False, "none", False, "float16", 2),
-    "res": (24, 32, True, "gelu", True, "float32", 1),
+KN_Q = {  # down rows [K, N]: (K, N, bias, act, residual, sdtype, tile_panels, skip_zero_rows)
+    "plain": (40, 96, False, "none", False, "float16", 2, False),
+    "res": (24, 32, True, "gelu", True, "float32", 1, False),
+    "skip": (72, 64, False, "none", True, "float16", 2, True),  # x a ReLU's output: its zero columns' rows unread
+    "skip_avx2": (40, 96, True, "none", False, "float32", 1, True),
 }
 
 
@@ -67,9 +69,9 @@ def all_kernels(isa):
         for cfg, (K, N, act, sdtype, tp) in ROWS_Q.items():
             funcs.append(ops.linear_rows_q.cpu(kname(f"rows{bits}", cfg, "p"), K, N, rows=None, bits=bits,
                                                sdtype=sdtype, act=act, tile_panels=tp))
-        for cfg, (K, N, bias, act, res, sdtype, tp) in KN_Q.items():
+        for cfg, (K, N, bias, act, res, sdtype, tp, skip) in KN_Q.items():
             funcs.append(ops.linear_kn_q.cpu(kname(f"kn{bits}", cfg, "p"), K, N, rows=None, bits=bits, sdtype=sdtype,
-                                             bias=bias, act=act, residual=res, tile_panels=tp))
+                                             bias=bias, act=act, residual=res, tile_panels=tp, skip_zero_rows=skip))
     return funcs
 
 
@@ -163,10 +165,12 @@ def test_linear_rows_q(lib, bits, cfg, variant, m):
 @pytest.mark.parametrize("cfg", KN_Q)
 @pytest.mark.parametrize("bits", BITS)
 def test_linear_kn_q(lib, bits, cfg, variant, m):
-    K, N, bias, act, res, sdtype, _ = KN_Q[cfg]
+    K, N, bias, act, res, sdtype, _, skip = KN_Q[cfg]
     rng = np.random.default_rng(20 + bits)
     q, s, w = quantized(rng, (K, N), bits, 1, sdtype)  # one row per reduction index, blocks along N
     _, x = rows_buf(rng, m, K, scale=0.5)
+    if skip:  # a ReLU's output, two thirds of its columns zero in every row
+        x[...] = np.maximum(x, 0) * (np.arange(K) % 3 == 0)
     y, b, r = run(lib, kname(f"kn{bits}", cfg, variant), x, quant.pack_rows(q, s, _fmt(bits)), bias, res, N, m, rng)
     close(y, expected(x, w, b, r, act))
 

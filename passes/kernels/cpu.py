@@ -484,8 +484,19 @@ where, over ReLU hidden values of which 35% of the columns hold a nonzero, it to
 at m = 16, about the panel GEMM's 12.0 and 7.5 over the whole matrix."""
 
 
+@dataclass(frozen=True)
+class KnRows:
+    """gemm_kn's weight where it is not a float [K, N] matrix: its parameters w and ws as (shape, dtype), and
+    `values(width)`, a T.macro `(wv, i, w, ws, k, col)` that stores row k's columns [col, col + width) into
+    wv[i, :] as fp32 (a quantized row's blocks, dequantized once per k block and column block)."""
+
+    w: tuple
+    ws: tuple
+    values: Callable
+
+
 def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
-            columns=KN_COLUMNS, kb=KN_KB, skip_zero_rows=False):
+            columns=KN_COLUMNS, kb=KN_KB, skip_zero_rows=False, rows: KnRows | None = None):
     """Prefill y[m, N] = act(x[m, K] @ w[K, N] + b) + res over a row-major w (the FFN down rows the sparse
     decode kernels gather), read in place: no per-call packing.
 
@@ -500,9 +511,17 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     has a nonzero in any of the m rows (a serial scan of x), then run the k blocks over that list only, so a
     row of w that only zeros multiply is never read. Exact; over a prompt of 16 tokens of the 1B OPT-ReLU
     the list held 26-45% of the rows.
+
+    `rows` (a quantized weight, `quant.kn_rows`) replaces the float w by its parameters: each row segment is
+    dequantized into a vector of the tile's width, then multiplied as a float row's (needs N whole tiles).
     """
     m = row_dim(None)
     width = 16 * tile_panels
+    quantized = rows is not None  # (TVMScript branches on Python bools only)
+    w_spec, ws_spec = (rows.w, rows.ws) if quantized else (((K, N), wdtype), ((1,), "float32"))
+    values = rows.values(width) if quantized else None
+    if quantized and N % width:
+        raise ValueError(f"gemm_kn over quantized rows needs N a multiple of {width}, got {N}")
     blocks = -(-N // width)
     chunk = max(1, min(columns // width, blocks))
     tasks = -(-blocks // chunk)
@@ -521,9 +540,35 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     def rows_read(found):  # how many rows of w the k blocks read
         return found[0] if skip_zero_rows else K
 
+    def k_blocks(found):  # k blocks the row list makes (one, empty, when no row is live)
+        return T.max(1, (rows_read(found) + kb - 1) // kb)
+
+    @T.macro
+    def tile_start(acc, y, io, col, ko):
+        """A register tile's partial sums: zero in the first k block, else what the last one left in y."""
+        for r in T.unroll(MR):
+            for v in T.vectorized(width):
+                acc[r, v] = T.float32(0)
+        if ko > 0:
+            for r in T.unroll(MR):
+                for v in out_loop(width):
+                    acc[r, v] = y[T.min(io * MR + r, m - 1), clamp(col + v)]
+
+    @T.macro
+    def tile_end(acc, y, b, res, io, col, ko, found):
+        """The tile's sums into y: through the epilogue after the last k block, as they are before it."""
+        for r in T.unroll(MR):
+            if io * MR + r < m:
+                for v in out_loop(width):
+                    if full or col + v < N:
+                        if ko == k_blocks(found) - 1:
+                            y[io * MR + r, col + v] = epilogue(acc[r, v], b, res, io * MR + r, col + v)
+                        else:
+                            y[io * MR + r, col + v] = acc[r, v]
+
     @T.prim_func
-    def kernel(x_h: T.handle, w: T.Buffer((K, N), wdtype), b: T.Buffer((N,), "float32"), res_h: T.handle,
-               y_h: T.handle):
+    def kernel(x_h: T.handle, w: T.Buffer(*w_spec), ws: T.Buffer(*ws_spec), b: T.Buffer((N,), "float32"),
+               res_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         x = T.match_buffer(x_h, (m, K), "float32")
         res = T.match_buffer(res_h, (m, N), "float32")
@@ -542,40 +587,44 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
                     live[found[0]] = T.Cast("int32", k)
                     found[0] = found[0] + 1
         for p in T.parallel(tasks):
-            for ko in range(T.max(1, (rows_read(found) + kb - 1) // kb)):
-                for io in range((m + MR - 1) // MR):
+            if quantized:  # a k block's row segments dequantized once per column block, for every row tile
+                wblk = T.alloc_local((kb, width), "float32")
+                for ko in range(k_blocks(found)):
                     for j in range(T.min(chunk, blocks - p * chunk)):
-                        acc = T.alloc_local((MR, width), "float32")
                         col = (p * chunk + j) * width
-                        for r in T.unroll(MR):
-                            for v in T.vectorized(width):
-                                acc[r, v] = T.float32(0)
-                        if ko > 0:
-                            for r in T.unroll(MR):
-                                for v in out_loop(width):
-                                    acc[r, v] = y[T.min(io * MR + r, m - 1), clamp(col + v)]
-                        if full or col + width <= N:
+                        for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
+                            values(wblk, kk - ko * kb, w, ws, row(live, kk), col)
+                        for io in range((m + MR - 1) // MR):
+                            acc = T.alloc_local((MR, width), "float32")
+                            tile_start(acc, y, io, col, ko)
                             for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
                                 for r in T.unroll(MR):
                                     for v in T.vectorized(width):
-                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * load_f32(
-                                            w[row(live, kk), col + v], wdtype)
-                        else:
-                            for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
-                                for r in T.unroll(MR):
-                                    for v in range(width):
-                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * load_f32(
-                                            w[row(live, kk), T.min(col + v, N - 1)], wdtype)
-                        for r in T.unroll(MR):
-                            if io * MR + r < m:
-                                for v in out_loop(width):
-                                    if full or col + v < N:
-                                        if ko == T.max(1, (rows_read(found) + kb - 1) // kb) - 1:
-                                            y[io * MR + r, col + v] = epilogue(acc[r, v], b, res, io * MR + r, col + v)
-                                        else:
-                                            y[io * MR + r, col + v] = acc[r, v]
+                                        acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * wblk[
+                                            kk - ko * kb, v]
+                            tile_end(acc, y, b, res, io, col, ko, found)
+            else:
+                for ko in range(k_blocks(found)):
+                    for io in range((m + MR - 1) // MR):
+                        for j in range(T.min(chunk, blocks - p * chunk)):
+                            acc = T.alloc_local((MR, width), "float32")
+                            col = (p * chunk + j) * width
+                            tile_start(acc, y, io, col, ko)
+                            if full or col + width <= N:
+                                for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
+                                    for r in T.unroll(MR):
+                                        for v in T.vectorized(width):
+                                            acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * load_f32(
+                                                w[row(live, kk), col + v], wdtype)
+                            else:
+                                for kk in range(ko * kb, T.min(ko * kb + kb, rows_read(found))):
+                                    for r in T.unroll(MR):
+                                        for v in range(width):
+                                            acc[r, v] = acc[r, v] + x[T.min(io * MR + r, m - 1), row(live, kk)] * load_f32(
+                                                w[row(live, kk), T.min(col + v, N - 1)], wdtype)
+                            tile_end(acc, y, b, res, io, col, ko, found)
 
-    return drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
+    return drop_params(kernel, _unused(bias, residual) + ([] if quantized else ["ws"])).with_attr("global_symbol", name)
 
 
 def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):

@@ -565,6 +565,33 @@ def rows_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
     return _cpu.GemmWeight(wq, ((N, K // B), sdtype), make)
 
 
+def kn_rows(K, N, *, bits, sdtype="float16") -> _cpu.KnRows:
+    """Quant rows of a [K, N] weight as cpu.gemm_kn's operand (as kn_weight: w [K, N] int8 / [K, N / 2] uint8,
+    ws [K, N / 32]), dequantized 16 columns at a time: columns c .. c + 15 (c a multiple of 16) are half
+    c // 16 % 2 of block c // 32 (int4: the low nibbles of its 16 bytes for the first half, the high ones for
+    the second)."""
+    _check(K, N, bits, N, "N")
+    B = QUANT_BLOCK
+
+    def values(width):
+        @T.macro
+        def load(wv, i, w, ws, k, col):
+            for g in T.unroll(width // PANEL):
+                for v in T.vectorized(PANEL):
+                    if bits == 8:
+                        wv[i, g * PANEL + v] = _int8(w[k, col + g * PANEL + v]) * load_f32(
+                            ws[k, (col + g * PANEL) // B], sdtype)
+                    else:
+                        wv[i, g * PANEL + v] = _int4(w[k, (col + g * PANEL) // B * PANEL + v],
+                                                  (col + g * PANEL) // PANEL % 2) * load_f32(
+                            ws[k, (col + g * PANEL) // B], sdtype)
+
+        return load
+
+    wq = ((K, N), "int8") if bits == 8 else ((K, N // 2), "uint8")
+    return _cpu.KnRows(wq, ((K, N // B), sdtype), values)
+
+
 def kn_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
     """Quant rows of a [K, N] weight (pack_rows of W, one row per reduction index: the FFN down rows) as a gemm
     operand: w [K, N] int8 / [K, N / 2] uint8, ws [K, N / 32]. A 32-block of a row is two panels: panel pp
@@ -632,10 +659,11 @@ def linear_rows_q(name, K, N, *, rows, bits, sdtype="float16", act="none", tile_
 
 
 def linear_kn_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
-                tile_panels=1):
-    """y[m, N] = act(x[m, K] @ W[K, N] + b) + res, W quantized rows one per reduction index (kn_weight; the FFN
-    down rows).  Args: x, w, ws, (b), (res), y. Prefill only (N a multiple of 32)."""
+                tile_panels=1, skip_zero_rows=False):
+    """y[m, N] = act(x[m, K] @ W[K, N] + b) + res, W quantized rows one per reduction index (kn_rows; the FFN
+    down rows), read in place by cpu.gemm_kn (`skip_zero_rows`: x a ReLU's output, rows only its zeros
+    multiply are not read).  Args: x, w, ws, (b), (res), y. Prefill only (N a multiple of 32)."""
     if rows is not None:
         raise ValueError("linear_kn_q runs in prefill only")
-    return _cpu.gemm(name, K, N, layout=kn_weight(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
-                     residual=residual, tile_panels=tile_panels)
+    return _cpu.gemm_kn(name, K, N, rows=kn_rows(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
+                        residual=residual, tile_panels=tile_panels, skip_zero_rows=skip_zero_rows)
