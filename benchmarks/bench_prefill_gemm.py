@@ -83,7 +83,9 @@ def kernel_variants(which: str, K: int, N: int, dtype: str, tile: int):
         out = {"panels q": (quant.linear_panels_q(f"qpanels_{name}", K, N, rows=None, bias=up, act="relu" if up else "none",
                                                   **q), "qpanels")}
         if up:
-            out["rows q (packing)"] = (quant.linear_rows_q(f"qrows_{name}", K, N, rows=None, act="relu", **q), "qrows")
+            out["rows q (packing)"] = (cpu.gemm(f"qrowsp_{name}", K, N, layout=quant.rows_weight(K, N, bits=fmt.bits),
+                                                bias=True, act="relu", tile_panels=tile), "qrows")
+            out["rows q (nt)"] = (quant.linear_rows_q(f"qrows_{name}", K, N, rows=None, act="relu", **q), "qrows")
         else:
             out["kn q (packing)"] = (cpu.gemm(f"qknp_{name}", K, N, layout=quant.kn_weight(K, N, bits=fmt.bits),
                                               bias=False, tile_panels=tile), "qkn")

@@ -397,8 +397,20 @@ the rows 10-25% faster than 4 x 4, 6 x 4, 3 x 8, 2 x 8 and 4 x 5 (2 x 12 and 8 x
 halvings before the horizontal sum ~3% over a scalar sum of each accumulator's lanes."""
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A GEMM weight stored as rows of quantized blocks (quant.quantized_rows), read in place by gemm_nt (one row
+    per output: the FFN up rows) and gemm_kn (one row per reduction index: the down rows): its parameters w and
+    ws as (shape, dtype), and `values(width)`, a T.macro `(wv, i, w, ws, row, col)` that stores the row's
+    elements [col, col + width) into wv[i, :] as fp32 (dequantized once per tile, not per FMA)."""
+
+    w: tuple
+    ws: tuple
+    values: Callable
+
+
 def gemm_nt(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
-            tokens: int | None = None, neurons: int | None = None):
+            tokens: int | None = None, neurons: int | None = None, rows: QuantizedRows | None = None):
     """Prefill y[m, N] = act(x[m, K] @ w[N, K]^T + b) + res over weights stored one row per output (the FFN
     up rows the sparse decode kernels gather), read in place: no per-call packing.
 
@@ -409,7 +421,13 @@ def gemm_nt(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     the others; x stays in L2. Each accumulator is reduced once, after its k loop (halved in vectors down
     to one lane), plus a scalar tail where K is not a whole number of vectors. Pad rows and neurons of the
     last tiles recompute the last row / neuron and are not stored.
+
+    `rows` (a quantized weight) replaces the float w by its parameters: a group's rows are dequantized once,
+    into a task-local fp32 copy (NR x K: L2-resident), which the token tiles then read as a float w.
     """
+    quantized = rows is not None  # (TVMScript branches on Python bools only)
+    w_spec, ws_spec = (rows.w, rows.ws) if quantized else (((N, K), wdtype), ((1,), "float32"))
+    values = rows.values(K) if quantized else None
     lanes, TR, NR = NT_TILE.get(tile_panels, NT_TILE[1])
     TR, NR = tokens or TR, neurons or NR
     m = row_dim(None)
@@ -421,13 +439,17 @@ def gemm_nt(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     epilogue = _epilogue(act, bias, residual)
 
     @T.prim_func
-    def kernel(x_h: T.handle, w: T.Buffer((N, K), wdtype), b: T.Buffer((N,), "float32"), res_h: T.handle,
-               y_h: T.handle):
+    def kernel(x_h: T.handle, w: T.Buffer(*w_spec), ws: T.Buffer(*ws_spec), b: T.Buffer((N,), "float32"),
+               res_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         x = T.match_buffer(x_h, (m, K), "float32")
         res = T.match_buffer(res_h, (m, N), "float32")
         y = T.match_buffer(y_h, (m, N), "float32")
         for g in T.parallel(groups):
+            wg = T.alloc_local((NR if quantized else 0, K), "float32")
+            if quantized:
+                for n in range(NR):
+                    values(wg, n, w, ws, T.min(g * NR + n, N - 1), 0)
             for io in range((m + TR - 1) // TR):
                 acc = T.alloc_local((TR, NR, L), "float32")
                 tot = T.alloc_local((TR, NR), "float32")
@@ -439,8 +461,9 @@ def gemm_nt(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
                     for t in T.unroll(TR):
                         for n in T.unroll(NR):
                             for v in T.vectorized(L):
-                                acc[t, n, v] = acc[t, n, v] + x[T.min(io * TR + t, m - 1), c * L + v] * load_f32(
-                                    w[T.min(g * NR + n, N - 1), c * L + v], wdtype)
+                                acc[t, n, v] = acc[t, n, v] + x[T.min(io * TR + t, m - 1), c * L + v] * (
+                                    wg[n, c * L + v] if quantized else load_f32(w[T.min(g * NR + n, N - 1), c * L + v],
+                                                                                wdtype))
                 for t in T.unroll(TR):
                     for n in T.unroll(NR):
                         if halvings >= 1:
@@ -467,7 +490,7 @@ def gemm_nt(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
                             if full or g * NR + n < N:
                                 y[io * TR + t, g * NR + n] = epilogue(tot[t, n], b, res, io * TR + t, g * NR + n)
 
-    return drop_params(kernel, _unused(bias, residual)).with_attr("global_symbol", name)
+    return drop_params(kernel, _unused(bias, residual) + ([] if quantized else ["ws"])).with_attr("global_symbol", name)
 
 
 KN_COLUMNS = 1024  # gemm_kn: columns per parallel task (4 KiB of each fp32 row)
@@ -484,19 +507,8 @@ where, over ReLU hidden values of which 35% of the columns hold a nonzero, it to
 at m = 16, about the panel GEMM's 12.0 and 7.5 over the whole matrix."""
 
 
-@dataclass(frozen=True)
-class KnRows:
-    """gemm_kn's weight where it is not a float [K, N] matrix: its parameters w and ws as (shape, dtype), and
-    `values(width)`, a T.macro `(wv, i, w, ws, k, col)` that stores row k's columns [col, col + width) into
-    wv[i, :] as fp32 (a quantized row's blocks, dequantized once per k block and column block)."""
-
-    w: tuple
-    ws: tuple
-    values: Callable
-
-
 def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
-            columns=KN_COLUMNS, kb=KN_KB, skip_zero_rows=False, rows: KnRows | None = None):
+            columns=KN_COLUMNS, kb=KN_KB, skip_zero_rows=False, rows: QuantizedRows | None = None):
     """Prefill y[m, N] = act(x[m, K] @ w[K, N] + b) + res over a row-major w (the FFN down rows the sparse
     decode kernels gather), read in place: no per-call packing.
 
@@ -512,7 +524,7 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     row of w that only zeros multiply is never read. Exact; over a prompt of 16 tokens of the 1B OPT-ReLU
     the list held 26-45% of the rows.
 
-    `rows` (a quantized weight, `quant.kn_rows`) replaces the float w by its parameters: each row segment is
+    `rows` (a quantized weight, `quant.quantized_rows`) replaces the float w by its parameters: each row segment is
     dequantized into a vector of the tile's width, then multiplied as a float row's (needs N whole tiles).
     """
     m = row_dim(None)

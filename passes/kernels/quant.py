@@ -17,9 +17,12 @@ of the kernel that reads it:
 A quantized axis must be a whole number of blocks (`quantizable`); other weights stay in floats.
 
 Below the numpy code, the CPU kernels that read these layouts (TVMScript, fp32 arithmetic): the decode GEMV over
-panels (`gemv_panels_q`; `gemv_panels_q4x8`, int4 with int8 activations), `cpu.gemm` operands that dequantize
-into its per-task panels for prefill (`panels_weight`, `rows_weight` for [N, K] up rows, `kn_weight` for [K, N]
-down rows), and the makers `ops` registers (`linear_panels_q`, `linear_rows_q`, `linear_kn_q`).
+panels (`gemv_panels_q`; `gemv_panels_q4x8` and `gemv_panels_q8x8`, int4 and int8 with int8 activations), the
+prefill operands: `panels_weight`, which `cpu.gemm` dequantizes into its per-task panels, and `quantized_rows`,
+the FFN rows as `cpu.gemm_nt` (up rows, [N, K]) and `cpu.gemm_kn` (down rows, [K, N]) read them in place
+(`rows_weight` and `kn_weight`, the same rows packed per call by `cpu.gemm`, are what linear_rows_q and
+linear_kn_q ran before: benchmarks/bench_prefill_gemm.py's baselines), and the makers `ops` registers
+(`linear_panels_q`, `linear_rows_q`, `linear_kn_q`).
 """
 
 from __future__ import annotations
@@ -565,18 +568,21 @@ def rows_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
     return _cpu.GemmWeight(wq, ((N, K // B), sdtype), make)
 
 
-def kn_rows(K, N, *, bits, sdtype="float16") -> _cpu.KnRows:
-    """Quant rows of a [K, N] weight as cpu.gemm_kn's operand (as kn_weight: w [K, N] int8 / [K, N / 2] uint8,
-    ws [K, N / 32]), dequantized 16 columns at a time: columns c .. c + 15 (c a multiple of 16) are half
-    c // 16 % 2 of block c // 32 (int4: the low nibbles of its 16 bytes for the first half, the high ones for
-    the second)."""
-    _check(K, N, bits, N, "N")
+def quantized_rows(R, C, *, bits, sdtype="float16") -> _cpu.QuantizedRows:
+    """Quant rows of an [R, C] weight (pack_rows: blocks of 32 along each row) as an operand cpu.gemm_nt (the FFN
+    up rows, [N, K]) and cpu.gemm_kn (the down rows, [K, N]) read in place: w [R, C] int8 / [R, C / 2] uint8,
+    ws [R, C / 32], dequantized 16 elements at a time: elements c .. c + 15 of a row (c a multiple of 16) are
+    half c // 16 % 2 of block c // 32 (int4: the low nibbles of its 16 bytes for the first half, the high ones
+    for the second)."""
+    _check(R, C, bits, C, "the row")
     B = QUANT_BLOCK
 
     def values(width):
+        groups = T.unroll if width <= 4 * PANEL else T.serial  # (a whole row of K: a loop, not K / 16 copies)
+
         @T.macro
         def load(wv, i, w, ws, k, col):
-            for g in T.unroll(width // PANEL):
+            for g in groups(width // PANEL):
                 for v in T.vectorized(PANEL):
                     if bits == 8:
                         wv[i, g * PANEL + v] = _int8(w[k, col + g * PANEL + v]) * load_f32(
@@ -588,8 +594,8 @@ def kn_rows(K, N, *, bits, sdtype="float16") -> _cpu.KnRows:
 
         return load
 
-    wq = ((K, N), "int8") if bits == 8 else ((K, N // 2), "uint8")
-    return _cpu.KnRows(wq, ((K, N // B), sdtype), values)
+    wq = ((R, C), "int8") if bits == 8 else ((R, C // 2), "uint8")
+    return _cpu.QuantizedRows(wq, ((R, C // B), sdtype), values)
 
 
 def kn_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
@@ -650,20 +656,20 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
 
 
 def linear_rows_q(name, K, N, *, rows, bits, sdtype="float16", act="none", tile_panels=1):
-    """y[m, N] = act(x[m, K] @ W[N, K]^T + b), W quantized rows one per output neuron (rows_weight; the FFN up
-    rows, as neuron.linear_rows).  Args: x, w, ws, b (zeros for bias-free models), y. Prefill only."""
+    """y[m, N] = act(x[m, K] @ W[N, K]^T + b), W quantized rows one per output neuron (quantized_rows; the FFN up
+    rows, as neuron.linear_rows), read in place by cpu.gemm_nt.  Args: x, w, ws, b (zeros for bias-free models), y. Prefill only."""
     if rows is not None:
         raise ValueError("linear_rows_q runs in prefill only")
-    return _cpu.gemm(name, K, N, layout=rows_weight(K, N, bits=bits, sdtype=sdtype), bias=True, act=act,
-                     tile_panels=tile_panels)
+    return _cpu.gemm_nt(name, K, N, rows=quantized_rows(N, K, bits=bits, sdtype=sdtype), bias=True, act=act,
+                        tile_panels=tile_panels)
 
 
 def linear_kn_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
                 tile_panels=1, skip_zero_rows=False):
-    """y[m, N] = act(x[m, K] @ W[K, N] + b) + res, W quantized rows one per reduction index (kn_rows; the FFN
+    """y[m, N] = act(x[m, K] @ W[K, N] + b) + res, W quantized rows one per reduction index (quantized_rows; the FFN
     down rows), read in place by cpu.gemm_kn (`skip_zero_rows`: x a ReLU's output, rows only its zeros
     multiply are not read).  Args: x, w, ws, (b), (res), y. Prefill only (N a multiple of 32)."""
     if rows is not None:
         raise ValueError("linear_kn_q runs in prefill only")
-    return _cpu.gemm_kn(name, K, N, rows=kn_rows(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
+    return _cpu.gemm_kn(name, K, N, rows=quantized_rows(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
                         residual=residual, tile_panels=tile_panels, skip_zero_rows=skip_zero_rows)
