@@ -69,7 +69,7 @@ def ort_session(K: int, N: int, w: np.ndarray, threads: int, bias: np.ndarray | 
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def kernel_variants(which: str, K: int, N: int, dtype: str, tile: int):
+def kernel_variants(which: str, K: int, N: int, dtype: str, tile: int, dot: str | None = None):
     """{label: (PrimFunc, weight layout)} for one GEMM (`which`: "up" relu+bias, "down" plain) over weights
     stored as `dtype` (runtime.dtypes.WEIGHT_FORMATS)."""
     from passes.kernels import cpu, neuron, quant
@@ -82,6 +82,10 @@ def kernel_variants(which: str, K: int, N: int, dtype: str, tile: int):
         name = f"{which}_{K}_{N}_{dtype}"
         out = {"panels q": (quant.linear_panels_q(f"qpanels_{name}", K, N, rows=None, bias=up, act="relu" if up else "none",
                                                   **q), "qpanels")}
+        if dot:  # x rounded to int8 per block, integer dot products (the decode GEMVs' int8 activations)
+            out["panels q x8"] = (quant.gemm_panels_qx8(f"qpanels8_{name}", K, N, bits=fmt.bits, bias=up,
+                                                        act="relu" if up else "none", dot=dot, tile_panels=tile),
+                                  "qpanels")
         if up:
             out["rows q (packing)"] = (cpu.gemm(f"qrowsp_{name}", K, N, layout=quant.rows_weight(K, N, bits=fmt.bits),
                                                 bias=True, act="relu", tile_panels=tile), "qrows")
@@ -120,7 +124,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--copies", type=int, default=0, help="weight copies (0: enough for 256 MiB of fp32)")
-    parser.add_argument("--isa", default="avx512")
+    parser.add_argument("--isa", default=None, help="a CPU_ISAS name (default: this machine's widest)")
     parser.add_argument("--kernels", default="", help="comma-separated labels to run (default all)")
     parser.add_argument("--union", type=float, default=0.35,
                         help="down: share of the hidden columns with a nonzero in some row (a 16-token prompt of the "
@@ -132,16 +136,16 @@ def main():
     import tvm_ffi
 
     from passes.kernels import cpu, quant
-    from picompile.targets import CPU_ISAS
+    from picompile.targets import CPU_ISAS, host_cpu_isa
     from runtime.artifact import aligned_empty
     from runtime.dtypes import WEIGHT_FORMATS
 
-    isa = CPU_ISAS[args.isa]
+    isa = CPU_ISAS[args.isa] if args.isa else host_cpu_isa()
     dl = tvm_ffi.from_dlpack
     rng = np.random.default_rng(0)
     clock = time.perf_counter
     ms = [int(v) for v in args.m.split(",")]
-    print(f"{args.threads} threads, {args.isa}, load average {os.getloadavg()[0]:.2f}")
+    print(f"{args.threads} threads, {isa.name}, load average {os.getloadavg()[0]:.2f}")
     for which in args.which.split(","):
         K, N = (args.D, args.F) if which == "up" else (args.F, args.D)
         copies = args.copies or max(2, -(-(256 << 20) // (K * N * 4)))
@@ -149,7 +153,9 @@ def main():
         bias = rng.standard_normal(N, dtype=np.float32) if which == "up" else None
         for dtype in args.dtypes.split(","):
             fmt = WEIGHT_FORMATS[dtype]
-            variants = kernel_variants(which, K, N, dtype, isa.gemm_panels)
+            variants = kernel_variants(which, K, N, dtype, isa.gemm_panels,
+                                       isa.int8_dot if quant.gemv_int8_dot_fits(fmt.bits, isa.int8_dot, isa.gemm_panels)
+                                       and fmt.quantized else None)
             if args.kernels:
                 variants = {k: v for k, v in variants.items() if k in args.kernels.split(",")}
             with tempfile.TemporaryDirectory() as tmp:
@@ -202,6 +208,10 @@ def main():
                     calls[label](0)
                     if not fmt.quantized or layout != "qpanels":  # (the panels block along K: other values)
                         np.testing.assert_allclose(y, expected, rtol=2e-3, atol=2e-3, err_msg=label)
+                    elif label.endswith("x8"):  # int8 x: within its rounding of the float panels' product
+                        assert np.abs(y - panels_y).max() < 2e-2 * np.abs(panels_y).max(), label
+                    else:
+                        panels_y = y.copy()
                 for fn in calls.values():
                     for c in range(copies):
                         fn(c)

@@ -201,7 +201,7 @@ class Lowering:
         tag, fmt_args = self.quant_tag(matrix)
         if packed:
             if self.int8_dot and quant.gemv_int8_dot_fits(matrix.fmt.bits, self.int8_dot, self.gemm_panels):
-                # decode quantizes x per block (prefill stays fp32)
+                # decode quantizes x per block, and prefill each row of x where its GEMM has the form (AVX-512)
                 tag, fmt_args = f"{tag}_x8", {**fmt_args, "int8_dot": self.int8_dot}
             tags = f"{tag}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
             kernels = self.kernel(ops.linear_panels_q, f"linear_q_k{k}_n{n}{tags}", k, n, phases=phases,

@@ -53,10 +53,11 @@ def _fmt(bits):
 
 
 def x8_kernels(dot, isa, bits=4):
-    return [ops.linear_panels_q.cpu(kname(f"x8{dot}{bits}", cfg, "d"), K, N, rows=1, bits=bits, sdtype=sdtype,
-                                    bias=bias, act=act, residual=res, int8_dot=dot,
-                                    tile_panels=CPU_ISAS[isa].gemm_panels)
-            for cfg, (K, N, bias, act, res, sdtype) in X8.items()]
+    """int8-activation kernels: decode GEMVs ("d"), and on AVX-512 prefill GEMMs ("p")."""
+    tile = CPU_ISAS[isa].gemm_panels
+    return [ops.linear_panels_q.cpu(kname(f"x8{dot}{bits}", cfg, v), K, N, rows=rows, bits=bits, sdtype=sdtype,
+                                    bias=bias, act=act, residual=res, int8_dot=dot, tile_panels=tile)
+            for cfg, (K, N, bias, act, res, sdtype) in X8.items() for v, rows in ROWS.items() if v == "d" or tile > 1]
 
 
 def all_kernels(isa):
@@ -75,13 +76,23 @@ def all_kernels(isa):
     return funcs
 
 
-@pytest.fixture(scope="module", params=list(CPU_ISAS))
+@pytest.fixture(scope="module", params=["avx2", "avx512"])  # (avx512vnni: vnni_lib, its int8 dots only)
 def lib(request, tmp_path_factory):
     isa = CPU_ISAS[request.param]
     if not set(isa.features) <= (cpu_flags() or set()):
         pytest.skip(f"this CPU has no {isa.name}")
     path = str(tmp_path_factory.mktemp("quant") / f"{isa.name}.so")
     cpu.build(all_kernels(isa.name), isa.llvm_target(), path)
+    return tvm.runtime.load_module(path)
+
+
+@pytest.fixture(scope="module")
+def avx512_lib(request, tmp_path_factory):
+    """The AVX-512 int8-activation kernels (madd), apart from `lib` so that a test can ask for them alone."""
+    if not set(CPU_ISAS["avx512"].features) <= (cpu_flags() or set()):
+        pytest.skip("this CPU has no avx512")
+    path = str(tmp_path_factory.mktemp("quant") / "avx512x8.so")
+    cpu.build(x8_kernels("madd", "avx512"), CPU_ISAS["avx512"].llvm_target(), path)
     return tvm.runtime.load_module(path)
 
 
@@ -194,13 +205,13 @@ def x8_reference(x, w):
     return int8_blocks_ref(x, quant.QUANT_BLOCK) @ w
 
 
-def check_int8_activations(lib, dot, cfg, bits=4):
+def check_int8_activations(lib, dot, cfg, bits=4, variant="d", m=1):
     K, N, bias, act, res, sdtype = X8[cfg]
     rng = np.random.default_rng(30)
     q, s, w = quantized(rng, (K, N), bits, 0, sdtype)
-    _, x = rows_buf(rng, 1, K, scale=0.5)
-    y, b, r = run(lib, kname(f"x8{dot}{bits}", cfg, "d"), x, quant.pack_panels(q, s, _fmt(bits)), bias, res, N, 1,
-                  rng)
+    _, x = rows_buf(rng, m, K, scale=0.5)
+    y, b, r = run(lib, kname(f"x8{dot}{bits}", cfg, variant), x, quant.pack_panels(q, s, _fmt(bits)), bias, res, N,
+                  m, rng)
     pre = x8_reference(x, w) + (0 if b is None else b)
     close(y, act_ref(pre, act) + (0 if r is None else r))
     exact = expected(x, w, b, r, act)
@@ -217,6 +228,16 @@ def test_int8_activations_madd(lib, cfg):
 @pytest.mark.parametrize("cfg", X8)
 def test_int8_activations_vnni(vnni_lib, cfg):
     check_int8_activations(vnni_lib, "vnni", cfg)
+
+
+@pytest.mark.parametrize("m", [1, 5, 9])
+@pytest.mark.parametrize("bits,dot", [(4, "madd"), (4, "vnni"), (8, "vnni")])
+@pytest.mark.parametrize("cfg", X8)
+def test_int8_activation_prefill_gemm(request, cfg, bits, dot, m):
+    """Prompts' GEMMs over quant panels with each row of x rounded to int8 blocks (AVX-512): exact against x
+    quantized the same way, over odd row counts (partial register tiles) and padded panels."""
+    check_int8_activations(request.getfixturevalue("vnni_lib" if dot == "vnni" else "avx512_lib"), dot, cfg,
+                           bits=bits, variant="p", m=m)
 
 
 @pytest.mark.parametrize("cfg", X8)

@@ -549,7 +549,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             xsum = T.alloc_buffer((sblocks,), "int32")
             xpat = T.alloc_buffer((xpats, stored), "int8")
             xc = T.alloc_buffer((qvectors, L), "int32")
-            quantize_x(x, xq, sx, xsum)
+            quantize_x(x, 0, xq, sx, xsum, 0)
             for b in range(sblocks):
                 for i in T.vectorized(stored // sblocks):
                     if int4:  # byte 16 b + i of a row: element 32 b + i (low nibble), 32 b + 16 + i (high)
