@@ -42,9 +42,9 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.costmodel import sync_seconds
 from picompile.pipeline import Context, Options
-from picompile.sizes import GPU_WEIGHT_DTYPE, GPU_WEIGHT_FORMAT, kv_cache_bytes, weight_format
+from picompile.sizes import GPU_WEIGHT_FORMAT, gpu_bytes, kv_cache_bytes, weight_format
 from picompile.targets import check_vram_budget, format_size
-from runtime.dtypes import WeightFormat, itemsize, nbytes
+from runtime.dtypes import WeightFormat, nbytes
 
 # Share of the GPU memory kept free for activations, kernel workspace and the allocator's slack.
 RESERVE_FRACTION = 0.05
@@ -380,10 +380,6 @@ def min_neurons_for(frequency_sorted: np.ndarray, cpu_bytes_per_neuron: int, bat
     return int(paying[0]) if paying.size else int(total)
 
 
-def _elements(value: ir.Value) -> int:
-    return int(value.const_value.size) if value.const_value is not None else 0
-
-
 def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: WeightFormat) -> int:
     """One FFN neuron's weights on a device: its up (and gate) and down rows in the device's matrix format,
     its up bias (select-kernels keeps biases in fp32)."""
@@ -437,8 +433,9 @@ class Partition:
         # The budget left for FFN neurons. b_down ([D], added once per layer on the GPU side of the merge)
         # counts as dense; neuron_order tables from an earlier run are replaced, not counted.
         vram = self.vram_budget_bytes if self.vram_budget_bytes is not None else target.gpu_memory_bytes
-        dense = sum(_elements(v) for name, v in graph.initializers.items()
-                    if id(v) not in per_neuron_values and not name.endswith(".ffn.neuron_order")) * itemsize(GPU_WEIGHT_DTYPE)
+        dense = sum(gpu_bytes(v.const_value.shape) for name, v in graph.initializers.items()
+                    if v.const_value is not None and id(v) not in per_neuron_values
+                    and not name.endswith(".ffn.neuron_order"))
         kv_cache = kv_cache_bytes([(int(pir.attr(n, "num_kv_heads")), int(pir.attr(n, "head_dim"))) for n in attentions],
                                   self.max_context)
         reserve = int(vram * self.reserve_fraction)

@@ -14,7 +14,8 @@ which layers' dense blocks are on the GPU, their bytes, the budget) that `inspec
 - Otherwise (dense builds): the whole model on the GPU if it fits the budget (the target's GPU memory or
   `--vram-budget`, less partition's reserve); if not, whole layers in order while they fit (llama.cpp's
   layer offload), the embedding and the output layer on the CPU.
-Weights are priced at the precision the GPU stores them in (fp32 today) and each layer with its KV cache.
+Weights are priced at the precision the GPU stores them in (`sizes.gpu_bytes`: fp16 matrices) and each layer
+with its KV cache.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.pipeline import Context
-from picompile.sizes import GPU_WEIGHT_DTYPE, kv_cache_bytes
+from picompile.sizes import gpu_bytes, kv_cache_bytes
 from picompile.targets import format_size
-from runtime.dtypes import nbytes
 
 from .partition import RESERVE_FRACTION
 
@@ -57,7 +57,7 @@ def node_layers(graph: ir.Graph) -> dict[ir.Node, int | None]:
 
 def _gpu_bytes(node: ir.Node, max_context: int) -> int:
     """What the node keeps on the GPU: its weights (at the GPU's precision) and, for attention, its KV cache."""
-    total = sum(nbytes(value.const_value.shape, GPU_WEIGHT_DTYPE) for value in node.inputs
+    total = sum(gpu_bytes(value.const_value.shape) for value in node.inputs
                 if value is not None and value.const_value is not None)
     if node.op_type == "Attention":
         total += kv_cache_bytes([(pir.attr(node, "num_kv_heads"), pir.attr(node, "head_dim"))], max_context)

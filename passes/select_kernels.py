@@ -468,13 +468,13 @@ class _Walker:
                           selection=Selection("predictor", part, count, neurons, hidden if skips else None))
         else:
             row = self.low.row_bytes(up_rows)
-            kernels = self.low.kernel(ops.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}",
-                                      d_in, neurons, gated=gated, act=activation, phases=("decode",))
+            kernels = self.low.kernel(ops.sparse_up, f"sparse_up_d{d_in}_n{neurons}{gate_tag}_{activation}{dtype_tag}",
+                                      d_in, neurons, gated=gated, act=activation, phases=("decode",), **dtype_arg)
             self.low.call(f"{p}.up", kernels, [*selected, Arg(up_rows, Access.SELECTED_ROWS, row_bytes=halves * row),
                                                Arg(up_bias, Access.SELECTED_ROWS, row_bytes=bias_row), write(hidden)],
                           Role.FFN_UP, selection=Selection("predictor", part, count, neurons))
-            kernels = self.low.kernel(ops.sparse_down, f"sparse_down_n{neurons}_d{width}", neurons, width,
-                                      phases=("decode",))
+            kernels = self.low.kernel(ops.sparse_down, f"sparse_down_n{neurons}_d{width}{dtype_tag}", neurons, width,
+                                      phases=("decode",), **dtype_arg)
             self.low.call(f"{p}.down", kernels, [read(hidden), read(index), read(count),
                                                  Arg(down_rows, Access.SELECTED_ROWS, row_bytes=self.low.row_bytes(down_rows)),
                                                  write(partial)],

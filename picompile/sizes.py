@@ -5,15 +5,18 @@ pricing of a decode step and partition's GPU budget all ask here (element sizes 
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import onnx_ir as ir
 
-from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize, nbytes
 
 KV_CACHE_DTYPE = "float32"  # the KV cache buffers select-kernels makes
-GPU_WEIGHT_FORMAT = WEIGHT_FORMATS["fp32"]  # --weight-dtype changes the CPU's storage only (`weight_format`)
-GPU_WEIGHT_DTYPE = GPU_WEIGHT_FORMAT.storage
+GPU_WEIGHT_FORMAT = WEIGHT_FORMATS["fp16"]
+"""What the GPU stores its weight matrices and embedding tables in, whatever --weight-dtype says of the CPU's
+(`weight_format`): fp16, so the hot neurons a card holds are twice fp32's (its kernels convert as they load;
+the GPU's quantized kernels exist, placement does not put quantized rows on it yet)."""
 
 
 def weight_bytes(graph: ir.Graph) -> int:
@@ -33,9 +36,17 @@ def kv_cache_bytes(attentions: Iterable[tuple[int, int]], max_context: int) -> i
 
 def weight_format(device: str, weight_dtype: str) -> WeightFormat:
     """The format a device stores its weight matrices in, for `--weight-dtype` (fp32, fp16, int8, int4): the
-    CPU's follow it, the GPU's stay fp32. The quantize pass and select-kernels store them so; predict, partition
-    and lower price them so (`WeightFormat.bytes_per_weight`)."""
+    CPU's follow it, the GPU's are GPU_WEIGHT_FORMAT. The quantize pass and select-kernels store them so;
+    predict, partition and lower price them so (`WeightFormat.bytes_per_weight`)."""
     return WEIGHT_FORMATS[weight_dtype] if device == "cpu" else GPU_WEIGHT_FORMAT
+
+
+def gpu_bytes(shape) -> int:
+    """Bytes of a constant of `shape` on the GPU: a matrix (2-D or more: linear weights, embedding tables) in
+    GPU_WEIGHT_FORMAT, as select-kernels stores them there; a vector (biases, norms) in fp32."""
+    if len(shape) >= 2:
+        return math.ceil(math.prod(int(d) for d in shape) * GPU_WEIGHT_FORMAT.bytes_per_weight)
+    return nbytes(shape, "float32")
 
 
 def float_format(fmt: WeightFormat) -> WeightFormat:

@@ -24,7 +24,7 @@ def hybrid(tiny_models, tmp_path_factory):
     files = tiny_models("opt", sparsity=0.9)
     greedy_split = {"partition": {"min_or_nothing": False, "balance": False}}
     return sparse_build(files, tmp_path_factory.mktemp("hybrid") / "h.pic", target="rtx4090", all_neurons=True,
-                        vram_budget_bytes=600_000, placement_batch=32, pass_fields=greedy_split)
+                        vram_budget_bytes=300_000, placement_batch=32, pass_fields=greedy_split)
 
 
 def decode_run(engine: Engine, steps: int = 6) -> list[np.ndarray]:

@@ -14,6 +14,7 @@ from picompile.pipeline import Options
 from picompile.targets import get_target
 from runtime import Engine
 from runtime.calls import Access, Arg, Call, Role, Selection, schedule_calls
+from runtime.dtypes import itemsize
 from test_sparse import assert_matches_onnxruntime, sparse_build
 
 
@@ -78,6 +79,7 @@ def test_dense_gpu_build_honours_the_vram_budget(tiny_models, tmp_path):
     assert None not in on_gpu and len(on_gpu) < manifest["model"]["num_layers"]
     gpu_weights = {name for call in calls if call.device == "gpu" for name in call.buffers()
                    if manifest["buffers"][name]["kind"] == "weight"}
-    gpu_bytes = sum(np.prod(manifest["buffers"][n]["shape"]) * 4 for n in gpu_weights)
+    gpu_bytes = sum(np.prod(manifest["buffers"][n]["shape"]) * itemsize(manifest["buffers"][n]["dtype"])
+                    for n in gpu_weights)
     assert gpu_bytes <= 3 * layer_bytes
     assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True, decode_steps=3)

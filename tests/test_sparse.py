@@ -29,13 +29,22 @@ def sparse_build(files, out, target="cpu", pass_fields=None, **options):
 
 
 def assert_matches_onnxruntime(artifact, onnx_path, emulate_gpu=False, decode_steps=8):
+    """The artifact's logits are onnxruntime's on a prompt and greedy decode steps: within fp32 rounding, or,
+    with the GPU's calls (emulated), within fp16 rounding of the weights the GPU holds."""
     engine, reference = Engine(artifact, emulate_gpu=emulate_gpu), OrtDecoder(onnx_path)
+
+    def check(got, expected):
+        if emulate_gpu:
+            assert np.abs(got - expected).max() / expected.std() < 1e-2
+        else:
+            np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
     prompt = np.array([11, 22, 33, 44, 55], np.int64)
-    np.testing.assert_allclose(engine.forward(prompt), reference.forward(prompt), atol=1e-4, rtol=0)
+    check(engine.forward(prompt), reference.forward(prompt))
     token = 3
     for _ in range(decode_steps):
         expected = reference.forward([token])
-        np.testing.assert_allclose(engine.forward([token]), expected, atol=1e-4, rtol=0)
+        check(engine.forward([token]), expected)
         token = int(np.argmax(expected[-1]))
 
 
@@ -84,7 +93,7 @@ def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path, f
     # no synchronisation cost and no balance rule, so that the tiny layers split instead of moving whole
     greedy_split = {"partition": {"min_or_nothing": False, "balance": False}}
     artifact = sparse_build(files, tmp_path / "h.pic", target="rtx4090", all_neurons=True,
-                            vram_budget_bytes=600_000, placement_batch=32, pass_fields=greedy_split)
+                            vram_budget_bytes=300_000, placement_batch=32, pass_fields=greedy_split)
     manifest = json.loads((artifact / "manifest.json").read_text())
     split = [(layer["gpu_neurons"], layer["cpu_neurons"]) for layer in manifest["layers"]]
     assert any(gpu and cpu for gpu, cpu in split), split
