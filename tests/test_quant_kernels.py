@@ -87,16 +87,6 @@ def lib(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def avx512_lib(request, tmp_path_factory):
-    """The AVX-512 int8-activation kernels (madd), apart from `lib` so that a test can ask for them alone."""
-    if not set(CPU_ISAS["avx512"].features) <= (cpu_flags() or set()):
-        pytest.skip("this CPU has no avx512")
-    path = str(tmp_path_factory.mktemp("quant") / "avx512x8.so")
-    cpu.build(x8_kernels("madd", "avx512"), CPU_ISAS["avx512"].llvm_target(), path)
-    return tvm.runtime.load_module(path)
-
-
-@pytest.fixture(scope="module")
 def vnni_lib(tmp_path_factory):
     if not set(CPU_ISAS["avx512vnni"].features) <= (cpu_flags() or set()):
         pytest.skip("this CPU has no AVX512-VNNI")
@@ -230,14 +220,26 @@ def test_int8_activations_vnni(vnni_lib, cfg):
     check_int8_activations(vnni_lib, "vnni", cfg)
 
 
-@pytest.mark.parametrize("m", [1, 5, 9])
-@pytest.mark.parametrize("bits,dot", [(4, "madd"), (4, "vnni"), (8, "vnni")])
+PREFILL_ROWS = [1, 5, 9]  # int8-activation prefill GEMMs: partial and whole 4-row register tiles
+
+
+@pytest.mark.parametrize("m", PREFILL_ROWS)
 @pytest.mark.parametrize("cfg", X8)
-def test_int8_activation_prefill_gemm(request, cfg, bits, dot, m):
-    """Prompts' GEMMs over quant panels with each row of x rounded to int8 blocks (AVX-512): exact against x
-    quantized the same way, over odd row counts (partial register tiles) and padded panels."""
-    check_int8_activations(request.getfixturevalue("vnni_lib" if dot == "vnni" else "avx512_lib"), dot, cfg,
-                           bits=bits, variant="p", m=m)
+def test_int8_activation_prefill_gemm_madd(lib, cfg, m):
+    """Prompts' GEMMs over int4 panels with each row of x rounded to int8 blocks (vpmaddubsw, AVX-512's zmm
+    only: the AVX2 module has none): exact against x quantized the same way, over odd row counts and padded
+    panels."""
+    if not lib.implements_function(kname("x8madd4", cfg, "p")):
+        pytest.skip("no int8-activation prefill GEMM on AVX2")
+    check_int8_activations(lib, "madd", cfg, variant="p", m=m)
+
+
+@pytest.mark.parametrize("m", PREFILL_ROWS)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("cfg", X8)
+def test_int8_activation_prefill_gemm_vnni(vnni_lib, cfg, bits, m):
+    """The same with vpdpbusd, over int4 and int8 panels."""
+    check_int8_activations(vnni_lib, "vnni", cfg, bits=bits, variant="p", m=m)
 
 
 @pytest.mark.parametrize("cfg", X8)
