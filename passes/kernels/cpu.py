@@ -524,8 +524,9 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     row of w that only zeros multiply is never read. Exact; over a prompt of 16 tokens of the 1B OPT-ReLU
     the list held 26-45% of the rows.
 
-    `rows` (a quantized weight, `quant.quantized_rows`) replaces the float w by its parameters: each row segment is
-    dequantized into a vector of the tile's width, then multiplied as a float row's (needs N whole tiles).
+    `rows` (a quantized weight, `quant.quantized_rows`) replaces the float w by its parameters: a k block's row
+    segments are dequantized once per column block into an fp32 block that every row tile then reads (needs N
+    whole tiles).
     """
     m = row_dim(None)
     width = 16 * tile_panels
