@@ -6,7 +6,8 @@ tensors in the source graph; w_down [ffn, d_model] gives the width), the source 
 fields: the calibration file `calib` (None: RANDOM_TOKENS random tokens), `calib_tokens` (a cap; None: every
 token of `calib`), `calib_samples` (sequences sampled from the model itself and profiled too; None: enough to
 bring a short `calib` to MIN_TOKENS_PER_NEURON tokens per FFN neuron), `max_context` (sequences are cut to
-min(max_context, SEQUENCE_TOKENS) tokens) and `seed`.
+min(max_context, SEQUENCE_TOKENS) tokens), `seed` and `wanted_tokens` (what the passes after it want, where
+that is not MIN_TOKENS_PER_NEURON per FFN neuron: a dense build profiles for the awq pass alone).
 Adds per FFN layer: an initializer `layers.{i}.ffn.frequency` (float32 [ffn]: fraction of calibration
 tokens on which each neuron was active) and float attributes `sparsity`, `skewness` (of the frequency
 distribution) and `hot80_share` (the share of neurons that carry 80% of all activations); on the model,
@@ -94,6 +95,21 @@ class ProfiledActivations:
         if index not in self.layers:
             raise ValueError(f"layer {index} was not profiled (run the profile pass first)")
         return self.layers[index]
+
+    def scale_inputs(self, index: int, divisor: np.ndarray, chunk: int = 4096) -> None:
+        """Divide layer `index`'s FFN inputs by `divisor` per channel (a pass rescaled what the norm puts out):
+        in its file, a chunk of rows at a time, where the inputs are a memory map; else in memory."""
+        layer = self.layer(index)
+        path = getattr(layer.inputs, "filename", None)
+        if path is None:
+            layer.inputs = np.asarray(layer.inputs, np.float32) / divisor
+            return
+        writable = np.load(path, mmap_mode="r+")
+        for begin in range(0, writable.shape[0], chunk):
+            writable[begin: begin + chunk] /= divisor
+        writable.flush()
+        del writable
+        layer.inputs = np.load(path, mmap_mode="c")
 
 
 @dataclass
@@ -268,6 +284,7 @@ class Profile:
     calib_samples: int | None = Options.calib_samples
     max_context: int = Options.max_context
     seed: int = Options.seed
+    wanted_tokens: int | None = None  # the tokens the fits after it want (None: MIN_TOKENS_PER_NEURON per neuron)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         source = source_model(model)
@@ -278,7 +295,7 @@ class Profile:
         wanted = [name for node in ffns for name in (node.metadata_props["source.input"], node.metadata_props["source.activation"])]
 
         width = max(node.inputs[3].const_value.shape[0] for node in ffns)  # w_down [ffn, d_model]
-        needed = MIN_TOKENS_PER_NEURON * width
+        needed = MIN_TOKENS_PER_NEURON * width if self.wanted_tokens is None else self.wanted_tokens
         given_tokens = sum(len(s) for s in given)
         samples = self.calib_samples
         if samples is None:  # auto: make up a --calib file that falls short, unless --calib-tokens cut it short
@@ -337,7 +354,8 @@ class Profile:
                 width: int, needed: int) -> None:
         """One line on what was sampled and whether the calibration data is small for the model: a warning
         where the user should act, else a log line. Random tokens (no --calib) have their own line."""
-        rule = f"fewer than {MIN_TOKENS_PER_NEURON} per FFN neuron ({needed} for layers {width} wide)"
+        rule = (f"fewer than {MIN_TOKENS_PER_NEURON} per FFN neuron ({needed} for layers {width} wide)"
+                if self.wanted_tokens is None else f"fewer than the {needed} wanted")
         drawn = f"sampled {samples} sequences of {length} tokens from the model in {seconds:.2f}s"
         if self.calib is not None and samples and self.calib_samples is None:
             ctx.warn(f"profile: {self.calib} gives {given} calibration tokens, {rule}: {drawn} "

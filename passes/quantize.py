@@ -1,6 +1,6 @@
 """quantize: store the CPU's weight matrices in blocks of int8 or int4 (--weight-dtype int8|int4).
 
-Reads: the block IR after place (each node's device), `weight_dtype` and `method`. Rewrites each weight matrix
+Reads: the block IR after place (each node's device), `weight_dtype`. Rewrites each weight matrix
 of a CPU block into a standard ONNX `DequantizeLinear` of its block-quantized values (INT8 or INT4, one scale
 per `runtime.dtypes.QUANT_BLOCK` weights along `axis`, `block_size` set; no zero point: the formats are
 symmetric), so the IR between passes stays valid ONNX and says exactly which values the kernels will read.
@@ -12,7 +12,11 @@ per neuron; the embedding table). A matrix whose axis is not a whole number of b
 `sizes.float_format` says: fp16). Predictors are stored in `sizes.predictor_format` (int8: predict fitted their thresholds to those values), biases and norms fp32,
 and GPU blocks keep the GPU's format (fp32).
 
-`method` "rtn" rounds each weight to the nearest step of its block's scale (`passes.kernels.quant.quantize`).
+`method` "rtn" rounds each weight to the nearest step of its block's scale, the largest weight of a block
+mapping to -2^(bits-1) (`passes.kernels.quant.quantize`). "awq" (the default) fits each block's scale to the
+least squared error instead: AWQ's clipping search; its other half, the channel scales, the awq pass applied
+before predict, where the profile's activations are. Predictors round to nearest either way (predict fitted
+their thresholds to those values).
 A model that came quantized in this format (MatMulNBits, symmetric, the same bits and block: import's
 `SourceQuantization`) keeps its own values: they are on the grid, and rounding them again returns them, with
 the source's scale type (float32 where it had float32 scales) so that no scale rounds either.
@@ -46,7 +50,6 @@ BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
     "SparseFFN": ((2, 1), (4, 1)),  # a part's up (gate) rows [n, D] and down rows [n, D]: rows gathered
 }
 PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in predictor_format
-METHODS = ("rtn",)
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored, for inspect and -v
 _ONNX_TYPES = {8: (ir.DataType.INT8, np.int8), 4: (ir.DataType.INT4, ml_dtypes.int4)}
 
@@ -85,22 +88,23 @@ class QuantizedMatrix:
 class Quantize:
     name = "quantize"
     weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 quantize, float formats leave the IR alone
-    method: str = "rtn"
+    method: str = Options.quant_method  # --quant-method: "awq" fits each block's scale (`quant.quantize`'s fit_scales)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         fmt = weight_format("cpu", self.weight_dtype)
         if not fmt.quantized:
             return PassResult(model, modified=False)
-        if self.method not in METHODS:
-            raise ValueError(f"unknown quantization method {self.method!r}; known: {', '.join(METHODS)}")
-        fmt = _source_format(SourceQuantization.of(model), fmt)
+        source = SourceQuantization.of(model)
+        fmt = _source_format(source, fmt)
+        # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not
+        fit_scales = self.method == "awq" and source is None
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors, quantized_bytes = [], 0, 0, [], 0.0
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
-            for index, axis, matrix_format in _matrices(node, fmt, self.weight_dtype):
+            for index, axis, matrix_format, fit in _matrices(node, fmt, self.weight_dtype, fit_scales):
                 value = node.inputs[index]
                 key = (id(value), axis)
                 if key not in done:
@@ -108,7 +112,7 @@ class Quantize:
                     if array is None or not quant.quantizable(array.shape, axis, matrix_format.block):
                         kept.append(value.name)
                         continue
-                    q, scales = quant.quantize(array, matrix_format, axis)
+                    q, scales = quant.quantize(array, matrix_format, axis, fit_scales=fit)
                     errors.append(_relative_error(array, quant.dequantize(q, scales, axis)))
                     done[key] = self._dequantize(graph, node, value.name, q, scales, axis, matrix_format)
                     stored += array.size
@@ -116,12 +120,13 @@ class Quantize:
                     quantized_bytes += array.size * matrix_format.bytes_per_weight
                 node.replace_input_with(index, done[key])
         pir.drop_unused_initializers(graph)
-        summary = {"format": fmt.name, "method": self.method, "block": fmt.block, "scale_dtype": fmt.scale_dtype,
+        method = "rtn" if source is not None else self.method
+        summary = {"format": fmt.name, "method": method, "block": fmt.block, "scale_dtype": fmt.scale_dtype,
                    "matrices": len(done),
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
-        ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({self.method}, blocks of {fmt.block}, "
+        ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({method}, blocks of {fmt.block}, "
                 f"{fmt.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
                 f"{summary['mean_relative_error']:.4f}"
@@ -145,11 +150,13 @@ class Quantize:
         return node.outputs[0]
 
 
-def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str) -> list[tuple[int, int, WeightFormat]]:
-    """(input index, block axis, format) of each weight matrix of `node` the pass blocks."""
+def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str,
+              fit_scales: bool) -> list[tuple[int, int, WeightFormat, bool]]:
+    """(input index, block axis, format, whether to fit the block scales) of each weight matrix of `node` the
+    pass blocks. Predictors round to nearest: predict fitted their thresholds to those values (`as_stored`)."""
     if node.op_type == "Predict":
-        return [(index, PREDICTOR_AXIS, predictor_format(weight_dtype)) for index in range(1, len(node.inputs))]
-    return [(index, axis, fmt) for index, axis in BLOCKED.get(node.op_type, ())]
+        return [(index, PREDICTOR_AXIS, predictor_format(weight_dtype), False) for index in range(1, len(node.inputs))]
+    return [(index, axis, fmt, fit_scales) for index, axis in BLOCKED.get(node.op_type, ())]
 
 
 def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> WeightFormat:

@@ -13,7 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from runtime.dtypes import WEIGHT_FORMATS
+from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS
 
 from .errors import PassError, UserError
 from .targets import CPU_ISAS
@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="storage of the CPU's weight matrices: fp16 halves the bytes a token reads; int8 and int4 "
                             "store blocks of 32 integers with an fp16 scale (Q8_0 / Q4_0), about 1/4 and 1/7 of fp32. "
                             "Math stays fp32")
+    build.add_argument("--quant-method", choices=list(QUANT_METHODS), default="awq",
+                       help="int8/int4 builds: awq scales each FFN's input channels by their profiled magnitude before "
+                            "rounding (activation-aware; folded into the norm, exact in floats), rtn rounds every weight "
+                            "as it is")
     build.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
                        help="quantized builds: int4 decode GEMVs (int8 ones too on CPUs with AVX512-VNNI) quantize their "
                             "input to int8 per block of 32 and use integer dot products, as llama.cpp's Q4_0 and onnxruntime's int4 do (~5e-3 relative error of a "
@@ -152,6 +156,7 @@ def _build(args) -> int:
                       placement_batch=args.placement_batch,
                       placement_time_limit_s=args.placement_time_limit,
                       weight_dtype=args.weight_dtype, int8_activations=args.int8_activations,
+                      quant_method=args.quant_method,
                       target_recall=args.target_recall, cpu_isa=args.cpu_isa,
                       sparsity_mode=args.sparsity_mode, sparsity=args.sparsity)
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from passes.awq import AWQ, AWQ_TOKENS
 from passes.compile import Compile
 from passes.fuse import Fuse
 from passes.import_onnx import Import, SourceQuantization, load
@@ -28,7 +29,7 @@ from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
 from passes.sparsity_mode import Sparsity, SparsityMode
 from passes.threshold import Threshold
-from runtime.dtypes import WEIGHT_FORMATS
+from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS
 
 from . import artifact
 from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
@@ -53,9 +54,14 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
         raise ValueError(f"mode {mode!r} does not fit options.dense={options.dense}")
     profile = Profile(calib=options.calib, calib_tokens=options.calib_tokens, calib_samples=options.calib_samples,
                       max_context=options.max_context, seed=options.seed)
+    # awq scales FFN inputs by profiled activations: a dense build profiles a few tokens for it alone
+    awq = [AWQ(weight_dtype=options.weight_dtype, seed=options.seed)] if _activation_aware(options) else []
+    dense_profile = [Profile(calib=options.calib, calib_tokens=options.calib_tokens or AWQ_TOKENS,
+                             calib_samples=options.calib_samples, max_context=options.max_context, seed=options.seed,
+                             wanted_tokens=AWQ_TOKENS)] if awq else []
     sparse = {
-        "dense": [],
-        "predictor": [profile,
+        "dense": dense_profile + awq,
+        "predictor": [profile, *awq,
                       Predict(target_recall=options.target_recall, param_share=options.predictor_param_share,
                               weight_dtype=options.weight_dtype, seed=options.seed,
                               cpu_isa=options.cpu_isa_for(target).name, int8_activations=options.int8_activations),
@@ -69,12 +75,21 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
     return sparse + back(options, target)
 
 
+def _activation_aware(options: Options) -> bool:
+    """Whether a build scales channels by their activations before it quantizes (--quant-method awq, int8 /
+    int4 builds). Threshold mode never runs it: its kernels skip input channels by their magnitude, which a
+    channel scale would change."""
+    if options.quant_method not in QUANT_METHODS:
+        raise ValueError(f"unknown quantization method {options.quant_method!r}; known: {', '.join(QUANT_METHODS)}")
+    return options.quant_method == "awq" and WEIGHT_FORMATS[options.weight_dtype].quantized
+
+
 def back(options: Options, target: Target) -> list[Pass]:
     """The back end, the same in every mode: fold the residuals, place each block on its device, (for int8 /
     int4 weights) quantize its matrices, select its kernels, give each device its buffers, compile the kernels,
     order the calls."""
     cpu_isa = options.cpu_isa_for(target).name
-    quantize = [Quantize(weight_dtype=options.weight_dtype)] if WEIGHT_FORMATS[options.weight_dtype].quantized else []
+    quantize = [Quantize(weight_dtype=options.weight_dtype, method=options.quant_method)] if WEIGHT_FORMATS[options.weight_dtype].quantized else []
     return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context), *quantize,
             SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa,
                           int8_activations=options.int8_activations),

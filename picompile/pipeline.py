@@ -53,6 +53,9 @@ class Options:
     # int4 decode GEMVs quantize their input to int8 per block of 32 and take integer dot products (as llama.cpp's
     # Q4_0 and onnxruntime's accuracy_level 4 do): an error of ~5e-3 of the output, 1.3-1.9x faster
     int8_activations: bool = True
+    # quantized builds: "awq" scales each FFN's input channels by its profiled activations before rounding
+    # (passes.awq), "rtn" rounds every weight to the nearest step as it is
+    quant_method: str = "awq"
     cpu_isa: str | None = None  # the CPU kernels' instruction set (targets.CPU_ISAS); None: the target's, else the build machine's
     # How decode skips FFN work: "predictor" (PowerInfer: a trained predictor picks the neurons, for ReLU FFNs),
     # "threshold" (TEAL: inputs of each projection below a calibrated magnitude are dropped, for SiLU/GELU

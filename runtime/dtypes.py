@@ -75,6 +75,9 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         WeightFormat("int4", "uint8", bits=4, block=QUANT_BLOCK),
     ]
 }
+# How a build rounds float weights into the quantized formats (--quant-method): "awq" scales FFN input channels
+# by their profiled magnitude first (the compiler's passes.awq), "rtn" rounds each weight as it is.
+QUANT_METHODS = ("awq", "rtn")
 # The float formats' names and element types (the quantized ones store integers and scales).
 WEIGHT_DTYPES: dict[str, str] = {name: fmt.storage for name, fmt in WEIGHT_FORMATS.items() if not fmt.quantized}
 

@@ -52,23 +52,51 @@ def _blocked(w: np.ndarray, axis: int, block: int) -> np.ndarray:
     return moved.reshape(moved.shape[0], -1, block)
 
 
-def quantize(w: np.ndarray, fmt: WeightFormat, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Round-to-nearest block quantization of the matrix `w` along `axis`: (q, scales), q int8 shaped like w
-    (int8: [-128, 127]; int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the
-    block. q * scales (each scale repeated over its block) is the dequantized weight (`dequantize`).
-    The block's largest-magnitude weight maps to -2^(bits-1) exactly (Q4_0's rule, MatMulNBits' symmetric
-    one), so an imported MatMulNBits weight re-quantizes to its own values."""
+# fit_scales: each block's scale is the best of these multiples of the round-to-nearest one, mapping the largest
+# weight to -2^(bits-1) or +2^(bits-1) - 1 (a finer step clips the largest weight a little and rounds the rest
+# closer): ~9% less squared error than Q4_0's rule on Gaussian weights
+FITTED_SCALE_RATIOS = (0.8, 0.85, 0.9, 0.95, 1.0)
+FIT_CHUNK_BLOCKS = 1 << 20  # blocks searched at a time (bounds the search's temporaries)
+
+
+def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Block quantization of the matrix `w` along `axis`: (q, scales), q int8 shaped like w (int8: [-128, 127];
+    int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the block. q * scales (each
+    scale repeated over its block) is the dequantized weight (`dequantize`).
+    Round-to-nearest by default: the block's largest-magnitude weight maps to -2^(bits-1) exactly (Q4_0's rule,
+    MatMulNBits' symmetric one), so an imported MatMulNBits weight re-quantizes to its own values. With
+    `fit_scales` each block takes the scale of FITTED_SCALE_RATIOS (either sign) whose rounding has the least
+    squared error (the clipping search of AWQ, without activations)."""
     if fmt.bits not in (4, 8):
         raise ValueError(f"{fmt.name} is not a block-quantized format")
     blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
     low, high = -(1 << (fmt.bits - 1)), (1 << (fmt.bits - 1)) - 1
     pick = np.abs(blocks).argmax(axis=-1)
-    scale = np.take_along_axis(blocks, pick[..., None], axis=-1)[..., 0] / float(low)
-    scale = scale.astype(fmt.scale_dtype)
-    stored = scale.astype(np.float32)[..., None]  # round with the scale as stored, so q * scale is exact
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(stored == 0, 0, np.rint(blocks / stored))
-    q = np.clip(q, low, high).astype(np.int8).reshape(blocks.shape[0], -1)
+    largest = np.take_along_axis(blocks, pick[..., None], axis=-1)[..., 0]
+    shape = blocks.shape
+    flat, largest = blocks.reshape(-1, fmt.block), largest.reshape(-1)
+    candidates = [1.0 / low] + ([ratio / end for ratio in FITTED_SCALE_RATIOS for end in (low, high)
+                                 if (ratio, end) != (1.0, low)] if fit_scales else [])
+    q = np.empty(flat.shape, np.int8)
+    scale = np.empty(largest.shape, fmt.scale_dtype)
+    for begin in range(0, len(flat), FIT_CHUNK_BLOCKS):
+        part, top = flat[begin: begin + FIT_CHUNK_BLOCKS], largest[begin: begin + FIT_CHUNK_BLOCKS]
+        best_error = None
+        for factor in candidates:
+            s = (top * factor).astype(fmt.scale_dtype)
+            stored = s.astype(np.float32)[:, None]  # round with the scale as stored, so q * scale is exact
+            with np.errstate(divide="ignore", invalid="ignore"):
+                values = np.clip(np.where(stored == 0, 0, np.rint(part / stored)), low, high)
+            if best_error is None:
+                q[begin: begin + len(part)], scale[begin: begin + len(part)] = values, s
+                if len(candidates) > 1:
+                    best_error = ((values * stored - part) ** 2).sum(-1)
+                continue
+            error = ((values * stored - part) ** 2).sum(-1)
+            better = error < best_error
+            best_error = np.where(better, error, best_error)
+            q[begin: begin + len(part)][better], scale[begin: begin + len(part)][better] = values[better], s[better]
+    q, scale = q.reshape(shape[0], -1), scale.reshape(shape[:2])
     return (q, scale) if axis == 1 else (np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T))
 
 
