@@ -38,7 +38,8 @@ from .kernels import quant
 from .profile import ProfiledActivations
 
 ALPHAS = tuple(round(a, 2) for a in np.linspace(0.0, 1.0, 11))  # AWQ's grid: s = mean|x|^alpha
-AWQ_TOKENS = 2048  # calibration tokens a dense build profiles for the channel magnitudes
+AWQ_TOKENS = 2048  # calibration tokens a dense build profiles for the channel magnitudes (at most)
+AWQ_MIN_TOKENS = 512  # fewer, and the build warns that the scales rest on little data
 SAMPLE_TOKENS = 512  # profiled tokens the search measures the error on
 SAMPLE_COLUMNS = 2048  # up columns it measures (each column's error is independent of the others' given s)
 NORMS = ("LayerNormalization", "RMSNormalization")

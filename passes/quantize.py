@@ -37,6 +37,7 @@ from picompile.pipeline import Context, Options
 from picompile.sizes import predictor_format, weight_format
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
+from .awq import AWQ_KEY
 from .import_onnx import SourceQuantization
 from .kernels import quant
 from .place import DEVICE_KEY, device_of
@@ -124,7 +125,8 @@ class Quantize:
         summary = {"format": fmt.name, "method": method, "block": fmt.block, "scale_dtype": fmt.scale_dtype,
                    "matrices": len(done),
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
-                   "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept}
+                   "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
+                   "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}")).get("layers", [])}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
         ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({method}, blocks of {fmt.block}, "
                 f"{fmt.scale_dtype} scales): "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from passes.awq import AWQ, AWQ_TOKENS
+from passes.awq import AWQ, AWQ_MIN_TOKENS, AWQ_TOKENS
 from passes.compile import Compile
 from passes.fuse import Fuse
 from passes.import_onnx import Import, SourceQuantization, load
@@ -56,9 +56,10 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
                       max_context=options.max_context, seed=options.seed)
     # awq scales FFN inputs by profiled activations: a dense build profiles a few tokens for it alone
     awq = [AWQ(weight_dtype=options.weight_dtype, seed=options.seed)] if _activation_aware(options) else []
+    # (channel magnitudes want few tokens: no sampling unless asked, a warning only below AWQ_MIN_TOKENS)
     dense_profile = [Profile(calib=options.calib, calib_tokens=options.calib_tokens or AWQ_TOKENS,
-                             calib_samples=options.calib_samples, max_context=options.max_context, seed=options.seed,
-                             wanted_tokens=AWQ_TOKENS)] if awq else []
+                             calib_samples=options.calib_samples or 0, max_context=options.max_context,
+                             seed=options.seed, wanted_tokens=AWQ_MIN_TOKENS)] if awq else []
     sparse = {
         "dense": dense_profile + awq,
         "predictor": [profile, *awq,

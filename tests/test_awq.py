@@ -18,6 +18,7 @@ from passes.kernels import quant
 from passes.import_onnx import load
 from passes.profile import ProfiledActivations
 from picompile import ir as pir
+from picompile.cli import main
 from picompile.compiler import build, pipeline
 from picompile.pipeline import Context, Options, run_passes
 from picompile.targets import get_target
@@ -145,7 +146,7 @@ def test_fitted_block_scales_round_each_block_no_worse_than_the_largest_weight_r
         assert np.array_equal(quant.as_stored(fitted, fmt, 0), quant.dequantize(*quant.quantize(fitted, fmt, 0), 0))
 
 
-def test_a_dense_awq_build_profiles_for_its_scales_and_says_which_method_it_used(outlier_opt, tmp_path):
+def test_a_dense_awq_build_profiles_for_its_scales_and_says_which_method_it_used(outlier_opt, tmp_path, capsys):
     """Dense int4 builds with awq (the default) profile the calibration tokens for the channel scales; the
     artifact's summary names the method, and its weights round closer than round-to-nearest's."""
     summaries = {}
@@ -155,4 +156,6 @@ def test_a_dense_awq_build_profiles_for_its_scales_and_says_which_method_it_used
         artifact = build(outlier_opt.onnx, tmp_path / f"{method}.pic", get_target("cpu"), options, passes=passes)
         summaries[method] = json.loads((artifact / "manifest.json").read_text())["quantization"]
         assert summaries[method]["method"] == method
+        assert main(["inspect", str(artifact)]) == 0
+        assert ("awq channel scales on" in capsys.readouterr().out) == (method == "awq")
     assert summaries["awq"]["mean_relative_error"] < summaries["rtn"]["mean_relative_error"]

@@ -105,6 +105,7 @@ def test_bad_eval_token_files(workdir, capfd, kind):
     (["--placement-time-limit", "-1"], ["placement-time-limit", "non-negative"]),
     (["--cpu-isa", "avx9"], ["cpu-isa", "avx9"]),
     (["--weight-dtype", "int3"], ["weight-dtype", "int3"]),
+    (["--quant-method", "gptq"], ["quant-method", "gptq"]),
     # a budget larger than the card: refused before the model is even read (it does not exist here)
     (["--target", "rtx4090", "--vram-budget", "100GiB"], ["100.00 GiB", "24.00 GiB", "rtx4090"]),
     (["--vram-budget", "1GiB"], ["exceeds", "no GPU"]),

@@ -113,10 +113,11 @@ def test_quantize_pass_writes_valid_onnx_dequantizing_each_matrix_it_blocks(spar
             matrix = QuantizedMatrix.of(node.inputs[index])
             assert matrix is not None and matrix.axis == axis and matrix.fmt.name == "int4"
             assert node.inputs[index].producer().inputs[0].const_value.dtype == ir.DataType.INT4
-            expected_q, expected_scales = quant.quantize(original, matrix.fmt, axis)
+            # awq, the default: every block's scale fitted (predictors above round to nearest)
+            expected_q, expected_scales = quant.quantize(original, matrix.fmt, axis, fit_scales=True)
             assert np.array_equal(matrix.values, expected_q) and np.array_equal(matrix.scales, expected_scales)
     summary = json.loads(model.metadata_props["picompile.quantized"])
-    assert summary["format"] == "int4" and summary["matrices"] == len(dequantize)
+    assert summary["format"] == "int4" and summary["method"] == "awq" and summary["matrices"] == len(dequantize)
     assert summary["bytes"] < 0.15 * summary["float32_bytes"] and 0 < summary["mean_relative_error"] < 0.2
 
 
