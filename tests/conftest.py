@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +24,47 @@ def _model_cache(tmp_path_factory):
     if "PICOMPILE_CACHE" not in os.environ:
         os.environ["PICOMPILE_CACHE"] = str(tmp_path_factory.mktemp("picompile-cache"))
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernel_libraries_compiled_once(tmp_path_factory):
+    """Tests build many artifacts of the same few tiny models (one model through several exporters, the same
+    build in several files), and every build LLVM-compiles its CPU kernels again: the slowest part of a tiny
+    build. Here `cpu.build` compiles each distinct module (structurally equal TVM functions, same target)
+    once per run and copies that .so to every later build asking for the same module; everything before
+    (making the kernels) and after (loading and running them) is untouched. PICOMPILE_TEST_COMPILE_ALWAYS=1
+    compiles every time."""
+    if os.environ.get("PICOMPILE_TEST_COMPILE_ALWAYS") == "1":
+        yield
+        return
+    import tvm
+    import tvm_ffi
+
+    from passes.kernels import cpu
+
+    compile_module = cpu.build
+    directory = tmp_path_factory.mktemp("cpu-kernel-libraries")
+    compiled = {}  # (target, structural hash) -> [(IRModule, .so path)]
+
+    def build_once(funcs, target, path):
+        names = [str(f.attrs["global_symbol"]) for f in funcs]
+        if len(set(names)) != len(names):  # cpu.build's own error
+            return compile_module(funcs, target, path)
+        module = tvm.IRModule(dict(zip(names, funcs)))
+        same_hash = compiled.setdefault((str(target), tvm_ffi.structural_hash(module)), [])
+        for earlier, library in same_hash:
+            if tvm_ffi.structural_equal(earlier, module):
+                shutil.copyfile(library, path)
+                return None
+        result = compile_module(funcs, target, path)
+        library = directory / f"{len(os.listdir(directory))}.so"
+        shutil.copyfile(path, library)
+        same_hash.append((module, library))
+        return result
+
+    cpu.build = build_once
+    yield
+    cpu.build = compile_module
 
 
 @pytest.fixture(scope="session")

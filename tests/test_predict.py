@@ -280,7 +280,7 @@ def torch_profiles(family: str, token_files) -> tuple[list[dict], dict]:
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_predict_pass_on_tiny_model(tiny_models, family):
-    files = tiny_models(family, "legacy", sparsity=0.9)  # legacy: exports in ~1 s, dynamo in ~20 s
+    files = tiny_models(family, sparsity=0.9)  # the sparse models other files build too (made once a session)
     ctx = Context(get_target("cpu"), log=print)
     model = run_passes(load(files.onnx), [Import(), Recognise()], ctx)
     (profile, heldout), first_weights = torch_profiles(family, [files.calib, files.heldout])
@@ -320,7 +320,7 @@ def profiled(profile: dict) -> ProfiledActivations:
 
 
 def test_predict_pass_needs_every_layer_profiled(tiny_models):
-    files = tiny_models("opt", "legacy", sparsity=0.9)
+    files = tiny_models("opt", sparsity=0.9)
     model = run_passes(load(files.onnx), [Import(), Recognise()], Context(get_target("cpu")))
     before = set(model.graph.initializers)
     with pytest.raises(ValueError, match="profile pass"):
@@ -334,7 +334,7 @@ def test_predict_pass_needs_every_layer_profiled(tiny_models):
 
 def test_predict_pass_caps_the_ranks_at_the_budget(tiny_models):
     """The ranks that read least, unless their parameters exceed predictor_param_share."""
-    files = tiny_models("opt", "legacy", sparsity=0.9)
+    files = tiny_models("opt", sparsity=0.9)
     (profile,), _ = torch_profiles("opt", [files.calib])
 
     x, active = profile[0]

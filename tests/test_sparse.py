@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -53,21 +54,43 @@ def sparse_models(tiny_models):
     return {family: tiny_models(family, sparsity=0.9) for family in ("opt", "llama")}
 
 
+@pytest.fixture(scope="module")
+def all_neurons_artifacts(sparse_models, tmp_path_factory):
+    """family -> its sparse build letting every neuron through (fp32, default ISA), built on first use and shared
+    by the tests that only read it."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = sparse_build(sparse_models[family], tmp_path_factory.mktemp("all-neurons") / "a.pic",
+                                         all_neurons=True)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def dense_opt_artifact(sparse_models, tmp_path_factory):
+    """The tiny sparse OPT's dense build (default ISA, max context 64), shared by the tests that only read it."""
+    return build(sparse_models["opt"].onnx, tmp_path_factory.mktemp("dense-opt") / "d.pic", get_target("cpu"),
+                 Options(dense=True, max_context=64))
+
+
 @pytest.mark.parametrize("family", ["opt", "llama"])
-def test_all_neurons_sparse_lowering_matches_onnxruntime(sparse_models, tmp_path, family):
+def test_all_neurons_sparse_lowering_matches_onnxruntime(sparse_models, all_neurons_artifacts, family):
     files = sparse_models[family]
-    artifact = sparse_build(files, tmp_path / "a.pic", all_neurons=True)
+    artifact = all_neurons_artifacts(family)
     calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
     assert any(call.role is Role.FFN and call.selection for call in calls)  # the CPU's fused up+down pass
     assert_matches_onnxruntime(artifact, files.onnx)
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
-def test_fp16_weights_stay_close_to_onnxruntime(sparse_models, tmp_path, family):
+def test_fp16_weights_stay_close_to_onnxruntime(sparse_models, all_neurons_artifacts, tmp_path, family):
     """--weight-dtype fp16: the CPU's matrices are stored in fp16 (half the bytes) and the logits move only
     by fp16 rounding of the weights."""
     files = sparse_models[family]
-    fp32 = sparse_build(files, tmp_path / "f32.pic", all_neurons=True)
+    fp32 = all_neurons_artifacts(family)
     fp16 = sparse_build(files, tmp_path / "f16.pic", all_neurons=True, weight_dtype="fp16")
     manifest = json.loads((fp16 / "manifest.json").read_text())
     kept = {name for name, info in manifest["buffers"].items()  # position tables are read a row per token
@@ -166,13 +189,14 @@ def test_models_with_external_data_build(sparse_models, tmp_path, monkeypatch):
     assert_matches_onnxruntime(artifact, files.onnx, decode_steps=2)
 
 
-def test_profile_counts_the_weight_bytes_each_decode_step_reads(sparse_models, tmp_path):
+def test_profile_counts_the_weight_bytes_each_decode_step_reads(sparse_models, all_neurons_artifacts,
+                                                               dense_opt_artifact, tmp_path):
     """Dense: every weight a decode call takes, once (an embedding table: the one row gathered). Sparse with
     every neuron let through: the predictors', every up row, and the down rows of the neurons that fired.
     Sparse: fewer FFN bytes than dense."""
     files = sparse_models["opt"]
-    dense = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), Options(dense=True, max_context=64))
-    every = sparse_build(files, tmp_path / "a.pic", all_neurons=True)
+    dense = dense_opt_artifact
+    every = all_neurons_artifacts("opt")
     sparse = sparse_build(files, tmp_path / "s.pic")
 
     def measured(artifact):
@@ -224,13 +248,14 @@ def test_avx512_kernels_run_where_the_cpu_has_them(sparse_models, tmp_path):
         assert_matches_onnxruntime(artifact, files.onnx, decode_steps=3)
 
 
-def test_default_kernels_are_the_build_machines_widest_and_avx2_is_portable(sparse_models, tmp_path):
+def test_default_kernels_are_the_build_machines_widest_and_avx2_is_portable(sparse_models, dense_opt_artifact,
+                                                                            tmp_path):
     """Without --cpu-isa the kernels are compiled for the widest instruction set this CPU has (AVX-512 where
     present); --cpu-isa avx2 builds the portable artifact, which matches onnxruntime on any x86 CPU here."""
     from picompile.targets import host_cpu_isa
 
     files = sparse_models["opt"]
-    default = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), Options(dense=True, max_context=64))
+    default = dense_opt_artifact  # built without --cpu-isa
     assert json.loads((default / "manifest.json").read_text())["target"]["cpu_isa"] == host_cpu_isa().name
     portable = sparse_build(files, tmp_path / "p.pic", all_neurons=True, cpu_isa="avx2")
     target = json.loads((portable / "manifest.json").read_text())["target"]
@@ -252,9 +277,9 @@ def test_host_isa_is_read_from_the_cpu_flags(monkeypatch):
         targets.host_cpu_isa()
 
 
-def test_runtime_refuses_kernels_for_a_cpu_it_is_not(sparse_models, tmp_path, capsys):
-    files = sparse_models["opt"]
-    artifact = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), Options(dense=True, max_context=64))
+def test_runtime_refuses_kernels_for_a_cpu_it_is_not(dense_opt_artifact, tmp_path, capsys):
+    artifact = tmp_path / "d.pic"
+    shutil.copytree(dense_opt_artifact, artifact)  # edited below: a copy of the shared build
     manifest_path = artifact / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["target"]["cpu_features"].append("amx_tile_from_the_future")
