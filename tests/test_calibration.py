@@ -178,7 +178,7 @@ def test_cli_build_warns_once_and_inspect_shows_both_shares(files, tmp_path, cap
 
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
-    assert f"calibration 192 tokens: 192 from {small} (small: 512 wanted for the FFN width)" in text
+    assert f"calibration 192 tokens: 192 from {small} (small: 512 wanted)" in text
     header = next(line for line in text.splitlines() if line.split()[:1] == ["layer"])
     assert "true active" in header and "predicted" in header and "pred/true" in header
     layers = json.loads((out / "manifest.json").read_text())["layers"]
