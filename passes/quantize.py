@@ -1,6 +1,7 @@
 """quantize: store the CPU's weight matrices in blocks of int8 or int4 (--weight-dtype int8|int4).
 
-Reads: the block IR after place (each node's device), `weight_dtype`. Rewrites each weight matrix
+Reads: the block IR after place (each node's device), `weight_dtype`, `method` and the awq pass's report
+(`picompile.awq`, repeated in the summary for inspect). Rewrites each weight matrix
 of a CPU block into a standard ONNX `DequantizeLinear` of its block-quantized values (INT8 or INT4, one scale
 per `runtime.dtypes.QUANT_BLOCK` weights along `axis`, `block_size` set; no zero point: the formats are
 symmetric), so the IR between passes stays valid ONNX and says exactly which values the kernels will read.
@@ -10,7 +11,7 @@ The block axis is the one each matrix's kernels read contiguously (`BLOCKED`): t
 linear's [K, N] (panels), the row of a weight whose rows are gathered (the FFN parts' up and down rows, one row
 per neuron; the embedding table). A matrix whose axis is not a whole number of blocks stays in floats (as
 `sizes.float_format` says: fp16). Predictors are stored in `sizes.predictor_format` (int8: predict fitted their thresholds to those values), biases and norms fp32,
-and GPU blocks keep the GPU's format (fp32).
+and GPU blocks keep the GPU's format (`sizes.GPU_WEIGHT_FORMAT`: fp16).
 
 `method` "rtn" rounds each weight to the nearest step of its block's scale, the largest weight of a block
 mapping to -2^(bits-1) (`passes.kernels.quant.quantize`). "awq" (the default) fits each block's scale to the
