@@ -47,16 +47,17 @@ def front(options: Options) -> list[Pass]:
 
 
 def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[Pass]:
-    """What follows the front for `mode`: dense lowers every block as it is; predictor mode profiles, trains
-    predictors, places neurons and splits each FFN; threshold mode profiles, calibrates thresholds and
+    """What follows the front for `mode`: dense lowers every block as it is (an int8 / int4 one with awq
+    profiles and scales channels first); predictor mode profiles, (awq) scales channels, trains predictors,
+    places neurons and splits each FFN; threshold mode profiles, calibrates thresholds and
     lowers each FFN to thresholded ops (on the CPU: no placement)."""
     if (mode == "dense") != options.dense:
         raise ValueError(f"mode {mode!r} does not fit options.dense={options.dense}")
     profile = Profile(calib=options.calib, calib_tokens=options.calib_tokens, calib_samples=options.calib_samples,
                       max_context=options.max_context, seed=options.seed)
-    # awq scales FFN inputs by profiled activations: a dense build profiles a few tokens for it alone
     awq = [AWQ(weight_dtype=options.weight_dtype, seed=options.seed)] if _activation_aware(options) else []
-    # (channel magnitudes want few tokens: no sampling unless asked, a warning only below AWQ_MIN_TOKENS)
+    # awq scales FFN inputs by their profiled magnitudes, so a dense build profiles for it alone: few tokens do
+    # (no sampling unless asked, a warning only below AWQ_MIN_TOKENS)
     dense_profile = [Profile(calib=options.calib, calib_tokens=options.calib_tokens or AWQ_TOKENS,
                              calib_samples=options.calib_samples or 0, max_context=options.max_context,
                              seed=options.seed, wanted_tokens=AWQ_MIN_TOKENS)] if awq else []
@@ -90,7 +91,8 @@ def back(options: Options, target: Target) -> list[Pass]:
     int4 weights) quantize its matrices, select its kernels, give each device its buffers, compile the kernels,
     order the calls."""
     cpu_isa = options.cpu_isa_for(target).name
-    quantize = [Quantize(weight_dtype=options.weight_dtype, method=options.quant_method)] if WEIGHT_FORMATS[options.weight_dtype].quantized else []
+    quantized = WEIGHT_FORMATS[options.weight_dtype].quantized
+    quantize = [Quantize(weight_dtype=options.weight_dtype, method=options.quant_method)] if quantized else []
     return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context), *quantize,
             SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa,
                           int8_activations=options.int8_activations),
