@@ -80,22 +80,17 @@ def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = Fal
     q = np.empty(flat.shape, np.int8)
     scale = np.empty(largest.shape, fmt.scale_dtype)
     for begin in range(0, len(flat), FIT_CHUNK_BLOCKS):
-        part, top = flat[begin: begin + FIT_CHUNK_BLOCKS], largest[begin: begin + FIT_CHUNK_BLOCKS]
-        best_error = None
+        chunk = slice(begin, begin + FIT_CHUNK_BLOCKS)
+        part, best_error = flat[chunk], None
         for factor in candidates:
-            s = (top * factor).astype(fmt.scale_dtype)
+            s = (largest[chunk] * factor).astype(fmt.scale_dtype)
             stored = s.astype(np.float32)[:, None]  # round with the scale as stored, so q * scale is exact
             with np.errstate(divide="ignore", invalid="ignore"):
                 values = np.clip(np.where(stored == 0, 0, np.rint(part / stored)), low, high)
-            if best_error is None:
-                q[begin: begin + len(part)], scale[begin: begin + len(part)] = values, s
-                if len(candidates) > 1:
-                    best_error = ((values * stored - part) ** 2).sum(-1)
-                continue
-            error = ((values * stored - part) ** 2).sum(-1)
-            better = error < best_error
-            best_error = np.where(better, error, best_error)
-            q[begin: begin + len(part)][better], scale[begin: begin + len(part)][better] = values[better], s[better]
+            error = ((values * stored - part) ** 2).sum(-1) if len(candidates) > 1 else None
+            better = slice(None) if best_error is None else error < best_error
+            q[chunk][better], scale[chunk][better] = values[better], s[better]
+            best_error = error if best_error is None else np.minimum(error, best_error)
     q, scale = q.reshape(shape[0], -1), scale.reshape(shape[:2])
     return (q, scale) if axis == 1 else (np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T))
 
