@@ -146,10 +146,11 @@ class AWQ:
                         profiled.scale_inputs(layer, found.scales)
                     report.append(found.report(layer))
                 advance()
-        model.metadata_props[AWQ_KEY] = json.dumps({"layers": report, "unscaled": kept})
+        # mean over the searched layers of the up projection's error against the unscaled one (1: no gain)
+        ratio = float(np.mean([r["error"] / r["unscaled_error"] for r in report if r["unscaled_error"] > 0] or [1.0]))
+        model.metadata_props[AWQ_KEY] = json.dumps({"layers": report, "unscaled": kept, "error_ratio": ratio})
         scaled = [r for r in report if r["alpha"] > 0]
         if report:
-            ratio = np.mean([r["error"] / r["unscaled_error"] for r in report if r["unscaled_error"] > 0] or [1.0])
             ctx.log(f"awq: {len(scaled)} of {len(ffns)} FFN inputs scaled (alpha "
                     f"{', '.join(str(r['alpha']) for r in report)}); up-projection error {ratio:.3f}x "
                     f"the unscaled one's" + (f"; layers {kept} not foldable, unscaled" if kept else ""))

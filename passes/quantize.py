@@ -36,7 +36,7 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
 from picompile.sizes import predictor_format, weight_format
-from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
+from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 
 from .awq import AWQ_KEY
 from .import_onnx import SourceQuantization
@@ -92,6 +92,10 @@ class Quantize:
     weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 quantize, float formats leave the IR alone
     method: str = Options.quant_method  # --quant-method: "awq" fits each block's scale (`quant.quantize`'s fit_scales)
 
+    def __post_init__(self):
+        if self.method not in QUANT_METHODS:
+            raise ValueError(f"unknown quantization method {self.method!r}; known: {', '.join(QUANT_METHODS)}")
+
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         fmt = weight_format("cpu", self.weight_dtype)
         if not fmt.quantized:
@@ -127,7 +131,7 @@ class Quantize:
                    "matrices": len(done),
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
-                   "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}")).get("layers", [])}
+                   "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
         ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({method}, blocks of {fmt.block}, "
                 f"{fmt.scale_dtype} scales): "

@@ -356,11 +356,11 @@ def _inspect(args) -> int:
             f"{quantized['block']}): {format_size(quantized['bytes'])} from {format_size(quantized['float32_bytes'])} "
             f"fp32, mean relative error {quantized['mean_relative_error']:.4f}"
             + (f"; {len(quantized['kept_in_floats'])} kept in fp16 (not whole blocks)" if quantized["kept_in_floats"] else ""))
-        scaled = [layer for layer in quantized.get("channel_scales", []) if layer["alpha"] > 0]
+        channels = quantized.get("channel_scales") or {}
+        scaled = [layer for layer in channels.get("layers", []) if layer["alpha"] > 0]
         if scaled:
-            gain = sum(layer["error"] / layer["unscaled_error"] for layer in scaled) / len(scaled)
-            say(f"           awq channel scales on {len(scaled)} of {len(quantized['channel_scales'])} FFN inputs: "
-                f"up-projection error {gain:.3f}x the unscaled one's")
+            say(f"           awq channel scales on {len(scaled)} of {len(channels['layers'])} FFN inputs: "
+                f"up-projection error {channels['error_ratio']:.3f}x the unscaled one's")
     if info["layers"] and "threshold_in" in info["layers"][0]:
         say(f"{'layer':>5} {'t_in':>9} {'drops':>6} {'t_down':>9} {'drops':>6}")
         for layer in info["layers"]:

@@ -29,7 +29,7 @@ from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
 from passes.sparsity_mode import Sparsity, SparsityMode
 from passes.threshold import Threshold
-from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS
+from runtime.dtypes import WEIGHT_FORMATS
 
 from . import artifact
 from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
@@ -79,10 +79,8 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
 
 def _activation_aware(options: Options) -> bool:
     """Whether a build scales channels by their activations before it quantizes (--quant-method awq, int8 /
-    int4 builds). Threshold mode never runs it: its kernels skip input channels by their magnitude, which a
-    channel scale would change."""
-    if options.quant_method not in QUANT_METHODS:
-        raise ValueError(f"unknown quantization method {options.quant_method!r}; known: {', '.join(QUANT_METHODS)}")
+    int4 builds; the quantize pass refuses a method it does not know). Threshold mode never runs it: its kernels
+    skip input channels by their magnitude, which a channel scale would change."""
     return options.quant_method == "awq" and WEIGHT_FORMATS[options.weight_dtype].quantized
 
 
