@@ -1,4 +1,5 @@
-"""Benchmark of the placement ILP (passes/partition.py, solve_placement) at real model shapes.
+"""Benchmark of PowerInfer's placement ILP (picompile/powerinfer_placement.py, solve_placement) at real model shapes;
+picompile's own placement of every block is `bench_placement_sweep.py`'s.
 
 Shapes (LLaMA-2, gated FFN, fp16 weights: bytes per neuron = 3 * d_model * 2):
   7B   32 layers x 11008 neurons, d_model 4096, 32 kv heads
@@ -32,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from passes.partition import RESERVE_FRACTION, min_neurons_for, solve_placement  # noqa: E402
+from passes.partition import RESERVE_FRACTION  # noqa: E402
+from picompile.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
 from picompile.costmodel import sync_seconds  # noqa: E402
 from picompile.targets import GiB, get_target  # noqa: E402
 

@@ -1,9 +1,11 @@
 """lower: replace each dense FFN with the sparse ops of the build's mode (one pass per mode).
 
 `LowerPredicted` (predictor mode) splits each FFN into a hot (GPU) and a cold (CPU) part.
-Reads: `picompile.FFN` nodes with what the earlier passes added: `gpu_neurons` and the initializer
-`layers.{i}.ffn.neuron_order` (partition), the predictor initializers and `predictor_threshold`
-(predict), the profile statistics. Adds, per layer, in place of the FFN:
+Reads: `picompile.FFN` nodes with what the earlier passes added: `placed`, `placed_reason`, `gpu_neurons` and
+the initializer `layers.{i}.ffn.neuron_order` (partition), the predictor initializers and `predictor_threshold`
+(predict), the profile statistics. An FFN partition placed dense (`placed` "gpu" or "cpu") stays as it is, the
+layer report saying why. Adds, per other layer, in place of the FFN (place puts each part on its device, the
+predictor and the merge with the layer's attention block):
   `picompile.Predict`     x -> one score vector per part (the predictor's d -> r -> ffn MLP, columns
                           permuted hottest first and split at gpu_neurons);
   `picompile.SparseFFN`   per part: neurons whose score passes the threshold are computed as a gathered-
@@ -33,10 +35,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import costmodel
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
-from picompile.sizes import predictor_format, weight_format
 
 ALL_NEURONS = -3.0e38  # a threshold every score passes
 STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
@@ -68,7 +68,7 @@ class LowerThresholded:
             "threshold_in": pir.attr(node, "threshold_in"), "threshold_down": pir.attr(node, "threshold_down"),
         }, domain=pir.DOMAIN, name=f"{prefix}.threshold")
         graph.insert_before(node, thresholded)
-        merge = ir.node("MergePartial", [thresholded.outputs[0], node.inputs[4]], {"layer": layer, "device": "cpu"},
+        merge = ir.node("MergePartial", [thresholded.outputs[0], node.inputs[4]], {"layer": layer},
                         domain=pir.DOMAIN, name=f"{prefix}.merge")
         graph.insert_before(node, merge)
         thresholded.outputs[0].name, merge.outputs[0].name = f"{prefix}.partial.cpu", f"{prefix}.merged"
@@ -83,15 +83,13 @@ class LowerThresholded:
 class LowerPredicted:
     name = "lower"
     all_neurons: bool = Options.all_neurons  # every neuron passes the predictor (checks the split)
-    dense_fallback: bool = Options.dense_fallback  # a CPU-only layer whose sparse path costs more stays dense
-    weight_dtype: str = Options.weight_dtype  # --weight-dtype: the CPU's FFN rows are priced as stored
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
         report = []
         for node in pir.nodes_in_domain(model, "FFN"):
             with ctx.layer(pir.attr(node, "layer")):
-                dense = self._dense_reason(graph, node, ctx)
+                dense = self._dense_reason(node)
                 if dense is None:
                     report.append(self._lower_one(graph, node))
                 else:
@@ -107,25 +105,12 @@ class LowerPredicted:
                 f"{f'; {len(dense)} dense (layers {dense})' if dense else ''}")
         return PassResult(model, modified=True)
 
-    def _dense_reason(self, graph: ir.Graph, node: ir.Node, ctx: Context) -> str | None:
-        """Why this layer's FFN should stay dense, or None to lower it sparse: at the share of its neurons its
-        predictor is expected to let through, the cost model prices the sparse decode path (predictor, select,
-        gathered rows, merge) at least as high as the dense GEMVs. CPU targets only for now (on a GPU target a
-        dense layer would need partition and place to price and place it whole); never with --all-neurons
-        (which checks the split) or where predict left no expected share."""
-        if not self.dense_fallback or self.all_neurons or ctx.target.has_gpu \
-                or "predictor_active" not in node.attributes:
+    def _dense_reason(self, node: ir.Node) -> str | None:
+        """Why this layer's FFN stays dense (partition's plan runs it dense on one device: `placed`), or None to
+        lower it sparse; never with --all-neurons (which checks the split)."""
+        if self.all_neurons or pir.attr(node, "placed", "sparse") == "sparse":
             return None
-        prefix = f"layers.{pir.attr(node, 'layer')}.ffn"
-        ffn_elements = sum(int(np.prod(value.const_value.shape)) for value in (node.inputs[1], node.inputs[3]))
-        predictor_elements = sum(int(np.prod(graph.initializers[f"{prefix}.predictor.{w}"].const_value.shape))
-                                 for w in ("w1", "w2"))
-        # priced as stored: the rows in the CPU's weight format, the predictor in its float format
-        choice = costmodel.ffn_decode_seconds(ctx.target,
-                                              ffn_bytes=ffn_elements * weight_format("cpu", self.weight_dtype).bytes_per_weight,
-                                              predictor_bytes=predictor_elements * predictor_format(self.weight_dtype).bytes_per_weight,
-                                              share=float(pir.attr(node, "predictor_active")))
-        return choice.reason() if choice.dense_is_cheaper else None
+        return f"placed dense on the {pir.attr(node, 'placed').upper()}: {pir.attr(node, 'placed_reason')}"
 
     @staticmethod
     def _keep_dense(node: ir.Node, reason: str) -> dict:
@@ -150,9 +135,8 @@ class LowerPredicted:
         w1 = graph.initializers[f"{prefix}.predictor.w1"]
         w2 = pir.const_array(graph.initializers[f"{prefix}.predictor.w2"])[:, order]
         threshold = ALL_NEURONS if self.all_neurons else float(pir.attr(node, "predictor_threshold"))
-        predictor_device = "gpu" if n_gpu else "cpu"
         predict = ir.node("Predict", [x, w1, *(_rows(graph, f"{prefix}.predictor.w2.{part}", w2[:, b:e]) for part, b, e in parts)],
-                          {"layer": layer, "device": predictor_device}, domain=pir.DOMAIN, num_outputs=len(parts),
+                          {"layer": layer}, domain=pir.DOMAIN, num_outputs=len(parts),
                           name=f"{prefix}.predict")
         graph.insert_before(node, predict)
         partials = []
@@ -171,13 +155,13 @@ class LowerPredicted:
                       _rows(graph, f"{prefix}.down_rows.{part}", w_down[neurons])]
             sparse = ir.node("SparseFFN", inputs, {
                 "layer": layer, "part": part, "neurons": int(end - begin), "threshold": threshold,
-                "activation": pir.attr(node, "activation"), "gated": int(gated), "device": part,
+                "activation": pir.attr(node, "activation"), "gated": int(gated),
             }, domain=pir.DOMAIN, name=f"{prefix}.sparse.{part}")
             sparse.outputs[0].name = f"{prefix}.partial.{part}"
             graph.insert_before(node, sparse)
             partials.append(sparse.outputs[0])
         merge = ir.node("MergePartial", [*partials, None if b_down is None else node.inputs[4]],
-                        {"layer": layer, "device": "cpu"}, domain=pir.DOMAIN, name=f"{prefix}.merge")
+                        {"layer": layer}, domain=pir.DOMAIN, name=f"{prefix}.merge")
         graph.insert_before(node, merge)
         merge.outputs[0].name = f"{prefix}.merged"
         for value in [*predict.outputs, *partials, merge.outputs[0]]:

@@ -1,383 +1,46 @@
-"""partition: decide which FFN neurons live on the GPU (hot) and which stay on the CPU (cold).
+"""partition: decide where every block of the decoder lives, in one integer program (`picompile.placement`).
 
-Reads: the block IR's `picompile.FFN` nodes (attribute `layer`, `gated`; weight shapes from their
-initializer inputs w_up [D, F] or [D, 2F] gated, b_up, w_down [F, D]), the per-layer activation
-frequencies `layers.{i}.ffn.frequency` (float32 [F], added by the profile pass), the `picompile.Attention`
-nodes' `num_kv_heads` / `head_dim` (for the KV cache), every other initializer (the dense GPU part:
-attention, norms, embeddings, output layer, RoPE tables, predictors, frequency tables), the target's GPU
-memory and bandwidths and its fields (`vram_budget_bytes`, `max_context`, `placement_batch`,
-`time_limit_s`, `weight_dtype`). Runs in predictor mode (threshold FFNs run on the CPU).
-Adds per FFN node: an int attribute `gpu_neurons` and an initializer `layers.{i}.ffn.neuron_order`
-(int64 [F]: neuron ids, hottest first; the first `gpu_neurons` of them are on the GPU, the rest on the
-CPU), and a graph-level `metadata_props["picompile.placement"]`: a JSON report of the solve (status,
-objective, gap, times, budget breakdown, per-layer counts) that `picompile inspect` shows.
+Reads: the block IR (after recognise; in predictor mode after profile and predict): each node's block
+(`pir.node_blocks`: the embedding, per layer its attention block with its norms and residual adds, its
+`picompile.FFN` node, the final norm and output layer), the constants each block reads, the
+`picompile.Attention` nodes' KV cache shape; in predictor mode per layer `layers.{i}.ffn.frequency` (profile),
+the predictor `layers.{i}.ffn.predictor.w1` / `w2` and the FFN's `predictor_active` (predict); the target's GPU
+memory and bandwidths; the fields `vram_budget_bytes`, `max_context`, `placement_batch`, `time_limit_s`,
+`weight_dtype` and `dense_ffns`.
+Adds per FFN node: `gpu_neurons` (int), `placed` ("sparse", or "gpu" / "cpu": dense on that device) and, where it
+has a frequency table, `layers.{i}.ffn.neuron_order` (int64 [F]: neuron ids, hottest first; the first gpu_neurons
+on the GPU); and `metadata_props["picompile.placement"]`: the solve's report (status, gap, times, the plan: every
+block's device, its expected step against layer offload's, the GPU bytes) that place applies and `inspect` shows.
 
-Weights are priced as select-kernels stores them (`picompile.sizes.weight_format`): on the GPU in fp32,
-on the CPU in `--weight-dtype` (fp16 halves a cold neuron's bytes). The FFN budget is the GPU memory
-(`--vram-budget`, else the target's) minus the dense part (every initializer that is not a per-neuron FFN
-weight), the KV cache for `max_context` tokens (`sizes.kv_cache_bytes`) and a RESERVE_FRACTION reserve. A
-layer's minimum GPU part is the smallest prefix whose expected saving of CPU time pays for one CPU-GPU
-synchronisation (`costmodel.sync_seconds`: the PCIe copies of its input and partial output), see
-`min_neurons_for`; balance (4) comes from the target's GPU and CPU bandwidths, each side's bytes at its
-storage type.
-
-The decision is PowerInfer's policy solver (SOSP '24, section "Neuron placement policy") as an integer
-linear program, solved by HiGHS; see `solve_placement` for the formulation. Fixed against the public
-code: variables are declared binary (its unbounded integers are rightly reported unbounded by HiGHS) and
-layers are taken in numeric order (its string sort put activation_10 before activation_2).
+Every block is priced as its device stores it (`sizes.gpu_bytes`: fp16 matrices on the GPU; `sizes.cpu_bytes`:
+--weight-dtype on the CPU; predictors as `sizes.predictor_format`) with the cost model's `price` and `price_ffn`.
+The budget is the GPU memory (`--vram-budget`, else the target's) less a RESERVE_FRACTION reserve; each attention
+block carries its KV cache for `max_context` tokens. A layer without a predictor (a dense build, or no profile)
+runs dense on one device. CPU targets: everything on the CPU, no solve.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from picompile import costmodel, placement
 from picompile import ir as pir
-from picompile.costmodel import sync_seconds
+from picompile.costmodel import CONTEXT, BlockBytes, FfnBytes
 from picompile.pipeline import Context, Options
-from picompile.sizes import GPU_WEIGHT_FORMAT, gpu_bytes, kv_cache_bytes, weight_format
+from picompile.sizes import GPU_WEIGHT_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes, predictor_format, weight_format
 from picompile.targets import check_vram_budget, format_size
 from runtime.dtypes import WeightFormat, nbytes
 
 # Share of the GPU memory kept free for activations, kernel workspace and the allocator's slack.
 RESERVE_FRACTION = 0.05
-
-
-# ---------------------------------------------------------------- the solver (no IR)
-
-
-@dataclass
-class Placement:
-    gpu_neurons: list[int]  # per layer: how many of its hottest neurons go to the GPU (a multiple of batch, or all)
-    status: str  # HiGHS model status as text, e.g. "Optimal", "Time limit reached", or "no GPU budget"
-    objective: float  # total activation frequency placed on the GPU
-    gap: float  # relative MIP gap: HiGHS's (<= mip_rel_gap when "Optimal", 0.0 when proven exactly); when
-    #             HiGHS stops early, at most the gap to the LP bound
-    solve_time_s: float  # wall time of the whole call: model building, greedy start and HiGHS
-    num_variables: int  # binaries of the formulation (x per group of tied batches, y per layer)
-    used_bytes: int
-    min_neurons: list[int] = field(default_factory=list)  # the per-layer minimum as applied (clamped to the layer)
-
-
-@dataclass
-class _Model:
-    """The integer program's columns: per layer, its frequency-sorted batches merged into groups of
-    batches that the constraints force on or off together; group k belongs to layer[k]."""
-
-    sorted_frequencies: list[np.ndarray]
-    offsets: np.ndarray  # first group of each layer, plus the total at the end
-    layer: np.ndarray  # layer of each group
-    size: np.ndarray  # neurons in each group
-    value: np.ndarray  # sum of the group's frequencies (expected active neurons per token)
-    bytes: np.ndarray  # bytes of the group
-    minimum: np.ndarray  # per layer: min-or-nothing count, clamped to [0, layer size]
-    balance: dict  # layer -> (columns, values, upper) of its balance row (4), when balance applies
-
-
-def _layout(frequencies: list[np.ndarray], bytes_per_neuron: list[int], batch: int,
-            min_neurons: list[int] | None, g: float, c: float) -> _Model:
-    """Sort, batch, and merge tied batches: (3) ties a layer's first batches up to its minimum, and (4)
-    ties the batches past the longest prefix it allows (only the whole layer may take them)."""
-    share = g / (g + c) if g > 0 and c > 0 else None
-    minimum = np.zeros(len(frequencies), np.int64)
-    sorted_f, columns, balance, counts = [], [], {}, []
-    for index, f in enumerate(frequencies):
-        f = np.asarray(f, dtype=np.float64).reshape(-1)
-        if not np.all(np.isfinite(f)) or (f.size and f.min() < 0):
-            raise ValueError(f"layer {index}: frequencies must be finite and non-negative")
-        f = -np.sort(-f)  # hottest first
-        sorted_f.append(f)
-        if min_neurons is not None:
-            minimum[index] = min(max(int(min_neurons[index]), 0), f.size)
-        if f.size == 0:
-            counts.append(0)
-            continue
-        starts = np.arange(0, f.size, batch)
-        ends = np.append(starts[1:], f.size)  # neurons in the prefix ending with each batch
-        value = np.add.reduceat(f, starts)
-        tied = np.zeros(starts.size, bool)  # batch b is on the GPU exactly when batch b-1 is
-        first = int(np.searchsorted(ends, max(int(minimum[index]), 1))) + 1  # batches in the minimum part
-        tied[1:first] = True
-        cap = None
-        if share is not None:
-            # (4) with A_b the expected active neurons of batch b (the bytes per neuron cancel):
-            #   g * sum_b A_b x_b  <=  c * sum_b A_b (1 - x_b)  +  g * A(minimum part)  +  M * x_last,
-            # divided by (g + c); M = g * A(layer) exempts a layer placed entirely on the GPU. The
-            # coefficients are frequencies, not nanoseconds (HiGHS drops matrix entries below 1e-9).
-            total = float(value.sum())
-            cap = (1 - share) * total + share * float(value[:first].sum())
-            # The hot part grows with the prefix: (4) allows prefixes up to some batch, then only all.
-            allowed = int(np.searchsorted(np.cumsum(value), cap * (1 + 1e-9) + 1e-12, side="right"))
-            tied[max(allowed, first) + 1:] = True
-        heads = np.flatnonzero(~tied)
-        group_ends = np.append(heads[1:], starts.size)
-        size = ends[group_ends - 1] - starts[heads]
-        group_value = np.add.reduceat(value, heads)
-        nbytes = size.astype(np.float64) * bytes_per_neuron[index]
-        columns.append((np.full(heads.size, index), size, group_value, nbytes))
-        if cap is not None:
-            row = group_value.copy()
-            row[-1] -= share * total
-            balance[index] = (sum(counts) + np.arange(heads.size), row, cap)
-        counts.append(heads.size)
-    cat = lambda k, dtype: np.concatenate([c[k] for c in columns]).astype(dtype) if columns else np.zeros(0, dtype)
-    return _Model(sorted_f, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), cat(0, np.int64),
-                  cat(1, np.int64), cat(2, np.float64), cat(3, np.float64), minimum, balance)
-
-
-def _greedy(M: _Model, budget: float) -> np.ndarray:
-    """A feasible start: take groups by value per byte across layers. Within a layer the value per byte
-    never grows, so a stable sort visits each layer's groups in order; a group that does not fit closes
-    its layer (later ones would break the prefix), smaller groups of other layers may still fit."""
-    density = np.divide(M.value, M.bytes, out=np.zeros_like(M.value), where=M.bytes > 0)
-    for l in range(len(M.sorted_frequencies)):  # exact ties may round either way
-        lo, hi = M.offsets[l], M.offsets[l + 1]
-        density[lo:hi] = np.minimum.accumulate(density[lo:hi])
-    next_group = M.offsets[:-1].copy()
-    closed = np.zeros(len(M.sorted_frequencies), bool)
-    x = np.zeros(M.size.size)
-    used = 0.0
-    for k in np.lexsort((np.arange(M.size.size), -density)):
-        l = M.layer[k]
-        if closed[l] or k != next_group[l]:
-            continue
-        if used + M.bytes[k] <= budget:
-            x[k] = 1
-            used += M.bytes[k]
-            next_group[l] = k + 1
-        else:
-            closed[l] = True
-    return x
-
-
-def _bound_and_fixings(M: _Model, budget: float, incumbent: np.ndarray, value: float):
-    """The LP bound and the variables it proves fixed (reduced-cost fixing, done by hand).
-
-    Within a layer the groups' value per byte never grows, so the LP relaxation is the fractional
-    greedy: take groups by value per byte until one does not fit, then a fraction of that one, whose
-    value per byte is the price lam of a byte. The bound is UB = lam * budget + sum_l best_l, with best_l
-    = max_k (V_l(k) - lam W_l(k)) over the layer's prefixes of k groups (value V, bytes W). Forcing
-    x[l,g] on (a prefix longer than g) or off (a prefix shorter than g+1) lowers that bound by the loss
-    in best_l; where the lowered bound is below the incumbent's value, no better placement has that
-    setting, so the variable is fixed the other way. Fixed sets are a prefix (on) and a suffix (off) of
-    each layer, and never contradict the incumbent."""
-    density = np.divide(M.value, M.bytes, out=np.zeros_like(M.value), where=M.bytes > 0)
-    for l in range(len(M.sorted_frequencies)):
-        lo, hi = M.offsets[l], M.offsets[l + 1]
-        density[lo:hi] = np.minimum.accumulate(density[lo:hi])
-    order = np.lexsort((np.arange(M.size.size), -density))
-    filled = np.cumsum(M.bytes[order])
-    cut = int(np.searchsorted(filled, budget, side="right"))  # groups that fit whole
-    lam = 0.0 if cut == order.size else float(density[order[cut]])
-    best = np.zeros(len(M.sorted_frequencies))
-    fix_on = np.zeros(M.size.size, bool)
-    fix_off = np.zeros(M.size.size, bool)
-    losses = []
-    for l in range(len(M.sorted_frequencies)):
-        lo, hi = M.offsets[l], M.offsets[l + 1]
-        score = np.concatenate([[0.0], np.cumsum(M.value[lo:hi] - lam * M.bytes[lo:hi])])  # prefixes of k groups
-        best[l] = score.max()
-        longer = np.maximum.accumulate(score[::-1])[::-1][1:]  # best prefix including group j
-        shorter = np.maximum.accumulate(score)[:-1]  # best prefix excluding group j
-        losses.append((lo, hi, best[l] - longer, best[l] - shorter))
-    upper = lam * budget + float(best.sum())
-    slack = upper - value + 1e-9 * max(1.0, abs(upper))  # a fixing must cost more than this
-    for lo, hi, loss_on, loss_off in losses:
-        fix_off[lo:hi] = (loss_on > slack) & (incumbent[lo:hi] < 0.5)
-        fix_on[lo:hi] = (loss_off > slack) & (incumbent[lo:hi] > 0.5)
-    return upper, fix_on, fix_off
-
-
-def solve_placement(frequencies: list[np.ndarray], bytes_per_neuron: list[int], budget_bytes: int, *,
-                    batch: int = 64, min_neurons: list[int] | None = None, time_limit_s: float = 30.0,
-                    gpu_time_per_byte: float = 0.0, cpu_time_per_byte: float = 0.0,
-                    mip_rel_gap: float = 1e-3, threads: int | None = None,
-                    highs_options: dict | None = None) -> Placement:
-    """PowerInfer's neuron placement as a 0-1 integer program, solved by HiGHS.
-
-    Each layer's neurons are sorted by frequency, hottest first (`frequencies[l]` is layer l, in numeric
-    layer order), and grouped in batches of `batch` (the last may be smaller); one binary x[l,b] per batch
-    says "on the GPU". Maximise the frequency placed on the GPU, sum f(l,b) x[l,b], subject to
-      (1) memory:   sum bytes(l,b) x[l,b] <= budget_bytes;
-      (2) prefix:   x[l,b+1] <= x[l,b]: a layer's GPU part is its hottest neurons;
-      (3) minimum-or-nothing (when min_neurons is given): a binary y[l] with
-          sum_b size(l,b) x[l,b] >= min_neurons[l] y[l] and x[l,0] <= y[l] (with (2) that bounds every
-          x[l,b]): a layer's GPU part, if any, has at least min_neurons[l] neurons, fewer would not pay
-          for the CPU-GPU synchronisation. A minimum above the layer's size means "all or nothing";
-      (4) balance (only when gpu_time_per_byte and cpu_time_per_byte are both > 0: seconds per byte of an
-          active neuron's weights, i.e. 1 / bandwidth): per layer, the GPU's expected time for its hot part
-          must not exceed the CPU's expected time for its cold part plus the GPU's time for one minimum GPU
-          part (the layer's smallest allowed prefix), so that neither side idles long waiting for the
-          other. A layer placed entirely on the GPU is exempt: it has no CPU part to wait for.
-
-    Two exact reductions keep HiGHS fast (in HiGHS 1.16 a 36k-binary model of this shape spent 12 s in
-    presolve probing, and its root rounding heuristics, quadratic in the columns here, ran past the time
-    limit for minutes):
-      - batches that (3) and (4) force on or off together share one variable: a layer's minimum part, and
-        the batches past the longest prefix (4) allows (a batch's expected time is proportional to its
-        frequencies, so (4) allows exactly the prefixes up to some batch, plus the whole layer);
-      - variables that the LP bound proves fixed, given a greedy placement, are fixed before the solve
-        (`_bound_and_fixings`); HiGHS solves the rest, all rows (1)-(4) included, from the greedy start.
-    `num_variables` counts the formulation's binaries after merging (groups x, plus y); the log of a
-    solve (PICOMPILE_HIGHS_LOG=1) shows how many were left free. Non-optimal results keep HiGHS's status
-    text and gap; the placement is always feasible (at worst the greedy one).
-    Budget <= 0 or no layers: everything on the CPU, status "no GPU budget".
-    """
-    started = time.perf_counter()
-    if len(bytes_per_neuron) != len(frequencies):
-        raise ValueError(f"{len(frequencies)} layers of frequencies but {len(bytes_per_neuron)} byte sizes")
-    if min_neurons is not None and len(min_neurons) != len(frequencies):
-        raise ValueError(f"{len(frequencies)} layers of frequencies but {len(min_neurons)} minimums")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, not {batch}")
-    M = _layout(frequencies, bytes_per_neuron, batch, min_neurons, gpu_time_per_byte, cpu_time_per_byte)
-    if budget_bytes <= 0 or not frequencies or M.size.size == 0:
-        return Placement([0] * len(frequencies), "no GPU budget", 0.0, 0.0, time.perf_counter() - started, 0, 0,
-                         M.minimum.tolist())
-
-    nx = int(M.size.size)
-    layers = len(frequencies)
-    use_min = min_neurons is not None
-    ncol = nx + (layers if use_min else 0)  # x[l,g] for every group of batches, then y[l]
-    first = M.offsets[:-1]
-    has_groups = M.offsets[1:] > first
-    greedy = _greedy(M, float(budget_bytes))
-    start = greedy  # y[l] = x[l,0]
-    if use_min:
-        start = np.concatenate([greedy, np.where(has_groups, greedy[np.minimum(first, nx - 1)], 0.0)])
-    upper_bound, fix_on, fix_off = _bound_and_fixings(M, float(budget_bytes), greedy, float(M.value @ greedy))
-
-    # The full model's rows as (row, column, value) entries with bounds: memory, prefix, (3a), (3b), (4).
-    entries, lower, upper = [], [], []
-
-    def rows(count: int, row_of_entry, cols, vals, lo, hi) -> None:
-        base = sum(len(b) for b in lower)
-        entries.append((base + np.asarray(row_of_entry, np.int64), np.asarray(cols, np.int64),
-                        np.asarray(vals, np.float64)))
-        lower.append(np.broadcast_to(np.asarray(lo, np.float64), (count,)))
-        upper.append(np.broadcast_to(np.asarray(hi, np.float64), (count,)))
-
-    unit = float(max(bytes_per_neuron))  # (1) in units of the largest neuron: HiGHS warns about 1e10 bounds
-    rows(1, np.zeros(nx), np.arange(nx), M.bytes / unit, -math.inf, float(budget_bytes) / unit)
-    follower = np.flatnonzero(M.layer[1:] == M.layer[:-1]) + 1  # groups with a hotter group before them
-    pairs = lambda a, b: np.stack([a, b], 1).ravel()
-    rows(follower.size, np.repeat(np.arange(follower.size), 2), pairs(follower, follower - 1),  # (2) x[k] <= x[k-1]
-         np.tile([1.0, -1.0], follower.size), -math.inf, 0.0)
-    if use_min:
-        nonempty = np.flatnonzero(has_groups)  # groups are stored layer by layer
-        rows(nonempty.size, np.concatenate([np.repeat(np.arange(nonempty.size), np.diff(M.offsets)[nonempty]),
-                                            np.arange(nonempty.size)]),
-             np.concatenate([np.arange(nx), nx + nonempty]), np.concatenate([M.size, -M.minimum[nonempty]]),
-             0.0, math.inf)  # (3a) sum size x - min y >= 0
-        rows(nonempty.size, np.repeat(np.arange(nonempty.size), 2), pairs(first[nonempty], nx + nonempty),
-             np.tile([1.0, -1.0], nonempty.size), -math.inf, 0.0)  # (3b) x[l,0] - y[l] <= 0
-    for cols, vals, cap in M.balance.values():  # (4), see _layout
-        rows(1, np.zeros(cols.size), cols, vals, -math.inf, cap)
-    row = np.concatenate([e[0] for e in entries])
-    col = np.concatenate([e[1] for e in entries])
-    val = np.concatenate([e[2] for e in entries])
-    row_lower, row_upper = np.concatenate(lower), np.concatenate(upper)
-
-    # Fix what the bound proves (y[l] follows x[l,0] when that is fixed), move fixed columns to the bounds.
-    fixed = np.full(ncol, np.nan)
-    fixed[:nx][fix_on] = 1.0
-    fixed[:nx][fix_off] = 0.0
-    if use_min:
-        fixed[nx:][~has_groups] = 0.0
-        known = has_groups & ~np.isnan(fixed[np.minimum(first, nx - 1)])
-        fixed[nx:][known] = fixed[first[known]]
-    free = np.isnan(fixed)
-    constant = np.bincount(row, weights=np.where(free[col], 0.0, val * np.nan_to_num(fixed[col])),
-                           minlength=row_lower.size)
-    keep = free[col]
-    live = np.bincount(row[keep], minlength=row_lower.size) > 0
-    new_row = np.cumsum(live) - 1
-    new_col = np.cumsum(free) - 1
-    offset = float(M.value[:nx] @ np.nan_to_num(fixed[:nx]))
-    free_x = np.flatnonzero(free[:nx])
-    status, gap = "Optimal", 0.0
-    solution = start.copy()
-    if free.any():
-        import highspy
-
-        nfree = int(free.sum())
-        # HiGHS's plain core class: the `Highs` wrapper prints a banner on stdout when first created.
-        h = getattr(highspy, "_Highs", highspy.Highs)()
-        h.setOptionValue("output_flag", bool(os.environ.get("PICOMPILE_HIGHS_LOG")))
-        h.setOptionValue("time_limit", float(time_limit_s))
-        h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
-        h.setOptionValue("threads", int(threads or os.cpu_count() or 1))
-        for key, option in (highs_options or {}).items():
-            h.setOptionValue(key, option)
-        h.addVars(nfree, np.zeros(nfree), np.ones(nfree))  # binaries: bounds [0, 1] ...
-        h.changeColsIntegrality(nfree, np.arange(nfree, dtype=np.int32),
-                                np.full(nfree, highspy.HighsVarType.kInteger.value, np.uint8))  # ... and integral
-        h.changeColsCost(free_x.size, new_col[free_x].astype(np.int32), M.value[free_x])
-        h.changeObjectiveOffset(offset)
-        h.changeObjectiveSense(highspy.ObjSense.kMaximize)
-        order = np.lexsort((new_col[col[keep]], new_row[row[keep]]))  # CSR: by row, then column
-        r, c, v = new_row[row[keep]][order], new_col[col[keep]][order], val[keep][order]
-        nrow = int(live.sum())
-        h.addRows(nrow, (row_lower - constant)[live], (row_upper - constant)[live], int(r.size),
-                  np.searchsorted(r, np.arange(nrow)).astype(np.int32), c.astype(np.int32), v)
-        warm = highspy.HighsSolution()
-        warm.col_value = start[free].tolist()
-        h.setSolution(warm)
-        h.run()
-        status = h.modelStatusToString(h.getModelStatus())
-        info = h.getInfo()
-        gap = float(info.mip_gap)
-        if info.primal_solution_status != 0:  # 0 = kSolutionStatusNone; else HiGHS holds the start or better
-            solution = np.where(free, 0.0, np.nan_to_num(fixed))
-            solution[free] = np.asarray(h.getSolution().col_value)
-    # else nothing is left to decide: the bound proves the start optimal
-    counts = _prefix_counts(M, solution[:nx] > 0.5)
-    used = int(sum(n * b for n, b in zip(counts, bytes_per_neuron)))
-    if used > budget_bytes:  # cannot happen beyond HiGHS's tolerance (1e-6 of a neuron); stay safe anyway
-        counts = _prefix_counts(M, greedy > 0.5)
-        used = int(sum(n * b for n, b in zip(counts, bytes_per_neuron)))
-    objective = float(sum(f[:n].sum() for f, n in zip(M.sorted_frequencies, counts)))
-    if status != "Optimal" and upper_bound > objective:  # HiGHS may stop before it has a bound of its own
-        gap = min(gap, (upper_bound - objective) / objective if objective > 0 else math.inf)
-    if status == "Optimal" and gap < 1e-12:
-        gap = 0.0
-    return Placement(counts, status, objective, gap, time.perf_counter() - started, ncol, used, M.minimum.tolist())
-
-
-def _prefix_counts(M: _Model, chosen: np.ndarray) -> list[int]:
-    counts = []
-    for l in range(len(M.sorted_frequencies)):
-        on = chosen[M.offsets[l]: M.offsets[l + 1]]
-        prefix = on.size if on.all() else int(np.argmin(on))  # (2) holds; be safe about rounding
-        counts.append(int(M.size[M.offsets[l]: M.offsets[l] + prefix].sum()))
-    return counts
-
-
-# ---------------------------------------------------------------- the pass
-
-
-def min_neurons_for(frequency_sorted: np.ndarray, cpu_bytes_per_neuron: int, batch: int, cpu_bandwidth_gbs: float,
-                    sync_s: float) -> int:
-    """The smallest GPU part (a multiple of `batch`, at least one batch, or the whole layer) whose expected
-    saving of CPU time per token, sum of its frequencies * a neuron's bytes as the CPU stores them / CPU
-    bandwidth, covers one synchronisation of `sync_s` seconds (`costmodel.sync_seconds`). If no part short
-    of the whole layer pays, the minimum is the whole layer (all on the GPU needs no synchronisation at all)."""
-    total = frequency_sorted.size
-    if total == 0:
-        return 0
-    if cpu_bandwidth_gbs <= 0:
-        return total
-    saved = np.cumsum(np.asarray(frequency_sorted, np.float64)) * cpu_bytes_per_neuron / (cpu_bandwidth_gbs * 1e9)
-    candidates = np.append(np.arange(batch, total, batch), total)
-    paying = candidates[saved[candidates - 1] >= sync_s]
-    return int(paying[0]) if paying.size else int(total)
+PREDICTOR_CALLS = 2  # its two GEMVs
+DENSE_FFN_CALLS = 2  # up (and gate), down
 
 
 def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: WeightFormat) -> int:
@@ -392,115 +55,175 @@ class Partition:
     name = "partition"
     vram_budget_bytes: int | None = Options.vram_budget_bytes  # None: the target's GPU memory
     max_context: int = Options.max_context  # the KV cache's length
-    placement_batch: int = Options.placement_batch  # neurons per ILP variable
+    placement_batch: int | None = Options.placement_batch  # neurons per ILP column; None: placement.default_batch
     time_limit_s: float = Options.placement_time_limit_s
-    weight_dtype: str = Options.weight_dtype  # --weight-dtype: how the CPU stores its (cold) neurons
+    weight_dtype: str = Options.weight_dtype  # --weight-dtype: how the CPU stores its blocks
     reserve_fraction: float = RESERVE_FRACTION
-    min_or_nothing: bool = True  # constraint (3): a layer's GPU part, if any, pays for its CPU-GPU sync
-    balance: bool = True  # constraint (4), from the target's GPU and CPU bandwidths
+    dense_ffns: bool = Options.dense_fallback  # a layer with a predictor may still run dense (else always sparse)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph, target = model.graph, ctx.target
-        ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
-        attentions = pir.nodes_in_domain(model, "Attention")
-        cpu_format = weight_format("cpu", self.weight_dtype)
-
         check_vram_budget(target, self.vram_budget_bytes)
-
-        # Per layer: sorted frequencies, neuron order, a neuron's bytes on the GPU (what the budget holds)
-        # and on the CPU (what leaving it there costs a token); and which initializers are FFN-owned.
-        frequencies, orders, bytes_per_neuron, cpu_bytes_per_neuron, d_models = [], [], [], [], []
-        per_neuron_values = set()
-        for node in ffns:
-            layer = int(pir.attr(node, "layer"))
-            name = f"layers.{layer}.ffn.frequency"
-            if name not in graph.initializers:
-                raise ValueError(f"partition needs {name} (run the profile pass first)")
-            frequency = np.asarray(pir.const_array(graph.initializers[name]), np.float64).reshape(-1)
-            w_up, b_up, w_down = node.inputs[1], node.inputs[2], node.inputs[3]
-            width, d_model = w_down.const_value.shape[0], w_down.const_value.shape[1]
-            if frequency.size != width:
-                raise ValueError(f"{name} has {frequency.size} entries but layer {layer} has {width} neurons")
-            up_per_neuron = 2 if int(pir.attr(node, "gated", 0)) else 1
-            order = np.argsort(-frequency, kind="stable").astype(np.int64)
-            frequencies.append(frequency[order])
-            orders.append((layer, order))
-            bytes_per_neuron.append(neuron_bytes(d_model, up_per_neuron, b_up is not None, GPU_WEIGHT_FORMAT))
-            cpu_bytes_per_neuron.append(neuron_bytes(d_model, up_per_neuron, b_up is not None, cpu_format))
-            d_models.append(d_model)
-            per_neuron_values.update(id(v) for v in (w_up, b_up, w_down) if v is not None)
-
-        # The budget left for FFN neurons. b_down ([D], added once per layer on the GPU side of the merge)
-        # counts as dense; neuron_order tables from an earlier run are replaced, not counted.
+        ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
+        layers = [int(pir.attr(node, "layer")) for node in ffns]
+        frequencies = [self._frequency(graph, node) for node in ffns]
         vram = self.vram_budget_bytes if self.vram_budget_bytes is not None else target.gpu_memory_bytes
-        dense = sum(gpu_bytes(v.const_value.shape) for name, v in graph.initializers.items()
-                    if v.const_value is not None and id(v) not in per_neuron_values
-                    and not name.endswith(".ffn.neuron_order"))
-        kv_cache = kv_cache_bytes([(int(pir.attr(n, "num_kv_heads")), int(pir.attr(n, "head_dim"))) for n in attentions],
-                                  self.max_context)
         reserve = int(vram * self.reserve_fraction)
-        budget = int(vram - dense - kv_cache - reserve)
-
-        batch = max(1, int(self.placement_batch))
+        problem = self._problem(model, ctx, ffns, frequencies, int(vram - reserve))
         if not target.has_gpu:
-            placement = Placement([0] * len(ffns), f"no GPU on target {target.name}", 0.0, 0.0, 0.0, 0, 0)
-        elif budget <= 0:
-            placement = Placement([0] * len(ffns), "no GPU budget: the dense part, KV cache and reserve fill the "
-                                  "GPU memory", 0.0, 0.0, 0.0, 0, 0)
+            plan = placement.cpu_only(problem, self.dense_ffns)
+            solution = placement.Solution(plan, placement.step_seconds(problem, plan), 0,
+                                          f"no GPU on target {target.name}", 0.0, 0.0, 0)
         else:
-            minimum = None
-            if self.min_or_nothing:  # a sync copies the layer's fp32 input to the GPU and its partial output back
-                minimum = [min_neurons_for(f, b, batch, target.cpu_bandwidth_gbs,
-                                           sync_seconds(target, nbytes([d], "float32")))
-                           for f, b, d in zip(frequencies, cpu_bytes_per_neuron, d_models)]
-            timing = {}
-            if self.balance and target.gpu_bandwidth_gbs > 0 and target.cpu_bandwidth_gbs > 0:
-                # the solver counts a neuron's GPU bytes; the CPU reads it at its own storage type
-                cpu_share = cpu_format.bytes_per_weight / GPU_WEIGHT_FORMAT.bytes_per_weight
-                timing = {"gpu_time_per_byte": 1 / (target.gpu_bandwidth_gbs * 1e9),
-                          "cpu_time_per_byte": cpu_share / (target.cpu_bandwidth_gbs * 1e9)}
-            # HiGHS reports no progress while it solves: a spinner with the elapsed time
             with ctx.progress(f"partition: HiGHS placement ILP ({len(ffns)} layers)"):
-                placement = solve_placement(frequencies, bytes_per_neuron, budget, batch=batch, min_neurons=minimum,
-                                            time_limit_s=self.time_limit_s, **timing)
+                solution = placement.solve(problem, batch=self.placement_batch, time_limit_s=self.time_limit_s,
+                                           dense_ffns=self.dense_ffns)
+        plan = solution.plan
 
-        for node, (layer, order), n in zip(ffns, orders, placement.gpu_neurons):
-            node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", int(n))
+        for node, layer, frequency, mode, n, priced in zip(ffns, layers, frequencies, plan.ffn, plan.gpu_neurons,
+                                                           problem.layers):
+            node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", int(n) if mode == "sparse" else 0)
+            node.attributes["placed"] = ir.AttrString("placed", mode)
+            if mode != "sparse":
+                node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode))
             name = f"layers.{layer}.ffn.neuron_order"
             if name in graph.initializers:
                 del graph.initializers[name]
-            pir.initializer(graph, name, order)
+            if frequency is not None:
+                pir.initializer(graph, name, np.argsort(-frequency, kind="stable").astype(np.int64))
 
-        total_activity = float(sum(f.sum() for f in frequencies))
-        ffn_bytes = int(sum(f.size * b for f, b in zip(frequencies, bytes_per_neuron)))
+        offload = placement.layer_offload(problem)
+        sparse = [i for i, f in enumerate(frequencies) if f is not None and plan.ffn[i] == "sparse"]
+        placed = sum(float(np.sort(frequencies[i])[::-1][:plan.gpu_neurons[i]].sum()) for i in sparse)
+        total_activity = sum(float(frequencies[i].sum()) for i in sparse)
         report = {
-            "status": placement.status,
-            "objective": placement.objective,
-            "activation_share": placement.objective / total_activity if total_activity > 0 else 0.0,
-            "gap": placement.gap if math.isfinite(placement.gap) else None,
-            "solve_time_s": placement.solve_time_s,
-            "num_variables": placement.num_variables,
-            "batch": batch,
+            "status": solution.status,
+            "gap": solution.gap if math.isfinite(solution.gap) else None,
+            "solve_time_s": solution.solve_time_s,
+            "num_variables": solution.num_variables,
+            "batch": self.placement_batch or placement.default_batch(f.width for f in (l.ffn for l in problem.layers)),
             "vram_bytes": int(vram),
-            "budget_bytes": max(budget, 0),
-            "dense_gpu_bytes": int(dense),
-            "kv_cache_bytes": int(kv_cache),
             "reserve_bytes": reserve,
-            "ffn_bytes": ffn_bytes,
-            "used_bytes": placement.used_bytes,
+            "budget_bytes": problem.budget_bytes,
+            "used_bytes": solution.used_bytes,
+            "expected_step_s": solution.seconds,
+            "layer_offload_step_s": placement.step_seconds(problem, offload),
+            "layer_offload_layers": offload.attention.count("gpu") if target.has_gpu else 0,
+            "activation_share": placed / total_activity if total_activity > 0 else 0.0,
             "gpu_weight_format": GPU_WEIGHT_FORMAT.name,
-            "cpu_weight_format": cpu_format.name,
-            "layers": [layer for layer, _ in orders],
-            "gpu_neurons": [int(n) for n in placement.gpu_neurons],
-            "min_neurons": [int(n) for n in placement.min_neurons],
+            "cpu_weight_format": weight_format("cpu", self.weight_dtype).name,
+            "layers": layers,
+            "plan": plan.to_json(),
+            "gpu_neurons": [int(n) if m == "sparse" else 0 for n, m in zip(plan.gpu_neurons, plan.ffn)],
         }
         model.metadata_props["picompile.placement"] = json.dumps(report)
-        neurons = sum(f.size for f in frequencies)
-        hybrid = sum(1 for f, n in zip(frequencies, placement.gpu_neurons) if 0 < n < f.size)
-        full = sum(1 for f, n in zip(frequencies, placement.gpu_neurons) if n == f.size and n > 0)
-        ctx.log(f"partition: {sum(placement.gpu_neurons)}/{neurons} FFN neurons on the GPU "
-                f"({report['activation_share'] * 100:.1f}% of activations; {full} layers whole, {hybrid} hybrid), "
-                f"{format_size(placement.used_bytes)} of {format_size(max(budget, 0))} FFN budget "
-                f"(GPU {format_size(vram)} - dense {format_size(dense)} - KV {format_size(kv_cache)} - reserve {format_size(reserve)}); "
-                f"{placement.status}, gap {placement.gap * 100:.3f}%, {placement.solve_time_s:.2f} s")
+        ctx.log(self._summary(report, problem))
         return PassResult(model, modified=True)
+
+    @staticmethod
+    def _dense_reason(node: ir.Node, ffn: placement.Ffn, device: str) -> str:
+        """Why the plan runs this FFN dense on `device`, in the cost model's figures."""
+        if not ffn.sparse:
+            return "no predictor"
+        sparse, dense = placement.whole_ffn_seconds(ffn, device)
+        share = float(pir.attr(node, "predictor_active"))
+        return (f"expected {share:.1%} of the neurons predicted active: sparse {sparse * 1e3:.3f} ms/token, dense "
+                f"{dense * 1e3:.3f} ms/token on the {device.upper()} (sparse rows at "
+                f"{costmodel.SPARSE_ROW_EFFICIENCY:.0%} of dense bandwidth)")
+
+    @staticmethod
+    def _frequency(graph: ir.Graph, node: ir.Node) -> np.ndarray | None:
+        """The layer's profiled activation frequencies (None without a profile: the layer can only run dense)."""
+        name = f"layers.{pir.attr(node, 'layer')}.ffn.frequency"
+        if name not in graph.initializers:
+            return None
+        frequency = np.asarray(pir.const_array(graph.initializers[name]), np.float64).reshape(-1)
+        width = node.inputs[3].const_value.shape[0]
+        if frequency.size != width:
+            raise ValueError(f"{name} has {frequency.size} entries but layer {pir.attr(node, 'layer')} has {width} neurons")
+        return frequency
+
+    def _bytes(self, values) -> BlockBytes:
+        """The constants `values` as a block: their GPU memory and what one decode step reads of them on each device."""
+        values = [v for v in values if v is not None and v.const_value is not None]
+        return BlockBytes(sum(gpu_bytes(v.const_value.shape) for v in values),
+                          sum(cpu_bytes(v.const_value.shape, self.weight_dtype) for v in values),
+                          sum(gpu_bytes(v.const_value.shape) for v in values), 0)
+
+    def _problem(self, model: ir.Model, ctx: Context, ffns: list[ir.Node], frequencies: list, budget: int):
+        graph, target = model.graph, ctx.target
+        blocks = pir.node_blocks(graph)
+        members: dict = {}
+        for node in graph:
+            if node.domain == pir.DOMAIN and node.op_type == "FFN":
+                continue
+            members.setdefault(blocks[node], []).append(node)
+        constants = lambda nodes: {id(v): v for n in nodes for v in n.inputs if v is not None and v.const_value is not None}
+
+        def block_bytes(nodes: list[ir.Node]) -> BlockBytes:
+            b = self._bytes(constants(nodes).values())
+            kv = sum(kv_cache_bytes([(int(pir.attr(n, "num_kv_heads")), int(pir.attr(n, "head_dim")))], 1)
+                     for n in nodes if n.op_type == "Attention")  # per token
+            read = kv * min(CONTEXT, self.max_context)
+            return BlockBytes(b.gpu_bytes + kv * self.max_context, b.cpu_read + read, b.gpu_read + read, len(nodes))
+
+        embed_nodes = members.get(pir.EMBED, [])
+        embed = self._bytes(constants(embed_nodes).values())
+        # the embedding gathers one row per token; its table is memory, not traffic
+        rows = max((v.const_value.shape[0] for v in constants(embed_nodes).values() if len(v.const_value.shape) >= 2),
+                   default=1)
+        embed = BlockBytes(embed.gpu_bytes, embed.cpu_read / rows, embed.gpu_read / rows, len(embed_nodes))
+        head_nodes = members.get(pir.HEAD, [])
+        head = costmodel.price(target, block_bytes(head_nodes))
+        logits = sum(math.prod(int(d) for d in (v.shape or [])[1:]) for v in graph.outputs[:1]
+                     if v.shape is not None and all(isinstance(d, int) for d in list(v.shape)[1:]))
+        head = placement.Block(head.gpu_bytes, head.cpu_s, head.gpu_s + costmodel.copy_seconds(target, 4 * logits))
+
+        built = []
+        for node, frequency in zip(ffns, frequencies):
+            layer = int(pir.attr(node, "layer"))
+            w_up, b_up, w_down, b_down = node.inputs[1:5]
+            width, d_model = w_down.const_value.shape
+            up = 2 if int(pir.attr(node, "gated", 0)) else 1
+            dense = self._bytes([w_up, b_up, w_down, b_down])
+            ffn = FfnBytes(dense=BlockBytes(dense.gpu_bytes, dense.cpu_read, dense.gpu_read, DENSE_FFN_CALLS),
+                           width=int(width), activation_bytes=nbytes([d_model], "float32"))
+            predictor = [graph.initializers.get(f"layers.{layer}.ffn.predictor.{w}") for w in ("w1", "w2")]
+            if frequency is not None and all(p is not None for p in predictor) and "predictor_active" in node.attributes:
+                shapes = [p.const_value.shape for p in predictor]
+                cpu_predictor = sum(math.ceil(math.prod(s) * predictor_format(self.weight_dtype).bytes_per_weight)
+                                    for s in shapes)
+                gpu_predictor = sum(gpu_bytes(s) for s in shapes)
+                active = float(pir.attr(node, "predictor_active"))
+                ffn = FfnBytes(
+                    dense=ffn.dense, width=ffn.width, activation_bytes=ffn.activation_bytes,
+                    gpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, GPU_WEIGHT_FORMAT),
+                    cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, weight_format("cpu", self.weight_dtype)),
+                    frequencies=frequency, predictor=BlockBytes(gpu_predictor, cpu_predictor, gpu_predictor, PREDICTOR_CALLS),
+                    rows_per_active=max(1.0, active * width / max(float(frequency.sum()), 1e-12)))
+            built.append(placement.Layer(costmodel.price(target, block_bytes(members.get(layer, []))),
+                                         costmodel.price_ffn(target, ffn)))
+        return placement.Problem(costmodel.price(target, embed), tuple(built), head,
+                                 costmodel.copy_seconds(target, nbytes([self._d_model(ffns)], "float32")), budget)
+
+    @staticmethod
+    def _d_model(ffns: list[ir.Node]) -> int:
+        return int(ffns[0].inputs[3].const_value.shape[1]) if ffns else 0
+
+    @staticmethod
+    def _summary(report: dict, problem: placement.Problem) -> str:
+        plan = report["plan"]
+        sparse = [i for i, m in enumerate(plan["ffn"]) if m == "sparse"]
+        neurons = sum(problem.layers[i].ffn.width for i in sparse)
+        dense_gpu = plan["ffn"].count("gpu")
+        speedup = report["layer_offload_step_s"] / report["expected_step_s"] if report["expected_step_s"] else 1.0
+        gap = "unknown" if report["gap"] is None else f"{report['gap'] * 100:.3f}%"
+        return (f"partition: {plan['attention'].count('gpu')}/{len(plan['attention'])} attention blocks, "
+                f"{sum(report['gpu_neurons'])}/{neurons} sparse FFN neurons "
+                f"({report['activation_share'] * 100:.1f}% of activations), {dense_gpu} dense FFNs, embedding "
+                f"{'on the GPU' if plan['embed'] == 'gpu' else 'on the CPU'}, output layer "
+                f"{'on the GPU' if plan['head'] == 'gpu' else 'on the CPU'}: {format_size(report['used_bytes'])} of "
+                f"{format_size(report['budget_bytes'])} (GPU {format_size(report['vram_bytes'])} - reserve "
+                f"{format_size(report['reserve_bytes'])}); expected {1 / report['expected_step_s']:.1f} tok/s, "
+                f"{speedup:.2f}x layer offload's ({report['layer_offload_layers']} layers); {report['status']}, "
+                f"gap {gap}, {report['solve_time_s']:.2f} s")

@@ -1,19 +1,19 @@
 """place: decide the device of every block of the IR. The one pass that does; kernel selection reads it.
 
-Reads: the block IR (after recognise, fuse and, in predictor mode, lower: `picompile.SparseFFN` parts
-carry `part` "gpu"/"cpu" and `picompile.Predict` its device, as partition's solve made them), partition's
-report (`picompile.placement`: the FFN budget left after the dense part), the target and the budget.
+Reads: the block IR (after fuse; in predictor mode after lower: `picompile.SparseFFN` parts carry `part`
+"gpu"/"cpu"), partition's plan (`picompile.placement`'s `plan`: the embedding's, each layer's attention block's
+and the output layer's device, each FFN's `placed`), the target and the budget.
 Adds: the device ("cpu" or "gpu") of every node, in its `picompile.device` metadata (standard ONNX ops
-may not carry foreign attributes; `device_of` reads it), and `picompile.devices` (a JSON summary:
-which layers' dense blocks are on the GPU, their bytes, the budget) that `inspect` and `-v` show.
+may not carry foreign attributes; `device_of` reads it), and `picompile.devices` (a JSON summary: the layers
+with a block on the GPU, the GPU bytes, the budget) that `inspect` and `-v` show.
 
 - No GPU on the target: everything on the CPU.
-- Neuron-split FFNs (predictor mode): each part where partition put it; the dense blocks (attention,
-  norms, embedding, output layer, merges) on the GPU when partition found room for them (its FFN budget
-  is what is left after them), else on the CPU.
-- Otherwise (dense builds): the whole model on the GPU if it fits the budget (the target's GPU memory or
-  `--vram-budget`, less partition's reserve); if not, whole layers in order while they fit (llama.cpp's
-  layer offload), the embedding and the output layer on the CPU.
+- With partition's plan (dense and predictor builds): each node where the plan puts its block
+  (`pir.node_blocks`): a layer's nodes with its attention block (norms, residual adds, the predictor and the FFN's
+  merge run where the residual stream is), except a dense FFN (where `placed` says) and a sparse FFN's parts
+  (each on its own device); the embedding's and the output layer's nodes where the plan puts them.
+- Without one (threshold mode): whole layers in order while they fit the budget (llama.cpp's layer offload),
+  the embedding and output layer on the CPU.
 Weights are priced at the precision the GPU stores them in (`sizes.gpu_bytes`: fp16 matrices) and each layer
 with its KV cache.
 """
@@ -41,20 +41,6 @@ def device_of(node: ir.Node) -> str:
     return node.metadata_props[DEVICE_KEY]
 
 
-def node_layers(graph: ir.Graph) -> dict[ir.Node, int | None]:
-    """Each node's decoder layer: its `layer` attribute, else the lowest layer among the nodes that read it
-    (a norm belongs to the block it feeds); None outside the layers (embedding, final norm, output layer)."""
-    layers: dict[ir.Node, int | None] = {}
-    for node in reversed(list(graph)):
-        if "layer" in node.attributes:
-            layers[node] = int(pir.attr(node, "layer"))
-            continue
-        readers = [layers.get(user) for value in node.outputs for user in value.consumers()]
-        known = [layer for layer in readers if layer is not None]
-        layers[node] = min(known) if known else None
-    return layers
-
-
 def _gpu_bytes(node: ir.Node, max_context: int) -> int:
     """What the node keeps on the GPU: its weights (at the GPU's precision) and, for attention, its KV cache."""
     total = sum(gpu_bytes(value.const_value.shape) for value in node.inputs
@@ -75,8 +61,9 @@ class Place:
         if not ctx.target.has_gpu:
             devices = {node: "cpu" for node in nodes}
             summary = {"rule": "no GPU on the target"}
-        elif any(node.op_type == "SparseFFN" for node in nodes):
-            devices, summary = self._neuron_split(model, nodes)
+        elif "plan" in json.loads(model.metadata_props.get("picompile.placement", "{}")):
+            plan = json.loads(model.metadata_props["picompile.placement"])["plan"]
+            devices, summary = self._planned(model, nodes, plan)
         else:
             devices, summary = self._layer_offload(model.graph, nodes, ctx)
         for node, device in devices.items():
@@ -87,26 +74,32 @@ class Place:
         return PassResult(model, modified=True)
 
     @staticmethod
-    def _neuron_split(model: ir.Model, nodes: list[ir.Node]) -> tuple[dict, dict]:
-        placement = json.loads(model.metadata_props.get("picompile.placement", "{}"))
-        dense_fits = placement.get("budget_bytes", 0) > 0  # partition's FFN budget is what the dense part left
-        dense = "gpu" if dense_fits else "cpu"
+    def _planned(model: ir.Model, nodes: list[ir.Node], plan: dict) -> tuple[dict, dict]:
+        blocks = pir.node_blocks(model.graph)
         devices = {}
         for node in nodes:
+            block = blocks[node]
             if node.op_type == "SparseFFN":
                 devices[node] = pir.attr(node, "part")
-            elif node.op_type == "Predict":
-                devices[node] = pir.attr(node, "device")
+            elif node.op_type == "FFN" and node.domain == pir.DOMAIN:
+                devices[node] = pir.attr(node, "placed")
+            elif block == pir.EMBED:
+                devices[node] = plan["embed"]
+            elif block == pir.HEAD:
+                devices[node] = plan["head"]
             else:
-                devices[node] = dense
-        rule = "dense blocks on the GPU, FFN neurons split by partition" if dense_fits else \
-            "the dense part does not fit the GPU budget: all on the CPU"
-        return devices, {"rule": rule}
+                devices[node] = plan["attention"][block]
+        gpu_layers = sorted({blocks[n] for n, d in devices.items() if d == "gpu" and isinstance(blocks[n], int)})
+        on_gpu = [name for name, device in (("embedding", plan["embed"]), ("output layer", plan["head"]))
+                  if device == "gpu"]
+        rule = (f"partition's plan: {len(gpu_layers)} layers with blocks on the GPU"
+                + (f", the {' and '.join(on_gpu)}" if on_gpu else ""))
+        return devices, {"rule": rule, "gpu_layers": gpu_layers}
 
     def _layer_offload(self, graph: ir.Graph, nodes: list[ir.Node], ctx: Context) -> tuple[dict, dict]:
         budget_total = self.vram_budget_bytes if self.vram_budget_bytes is not None else ctx.target.gpu_memory_bytes
         budget = int(budget_total * (1 - RESERVE_FRACTION))
-        layers = node_layers(graph)
+        layers = pir.node_layers(graph)
         per_layer: dict[int | None, int] = {}
         for node in nodes:
             per_layer[layers[node]] = per_layer.get(layers[node], 0) + _gpu_bytes(node, self.max_context)

@@ -30,7 +30,7 @@ from runtime.dtypes import itemsize
 
 from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
 from .kernels import cpu, neuron, ops, quant
-from .place import device_of, node_layers
+from .place import device_of
 from .quantize import QuantizedMatrix
 
 
@@ -577,7 +577,7 @@ class SelectKernels:
                             int8_dot=isa.int8_dot if self.int8_activations else None)
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(lowering)
-        nodes, layers = list(model.graph), node_layers(model.graph)
+        nodes, layers = list(model.graph), pir.node_layers(model.graph)
         with ctx.progress("select-kernels: blocks", len(nodes)) as advance:
             for node in nodes:
                 with ctx.layer(layers[node]) if layers[node] is not None else contextlib.nullcontext():

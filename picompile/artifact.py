@@ -110,7 +110,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             "devices": json.loads(model.metadata_props.get("picompile.devices", "{}")),
             "files": files,
         }
-        manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target, options.vram_budget_bytes))
+        manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target))
         (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest), indent=1))
         _replace_dir(staging, output)
     except BaseException:

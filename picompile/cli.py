@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--no-dense-fallback", action="store_true",
                        help="predictor mode: lower every layer sparse, even where the cost model expects the dense "
                             "FFN to be faster (at a high expected share of active neurons)")
-    build.add_argument("--placement-batch", type=_positive_int, default=64, help="neurons per placement ILP variable")
+    build.add_argument("--placement-batch", type=_positive_int, default=None,
+                       help="neurons per placement ILP column (default: 64 per 8,192 neurons of the widest layer)")
     build.add_argument("--placement-time-limit", type=_non_negative(float), default=30.0, metavar="SECONDS",
                        help="time limit of the placement ILP; past it the best placement found is used and reported "
                             "as not optimal, with its gap (picompile inspect)")
@@ -336,9 +337,16 @@ def _inspect(args) -> int:
             say(line)
     placement = info["placement"]
     if placement:
-        say(f"placement   {placement.get('status')}, gap {placement.get('gap', 0) * 100:.3f}%, "
-            f"solved in {placement.get('solve_time_s', 0):.2f} s, GPU budget for FFN neurons "
-            f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB")
+        plan = placement.get("plan", {})
+        gap = "unknown" if placement.get("gap") is None else f"{placement['gap'] * 100:.3f}%"
+        say(f"placement   {placement.get('status')}, gap {gap}, "
+            f"solved in {placement.get('solve_time_s', 0):.2f} s; GPU {placement.get('used_bytes', 0) / 2**20:.1f} of "
+            f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB: {plan.get('attention', []).count('gpu')} attention "
+            f"blocks, {sum(placement.get('gpu_neurons', []))} sparse FFN neurons, {plan.get('ffn', []).count('gpu')} "
+            f"dense FFNs, embedding {plan.get('embed', 'cpu').upper()}, output layer {plan.get('head', 'cpu').upper()}")
+        if placement.get("expected_step_s"):
+            say(f"            expected {1 / placement['expected_step_s']:.1f} tok/s, layer offload "
+                f"({placement.get('layer_offload_layers', 0)} layers) {1 / placement['layer_offload_step_s']:.1f}")
     if manifest.get("sparsity"):
         from passes.sparsity_mode import Sparsity
 

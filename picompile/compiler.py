@@ -61,17 +61,19 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
     dense_profile = [Profile(calib=options.calib, calib_tokens=options.calib_tokens or AWQ_TOKENS,
                              calib_samples=options.calib_samples or 0, max_context=options.max_context,
                              seed=options.seed, wanted_tokens=AWQ_MIN_TOKENS)] if awq else []
+    # one placement of every block: a dense build's layers run dense, a sparse build's may (not with --all-neurons,
+    # which checks the split, or --no-dense-fallback)
+    partition = Partition(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context,
+                          placement_batch=options.placement_batch, time_limit_s=options.placement_time_limit_s,
+                          weight_dtype=options.weight_dtype,
+                          dense_ffns=options.dense_fallback and not options.all_neurons)
     sparse = {
-        "dense": dense_profile + awq,
+        "dense": dense_profile + awq + [partition],
         "predictor": [profile, *awq,
                       Predict(target_recall=options.target_recall, param_share=options.predictor_param_share,
                               weight_dtype=options.weight_dtype, seed=options.seed,
                               cpu_isa=options.cpu_isa_for(target).name, int8_activations=options.int8_activations),
-                      Partition(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context,
-                                placement_batch=options.placement_batch,
-                                time_limit_s=options.placement_time_limit_s, weight_dtype=options.weight_dtype),
-                      LowerPredicted(all_neurons=options.all_neurons, dense_fallback=options.dense_fallback,
-                                     weight_dtype=options.weight_dtype)],
+                      partition, LowerPredicted(all_neurons=options.all_neurons)],
         "threshold": [profile, Threshold(), LowerThresholded()],
     }[mode]
     return sparse + back(options, target)

@@ -1,11 +1,12 @@
-"""Expected decode speed of a compiled artifact on its target, and of the baselines users compare with.
+"""Expected decode speed: of the blocks placement places, of a compiled artifact on its target, and of the
+baselines users compare with.
 
 Decoding is bound by memory traffic, so each decode call costs the bytes it reads over its device's
 bandwidth plus a fixed launch cost; a sparse part reads only the rows its predictor is expected to
-select. The schedule's DAG, with each device's calls chained in program order (a device runs one call
-at a time), gives the step time as its critical path. The baselines come from the same byte counts:
-CPU only (every weight streamed by the CPU) and llama.cpp-style offload (as many whole layers as fit in
-GPU memory, the rest on the CPU).
+select. Placement prices each block so (`price`, `price_ffn`: `picompile.placement` solves with those costs and
+prices llama.cpp-style layer offload with the same ones). An artifact's step is its schedule's DAG, with each
+device's calls chained in program order (a device runs one call at a time), and its critical path; the
+CPU-only baseline comes from the same byte counts (every weight streamed by the CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from runtime.calls import Access, Call, Role, decode_weight_reads, schedule_calls
 from runtime.dtypes import itemsize, nbytes
 
+from .placement import Block, Ffn
 from .targets import Target
 
 CALL_OVERHEAD_S = {"cpu": 2e-6, "gpu": 5e-6}  # Python dispatch + thread-pool wake-up; kernel launch
@@ -32,8 +34,8 @@ each layer's sparse call after its attention GEMVs, against the dense up + down 
 alternated in one process): at 10-20% of the rows selected 1.09-1.21 on one thread (medians over rounds and
 90th percentiles of calls alike; 1.09-1.17 on 4 KiB pages), 1.11-1.14 on two (90th percentiles: the medians of
 the 10 ms dense calls measured the other work's load); before the kernel's prefetches went to L2, 0.6-0.7. Taken a little
-below 1 so that a layer near the break-even point stays dense (never slower than dense). Prices the dense
-fallback per layer (`ffn_decode_seconds`)."""
+below 1 so that a layer near the break-even point stays dense (never slower than dense). Placement prices a CPU
+part's selected rows with it (`price_ffn`), and so chooses which layers run dense."""
 
 
 def launch_seconds(device: str) -> float:
@@ -50,6 +52,56 @@ def sync_seconds(target: Target, activation_bytes: int) -> float:
     """One CPU-GPU synchronisation of a hybrid layer: its input copied to the GPU and its partial output
     copied back (`activation_bytes` each). Placement prices a layer's split with this, the estimate its copies."""
     return 2 * copy_seconds(target, activation_bytes)
+
+
+@dataclass(frozen=True)
+class BlockBytes:
+    """What a block keeps on the GPU and reads in one decode step on each device (each stores its weights in its own
+    format), and its calls: the facts placement prices (`price`)."""
+
+    gpu_bytes: int
+    cpu_read: float
+    gpu_read: float
+    calls: int
+
+
+def price(target: Target, block: BlockBytes) -> Block:
+    """A block's decode seconds on each device: its bytes over the device's bandwidth, plus its calls' fixed cost."""
+    cpu = block.cpu_read / (target.cpu_bandwidth_gbs * 1e9) + block.calls * launch_seconds("cpu")
+    gpu = (block.gpu_read / (target.gpu_bandwidth_gbs * 1e9) if target.gpu_bandwidth_gbs > 0 else float("inf")) \
+        + block.calls * launch_seconds("gpu")
+    return Block(int(block.gpu_bytes), cpu, gpu)
+
+
+@dataclass(frozen=True)
+class FfnBytes:
+    """One FFN layer as placement sees it: the dense FFN, and for a sparse one its neurons' activity, a neuron's
+    bytes on each device, its predictor and the predicted rows per truly active neuron."""
+
+    dense: BlockBytes
+    width: int
+    activation_bytes: int  # the layer's input (and output) row: what a split copies each way
+    gpu_bytes_per_neuron: int = 0
+    cpu_bytes_per_neuron: int = 0
+    frequencies: np.ndarray | None = None
+    predictor: BlockBytes | None = None
+    rows_per_active: float = 1.0
+
+
+def price_ffn(target: Target, ffn: FfnBytes) -> Ffn:
+    """An FFN's costs: the dense GEMVs as `price`s them; a selected row at the neuron's bytes over the GPU's
+    bandwidth, or over SPARSE_ROW_EFFICIENCY of the CPU's; one call per part; a split's copies (`sync_seconds`,
+    plus the other part's selection scores)."""
+    sparse = ffn.frequencies is not None and ffn.predictor is not None
+    gpu_bw = target.gpu_bandwidth_gbs * 1e9
+    return Ffn(
+        dense=price(target, ffn.dense), width=ffn.width, gpu_bytes_per_neuron=ffn.gpu_bytes_per_neuron,
+        frequencies=ffn.frequencies if sparse else None,
+        predictor=price(target, ffn.predictor) if sparse else None, rows_per_active=ffn.rows_per_active,
+        cpu_s_per_row=ffn.cpu_bytes_per_neuron / (target.cpu_bandwidth_gbs * 1e9 * SPARSE_ROW_EFFICIENCY),
+        gpu_s_per_row=ffn.gpu_bytes_per_neuron / gpu_bw if gpu_bw > 0 else float("inf"),
+        part_launch=Block(0, launch_seconds("cpu"), launch_seconds("gpu")),
+        sync_s=sync_seconds(target, ffn.activation_bytes) + copy_seconds(target, nbytes([ffn.width], "float32")))
 
 
 @dataclass
@@ -87,38 +139,6 @@ def expected_share(call: Call, layers: dict[int, dict]) -> float:
     rows = layer["gpu_neurons"] if hot else layer["cpu_neurons"]
     share = layer.get("gpu_activation_share", 0.0) if hot else 1.0 - layer.get("gpu_activation_share", 0.0)
     return min(1.0, layer["predictor_active"] * total * share / max(rows, 1))
-
-
-@dataclass(frozen=True)
-class FfnChoice:
-    """One CPU FFN layer's decode cost both ways (`ffn_decode_seconds`): the sparse path (predictor, select, the
-    fused sparse kernel at the expected share, merge) and the dense one (up and down panel GEMVs)."""
-
-    sparse_s: float
-    dense_s: float
-    share: float
-
-    @property
-    def dense_is_cheaper(self) -> bool:
-        return self.dense_s <= self.sparse_s
-
-    def reason(self) -> str:
-        return (f"expected {self.share:.1%} of the neurons predicted active: sparse {self.sparse_s * 1e3:.3f} ms/token, "
-                f"dense {self.dense_s * 1e3:.3f} ms/token (sparse rows at {SPARSE_ROW_EFFICIENCY:.0%} of dense bandwidth)")
-
-
-def ffn_decode_seconds(target: Target, *, ffn_bytes: int, predictor_bytes: int, share: float) -> FfnChoice:
-    """A CPU-only FFN layer's decode step, sparse and dense, as memory traffic over the CPU's bandwidth.
-    `ffn_bytes`: its up (and gate) and down weights; `predictor_bytes`: its predictor's weights (read whole every
-    step); `share`: the expected share of its neurons the predictor lets through (predict's `predictor_active`).
-    The sparse kernel reads that share of the rows (every one counted, as if all fired: the estimate's convention)
-    at SPARSE_ROW_EFFICIENCY of the bandwidth the dense GEMVs reach. The calls' fixed costs are left out: the
-    choice is then the same at every model size (share against predictor_bytes / ffn_bytes and the efficiency),
-    and the fixed cost per call (CALL_OVERHEAD_S, a guess) would decide only layers so small that the step's
-    Python dispatch dominates them anyway."""
-    bandwidth = target.cpu_bandwidth_gbs * 1e9
-    sparse = predictor_bytes / bandwidth + share * ffn_bytes / (bandwidth * SPARSE_ROW_EFFICIENCY)
-    return FfnChoice(sparse, ffn_bytes / bandwidth, share)
 
 
 def weight_bytes(call: Call, buffers: dict, selected: float = 0.0, nonzero: float = 0.0) -> float:
@@ -198,7 +218,10 @@ def _dense_layer_bytes(calls: list[Call], buffers: dict) -> tuple[dict[int, int]
     return per_layer, outside
 
 
-def estimate(manifest: dict, schedule: dict, target: Target, vram_budget_bytes: int | None = None) -> Estimate:
+def estimate(manifest: dict, schedule: dict, target: Target) -> Estimate:
+    """The artifact's expected decode: its schedule's critical path, and the CPU-only dense baseline from the same
+    byte counts. Layer offload's is the placement report's (partition priced it with the program's own costs: the
+    one like-for-like comparison); None where the build placed nothing (CPU targets, threshold mode)."""
     buffers = manifest["buffers"]
     by_layer = {layer["layer"]: layer for layer in manifest.get("layers", [])}
     calls = schedule_calls(schedule)
@@ -212,22 +235,11 @@ def estimate(manifest: dict, schedule: dict, target: Target, vram_budget_bytes: 
             device_bytes[call.device] += (seconds[call.id] - launch_seconds(call.device)) * bandwidth
     per_layer, outside = _dense_layer_bytes(calls, buffers)
     overhead = sum(1 for call in decode if call.role not in (Role.PREDICTOR, Role.COPY)) * launch_seconds("cpu")
-    total = sum(per_layer.values()) + outside
-    cpu_only = total / (target.cpu_bandwidth_gbs * 1e9) + overhead
+    cpu_only = (sum(per_layer.values()) + outside) / (target.cpu_bandwidth_gbs * 1e9) + overhead
+    placement = manifest.get("placement", {})
     offload, offloaded = None, 0
-    if target.has_gpu:
-        budget = vram_budget_bytes if vram_budget_bytes is not None else target.gpu_memory_bytes
-        gpu_bytes = 0
-        for layer in sorted(per_layer):  # whole layers, in order, while they fit
-            if gpu_bytes + per_layer[layer] > budget:
-                break
-            gpu_bytes += per_layer[layer]
-            offloaded += 1
-        if offloaded == len(per_layer) and gpu_bytes + outside <= budget:
-            gpu_bytes += outside
-        cpu_bytes = total - gpu_bytes
-        offload = 1.0 / (gpu_bytes / (target.gpu_bandwidth_gbs * 1e9) + cpu_bytes / (target.cpu_bandwidth_gbs * 1e9)
-                         + overhead + (COPY_LATENCY_S if 0 < offloaded else 0))
+    if target.has_gpu and placement.get("layer_offload_step_s"):
+        offload, offloaded = 1.0 / placement["layer_offload_step_s"], placement["layer_offload_layers"]
     return Estimate(1.0 / step, 1.0 / cpu_only, offload, offloaded, int(device_bytes["gpu"]), int(device_bytes["cpu"]))
 
 

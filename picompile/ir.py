@@ -54,6 +54,31 @@ def nodes_in_domain(model: ir.Model, op_type: str) -> list[ir.Node]:
     return [n for n in model.graph if n.domain == DOMAIN and n.op_type == op_type]
 
 
+def node_layers(graph: ir.Graph) -> dict[ir.Node, int | None]:
+    """Each node's decoder layer: its `layer` attribute, else the lowest layer among the nodes that read it
+    (a norm belongs to the block it feeds); None outside the layers (embedding, final norm, output layer)."""
+    layers: dict[ir.Node, int | None] = {}
+    for node in reversed(list(graph)):
+        if "layer" in node.attributes:
+            layers[node] = int(attr(node, "layer"))
+            continue
+        readers = [layers.get(user) for value in node.outputs for user in value.consumers()]
+        known = [layer for layer in readers if layer is not None]
+        layers[node] = min(known) if known else None
+    return layers
+
+
+EMBED, HEAD = "embed", "head"
+
+
+def node_blocks(graph: ir.Graph) -> dict[ir.Node, int | str]:
+    """Each node's placement block: EMBED for the `Embed` op (it gathers token rows, and positions for OPT), else
+    its layer (`node_layers`), else HEAD (the final norm and output layer)."""
+    layers = node_layers(graph)
+    return {node: EMBED if node.domain == DOMAIN and node.op_type == "Embed" else
+            HEAD if layers[node] is None else layers[node] for node in graph}
+
+
 def save(model: ir.Model, path: Path) -> None:
     """Write the model as one .onnx file, with weights beside it (`.onnx.data`) past protobuf's 2 GB limit.
     onnx_ir copies tensors that still live in the source model's external data file, so the result never

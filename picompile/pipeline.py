@@ -43,12 +43,12 @@ class Options:
     # Sequences the profile pass samples from the model itself to add to --calib (None: "auto", enough to reach
     # passes.profile.MIN_TOKENS_PER_NEURON tokens per FFN neuron when a --calib file falls short; 0: none)
     calib_samples: int | None = None
-    placement_batch: int = 64  # neurons per ILP variable (sorted by frequency, then grouped)
+    placement_batch: int | None = None  # neurons per ILP column (sorted by frequency, then grouped); None: by width
     placement_time_limit_s: float = 30.0
     predictor_param_share: float = 0.10  # cap on all predictors together, as a share of the model's parameters
     target_recall: float = 0.99  # the threshold of each predictor is set to reach this on held-out tokens
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)
-    dense_fallback: bool = True  # predictor mode: a CPU-only layer whose sparse path the cost model prices higher stays dense
+    dense_fallback: bool = True  # predictor mode: placement may run a layer dense (where the cost model prices it lower)
     weight_dtype: str = "fp32"  # storage of the CPU's weight matrices: fp32, fp16 (converted in registers), int8, int4
     # int4 decode GEMVs quantize their input to int8 per block of 32 and take integer dot products (as llama.cpp's
     # Q4_0 and onnxruntime's accuracy_level 4 do): an error of ~5e-3 of the output, 1.3-1.9x faster

@@ -49,6 +49,14 @@ def gpu_bytes(shape) -> int:
     return nbytes(shape, "float32")
 
 
+def cpu_bytes(shape, weight_dtype: str) -> int:
+    """Bytes of a constant of `shape` on the CPU: a matrix (2-D or more) in --weight-dtype's format (`weight_format`),
+    a vector in fp32."""
+    if len(shape) >= 2:
+        return math.ceil(math.prod(int(d) for d in shape) * weight_format("cpu", weight_dtype).bytes_per_weight)
+    return nbytes(shape, "float32")
+
+
 def float_format(fmt: WeightFormat) -> WeightFormat:
     """The float format a build in `fmt` stores a matrix in that it does not quantize (not a whole number of
     blocks): fmt itself for float builds, fp16 for quantized ones."""

@@ -89,17 +89,17 @@ def test_verbose_lists_each_pass_with_time_and_node_counts(sparse_files, tmp_pat
                  "-v", "--dump-ir", str(tmp_path / "ir")]) == 0
     err = capsys.readouterr().err
     timed = re.findall(r"^pass (\d\d) ([\w-]+) +([\d.]+) ms  (.*)$", err, re.M)
-    assert [name for _, name, _, _ in timed] == ["import", "recognise", "fuse", "place", "select-kernels",
-                                                  "plan-buffers", "compile", "schedule"]
+    assert [name for _, name, _, _ in timed] == ["import", "recognise", "partition", "fuse", "place",
+                                                  "select-kernels", "plan-buffers", "compile", "schedule"]
     recognise = timed[1][3]
     assert re.match(r"\d+ -> 15 nodes \(.*\+picompile\.FFN 2", recognise), recognise
 
     index = (tmp_path / "ir" / "index.txt").read_text().splitlines()
-    assert [line.split()[0] for line in index] == ["00-import.onnx", "01-recognise.onnx", "02-fuse.onnx",
-                                                   "03-place.onnx", "04-select-kernels.onnx",
-                                                   "05-plan-buffers.onnx", "06-compile.onnx", "07-schedule.onnx"]
+    assert [line.split()[0] for line in index] == ["00-import.onnx", "01-recognise.onnx", "02-partition.onnx",
+                                                   "03-fuse.onnx", "04-place.onnx", "05-select-kernels.onnx",
+                                                   "06-plan-buffers.onnx", "07-compile.onnx", "08-schedule.onnx"]
     assert "+picompile.Attention 2" in index[1] and "-MatMul" in index[1]
-    assert "+picompile.Call" in index[4] and "-picompile.FFN 2" in index[4]
+    assert "+picompile.Call" in index[5] and "-picompile.FFN 2" in index[5]
     for line in index:  # every listed file exists, and its node count is the one in the index
         name, counts = line.split()[0], re.search(r"-> (\d+) nodes", line).group(1)
         assert int(counts) == len(list(load_ir(tmp_path / "ir" / name).graph))
