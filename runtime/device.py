@@ -19,7 +19,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -118,12 +117,7 @@ class DeviceExecutor:
                 tensor.copyfrom(np.zeros(info["shape"], info["dtype"]))
                 self.tensors[name] = tensor
         self._kernels: dict[str, object] = {}
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        # The thread holds the job queue, not the executor, so a dropped engine frees its device memory.
-        self._thread = threading.Thread(target=_device_loop, args=(self._jobs,), name="picompile-gpu-executor",
-                                        daemon=True)
-        self._thread.start()
-        weakref.finalize(self, self._jobs.put, None)
+        self._jobs = _device_jobs()
 
     def _upload(self, array: np.ndarray):
         self.uploads += 1
@@ -192,12 +186,26 @@ class DeviceExecutor:
             raise failure[0]
 
 
+_JOBS: queue.SimpleQueue | None = None
+_JOBS_LOCK = threading.Lock()
+
+
+def _device_jobs() -> queue.SimpleQueue:
+    """The queue of the process's one device thread, started on first use. One thread for every executor, never
+    ending: the GPU runs one stream's work in order anyway, and a thread that ran TVM's parallel CPU kernels (an
+    emulated GPU's) aborts the process when it exits while the process lives (TVM's per-thread worker pool is
+    torn down with joinable threads). The thread holds only the queue, so a dropped engine frees its memory."""
+    global _JOBS
+    with _JOBS_LOCK:
+        if _JOBS is None:
+            _JOBS = queue.SimpleQueue()
+            threading.Thread(target=_device_loop, args=(_JOBS,), name="picompile-gpu-executor", daemon=True).start()
+        return _JOBS
+
+
 def _device_loop(jobs: queue.SimpleQueue) -> None:
     while True:
-        job = jobs.get()
-        if job is None:
-            return
-        program, position, record, done, failure, sync = job
+        program, position, record, done, failure, sync = jobs.get()
         execute(program, "gpu", position, record, done, failure, sync)
 
 

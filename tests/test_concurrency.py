@@ -201,6 +201,29 @@ def test_emulated_gpu_runs_without_the_compiler_stack(hybrid):
     assert out.split() == [str(expected), "DeviceExecutor", "no", "compiler"]
 
 
+def test_engines_can_be_dropped_while_the_process_goes_on(hybrid):
+    """An emulated GPU runs the CPU versions of its kernels, some with TVM's parallel loops, on the device thread.
+    A thread that ran those must never end while the process lives (TVM tears its per-thread worker pool down with
+    joinable threads and the process aborts: `picompile run` did, dropping its engine before exit), so every
+    engine shares one device thread that outlives them; a dropped engine's successor works as it did."""
+    import gc
+
+    def device_threads():
+        return [t for t in threading.enumerate() if t.name == "picompile-gpu-executor"]
+
+    first = Engine(hybrid, emulate_gpu=True)
+    expected = int(np.argmax(first.forward(PROMPT)[-1]))
+    second = Engine(hybrid, emulate_gpu=True)
+    assert len(device_threads()) == 1
+    del first
+    gc.collect()
+    assert int(np.argmax(second.forward(PROMPT)[-1])) == expected
+    del second
+    gc.collect()
+    time.sleep(0.05)
+    assert [t.is_alive() for t in device_threads()] == [True]
+
+
 def test_gpu_artifact_is_refused_without_a_gpu(hybrid, capsys):
     if cuda_gpu_present():
         pytest.skip("this machine has a CUDA GPU; the refusal is for machines without one")
