@@ -80,13 +80,13 @@ def test_cli_build_dump_run_eval_inspect(tiny_models, tmp_path, capsys):
                  "--dump-ir", str(dumps)]) == 0
     capsys.readouterr()
     dumped = sorted(p.name for p in dumps.glob("*.onnx"))
-    assert dumped == ["00-import.onnx", "01-recognise.onnx", "02-fuse.onnx", "03-place.onnx", "04-select-kernels.onnx",
-                      "05-plan-buffers.onnx", "06-compile.onnx", "07-schedule.onnx"]
+    assert dumped == ["00-import.onnx", "01-recognise.onnx", "02-partition.onnx", "03-fuse.onnx", "04-place.onnx",
+                      "05-select-kernels.onnx", "06-plan-buffers.onnx", "07-compile.onnx", "08-schedule.onnx"]
     for name in dumped:
         onnx.checker.check_model(onnx.load(str(dumps / name)))
         assert (dumps / name.replace(".onnx", ".txt")).read_text().strip()
     assert "picompile.FFN" in (dumps / "01-recognise.txt").read_text()
-    assert "picompile.Call" in (dumps / "04-select-kernels.txt").read_text()
+    assert "picompile.Call" in (dumps / "05-select-kernels.txt").read_text()
 
     assert main(["run", str(out), "--prompt-ids", "1,2,3", "-n", "6", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
