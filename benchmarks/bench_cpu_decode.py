@@ -241,6 +241,19 @@ def int4_ratios(summary: dict, artifacts) -> None:
         summary[name]["prefill_ratio_ort_int4"] = base["prefill_ms"] / summary[name]["prefill_ms"]
 
 
+def placement_check(summary: dict, artifacts: dict[str, Path]) -> str:
+    """Placement's own price of each artifact's decode step (the manifest's `placement.expected_step_s`, from the
+    target's bandwidths and the calls' fixed costs) beside the measured speed: how far the cost model that chooses
+    the plan is from the machine."""
+    parts = []
+    for name, path in artifacts.items():
+        expected = json.loads((path / "manifest.json").read_text()).get("placement", {}).get("expected_step_s")
+        if expected and name in summary:
+            measured = summary[name]["decode_tokens_per_s"]
+            parts.append(f"{name} expected {1 / expected:.1f} tok/s, measured {measured:.1f} ({measured * expected:.2f}x)")
+    return ("Placement's cost model against this run: " + "; ".join(parts) + ".") if parts else ""
+
+
 def report(config: dict, summary: dict, qualities: dict, bandwidth: dict, ratios: dict) -> str:
     from examples.bench_decode import quality_text
 
@@ -459,6 +472,8 @@ def main(argv=None) -> int:
         text = report(config, summary, qualities, bandwidth, ratios)
         text += "\nByte counts, cost model against runtime (every decode call, 3 steps): " + "; ".join(
             f"{name} {c['calls'] - len(c['disagree'])}/{c['calls']} agree" for name, c in agreement.items()) + "."
+        check = placement_check(summary, artifacts)
+        text += f"\n{check}" if check else ""
         if family:
             text = f"Predictability {config['predictability']:g}:\n\n" + text
         print(text)

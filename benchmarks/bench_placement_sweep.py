@@ -1,7 +1,7 @@
 """The placement sweep: expected decode tok/s of picompile's placement (picompile/placement.py: one integer program
-over every block) against llama.cpp-style layer offload, from no GPU memory to the whole model, at 7B, 13B, 40B
-and 70B shapes. No GPU is needed: both are priced by the same cost model (picompile/costmodel.py `price`,
-`price_ffn`) for a target's bandwidths.
+over every block) against llama.cpp-style layer offload and PowerInfer's policy (`powerinfer_plan`), from no GPU
+memory to the whole model, at 7B, 13B, 40B and 70B shapes. No GPU is needed: all three are priced by the same cost
+model (picompile/costmodel.py `price`, `price_ffn`; placement.step_seconds) for a target's bandwidths.
 
 Shapes: LLaMA-2 7B/13B/70B (ReGLU: gated FFN; 70B with 8 KV heads), ReluFalcon-40B (plain ReLU FFN, 8 KV heads).
 Weights: the GPU stores matrices in fp16 (`sizes.GPU_WEIGHT_FORMAT`), the CPU in --weight-dtype (fp16 or int4 here).
@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from picompile import placement  # noqa: E402
-from picompile.costmodel import CONTEXT, BlockBytes, FfnBytes, copy_seconds, price, price_ffn  # noqa: E402
+from picompile.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
+from picompile.costmodel import CONTEXT, BlockBytes, FfnBytes, copy_seconds, price, price_ffn, sync_seconds  # noqa: E402
 from picompile.sizes import GPU_WEIGHT_FORMAT, KV_CACHE_DTYPE, predictor_format, weight_format  # noqa: E402
 from picompile.targets import GiB, get_target  # noqa: E402
 from runtime.dtypes import itemsize  # noqa: E402
@@ -85,6 +86,26 @@ def problem(shape: str, target, weight_dtype: str, budget: int, frequencies, ran
     return placement.Problem(embed, tuple(built), head, copy_seconds(target, row), int(budget))
 
 
+def powerinfer_plan(p: placement.Problem, shape: str, target, weight_dtype: str, batch: int = 64) -> placement.Plan:
+    """PowerInfer's policy, priced by the same costs: every dense block (attention, output layer) and predictor on
+    the GPU if they all fit, then FFN neurons by its ILP (picompile/powerinfer_placement.py, with its
+    minimum-or-nothing and balance rules) in what is left; else everything on the CPU. FFNs always sparse."""
+    n = len(p.layers)
+    dense = p.head.gpu_bytes + sum(layer.attention.gpu_bytes + layer.ffn.predictor.gpu_bytes for layer in p.layers)
+    if dense > p.budget_bytes:
+        return placement.Plan("cpu", ["cpu"] * n, ["sparse"] * n, [0] * n, "cpu")
+    _, d, _, gated, _, _, _ = SHAPES[shape]
+    cpu_bytes = int(((2 if gated else 1) + 1) * d * weight_format("cpu", weight_dtype).bytes_per_weight)
+    frequencies = [layer.ffn.frequencies for layer in p.layers]
+    sync = sync_seconds(target, 4 * d)
+    minimum = [min_neurons_for(np.sort(f)[::-1], cpu_bytes, batch, target.cpu_bandwidth_gbs, sync) for f in frequencies]
+    share = cpu_bytes / p.layers[0].ffn.gpu_bytes_per_neuron
+    solved = solve_placement(frequencies, [layer.ffn.gpu_bytes_per_neuron for layer in p.layers], p.budget_bytes - dense,
+                             batch=batch, min_neurons=minimum, gpu_time_per_byte=1 / (target.gpu_bandwidth_gbs * 1e9),
+                             cpu_time_per_byte=share / (target.cpu_bandwidth_gbs * 1e9))
+    return placement.Plan("cpu", ["gpu"] * n, ["sparse"] * n, solved.gpu_neurons, "gpu")
+
+
 def model_gpu_bytes(p: placement.Problem) -> int:
     return p.embed.gpu_bytes + p.head.gpu_bytes + sum(
         layer.attention.gpu_bytes + layer.ffn.dense.gpu_bytes + layer.ffn.predictor.gpu_bytes for layer in p.layers)
@@ -109,7 +130,7 @@ def main() -> None:
           f"PCIe {target.pcie_bandwidth_gbs:.0f} GB/s), CPU weights {args.weight_dtype}, GPU fp16, "
           f"predictor precision {args.precision}")
     header = (f"{'model':<5} {'budget GiB':>10} {'of model':>8} {'picompile':>10} {'offload':>8} {'ratio':>6} "
-              f"{'layers':>6} {'attn GPU':>8} {'FFN on GPU':>10} {'status':<10} {'solve s':>7}")
+              f"{'PowerInfer':>10} {'ratio':>6} {'layers':>6} {'attn GPU':>8} {'FFN on GPU':>10} {'status':<10} {'solve s':>7}")
     print(header)
     print("-" * len(header))
     for shape in args.shapes:
@@ -123,19 +144,23 @@ def main() -> None:
             solved = placement.solve(p, batch=args.batch, time_limit_s=args.time_limit)
             offload = placement.layer_offload(p)
             ours, theirs = 1 / solved.seconds, 1 / placement.step_seconds(p, offload)
+            theirs_powerinfer = powerinfer_plan(p, shape, target, args.weight_dtype)
+            assert placement.gpu_bytes_used(p, theirs_powerinfer) <= budget
+            powerinfer = 1 / placement.step_seconds(p, theirs_powerinfer)
             plan = solved.plan
             ffn_share = sum(plan.gpu_neurons) / sum(layer.ffn.width for layer in p.layers)
             row = {"model": shape, "budget_bytes": budget, "model_bytes": whole, "picompile_tok_s": ours,
-                   "offload_tok_s": theirs, "offload_layers": offload.attention.count("gpu"),
+                   "offload_tok_s": theirs, "powerinfer_tok_s": powerinfer, "offload_layers": offload.attention.count("gpu"),
                    "attention_on_gpu": plan.attention.count("gpu"), "ffn_neurons_on_gpu": ffn_share,
                    "status": solved.status, "gap": solved.gap, "solve_time_s": solved.solve_time_s,
                    "used_bytes": solved.used_bytes, "plan": plan.to_json()}
             rows.append(row)
             print(f"{shape:<5} {budget / GiB:>10.1f} {step / args.steps:>8.0%} {ours:>10.2f} {theirs:>8.2f} "
-                  f"{ours / theirs:>6.2f} {row['offload_layers']:>6} {row['attention_on_gpu']:>8} "
+                  f"{ours / theirs:>6.2f} {powerinfer:>10.2f} {ours / powerinfer:>6.2f} {row['offload_layers']:>6} {row['attention_on_gpu']:>8} "
                   f"{ffn_share:>10.1%} {solved.status[:10]:<10} {solved.solve_time_s:>7.2f}", flush=True)
     worst = min(r["picompile_tok_s"] / r["offload_tok_s"] for r in rows)
-    print(f"lowest picompile / layer offload: {worst:.3f}")
+    worst_powerinfer = min(r["picompile_tok_s"] / r["powerinfer_tok_s"] for r in rows)
+    print(f"lowest picompile / layer offload: {worst:.3f}; lowest picompile / PowerInfer's policy: {worst_powerinfer:.3f}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"target": target.name, "args": vars(args), "rows": rows}, out, indent=1)

@@ -110,6 +110,50 @@ def test_fp16_weights_stay_close_to_onnxruntime(sparse_models, all_neurons_artif
     assert 0 < max(errors) < 1e-2, errors
 
 
+class _ForcedPlan:
+    """Stands in for partition's choice after it ran: every way a layer can sit across the devices, in one model
+    (tiny models would otherwise stay on the CPU at real bandwidths): the embedding on the GPU, layer 0's attention
+    on the CPU with its hottest neurons on the GPU (the predictor on the CPU, scores copied over), layer 1's
+    attention on the GPU with its FFN all on the CPU (the predictor on the GPU), the output layer on the CPU."""
+
+    name = "forced-plan"
+
+    def apply(self, model, ctx):
+        import onnx_ir as ir
+        from onnx_ir.passes import PassResult
+
+        from picompile import ir as pir
+
+        report = json.loads(model.metadata_props["picompile.placement"])
+        ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: pir.attr(n, "layer"))
+        counts = [64, 0]
+        report["plan"] = {"embed": "gpu", "attention": ["cpu", "gpu"], "ffn": ["sparse", "sparse"],
+                          "gpu_neurons": counts, "head": "cpu"}
+        report["gpu_neurons"] = counts
+        for node, n in zip(ffns, counts):
+            node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", n)
+            node.attributes["placed"] = ir.AttrString("placed", "sparse")
+        model.metadata_props["picompile.placement"] = json.dumps(report)
+        return PassResult(model, modified=True)
+
+
+def test_every_way_across_the_devices_matches_onnxruntime(sparse_models, tmp_path):
+    files = sparse_models["llama"]
+    opts = Options(max_context=64, calib=files.calib, all_neurons=True)
+    passes = pipeline(opts, "predictor")
+    at = next(i for i, p in enumerate(passes) if p.name == "partition") + 1
+    artifact = build(files.onnx, tmp_path / "f.pic", get_target("rtx4090"), opts,
+                     passes=passes[:at] + [_ForcedPlan()] + passes[at:])
+    calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
+    device = {call.id: call.device for call in calls}
+    assert device["embed"] == "gpu" and device["lm_head"] == "cpu"
+    assert device["layers.0.attn.attention"] == "cpu" and device["layers.0.ffn.predict.fc1"] == "cpu"
+    assert device["layers.1.attn.attention"] == "gpu" and device["layers.1.ffn.predict.fc1"] == "gpu"
+    assert device["layers.0.ffn.sparse.gpu.up"] == "gpu" and device["layers.0.ffn.merge"] == "cpu"
+    assert "layers.1.ffn.sparse.gpu.up" not in device and device["layers.1.ffn.merge"] == "gpu"
+    assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True)
+
+
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path, family):
     """Hot rows on the (emulated) GPU, cold rows on the CPU, in the same layers; separate buffers per
