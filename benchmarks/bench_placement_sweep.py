@@ -5,7 +5,7 @@ model (picompile/costmodel.py `price`, `price_ffn`; placement.step_seconds) for 
 
 Shapes: LLaMA-2 7B/13B/70B (ReGLU: gated FFN; 70B with 8 KV heads), ReluFalcon-40B (plain ReLU FFN, 8 KV heads).
 Weights: the GPU stores matrices in fp16 (`sizes.GPU_WEIGHT_FORMAT`), the CPU in --weight-dtype (fp16 or int4 here).
-Neuron activity: power law per layer with mean 10% (`zipf_frequencies`, seeded); predictors of rank r (d*r + r*F
+Neuron activity: power law per layer with mean 10% (bench_placement.py's `zipf_frequencies`, seeded); predictors of rank r (d*r + r*F
 parameters per layer, 1024 by default, int8 on the CPU in quantized builds); `--precision` sets the predicted rows
 per truly active neuron (1/precision: 0.4 is the hard end this project measured, 1.0 an ideal predictor).
 
@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_placement import zipf_frequencies  # noqa: E402  (the same synthetic activity as PowerInfer's ILP benchmark)
 from picompile import placement  # noqa: E402
 from picompile.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
 from picompile.costmodel import CONTEXT, BlockBytes, FfnBytes, copy_seconds, price, price_ffn, sync_seconds  # noqa: E402
@@ -39,20 +40,6 @@ SHAPES = {  # name: (layers, d_model, ffn, gated, kv_heads, head_dim, vocab)
 ATTENTION_CALLS = 5  # norm, q/k/v, attention, output projection with the residual, the FFN's norm
 DENSE_FFN_CALLS = 2
 PREDICTOR_CALLS = 2
-
-
-def zipf_frequencies(rng: np.random.Generator, layers: int, width: int, mean: float = 0.10) -> list[np.ndarray]:
-    out = []
-    ranks = np.arange(1, width + 1, dtype=np.float64)
-    for _ in range(layers):
-        raw = ranks ** -rng.uniform(0.7, 1.1)
-        lo, hi = 0.0, 1e6  # scale so that the mean activity is `mean`, saturating at 1
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if np.minimum(1.0, mid * raw).mean() < mean else (lo, mid)
-        f = np.clip(np.minimum(1.0, lo * raw) * rng.lognormal(0.0, 0.2, width), 0.0, 1.0)
-        out.append(rng.permutation(f))
-    return out
 
 
 def problem(shape: str, target, weight_dtype: str, budget: int, frequencies, rank: int, precision: float,
