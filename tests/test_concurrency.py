@@ -13,18 +13,15 @@ import pytest
 
 from runtime import Engine
 from runtime.calls import Role
-from test_sparse import sparse_build
-from tiny_targets import SLOW_CPU_RTX4090
+from test_sparse import hybrid_build
 
 PROMPT = [11, 22, 33, 44, 55]
 
 
 @pytest.fixture(scope="module")
 def hybrid(tiny_models, tmp_path_factory):
-    """Hot rows on the emulated GPU, cold rows on the CPU, in the same layers (as in test_sparse)."""
-    files = tiny_models("opt", sparsity=0.9)
-    return sparse_build(files, tmp_path_factory.mktemp("hybrid") / "h.pic", target=SLOW_CPU_RTX4090, all_neurons=True,
-                        vram_budget_bytes=300_000, placement_batch=32)
+    """Hot rows on the emulated GPU, cold rows on the CPU, in the same layers (test_sparse's build)."""
+    return hybrid_build(tiny_models("opt", sparsity=0.9), tmp_path_factory)
 
 
 def decode_run(engine: Engine, steps: int = 6) -> list[np.ndarray]:

@@ -1,8 +1,8 @@
 """Bring your own model: the exporter x family matrix, half-precision inputs, external data.
 
-Each row exports a tiny random ReLU model of one family with one exporter and builds it twice, dense and
-sparse with every neuron admitted (`all_neurons`); both artifacts must give onnxruntime's logits on that
-same ONNX file (prompt, then decode steps) within 1e-4. Models are dense-random (about half the neurons
+Each row exports a tiny random ReLU model of one family with one exporter and builds it dense and (for the
+SPARSE_EXPORTERS) sparse with every neuron admitted (`all_neurons`); each artifact must give onnxruntime's logits
+on that same ONNX file (prompt, then decode steps) within 1e-4. Models are dense-random (about half the neurons
 fire), made once per session; the optimum rows run optimum in its own environment, made before the run by
 `python scripts/optimum_env.py` (the README's test command runs it); without it those rows fail, naming it.
 No test installs anything.
@@ -29,6 +29,10 @@ from test_sparse import assert_matches_onnxruntime  # the same check, prompt and
 FAMILIES = ("opt", "llama", "llama_tied", "gpt2", "neox", "falcon")
 EXPORTERS = ("dynamo", "legacy", "optimum", "ort_extended")
 ROWS = [(exporter, family) for exporter in EXPORTERS for family in FAMILIES]
+# The rows whose sparse build runs too. After recognise the block IR is the same whatever exported the graph (the
+# dense build checks recognise, and the whole back end, on every row), so the sparse passes are checked on the two
+# exporters people use most; the suite's time budget pays for the rest.
+SPARSE_EXPORTERS = ("dynamo", "optimum")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,10 @@ def test_exported_model_compiles_and_matches_onnxruntime(exported, tmp_path, exp
     if exporter.startswith("ort_"):  # what onnxruntime saved, not a plain export
         assert any(n.domain == "com.microsoft" or n.op_type == "SimplifiedLayerNormalization"
                    for n in onnx.load(str(files.onnx)).graph.node) or exporter == "ort_basic"
+    if exporter not in SPARSE_EXPORTERS:
+        dense = build(files.onnx, tmp_path / "dense.pic", get_target("cpu"), Options(dense=True, max_context=32))
+        assert_matches_onnxruntime(dense, files.onnx, decode_steps=3)
+        return
     dense, sparse = dense_and_all_neurons(files.onnx, files.calib, tmp_path)
     calls = schedule_calls(json.loads((sparse / "schedule.json").read_text()))
     assert any(call.role is Role.FFN and call.selection for call in calls)  # the sparse build runs neuron kernels
