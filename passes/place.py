@@ -4,8 +4,9 @@ Reads: the block IR (after fuse; in predictor mode after lower: `picompile.Spars
 "gpu"/"cpu"), partition's plan (`picompile.placement`'s `plan`: the embedding's, each layer's attention block's
 and the output layer's device, each FFN's `placed`), the target and the budget.
 Adds: the device ("cpu" or "gpu") of every node, in its `picompile.device` metadata (standard ONNX ops
-may not carry foreign attributes; `device_of` reads it), and `picompile.devices` (a JSON summary: the layers
-with a block on the GPU, the GPU bytes, the budget) that `inspect` and `-v` show.
+may not carry foreign attributes; `device_of` reads it), and `picompile.devices` (a JSON summary: the rule, the
+layers with a block on the GPU and, for layer offload, the model's and the budget's bytes) that `inspect` and
+`-v` show.
 
 - No GPU on the target: everything on the CPU.
 - With partition's plan (dense and predictor builds): each node where the plan puts its block
@@ -13,9 +14,8 @@ with a block on the GPU, the GPU bytes, the budget) that `inspect` and `-v` show
   merge run where the residual stream is), except a dense FFN (where `placed` says) and a sparse FFN's parts
   (each on its own device); the embedding's and the output layer's nodes where the plan puts them.
 - Without one (threshold mode): whole layers in order while they fit the budget (llama.cpp's layer offload),
-  the embedding and output layer on the CPU.
-Weights are priced at the precision the GPU stores them in (`sizes.gpu_bytes`: fp16 matrices) and each layer
-with its KV cache.
+  the embedding and output layer on the CPU; weights priced at the precision the GPU stores them in
+  (`sizes.gpu_bytes`: fp16 matrices), each layer with its KV cache.
 """
 
 from __future__ import annotations
