@@ -21,6 +21,7 @@ runs dense on one device. CPU targets: everything on the CPU, no solve.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -70,13 +71,14 @@ class Partition:
         vram = self.vram_budget_bytes if self.vram_budget_bytes is not None else target.gpu_memory_bytes
         reserve = int(vram * self.reserve_fraction)
         problem = self._problem(model, ctx, ffns, frequencies, int(vram - reserve))
+        batch = self.placement_batch or placement.default_batch(layer.ffn.width for layer in problem.layers)
         if not target.has_gpu:
             plan = placement.cpu_only(problem, self.dense_ffns)
             solution = placement.Solution(plan, placement.step_seconds(problem, plan), 0,
                                           f"no GPU on target {target.name}", 0.0, 0.0, 0)
         else:
             with ctx.progress(f"partition: HiGHS placement ILP ({len(ffns)} layers)"):
-                solution = placement.solve(problem, batch=self.placement_batch, time_limit_s=self.time_limit_s,
+                solution = placement.solve(problem, batch=batch, time_limit_s=self.time_limit_s,
                                            dense_ffns=self.dense_ffns)
         plan = solution.plan
 
@@ -101,7 +103,7 @@ class Partition:
             "gap": solution.gap if math.isfinite(solution.gap) else None,
             "solve_time_s": solution.solve_time_s,
             "num_variables": solution.num_variables,
-            "batch": self.placement_batch or placement.default_batch(f.width for f in (l.ffn for l in problem.layers)),
+            "batch": batch,
             "vram_bytes": int(vram),
             "reserve_bytes": reserve,
             "budget_bytes": problem.budget_bytes,
@@ -146,9 +148,8 @@ class Partition:
     def _bytes(self, values) -> BlockBytes:
         """The constants `values` as a block: their GPU memory and what one decode step reads of them on each device."""
         values = [v for v in values if v is not None and v.const_value is not None]
-        return BlockBytes(sum(gpu_bytes(v.const_value.shape) for v in values),
-                          sum(cpu_bytes(v.const_value.shape, self.weight_dtype) for v in values),
-                          sum(gpu_bytes(v.const_value.shape) for v in values), 0)
+        on_gpu = sum(gpu_bytes(v.const_value.shape) for v in values)
+        return BlockBytes(on_gpu, sum(cpu_bytes(v.const_value.shape, self.weight_dtype) for v in values), on_gpu, 0)
 
     def _problem(self, model: ir.Model, ctx: Context, ffns: list[ir.Node], frequencies: list, budget: int):
         graph, target = model.graph, ctx.target
@@ -175,9 +176,11 @@ class Partition:
         embed = BlockBytes(embed.gpu_bytes, embed.cpu_read / rows, embed.gpu_read / rows, len(embed_nodes))
         head_nodes = members.get(pir.HEAD, [])
         head = costmodel.price(target, block_bytes(head_nodes))
-        logits = sum(math.prod(int(d) for d in (v.shape or [])[1:]) for v in graph.outputs[:1]
-                     if v.shape is not None and all(isinstance(d, int) for d in list(v.shape)[1:]))
-        head = placement.Block(head.gpu_bytes, head.cpu_s, head.gpu_s + costmodel.copy_seconds(target, 4 * logits))
+        # one token's logits go back to the host: a row as wide as the output layer's vocabulary (its wider side)
+        vocab = max((max(v.const_value.shape) for v in constants(head_nodes).values() if len(v.const_value.shape) >= 2),
+                    default=0)
+        head = placement.Block(head.gpu_bytes, head.cpu_s,
+                               head.gpu_s + costmodel.copy_seconds(target, nbytes([vocab], "float32")))
 
         built = []
         for node, frequency in zip(ffns, frequencies):
@@ -195,9 +198,8 @@ class Partition:
                                     for s in shapes)
                 gpu_predictor = sum(gpu_bytes(s) for s in shapes)
                 active = float(pir.attr(node, "predictor_active"))
-                ffn = FfnBytes(
-                    dense=ffn.dense, width=ffn.width, activation_bytes=ffn.activation_bytes,
-                    gpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, GPU_WEIGHT_FORMAT),
+                ffn = dataclasses.replace(
+                    ffn, gpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, GPU_WEIGHT_FORMAT),
                     cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, weight_format("cpu", self.weight_dtype)),
                     frequencies=frequency, predictor=BlockBytes(gpu_predictor, cpu_predictor, gpu_predictor, PREDICTOR_CALLS),
                     rows_per_active=max(1.0, active * width / max(float(frequency.sum()), 1e-12)))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -124,7 +124,7 @@ class Solution:
     gap: float  # HiGHS's relative MIP gap (inf where it stopped without a bound)
     solve_time_s: float
     num_variables: int
-    breakdown: dict = field(default_factory=dict)
+    program_seconds: float | None = None  # the program's own price of the plan (None: nothing was solved)
 
 
 def _sorted(frequencies) -> np.ndarray:
@@ -434,7 +434,7 @@ def solve(problem: Problem, *, batch: int | None = None, time_limit_s: float = 3
         plan = baseline  # HiGHS's tolerances only; the start is feasible and priced the same way
     solution = _solution(problem, plan, status, gap, started, len(p.cost))
     # the program's own price of its answer: step_seconds of the plan, up to HiGHS's tolerances
-    solution.breakdown["program_seconds"] = (constant + float(np.dot(p.cost, values))) * TIME_UNIT_S
+    solution.program_seconds = (constant + float(np.dot(p.cost, values))) * TIME_UNIT_S
     return solution
 
 

@@ -223,7 +223,7 @@ def test_placement_stopped_by_its_time_limit_is_reported_as_such():
     from passes.partition import Partition
     from picompile import ir as pir
     from picompile.pipeline import Context
-    from test_partition import power_law
+    from test_powerinfer_placement import power_law
     from tiny_targets import SLOW_CPU_RTX4090
 
     rng = np.random.default_rng(0)

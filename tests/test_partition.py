@@ -14,13 +14,8 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context, run_passes
 from picompile.targets import GiB, get_target
+from test_powerinfer_placement import power_law
 from tiny_targets import SLOW_CPU_RTX4090
-
-
-def power_law(rng, size: int, alpha: float = 1.0) -> np.ndarray:
-    """Activation frequencies in (0, 1], zipf-like, in random neuron order."""
-    ranked = np.minimum(1.0, 0.9 * np.arange(1, size + 1, dtype=np.float64) ** -alpha * rng.uniform(0.5, 1.5, size))
-    return rng.permutation(ranked)
 
 
 # ---------------------------------------------------------------- the pass on a real tiny model

@@ -68,7 +68,7 @@ def test_program_equals_enumeration(seed):
     assert solved.seconds == pytest.approx(placement.step_seconds(problem, solved.plan))
     assert solved.seconds == pytest.approx(best_by_enumeration(problem, batch), rel=1e-6)
     if solved.num_variables:  # the program prices its answer as step_seconds does
-        assert solved.breakdown["program_seconds"] == pytest.approx(solved.seconds, rel=1e-5)
+        assert solved.program_seconds == pytest.approx(solved.seconds, rel=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(6))
