@@ -148,7 +148,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-MAKER_VERSION = "1"
+MAKER_VERSION = "2"  # 2: the synthetic FFN weights drawn in float32 (streamed 7B/13B makers share them)
 FAMILIES = ("opt", "llama", "llama_tied", "gpt2", "neox", "falcon")
 # torch.onnx's two exporters; "ort_basic" / "ort_extended": the dynamo export saved again by onnxruntime
 # after its basic / extended graph optimisations (fused contrib ops); "optimum": optimum-onnx's exporter,
@@ -175,6 +175,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048),
         "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=32000,
                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048),
+        # LLaMA-2-7B / 13B's shapes (multi-head attention, as ReluLLaMA and ProSparse keep; num_key_value_heads=8
+        # makes them grouped-query), made layer by layer by examples/streamed_models.py, fp16 by default
+        "7b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, vocab_size=32000,
+                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+        "13b": dict(hidden_size=5120, num_hidden_layers=40, intermediate_size=13824, vocab_size=32000,
+                    num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096),
     },
     "gpt2": {
         "tiny": dict(n_embd=64, n_layer=2, n_inner=256, vocab_size=128, n_head=4, n_positions=256,
@@ -302,8 +308,8 @@ def make_config(family: str, preset: str = "tiny", **overrides):
             raise ValueError(f"{family}: {key} must be one of {allowed}, got {fields[key]!r}")
     if family == "opt":
         fields["word_embed_proj_dim"] = fields["hidden_size"]
-    if family.startswith("llama") and fields["num_key_value_heads"] >= fields["num_attention_heads"]:
-        raise ValueError("llama: grouped-query attention needs num_key_value_heads < num_attention_heads")
+    if family.startswith("llama") and fields["num_attention_heads"] % fields["num_key_value_heads"]:
+        raise ValueError("llama: num_key_value_heads must divide num_attention_heads")
     return getattr(transformers, MODEL_CLASSES[family][0])(**fields)
 
 
@@ -442,24 +448,42 @@ def _lowrank_plus_noise(x: torch.Tensor, basis: torch.Tensor, out_features: int,
                         std: float, generator: torch.Generator, zero_col: int | None) -> torch.Tensor:
     """Weight [F, d] = a_i * (U V^T)_i + b_i * E_i with the low-rank part carrying ``var_frac`` of
     each neuron's pre-activation variance under the covariance of ``x`` [N, d], and a total
-    variance of std^2 * trace(cov) (what an isotropic std-``std`` init gives)."""
+    variance of std^2 * trace(cov) (what an isotropic std-``std`` init gives). The variances are those of
+    the projections of the centred ``x`` (w^T cov w, without forming the d x d covariance: a 7B layer's FFN
+    costs N x d x F, not F x d x d, multiply-adds)."""
     d = x.shape[1]
-    xc = x.double() - x.double().mean(0, keepdim=True)
-    cov = xc.T @ xc / max(1, x.shape[0] - 1)
-    u = torch.randn(out_features, basis.shape[1], generator=generator, dtype=torch.float64)
-    low = u @ basis.T
-    noise = torch.randn(out_features, d, generator=generator, dtype=torch.float64)
+    xc = x.float() - x.float().mean(0, keepdim=True)
+    u = torch.randn(out_features, basis.shape[1], generator=generator)
+    low = u @ basis.T.float()
+    noise = torch.randn(out_features, d, generator=generator)
+    variances = (xc * xc).sum(0) / max(1, x.shape[0] - 1)
     if zero_col is not None:
         noise[:, zero_col] = 0
         low[:, zero_col] = 0
-        cov_trace = cov.trace() - cov[zero_col, zero_col]
-    else:
-        cov_trace = cov.trace()
-    total = std**2 * cov_trace
-    v_low = ((low @ cov) * low).sum(1).clamp_min(1e-30)
-    v_noise = ((noise @ cov) * noise).sum(1).clamp_min(1e-30)
-    weight = (var_frac * total / v_low).sqrt()[:, None] * low + ((1 - var_frac) * total / v_noise).sqrt()[:, None] * noise
-    return weight.to(x.dtype)
+        variances[zero_col] = 0
+    total = std**2 * float(variances.double().sum())
+    projected_variance = lambda w: ((xc @ w.T).double().pow(2).sum(0) / max(1, x.shape[0] - 1)).clamp_min(1e-30)
+    a = (var_frac * total / projected_variance(low)).sqrt().float()
+    b = ((1 - var_frac) * total / projected_variance(noise)).sqrt().float()
+    return (a[:, None] * low + b[:, None] * noise).to(x.dtype)
+
+
+def _orthonormal_basis(d: int, rank: int, dims: list[int], generator: torch.Generator) -> torch.Tensor:
+    """[d, rank] float64: an orthonormal basis of a random rank-`rank` subspace of the channels `dims`
+    (the others, the bias channel, stay zero)."""
+    q, _ = torch.linalg.qr(torch.randn(len(dims), rank, generator=generator, dtype=torch.float64))
+    basis = torch.zeros(d, rank, dtype=torch.float64)
+    basis[dims] = q
+    return basis
+
+
+def _bias_channel_column(x: torch.Tensor, gate: torch.Tensor, bias_channel: int, p: torch.Tensor) -> torch.Tensor:
+    """LLaMA's threshold through the constant channel: beta with P(gate_i(x) > 0) = p_i on the rows of `x`
+    (gate's column `bias_channel` is empty; x's is positive after RMSNorm: see the module docstring)."""
+    xc = x[:, bias_channel]
+    if not bool((xc > 0).all()):
+        raise RuntimeError("llama bias channel is not positive after RMSNorm")
+    return -_column_quantile((x @ gate.T) / xc[:, None], 1 - p)
 
 
 def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, skew: str | float = "zipf",
@@ -507,19 +531,13 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
     if rank > len(basis_dims):
         raise ValueError(f"lowrank_rank {rank} > input dimension {len(basis_dims)}")
 
-    def make_basis() -> torch.Tensor:
-        q, _ = torch.linalg.qr(torch.randn(len(basis_dims), rank, generator=generator, dtype=torch.float64))
-        basis = torch.zeros(d, rank, dtype=torch.float64)
-        basis[basis_dims] = q
-        return basis
-
     achieved: list[float] = []
 
     def calibrate(index: int, x: torch.Tensor) -> None:
         mods = layers[index]
         x = x.detach().reshape(-1, d).float()
         p = torch.from_numpy(target_p[index])
-        basis = make_basis()
+        basis = _orthonormal_basis(d, rank, basis_dims, generator)
         up = _lowrank_plus_noise(x, basis, ffn, predictability, std, generator, bias_channel)
         if family in BIASED_FFN_TYPES:
             pre = x @ up.T
@@ -529,12 +547,7 @@ def synthesize_sparsity(model, token_ids: np.ndarray, sparsity: float = 0.9, ske
             achieved.append(float((pre - threshold > 0).float().mean()))
         else:
             gate = _lowrank_plus_noise(x, basis, ffn, predictability, std, generator, bias_channel)
-            xc = x[:, bias_channel]
-            if not bool((xc > 0).all()):
-                raise RuntimeError("llama bias channel is not positive after RMSNorm")
-            ratio = (x @ gate.T) / xc[:, None]
-            beta = -_column_quantile(ratio, 1 - p)
-            gate[:, bias_channel] = beta
+            gate[:, bias_channel] = _bias_channel_column(x, gate, bias_channel, p)
             up[:, bias_channel] = std * torch.randn(ffn, generator=generator, dtype=torch.float64).float()
             mods["gate"].weight.copy_(gate)
             mods["up"].weight.copy_(up)
@@ -595,12 +608,18 @@ def measure_sparsity(model, token_ids: np.ndarray, batch: int = 16) -> dict:
         for handle in handles:
             handle.remove()
     freq = np.stack([(c / tokens[0]).numpy() for c in counts])
+    return dict(summarise_activity(freq, tokens[0]), freq=freq)
+
+
+def summarise_activity(freq: np.ndarray, tokens: int) -> dict:
+    """Per-layer sparsity, its mean and the top-20%-neuron share of activations, from each neuron's active
+    frequency ``freq`` [layers, ffn] over ``tokens`` tokens."""
     per_layer = [float(1 - f.mean()) for f in freq]
     top = []
     for f in freq:
         ordered = np.sort(f)[::-1]
         top.append(float(ordered[: max(1, len(f) // 5)].sum() / max(ordered.sum(), 1e-30)))
-    return dict(per_layer=per_layer, mean=float(np.mean(per_layer)), top20_share=top, freq=freq, tokens=tokens[0])
+    return dict(per_layer=per_layer, mean=float(np.mean(per_layer)), top20_share=top, tokens=int(tokens))
 
 
 # ----------------------------------------------------------------------------- ONNX export
@@ -1163,7 +1182,29 @@ def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sp
 
 def make_models(jobs: list[tuple[dict, str | os.PathLike]], log=lambda message: None) -> list[ModelFiles]:
     """:func:`make_model` for several ``(make_model keyword arguments, out_dir)`` jobs; the optimum exports
-    among them run in one process of the isolated environment (its start-up dominates a tiny export)."""
+    among them run in one process of the isolated environment (its start-up dominates a tiny export). The big
+    presets (``7b``, ``13b``) are made layer by layer by :mod:`examples.streamed_models`."""
+    from examples.streamed_models import STREAMED_PRESETS, make_streamed_model
+
+    streamed = {index: make_streamed_model(out_dir, log=log, **_streamed_spec(spec))
+                for index, (spec, out_dir) in enumerate(jobs) if spec.get("preset") in STREAMED_PRESETS}
+    jobs = [job for index, job in enumerate(jobs) if index not in streamed]
+    made = iter(_make_in_memory(jobs, log))
+    return [streamed[index] if index in streamed else next(made) for index in range(len(jobs) + len(streamed))]
+
+
+def _streamed_spec(spec: dict) -> dict:
+    """make_model's keywords as make_streamed_model takes them: a streamed preset is a LLaMA ReGLU made by the
+    dynamo exporter, so those two keywords must say so."""
+    spec = dict(spec)
+    family, exporter = spec.pop("family"), spec.pop("exporter", "dynamo")
+    if family != "llama" or exporter != "dynamo":
+        raise ValueError(f"preset {spec.get('preset')!r} is made layer by layer as a LLaMA by the dynamo exporter, "
+                         f"not {family!r} by {exporter!r}")
+    return spec
+
+
+def _make_in_memory(jobs: list[tuple[dict, str | os.PathLike]], log) -> list[ModelFiles]:
     states = [_prepare_model(out_dir=out_dir, log=log, **spec) for spec, out_dir in jobs]
     optimum = [state for state in states if state["exporter"] == "optimum"]
     if optimum:

@@ -31,9 +31,9 @@ from passes.sparsity_mode import Sparsity, SparsityMode
 from passes.threshold import Threshold
 from runtime.dtypes import WEIGHT_FORMATS
 
-from . import artifact
+from . import artifact, memory
 from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
-from .targets import TARGETS, Target, check_vram_budget
+from .targets import TARGETS, Target, check_vram_budget, format_size
 
 MODES = ("dense", "predictor", "threshold")
 
@@ -147,4 +147,8 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
             _warn_if_dequantized(lifted, options, ctx)
             lowered = run_passes(lifted, rest(options, mode_of(lifted, options), target), ctx, hooks,
                                  first=len(first))
-        return artifact.write(lowered, ctx, output, options, source=model_path)
+        written = artifact.write(lowered, ctx, output, options, source=model_path)
+    peak = memory.process_peak_bytes()
+    if peak is not None:
+        log(f"build peak memory {format_size(peak)} resident")
+    return written

@@ -23,8 +23,9 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
+from . import memory
 from .errors import PassError, UserError
-from .targets import CpuIsa, Target, get_cpu_isa, host_cpu_isa
+from .targets import CpuIsa, Target, format_size, get_cpu_isa, host_cpu_isa
 
 __all__ = ["Options", "Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming",
            "verify_onnx", "describe_pass", "op_counts", "describe_change"]
@@ -201,15 +202,26 @@ class DumpIR(_CountNodes):
 
 
 class LogTiming(_CountNodes):
-    """-v: the passes about to run with their fields, then each pass with its time and what it did to the graph."""
+    """-v: the passes about to run with their fields, then each pass with its time, what it did to the graph and
+    its memory: the process's peak resident set during the pass and what stayed resident after it."""
 
     def before_passes(self, first, passes, ctx):
         for index, compiler_pass in enumerate(passes, first):
             ctx.log(f"plan {index:02d} {describe_pass(compiler_pass)}")
 
+    def before_pass(self, index, compiler_pass, model, ctx):
+        super().before_pass(index, compiler_pass, model, ctx)
+        memory.reset_peak()
+
     def after_pass(self, index, compiler_pass, result, seconds, ctx):
         changed = describe_change(self.before, op_counts(result.model)) if result.modified else "unchanged"
-        ctx.log(f"pass {index:02d} {compiler_pass.name:<10} {seconds * 1000:9.1f} ms  {changed}")
+        ctx.log(f"pass {index:02d} {compiler_pass.name:<10} {seconds * 1000:9.1f} ms  {changed}{_memory_note()}")
+
+
+def _memory_note() -> str:
+    """'; memory peak 1.20 GiB, 0.90 GiB after' (nothing where the OS does not say)."""
+    peak, now = memory.peak_resident_bytes(), memory.resident_bytes()
+    return "" if peak is None or now is None else f"; memory peak {format_size(peak)}, {format_size(now)} after"
 
 
 class _VerifyOnnx(Hook):

@@ -72,7 +72,7 @@ class OrtDecoder:
         self.past = {}
         for name in self.past_names:
             shape = self.inputs[name].shape
-            self.past[name] = np.zeros((batch, shape[1], 0, shape[3]), np.float32)
+            self.past[name] = np.zeros((batch, shape[1], 0, shape[3]), _ORT_FLOATS[self.inputs[name].type])
         self.position = 0
 
     def run(self, ids: np.ndarray, names: list[str] | None = None) -> dict[str, np.ndarray]:
@@ -126,6 +126,10 @@ class OrtDecoder:
             if step < max_new_tokens - 1:
                 logits = self.forward([generated[-1]])[-1]
         return generated
+
+
+# the cache's element type, as onnxruntime names it (an fp16 export's cache is fp16)
+_ORT_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
 def _layer_key(name: str):

@@ -1,0 +1,51 @@
+"""The build process's own memory, as Linux reports it: resident now, and the peak since it was last reset.
+
+The peak (VmHWM) can be reset by writing 5 to /proc/self/clear_refs (Linux >= 4.0), so each pass's peak is
+its own, not the largest of the passes before it. The reset also lowers what getrusage and `time -v` report
+as the process's maximum, so `process_peak_bytes` keeps the peaks that resets cleared. Elsewhere (no /proc)
+every figure is None.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+_cleared_peak = 0  # the largest peak a reset cleared
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set now (VmRSS)."""
+    return _status_bytes("VmRSS")
+
+
+def peak_resident_bytes() -> int | None:
+    """The largest resident set since the process started or `reset_peak` last ran (VmHWM)."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak() -> bool:
+    """Start a new peak from the resident set now; False where the kernel does not allow it."""
+    global _cleared_peak
+    _cleared_peak = max(_cleared_peak, peak_resident_bytes() or 0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def process_peak_bytes() -> int | None:
+    """The largest resident set since the process started, across resets."""
+    peak = peak_resident_bytes()
+    return None if peak is None else max(peak, _cleared_peak)
