@@ -138,7 +138,7 @@ class AWQ:
                     rows = np.unique(np.linspace(0, activations.tokens - 1, SAMPLE_TOKENS).astype(np.int64))
                     columns = np.sort(rng.choice(w_up.shape[1], min(SAMPLE_COLUMNS, w_up.shape[1]), replace=False))
                     relu = pir.attr(node, "activation") == "relu" and not pir.attr(node, "gated")
-                    found = search_scales(activations.inputs[rows], w_up[:, columns],
+                    found = search_scales(activations.inputs[rows], np.asarray(w_up[:, columns], np.float32),
                                           None if b_up is None else b_up[columns],
                                           mean_magnitude(activations.inputs), fmt, relu)
                     if found.scales is not None:
@@ -163,4 +163,6 @@ class AWQ:
             if value is not None:
                 value.const_value = ir.tensor(pir.const_array(value) / s, name=value.name)
         up = node.inputs[1]
-        up.const_value = ir.tensor(np.ascontiguousarray(pir.const_array(up) * s[:, None]), name=up.name)
+        stored = pir.const_array(up)  # scaled in fp32, kept in its precision (the quantize pass rounds it next)
+        scaled = (np.asarray(stored, np.float32) * s[:, None].astype(np.float32)).astype(pir.weight_array(stored).dtype)
+        up.const_value = ir.tensor(np.ascontiguousarray(scaled), name=up.name)

@@ -74,7 +74,7 @@ def check_memory(what: str, weights: int) -> None:
                         "is available; free memory or build on a larger machine")
 
 
-HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+HALF_TYPES = pir.HALF_TYPES
 FILE = "picompile.file"  # a loaded model's `meta` entry: the path `load` read it from
 
 
@@ -82,16 +82,31 @@ def _fp32_tensor(tensor: ir.TensorProtocol) -> ir.Tensor:
     return ir.tensor(np.asarray(tensor.numpy(), np.float32), name=tensor.name)
 
 
-def compute_in_fp32(graph: ir.Graph) -> int:
-    """Make a half-precision (fp16 / bf16) graph compute in fp32: its constants are widened (exactly), casts
-    to half types cast to fp32, and inputs, outputs and intermediate values are typed fp32. Returns how many
-    tensors were widened."""
-    widened = 0
-    for value in graph.initializers.values():
-        if value.const_value is not None and value.const_value.dtype in HALF_TYPES:
-            value.const_value = _fp32_tensor(value.const_value)
+def compute_in_fp32(graph: ir.Graph) -> tuple[int, int]:
+    """Make a half-precision (fp16 / bf16) graph compute in fp32: casts to half types cast to fp32, and inputs,
+    outputs and intermediate values are typed fp32. Its matrices (weights, embedding tables) keep their stored
+    precision behind a `Cast` to fp32 (`picompile.ir.const_array` reads through it), so a half model is held
+    at half the memory until lowering stores each weight in the build's format; its other constants are widened
+    (exactly). Returns (matrices kept in half precision, tensors widened)."""
+    kept = widened = 0
+    for value in list(graph.initializers.values()):
+        tensor = value.const_value
+        if tensor is None or tensor.dtype not in HALF_TYPES:
+            continue
+        if len(tensor.shape) == 2 and value.uses():
+            users = list(value.uses())
+            cast = ir.node("Cast", [value], attributes={"to": ir.DataType.FLOAT}, name=f"{value.name}/fp32")
+            widened_value = cast.outputs[0]
+            widened_value.name, widened_value.shape, widened_value.dtype = f"{value.name}/fp32", value.shape, ir.DataType.FLOAT
+            for user, index in users:
+                user.replace_input_with(index, widened_value)
+            graph.insert_before(graph.node(0), cast) if len(graph) else graph.append(cast)
+            kept += 1
+        else:
+            value.const_value = _fp32_tensor(tensor)
+            value.dtype = ir.DataType.FLOAT
             widened += 1
-    values = [*graph.inputs, *graph.initializers.values()]
+    values = list(graph.inputs)
     for node in ir.traversal.RecursiveGraphIterator(graph):
         values.extend(node.outputs)
         to = node.attributes.get("to")
@@ -105,7 +120,7 @@ def compute_in_fp32(graph: ir.Graph) -> int:
     for value in values:
         if value.dtype in HALF_TYPES:
             value.dtype = ir.DataType.FLOAT
-    return widened
+    return kept, widened
 
 
 def load(path: Path, for_build: bool = True) -> ir.Model:
@@ -472,9 +487,6 @@ class Import:
             ir.external_data.load_to_model(model)
         # before the fp32 widening, which would hide the scales' dtype the fact records
         dequantize_matmul_nbits(model, ctx)
-        widened = compute_in_fp32(graph)
-        if widened:
-            ctx.log(f"import: {widened} fp16/bf16 tensors widened to fp32")
         for value in graph.inputs:
             if value.shape is not None and len(value.shape) > 0 and not isinstance(value.shape[0], int):
                 value.shape = ir.Shape([1, *value.shape[1:]])
@@ -484,4 +496,9 @@ class Import:
         except Exception as error:
             reason = first_line(error)
             raise UserError(f"constant folding failed on this model: {type(error).__name__}: {reason}") from None
+        # after folding, which would fold the Casts in front of half-precision weights into fp32 copies
+        kept, widened = compute_in_fp32(graph)
+        if kept or widened:
+            ctx.log(f"import: {kept} fp16/bf16 matrices kept in their precision, {widened} small tensors widened; "
+                    "computing in fp32")
         return PassResult(model, modified=True)

@@ -118,6 +118,7 @@ class Quantize:
                     if array is None or not quant.quantizable(array.shape, axis, matrix_format.block):
                         kept.append(value.name)
                         continue
+                    array = np.asarray(array, np.float32)  # a half model's matrix, widened one at a time
                     q, scales = quant.quantize(array, matrix_format, axis, fit_scales=fit)
                     errors.append(_relative_error(array, quant.dequantize(q, scales, axis)))
                     done[key] = self._dequantize(graph, node, value.name, q, scales, axis, matrix_format)

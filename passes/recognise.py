@@ -173,7 +173,7 @@ def _match_linear(node: ir.Node) -> Linear | None:
         candidate = pir.const_array(other)
         if candidate is not None and candidate.size == weight.shape[1]:
             bias, output = candidate.reshape(-1), add.outputs[0]
-    return Linear(node.inputs[0], np.asarray(weight, np.float32),
+    return Linear(node.inputs[0], pir.weight_array(weight),
                   None if bias is None else np.asarray(bias, np.float32), output, node, activation)
 
 
@@ -642,7 +642,7 @@ def analyse(model: ir.Model) -> Decoder:
     if position is not None:
         offset = _position_offset(model, position)
         positions = pir.const_array(position.inputs[0])[offset:].astype(np.float32)
-    decoder = Decoder(pir.const_array(token.inputs[0]).astype(np.float32), positions, attentions, ffns, final_norm, lm_head)
+    decoder = Decoder(pir.weight_array(pir.const_array(token.inputs[0])), positions, attentions, ffns, final_norm, lm_head)
     _check_shapes(decoder)
     return decoder
 

@@ -259,7 +259,8 @@ class _Walker:
         if array is None:
             raise UserError(f"{value.name} must be a constant weight")
         if value.name not in self.low.weights:
-            self.low.weight(value.name, array)
+            # an fp16 matrix stays fp16 until `stored_for` gives it its device's format (never a widened copy)
+            self.low.weight(value.name, array, "float16" if array.dtype == np.float16 else "float32")
         return value.name
 
     def next_residual(self, width: int) -> str:

@@ -92,7 +92,8 @@ class Threshold:
         for node in sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer"))):
             layer = int(pir.attr(node, "layer"))
             x = np.asarray(profiled.layer(layer).inputs, np.float32)  # a memory map: one layer in memory at a time
-            c = calibrate(x, pir.const_array(node.inputs[1]), pir.const_array(node.inputs[2]),
+            w_up = np.asarray(pir.const_array(node.inputs[1]), np.float32)  # (a half model's, widened per layer)
+            c = calibrate(x, w_up, pir.const_array(node.inputs[2]),
                           str(pir.attr(node, "activation")), bool(pir.attr(node, "gated")), sparsity)
             for key in ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down"):
                 node.attributes[key] = ir.AttrFloat32(key, getattr(c, key))

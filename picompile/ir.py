@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -32,10 +33,29 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:
-    """The numpy array of a constant value (initializer or folded constant), else None."""
-    if value is None or value.const_value is None:
+    """The numpy array of a constant value (initializer or folded constant), else None. A half-precision
+    matrix the import pass keeps behind a Cast to fp32 reads as the stored fp16 / bf16 array (`weight_array`)."""
+    if value is None:
         return None
+    if value.const_value is None:
+        node = value.producer()
+        if (node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx")
+                or attr(node, "to") != ir.DataType.FLOAT or node.inputs[0] is None
+                or node.inputs[0].const_value is None or node.inputs[0].const_value.dtype not in HALF_TYPES):
+            return None
+        value = node.inputs[0]
     return value.const_value.numpy()
+
+
+HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+HALF_ARRAYS = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def weight_array(array: np.ndarray) -> np.ndarray:
+    """A weight as the compiler holds it: fp16 and bf16 as stored (half the memory of fp32), any other dtype as
+    float32. A pass that computes with it widens it (`np.asarray(w, np.float32)`) for the part it works on."""
+    array = np.asarray(array)
+    return array if array.dtype in HALF_ARRAYS else np.asarray(array, np.float32)
 
 
 def drop_unused_initializers(graph: ir.Graph) -> None:
