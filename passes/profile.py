@@ -36,9 +36,10 @@ from picompile.errors import UserError
 from picompile.pipeline import Context, Options
 from picompile.reference import OrtDecoder
 from picompile.tokens import read_tokens
-from runtime.artifact import first_line
+from runtime.artifact import available_memory_bytes, first_line
 
 from .import_onnx import source_file
+from .layer_reference import layer_cuts, run_layers
 from .recognise import source_model
 
 PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
@@ -157,6 +158,19 @@ def calibration_tokens(calib: Path | None, budget: int | None, length: int, seed
     return sequences
 
 
+# onnxruntime holds a model's weights in fp32 (it widens fp16 ones as it loads them), beside the build's own
+# working set: the whole source runs at once only where that fits in this share of the memory available
+WHOLE_MODEL_MEMORY_SHARE = 0.5
+
+
+def needs_layers(source: ir.Model) -> bool:
+    """Whether onnxruntime could not hold the whole source model's weights: profile it layer by layer."""
+    available = available_memory_bytes()
+    fp32_bytes = sum(4 * value.const_value.size for value in source.graph.initializers.values()
+                     if value.const_value is not None)
+    return available is not None and fp32_bytes > WHOLE_MODEL_MEMORY_SHARE * available
+
+
 def reference_decoder(source: ir.Model, wanted: list[str], workdir: Path) -> OrtDecoder:
     """onnxruntime on the source model with the `wanted` source-graph tensors made outputs too."""
     values = {v.name: v for node in source.graph for v in node.outputs}
@@ -208,7 +222,7 @@ class _Spill:
     packed bits, plus per-neuron counts of activity (for the statistics)."""
 
     def __init__(self, directory: Path, tokens: int):
-        self.directory, self.tokens, self.row = directory, tokens, 0
+        self.directory, self.tokens = directory, tokens
         self.inputs: dict[int, np.memmap] = {}
         self.bits: dict[int, np.memmap] = {}
         self.counts: dict[int, np.ndarray] = {}
@@ -216,19 +230,17 @@ class _Spill:
     def _file(self, name: str, width: int, dtype) -> np.memmap:
         return np.lib.format.open_memmap(self.directory / name, mode="w+", dtype=dtype, shape=(self.tokens, width))
 
-    def write(self, layer: int, inputs: np.ndarray, output: np.ndarray) -> None:
+    def write(self, layer: int, row: int, inputs: np.ndarray, output: np.ndarray) -> None:
+        """One sequence's rows of one layer, from token `row` of the profiled set on."""
         active = output != 0
         if layer not in self.inputs:  # widths come with the first rows
             self.inputs[layer] = self._file(f"layer{layer}.inputs.npy", inputs.shape[1], np.float32)
             self.bits[layer] = self._file(f"layer{layer}.active.npy", (active.shape[1] + 7) // 8, np.uint8)
             self.counts[layer] = np.zeros(active.shape[1], np.int64)
-        rows = slice(self.row, self.row + len(inputs))
+        rows = slice(row, row + len(inputs))
         self.inputs[layer][rows] = inputs
         self.bits[layer][rows] = np.packbits(active, axis=1)
         self.counts[layer] += active.sum(0)
-
-    def advance(self, rows: int) -> None:
-        self.row += rows
 
     def close(self) -> ProfiledActivations:
         """The files, mapped copy-on-write from here on: torch takes only writable arrays, and a consumer's
@@ -285,6 +297,7 @@ class Profile:
     max_context: int = Options.max_context
     seed: int = Options.seed
     wanted_tokens: int | None = None  # the tokens the fits after it want (None: MIN_TOKENS_PER_NEURON per neuron)
+    layered: bool | None = None  # run the source one layer at a time (passes.layer_reference); None: when needed
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         source = source_model(model)
@@ -318,16 +331,27 @@ class Profile:
 
         # a directory of its own: an earlier profile's memory maps (say, in the same workdir) keep their files
         spill = _Spill(Path(tempfile.mkdtemp(prefix="activations-", dir=ctx.workdir)), tokens)
-        layers = [(pir.attr(node, "layer"), node.metadata_props["source.input"],
-                   node.metadata_props["source.activation"]) for node in ffns]
-        decoder = reference_decoder(source, wanted, Path(ctx.workdir))  # after sampling's session is gone
-        with ctx.progress("profile: calibration sequences", len(sequences)) as advance:
-            for sequence, outputs in zip(sequences, run_reference(decoder, wanted, sequences)):
-                for layer, input_name, activation_name in layers:
-                    with ctx.layer(layer):
-                        spill.write(layer, outputs[input_name], outputs[activation_name])
-                spill.advance(len(sequence))
-                advance()
+        layers = {int(pir.attr(node, "layer")): (node.metadata_props["source.input"],
+                                                  node.metadata_props["source.activation"]) for node in ffns}
+        starts = np.cumsum([0] + [len(s) for s in sequences])  # each sequence's first row
+        layered = self.layered if self.layered is not None else needs_layers(source)
+        if layered:  # one layer's weights in onnxruntime at a time
+            cuts = layer_cuts(model, layers)
+            with ctx.progress("profile: calibration sequences, layer by layer", len(cuts) * len(sequences)) as advance:
+                for cut, index, outputs in run_layers(source, cuts, sequences, Path(ctx.workdir)):
+                    with ctx.layer(cut.layer):
+                        input_name, activation_name = layers[cut.layer]
+                        spill.write(cut.layer, starts[index], outputs[input_name], outputs[activation_name])
+                    advance()
+        else:
+            decoder = reference_decoder(source, wanted, Path(ctx.workdir))  # after sampling's session is gone
+            with ctx.progress("profile: calibration sequences", len(sequences)) as advance:
+                for index, outputs in enumerate(run_reference(decoder, wanted, sequences)):
+                    for layer, (input_name, activation_name) in layers.items():
+                        with ctx.layer(layer):
+                            spill.write(layer, starts[index], outputs[input_name], outputs[activation_name])
+                    advance()
+            del decoder
         profiled = spill.close()
         stats = {}
         for node in ffns:

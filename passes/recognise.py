@@ -772,6 +772,8 @@ def build_graph(decoder: Decoder) -> ir.Model:
         }, domain=pir.DOMAIN, num_outputs=3, name=f"{p}.attn")
         graph.append(node)
         node.outputs[0].name, node.outputs[1].name, node.outputs[2].name = f"{p}.attn.out", f"present.{i}.key", f"present.{i}.value"
+        # the residual stream entering the layer in the source graph: where the profile may cut it into layers
+        node.metadata_props["source.layer_input"] = _up(attention.norm.input).name
         outputs.extend(node.outputs[1:])
         layer_input = h
         add = ir.node("Add", [h, node.outputs[0]], name=f"{p}.attn_residual")

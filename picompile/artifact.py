@@ -19,12 +19,14 @@ import json
 import os
 from dataclasses import asdict
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 import onnx_ir as ir
-import safetensors.numpy
+import numpy as np
 
+from runtime import dtypes
 from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
 from runtime.calls import schedule_calls
 
@@ -32,6 +34,24 @@ from . import __version__, costmodel
 from . import ir as pir
 from .errors import UserError
 from .pipeline import Context, Options
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """A safetensors file written tensor by tensor from the arrays as they are (safetensors' own writer first
+    joins every tensor's bytes in memory: a second copy of the model's weights)."""
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        dtype = dtypes.get_dtype(array.dtype.name)
+        header[name] = {"dtype": dtype.safetensors, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the format asks
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for array in tensors.values():
+            f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
 
 
 def _model_facts(buffers: dict, schedule: dict) -> dict:
@@ -86,7 +106,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
         (staging / "weights").mkdir()
         for device, names in _weights_by_device(schedule, buffers).items():
             weights = {name: pir.const_array(model.graph.initializers[name]) for name in names}
-            safetensors.numpy.save_file(weights, str(staging / "weights" / f"{device}.safetensors"))
+            write_safetensors(weights, staging / "weights" / f"{device}.safetensors")
         for relative, path in ctx.artifact_files.items():
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, staging / relative)

@@ -63,7 +63,8 @@ class OrtDecoder:
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.past_names = sorted((n for n in self.inputs if n.startswith("past_key_values.")), key=_layer_key)
-        batch = self.inputs["input_ids"].shape[0] if self.inputs["input_ids"].shape else None
+        ids = self.inputs.get("input_ids")
+        batch = ids.shape[0] if ids is not None and ids.shape else None
         self.max_batch = batch if isinstance(batch, int) and batch > 0 else None  # None: any batch
         self.reset()
 
@@ -75,12 +76,16 @@ class OrtDecoder:
             self.past[name] = np.zeros((batch, shape[1], 0, shape[3]), _ORT_FLOATS[self.inputs[name].type])
         self.position = 0
 
-    def run(self, ids: np.ndarray, names: list[str] | None = None) -> dict[str, np.ndarray]:
+    def run(self, ids: np.ndarray, names: list[str] | None = None,
+            extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Run token ids [batch, seq] after the cache; the outputs `names` (default all) by name. The cache
-        moves on only when all outputs are run (it needs the present.* ones)."""
+        moves on only when all outputs are run (it needs the present.* ones). `extra` feeds inputs of a part of
+        a model cut out of it (say, a layer's input)."""
         ids = np.asarray(ids, np.int64)
         batch, total = ids.shape[0], self.position + ids.shape[1]
-        feeds = {"input_ids": ids, **self.past}
+        feeds = {"input_ids": ids, **self.past, **(extra or {})}
+        if "input_ids" not in self.inputs:
+            del feeds["input_ids"]
         if "attention_mask" in self.inputs:
             feeds["attention_mask"] = np.ones((batch, total), np.int64)
         if "position_ids" in self.inputs:

@@ -383,3 +383,23 @@ def test_a_build_killed_at_any_moment_leaves_the_old_artifact_or_none(tiny_model
     assert main(_build_command(files.onnx, output, 48)[3:]) == 0
     assert load_manifest(output)["model"]["max_context"] == 48
     assert not list(tmp_path.glob(".m.pic.*"))
+
+
+def test_weights_file_written_tensor_by_tensor_reads_back_with_safetensors(tmp_path):
+    """The compiler's own safetensors writer (it streams each array instead of joining them in memory): the
+    safetensors library and the runtime's reader both read back every dtype and odd shape exactly."""
+    import safetensors.numpy
+
+    from picompile.artifact import write_safetensors
+    from runtime.artifact import read_safetensors
+
+    rng = np.random.default_rng(0)
+    tensors = {"w16": rng.standard_normal((3, 5)).astype(np.float16), "w32": rng.standard_normal(7).astype(np.float32),
+               "q": rng.integers(-8, 8, (2, 3, 3)).astype(np.int8), "packed": rng.integers(0, 255, 5).astype(np.uint8),
+               "rows": np.arange(3, dtype=np.int64), "ids": np.arange(4, dtype=np.int32)[::2]}  # a strided view too
+    path = tmp_path / "w.safetensors"
+    write_safetensors(tensors, path)
+    for read in (safetensors.numpy.load_file(str(path)), read_safetensors(path)):
+        assert read.keys() == tensors.keys()
+        for name, array in tensors.items():
+            assert read[name].dtype == array.dtype and np.array_equal(read[name], array), name

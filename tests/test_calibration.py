@@ -193,3 +193,58 @@ def test_cli_build_warns_once_and_inspect_shows_both_shares(files, tmp_path, cap
     shown = json.loads(capsys.readouterr().out)["layers"]
     assert [layer["active_ratio"] for layer in shown] == pytest.approx(
         [layer["predictor_active"] / (1 - layer["sparsity"]) for layer in layers])
+
+
+@pytest.mark.parametrize("family, exporter", [("opt", "dynamo"), ("llama", "legacy"), ("falcon", "dynamo")])
+def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, family, exporter):
+    """Profiling one layer's part of the source graph at a time (what a model too big for onnxruntime gets)
+    spills the same FFN inputs and activity as running the whole model, for a sequential, a legacy-exported
+    gated and a parallel-attention family; each part holds its own layer's weights only."""
+    from passes.layer_reference import layer_cuts, part_model
+    from passes.recognise import source_model
+    from picompile import ir as pir
+
+    model_files = tiny_models(family, exporter) if family == "falcon" else tiny_models(family, exporter, sparsity=0.9)
+    results = {}
+    for layered in (False, True):
+        workdir = tmp_path / f"layered-{layered}"
+        workdir.mkdir()
+        ctx = Context(get_target("cpu"), workdir=workdir)
+        passes = [Import(), Recognise(max_context=CONTEXT),
+                  Profile(calib=model_files.calib, calib_samples=0, max_context=CONTEXT, layered=layered)]
+        lifted = run_passes(load(model_files.onnx), passes, ctx)
+        results[layered] = ProfiledActivations.of(lifted)
+    for layer in results[False].layers:
+        whole, parts = results[False].layer(layer), results[True].layer(layer)
+        assert whole.tokens == parts.tokens == 64 * 64
+        np.testing.assert_allclose(parts.inputs, whole.inputs, rtol=1e-5, atol=1e-6)
+        assert np.array_equal(parts.active, whole.active)
+
+    source = source_model(lifted)
+    weights = {name for name, value in source.graph.initializers.items() if value.const_value.size >= 64 * 64}
+    wanted = {int(pir.attr(node, "layer")): (node.metadata_props["source.input"], node.metadata_props["source.activation"])
+              for node in pir.nodes_in_domain(lifted, "FFN")}
+    cuts = layer_cuts(lifted, wanted)
+    held = [set(part_model(source, cut, previous).graph.initializers) & weights
+            for cut, previous in zip(cuts, [None, *cuts[:-1]])]
+    assert held[0] and held[1] and not held[0] & held[1] - {_embedding(source)}  # no matrix in both parts
+
+
+def _embedding(source):
+    from passes.recognise import find_embeddings
+
+    token, _ = find_embeddings(source.graph)
+    return token.inputs[0].name
+
+
+def test_profile_goes_layer_by_layer_where_onnxruntime_could_not_hold_the_model(files, monkeypatch):
+    """The choice: the source's weights in fp32 against half the memory available."""
+    from passes import profile as profile_pass
+    from passes.recognise import source_model
+
+    lifted = run_passes(load(files.onnx), [Import(), Recognise(max_context=CONTEXT)], Context(get_target("cpu")))
+    fp32_bytes = sum(4 * v.const_value.size for v in source_model(lifted).graph.initializers.values())
+    monkeypatch.setattr(profile_pass, "available_memory_bytes", lambda: 3 * fp32_bytes)
+    assert not profile_pass.needs_layers(source_model(lifted))
+    monkeypatch.setattr(profile_pass, "available_memory_bytes", lambda: fp32_bytes)
+    assert profile_pass.needs_layers(source_model(lifted))
