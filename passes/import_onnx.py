@@ -1,12 +1,14 @@
 """import: load the user's ONNX decoder, fix batch to 1, compute in fp32, fold constants and infer shapes.
 
 Reads: a path (the pass's argument), not an IR; weights may live in external data files beside it (models
-over 2 GB; read into memory when they total under `picompile.ir.EXTERNAL_DATA_BYTES`). Adds: the IR itself,
-with every graph input's batch dimension fixed to 1, fp16 / bf16 tensors, casts and inputs made fp32 (the
-compiler computes in fp32; `--weight-dtype` decides how weights are stored later, so a half-precision model
-keeps its rounded weight values exactly), and constant subgraphs folded (onnxscript's optimizer), so that
-the recognise pass sees weights as initializers whatever exporter made the graph. Sequence and past
-lengths stay symbolic.
+over 2 GB; read into memory when they total under `picompile.ir.EXTERNAL_DATA_BYTES`, else memory-mapped, so
+a big model's weights are paged in as passes read them, never copied whole). Adds: the IR itself, with every
+graph input's batch dimension fixed to 1, constant subgraphs folded (onnxscript's optimizer), so that the
+recognise pass sees weights as initializers whatever exporter made the graph, and then the graph made to
+compute in fp32: casts and inputs made fp32, small fp16 / bf16 constants widened, and fp16 / bf16 matrices
+kept as stored behind a Cast to fp32 (`compute_in_fp32`), so a half-precision model is held at half the
+memory of fp32 until lowering stores each weight in `--weight-dtype` (a half model keeps its rounded weight
+values exactly). Sequence and past lengths stay symbolic.
 
 Models quantized by onnxruntime (com.microsoft `MatMulNBits`, as its MatMulNBitsQuantizer, optimum and
 onnxruntime-genai's builder write them) come in as ordinary models: each MatMulNBits with constant B, scales

@@ -311,9 +311,17 @@ class Profile:
         needed = MIN_TOKENS_PER_NEURON * width if self.wanted_tokens is None else self.wanted_tokens
         given_tokens = sum(len(s) for s in given)
         samples = self.calib_samples
+        too_big = needs_layers(source)  # sampling runs the whole model in onnxruntime
         if samples is None:  # auto: make up a --calib file that falls short, unless --calib-tokens cut it short
             short = self.calib is not None and given_tokens < needed and given_tokens != self.calib_tokens
-            samples = math.ceil((needed - given_tokens) / length) if short else 0
+            samples = math.ceil((needed - given_tokens) / length) if short and not too_big else 0
+            if short and too_big:
+                ctx.warn(f"profile: {given_tokens} calibration tokens, fewer than the {needed} wanted, and the model is "
+                         "too big for onnxruntime to sample more from it here: give more calibration text")
+        elif samples and too_big:
+            raise UserError(f"--calib-samples {samples}: sampling runs the whole model in onnxruntime, whose fp32 "
+                            "weights do not fit in this machine's memory; give calibration text instead "
+                            "(--calib-samples 0)")
         sampled, seconds = [], 0.0
         if samples:
             started = time.perf_counter()
@@ -334,7 +342,7 @@ class Profile:
         layers = {int(pir.attr(node, "layer")): (node.metadata_props["source.input"],
                                                   node.metadata_props["source.activation"]) for node in ffns}
         starts = np.cumsum([0] + [len(s) for s in sequences])  # each sequence's first row
-        layered = self.layered if self.layered is not None else needs_layers(source)
+        layered = self.layered if self.layered is not None else too_big
         if layered:  # one layer's weights in onnxruntime at a time
             cuts = layer_cuts(model, layers)
             with ctx.progress("profile: calibration sequences, layer by layer", len(cuts) * len(sequences)) as advance:
