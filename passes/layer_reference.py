@@ -81,6 +81,11 @@ def part_model(source: ir.Model, cut: LayerCut, previous: LayerCut | None) -> ir
                         f"recomputes layer {previous.layer}: an export that fuses across layers); profiling it whole "
                         "needs its fp32 weights in memory")
     graph = ir.convenience.extract(source.graph, [*([start] if start is not None else []), *reads], outputs)
+    # weights still in the user's external data file: copied in (this layer's only), so the part saves on its
+    # own (onnx_ir's load_to_model would also close the file's memory map, which the lifted IR reads through)
+    for value in graph.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            value.const_value = ir.tensor(np.array(value.const_value.numpy()), name=value.name)
     return ir.Model(graph, ir_version=source.ir_version)
 
 

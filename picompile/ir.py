@@ -10,6 +10,7 @@ activations (`passes.profile.ProfiledActivations`).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import ml_dtypes
@@ -23,6 +24,7 @@ DOMAIN = "picompile"
 DOMAIN_VERSION = 1
 ONNX_OPSET = 23  # RMSNormalization is a standard op from opset 23 on
 EXTERNAL_DATA_BYTES = 1_500_000_000  # weights past this go beside the .onnx (protobuf stops at 2 GB)
+INLINE_TENSOR_BYTES = 1024  # smaller tensors stay in the .onnx even then (shape inference reads shape inputs)
 
 
 def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
@@ -101,13 +103,27 @@ def node_blocks(graph: ir.Graph) -> dict[ir.Node, int | str]:
 
 def save(model: ir.Model, path: Path) -> None:
     """Write the model as one .onnx file, with weights beside it (`.onnx.data`) past protobuf's 2 GB limit.
-    onnx_ir copies tensors that still live in the source model's external data file, so the result never
-    points back into the user's files."""
+    Weights are written tensor by tensor (never joined in memory), and every one is copied, so the result never
+    points back into the user's files; the model itself is left as it was (its tensors, memory maps included)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if weight_bytes(model.graph) > EXTERNAL_DATA_BYTES:
-        ir.save(model, path, external_data=path.name + ".data")
-    else:
+    initializers = [value for value in model.graph.initializers.values() if value.const_value is not None]
+    originals = [value.const_value for value in initializers]
+    try:
+        external = weight_bytes(model.graph) > EXTERNAL_DATA_BYTES
+        with open(path.with_name(path.name + ".data"), "wb") if external else contextlib.nullcontext() as data:
+            for value, tensor in zip(initializers, originals):
+                if external and tensor.nbytes >= INLINE_TENSOR_BYTES:
+                    offset = data.tell()
+                    data.write(tensor.tobytes())
+                    value.const_value = ir.ExternalTensor(Path(data.name).name, offset, data.tell() - offset,
+                                                          tensor.dtype, shape=tensor.shape, name=tensor.name,
+                                                          base_dir=path.parent)
+                elif isinstance(tensor, ir.ExternalTensor):  # else saved as a reference into its file
+                    value.const_value = ir.tensor(np.array(tensor.numpy()), name=tensor.name)
         onnx.save(ir.to_proto(model), str(path))
+    finally:
+        for value, tensor in zip(initializers, originals):
+            value.const_value = tensor
 
 
 def to_text(model: ir.Model) -> str:

@@ -93,6 +93,11 @@ def test_verbose_lists_each_pass_with_time_and_node_counts(sparse_files, tmp_pat
                                                   "select-kernels", "plan-buffers", "compile", "schedule"]
     recognise = timed[1][3]
     assert re.match(r"\d+ -> 15 nodes \(.*\+picompile\.FFN 2", recognise), recognise
+    for *_, rest in timed:  # each pass's memory: its peak resident set, at least what stayed resident after it
+        peak, unit_peak, after, unit_after = re.search(r"memory peak ([\d.]+) (\w+), ([\d.]+) (\w+) after$", rest).groups()
+        scale = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+        assert float(peak) * scale[unit_peak] >= float(after) * scale[unit_after] > 50 << 20
+    assert re.search(r"^build peak memory [\d.]+ [MG]iB resident$", err, re.M)
 
     index = (tmp_path / "ir" / "index.txt").read_text().splitlines()
     assert [line.split()[0] for line in index] == ["00-import.onnx", "01-recognise.onnx", "02-partition.onnx",

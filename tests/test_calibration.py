@@ -195,16 +195,27 @@ def test_cli_build_warns_once_and_inspect_shows_both_shares(files, tmp_path, cap
         [layer["predictor_active"] / (1 - layer["sparsity"]) for layer in layers])
 
 
-@pytest.mark.parametrize("family, exporter", [("opt", "dynamo"), ("llama", "legacy"), ("falcon", "dynamo")])
-def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, family, exporter):
+@pytest.mark.parametrize("family, exporter, external", [("opt", "dynamo", True), ("llama", "legacy", False),
+                                                       ("falcon", "dynamo", False)])
+def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, monkeypatch, family, exporter, external):
     """Profiling one layer's part of the source graph at a time (what a model too big for onnxruntime gets)
     spills the same FFN inputs and activity as running the whole model, for a sequential, a legacy-exported
-    gated and a parallel-attention family; each part holds its own layer's weights only."""
+    gated and a parallel-attention family, and with the weights memory-mapped from external data as a big
+    model's are; each part holds its own layer's weights only."""
+    import onnx
+
     from passes.layer_reference import layer_cuts, part_model
     from passes.recognise import source_model
     from picompile import ir as pir
 
     model_files = tiny_models(family, exporter) if family == "falcon" else tiny_models(family, exporter, sparsity=0.9)
+    onnx_path = model_files.onnx
+    if external:  # weights beside the model, left memory-mapped by import (as past EXTERNAL_DATA_BYTES)
+        onnx_path = tmp_path / "external" / "model.onnx"
+        onnx_path.parent.mkdir()
+        onnx.save(onnx.load(str(model_files.onnx)), str(onnx_path), save_as_external_data=True,
+                  all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+        monkeypatch.setattr(pir, "EXTERNAL_DATA_BYTES", 0)
     results = {}
     for layered in (False, True):
         workdir = tmp_path / f"layered-{layered}"
@@ -212,7 +223,7 @@ def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, famil
         ctx = Context(get_target("cpu"), workdir=workdir)
         passes = [Import(), Recognise(max_context=CONTEXT),
                   Profile(calib=model_files.calib, calib_samples=0, max_context=CONTEXT, layered=layered)]
-        lifted = run_passes(load(model_files.onnx), passes, ctx)
+        lifted = run_passes(load(onnx_path), passes, ctx)
         results[layered] = ProfiledActivations.of(lifted)
     for layer in results[False].layers:
         whole, parts = results[False].layer(layer), results[True].layer(layer)

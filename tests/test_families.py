@@ -125,6 +125,30 @@ def test_half_precision_models_compile_in_fp32(half_exports, tmp_path, precision
         assert_matches_onnxruntime(stored, rounded, decode_steps=3)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_weights_stay_half_until_lowering(half_exports, precision):
+    """Import keeps a half model's matrices as stored (behind a Cast to fp32) and recognise lifts them so:
+    the block IR holds them at half the memory; only their small constants are widened."""
+    import ml_dtypes
+    import numpy as np
+
+    from passes.import_onnx import Import, load
+    from passes.recognise import Recognise
+    from picompile import ir as pir
+    from picompile.pipeline import Context, run_passes
+
+    half, _ = half_exports[precision]
+    expected = {"fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}[precision]
+    imported = run_passes(load(half), [Import()], Context(get_target("cpu")))
+    casts = [n for n in imported.graph if n.op_type == "Cast" and n.inputs[0].is_initializer()]
+    assert casts and {n.inputs[0].const_value.dtype.numpy() for n in casts} == {expected}
+    assert all(pir.const_array(n.outputs[0]).dtype == expected for n in casts)  # read through the Cast
+    lifted = run_passes(imported, [Recognise(max_context=32)], Context(get_target("cpu")))
+    ffn = pir.nodes_in_domain(lifted, "FFN")[0]
+    assert pir.const_array(ffn.inputs[1]).dtype == pir.const_array(ffn.inputs[3]).dtype == expected
+    assert pir.const_array(lifted.graph.initializers["embed.tokens"]).dtype == expected
+
+
 def test_external_data_model_compiles_and_the_artifact_stands_alone(exported, tmp_path):
     files = exported("legacy", "gpt2")
     source = tmp_path / "external"
