@@ -98,6 +98,7 @@ def run_layers(source: ir.Model, cuts: list[LayerCut], sequences: list[np.ndarra
     for cut in cuts:
         path = workdir / f"profile-layer{cut.layer}.onnx"
         pir.save(part_model(source, cut, previous), path)
+        pir.release_mapped_pages(source)  # the layer's weights were read from the file into the part
         try:
             decoder = OrtDecoder(path)
         except Exception as error:  # onnxruntime's own exception types

@@ -737,7 +737,7 @@ def _optional(graph: ir.Graph, name: str, array: np.ndarray | None) -> ir.Value 
     return None if array is None else pir.initializer(graph, name, array)
 
 
-def build_graph(decoder: Decoder) -> ir.Model:
+def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["seq"])
     start = ir.val("start", ir.DataType.INT64, [])
     graph = ir.Graph([input_ids, start], [], nodes=[], name="decoder",
@@ -807,6 +807,7 @@ def build_graph(decoder: Decoder) -> ir.Model:
         graph.append(add)
         h = add.outputs[0]
         h.name = f"{p}.ffn_residual.out"
+        after_layer()
     hn = _norm_node(graph, decoder.final_norm, h, "final_norm")
     head_inputs = [hn, pir.initializer(graph, "lm_head.weight", decoder.lm_head.weight)]
     head = ir.node("MatMul", head_inputs, name="lm_head")
@@ -848,7 +849,8 @@ class Recognise:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)
         _check_context(decoder, self.max_context)
-        lifted = build_graph(decoder)
+        # the concatenated weights are copies: the source pages they were read from need not stay resident
+        lifted = build_graph(decoder, after_layer=lambda: pir.release_mapped_pages(model))
         lifted.meta[SOURCE] = model
         if SOURCE_QUANTIZATION in model.metadata_props:  # a fact about the weights, which the lifted graph keeps
             lifted.metadata_props[SOURCE_QUANTIZATION] = model.metadata_props[SOURCE_QUANTIZATION]

@@ -32,6 +32,7 @@ from passes.threshold import Threshold
 from runtime.dtypes import WEIGHT_FORMATS
 
 from . import artifact, memory
+from . import ir as pir
 from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
 from .targets import TARGETS, Target, check_vram_budget, format_size
 
@@ -121,6 +122,17 @@ def _warn_if_dequantized(model: ir.Model, options: Options, ctx: Context) -> Non
              f"{'--weight-dtype int' + str(bits[0]) + ' keeps their values' if len(bits) == 1 else ''}".rstrip(", "))
 
 
+class ReleaseMappedPages(Hook):
+    """After each pass, the pages of the user's memory-mapped weights that pass read leave the resident set
+    (`picompile.ir.release_mapped_pages`): the lifted IR's views into the file map them back when read."""
+
+    def __init__(self, source: ir.Model):
+        self.source = source
+
+    def after_pass(self, index, compiler_pass, result, seconds, ctx):
+        pir.release_mapped_pages(self.source)
+
+
 def build(model_path: Path, output: Path, target: Target, options: Options, *,
           dump_dir: Path | None = None, log=lambda message: None, warn=None, verify: bool = False,
           passes: list[Pass] | None = None, progress: bool = False) -> Path:
@@ -131,7 +143,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
     check_vram_budget(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
     model = load(model_path)
-    hooks: list[Hook] = [LogTiming()]
+    hooks: list[Hook] = [ReleaseMappedPages(model), LogTiming()]  # released before -v reports what stayed
     if dump_dir is not None:
         hooks.append(DumpIR(dump_dir))
     if verify:

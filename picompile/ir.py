@@ -11,6 +11,7 @@ activations (`passes.profile.ProfiledActivations`).
 from __future__ import annotations
 
 import contextlib
+import mmap
 from pathlib import Path
 
 import ml_dtypes
@@ -99,6 +100,22 @@ def node_blocks(graph: ir.Graph) -> dict[ir.Node, int | str]:
     layers = node_layers(graph)
     return {node: EMBED if node.domain == DOMAIN and node.op_type == "Embed" else
             HEAD if layers[node] is None else layers[node] for node in graph}
+
+
+def release_mapped_pages(model: ir.Model) -> int:
+    """Drop from this process's resident set the pages of every weight of `model` still memory-mapped from its
+    external data file (and of every array that views one). They stay in the page cache and map back in when
+    read again, so a big model's file is paged in by the pass that reads it and never held resident by the
+    build. Returns the bytes released."""
+    released = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and tensor.raw is not None and tensor.nbytes:
+            begin = (tensor.offset or 0) // mmap.PAGESIZE * mmap.PAGESIZE
+            end = min((tensor.offset or 0) + tensor.nbytes, len(tensor.raw))
+            tensor.raw.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+            released += end - begin
+    return released
 
 
 def save(model: ir.Model, path: Path) -> None:
