@@ -22,7 +22,7 @@ import onnx_ir as ir
 from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.reference import OrtDecoder
-from runtime.artifact import first_line
+from runtime.artifact import available_memory_bytes, first_line
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,27 @@ class LayerCut:
     wanted: tuple[str, ...]  # the source tensors the caller wants from this layer
 
 
-def layer_cuts(lifted: ir.Model, wanted: dict[int, tuple[str, ...]]) -> list[LayerCut]:
-    """The cuts of the source graph, one per decoder layer, from the lifted IR's Attention nodes."""
-    inputs = {int(pir.attr(node, "layer")): node.metadata_props["source.layer_input"]
-              for node in pir.nodes_in_domain(lifted, "Attention")}
+# onnxruntime holds a model's weights in fp32 (it widens fp16 ones as it loads them), beside the build's own
+# working set: the whole source runs at once only where that fits in this share of the memory available
+WHOLE_MODEL_MEMORY_SHARE = 0.5
+
+
+def needs_layers(source: ir.Model) -> bool:
+    """Whether onnxruntime could not hold the whole source model's weights: run it layer by layer."""
+    available = available_memory_bytes()
+    fp32_bytes = sum(4 * value.const_value.size for value in source.graph.initializers.values()
+                     if value.const_value is not None)
+    return available is not None and fp32_bytes > WHOLE_MODEL_MEMORY_SHARE * available
+
+
+def lifted_layer_inputs(lifted: ir.Model) -> dict[int, str]:
+    """Each layer's residual stream in the source graph, as recognise recorded it on the lifted IR."""
+    return {int(pir.attr(node, "layer")): node.metadata_props["source.layer_input"]
+            for node in pir.nodes_in_domain(lifted, "Attention")}
+
+
+def layer_cuts(inputs: dict[int, str], wanted: dict[int, tuple[str, ...]]) -> list[LayerCut]:
+    """The cuts of the source graph, one per decoder layer (`inputs`: each layer's residual stream)."""
     layers = sorted(inputs)
     return [LayerCut(layer, inputs[layer] if index else None,
                      inputs[layers[index + 1]] if index + 1 < len(layers) else None, tuple(wanted.get(layer, ())))
@@ -119,3 +136,29 @@ def run_layers(source: ir.Model, cuts: list[LayerCut], sequences: list[np.ndarra
         for suffix in ("", ".data"):
             Path(str(path) + suffix).unlink(missing_ok=True)
         previous = cut
+
+
+class LayeredReference:
+    """eval's reference where onnxruntime cannot hold the model: the user's ONNX run layer by layer (the
+    profile's parts, the last one ending at the logits), for all of eval's sequences at once (`prepare`), each
+    from an empty KV cache. `forward` then returns a prepared sequence's logits, as OrtDecoder.forward does."""
+
+    def __init__(self, source: ir.Model, layer_inputs: dict[int, str], workdir: Path):
+        self.source, self.workdir = source, Path(workdir)
+        self.cuts = layer_cuts(layer_inputs, {max(layer_inputs): ("logits",)})
+        self.logits: dict[bytes, np.ndarray] = {}
+
+    def prepare(self, sequences: list[np.ndarray]) -> None:
+        sequences = [np.asarray(s, np.int64) for s in sequences]
+        for cut, index, outputs in run_layers(self.source, self.cuts, sequences, self.workdir):
+            if "logits" in outputs:
+                self.logits[sequences[index].tobytes()] = outputs["logits"]
+
+    def reset(self) -> None:
+        pass
+
+    def forward(self, sequence) -> np.ndarray:
+        key = np.asarray(sequence, np.int64).tobytes()
+        if key not in self.logits:  # not prepared: one more pass over the layers
+            self.prepare([sequence])
+        return self.logits[key]

@@ -36,10 +36,10 @@ from picompile.errors import UserError
 from picompile.pipeline import Context, Options
 from picompile.reference import OrtDecoder
 from picompile.tokens import read_tokens
-from runtime.artifact import available_memory_bytes, first_line
+from runtime.artifact import first_line
 
 from .import_onnx import source_file
-from .layer_reference import layer_cuts, run_layers
+from .layer_reference import layer_cuts, lifted_layer_inputs, needs_layers, run_layers
 from .recognise import source_model
 
 PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
@@ -156,19 +156,6 @@ def calibration_tokens(calib: Path | None, budget: int | None, length: int, seed
             sequences.append(sequence[begin: begin + room])
             used += len(sequences[-1])
     return sequences
-
-
-# onnxruntime holds a model's weights in fp32 (it widens fp16 ones as it loads them), beside the build's own
-# working set: the whole source runs at once only where that fits in this share of the memory available
-WHOLE_MODEL_MEMORY_SHARE = 0.5
-
-
-def needs_layers(source: ir.Model) -> bool:
-    """Whether onnxruntime could not hold the whole source model's weights: profile it layer by layer."""
-    available = available_memory_bytes()
-    fp32_bytes = sum(4 * value.const_value.size for value in source.graph.initializers.values()
-                     if value.const_value is not None)
-    return available is not None and fp32_bytes > WHOLE_MODEL_MEMORY_SHARE * available
 
 
 def reference_decoder(source: ir.Model, wanted: list[str], workdir: Path) -> OrtDecoder:
@@ -344,7 +331,7 @@ class Profile:
         starts = np.cumsum([0] + [len(s) for s in sequences])  # each sequence's first row
         layered = self.layered if self.layered is not None else too_big
         if layered:  # one layer's weights in onnxruntime at a time
-            cuts = layer_cuts(model, layers)
+            cuts = layer_cuts(lifted_layer_inputs(model), layers)
             with ctx.progress("profile: calibration sequences, layer by layer", len(cuts) * len(sequences)) as advance:
                 for cut, index, outputs in run_layers(source, cuts, sequences, Path(ctx.workdir)):
                     with ctx.layer(cut.layer):

@@ -727,6 +727,12 @@ def _norm_node(graph: ir.Graph, norm: Norm, x: ir.Value, prefix: str) -> ir.Valu
     return node.outputs[0]
 
 
+def source_layer_input(attention: Attention) -> str:
+    """The name of the residual stream entering the attention's layer in the source graph (its norm's input,
+    above any cast: where the graph can be cut into layers)."""
+    return _up(attention.norm.input).name
+
+
 def _same_norm(a: Norm, b: Norm) -> bool:
     return (_up(a.input) is _up(b.input) and a.kind == b.kind and a.epsilon == b.epsilon
             and np.array_equal(a.scale, b.scale) and (a.bias is None) == (b.bias is None)
@@ -773,7 +779,7 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
         graph.append(node)
         node.outputs[0].name, node.outputs[1].name, node.outputs[2].name = f"{p}.attn.out", f"present.{i}.key", f"present.{i}.value"
         # the residual stream entering the layer in the source graph: where the profile may cut it into layers
-        node.metadata_props["source.layer_input"] = _up(attention.norm.input).name
+        node.metadata_props["source.layer_input"] = source_layer_input(attention)
         outputs.extend(node.outputs[1:])
         layer_input = h
         add = ir.node("Add", [h, node.outputs[0]], name=f"{p}.attn_residual")

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -223,7 +224,7 @@ def _run(args) -> int:
 
 def _eval(args) -> int:
     from .evaluate import ArtifactReference, evaluate
-    from .reference import OrtDecoder, check_reference
+    from .reference import check_reference, reference_for
     from .tokens import read_tokens
 
     sequences = read_tokens(args.tokens)[: args.max_sequences]
@@ -237,16 +238,19 @@ def _eval(args) -> int:
         raise UserError(f"the reference {args.reference} has a vocabulary of {vocab} tokens but the artifact "
                         f"{args.artifact} has {engine.vocab_size}: eval compares an artifact with the model it was "
                         "built from")
-    report = evaluate(engine, OrtDecoder(args.reference), sequences)
-    if args.baseline is not None:
-        baseline = _engine(args.baseline, args.emulate_gpu)
-        if baseline.vocab_size != engine.vocab_size:
-            raise UserError(f"the baseline {args.baseline} has a vocabulary of {baseline.vocab_size} tokens but "
-                            f"{args.artifact} has {engine.vocab_size}: a baseline is another build of the same model")
-        for name, found in (("baseline", evaluate(baseline, OrtDecoder(args.reference), sequences)),
-                            ("vs_baseline", evaluate(engine, ArtifactReference(baseline), sequences))):
-            report.update({f"{name}.{key}": value for key, value in found.items()
-                           if key in ("kl_mean", "top1_agreement", "max_abs_logit_diff", "ppl_compiled")})
+    with tempfile.TemporaryDirectory(prefix="picompile-eval-") as workdir:  # a layered reference's parts
+        reference = reference_for(args.reference, [s[: engine.max_context] for s in sequences], Path(workdir))
+        report = evaluate(engine, reference, sequences)
+        if args.baseline is not None:
+            baseline = _engine(args.baseline, args.emulate_gpu)
+            if baseline.vocab_size != engine.vocab_size:
+                raise UserError(f"the baseline {args.baseline} has a vocabulary of {baseline.vocab_size} tokens but "
+                                f"{args.artifact} has {engine.vocab_size}: a baseline is another build of the same "
+                                "model")
+            for name, found in (("baseline", evaluate(baseline, reference, sequences)),
+                                ("vs_baseline", evaluate(engine, ArtifactReference(baseline), sequences))):
+                report.update({f"{name}.{key}": value for key, value in found.items()
+                               if key in ("kl_mean", "top1_agreement", "max_abs_logit_diff", "ppl_compiled")})
     sparsity = engine.manifest.get("sparsity", {})
     if sparsity:
         report["sparsity_mode"] = sparsity["mode"]

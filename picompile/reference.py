@@ -12,6 +12,24 @@ from .errors import UserError
 FED_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
+def reference_for(path: Path, sequences: list[np.ndarray], workdir: Path):
+    """eval's reference executor on the model at `path` for these sequences: onnxruntime on the whole model,
+    or, where onnxruntime could not hold its weights, on one layer at a time (`passes.layer_reference`)."""
+    from passes.import_onnx import Import, load
+    from passes.layer_reference import LayeredReference, needs_layers
+    from passes.recognise import analyse, source_layer_input
+
+    from .pipeline import Context
+    from .targets import get_target
+
+    imported = Import().apply(load(Path(path), for_build=False), Context(get_target("cpu"))).model
+    if not needs_layers(imported):
+        return OrtDecoder(path)
+    layered = LayeredReference(imported, {a.layer: source_layer_input(a) for a in analyse(imported).attentions}, workdir)
+    layered.prepare(sequences)
+    return layered
+
+
 def check_reference(path: Path) -> int:
     """Check that `path` is a model eval can compare an artifact with, as `build` checks a model (the import
     pass's refusals: missing, not ONNX, damaged, not a decoder LLM export with input_ids and logits (a CNN),

@@ -204,7 +204,7 @@ def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, monke
     model's are; each part holds its own layer's weights only."""
     import onnx
 
-    from passes.layer_reference import layer_cuts, part_model
+    from passes.layer_reference import layer_cuts, lifted_layer_inputs, part_model
     from passes.recognise import source_model
     from picompile import ir as pir
 
@@ -235,7 +235,7 @@ def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, monke
     weights = {name for name, value in source.graph.initializers.items() if value.const_value.size >= 64 * 64}
     wanted = {int(pir.attr(node, "layer")): (node.metadata_props["source.input"], node.metadata_props["source.activation"])
               for node in pir.nodes_in_domain(lifted, "FFN")}
-    cuts = layer_cuts(lifted, wanted)
+    cuts = layer_cuts(lifted_layer_inputs(lifted), wanted)
     held = [set(part_model(source, cut, previous).graph.initializers) & weights
             for cut, previous in zip(cuts, [None, *cuts[:-1]])]
     assert held[0] and held[1] and not held[0] & held[1] - {_embedding(source)}  # no matrix in both parts
@@ -250,12 +250,12 @@ def _embedding(source):
 
 def test_profile_goes_layer_by_layer_where_onnxruntime_could_not_hold_the_model(files, monkeypatch):
     """The choice: the source's weights in fp32 against half the memory available."""
-    from passes import profile as profile_pass
+    from passes import layer_reference
     from passes.recognise import source_model
 
     lifted = run_passes(load(files.onnx), [Import(), Recognise(max_context=CONTEXT)], Context(get_target("cpu")))
     fp32_bytes = sum(4 * v.const_value.size for v in source_model(lifted).graph.initializers.values())
-    monkeypatch.setattr(profile_pass, "available_memory_bytes", lambda: 3 * fp32_bytes)
-    assert not profile_pass.needs_layers(source_model(lifted))
-    monkeypatch.setattr(profile_pass, "available_memory_bytes", lambda: fp32_bytes)
-    assert profile_pass.needs_layers(source_model(lifted))
+    monkeypatch.setattr(layer_reference, "available_memory_bytes", lambda: 3 * fp32_bytes)
+    assert not layer_reference.needs_layers(source_model(lifted))
+    monkeypatch.setattr(layer_reference, "available_memory_bytes", lambda: fp32_bytes)
+    assert layer_reference.needs_layers(source_model(lifted))

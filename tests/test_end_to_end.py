@@ -192,3 +192,25 @@ def test_run_refuses_an_artifact_larger_than_available_memory(artifacts, capsys,
     monkeypatch.undo()
     monkeypatch.setattr(runtime.engine, "available_memory_bytes", lambda: needed)  # exactly enough: it runs
     assert main(["run", str(artifact), "--prompt-ids", "1,2", "-n", "2"]) == 0
+
+
+def test_eval_runs_the_reference_layer_by_layer_where_onnxruntime_could_not_hold_it(tiny_models, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A model too big for onnxruntime (made so here) is still eval's reference: run one layer at a time, its
+    logits are the whole model's, so the report is the same."""
+    from passes import layer_reference
+
+    files = tiny_models("llama")
+    out = tmp_path / "m.pic"
+    assert main(["build", str(files.onnx), "-o", str(out), "--max-context", "48", "--dense"]) == 0
+    command = ["eval", str(out), "--reference", str(files.onnx), "--tokens", str(files.heldout),
+               "--max-sequences", "2", "--json"]
+    capsys.readouterr()
+    assert main(command) == 0
+    whole = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(layer_reference, "needs_layers", lambda source: True)
+    assert main(command) == 0
+    layered = json.loads(capsys.readouterr().out)
+    assert layered["positions"] == whole["positions"] > 0
+    for key in ("kl_mean", "ppl_reference", "max_abs_logit_diff"):
+        assert layered[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-9), key
