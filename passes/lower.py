@@ -169,7 +169,11 @@ class LowerPredicted:
         for value in [*partials, merge.outputs[0]]:
             value.shape = node.outputs[0].shape
         node.outputs[0].replace_all_uses_with(merge.outputs[0])
+        dense_weights = node.inputs[1:5]
         graph.remove(node, safe=True)
+        for value in dense_weights:  # now in the parts' rows: freed layer by layer, not at the end of the pass
+            if value is not None and value.is_initializer() and not value.uses():
+                graph.initializers.pop(value.name)
         stats = {key: pir.attr(node, key) for key in STATS if key in node.attributes}
         frequency = pir.const_array(graph.initializers[f"{prefix}.frequency"])
         hot_share = float(frequency[order[:n_gpu]].sum() / max(frequency.sum(), 1e-12))

@@ -30,6 +30,7 @@ import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -40,7 +41,7 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
-from picompile.sizes import parameter_count, predictor_format, weight_format
+from picompile.sizes import float_format, parameter_count, predictor_format, weight_format
 from picompile.targets import BASELINE_CPU_ISA, get_cpu_isa
 
 from .kernels import quant
@@ -139,7 +140,7 @@ def choose_ranks(reads: list[dict[int, float]], widths: list[int], budget: int) 
 
 @dataclass
 class Predictor:
-    w1: np.ndarray  # [d_model, r] float32  (h = relu(x @ w1))
+    w1: np.ndarray  # [d_model, r] float32 (fp16 once trained for an fp16 build)  (h = relu(x @ w1))
     w2: np.ndarray  # [r, ffn] float32      (logits = h @ w2; neuron j predicted active iff logits[j] > threshold)
     threshold: float
     recall: float  # on held-out profiled tokens: predicted-active among truly active
@@ -615,7 +616,11 @@ class Predict:
                                             seed=self.seed + layers[index], pre_activations=pre, up_weight=up,
                                             stored=as_stored, seen=seen if int8_inputs else None)
             advance()
-            return predictor, pre is not None
+            # held in their stored precision (exact: fitted as stored), not fp32: all layers' are kept to the end
+            return dataclasses.replace(predictor, w1=held(predictor.w1), w2=held(predictor.w2)), pre is not None
+
+        def held(w: np.ndarray) -> np.ndarray:
+            return w if predictor_fmt.quantized else w.astype(float_format(predictor_fmt).storage)
 
         # Layers are independent: each phase runs them side by side, one torch thread each (deterministic
         # either way).

@@ -255,12 +255,15 @@ class _Walker:
             name = value.producer().inputs[0].name
             self.low.quantized.setdefault(name, matrix)
             return name
+        if value.name in self.low.weights:
+            return value.name
         array = pir.const_array(value)
         if array is None:
             raise UserError(f"{value.name} must be a constant weight")
-        if value.name not in self.low.weights:
-            # an fp16 matrix stays fp16 until `stored_for` gives it its device's format (never a widened copy)
-            self.low.weight(value.name, array, "float16" if array.dtype == np.float16 else "float32")
+        # an fp16 matrix stays fp16 until `stored_for` gives it its device's format (never a widened copy)
+        self.low.weight(value.name, array, "float16" if array.dtype == np.float16 else "float32")
+        if value.is_initializer():  # the kernel program holds it now: a packed copy may replace it, not join it
+            value.const_value = None
         return value.name
 
     def next_residual(self, width: int) -> str:
