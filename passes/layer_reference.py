@@ -20,6 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from picompile import ir as pir
+from picompile import memory
 from picompile.errors import UserError
 from picompile.reference import OrtDecoder
 from runtime.artifact import available_memory_bytes, first_line
@@ -135,6 +136,7 @@ def run_layers(source: ir.Model, cuts: list[LayerCut], sequences: list[np.ndarra
         del decoder
         for suffix in ("", ".data"):
             Path(str(path) + suffix).unlink(missing_ok=True)
+        memory.return_freed_memory()  # the part's session and protobuf: else the heap grows by a layer each
         previous = cut
 
 
