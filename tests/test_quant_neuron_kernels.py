@@ -50,6 +50,8 @@ def fmt(bits, sdtype):
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])  # (avx512vnni: vnni_lib, its int8 dots only)
 def lib(request, tmp_path_factory):
+    if not set(CPU_ISAS[request.param].features) <= (cpu_flags() or set()):
+        pytest.skip(f"this CPU has no {request.param}")  # (its kernels would die of an illegal instruction)
     funcs = [neuron.sparse_ffn_q(f"ffn_{name}", D, N, rows=1, gated=gated, act=act, bits=bits, sdtype=sdtype)
              for name, (D, bits, gated, act, sdtype) in FUSED.items()]
     funcs += [cpu.embed_q(f"embed_{name}_{v}", V, D, rows=rows, positions=positions, bits=bits, sdtype=sdtype)
