@@ -5,7 +5,8 @@ weights (``torch.manual_seed(seed)``), optionally given *synthetic* activation s
 imitates what trained ReLU models show, exported to ONNX in optimum's KV-cache convention,
 and written next to random calibration / held-out token files.
 
-Families (ReLU unless noted; presets ``tiny``, ``small``, ``1b``)
+Families (ReLU unless noted; presets ``tiny``, ``small``, ``1b``; LLaMA also ``7b`` and ``13b``, made layer by
+layer by :mod:`examples.streamed_models`)
     ``opt``    OPTForCausalLM, ReLU FFN (fc1 -> relu -> fc2), pre-LayerNorm, biases, tied LM head.
     ``llama``  LlamaForCausalLM with ``hidden_act="relu"`` (gated ReGLU: down(relu(gate(x)) * up(x))),
                grouped-query attention, untied LM head, no biases anywhere. ``hidden_act="silu"`` makes
