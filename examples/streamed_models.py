@@ -39,6 +39,7 @@ from . import models as M
 
 STREAMED_PRESETS = ("7b", "13b")
 DTYPES = {"fp16": (torch.float16, np.float16), "fp32": (torch.float32, np.float32)}
+DTYPES_NP = {torch_dtype: np_dtype for torch_dtype, np_dtype in DTYPES.values()}
 # Token files of a streamed model: fewer than the small presets' (each layer runs on every synthesis and
 # held-out token: 1,024 of each cost a 7B layer ~1 TFLOP on the CPU)
 STREAMED_TOKENS: dict[str, Any] = dict(n_seqs=16, seq_len=64, calib_seqs=None)
@@ -108,9 +109,6 @@ def export_graph(config, dtype: torch.dtype) -> tuple[Any, dict[str, WeightSpec]
     with M._quiet_loggers("onnx_ir", "onnxscript"):  # it says, per weight, that it cannot de-duplicate it
         onnxscript.optimizer.optimize_ir(program.model)
     return program.model, specs
-
-
-DTYPES_NP = {torch_dtype: np_dtype for torch_dtype, np_dtype in DTYPES.values()}
 
 
 def _rotary_inv_freq(config) -> np.ndarray:

@@ -23,6 +23,7 @@ from picompile import ir as pir
 from picompile import memory
 from picompile.errors import UserError
 from picompile.reference import OrtDecoder
+from runtime import dtypes
 from runtime.artifact import available_memory_bytes, first_line
 
 
@@ -35,6 +36,11 @@ class LayerCut:
     next_input: str | None  # the residual stream entering the next layer (None: the last part)
     wanted: tuple[str, ...]  # the source tensors the caller wants from this layer
 
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """What the part computes: the next layer's input (where there is one), then the wanted tensors."""
+        return ((self.next_input,) if self.next_input else ()) + self.wanted
+
 
 # onnxruntime holds a model's weights in fp32 (it widens fp16 ones as it loads them), beside the build's own
 # working set: the whole source runs at once only where that fits in this share of the memory available
@@ -44,8 +50,8 @@ WHOLE_MODEL_MEMORY_SHARE = 0.5
 def needs_layers(source: ir.Model) -> bool:
     """Whether onnxruntime could not hold the whole source model's weights: run it layer by layer."""
     available = available_memory_bytes()
-    fp32_bytes = sum(4 * value.const_value.size for value in source.graph.initializers.values()
-                     if value.const_value is not None)
+    fp32_bytes = sum(dtypes.nbytes(list(value.const_value.shape), "float32")
+                     for value in source.graph.initializers.values() if value.const_value is not None)
     return available is not None and fp32_bytes > WHOLE_MODEL_MEMORY_SHARE * available
 
 
@@ -89,7 +95,7 @@ def part_model(source: ir.Model, cut: LayerCut, previous: LayerCut | None) -> ir
     """Layer `cut.layer`'s part of the source graph, as a model of its own. Refuses (UserError) a graph whose
     layers do not come apart at their residual streams (the part would recompute the layer before)."""
     values = ir.convenience.create_value_mapping(source.graph)
-    outputs = [values[name] for name in (*((cut.next_input,) if cut.next_input else ()), *cut.wanted)]
+    outputs = [values[name] for name in cut.outputs]
     for value in outputs:
         value.dtype = value.dtype or ir.DataType.FLOAT
     start = values[cut.input] if cut.input else None
@@ -99,11 +105,7 @@ def part_model(source: ir.Model, cut: LayerCut, previous: LayerCut | None) -> ir
                         f"recomputes layer {previous.layer}: an export that fuses across layers); profiling it whole "
                         "needs its fp32 weights in memory")
     graph = ir.convenience.extract(source.graph, [*([start] if start is not None else []), *reads], outputs)
-    # weights still in the user's external data file: copied in (this layer's only), so the part saves on its
-    # own (onnx_ir's load_to_model would also close the file's memory map, which the lifted IR reads through)
-    for value in graph.initializers.values():
-        if isinstance(value.const_value, ir.ExternalTensor):
-            value.const_value = ir.tensor(np.array(value.const_value.numpy()), name=value.name)
+    # weights still in the user's external data file stay so: `pir.save` copies them into the part's own file
     return ir.Model(graph, ir_version=source.ir_version)
 
 
@@ -122,12 +124,11 @@ def run_layers(source: ir.Model, cuts: list[LayerCut], sequences: list[np.ndarra
         except Exception as error:  # onnxruntime's own exception types
             raise UserError(f"onnxruntime cannot load layer {cut.layer} of the model to profile it: "
                             f"{first_line(error, type(error).__name__)}") from None
-        names = [*((cut.next_input,) if cut.next_input else ()), *cut.wanted]
         for index, sequence in enumerate(sequences):
             decoder.reset()
             extra = {cut.input: hidden[index]} if cut.input else None
             try:
-                results = decoder.run(sequence[None], names, extra)
+                results = decoder.run(sequence[None], list(cut.outputs), extra)
             except Exception as error:  # onnxruntime's own types: a node fails on real tokens
                 raise UserError(f"onnxruntime cannot run layer {cut.layer} of the model on calibration tokens: "
                                 f"{first_line(error, type(error).__name__)}") from None
