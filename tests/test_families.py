@@ -149,6 +149,31 @@ def test_half_precision_weights_stay_half_until_lowering(half_exports, precision
     assert pir.const_array(lifted.graph.initializers["embed.tokens"]).dtype == expected
 
 
+def test_a_half_models_sparse_rows_stay_half_through_lowering(half_exports, tmp_path):
+    """lower gathers each FFN part's rows in the weights' stored precision: an fp16 model's stay fp16 (widened
+    to fp32 there, a 7B build's lower pass held twice its weights)."""
+    import numpy as np
+
+    from passes.import_onnx import load
+    from picompile import compiler
+    from picompile import ir as pir
+    from picompile.pipeline import Context, run_passes
+
+    half, rounded = half_exports["fp16"]
+    calib = models.write_tokens(tmp_path / "calib.npy", models.random_tokens(128, 8, 16, seed=0))
+    options = Options(max_context=32, calib=calib, calib_samples=0, all_neurons=True)  # every layer split
+    passes = compiler.pipeline(options, "predictor")
+    through_lower = passes[: [p.name for p in passes].index("lower") + 1]
+    lowered = run_passes(load(half), through_lower, Context(get_target("cpu"), workdir=tmp_path))
+    sparse = pir.nodes_in_domain(lowered, "SparseFFN")
+    assert sparse
+    for node in sparse:
+        up_rows, down_rows = pir.const_array(node.inputs[2]), pir.const_array(node.inputs[4])
+        assert up_rows.dtype == down_rows.dtype == np.dtype(np.float16), node.name
+    artifact = build(half, tmp_path / "a.pic", get_target("cpu"), options)  # fp32 storage: widened when held
+    assert_matches_onnxruntime(artifact, rounded, decode_steps=3)
+
+
 def test_external_data_model_compiles_and_the_artifact_stands_alone(exported, tmp_path):
     files = exported("legacy", "gpt2")
     source = tmp_path / "external"
