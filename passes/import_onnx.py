@@ -50,6 +50,7 @@ from picompile.pipeline import Context
 from picompile.sizes import weight_bytes
 from picompile.targets import format_size
 from runtime.artifact import available_memory_bytes, first_line
+from runtime.dtypes import WEIGHT_FORMATS
 
 REQUIRED_INPUTS = ("input_ids",)
 REQUIRED_OUTPUTS = ("logits",)
@@ -147,6 +148,22 @@ def load(path: Path, for_build: bool = True) -> ir.Model:
         check_memory(str(path), weight_bytes(model.graph))
     model.meta[FILE] = path
     return model
+
+
+def stored_weight_dtype(model: ir.Model) -> str:
+    """The --weight-dtype that keeps a loaded model's weights as the file stores them (what `auto` means):
+    int4 / int8 where its MatMulNBits weights all have those bits, fp16 where most of its float matrix bytes
+    are fp16 or bf16 (bf16 values are fp16 ones but for those below fp16's normal range, ~6e-5), else fp32."""
+    bits = {node.attributes["bits"].as_int() for node in model.graph
+            if node.op_type == "MatMulNBits" and "bits" in node.attributes}
+    if len(bits) == 1 and f"int{next(iter(bits))}" in WEIGHT_FORMATS:
+        return f"int{bits.pop()}"
+    by_dtype: dict[bool, int] = {True: 0, False: 0}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None and len(tensor.shape) == 2 and tensor.dtype.is_floating_point():
+            by_dtype[tensor.dtype in HALF_TYPES] += tensor.nbytes
+    return "fp16" if by_dtype[True] > by_dtype[False] else "fp32"
 
 
 def source_file(model: ir.Model) -> Path | None:

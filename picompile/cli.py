@@ -14,7 +14,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS
+from runtime.dtypes import AUTO_WEIGHT_DTYPE, QUANT_METHODS, WEIGHT_FORMATS
 
 from .errors import PassError, UserError
 from .targets import CPU_ISAS
@@ -80,10 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--placement-time-limit", type=_non_negative(float), default=30.0, metavar="SECONDS",
                        help="time limit of the placement ILP; past it the best placement found is used and reported "
                             "as not optimal, with its gap (picompile inspect)")
-    build.add_argument("--weight-dtype", choices=list(WEIGHT_FORMATS), default="fp32",
-                       help="storage of the CPU's weight matrices: fp16 halves the bytes a token reads; int8 and int4 "
-                            "store blocks of 32 integers with an fp16 scale (Q8_0 / Q4_0), about 1/4 and 1/7 of fp32. "
-                            "Math stays fp32")
+    build.add_argument("--weight-dtype", choices=[AUTO_WEIGHT_DTYPE, *WEIGHT_FORMATS], default=AUTO_WEIGHT_DTYPE,
+                       help="storage of the CPU's weight matrices: auto (default) keeps the model's own (fp16 for an "
+                            "fp16 or bf16 file, int4/int8 for a MatMulNBits one, else fp32); fp16 halves the bytes a "
+                            "token reads; int8 and int4 store blocks of 32 integers with an fp16 scale (Q8_0 / Q4_0), "
+                            "about 1/4 and 1/7 of fp32. Math stays fp32")
     build.add_argument("--quant-method", choices=list(QUANT_METHODS), default="awq",
                        help="int8/int4 builds: awq scales each FFN's input channels by their profiled magnitude before "
                             "rounding (activation-aware; folded into the norm, exact in floats), rtn rounds every weight "

@@ -8,6 +8,7 @@ exactly what a build in that mode runs, each pass given the options it reads as 
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import onnx_ir as ir
 from passes.awq import AWQ, AWQ_MIN_TOKENS, AWQ_TOKENS
 from passes.compile import Compile
 from passes.fuse import Fuse
-from passes.import_onnx import Import, SourceQuantization, load
+from passes.import_onnx import Import, SourceQuantization, load, stored_weight_dtype
 from passes.lower import LowerPredicted, LowerThresholded
 from passes.partition import Partition
 from passes.place import Place
@@ -29,7 +30,7 @@ from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
 from passes.sparsity_mode import Sparsity, SparsityMode
 from passes.threshold import Threshold
-from runtime.dtypes import WEIGHT_FORMATS
+from runtime.dtypes import AUTO_WEIGHT_DTYPE, WEIGHT_FORMATS
 
 from . import artifact, memory
 from . import ir as pir
@@ -54,6 +55,8 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
     lowers each FFN to thresholded ops (on the CPU: no placement)."""
     if (mode == "dense") != options.dense:
         raise ValueError(f"mode {mode!r} does not fit options.dense={options.dense}")
+    if options.weight_dtype == AUTO_WEIGHT_DTYPE:
+        raise ValueError("weight_dtype 'auto' is resolved from the model first (resolve_weight_dtype)")
     profile = Profile(calib=options.calib, calib_tokens=options.calib_tokens, calib_samples=options.calib_samples,
                       max_context=options.max_context, seed=options.seed)
     awq = [AWQ(weight_dtype=options.weight_dtype, seed=options.seed)] if _activation_aware(options) else []
@@ -133,6 +136,16 @@ class ReleaseMappedPages(Hook):
         pir.release_mapped_pages(self.source)
 
 
+def resolve_weight_dtype(options: Options, model: ir.Model, log=lambda message: None) -> Options:
+    """`options` with weight_dtype "auto" replaced by the format the model stores its weights in (an fp16 file
+    builds an fp16 artifact, not one twice its size); any other weight_dtype as it is."""
+    if options.weight_dtype != AUTO_WEIGHT_DTYPE:
+        return options
+    resolved = dataclasses.replace(options, weight_dtype=stored_weight_dtype(model))
+    log(f"weight dtype {resolved.weight_dtype} (auto: as the model stores its weights)")
+    return resolved
+
+
 def build(model_path: Path, output: Path, target: Target, options: Options, *,
           dump_dir: Path | None = None, log=lambda message: None, warn=None, verify: bool = False,
           passes: list[Pass] | None = None, progress: bool = False) -> Path:
@@ -143,6 +156,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
     check_vram_budget(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
     model = load(model_path)
+    options = resolve_weight_dtype(options, model, log)
     hooks: list[Hook] = [ReleaseMappedPages(model), LogTiming()]  # released before -v reports what stayed
     if dump_dir is not None:
         hooks.append(DumpIR(dump_dir))

@@ -75,6 +75,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         WeightFormat("int4", "uint8", bits=4, block=QUANT_BLOCK),
     ]
 }
+# --weight-dtype's default: the format the model file stores its weights in (`compiler.resolve_weight_dtype`)
+AUTO_WEIGHT_DTYPE = "auto"
 # How a build rounds float weights into the quantized formats (--quant-method): "awq" scales FFN input channels
 # by their profiled magnitude first (the compiler's passes.awq), "rtn" rounds each weight as it is.
 QUANT_METHODS = ("awq", "rtn")

@@ -149,6 +149,23 @@ def test_half_precision_weights_stay_half_until_lowering(half_exports, precision
     assert pir.const_array(lifted.graph.initializers["embed.tokens"]).dtype == expected
 
 
+def test_the_default_weight_dtype_is_the_files_own(half_exports, tmp_path):
+    """--weight-dtype auto (the default) stores a half model's matrices in fp16, not in an fp32 copy twice the
+    file's size; an fp32 model stays fp32 and an explicit choice stands."""
+    from passes.import_onnx import load, stored_weight_dtype
+    from picompile.compiler import resolve_weight_dtype
+
+    half, rounded = half_exports["fp16"]
+    assert stored_weight_dtype(load(half_exports["bf16"][0])) == stored_weight_dtype(load(half)) == "fp16"
+    assert stored_weight_dtype(load(rounded)) == "fp32"
+    assert resolve_weight_dtype(Options(weight_dtype="fp32"), load(half)).weight_dtype == "fp32"
+    assert main(["build", str(half), "-o", str(tmp_path / "a.pic"), "--dense", "--max-context", "32", "-q"]) == 0
+    manifest = json.loads((tmp_path / "a.pic" / "manifest.json").read_text())
+    assert manifest["options"]["weight_dtype"] == "fp16"
+    stored = {info["dtype"] for info in manifest["buffers"].values() if info["kind"] == "weight" and len(info["shape"]) == 2}
+    assert "float16" in stored
+
+
 def test_a_half_models_sparse_rows_stay_half_through_lowering(half_exports, tmp_path):
     """lower gathers each FFN part's rows in the weights' stored precision: an fp16 model's stay fp16 (widened
     to fp32 there, a 7B build's lower pass held twice its weights)."""

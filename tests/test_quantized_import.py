@@ -94,7 +94,8 @@ def test_linear_layers_become_matmuls_of_initializers_for_the_quantizer():
 def test_an_ort_int4_model_builds_and_matches_onnxruntime(quantized, tmp_path, capsys):
     source = quantized()
     out = tmp_path / "q4.pic"
-    assert main(["build", str(source), "--target", "cpu", "--dense", "-o", str(out), "--max-context", "64", "-v"]) == 0
+    assert main(["build", str(source), "--target", "cpu", "--dense", "-o", str(out), "--max-context", "64", "-v",
+                 "--weight-dtype", "fp32"]) == 0
     log = capsys.readouterr().err
     assert "MatMulNBits weights dequantized" in log and "4-bit, block 32, symmetric" in log
     assert "warning: the model's weights came 4-bit quantized" in log and "--weight-dtype int4 keeps" in log
@@ -136,6 +137,13 @@ def test_import_dequantizes_exactly_and_records_the_quantization(quantized, tmp_
     ours, reference = logits_steps(OrtDecoder(path)), logits_steps(OrtDecoder(source))
     for got, expected in zip(ours, reference):
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_default_weight_dtype_keeps_a_quantized_models_bits(quantized, bits):
+    from passes.import_onnx import stored_weight_dtype
+
+    assert stored_weight_dtype(load(quantized(bits))) == f"int{bits}"
 
 
 def test_recognise_keeps_the_fact(quantized):
