@@ -1,8 +1,9 @@
 """Build time and peak resident memory per pass (issue 15): builds one model and prints -v's per-pass lines.
 
-    python benchmarks/bench_build_memory.py --preset 7b [--weight-dtype fp16] [--dense]
+    python benchmarks/bench_build_memory.py --preset 7b|13b|1b [--weight-dtype fp16] [--dense]
 
-The model is `examples.models.cached_model("llama", preset, sparsity=0.9)` (7b / 13b are made layer by layer),
+The model is `examples.models.cached_model("llama", preset, sparsity=0.9)`, made layer by layer in fp16
+(examples/streamed_models.py; `streamed=True` for the presets other than 7b / 13b), so 1b and 7b compare like for like;
 built for the CPU from its own calibration tokens without sampling. The up-front memory check is switched off,
 so the figures say what the build needs, not what the check expects.
 """
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import passes.import_onnx as import_onnx  # noqa: E402
 from examples import models  # noqa: E402
+from examples.streamed_models import STREAMED_PRESETS  # noqa: E402
 from picompile.compiler import build  # noqa: E402
 from picompile.pipeline import Options  # noqa: E402
 from picompile.targets import get_target  # noqa: E402
@@ -30,7 +32,8 @@ def main() -> None:
     parser.add_argument("--dense", action="store_true")
     parser.add_argument("-o", "--output", type=Path, default=None)
     args = parser.parse_args()
-    files = models.cached_model("llama", args.preset, sparsity=0.9, log=print)
+    streamed = {} if args.preset in STREAMED_PRESETS else {"streamed": True}  # (7b / 13b always are)
+    files = models.cached_model("llama", args.preset, sparsity=0.9, log=print, **streamed)
     output = args.output or models.cache_dir() / "bench" / f"build-memory-{args.preset}-{args.weight_dtype}.pic"
     import_onnx.WORKING_FACTOR = 0.0  # measure, do not refuse
     started = time.time()

@@ -1184,11 +1184,13 @@ def make_model(family: str, out_dir: str | os.PathLike, preset: str = "tiny", sp
 def make_models(jobs: list[tuple[dict, str | os.PathLike]], log=lambda message: None) -> list[ModelFiles]:
     """:func:`make_model` for several ``(make_model keyword arguments, out_dir)`` jobs; the optimum exports
     among them run in one process of the isolated environment (its start-up dominates a tiny export). The big
-    presets (``7b``, ``13b``) are made layer by layer by :mod:`examples.streamed_models`."""
+    presets (``7b``, ``13b``), and any LLaMA spec with ``streamed=True`` (an fp16 ``1b`` to compare with them), are
+    made layer by layer by :mod:`examples.streamed_models`."""
     from examples.streamed_models import STREAMED_PRESETS, make_streamed_model
 
     streamed = {index: make_streamed_model(out_dir, log=log, **_streamed_spec(spec))
-                for index, (spec, out_dir) in enumerate(jobs) if spec.get("preset") in STREAMED_PRESETS}
+                for index, (spec, out_dir) in enumerate(jobs)
+                if spec.get("preset") in STREAMED_PRESETS or spec.get("streamed")}
     jobs = [job for index, job in enumerate(jobs) if index not in streamed]
     made = iter(_make_in_memory(jobs, log))
     return [streamed[index] if index in streamed else next(made) for index in range(len(jobs) + len(streamed))]
@@ -1198,6 +1200,7 @@ def _streamed_spec(spec: dict) -> dict:
     """make_model's keywords as make_streamed_model takes them: a streamed preset is a LLaMA ReGLU made by the
     dynamo exporter, so those two keywords must say so."""
     spec = dict(spec)
+    spec.pop("streamed", None)
     family, exporter = spec.pop("family"), spec.pop("exporter", "dynamo")
     if family != "llama" or exporter != "dynamo":
         raise ValueError(f"preset {spec.get('preset')!r} is made layer by layer as a LLaMA by the dynamo exporter, "

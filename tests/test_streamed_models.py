@@ -72,7 +72,8 @@ def test_sparsity_is_the_designed_one(streamed):
 
 
 def test_streamed_presets_are_llamas_from_the_dynamo_exporter(tmp_path):
-    for spec in (dict(family="opt", preset="7b"), dict(family="llama", preset="13b", exporter="legacy")):
+    for spec in (dict(family="opt", preset="7b"), dict(family="llama", preset="13b", exporter="legacy"),
+                 dict(family="opt", preset="tiny", streamed=True)):  # streamed=True routes any preset so
         with pytest.raises(ValueError, match="layer by layer"):
             models.make_models([(spec, tmp_path)])
     config = models.make_config("llama", "7b")
