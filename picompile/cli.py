@@ -269,8 +269,9 @@ def _run(args) -> int:
     from .tokens import parse_ids
 
     text = args.prompt is not None
+    ids = None if text else parse_ids(args.prompt_ids, "--prompt-ids")  # refused before the artifact is read
     tokenizer = _text_tokenizer(args.artifact, "-p" if text else None)  # with ids, it names the EOS ids
-    prompt = tokenizer.encode(args.prompt) if text else parse_ids(args.prompt_ids, "--prompt-ids")
+    prompt = tokenizer.encode(args.prompt) if text else ids
     if not prompt:
         raise UserError("-p: the prompt is empty (the tokenizer makes no tokens of it)")
     engine = _engine(args.artifact, args.emulate_gpu)
