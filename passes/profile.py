@@ -35,7 +35,8 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context, Options
 from picompile.reference import OrtDecoder
-from picompile.tokens import read_tokens
+from picompile.tokenizer import TokenizerFiles
+from picompile.tokens import read_calibration
 from runtime.artifact import first_line
 
 from .import_onnx import source_file
@@ -137,16 +138,17 @@ RANDOM_TOKENS = 4096  # random tokens profiled without a --calib file (unless --
 
 
 def calibration_tokens(calib: Path | None, budget: int | None, length: int, seed: int, vocab_size: int,
-                       log=lambda message: None) -> list[np.ndarray]:
-    """The sequences of `calib` cut into pieces of `length` tokens, or random tokens (fit only for synthetic
-    models), `budget` tokens at most (None: all of `calib`, RANDOM_TOKENS random ones)."""
+                       log=lambda message: None, tokenizer: TokenizerFiles | None = None) -> list[np.ndarray]:
+    """The sequences of `calib` (ids, or text tokenized with `tokenizer`: picompile.tokens.read_calibration)
+    cut into pieces of `length` tokens, or random tokens (fit only for synthetic models), `budget` tokens at
+    most (None: all of `calib`, RANDOM_TOKENS random ones)."""
     if calib is None:
         log("profile: no --calib file: profiling on random tokens, which is only fit for synthetic models")
         rng = np.random.default_rng(seed)
         return [rng.integers(0, vocab_size, size=length)
                 for _ in range(max(1, (budget or RANDOM_TOKENS) // length))]
     sequences, used = [], 0
-    for sequence in read_tokens(calib):
+    for sequence in read_calibration(calib, tokenizer.load() if tokenizer else None, length):
         if int(sequence.max()) >= vocab_size:
             raise UserError(f"{calib} holds token id {int(sequence.max())}, outside the vocabulary ({vocab_size})")
         for begin in range(0, len(sequence), length):
@@ -281,6 +283,7 @@ class Profile:
     calib: Path | None = Options.calib
     calib_tokens: int | None = Options.calib_tokens
     calib_samples: int | None = Options.calib_samples
+    tokenizer: TokenizerFiles | None = Options.tokenizer  # reads a text --calib
     max_context: int = Options.max_context
     seed: int = Options.seed
     wanted_tokens: int | None = None  # the tokens the fits after it want (None: MIN_TOKENS_PER_NEURON per neuron)
@@ -291,7 +294,8 @@ class Profile:
         ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
         vocab_size = pir.const_array(model.graph.initializers["embed.tokens"]).shape[0]
         length = min(self.max_context, SEQUENCE_TOKENS)
-        given = calibration_tokens(self.calib, self.calib_tokens, length, self.seed, vocab_size, ctx.log)
+        given = calibration_tokens(self.calib, self.calib_tokens, length, self.seed, vocab_size, ctx.log,
+                                   self.tokenizer)
         wanted = [name for node in ffns for name in (node.metadata_props["source.input"], node.metadata_props["source.activation"])]
 
         width = max(node.inputs[3].const_value.shape[0] for node in ffns)  # w_down [ffn, d_model]

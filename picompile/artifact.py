@@ -7,6 +7,7 @@ Layout (format version 2):
   kernels/cpu.so        TVM-generated CPU kernels
   kernels/signatures.json  each kernel's argument shapes and types (the runtime checks the buffers against them)
   weights/cpu.safetensors
+  tokenizer/            the model's tokenizer files, when the build found them (runtime/text.py reads them)
 The runtime (`runtime/`) reads it without importing any of the compiler.
 """
 
@@ -29,6 +30,7 @@ import numpy as np
 from runtime import dtypes
 from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
 from runtime.calls import schedule_calls
+from runtime.text import TOKENIZER_DIR
 
 from . import __version__, costmodel
 from . import ir as pir
@@ -111,6 +113,10 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, staging / relative)
         (staging / "schedule.json").write_text(json.dumps(schedule))
+        if options.tokenizer is not None:
+            (staging / TOKENIZER_DIR).mkdir()
+            for name in options.tokenizer.names:
+                shutil.copyfile(options.tokenizer.directory / name, staging / TOKENIZER_DIR / name)
         files = {str(p.relative_to(staging)): sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
         manifest = {
             "format": FORMAT,
@@ -128,6 +134,9 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             "quantization": json.loads(model.metadata_props.get("picompile.quantized", "{}")),
             "placement": json.loads(model.metadata_props.get("picompile.placement", "{}")),
             "devices": json.loads(model.metadata_props.get("picompile.devices", "{}")),
+            "tokenizer": ({"source": str(options.tokenizer.directory),
+                           "files": [f"{TOKENIZER_DIR}/{name}" for name in options.tokenizer.names]}
+                          if options.tokenizer is not None else None),
             "files": files,
         }
         manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target))

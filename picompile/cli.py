@@ -1,4 +1,4 @@
-"""The `picompile` command: build, run, eval, inspect.
+"""The `picompile` command: build, run, chat, eval, inspect.
 
 Exit codes: 0 success; 2 bad input or usage (one `error:` line on stderr, no traceback); 1 internal error.
 """
@@ -60,7 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("-o", "--output", type=Path, required=True)
     build.add_argument("--dense", action="store_true", help="no sparsity: compute every neuron")
     build.add_argument("--dump-ir", type=Path, help="write the IR after every pass into this directory")
-    build.add_argument("--calib", type=Path, help="calibration token file for profiling (every token is profiled)")
+    build.add_argument("--calib", type=Path,
+                       help="calibration data for profiling (every token is profiled): token ids (.npy, or a file "
+                            "of integers, one sequence per line), or text tokenized with the model's tokenizer: a "
+                            "text file or a directory of .txt/.md/.py files")
+    build.add_argument("--tokenizer", type=Path, metavar="DIR",
+                       help="the model's tokenizer (a directory with tokenizer.json, as save_pretrained writes it), "
+                            "copied into the artifact for `run -p` and `chat`; default: the one beside the ONNX file")
     build.add_argument("--calib-tokens", type=_positive_int, default=None, metavar="N",
                        help="profile at most N calibration tokens (default: all of --calib; 4096 random tokens "
                             "without it)")
@@ -111,16 +117,21 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="generate tokens with an artifact")
     run.add_argument("artifact", type=Path)
-    run.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
-    run.add_argument("-n", "--max-new-tokens", type=_positive_int, default=32)
-    run.add_argument("--temperature", type=_non_negative(float), default=0.0)
-    run.add_argument("--top-k", type=_non_negative(int), default=0)
-    run.add_argument("--top-p", type=_unit_interval, default=1.0)
-    run.add_argument("--seed", type=_non_negative(int), default=None)
+    prompt = run.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("-p", "--prompt", help="prompt text (the artifact's tokenizer encodes it); the generated "
+                                               "text is printed as it comes")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    _sampling_arguments(run)
     run.add_argument("--profile", action="store_true",
                      help="time per kernel class and weight bytes read per decoded token")
     run.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
     run.add_argument("--json", action="store_true")
+
+    chat = commands.add_parser("chat", help="talk with an artifact's model: a user turn per line of stdin")
+    chat.add_argument("artifact", type=Path)
+    chat.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    _sampling_arguments(chat, default_tokens=256)
+    chat.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
 
     evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX")
     evaluate.add_argument("artifact", type=Path)
@@ -142,6 +153,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sampling_arguments(command, default_tokens: int = 32) -> None:
+    command.add_argument("-n", "--max-new-tokens", type=_positive_int, default=default_tokens)
+    command.add_argument("--temperature", type=_non_negative(float), default=0.0)
+    command.add_argument("--top-k", type=_non_negative(int), default=0)
+    command.add_argument("--top-p", type=_unit_interval, default=1.0)
+    command.add_argument("--seed", type=_non_negative(int), default=None)
+
+
 def _build(args) -> int:
     from .compiler import build
     from .pipeline import Options
@@ -150,9 +169,13 @@ def _build(args) -> int:
     target = get_target(args.target)
     if args.dense and (args.sparsity is not None or args.sparsity_mode != "auto"):
         raise UserError("--dense computes every input of every FFN: drop --sparsity and --sparsity-mode, or --dense")
-    if args.calib is not None and not args.calib.is_file():
-        raise UserError(f"calibration file not found: {args.calib}")
-    options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib,
+    from .tokenizer import find_tokenizer
+    from .tokens import check_calibration
+
+    tokenizer = find_tokenizer(args.model, args.tokenizer)
+    if args.calib is not None:
+        check_calibration(args.calib, tokenizer is not None)
+    options = Options(dense=args.dense, max_context=args.max_context, calib=args.calib, tokenizer=tokenizer,
                       calib_tokens=args.calib_tokens, calib_samples=args.calib_samples,
                       vram_budget_bytes=parse_size(args.vram_budget) if args.vram_budget else None,
                       all_neurons=args.all_neurons, dense_fallback=not args.no_dense_fallback,
@@ -193,25 +216,82 @@ def _engine(path: Path, emulate_gpu: bool = False):
         raise UserError(str(error)) from None
 
 
+def _text_tokenizer(path: Path, needed_by: str | None):
+    """The artifact's tokenizer (None without one); `needed_by` (an option or command) makes its absence an error."""
+    from runtime import ArtifactError
+    from runtime.text import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(path)
+    except ArtifactError as error:
+        raise UserError(str(error)) from None
+    if tokenizer is None and needed_by is not None:
+        raise UserError(f"this artifact has no tokenizer, which {needed_by} needs: rebuild it with the model's "
+                        "tokenizer.json beside the ONNX file or --tokenizer DIR, or use --prompt-ids")
+    return tokenizer
+
+
+def _check_prompt(prompt: list[int], max_new_tokens: int, engine, what: str) -> None:
+    if max(prompt) >= engine.vocab_size:
+        raise UserError(f"{what}: id {max(prompt)} is outside the vocabulary (size {engine.vocab_size})")
+    if len(prompt) + max_new_tokens > engine.max_context:
+        raise UserError(f"prompt ({len(prompt)}) + -n ({max_new_tokens}) exceed the artifact's max context "
+                        f"{engine.max_context}; rebuild with a larger --max-context")
+
+
+def _sampling(args) -> dict:
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+
+
+def _stream_text(tokens, tokenizer) -> list[int]:
+    """Write the text of `tokens` (an iterator of ids) to stdout as each piece completes, and a line end
+    unless the text ends with one; return the ids."""
+    stream, generated, written = tokenizer.stream(), [], ""
+    for token in tokens:
+        generated.append(token)
+        piece = stream.push(token)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()  # the reader sees each piece now, not when a buffer fills
+            written = piece
+    rest = stream.flush()
+    sys.stdout.write(rest + ("" if (rest or written).endswith("\n") else "\n"))
+    sys.stdout.flush()
+    return generated
+
+
+def _print_speed(result: dict) -> None:
+    print(f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+
+
 def _run(args) -> int:
-    from runtime import generate
+    from runtime.sampling import GenerationStats, generate_stream, profile_per_token, timings
 
     from .tokens import parse_ids
 
-    prompt = parse_ids(args.prompt_ids, "--prompt-ids")
+    text = args.prompt is not None
+    ids = None if text else parse_ids(args.prompt_ids, "--prompt-ids")  # refused before the artifact is read
+    tokenizer = _text_tokenizer(args.artifact, "-p" if text else None)  # with ids, it names the EOS ids
+    prompt = tokenizer.encode(args.prompt) if text else ids
+    if not prompt:
+        raise UserError("-p: the prompt is empty (the tokenizer makes no tokens of it)")
     engine = _engine(args.artifact, args.emulate_gpu)
-    if max(prompt) >= engine.vocab_size:
-        raise UserError(f"--prompt-ids: id {max(prompt)} is outside the vocabulary (size {engine.vocab_size})")
-    if len(prompt) + args.max_new_tokens > engine.max_context:
-        raise UserError(f"prompt ({len(prompt)}) + -n ({args.max_new_tokens}) exceed the artifact's max context "
-                        f"{engine.max_context}; rebuild with a larger --max-context")
-    result = generate(engine, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, seed=args.seed, profile=args.profile)
+    _check_prompt(prompt, args.max_new_tokens, engine, "-p" if text else "--prompt-ids")
+    stats = GenerationStats()
+    tokens = generate_stream(engine, prompt, args.max_new_tokens, **_sampling(args), profile=args.profile,
+                             stats=stats, stop_ids=tokenizer.eos_ids if tokenizer else ())
+    generated = _stream_text(tokens, tokenizer) if text and not args.json else list(tokens)
+    result = {"prompt_ids": prompt, "generated_ids": generated, **timings(stats)}
+    if text:
+        result.update(prompt=args.prompt, text=tokenizer.decode(generated))
+    if args.profile:
+        result.update(profile_per_token(stats.profile))
     if args.json:
         print(json.dumps(result))
     else:
-        print(" ".join(map(str, result["generated_ids"])))
-        print(f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+        if not text:
+            print(" ".join(map(str, result["generated_ids"])))
+        _print_speed(result)
         by_role, gbs = result.get("weight_bytes_per_token_by_role", {}), result.get("weight_gbs_by_role", {})
         for role, ms in result.get("profile_ms_per_token", {}).items():
             reads = (f"  {by_role[role] / 2**20:9.3f} MiB/token at {gbs[role]:5.1f} GB/s" if role in gbs else "")
@@ -221,6 +301,51 @@ def _run(args) -> int:
                   f"({result['weight_bytes_per_token']:.0f} bytes), {result['weight_gbs_kernels']:.1f} GB/s over "
                   f"kernel time, {result['weight_gbs_wall']:.1f} GB/s over wall time", file=sys.stderr)
     return 0
+
+
+def _chat(args) -> int:
+    """A user turn per line of stdin (a terminal or a pipe) until its end; each turn the whole conversation
+    goes through the chat prompt and is prefilled again (no KV cache kept between turns)."""
+    from runtime.sampling import GenerationStats, generate_stream, timings
+
+    tokenizer = _text_tokenizer(args.artifact, "chat")
+    engine = _engine(args.artifact, args.emulate_gpu)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    terminal = sys.stdin.isatty()
+    for turn, line in enumerate(_lines(sys.stdin, "> " if terminal else None)):
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            prompt_text = tokenizer.chat_prompt(messages)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        # a template writes its special tokens (BOS) into the text; plain turns get the tokenizer's own
+        prompt = tokenizer.encode(prompt_text, add_special_tokens=tokenizer.chat_template is None)
+        room = engine.max_context - len(prompt)
+        if room < 1:
+            raise UserError(f"the conversation ({len(prompt)} tokens) fills the artifact's max context "
+                            f"{engine.max_context}: start a new chat, or rebuild with a larger --max-context")
+        _check_prompt(prompt, 0, engine, "the chat prompt")
+        sampling = {**_sampling(args), "seed": None if args.seed is None else args.seed + turn}
+        stats = GenerationStats()
+        tokens = generate_stream(engine, prompt, min(args.max_new_tokens, room), **sampling, stats=stats,
+                                 stop_ids=tokenizer.eos_ids)
+        generated = _stream_text(tokens, tokenizer)
+        messages.append({"role": "assistant", "content": tokenizer.decode(generated)})
+        _print_speed(timings(stats))
+    return 0
+
+
+def _lines(stream, prompt: str | None):
+    """The lines of `stream` without their line ends, `prompt` written to stderr before each (a terminal's)."""
+    while True:
+        if prompt:
+            print(prompt, end="", file=sys.stderr, flush=True)
+        line = stream.readline()
+        if not line:
+            return
+        yield line.rstrip("\r\n")
 
 
 def _eval(args) -> int:
@@ -316,7 +441,8 @@ def _inspect(args) -> int:
             "layers": [with_shares(layer) for layer in manifest.get("layers", [])],
             "placement": manifest.get("placement", {}),
             "estimate": manifest.get("estimate"), "calibration": manifest.get("calibration", {}),
-            "quantization": manifest.get("quantization", {})}
+            "quantization": manifest.get("quantization", {}),
+            "tokenizer": _tokenizer_facts(args.artifact, manifest)}
     if args.json:
         print(json.dumps(info))
         return _write_report(args, manifest, [])
@@ -334,6 +460,12 @@ def _inspect(args) -> int:
         + (f" + {format_size(entry['bytes_per_selected'])}/selected" if entry["bytes_per_selected"] else "")
         for role, entry in sorted(decode_reads.items())))
     say(f"kernels     {len(kernels)}: " + ", ".join(kernels))
+    found = info["tokenizer"]
+    say("tokenizer   none: run and chat take token ids only (--prompt-ids)" if found is None else
+        f"tokenizer   {found['vocab_size']} tokens, BOS {found['bos_id']}, EOS "
+        f"{', '.join(map(str, found['eos_ids'])) or 'none'}, "
+        f"{'a chat template' if found['chat_template'] else 'no chat template (plain turns)'}; "
+        + ", ".join(found["files"]))
     if info["estimate"]:
         from .costmodel import Estimate
         from .targets import get_target
@@ -397,6 +529,19 @@ def _inspect(args) -> int:
     return _write_report(args, manifest, lines)
 
 
+def _tokenizer_facts(artifact: Path, manifest: dict) -> dict | None:
+    """What inspect shows of the artifact's tokenizer, read from its files (None: it has none)."""
+    tokenizer = _text_tokenizer(artifact, None)
+    if tokenizer is None:
+        return None
+    from runtime.text import TOKENIZER_DIR
+
+    return {"files": sorted(f for f in manifest["files"] if f.startswith(TOKENIZER_DIR + "/")),
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id, "eos_ids": sorted(tokenizer.eos_ids),
+            "chat_template": tokenizer.chat_template is not None}
+
+
 def _write_report(args, manifest: dict, lines: list[str]) -> int:
     if args.report is not None:
         from .report import write_report
@@ -410,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = _parser().parse_args(argv)
-        code = {"build": _build, "run": _run, "eval": _eval, "inspect": _inspect}[args.command](args)
+        code = {"build": _build, "run": _run, "chat": _chat, "eval": _eval, "inspect": _inspect}[args.command](args)
         sys.stdout.flush()  # a reader that left shows up here, in the handler below, rather than at exit
         return code
     except UserError as error:

@@ -58,12 +58,13 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
     if options.weight_dtype == AUTO_WEIGHT_DTYPE:
         raise ValueError("weight_dtype 'auto' is resolved from the model first (resolve_weight_dtype)")
     profile = Profile(calib=options.calib, calib_tokens=options.calib_tokens, calib_samples=options.calib_samples,
-                      max_context=options.max_context, seed=options.seed)
+                      tokenizer=options.tokenizer, max_context=options.max_context, seed=options.seed)
     awq = [AWQ(weight_dtype=options.weight_dtype, seed=options.seed)] if _activation_aware(options) else []
     # awq scales FFN inputs by their profiled magnitudes, so a dense build profiles for it alone: few tokens do
     # (no sampling unless asked, a warning only below AWQ_MIN_TOKENS)
     dense_profile = [Profile(calib=options.calib, calib_tokens=options.calib_tokens or AWQ_TOKENS,
-                             calib_samples=options.calib_samples or 0, max_context=options.max_context,
+                             calib_samples=options.calib_samples or 0, tokenizer=options.tokenizer,
+                             max_context=options.max_context,
                              seed=options.seed, wanted_tokens=AWQ_MIN_TOKENS)] if awq else []
     # one placement of every block: a dense build's layers run dense, a sparse build's may (not with --all-neurons,
     # which checks the split, or --no-dense-fallback)
@@ -170,6 +171,10 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
         else:
             first = front(options)
             lifted = run_passes(model, first, ctx, hooks)
+            if options.tokenizer is not None:  # before the long passes: another model's tokenizer is refused now
+                from .tokenizer import check_vocabulary
+
+                check_vocabulary(options.tokenizer, lifted.graph.initializers["embed.tokens"].shape[0])
             _warn_if_dequantized(lifted, options, ctx)
             lowered = run_passes(lifted, rest(options, mode_of(lifted, options), target), ctx, hooks,
                                  first=len(first))

@@ -26,6 +26,7 @@ from . import ir as pir
 from . import memory
 from .errors import PassError, UserError
 from .targets import CpuIsa, Target, format_size, get_cpu_isa, host_cpu_isa
+from .tokenizer import TokenizerFiles
 
 __all__ = ["Options", "Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming",
            "verify_onnx", "describe_pass", "op_counts", "describe_change"]
@@ -38,7 +39,8 @@ class Options:
 
     dense: bool = False
     max_context: int = 256
-    calib: Path | None = None
+    calib: Path | None = None  # token ids, or text read with `tokenizer` (picompile.tokens.read_calibration)
+    tokenizer: TokenizerFiles | None = None  # the model's, copied into the artifact (picompile.tokenizer)
     vram_budget_bytes: int | None = None  # overrides the target's GPU memory
     calib_tokens: int | None = None  # cap on the calibration tokens the profile pass runs (None: every one given)
     # Sequences the profile pass samples from the model itself to add to --calib (None: "auto", enough to reach

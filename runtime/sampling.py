@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import numpy as np
 
 from .engine import COUNTERS
@@ -27,42 +31,77 @@ def sample(logits: np.ndarray, rng: np.random.Generator | None, temperature: flo
     return int(rng.choice(probs.size, p=probs))
 
 
-def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, stop_ids=(), profile: bool = False) -> dict:
-    """Prefill the prompt, then decode token by token. Returns ids and timings; with `profile`, also the
-    decode time per kernel class per token (and the runtime's own overhead)."""
-    import time
+@dataclass
+class GenerationStats:
+    """What `generate_stream` measured, filled in as it runs: the engine's own time (sampling included), not
+    the caller's between tokens."""
 
-    rng = np.random.default_rng(seed) if temperature > 0 else None
-    engine.reset()
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # the decode steps (every token after the first comes from one)
+    decode_steps: int = 0
+    profile: dict | None = None  # with `profile`: the engine's profile of the decode steps (`profile_per_token`)
+
+
+def generate_stream(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int | None = None, stop_ids=(), profile: bool = False,
+                    stats: GenerationStats | None = None) -> Iterator[int]:
+    """Prefill the prompt, then decode: yields each new token id as soon as it is chosen, up to
+    `max_new_tokens`, the first of `stop_ids` included. `stats` (when given) gets the timings, and with
+    `profile` the decode steps' profile. The prompt and its room in the context are checked here, at the
+    call, not at the first token."""
     prompt = np.asarray(prompt_ids, dtype=np.int64)
     if prompt.size + max_new_tokens > engine.max_context:
         raise ValueError(f"prompt ({prompt.size}) + new tokens ({max_new_tokens}) exceed the artifact's "
                          f"max context {engine.max_context}")
+    return _tokens(engine, prompt, max_new_tokens, np.random.default_rng(seed) if temperature > 0 else None,
+                   (temperature, top_k, top_p), frozenset(stop_ids), profile,
+                   GenerationStats() if stats is None else stats)
+
+
+def _tokens(engine, prompt: np.ndarray, max_new_tokens: int, rng, sampling: tuple, stop_ids: frozenset,
+            profile: bool, stats: GenerationStats) -> Iterator[int]:
+    engine.reset()
     started = time.perf_counter()
     logits = engine.forward(prompt)[-1]
-    prefill_s = time.perf_counter() - started
-    generated = []
+    token = sample(logits, rng, *sampling)
+    stats.prefill_s = time.perf_counter() - started
     engine.profile = {} if profile else None  # decode steps only
-    started = time.perf_counter()
-    for step in range(max_new_tokens):
-        token = sample(logits, rng, temperature, top_k, top_p)
-        generated.append(token)
-        if token in stop_ids or step == max_new_tokens - 1:
-            break
-        logits = engine.forward(np.array([token], np.int64))[-1]
-    decode_s = time.perf_counter() - started
-    decoded_steps = max(len(generated) - 1, 0)  # the first token comes from the prefill logits
+    try:
+        for step in range(max_new_tokens):
+            yield token
+            if token in stop_ids or step == max_new_tokens - 1:
+                break
+            started = time.perf_counter()
+            logits = engine.forward(np.array([token], np.int64))[-1]
+            token = sample(logits, rng, *sampling)
+            stats.decode_s += time.perf_counter() - started
+            stats.decode_steps += 1
+    finally:  # also when the caller stops early (a closed generator)
+        stats.profile, engine.profile = engine.profile, None
+
+
+def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, stop_ids=(), profile: bool = False) -> dict:
+    """`generate_stream` to the end. Returns ids and timings; with `profile`, also the decode time per kernel
+    class per token (and the runtime's own overhead)."""
+    stats = GenerationStats()
+    generated = list(generate_stream(engine, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, seed=seed, stop_ids=stop_ids, profile=profile, stats=stats))
     result = {
-        "prompt_ids": prompt.tolist(),
+        "prompt_ids": np.asarray(prompt_ids, dtype=np.int64).tolist(),
         "generated_ids": generated,
-        "prefill_ms": prefill_s * 1000,
-        "decode_tokens_per_s": decoded_steps / decode_s if decoded_steps and decode_s > 0 else 0.0,
+        **timings(stats),
     }
     if profile:
-        result.update(profile_per_token(engine.profile))
-        engine.profile = None
+        result.update(profile_per_token(stats.profile))
     return result
+
+
+def timings(stats: GenerationStats) -> dict:
+    """The prefill time and the decode speed of a generation, as `generate` reports them."""
+    return {"prefill_ms": stats.prefill_s * 1000,
+            "decode_tokens_per_s": stats.decode_steps / stats.decode_s if stats.decode_steps and stats.decode_s > 0
+            else 0.0}
 
 
 def profile_per_token(profile: dict) -> dict:

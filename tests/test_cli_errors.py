@@ -83,3 +83,33 @@ def test_usage_errors_are_one_line():
     result = subprocess.run([sys.executable, "-m", "picompile", "build"], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_tokenizers_and_text_calibration(tmp_path, capsys):
+    """--tokenizer without a readable tokenizer.json, text calibration without a tokenizer or without text:
+    refused before the build reads the model (a Relu graph here: it never gets that far)."""
+    from text_tokenizers import write_byte_tokenizer
+
+    model = tmp_path / "model.onnx"
+    _not_a_decoder(model)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{\"model\": 3}")
+    (tmp_path / "prose.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "no-text").mkdir()
+    (tmp_path / "no-text" / "a.txt").write_text("")
+    (tmp_path / "no-text" / "data.json").write_text("[1, 2]")
+    good = write_byte_tokenizer(tmp_path / "good")
+    out = tmp_path / "out.pic"
+    for extra, words in [
+        (["--tokenizer", tmp_path / "empty"], ["--tokenizer", "no tokenizer.json"]),
+        (["--tokenizer", tmp_path / "missing"], ["--tokenizer", "not a directory"]),
+        (["--tokenizer", tmp_path / "broken"], ["tokenizer", "broken"]),
+        (["--calib", tmp_path / "prose.txt"], ["prose.txt", "text", "line 1", "tokenizer"]),
+        (["--calib", tmp_path / "no-text"], ["no-text", "tokenizer"]),
+        (["--calib", tmp_path / "no-text", "--tokenizer", good], ["no-text", "holds no text"]),
+        (["--calib", tmp_path / "nothing"], ["calibration file not found"]),
+    ]:
+        code, err = run_cli(["build", model, "-o", out, *extra], capsys)
+        assert_user_error(code, err, *words)
+        assert not out.exists()

@@ -63,6 +63,18 @@ def test_cuda_probe_loads_the_cuda_runtime_library_only():
         assert "libcuda" in lines[0] or "libcudart" in lines[0], out
 
 
+def test_text_reads_the_tokenizer_and_chat_template_without_the_compiler_stack(tmp_path):
+    """runtime/text.py needs `tokenizers` (and jinja2 for a chat template) only: transformers is blocked here."""
+    from text_tokenizers import CHAT_TEMPLATE, write_byte_tokenizer
+
+    directory = write_byte_tokenizer(tmp_path / "tokenizer", chat_template=CHAT_TEMPLATE)
+    out = run_without_compiler_stack(
+        f"from runtime.text import TextTokenizer\nt = TextTokenizer({str(directory)!r})\n"
+        "ids = t.encode('caf\u00e9'); s = t.stream(); text = ''.join(s.push(i) for i in ids) + s.flush()\n"
+        "print(ids, repr(text), repr(t.chat_prompt([{'role': 'user', 'content': 'hi'}])))")
+    assert out.strip() == "[256, 99, 97, 102, 195, 169] 'caf\u00e9' '<s><|user|>hi\\n<|assistant|>'"
+
+
 def test_greedy_is_argmax_and_sampling_respects_top_k_and_top_p():
     logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
     assert sample(logits, None) == 1
