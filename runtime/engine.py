@@ -248,18 +248,20 @@ class Engine:
     def position(self, value: int) -> None:
         self.positions[0] = value
 
-    def _check_slot(self, slot: int) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.slots:
+    def _slot(self, slot) -> int:
+        """`slot` as an index of this engine's slots (any integer type), else a ValueError."""
+        index = slot if isinstance(slot, (int, np.integer)) and not isinstance(slot, bool) else None
+        if index is None or not 0 <= index < self.slots:
             raise ValueError(f"slot must be in [0, {self.slots}); got {slot!r}")
+        return int(index)
 
     def reset(self, slot: int = 0) -> None:
         """Forget a slot's context (cache entries past its position are never read, so no clearing is needed)."""
-        self._check_slot(slot)
-        self.positions[slot] = 0
+        self.positions[self._slot(slot)] = 0
 
     def forward(self, token_ids, slot: int = 0) -> np.ndarray:
         """Run the model on new tokens after the ones cached in `slot`; returns their logits [len, vocab]."""
-        self._check_slot(slot)
+        slot = self._slot(slot)
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         rows = ids.size
         if rows == 0:

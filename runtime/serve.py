@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -419,7 +420,8 @@ class Server:
 
     async def _events(self, job: Job, events: asyncio.Queue, answer: _Answer):
         try:
-            yield _sse(answer.chunk("", None, first=True))
+            if answer.chat:  # chat's first chunk names the role
+                yield _sse(answer.chunk("", None, first=True))
             finish = None  # the scheduler's FinishEvent; None where a stop string ended the text
             while finish is None:
                 event = await events.get()
@@ -544,8 +546,6 @@ def bind(host: str, port: int) -> socket.socket:
 def make_server(app, *, log_level: str = "info", graceful_shutdown_s: int = 10):
     """A uvicorn server for the app; run it with `.run(sockets=[bind(...)])`. On SIGINT/SIGTERM it stops
     accepting, gives running requests `graceful_shutdown_s` to finish, then cancels the rest."""
-    import uvicorn
-
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s,
                             lifespan="on")
     return uvicorn.Server(config)
