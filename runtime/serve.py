@@ -151,7 +151,7 @@ def _stop_strings(body: dict, tokenizer) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
+def _completion_prompt(body: dict, tokenizer) -> list[int]:
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise RequestError("'prompt' is required", "prompt", "missing")
@@ -167,12 +167,6 @@ def _completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
                            "prompt", "invalid_type")
     else:
         raise RequestError("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
-    if not ids:
-        raise RequestError("'prompt' is empty", "prompt", "invalid_value")
-    outside = [i for i in ids if not 0 <= i < vocab_size]
-    if outside:
-        raise RequestError(f"'prompt' holds token id {outside[0]}, outside the vocabulary [0, {vocab_size})",
-                           "prompt", "invalid_value")
     return list(ids)
 
 
@@ -201,8 +195,13 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
     if tokenizer is None:
         raise RequestError("this artifact has no tokenizer, which chat needs: use /v1/completions with 'prompt' as "
                            "a list of token ids", "messages", "no_tokenizer")
+    try:  # a template may refuse a conversation (say, roles that do not alternate): the client's to fix
+        text = tokenizer.chat_prompt(turns)
+    except Exception as error:
+        raise RequestError(f"the model's chat template refused the messages: {error}", "messages",
+                           "invalid_value") from None
     # the chat template writes the special tokens it wants; a BOS is added only where it wrote none
-    ids = tokenizer.encode(tokenizer.chat_prompt(turns), add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
         ids = [tokenizer.bos_id, *ids]
     return ids
@@ -212,8 +211,14 @@ def parse_generation(body, *, chat: bool, tokenizer, vocab_size: int, max_contex
     """A request body checked field by field; a RequestError names the first wrong field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None, "invalid_type")
-    prompt_ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer, vocab_size)
+    prompt_ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
     prompt_field = "messages" if chat else "prompt"
+    if not prompt_ids:
+        raise RequestError(f"'{prompt_field}' makes no tokens", prompt_field, "invalid_value")
+    outside = [i for i in prompt_ids if not 0 <= i < vocab_size]
+    if outside:  # given so, or a tokenizer larger than the model's vocabulary
+        raise RequestError(f"'{prompt_field}' holds token id {outside[0]}, outside the vocabulary [0, {vocab_size})",
+                           prompt_field, "invalid_value")
     room = max_context - len(prompt_ids)
     if room < 1:
         raise RequestError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room in the artifact's "
@@ -236,7 +241,10 @@ def parse_generation(body, *, chat: bool, tokenizer, vocab_size: int, max_contex
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError("'stream_options' must be an object", "stream_options", "invalid_type")
-    include_usage = _boolean(options or {}, "include_usage", False)
+    try:
+        include_usage = _boolean(options or {}, "include_usage", False)
+    except RequestError as error:
+        raise RequestError(error.message, "stream_options", error.code) from None
     eos_ids = frozenset(tokenizer.eos_ids) if tokenizer is not None else frozenset()
     return Generation(chat, prompt_ids, Sampling(max_tokens, temperature, top_k, top_p, seed, eos_ids),
                       stop_strings, stream, include_usage)
@@ -360,7 +368,7 @@ class Server:
             raw = await request.body()
             try:
                 body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 raise RequestError(f"the request body is not valid JSON: {error}", None, "invalid_json") from None
             generation = parse_generation(body, chat=chat, tokenizer=self.tokenizer,
                                           vocab_size=self.engine.vocab_size, max_context=self.engine.max_context)

@@ -456,3 +456,65 @@ def test_sampled_answers_depend_on_the_seed(text_server):
             .choices[0].model_extra["token_ids"] for seed in (1, 1, 2)]
     assert runs[0] == runs[1] != runs[2]
     assert np.all(np.array(runs) < 128)
+
+
+def test_text_outside_the_vocabulary_and_refused_templates_are_400s(text_server):
+    """The byte tokenizer makes ids up to 255 of non-ASCII text; the tiny model has 128 tokens."""
+    response = httpx.post(f"{text_server}/v1/completions", json={"prompt": "é"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    response = httpx.post(f"{text_server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "é"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = httpx.post(f"{text_server}/v1/completions",
+                          json={"prompt": [1], "stream": True, "stream_options": {"include_usage": 1}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    from runtime.serve import RequestError, parse_generation
+
+    class Strict(ByteTokenizer):
+        def chat_prompt(self, messages):
+            raise ValueError("conversation roles must alternate user/assistant")
+
+    with pytest.raises(RequestError) as raised:
+        parse_generation({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+                         chat=True, tokenizer=Strict(), vocab_size=128, max_context=64)
+    assert raised.value.param == "messages" and "alternate" in raised.value.message
+
+
+def test_shutdown_with_a_request_in_flight_ends_it_and_stops(tiny_sparse_artifact):
+    """The server stops while a streamed request runs (its engine held mid-request): after the grace period the
+    stream is cut, the request cancelled, the scheduler's thread gone and no slot busy."""
+    engine = GatedEngine(Engine(tiny_sparse_artifact, slots=1))
+    engine.hold()
+    sock = bind("127.0.0.1", 0)
+    app = create_app(engine, tokenizer=None, parallel=1, queue=1)
+    server = make_server(app, log_level="warning", graceful_shutdown_s=1)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the server to start")
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    lines = []
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=WAIT_S,
+                              json={"prompt": [1, 2], "max_tokens": 60, "temperature": 0, "stream": True}) as response:
+                lines.extend(line for line in response.iter_lines() if line)
+        except httpx.TransportError:  # cut by the shutdown: as clean as a client can see it
+            lines.append("cut")
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_until(lambda: health(url)["slots_processing"] == 1, "the request to take the slot")
+    engine.step(3)  # the prefill and two decode steps; the fourth waits
+    server.should_exit = True
+    wait_until(lambda: not reader.is_alive(), "the shutdown to end the stream")  # the engine still held
+    engine.open()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    stats = app.state.server.scheduler.stats()
+    assert stats.slots_busy == 0 and stats.queue_depth == 0
+    assert stats.requests_finished["cancelled"] == stats.requests_submitted == 1
+    assert len(lines) >= 1 and "data: [DONE]" not in lines
+    sock.close()
