@@ -539,7 +539,9 @@ def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket; OSError (say, the port in use) before anything else starts."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP, and without that
+    # a response's separate small writes wait out the client's delayed ACK (~40 ms per request)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT from a last run, not a live server
         sock.bind((host, port))
