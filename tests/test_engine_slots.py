@@ -54,3 +54,22 @@ def test_bad_slots_are_refused(tiny_sparse_artifact):
         engine.forward([1], slot=2)
     with pytest.raises(ValueError, match="slot must be"):
         engine.reset(-1)
+
+
+def test_a_gpu_artifact_refuses_more_than_one_slot_and_runs_as_before(tiny_models, tmp_path_factory):
+    from runtime import ArtifactError
+    from test_sparse import hybrid_build
+
+    from picompile.reference import OrtDecoder
+
+    files = tiny_models("opt", sparsity=0.9)
+    hybrid = hybrid_build(files, tmp_path_factory)  # every neuron let through: the dense model's tokens
+    with pytest.raises(ArtifactError, match="slots=2 is supported for CPU artifacts only"):
+        Engine(hybrid, emulate_gpu=True, slots=2)
+    engine = Engine(hybrid, emulate_gpu=True, slots=1)
+    assert "gpu" in engine.devices
+    first = generate(engine, [4, 8, 15], 8)["generated_ids"]
+    assert first == OrtDecoder(files.onnx).greedy([4, 8, 15], 8)
+    assert generate(engine, [4, 8, 15], 8)["generated_ids"] == first  # positions restart with reset
+    result = generate(engine, [4, 8, 15], 8, profile=True)
+    assert result["generated_ids"] == first and result["profile_ms_per_token"]
