@@ -309,8 +309,8 @@ def _error(status: int, message: str, kind: str, param: str | None = None, code:
 _DISCONNECTED = object()
 
 
-class Server:
-    """The endpoints over one scheduler (and its engine), with the counters /metrics reports."""
+class Endpoints:
+    """The HTTP endpoints over one scheduler (and its engine), with the counters /metrics reports."""
 
     def __init__(self, engine, tokenizer: TextTokenizer | None, parallel: int | None, queue: int,
                  model_id: str):
@@ -430,17 +430,15 @@ class Server:
         try:
             if answer.chat:  # chat's first chunk names the role
                 yield _sse(answer.chunk("", None, first=True))
-            finish = None  # the scheduler's FinishEvent; None where a stop string ended the text
-            while finish is None:
+            while True:
                 event = await events.get()
                 if isinstance(event, FinishEvent):
-                    finish = event
                     break
                 yield _sse(answer.chunk(answer.output.push(event.token_id), None, token_ids=[event.token_id]))
                 if answer.output.stopped:
                     job.cancel()
+                    event = None  # a stop string ended the text, not the scheduler
                     break
-            event = finish
             if event is None or event.reason in ("stop", "length"):
                 tail = answer.output.finish() if event is not None else ""
                 if tail:
@@ -513,24 +511,24 @@ def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, 
         engine = Engine(engine, slots=parallel or 1)
     if tokenizer is FROM_ARTIFACT:
         tokenizer = artifact_tokenizer(engine.directory)
-    server = Server(engine, tokenizer, parallel, queue, model_id or Path(engine.directory).name)
+    endpoints = Endpoints(engine, tokenizer, parallel, queue, model_id or Path(engine.directory).name)
 
     @asynccontextmanager
     async def lifespan(app):
-        server.scheduler.start()
+        endpoints.scheduler.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(server.scheduler.close)
+            await asyncio.to_thread(endpoints.scheduler.close)
 
     app = Starlette(routes=[
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/v1/completions", endpoints.completions, methods=["POST"]),
+        Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
+        Route("/v1/models", endpoints.models, methods=["GET"]),
+        Route("/health", endpoints.health, methods=["GET"]),
+        Route("/metrics", endpoints.metrics, methods=["GET"]),
     ], lifespan=lifespan)
-    app.state.server = server
+    app.state.endpoints = endpoints
     return app
 
 

@@ -286,17 +286,27 @@ def test_without_a_tokenizer_prompts_are_ids_and_text_is_the_ids(ids_server, ref
         assert "tokenizer" in response.json()["error"]["message"]
 
 
-def test_a_client_that_disconnects_frees_its_slot(ids_server, ids_engine):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slot(ids_server, ids_engine, stream):
+    """A raw HTTP client sends a long request, (streamed: reads its first token,) and closes the connection; the
+    scheduler, stepped one token at a time, cancels the request long before max_tokens."""
+    import socket
+
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 60, "temperature": 0, "stream": stream}).encode()
+    host, port = ids_server.removeprefix("http://").split(":")
     before = metrics(ids_server)
     ids_engine.hold()
     try:
-        with httpx.Client(timeout=WAIT_S) as http:
-            with http.stream("POST", f"{ids_server}/v1/completions",
-                             json={"prompt": [1, 2], "max_tokens": 60, "temperature": 0, "stream": True}) as response:
-                ids_engine.step()  # the prefill, and its token
-                first = next(response.iter_lines())
-                assert json.loads(first.removeprefix("data: "))["choices"][0]["token_ids"]
-        # the connection is closed; the scheduler goes on one step at a time until it frees the slot
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as connection:
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_until(lambda: health(ids_server)["slots_processing"] == 1, "the request to take the slot")
+            ids_engine.step()  # the prefill, and its token
+            if stream:
+                received = b""
+                while b"token_ids" not in received:
+                    received += connection.recv(4096)
+        # closed; the scheduler goes on one step at a time until it frees the slot
         finished = 'picompile_requests_finished_total{reason="cancelled"}'
         for _ in range(55):
             if metrics(ids_server)[finished] > before[finished]:
@@ -513,7 +523,7 @@ def test_shutdown_with_a_request_in_flight_ends_it_and_stops(tiny_sparse_artifac
     engine.open()
     thread.join(WAIT_S)
     assert not thread.is_alive()
-    stats = app.state.server.scheduler.stats()
+    stats = app.state.endpoints.scheduler.stats()
     assert stats.slots_busy == 0 and stats.queue_depth == 0
     assert stats.requests_finished["cancelled"] == stats.requests_submitted == 1
     assert len(lines) >= 1 and "data: [DONE]" not in lines
