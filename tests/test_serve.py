@@ -410,6 +410,21 @@ def test_importing_the_runtime_does_not_import_the_server_stack():
     assert out.strip() == "[]"
 
 
+def test_the_server_runs_without_the_compiler_stack(tiny_sparse_artifact):
+    """runtime/serve.py needs the serve extra and the runtime only, as the runtime does."""
+    out = run_without_compiler_stack(
+        "from runtime.serve import create_app\nfrom starlette.testclient import TestClient\n"
+        f"with TestClient(create_app({str(tiny_sparse_artifact)!r})) as http:\n"
+        "    print(http.post('/v1/completions', json={'prompt': [1, 2], 'max_tokens': 3}).json()['usage'])")
+    assert out.strip() == "{'prompt_tokens': 2, 'completion_tokens': 3, 'total_tokens': 5}"
+
+
+def test_an_artifact_without_a_tokenizer_serves_ids(tiny_sparse_artifact):
+    from runtime.serve import artifact_tokenizer
+
+    assert artifact_tokenizer(tiny_sparse_artifact) is None  # so create_app's default serves token ids
+
+
 def test_picompile_serve_serves_and_stops_on_sigint(tiny_sparse_artifact):
     process = subprocess.Popen([sys.executable, "-m", "picompile.cli", "serve", str(tiny_sparse_artifact),
                                 "--port", "0", "--parallel", "2"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
