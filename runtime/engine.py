@@ -170,7 +170,8 @@ class Engine:
         return self._decode
 
     def read_buffer(self, name: str, device: str) -> np.ndarray:
-        """A buffer's contents as `device`'s calls last left them, as a host array (a copy for the GPU's)."""
+        """A buffer's contents as `device`'s calls last left them, as a host array (a copy for the GPU's); for a
+        cache, slot 0's."""
         return _host(self._buffer(name, device))
 
     def _buffer(self, name: str, device: str):
