@@ -98,6 +98,10 @@ class Generation:
 
 
 _MISSING = object()
+# fields asking for what this server does not do, with the values that ask for nothing: refused rather than
+# ignored, since an answer without them would pass for one with them
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"})}
 
 
 def _is_integer(value) -> bool:
@@ -223,6 +227,9 @@ def parse_generation(body, *, chat: bool, tokenizer, vocab_size: int, max_contex
     if room < 1:
         raise RequestError(f"the prompt is {len(prompt_ids)} tokens, which leaves no room in the artifact's "
                            f"max context of {max_context} tokens", prompt_field, "context_length_exceeded")
+    for name, nothing in UNSUPPORTED.items():
+        if body.get(name) not in nothing:
+            raise RequestError(f"'{name}' is not supported by this server", name, "unsupported")
     if _integer(body, "n", 1, 1) != 1:
         raise RequestError("'n' must be 1: one choice per request", "n", "invalid_value")
     # chat's newer name for max_tokens wins where both are given

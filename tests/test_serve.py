@@ -237,6 +237,9 @@ BAD = [
     ("completions", {"prompt": [1, 2], "stop": [3]}, "stop"),
     ("completions", {"prompt": [1, 2], "stream": "yes"}, "stream"),
     ("completions", {"prompt": [1, 2], "n": 2}, "n"),
+    ("completions", {"prompt": [1, 2], "logprobs": 3}, "logprobs"),
+    ("completions", {"prompt": [1, 2], "echo": True}, "echo"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
     ("completions", {"prompt": [1, 128]}, "prompt"),  # the vocabulary is 128 tokens
     ("completions", {"prompt": [-1]}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
