@@ -100,8 +100,8 @@ class Engine:
                                 "is supported for CPU artifacts only (build with --target cpu, or use one slot)")
         needed, available = host_bytes(self.manifest, slots), available_memory_bytes()
         if available is not None and needed > available:  # refused now, rather than swapping or being killed
-            raise ArtifactError(f"this artifact needs {format_size(needed)} of memory (its weights, KV cache and "
-                                f"buffers) but only {format_size(available)} is available; free memory, or rebuild "
+            raise ArtifactError(f"this artifact needs {format_size(needed)} of memory (its weights, KV cache"
+                                f"{f' for each of {slots} slots' if slots > 1 else ''} and buffers) but only {format_size(available)} is available; free memory, or rebuild "
                                 "it with --weight-dtype fp16 or a smaller --max-context")
         self.max_context = facts.max_context
         self.vocab_size = facts.vocab_size  # the embedding table's rows (its weight file's), = model.vocab_size
