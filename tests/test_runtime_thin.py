@@ -63,6 +63,14 @@ def test_cuda_probe_loads_the_cuda_runtime_library_only():
         assert "libcuda" in lines[0] or "libcudart" in lines[0], out
 
 
+def test_importing_the_runtime_does_not_import_the_server_stack():
+    """The serve extra (Starlette, uvicorn) is imported by runtime/serve.py alone, which the runtime never imports."""
+    out = run_without_compiler_stack("import sys, runtime, runtime.scheduler\n"
+                                     "print(sorted(m for m in ('starlette', 'uvicorn', 'runtime.serve') "
+                                     "if m in sys.modules))")
+    assert out.strip() == "[]"
+
+
 def test_greedy_is_argmax_and_sampling_respects_top_k_and_top_p():
     logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
     assert sample(logits, None) == 1

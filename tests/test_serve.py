@@ -406,13 +406,6 @@ def test_stop_matcher_holds_back_a_possible_stop_string():
 # ---------------------------------------------------------------- the runtime stays thin; the command
 
 
-def test_importing_the_runtime_does_not_import_the_server_stack():
-    out = run_without_compiler_stack("import sys, runtime, runtime.scheduler\n"
-                                     "print(sorted(m for m in ('starlette', 'uvicorn', 'runtime.serve') "
-                                     "if m in sys.modules))")
-    assert out.strip() == "[]"
-
-
 def test_the_server_runs_without_the_compiler_stack(tiny_sparse_artifact):
     """runtime/serve.py needs the serve extra and the runtime only, as the runtime does."""
     out = run_without_compiler_stack(
