@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -79,7 +80,7 @@ def run_level(engine, parallel: int, requests: int, prompt: list[int], tokens: i
     ttft = sorted(r["ttft_s"] for r in results)
     return {"parallel": parallel, "requests": len(results), "total_tokens_per_s": sum(r["tokens"] for r in results) / wall,
             "per_request_tokens_per_s": statistics.median(per_request) if per_request else 0.0,
-            "ttft_median_ms": statistics.median(ttft) * 1000, "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))] * 1000}
+            "ttft_median_ms": statistics.median(ttft) * 1000, "ttft_p90_ms": ttft[math.ceil(0.9 * len(ttft)) - 1] * 1000}  # nearest rank
 
 
 def main() -> None:
