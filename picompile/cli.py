@@ -1,4 +1,4 @@
-"""The `picompile` command: build, run, chat, eval, inspect.
+"""The `picompile` command: build, run, chat, serve, eval, inspect.
 
 Exit codes: 0 success; 2 bad input or usage (one `error:` line on stderr, no traceback); 1 internal error.
 """
@@ -133,6 +133,16 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_arguments(chat, default_tokens=256)
     chat.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
 
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server for an artifact (the serve extra)")
+    serve.add_argument("artifact", type=Path)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=_number(int, lambda v: 0 <= v <= 65535, "a port in [0, 65535]"), default=8000,
+                       help="TCP port (0: any free one; the address is printed on stderr)")
+    serve.add_argument("--parallel", type=_positive_int, default=1,
+                       help="requests decoded at once, one KV cache (slot) each; their steps run one after another")
+    serve.add_argument("--queue", type=_non_negative(int), default=16,
+                       help="requests that may wait for a slot; past that the server answers 503 with Retry-After")
+
     evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX")
     evaluate.add_argument("artifact", type=Path)
     evaluate.add_argument("--reference", type=Path, required=True)
@@ -207,11 +217,11 @@ def _build(args) -> int:
     return 0
 
 
-def _engine(path: Path, emulate_gpu: bool = False):
+def _engine(path: Path, emulate_gpu: bool = False, slots: int = 1):
     from runtime import ArtifactError, Engine
 
     try:
-        return Engine(path, emulate_gpu=emulate_gpu)
+        return Engine(path, emulate_gpu=emulate_gpu, slots=slots)
     except ArtifactError as error:
         raise UserError(str(error)) from None
 
@@ -317,11 +327,9 @@ def _chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            prompt_text = tokenizer.chat_prompt(messages)
+            prompt = tokenizer.chat_ids(messages)
         except ValueError as error:
             raise UserError(str(error)) from None
-        # a template writes its special tokens (BOS) into the text; plain turns get the tokenizer's own
-        prompt = tokenizer.encode(prompt_text, add_special_tokens=tokenizer.chat_template is None)
         room = engine.max_context - len(prompt)
         if room < 1:
             raise UserError(f"the conversation ({len(prompt)} tokens) fills the artifact's max context "
@@ -346,6 +354,31 @@ def _lines(stream, prompt: str | None):
         if not line:
             return
         yield line.rstrip("\r\n")
+
+
+def _serve(args) -> int:
+    try:
+        from runtime import serve
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if missing not in ("starlette", "uvicorn"):
+            raise
+        raise UserError(f"picompile serve needs the serve extra ({missing} is not installed): "
+                        "pip install 'picompile[serve]'") from None
+    engine = _engine(args.artifact, slots=args.parallel)
+    app = serve.create_app(engine, parallel=args.parallel, queue=args.queue)
+    try:
+        sock = serve.bind(args.host, args.port)
+    except OSError as error:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
+    host, port = sock.getsockname()[:2]
+    print(f"serving {args.artifact} on http://{host}:{port} ({args.parallel} slots, queue {args.queue}); "
+          "Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        serve.make_server(app).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down for: the normal way to stop
+        pass
+    return 0
 
 
 def _eval(args) -> int:
@@ -555,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = _parser().parse_args(argv)
-        code = {"build": _build, "run": _run, "chat": _chat, "eval": _eval, "inspect": _inspect}[args.command](args)
+        code = {"build": _build, "run": _run, "chat": _chat, "serve": _serve, "eval": _eval,
+                "inspect": _inspect}[args.command](args)
         sys.stdout.flush()  # a reader that left shows up here, in the handler below, rather than at exit
         return code
     except UserError as error:

@@ -99,9 +99,11 @@ def format_size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def host_bytes(manifest: dict) -> int:
-    """Host memory an engine allocates for the artifact: every buffer of the manifest, weights included."""
-    return sum(dtypes.nbytes(info["shape"], info["dtype"]) for info in manifest["buffers"].values())
+def host_bytes(manifest: dict, slots: int = 1) -> int:
+    """Host memory an engine allocates for the artifact: every buffer of the manifest, weights included, with
+    the KV cache (buffers of kind "cache") once per slot."""
+    sizes = [(info["kind"], dtypes.nbytes(info["shape"], info["dtype"])) for info in manifest["buffers"].values()]
+    return sum(size * (slots if kind == "cache" else 1) for kind, size in sizes)
 
 
 def sha256(path: Path) -> str:

@@ -6,6 +6,12 @@ call has a device: CPU calls run on the calling thread over numpy buffers; GPU c
 between devices run on the device executor (`runtime/device.py`: its own thread, its buffers TVM tensors
 on the GPU, or on the CPU device when `emulate_gpu` is set), and waits on the DAG edges that cross
 devices keep the two in step. An artifact with GPU calls and no usable GPU is refused unless emulated.
+
+Slots: `Engine(directory, slots=N)` holds N sequences at once. Each slot has its own KV cache (the
+manifest's buffers of kind "cache"), its own position and its own bound decode program; weights,
+activations and scratch are shared, so the slots' steps run one after another on the calling thread
+(each a batch-1 program: N sequences cost N decode steps, not one batch>1 kernel call over the union
+of their predicted neurons). Only CPU artifacts have more than one slot for now.
 """
 
 from __future__ import annotations
@@ -71,7 +77,10 @@ class Step:
 
 
 class Engine:
-    def __init__(self, directory: str | Path, *, check_hashes: bool = True, emulate_gpu: bool = False):
+    def __init__(self, directory: str | Path, *, check_hashes: bool = True, emulate_gpu: bool = False,
+                 slots: int = 1):
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
         self.directory = Path(directory)
         self.manifest = load_manifest(self.directory, check_hashes=check_hashes)
         target = self.manifest.get("target", {})
@@ -84,15 +93,18 @@ class Engine:
         # from the kernels' signatures. Nothing is read but headers and JSON, and no library is loaded.
         checked = check_files(self.directory, self.manifest)
         facts, schedule, headers = checked.facts, checked.schedule, checked.headers
-        needed, available = host_bytes(self.manifest), available_memory_bytes()
+        self._calls = checked.calls
+        self.devices = sorted({call.device for call in self._calls})
+        if slots > 1 and "gpu" in self.devices:  # the device executor holds one set of GPU caches
+            raise ArtifactError(f"this artifact runs calls on the GPU, whose executor holds one sequence: slots={slots} "
+                                "is supported for CPU artifacts only (build with --target cpu, or use one slot)")
+        needed, available = host_bytes(self.manifest, slots), available_memory_bytes()
         if available is not None and needed > available:  # refused now, rather than swapping or being killed
-            raise ArtifactError(f"this artifact needs {format_size(needed)} of memory (its weights, KV cache and "
-                                f"buffers) but only {format_size(available)} is available; free memory, or rebuild "
+            raise ArtifactError(f"this artifact needs {format_size(needed)} of memory (its weights, KV cache"
+                                f"{f' for each of {slots} slots' if slots > 1 else ''} and buffers) but only {format_size(available)} is available; free memory, or rebuild "
                                 "it with --weight-dtype fp16 or a smaller --max-context")
         self.max_context = facts.max_context
         self.vocab_size = facts.vocab_size  # the embedding table's rows (its weight file's), = model.vocab_size
-        self._calls = checked.calls
-        self.devices = sorted({call.device for call in self._calls})
         tvm_runtime, self._ffi = _tvm_runtime()
         device = None
         if "gpu" in self.devices and not emulate_gpu:  # refused here, before anything is read, if no GPU fits
@@ -108,6 +120,11 @@ class Engine:
         self.buffers: dict[str, np.ndarray] = {
             name: weights[name] if info["kind"] == "weight" else aligned_zeros(info["shape"], get_dtype(info["dtype"]).numpy)
             for name, info in buffers.items() if name in host_buffers}
+        # each slot's view of the host buffers: slot 0's are self.buffers; later slots get their own caches
+        self._slot_buffers = [self.buffers] + [
+            {**self.buffers, **{name: aligned_zeros(info["shape"], get_dtype(info["dtype"]).numpy)
+                                for name, info in buffers.items() if info["kind"] == "cache" and name in host_buffers}}
+            for _ in range(slots - 1)]
         # the GPU's: tensors on its device (tvm.cuda(0), or tvm.cpu(0) when emulating)
         self.gpu: DeviceExecutor | None = None
         if "gpu" in self.devices:
@@ -124,8 +141,10 @@ class Engine:
             raise ArtifactError(f"kernel library does not provide a scheduled kernel: {error}") from None
         for kernel in self._kernels.values():
             kernel.release_gil = True  # the two executors overlap only if calls release the GIL
-        self._decode = self._program("decode", rows=1)
-        self.position = 0
+        self.slots = slots
+        self._decodes = [self._program("decode", rows=1, slot=slot) for slot in range(slots)]
+        self._decode = self._decodes[0]
+        self.positions = [0] * slots  # per slot: the tokens its cache holds
         # token ids index these tables: forward checks them against the rows the loaded arrays really have
         self._token_rows = min(self.buffers[table].shape[0] if table in self.buffers else facts.vocab_size
                                for table in facts.token_tables)
@@ -136,8 +155,8 @@ class Engine:
 
     # ---------------------------------------------------------------- binding
 
-    def _view(self, name: str, rows: int):
-        array = self.buffers[name]
+    def _view(self, name: str, rows: int, slot: int = 0):
+        array = self._slot_buffers[slot][name]
         return array[:rows] if name in self._row_buffers else array
 
     @property
@@ -151,14 +170,15 @@ class Engine:
         return self._decode
 
     def read_buffer(self, name: str, device: str) -> np.ndarray:
-        """A buffer's contents as `device`'s calls last left them, as a host array (a copy for the GPU's)."""
+        """A buffer's contents as `device`'s calls last left them, as a host array (a copy for the GPU's); for a
+        cache, slot 0's."""
         return _host(self._buffer(name, device))
 
     def _buffer(self, name: str, device: str):
         """A buffer as the calls of `device` see it: a host array, or a device tensor."""
         return self.gpu.tensors[name] if device == "gpu" else self.buffers[name]
 
-    def _bind(self, call: Call, phase: str, rows: int):
+    def _bind(self, call: Call, phase: str, rows: int, slot: int = 0):
         args = [arg.buffer for arg in call.args]
         if call.role is Role.COPY:  # one argument read on one side, one written on the other
             if call.device != "gpu":
@@ -173,7 +193,7 @@ class Engine:
             bound = [None if name == START else self.gpu.view(name, rows) for name in args]
             return self.gpu.bind_call(kernel_name, bound, args.index(START) if START in args else None)
         function = self._kernels[kernel_name]
-        bound = [0 if name == START else self._ffi.from_dlpack(self._view(name, rows)) for name in args]
+        bound = [0 if name == START else self._ffi.from_dlpack(self._view(name, rows, slot)) for name in args]
         if START not in args:
             return lambda position: function(*bound)
         index = args.index(START)
@@ -199,10 +219,10 @@ class Engine:
             facts["bytes_per_count"] += reads.per_nonzero
         return facts
 
-    def _program(self, phase: str, rows: int) -> list[Step]:
+    def _program(self, phase: str, rows: int, slot: int = 0) -> list[Step]:
         calls = [call for call in self._calls if call.kernel(phase)]
         index = {call.id: i for i, call in enumerate(calls)}
-        steps = [Step(call.id, call.role.value, call.device, self._bind(call, phase, rows),
+        steps = [Step(call.id, call.role.value, call.device, self._bind(call, phase, rows, slot),
                       **(self._weight_reads(call) if phase == "decode" else {})) for call in calls]
         for edge in self._edges:
             source, target = index.get(edge["source"]), index.get(edge["target"])
@@ -220,35 +240,53 @@ class Engine:
 
     # ---------------------------------------------------------------- running
 
-    def reset(self) -> None:
-        """Forget the context (cache entries past `position` are never read, so no clearing is needed)."""
-        self.position = 0
+    @property
+    def position(self) -> int:
+        """Slot 0's position: the tokens its cache holds."""
+        return self.positions[0]
 
-    def forward(self, token_ids) -> np.ndarray:
-        """Run the model on new tokens after the cached ones; returns their logits [len, vocab]."""
+    @position.setter
+    def position(self, value: int) -> None:
+        self.positions[0] = value
+
+    def _slot(self, slot) -> int:
+        """`slot` as an index of this engine's slots (any integer type), else a ValueError."""
+        index = slot if isinstance(slot, (int, np.integer)) and not isinstance(slot, bool) else None
+        if index is None or not 0 <= index < self.slots:
+            raise ValueError(f"slot must be in [0, {self.slots}); got {slot!r}")
+        return int(index)
+
+    def reset(self, slot: int = 0) -> None:
+        """Forget a slot's context (cache entries past its position are never read, so no clearing is needed)."""
+        self.positions[self._slot(slot)] = 0
+
+    def forward(self, token_ids, slot: int = 0) -> np.ndarray:
+        """Run the model on new tokens after the ones cached in `slot`; returns their logits [len, vocab]."""
+        slot = self._slot(slot)
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         rows = ids.size
         if rows == 0:
             raise ValueError("forward needs at least one token")
-        if self.position + rows > self.max_context:
-            raise ValueError(f"context full: {self.position} cached + {rows} new > max context {self.max_context}")
+        position = self.positions[slot]
+        if position + rows > self.max_context:
+            raise ValueError(f"context full: {position} cached + {rows} new > max context {self.max_context}")
         if ids.min() < 0 or ids.max() >= self._token_rows:  # the embedding table's rows, never a manifest claim
             raise ValueError(f"token ids must be in [0, {self._token_rows}); got {ids.min()}..{ids.max()}")
         self.buffers["input_ids"][:rows] = ids
-        program = self._decode if rows == 1 else self._program("prefill", rows)
+        program = self._decodes[slot] if rows == 1 else self._program("prefill", rows, slot)
         began = time.perf_counter()
         if self.gpu is None:
-            self._run_serial(program)
+            self._run_serial(program, position)
         else:
-            self.gpu.run(program, self.position, self._timer())
+            self.gpu.run(program, position, self._timer())
         if self.profile is not None:  # wall time not spent inside a kernel or copy: the runtime's own cost
             kernels = sum(seconds for role, seconds in self.profile.items()
                           if role not in ("overhead", "wall", *COUNTERS))
             self.profile["wall"] = self.profile.get("wall", 0.0) + time.perf_counter() - began
             self.profile["overhead"] = max(self.profile["wall"] - kernels, 0.0)
-            if program is self._decode:
+            if rows == 1:
                 self.profile["decode_steps"] = self.profile.get("decode_steps", 0) + 1
-        self.position += rows
+        self.positions[slot] = position + rows
         return self.buffers["logits"][:rows].copy()
 
     def _timer(self):
@@ -265,8 +303,7 @@ class Engine:
 
         return record
 
-    def _run_serial(self, program: list[Step]) -> None:
-        position = self.position
+    def _run_serial(self, program: list[Step], position: int) -> None:
         if self.profile is None:
             for step in program:
                 step.run(position)

@@ -128,6 +128,12 @@ class TextTokenizer:
                     if key.endswith("_token") and _token_text(value) is not None}
         return template.render(**specials, messages=messages, add_generation_prompt=True)
 
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids of `chat_prompt(messages)`: a template writes the special tokens it wants, plain turns
+        get the tokenizer's own; either way a BOS (where the tokenizer has one) starts the sequence."""
+        ids = self.encode(self.chat_prompt(messages), add_special_tokens=self.chat_template is None)
+        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
 
 def _json(path: Path) -> dict:
     if not path.is_file():

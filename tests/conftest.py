@@ -81,3 +81,16 @@ def tiny_models():
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_sparse_artifact(tiny_models, tmp_path_factory):
+    """The tiny OPT (90% sparse FFNs) built sparse for the CPU, 64 tokens of context: for the slot and server tests."""
+    from picompile.compiler import build
+    from picompile.pipeline import Options
+    from picompile.targets import get_target
+
+    files = tiny_models("opt", sparsity=0.9)
+    out = tmp_path_factory.mktemp("serving") / "opt-tiny.pic"
+    build(files.onnx, out, get_target("cpu"), Options(max_context=64))
+    return out

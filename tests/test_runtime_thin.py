@@ -75,6 +75,14 @@ def test_text_reads_the_tokenizer_and_chat_template_without_the_compiler_stack(t
     assert out.strip() == "[256, 99, 97, 102, 195, 169] 'caf\u00e9' '<s><|user|>hi\\n<|assistant|>'"
 
 
+def test_importing_the_runtime_does_not_import_the_server_stack():
+    """The serve extra (Starlette, uvicorn) is imported by runtime/serve.py alone, which the runtime never imports."""
+    out = run_without_compiler_stack("import sys, runtime, runtime.scheduler\n"
+                                     "print(sorted(m for m in ('starlette', 'uvicorn', 'runtime.serve') "
+                                     "if m in sys.modules))")
+    assert out.strip() == "[]"
+
+
 def test_greedy_is_argmax_and_sampling_respects_top_k_and_top_p():
     logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
     assert sample(logits, None) == 1

@@ -164,6 +164,7 @@ def test_chat_applies_the_template_to_the_whole_conversation(artifact, tokenizer
         messages.append({"role": "user", "content": turn})
         prompt = tokenizer.chat_prompt(messages)
         assert prompt.startswith("<s><|system|>be brief\n<|user|>hello\n") and prompt.endswith(f"<|user|>{turn}\n<|assistant|>")
+        assert tokenizer.chat_ids(messages) == tokenizer.encode(prompt, add_special_tokens=False)  # <s> written once
         ids = generate(engine, tokenizer.encode(prompt, add_special_tokens=False), 12,
                        stop_ids=tokenizer.eos_ids)["generated_ids"]
         reply = tokenizer.decode(ids)

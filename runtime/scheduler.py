@@ -1,0 +1,238 @@
+"""Continuous batching over an engine's slots: requests join and leave between steps.
+
+A `Scheduler` owns an `Engine` built with `slots=N` (nobody else may call the engine once it started):
+its thread admits waiting requests into free slots, then advances every running request by one token
+per step (a newly admitted request's step is its prompt's prefill), and frees a slot as soon as its
+request finished, was cancelled or failed. Requests beyond the free slots wait in a bounded queue;
+`submit` refuses one more with `QueueFull`.
+
+The slots' steps run one after another, each the engine's batch-1 program for that slot: N running
+requests cost N decode steps per token, not one batch>1 kernel call reading the union of their
+predicted neurons (that kernel path is a compiler change still to come). What continuous batching buys
+here is that requests share the engine without waiting for each other to finish.
+
+Events reach the submitter through its callback, called on the scheduler's thread: a `TokenEvent` per
+generated token, then exactly one `FinishEvent`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .sampling import sample
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one request chooses its tokens, and when it ends."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: frozenset[int] = frozenset()  # a sampled id in here ends the request ("stop"); it is not emitted
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: str  # one of FINISH_REASONS
+    prompt_tokens: int
+    completion_tokens: int  # tokens sampled, a stop id included
+    error: str | None = None  # reason "error": what failed
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue holds as many requests as it may."""
+
+
+class SchedulerClosed(Exception):
+    """The scheduler is shutting down and takes no new requests."""
+
+
+class Job:
+    """One request: its prompt, its sampling, and where its events go."""
+
+    def __init__(self, prompt_ids, sampling: Sampling, on_event: Callable[[TokenEvent | FinishEvent], None]):
+        self.prompt_ids = [int(i) for i in prompt_ids]
+        self.sampling = sampling
+        self.on_event = on_event
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop generating; the scheduler frees the job's slot (or queue place) at its next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class _Running:
+    job: Job
+    rng: np.random.Generator | None
+    generated: int = 0
+    last_token: int | None = None  # None until the prompt's prefill ran
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    slots: int
+    slots_busy: int
+    queue_depth: int
+    queue_size: int
+    requests_submitted: int
+    requests_finished: dict[str, int]  # by finish reason
+    prompt_tokens: int
+    tokens_generated: int
+    busy_seconds: float  # time spent in steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens generated per second of stepping (all slots together)."""
+        return self.tokens_generated / self.busy_seconds if self.busy_seconds > 0 else 0.0
+
+
+@dataclass
+class _Counters:
+    submitted: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    prompt_tokens: int = 0
+    tokens_generated: int = 0
+    busy_seconds: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, engine, *, parallel: int | None = None, queue_size: int = 16):
+        parallel = engine.slots if parallel is None else parallel
+        if not 1 <= parallel <= engine.slots:
+            raise ValueError(f"parallel must be in [1, {engine.slots}] (the engine's slots); got {parallel}")
+        if queue_size < 0:
+            raise ValueError(f"queue_size must be non-negative; got {queue_size}")
+        self.engine, self.parallel, self.queue_size = engine, parallel, queue_size
+        self._free = list(range(parallel - 1, -1, -1))  # popped from the end: slot 0 first
+        self._waiting: deque[Job] = deque()
+        self._running: dict[int, _Running] = {}
+        self._counters = _Counters()
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="picompile-scheduler", daemon=True)
+
+    # ---------------------------------------------------------------- the submitters' side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; it is admitted into a slot at the next step one is free."""
+        with self._changed:
+            if self._closed:
+                raise SchedulerClosed("the server is shutting down")
+            if len(self._waiting) >= self.queue_size + len(self._free):  # free slots take jobs at the next step
+                raise QueueFull(f"all {self.parallel} slots are busy and {self.queue_size} requests are waiting")
+            self._waiting.append(job)
+            self._counters.submitted += 1
+            self._changed.notify()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new jobs, cancel the waiting and running ones (each gets its FinishEvent) and stop the thread."""
+        with self._changed:
+            self._closed = True
+            for job in [*self._waiting, *(running.job for running in self._running.values())]:
+                job.cancel()
+            self._changed.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def stats(self) -> SchedulerStats:
+        with self._changed:
+            counters = self._counters
+            return SchedulerStats(self.parallel, len(self._running), len(self._waiting), self.queue_size,
+                                  counters.submitted, dict(counters.finished), counters.prompt_tokens,
+                                  counters.tokens_generated, counters.busy_seconds)
+
+    # ---------------------------------------------------------------- the scheduler's thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._changed:
+                while not (self._closed or self._waiting or self._running):
+                    self._changed.wait()
+                if self._closed and not self._running and not self._waiting:
+                    return
+                # jobs still waiting whose clients left (or that close() cancelled) leave the queue now
+                gone = [job for job in self._waiting if job.cancelled]
+                for job in gone:
+                    self._waiting.remove(job)
+                while self._waiting and self._free:
+                    job = self._waiting.popleft()
+                    slot = self._free.pop()
+                    rng = np.random.default_rng(job.sampling.seed) if job.sampling.temperature > 0 else None
+                    self._running[slot] = _Running(job, rng)
+                step = list(self._running.items())
+            for job in gone:
+                self._count_finish("cancelled")
+                self._emit(job, FinishEvent("cancelled", len(job.prompt_ids), 0))
+            began = time.perf_counter()
+            for slot, running in step:
+                self._advance(slot, running)
+            with self._changed:
+                self._counters.busy_seconds += time.perf_counter() - began
+
+    def _advance(self, slot: int, running: _Running) -> None:
+        """One step of one slot: the prompt's prefill or one decode step, then a sampled token."""
+        job, sampling = running.job, running.job.sampling
+        if job.cancelled:
+            return self._finish(slot, "cancelled")
+        try:
+            if running.last_token is None:
+                self.engine.reset(slot)
+                logits = self.engine.forward(job.prompt_ids, slot)[-1]
+                with self._changed:
+                    self._counters.prompt_tokens += len(job.prompt_ids)
+            else:
+                logits = self.engine.forward([running.last_token], slot)[-1]
+            token = sample(logits, running.rng, sampling.temperature, sampling.top_k, sampling.top_p)
+        except Exception as error:  # this request fails; the others go on
+            return self._finish(slot, "error", f"{type(error).__name__}: {error}")
+        running.generated += 1
+        running.last_token = token
+        with self._changed:
+            self._counters.tokens_generated += 1
+        if token in sampling.stop_ids:
+            return self._finish(slot, "stop")
+        self._emit(job, TokenEvent(token))
+        if running.generated >= sampling.max_tokens:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
+        with self._changed:
+            running = self._running.pop(slot)
+            self._free.append(slot)
+        self._count_finish(reason)
+        self._emit(running.job, FinishEvent(reason, len(running.job.prompt_ids), running.generated, error))
+
+    def _count_finish(self, reason: str) -> None:
+        with self._changed:
+            self._counters.finished[reason] += 1
+
+    @staticmethod
+    def _emit(job: Job, event: TokenEvent | FinishEvent) -> None:
+        try:
+            job.on_event(event)
+        except Exception:  # a submitter whose callback fails has gone: stop generating for it
+            job.cancel()

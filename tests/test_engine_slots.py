@@ -1,0 +1,75 @@
+"""Engine(slots=N): each slot a sequence of its own, sharing weights, activations and scratch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime import Engine, generate
+
+
+def test_slots_give_the_logits_of_separate_engines_in_any_interleaving(tiny_sparse_artifact):
+    engine = Engine(tiny_sparse_artifact, slots=3)
+    alone = [Engine(tiny_sparse_artifact) for _ in range(3)]
+    prompts = [[1, 2, 3], [50, 60, 70, 80, 90], [100]]
+    rng = np.random.default_rng(0)
+    next_tokens = {}
+    for slot in rng.permutation(3):  # prefills in a shuffled order
+        got, expected = engine.forward(prompts[slot], slot=slot), alone[slot].forward(prompts[slot])
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+        next_tokens[slot] = int(np.argmax(got[-1]))
+    order = [0, 0, 2, 1, 2, 2, 0, 1, 1, 1, 0, 2] + list(rng.integers(0, 3, size=20))
+    for slot in order:  # one slot several steps ahead of another, and back
+        slot = int(slot)
+        got, expected = engine.forward([next_tokens[slot]], slot=slot), alone[slot].forward([next_tokens[slot]])
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+        next_tokens[slot] = int(np.argmax(got[-1]))
+    assert engine.positions == [alone[s].position for s in range(3)]
+
+
+def test_reset_of_one_slot_leaves_the_others(tiny_sparse_artifact):
+    engine, reference = Engine(tiny_sparse_artifact, slots=2), Engine(tiny_sparse_artifact)
+    engine.forward([5, 6, 7], slot=1)
+    reference.forward([5, 6, 7])
+    engine.forward([9, 9], slot=0)
+    engine.reset(0)
+    engine.forward([1], slot=0)
+    assert engine.positions == [1, 3]
+    np.testing.assert_allclose(engine.forward([8], slot=1), reference.forward([8]), rtol=0, atol=1e-6)
+
+
+def test_slot_zero_keeps_the_single_sequence_interface(tiny_sparse_artifact):
+    engine = Engine(tiny_sparse_artifact, slots=2)
+    engine.forward([40, 41], slot=1)  # another sequence in flight changes nothing for slot 0's callers
+    expected = generate(Engine(tiny_sparse_artifact), [4, 8, 15], 10)["generated_ids"]
+    assert generate(engine, [4, 8, 15], 10)["generated_ids"] == expected
+    assert engine.position == engine.positions[0] == 3 + 9
+
+
+def test_bad_slots_are_refused(tiny_sparse_artifact):
+    with pytest.raises(ValueError, match="slots must be a positive integer"):
+        Engine(tiny_sparse_artifact, slots=0)
+    engine = Engine(tiny_sparse_artifact, slots=2)
+    with pytest.raises(ValueError, match=r"slot must be in \[0, 2\)"):
+        engine.forward([1], slot=2)
+    with pytest.raises(ValueError, match="slot must be"):
+        engine.reset(-1)
+
+
+def test_a_gpu_artifact_refuses_more_than_one_slot_and_runs_as_before(tiny_models, tmp_path_factory):
+    from runtime import ArtifactError
+    from test_sparse import hybrid_build
+
+    from picompile.reference import OrtDecoder
+
+    files = tiny_models("opt", sparsity=0.9)
+    hybrid = hybrid_build(files, tmp_path_factory)  # every neuron let through: the dense model's tokens
+    with pytest.raises(ArtifactError, match="slots=2 is supported for CPU artifacts only"):
+        Engine(hybrid, emulate_gpu=True, slots=2)
+    engine = Engine(hybrid, emulate_gpu=True, slots=1)
+    assert "gpu" in engine.devices
+    first = generate(engine, [4, 8, 15], 8)["generated_ids"]
+    assert first == OrtDecoder(files.onnx).greedy([4, 8, 15], 8)
+    assert generate(engine, [4, 8, 15], 8)["generated_ids"] == first  # positions restart with reset
+    result = generate(engine, [4, 8, 15], 8, profile=True)
+    assert result["generated_ids"] == first and result["profile_ms_per_token"]
