@@ -61,12 +61,15 @@ def compiler_digest() -> str:
 def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=print, rebuild: bool = False,
                     target: str = "cpu", **options) -> Path:
     """Build a dense or sparse artifact of a made model, or reuse the one built before from the same model,
-    target, build options (`options`: further pipeline Options fields) and compiler source."""
+    target, build options (`options`: further pipeline Options fields) and compiler source. A tokenizer
+    beside the model's ONNX goes into the artifact, as `picompile build` puts it."""
     from examples.models import cache_dir
     from picompile.pipeline import Options
     from picompile.targets import get_target
+    from picompile.tokenizer import find_tokenizer
 
-    opts = Options(dense=dense, max_context=max_context, calib=files.calib, **options)
+    opts = Options(dense=dense, max_context=max_context, calib=files.calib,
+                   **{"tokenizer": find_tokenizer(files.onnx), **options})
     # the ISA resolved, not the option: a default build is the build machine's
     isa = opts.cpu_isa_for(get_target(target)).name
     key = json.dumps({"model": files.dir.name, "target": target, "options": dataclasses.asdict(opts), "cpu_isa": isa,

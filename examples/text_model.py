@@ -9,7 +9,12 @@ the held-out text is code the model never saw (not just other windows of the sam
 
 Tokenizer: bytes (ids 0..255 are the UTF-8 bytes) plus ``BOS`` (256, also EOS: it separates files) and
 ``PAD`` (257, never produced; OPT zeroes its embedding row). It needs nothing installed and round-trips any
-text exactly (:func:`encode` / :func:`decode`).
+text exactly (:func:`encode` / :func:`decode`). The model directory also holds it as the `tokenizers`
+library's files (:func:`write_tokenizer`: tokenizer.json, tokenizer_config.json, generation_config.json,
+with BOS/EOS written ``<|endoftext|>`` and PAD ``<|pad|>``, text the corpus does not hold), so that
+``picompile build`` copies it into the artifact and ``picompile run -p`` / runtime/text.py speak text: the
+same ids as :func:`encode` for any text but those two strings, which that library reads as the special
+tokens themselves, as every HF tokenizer does.
 
 Model: ``transformers.OPTForCausalLM`` with ``activation_function="relu"`` (examples/models.py's OPT family,
 so its exporter and picompile's recogniser handle it), trained from a fixed seed for a fixed number of
@@ -25,8 +30,8 @@ thread: two threads were several times slower there); held-out loss 5.54 -> 2.08
 neurons carry 35%, 65%, 71%, 75% of the activations). :func:`cached_text_model` trains once per configuration into
 ``cache_dir()/models/text-opt-<preset>-<hash12>/`` with the files every model directory has (model.onnx,
 calib.npy: windows of the training files, heldout.npy: windows of the held-out files, config.json with the
-training record, losses and measured sparsity), so ``picompile build model.onnx --calib calib.npy`` and the
-benchmarks take it like any other; :class:`examples.models.ModelFiles` reads it.
+training record, losses and measured sparsity; the tokenizer files), so ``picompile build model.onnx --calib
+calib.npy`` and the benchmarks take it like any other; :class:`examples.models.ModelFiles` reads it.
 
     python examples/text_model.py [--preset small] [--steps N]   # trains (or finds) it, prints its record
 """
@@ -52,10 +57,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from examples import models  # noqa: E402
+from examples.byte_tokenizer import BOS, PAD, VOCAB, write_byte_tokenizer  # noqa: E402  BOS is also EOS
 
 TEXT_MAKER_VERSION = "1"
-BOS, PAD = 256, 257  # BOS doubles as EOS: one between files
-VOCAB = 258
+BOS_TEXT, PAD_TEXT = "<|endoftext|>", "<|pad|>"  # the special tokens in tokenizer.json
 HELDOUT_SHARE = 0.1
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "idlelib", "lib2to3", "turtledemo", "ensurepip"}
 
@@ -74,8 +79,9 @@ MIN_LR_SHARE = 0.1  # cosine decay ends at this share of the peak learning rate
 WEIGHT_DECAY = 0.01
 CLIP_NORM = 1.0
 
-__all__ = ["encode", "decode", "corpus_files", "corpus_digest", "split_files", "token_stream", "windows",
-           "text_config", "train", "heldout_loss", "make_text_model", "cached_text_model", "text_config_hash"]
+__all__ = ["encode", "decode", "write_tokenizer", "corpus_files", "corpus_digest", "split_files", "token_stream",
+           "windows", "text_config", "train", "heldout_loss", "make_text_model", "cached_text_model",
+           "text_config_hash"]
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -92,6 +98,11 @@ def decode(ids) -> str:
     sequence need not be valid UTF-8)."""
     data = bytes(int(i) for i in np.asarray(ids).reshape(-1) if 0 <= int(i) < 256)
     return data.decode("utf-8", errors="replace")
+
+
+def write_tokenizer(directory: str | os.PathLike, context: int) -> Path:
+    """This vocabulary as a model's tokenizer files (examples/byte_tokenizer.py) in ``directory``."""
+    return write_byte_tokenizer(Path(directory), bos=BOS_TEXT, pad=PAD_TEXT, model_max_length=context)
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -297,6 +308,7 @@ def make_text_model(out_dir: str | os.PathLike, preset: str = "small", seed: int
         timing_s=dict(data=trained_at - started, train=train_s, export=time.perf_counter() - exported_at),
         hf_config=config.to_dict(),
     )
+    write_tokenizer(out_dir, context)
     (out_dir / "config.json").write_text(json.dumps(meta, indent=1, default=models._json_default) + "\n")
     return models.ModelFiles.from_dir(out_dir)
 
@@ -304,10 +316,13 @@ def make_text_model(out_dir: str | os.PathLike, preset: str = "small", seed: int
 def cached_text_model(preset: str = "small", seed: int = 0, threads: int | None = None, log=lambda message: None,
                       **overrides) -> models.ModelFiles:
     """Train once per configuration (preset, settings, seed, corpus, maker versions; not `threads`) into
-    ``cache_dir()/models/text-opt-<preset>-<hash12>/`` and reuse it afterwards."""
+    ``cache_dir()/models/text-opt-<preset>-<hash12>/`` and reuse it afterwards. A directory trained before
+    the tokenizer files were written gets them here (they depend on the vocabulary only, not the training)."""
     final = models.cache_dir() / "models" / f"text-opt-{preset}-{text_config_hash(preset, seed, **overrides)[:12]}"
-    return models.ModelFiles.from_dir(models.build_cached(
-        final, lambda work: make_text_model(work, preset, seed, threads, log, **overrides)))
+    models.build_cached(final, lambda work: make_text_model(work, preset, seed, threads, log, **overrides))
+    if not (final / "tokenizer.json").is_file():
+        write_tokenizer(final, _settings(preset, overrides)["context"])
+    return models.ModelFiles.from_dir(final)
 
 
 def main(argv=None) -> int:

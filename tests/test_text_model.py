@@ -1,16 +1,21 @@
-"""The model trained on real text (examples/text_model.py): tokenizer, corpus split, training that learns,
-and a picompile build of it with its calibration file."""
+"""The model trained on real text (examples/text_model.py): tokenizer (its ids, and its tokenizer.json that
+the artifact carries), corpus split, training that learns, and a picompile build of it with its calibration
+file that speaks text."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from examples import text_model
 from picompile.cli import main
+from runtime.text import TOKENIZER_FILES, TextTokenizer, load_tokenizer
 
 
 def test_byte_tokenizer_round_trips_any_text():
@@ -60,7 +65,57 @@ def test_training_lowers_the_heldout_loss_and_relu_sparsity_is_measured(tiny_tex
     assert again.dir == tiny_text.dir
 
 
-def test_picompile_builds_the_trained_model_with_its_calibration(tiny_text, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_text):
+    return TextTokenizer(tiny_text.dir)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.characters(codec="utf-8"), max_size=64))
+def test_the_model_directorys_tokenizer_json_is_text_model_encode_exactly(tiny_tokenizer, text):
+    assume(text_model.BOS_TEXT not in text and text_model.PAD_TEXT not in text)
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert ids == text_model.encode(text).tolist()
+    assert tiny_tokenizer.encode(text) == text_model.encode(text, bos=True).tolist()  # BOS first, as in training
+    assert tiny_tokenizer.decode(ids) == text == text_model.decode(ids)
+    stream = tiny_tokenizer.stream()  # what `picompile run -p` prints, piece by piece
+    assert "".join(stream.push(i) for i in [*ids, text_model.BOS]) + stream.flush() == text
+
+
+def test_tokenizer_special_ids_and_text_the_corpus_never_holds(tiny_text, tiny_tokenizer):
+    assert tiny_tokenizer.vocab_size == text_model.VOCAB
+    assert tiny_tokenizer.bos_id == text_model.BOS and tiny_tokenizer.eos_ids == {text_model.BOS}
+    assert tiny_tokenizer.decode([text_model.BOS, 104, 105, text_model.PAD]) == "hi"
+    # the one difference from text_model.encode: the library reads the special tokens' own text as them
+    assert tiny_tokenizer.encode(text_model.BOS_TEXT, add_special_tokens=False) == [text_model.BOS]
+    root = text_model.stdlib_root()
+    holding = [f for f in text_model.corpus_files() if any(
+        special in (root / f).read_text(encoding="utf-8", errors="replace")
+        for special in (text_model.BOS_TEXT, text_model.PAD_TEXT))]
+    assert holding == [], "choose other special-token text: these corpus files hold it"
+    config = json.loads((tiny_text.dir / "tokenizer_config.json").read_text())
+    assert config["model_max_length"] == text_model.TEXT_PRESETS["tiny"]["context"]
+    assert json.loads((tiny_text.dir / "generation_config.json").read_text())["eos_token_id"] == text_model.BOS
+
+
+def test_a_cached_model_without_tokenizer_files_gets_them_without_training(tiny_text, tmp_path, monkeypatch):
+    """A directory trained before tokenizer.json was written: asking for it again adds the files, nothing else."""
+    old = tmp_path / "models" / tiny_text.dir.name
+    shutil.copytree(tiny_text.dir, old)
+    for name in TOKENIZER_FILES:
+        (old / name).unlink(missing_ok=True)
+    before = {p.name: p.stat().st_mtime_ns for p in old.iterdir()}
+    monkeypatch.setenv("PICOMPILE_CACHE", str(tmp_path))
+    monkeypatch.setattr(text_model, "make_text_model", lambda *a, **k: pytest.fail("trained again"))
+    again = text_model.cached_text_model("tiny", seed=0, threads=1)
+    assert again.dir == old
+    assert {p.name: p.stat().st_mtime_ns for p in old.iterdir() if p.name in before} == before
+    assert sorted(p.name for p in old.iterdir()) == sorted(p.name for p in tiny_text.dir.iterdir())
+    assert [(old / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json")] == \
+        [(tiny_text.dir / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json")]
+
+
+def test_picompile_builds_the_trained_model_with_its_calibration(tiny_text, tmp_path, capsys):
     from picompile.evaluate import evaluate
     from picompile.reference import OrtDecoder
     from picompile.tokens import read_tokens
@@ -76,3 +131,9 @@ def test_picompile_builds_the_trained_model_with_its_calibration(tiny_text, tmp_
     # (on two of the windows, so near, not equal), far below the untrained model's
     assert report["ppl_reference"] < math.exp(meta["heldout_loss"]["untrained"] - 0.5)
     assert report["top1_agreement"] > 0.8
+    # the tokenizer beside model.onnx travels in the artifact: `run -p` speaks text
+    assert load_tokenizer(out).encode("def f(x):") == text_model.encode("def f(x):", bos=True).tolist()
+    assert main(["run", str(out), "-p", "def f(x):", "--max-new-tokens", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["prompt_ids"] == text_model.encode("def f(x):", bos=True).tolist() and result["generated_ids"]
+    assert result["text"] == text_model.decode(result["generated_ids"])
