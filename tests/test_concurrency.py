@@ -41,7 +41,7 @@ def wrap_steps(engine: Engine, wrapper) -> None:
 
     wrap(engine._decode)
     make_program = engine._program
-    engine._program = lambda phase, rows: wrap(make_program(phase, rows))
+    engine._program = lambda phase, rows, slot=0: wrap(make_program(phase, rows, slot))
 
 
 def independent_pair(steps) -> tuple[int, int]:
@@ -302,14 +302,14 @@ def test_device_work_is_synchronised_before_the_cpu_reads_it(hybrid):
     program = [None]
     make_program = engine._program
 
-    def wrapped(phase, rows):
-        program[0] = make_program(phase, rows)
+    def wrapped(phase, rows, slot=0):
+        program[0] = make_program(phase, rows, slot)
         for step in program[0]:
             step.run = check(step, step.run)
         return program[0]
 
     engine._program = wrapped
-    engine._decode = wrapped("decode", 1)
+    engine._decodes[0] = engine._decode = wrapped("decode", 1)  # slot 0's decode program, as forward runs it
     decode = program[0]
     for tokens in (PROMPT, [3], [4]):
         if len(tokens) == 1:
