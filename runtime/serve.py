@@ -9,8 +9,8 @@ Decoding is the scheduler's: concurrent requests share the engine's slots, one t
 request per step, each slot's step a batch-1 program run after the others' (not one batch>1 kernel
 call; see runtime/scheduler.py).
 
-Text: with a tokenizer (an object satisfying `TextTokenizer`; by default the artifact's, from
-`runtime.text.load_tokenizer`) prompts may be strings and chat works.
+Text: with a tokenizer (a `runtime.text.TextTokenizer`, or any object with its interface; by default the
+artifact's, from `runtime.text.load_tokenizer`) prompts may be strings and chat works.
 Without one, /v1/completions takes `prompt` as a list of token ids only, and each choice's `text` is
 the generated ids as decimal numbers joined by single spaces. Every choice (and streamed chunk) also
 carries the ids themselves in `token_ids`, an extension of the OpenAI format.
@@ -31,7 +31,6 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import uvicorn
 from starlette.applications import Starlette
@@ -40,25 +39,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from .scheduler import FinishEvent, Job, QueueFull, Sampling, Scheduler, SchedulerClosed, TokenEvent
+from .text import TextTokenizer, load_tokenizer
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
-
-
-class TextStream(Protocol):
-    def push(self, token_id: int) -> str: ...  # the text this token completes (may be "")
-    def flush(self) -> str: ...  # what is left at the end
-
-
-class TextTokenizer(Protocol):
-    """What the server needs of a tokenizer (runtime/text.py's TextTokenizer has this interface)."""
-
-    eos_ids: frozenset[int]
-    bos_id: int | None
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def stream(self) -> TextStream: ...
-    def chat_ids(self, messages: list[dict]) -> list[int]: ...
 
 
 FROM_ARTIFACT = object()  # create_app's default tokenizer: the artifact's own, where it has one
@@ -66,8 +49,6 @@ FROM_ARTIFACT = object()  # create_app's default tokenizer: the artifact's own, 
 
 def artifact_tokenizer(directory) -> TextTokenizer | None:
     """The tokenizer the artifact carries, or None where it has none."""
-    from .text import load_tokenizer
-
     return load_tokenizer(directory)
 
 
