@@ -156,8 +156,8 @@ def stored_weight_dtype(model: ir.Model) -> str:
     are fp16 or bf16 (bf16 values are fp16 ones but for those below fp16's normal range, ~6e-5), else fp32."""
     bits = {node.attributes["bits"].as_int() for node in model.graph
             if node.op_type == "MatMulNBits" and "bits" in node.attributes}
-    if len(bits) == 1 and f"int{next(iter(bits))}" in WEIGHT_FORMATS:
-        return f"int{bits.pop()}"
+    if len(bits) == 1 and (name := f"int{bits.pop()}") in WEIGHT_FORMATS:
+        return name
     by_dtype: dict[bool, int] = {True: 0, False: 0}
     for value in model.graph.initializers.values():
         tensor = value.const_value
