@@ -47,7 +47,7 @@ def first_layers(program: KernelProgram) -> dict[str, int | None]:
     """Each kernel's first layer (of the first call that runs it), for the error of a kernel that fails."""
     layers: dict[str, int | None] = {}
     for call in program.calls:
-        for name in (call.decode, call.prefill):
+        for name in (call.decode, call.prefill, call.batch):
             if name:
                 layers.setdefault(name, call.layer)
     return layers

@@ -7,14 +7,17 @@ Adds: the kernel-call IR (`passes.kernel_ir`): one `runtime.calls.Call` per kern
 reads and how (whole, one row per token, the cached positions, only the selected rows), the buffers it
 uses, the weights in the layout and precision their device reads (the CPU's matrices panel-packed and in
 `weight_dtype`; the GPU's fp32 [K, N]) and, per kernel name, the spec the compile pass makes it from
-(`decode` kernels for one token, `prefill` for a symbolic number of rows). Activation buffers are shared
+(`decode` kernels for one token, `prefill` for a symbolic number of rows, `batch` for one token of each of
+several sequences: the prefill kernel of a row-wise call, the decode kernel of a call run per sequence, a
+kernel of its own for the predictor, select (the union of the sequences' neurons) and the CPU's fused sparse
+FFN; a program with a GPU call, or a decode call without a batch kernel, gets no batch phase). Activation buffers are shared
 by role across layers (layers run one after another); plan-buffers then gives each device its instances.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx_ir as ir
@@ -32,6 +35,9 @@ from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
 from .kernels import cpu, neuron, ops, quant
 from .place import device_of
 from .quantize import QuantizedMatrix
+
+
+MAX_BATCH_KEY = "picompile.max_batch"  # the model's metadata entry: the batch phase's sequences (0: none)
 
 
 def read(buffer: str) -> Arg:
@@ -55,6 +61,9 @@ class Lowering:
     quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)
     device: str = "cpu"  # the device of the block being lowered
     layer: int | None = None  # ... and its layer
+    max_batch: int = 0  # sequences a batch step may hold (0: no batch phase)
+    batch_rows: set[str] = field(default_factory=set)  # buffers of `max_batch` rows (step_rows)
+    batch_widths: dict[str, int] = field(default_factory=dict)  # scratch sized per sequence (batch_scratch)
 
     @property
     def buffers(self) -> dict[str, dict]:
@@ -64,21 +73,37 @@ class Lowering:
     def weights(self) -> dict[str, np.ndarray]:
         return self.program.weights
 
-    def kernel(self, op: ops.KernelOp, base: str, *args, phases=("decode", "prefill"), **kwargs) -> tuple[str, str]:
-        """The kernel's variants: (decode name, prefill name), "" for a phase it does not run in."""
+    def kernel(self, op: ops.KernelOp, base: str, *args, phases=("decode", "prefill"), batch: dict | None = None,
+               **kwargs) -> tuple[str, str, str]:
+        """The kernel's variants: (decode name, prefill name, batch name), "" for a phase it does not run in.
+
+        A batch step (one token of each of several sequences) runs a kernel that runs in both decode and prefill
+        as its prefill variant: row-wise, over symbolic rows, the same compiled code. `batch` asks for a batch
+        variant of a decode-only kernel: the op's maker over symbolic rows, given these extra arguments."""
         names = []
         for rows, phase in ((1, "decode"), (None, "prefill")):
             name = f"{base}_{phase}" if phase in phases else ""
             if name and name not in self.program.kernels:
                 self.program.kernels[name] = KernelSpec(op.name, rows, args, kwargs)
             names.append(name)
-        return names[0], names[1]
+        if batch is not None:
+            names.append(f"{base}_batch")
+            self.program.kernels.setdefault(names[-1], KernelSpec(op.name, None, args, {**kwargs, **batch}))
+        else:
+            names.append(names[1] if names[0] else "")
+        return names[0], names[1], names[2]
 
     def activation(self, name: str, width: int, dtype: str = "float32", rows: int | None = None) -> str:
         """A buffer of one row per token (`rows` fixes the row count, e.g. 1 for decode-only scratch)."""
         shape = [rows or self.max_context, width]
         self.buffers.setdefault(name, {"kind": "activation", "shape": shape, "dtype": dtype})
         return name
+
+    def step_rows(self, name: str, width: int, dtype: str = "float32") -> str:
+        """A buffer of the one-token steps only (decode, and batch: a row per sequence of the batch), never
+        prefill's: `max_batch` rows (cut to one by `drop_batch` where the program gets no batch phase)."""
+        self.batch_rows.add(name)
+        return self.activation(name, width, dtype, rows=max(1, self.max_batch))
 
     def scratch(self, name: str, shape: list[int], dtype: str = "float32") -> str:
         """A kernel's private work area: fixed shape (not one row per token), never copied between devices."""
@@ -153,15 +178,45 @@ class Lowering:
             self.buffers[name]["logical_columns"] = columns
         return name
 
-    def call(self, label: str, kernels: tuple[str, str], args: list[Arg], role: Role, device: str | None = None,
+    def call(self, label: str, kernels: tuple[str, str, str], args: list[Arg], role: Role, device: str | None = None,
              selection: Selection | None = None) -> None:
-        self.program.calls.append(Call(label, device or self.device, role, kernels[0], kernels[1], tuple(args),
-                                       self.layer, selection))
+        call = Call(label, device or self.device, role, kernels[0], kernels[1], tuple(args), self.layer, selection,
+                    kernels[2])
+        if call.per_sequence and call.decode:  # a batch step runs it per sequence: its decode kernel per row
+            call = replace(call, batch=call.decode)
+        self.program.calls.append(call)
+
+    def batch_scratch(self, name: str, tasks: int, width: int) -> str:
+        """A kernel's scratch of a `width` row per task and sequence of a batch step: [tasks, max_batch * width]
+        (one sequence's where the program gets no batch phase: `drop_batch`)."""
+        self.batch_widths[name] = width
+        return self.scratch(name, [tasks, self.max_batch * width])
+
+    def drop_batch(self) -> None:
+        """No batch phase (a call runs on the GPU, or a decode call has no batch kernel, or max_batch < 2): the
+        calls lose their batch kernels, the kernels only they named go, and the step buffers keep one row."""
+        self.program.calls[:] = [replace(call, batch="") for call in self.program.calls]
+        named = {name for call in self.program.calls for name in (call.decode, call.prefill) if name}
+        for name in [name for name in self.program.kernels if name not in named]:
+            del self.program.kernels[name]
+        for spec in self.program.kernels.values():  # (kernels sized for a batch's scratch: batch_scratch)
+            spec.kwargs.pop("max_batch", None)
+        for name in self.batch_rows:
+            self.buffers[name]["shape"][0] = 1
+        for name, width in self.batch_widths.items():
+            self.buffers[name]["shape"][1] = width
+        self.max_batch = 0
+
+    def has_batch_phase(self) -> bool:
+        """Every call runs on the CPU, and every decode call has a batch kernel."""
+        return (self.max_batch > 1 and all(call.device == "cpu" for call in self.program.calls)
+                and all(call.batch for call in self.program.calls if call.decode))
 
     def linear(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role,
                act: str = "none", residual: str | None = None, phases=("decode", "prefill"), device: str | None = None,
-               packed: bool | None = None, skip_zero_rows: bool = False) -> None:
-        """y = act(x @ W + b) + residual for W given in [K, N] layout. On the CPU W is panel-packed (unless
+               packed: bool | None = None, skip_zero_rows: bool = False, batch: bool = False) -> None:
+        """y = act(x @ W + b) + residual for W given in [K, N] layout (`batch`: a decode-only linear also runs in
+        batch steps, over symbolic rows). On the CPU W is panel-packed (unless
         `packed` is False: rows a sparse kernel also gathers keep their layout) and stored in the weight dtype;
         the GPU reads [K, N] fp32. `skip_zero_rows` (CPU, [K, N] prefill only): x is a ReLU's output, and the
         rows of W that only its zeros multiply are not read (cpu.gemm_kn)."""
@@ -170,7 +225,7 @@ class Lowering:
         skip_zero_rows = skip_zero_rows and device == "cpu" and not packed and phases == ("prefill",)
         if weight in self.quantized:
             self.linear_quantized(x, weight, bias, out, label, role, act, residual, phases, device, packed,
-                                  skip_zero_rows)
+                                  skip_zero_rows, batch)
             return
         self.stored_for(weight, device)
         if packed:
@@ -186,12 +241,13 @@ class Lowering:
             flags["skip_zero_rows"] = True
             tags += "_skip0"
         kernels = self.kernel(ops.linear_panels if packed else ops.linear, f"linear_k{k}_n{n}{tags}", k, n,
-                              phases=phases, **flags, **self.gemm_tile(device))
+                              phases=phases, batch={} if batch else None, **flags, **self.gemm_tile(device))
         args = [read(x), read(weight)] + ([read(bias)] if bias else []) + ([read(residual)] if residual else []) + [write(out)]
         self.call(label, kernels, args, role, device)
 
     def linear_quantized(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role, act: str,
-                         residual: str | None, phases, device: str, packed: bool, skip_zero_rows: bool) -> None:
+                         residual: str | None, phases, device: str, packed: bool, skip_zero_rows: bool,
+                         batch: bool = False) -> None:
         """`linear` over a quantized matrix: panels blocked along K (decode GEMV, prefill GEMM), or, for rows a
         sparse kernel also gathers (`packed` False: the FFN parts' down rows), a prefill GEMM over the rows."""
         if device != "cpu":
@@ -205,7 +261,7 @@ class Lowering:
                 tag, fmt_args = f"{tag}_x8", {**fmt_args, "int8_dot": self.int8_dot}
             tags = f"{tag}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
             kernels = self.kernel(ops.linear_panels_q, f"linear_q_k{k}_n{n}{tags}", k, n, phases=phases,
-                                  bias=bias is not None, act=act, residual=residual is not None, **fmt_args,
+                                  batch={} if batch else None, bias=bias is not None, act=act, residual=residual is not None, **fmt_args,
                                   **self.gemm_tile(device))
         else:
             if bias or act != "none" or residual or "decode" in phases:
@@ -394,16 +450,18 @@ class _Walker:
         self.location[node.outputs[0].name] = out
 
     def lower_Predict(self, node: ir.Node) -> None:
-        """The predictor runs for one-token steps only: prompts compute every neuron."""
+        """The predictor runs for one-token steps only (decode, batch): prompts compute every neuron."""
         x, w1 = self.location[node.inputs[0].name], self.weight_of(node.inputs[1])
         rank = self.low.shape(w1)[1]
-        hidden = self.low.activation(f"act.predictor_hidden.r{rank}", rank, rows=1)
-        self.low.linear(x, w1, None, hidden, f"{node.name}.fc1", Role.PREDICTOR, act="relu", phases=("decode",))
+        hidden = self.low.step_rows(f"act.predictor_hidden.r{rank}", rank)
+        self.low.linear(x, w1, None, hidden, f"{node.name}.fc1", Role.PREDICTOR, act="relu", phases=("decode",),
+                        batch=True)
         for w2_value, scores in zip(node.inputs[2:], node.outputs):
             w2 = self.weight_of(w2_value)
             width = self.low.shape(w2)[1]
-            out = self.low.activation(f"act.scores.n{width}", width, rows=1)
-            self.low.linear(hidden, w2, None, out, f"{scores.name}.fc2", Role.PREDICTOR, phases=("decode",))
+            out = self.low.step_rows(f"act.scores.n{width}", width)
+            self.low.linear(hidden, w2, None, out, f"{scores.name}.fc2", Role.PREDICTOR, phases=("decode",),
+                            batch=True)
             self.location[scores.name] = out
 
     def lower_SparseFFN(self, node: ir.Node) -> None:
@@ -421,7 +479,7 @@ class _Walker:
         threshold = self.low.weight(f"{p}.threshold", np.array([pir.attr(node, "threshold")], np.float32))
         index = self.low.activation(f"act.ffn_index.{tag}", neurons, dtype="int32", rows=1)
         count = self.low.activation(f"act.ffn_count.{part}", 1, dtype="int32", rows=1)
-        hidden = self.low.activation(f"act.ffn_sparse_hidden.{tag}", neurons, rows=1)
+        hidden = self.low.step_rows(f"act.ffn_sparse_hidden.{tag}", neurons)  # a row per sequence of a batch
         up_width = self.low.shape(up_rows)[0]
         up_bias = up_bias or self.low.zeros(f"{p}.up_bias", up_width)
         gate_tag = "_gated" if gated else ""
@@ -444,15 +502,23 @@ class _Walker:
             decode_tag, decode_arg = dtype_tag, dtype_arg
         halves = 2 if gated else 1  # up rows per neuron: gate and up when gated
         bias_row = halves * itemsize(self.low.buffers[up_bias]["dtype"])
-        kernels = self.low.kernel(ops.select, f"select_n{neurons}", neurons, phases=("decode",))
+        # a batch step selects the union: the neurons any of its sequences' scores let through
+        kernels = self.low.kernel(ops.select, f"select_n{neurons}", neurons, phases=("decode",), batch={})
         self.low.call(f"{p}.select", kernels, [read(scores), read(threshold), write(index), write(count)], Role.PREDICTOR)
         selected = [read(x), read(index), read(count)]
         if device == "cpu":  # up and down in one pass over the rows
-            scratch = self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
+            # a batch step's kernel holds a scratch row per task and sequence (so decode's, sharing the buffer,
+            # takes its [tasks, max_batch * width] shape too and uses the first width columns)
+            batch = self.low.max_batch > 1 and not decode_arg.get("int8_dot")
+            scratch = self.low.batch_scratch(f"scratch.ffn.d{width}", neuron.FFN_TASKS, width) if batch else \
+                self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
             fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
+            # batch steps: each selected neuron's rows read once for all the sequences of the batch
+            batch_args = {"max_batch": self.low.max_batch} if batch else {}
             kernels = self.low.kernel(ops.sparse_ffn_q if quantized else ops.sparse_ffn,
                                       f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{decode_tag}",
-                                      d_in, neurons, gated=gated, act=activation, phases=("decode",), **decode_arg)
+                                      d_in, neurons, gated=gated, act=activation, phases=("decode",),
+                                      batch={} if batch else None, **decode_arg, **batch_args)
             # With ReLU a neuron whose first row (the gate's when gated) gives 0 is done: its other rows are not read.
             skips = activation == "relu"
 
@@ -574,11 +640,13 @@ class SelectKernels:
     weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's weight matrices
     cpu_isa: str = "avx2"  # targets.CPU_ISAS: decides the prefill GEMM's register tile
     int8_activations: bool = Options.int8_activations  # int4 decode GEMVs over int8-quantized inputs
+    max_batch: int = Options.max_batch  # --max-batch: sequences one batch step may hold (CPU artifacts)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         isa = get_cpu_isa(self.cpu_isa)
         lowering = Lowering(max_context=self.max_context, weight_dtype=self.weight_dtype, gemm_panels=isa.gemm_panels,
-                            int8_dot=isa.int8_dot if self.int8_activations else None)
+                            int8_dot=isa.int8_dot if self.int8_activations else None,
+                            max_batch=min(self.max_batch, self.max_context))
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(lowering)
         nodes, layers = list(model.graph), pir.node_layers(model.graph)
@@ -587,6 +655,10 @@ class SelectKernels:
                 with ctx.layer(layers[node]) if layers[node] is not None else contextlib.nullcontext():
                     walker.lower(node, layers[node])
                 advance()
+        if not lowering.has_batch_phase():
+            lowering.drop_batch()
         program = lowering.program
-        ctx.log(f"select-kernels: {len(program.kernels)} kernels, {len(program.calls)} calls")
-        return PassResult(program.to_model(carried_metadata(model)), modified=True)
+        ctx.log(f"select-kernels: {len(program.kernels)} kernels, {len(program.calls)} calls, "
+                + (f"batch steps of up to {lowering.max_batch} sequences" if lowering.max_batch else "no batch phase"))
+        result = program.to_model({**carried_metadata(model), MAX_BATCH_KEY: str(lowering.max_batch)})
+        return PassResult(result, modified=True)

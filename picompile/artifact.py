@@ -56,11 +56,11 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
             f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
 
 
-def _model_facts(buffers: dict, schedule: dict) -> dict:
+def _model_facts(buffers: dict, schedule: dict, max_batch: int) -> dict:
     logits = buffers["logits"]["shape"]
     caches = sorted(b for b in buffers if buffers[b]["kind"] == "cache")
     return {"vocab_size": logits[1], "max_context": logits[0], "num_layers": len(caches) // 2,
-            "num_calls": len(schedule["nodes"])}
+            "num_calls": len(schedule["nodes"]), "max_batch": max_batch}
 
 
 def _weights_by_device(schedule: dict, buffers: dict) -> dict[str, list[str]]:
@@ -124,7 +124,8 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             "picompile_version": __version__,
             "target": {"name": ctx.target.name, "cpu_isa": cpu_isa.name, "cpu_features": list(cpu_isa.features),
                        "cuda_arch": ctx.target.cuda_arch},
-            "model": {**_model_facts(buffers, schedule), "source": str(source) if source else None},
+            "model": {**_model_facts(buffers, schedule, int(model.metadata_props.get("picompile.max_batch", "0"))),
+                      "source": str(source) if source else None},
             "options": {"dense": options.dense, "max_context": options.max_context, "weight_dtype": options.weight_dtype},
             "sparsity": json.loads(model.metadata_props.get("picompile.sparsity", "{}")),
             "io": {"inputs": ["input_ids", "start"], "outputs": ["logits"]},

@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                             "0: none")
     build.add_argument("--vram-budget", help="GPU memory to use, e.g. 8GiB (default: the target's)")
     build.add_argument("--max-context", type=_positive_int, default=256, help="KV cache length (tokens)")
+    build.add_argument("--max-batch", type=_non_negative(int), default=8, metavar="N",
+                       help="CPU artifacts: decode up to N sequences in one batch step (a sparse layer reads the union "
+                            "of their predicted neurons once); 0 or 1: no batch phase")
     build.add_argument("--all-neurons", action="store_true",
                        help="lower sparse but let every neuron through the predictor (checks the hot/cold split)")
     build.add_argument("--no-dense-fallback", action="store_true",
@@ -192,6 +195,7 @@ def _build(args) -> int:
                       placement_batch=args.placement_batch,
                       placement_time_limit_s=args.placement_time_limit,
                       weight_dtype=args.weight_dtype, int8_activations=args.int8_activations,
+                      max_batch=args.max_batch,
                       quant_method=args.quant_method,
                       target_recall=args.target_recall, cpu_isa=args.cpu_isa,
                       sparsity_mode=args.sparsity_mode, sparsity=args.sparsity)
@@ -464,7 +468,7 @@ def _inspect(args) -> int:
             entry["fixed_bytes"] += reads.fixed
             entry["bytes_per_selected"] += reads.per_selected + reads.per_nonzero
     kernels = sorted({name for call in scheduled if call.role is not Role.COPY
-                      for name in (call.decode, call.prefill) if name})
+                      for name in (call.decode, call.prefill, call.batch) if name})
 
     weight_bytes = sum(nbytes(b["shape"], b["dtype"])
                        for b in manifest["buffers"].values() if b["kind"] == "weight")

@@ -100,7 +100,7 @@ def back(options: Options, target: Target) -> list[Pass]:
     quantize = [Quantize(weight_dtype=options.weight_dtype, method=options.quant_method)] if quantized else []
     return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context), *quantize,
             SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa,
-                          int8_activations=options.int8_activations),
+                          int8_activations=options.int8_activations, max_batch=options.max_batch),
             PlanBuffers(), Compile(cpu_isa=cpu_isa), Schedule()]
 
 

@@ -68,6 +68,8 @@ class Options:
     # FFNs) or "auto" (by the model's FFN activation; passes.sparsity_mode).
     sparsity_mode: str = "auto"
     sparsity: float | None = None  # threshold mode: share of each projection's inputs dropped (None: the default)
+    # sequences one batch step decodes together (CPU artifacts: runtime Engine.forward_batch); below 2: no batch phase
+    max_batch: int = 8
     seed: int = 0
 
     def cpu_isa_for(self, target: Target) -> CpuIsa:

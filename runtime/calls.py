@@ -7,7 +7,9 @@ it, the cost model prices it, `inspect` tabulates it. Nobody outside kernel sele
 kernel's name, a call's label or an argument's position to learn what a call does.
 
 Byte facts describe a one-token (decode) step, the phase whose speed is bound by the weights it reads;
-prompts (prefill) read every weight whole.
+prompts (prefill) read every weight whole. A batch step (one new token for each of several sequences, CPU
+artifacts only) reads each weight once for the whole batch, and a sparse call's selection is the union of the
+batch's selections.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from enum import Enum
 from .dtypes import nbytes
 
 START = "start"  # the scalar argument: how many tokens the KV cache already holds
-PHASES = ("decode", "prefill")
+# decode: one token of one sequence; prefill: many tokens of one sequence; batch: one token of each of up to
+# the artifact's max_batch sequences (each with its own KV cache and position)
+PHASES = ("decode", "prefill", "batch")
 
 
 class Role(str, Enum):
@@ -96,9 +100,17 @@ class Call:
     args: tuple[Arg, ...]  # in the kernel's argument order
     layer: int | None = None  # the decoder layer, None outside the layers
     selection: Selection | None = None  # sparse decode calls only
+    batch: str = ""  # kernel for batch steps ("" if the artifact has no batch phase); see `per_sequence`
 
     def kernel(self, phase: str) -> str:
-        return self.decode if phase == "decode" else self.prefill
+        return {"decode": self.decode, "prefill": self.prefill, "batch": self.batch}[phase]
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether a batch step runs this call once per sequence (its `batch` kernel then being its decode
+        kernel, bound to each row, that sequence's caches and its position): it reads or writes a KV cache,
+        or reads the position (`start`), which differ between the sequences of a batch."""
+        return any(arg.buffer == START or arg.access in (Access.CONTEXT, Access.UPDATE) for arg in self.args)
 
     def buffers(self) -> list[str]:
         return [arg.buffer for arg in self.args if arg.buffer != START]
@@ -123,7 +135,8 @@ class Call:
                    decode=str(data["decode"]), prefill=str(data["prefill"]),
                    args=tuple(Arg(**{**arg, "access": Access(arg["access"])}) for arg in data["args"]),
                    layer=None if data.get("layer") is None else int(data["layer"]),
-                   selection=None if selection is None else Selection(**selection))
+                   selection=None if selection is None else Selection(**selection),
+                   batch=str(data.get("batch", "")))  # (absent in artifacts made before the batch phase)
 
 
 @dataclass
@@ -136,16 +149,17 @@ class DecodeReads:
     per_nonzero: int = 0
 
 
-def decode_weight_reads(call: Call, buffers: dict) -> DecodeReads:
-    """What `call` reads of the weights in `buffers` (manifest entries) in one decode step. The runtime's
-    byte count and the cost model both start from this."""
+def decode_weight_reads(call: Call, buffers: dict, tokens: int = 1) -> DecodeReads:
+    """What `call` reads of the weights in `buffers` (manifest entries) in one decode step, or in a batch step
+    of `tokens` sequences (a gathered row per token; everything else once). The runtime's byte count and the
+    cost model both start from this."""
     reads = DecodeReads()
     for arg in call.args:
         info = buffers.get(arg.buffer)
         if info is None or info["kind"] != "weight" or not arg.reads:
             continue
         if arg.access is Access.GATHER:
-            reads.fixed += arg.row_bytes
+            reads.fixed += tokens * arg.row_bytes
         elif arg.access is Access.SELECTED_ROWS:
             reads.per_selected += arg.row_bytes
             reads.per_nonzero += arg.nonzero_row_bytes

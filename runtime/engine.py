@@ -9,9 +9,16 @@ devices keep the two in step. An artifact with GPU calls and no usable GPU is re
 
 Slots: `Engine(directory, slots=N)` holds N sequences at once. Each slot has its own KV cache (the
 manifest's buffers of kind "cache"), its own position and its own bound decode program; weights,
-activations and scratch are shared, so the slots' steps run one after another on the calling thread
-(each a batch-1 program: N sequences cost N decode steps, not one batch>1 kernel call over the union
-of their predicted neurons). Only CPU artifacts have more than one slot for now.
+activations and scratch are shared, so the slots' steps run one after another on the calling thread.
+Only CPU artifacts have more than one slot for now.
+
+Batch steps: `forward_batch(token_ids, slots)` advances several slots by one token each in one program, the
+artifact's batch phase (`batched`: built with max_batch > 1, CPU only): row-wise calls run once over a row per
+sequence (the weights read once for all), a sparse layer selects and reads the union of the sequences'
+predicted neurons once, and the calls that touch a KV cache or read the position run once per sequence, on
+that row and that slot's cache. Batches larger than the artifact's `max_batch` run in chunks; an artifact
+without a batch phase (GPU calls, threshold mode, int8-activation sparse FFNs, --max-batch < 2, or built
+before the batch phase existed) runs `forward_batch` as one decode step per slot.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from .dtypes import get_dtype
 from .verify import check_files
 
 # the profile's entries that are not seconds: bytes, steps, and the weight bytes per call role (a dict)
-COUNTERS = ("weight_bytes", "decode_steps", "weight_bytes_by_role")
+COUNTERS = ("weight_bytes", "decode_steps", "weight_bytes_by_role", "batch_steps", "batch_tokens")
 
 
 def _tvm_runtime():
@@ -67,12 +74,16 @@ class Step:
     hidden: object = None  # fused ReLU calls: the hidden values; rows past the first are read ...
     bytes_per_active: int = 0  # ... only for the neurons whose value is not 0, this many bytes each
 
+    sequence: int | None = None  # a batch step's per-sequence call: the row (and slot) it runs for
+
     def bytes_read(self) -> int:
-        """Weight bytes this call read; for a sparse call, read its count (and hidden) buffers right after it."""
+        """Weight bytes this call read; for a sparse call, read its count (and hidden) buffers right after it.
+        In a batch step the count is the union's, and a neuron's rows past the first are read once if any
+        sequence's hidden value is not 0."""
         if self.count is None:
             return self.weight_bytes
         count = int(_host(self.count)[0, 0])
-        active = 0 if self.hidden is None else int(np.count_nonzero(_host(self.hidden)[0, :count]))
+        active = 0 if self.hidden is None else int(np.count_nonzero(np.any(_host(self.hidden)[:, :count], axis=0)))
         return self.weight_bytes + count * self.bytes_per_count + active * self.bytes_per_active
 
 
@@ -136,12 +147,15 @@ class Engine:
         try:
             self._kernels = {name: library[name] for call in self._calls
                              if call.device == "cpu" and call.role is not Role.COPY
-                             for name in (call.decode, call.prefill) if name}
+                             for name in (call.decode, call.prefill, call.batch) if name}
         except Exception as error:
             raise ArtifactError(f"kernel library does not provide a scheduled kernel: {error}") from None
         for kernel in self._kernels.values():
             kernel.release_gil = True  # the two executors overlap only if calls release the GIL
         self.slots = slots
+        # sequences one batch step holds (0: the artifact has no batch phase; absent from older artifacts)
+        self.max_batch = int(self.manifest["model"].get("max_batch", 0)) if self.gpu is None else 0
+        self._batches: dict[tuple[int, ...], list[Step]] = {}  # bound batch programs, by their slots
         self._decodes = [self._program("decode", rows=1, slot=slot) for slot in range(slots)]
         self._decode = self._decodes[0]
         self.positions = [0] * slots  # per slot: the tokens its cache holds
@@ -155,9 +169,15 @@ class Engine:
 
     # ---------------------------------------------------------------- binding
 
-    def _view(self, name: str, rows: int, slot: int = 0):
+    def _view(self, name: str, rows: int, slot: int = 0, first: int = 0):
+        """The buffer as a call of a step of `rows` rows sees it (slot's caches; row buffers from row `first`)."""
         array = self._slot_buffers[slot][name]
-        return array[:rows] if name in self._row_buffers else array
+        return array[first:first + rows] if name in self._row_buffers else array
+
+    @property
+    def batched(self) -> bool:
+        """Whether `forward_batch` runs batch steps (else one decode step per slot)."""
+        return self.max_batch > 1 and self.slots > 1
 
     @property
     def calls(self) -> list[Call]:
@@ -178,7 +198,7 @@ class Engine:
         """A buffer as the calls of `device` see it: a host array, or a device tensor."""
         return self.gpu.tensors[name] if device == "gpu" else self.buffers[name]
 
-    def _bind(self, call: Call, phase: str, rows: int, slot: int = 0):
+    def _bind(self, call: Call, phase: str, rows: int, slot: int = 0, first: int = 0):
         args = [arg.buffer for arg in call.args]
         if call.role is Role.COPY:  # one argument read on one side, one written on the other
             if call.device != "gpu":
@@ -193,7 +213,7 @@ class Engine:
             bound = [None if name == START else self.gpu.view(name, rows) for name in args]
             return self.gpu.bind_call(kernel_name, bound, args.index(START) if START in args else None)
         function = self._kernels[kernel_name]
-        bound = [0 if name == START else self._ffi.from_dlpack(self._view(name, rows, slot)) for name in args]
+        bound = [0 if name == START else self._ffi.from_dlpack(self._view(name, rows, slot, first)) for name in args]
         if START not in args:
             return lambda position: function(*bound)
         index = args.index(START)
@@ -204,17 +224,19 @@ class Engine:
 
         return run
 
-    def _weight_reads(self, call: Call) -> dict:
-        """The weight bytes a decode call reads, from its facts: fixed bytes, plus per selected entry (read
-        from its selection's count buffer after the call) and per selected entry whose hidden value is not 0."""
-        reads = decode_weight_reads(call, self.manifest["buffers"])
+    def _weight_reads(self, call: Call, rows: int = 1) -> dict:
+        """The weight bytes a decode call (or a batch step's, of `rows` sequences) reads, from its facts: fixed
+        bytes, plus per selected entry (read from its selection's count buffer after the call) and per selected
+        entry whose hidden value is not 0 (in any of the rows)."""
+        reads = decode_weight_reads(call, self.manifest["buffers"], rows)
         if call.selection is None:
             return {"weight_bytes": reads.fixed}
         selection = call.selection
         facts = {"weight_bytes": reads.fixed, "count": self._buffer(selection.count, call.device),
                  "bytes_per_count": reads.per_selected}
         if selection.hidden is not None:
-            facts.update(hidden=self._buffer(selection.hidden, call.device), bytes_per_active=reads.per_nonzero)
+            hidden = self._buffer(selection.hidden, call.device)
+            facts.update(hidden=hidden if call.device == "gpu" else hidden[:rows], bytes_per_active=reads.per_nonzero)
         else:
             facts["bytes_per_count"] += reads.per_nonzero
         return facts
@@ -224,6 +246,36 @@ class Engine:
         index = {call.id: i for i, call in enumerate(calls)}
         steps = [Step(call.id, call.role.value, call.device, self._bind(call, phase, rows, slot),
                       **(self._weight_reads(call) if phase == "decode" else {})) for call in calls]
+        self._order(steps, calls, index, phase)
+        return steps
+
+    def _batch_program(self, slots: tuple[int, ...]) -> list[Step]:
+        """The bound batch step of `slots` (row b is slots[b]'s token): a call run per sequence is a step per
+        row, over that row's views, that slot's caches and (`Step.sequence`) that slot's position."""
+        program = self._batches.get(slots)
+        if program is not None:
+            return program
+        rows, steps = len(slots), []
+        for call in (call for call in self._calls if call.batch):
+            if call.per_sequence:
+                for row, slot in enumerate(slots):
+                    steps.append(Step(call.id, call.role.value, call.device,
+                                      self._bind(call, "batch", 1, slot, first=row), sequence=row,
+                                      **self._weight_reads(call)))
+            else:
+                steps.append(Step(call.id, call.role.value, call.device, self._bind(call, "batch", rows),
+                                  **self._weight_reads(call, rows)))
+        if len(self._batches) >= 64:  # (bounded: every order of every subset of the slots is a program)
+            self._batches.pop(next(iter(self._batches)))
+        self._batches[slots] = steps
+        return steps
+
+    def batch_steps(self, slots) -> list[Step]:
+        """The bound batch program of `slots` (see `decode_steps`); run it with `forward_batch`."""
+        return self._batch_program(tuple(self._slot(slot) for slot in slots))
+
+    def _order(self, steps: list[Step], calls: list[Call], index: dict[str, int], phase: str) -> None:
+        """The waits and syncs between devices on the DAG's edges of `phase`."""
         for edge in self._edges:
             source, target = index.get(edge["source"]), index.get(edge["target"])
             if (source is not None and target is not None and phase in edge.get("phases", PHASES)
@@ -236,7 +288,6 @@ class Engine:
         last_gpu = max((i for i, step in enumerate(steps) if step.device == "gpu"), default=None)
         if last_gpu is not None:  # the program ends with the device idle (and its errors raised)
             steps[last_gpu].sync_after = True
-        return steps
 
     # ---------------------------------------------------------------- running
 
@@ -279,15 +330,58 @@ class Engine:
             self._run_serial(program, position)
         else:
             self.gpu.run(program, position, self._timer())
-        if self.profile is not None:  # wall time not spent inside a kernel or copy: the runtime's own cost
-            kernels = sum(seconds for role, seconds in self.profile.items()
-                          if role not in ("overhead", "wall", *COUNTERS))
-            self.profile["wall"] = self.profile.get("wall", 0.0) + time.perf_counter() - began
-            self.profile["overhead"] = max(self.profile["wall"] - kernels, 0.0)
+        if self.profile is not None:
+            self._profile_wall(began)
             if rows == 1:
                 self.profile["decode_steps"] = self.profile.get("decode_steps", 0) + 1
         self.positions[slot] = position + rows
         return self.buffers["logits"][:rows].copy()
+
+    def forward_batch(self, token_ids, slots) -> np.ndarray:
+        """One new token for each of `slots` (distinct), after the tokens each has cached: their logits
+        [len(slots), vocab], row b slots[b]'s. Each slot's position advances by one. Batch steps of up to
+        `max_batch` sequences where the artifact has them (`batched`), else one decode step per slot."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        slots = [self._slot(slot) for slot in slots]
+        if ids.size != len(slots):
+            raise ValueError(f"forward_batch takes one token id per slot: {ids.size} ids for {len(slots)} slots")
+        if not slots:
+            raise ValueError("forward_batch needs at least one slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"forward_batch's slots must be distinct; got {slots}")
+        full = [slot for slot in slots if self.positions[slot] + 1 > self.max_context]
+        if full:
+            raise ValueError(f"context full: slot {full[0]} holds {self.positions[full[0]]} tokens, the max context "
+                             f"{self.max_context}")
+        if ids.min() < 0 or ids.max() >= self._token_rows:  # the embedding table's rows, never a manifest claim
+            raise ValueError(f"token ids must be in [0, {self._token_rows}); got {ids.min()}..{ids.max()}")
+        if not self.batched or len(slots) == 1:
+            return np.concatenate([self.forward([int(token)], slot) for token, slot in zip(ids, slots)])
+        chunks = [self._forward_chunk(ids[i:i + self.max_batch], tuple(slots[i:i + self.max_batch]))
+                  for i in range(0, len(slots), self.max_batch)]
+        return np.concatenate(chunks)
+
+    def _forward_chunk(self, ids: np.ndarray, slots: tuple[int, ...]) -> np.ndarray:
+        rows = len(slots)
+        if rows == 1:
+            return self.forward(ids, slots[0])
+        program = self._batch_program(slots)
+        self.buffers["input_ids"][:rows] = ids
+        began = time.perf_counter()
+        self._run_serial(program, [self.positions[slot] for slot in slots])
+        if self.profile is not None:
+            self._profile_wall(began)
+            self.profile["batch_steps"] = self.profile.get("batch_steps", 0) + 1
+            self.profile["batch_tokens"] = self.profile.get("batch_tokens", 0) + rows
+        for slot in slots:
+            self.positions[slot] += 1
+        return self.buffers["logits"][:rows].copy()
+
+    def _profile_wall(self, began: float) -> None:
+        """Wall time not spent inside a kernel or copy: the runtime's own cost."""
+        kernels = sum(seconds for role, seconds in self.profile.items() if role not in ("overhead", "wall", *COUNTERS))
+        self.profile["wall"] = self.profile.get("wall", 0.0) + time.perf_counter() - began
+        self.profile["overhead"] = max(self.profile["wall"] - kernels, 0.0)
 
     def _timer(self):
         if self.profile is None:
@@ -303,15 +397,16 @@ class Engine:
 
         return record
 
-    def _run_serial(self, program: list[Step], position: int) -> None:
+    def _run_serial(self, program: list[Step], position: int | list[int]) -> None:
+        """Run a program at `position` (a batch step: each sequence's, read by its per-sequence steps)."""
         if self.profile is None:
             for step in program:
-                step.run(position)
+                step.run(position if step.sequence is None else position[step.sequence])
             return
         record, clock = self._timer(), time.perf_counter
         for step in program:
             began = clock()
-            step.run(position)
+            step.run(position if step.sequence is None else position[step.sequence])
             record(step.role, clock() - began, step.bytes_read())
 
 

@@ -68,10 +68,11 @@ def check_artifact(manifest: dict, nodes: list[Call], headers: dict[str, dict[st
     files_of = _check_weights(buffers, headers)
     _check_call_buffers(nodes, buffers)
     max_context = manifest["model"]["max_context"]
+    max_batch = _check_max_batch(manifest, nodes)
     vocab, tables = _check_vocabulary(manifest, buffers, nodes, headers, files_of)
     _check_context(manifest, buffers, nodes, headers, files_of)
     layers = _check_layers(manifest, buffers, nodes)
-    _check_signatures(buffers, nodes, signatures, max_context)
+    _check_signatures(buffers, nodes, signatures, max_context, max_batch)
     return Facts(vocab_size=vocab, max_context=max_context, num_layers=layers, token_tables=tables)
 
 
@@ -180,8 +181,25 @@ def _check_vocabulary(manifest, buffers, nodes, headers, files_of) -> tuple[int,
     return vocab, tuple(dict.fromkeys(tables))
 
 
+def _check_max_batch(manifest, nodes) -> int:
+    """model.max_batch (0 where absent: an artifact without a batch phase) is an integer, at least 2 and at most
+    model.max_context where a call has a batch kernel, and every decode call then has one."""
+    max_batch = manifest["model"].get("max_batch", 0)
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 0:
+        raise disagrees(f"model.max_batch is {max_batch!r}, not a non-negative integer")
+    batched = [node for node in nodes if node.batch]
+    if batched and not 2 <= max_batch <= manifest["model"]["max_context"]:
+        raise disagrees(f"model.max_batch is {max_batch} but call {batched[0].id} has a batch kernel: a batch phase "
+                        "holds 2 to model.max_context sequences")
+    missing = [node.id for node in nodes if node.decode and not node.batch]
+    if batched and missing:
+        raise ArtifactError(f"schedule.json is damaged: call {missing[0]} has no batch kernel but others do; "
+                            "rebuild the artifact")
+    return max_batch if batched else 0
+
+
 def _check_context(manifest, buffers, nodes, headers, files_of) -> None:
-    """Every row buffer holds model.max_context rows (or 1: decode-only), input_ids is int64 [max_context], each
+    """Every row buffer holds model.max_context rows (or 1, or model.max_batch: one-token steps only), input_ids is int64 [max_context], each
     KV cache is [heads, max_context, head_dim], and learned position tables have a row for every position."""
     max_context = manifest["model"]["max_context"]
     if max_context <= 0:
@@ -193,11 +211,12 @@ def _check_context(manifest, buffers, nodes, headers, files_of) -> None:
     for name in ("input_ids", "logits"):
         if buffers[name]["shape"][0] != max_context:
             raise disagrees(f"model.max_context is {max_context} but buffers.{name} has {buffers[name]['shape'][0]} rows")
+    step_rows = {1, manifest["model"].get("max_batch", 0) or 1}
     for name, info in buffers.items():
         shape = info["shape"]
-        if info["kind"] in ROW_KINDS and shape[0] not in (max_context, 1):
+        if info["kind"] in ROW_KINDS and shape[0] != max_context and shape[0] not in step_rows:
             raise disagrees(f"buffers.{name}.shape is {shape}: a row buffer holds model.max_context ({max_context}) "
-                            "rows (or 1, decode only)")
+                            "rows (or 1, or model.max_batch: one-token steps only)")
         if info["kind"] == "cache" and (len(shape) != 3 or shape[1] != max_context):
             raise disagrees(f"buffers.{name}.shape is {shape} but a KV cache is [heads, model.max_context "
                             f"({max_context}), head_dim]")
@@ -258,10 +277,11 @@ def _dims(dims: list) -> str:
     return "[" + ", ".join(str(d) if isinstance(d, int) else "rows" for d in dims) + "]"
 
 
-def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_context: int) -> None:
+def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_context: int, max_batch: int = 0) -> None:
     """Each call's buffers have the shape and type its kernels take (TVM's code checks them at call time: a
     mismatch would be an internal error mid-generation). A kernel's size variable is the step's row count:
-    1 for decode, up to max_context for prefill; row buffers are passed as their first `rows` rows."""
+    1 for decode, up to max_context for prefill, up to max_batch for a batch step (1 for a call a batch step
+    runs per sequence); row buffers are passed as their first `rows` rows."""
     if not isinstance(signatures, dict):
         raise ArtifactError("kernels/signatures.json is damaged; rebuild the artifact")
     for node in nodes:
@@ -289,7 +309,13 @@ def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_co
             if len(signature) != len(args):
                 raise ArtifactError(f"schedule.json passes {len(args)} arguments to kernel {kernel} (call {call}), "
                                     f"which takes {len(signature)}; rebuild the artifact")
-            for rows in ((1,) if phase == "decode" else sorted({min(2, max_context), max_context})):
+            if phase == "decode" or (phase == "batch" and node.per_sequence):
+                steps = (1,)
+            elif phase == "batch":
+                steps = sorted({2, max_batch})
+            else:
+                steps = sorted({min(2, max_context), max_context})
+            for rows in steps:
                 bound: dict[str, int] = {}
                 for position, (arg, param) in enumerate(zip(args, signature)):
                     if (arg == START) != (param is None):
@@ -303,12 +329,17 @@ def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_co
                         raise disagrees(f"buffers.{arg}.dtype is {info['dtype']} but kernel {kernel} (call {call}) "
                                         f"takes {param.get('dtype')}")
                     shape = _shape(info)
-                    if info["kind"] in ROW_KINDS:
+                    dims = param.get("shape")
+                    # a batch step's one-row buffers where its kernel takes one row (select's union: one list)
+                    whole = phase == "batch" and shape[0] == 1 and isinstance(dims, list) and dims[:1] == [1]
+                    if info["kind"] in ROW_KINDS and not whole:
+                        if phase == "batch" and node.per_sequence and shape[0] < max_batch:  # row b: the b-th sequence's
+                            raise disagrees(f"buffers.{arg}.shape is {shape} but call {call} runs once per sequence "
+                                            f"of batch steps of up to {max_batch} rows (model.max_batch)")
                         if shape[0] < rows:
                             raise disagrees(f"buffers.{arg}.shape is {shape} but call {call} runs {phase} steps of "
-                                            f"up to {rows} rows (model.max_context)")
+                                            f"up to {rows} rows (model.{'max_batch' if phase == 'batch' else 'max_context'})")
                         shape[0] = rows
-                    dims = param.get("shape")
                     fits = isinstance(dims, list) and len(dims) == len(shape)
                     for want, have in zip(dims if fits else [], shape):
                         if isinstance(want, int):

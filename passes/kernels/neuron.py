@@ -31,7 +31,7 @@ from tvm.script import tirx as T
 from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, itemsize
 
 from . import compute, quant
-from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32
+from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32, row_dim
 from .cpu import MATH, _col_block, _lanes, _rowwise, gemm_nt
 
 DOWN_CHUNK = 256  # columns per parallel chunk of sparse_down: 1 KiB contiguous per row and thread
@@ -43,9 +43,13 @@ def select(name, n, *, rows, magnitude: bool = False):
 
     Args: scores[1, n], threshold[1], idx[1, n] int32, count[1, 1] int32. A serial compaction:
     n compares per layer part, negligible next to the rows it saves.
+
+    rows=None (a batch step): scores[m, n], and the union is selected: i where any row's score passes.
     """
+    if rows is None:
+        return _select_any(name, n, magnitude)
     if rows != 1:
-        raise ValueError("select runs in decode only")
+        raise ValueError("select runs in one-token steps only (decode: rows 1, batch: rows None)")
 
     @T.prim_func
     def kernel(scores: T.Buffer((1, n), "float32"), threshold: T.Buffer((1,), "float32"),
@@ -55,6 +59,30 @@ def select(name, n, *, rows, magnitude: bool = False):
         found[0] = 0
         for i in range(n):
             if compute.passes_threshold(scores[0, i], threshold[0], magnitude):
+                idx[0, found[0]] = T.Cast("int32", i)
+                found[0] = found[0] + 1
+        count[0, 0] = found[0]
+
+    return kernel.with_attr("global_symbol", name)
+
+
+def _select_any(name, n, magnitude: bool):
+    """select over scores[m, n]: the positions any of the m rows lets through."""
+    m = row_dim(None)
+
+    @T.prim_func
+    def kernel(scores: T.Buffer((m, n), "float32"), threshold: T.Buffer((1,), "float32"),
+               idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        found = T.alloc_local((1,), "int32")
+        hit = T.alloc_local((1,), "int32")
+        found[0] = 0
+        for i in range(n):
+            hit[0] = 0
+            for r in range(m):
+                if compute.passes_threshold(scores[r, i], threshold[0], magnitude):
+                    hit[0] = 1
+            if hit[0] == 1:
                 idx[0, found[0]] = T.Cast("int32", i)
                 found[0] = found[0] + 1
         count[0, 0] = found[0]
@@ -235,14 +263,14 @@ class RowFormat:
         for a quantized one."""
         return rs[blk] if self.quantized else a
 
-    def block_dot(self, x, w, rs, row, blk, v):
-        """Lane v of block blk's share of w[row] . x: a float row's vector FMA term; a quantized row's vector
+    def block_dot(self, x, w, rs, row, blk, v, r=0):
+        """Lane v of block blk's share of w[row] . x[r]: a float row's vector FMA term; a quantized row's vector
         products summed, then scaled once."""
         if not self.quantized:
-            return self.weight(w, row, blk, 0, v) * x[0, blk * self.block + v]
-        total = x[0, blk * self.block + v] * self.weight(w, row, blk, 0, v)
+            return self.weight(w, row, blk, 0, v) * x[r, blk * self.block + v]
+        total = x[r, blk * self.block + v] * self.weight(w, row, blk, 0, v)
         for u in range(1, self.vectors):
-            total = total + x[0, blk * self.block + u * self.lanes + v] * self.weight(w, row, blk, u, v)
+            total = total + x[r, blk * self.block + u * self.lanes + v] * self.weight(w, row, blk, u, v)
         return total * rs[blk]
 
 
@@ -272,7 +300,7 @@ def quant_rows(D: int, bits: int, sdtype: str = "float16") -> RowFormat:
 
 
 def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", prefetch_rows: int | None = None,
-               prefetch_locality: int | None = None):
+               prefetch_locality: int | None = None, max_batch: int = 1):
     """A decode step of one sparse FFN part: up, activation and down in one kernel.
 
     For each selected neuron k (row r = idx[0, k]): h = act(w_up[r] . x + b[r]) (gated:
@@ -290,11 +318,17 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
     each loop knows exactly which row comes next, it prefetches the next neuron's rows while the
     current one computes (gathered rows are otherwise demand misses until the hardware prefetcher
     catches on, row after row).
+
+    rows=None (a batch step of m <= `max_batch` sequences): x[m, D], h[m, n], out[m, D], the selection the union
+    of the rows' (select's), scratch[FFN_TASKS, max_batch * D] (a row per task and sequence; decode's kernel
+    takes the same buffer and uses its first D columns). Each selected neuron's rows are read once for all m
+    rows: its first row's dot product with every row of x (the row is in L1 after the first), listed if any
+    row fired; then, per row whose value is not 0, the other rows' work into that row's scratch.
     """
-    if rows != 1:
-        raise ValueError("sparse_ffn runs in decode only")
+    if rows not in (1, None):
+        raise ValueError("sparse_ffn runs in one-token steps only (decode: rows 1, batch: rows None)")
     kernel = _sparse_ffn(D, n, float_rows(D, wdtype), gated=gated, act=act, prefetch_rows=prefetch_rows,
-                         prefetch_locality=prefetch_locality)
+                         prefetch_locality=prefetch_locality, rows=rows, max_batch=max_batch)
     return drop_params(kernel, ["w_up_s", "w_down_s"]).with_attr("global_symbol", name)
 
 
@@ -307,7 +341,7 @@ def int8_dot_fits(D: int, bits: int, dot: str, tile_panels: int) -> bool:
 
 def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16",
                  prefetch_rows: int | None = None, prefetch_locality: int | None = None,
-                 int8_dot: str | None = None, tile_panels: int = 1):
+                 int8_dot: str | None = None, tile_panels: int = 1, max_batch: int = 1):
     """`sparse_ffn` over block-quantized rows (int8 or int4 by `bits`, the rows layout of
     `passes.kernels.quant`, scales in `sdtype`).
 
@@ -336,19 +370,22 @@ def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="
     layer's rows cached ("alone") 1.4-1.8x the fp32 path's rate ("vnni" 0.17 against 0.26 ms a call at 10%);
     between attention GEMVs over 6 layers only 1.1-1.2x (0.27 against 0.30 ms, one thread), no longer the
     arithmetic's bound (8 rows prefetched ahead instead of 4 changed nothing).
+
+    rows=None: a batch step, as `sparse_ffn`'s (fp32 dot products: not with `int8_dot`).
     """
-    if rows != 1:
-        raise ValueError("sparse_ffn_q runs in decode only")
+    if rows not in (1, None):
+        raise ValueError("sparse_ffn_q runs in one-token steps only (decode: rows 1, batch: rows None)")
     if prefetch_rows is None:
         prefetch_rows = quant_prefetch_rows(D, bits, sdtype)
     kernel = _sparse_ffn(D, n, quant_rows(D, bits, sdtype), gated=gated, act=act, prefetch_rows=prefetch_rows,
                          prefetch_locality=prefetch_locality, int8_dot=int8_dot,
-                         dot_lanes=16 if tile_panels > 1 else 8)
+                         dot_lanes=16 if tile_panels > 1 else 8, rows=rows, max_batch=max_batch)
     return kernel.with_attr("global_symbol", name)
 
 
 def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: int | None,
-                prefetch_locality: int | None, int8_dot: str | None = None, dot_lanes: int = 16):
+                prefetch_locality: int | None, int8_dot: str | None = None, dot_lanes: int = 16, rows=1,
+                max_batch: int = 1):
     """sparse_ffn's kernel over rows read as `fmt` says, with a scales buffer after each weight (w_up_s,
     w_down_s; the float formats' are placeholders the caller drops).
 
@@ -357,7 +394,16 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     8 * sum over blocks of rs[b] * xs[b] (xs[b]: block b's sum of x, once per call), an axpy adds 8 * rs[b]
     into off[b], which each task subtracts from its scratch row at the end.
 
-    With `int8_dot` (sparse_ffn_q's), the up rows' dot products are integer: see row_dot8."""
+    With `int8_dot` (sparse_ffn_q's), the up rows' dot products are integer: see row_dot8.
+
+    `rows` 1 (decode) or None (a batch step: m rows of x, h and out, m <= `max_batch`); the loops over the rows
+    (`for r in range(m)`) have one trip in decode. The scratch holds `max_batch` rows of D per task."""
+    m = row_dim(rows)
+    if rows is None and int8_dot is not None:
+        raise ValueError("a batch step's sparse_ffn_q takes fp32 dot products: int8_dot is decode-only")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be positive, got {max_batch}")
+    batch_rows = max_batch if rows is None else 1  # rows of x-derived local state (int4's block sums, offsets)
     actf = compute.activation(act, MATH)
     relu = act == "relu"
     lanes, vectors, block = fmt.lanes, fmt.vectors, fmt.block
@@ -379,6 +425,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     half = QUANT_BLOCK // 2
     factors = sblocks if fmt.quantized else 0  # (empty buffers cost nothing: a float kernel allocates none)
     sums = sblocks if has_offset else 0
+    row_sums = sums * batch_rows
     width = 2 * n if gated else n
     tasks = FFN_TASKS
     ahead = PREFETCH_ROWS if prefetch_rows is None else prefetch_rows
@@ -414,16 +461,17 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 _prefetch(T.address_of(ws_next[next_row, T.min(q * per_scale_line, sblocks - 1)]), locality)
 
     @T.macro
-    def block_sums(xs, x):
-        """xs[b] = the sum of x over block b (int4's offset term), two half-block vectors and a horizontal sum."""
+    def block_sums(xs, x, r):
+        """xs[r, b] = the sum of x[r] over block b (int4's offset term), two half-block vectors and a horizontal
+        sum (xs is flat: row r's sums start at r * sblocks)."""
         if has_offset:
             for b in range(sblocks):
                 part = T.alloc_local((half,), "float32")
                 for v in T.vectorized(half):
-                    part[v] = x[0, b * QUANT_BLOCK + v] + x[0, b * QUANT_BLOCK + half + v]
-                xs[b] = part[0]
+                    part[v] = x[r, b * QUANT_BLOCK + v] + x[r, b * QUANT_BLOCK + half + v]
+                xs[r * sblocks + b] = part[0]
                 for v in T.unroll(1, half):
-                    xs[b] = xs[b] + part[v]
+                    xs[r * sblocks + b] = xs[r * sblocks + b] + part[v]
 
     @T.macro
     def sum_chains(acc, count, width, dot, slot):
@@ -436,8 +484,8 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             dot[slot] = dot[slot] + acc[0, v]
 
     @T.macro
-    def row_dot(acc, dot, rs, xs, x, w, ws, row, slot, w_next, ws_next, next_row):
-        """dot[slot] = w[row] . x in `chains` vector accumulators (a block each per step) and one horizontal
+    def row_dot(acc, dot, rs, xs, x, r, w, ws, row, slot, w_next, ws_next, next_row):
+        """dot[slot] = w[row] . x[r] in `chains` vector accumulators (a block each per step) and one horizontal
         sum, prefetching the row w_next[next_row] line by line as it goes (spread out, so the prefetches overlap
         the FMAs instead of queueing up in front of them)."""
         prefetch_scales(ws_next, next_row)
@@ -453,11 +501,11 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                                                               last_stored)]), locality)
             for c in T.unroll(chains):
                 for v in T.vectorized(lanes):
-                    acc[c, v] = acc[c, v] + fmt.block_dot(x, w, rs, row, s * chains + c, v)
+                    acc[c, v] = acc[c, v] + fmt.block_dot(x, w, rs, row, s * chains + c, v, r)
         if has_offset:
             for b in range(sblocks // slanes):
                 for v in T.vectorized(slanes):
-                    acc[0, v] = acc[0, v] - T.float32(offset) * rs[b * slanes + v] * xs[b * slanes + v]
+                    acc[0, v] = acc[0, v] - T.float32(offset) * rs[b * slanes + v] * xs[r * sblocks + b * slanes + v]
         sum_chains(acc, chains, lanes, dot, slot)
 
     @T.macro
@@ -501,8 +549,8 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         sum_chains(qacc, qchains, L, dot, slot)
 
     @T.macro
-    def axpy_block(y, t, a, rs, w, row, blk):
-        """y[t, block blk] += the block's coefficient * w's block. int4: the 16 bytes are widened once, into
+    def axpy_block(y, t, col, a, rs, w, row, blk):
+        """y[t, col + block blk] += the block's coefficient * w's block. int4: the 16 bytes are widened once, into
         `wide`, and both nibbles cut from it (separate loads of the two halves compile to byte-wide masks and
         two widenings, as in an 8-bit lane there is no shift)."""
         if int4:
@@ -511,37 +559,38 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 wide[v] = compute.int4_byte(w, row, blk, v)
             for u in T.unroll(2):
                 for v in T.vectorized(lanes):
-                    y[t, blk * block + u * lanes + v] = (y[t, blk * block + u * lanes + v]
-                                                         + rs[blk] * compute.int4_nibble(wide[v], u))
+                    y[t, col + blk * block + u * lanes + v] = (y[t, col + blk * block + u * lanes + v]
+                                                               + rs[blk] * compute.int4_nibble(wide[v], u))
         else:
             for u in T.unroll(vectors):
                 for v in T.vectorized(lanes):
-                    y[t, blk * block + u * lanes + v] = (y[t, blk * block + u * lanes + v]
-                                                         + fmt.coefficient(a, rs, blk) * fmt.weight(w, row, blk, u, v))
+                    y[t, col + blk * block + u * lanes + v] = (
+                        y[t, col + blk * block + u * lanes + v]
+                        + fmt.coefficient(a, rs, blk) * fmt.weight(w, row, blk, u, v))
 
     @T.macro
-    def row_axpy(y, t, a, rs, off, w, ws, row, w_next, ws_next, next_row):
-        """y[t, :] += a * w[row] (a quantized block: (a * scale) * q), prefetching w_next[next_row] a line per
-        line consumed."""
+    def row_axpy(y, t, r, a, rs, off, w, ws, row, w_next, ws_next, next_row):
+        """y[t, row r's D columns] += a * w[row] (a quantized block: (a * scale) * q), prefetching
+        w_next[next_row] a line per line consumed (off is flat too: row r's offsets start at r * sblocks)."""
         prefetch_scales(ws_next, next_row)
         if fmt.quantized:
             for b in T.vectorized(sblocks):
                 rs[b] = a * load_f32(ws[row, b], fmt.sdtype)
                 if has_offset:
-                    off[b] = off[b] + rs[b]
+                    off[r * sblocks + b] = off[r * sblocks + b] + rs[b]
         for s in range(lines):
             _prefetch(T.address_of(w_next[next_row, T.min(fmt.stored(s * line_blocks * block), last_stored)]),
                       locality)
             for b in T.unroll(line_blocks):
-                axpy_block(y, t, a, rs, w, row, s * line_blocks + b)
+                axpy_block(y, t, r * D, a, rs, w, row, s * line_blocks + b)
 
     @T.prim_func
-    def kernel(x: T.Buffer((1, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
+    def kernel(x: T.Buffer((m, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
                w_up: T.Buffer((width, stored), fmt.storage), w_up_s: T.Buffer((width, sblocks), fmt.sdtype),
                b_up: T.Buffer((width,), "float32"), w_down: T.Buffer((n, stored), fmt.storage),
-               w_down_s: T.Buffer((n, sblocks), fmt.sdtype), h: T.Buffer((1, n), "float32"),
-               fired: T.Buffer((1, n), "int32"), scratch: T.Buffer((tasks, D), "float32"),
-               out: T.Buffer((1, D), "float32")):
+               w_down_s: T.Buffer((n, sblocks), fmt.sdtype), h: T.Buffer((m, n), "float32"),
+               fired: T.Buffer((1, n), "int32"), scratch: T.Buffer((tasks, max_batch * D), "float32"),
+               out: T.Buffer((m, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         if q8:  # x quantized once per call, and laid out as the rows' bytes
             xq = T.alloc_buffer((D,), "int8")
@@ -566,59 +615,72 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             acc = T.alloc_local((chains, lanes), "float32")
             dot = T.alloc_local((2,), "float32")
             listed = T.alloc_local((1,), "int32")
+            any_fired = T.alloc_local((1,), "int32")
             rs = T.alloc_local((factors,), "float32")  # a quantized row's fp32 scale factors
-            xs = T.alloc_local((sums,), "float32")  # int4: x's block sums
-            off = T.alloc_local((sums,), "float32")  # int4: the offsets the axpys added, per block
+            xs = T.alloc_local((row_sums,), "float32")  # int4: each row of x's block sums
+            off = T.alloc_local((row_sums,), "float32")  # int4: the offsets the axpys added, per row and block
             if q8:
                 qacc = T.alloc_local((qchains, L), "float32")
                 part = T.alloc_local((qchains, L), "int32")
             listed[0] = first
             if not q8:
-                block_sums(xs, x)
-            # 1. the first row of every selected neuron; list the ones that fired
+                for r in range(m):
+                    block_sums(xs, x, r)
+            # 1. the first row of every selected neuron, against every row of x; list the ones that fired in any
             for k in range(first, last):
                 row = clamp_index(idx[0, k], n)
-                if q8:
-                    row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, row, 0, w_up, w_up_s,
-                             clamp_index(idx[0, T.min(k + ahead, last - 1)], n))
-                else:
-                    row_dot(acc, dot, rs, xs, x, w_up, w_up_s, row, 0, w_up, w_up_s,
-                            clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one would cost a workspace)
-                dot[0] = actf(dot[0] + b_up[row])
-                h[0, k] = dot[0]
-                if not relu or dot[0] != T.float32(0):
+                any_fired[0] = 0
+                for r in range(m):
+                    if q8:
+                        row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, row, 0, w_up, w_up_s,
+                                 clamp_index(idx[0, T.min(k + ahead, last - 1)], n))
+                    else:
+                        row_dot(acc, dot, rs, xs, x, r, w_up, w_up_s, row, 0, w_up, w_up_s,
+                                clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one would cost a workspace)
+                    dot[0] = actf(dot[0] + b_up[row])
+                    h[r, k] = dot[0]
+                    if not relu or dot[0] != T.float32(0):
+                        any_fired[0] = 1
+                if any_fired[0] == 1:
                     fired[0, listed[0]] = k
                     listed[0] = listed[0] + 1
-            # 2. the other rows of the neurons that fired
-            for j in T.vectorized(D):
-                scratch[t, j] = T.float32(0)
+            # 2. the other rows of the neurons that fired, for the rows of x they fired for
+            for r in range(m):
+                for j in T.vectorized(D):
+                    scratch[t, r * D + j] = T.float32(0)
             if has_offset:
-                for b in T.vectorized(sblocks):
+                for b in T.vectorized(row_sums):
                     off[b] = T.float32(0)
             for i in range(first, listed[0]):
                 k = fired[0, i]
                 row = clamp_index(idx[0, k], n)
                 after = clamp_index(idx[0, fired[0, T.min(i + ahead, listed[0] - 1)]], n)  # a later listed neuron's row
-                dot[0] = h[0, k]
-                if gated:
-                    if q8:
-                        row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, n + row, 1, w_down, w_down_s, row)
-                    else:
-                        row_dot(acc, dot, rs, xs, x, w_up, w_up_s, n + row, 1, w_down, w_down_s, row)
-                    dot[0] = dot[0] * (dot[1] + b_up[n + row])  # the GLU, act(gate) taken in step 1
-                    h[0, k] = dot[0]
-                    row_axpy(scratch, t, dot[0], rs, off, w_down, w_down_s, row, w_up, w_up_s, n + after)
-                else:
-                    row_axpy(scratch, t, dot[0], rs, off, w_down, w_down_s, row, w_down, w_down_s, after)
+                for r in range(m):
+                    if not relu or h[r, k] != T.float32(0):
+                        dot[0] = h[r, k]
+                        if gated:
+                            if q8:
+                                row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, n + row, 1, w_down,
+                                         w_down_s, row)
+                            else:
+                                row_dot(acc, dot, rs, xs, x, r, w_up, w_up_s, n + row, 1, w_down, w_down_s, row)
+                            dot[0] = dot[0] * (dot[1] + b_up[n + row])  # the GLU, act(gate) taken in step 1
+                            h[r, k] = dot[0]
+                            row_axpy(scratch, t, r, dot[0], rs, off, w_down, w_down_s, row, w_up, w_up_s, n + after)
+                        else:
+                            row_axpy(scratch, t, r, dot[0], rs, off, w_down, w_down_s, row, w_down, w_down_s, after)
             if has_offset:
-                for b in range(sblocks):
-                    for v in T.vectorized(QUANT_BLOCK):
-                        scratch[t, b * QUANT_BLOCK + v] = scratch[t, b * QUANT_BLOCK + v] - T.float32(offset) * off[b]
-        for j in T.vectorized(D):
-            out[0, j] = scratch[0, j]
-        for t in range(1, tasks):
+                for r in range(m):
+                    for b in range(sblocks):
+                        for v in T.vectorized(QUANT_BLOCK):
+                            scratch[t, r * D + b * QUANT_BLOCK + v] = (scratch[t, r * D + b * QUANT_BLOCK + v]
+                                                                       - T.float32(offset) * off[r * sblocks + b])
+        for r in range(m):
             for j in T.vectorized(D):
-                out[0, j] = out[0, j] + scratch[t, j]
+                out[r, j] = scratch[0, r * D + j]
+            for t in range(1, tasks):
+                for j in T.vectorized(D):
+                    out[r, j] = out[r, j] + scratch[t, r * D + j]
 
     return kernel
 

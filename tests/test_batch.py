@@ -1,0 +1,291 @@
+"""Batch steps: one decode step of several sequences, where a sparse layer reads the union of their predicted
+neurons once (neuron.select / sparse_ffn / sparse_ffn_q over rows=None, Engine.forward_batch, the scheduler)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+
+from passes.kernels import cpu, neuron, quant
+from picompile.targets import CPU_ISAS
+from runtime.dtypes import WEIGHT_FORMATS
+from kernel_reference import act_ref, aligned
+
+N = 37  # neurons: no multiple of 8 (uneven task slices)
+MAX_BATCH = 4
+FLOAT = {"relu": (36, False, "relu", "float32"), "gated_relu_f16": (36, True, "relu", "float16"),
+         "gated_silu": (36, True, "silu", "float32")}  # (D, gated, activation, weight dtype); D = 36: 4-lane vectors
+QUANT = {"int8_relu": (96, 8, False, "relu", "float16"), "int4_gated_relu": (96, 4, True, "relu", "float16"),
+         "int4_relu": (256, 4, False, "relu", "float32")}  # (D, bits, gated, activation, scale dtype)
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    funcs = [neuron.select("select_batch", N, rows=None)]
+    for name, (D, gated, act, dtype) in FLOAT.items():
+        funcs += [neuron.sparse_ffn(f"{name}_{phase}", D, N, rows=rows, gated=gated, act=act, wdtype=dtype,
+                                    max_batch=MAX_BATCH) for phase, rows in (("decode", 1), ("batch", None))]
+    for name, (D, bits, gated, act, sdtype) in QUANT.items():
+        funcs += [neuron.sparse_ffn_q(f"{name}_{phase}", D, N, rows=rows, gated=gated, act=act, bits=bits,
+                                      sdtype=sdtype, max_batch=MAX_BATCH)
+                  for phase, rows in (("decode", 1), ("batch", None))]
+    path = tmp_path_factory.mktemp("batch") / "batch.so"
+    cpu.build(funcs, CPU_ISAS["avx2"].llvm_target(), str(path))
+    return tvm.runtime.load_module(str(path))
+
+
+def call(lib, name, *arrays):
+    lib[name](*[tvm_ffi.from_dlpack(a) for a in arrays])
+
+
+def test_select_takes_the_union_of_the_rows(lib):
+    rng = np.random.default_rng(0)
+    scores = aligned(rng.standard_normal((3, N)).astype(np.float32))
+    scores[:, 5] = [-1, -1, 2]  # only the last row lets neuron 5 through
+    scores[:, 6] = -1  # no row lets neuron 6 through
+    index, count = aligned(np.full((1, N), -7, np.int32)), aligned(np.zeros((1, 1), np.int32))
+    call(lib, "select_batch", scores, aligned(np.array([0.5], np.float32)), index, count)
+    expected = np.nonzero((scores > 0.5).any(axis=0))[0]
+    assert 5 in expected and 6 not in expected
+    k = int(count[0, 0])
+    assert k == len(expected) and np.array_equal(index[0, :k], expected)
+    for row in scores:  # the union holds every row's own selection
+        assert set(np.nonzero(row > 0.5)[0]) <= set(index[0, :k])
+
+
+def float_part(rng, D, gated, dtype):
+    up = rng.standard_normal(((2 if gated else 1) * N, D)).astype(dtype)
+    bias = rng.standard_normal((2 if gated else 1) * N).astype(np.float32)
+    down = rng.standard_normal((N, D)).astype(dtype)
+    return [aligned(up)], aligned(bias), [aligned(down)], up.astype(np.float64), down.astype(np.float64)
+
+
+def quant_part(rng, D, bits, gated, sdtype):
+    fmt = replace(WEIGHT_FORMATS["int8" if bits == 8 else "int4"], scale_dtype=sdtype)
+
+    def rows(shape):
+        q, scales = quant.quantize(rng.standard_normal(shape).astype(np.float32), fmt, axis=1)
+        packed, packed_scales = quant.pack_rows(q, scales, fmt)
+        return [aligned(packed), aligned(packed_scales)], quant.dequantize(q, scales, axis=1).astype(np.float64)
+
+    up, up_ref = rows(((2 if gated else 1) * N, D))
+    down, down_ref = rows((N, D))
+    return up, aligned(rng.standard_normal((2 if gated else 1) * N).astype(np.float32)), down, up_ref, down_ref
+
+
+def reference(x, up, bias, down, selected, gated, act):
+    """out[r] = sum over the selected neurons of h[r, k] * down[k], in float64."""
+    pre = x @ up[selected].T + bias[selected]
+    hidden = act_ref(pre, act)
+    if gated:
+        hidden = hidden * (x @ up[N + selected].T + bias[N + selected])
+    return hidden, hidden @ down[selected]
+
+
+def run_ffn(lib, name, x, index, count, up, bias, down, D):
+    m = x.shape[0]
+    hidden, fired = aligned(np.full((m, N), 99.0, np.float32)), aligned(np.zeros((1, N), np.int32))
+    scratch = aligned(np.full((neuron.FFN_TASKS, MAX_BATCH * D), 7.0, np.float32))
+    out = aligned(np.full((m, D), 5.0, np.float32))
+    call(lib, name, x, index, count, *up, bias, *down, hidden, fired, scratch, out)
+    return hidden, out
+
+
+CASES = [(kind, name, m) for kind, table in (("float", FLOAT), ("quant", QUANT)) for name in table for m in (1, 3, 4)]
+
+
+@pytest.mark.parametrize("kind,name,m", CASES)
+def test_sparse_ffn_batch_against_numpy_and_each_row_alone(lib, kind, name, m):
+    rng = np.random.default_rng(m)
+    if kind == "float":
+        D, gated, act, dtype = FLOAT[name]
+        up, bias, down, up_ref, down_ref = float_part(rng, D, gated, dtype)
+    else:
+        D, bits, gated, act, sdtype = QUANT[name]
+        up, bias, down, up_ref, down_ref = quant_part(rng, D, bits, gated, sdtype)
+    x = aligned(rng.standard_normal((m, D)).astype(np.float32))
+    selected = np.sort(rng.choice(N, size=23, replace=False)).astype(np.int32)
+    index, count = aligned(np.zeros((1, N), np.int32)), aligned(np.array([[len(selected)]], np.int32))
+    index[0, :len(selected)] = selected
+    # a selected neuron no row fires (ReLU): its down row (and, gated, its up row) must not be read
+    silent = selected[3]
+    first = up[0]
+    if act == "relu":
+        if kind == "float":
+            first[silent] = 0
+            bias[silent] = -1
+            down[0][silent] = np.nan
+            if gated:
+                first[N + silent] = np.nan
+        else:  # a zero row of quantized values, the bias negative; the down row's scales NaN
+            first[silent] = 0 if QUANT[name][1] == 8 else (8 | 8 << 4)  # int4 stores q + 8
+            bias[silent] = -1
+            down[1][silent] = np.nan
+            if gated:
+                up[1][N + silent] = np.nan  # the up row's scales
+        up_ref[silent], down_ref[silent] = 0, 0
+        if gated:
+            up_ref[N + silent] = 0
+    hidden, out = run_ffn(lib, f"{name}_batch", x, index, count, up, bias, down, D)
+    want_hidden, want_out = reference(x.astype(np.float64), up_ref, bias, down_ref, selected, gated, act)
+    k = len(selected)
+    assert np.all(np.isfinite(out))  # the silent neuron's NaN rows were not read
+    np.testing.assert_allclose(hidden[:, :k], want_hidden, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-3)
+    assert np.all(hidden[:, k:] == 99.0)  # nothing written past the selected neurons
+    if act == "relu":  # rows where a neuron did not fire while another row's did: computed as zero there
+        mixed = [(r, j) for j in range(k) for r in range(m) if hidden[r, j] == 0 and np.any(hidden[:, j] != 0)]
+        assert mixed or m == 1
+    for r in range(m):  # each row as its own decode step, over the same selection: the same numbers
+        _, alone = run_ffn(lib, f"{name}_decode", aligned(x[r:r + 1].copy()), index, count, up, bias, down, D)
+        np.testing.assert_allclose(out[r], alone[0], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def tiny_all_neurons_artifact(tiny_models, tmp_path_factory):
+    """The tiny OPT built sparse with every neuron let through: batch steps must give each slot's own logits."""
+    from picompile.compiler import build
+    from picompile.pipeline import Options
+    from picompile.targets import get_target
+
+    files = tiny_models("opt", sparsity=0.9)
+    out = tmp_path_factory.mktemp("batch") / "opt-all.pic"
+    build(files.onnx, out, get_target("cpu"), Options(max_context=64, all_neurons=True, max_batch=4))
+    return out
+
+
+def _prefill(engine, prompts):
+    return {slot: int(np.argmax(engine.forward(prompt, slot=slot)[-1])) for slot, prompt in enumerate(prompts)}
+
+
+PROMPTS = [[1, 2, 3], [50, 60, 70, 80, 90], [100], [7, 7]]
+
+
+def test_batch_steps_give_each_slots_own_logits_with_every_neuron(tiny_all_neurons_artifact):
+    from runtime import Engine
+
+    engine, alone = Engine(tiny_all_neurons_artifact, slots=4), Engine(tiny_all_neurons_artifact, slots=4)
+    assert engine.batched and engine.max_batch == 4
+    tokens, _ = _prefill(engine, PROMPTS), _prefill(alone, PROMPTS)
+    for slots in ([0, 1, 2, 3], [2, 0], [3, 1, 0], [1]):  # orders and subsets: a new program for each
+        ids = [tokens[s] for s in slots]
+        got = engine.forward_batch(ids, slots)
+        assert got.shape == (len(slots), engine.vocab_size)
+        for row, slot in enumerate(slots):
+            np.testing.assert_allclose(got[row], alone.forward([tokens[slot]], slot=slot)[0], rtol=0, atol=1e-5)
+            tokens[slot] = int(np.argmax(got[row]))
+    assert engine.positions == alone.positions
+
+
+def test_batch_steps_read_the_union_of_the_rows_neurons(tiny_sparse_artifact):
+    from runtime import Engine
+    from runtime.calls import Role
+
+    engine, alone = Engine(tiny_sparse_artifact, slots=3), Engine(tiny_sparse_artifact, slots=3)
+    assert engine.batched
+    tokens, _ = _prefill(engine, PROMPTS[:3]), _prefill(alone, PROMPTS[:3])
+    slots = [0, 1, 2]
+    for _ in range(3):
+        ids = [tokens[s] for s in slots]
+        got = engine.forward_batch(ids, slots)
+        steps = engine.batch_steps(slots)
+        union = {step.name: step.bytes_read() for step in steps if step.role == Role.FFN.value}
+        counts = {step.name: int(np.asarray(step.count)[0, 0]) for step in steps if step.count is not None}
+        own = []
+        for row, slot in enumerate(slots):
+            np.testing.assert_allclose(got[row], alone.forward([ids[row]], slot=slot)[0], rtol=0, atol=5e-2)
+            own.append({step.name: (step.bytes_read(), int(np.asarray(step.count)[0, 0]))
+                        for step in alone.decode_steps if step.count is not None})
+        assert union and counts
+        for name, count in counts.items():  # the union: at least each row's own, at most their sum
+            rows = [entry[name][1] for entry in own]
+            assert max(rows) <= count <= sum(rows)
+        for name, read in union.items():
+            rows = [entry[name][0] for entry in own]
+            assert max(rows) <= read <= sum(rows)
+        tokens = {slot: int(np.argmax(got[row])) for row, slot in enumerate(slots)}
+
+
+def test_forward_batch_refuses_bad_batches(tiny_sparse_artifact):
+    from runtime import Engine
+
+    engine = Engine(tiny_sparse_artifact, slots=2)
+    with pytest.raises(ValueError, match="distinct"):
+        engine.forward_batch([1, 2], [0, 0])
+    with pytest.raises(ValueError, match="one token id per slot"):
+        engine.forward_batch([1], [0, 1])
+    with pytest.raises(ValueError, match=r"slot must be in \[0, 2\)"):
+        engine.forward_batch([1, 2], [0, 2])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.forward_batch([1, 10**6], [0, 1])
+    with pytest.raises(ValueError, match="at least one"):
+        engine.forward_batch([], [])
+    assert engine.positions == [0, 0]  # nothing ran
+    engine.forward(list(range(1, 65)), slot=1)  # its context now full
+    with pytest.raises(ValueError, match="context full"):
+        engine.forward_batch([1, 2], [0, 1])
+    assert engine.positions == [0, 64]
+
+
+def test_more_slots_than_max_batch_are_chunked(tiny_all_neurons_artifact):
+    from runtime import Engine
+
+    engine, alone = Engine(tiny_all_neurons_artifact, slots=6), Engine(tiny_all_neurons_artifact, slots=6)
+    prompts = [[i + 1, i + 2] for i in range(6)]
+    tokens, _ = _prefill(engine, prompts), _prefill(alone, prompts)
+    slots = [5, 0, 3, 1, 4, 2]  # 6 > max_batch 4: two batch steps
+    got = engine.forward_batch([tokens[s] for s in slots], slots)
+    for row, slot in enumerate(slots):
+        np.testing.assert_allclose(got[row], alone.forward([tokens[slot]], slot=slot)[0], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+def test_concurrent_greedy_requests_decode_as_one_batch_and_match_sequential_ones(tiny_sparse_artifact,
+                                                                                 monkeypatch):
+    from runtime import Engine, generate
+    from runtime.scheduler import FinishEvent, Job, Sampling, Scheduler, TokenEvent
+
+    engine = Engine(tiny_sparse_artifact, slots=3)
+    batches = []
+    forward_batch = engine.forward_batch
+
+    def counted(ids, slots):
+        batches.append(len(slots))
+        return forward_batch(ids, slots)
+
+    monkeypatch.setattr(engine, "forward_batch", counted)
+    prompts = [[4, 8, 15], [16, 23, 42, 7], [99]]
+    lengths = [12, 9, 14]
+    scheduler = Scheduler(engine)
+    done, results = threading.Barrier(len(prompts) + 1, timeout=120), {}
+
+    def submit(i):
+        tokens = results.setdefault(i, [])
+
+        def on_event(event):
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+            elif isinstance(event, FinishEvent):
+                done.wait()
+
+        scheduler.submit(Job(prompts[i], Sampling(max_tokens=lengths[i]), on_event))
+
+    for i in range(len(prompts)):
+        submit(i)
+    scheduler.start()
+    done.wait()
+    scheduler.close()
+    expected = {i: generate(Engine(tiny_sparse_artifact), prompts[i], lengths[i])["generated_ids"]
+                for i in range(len(prompts))}
+    assert results == expected
+    assert max(batches) == 3  # the three requests' decode steps ran together
