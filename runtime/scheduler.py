@@ -6,10 +6,10 @@ per step (a newly admitted request's step is its prompt's prefill), and frees a 
 request finished, was cancelled or failed. Requests beyond the free slots wait in a bounded queue;
 `submit` refuses one more with `QueueFull`.
 
-The slots' steps run one after another, each the engine's batch-1 program for that slot: N running
-requests cost N decode steps per token, not one batch>1 kernel call reading the union of their
-predicted neurons (that kernel path is a compiler change still to come). What continuous batching buys
-here is that requests share the engine without waiting for each other to finish.
+Every running request past its prefill advances in one `Engine.forward_batch` per step: on an artifact with a
+batch phase one program over all of them, whose sparse layers read the union of their predicted neurons once
+(an artifact without one runs it as a decode step per slot); the newly admitted requests' prefills run one
+per slot. A request joins the batch at the step after its prefill.
 
 Events reach the submitter through its callback, called on the scheduler's thread: a `TokenEvent` per
 generated token, then exactly one `FinishEvent`.
@@ -188,24 +188,55 @@ class Scheduler:
                 self._count_finish("cancelled")
                 self._emit(job, FinishEvent("cancelled", len(job.prompt_ids), 0))
             began = time.perf_counter()
+            live = []
             for slot, running in step:
-                self._advance(slot, running)
+                if running.job.cancelled:
+                    self._finish(slot, "cancelled")
+                else:
+                    live.append((slot, running))
+            decoding = [(slot, running) for slot, running in live if running.last_token is not None]
+            if decoding:
+                self._decode(decoding)
+            for slot, running in live:
+                if running.last_token is None:
+                    self._prefill(slot, running)
             with self._changed:
                 self._counters.busy_seconds += time.perf_counter() - began
 
-    def _advance(self, slot: int, running: _Running) -> None:
-        """One step of one slot: the prompt's prefill or one decode step, then a sampled token."""
-        job, sampling = running.job, running.job.sampling
-        if job.cancelled:
-            return self._finish(slot, "cancelled")
+    def _prefill(self, slot: int, running: _Running) -> None:
+        """A newly admitted request's step: its prompt's prefill, then its first token."""
+        job = running.job
         try:
-            if running.last_token is None:
-                self.engine.reset(slot)
-                logits = self.engine.forward(job.prompt_ids, slot)[-1]
-                with self._changed:
-                    self._counters.prompt_tokens += len(job.prompt_ids)
-            else:
-                logits = self.engine.forward([running.last_token], slot)[-1]
+            self.engine.reset(slot)
+            logits = self.engine.forward(job.prompt_ids, slot)[-1]
+            with self._changed:
+                self._counters.prompt_tokens += len(job.prompt_ids)
+        except Exception as error:  # this request fails; the others go on
+            return self._finish(slot, "error", f"{type(error).__name__}: {error}")
+        self._sampled(slot, running, logits)
+
+    def _decode(self, step: list[tuple[int, _Running]]) -> None:
+        """One decode step of every request past its prefill, as one batch; if the batch fails (a request's
+        context is full, say), each request's own decode step, so that only the failing ones fail."""
+        slots = [slot for slot, _ in step]
+        try:
+            logits = self.engine.forward_batch([running.last_token for _, running in step], slots)
+        except Exception:
+            for slot, running in step:
+                try:
+                    row = self.engine.forward([running.last_token], slot)[-1]
+                except Exception as error:
+                    self._finish(slot, "error", f"{type(error).__name__}: {error}")
+                else:
+                    self._sampled(slot, running, row)
+            return
+        for (slot, running), row in zip(step, logits):
+            self._sampled(slot, running, row)
+
+    def _sampled(self, slot: int, running: _Running, logits: np.ndarray) -> None:
+        """A request's next token from its logits, then its event (or its end)."""
+        job, sampling = running.job, running.job.sampling
+        try:
             token = sample(logits, running.rng, sampling.temperature, sampling.top_k, sampling.top_p)
         except Exception as error:  # this request fails; the others go on
             return self._finish(slot, "error", f"{type(error).__name__}: {error}")

@@ -77,6 +77,12 @@ class GatedEngine:
             permits.acquire()
         return self._engine.forward(token_ids, slot)
 
+    def forward_batch(self, token_ids, slots):  # the scheduler's decode steps: one permit a batch step
+        permits = self._permits
+        if permits is not None:
+            permits.acquire()
+        return self._engine.forward_batch(token_ids, slots)
+
 
 @pytest.fixture(scope="module")
 def text_server(tiny_sparse_artifact):
