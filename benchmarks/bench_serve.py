@@ -4,13 +4,17 @@ concurrent requests.
 An in-process server (uvicorn on 127.0.0.1, a free port) over one engine with as many slots as the largest
 level; for each level P, P client threads each send `--requests` streamed completions of a `--prompt`-token
 prompt for `--tokens` greedy tokens, back to back. Per request: time to first token (the first streamed
-chunk), and decode tokens/s after it; per level: all tokens over the level's wall time. The slots' steps
-run one after another (batch-1 programs, see runtime/scheduler.py), so the total is expected to stay near
-one sequence's decode speed while per-request speed falls as 1/P; what P buys is that requests no longer
-wait for each other to finish. Meant for small artifacts (the tiny or small synthetic models); it runs
-every level on whatever artifact it is given.
+chunk), and decode tokens/s after it; per level: all tokens over the level's wall time. The running
+requests decode in one batch step (runtime/scheduler.py; Engine.forward_batch), where the artifact has a
+batch phase (`batched` below), so the total may grow with P while per-request speed falls more slowly than 1/P.
+
+First, without the server: per batch size B, decode tokens/s of B slots stepped by forward_batch against the
+same B slots stepped one decode step each, and the weight bytes read per token (the profile's: a sparse
+layer's union of the B sequences' neurons is read once per batch step). Meant for small artifacts (the tiny
+or small synthetic models); it runs every level on whatever artifact it is given.
 
     python benchmarks/bench_serve.py model.pic [--levels 1,2,4,8] [--requests 4] [--prompt 16] [--tokens 32]
+        [--engine-steps 16] [--no-server]
 """
 
 from __future__ import annotations
@@ -83,6 +87,32 @@ def run_level(engine, parallel: int, requests: int, prompt: list[int], tokens: i
             "ttft_median_ms": statistics.median(ttft) * 1000, "ttft_p90_ms": ttft[math.ceil(0.9 * len(ttft)) - 1] * 1000}  # nearest rank
 
 
+def engine_level(engine, batch: int, steps: int, prompt: list[int]) -> dict:
+    """Tokens/s and weight bytes per token of `steps` batch steps of `batch` slots, then of the same slots
+    stepped one decode step each (each after a prefill of `prompt`)."""
+    slots = list(range(batch))
+    result = {"batch": batch}
+    for mode in ("batched", "per_slot"):
+        tokens = {}
+        for slot in slots:
+            engine.reset(slot)
+            tokens[slot] = int(engine.forward(prompt, slot)[-1].argmax())
+        engine.profile = {}
+        began = time.perf_counter()
+        for _ in range(steps):
+            ids = [tokens[slot] for slot in slots]
+            if mode == "batched":
+                logits = engine.forward_batch(ids, slots)
+            else:
+                logits = [engine.forward([token], slot)[0] for token, slot in zip(ids, slots)]
+            tokens = {slot: int(row.argmax()) for slot, row in zip(slots, logits)}
+        seconds = time.perf_counter() - began
+        result[f"{mode}_tokens_per_s"] = batch * steps / seconds
+        result[f"{mode}_bytes_per_token"] = engine.profile.get("weight_bytes", 0) / (batch * steps)
+        engine.profile = None
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact")
@@ -90,12 +120,25 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests each client sends, one after another")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--engine-steps", type=int, default=16, help="decode steps per batch size, without the server")
+    parser.add_argument("--no-server", action="store_true", help="only the engine's figures")
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
     engine = Engine(args.artifact, slots=max(levels))
     if args.prompt + args.tokens > engine.max_context:
         parser.error(f"--prompt + --tokens exceed the artifact's max context {engine.max_context}")
     prompt = [(7 * i + 1) % engine.vocab_size for i in range(args.prompt)]
+    print(f"{args.artifact}: batched {engine.batched} (max batch {engine.max_batch}); per batch size, "
+          f"{args.engine_steps} decode steps after a {args.prompt}-token prompt")
+    print(f"{'batch':>6} {'batched tok/s':>14} {'per-slot tok/s':>15} {'speedup':>8} {'batched MB/tok':>15} "
+          f"{'per-slot MB/tok':>16}")
+    for batch in levels:
+        row = engine_level(engine, batch, args.engine_steps, prompt)
+        print(f"{batch:>6} {row['batched_tokens_per_s']:>14.1f} {row['per_slot_tokens_per_s']:>15.1f} "
+              f"{row['batched_tokens_per_s'] / row['per_slot_tokens_per_s']:>8.2f} "
+              f"{row['batched_bytes_per_token'] / 1e6:>15.3f} {row['per_slot_bytes_per_token'] / 1e6:>16.3f}")
+    if args.no_server:
+        return
     print(f"{args.artifact}: prompt {args.prompt} tokens, {args.tokens} generated per request, "
           f"{args.requests} requests per client")
     print(f"{'parallel':>8} {'requests':>8} {'total tok/s':>12} {'per-request tok/s':>18} {'TTFT median ms':>15} "

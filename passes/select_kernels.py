@@ -509,16 +509,18 @@ class _Walker:
         if device == "cpu":  # up and down in one pass over the rows
             # a batch step's kernel holds a scratch row per task and sequence (so decode's, sharing the buffer,
             # takes its [tasks, max_batch * width] shape too and uses the first width columns)
-            batch = self.low.max_batch > 1 and not decode_arg.get("int8_dot")
+            batch = self.low.max_batch > 1
             scratch = self.low.batch_scratch(f"scratch.ffn.d{width}", neuron.FFN_TASKS, width) if batch else \
                 self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
             fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
-            # batch steps: each selected neuron's rows read once for all the sequences of the batch
+            # batch steps: each selected neuron's rows read once for all the sequences of the batch, their dot
+            # products in fp32 (int8_dot quantizes one x per call), as prefill's GEMMs take them
             batch_args = {"max_batch": self.low.max_batch} if batch else {}
             kernels = self.low.kernel(ops.sparse_ffn_q if quantized else ops.sparse_ffn,
                                       f"sparse_ffn_d{d_in}_n{neurons}{gate_tag}_{activation}{decode_tag}",
                                       d_in, neurons, gated=gated, act=activation, phases=("decode",),
-                                      batch={} if batch else None, **decode_arg, **batch_args)
+                                      batch=({"int8_dot": None} if "int8_dot" in decode_arg else {}) if batch else None,
+                                      **decode_arg, **batch_args)
             # With ReLU a neuron whose first row (the gate's when gated) gives 0 is done: its other rows are not read.
             skips = activation == "relu"
 

@@ -216,12 +216,17 @@ class Scheduler:
         self._sampled(slot, running, logits)
 
     def _decode(self, step: list[tuple[int, _Running]]) -> None:
-        """One decode step of every request past its prefill, as one batch; if the batch fails (a request's
-        context is full, say), each request's own decode step, so that only the failing ones fail."""
+        """One decode step of every request past its prefill, as one batch; if the batch is refused before it
+        ran (a ValueError: a request's context is full, say), each request's own decode step, so that only the
+        failing ones fail; if it failed running, all of them."""
         slots = [slot for slot, _ in step]
         try:
             logits = self.engine.forward_batch([running.last_token for _, running in step], slots)
-        except Exception:
+        except Exception as error:
+            if not isinstance(error, ValueError):
+                for slot, _ in step:
+                    self._finish(slot, "error", f"{type(error).__name__}: {error}")
+                return
             for slot, running in step:
                 try:
                     row = self.engine.forward([running.last_token], slot)[-1]
