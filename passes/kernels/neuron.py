@@ -167,6 +167,7 @@ def sparse_down(name, n, D, *, rows, wdtype="float32"):
 
 
 FFN_TASKS = 8  # sparse_ffn: parallel tasks, each over an equal share of the active neurons
+BATCH_TILE = 4  # sparse_ffn, batch steps: rows of x whose dot products with a weight row share one pass over it
 DOT_CHAINS = 4  # sparse_ffn: independent ymm accumulators per dot product (FMA latency x throughput)
 PREFETCH_ROWS = 1  # sparse_ffn: while a neuron's row is read, the row of the neuron this many places later is prefetched
 PREFETCH_LOCALITY = 2
@@ -404,6 +405,8 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     if max_batch < 1:
         raise ValueError(f"max_batch must be positive, got {max_batch}")
     batch_rows = max_batch if rows is None else 1  # rows of x-derived local state (int4's block sums, offsets)
+    batch = rows is None  # (TVMScript branches on Python bools only)
+    tile = min(BATCH_TILE, max_batch) if batch else 0
     actf = compute.activation(act, MATH)
     relu = act == "relu"
     lanes, vectors, block = fmt.lanes, fmt.vectors, fmt.block
@@ -507,6 +510,36 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 for v in T.vectorized(slanes):
                     acc[0, v] = acc[0, v] - T.float32(offset) * rs[b * slanes + v] * xs[r * sblocks + b * slanes + v]
         sum_chains(acc, chains, lanes, dot, slot)
+
+    @T.macro
+    def tile_dot(tacc, dots, rs, xs, x, r0, w, ws, row, w_next, ws_next, next_row):
+        """A batch step's dots[u] = w[row] . x[r0 + u] for the `tile` rows from r0 (rows past the last repeat
+        it: their dots are not used), in one pass over the row: each of its vectors loaded once for all of
+        them, an accumulator per row (the rows' chains hide the FMA latency), prefetching w_next[next_row]."""
+        prefetch_scales(ws_next, next_row)
+        if fmt.quantized:
+            for b in T.vectorized(sblocks):
+                rs[b] = load_f32(ws[row, b], fmt.sdtype)
+        for u in T.unroll(tile):
+            for v in T.vectorized(lanes):
+                tacc[u, v] = T.float32(0)
+        for s in range(lines):
+            _prefetch(T.address_of(w_next[next_row, T.min(fmt.stored(s * line_blocks * block), last_stored)]),
+                      locality)
+            for b in T.unroll(line_blocks):
+                for u in T.unroll(tile):
+                    for v in T.vectorized(lanes):
+                        tacc[u, v] = tacc[u, v] + fmt.block_dot(x, w, rs, row, s * line_blocks + b, v,
+                                                                T.min(r0 + u, m - 1))
+        for u in T.unroll(tile):
+            if has_offset:
+                for b in range(sblocks // slanes):
+                    for v in T.vectorized(slanes):
+                        tacc[u, v] = tacc[u, v] - T.float32(offset) * rs[b * slanes + v] * xs[
+                            T.min(r0 + u, m - 1) * sblocks + b * slanes + v]
+            dots[u] = tacc[u, 0]
+            for v in T.unroll(1, lanes):
+                dots[u] = dots[u] + tacc[u, v]
 
     @T.macro
     def row_dot8(qacc, part, dot, rs, sx, xpat, xc, w, ws, row, slot, w_next, ws_next, next_row):
@@ -616,6 +649,8 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             dot = T.alloc_local((2,), "float32")
             listed = T.alloc_local((1,), "int32")
             any_fired = T.alloc_local((1,), "int32")
+            tacc = T.alloc_local((tile, lanes), "float32")  # batch: tile_dot's accumulators and dots
+            dots = T.alloc_local((tile,), "float32")
             rs = T.alloc_local((factors,), "float32")  # a quantized row's fp32 scale factors
             xs = T.alloc_local((row_sums,), "float32")  # int4: each row of x's block sums
             off = T.alloc_local((row_sums,), "float32")  # int4: the offsets the axpys added, per row and block
@@ -630,17 +665,27 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             for k in range(first, last):
                 row = clamp_index(idx[0, k], n)
                 any_fired[0] = 0
-                for r in range(m):
-                    if q8:
-                        row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, row, 0, w_up, w_up_s,
+                if batch:  # the rows of x a tile at a time, the weight row read once per tile
+                    for r0 in range((m + tile - 1) // tile):
+                        tile_dot(tacc, dots, rs, xs, x, r0 * tile, w_up, w_up_s, row, w_up, w_up_s,
                                  clamp_index(idx[0, T.min(k + ahead, last - 1)], n))
-                    else:
-                        row_dot(acc, dot, rs, xs, x, r, w_up, w_up_s, row, 0, w_up, w_up_s,
-                                clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one would cost a workspace)
-                    dot[0] = actf(dot[0] + b_up[row])
-                    h[r, k] = dot[0]
-                    if not relu or dot[0] != T.float32(0):
-                        any_fired[0] = 1
+                        for u in range(T.min(tile, m - r0 * tile)):
+                            dots[u] = actf(dots[u] + b_up[row])
+                            h[r0 * tile + u, k] = dots[u]
+                            if not relu or dots[u] != T.float32(0):
+                                any_fired[0] = 1
+                if not batch:
+                    for r in range(m):
+                        if q8:
+                            row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, row, 0, w_up, w_up_s,
+                                     clamp_index(idx[0, T.min(k + ahead, last - 1)], n))
+                        else:
+                            row_dot(acc, dot, rs, xs, x, r, w_up, w_up_s, row, 0, w_up, w_up_s,
+                                    clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one would cost a workspace)
+                        dot[0] = actf(dot[0] + b_up[row])
+                        h[r, k] = dot[0]
+                        if not relu or dot[0] != T.float32(0):
+                            any_fired[0] = 1
                 if any_fired[0] == 1:
                     fired[0, listed[0]] = k
                     listed[0] = listed[0] + 1
