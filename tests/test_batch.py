@@ -278,6 +278,27 @@ def test_more_slots_than_max_batch_are_chunked(tiny_all_neurons_artifact):
         np.testing.assert_allclose(got[row], alone.forward([tokens[slot]], slot=slot)[0], rtol=0, atol=1e-5)
 
 
+def test_an_int4_build_batches_too(tiny_models, tmp_path_factory):
+    """Block-quantized rows (int4, fp32 dot products on both sides): batch rows equal each slot's own logits."""
+    from picompile.compiler import build
+    from picompile.pipeline import Options
+    from picompile.targets import get_target
+    from runtime import Engine
+
+    out = tmp_path_factory.mktemp("batch") / "opt-int4.pic"
+    build(tiny_models("opt", sparsity=0.9).onnx, out, get_target("cpu"),
+          Options(max_context=32, all_neurons=True, max_batch=4, weight_dtype="int4", quant_method="rtn",
+                  int8_activations=False))
+    engine, alone = Engine(out, slots=3), Engine(out, slots=3)
+    assert engine.batched
+    tokens, _ = _prefill(engine, PROMPTS[:3]), _prefill(alone, PROMPTS[:3])
+    for slots in ([0, 1, 2], [2, 1]):
+        got = engine.forward_batch([tokens[s] for s in slots], slots)
+        for row, slot in enumerate(slots):
+            np.testing.assert_allclose(got[row], alone.forward([tokens[slot]], slot=slot)[0], rtol=0, atol=1e-4)
+            tokens[slot] = int(np.argmax(got[row]))
+
+
 # ---------------------------------------------------------------- the scheduler
 
 
