@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_number(int, lambda v: 0 <= v <= 65535, "a port in [0, 65535]"), default=8000,
                        help="TCP port (0: any free one; the address is printed on stderr)")
     serve.add_argument("--parallel", type=_positive_int, default=1,
-                       help="requests decoded at once, one KV cache (slot) each; their steps run one after another")
+                       help="requests decoded at once, one KV cache (slot) each; their decode steps run as one batch "
+                            "step where the artifact has a batch phase (build --max-batch)")
     serve.add_argument("--queue", type=_non_negative(int), default=16,
                        help="requests that may wait for a slot; past that the server answers 503 with Retry-After")
 

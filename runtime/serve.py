@@ -6,8 +6,8 @@ the optional `serve` extra (`pip install 'picompile[serve]'`); `import runtime` 
 module, so the runtime stays thin.
 
 Decoding is the scheduler's: concurrent requests share the engine's slots, one token per running
-request per step, each slot's step a batch-1 program run after the others' (not one batch>1 kernel
-call; see runtime/scheduler.py).
+request per step, the running requests' decode steps one batch step (`Engine.forward_batch`, whose sparse
+layers read the union of their predicted neurons once; see runtime/scheduler.py).
 
 Text: with a tokenizer (a `runtime.text.TextTokenizer`, or any object with its interface; by default the
 artifact's, from `runtime.text.load_tokenizer`) prompts may be strings and chat works.
