@@ -10,8 +10,9 @@ uses, the weights in the layout and precision their device reads (the CPU's matr
 (`decode` kernels for one token, `prefill` for a symbolic number of rows, `batch` for one token of each of
 several sequences: the prefill kernel of a row-wise call, the decode kernel of a call run per sequence, a
 kernel of its own for the predictor, select (the union of the sequences' neurons) and the CPU's fused sparse
-FFN; a program with a GPU call, or a decode call without a batch kernel, gets no batch phase). Activation buffers are shared
-by role across layers (layers run one after another); plan-buffers then gives each device its instances.
+FFN; a program with a GPU call, or a decode call without a batch kernel, gets no batch phase). Activation
+buffers are shared by role across layers (layers run one after another); plan-buffers then gives each device
+its instances.
 """
 
 from __future__ import annotations
@@ -261,7 +262,8 @@ class Lowering:
                 tag, fmt_args = f"{tag}_x8", {**fmt_args, "int8_dot": self.int8_dot}
             tags = f"{tag}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
             kernels = self.kernel(ops.linear_panels_q, f"linear_q_k{k}_n{n}{tags}", k, n, phases=phases,
-                                  batch={} if batch else None, bias=bias is not None, act=act, residual=residual is not None, **fmt_args,
+                                  batch={} if batch else None, bias=bias is not None, act=act,
+                                  residual=residual is not None, **fmt_args,
                                   **self.gemm_tile(device))
         else:
             if bias or act != "none" or residual or "decode" in phases:

@@ -199,7 +199,8 @@ def _check_max_batch(manifest, nodes) -> int:
 
 
 def _check_context(manifest, buffers, nodes, headers, files_of) -> None:
-    """Every row buffer holds model.max_context rows (or 1, or model.max_batch: one-token steps only), input_ids is int64 [max_context], each
+    """Every row buffer holds model.max_context rows (or 1, or model.max_batch: one-token steps only), input_ids
+    is int64 [max_context], each
     KV cache is [heads, max_context, head_dim], and learned position tables have a row for every position."""
     max_context = manifest["model"]["max_context"]
     if max_context <= 0:
@@ -337,8 +338,9 @@ def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_co
                             raise disagrees(f"buffers.{arg}.shape is {shape} but call {call} runs once per sequence "
                                             f"of batch steps of up to {max_batch} rows (model.max_batch)")
                         if shape[0] < rows:
+                            limit = "max_batch" if phase == "batch" else "max_context"
                             raise disagrees(f"buffers.{arg}.shape is {shape} but call {call} runs {phase} steps of "
-                                            f"up to {rows} rows (model.{'max_batch' if phase == 'batch' else 'max_context'})")
+                                            f"up to {rows} rows (model.{limit})")
                         shape[0] = rows
                     fits = isinstance(dims, list) and len(dims) == len(shape)
                     for want, have in zip(dims if fits else [], shape):

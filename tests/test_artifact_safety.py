@@ -186,6 +186,9 @@ CLAIMS = {
     "layer report": (_set(("layers",), [{"layer": 0}]), ["layers (the per-layer report) has 1 entries", "2 layers"]),
     "a layer's caches dropped": (_drop_buffers("cache.1.key", "cache.1.value"), ["buffers has no entry for cache.1.key"]),
     "call count": (_set(("model", "num_calls"), 5), ["model.num_calls is 5", "19 calls"]),
+    "max batch of one": (_set(("model", "max_batch"), 1), ["model.max_batch is 1", "has a batch kernel"]),
+    "max batch past the context": (_set(("model", "max_batch"), 33), ["model.max_batch is 33", "model.max_context"]),
+    "max batch not a number": (_set(("model", "max_batch"), "8"), ["model.max_batch is '8'", "not a non-negative"]),
 }
 
 

@@ -681,7 +681,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                                      clamp_index(idx[0, T.min(k + ahead, last - 1)], n))
                         else:
                             row_dot(acc, dot, rs, xs, x, r, w_up, w_up_s, row, 0, w_up, w_up_s,
-                                    clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one would cost a workspace)
+                                    clamp_index(idx[0, T.min(k + ahead, last - 1)], n))  # (a named one: a workspace)
                         dot[0] = actf(dot[0] + b_up[row])
                         h[r, k] = dot[0]
                         if not relu or dot[0] != T.float32(0):
