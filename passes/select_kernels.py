@@ -592,12 +592,18 @@ class _Walker:
             threshold = self.low.weight(f"{p}.{key}", np.array([pir.attr(node, key)], np.float32))
             index = self.low.activation(f"act.kept_index.n{rows}", rows, dtype="int32", rows=1)
             count = self.low.activation("act.kept_count", 1, dtype="int32", rows=1)
-            kernels = self.low.kernel(ops.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",))
+            # batch steps: the union of the sequences' kept channels, each one's row read once for all of them
+            batch = self.low.max_batch > 1
+            kernels = self.low.kernel(ops.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",),
+                                      batch={} if batch else None)
             self.low.call(f"{p}.{part}_select", kernels, [read(v), read(threshold), write(index), write(count)], role)
-            scratch = self.low.scratch(f"scratch.columns.n{columns}", [neuron.COLUMN_TASKS, columns])
+            scratch = self.low.batch_scratch(f"scratch.columns.n{columns}", neuron.COLUMN_TASKS, columns) if batch \
+                else self.low.scratch(f"scratch.columns.n{columns}", [neuron.COLUMN_TASKS, columns])
             tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{dtype_tag}"
             kernels = self.low.kernel(ops.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
-                                      gated=glu, act=act, bias=bias is not None, phases=("decode",), **dtype_arg)
+                                      gated=glu, act=act, bias=bias is not None, phases=("decode",),
+                                      batch={} if batch else None, **dtype_arg,
+                                      **({"max_batch": self.low.max_batch} if batch else {}))
             # the kept input channels' rows of the [K, N] weight; the bias is per output, read whole
             args = [read(v), read(index), read(count), Arg(weight, Access.SELECTED_ROWS, row_bytes=self.low.row_bytes(weight)),
                     *([read(bias)] if bias else []), write(scratch), write(out)]

@@ -17,7 +17,7 @@ artifact's batch phase (`batched`: built with max_batch > 1, CPU only): row-wise
 sequence (the weights read once for all), a sparse layer selects and reads the union of the sequences'
 predicted neurons once, and the calls that touch a KV cache or read the position run once per sequence, on
 that row and that slot's cache. Batches larger than the artifact's `max_batch` run in chunks; an artifact
-without a batch phase (GPU calls, threshold mode, --max-batch < 2, or built before the batch phase existed)
+without a batch phase (GPU calls, --max-batch < 2, or built before the batch phase existed)
 runs `forward_batch` as one decode step per slot. (Where decode's quantized kernels take int8 dot products
 over a quantized x, a batch step's take fp32 ones, as prefill's do: its logits differ from decode's by that.)
 """

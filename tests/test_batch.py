@@ -20,6 +20,9 @@ N = 37  # neurons: no multiple of 8 (uneven task slices)
 MAX_BATCH = 4
 FLOAT = {"relu": (36, False, "relu", "float32"), "gated_relu_f16": (36, True, "relu", "float16"),
          "gated_silu": (36, True, "silu", "float32")}  # (D, gated, activation, weight dtype); D = 36: 4-lane vectors
+COLUMNS = {"cols": (False, "none", False, "float32"), "cols_gated_silu_f16": (True, "silu", False, "float16"),
+           "cols_relu_bias": (False, "relu", True, "float32")}  # sparse_columns: (gated, act, bias, weight dtype)
+CK, CN = 40, 48  # input channels (no multiple of the row group), columns
 QUANT = {"int8_relu": (96, 8, False, "relu", "float16"), "int4_gated_relu": (96, 4, True, "relu", "float16"),
          "int4_relu": (256, 4, False, "relu", "float32")}  # (D, bits, gated, activation, scale dtype)
 
@@ -34,6 +37,11 @@ def lib(tmp_path_factory):
         funcs += [neuron.sparse_ffn_q(f"{name}_{phase}", D, N, rows=rows, gated=gated, act=act, bits=bits,
                                       sdtype=sdtype, max_batch=MAX_BATCH)
                   for phase, rows in (("decode", 1), ("batch", None))]
+    for name, (gated, act, bias, dtype) in COLUMNS.items():
+        funcs += [neuron.sparse_columns(f"{name}_{phase}", CK, CN, rows=rows, gated=gated, act=act, bias=bias,
+                                        wdtype=dtype, max_batch=MAX_BATCH)
+                  for phase, rows in (("decode", 1), ("batch", None))]
+    funcs.append(neuron.select("select_abs_batch", CK, rows=None, magnitude=True))
     path = tmp_path_factory.mktemp("batch") / "batch.so"
     cpu.build(funcs, CPU_ISAS["avx2"].llvm_target(), str(path))
     return tvm.runtime.load_module(str(path))
@@ -145,6 +153,37 @@ def test_sparse_ffn_batch_against_numpy_and_each_row_alone(lib, kind, name, m):
         # order (a batch step's dot product runs in one accumulator per row of x, decode's in DOT_CHAINS)
         _, alone = run_ffn(lib, f"{name}_decode", aligned(x[r:r + 1].copy()), index, count, up, bias, down, D)
         np.testing.assert_allclose(out[r], alone[0], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("kernel", sorted(COLUMNS))
+def test_sparse_columns_batch_over_the_union_of_kept_channels(lib, kernel, m):
+    gated, act, bias, dtype = COLUMNS[kernel]
+    rng = np.random.default_rng(m)
+    v = aligned(rng.standard_normal((m, CK)).astype(np.float32))
+    index, count = aligned(np.full((1, CK), -7, np.int32)), aligned(np.zeros((1, 1), np.int32))
+    call(lib, "select_abs_batch", v, aligned(np.array([1.0], np.float32)), index, count)
+    kept = np.nonzero((np.abs(v) > 1.0).any(axis=0))[0]
+    k = int(count[0, 0])
+    assert k == len(kept) and np.array_equal(index[0, :k], kept)
+    assert m == 1 or len(kept) > max(np.count_nonzero(np.abs(row) > 1.0) for row in v)  # a union, larger
+    w = aligned(rng.standard_normal((CK, CN)).astype(dtype))
+    b = aligned(rng.standard_normal(CN).astype(np.float32))
+    width = CN // 2 if gated else CN
+
+    def run(name, rows):
+        scratch = aligned(np.full((neuron.COLUMN_TASKS, MAX_BATCH * CN), 5.0, np.float32))  # stale sums must not leak
+        y = aligned(np.full((rows.shape[0], width), 99.0, np.float32))
+        call(lib, name, rows, index, count, w, *([b] if bias else []), scratch, y)
+        return y
+
+    y = run(f"{kernel}_batch", v)
+    pre = v[:, kept].astype(np.float64) @ w[kept].astype(np.float64) + (b if bias else 0)  # every row: the union
+    actf = {"none": lambda z: z, "silu": lambda z: z / (1 + np.exp(-z)), "relu": lambda z: np.maximum(z, 0)}[act]
+    expected = actf(pre[:, :width]) * pre[:, width:] if gated else actf(pre)
+    np.testing.assert_allclose(y, expected, atol=1e-4, rtol=1e-5)
+    for r in range(m):  # each row as its own decode step over the same channels: the same sums, in the same order
+        np.testing.assert_allclose(y[r], run(f"{kernel}_decode", aligned(v[r:r + 1].copy()))[0], rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------- the engine

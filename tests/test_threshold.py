@@ -301,3 +301,30 @@ def test_report_of_a_threshold_build_tabulates_its_thresholds(threshold_builds, 
     for layer in layers:
         assert f"<td>{layer['threshold_in']:.4g}</td><td>{layer['sparsity_in']:.3f}</td>" in page
     assert page.count("<figure>") == 1  # the activation CDF only
+
+
+def test_batch_steps_keep_the_union_of_the_sequences_channels(threshold_builds, swiglu):
+    """Threshold builds batch too: at sparsity 0 a batch step's rows are each sequence's own decode step; at 0.5
+    each row computes the union of the batch's kept channels, so it is as close to the dense model as its own."""
+    from picompile.reference import OrtDecoder
+    from runtime import Engine
+
+    prompts = [PROMPT, [3, 1, 4, 1, 5, 9], [27, 18]]
+    for sparsity, artifact in threshold_builds.items():
+        engine, alone = Engine(artifact, slots=3), Engine(artifact, slots=3)
+        dense = [OrtDecoder(swiglu.onnx) for _ in prompts]
+        assert engine.batched
+        tokens = []
+        for slot, prompt in enumerate(prompts):
+            engine.forward(prompt, slot=slot), alone.forward(prompt, slot=slot)
+            tokens.append(int(np.argmax(dense[slot].forward(prompt)[-1])))
+        for _ in range(4):
+            got = engine.forward_batch(tokens, [0, 1, 2])
+            for slot in range(3):
+                own = alone.forward([tokens[slot]], slot=slot)[0]
+                want = dense[slot].forward([tokens[slot]])[-1]
+                if sparsity == 0.0:
+                    np.testing.assert_allclose(got[slot], own, atol=1e-4, rtol=0)
+                else:
+                    assert np.abs(got[slot] - want).max() <= np.abs(own - want).max() + 1e-3
+                tokens[slot] = int(np.argmax(want))

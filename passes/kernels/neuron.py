@@ -734,7 +734,7 @@ COLUMN_ROWS = 4  # sparse_columns: selected rows accumulated per pass over a tas
 
 
 def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", bias: bool = False,
-                   wdtype="float32", prefetch_locality: int | None = None):
+                   wdtype="float32", prefetch_locality: int | None = None, max_batch: int = 1):
     """A column-sparse GEMV: y = act(sum over k < count of v[0, r_k] * w[r_k] + b), r_k = idx[0, k], for a
     weight stored one row per input channel ([K, N], a linear layer's x @ W layout), so that an input
     that is dropped costs nothing: its row is never read. Gated (w = [gate | up], N = 2F, y[1, F]):
@@ -748,9 +748,16 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
     row of scratch (one load and store of it per COLUMN_ROWS rows of w), and prefetches the next rows'
     lines as it goes. A second parallel loop over column chunks sums the partial rows and applies bias,
     activation and the GLU.
+
+    rows=None (a batch step of m <= `max_batch` sequences): v[m, K], y[m, N or N/2], the selection the union of
+    the rows' (select's), scratch[COLUMN_TASKS, max_batch * N] (a partial-sum row per task and sequence; decode's
+    kernel takes the same buffer). A task's kept rows of w are read once for all m rows: each group of them is
+    added into every sequence's partial sums with that sequence's coefficients (the group in L1/L2 after the
+    first), so a channel only another sequence kept counts with its own value: the union's product.
     """
-    if rows != 1:
-        raise ValueError("sparse_columns runs in decode only")
+    if rows not in (1, None):
+        raise ValueError("sparse_columns runs in one-token steps only (decode: rows 1, batch: rows None)")
+    m = row_dim(rows)
     locality = PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality  # (L2: 1.1-1.3x over L1 here)
     actf = compute.activation(act, MATH)
     out = N // 2 if gated else N
@@ -763,9 +770,9 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
     chunk = _col_block(out, max(out_lanes, min(1024, out // tasks)))
 
     @T.prim_func
-    def kernel(v: T.Buffer((1, K), "float32"), idx: T.Buffer((1, K), "int32"), count: T.Buffer((1, 1), "int32"),
-               w: T.Buffer((K, N), wdtype), b: T.Buffer((N,), "float32"), scratch: T.Buffer((tasks, N), "float32"),
-               y: T.Buffer((1, out), "float32")):
+    def kernel(v: T.Buffer((m, K), "float32"), idx: T.Buffer((1, K), "int32"), count: T.Buffer((1, 1), "int32"),
+               w: T.Buffer((K, N), wdtype), b: T.Buffer((N,), "float32"),
+               scratch: T.Buffer((tasks, max_batch * N), "float32"), y: T.Buffer((m, out), "float32")):
         T.func_attr({"tirx.noalias": True})
         for t in T.parallel(tasks):
             first = clamp_count(count[0, 0], K) * t // tasks
@@ -773,51 +780,57 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
             row = T.alloc_local((group,), "int32")
             after = T.alloc_local((group,), "int32")
             coef = T.alloc_local((group,), "float32")
-            for j in T.vectorized(N):
-                scratch[t, j] = T.float32(0)
+            for r in range(m):
+                for j in T.vectorized(N):
+                    scratch[t, r * N + j] = T.float32(0)
             for g in range((last - first) // group):
-                for r in T.unroll(group):
-                    row[r] = clamp_index(idx[0, first + g * group + r], K)
-                    after[r] = clamp_index(idx[0, T.min(first + (g + 1) * group + r, last - 1)], K)
-                    coef[r] = v[0, row[r]]
-                for s in range(lines):
-                    for r in T.unroll(group):
-                        _prefetch(T.address_of(w[after[r], s * line]), locality)
-                    for u in T.unroll(line_vectors):
-                        for l in T.vectorized(lanes):
-                            scratch[t, (s * line_vectors + u) * lanes + l] = (
-                                scratch[t, (s * line_vectors + u) * lanes + l]
-                                + coef[0] * load_f32(w[row[0], (s * line_vectors + u) * lanes + l], wdtype)
-                                + coef[1] * load_f32(w[row[1], (s * line_vectors + u) * lanes + l], wdtype)
-                                + coef[2] * load_f32(w[row[2], (s * line_vectors + u) * lanes + l], wdtype)
-                                + coef[3] * load_f32(w[row[3], (s * line_vectors + u) * lanes + l], wdtype))
+                for q in T.unroll(group):
+                    row[q] = clamp_index(idx[0, first + g * group + q], K)
+                    after[q] = clamp_index(idx[0, T.min(first + (g + 1) * group + q, last - 1)], K)
+                for r in range(m):
+                    for q in T.unroll(group):
+                        coef[q] = v[r, row[q]]
+                    for s in range(lines):
+                        for q in T.unroll(group):
+                            _prefetch(T.address_of(w[after[q], s * line]), locality)
+                        for u in T.unroll(line_vectors):
+                            for l in T.vectorized(lanes):
+                                scratch[t, r * N + (s * line_vectors + u) * lanes + l] = (
+                                    scratch[t, r * N + (s * line_vectors + u) * lanes + l]
+                                    + coef[0] * load_f32(w[row[0], (s * line_vectors + u) * lanes + l], wdtype)
+                                    + coef[1] * load_f32(w[row[1], (s * line_vectors + u) * lanes + l], wdtype)
+                                    + coef[2] * load_f32(w[row[2], (s * line_vectors + u) * lanes + l], wdtype)
+                                    + coef[3] * load_f32(w[row[3], (s * line_vectors + u) * lanes + l], wdtype))
             for k in range(first + (last - first) // group * group, last):
                 row[0] = clamp_index(idx[0, k], K)
-                coef[0] = v[0, row[0]]
-                for s in range(N // lanes):
-                    for l in T.vectorized(lanes):
-                        scratch[t, s * lanes + l] = scratch[t, s * lanes + l] + coef[0] * load_f32(w[row[0], s * lanes + l], wdtype)
+                for r in range(m):
+                    coef[0] = v[r, row[0]]
+                    for s in range(N // lanes):
+                        for l in T.vectorized(lanes):
+                            scratch[t, r * N + s * lanes + l] = (scratch[t, r * N + s * lanes + l]
+                                                                 + coef[0] * load_f32(w[row[0], s * lanes + l], wdtype))
         for c in T.parallel(out // chunk):
             total = T.alloc_local((2, out_lanes), "float32")
-            for s in range(chunk // out_lanes):
-                for l in T.vectorized(out_lanes):
-                    total[0, l] = scratch[0, c * chunk + s * out_lanes + l]
-                    if gated:
-                        total[1, l] = scratch[0, out + c * chunk + s * out_lanes + l]
-                for q in range(1, tasks):
+            for r in range(m):
+                for s in range(chunk // out_lanes):
                     for l in T.vectorized(out_lanes):
-                        total[0, l] = total[0, l] + scratch[q, c * chunk + s * out_lanes + l]
+                        total[0, l] = scratch[0, r * N + c * chunk + s * out_lanes + l]
                         if gated:
-                            total[1, l] = total[1, l] + scratch[q, out + c * chunk + s * out_lanes + l]
-                for l in T.vectorized(out_lanes):
-                    if bias:
-                        total[0, l] = total[0, l] + b[c * chunk + s * out_lanes + l]
+                            total[1, l] = scratch[0, r * N + out + c * chunk + s * out_lanes + l]
+                    for q in range(1, tasks):
+                        for l in T.vectorized(out_lanes):
+                            total[0, l] = total[0, l] + scratch[q, r * N + c * chunk + s * out_lanes + l]
+                            if gated:
+                                total[1, l] = total[1, l] + scratch[q, r * N + out + c * chunk + s * out_lanes + l]
+                    for l in T.vectorized(out_lanes):
+                        if bias:
+                            total[0, l] = total[0, l] + b[c * chunk + s * out_lanes + l]
+                            if gated:
+                                total[1, l] = total[1, l] + b[out + c * chunk + s * out_lanes + l]
                         if gated:
-                            total[1, l] = total[1, l] + b[out + c * chunk + s * out_lanes + l]
-                    if gated:
-                        y[0, c * chunk + s * out_lanes + l] = glu_unit(actf, total[0, l], total[1, l])
-                    else:
-                        y[0, c * chunk + s * out_lanes + l] = actf(total[0, l])
+                            y[r, c * chunk + s * out_lanes + l] = glu_unit(actf, total[0, l], total[1, l])
+                        else:
+                            y[r, c * chunk + s * out_lanes + l] = actf(total[0, l])
 
     kernel = kernel if bias else drop_params(kernel, ["b"])
     return kernel.with_attr("global_symbol", name)
