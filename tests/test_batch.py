@@ -380,3 +380,56 @@ def test_concurrent_greedy_requests_decode_as_one_batch_and_match_sequential_one
                 for i in range(len(prompts))}
     assert results == expected
     assert max(batches) == 3  # the three requests' decode steps ran together
+
+
+class _FakeEngine:
+    """Slots whose logits pick token slot + 1; slot 1's context is full after its prefill; forward_batch refuses
+    (a ValueError, as the engine's own) any batch with slot 1 in it."""
+
+    slots, vocab = 3, 8
+
+    def __init__(self):
+        self.batches = []
+
+    def reset(self, slot):
+        pass
+
+    def forward(self, ids, slot=0):
+        if slot == 1 and len(ids) == 1:
+            raise ValueError("context full")
+        logits = np.zeros((len(ids), self.vocab), np.float32)
+        logits[:, slot + 1] = 1
+        return logits
+
+    def forward_batch(self, ids, slots):
+        self.batches.append(list(slots))
+        if 1 in slots:
+            raise ValueError("context full: slot 1")
+        return np.concatenate([self.forward([token], slot) for token, slot in zip(ids, slots)])
+
+
+def test_a_refused_batch_fails_only_the_request_it_is_refused_for():
+    from runtime.scheduler import FinishEvent, Job, Sampling, Scheduler, TokenEvent
+
+    engine = _FakeEngine()
+    scheduler = Scheduler(engine)
+    finished, events = threading.Semaphore(0), {i: [] for i in range(3)}
+
+    def on_event(i):
+        def record(event):
+            events[i].append(event)
+            if isinstance(event, FinishEvent):
+                finished.release()
+        return record
+
+    for i in range(3):
+        scheduler.submit(Job([1, 2], Sampling(max_tokens=4), on_event(i)))
+    scheduler.start()
+    assert all(finished.acquire(timeout=30) for _ in range(3))
+    scheduler.close()
+    ends = {i: events[i][-1] for i in range(3)}
+    assert [ends[i].reason for i in range(3)] == ["length", "error", "length"]
+    assert "context full" in ends[1].error
+    for i in (0, 2):
+        assert [e.token_id for e in events[i] if isinstance(e, TokenEvent)] == [i + 1] * 4
+    assert [0, 1, 2] in engine.batches and [0, 2] in engine.batches  # refused with slot 1, then batched without
