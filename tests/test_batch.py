@@ -237,15 +237,17 @@ def test_batch_steps_read_the_union_of_the_rows_neurons(tiny_sparse_artifact):
     calls, buffers = {call.id: call for call in engine.calls}, engine.manifest["buffers"]
     engine.buffers["input_ids"][:3] = [tokens[s] for s in slots]
     positions = [engine.positions[s] for s in slots]
+    counts = {call.selection.count for call in engine.calls if call.selection is not None}
     own, checked = {}, 0  # count buffer -> each row's own selection, from the select call that wrote it
     for step in engine.batch_steps(slots):
         step.run(positions if step.sequence is None else positions[step.sequence])
         call = calls[step.name]
-        if call.selection is None and call.role.value == "predictor" and len(call.writes()) == 2:  # a select
+        written = set(call.writes()) & counts
+        if call.selection is None and written:  # a select: its scores, a row per sequence, against its threshold
             scores = next(b for b in call.reads() if buffers[b]["kind"] == "activation")
             threshold = next(b for b in call.reads() if buffers[b]["kind"] == "weight")
             rows = engine.buffers[scores][:3] > engine.buffers[threshold][0]
-            own[call.writes()[1]] = [set(np.nonzero(row)[0]) for row in rows]
+            own[written.pop()] = [set(np.nonzero(row)[0]) for row in rows]
         elif call.selection is not None:
             selection, index = call.selection, next(b for b in call.reads() if buffers[b]["dtype"] == "int32"
                                                     and b != call.selection.count)
