@@ -148,7 +148,7 @@ def calibration_tokens(calib: Path | None, budget: int | None, length: int, seed
         return [rng.integers(0, vocab_size, size=length)
                 for _ in range(max(1, (budget or RANDOM_TOKENS) // length))]
     sequences, used = [], 0
-    for sequence in read_calibration(calib, tokenizer.load() if tokenizer else None, length):
+    for sequence in read_calibration(calib, tokenizer.tokenizer if tokenizer else None, length):
         if int(sequence.max()) >= vocab_size:
             raise UserError(f"{calib} holds token id {int(sequence.max())}, outside the vocabulary ({vocab_size})")
         for begin in range(0, len(sequence), length):

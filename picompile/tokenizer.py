@@ -5,6 +5,7 @@ profile pass reads text calibration with them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from runtime.text import OPTIONAL_FILES, TOKENIZER_FILE, TextTokenizer
@@ -19,8 +20,10 @@ class TokenizerFiles:
     directory: Path
     names: tuple[str, ...]  # tokenizer.json first, then the optional files present
 
-    def load(self) -> TextTokenizer:
-        """The tokenizer itself, as the runtime reads it from the artifact."""
+    @cached_property
+    def tokenizer(self) -> TextTokenizer:
+        """The tokenizer itself, as the runtime reads it from the artifact (read once per build: a large
+        vocabulary's tokenizer.json takes a while to parse)."""
         return TextTokenizer(self.directory)
 
 
@@ -42,7 +45,7 @@ def find_tokenizer(model: Path, directory: Path | None = None) -> TokenizerFiles
     found = TokenizerFiles(directory, (TOKENIZER_FILE, *(name for name in OPTIONAL_FILES
                                                          if (directory / name).is_file())))
     try:
-        found.load()
+        found.tokenizer
     except ValueError as error:
         raise UserError(f"the model's tokenizer cannot be read: {error}") from None
     return found
@@ -50,7 +53,7 @@ def find_tokenizer(model: Path, directory: Path | None = None) -> TokenizerFiles
 
 def check_vocabulary(files: TokenizerFiles, vocab_size: int) -> None:
     """A tokenizer whose ids reach past the model's embedding table (`vocab_size` rows) is another model's."""
-    tokens = files.load().vocab_size
+    tokens = files.tokenizer.vocab_size
     if tokens > vocab_size:
         raise UserError(f"the tokenizer in {files.directory} has {tokens} tokens but the model's "
                         f"vocabulary is {vocab_size}: it is another model's tokenizer (choose the model's with --tokenizer)")

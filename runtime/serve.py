@@ -34,7 +34,7 @@ from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -370,18 +370,11 @@ class Endpoints:
             return _error(503, str(error), "server_shutting_down", code="shutting_down")
         answer = _Answer(self.model_id, generation, Output(self.tokenizer, generation.stop_strings))
         if generation.stream:
-            return StreamingResponse(self._events(job, events, answer), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _JobStream(job, events, self._events(job, events, answer))
         return await self._collect(request, job, events, answer)
 
     async def _collect(self, request: Request, job: Job, events: asyncio.Queue, answer: _Answer):
-        async def watch():  # a plain response has no disconnect handling of its own
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            job.cancel()
-            events.put_nowait(_DISCONNECTED)
-
-        watcher = asyncio.ensure_future(watch())
+        watcher = asyncio.ensure_future(_watch_disconnect(request.receive, job, events))
         try:
             text = []
             while True:
@@ -411,6 +404,8 @@ class Endpoints:
                 yield _sse(answer.chunk("", None, first=True))
             while True:
                 event = await events.get()
+                if event is _DISCONNECTED:
+                    return  # nobody reads the rest
                 if isinstance(event, FinishEvent):
                     break
                 yield _sse(answer.chunk(answer.output.push(event.token_id), None, token_ids=[event.token_id]))
@@ -432,8 +427,38 @@ class Endpoints:
                 yield _sse({"error": {"message": "the request was cancelled: the server is shutting down",
                                       "type": "server_shutting_down", "param": None, "code": "shutting_down"}})
             yield "data: [DONE]\n\n"
-        finally:  # the client left (Starlette cancels this generator) or the stream ended
+        finally:  # the stream ended or failed; a client that left is _JobStream's
             job.cancel()
+
+
+async def _watch_disconnect(receive, job: Job, events: asyncio.Queue) -> None:
+    """Cancel the job as soon as the client goes, and wake whoever waits on its events."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+    events.put_nowait(_DISCONNECTED)
+
+
+class _JobStream(StreamingResponse):
+    """A streamed answer whose job ends with its connection. Starlette notices a client that left only when
+    a chunk fails to send (ASGI 2.4) and never closes a body generator that had not started, so a request
+    still queued, or waiting on its prefill, would run to max_tokens for nobody: the job is cancelled as
+    soon as the disconnect arrives, and whenever the response ends."""
+
+    def __init__(self, job: Job, events: asyncio.Queue, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.events = job, events
+
+    async def __call__(self, scope, receive, send) -> None:
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, self.job, self.events))
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # the last chunk found the connection gone: nothing is left to answer
+            pass
+        finally:
+            watcher.cancel()
+            self.job.cancel()
 
 
 def _sse(payload: dict) -> str:

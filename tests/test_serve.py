@@ -329,6 +329,46 @@ def test_a_client_that_disconnects_frees_its_slot(ids_server, ids_engine, stream
     assert answer.choices[0].finish_reason == "length"
 
 
+def test_a_client_gone_before_its_stream_starts_cancels_its_job(tiny_sparse_artifact):
+    """The ASGI app called directly: the client's disconnect arrives right after its request, so the stream is
+    cancelled while its response head is still being sent, before its body generator ran; the job must still
+    end (cancelled), not run to max_tokens for nobody."""
+    import asyncio
+
+    engine = GatedEngine(Engine(tiny_sparse_artifact, slots=1))
+    app = create_app(engine, tokenizer=None, parallel=1, queue=1)
+    scheduler = app.state.endpoints.scheduler
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 30, "temperature": 0, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):  # a slow network: the disconnect lands while the head is on its way
+        await asyncio.sleep(0.2)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    async def serve_then_wait():  # the loop lives on after the answer, as a server's does
+        await app(scope, receive, send)
+        engine.open()
+        deadline = time.monotonic() + WAIT_S
+        while sum(scheduler.stats().requests_finished.values()) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    engine.hold()  # no step until the app has answered
+    scheduler.start()
+    try:
+        asyncio.run(serve_then_wait())
+        stats = scheduler.stats()
+        assert stats.requests_finished["cancelled"] == 1 and stats.tokens_generated < 30
+    finally:
+        engine.open()
+        scheduler.close()
+
+
 def test_a_full_queue_answers_503_with_retry_after(ids_server, ids_engine):
     """1 slot, queue 1: with one request running and one waiting, the next ones are refused."""
     body = {"prompt": [1, 2, 3], "max_tokens": 20, "temperature": 0}

@@ -115,15 +115,21 @@ def test_a_cached_model_without_tokenizer_files_gets_them_without_training(tiny_
         [(tiny_text.dir / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json")]
 
 
-def test_picompile_builds_the_trained_model_with_its_calibration(tiny_text, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def text_artifact(tiny_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("text") / "text.pic"
+    assert main(["build", str(tiny_text.onnx), "--target", "cpu", "-o", str(out), "--calib", str(tiny_text.calib),
+                 "--max-context", "64", "-q"]) == 0
+    return out
+
+
+def test_picompile_builds_the_trained_model_with_its_calibration(tiny_text, text_artifact, capsys):
     from picompile.evaluate import evaluate
     from picompile.reference import OrtDecoder
     from picompile.tokens import read_tokens
     from runtime import Engine
 
-    out = tmp_path / "text.pic"
-    assert main(["build", str(tiny_text.onnx), "--target", "cpu", "-o", str(out), "--calib", str(tiny_text.calib),
-                 "--max-context", "64", "-q"]) == 0
+    out = text_artifact
     engine = Engine(out)
     report = evaluate(engine, OrtDecoder(tiny_text.onnx), read_tokens(tiny_text.heldout)[:2])
     meta = json.loads(tiny_text.config.read_text())
@@ -137,3 +143,24 @@ def test_picompile_builds_the_trained_model_with_its_calibration(tiny_text, tmp_
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["prompt_ids"] == text_model.encode("def f(x):", bos=True).tolist() and result["generated_ids"]
     assert result["text"] == text_model.decode(result["generated_ids"])
+
+
+def test_the_server_speaks_the_artifacts_own_tokenizer(text_artifact, capsys):
+    """`serve`'s default tokenizer is the artifact's tokenizer.json (runtime.text), as `run -p` reads it: a string
+    prompt's greedy completion is the CLI's text, and chat applies the tokenizer config's template."""
+    from test_serve import client, live_server
+
+    from runtime import Engine
+
+    assert main(["run", str(text_artifact), "-p", "def f(x):", "--max-new-tokens", "12", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out.splitlines()[-1])
+    tokenizer = load_tokenizer(text_artifact)
+    messages = [{"role": "user", "content": "print('hi')"}]
+    with live_server(Engine(text_artifact, slots=2), parallel=2) as url:
+        answer = client(url).completions.create(model="any", prompt="def f(x):", max_tokens=12, temperature=0)
+        assert answer.choices[0].text == cli["text"]
+        assert answer.usage.prompt_tokens == len(cli["prompt_ids"])
+        chat = client(url).chat.completions.create(model="any", messages=messages, max_tokens=4, temperature=0)
+        assert chat.usage.prompt_tokens == len(tokenizer.chat_ids(messages))
+        ids = chat.choices[0].model_extra["token_ids"]
+        assert chat.choices[0].message.content == tokenizer.decode(ids)
