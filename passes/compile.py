@@ -53,12 +53,21 @@ def first_layers(program: KernelProgram) -> dict[str, int | None]:
     return layers
 
 
+# (maker, kernel name, spec as JSON) -> its TVM function. Making one parses TVMScript (~0.2-0.5 s a kernel, most
+# of a small build), and a process that builds several artifacts (dense and sparse, several formats) asks for
+# the same kernels again; TVM functions are immutable, so one serves every build.
+_MADE: dict[tuple, object] = {}
+
+
 def _make(spec: KernelSpec, name: str, device: str):
     op = ops.get(spec.op)
     maker = op.cuda if device == "gpu" else op.cpu
     if maker is None:
         raise ValueError(f"kernel {name}: op {op.name} has no {device} version")
-    return maker(name, *spec.args, rows=spec.rows, **spec.kwargs)
+    key = (maker, name, json.dumps(spec.to_json(), sort_keys=True))
+    if key not in _MADE:
+        _MADE[key] = maker(name, *spec.args, rows=spec.rows, **spec.kwargs)
+    return _MADE[key]
 
 
 def make_kernels(program: KernelProgram, names: list[str], device: str, ctx: Context) -> list:
