@@ -13,8 +13,12 @@ same B slots stepped one decode step each, and the weight bytes read per token (
 layer's union of the B sequences' neurons is read once per batch step). Meant for small artifacts (the tiny
 or small synthetic models); it runs every level on whatever artifact it is given.
 
-    python benchmarks/bench_serve.py model.pic [--levels 1,2,4,8] [--requests 4] [--prompt 16] [--tokens 32]
-        [--engine-steps 16] [--no-server]
+Every request (and every slot in the engine figures) has its own random prompt, so the sequences of a batch
+differ and a sparse layer's union is what real traffic makes. `--baseline` runs a second artifact (the dense
+build of the same model) at every level, alternately with the first, and prints the first's speed-up over it.
+
+    python benchmarks/bench_serve.py model.pic [--baseline dense.pic] [--levels 1,2,4,8] [--requests 4]
+        [--prompt 16] [--tokens 32] [--engine-steps 16] [--no-server]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import httpx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from runtime import Engine  # noqa: E402
 from runtime.serve import bind, create_app, make_server  # noqa: E402
@@ -55,7 +60,16 @@ def streamed_request(http: httpx.Client, url: str, prompt: list[int], tokens: in
             "decode_s": time.perf_counter() - first}
 
 
-def run_level(engine, parallel: int, requests: int, prompt: list[int], tokens: int) -> dict:
+def distinct_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`count` different random prompts: sequences of a batch that were one prompt would select the same neurons,
+    and a sparse layer's union would then cost no more than one sequence's selection."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(count)]
+
+
+def run_level(engine, parallel: int, requests: int, prompts: list[list[int]], tokens: int) -> dict:
+    """P clients (`parallel`), each sending `requests` streamed completions back to back, client c's r-th of
+    prompts[c * requests + r]."""
     sock = bind("127.0.0.1", 0)
     server = make_server(create_app(engine, tokenizer=None, parallel=parallel, queue=parallel * requests),
                          log_level="warning")
@@ -66,11 +80,11 @@ def run_level(engine, parallel: int, requests: int, prompt: list[int], tokens: i
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
         with httpx.Client() as http:
-            streamed_request(http, url, prompt, 2)  # warm: the first request pays for the first prefill
+            streamed_request(http, url, prompts[-1], 2)  # warm: the first request pays for the first prefill
 
-        def client(_):  # a client keeps its connection, as real ones do
+        def client(c):  # a client keeps its connection, as real ones do
             with httpx.Client() as http:
-                return [streamed_request(http, url, prompt, tokens) for _ in range(requests)]
+                return [streamed_request(http, url, prompts[c * requests + r], tokens) for r in range(requests)]
 
         began = time.perf_counter()
         with ThreadPoolExecutor(parallel) as pool:
@@ -87,16 +101,16 @@ def run_level(engine, parallel: int, requests: int, prompt: list[int], tokens: i
             "ttft_median_ms": statistics.median(ttft) * 1000, "ttft_p90_ms": ttft[math.ceil(0.9 * len(ttft)) - 1] * 1000}  # nearest rank
 
 
-def engine_level(engine, batch: int, steps: int, prompt: list[int]) -> dict:
+def engine_level(engine, batch: int, steps: int, prompts: list[list[int]]) -> dict:
     """Tokens/s and weight bytes per token of `steps` batch steps of `batch` slots, then of the same slots
-    stepped one decode step each (each after a prefill of `prompt`)."""
+    stepped one decode step each (slot i after a prefill of prompts[i])."""
     slots = list(range(batch))
     result = {"batch": batch}
     for mode in ("batched", "per_slot"):
         tokens = {}
         for slot in slots:
             engine.reset(slot)
-            tokens[slot] = int(engine.forward(prompt, slot)[-1].argmax())
+            tokens[slot] = int(engine.forward(prompts[slot], slot)[-1].argmax())
         began = None
         for step in range(steps + 1):  # the first untimed: it binds the batch program
             if step == 1:
@@ -114,9 +128,31 @@ def engine_level(engine, batch: int, steps: int, prompt: list[int]) -> dict:
     return result
 
 
+ENGINE_COLUMNS = ("batch", "batched tok/s", "per-slot tok/s", "batched/per-slot", "batched MB/tok", "per-slot MB/tok")
+SERVER_COLUMNS = ("parallel", "requests", "total tok/s", "per-request tok/s", "TTFT median ms", "TTFT p90 ms")
+
+
+def engine_cells(row: dict) -> list[str]:
+    return [f"{row['batched_tokens_per_s']:.1f}", f"{row['per_slot_tokens_per_s']:.1f}",
+            f"{row['batched_tokens_per_s'] / row['per_slot_tokens_per_s']:.2f}x",
+            f"{row['batched_bytes_per_token'] / 1e6:.1f}", f"{row['per_slot_bytes_per_token'] / 1e6:.1f}"]
+
+
+def server_cells(row: dict) -> list[str]:
+    return [str(row["requests"]), f"{row['total_tokens_per_s']:.1f}", f"{row['per_request_tokens_per_s']:.1f}",
+            f"{row['ttft_median_ms']:.0f}", f"{row['ttft_p90_ms']:.0f}"]
+
+
+def table(columns, rows) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---:" for _ in columns) + " |"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact")
+    parser.add_argument("--baseline", help="a second artifact (e.g. the dense build of the same model), run at "
+                                           "every level alternately with the first; the ratios are artifact / baseline")
     parser.add_argument("--levels", default="1,2,4,8", help="concurrent requests per level, comma-separated")
     parser.add_argument("--requests", type=int, default=4, help="requests each client sends, one after another")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
@@ -125,29 +161,45 @@ def main() -> None:
     parser.add_argument("--no-server", action="store_true", help="only the engine's figures")
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
-    engine = Engine(args.artifact, slots=max(levels))
-    if args.prompt + args.tokens > engine.max_context:
-        parser.error(f"--prompt + --tokens exceed the artifact's max context {engine.max_context}")
-    prompt = [(7 * i + 1) % engine.vocab_size for i in range(args.prompt)]
-    print(f"{args.artifact}: batched {engine.batched} (max batch {engine.max_batch}); per batch size, "
-          f"{args.engine_steps} decode steps after a {args.prompt}-token prompt")
-    print(f"{'batch':>6} {'batched tok/s':>14} {'per-slot tok/s':>15} {'speedup':>8} {'batched MB/tok':>15} "
-          f"{'per-slot MB/tok':>16}")
+    names = [args.artifact] + ([args.baseline] if args.baseline else [])
+    engines = {name: Engine(name, slots=max(levels)) for name in names}
+    first = engines[args.artifact]
+    if any(engine.vocab_size != first.vocab_size for engine in engines.values()):
+        parser.error("--baseline must be an artifact of a model with the same vocabulary")
+    if args.prompt + args.tokens > min(engine.max_context for engine in engines.values()):
+        parser.error("--prompt + --tokens exceed an artifact's max context")
+    prompts = distinct_prompts(max(levels) * args.requests + 1, args.prompt, first.vocab_size)
+    for name, engine in engines.items():
+        print(f"{name}: batched {engine.batched} (max batch {engine.max_batch})")
+    order = names[::-1]  # the baseline first at every level
+    print(f"\nWithout the server: per batch size, {args.engine_steps} decode steps after a {args.prompt}-token prompt "
+          "(a different one per slot)")
+    engine_rows = {name: [] for name in names}
     for batch in levels:
-        row = engine_level(engine, batch, args.engine_steps, prompt)
-        print(f"{batch:>6} {row['batched_tokens_per_s']:>14.1f} {row['per_slot_tokens_per_s']:>15.1f} "
-              f"{row['batched_tokens_per_s'] / row['per_slot_tokens_per_s']:>8.2f} "
-              f"{row['batched_bytes_per_token'] / 1e6:>15.3f} {row['per_slot_bytes_per_token'] / 1e6:>16.3f}")
+        for name in order:
+            engine_rows[name].append(engine_level(engines[name], batch, args.engine_steps, prompts))
+    for name in names:
+        print(f"\n{name}\n" + table(ENGINE_COLUMNS, [[str(batch), *engine_cells(row)]
+                                                       for batch, row in zip(levels, engine_rows[name])]))
+    if args.baseline:
+        print(f"\n{args.artifact} over {args.baseline}, batched decode tok/s per batch size: " + ", ".join(
+            f"{batch}: {row['batched_tokens_per_s'] / base['batched_tokens_per_s']:.2f}x"
+            for batch, row, base in zip(levels, engine_rows[args.artifact], engine_rows[args.baseline])))
     if args.no_server:
         return
-    print(f"{args.artifact}: prompt {args.prompt} tokens, {args.tokens} generated per request, "
+    print(f"\nThrough the server: prompts of {args.prompt} tokens (all different), {args.tokens} generated per request, "
           f"{args.requests} requests per client")
-    print(f"{'parallel':>8} {'requests':>8} {'total tok/s':>12} {'per-request tok/s':>18} {'TTFT median ms':>15} "
-          f"{'TTFT p90 ms':>12}")
+    server_rows = {name: [] for name in names}
     for parallel in levels:
-        row = run_level(engine, parallel, args.requests, prompt, args.tokens)
-        print(f"{row['parallel']:>8} {row['requests']:>8} {row['total_tokens_per_s']:>12.1f} "
-              f"{row['per_request_tokens_per_s']:>18.1f} {row['ttft_median_ms']:>15.1f} {row['ttft_p90_ms']:>12.1f}")
+        for name in order:
+            server_rows[name].append(run_level(engines[name], parallel, args.requests, prompts, args.tokens))
+    for name in names:
+        print(f"\n{name}\n" + table(SERVER_COLUMNS, [[str(parallel), *server_cells(row)]
+                                                       for parallel, row in zip(levels, server_rows[name])]))
+    if args.baseline:
+        print(f"\n{args.artifact} over {args.baseline}, total tok/s through the server per parallel requests: " + ", ".join(
+            f"{parallel}: {row['total_tokens_per_s'] / base['total_tokens_per_s']:.2f}x"
+            for parallel, row, base in zip(levels, server_rows[args.artifact], server_rows[args.baseline])))
 
 
 if __name__ == "__main__":
