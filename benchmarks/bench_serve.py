@@ -171,35 +171,30 @@ def main() -> None:
     prompts = distinct_prompts(max(levels) * args.requests + 1, args.prompt, first.vocab_size)
     for name, engine in engines.items():
         print(f"{name}: batched {engine.batched} (max batch {engine.max_batch})")
-    order = names[::-1]  # the baseline first at every level
     print(f"\nWithout the server: per batch size, {args.engine_steps} decode steps after a {args.prompt}-token prompt "
           "(a different one per slot)")
-    engine_rows = {name: [] for name in names}
-    for batch in levels:
-        for name in order:
-            engine_rows[name].append(engine_level(engines[name], batch, args.engine_steps, prompts))
-    for name in names:
-        print(f"\n{name}\n" + table(ENGINE_COLUMNS, [[str(batch), *engine_cells(row)]
-                                                       for batch, row in zip(levels, engine_rows[name])]))
-    if args.baseline:
-        print(f"\n{args.artifact} over {args.baseline}, batched decode tok/s per batch size: " + ", ".join(
-            f"{batch}: {row['batched_tokens_per_s'] / base['batched_tokens_per_s']:.2f}x"
-            for batch, row, base in zip(levels, engine_rows[args.artifact], engine_rows[args.baseline])))
+    measure(names, levels, lambda name, batch: engine_level(engines[name], batch, args.engine_steps, prompts),
+            ENGINE_COLUMNS, engine_cells, "batched_tokens_per_s", "batched decode tok/s per batch size")
     if args.no_server:
         return
     print(f"\nThrough the server: prompts of {args.prompt} tokens (all different), {args.tokens} generated per request, "
           f"{args.requests} requests per client")
-    server_rows = {name: [] for name in names}
-    for parallel in levels:
-        for name in order:
-            server_rows[name].append(run_level(engines[name], parallel, args.requests, prompts, args.tokens))
+    measure(names, levels, lambda name, parallel: run_level(engines[name], parallel, args.requests, prompts, args.tokens),
+            SERVER_COLUMNS, server_cells, "total_tokens_per_s", "total tok/s through the server per parallel requests")
+
+
+def measure(names: list[str], levels: list[int], run, columns, cells, speed: str, what: str) -> None:
+    """`run(name, level)` for every level, the baseline (names[1], if any) first at each, then a table per artifact
+    and the first's speed-up over the baseline in `speed`."""
+    rows = {name: [] for name in names}
+    for level in levels:
+        for name in names[::-1]:
+            rows[name].append(run(name, level))
     for name in names:
-        print(f"\n{name}\n" + table(SERVER_COLUMNS, [[str(parallel), *server_cells(row)]
-                                                       for parallel, row in zip(levels, server_rows[name])]))
-    if args.baseline:
-        print(f"\n{args.artifact} over {args.baseline}, total tok/s through the server per parallel requests: " + ", ".join(
-            f"{parallel}: {row['total_tokens_per_s'] / base['total_tokens_per_s']:.2f}x"
-            for parallel, row, base in zip(levels, server_rows[args.artifact], server_rows[args.baseline])))
+        print(f"\n{name}\n" + table(columns, [[str(level), *cells(row)] for level, row in zip(levels, rows[name])]))
+    if len(names) > 1:
+        print(f"\n{names[0]} over {names[1]}, {what}: " + ", ".join(
+            f"{level}: {row[speed] / base[speed]:.2f}x" for level, row, base in zip(levels, rows[names[0]], rows[names[1]])))
 
 
 if __name__ == "__main__":
