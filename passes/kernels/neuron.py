@@ -464,6 +464,23 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 _prefetch(T.address_of(ws_next[next_row, T.min(q * per_scale_line, sblocks - 1)]), locality)
 
     @T.macro
+    def dot_scales(rs, ws, row, ws_next, next_row):
+        """Before a dot product with w[row]: the next row's scales prefetched, this row's as fp32 factors in rs."""
+        prefetch_scales(ws_next, next_row)
+        if fmt.quantized:
+            for b in T.vectorized(sblocks):
+                rs[b] = load_f32(ws[row, b], fmt.sdtype)
+
+    @T.macro
+    def take_offset(acc, a, rs, xs, r):
+        """int4: acc[a] minus the stored offset's share of a dot product with x[r] (8 * sum over blocks of
+        rs[b] * x[r]'s block sums), in acc's lanes."""
+        if has_offset:
+            for b in range(sblocks // slanes):
+                for v in T.vectorized(slanes):
+                    acc[a, v] = acc[a, v] - T.float32(offset) * rs[b * slanes + v] * xs[r * sblocks + b * slanes + v]
+
+    @T.macro
     def block_sums(xs, x, r):
         """xs[r, b] = the sum of x[r] over block b (int4's offset term), two half-block vectors and a horizontal
         sum (xs is flat: row r's sums start at r * sblocks)."""
@@ -491,10 +508,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         """dot[slot] = w[row] . x[r] in `chains` vector accumulators (a block each per step) and one horizontal
         sum, prefetching the row w_next[next_row] line by line as it goes (spread out, so the prefetches overlap
         the FMAs instead of queueing up in front of them)."""
-        prefetch_scales(ws_next, next_row)
-        if fmt.quantized:
-            for b in T.vectorized(sblocks):
-                rs[b] = load_f32(ws[row, b], fmt.sdtype)
+        dot_scales(rs, ws, row, ws_next, next_row)
         for c in T.unroll(chains):
             for v in T.vectorized(lanes):
                 acc[c, v] = T.float32(0)
@@ -505,10 +519,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             for c in T.unroll(chains):
                 for v in T.vectorized(lanes):
                     acc[c, v] = acc[c, v] + fmt.block_dot(x, w, rs, row, s * chains + c, v, r)
-        if has_offset:
-            for b in range(sblocks // slanes):
-                for v in T.vectorized(slanes):
-                    acc[0, v] = acc[0, v] - T.float32(offset) * rs[b * slanes + v] * xs[r * sblocks + b * slanes + v]
+        take_offset(acc, 0, rs, xs, r)
         sum_chains(acc, chains, lanes, dot, slot)
 
     @T.macro
@@ -516,10 +527,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         """A batch step's dots[u] = w[row] . x[r0 + u] for the `tile` rows from r0 (rows past the last repeat
         it: their dots are not used), in one pass over the row: each of its vectors loaded once for all of
         them, an accumulator per row (the rows' chains hide the FMA latency), prefetching w_next[next_row]."""
-        prefetch_scales(ws_next, next_row)
-        if fmt.quantized:
-            for b in T.vectorized(sblocks):
-                rs[b] = load_f32(ws[row, b], fmt.sdtype)
+        dot_scales(rs, ws, row, ws_next, next_row)
         for u in T.unroll(tile):
             for v in T.vectorized(lanes):
                 tacc[u, v] = T.float32(0)
@@ -532,11 +540,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                         tacc[u, v] = tacc[u, v] + fmt.block_dot(x, w, rs, row, s * line_blocks + b, v,
                                                                 T.min(r0 + u, m - 1))
         for u in T.unroll(tile):
-            if has_offset:
-                for b in range(sblocks // slanes):
-                    for v in T.vectorized(slanes):
-                        tacc[u, v] = tacc[u, v] - T.float32(offset) * rs[b * slanes + v] * xs[
-                            T.min(r0 + u, m - 1) * sblocks + b * slanes + v]
+            take_offset(tacc, u, rs, xs, T.min(r0 + u, m - 1))
             dots[u] = tacc[u, 0]
             for v in T.unroll(1, lanes):
                 dots[u] = dots[u] + tacc[u, v]
