@@ -189,9 +189,9 @@ class Lowering:
 
     def batch_scratch(self, name: str, tasks: int, width: int) -> str:
         """A kernel's scratch of a `width` row per task and sequence of a batch step: [tasks, max_batch * width]
-        (one sequence's where the program gets no batch phase: `drop_batch`)."""
+        (one sequence's where the program has no batch phase, or gets none: `drop_batch`)."""
         self.batch_widths[name] = width
-        return self.scratch(name, [tasks, self.max_batch * width])
+        return self.scratch(name, [tasks, max(1, self.max_batch) * width])
 
     def drop_batch(self) -> None:
         """No batch phase (a call runs on the GPU, or a decode call has no batch kernel, or max_batch < 2): the
@@ -512,8 +512,7 @@ class _Walker:
             # a batch step's kernel holds a scratch row per task and sequence (so decode's, sharing the buffer,
             # takes its [tasks, max_batch * width] shape too and uses the first width columns)
             batch = self.low.max_batch > 1
-            scratch = self.low.batch_scratch(f"scratch.ffn.d{width}", neuron.FFN_TASKS, width) if batch else \
-                self.low.scratch(f"scratch.ffn.d{width}", [neuron.FFN_TASKS, width])
+            scratch = self.low.batch_scratch(f"scratch.ffn.d{width}", neuron.FFN_TASKS, width)
             fired = self.low.scratch(f"scratch.ffn_fired.n{neurons}", [1, neurons], "int32")
             # batch steps: each selected neuron's rows read once for all the sequences of the batch, their dot
             # products in fp32 (int8_dot quantizes one x per call), as prefill's GEMMs take them
@@ -597,8 +596,7 @@ class _Walker:
             kernels = self.low.kernel(ops.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",),
                                       batch={} if batch else None)
             self.low.call(f"{p}.{part}_select", kernels, [read(v), read(threshold), write(index), write(count)], role)
-            scratch = self.low.batch_scratch(f"scratch.columns.n{columns}", neuron.COLUMN_TASKS, columns) if batch \
-                else self.low.scratch(f"scratch.columns.n{columns}", [neuron.COLUMN_TASKS, columns])
+            scratch = self.low.batch_scratch(f"scratch.columns.n{columns}", neuron.COLUMN_TASKS, columns)
             tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{dtype_tag}"
             kernels = self.low.kernel(ops.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
                                       gated=glu, act=act, bias=bias is not None, phases=("decode",),

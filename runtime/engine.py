@@ -312,6 +312,12 @@ class Engine:
         """Forget a slot's context (cache entries past its position are never read, so no clearing is needed)."""
         self.positions[self._slot(slot)] = 0
 
+    def _check_token_ids(self, ids: np.ndarray) -> None:
+        """Token ids index the embedding tables: checked against the rows the loaded arrays really have, never
+        a manifest claim."""
+        if ids.min() < 0 or ids.max() >= self._token_rows:
+            raise ValueError(f"token ids must be in [0, {self._token_rows}); got {ids.min()}..{ids.max()}")
+
     def forward(self, token_ids, slot: int = 0) -> np.ndarray:
         """Run the model on new tokens after the ones cached in `slot`; returns their logits [len, vocab]."""
         slot = self._slot(slot)
@@ -322,8 +328,7 @@ class Engine:
         position = self.positions[slot]
         if position + rows > self.max_context:
             raise ValueError(f"context full: {position} cached + {rows} new > max context {self.max_context}")
-        if ids.min() < 0 or ids.max() >= self._token_rows:  # the embedding table's rows, never a manifest claim
-            raise ValueError(f"token ids must be in [0, {self._token_rows}); got {ids.min()}..{ids.max()}")
+        self._check_token_ids(ids)
         self.buffers["input_ids"][:rows] = ids
         program = self._decodes[slot] if rows == 1 else self._program("prefill", rows, slot)
         began = time.perf_counter()
@@ -354,8 +359,7 @@ class Engine:
         if full:
             raise ValueError(f"context full: slot {full[0]} holds {self.positions[full[0]]} tokens, the max context "
                              f"{self.max_context}")
-        if ids.min() < 0 or ids.max() >= self._token_rows:  # the embedding table's rows, never a manifest claim
-            raise ValueError(f"token ids must be in [0, {self._token_rows}); got {ids.min()}..{ids.max()}")
+        self._check_token_ids(ids)
         if not self.batched or len(slots) == 1:
             return np.concatenate([self.forward([int(token)], slot) for token, slot in zip(ids, slots)])
         chunks = [self._forward_chunk(ids[i:i + self.max_batch], tuple(slots[i:i + self.max_batch]))
