@@ -33,9 +33,19 @@ def byte_tokenizer(bos: str = "<s>", pad: str = "<pad>"):
 
 def write_byte_tokenizer(directory: Path, chat_template: str | None = None, generation_eos: bool = True,
                          bos: str = "<s>", pad: str = "<pad>", model_max_length: int = 64) -> Path:
-    """tokenizer.json, tokenizer_config.json (naming BOS = EOS and PAD; `chat_template` where given) and
-    generation_config.json (unless not `generation_eos`) in `directory`. Each file appears whole (written
-    beside it, then renamed), tokenizer.json last: a directory with it has the others too."""
+    """This vocabulary's tokenizer files in ``directory`` (`write_tokenizer_files`)."""
+    return write_tokenizer_files(directory, byte_tokenizer(bos, pad), bos=bos, pad=pad, bos_id=BOS, pad_id=PAD,
+                                 chat_template=chat_template, generation_eos=generation_eos,
+                                 model_max_length=model_max_length)
+
+
+def write_tokenizer_files(directory: Path, tokenizer, *, bos: str, pad: str, bos_id: int, pad_id: int,
+                          chat_template: str | None = None, generation_eos: bool = True,
+                          model_max_length: int = 64) -> Path:
+    """tokenizer.json (the `tokenizers.Tokenizer` given), tokenizer_config.json (naming ``bos`` = EOS and
+    ``pad``; `chat_template` where given) and generation_config.json (unless not `generation_eos`) in
+    `directory`, as save_pretrained lays them out. Each file appears whole (written beside it, then
+    renamed), tokenizer.json last: a directory with it has the others too."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = {"bos_token": bos, "eos_token": bos, "pad_token": pad, "model_max_length": model_max_length,
@@ -44,8 +54,9 @@ def write_byte_tokenizer(directory: Path, chat_template: str | None = None, gene
         config["chat_template"] = chat_template
     texts = {"tokenizer_config.json": json.dumps(config)}
     if generation_eos:
-        texts["generation_config.json"] = json.dumps({"bos_token_id": BOS, "eos_token_id": BOS, "pad_token_id": PAD})
-    texts["tokenizer.json"] = byte_tokenizer(bos, pad).to_str(pretty=True)
+        texts["generation_config.json"] = json.dumps({"bos_token_id": bos_id, "eos_token_id": bos_id,
+                                                      "pad_token_id": pad_id})
+    texts["tokenizer.json"] = tokenizer.to_str(pretty=True)
     for name, text in texts.items():
         temporary = directory / f".{name}.{os.getpid()}.tmp"
         temporary.write_text(text)

@@ -39,33 +39,42 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SPEED_PROMPT_LEN = 16  # the random prompt the speed table times (examples/bench_decode.py measure)
+PROMPT = "def fibonacci(n):\n"
+
+from examples.text_model import TEXT_PRESETS  # noqa: E402  (after the path above)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", choices=["small", "tiny"],
+    parser.add_argument("--preset", default="code", choices=sorted(TEXT_PRESETS),
                         help="text model preset of examples/text_model.py")
-    parser.add_argument("--prompt", default="def fibonacci(n):\n", help="the code the model continues")
+    parser.add_argument("--prompt", default=PROMPT, help="the code the model continues")
     parser.add_argument("--tokens", type=int, default=160,
-                        help="bytes to generate at most (fewer if the model's context is shorter)")
+                        help="tokens to generate at most (fewer if the model's context is shorter)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-threads", type=int, default=os.cpu_count(), help="torch threads for training")
     args = parser.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count()))
 
     from examples.bench_decode import ensure_artifact, measure, quality, table
     from examples.models import cache_dir
-    from examples.text_model import TEXT_PRESETS, cached_text_model
     from picompile.reference import OrtDecoder
     from runtime import Engine, generate_stream
+    from runtime.sampling import sample
     from runtime.text import load_tokenizer
 
     say = lambda message: print("   " + message, flush=True)  # noqa: E731
     context = TEXT_PRESETS[args.preset]["context"]
     print(f"1. training an OPT-ReLU model ({args.preset}) on the Python standard library's sources, or finding "
           f"it in {cache_dir()}", flush=True)
-    files = cached_text_model(args.preset, threads=1, log=say)  # one thread: what its training time was measured at
+    files = cached_text_model(args.preset, threads=args.train_threads, log=say)
     meta = json.loads(files.config.read_text())
-    say(f"{files.onnx} ({meta['num_params']:,} parameters, held-out loss "
-        f"{meta['heldout_loss']['trained']:.2f} nats/byte, learned FFN sparsity per layer "
+    loss = meta["heldout_loss"]
+    say(f"{files.onnx} ({meta['num_params']:,} parameters, {meta['tokenizer']['kind']} vocabulary of "
+        f"{meta['tokenizer']['vocab_size']}, held-out loss {loss.get('trained_per_byte', loss['trained']):.2f} "
+        f"nats/byte, learned FFN sparsity per layer "
         f"{', '.join(f'{s:.2f}' for s in files.layer_sparsity)})")
     print("2. compiling it for --target cpu (TVM, LLVM, this CPU's vector ISA): dense, then sparse "
           "(profile, predictors, lowering)", flush=True)
@@ -74,20 +83,23 @@ def main() -> int:
     for name, path in artifacts.items():
         say(f"{name}: {path}")
 
-    print(f"3. greedy generation with the sparse artifact, prompt {args.prompt!r}:", flush=True)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    how = "greedy" if args.temperature <= 0 else ", ".join(f"{k} {v}" for k, v in sampling.items())
+    print(f"3. generation with the sparse artifact ({how}), prompt {args.prompt!r}:", flush=True)
     tokenizer = load_tokenizer(artifacts["picompile sparse"])
     prompt = tokenizer.encode(args.prompt)
     tokens = max(1, min(args.tokens, context - len(prompt)))
     stream, generated = tokenizer.stream(), []
     print("-" * 60 + "\n" + args.prompt, end="", flush=True)
     for token in generate_stream(Engine(artifacts["picompile sparse"]), prompt, tokens,
-                                 stop_ids=tokenizer.eos_ids):
+                                 stop_ids=tokenizer.eos_ids, **sampling):
         generated.append(token)
         print(stream.push(token), end="", flush=True)
     print(stream.flush() + "\n" + "-" * 60)
-    reference = OrtDecoder(files.onnx).greedy(prompt, len(generated))
+    reference = onnxruntime_tokens(OrtDecoder(files.onnx), prompt, len(generated), sample, **sampling)
     same = next((i for i, (a, b) in enumerate(zip(reference, generated)) if a != b), len(generated))
-    say(f"the first {same} of its {len(generated)} tokens (bytes) equal onnxruntime's greedy ones on the ONNX model"
+    say(f"the first {same} of its {len(generated)} tokens equal onnxruntime's on the ONNX model (the same sampler "
+        f"and seed over onnxruntime's logits)"
         + ("" if same == len(generated) else f"; onnxruntime's text: {tokenizer.decode(reference)!r}"))
 
     print("4. decode speed against onnxruntime (same model, same threads), with the quality each speed has",
@@ -97,6 +109,22 @@ def main() -> int:
                       prompt_len=SPEED_PROMPT_LEN)
     print(table({"prompt_len": SPEED_PROMPT_LEN}, summary, qualities))
     return 0
+
+
+def onnxruntime_tokens(decoder, prompt: list[int], count: int, sample, *, temperature: float, top_k: int,
+                       seed: int) -> list[int]:
+    """`count` tokens after `prompt` chosen by the runtime's sampler (`sample`, the same draws from the same
+    seed as runtime.generate_stream) from onnxruntime's logits: where the artifact computes the model's
+    logits, the two choose the same tokens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed) if temperature > 0 else None
+    decoder.reset()
+    logits, tokens = decoder.forward(prompt)[-1], []
+    while len(tokens) < count:
+        tokens.append(sample(logits, rng, temperature, top_k))
+        logits = decoder.forward([tokens[-1]])[-1]
+    return tokens
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from examples import models  # noqa: E402
-from examples.byte_tokenizer import BOS, PAD, VOCAB, write_byte_tokenizer  # noqa: E402  BOS is also EOS
+from examples.byte_tokenizer import BOS, PAD, VOCAB, byte_tokenizer, write_tokenizer_files  # noqa: E402  BOS is EOS
 
 TEXT_MAKER_VERSION = "1"
 BOS_TEXT, PAD_TEXT = "<|endoftext|>", "<|pad|>"  # the special tokens in tokenizer.json
@@ -69,11 +69,16 @@ EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "idlelib", "lib2
 # `n_seqs` windows of `context` tokens (`calib_seqs` may shrink the calibration file, as for models.py).
 TEXT_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=32, num_hidden_layers=2, ffn_dim=128, num_attention_heads=2, context=64,
-                 steps=40, batch=8, lr=3e-3, n_seqs=8, calib_seqs=None),
+                 steps=40, batch=8, lr=3e-3, n_seqs=8, calib_seqs=None, vocab=None),
     "small": dict(hidden_size=256, num_hidden_layers=4, ffn_dim=1024, num_attention_heads=4, context=256,
-                  steps=800, batch=8, lr=2e-3, n_seqs=32, calib_seqs=None),
+                  steps=800, batch=8, lr=2e-3, n_seqs=32, calib_seqs=None, vocab=None),
+    # the quickstart's: a byte-level BPE of `vocab` tokens (trained on the training files) spends the same
+    # compute on ~3x the text of bytes, and its tokens (`return`, `self.`, an indentation) are code's words
+    "code": dict(hidden_size=256, num_hidden_layers=4, ffn_dim=1024, num_attention_heads=4, context=128,
+                 steps=1500, batch=16, lr=3e-3, n_seqs=32, calib_seqs=None, vocab=2048),
 }
 ARCH_KEYS = ("hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads")
+BPE_BOS, BPE_PAD = 0, 1  # a trained BPE's special ids: its trainer numbers the special tokens first
 WARMUP_SHARE = 0.05
 MIN_LR_SHARE = 0.1  # cosine decay ends at this share of the peak learning rate
 WEIGHT_DECAY = 0.01
@@ -100,9 +105,50 @@ def decode(ids) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+class Vocabulary:
+    """How a preset's text becomes ids: UTF-8 bytes (``vocab`` None: :func:`encode`, and
+    examples/byte_tokenizer.py's tokenizer.json), or a byte-level BPE of ``vocab`` tokens that the `tokenizers`
+    library trains on the training files (GPT-2's pre-tokenizer: runs of spaces, words with their leading
+    space). Either way ``bos`` (also EOS) starts every file and ``pad`` is never produced."""
+
+    def __init__(self, tokenizer, kind: str, bos: int, pad: int):
+        self.tokenizer, self.kind, self.bos, self.pad = tokenizer, kind, bos, pad
+        self.size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def bytes(cls) -> "Vocabulary":
+        return cls(byte_tokenizer(BOS_TEXT, PAD_TEXT), "bytes", BOS, PAD)
+
+    @classmethod
+    def bpe(cls, texts: list[str], size: int) -> "Vocabulary":
+        """A BPE of `size` tokens trained on `texts` (deterministic: the same texts give the same merges)."""
+        from tokenizers import Tokenizer, decoders, models as bpe_models, pre_tokenizers, processors, trainers
+
+        tokenizer = Tokenizer(bpe_models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+            vocab_size=size, special_tokens=[BOS_TEXT, PAD_TEXT], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # every byte: any text encodes
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS_TEXT} $A",
+                                                                 special_tokens=[(BOS_TEXT, BPE_BOS)])
+        return cls(tokenizer, "bpe", BPE_BOS, BPE_PAD)
+
+    def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids, BOS first (int64)."""
+        if self.kind == "bytes":
+            return [encode(text, bos=True) for text in texts]
+        return [np.asarray(e.ids, np.int64) for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)]
+
+    def write(self, directory: str | os.PathLike, context: int) -> Path:
+        """The model's tokenizer files in ``directory`` (examples/byte_tokenizer.py `write_tokenizer_files`)."""
+        return write_tokenizer_files(Path(directory), self.tokenizer, bos=BOS_TEXT, pad=PAD_TEXT, bos_id=self.bos,
+                                     pad_id=self.pad, model_max_length=context)
+
+
 def write_tokenizer(directory: str | os.PathLike, context: int) -> Path:
-    """This vocabulary as a model's tokenizer files (examples/byte_tokenizer.py) in ``directory``."""
-    return write_byte_tokenizer(Path(directory), bos=BOS_TEXT, pad=PAD_TEXT, model_max_length=context)
+    """The byte vocabulary as a model's tokenizer files in ``directory``."""
+    return Vocabulary.bytes().write(directory, context)
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -141,17 +187,23 @@ def split_files(files: list[Path], heldout_share: float = HELDOUT_SHARE) -> tupl
     return [f for f in files if f not in held_set], held
 
 
-def token_stream(files: list[Path], root: Path | None = None) -> np.ndarray:
-    """The files' bytes, each preceded by BOS, as one int64 stream (undecodable files are skipped: the stdlib
-    has a few latin-1 test fixtures, and bytes of a file the tokenizer round-trips are what it trains on)."""
+def file_texts(files: list[Path], root: Path | None = None) -> list[str]:
+    """The files' text (undecodable files are skipped: the stdlib has a few latin-1 test fixtures, and text
+    the tokenizer round-trips is what the model trains on)."""
     root = root or stdlib_root()
-    parts = []
+    texts = []
     for rel in files:
         try:
-            text = (root / rel).read_text(encoding="utf-8")
+            texts.append((root / rel).read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
             continue
-        parts.append(encode(text, bos=True))
+    return texts
+
+
+def token_stream(files: list[Path], root: Path | None = None, vocabulary: Vocabulary | None = None) -> np.ndarray:
+    """The files' ids (bytes unless `vocabulary` says otherwise), each file preceded by BOS, as one int64
+    stream."""
+    parts = (vocabulary or Vocabulary.bytes()).encode_texts(file_texts(files, root))
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
@@ -175,11 +227,11 @@ def _settings(preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
     return {**TEXT_PRESETS[preset], **overrides}
 
 
-def text_config(settings: dict[str, Any]):
+def text_config(settings: dict[str, Any], vocabulary: Vocabulary):
     """The OPTConfig: examples/models.py's OPT family (ReLU, pre-LN, biases, tied head) at these sizes."""
-    return models.make_config("opt", "tiny", **{k: settings[k] for k in ARCH_KEYS}, vocab_size=VOCAB,
-                              max_position_embeddings=settings["context"], pad_token_id=PAD,
-                              bos_token_id=BOS, eos_token_id=BOS)
+    return models.make_config("opt", "tiny", **{k: settings[k] for k in ARCH_KEYS}, vocab_size=vocabulary.size,
+                              max_position_embeddings=settings["context"], pad_token_id=vocabulary.pad,
+                              bos_token_id=vocabulary.bos, eos_token_id=vocabulary.bos)
 
 
 def heldout_loss(model, ids: np.ndarray, batch: int = 8) -> float:
@@ -234,9 +286,16 @@ def train(model, stream: np.ndarray, settings: dict[str, Any], seed: int, log=la
 
 
 def text_config_hash(preset: str = "small", seed: int = 0, **overrides) -> str:
+    settings = _settings(preset, overrides)
+    if settings["vocab"] is None:  # byte models keep the names they had before the BPE option
+        del settings["vocab"]
     key = dict(text_maker_version=TEXT_MAKER_VERSION, maker_version=models.MAKER_VERSION, preset=preset, seed=seed,
-               settings=_settings(preset, overrides), heldout_share=HELDOUT_SHARE, excluded=sorted(EXCLUDED_DIRS),
+               settings=settings, heldout_share=HELDOUT_SHARE, excluded=sorted(EXCLUDED_DIRS),
                corpus=corpus_digest(), torch=torch.__version__.split("+")[0])
+    if settings.get("vocab"):  # a trained BPE's merges are the tokenizers library's
+        import tokenizers
+
+        key["tokenizers"] = tokenizers.__version__
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -252,16 +311,22 @@ def make_text_model(out_dir: str | os.PathLike, preset: str = "small", seed: int
         torch.set_num_threads(threads)
     started = time.perf_counter()
     train_files, held_files = split_files(corpus_files())
-    train_stream, held_stream = token_stream(train_files), token_stream(held_files)
+    vocabulary = (Vocabulary.bpe(file_texts(train_files), settings["vocab"]) if settings["vocab"]
+                  else Vocabulary.bytes())
+    train_stream = token_stream(train_files, vocabulary=vocabulary)
+    held_stream = token_stream(held_files, vocabulary=vocabulary)
     context, n_seqs = settings["context"], settings["n_seqs"]
     calib = windows(train_stream, settings["calib_seqs"] or n_seqs, context, seed + 2001)
     heldout = windows(held_stream, n_seqs, context, seed + 3001)
     calib_path = models.write_tokens(out_dir / "calib.npy", calib)
     heldout_path = models.write_tokens(out_dir / "heldout.npy", heldout)
-    log(f"corpus: {len(train_files)} training files ({len(train_stream) / 1e6:.2f}M bytes), "
-        f"{len(held_files)} held out ({len(held_stream) / 1e6:.2f}M bytes)")
+    held_bytes = sum(len(text.encode("utf-8")) for text in file_texts(held_files))
+    bytes_per_token = held_bytes / max(1, len(held_stream) - len(held_files))  # the BOS per file is no text
+    log(f"corpus: {len(train_files)} training files ({len(train_stream) / 1e6:.2f}M tokens), "
+        f"{len(held_files)} held out ({len(held_stream) / 1e6:.2f}M tokens); {vocabulary.kind} vocabulary of "
+        f"{vocabulary.size}, {bytes_per_token:.2f} bytes per token")
 
-    config = text_config(settings)
+    config = text_config(settings, vocabulary)
     torch.manual_seed(seed)
     model = transformers.OPTForCausalLM(config)
     loss_init = heldout_loss(model, heldout)
@@ -271,7 +336,8 @@ def make_text_model(out_dir: str | os.PathLike, preset: str = "small", seed: int
     loss_final = heldout_loss(model, heldout)
     measured = models.measure_sparsity(model, heldout)
     log(f"trained {models.num_params(model) / 1e6:.2f}M params for {settings['steps']} steps in {train_s:.0f}s: "
-        f"held-out loss {loss_init:.3f} -> {loss_final:.3f} nats/byte; learned FFN sparsity "
+        f"held-out loss {loss_init:.3f} -> {loss_final:.3f} nats/token "
+        f"({loss_final / bytes_per_token:.3f} nats/byte); learned FFN sparsity "
         f"{[round(s, 3) for s in measured['per_layer']]}")
     exported_at = time.perf_counter()
     onnx_path = models.export_onnx(model, out_dir, "dynamo", metadata={
@@ -285,8 +351,10 @@ def make_text_model(out_dir: str | os.PathLike, preset: str = "small", seed: int
         preset=f"text-{preset}", seed=seed, exporter="dynamo", opset=18, overrides=overrides,
         num_params=models.num_params(model), predictability=None,
         calib_tokens=int(calib.size),
-        tokenizer=dict(kind="bytes", vocab_size=VOCAB, bos=BOS, eos=BOS, pad=PAD,
-                       note="ids 0..255 are UTF-8 bytes (examples/text_model.py encode/decode)"),
+        tokenizer=dict(kind=vocabulary.kind, vocab_size=vocabulary.size, bos=vocabulary.bos, eos=vocabulary.bos,
+                       pad=vocabulary.pad, bytes_per_token=bytes_per_token,
+                       note=("ids 0..255 are UTF-8 bytes (examples/text_model.py encode/decode)"
+                             if vocabulary.kind == "bytes" else "byte-level BPE trained on the training files")),
         corpus=dict(source="Python standard library *.py", python=sys.version.split()[0], root=str(stdlib_root()),
                     excluded_dirs=sorted(EXCLUDED_DIRS), heldout_share=HELDOUT_SHARE, digest=corpus_digest(),
                     train_files=len(train_files), heldout_files=len(held_files),
@@ -296,7 +364,8 @@ def make_text_model(out_dir: str | os.PathLike, preset: str = "small", seed: int
                       tokens_seen=settings["steps"] * settings["batch"] * context,
                       loss_first=losses[0], loss_last=losses[-1],
                       loss_every_tenth=[losses[i] for i in range(0, len(losses), max(1, len(losses) // 10))]),
-        heldout_loss=dict(untrained=loss_init, trained=loss_final, unit="nats per byte, heldout.npy",
+        heldout_loss=dict(untrained=loss_init, trained=loss_final, unit="nats per token, heldout.npy",
+                          trained_per_byte=loss_final / bytes_per_token,
                           ppl_untrained=math.exp(loss_init), ppl_trained=math.exp(loss_final)),
         synthetic_sparsity=None,
         measured_sparsity=dict(on="heldout.npy", tokens=measured["tokens"], mean=measured["mean"],
@@ -308,7 +377,7 @@ def make_text_model(out_dir: str | os.PathLike, preset: str = "small", seed: int
         timing_s=dict(data=trained_at - started, train=train_s, export=time.perf_counter() - exported_at),
         hf_config=config.to_dict(),
     )
-    write_tokenizer(out_dir, context)
+    vocabulary.write(out_dir, context)
     (out_dir / "config.json").write_text(json.dumps(meta, indent=1, default=models._json_default) + "\n")
     return models.ModelFiles.from_dir(out_dir)
 
@@ -320,8 +389,9 @@ def cached_text_model(preset: str = "small", seed: int = 0, threads: int | None 
     the tokenizer files were written gets them here (they depend on the vocabulary only, not the training)."""
     final = models.cache_dir() / "models" / f"text-opt-{preset}-{text_config_hash(preset, seed, **overrides)[:12]}"
     models.build_cached(final, lambda work: make_text_model(work, preset, seed, threads, log, **overrides))
-    if not (final / "tokenizer.json").is_file():
-        write_tokenizer(final, _settings(preset, overrides)["context"])
+    settings = _settings(preset, overrides)
+    if settings["vocab"] is None and not (final / "tokenizer.json").is_file():  # a BPE's is written as it is trained
+        write_tokenizer(final, settings["context"])
     return models.ModelFiles.from_dir(final)
 
 

@@ -22,8 +22,18 @@ def _model_cache(tmp_path_factory):
 
     os.environ.setdefault("PICOMPILE_OPTIMUM_VENV", str(optimum_venv()))
     if "PICOMPILE_CACHE" not in os.environ:
-        os.environ["PICOMPILE_CACHE"] = str(tmp_path_factory.mktemp("picompile-cache"))
+        cache = _run_directory(tmp_path_factory) / "picompile-cache"
+        cache.mkdir(exist_ok=True)
+        os.environ["PICOMPILE_CACHE"] = str(cache)
     yield
+
+
+def _run_directory(tmp_path_factory) -> Path:
+    """This run's temporary root, which pytest-xdist's workers share (each has its own basetemp below it):
+    the model cache there is made once for all of them (examples.models.build_cached renames a finished
+    model into place, so two workers making the same one both end with one whole copy)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -164,3 +164,48 @@ def test_the_server_speaks_the_artifacts_own_tokenizer(text_artifact, capsys):
         assert chat.usage.prompt_tokens == len(tokenizer.chat_ids(messages))
         ids = chat.choices[0].model_extra["token_ids"]
         assert chat.choices[0].message.content == tokenizer.decode(ids)
+
+
+# ----------------------------------------------------------------------------- a BPE vocabulary (the code preset's)
+
+
+@pytest.fixture(scope="module")
+def tiny_bpe_text():
+    """The tiny preset with a 384-token BPE: the code preset's path (tokenizer trained on the training files,
+    model on its ids) in seconds."""
+    return text_model.cached_text_model("tiny", seed=0, threads=1, vocab=384)
+
+
+def test_a_bpe_vocabulary_is_trained_deterministically_and_round_trips_any_text():
+    texts = text_model.file_texts(text_model.split_files(text_model.corpus_files())[0][:40])
+    first, second = text_model.Vocabulary.bpe(texts, 320), text_model.Vocabulary.bpe(texts, 320)
+    assert first.tokenizer.to_str() == second.tokenizer.to_str()
+    assert first.size == 320 and (first.bos, first.pad) == (text_model.BPE_BOS, text_model.BPE_PAD)
+    [ids] = first.encode_texts([texts[0]])
+    assert ids[0] == first.bos and text_model.BPE_PAD not in ids[1:]
+    assert len(ids) < len(texts[0].encode("utf-8")) / 1.2  # merges: fewer tokens than bytes
+    text = "def f(x):\n    return x ** 2  # \u00e9t\u00e9 \u2192 \U0001f40d\n"  # unseen characters: byte tokens
+    assert first.tokenizer.decode(first.encode_texts([text])[0].tolist()) == text
+
+
+def test_a_bpe_text_model_carries_its_tokenizer_into_the_artifact(tiny_bpe_text, tmp_path, capsys):
+    meta = json.loads(tiny_bpe_text.config.read_text())
+    assert meta["tokenizer"]["kind"] == "bpe" and meta["tokenizer"]["vocab_size"] == 384
+    assert meta["tokenizer"]["bytes_per_token"] > 1.5
+    assert meta["hf_config"]["vocab_size"] == 384 and meta["hf_config"]["pad_token_id"] == text_model.BPE_PAD
+    assert meta["heldout_loss"]["trained"] < meta["heldout_loss"]["untrained"] - 0.5  # 40 steps: token statistics
+    calib = np.load(tiny_bpe_text.calib)
+    assert calib.max() < 384 and calib.min() >= 0
+    # the model directory's tokenizer.json (what build copies) is the one the ids were made with
+    tokenizer = TextTokenizer(tiny_bpe_text.dir)
+    assert tokenizer.bos_id == text_model.BPE_BOS and tokenizer.eos_ids == {text_model.BPE_BOS}
+    held_texts = text_model.file_texts(text_model.split_files(text_model.corpus_files())[1])
+    joined = np.concatenate([tokenizer.encode(text) for text in held_texts]).astype(np.int64).tobytes()
+    assert all(row.astype(np.int64).tobytes() in joined for row in np.load(tiny_bpe_text.heldout)[:3])
+    out = tmp_path / "bpe.pic"
+    assert main(["build", str(tiny_bpe_text.onnx), "--target", "cpu", "-o", str(out), "--calib",
+                 str(tiny_bpe_text.calib), "--max-context", "64", "-q"]) == 0
+    assert main(["run", str(out), "-p", "def f(x):", "--max-new-tokens", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["prompt_ids"] == tokenizer.encode("def f(x):") and result["prompt_ids"][0] == text_model.BPE_BOS
+    assert result["text"] == tokenizer.decode(result["generated_ids"])
