@@ -88,14 +88,17 @@ def main(argv=None) -> int:
     artifacts = {"picompile dense": ensure_artifact(files, "dense", args.max_context, rebuild=args.rebuild),
                  "picompile sparse": ensure_artifact(files, "sparse", args.max_context, dense=False, rebuild=args.rebuild,
                                                      target_recall=args.target_recall)}
-    print(f"evaluating on {args.eval_seqs} held-out windows of {context} bytes")
+    print(f"evaluating on {args.eval_seqs} held-out windows of {context} tokens")
     qualities = {name: quality(files, path, sequences=args.eval_seqs) for name, path in artifacts.items()}
     summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len)
     sparsity = meta["measured_sparsity"]["per_layer"]
-    model_line = (f"Model: {meta['preset']}, {meta['num_params'] / 1e6:.2f}M params, byte-level, trained "
+    loss, vocabulary = meta["heldout_loss"], meta["tokenizer"]
+    model_line = (f"Model: {meta['preset']}, {meta['num_params'] / 1e6:.2f}M params, {vocabulary['kind']} vocabulary of "
+                  f"{vocabulary['vocab_size']}, trained "
                   f"{meta['training']['settings']['steps']} steps ({meta['training']['seconds']:.0f}s, "
                   f"{meta['training']['threads']} threads) on {meta['corpus']['train_files']} stdlib files; held-out "
-                  f"loss {meta['heldout_loss']['untrained']:.3f} -> {meta['heldout_loss']['trained']:.3f} nats/byte; "
+                  f"loss {loss['untrained']:.3f} -> {loss['trained']:.3f} nats/token "
+                  f"({loss.get('trained_per_byte', loss['trained']):.3f} nats/byte); "
                   f"learned FFN sparsity per layer {', '.join(f'{s:.3f}' for s in sparsity)} "
                   f"(top-20% share {', '.join(f'{s:.2f}' for s in meta['measured_sparsity']['top20_share'])}); "
                   f"{meta['calib_tokens']} calibration tokens.")

@@ -7,9 +7,12 @@ site-packages left out, so that installed packages never change it), split by fi
 a file is held out when the first byte of the sha256 of its relative path is below HELDOUT_SHARE * 256, so
 the held-out text is code the model never saw (not just other windows of the same files).
 
-Tokenizer: bytes (ids 0..255 are the UTF-8 bytes) plus ``BOS`` (256, also EOS: it separates files) and
-``PAD`` (257, never produced; OPT zeroes its embedding row). It needs nothing installed and round-trips any
-text exactly (:func:`encode` / :func:`decode`). The model directory also holds it as the `tokenizers`
+Tokenizer (:class:`Vocabulary`, a preset's ``vocab``): bytes (ids 0..255 are the UTF-8 bytes) plus ``BOS``
+(256, also EOS: it separates files) and ``PAD`` (257, never produced; OPT zeroes its embedding row). It needs
+nothing installed and round-trips any text exactly (:func:`encode` / :func:`decode`). Or, with ``vocab=N``, a
+byte-level BPE of N tokens that the `tokenizers` library trains on the training files in seconds (BOS 0,
+PAD 1; any text still round-trips, through byte tokens where no merge applies): the same compute then
+trains on ~3x the text, and a token is a piece of code (``return``, ``self``, an indentation). The model directory also holds it as the `tokenizers`
 library's files (:func:`write_tokenizer`: tokenizer.json, tokenizer_config.json, generation_config.json,
 with BOS/EOS written ``<|endoftext|>`` and PAD ``<|pad|>``, text the corpus does not hold), so that
 ``picompile build`` copies it into the artifact and ``picompile run -p`` / runtime/text.py speak text: the
@@ -21,8 +24,10 @@ so its exporter and picompile's recogniser handle it), trained from a fixed seed
 AdamW steps (linear warm-up, cosine decay) on random windows of the training stream; FFN sparsity is
 whatever the ReLU FFNs learn, measured on the held-out windows afterwards (models.measure_sparsity).
 
-Presets (TEXT_PRESETS): ``tiny`` (tests: seconds) and ``small`` (hidden 256, 4 layers, FFN 1024, context
-256, 3.3M parameters, 800 steps of 8 windows = 1.6M bytes seen). Measured 2026-12-01 (torch 2.13, Python
+Presets (TEXT_PRESETS): ``tiny`` (tests: seconds), ``code`` (the quickstart's: a 2,048-token BPE, hidden 256,
+4 layers, FFN 1024, context 128 tokens, 3.7M parameters, 1,500 steps of 16 windows; measured below) and
+``small`` (bytes; hidden 256, 4 layers, FFN 1024, context 256, 3.3M parameters, 800 steps of 8 windows =
+1.6M bytes seen). Measured 2026-12-01 (torch 2.13, Python
 3.11 stdlib: 512 training files, 9.3M bytes; 65 held out, 1.7M bytes): 0.64 CPU-seconds a step on one
 thread, so about 9 minutes on one idle core (27 minutes wall at nice 10 on a 2-core machine loaded ~8, one
 thread: two threads were several times slower there); held-out loss 5.54 -> 2.08 nats/byte (perplexity
