@@ -32,13 +32,17 @@ Presets (TEXT_PRESETS): ``tiny`` (tests: seconds), ``code`` (the quickstart's: a
 thread, so about 9 minutes on one idle core (27 minutes wall at nice 10 on a 2-core machine loaded ~8, one
 thread: two threads were several times slower there); held-out loss 5.54 -> 2.08 nats/byte (perplexity
 255 -> 8.0); learned FFN sparsity per layer 0.70, 0.93, 0.96, 0.95 on the held-out windows (top-20%
-neurons carry 35%, 65%, 71%, 75% of the activations). :func:`cached_text_model` trains once per configuration into
+neurons carry 35%, 65%, 71%, 75% of the activations), and greedy generation repeats indentation. The `code`
+preset, measured 2026-12-02 on two threads of a 2-core machine: 3.17 bytes per token on the held-out files,
+0.6 s a step (939 s), held-out loss 7.65 -> 4.31 nats/token = 1.36 nats/byte, learned FFN sparsity 0.59, 0.93,
+0.92, 0.88; sampled at temperature 0.7 it writes Python's shape (keywords, names, indentation, docstrings), not
+code that means anything. :func:`cached_text_model` trains once per configuration into
 ``cache_dir()/models/text-opt-<preset>-<hash12>/`` with the files every model directory has (model.onnx,
 calib.npy: windows of the training files, heldout.npy: windows of the held-out files, config.json with the
 training record, losses and measured sparsity; the tokenizer files), so ``picompile build model.onnx --calib
 calib.npy`` and the benchmarks take it like any other; :class:`examples.models.ModelFiles` reads it.
 
-    python examples/text_model.py [--preset small] [--steps N]   # trains (or finds) it, prints its record
+    python examples/text_model.py [--preset small|code|tiny] [--steps N]   # trains (or finds) it, prints its record
 """
 
 from __future__ import annotations
