@@ -94,12 +94,12 @@ def main() -> int:
     tokens = max(1, min(args.tokens, context - len(prompt)))
     stream, generated = tokenizer.stream(), []
     print("-" * 60 + "\n" + args.prompt, end="", flush=True)
-    for token in generate_stream(Engine(artifacts["picompile sparse"]), prompt, tokens,
-                                 stop_ids=tokenizer.eos_ids, **sampling):
+    engine = Engine(artifacts["picompile sparse"])
+    for token in generate_stream(engine, prompt, tokens, stop_ids=tokenizer.eos_ids, **sampling):
         generated.append(token)
         print(stream.push(token), end="", flush=True)
     print(stream.flush() + "\n" + "-" * 60)
-    ours = step_probabilities(Engine(artifacts["picompile sparse"]), prompt, generated)
+    ours = step_probabilities(engine, prompt, generated)
     theirs = step_probabilities(OrtDecoder(files.onnx), prompt, generated)
     same_first = int((ours.argmax(1) == theirs.argmax(1)).sum())
     rows = np.arange(len(generated))
@@ -120,11 +120,11 @@ def step_probabilities(decoder, prompt: list[int], generated: list[int]) -> np.n
     """The next-token probabilities [len(generated), vocab] that `decoder` (an Engine or an OrtDecoder: reset,
     forward) gives at each generation step, fed the prompt, then the generated tokens one decode step at a
     time (the path the text came from)."""
+    from picompile.evaluate import log_softmax
+
     decoder.reset()
     logits = [decoder.forward(prompt)[-1]] + [decoder.forward([token])[-1] for token in generated[:-1]]
-    scores = np.asarray(logits, np.float64)
-    weights = np.exp(scores - scores.max(1, keepdims=True))
-    return weights / weights.sum(1, keepdims=True)
+    return np.exp(log_softmax(np.asarray(logits)))
 
 
 if __name__ == "__main__":

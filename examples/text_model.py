@@ -143,6 +143,11 @@ class Vocabulary:
                                                                  special_tokens=[(BOS_TEXT, BPE_BOS)])
         return cls(tokenizer, "bpe", BPE_BOS, BPE_PAD)
 
+    def stream(self, texts: list[str]) -> np.ndarray:
+        """The texts' ids, each text preceded by BOS, as one int64 stream."""
+        parts = self.encode_texts(texts)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
     def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
         """Each text's ids, BOS first (int64)."""
         if self.kind == "bytes":
@@ -212,8 +217,7 @@ def file_texts(files: list[Path], root: Path | None = None) -> list[str]:
 def token_stream(files: list[Path], root: Path | None = None, vocabulary: Vocabulary | None = None) -> np.ndarray:
     """The files' ids (bytes unless `vocabulary` says otherwise), each file preceded by BOS, as one int64
     stream."""
-    parts = (vocabulary or Vocabulary.bytes()).encode_texts(file_texts(files, root))
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return (vocabulary or Vocabulary.bytes()).stream(file_texts(files, root))
 
 
 def windows(stream: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:
@@ -320,17 +324,16 @@ def make_text_model(out_dir: str | os.PathLike, preset: str = "small", seed: int
         torch.set_num_threads(threads)
     started = time.perf_counter()
     train_files, held_files = split_files(corpus_files())
-    vocabulary = (Vocabulary.bpe(file_texts(train_files), settings["vocab"]) if settings["vocab"]
-                  else Vocabulary.bytes())
-    train_stream = token_stream(train_files, vocabulary=vocabulary)
-    held_stream = token_stream(held_files, vocabulary=vocabulary)
+    train_texts, held_texts = file_texts(train_files), file_texts(held_files)  # read once: ~11 MB
+    vocabulary = Vocabulary.bpe(train_texts, settings["vocab"]) if settings["vocab"] else Vocabulary.bytes()
+    train_stream, held_stream = vocabulary.stream(train_texts), vocabulary.stream(held_texts)
     context, n_seqs = settings["context"], settings["n_seqs"]
     calib = windows(train_stream, settings["calib_seqs"] or n_seqs, context, seed + 2001)
     heldout = windows(held_stream, n_seqs, context, seed + 3001)
     calib_path = models.write_tokens(out_dir / "calib.npy", calib)
     heldout_path = models.write_tokens(out_dir / "heldout.npy", heldout)
-    held_bytes = sum(len(text.encode("utf-8")) for text in file_texts(held_files))
-    bytes_per_token = held_bytes / max(1, len(held_stream) - len(held_files))  # the BOS per file is no text
+    held_bytes = sum(len(text.encode("utf-8")) for text in held_texts)
+    bytes_per_token = held_bytes / max(1, len(held_stream) - len(held_texts))  # the BOS per text is no text
     log(f"corpus: {len(train_files)} training files ({len(train_stream) / 1e6:.2f}M tokens), "
         f"{len(held_files)} held out ({len(held_stream) / 1e6:.2f}M tokens); {vocabulary.kind} vocabulary of "
         f"{vocabulary.size}, {bytes_per_token:.2f} bytes per token")

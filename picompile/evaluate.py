@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64."""
     shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
@@ -21,7 +22,7 @@ def compiled_logits(engine, sequence: np.ndarray, prefill: int = 4) -> np.ndarra
 
 
 def compare(reference: np.ndarray, compiled: np.ndarray, sequence: np.ndarray) -> dict:
-    ref_logp, cmp_logp = _log_softmax(reference), _log_softmax(compiled)
+    ref_logp, cmp_logp = log_softmax(reference), log_softmax(compiled)
     targets = sequence[1:]
     positions = np.arange(len(targets))
     return {
