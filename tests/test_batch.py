@@ -150,7 +150,7 @@ def test_sparse_ffn_batch_against_numpy_and_each_row_alone(lib, kind, name, m):
         mixed = [(r, j) for j in range(k) for r in range(m) if hidden[r, j] == 0 and np.any(hidden[:, j] != 0)]
         assert mixed or m == 1
     for r in range(m):  # each row as its own decode step, over the same selection: the same sums, but for their
-        # order (a batch step's dot product runs in one accumulator per row of x, decode's in DOT_CHAINS)
+        # order (a batch step's dot product runs in one accumulator per row of x, decode's over rows in lockstep)
         _, alone = run_ffn(lib, f"{name}_decode", aligned(x[r:r + 1].copy()), index, count, up, bias, down, D)
         np.testing.assert_allclose(out[r], alone[0], rtol=1e-5, atol=1e-4)
 
