@@ -11,8 +11,10 @@ by running, alternated inside one process (A, B, A, B, ...; medians):
 
 each with the weights in ordinary anonymous memory (`numpy`/malloc: 4 KiB pages while THP is `madvise`,
 the runtime's allocation) and in huge-page-advised memory (mmap + madvise(MADV_HUGEPAGE), 2 MiB aligned:
-runtime.artifact.aligned_empty(huge=True)). A variant may name the sparse kernel, `model-huge-ffn2`: prefetching
-2 rows ahead (sparse_ffn's prefetch_rows), `ffn2t3` with prefetch locality 3 (prefetcht0, the kernel's default
+runtime.artifact.aligned_empty(huge=True)). A variant may name the sparse kernel: `model-huge-ffng1`, a row at
+a time with prefetches (the fp32 kernel before 2026-12-02; the default, `ffn`, reads ROW_GROUP rows in
+lockstep), `ffng4` 4 rows in lockstep (sparse_ffn's row_group), `ffn2` a row at a time prefetching 2 rows
+ahead (sparse_ffn's prefetch_rows), `ffn2t3` with prefetch locality 3 (prefetcht0, the kernel's default
 before 2026-12-01; the default is 2); or a weight format, `model-huge-int4`: the kernel over that format's copy
 of the same layers (fp32, fp16: sparse_ffn; int8, int4: sparse_ffn_q, blocks of 32 with fp16 scales, rows
 layout, q and scales in one allocation), whose bytes read are its own (an int4 row of 2048 is 1,152 bytes: 1,024
@@ -107,9 +109,11 @@ def main():
     from runtime.dtypes import WEIGHT_FORMATS
 
     funcs = [neuron.sparse_ffn("ffn", D, FFN, rows=1, gated=False, act="relu"),
-             *(neuron.sparse_ffn(f"ffn{a}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a) for a in (1, 2, 4)),
+             *(neuron.sparse_ffn(f"ffng{g}", D, FFN, rows=1, gated=False, act="relu", row_group=g) for g in (1, 2, 4, 16)),
+             *(neuron.sparse_ffn(f"ffn{a}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a, row_group=1)
+               for a in (1, 2, 4)),
              *(neuron.sparse_ffn(f"ffn{a}t{loc}", D, FFN, rows=1, gated=False, act="relu", prefetch_rows=a,
-                                 prefetch_locality=loc) for a in (1, 2, 4) for loc in (1, 2, 3)),
+                                 prefetch_locality=loc, row_group=1) for a in (1, 2, 4) for loc in (1, 2, 3)),
              *(format_kernel(neuron, kernel, *format_field(v), CPU_ISAS[args.isa].gemm_panels)
                for kernel, v in {kernel_of(v): v for v in args.variants.split(",") if format_field(v)}.items()),
              cpu.linear_panels("qkv", D, 3 * D, rows=1, bias=False),

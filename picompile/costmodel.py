@@ -33,7 +33,9 @@ read). Measured 2026-12-01 on the 2-core Zen 4 (AVX-512), shared with other work
 each layer's sparse call after its attention GEMVs, against the dense up + down GEMVs of the same layers,
 alternated in one process): at 10-20% of the rows selected 1.09-1.21 on one thread (medians over rounds and
 90th percentiles of calls alike; 1.09-1.17 on 4 KiB pages), 1.11-1.14 on two (90th percentiles: the medians of
-the 10 ms dense calls measured the other work's load); before the kernel's prefetches went to L2, 0.6-0.7. Taken a little
+the 10 ms dense calls measured the other work's load); before the kernel's prefetches went to L2, 0.6-0.7. On the
+2-core Intel Xeon of 2026-12-02 the one-row kernel read at 0.54-0.86 of the dense FFN in whole-model runs, the
+kernel that reads 8 rows in lockstep (neuron.ROW_GROUP) at 0.94-0.99 (fp32, float rows only). Taken a little
 below 1 so that a layer near the break-even point stays dense (never slower than dense). Placement prices a CPU
 part's selected rows with it (`price_ffn`), and so chooses which layers run dense."""
 

@@ -179,8 +179,12 @@ AVX-512; `benchmarks/bench_sparse_in_model.py --layers 8 --dense-ffn`, 2048 x 81
 each call after its layer's attention GEMVs, alternated variants): at 10% and 20% of the rows selected the
 rows of 1 row at a time with prefetches read at 0.69-0.76x the dense FFN GEMVs' GB/s (two threads), of 4 in
 lockstep without prefetches 0.82-0.94x, of 8 0.87-1.03x (1.30-1.38x the one-row kernel's speed); one thread:
-0.71-0.75, 0.89-0.97, 0.94-0.98. One row without prefetches: 0.63-0.66. Quantized rows and batch steps keep the
-one-row loops with prefetches (not measured grouped)."""
+0.71-0.75, 0.89-0.97, 0.94-0.98. One row without prefetches: 0.63-0.66. In a whole 1B model (`run --profile`,
+16 layers of 2048 x 8192, two threads) the fused sparse FFN then read at 21.3-22.0 GB/s against the dense build's
+FFN GEMVs' 22.2-22.6 (0.94-0.99x; 0.54-0.86x with the one-row loop). Quantized rows keep the one-row loop with
+prefetches: int4 rows (1,152 bytes) with integer dots in groups of 4, 8 or 16 ran 0.86-0.94x its speed (one
+thread, the same benchmark) and slower with the rows in cache (their arithmetic, not DRAM, bounds them there).
+Batch steps keep it too (their rows are read once for several rows of x: not measured grouped)."""
 PREFETCH_ROWS = 1  # sparse_ffn (one row at a time): while a neuron's row is read, the row of the neuron this many places later is prefetched
 PREFETCH_LOCALITY = 2
 """sparse_ffn's prefetches go to L2 (prefetcht1), not L1 (prefetcht0): a row of 8 KiB is 128 lines in flight,
@@ -313,7 +317,7 @@ def quant_rows(D: int, bits: int, sdtype: str = "float16") -> RowFormat:
 
 
 def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", prefetch_rows: int | None = None,
-               prefetch_locality: int | None = None, max_batch: int = 1):
+               prefetch_locality: int | None = None, max_batch: int = 1, row_group: int | None = None):
     """A decode step of one sparse FFN part: up, activation and down in one kernel.
 
     For each selected neuron k (row r = idx[0, k]): h = act(w_up[r] . x + b[r]) (gated:
@@ -329,7 +333,9 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
     scratch row (L1-resident, no atomics); the scratch rows are summed at the end. So a neuron the
     predictor let through but whose ReLU output is 0 costs one row, not two or three. A decode step reads
     ROW_GROUP neurons' rows in lockstep, so that the hardware prefetcher streams that many rows at once
-    (see ROW_GROUP); a batch step reads a row at a time and, knowing which row comes next, prefetches it.
+    (see ROW_GROUP); a batch step reads a row at a time and, knowing which row comes next, prefetches it
+    (`prefetch_rows` ahead, at `prefetch_locality`). `row_group`: the decode step's rows in lockstep (None:
+    ROW_GROUP; 1: a row at a time with prefetches, as a batch step's).
 
     rows=None (a batch step of m <= `max_batch` sequences): x[m, D], h[m, n], out[m, D], the selection the union
     of the rows' (select's), scratch[FFN_TASKS, max_batch * D] (a row per task and sequence; decode's kernel
@@ -340,7 +346,8 @@ def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", pre
     if rows not in (1, None):
         raise ValueError("sparse_ffn runs in one-token steps only (decode: rows 1, batch: rows None)")
     kernel = _sparse_ffn(D, n, float_rows(D, wdtype), gated=gated, act=act, prefetch_rows=prefetch_rows,
-                         prefetch_locality=prefetch_locality, rows=rows, max_batch=max_batch)
+                         prefetch_locality=prefetch_locality, rows=rows, max_batch=max_batch,
+                         row_group=(ROW_GROUP if row_group is None else row_group) if rows == 1 else 1)
     return drop_params(kernel, ["w_up_s", "w_down_s"]).with_attr("global_symbol", name)
 
 
@@ -397,7 +404,7 @@ def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="
 
 def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: int | None,
                 prefetch_locality: int | None, int8_dot: str | None = None, dot_lanes: int = 16, rows=1,
-                max_batch: int = 1):
+                max_batch: int = 1, row_group: int = 1):
     """sparse_ffn's kernel over rows read as `fmt` says, with a scales buffer after each weight (w_up_s,
     w_down_s; the float formats' are placeholders the caller drops).
 
@@ -407,6 +414,9 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     into off[b], which each task subtracts from its scratch row at the end.
 
     With `int8_dot` (sparse_ffn_q's), the up rows' dot products are integer: see row_dot8.
+
+    `row_group` > 1 (decode over float rows only): that many neurons' rows are read in lockstep, without
+    software prefetches (see ROW_GROUP); 1: a row at a time, prefetching the next.
 
     `rows` 1 (decode) or None (a batch step: m rows of x, h and out, m <= `max_batch`); the loops over the rows
     (`for r in range(m)`) have one trip in decode. The scratch holds `max_batch` rows of D per task."""
@@ -445,13 +455,15 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     ahead = PREFETCH_ROWS if prefetch_rows is None else prefetch_rows
     locality = PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality
     q8 = int8_dot is not None  # (TVMScript branches on Python bools only)
-    group = ROW_GROUP if not batch and not fmt.quantized else 1  # float decode: rows in lockstep, see ROW_GROUP
+    group = row_group
     grouped = group > 1
+    if grouped and (batch or fmt.quantized):
+        raise ValueError("rows in lockstep (row_group > 1) take decode steps over float rows")
     rowwise = not batch and not grouped  # one row at a time, prefetching the next
     gsize = group if grouped else 0  # (the grouped loops' local buffers; empty where they do not run)
     if q8:
         # A dot vector is `dot_lanes` int32 lanes, 4 row bytes each: nbytes bytes of the stored row, qblocks
-        # whole blocks (int4: 16 bytes of nibbles a block; int8: 32), `group` lanes per block.
+        # whole blocks (int4: 16 bytes of nibbles a block; int8: 32), `block_lanes` lanes per block.
         quant.check_dot(int8_dot, dot_lanes)
         if not fmt.quantized or (fmt.bits == 8 and int8_dot != "vnni"):
             raise ValueError(f"int8_dot={int8_dot!r} takes int4 rows, or int8 rows with 'vnni'")
@@ -459,7 +471,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         if stored % nbytes:
             raise ValueError(f"int8_dot over {dot_lanes} lanes needs rows of whole {nbytes}-byte vectors, D = {D}")
         qblocks = nbytes // fmt.block_bytes
-        group = L // qblocks
+        block_lanes = L // qblocks
         qvectors = stored // nbytes
         qchains = next(c for c in (4, 2, 1) if qvectors % c == 0)  # independent accumulators (cvt + FMA latency)
         qsteps = qvectors // qchains
@@ -468,7 +480,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         xpats = 2 if int4 else 1
         m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
         flip = T.broadcast(T.uint8(128), nbytes)
-        spread = [tirx.IntImm("int32", lane // group) for lane in range(L)]  # lane -> its block in the vector
+        spread = [tirx.IntImm("int32", lane // block_lanes) for lane in range(L)]  # lane -> its block in the vector
         quantize_x = quant.x_quantizer(D)
 
     @T.macro
@@ -596,34 +608,9 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 else:
                     qacc[c, T.ramp(0, 1, L)] = qacc[c, T.ramp(0, 1, L)] + T.Cast(
                         f"float32x{L}", part[c, T.ramp(0, 1, L)]) * T.Shuffle(
-                        [rs[T.ramp((s * qchains + c) * qblocks, 1, qblocks)]] * group, spread)  # (a shuffle
-                    # has no more lanes than its operands: the group copies only make up the width)
+                        [rs[T.ramp((s * qchains + c) * qblocks, 1, qblocks)]] * block_lanes, spread)  # (a shuffle
+                    # has no more lanes than its operands: the copies only make up the width)
         sum_chains(qacc, qchains, L, dot, slot)
-
-    @T.macro
-    def group_dot(gacc, gdots, x, w, rows, base):
-        """gdots[q] = w[base + rows[q]] . x[0] for the `group` rows (float), read in lockstep: a vector of each
-        row in turn, an accumulator per row (the rows are the independent FMA chains), no software prefetch."""
-        for q in T.unroll(group):
-            for v in T.vectorized(lanes):
-                gacc[q, v] = T.float32(0)
-        for b in range(blocks):
-            for q in T.unroll(group):
-                for v in T.vectorized(lanes):
-                    gacc[q, v] = gacc[q, v] + fmt.weight(w, base + rows[q], b, 0, v) * x[0, b * lanes + v]
-        for q in T.unroll(group):
-            gdots[q] = gacc[q, 0]
-            for v in T.unroll(1, lanes):
-                gdots[q] = gdots[q] + gacc[q, v]
-
-    @T.macro
-    def group_axpy(y, t, coefs, w, rows):
-        """y[t] += the sum over the group of coefs[q] * w[rows[q]] (float), the rows read in lockstep: one load
-        and store of y's vector for all of them."""
-        for b in range(blocks):
-            for q in T.unroll(group):
-                for v in T.vectorized(lanes):
-                    y[t, b * lanes + v] = y[t, b * lanes + v] + coefs[q] * fmt.weight(w, rows[q], b, 0, v)
 
     @T.macro
     def axpy_block(y, t, col, a, rs, w, row, blk):
@@ -661,6 +648,31 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             for b in T.unroll(line_blocks):
                 axpy_block(y, t, r * D, a, rs, w, row, s * line_blocks + b)
 
+    @T.macro
+    def group_dot(gacc, gdots, x, w, rows, base):
+        """gdots[q] = w[base + rows[q]] . x[0] for the `group` rows (float), read in lockstep: a vector of each
+        row in turn, an accumulator per row (the rows are the independent FMA chains), no software prefetch."""
+        for q in T.unroll(group):
+            for v in T.vectorized(lanes):
+                gacc[q, v] = T.float32(0)
+        for b in range(blocks):
+            for q in T.unroll(group):
+                for v in T.vectorized(lanes):
+                    gacc[q, v] = gacc[q, v] + fmt.weight(w, base + rows[q], b, 0, v) * x[0, b * lanes + v]
+        for q in T.unroll(group):
+            gdots[q] = gacc[q, 0]
+            for v in T.unroll(1, lanes):
+                gdots[q] = gdots[q] + gacc[q, v]
+
+    @T.macro
+    def group_axpy(y, t, coefs, w, rows):
+        """y[t] += the sum over the group of coefs[q] * w[rows[q]] (float), the rows read in lockstep: one load
+        and store of y's vector for all of them."""
+        for b in range(blocks):
+            for q in T.unroll(group):
+                for v in T.vectorized(lanes):
+                    y[t, b * lanes + v] = y[t, b * lanes + v] + coefs[q] * fmt.weight(w, rows[q], b, 0, v)
+
     @T.prim_func
     def kernel(x: T.Buffer((m, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
                w_up: T.Buffer((width, stored), fmt.storage), w_up_s: T.Buffer((width, sblocks), fmt.sdtype),
@@ -685,7 +697,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                         xpat[0, b * QUANT_BLOCK + i] = xq[b * QUANT_BLOCK + i]
             for o in range(qvectors):
                 for v in range(L):
-                    xc[o, v] = T.if_then_else(v % group == 0, -stored_offset * xsum[o * qblocks + v // group], 0)
+                    xc[o, v] = T.if_then_else(v % block_lanes == 0, -stored_offset * xsum[o * qblocks + v // block_lanes], 0)
         for t in T.parallel(tasks):
             first = clamp_count(count[0, 0], n) * t // tasks
             last = clamp_count(count[0, 0], n) * (t + 1) // tasks
@@ -702,8 +714,8 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 qacc = T.alloc_local((qchains, L), "float32")
                 part = T.alloc_local((qchains, L), "int32")
             gacc = T.alloc_local((gsize, lanes), "float32")  # grouped: an accumulator per row, the dots, the
-            gdots = T.alloc_local((gsize,), "float32")  # rows (a group's tail repeats its last row) and the
-            grows = T.alloc_local((gsize,), "int32")  # axpys' coefficients (0 for a tail's repeats)
+            gdots = T.alloc_local((gsize,), "float32")  # rows (a group's tail repeats its last row), the axpys'
+            grows = T.alloc_local((gsize,), "int32")  # coefficients (0 for a tail's repeats)
             coefs = T.alloc_local((gsize,), "float32")
             listed[0] = first
             if not q8:
