@@ -459,7 +459,6 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     grouped = group > 1
     if grouped and (batch or fmt.quantized):
         raise ValueError("rows in lockstep (row_group > 1) take decode steps over float rows")
-    rowwise = not batch and not grouped  # one row at a time, prefetching the next
     gsize = group if grouped else 0  # (the grouped loops' local buffers; empty where they do not run)
     if q8:
         # A dot vector is `dot_lanes` int32 lanes, 4 row bytes each: nbytes bytes of the stored row, qblocks
@@ -735,7 +734,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                                 h[r0 * tile + u, k] = dots[u]
                                 if not relu or dots[u] != T.float32(0):
                                     any_fired[0] = 1
-                    if rowwise:
+                    if not batch:
                         for r in range(m):
                             if q8:
                                 row_dot8(qacc, part, dot, rs, sx, xpat, xc, w_up, w_up_s, row, 0, w_up, w_up_s,
@@ -752,14 +751,15 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                         listed[0] = listed[0] + 1
             if grouped:  # (decode over float rows: `group` neurons at a time, see ROW_GROUP)
                 for g in range((last - first + group - 1) // group):
+                    start = first + g * group  # the group's first neuron
                     for q in T.unroll(group):
-                        grows[q] = clamp_index(idx[0, T.min(first + g * group + q, last - 1)], n)
+                        grows[q] = clamp_index(idx[0, T.min(start + q, last - 1)], n)
                     group_dot(gacc, gdots, x, w_up, grows, 0)
-                    for q in range(T.min(group, last - first - g * group)):
+                    for q in range(T.min(group, last - start)):
                         dot[0] = actf(gdots[q] + b_up[grows[q]])
-                        h[0, first + g * group + q] = dot[0]
+                        h[0, start + q] = dot[0]
                         if not relu or dot[0] != T.float32(0):
-                            fired[0, listed[0]] = first + g * group + q
+                            fired[0, listed[0]] = start + q
                             listed[0] = listed[0] + 1
             # 2. the other rows of the neurons that fired, for the rows of x they fired for
             for r in range(m):
@@ -789,17 +789,17 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                                 row_axpy(scratch, t, r, dot[0], rs, off, w_down, w_down_s, row, w_down, w_down_s, after)
             if grouped:
                 for g in range((listed[0] - first + group - 1) // group):
+                    start = first + g * group  # the group's first place in the list
                     for q in T.unroll(group):
-                        grows[q] = clamp_index(idx[0, fired[0, T.min(first + g * group + q, listed[0] - 1)]], n)
-                        coefs[q] = T.if_then_else(first + g * group + q < listed[0],
-                                                  h[0, fired[0, T.min(first + g * group + q, listed[0] - 1)]],
+                        grows[q] = clamp_index(idx[0, fired[0, T.min(start + q, listed[0] - 1)]], n)
+                        coefs[q] = T.if_then_else(start + q < listed[0], h[0, fired[0, T.min(start + q, listed[0] - 1)]],
                                                   T.float32(0))
                     if gated:
                         group_dot(gacc, gdots, x, w_up, grows, n)
                         for q in T.unroll(group):
                             coefs[q] = coefs[q] * (gdots[q] + b_up[n + grows[q]])  # the GLU, act(gate) in step 1
-                        for q in range(T.min(group, listed[0] - first - g * group)):
-                            h[0, fired[0, first + g * group + q]] = coefs[q]
+                        for q in range(T.min(group, listed[0] - start)):
+                            h[0, fired[0, start + q]] = coefs[q]
                     group_axpy(scratch, t, coefs, w_down, grows)
             if has_offset:
                 for r in range(m):
