@@ -1,4 +1,5 @@
-"""quantize: store the CPU's weight matrices in blocks of int8 or int4 (--weight-dtype int8|int4).
+"""quantize: store the CPU's weight matrices in blocks of int8 or int4 (--weight-dtype int8|int4), and in every
+build the CPU's predictors in blocks of int8 (`sizes.predictor_format`).
 
 Reads: the block IR after place (each node's device), `weight_dtype`, `method` and the awq pass's report
 (`picompile.awq`, repeated in the summary for inspect). Rewrites each weight matrix
@@ -89,7 +90,7 @@ class QuantizedMatrix:
 @dataclass
 class Quantize:
     name = "quantize"
-    weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 quantize, float formats leave the IR alone
+    weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 block every matrix, float formats the predictors
     method: str = Options.quant_method  # --quant-method: "awq" fits each block's scale (`quant.quantize`'s fit_scales)
 
     def __post_init__(self):
@@ -98,12 +99,10 @@ class Quantize:
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         fmt = weight_format("cpu", self.weight_dtype)
-        if not fmt.quantized:
-            return PassResult(model, modified=False)
-        source = SourceQuantization.of(model)
+        source = SourceQuantization.of(model) if fmt.quantized else None
         fmt = _source_format(source, fmt)
         # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not
-        fit_scales = self.method == "awq" and source is None
+        fit_scales = self.method == "awq" and source is None and fmt.quantized
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors, quantized_bytes = [], 0, 0, [], 0.0
@@ -127,19 +126,23 @@ class Quantize:
                     quantized_bytes += array.size * matrix_format.bytes_per_weight
                 node.replace_input_with(index, done[key])
         pir.drop_unused_initializers(graph)
-        method = "rtn" if source is not None else self.method
-        summary = {"format": fmt.name, "method": method, "block": fmt.block, "scale_dtype": fmt.scale_dtype,
-                   "matrices": len(done),
+        if not done and not fmt.quantized:
+            return PassResult(model, modified=False)
+        method = "rtn" if source is not None or not fmt.quantized else self.method
+        blocked = fmt if fmt.quantized else predictor_format(self.weight_dtype)
+        summary = {"format": blocked.name, "method": method, "block": blocked.block,
+                   "scale_dtype": blocked.scale_dtype, "matrices": len(done),
+                   "scope": "weights" if fmt.quantized else "predictors",
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
                    "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
-        ctx.log(f"quantize: {len(done)} matrices to {fmt.name} ({method}, blocks of {fmt.block}, "
-                f"{fmt.scale_dtype} scales): "
+        ctx.log(f"quantize: {len(done)} {summary['scope'][:-1]} matrices to {blocked.name} ({method}, blocks of "
+                f"{blocked.block}, {blocked.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
                 f"{summary['mean_relative_error']:.4f}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}")
-        return PassResult(model, modified=bool(done))
+        return PassResult(model, modified=True)
 
     @staticmethod
     def _dequantize(graph: ir.Graph, before: ir.Node, name: str, q: np.ndarray, scales: np.ndarray, axis: int,
@@ -161,9 +164,12 @@ class Quantize:
 def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str,
               fit_scales: bool) -> list[tuple[int, int, WeightFormat, bool]]:
     """(input index, block axis, format, whether to fit the block scales) of each weight matrix of `node` the
-    pass blocks. Predictors round to nearest: predict fitted their thresholds to those values (`as_stored`)."""
+    pass blocks: in a float build (`fmt` not quantized) the predictors' alone. Predictors round to nearest:
+    predict fitted their thresholds to those values (`as_stored`)."""
     if node.op_type == "Predict":
         return [(index, PREDICTOR_AXIS, predictor_format(weight_dtype), False) for index in range(1, len(node.inputs))]
+    if not fmt.quantized:
+        return []
     return [(index, axis, fmt, fit_scales) for index, axis in BLOCKED.get(node.op_type, ())]
 
 

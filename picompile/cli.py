@@ -535,7 +535,7 @@ def _inspect(args) -> int:
                f" (small: {calibration['wanted_tokens']} wanted)"))
     quantized = info["quantization"]
     if quantized:
-        say(f"weights    {quantized['matrices']} matrices in {quantized['format']} ({quantized['method']}, blocks of "
+        say(f"{quantized.get('scope', 'weights'):<10} {quantized['matrices']} matrices in {quantized['format']} ({quantized['method']}, blocks of "
             f"{quantized['block']}): {format_size(quantized['bytes'])} from {format_size(quantized['float32_bytes'])} "
             f"fp32, mean relative error {quantized['mean_relative_error']:.4f}"
             + (f"; {len(quantized['kept_in_floats'])} kept in fp16 (not whole blocks)" if quantized["kept_in_floats"] else ""))

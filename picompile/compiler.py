@@ -81,7 +81,7 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
                       partition, LowerPredicted(all_neurons=options.all_neurons)],
         "threshold": [profile, Threshold(), LowerThresholded()],
     }[mode]
-    return sparse + back(options, target)
+    return sparse + back(options, target, predictors=mode == "predictor")
 
 
 def _activation_aware(options: Options) -> bool:
@@ -91,12 +91,12 @@ def _activation_aware(options: Options) -> bool:
     return options.quant_method == "awq" and WEIGHT_FORMATS[options.weight_dtype].quantized
 
 
-def back(options: Options, target: Target) -> list[Pass]:
-    """The back end, the same in every mode: fold the residuals, place each block on its device, (for int8 /
-    int4 weights) quantize its matrices, select its kernels, give each device its buffers, compile the kernels,
-    order the calls."""
+def back(options: Options, target: Target, predictors: bool = False) -> list[Pass]:
+    """The back end, the same in every mode: fold the residuals, place each block on its device, quantize the
+    CPU's matrices (int8 / int4 weights; the `predictors` of a float build), select its kernels, give each
+    device its buffers, compile the kernels, order the calls."""
     cpu_isa = options.cpu_isa_for(target).name
-    quantized = WEIGHT_FORMATS[options.weight_dtype].quantized
+    quantized = WEIGHT_FORMATS[options.weight_dtype].quantized or predictors
     quantize = [Quantize(weight_dtype=options.weight_dtype, method=options.quant_method)] if quantized else []
     return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context), *quantize,
             SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa,

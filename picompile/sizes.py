@@ -64,8 +64,9 @@ def float_format(fmt: WeightFormat) -> WeightFormat:
 
 
 def predictor_format(weight_dtype: str) -> WeightFormat:
-    """What the CPU stores predictors in: the build's float format, or int8 in a quantized build (the quantize
-    pass blocks them; an int4 predictor would lose too much of a score's margin). Predict fits the thresholds to
-    the predictors as stored; predict and lower price them so."""
-    fmt = weight_format("cpu", weight_dtype)
-    return WEIGHT_FORMATS["int8"] if fmt.quantized else fmt
+    """What the CPU stores predictors in, whatever `weight_dtype`: int8 blocks, which the quantize pass makes
+    (an int4 predictor would lose too much of a score's margin). A predictor is read whole every decode step,
+    so its bytes are what it costs: int8 ones cost a quarter of fp32's, predicted as precisely (the 1B hard
+    member: precision 0.42 at recall 0.99 either way, BENCHMARKS.md). Predict fits the thresholds to the
+    predictors as stored; predict and lower price them so."""
+    return WEIGHT_FORMATS["int8"]

@@ -121,11 +121,24 @@ def test_quantize_pass_writes_valid_onnx_dequantizing_each_matrix_it_blocks(spar
     assert summary["bytes"] < 0.15 * summary["float32_bytes"] and 0 < summary["mean_relative_error"] < 0.2
 
 
-def test_float_builds_do_not_run_the_quantize_pass():
-    for weight_dtype in ("fp32", "fp16"):
-        assert "quantize" not in [p.name for p in pipeline(Options(weight_dtype=weight_dtype), "predictor")]
-    assert Quantize(weight_dtype="fp16").apply(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10),
-                                               Context(get_target("cpu"))).modified is False
+@pytest.mark.parametrize("weight_dtype", ["fp32", "fp16"])
+def test_float_builds_block_their_predictors_alone(sparse_opt, tmp_path, weight_dtype):
+    floats, model = _placed(sparse_opt, weight_dtype, False, tmp_path)
+    predictors = [value for n in model.graph if n.op_type == "Predict" for value in n.inputs[1:]]
+    int8 = [QuantizedMatrix.of(value) for value in predictors if QuantizedMatrix.of(value) is not None]
+    assert int8 and all(matrix.fmt.name == "int8" and matrix.axis == 0 for matrix in int8)
+    dequantized = [n.outputs[0] for n in model.graph if n.op_type == "DequantizeLinear"]
+    assert len(dequantized) == len(int8)  # nothing but predictors: every other matrix keeps its floats
+    for node in model.graph:
+        if node.domain == pir.DOMAIN and node.op_type in BLOCKED:
+            assert all(pir.const_array(node.inputs[i]) is not None for i, _ in BLOCKED[node.op_type])
+    summary = json.loads(model.metadata_props["picompile.quantized"])
+    assert summary["scope"] == "predictors" and summary["format"] == "int8" and summary["method"] == "rtn"
+    assert summary["matrices"] == len(int8)
+    # a dense float build has no predictor: the pass leaves its IR alone
+    empty = ir.Model(ir.Graph([], [], nodes=[]), ir_version=10)
+    assert Quantize(weight_dtype=weight_dtype).apply(empty, Context(get_target("cpu"))).modified is False
+    assert "picompile.quantized" not in empty.metadata_props
 
 
 class _FoldDequantize:

@@ -204,8 +204,9 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     names = sorted(p.name for p in dumps.glob("*.onnx"))
     assert [n.split("-", 1)[1] for n in names] == ["import.onnx", "recognise.onnx", "sparsity.onnx", "profile.onnx",
                                                   "predict.onnx", "partition.onnx", "lower.onnx", "fuse.onnx",
-                                                  "place.onnx", "select-kernels.onnx", "plan-buffers.onnx",
-                                                  "compile.onnx", "schedule.onnx"]  # predictor mode's passes: no threshold
+                                                  "place.onnx", "quantize.onnx", "select-kernels.onnx",
+                                                  "plan-buffers.onnx", "compile.onnx", "schedule.onnx"]
+    # predictor mode's passes: no threshold; quantize blocks the predictors of this fp32 build
     for name in names:
         onnx.checker.check_model(onnx.load(str(dumps / name)))
     manifest = json.loads((out / "manifest.json").read_text())
@@ -224,6 +225,8 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "recall" in text and "layer" in text
+    stored = [line for line in text.splitlines() if line.startswith("predictors ")]  # the fp32 build's int8 predictors
+    assert len(stored) == 1 and " matrices in int8 (rtn, blocks of 32)" in stored[0], stored
 
 
 def test_models_with_external_data_build(sparse_models, tmp_path, monkeypatch):
