@@ -34,6 +34,8 @@ LINEAR = {  # name: (K, N, bias, act, residual)
     "silu": (40, 72, False, "silu", True),
     "tiles": (64, 128, True, "none", True),  # whole 64-column GEMV blocks / 6x16 GEMM tiles
     "narrow": (24, 36, True, "relu", False),  # N % 8 != 0: 4-lane vectors
+    "group8": (24, 1020, True, "relu", True),  # decode over panels: 64 panels, 8 a task, the last padded
+    "group4": (16, 570, False, "none", False),  # 36 panels: 4 a task (8 would leave 4.5 tasks)
 }
 WEIGHT_DTYPES = ("float32", "float16")
 GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "relu36": (36, "relu")}

@@ -39,6 +39,7 @@ X8 = {  # int4 decode with int8 activations: (K, N, bias, act, residual, sdtype)
     "gelu": (96, 72, True, "gelu", True, "float16"),
     "group4": (64, 500, True, "silu", True, "float16"),
     "f32": (32, 256, False, "none", False, "float32"),
+    "group8": (32, 1020, True, "relu", False, "float16"),  # 64 panels: int8 with VNNI 8 a task, int4 4; padded
 }
 KN_Q = {  # down rows [K, N]: (K, N, bias, act, residual, sdtype, tile_panels, skip_zero_rows)
     "plain": (40, 96, False, "none", False, "float16", 2, False),

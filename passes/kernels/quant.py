@@ -165,10 +165,10 @@ def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[n
 HALF = PANEL // 2  # int4 panels: bytes per k step (columns v and v + 8 share byte v)
 
 
-def _gemv_group(panels, cap=_cpu.GEMV_PANELS):
-    """Panels per decode task, as cpu._gemv_panels (at most `cap`: the accumulators must fit the registers)."""
-    return next(g for g in (4, 2, 1)
-                if g <= cap and panels % g == 0 and (panels // g >= _cpu.GEMV_MIN_TASKS or g == 1))
+# Quantized decode: panels per task where the registers allow (AVX-512). Their block sums double the accumulators:
+# int4 with int8 activations spilled at 8 (13.7-16.2 GB/s against 15.1-17.7 at 4, 2 threads from DRAM); int8 with
+# VNNI (acc and sum: 2 zmm a panel) takes cpu.GEMV_PANELS (19.6-21.4 GB/s against 18.4-20.3 at 4).
+QUANT_GEMV_PANELS = 4
 
 
 def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None):
@@ -181,7 +181,7 @@ def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none",
     """
     _check(K, N, bits, K, "K")
     panels = -(-N // PANEL)
-    group = group or _gemv_group(panels)
+    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
     kernel = (_gemv_q8 if bits == 8 else _gemv_q4)(K, N, panels, group, sdtype, _cpu._epilogue(act, bias, residual))
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
@@ -369,7 +369,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     _check(K, N, 4, K, "K")
     check_dot(dot, lanes)
     panels = -(-N // PANEL)
-    group = group or _gemv_group(panels)
+    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
     width = group * PANEL
     nb = K // B
     full = N % width == 0
@@ -451,7 +451,7 @@ def gemv_panels_q8x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     B, lanes = QUANT_BLOCK, 16
     _check(K, N, 8, K, "K")
     panels = -(-N // PANEL)
-    group = group or _gemv_group(panels)
+    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
     width = group * PANEL
     nb = K // B
     full = N % width == 0
@@ -783,15 +783,16 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
         if not gemv_int8_dot_fits(bits, int8_dot, tile_panels):
             raise ValueError(f"int8 activations over int{bits} weights with {int8_dot!r} at tile_panels={tile_panels}: "
                              "int4 takes any dot of the vector width, int8 'vnni' (AVX512-VNNI) in zmm only")
-        wide = tile_panels > 1  # AVX-512: zmm vectors, 4 panels per task; AVX2: ymm, 2
-        group = _gemv_group(-(-N // PANEL), _cpu.GEMV_PANELS if wide else 2)
+        wide = tile_panels > 1  # AVX-512: zmm vectors, 4 panels per task (int8 with VNNI: 8); AVX2: ymm, 2
+        cap = (_cpu.GEMV_PANELS if bits == 8 else QUANT_GEMV_PANELS) if wide else 2
+        group = _cpu.gemv_group(-(-N // PANEL), cap)
         if bits == 8:
             return gemv_panels_q8x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
         return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot,
                                 lanes=16 if wide else 8, group=group)
     if rows == 1:  # 4 panels' accumulators and block sums fit AVX-512's 32 registers; in AVX2's 16 they spill:
         # 2 panels per task for int8, 1 for int4 (its 16-lane vectors are 2 ymm each)
-        group = _gemv_group(-(-N // PANEL), _cpu.GEMV_PANELS if tile_panels > 1 else (2 if bits == 8 else 1))
+        group = _cpu.gemv_group(-(-N // PANEL), QUANT_GEMV_PANELS if tile_panels > 1 else (2 if bits == 8 else 1))
         return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
     if int8_dot is not None and tile_panels > 1 and gemv_int8_dot_fits(bits, int8_dot, tile_panels):
