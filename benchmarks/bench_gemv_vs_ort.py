@@ -7,12 +7,15 @@ off, and blocks are separated by a pause longer than TVM's spin):
 
   ort MatMul      a one-node ONNX model y[1, N] = x[1, K] @ W[K, N] (the form an exported decoder has),
   ort Gemm^T      y = x @ W^T with W stored [N, K] (transB=1; onnxruntime's fastest GEMV form here),
-  picompile avx2 / avx512   `linear_panels` decode (panel-packed W) built for that ISA,
+  picompile avx2 / avx512   `linear_panels` decode (panel-packed W) built for that ISA, reading
+                  `--panels-per-task` panels in lockstep (default: the kernel's GEMV_PANELS; several values,
+                  comma-separated, build one kernel each: "picompile avx512 p4", "... p8"),
 
 over `--threads` threads (onnxruntime intra-op threads, TVM_NUM_THREADS). Prints GB/s of weight bytes read,
 medians and 90th percentiles over calls, and each picompile kernel's ratio to onnxruntime's best form.
 
     python benchmarks/bench_gemv_vs_ort.py [--shapes 2048x2048,2048x32000] [--threads 2] [--rounds 30]
+        [--panels-per-task 4,8]
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--copies", type=int, default=0, help="weight copies per shape (0: enough for 256 MiB)")
+    parser.add_argument("--panels-per-task", default="", help="decode panels read in lockstep, comma-separated "
+                        "(default: the kernel's own)")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
@@ -71,13 +76,16 @@ def main():
     from runtime.artifact import aligned_empty
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    groups = [int(g) for g in args.panels_per_task.split(",")] if args.panels_per_task else [None]
     libs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for isa in ("avx2", "avx512"):
-            path = os.path.join(tmp, f"{isa}.so")
-            cpu.build([cpu.linear_panels(f"gemv_{K}_{N}", K, N, rows=1, bias=False) for K, N in shapes],
-                      CPU_ISAS[isa].llvm_target(), path)
-            libs[isa] = tvm.runtime.load_module(path)
+            for group in groups:
+                label = isa if group is None else f"{isa} p{group}"
+                path = os.path.join(tmp, f"{isa}-{group}.so")
+                cpu.build([cpu.linear_panels(f"gemv_{K}_{N}", K, N, rows=1, bias=False, panels_per_task=group)
+                           for K, N in shapes], CPU_ISAS[isa].llvm_target(), path)
+                libs[label] = tvm.runtime.load_module(path)
     dl = tvm_ffi.from_dlpack
     rng = np.random.default_rng(0)
     clock = time.perf_counter

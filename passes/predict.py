@@ -9,12 +9,13 @@ that gives the fit's cross-covariance exactly, so a profile of fewer tokens than
 right subspace); the model's parameter count (`sizes.parameter_count`); its fields `target_recall`, `param_share`,
 `weight_dtype` and `seed`.
 Adds: per FFN layer i the initializers `layers.{i}.ffn.predictor.w1` [d_model, r] and
-`layers.{i}.ffn.predictor.w2` [r, ffn] (float32; neuron j is predicted active for input x iff
+`layers.{i}.ffn.predictor.w2` [r, ffn] (float32 holding the values `sizes.predictor_format` stores, which
+the quantize pass then blocks; neuron j is predicted active for input x iff
 (relu(x @ w1) @ w2)[j] > threshold) and, on the FFN node, `predictor_rank` (int), `predictor_threshold`,
 `predictor_recall`, `predictor_precision` and `predictor_active` (floats: recall, precision and mean
 fraction of neurons predicted active on held-out profiled tokens; the last is what a decode step pays
 for). Each layer's rank r is the one whose decode step reads the fewest weight bytes, the predictor's
-r * (d_model + ffn) fp32 weights plus the up (gate) and down rows of the neurons it predicts active at the
+r * (d_model + ffn) weights (int8 blocks) plus the up (gate) and down rows of the neurons it predicts active at the
 CPU's storage type (`step_reads`: fp16 rows under `--weight-dtype fp16` make a predictor relatively
 dearer), as estimated before training by the least-squares probe training starts from (`price_ranks`);
 all predictors together stay within `param_share` of the model's parameters (`choose_ranks`). Training

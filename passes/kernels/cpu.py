@@ -46,10 +46,11 @@ GEMV_PANELS = 8
 GEMV_MIN_TASKS = 8  # ... fewer panels per task where that leaves fewer parallel tasks than this
 
 
-def gemv_group(panels: int, cap: int = GEMV_PANELS) -> int:
+def gemv_group(panels: int, cap: int | None = None) -> int:
     """Panels per decode task: the most, a power of two up to `cap` (what the accumulators leave of the
-    registers), that divides the panels and leaves at least GEMV_MIN_TASKS parallel tasks (else 1)."""
-    group = cap
+    registers; None: GEMV_PANELS), that divides the panels and leaves at least GEMV_MIN_TASKS parallel tasks
+    (else 1)."""
+    group = GEMV_PANELS if cap is None else cap
     while group > 1 and (panels % group or panels // group < GEMV_MIN_TASKS):
         group //= 2
     return max(group, 1)
@@ -247,15 +248,16 @@ def _unused(bias, residual):
     return ([] if bias else ["b"]) + ([] if residual else ["res"])
 
 
-def _gemv_panels(name, K, N, *, wdtype, bias, act, residual):
+def _gemv_panels(name, K, N, *, wdtype, bias, act, residual, panels_per_task=None):
     """Decode y[1, N] = act(x[1, K] @ w + b) + res over a panel-packed w [P, K, 16].
 
-    Each parallel task takes `group` adjacent panels: per k it broadcasts x[k] and issues one FMA
-    per 8 columns into group*2 ymm accumulators that stay in registers for the whole k loop, so w
-    is read as `group` sequential streams; the epilogue runs on the accumulators.
+    Each parallel task takes `group` adjacent panels (`gemv_group` up to `panels_per_task`, None:
+    GEMV_PANELS): per k it broadcasts x[k] and issues one FMA per vector of columns into accumulators
+    that stay in registers for the whole k loop, so w is read as `group` sequential streams; the
+    epilogue runs on the accumulators.
     """
     panels = -(-N // PANEL)
-    group = gemv_group(panels)
+    group = gemv_group(panels, panels_per_task)
     width = group * PANEL
     full = N % width == 0  # no padded columns: a vectorised epilogue without predicates
     epilogue = _epilogue(act, bias, residual)
@@ -653,11 +655,14 @@ def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
     return drop_params(kernel, _unused(bias, residual) + ([] if quantized else ["ws"])).with_attr("global_symbol", name)
 
 
-def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1):
+def linear_panels(name, K, N, *, rows, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
+                  panels_per_task: int | None = None):
     """y[m, N] = act(x[m, K] @ W + b) + res with W panel-packed (pack_panels).  Args: x, w, (b), (res), y.
-    `tile_panels` sets the prefill GEMM's register tile (see gemm)."""
+    `tile_panels` sets the prefill GEMM's register tile (see gemm); `panels_per_task` the decode GEMV's panels
+    read in lockstep (None: GEMV_PANELS; benchmarks compare others)."""
     if rows == 1:
-        return _gemv_panels(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual)
+        return _gemv_panels(name, K, N, wdtype=wdtype, bias=bias, act=act, residual=residual,
+                            panels_per_task=panels_per_task)
     row_dim(rows)
     return gemm(name, K, N, layout="panels", wdtype=wdtype, bias=bias, act=act, residual=residual,
                 tile_panels=tile_panels)
