@@ -102,7 +102,7 @@ class Quantize:
         source = SourceQuantization.of(model) if fmt.quantized else None
         fmt = _source_format(source, fmt)
         # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not
-        fit_scales = self.method == "awq" and source is None and fmt.quantized
+        fit_scales = self.method == "awq" and source is None  # (predictors never are: `_matrices`)
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors, quantized_bytes = [], 0, 0, [], 0.0

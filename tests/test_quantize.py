@@ -123,7 +123,7 @@ def test_quantize_pass_writes_valid_onnx_dequantizing_each_matrix_it_blocks(spar
 
 @pytest.mark.parametrize("weight_dtype", ["fp32", "fp16"])
 def test_float_builds_block_their_predictors_alone(sparse_opt, tmp_path, weight_dtype):
-    floats, model = _placed(sparse_opt, weight_dtype, False, tmp_path)
+    _, model = _placed(sparse_opt, weight_dtype, False, tmp_path)
     predictors = [value for n in model.graph if n.op_type == "Predict" for value in n.inputs[1:]]
     int8 = [QuantizedMatrix.of(value) for value in predictors if QuantizedMatrix.of(value) is not None]
     assert int8 and all(matrix.fmt.name == "int8" and matrix.axis == 0 for matrix in int8)

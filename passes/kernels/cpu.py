@@ -44,6 +44,10 @@ PANEL = 16  # columns per panel of a panel-packed weight: one k step of a panel 
 # prefetcher follows each stream, and more streams keep more lines in flight.
 GEMV_PANELS = 8
 GEMV_MIN_TASKS = 8  # ... fewer panels per task where that leaves fewer parallel tasks than this
+GEMV_NR = 64  # decode: 64 columns = 8 ymm accumulators
+GEMV_KT = 16  # decode: rows of w per register pass (unrolled)
+GEMV_CHUNKS = 8  # decode: aim for this many parallel column chunks ...
+GEMV_CHUNK_MAX = 1024  # ... of at most this many columns (4 KB of each w row)
 
 
 def gemv_group(panels: int, cap: int | None = None) -> int:
@@ -54,10 +58,6 @@ def gemv_group(panels: int, cap: int | None = None) -> int:
     while group > 1 and (panels % group or panels // group < GEMV_MIN_TASKS):
         group //= 2
     return max(group, 1)
-GEMV_NR = 64  # decode: 64 columns = 8 ymm accumulators
-GEMV_KT = 16  # decode: rows of w per register pass (unrolled)
-GEMV_CHUNKS = 8  # decode: aim for this many parallel column chunks ...
-GEMV_CHUNK_MAX = 1024  # ... of at most this many columns (4 KB of each w row)
 
 
 # --------------------------------------------------------------------------------------------
