@@ -34,7 +34,8 @@ from picompile import costmodel, placement
 from picompile import ir as pir
 from picompile.costmodel import CONTEXT, BlockBytes, FfnBytes
 from picompile.pipeline import Context, Options
-from picompile.sizes import GPU_WEIGHT_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes, predictor_format, weight_format
+from picompile.sizes import (GPU_WEIGHT_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes, predictor_format,
+                             stored_predictor_format, weight_format)
 from picompile.targets import check_vram_budget, format_size
 from runtime.dtypes import WeightFormat, nbytes
 
@@ -194,7 +195,8 @@ class Partition:
             predictor = [graph.initializers.get(f"layers.{layer}.ffn.predictor.{w}") for w in ("w1", "w2")]
             if frequency is not None and all(p is not None for p in predictor) and "predictor_active" in node.attributes:
                 shapes = [p.const_value.shape for p in predictor]
-                cpu_predictor = sum(math.ceil(math.prod(s) * predictor_format(self.weight_dtype).bytes_per_weight)
+                stored = predictor_format(self.weight_dtype)
+                cpu_predictor = sum(math.ceil(math.prod(s) * stored_predictor_format(s, stored).bytes_per_weight)
                                     for s in shapes)
                 gpu_predictor = sum(gpu_bytes(s) for s in shapes)
                 active = float(pir.attr(node, "predictor_active"))

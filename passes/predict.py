@@ -42,14 +42,15 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
-from picompile.sizes import float_format, parameter_count, predictor_format, weight_format
+from picompile.sizes import float_format, parameter_count, predictor_format, stored_predictor_format, weight_format
 from picompile.targets import BASELINE_CPU_ISA, get_cpu_isa
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
 from .kernels import quant
 from .profile import ProfiledActivations
 
-__all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "price_ranks", "choose_ranks", "probe_active",
-           "train_predictor", "predict_active"]
+__all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "predictor_step_reads", "price_ranks", "choose_ranks",
+           "probe_active", "train_predictor", "predict_active"]
 
 STEPS = 800  # Adam updates a predictor gets by default (about 60 epochs of 4096 profiled tokens) ...
 TRAIN_FLOPS = 1e12  # ... unless they would cost more than this (large layers start close to done anyway)
@@ -80,32 +81,46 @@ def candidate_ranks(limit: int) -> list[int]:
 
 
 def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bool,
-               row_bytes: float = 4.0, predictor_bytes: float = 4.0) -> float:
+               row_bytes: float = 4.0, predictor_bytes: float = 4.0, w2_bytes: float | None = None) -> float:
     """Weight bytes one FFN layer reads in a one-token decode step: the whole predictor (w1 [d_model, rank],
-    w2 [rank, ffn]) and the up (gate) and down rows of the neurons it predicts active, each at its bytes per
-    weight as stored (`WeightFormat.bytes_per_weight`; `sizes.predictor_format`). Decode is memory-bound, so
-    this is its cost."""
-    return (rank * (d_model + ffn) * predictor_bytes
+    w2 [rank, ffn]; `w2_bytes` where w2 is stored otherwise than w1) and the up (gate) and down rows of the
+    neurons it predicts active, each at its bytes per weight as stored (`WeightFormat.bytes_per_weight`;
+    `sizes.predictor_format`). Decode is memory-bound, so this is its cost."""
+    w2 = predictor_bytes if w2_bytes is None else w2_bytes
+    return (rank * (d_model * predictor_bytes + ffn * w2)
             + active_share * ffn * d_model * (3 if gated else 2) * row_bytes)
 
 
+def predictor_step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bool, row_bytes: float,
+                         predictor: WeightFormat) -> float:
+    """`step_reads` of a predictor stored as `predictor` (`sizes.predictor_format`), each matrix as the quantize
+    pass keeps it (`sizes.stored_predictor_format`: a rank of part of a block keeps w2 in floats)."""
+    w1, w2 = (stored_predictor_format(shape, predictor).bytes_per_weight for shape in ((d_model, rank), (rank, ffn)))
+    return step_reads(rank, active_share, d_model, ffn, gated, row_bytes, w1, w2)
+
+
 def price_ranks(inputs: np.ndarray, active: np.ndarray, limit: int, gated: bool, *, target_recall: float,
-                pre_activations: np.ndarray | None = None, row_bytes: float = 4.0, predictor_bytes: float = 4.0,
-                up_weight: np.ndarray | None = None, w2_ridge: float = W2_RIDGE) -> dict[int, tuple[float, float]]:
-    """rank -> (estimated predicted-active share, `step_reads`) of one layer's predictor, for the
-    `candidate_ranks` up to `limit`, the share from `probe_active`. Pricing stops before the first rank
-    that cannot beat the cheapest so far even if it predicted no more neurons than `target_recall` of
-    the held-out tokens' active ones (which every predictor must)."""
+                pre_activations: np.ndarray | None = None, row_bytes: float = 4.0,
+                predictor: WeightFormat = WEIGHT_FORMATS["fp32"], up_weight: np.ndarray | None = None,
+                w2_ridge: float = W2_RIDGE) -> dict[int, tuple[float, float]]:
+    """rank -> (estimated predicted-active share, `predictor_step_reads`) of one layer's predictor, stored as
+    `predictor`, for the `candidate_ranks` up to `limit`, the share from `probe_active`. Pricing stops before
+    the first rank that cannot beat the cheapest so far even if it predicted no more neurons than
+    `target_recall` of the held-out tokens' active ones (which every predictor must)."""
     d_model, ffn = inputs.shape[1], active.shape[1]
     ranks = candidate_ranks(limit)
     least_share = target_recall * float(np.mean(active[_training_tokens(len(active), HOLDOUT):]))
+
+    def reads(rank: int, share: float) -> float:
+        return predictor_step_reads(rank, share, d_model, ffn, gated, row_bytes, predictor)
+
     priced: dict[int, tuple[float, float]] = {}
     for rank, share in probe_active(inputs, active, ranks, target_recall=target_recall,
                                     pre_activations=pre_activations, up_weight=up_weight, w2_ridge=w2_ridge):
-        priced[rank] = (share, step_reads(rank, share, d_model, ffn, gated, row_bytes, predictor_bytes))
-        best = min(reads for _, reads in priced.values())
-        larger = [r for r in ranks if r > rank]
-        if not larger or step_reads(larger[0], least_share, d_model, ffn, gated, row_bytes, predictor_bytes) >= best:
+        priced[rank] = (share, reads(rank, share))
+        best = min(cost for _, cost in priced.values())
+        # a larger rank can cost less (w2 whole blocks again): stop where none can
+        if all(reads(r, least_share) >= best for r in ranks if r > rank):
             break
     return priced
 
@@ -581,7 +596,6 @@ class Predict:
         # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.
         row_bytes = weight_format("cpu", self.weight_dtype).bytes_per_weight
         predictor_fmt = predictor_format(self.weight_dtype)
-        predictor_bytes = predictor_fmt.bytes_per_weight
 
         def as_stored(w: np.ndarray) -> np.ndarray:  # w1 [d, r] and w2 [r, ffn]: blocked along their first axis
             return quant.as_stored(w, predictor_fmt, axis=0)
@@ -606,7 +620,7 @@ class Predict:
                 limit = min(d_model, budget // widths[index])
                 priced = price_ranks(inputs, active, limit, gated[index], target_recall=self.target_recall,
                                      pre_activations=pre, row_bytes=row_bytes,
-                                     predictor_bytes=predictor_bytes, up_weight=up)
+                                     predictor=predictor_fmt, up_weight=up)
             advance()
             return priced
 

@@ -70,3 +70,10 @@ def predictor_format(weight_dtype: str) -> WeightFormat:
     member: precision 0.42 at recall 0.99 either way, BENCHMARKS.md). Predict fits the thresholds to the
     predictors as stored; predict and lower price them so."""
     return WEIGHT_FORMATS["int8"]
+
+
+def stored_predictor_format(shape: tuple[int, ...], fmt: WeightFormat) -> WeightFormat:
+    """What a predictor matrix of `shape` (w1 [d_model, r], w2 [r, ffn], blocked along their first axis) is stored
+    in, given `predictor_format`'s `fmt`: `fmt` where that axis is whole blocks, else `float_format(fmt)` (the
+    quantize pass keeps such a matrix in floats: w2 of a rank that is part of a block, twice int8's bytes)."""
+    return float_format(fmt) if fmt.quantized and shape[0] % fmt.block else fmt

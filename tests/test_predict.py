@@ -10,7 +10,7 @@ import torch
 
 from passes.import_onnx import Import, load
 from passes.predict import (Predict, Predictor, _threshold_for_recall, candidate_ranks, choose_ranks, predict_active,
-                            price_ranks, step_reads, train_predictor)
+                            predictor_step_reads, price_ranks, step_reads, train_predictor)
 from passes.profile import LayerActivations, ProfiledActivations
 from passes.recognise import Recognise
 from picompile import ir as pir
@@ -41,6 +41,14 @@ def test_candidate_ranks_and_step_reads():
     int4 = WEIGHT_FORMATS["int4"].bytes_per_weight  # 4 bits and a 2-byte scale per 32 weights
     assert step_reads(64, 0.1, 2048, 8192, gated=False, row_bytes=int4, predictor_bytes=2.0) == (
         64 * 10240 * 2 + 0.1 * 8192 * 2048 * 2 * (0.5 + 2 / 32))  # int4 rows: the predictor weighs relatively more
+    # int8-blocked predictors: w2 [r, ffn] of a rank of part of a block stays in fp16 (the quantize pass's rule)
+    int8, fp16 = WEIGHT_FORMATS["int8"], WEIGHT_FORMATS["fp16"]
+    assert predictor_step_reads(64, 0.1, 2048, 8192, False, int4, int8) == step_reads(
+        64, 0.1, 2048, 8192, False, int4, int8.bytes_per_weight)
+    assert predictor_step_reads(80, 0.1, 2048, 8192, False, int4, int8) == (
+        80 * (2048 * int8.bytes_per_weight + 8192 * fp16.bytes_per_weight) + 0.1 * 8192 * 2048 * 2 * int4)
+    assert predictor_step_reads(80, 0.1, 2048, 8192, False, int4, int8) > predictor_step_reads(
+        96, 0.1, 2048, 8192, False, int4, int8)  # a larger rank of whole blocks reads less
 
 
 def test_choose_ranks_takes_each_layers_cheapest_rank_within_the_budget():
