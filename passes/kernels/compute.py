@@ -204,6 +204,13 @@ def passes_threshold(score, threshold, magnitude: bool):
     return (tirx.abs(score) if magnitude else score) > threshold
 
 
+def prefetch(address, locality: int = 3):
+    """Ask for a cache line before it is used (llvm.prefetch: a read; locality 3 keeps it in every cache level,
+    prefetcht0; 2 from L2 outward, prefetcht1)."""
+    u32 = lambda v: tirx.const(v, "uint32")  # noqa: E731
+    return tirx.call_llvm_intrin("void", "llvm.prefetch.p0", address, u32(0), u32(locality), u32(1))
+
+
 # --------------------------------------------------------------------------------------------
 # Shapes and PrimFuncs
 # --------------------------------------------------------------------------------------------

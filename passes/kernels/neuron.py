@@ -31,7 +31,7 @@ from tvm.script import tirx as T
 from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, itemsize
 
 from . import compute, quant
-from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32, row_dim
+from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32, prefetch, row_dim
 from .cpu import MATH, _col_block, _lanes, _rowwise, gemm_nt
 
 DOWN_CHUNK = 256  # columns per parallel chunk of sparse_down: 1 KiB contiguous per row and thread
@@ -196,12 +196,6 @@ against 7.7 at 10%, medians), now faster per byte than the dense panel GEMVs of 
 prefetching 2 or 4 rows ahead instead of 1 changed nothing measurable, nor locality 1 against 2. sparse_columns
 (threshold mode) too: 1.1-1.3x (gated up 2048x16384 at 30-50% of the inputs kept, between attention GEMVs over
 5 layers, one and two threads)."""
-
-
-def _prefetch(address, locality: int = 3):
-    """Ask for a cache line before it is used (llvm.prefetch: a read; locality 3 keeps it in every cache level,
-    prefetcht0; 2 from L2 outward, prefetcht1)."""
-    return T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.uint32(0), T.uint32(locality), T.uint32(1))
 
 
 def _row_lines(width: int, lanes: int, wdtype: str) -> tuple[int, int, int]:
@@ -487,7 +481,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         """The scales of the row to come, all of them up front (a few lines; a float row has none)."""
         if fmt.quantized:
             for q in T.unroll(scale_lines):
-                _prefetch(T.address_of(ws_next[next_row, T.min(q * per_scale_line, sblocks - 1)]), locality)
+                prefetch(T.address_of(ws_next[next_row, T.min(q * per_scale_line, sblocks - 1)]), locality)
 
     @T.macro
     def dot_scales(rs, ws, row, ws_next, next_row):
@@ -540,7 +534,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 acc[c, v] = T.float32(0)
         for s in range(steps):
             for q in T.unroll(per_step):
-                _prefetch(T.address_of(w_next[next_row, T.min(fmt.stored((s * chains + q * line_blocks) * block),
+                prefetch(T.address_of(w_next[next_row, T.min(fmt.stored((s * chains + q * line_blocks) * block),
                                                               last_stored)]), locality)
             for c in T.unroll(chains):
                 for v in T.vectorized(lanes):
@@ -558,7 +552,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             for v in T.vectorized(lanes):
                 tacc[u, v] = T.float32(0)
         for s in range(lines):
-            _prefetch(T.address_of(w_next[next_row, T.min(fmt.stored(s * line_blocks * block), last_stored)]),
+            prefetch(T.address_of(w_next[next_row, T.min(fmt.stored(s * line_blocks * block), last_stored)]),
                       locality)
             for b in T.unroll(line_blocks):
                 for u in T.unroll(tile):
@@ -585,7 +579,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 qacc[c, v] = T.float32(0)
         for s in range(qsteps):
             for q in T.unroll(qprefetch):
-                _prefetch(T.address_of(w_next[next_row, T.min((s * qchains * nbytes + q * 64), last_stored)]),
+                prefetch(T.address_of(w_next[next_row, T.min((s * qchains * nbytes + q * 64), last_stored)]),
                           locality)
             for c in T.unroll(qchains):
                 part[c, T.ramp(0, 1, L)] = xc[s * qchains + c, T.ramp(0, 1, L)]
@@ -642,7 +636,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                 if has_offset:
                     off[r * sblocks + b] = off[r * sblocks + b] + rs[b]
         for s in range(lines):
-            _prefetch(T.address_of(w_next[next_row, T.min(fmt.stored(s * line_blocks * block), last_stored)]),
+            prefetch(T.address_of(w_next[next_row, T.min(fmt.stored(s * line_blocks * block), last_stored)]),
                       locality)
             for b in T.unroll(line_blocks):
                 axpy_block(y, t, r * D, a, rs, w, row, s * line_blocks + b)
@@ -879,7 +873,7 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
                         coef[q] = v[r, row[q]]
                     for s in range(lines):
                         for q in T.unroll(group):
-                            _prefetch(T.address_of(w[after[q], s * line]), locality)
+                            prefetch(T.address_of(w[after[q], s * line]), locality)
                         for u in T.unroll(line_vectors):
                             for l in T.vectorized(lanes):
                                 scratch[t, r * N + (s * line_vectors + u) * lanes + l] = (
