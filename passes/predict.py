@@ -49,8 +49,8 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 from .kernels import quant
 from .profile import ProfiledActivations
 
-__all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "predictor_step_reads", "price_ranks", "choose_ranks",
-           "probe_active", "train_predictor", "predict_active"]
+__all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "predictor_step_reads", "price_ranks",
+           "choose_ranks", "probe_active", "train_predictor", "predict_active"]
 
 STEPS = 800  # Adam updates a predictor gets by default (about 60 epochs of 4096 profiled tokens) ...
 TRAIN_FLOPS = 1e12  # ... unless they would cost more than this (large layers start close to done anyway)
