@@ -180,9 +180,22 @@ prefetch / with): int4 panels (4 a task) 2048 x 6144 1.30x, 2048 x 2048 1.21x, 2
 1.08-1.34x, 2048 x 6144 1.13x, 2048 x 32000 1.18x, 2048 x 2048 1.04x, but 8192 x 2048 (1 MiB a task) 0.72x."""
 
 
-def prefetch_tasks(task_bytes: int) -> int:
-    """Tasks ahead whose panels an int8-activation decode GEMV prefetches (PREFETCH_TASK_BYTES): 1 or 0."""
-    return int(task_bytes <= PREFETCH_TASK_BYTES)
+def next_task_prefetcher(K, panels, group, k_bytes):
+    """A macro prefetch_next(wf, t, kb) for the int8-activation decode GEMVs over panels of `k_bytes` bytes a k
+    step (wf: the flat weights): while task t reads block kb, the next task's lines of that block go to L2,
+    where a task reads at most PREFETCH_TASK_BYTES (else nothing; the last task's clamp to the last byte)."""
+    ahead, last = group * K * k_bytes <= PREFETCH_TASK_BYTES, panels * K * k_bytes - 1
+    B = QUANT_BLOCK
+
+    @T.macro
+    def prefetch_next(wf, t, kb):
+        if ahead:
+            for g in T.unroll(group):
+                for line in T.unroll(B * k_bytes // 64):
+                    prefetch(T.address_of(wf[T.min((((t + 1) * group + g) * K + kb * B) * k_bytes + line * 64,
+                                                   last)]), 2)
+
+    return prefetch_next
 
 
 def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None):
@@ -394,7 +407,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     quantize_x = x_quantizer(K)
-    ahead, last = prefetch_tasks(group * K * HALF), panels * K * HALF - 1  # (PREFETCH_TASK_BYTES)
+    prefetch_next = next_task_prefetcher(K, panels, group, HALF)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
@@ -426,11 +439,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
                 for g, h in T.grid(group, 2):
                     for v in T.vectorized(lanes):
                         part[g, h, v] = xc[kb, v]
-                if ahead > 0:
-                    for g in T.unroll(group):
-                        for line in T.unroll(B * HALF // 64):
-                            prefetch(T.address_of(wf[T.min((((t + 1) * group + g) * K + kb * B) * HALF + line * 64,
-                                                           last)]), 2)
+                prefetch_next(wf, t, kb)
                 for o in T.unroll(B // steps):
                     for g in T.unroll(group):
                         part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
@@ -480,7 +489,7 @@ def gemv_panels_q8x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     perm = [tirx.IntImm("int32", PANEL * (e % steps) + e // steps) for e in range(nbytes)]
     flip = T.broadcast(T.uint8(128), nbytes)
     quantize_x = x_quantizer(K)
-    ahead, last = prefetch_tasks(group * K * PANEL), panels * K * PANEL - 1  # (PREFETCH_TASK_BYTES)
+    prefetch_next = next_task_prefetcher(K, panels, group, PANEL)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), "int8"),
@@ -508,11 +517,7 @@ def gemv_panels_q8x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
                 for g in T.unroll(group):
                     for v in T.vectorized(lanes):
                         part[g, v] = -128 * xsum[kb]
-                if ahead > 0:
-                    for g in T.unroll(group):
-                        for line in T.unroll(B * PANEL // 64):
-                            prefetch(T.address_of(wf[T.min((((t + 1) * group + g) * K + kb * B) * PANEL + line * 64,
-                                                           last)]), 2)
+                prefetch_next(wf, t, kb)
                 for o in T.unroll(B // steps):
                     for g in T.unroll(group):
                         part[g, T.ramp(0, 1, lanes)] = dot_u8s8(
