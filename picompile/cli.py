@@ -128,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", action="store_true",
                      help="time per kernel class and weight bytes read per decoded token")
     run.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
+    _threads_argument(run)
     run.add_argument("--json", action="store_true")
 
     chat = commands.add_parser("chat", help="talk with an artifact's model: a user turn per line of stdin")
@@ -135,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     _sampling_arguments(chat, default_tokens=256)
     chat.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
+    _threads_argument(chat)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server for an artifact (the serve extra)")
     serve.add_argument("artifact", type=Path)
@@ -146,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
                             "step where the artifact has a batch phase (build --max-batch)")
     serve.add_argument("--queue", type=_non_negative(int), default=16,
                        help="requests that may wait for a slot; past that the server answers 503 with Retry-After")
+    _threads_argument(serve)
 
     evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX")
     evaluate.add_argument("artifact", type=Path)
@@ -157,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
                                "eval reports it against the reference too, and the artifact against it, so that the "
                                "error of sparsity and of the weights' precision show apart")
     evaluate.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
+    _threads_argument(evaluate)
     evaluate.add_argument("--json", action="store_true")
 
     inspect = commands.add_parser("inspect", help="show what the compiler decided")
@@ -222,11 +226,17 @@ def _build(args) -> int:
     return 0
 
 
-def _engine(path: Path, emulate_gpu: bool = False, slots: int = 1):
+def _threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="kernel threads: N for every step; default: measured as it runs, per kind of step, "
+                             "among the cores this process may use (fewer where other work keeps cores busy)")
+
+
+def _engine(path: Path, emulate_gpu: bool = False, slots: int = 1, threads: int | None = None):
     from runtime import ArtifactError, Engine
 
     try:
-        return Engine(path, emulate_gpu=emulate_gpu, slots=slots)
+        return Engine(path, emulate_gpu=emulate_gpu, slots=slots, threads=threads)
     except ArtifactError as error:
         raise UserError(str(error)) from None
 
@@ -290,7 +300,7 @@ def _run(args) -> int:
     prompt = tokenizer.encode(args.prompt) if text else ids
     if not prompt:
         raise UserError("-p: the prompt is empty (the tokenizer makes no tokens of it)")
-    engine = _engine(args.artifact, args.emulate_gpu)
+    engine = _engine(args.artifact, args.emulate_gpu, threads=args.threads)
     _check_prompt(prompt, args.max_new_tokens, engine, "-p" if text else "--prompt-ids")
     stats = GenerationStats()
     tokens = generate_stream(engine, prompt, args.max_new_tokens, **_sampling(args), profile=args.profile,
@@ -324,7 +334,7 @@ def _chat(args) -> int:
     from runtime.sampling import GenerationStats, generate_stream, timings
 
     tokenizer = _text_tokenizer(args.artifact, "chat")
-    engine = _engine(args.artifact, args.emulate_gpu)
+    engine = _engine(args.artifact, args.emulate_gpu, threads=args.threads)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     terminal = sys.stdin.isatty()
     for turn, line in enumerate(_lines(sys.stdin, "> " if terminal else None)):
@@ -370,7 +380,7 @@ def _serve(args) -> int:
             raise
         raise UserError(f"picompile serve needs the serve extra ({missing} is not installed): "
                         "pip install 'picompile[serve]'") from None
-    engine = _engine(args.artifact, slots=args.parallel)
+    engine = _engine(args.artifact, slots=args.parallel, threads=args.threads)
     app = serve.create_app(engine, parallel=args.parallel, queue=args.queue)
     try:
         sock = serve.bind(args.host, args.port)
@@ -397,7 +407,7 @@ def _eval(args) -> int:
     if top >= vocab:
         raise UserError(f"{args.tokens} holds token id {top}, outside the vocabulary of the reference "
                         f"{args.reference} ({vocab} tokens)")
-    engine = _engine(args.artifact, args.emulate_gpu)
+    engine = _engine(args.artifact, args.emulate_gpu, threads=args.threads)
     if vocab != engine.vocab_size:
         raise UserError(f"the reference {args.reference} has a vocabulary of {vocab} tokens but the artifact "
                         f"{args.artifact} has {engine.vocab_size}: eval compares an artifact with the model it was "
@@ -406,7 +416,7 @@ def _eval(args) -> int:
         reference = reference_for(args.reference, [s[: engine.max_context] for s in sequences], Path(workdir))
         report = evaluate(engine, reference, sequences)
         if args.baseline is not None:
-            baseline = _engine(args.baseline, args.emulate_gpu)
+            baseline = _engine(args.baseline, args.emulate_gpu, threads=args.threads)
             if baseline.vocab_size != engine.vocab_size:
                 raise UserError(f"the baseline {args.baseline} has a vocabulary of {baseline.vocab_size} tokens but "
                                 f"{args.artifact} has {engine.vocab_size}: a baseline is another build of the same "

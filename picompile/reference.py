@@ -67,6 +67,13 @@ def check_reference(path: Path) -> int:
     return vocab
 
 
+def quiet_between_runs(options) -> None:
+    """onnxruntime's threads may spin while a run of its own waits for them, never after it returns: picompile
+    runs beside it in the same process (eval, sampling, benchmarks), and a spinning pool takes the cores its
+    next step needs (runtime/threads.py)."""
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+
+
 class OrtDecoder:
     """Runs an exported decoder (optimum-style KV-cache I/O) with onnxruntime: batch 1 by `forward`, any batch
     by `run` (after `reset(batch)`) and `sample`."""
@@ -77,6 +84,7 @@ class OrtDecoder:
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        quiet_between_runs(options)
         self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]

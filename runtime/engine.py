@@ -37,6 +37,7 @@ from .artifact import (ArtifactError, aligned_zeros, available_memory_bytes, for
 from .calls import PHASES, START, Call, Role, decode_weight_reads
 from .device import DeviceExecutor, _host, cuda_device, device_library
 from .dtypes import get_dtype
+from .threads import ThreadGovernor, prepare_pool_environment, step_kind, thread_pool
 from .verify import check_files
 
 # the profile's entries that are not seconds: bytes, steps, and the weight bytes per call role (a dict)
@@ -49,6 +50,7 @@ def _tvm_runtime():
     # do not inherit it and find TVM without its compiler.
     chosen_by_user = "TVM_USE_RUNTIME_LIB" in os.environ
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    prepare_pool_environment()
     try:
         import tvm.runtime
         import tvm_ffi
@@ -90,9 +92,11 @@ class Step:
 
 class Engine:
     def __init__(self, directory: str | Path, *, check_hashes: bool = True, emulate_gpu: bool = False,
-                 slots: int = 1):
+                 slots: int = 1, threads: int | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
         self.directory = Path(directory)
         self.manifest = load_manifest(self.directory, check_hashes=check_hashes)
         target = self.manifest.get("target", {})
@@ -118,6 +122,8 @@ class Engine:
         self.max_context = facts.max_context
         self.vocab_size = facts.vocab_size  # the embedding table's rows (its weight file's), = model.vocab_size
         tvm_runtime, self._ffi = _tvm_runtime()
+        # how many of the pool's workers each kind of step runs on: `threads`, else measured (runtime/threads.py)
+        self.governor = ThreadGovernor(thread_pool(self._ffi), fixed=threads)
         device = None
         if "gpu" in self.devices and not emulate_gpu:  # refused here, before anything is read, if no GPU fits
             device = cuda_device(target, tvm_runtime)
@@ -331,11 +337,14 @@ class Engine:
         self._check_token_ids(ids)
         self.buffers["input_ids"][:rows] = ids
         program = self._decodes[slot] if rows == 1 else self._program("prefill", rows, slot)
+        kind = step_kind("decode" if rows == 1 else "prefill", rows)
+        threads = self.governor.threads_for(kind)
         began = time.perf_counter()
         if self.gpu is None:
             self._run_serial(program, position)
         else:
             self.gpu.run(program, position, self._timer())
+        self.governor.record(kind, threads, time.perf_counter() - began)
         if self.profile is not None:
             self._profile_wall(began)
             if rows == 1:
@@ -372,8 +381,11 @@ class Engine:
             return self.forward(ids, slots[0])
         program = self._batch_program(slots)
         self.buffers["input_ids"][:rows] = ids
+        kind = step_kind("batch", rows)
+        threads = self.governor.threads_for(kind)
         began = time.perf_counter()
         self._run_serial(program, [self.positions[slot] for slot in slots])
+        self.governor.record(kind, threads, time.perf_counter() - began)
         if self.profile is not None:
             self._profile_wall(began)
             self.profile["batch_steps"] = self.profile.get("batch_steps", 0) + 1

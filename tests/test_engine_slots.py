@@ -1,4 +1,5 @@
-"""Engine(slots=N): each slot a sequence of its own, sharing weights, activations and scratch."""
+"""Engine(slots=N): each slot a sequence of its own, sharing weights, activations and scratch; and
+Engine(threads=N) / --threads N, and a run beside a busy process."""
 
 from __future__ import annotations
 
@@ -73,3 +74,46 @@ def test_a_gpu_artifact_refuses_more_than_one_slot_and_runs_as_before(tiny_model
     assert generate(engine, [4, 8, 15], 8)["generated_ids"] == first  # positions restart with reset
     result = generate(engine, [4, 8, 15], 8, profile=True)
     assert result["generated_ids"] == first and result["profile_ms_per_token"]
+
+
+def test_any_thread_count_gives_the_same_logits(tiny_sparse_artifact):
+    engines = [Engine(tiny_sparse_artifact), Engine(tiny_sparse_artifact, threads=1),
+               Engine(tiny_sparse_artifact, threads=2)]
+    expected = None
+    for engine in engines:  # they share the process's one pool: each sets the count it runs on
+        got = [engine.forward([3, 1, 4, 1, 5])] + [engine.forward([token]) for token in (9, 2, 6, 5, 3, 5, 8, 9)]
+        if expected is None:
+            expected = got
+        for a, b in zip(got, expected):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert engines[1].governor.fixed == 1 and engines[0].governor.fixed is None
+    assert set(engines[0].governor.choices()) == {("decode",), ("prefill", 8)}
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="threads must be a positive integer"):
+            Engine(tiny_sparse_artifact, threads=bad)
+
+
+def test_a_run_beside_a_busy_process_completes_with_the_same_tokens(tiny_sparse_artifact):
+    """No timing here (benchmarks/bench_busy.py measures it): the governor's trials under load change which
+    count runs a step, never what it computes."""
+    from benchmarks.host import BusyLoad
+
+    expected = generate(Engine(tiny_sparse_artifact), [7, 7, 7], 40)["generated_ids"]
+    with BusyLoad(1, seconds=120):
+        assert generate(Engine(tiny_sparse_artifact), [7, 7, 7], 40)["generated_ids"] == expected
+
+
+def test_threads_on_the_command_line(tiny_sparse_artifact, capsys):
+    import json
+
+    from picompile.cli import main
+
+    assert main(["run", str(tiny_sparse_artifact), "--prompt-ids", "1,2,3", "-n", "5", "--threads", "1", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(["run", str(tiny_sparse_artifact), "--prompt-ids", "1,2,3", "-n", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["generated_ids"] == one["generated_ids"]
+    for command in ("run", "chat", "serve", "eval"):
+        assert main([command, str(tiny_sparse_artifact), "--threads", "0"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and "--threads" in lines[0], lines
+        assert "positive integer" in lines[0]

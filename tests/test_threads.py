@@ -1,0 +1,146 @@
+"""The runtime's thread governor (runtime/threads.py) on step times it is fed, the pool environment it sets,
+and the host watch and busy load the benchmarks run under (benchmarks/host.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runtime.threads import ThreadGovernor, step_kind, usable_cores
+
+
+class FakePool:
+    """A pool of `size` workers that records the counts it was set to."""
+
+    def __init__(self, size: int):
+        self.size, self.in_use, self.history = size, 0, []
+
+    def use(self, threads: int) -> None:
+        self.in_use = threads
+        self.history.append(threads)
+
+
+def drive(governor: ThreadGovernor, seconds_of, steps: int, kind=("decode",)) -> list[int]:
+    """Run `steps` steps whose time on n threads is seconds_of(n, step); the counts they ran on."""
+    used = []
+    for step in range(steps):
+        threads = governor.threads_for(kind)
+        governor.record(kind, threads, seconds_of(threads, step))
+        used.append(threads)
+    return used
+
+
+def test_it_moves_to_the_count_that_is_faster():
+    pool = FakePool(4)
+    governor = ThreadGovernor(pool)
+    # a bandwidth-bound model: more threads are faster, up to 4
+    used = drive(governor, lambda n, step: 1e-3 / n ** 0.8, 400)
+    assert used[0] == 1  # it starts at one thread
+    assert governor.choices()[("decode",)] == 4
+    assert used[-50:].count(4) >= 45  # and stays there, with a trial now and then
+
+
+def test_it_stays_at_one_thread_where_splitting_costs_more():
+    governor = ThreadGovernor(FakePool(2))
+    used = drive(governor, lambda n, step: 15e-6 if n == 1 else 45e-6, 2000)
+    assert governor.choices()[("decode",)] == 1
+    assert used.count(2) < 0.05 * len(used)  # trials are few
+    # and what they cost beyond the choice's time stays within the share (after each count's first trial)
+    assert governor.trial_cost <= governor.trial_share * governor.step_seconds + 5 * 45e-6
+
+
+def test_a_hopeless_trial_ends_after_one_step():
+    governor = ThreadGovernor(FakePool(2))
+    used = drive(governor, lambda n, step: 20e-6 if n == 1 else 40e-3, 10)  # a worker beside a busy process
+    assert used.count(2) == 1
+
+
+def test_when_the_machine_changes_it_changes_back():
+    governor = ThreadGovernor(FakePool(2))
+    busy_from = 300
+    # two threads win until another program takes a core; then one thread wins
+    times = lambda n, step: (1e-3 / n) if step < busy_from else (1e-3 if n == 1 else 8e-3)  # noqa: E731
+    used = drive(governor, times, 1200)
+    assert used[100:busy_from].count(2) >= 0.85 * (busy_from - 100)
+    assert governor.choices()[("decode",)] == 1
+    assert used[-200:].count(1) >= 190
+
+
+def test_kinds_of_step_are_chosen_apart():
+    governor = ThreadGovernor(FakePool(2))
+    # decode is too small to split; a prefill of 64 rows is not
+    for step in range(300):
+        for kind, seconds in ((("decode",), {1: 1e-5, 2: 3e-5}), (step_kind("prefill", 64), {1: 4e-3, 2: 2.2e-3})):
+            threads = governor.threads_for(kind)
+            governor.record(kind, threads, seconds[threads])
+    assert governor.choices() == {("decode",): 1, ("prefill", 64): 2}
+    assert step_kind("prefill", 33) == step_kind("prefill", 64) != step_kind("prefill", 65)
+    assert step_kind("batch", 3) == ("batch", 4)
+
+
+def test_a_fixed_count_is_used_for_every_step():
+    pool = FakePool(4)
+    governor = ThreadGovernor(pool, fixed=3)
+    assert drive(governor, lambda n, step: 1e-3 if n == 3 else 1e-6, 50) == [3] * 50
+    assert ThreadGovernor(FakePool(2), fixed=8).fixed == 2  # never more than the pool has
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="threads must be a positive integer"):
+            ThreadGovernor(pool, fixed=bad)
+
+
+def test_usable_cores_follow_the_affinity_mask():
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+    code = "import os; os.sched_setaffinity(0, {0}); from runtime.threads import usable_cores; print(usable_cores())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=_ROOT)
+    assert out.stdout.strip() == "1"
+
+
+def test_the_pool_is_made_unpinned_with_every_usable_core():
+    code = ("import os; [os.environ.pop(k, None) for k in ('TVM_NUM_THREADS', 'TVM_BIND_THREADS')]\n"
+            "import runtime.engine as e; e._tvm_runtime()\n"
+            "from runtime.threads import usable_cores, thread_pool; import tvm_ffi\n"
+            "print(os.environ['TVM_BIND_THREADS'], thread_pool(tvm_ffi).size == usable_cores())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=_ROOT)
+    assert out.stdout.split() == ["0", "True"]
+
+
+def test_busy_load_stops_by_itself_and_with_its_block():
+    from benchmarks.host import BusyLoad
+
+    with BusyLoad(1, seconds=60) as load:
+        assert load.alive() == 1
+        pid = load.processes[0].pid
+    assert not _exists(pid)
+    with BusyLoad(1, seconds=0.3) as load:  # bounded: gone before the block ends
+        deadline = time.monotonic() + 20
+        while load.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert load.alive() == 0
+
+
+def test_host_watch_reads_the_host_and_flags_a_busy_one():
+    from benchmarks.host import HostWatch
+
+    with HostWatch(probe_mib=8) as watch:
+        sum(range(10000))
+    assert 0.0 <= watch.busy <= 1.0 and 0.0 <= watch.steal <= 1.0 and watch.bandwidth_before > 0
+    assert watch.line().startswith("host: load ")
+    watch.bandwidth_after = watch.bandwidth_before / 2
+    assert any("read bandwidth fell 50%" in flag for flag in watch.flags())
+    watch.load_before = 4.0
+    assert any("load 4.00 before the run on 2 cores" in flag for flag in watch.flags(cores=2))
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
