@@ -17,8 +17,12 @@ Every request (and every slot in the engine figures) has its own random prompt, 
 differ and a sparse layer's union is what real traffic makes. `--baseline` runs a second artifact (the dense
 build of the same model) at every level, alternately with the first, and prints the first's speed-up over it.
 
+`--load N` runs each server level twice, alternately, as it is and beside N busy processes (benchmarks/host.py's
+BusyLoad, bounded in time), and prints the loaded total over the unloaded one; every table is followed by the
+host's state (load, busy and stolen CPU, read bandwidth) while it was measured.
+
     python benchmarks/bench_serve.py model.pic [--baseline dense.pic] [--levels 1,2,4,8] [--requests 4]
-        [--prompt 16] [--tokens 32] [--engine-steps 16] [--no-server]
+        [--prompt 16] [--tokens 32] [--engine-steps 16] [--no-server] [--load N]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.host import BusyLoad, HostWatch  # noqa: E402
 from runtime import Engine  # noqa: E402
 from runtime.serve import bind, create_app, make_server  # noqa: E402
 
@@ -159,6 +164,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--engine-steps", type=int, default=16, help="decode steps per batch size, without the server")
     parser.add_argument("--no-server", action="store_true", help="only the engine's figures")
+    parser.add_argument("--load", type=int, default=0, help="also run each server level beside N busy processes")
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
     names = [args.artifact] + ([args.baseline] if args.baseline else [])
@@ -179,11 +185,36 @@ def main() -> None:
         return
     print(f"\nThrough the server: prompts of {args.prompt} tokens (all different), {args.tokens} generated per request, "
           f"{args.requests} requests per client")
-    measure(names, levels, lambda name, parallel: run_level(engines[name], parallel, args.requests, prompts, args.tokens),
-            SERVER_COLUMNS, server_cells, "total_tokens_per_s", "total tok/s through the server per parallel requests")
+    serve = lambda name, parallel: run_level(engines[name], parallel, args.requests, prompts, args.tokens)  # noqa: E731
+    if not args.load:
+        with HostWatch() as watch:
+            measure(names, levels, serve, SERVER_COLUMNS, server_cells, "total_tokens_per_s",
+                    "total tok/s through the server per parallel requests")
+        print(watch.line())
+        return
+    loaded = {}
+
+    def alternated(name, parallel):  # unloaded, then loaded, at each level
+        row = serve(name, parallel)
+        with HostWatch(probe_mib=64) as watch, BusyLoad(args.load, seconds=600):
+            loaded[name, parallel] = serve(name, parallel) | {"host": watch}
+        return row
+
+    with HostWatch() as watch:
+        rows = measure(names, levels, alternated, SERVER_COLUMNS, server_cells, "total_tokens_per_s",
+                       "total tok/s through the server per parallel requests")
+    print(watch.line() + " (over the unloaded and loaded runs together)")
+    for name in names:
+        print(f"\n{name} beside {args.load} busy process(es)\n" + table(
+            SERVER_COLUMNS, [[str(level), *server_cells(loaded[name, level])] for level in levels]))
+        for level in levels:
+            row = loaded[name, level]
+            unloaded = next(r for r in rows[name] if r["parallel"] == level)
+            print(f"- {level} parallel: loaded total / unloaded total **{row['total_tokens_per_s'] / unloaded['total_tokens_per_s']:.2f}x**"
+                  f" (target >= 0.45 at 4); {row['host'].line()}")
 
 
-def measure(names: list[str], levels: list[int], run, columns, cells, speed: str, what: str) -> None:
+def measure(names: list[str], levels: list[int], run, columns, cells, speed: str, what: str) -> dict[str, list[dict]]:
     """`run(name, level)` for every level, the baseline (names[1], if any) first at each, then a table per artifact
     and the first's speed-up over the baseline in `speed`."""
     rows = {name: [] for name in names}
@@ -195,6 +226,7 @@ def measure(names: list[str], levels: list[int], run, columns, cells, speed: str
     if len(names) > 1:
         print(f"\n{names[0]} over {names[1]}, {what}: " + ", ".join(
             f"{level}: {row[speed] / base[speed]:.2f}x" for level, row, base in zip(levels, rows[names[0]], rows[names[1]])))
+    return rows
 
 
 if __name__ == "__main__":
