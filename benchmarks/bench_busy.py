@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.host import BusyLoad, HostWatch  # noqa: E402
-from examples.bench_decode import SETTLE_S, ensure_artifact, machine, record, time_decode  # noqa: E402
+from examples.bench_decode import SETTLE_S, ensure_artifact, record, time_decode  # noqa: E402
 
 HALVES = ("unloaded", "loaded")
 
@@ -163,7 +163,8 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(results, indent=1))
     if args.record:
         config = {"threads": args.threads, "tokens": args.tokens, "prompt_len": args.prompt_len, "runs": args.runs}
-        record(f"Decode on a busy machine ({machine()})", config, "\n\n".join(texts), "benchmarks/bench_busy.py", argv)
+        record("Decode on a busy machine", config, "\n\n".join(texts), "benchmarks/bench_busy.py", argv,
+               host="host: per half and run, in each table")
     return 0
 
 

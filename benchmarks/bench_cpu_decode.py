@@ -60,6 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.host import HostWatch  # noqa: E402 (stdlib and numpy)
 from examples.bench_decode import add_run_arguments, parsed_run_arguments, QUALITY_COLUMNS, quality_cells  # noqa: E402 (stdlib only: TVM not yet)
 from picompile.targets import CPU_ISAS  # noqa: E402 (numpy only)
 from runtime.dtypes import WEIGHT_FORMATS  # noqa: E402 (numpy only)
@@ -430,7 +431,7 @@ def main(argv=None) -> int:
     family = args.predictability is not None or args.calib_tokens is not None
     levels = args.predictability or [None]
     sizes = args.calib_tokens or [None]
-    texts, results, rows, params = [], [], [], None
+    texts, results, rows, params, hosts = [], [], [], None, []
     for level in levels:
         labels = [member_label(level, size, family) for size in sizes]
         specs = [dict(family="opt", preset=args.preset, sparsity=args.sparsity, **member_overrides(level, size))
@@ -456,8 +457,10 @@ def main(argv=None) -> int:
                   + (f" (not: {', '.join(counts['disagree'])})" if counts["disagree"] else ""))
         print(f"timing: {plural(args.runs, 'alternating run')} of {args.tokens} tokens after a {args.prompt_len}-token prompt")
         probe = Bandwidth(args.threads)
+        watch = HostWatch()
         summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe,
-                          baselines={ORT_INT4: int4_model} if int4_model else None)
+                          baselines={ORT_INT4: int4_model} if int4_model else None, watch=watch)
+        hosts.append(watch.line())
         int4_ratios(summary, artifacts)
         bandwidth = probe.summary()
         ratios = derive(summary, bandwidth, args.dtypes, labels)
@@ -504,7 +507,7 @@ def main(argv=None) -> int:
         what = (f"benchmark family, predictability {', '.join(f'{r:g}' for r in dict.fromkeys(x['predictability'] for x in rows))}"
                 if family else f"synthetic {args.sparsity:.0%}-sparse")
         record(f"CPU decode suite, opt-{args.preset} ({params / 1e6:.0f}M params, {what})",
-               results[-1]["config"], "\n\n".join(texts), "benchmarks/bench_cpu_decode.py", argv)
+               results[-1]["config"], "\n\n".join(texts), "benchmarks/bench_cpu_decode.py", argv, host="; ".join(hosts))
     return 0
 
 

@@ -110,14 +110,17 @@ def time_decode(forward, reset, prompt, tokens: int) -> tuple[float, float]:
 
 
 def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: int, prompt_len: int = 16,
-            each_run=None, baselines: dict[str, Path] | None = None) -> dict:
+            each_run=None, baselines: dict[str, Path] | None = None, watch=None) -> dict:
     """Decode tokens/s and prefill time per engine: onnxruntime, then each further onnxruntime model of
     `baselines` (name -> ONNX path, e.g. the model quantized), then each artifact, alternating per run after
     one untimed warm-up each (`each_run()`, if given, is called after each run's engines, to measure something
     else alternately). Then one profiled generation per artifact: the weight bytes a decoded token reads and
     the time per kernel class. Artifacts and baselines get their ratios against onnxruntime (`ratio`,
-    `prefill_ratio`)."""
+    `prefill_ratio`). The host's state over the timed runs is printed (`watch`, a benchmarks.host.HostWatch, keeps
+    it for the caller's record)."""
     import numpy as np
+
+    from benchmarks.host import HostWatch
 
     from picompile.reference import OrtDecoder
     from runtime import Engine, generate
@@ -131,13 +134,16 @@ def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: 
     for engine in engines.values():  # untimed: thread pools start, first calls settle
         time_decode(engine.forward, engine.reset, prompt, 2)
     samples = {name: [] for name in engines}
-    for _ in range(runs):
-        for name, engine in engines.items():
-            time.sleep(SETTLE_S)
-            samples[name].append(time_decode(engine.forward, engine.reset, prompt, tokens))
-        if each_run is not None:
-            time.sleep(SETTLE_S)
-            each_run()
+    watch = watch or HostWatch()
+    with watch:
+        for _ in range(runs):
+            for name, engine in engines.items():
+                time.sleep(SETTLE_S)
+                samples[name].append(time_decode(engine.forward, engine.reset, prompt, tokens))
+            if each_run is not None:
+                time.sleep(SETTLE_S)
+                each_run()
+    print(watch.line(), flush=True)
     summary = {}
     for name, runs_of in samples.items():
         summary[name] = {"decode_tokens_per_s": statistics.median(s[1] for s in runs_of),
@@ -225,15 +231,20 @@ def table(config: dict, summary: dict, qualities: dict) -> str:
     return "\n".join(rows)
 
 
-def record(title: str, config: dict, text: str, script: str, argv=None) -> None:
+def record(title: str, config: dict, text: str, script: str, argv=None, host: str | None = None) -> None:
     """Append a table to BENCHMARKS.md under `title`, with the date, the machine, how it was timed (`config`:
-    threads, tokens, prompt_len, runs) and the exact command."""
+    threads, tokens, prompt_len, runs), the exact command and how busy the host was (`host`: a HostWatch's line;
+    without one, the load average as the table is written)."""
+    if host is None:
+        load = Path("/proc/loadavg").read_text().split()[0]
+        host = f"host: load {load} on {os.cpu_count()} cores when recorded (not watched while timed)"
     command = f"python {script} " + " ".join(argv if argv is not None else sys.argv[1:])
     stamp = datetime.date.today().isoformat()
     details = (f"{config['threads']} threads; {config['tokens']} greedy tokens after a {config['prompt_len']}-token "
                f"prompt; median of {config['runs']} alternating runs.")
     with open(ROOT / "BENCHMARKS.md", "a") as f:
-        f.write(f"\n### {title}, {stamp}\n\nMachine: {machine()}; {details}\nCommand: `{command}`\n\n{text}\n")
+        f.write(f"\n### {title}, {stamp}\n\nMachine: {machine()}; {details}\nCommand: `{command}`\n{host.capitalize()}\n\n"
+                f"{text}\n")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, preset: str, tokens: int = 32, threads: int = 2,
@@ -279,7 +290,10 @@ def main(argv=None) -> int:
     if args.sparsity is not None:
         artifacts["picompile sparse"] = ensure_artifact(files, "sparse", args.max_context, dense=False, rebuild=args.rebuild)
     qualities = {name: quality(files, path) for name, path in artifacts.items()}
-    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len)
+    from benchmarks.host import HostWatch
+
+    watch = HostWatch()
+    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, watch=watch)
     config = {"family": args.family, "preset": args.preset, "params": params, "tokens": args.tokens,
               "runs": args.runs, "threads": args.threads, "prompt_len": args.prompt_len, "sparsity": args.sparsity}
     text = table(config, summary, qualities)
@@ -289,7 +303,7 @@ def main(argv=None) -> int:
     if args.record:
         kind = f"synthetic {args.sparsity:.0%}-sparse" if args.sparsity is not None else "dense-random"
         record(f"Decode, {args.family}-{args.preset} ({params / 1e6:.0f}M params, {kind})", config, text,
-               "examples/bench_decode.py", argv)
+               "examples/bench_decode.py", argv, host=watch.line())
     return 0
 
 
