@@ -120,12 +120,14 @@ def report(name: str, result: dict, load: int) -> str:
     figures = result["figures"]
     un, lo = figures["unloaded"], figures["loaded"]
     rows = [f"#### {name} ({load} busy process{'es' if load != 1 else ''} in the loaded half)", "",
-            "| engine | unloaded tok/s | loaded tok/s | loaded / unloaded | vs onnxruntime unloaded | vs onnxruntime loaded |",
-            "| --- | --- | --- | --- | --- | --- |"]
+            "| engine | unloaded tok/s | loaded tok/s | loaded / unloaded | vs onnxruntime unloaded | vs onnxruntime loaded "
+            "| prefill ms unloaded / loaded |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for engine in un:
         u, l_ = un[engine]["decode_tokens_per_s"], lo[engine]["decode_tokens_per_s"]
         rows.append(f"| {engine} | {u:,.1f} | {l_:,.1f} | {l_ / u:.2f}x | "
-                    f"{u / un['onnxruntime']['decode_tokens_per_s']:.2f}x | {l_ / lo['onnxruntime']['decode_tokens_per_s']:.2f}x |")
+                    f"{u / un['onnxruntime']['decode_tokens_per_s']:.2f}x | {l_ / lo['onnxruntime']['decode_tokens_per_s']:.2f}x "
+                    f"| {un[engine]['prefill_ms']:.1f} / {lo[engine]['prefill_ms']:.1f} |")
     rows.append("")
     for label in result["artifacts"]:
         default, single = lo[f"picompile {label}"]["decode_tokens_per_s"], lo[f"picompile {label}, 1 thread"]["decode_tokens_per_s"]
