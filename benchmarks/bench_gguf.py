@@ -245,12 +245,13 @@ def machine() -> str:
 
 def run(args) -> dict:
     llama = llama_cpp.find()
+    print(llama.source)
     files = files_to_measure(llama, args.files, args.threads)
     work = Path.home() / ".cache" / "picompile" / "bench_gguf"
     heldout, calib = write_texts(work, heldout_chars=(args.chunks + 2) * args.ctx * 6, calib_chars=40_000)
     overrides = dict(item.split("=", 1) for item in args.artifact)
     builds = [b for b in args.builds.split(",") if b]
-    results = {"files": {}, "tokens_check": None}
+    results = {"files": {}, "tokens_check": None, "llama_cpp": llama.source}
 
     per_file = {}
     for gguf in files:
@@ -289,7 +290,6 @@ def run(args) -> dict:
                 figures = llama_cpp.bench(llama, gguf, args.threads, args.prompt_len, args.tokens, repetitions=1)
                 samples.setdefault((gguf, "llama.cpp"), []).append(
                     (figures.prompt_tokens_per_s, figures.decode_tokens_per_s))
-                results.setdefault("llama_build", figures.build)
                 for b in info["built"]:
                     if b.artifact is None:
                         continue
@@ -304,9 +304,13 @@ def run(args) -> dict:
         for gguf, info in per_file.items():
             ppl = {"llama.cpp": llama_cpp.perplexity(llama, gguf, heldout, args.threads, args.ctx, args.chunks).ppl}
             for b in info["built"]:
-                if b.artifact is not None:
-                    ppl[b.name] = picompile_perplexity(engines[(gguf, b.name)], info["ids"], args.ctx, args.chunks,
-                                                       info["bos"])
+                engine = engines.get((gguf, b.name))
+                if engine is None:
+                    continue
+                if engine.max_context < args.ctx:  # an --artifact built with a shorter KV cache
+                    print(f"  {b.name} on {gguf.name}: max context {engine.max_context} < --ctx {args.ctx}: no ppl")
+                    continue
+                ppl[b.name] = picompile_perplexity(engine, info["ids"], args.ctx, args.chunks, info["bos"])
             info["ppl"] = ppl
 
     first = files[0]
@@ -377,7 +381,7 @@ def _num(value, digits: int = 1) -> str:
 def record(results: dict, text: str, argv) -> None:
     c = results["config"]
     command = "python benchmarks/bench_gguf.py " + " ".join(argv)
-    details = (f"{c['threads']} threads; llama.cpp {results.get('llama_build', '?')} built by "
+    details = (f"{c['threads']} threads; {results['llama_cpp']}, built by "
                f"scripts/build_llama_cpp.sh (AMX shim, OMP_WAIT_POLICY=passive); speed: medians of {c['runs']} "
                f"alternated rounds, decode of {c['tokens']} tokens, prompt of {c['prompt_len']}; ppl: {c['chunks']} "
                f"windows of {c['ctx']} tokens ({c['scored_tokens']} scored) of Python {c['python']}'s "

@@ -53,6 +53,15 @@ class LlamaCpp:
             raise LlamaCppMissing(f"{path} is missing: {BUILD_HINT}")
         return path
 
+    @property
+    def source(self) -> str:
+        """Which llama.cpp: the build script's one line (its commit, as the sdist pins it); llama-bench's own
+        build_commit reads "unknown" in a build from the sdist, which has no git history."""
+        try:
+            return (self.bin_dir.parent / "llama.cpp-source.txt").read_text().strip()
+        except OSError:
+            return "llama.cpp (source unknown)"
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["LD_PRELOAD"] = " ".join(p for p in (str(self.shim), env.get("LD_PRELOAD", "")) if p)

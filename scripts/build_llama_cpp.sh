@@ -65,6 +65,18 @@ if [[ ! -f "$SHIM" || "$HERE/llama_cpp_noamx.c" -nt "$SHIM" ]]; then
     mv "$SHIM.tmp" "$SHIM"
 fi
 
+# --- which llama.cpp: the sdist pins its submodule's commit (.git/modules/vendor/llama.cpp/HEAD) -----
+TARBALL="$ROOT/sdist/llama_cpp_python-$VERSION.tar.gz"
+write_source_line() {  # $BUILD/llama.cpp-source.txt, read by benchmarks/llama_cpp.py for the records
+    local commit="unknown"
+    if [[ -f "$TARBALL" ]]; then
+        commit=$(tar -xzf "$TARBALL" -O "llama_cpp_python-$VERSION/.git/modules/vendor/llama.cpp/HEAD" 2>/dev/null \
+                 | head -c 12) || commit="unknown"
+    fi
+    mkdir -p "$BUILD"
+    echo "llama.cpp ${commit:-unknown} (vendored by llama-cpp-python $VERSION)" > "$BUILD/llama.cpp-source.txt"
+}
+
 # --- already built? ----------------------------------------------------------------------------
 all_built() { for t in "${TOOLS[@]}"; do [[ -x "$BUILD/bin/$t" ]] || return 1; done; }
 if all_built; then
@@ -75,7 +87,6 @@ else
     if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
         DL="$ROOT/sdist"
         mkdir -p "$DL"
-        TARBALL="$DL/llama_cpp_python-$VERSION.tar.gz"
         if [[ ! -f "$TARBALL" ]]; then
             say "downloading the llama-cpp-python $VERSION sdist from PyPI"
             python -m pip download -q --no-binary :all: --no-deps -d "$DL" "llama-cpp-python==$VERSION"
@@ -103,8 +114,9 @@ else
     all_built || { say "error: some tools are missing after the build"; exit 1; }
     ln -sfn "build-$VERSION" "$ROOT/current"
 fi
+[[ -f "$BUILD/llama.cpp-source.txt" ]] || write_source_line
 
-say "llama.cpp (from llama-cpp-python $VERSION) binaries in $ROOT/current/bin:"
+say "$(cat "$BUILD/llama.cpp-source.txt"): binaries in $ROOT/current/bin:"
 for t in "${TOOLS[@]}"; do echo "  $ROOT/current/bin/$t"; done
 say "AMX shim: $SHIM"
 say "run as: LD_PRELOAD=$SHIM OMP_WAIT_POLICY=passive $ROOT/current/bin/llama-bench -t 2 -m FILE.gguf"
