@@ -35,7 +35,9 @@ Per file:
   special tokens; the count of equal id lists.
 
 The host's state (benchmarks/host.py) is sampled before and after and printed (and recorded) as one line
-that flags figures measured under load; `--load N` runs N busy background processes through the run.
+that flags figures measured under load. `--load N` adds rows: in every round each file's engines run once
+more beside N busy background processes (host.BusyLoad, started for that block and killed after it), so the
+degradation under contention is measured in the same run as the unloaded figures.
 `--record` appends the tables to BENCHMARKS.md with the date, CPU model and ISA, the llama.cpp build, the
 command and the host line.
 """
@@ -270,48 +272,46 @@ def run(args) -> dict:
 
     # speed: alternated, every engine of every file in turn, per round
     from runtime import Engine
-    import numpy as np
 
     engines = {}
     for gguf, info in per_file.items():
         for b in info["built"]:
             if b.artifact is not None:
                 engines[(gguf, b.name)] = Engine(b.artifact)
-    samples: dict = {}
-    with host_state.BusyLoad(args.load, seconds=args.load_seconds):
-        state = host_state.HostState.before(load_processes=args.load)
-        prompt = None
-        for key, engine in engines.items():  # untimed warm-up: thread pools start, programs bind
-            prompt = np.random.default_rng(0).integers(0, engine.vocab_size, size=args.prompt_len)
-            picompile_speed(engine, prompt, 2)
-        for round_ in range(args.runs):
-            for gguf, info in per_file.items():
-                time.sleep(SETTLE_S)
-                figures = llama_cpp.bench(llama, gguf, args.threads, args.prompt_len, args.tokens, repetitions=1)
-                samples.setdefault((gguf, "llama.cpp"), []).append(
-                    (figures.prompt_tokens_per_s, figures.decode_tokens_per_s))
-                for b in info["built"]:
-                    if b.artifact is None:
-                        continue
-                    engine = engines[(gguf, b.name)]
-                    prompt = np.random.default_rng(0).integers(0, engine.vocab_size, size=args.prompt_len)
-                    time.sleep(SETTLE_S)
-                    samples.setdefault((gguf, b.name), []).append(picompile_speed(engine, prompt, args.tokens))
-            print(f"  round {round_ + 1}/{args.runs} done")
-        state.after()
-
-        # quality: the same windows for both engines
+    levels = [0, args.load] if args.load else [0]
+    samples: dict = {}  # (file, engine, load level) -> [(prompt tok/s, decode tok/s)] per round
+    state = host_state.HostState.before()
+    for engine in engines.values():  # untimed warm-up: thread pools start, programs bind
+        picompile_speed(engine, _prompt(engine, args.prompt_len), 2)
+    for round_ in range(args.runs):
         for gguf, info in per_file.items():
-            ppl = {"llama.cpp": llama_cpp.perplexity(llama, gguf, heldout, args.threads, args.ctx, args.chunks).ppl}
-            for b in info["built"]:
-                engine = engines.get((gguf, b.name))
-                if engine is None:
-                    continue
-                if engine.max_context < args.ctx:  # an --artifact built with a shorter KV cache
-                    print(f"  {b.name} on {gguf.name}: max context {engine.max_context} < --ctx {args.ctx}: no ppl")
-                    continue
-                ppl[b.name] = picompile_perplexity(engine, info["ids"], args.ctx, args.chunks, info["bos"])
-            info["ppl"] = ppl
+            for level in levels:  # the same engines unloaded, then beside `level` busy processes
+                with host_state.BusyLoad(level, seconds=args.load_seconds):
+                    time.sleep(SETTLE_S)
+                    figures = llama_cpp.bench(llama, gguf, args.threads, args.prompt_len, args.tokens, repetitions=1)
+                    samples.setdefault((gguf, "llama.cpp", level), []).append(
+                        (figures.prompt_tokens_per_s, figures.decode_tokens_per_s))
+                    for b in info["built"]:
+                        if b.artifact is not None:
+                            engine = engines[(gguf, b.name)]
+                            time.sleep(SETTLE_S)
+                            samples.setdefault((gguf, b.name, level), []).append(
+                                picompile_speed(engine, _prompt(engine, args.prompt_len), args.tokens))
+        print(f"  round {round_ + 1}/{args.runs} done")
+    state.after()
+
+    # quality: the same windows for both engines
+    for gguf, info in per_file.items():
+        ppl = {"llama.cpp": llama_cpp.perplexity(llama, gguf, heldout, args.threads, args.ctx, args.chunks).ppl}
+        for b in info["built"]:
+            engine = engines.get((gguf, b.name))
+            if engine is None:
+                continue
+            if engine.max_context < args.ctx:  # an --artifact built with a shorter KV cache
+                print(f"  {b.name} on {gguf.name}: max context {engine.max_context} < --ctx {args.ctx}: no ppl")
+                continue
+            ppl[b.name] = picompile_perplexity(engine, info["ids"], args.ctx, args.chunks, info["bos"])
+        info["ppl"] = ppl
 
     first = files[0]
     artifact = next((b.artifact for b in per_file[first]["built"] if b.artifact is not None), None)
@@ -321,13 +321,17 @@ def run(args) -> dict:
 
     for gguf, info in per_file.items():
         rows = {}
-        for name in ["llama.cpp", *(b.name for b in info["built"])]:
-            got = samples.get((gguf, name))
-            rows[name] = {
-                "prompt_tokens_per_s": got and statistics.median(s[0] for s in got),
-                "decode_tokens_per_s": got and statistics.median(s[1] for s in got),
-                "ppl": info.get("ppl", {}).get(name),
-                "error": next((b.error for b in info["built"] if b.name == name), None)}
+        for level in levels:
+            for name in ["llama.cpp", *(b.name for b in info["built"])]:
+                got = samples.get((gguf, name, level))
+                error = next((b.error for b in info["built"] if b.name == name), None)
+                if level and error:
+                    continue
+                rows[name + loaded_suffix(level)] = {
+                    "prompt_tokens_per_s": got and statistics.median(s[0] for s in got),
+                    "decode_tokens_per_s": got and statistics.median(s[1] for s in got),
+                    "ppl": None if level else info.get("ppl", {}).get(name),
+                    "error": error, "load": level, "base": "llama.cpp" + loaded_suffix(level)}
         results["files"][gguf.name] = rows
     results["host"] = state.summary()
     results["loaded"] = state.loaded
@@ -338,6 +342,17 @@ def run(args) -> dict:
                          "scored_tokens": args.chunks * (args.ctx - 1 - args.ctx // 2),
                          "python": sys.version.split()[0]}
     return results
+
+
+def loaded_suffix(level: int) -> str:
+    return f" beside {level} busy" if level else ""
+
+
+def _prompt(engine, length: int):
+    """The prompt every timed generation of `engine` starts from (random ids, the same each time)."""
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, engine.vocab_size, size=length)
 
 
 def _bos_if_added(llama, gguf: Path) -> int | None:
@@ -351,7 +366,6 @@ def _bos_if_added(llama, gguf: Path) -> int | None:
 def tables(results: dict) -> str:
     out = []
     for name, rows in results["files"].items():
-        base = rows["llama.cpp"]
         out.append(f"**{name}**\n\n| engine | decode tok/s | vs llama.cpp | prompt tok/s | vs llama.cpp | ppl | "
                    f"ppl vs llama.cpp |\n| --- | --- | --- | --- | --- | --- | --- |")
         for engine, r in rows.items():
@@ -359,10 +373,12 @@ def tables(results: dict) -> str:
                 out.append(f"| {engine} | not built: {r['error']} | | | | | |")
                 continue
             dec, pp, ppl = r["decode_tokens_per_s"], r["prompt_tokens_per_s"], r["ppl"]
+            base = rows[r.get("base", "llama.cpp")]
+            quality = rows["llama.cpp"]["ppl"]
             ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
             out.append(f"| {engine} | {_num(dec)} | {ratio(dec, base['decode_tokens_per_s'])} | {_num(pp)} | "
                        f"{ratio(pp, base['prompt_tokens_per_s'])} | {_num(ppl, 3)} | "
-                       f"{'x%.4f' % (ppl / base['ppl']) if ppl and base['ppl'] else '-'} |")
+                       f"{'x%.4f' % (ppl / quality) if ppl and quality else '-'} |")
         out.append("")
     check = results.get("tokens_check")
     if check:
@@ -408,8 +424,9 @@ def main(argv=None) -> int:
     parser.add_argument("--artifact", action="append", default=[], metavar="FILE=ARTIFACT",
                         help="use this artifact for FILE (path or file name) instead of building one")
     parser.add_argument("--no-picompile", action="store_true", help="measure llama.cpp alone")
-    parser.add_argument("--load", type=int, default=0, help="busy background processes during the run")
-    parser.add_argument("--load-seconds", type=float, default=1800, help="each --load process exits after this")
+    parser.add_argument("--load", type=int, default=0, help="also measure beside N busy background processes")
+    parser.add_argument("--load-seconds", type=float, default=600,
+                        help="bound on each --load process's life (it is killed when its block ends anyway)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--record", action="store_true", help="append the tables to BENCHMARKS.md")
     argv = sys.argv[1:] if argv is None else argv
