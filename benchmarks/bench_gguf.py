@@ -260,8 +260,11 @@ def run(args) -> dict:
         print(f"{gguf.name}:")
         built = []
         if not args.no_picompile:
-            if str(gguf) in overrides or gguf.name in overrides:
-                built.append(Built("picompile", Path(overrides.get(str(gguf), overrides.get(gguf.name)))))
+            given = overrides.get(str(gguf), overrides.get(gguf.name))
+            if given is not None:
+                if not (Path(given) / "manifest.json").is_file():
+                    raise SystemExit(f"error: --artifact {given} is not an artifact (no manifest.json)")
+                built.append(Built("picompile (--artifact)", Path(given)))
             else:
                 built += [ensure_gguf_artifact(gguf, b, args.max_context, calib) for b in builds]
         ids = llama_cpp.tokenize(llama, gguf, heldout.read_text(), parse_special=False)
