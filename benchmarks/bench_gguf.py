@@ -15,10 +15,10 @@ Per file:
   source; `--artifact FILE=DIR` takes one built elsewhere instead. A build that fails is reported in the
   table (its error line) and the llama.cpp figures still come.
 - Speed, alternated per round (llama-bench, then each artifact, every file in turn), medians over rounds:
-  llama-bench's decode (-n --tokens, one token at a time from an empty context) and prompt processing (-p
-  --prompt-len tokens in one batch), -r 1 per round after its own warm-up; picompile's decode of --tokens
-  greedy tokens after a --prompt-len prompt and that prompt's prefill (examples/bench_decode.time_decode),
-  TVM_NUM_THREADS = --threads.
+  llama-bench's prompt processing (-p --prompt-len tokens in one batch, from an empty cache) and decode (-n
+  --tokens, one token at a time, after --prompt-len tokens in the cache: -d), -r 1 per round after its own
+  warm-up; picompile's prefill of a --prompt-len prompt and its decode of --tokens greedy tokens after it
+  (examples/bench_decode.time_decode), TVM_NUM_THREADS = --threads.
 - Quality: perplexity of both engines on exactly the same token windows of held-out English prose. The text
   is tokenized once by llama.cpp (llama-tokenize, as llama-perplexity tokenizes it: no special-token
   parsing, BOS as the file says); llama-perplexity takes the text, cuts the ids into --chunks windows of
@@ -291,7 +291,8 @@ def run(args) -> dict:
             for level in levels:  # the same engines unloaded, then beside `level` busy processes
                 with host_state.BusyLoad(level, seconds=args.load_seconds):
                     time.sleep(SETTLE_S)
-                    figures = llama_cpp.bench(llama, gguf, args.threads, args.prompt_len, args.tokens, repetitions=1)
+                    figures = llama_cpp.bench(llama, gguf, args.threads, args.prompt_len, args.tokens, repetitions=1,
+                                              decode_depth=args.prompt_len)
                     samples.setdefault((gguf, "llama.cpp", level), []).append(
                         (figures.prompt_tokens_per_s, figures.decode_tokens_per_s))
                     for b in info["built"]:

@@ -113,11 +113,20 @@ class BenchFigures:
 
 
 def bench(llama: LlamaCpp, model: str | Path, threads: int, n_prompt: int = 64, n_gen: int = 32,
-          repetitions: int = 3, extra: tuple[str, ...] = ()) -> BenchFigures:
-    """llama-bench -m model -t threads -p n_prompt -n n_gen -r repetitions -o json, parsed."""
-    out = llama.run("llama-bench", ["-m", model, "-t", threads, "-p", n_prompt, "-n", n_gen,
-                                    "-r", repetitions, "-o", "json", *extra]).stdout
-    return parse_bench_json(out, threads=threads, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions)
+          repetitions: int = 3, decode_depth: int = 0, extra: tuple[str, ...] = ()) -> BenchFigures:
+    """llama-bench -m model -t threads -p n_prompt -n n_gen -r repetitions -o json, parsed. With
+    `decode_depth`, generation is timed after that many tokens in the KV cache (-d: as a decode after a prompt
+    is), in a second invocation, so that prompt processing is still timed from an empty cache."""
+    common = ["-m", model, "-t", threads, "-r", repetitions, "-o", "json", *extra]
+    if not decode_depth:
+        out = llama.run("llama-bench", [*common, "-p", n_prompt, "-n", n_gen]).stdout
+        return parse_bench_json(out, threads=threads, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions)
+    prompt = parse_bench_json(llama.run("llama-bench", [*common, "-p", n_prompt, "-n", 0]).stdout, threads=threads,
+                              n_prompt=n_prompt, n_gen=0, repetitions=repetitions)
+    decode = parse_bench_json(llama.run("llama-bench", [*common, "-p", 0, "-n", n_gen, "-d", decode_depth]).stdout,
+                              threads=threads, n_prompt=0, n_gen=n_gen, repetitions=repetitions)
+    return dataclasses.replace(prompt, decode_tokens_per_s=decode.decode_tokens_per_s,
+                               decode_stddev=decode.decode_stddev, n_gen=n_gen)
 
 
 def parse_bench_json(text: str, *, threads: int, n_prompt: int, n_gen: int, repetitions: int) -> BenchFigures:
