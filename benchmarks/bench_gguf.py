@@ -345,7 +345,7 @@ def run(args) -> dict:
     results["loaded"] = state.loaded
     results["config"] = {"threads": args.threads, "runs": args.runs, "prompt_len": args.prompt_len,
                          "tokens": args.tokens, "ctx": args.ctx, "chunks": args.chunks, "builds": builds,
-                         "load": args.load, "heldout": str(heldout),
+                         "load": args.load, "heldout": str(heldout), "no_picompile": args.no_picompile,
                          "heldout_sha256": hashlib.sha256(heldout.read_bytes()).hexdigest()[:16],
                          "scored_tokens": args.chunks * (args.ctx - 1 - args.ctx // 2),
                          "python": sys.version.split()[0]}
@@ -392,6 +392,8 @@ def tables(results: dict) -> str:
     if check:
         out.append(f"Token ids equal to llama-tokenize's on {check['equal']} of {check['of']} prompts "
                    f"({check['file']}'s artifact tokenizer)." + "".join(f"\n- {d}" for d in check["differ"]))
+    elif results["config"]["no_picompile"]:
+        out.append("Token ids: not checked (--no-picompile).")
     else:
         out.append("Token ids: not checked (no artifact built).")
     out.append(f"\n{results['host']}")
@@ -412,7 +414,8 @@ def record(results: dict, text: str, argv) -> None:
                f"pydoc_data/topics.py prose (sha256 {c['heldout_sha256']}), the same ids for both engines"
                + (f"; --load {c['load']}" if c["load"] else ""))
     with open(ROOT / "BENCHMARKS.md", "a") as f:
-        f.write(f"\n### GGUF files: picompile beside llama.cpp, {datetime.date.today().isoformat()}\n\n"
+        who = "llama.cpp alone" if c["no_picompile"] else "picompile beside llama.cpp"
+        f.write(f"\n### GGUF files: {who}, {datetime.date.today().isoformat()}\n\n"
                 f"Machine: {machine()}; {details}.\nCommand: `{command}`\n\n{text}\n")
 
 

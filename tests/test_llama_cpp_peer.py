@@ -99,7 +99,7 @@ def test_tables_show_ratios_and_build_errors():
         "picompile default": {"decode_tokens_per_s": None, "prompt_tokens_per_s": None, "ppl": None,
                               "error": "error: no GGUF front end"}}},
         "tokens_check": {"file": "m.Q4_1.gguf", "equal": 19, "of": 20, "differ": ["'x': llama.cpp [1] vs picompile [2]"]},
-        "host": "host: load avg 0.10 on 2 cores: quiet"}
+        "host": "host: load avg 0.10 on 2 cores: quiet", "config": {"no_picompile": False}}
     text = bench_gguf.tables(results)
     assert "| picompile dense | 60.0 | 1.50x | 400.0 | 0.50x | 20.100 | x1.0050 |" in text
     assert "not built: error: no GGUF front end" in text
