@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.host import BusyLoad, HostWatch  # noqa: E402
+from benchmarks.host import BusyLoad, HostState  # noqa: E402
 from examples.bench_decode import SETTLE_S, ensure_artifact, record, time_decode  # noqa: E402
 
 HALVES = ("unloaded", "loaded")
@@ -100,11 +100,14 @@ def measure_model(name: str, args) -> dict:
     for _ in range(args.runs):
         for half in HALVES:
             # the loaded half's processes spin for it alone: at most the time its engines could take, bounded
-            with HostWatch() as watch, BusyLoad(args.load if half == "loaded" else 0, seconds=args.load_seconds):
+            load = args.load if half == "loaded" else 0
+            with BusyLoad(load, seconds=args.load_seconds):
+                state = HostState.before(load_processes=load)
                 for engine_name, engine in engines.items():
                     time.sleep(SETTLE_S)
                     samples[half][engine_name].append(time_decode(engine.forward, engine.reset, prompt, tokens))
-            hosts[half].append(watch.as_dict() | {"line": watch.line()})
+                state.after()
+            hosts[half].append({"line": state.summary(), "flags": state.flags()})
     figures = {half: {engine: {"decode_tokens_per_s": statistics.median(s[1] for s in runs),
                                "prefill_ms": 1000 * statistics.median(s[0] for s in runs)}
                       for engine, runs in samples[half].items()} for half in HALVES}

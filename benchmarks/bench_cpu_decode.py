@@ -60,7 +60,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.host import HostWatch  # noqa: E402 (stdlib and numpy)
 from examples.bench_decode import add_run_arguments, parsed_run_arguments, QUALITY_COLUMNS, quality_cells  # noqa: E402 (stdlib only: TVM not yet)
 from picompile.targets import CPU_ISAS  # noqa: E402 (numpy only)
 from runtime.dtypes import WEIGHT_FORMATS  # noqa: E402 (numpy only)
@@ -457,10 +456,10 @@ def main(argv=None) -> int:
                   + (f" (not: {', '.join(counts['disagree'])})" if counts["disagree"] else ""))
         print(f"timing: {plural(args.runs, 'alternating run')} of {args.tokens} tokens after a {args.prompt_len}-token prompt")
         probe = Bandwidth(args.threads)
-        watch = HostWatch()
+        states = []
         summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, each_run=probe,
-                          baselines={ORT_INT4: int4_model} if int4_model else None, watch=watch)
-        hosts.append(watch.line())
+                          baselines={ORT_INT4: int4_model} if int4_model else None, host_states=states)
+        hosts.append(states[-1].summary())
         int4_ratios(summary, artifacts)
         bandwidth = probe.summary()
         ratios = derive(summary, bandwidth, args.dtypes, labels)

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.host import BusyLoad, HostWatch  # noqa: E402
+from benchmarks.host import BusyLoad, HostState  # noqa: E402
 from runtime import Engine  # noqa: E402
 from runtime.serve import bind, create_app, make_server  # noqa: E402
 
@@ -187,23 +187,25 @@ def main() -> None:
           f"{args.requests} requests per client")
     serve = lambda name, parallel: run_level(engines[name], parallel, args.requests, prompts, args.tokens)  # noqa: E731
     if not args.load:
-        with HostWatch() as watch:
-            measure(names, levels, serve, SERVER_COLUMNS, server_cells, "total_tokens_per_s",
-                    "total tok/s through the server per parallel requests")
-        print(watch.line())
+        state = HostState.before()
+        measure(names, levels, serve, SERVER_COLUMNS, server_cells, "total_tokens_per_s",
+                "total tok/s through the server per parallel requests")
+        print(state.after().summary())
         return
     loaded = {}
 
     def alternated(name, parallel):  # unloaded, then loaded, at each level
         row = serve(name, parallel)
-        with HostWatch(probe_mib=64) as watch, BusyLoad(args.load, seconds=600):
-            loaded[name, parallel] = serve(name, parallel) | {"host": watch}
+        with BusyLoad(args.load, seconds=600):
+            state = HostState.before(load_processes=args.load)
+            loaded[name, parallel] = serve(name, parallel) | {"host": state}
+            state.after()
         return row
 
-    with HostWatch() as watch:
-        rows = measure(names, levels, alternated, SERVER_COLUMNS, server_cells, "total_tokens_per_s",
-                       "total tok/s through the server per parallel requests")
-    print(watch.line() + " (over the unloaded and loaded runs together)")
+    state = HostState.before()
+    rows = measure(names, levels, alternated, SERVER_COLUMNS, server_cells, "total_tokens_per_s",
+                   "total tok/s through the server per parallel requests")
+    print(state.after().summary() + " (over the unloaded and loaded runs together)")
     for name in names:
         print(f"\n{name} beside {args.load} busy process(es)\n" + table(
             SERVER_COLUMNS, [[str(level), *server_cells(loaded[name, level])] for level in levels]))
@@ -211,7 +213,7 @@ def main() -> None:
             row = loaded[name, level]
             unloaded = next(r for r in rows[name] if r["parallel"] == level)
             print(f"- {level} parallel: loaded total / unloaded total **{row['total_tokens_per_s'] / unloaded['total_tokens_per_s']:.2f}x**"
-                  f" (target >= 0.45 at 4); {row['host'].line()}")
+                  f" (target >= 0.45 at 4); {row['host'].summary()}")
 
 
 def measure(names: list[str], levels: list[int], run, columns, cells, speed: str, what: str) -> dict[str, list[dict]]:

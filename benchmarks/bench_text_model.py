@@ -24,7 +24,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.host import HostWatch  # noqa: E402 (stdlib and numpy)
 from examples.bench_decode import add_run_arguments, parsed_run_arguments, QUALITY_COLUMNS, quality_cells  # noqa: E402 (stdlib only: TVM not yet)
 
 
@@ -91,8 +90,8 @@ def main(argv=None) -> int:
                                                      target_recall=args.target_recall)}
     print(f"evaluating on {args.eval_seqs} held-out windows of {context} tokens")
     qualities = {name: quality(files, path, sequences=args.eval_seqs) for name, path in artifacts.items()}
-    watch = HostWatch()
-    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, watch=watch)
+    states = []
+    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, host_states=states)
     sparsity = meta["measured_sparsity"]["per_layer"]
     loss, vocabulary = meta["heldout_loss"], meta["tokenizer"]
     model_line = (f"Model: {meta['preset']}, {meta['num_params'] / 1e6:.2f}M params, {vocabulary['kind']} vocabulary of "
@@ -115,7 +114,7 @@ def main(argv=None) -> int:
                                                                         "corpus", "calib_tokens")}}, indent=1))
     if args.record:
         record(f"Text model, opt-{meta['preset']} ({meta['num_params'] / 1e6:.1f}M params, trained on the stdlib)",
-               config, text, "benchmarks/bench_text_model.py", argv, host=watch.line())
+               config, text, "benchmarks/bench_text_model.py", argv, host=states[-1].summary())
     return 0
 
 

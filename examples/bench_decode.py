@@ -110,17 +110,17 @@ def time_decode(forward, reset, prompt, tokens: int) -> tuple[float, float]:
 
 
 def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: int, prompt_len: int = 16,
-            each_run=None, baselines: dict[str, Path] | None = None, watch=None) -> dict:
+            each_run=None, baselines: dict[str, Path] | None = None, host_states: list | None = None) -> dict:
     """Decode tokens/s and prefill time per engine: onnxruntime, then each further onnxruntime model of
     `baselines` (name -> ONNX path, e.g. the model quantized), then each artifact, alternating per run after
     one untimed warm-up each (`each_run()`, if given, is called after each run's engines, to measure something
     else alternately). Then one profiled generation per artifact: the weight bytes a decoded token reads and
     the time per kernel class. Artifacts and baselines get their ratios against onnxruntime (`ratio`,
-    `prefill_ratio`). The host's state over the timed runs is printed (`watch`, a benchmarks.host.HostWatch, keeps
-    it for the caller's record)."""
+    `prefill_ratio`). The host's state around the timed runs is printed (and appended to `host_states`, for the
+    caller's record)."""
     import numpy as np
 
-    from benchmarks.host import HostWatch
+    from benchmarks.host import HostState
 
     from picompile.reference import OrtDecoder
     from runtime import Engine, generate
@@ -134,16 +134,17 @@ def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: 
     for engine in engines.values():  # untimed: thread pools start, first calls settle
         time_decode(engine.forward, engine.reset, prompt, 2)
     samples = {name: [] for name in engines}
-    watch = watch or HostWatch()
-    with watch:
-        for _ in range(runs):
-            for name, engine in engines.items():
-                time.sleep(SETTLE_S)
-                samples[name].append(time_decode(engine.forward, engine.reset, prompt, tokens))
-            if each_run is not None:
-                time.sleep(SETTLE_S)
-                each_run()
-    print(watch.line(), flush=True)
+    state = HostState.before()
+    for _ in range(runs):
+        for name, engine in engines.items():
+            time.sleep(SETTLE_S)
+            samples[name].append(time_decode(engine.forward, engine.reset, prompt, tokens))
+        if each_run is not None:
+            time.sleep(SETTLE_S)
+            each_run()
+    print(state.after().summary(), flush=True)
+    if host_states is not None:
+        host_states.append(state)
     summary = {}
     for name, runs_of in samples.items():
         summary[name] = {"decode_tokens_per_s": statistics.median(s[1] for s in runs_of),
@@ -233,7 +234,7 @@ def table(config: dict, summary: dict, qualities: dict) -> str:
 
 def record(title: str, config: dict, text: str, script: str, argv=None, host: str | None = None) -> None:
     """Append a table to BENCHMARKS.md under `title`, with the date, the machine, how it was timed (`config`:
-    threads, tokens, prompt_len, runs), the exact command and how busy the host was (`host`: a HostWatch's line;
+    threads, tokens, prompt_len, runs), the exact command and how busy the host was (`host`: a HostState's summary;
     without one, the load average as the table is written)."""
     if host is None:
         load = Path("/proc/loadavg").read_text().split()[0]
@@ -290,10 +291,8 @@ def main(argv=None) -> int:
     if args.sparsity is not None:
         artifacts["picompile sparse"] = ensure_artifact(files, "sparse", args.max_context, dense=False, rebuild=args.rebuild)
     qualities = {name: quality(files, path) for name, path in artifacts.items()}
-    from benchmarks.host import HostWatch
-
-    watch = HostWatch()
-    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, watch=watch)
+    states = []
+    summary = measure(files, artifacts, args.tokens, args.runs, args.threads, args.prompt_len, host_states=states)
     config = {"family": args.family, "preset": args.preset, "params": params, "tokens": args.tokens,
               "runs": args.runs, "threads": args.threads, "prompt_len": args.prompt_len, "sparsity": args.sparsity}
     text = table(config, summary, qualities)
@@ -303,7 +302,7 @@ def main(argv=None) -> int:
     if args.record:
         kind = f"synthetic {args.sparsity:.0%}-sparse" if args.sparsity is not None else "dense-random"
         record(f"Decode, {args.family}-{args.preset} ({params / 1e6:.0f}M params, {kind})", config, text,
-               "examples/bench_decode.py", argv, host=watch.line())
+               "examples/bench_decode.py", argv, host=states[-1].summary())
     return 0
 
 

@@ -1,12 +1,11 @@
-"""The runtime's thread governor (runtime/threads.py) on step times it is fed, the pool environment it sets,
-and the host watch and busy load the benchmarks run under (benchmarks/host.py)."""
+"""The runtime's thread governor (runtime/threads.py) on step times it is fed, and the pool environment it
+sets."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -108,39 +107,5 @@ def test_the_pool_is_made_unpinned_with_every_usable_core():
     assert out.stdout.split() == ["0", "True"]
 
 
-def test_busy_load_stops_by_itself_and_with_its_block():
-    from benchmarks.host import BusyLoad
-
-    with BusyLoad(1, seconds=60) as load:
-        assert load.alive() == 1
-        pid = load.processes[0].pid
-    assert not _exists(pid)
-    with BusyLoad(1, seconds=0.3) as load:  # bounded: gone before the block ends
-        deadline = time.monotonic() + 20
-        while load.alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert load.alive() == 0
-
-
-def test_host_watch_reads_the_host_and_flags_a_busy_one():
-    from benchmarks.host import HostWatch
-
-    with HostWatch(probe_mib=8) as watch:
-        sum(range(10000))
-    assert 0.0 <= watch.busy <= 1.0 and 0.0 <= watch.steal <= 1.0 and watch.bandwidth_before > 0
-    assert watch.line().startswith("host: load ")
-    watch.bandwidth_after = watch.bandwidth_before / 2
-    assert any("read bandwidth fell 50%" in flag for flag in watch.flags())
-    watch.load_before = 4.0
-    assert any("load 4.00 before the run on 2 cores" in flag for flag in watch.flags(cores=2))
-
-
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
