@@ -1,0 +1,706 @@
+"""import (GGUF): a llama.cpp model file in, the same ONNX decoder the ONNX front end imports out.
+
+Reads: a GGUF file (`gguf.GGUFReader`: the header parsed, tensors memory-mapped, never read whole). Writes,
+once per file (cached by its path, size and modification time under `$PICOMPILE_CACHE/gguf-onnx/`), an
+ordinary ONNX decoder in optimum's KV-cache convention (inputs `input_ids`, `attention_mask`, `position_ids`,
+`past_key_values.{i}.key/.value`; outputs `logits`, `present.{i}.key/.value`), built from standard ONNX ops
+the way transformers' exports compute LLaMA / Qwen2 (RMSNorm, rotate-half RoPE, grouped-query attention,
+SwiGLU), plus `com.microsoft.MatMulNBits` for Q8_0 / Q4_0 weight matrices; and, from the file's metadata,
+the model's tokenizer (`tokenizer.json` built with the `tokenizers` library, `tokenizer_config.json`,
+`generation_config.json`) beside it. `load` then reads that ONNX file through the ONNX front end's own
+`load`, so the import pass, every later pass, `--dump-ir`, `inspect`, the profile pass's onnxruntime
+reference and `eval --reference model.gguf` see exactly what an ONNX model gives them.
+
+Weights keep the file's values:
+- F32, F16 and BF16 tensors are stored as they are (half matrices behind a Cast, as the ONNX front end keeps
+  an fp16 model's).
+- Q8_0 and Q4_0 matrices become MatMulNBits (bits 8 / 4, blocks of 32 along K, the file's codes and its fp16
+  scales held in float32: MatMulNBits' scales share its input's type), which the import pass dequantizes
+  exactly and records (`SourceQuantization`); the quantize pass stores them back in picompile's int8 / int4
+  blocks with the file's q and scales (`passes.kernels.quant.recover`).
+- Every other type the `gguf.quants` module dequantizes (Q4_1, Q5_0, Q5_1, the K-quants, ...) and every
+  quantized embedding table (a Gather reads floats) is stored dequantized to float32: exactly the file's
+  values (`gguf.quants.dequantize`). Q4_1 is among them, not a MatMulNBits with float zero points: (q - zp) x
+  scale cannot give d x q + m exactly in floating point (zp = -m / d rounds), and the file's values must
+  stay exact.
+What each tensor was in the file is a fact on the model (`GGUFSource`, `metadata_props["picompile.gguf"]`),
+which recognise keeps and the build reads to say which tensors a `--weight-dtype` re-rounds.
+
+LLaMA's converter permutes the rows of attn_q / attn_k so that llama.cpp's RoPE, which rotates adjacent pairs,
+equals transformers' rotate-half; the rows are permuted back here (exactly: whole rows move), so the graph
+computes rotate-half RoPE as transformers does. Qwen2 files are stored rotate-half already.
+Refuses, in one line naming it: a file that is not GGUF (wrong magic), truncated or unreadable, an unknown
+version or tensor type, tensor data past the end of the file, an architecture other than llama / qwen2,
+missing metadata or tensors, tensors the architecture does not have, and shapes that disagree with the
+metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_ir.passes import PassResult
+
+from picompile import ir as pir
+from picompile.errors import UserError
+from picompile.pipeline import Context
+
+from .import_onnx import Import
+
+GGUF_MAGIC = b"GGUF"
+CONVERTER_VERSION = 1  # part of the cache key: a change to the graph written here invalidates old conversions
+ARCHITECTURES = ("llama", "qwen2")
+GGUF_KEY = "picompile.gguf"  # the metadata_props entry of the fact
+OPSET = 18
+NBITS_TYPES = {"Q8_0": 8, "Q4_0": 4}  # stored as MatMulNBits, their blocks kept
+FLOAT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "fp16"}
+# --weight-dtype that keeps (or, for formats no picompile block holds, best keeps) a GGUF type's values:
+# `auto`'s choice for a file whose matrices are mostly of that type. Q4_1 and the K-quants go to int8 until an
+# asymmetric / super-block format exists: int8 keeps them within ~0.3% of a matrix (fp16 within 0.05%, at
+# twice the bytes), where int4 would cost x1.3-1.4 perplexity (issue 32's SmolLM2 measurements).
+AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "int8", "Q4_0": "int4"}
+AUTO_FALLBACK = "int8"
+# (source type, --weight-dtype) pairs that keep every value exactly
+EXACT = {("F32", "fp32"), ("F16", "fp32"), ("F16", "fp16"), ("BF16", "fp32"), ("Q8_0", "fp32"), ("Q8_0", "int8"),
+         ("Q4_0", "fp32"), ("Q4_0", "int8"), ("Q4_0", "int4")}
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a GGUF file (by its magic; a .gguf suffix with another magic is refused by `read`)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: its GGUF name, type (ggml's name: Q4_0, F16, ...), numpy-order shape, and
+    whether it is a weight matrix (linear layer or embedding table) rather than a norm or bias."""
+
+    name: str
+    format: str
+    shape: tuple[int, ...]
+    matrix: bool
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """The fact that the model came from a GGUF file, and each tensor's format there."""
+
+    file: str
+    architecture: str
+    tensors: tuple[GGUFTensor, ...]
+    notes: tuple[str, ...] = ()  # what the user should know (no tokenizer, an unknown pre-tokenizer)
+
+    def attach(self, model: ir.Model) -> None:
+        model.metadata_props[GGUF_KEY] = json.dumps(asdict(self))
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "GGUFSource | None":
+        text = model.metadata_props.get(GGUF_KEY)
+        if text is None:
+            return None
+        fields = json.loads(text)
+        tensors = tuple(GGUFTensor(**{**t, "shape": tuple(t["shape"])}) for t in fields.pop("tensors"))
+        return cls(tensors=tensors, notes=tuple(fields.pop("notes", ())), **fields)
+
+    def matrices(self) -> list[GGUFTensor]:
+        return [t for t in self.tensors if t.matrix]
+
+    def quantized(self) -> bool:
+        """Whether some of its matrices came block-quantized."""
+        return any(t.format not in FLOAT_TYPES for t in self.matrices())
+
+    def weight_dtype(self) -> str:
+        """`--weight-dtype auto` for this file: the format of most of its matrix weights (by count of weights)."""
+        by_format: dict[str, int] = {}
+        for t in self.matrices():
+            by_format[t.format] = by_format.get(t.format, 0) + int(np.prod(t.shape))
+        if not by_format:
+            return "fp32"
+        return AUTO_FORMAT.get(max(by_format, key=by_format.get), AUTO_FALLBACK)
+
+    def changed(self, weight_dtype: str) -> dict[str, int]:
+        """Source format -> how many matrices a build storing weights in `weight_dtype` re-rounds (values no
+        longer the file's)."""
+        counts: dict[str, int] = {}
+        for t in self.matrices():
+            if (t.format, weight_dtype) not in EXACT:
+                counts[t.format] = counts.get(t.format, 0) + 1
+        return counts
+
+    def describe(self) -> str:
+        formats: dict[str, int] = {}
+        for t in self.matrices():
+            formats[t.format] = formats.get(t.format, 0) + 1
+        listed = ", ".join(f"{count} {name}" for name, count in sorted(formats.items(), key=lambda kv: -kv[1]))
+        return f"GGUF {self.architecture} ({Path(self.file).name}): weight matrices {listed}"
+
+
+def rerounding_warning(source: GGUFSource, weight_dtype: str, target_has_gpu: bool = False) -> str | None:
+    """The one line a build prints where storing the file's matrices in `weight_dtype` changes some of their
+    values (None where every value is kept)."""
+    changed = source.changed(weight_dtype)
+    if not changed:
+        return None
+    parts = ", ".join(f"{count} {name}" for name, count in sorted(changed.items(), key=lambda kv: -kv[1]))
+    total = sum(changed.values())
+    gpu = " (GPU-resident ones are stored fp16 whatever --weight-dtype says)" if target_has_gpu else ""
+    return (f"{total} of the file's weight matrices ({parts}) are re-rounded to {weight_dtype}: their values "
+            f"are no longer the file's{gpu}; --weight-dtype fp32 keeps every value")
+
+
+# ---------------------------------------------------------------- reading the file
+
+
+def _refuse(path: Path, reason: str) -> UserError:
+    return UserError(f"{path}: {reason}")
+
+
+def read(path: Path):
+    """The file's GGUFReader, every failure worded as one UserError."""
+    import gguf
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"model file not found: {path}")
+    if path.is_dir() or path.stat().st_size == 0:
+        raise _refuse(path, "not a GGUF file (empty or a directory)")
+    with open(path, "rb") as file:
+        head = file.read(8)
+    if head[:4] != GGUF_MAGIC:
+        raise _refuse(path, f"not a GGUF file (it starts with {head[:4]!r}, not {GGUF_MAGIC!r})")
+    if len(head) < 8:
+        raise _refuse(path, "the GGUF file is truncated (it ends inside its header)")
+    version = struct.unpack("<I", head[4:8])[0]
+    if version & 0xFFFF == 0:  # a big-endian file, as the reader tells them apart
+        version = struct.unpack(">I", head[4:8])[0]
+    if version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
+        raise _refuse(path, f"GGUF version {version} is not supported (the gguf reader knows versions "
+                            f"{', '.join(map(str, gguf.gguf_reader.READER_SUPPORTED_VERSIONS))})")
+    try:
+        return gguf.GGUFReader(str(path))
+    except ValueError as error:
+        text = str(error)
+        if "is not a valid GGMLQuantizationType" in text:
+            code = text.split()[0]
+            raise _refuse(path, f"a tensor has unknown GGML type {code} (a newer llama.cpp's format?)") from None
+        if "cannot reshape" in text or "buffer is smaller" in text or "mmap length" in text:
+            raise _refuse(path, f"the GGUF file is truncated: tensor data or header reaches past its end "
+                                f"({path.stat().st_size} bytes)") from None
+        raise _refuse(path, f"not a readable GGUF file ({text})") from None
+    except (struct.error, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError, MemoryError) as error:
+        raise _refuse(path, f"the GGUF file is truncated or damaged ({type(error).__name__}: {error})") from None
+
+
+def _field(reader, key: str, path: Path, default=None, required: bool = True):
+    field = reader.fields.get(key)
+    if field is None:
+        if required and default is None:
+            raise _refuse(path, f"metadata {key} is missing, and picompile needs it")
+        return default
+    try:
+        return field.contents()
+    except Exception as error:  # the reader's own view of a damaged value
+        raise _refuse(path, f"metadata {key} cannot be read ({type(error).__name__}: {error})") from None
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The architecture's numbers, from the metadata."""
+
+    architecture: str
+    layers: int
+    d_model: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    rope_base: float
+    rope_scale: float
+    context: int
+
+
+def _int(value, key: str, path: Path) -> int:
+    if isinstance(value, list):
+        values = set(value)
+        if len(values) != 1:
+            raise _refuse(path, f"metadata {key} differs between layers ({sorted(values)[:4]}...), which picompile "
+                                "does not compile")
+        value = values.pop()
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise _refuse(path, f"metadata {key} is {value!r}, not a positive integer")
+    return int(value)
+
+
+def hyper(reader, path: Path) -> Hyper:
+    arch = _field(reader, "general.architecture", path)
+    if arch not in ARCHITECTURES:
+        raise _refuse(path, f"architecture {arch!r} is not supported (picompile compiles GGUF "
+                            f"{', '.join(ARCHITECTURES)})")
+    get = lambda key, default=None: _field(reader, f"{arch}.{key}", path, default)  # noqa: E731
+    layers = _int(get("block_count"), f"{arch}.block_count", path)
+    d_model = _int(get("embedding_length"), f"{arch}.embedding_length", path)
+    ffn = _int(get("feed_forward_length"), f"{arch}.feed_forward_length", path)
+    heads = _int(get("attention.head_count"), f"{arch}.attention.head_count", path)
+    kv_heads = _int(get("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv", path)
+    if heads % kv_heads:
+        raise _refuse(path, f"{heads} attention heads cannot share {kv_heads} kv heads evenly")
+    head_dim = _int(get("attention.key_length", max(d_model // heads, 1)), f"{arch}.attention.key_length", path)
+    value_dim = _int(get("attention.value_length", head_dim), f"{arch}.attention.value_length", path)
+    if value_dim != head_dim or head_dim % 2:
+        raise _refuse(path, f"key length {head_dim} and value length {value_dim}: picompile needs them equal and even")
+    rope_dims = _int(get("rope.dimension_count", head_dim), f"{arch}.rope.dimension_count", path)
+    if rope_dims != head_dim:
+        raise _refuse(path, f"rope.dimension_count {rope_dims} is not the head size {head_dim} (partial rotary "
+                            "embeddings are not supported for GGUF files yet)")
+    scaling = get("rope.scaling.type", "none")
+    factor = float(get("rope.scaling.factor", 1.0) or 1.0)
+    if scaling not in ("none", "linear") and factor != 1.0:
+        raise _refuse(path, f"rope scaling {scaling!r} is not supported (none and linear are)")
+    eps = float(get("attention.layer_norm_rms_epsilon", 1e-5))
+    return Hyper(arch, layers, d_model, ffn, heads, kv_heads, head_dim, eps,
+                 float(get("rope.freq_base", 10000.0)), factor if scaling == "linear" else 1.0,
+                 _int(get("context_length", 2048), f"{arch}.context_length", path))
+
+
+def _expected_shapes(h: Hyper, vocab: int) -> dict[str, tuple[tuple[int, ...], bool, bool]]:
+    """GGUF tensor name -> (numpy-order shape, whether a weight matrix, whether required)."""
+    q, kv = h.heads * h.head_dim, h.kv_heads * h.head_dim
+    shapes = {"token_embd.weight": ((vocab, h.d_model), True, True),
+              "output_norm.weight": ((h.d_model,), False, True),
+              "output.weight": ((vocab, h.d_model), True, False),
+              "rope_freqs.weight": ((h.head_dim // 2,), False, False)}
+    bias = h.architecture == "qwen2"
+    for i in range(h.layers):
+        p = f"blk.{i}."
+        shapes.update({
+            p + "attn_norm.weight": ((h.d_model,), False, True),
+            p + "attn_q.weight": ((q, h.d_model), True, True),
+            p + "attn_k.weight": ((kv, h.d_model), True, True),
+            p + "attn_v.weight": ((kv, h.d_model), True, True),
+            p + "attn_output.weight": ((h.d_model, q), True, True),
+            p + "ffn_norm.weight": ((h.d_model,), False, True),
+            p + "ffn_gate.weight": ((h.ffn, h.d_model), True, True),
+            p + "ffn_up.weight": ((h.ffn, h.d_model), True, True),
+            p + "ffn_down.weight": ((h.d_model, h.ffn), True, True),
+        })
+        for name, width in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            shapes[p + name + ".bias"] = ((width,), False, bias)
+    return shapes
+
+
+def tensors(reader, h: Hyper, path: Path) -> tuple[dict, int]:
+    """GGUF name -> ReaderTensor, checked against the architecture (names, shapes, types, the file's end);
+    and the vocabulary size."""
+    import gguf
+
+    found = {t.name: t for t in reader.tensors}
+    embed = found.get("token_embd.weight")
+    if embed is None:
+        raise _refuse(path, "tensor token_embd.weight (the token embedding) is missing")
+    vocab = int(embed.shape[-1]) if len(embed.shape) == 2 else 0
+    expected = _expected_shapes(h, vocab)
+    unknown = sorted(set(found) - set(expected), key=lambda n: (len(n), n))
+    if unknown:
+        hint = " (a mixture of experts?)" if any("exps" in n or "ffn_gate_inp" in n for n in unknown) else ""
+        raise _refuse(path, f"tensor {unknown[0]} is not part of a {h.architecture} model as picompile compiles "
+                            f"it{hint}" + (f" ({len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    missing = [name for name, (_, _, required) in expected.items() if required and name not in found]
+    if missing:
+        raise _refuse(path, f"tensor {missing[0]} is missing" + (f" ({len(missing) - 1} more)" if len(missing) > 1 else ""))
+    size = path.stat().st_size
+    for name, tensor in found.items():
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        want = expected[name][0]
+        if shape != want:
+            raise _refuse(path, f"tensor {name} has shape {list(shape)} but {h.architecture}'s metadata "
+                                f"(embedding_length {h.d_model}, feed_forward_length {h.ffn}, head_count {h.heads}, "
+                                f"head_count_kv {h.kv_heads}) makes it {list(want)}")
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise _refuse(path, f"the data of tensor {name} ends at byte {tensor.data_offset + tensor.n_bytes}, past "
+                                f"the end of the file ({size} bytes): the file is truncated")
+        kind = tensor.tensor_type.name
+        readable = kind in FLOAT_TYPES or kind in NBITS_TYPES or tensor.tensor_type in gguf.quants._type_traits
+        if not readable or (not expected[name][1] and kind not in FLOAT_TYPES and kind not in NBITS_TYPES
+                            and tensor.tensor_type not in gguf.quants._type_traits):
+            raise _refuse(path, f"tensor {name} is stored as {kind}, which picompile cannot read")
+    return found, vocab
+
+
+# ---------------------------------------------------------------- tensors as arrays
+
+
+def _float_array(tensor) -> np.ndarray:
+    """A tensor's values in numpy order: F32 / F16 as stored (memory-mapped views), BF16 as ml_dtypes'
+    bfloat16, anything quantized dequantized to float32 (exactly `gguf.quants.dequantize`)."""
+    import gguf
+    import ml_dtypes
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    kind = tensor.tensor_type.name
+    if kind in ("F32", "F16"):
+        return tensor.data.reshape(shape)
+    if kind == "BF16":
+        return tensor.data.view(ml_dtypes.bfloat16).reshape(shape)
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+
+def _nbits(tensor, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 / Q4_0 [N, K] matrix as MatMulNBits' B (uint8 [N, K/32, 32 or 16]: codes q + 2^(bits-1), two
+    4-bit codes a byte, low nibble first) and float32 scales [N, K/32] (the file's fp16 d, exactly).
+    `rows` reorders the rows (whole rows: blocks unchanged)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    N, K = shape
+    raw = tensor.data.reshape(N, K // 32, -1)
+    if rows is not None:
+        raw = raw[rows]
+    scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    if tensor.tensor_type.name == "Q8_0":
+        codes = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return np.ascontiguousarray(codes), scales
+    qs = raw[..., 2:]  # byte j: element j in the low nibble, element j + 16 in the high one (codes q + 8)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, blocks, 32] in element order
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), scales
+
+
+def rope_rows(heads: int, head_dim: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's convert permutation of attn_q / attn_k: row h*d + p*d/2 + i of
+    transformers' layout (rotate-half pairs i, i + d/2) is row h*d + 2i + p of the file (adjacent pairs)."""
+    index = np.arange(heads * head_dim).reshape(heads, head_dim // 2, 2)
+    return index.transpose(0, 2, 1).reshape(-1)
+
+
+# ---------------------------------------------------------------- the ONNX graph
+
+
+class _Graph:
+    """A small builder over onnx_ir for the decoder graph."""
+
+    def __init__(self):
+        self.nodes: list[ir.Node] = []
+        self.initializers: list[ir.Value] = []
+        self.count = 0
+
+    def const(self, name: str, tensor) -> ir.Value:
+        if isinstance(tensor, np.ndarray):
+            tensor = ir.tensor(tensor, name=name)
+        value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape))
+        self.initializers.append(value)
+        return value
+
+    def lazy(self, name: str, make, dtype: ir.DataType, shape) -> ir.Value:
+        """An initializer computed when it is saved (dequantized matrices never all held at once)."""
+        return self.const(name, ir.LazyTensor(lambda: ir.tensor(make(), name=name), dtype, ir.Shape(list(shape)),
+                                              name=name))
+
+    def op(self, op_type: str, inputs, attributes=None, domain: str = "", name: str | None = None,
+           outputs: int = 1):
+        self.count += 1
+        node = ir.node(op_type, list(inputs), attributes or {}, domain=domain, num_outputs=outputs,
+                       name=name or f"{op_type}_{self.count}")
+        self.nodes.append(node)
+        for index, value in enumerate(node.outputs):
+            value.name = f"{node.name}/out{index}" if outputs > 1 else f"{node.name}/out"
+        return node.outputs[0] if outputs == 1 else node.outputs
+
+    def scalar(self, name: str, value, dtype=np.float32) -> ir.Value:
+        return self.const(name, np.array(value, dtype))
+
+    def ints(self, name: str, values) -> ir.Value:
+        return self.const(name, np.array(values, np.int64))
+
+
+def _weight(g: _Graph, name: str, tensor, rows: np.ndarray | None = None) -> tuple[ir.Value, str]:
+    """A linear's weight as an ONNX value [K, N] (fp32, or a half matrix behind a Cast), or, for Q8_0 / Q4_0,
+    ('nbits', ...) handled by `_linear`. Returns (value, kind)."""
+    kind = tensor.tensor_type.name
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if kind in ("F32", "F16", "BF16"):
+        array = _float_array(tensor)
+        if rows is not None:
+            array = array[rows]
+        stored = g.const(name, np.ascontiguousarray(array.T))
+        if kind == "F32":
+            return stored, kind
+        return g.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{name}/fp32"), kind
+
+    def make():
+        array = _float_array(tensor)
+        return np.ascontiguousarray((array if rows is None else array[rows]).T.astype(np.float32))
+
+    return g.lazy(name, make, ir.DataType.FLOAT, (shape[1], shape[0])), kind
+
+
+def _linear(g: _Graph, x: ir.Value, name: str, tensor, bias=None, rows: np.ndarray | None = None) -> ir.Value:
+    """x @ W^T (+ b) for the file's W [N, K]: MatMulNBits for Q8_0 / Q4_0, else MatMul over [K, N]."""
+    kind = tensor.tensor_type.name
+    if kind in NBITS_TYPES:
+        N, K = (int(d) for d in reversed(tensor.shape.tolist()))
+        B, scales = _nbits(tensor, rows)
+        inputs = [x, g.const(f"{name}.B", B), g.const(f"{name}.scales", scales)]
+        y = g.op("MatMulNBits", inputs, {"K": K, "N": N, "bits": NBITS_TYPES[kind], "block_size": 32},
+                 domain="com.microsoft", name=name)
+    else:
+        weight, _ = _weight(g, name, tensor, rows)
+        y = g.op("MatMul", [x, weight], name=name)
+    if bias is not None:
+        b = _float_array(bias).astype(np.float32)
+        y = g.op("Add", [y, g.const(f"{name}.bias", np.ascontiguousarray(b if rows is None else b[rows]))],
+                 name=f"{name}/bias")
+    return y
+
+
+def _rms_norm(g: _Graph, x: ir.Value, tensor, eps: float, name: str) -> ir.Value:
+    two, epsilon, axes = g.scalar(f"{name}.two", 2.0), g.scalar(f"{name}.eps", eps), g.ints(f"{name}.axes", [-1])
+    square = g.op("Pow", [x, two])
+    mean = g.op("ReduceMean", [square, axes], {"keepdims": 1})
+    root = g.op("Sqrt", [g.op("Add", [mean, epsilon])])
+    normed = g.op("Mul", [x, g.op("Reciprocal", [root])])
+    weight = g.const(f"{name}.weight", np.ascontiguousarray(_float_array(tensor).astype(np.float32)))
+    return g.op("Mul", [normed, weight], name=name)
+
+
+def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str) -> ir.Value:
+    """[B, S, heads*d] -> [B, heads, S, d]."""
+    shaped = g.op("Reshape", [x, g.ints(shape_name, [0, 0, heads, head_dim])])
+    return g.op("Transpose", [shaped], {"perm": [0, 2, 1, 3]})
+
+
+def _rotate(g: _Graph, x: ir.Value, cos: ir.Value, sin: ir.Value, half: tuple[ir.Value, ...]) -> ir.Value:
+    """x * cos + rotate_half(x) * sin (transformers' RoPE)."""
+    zero, mid, end, axis = half
+    x1 = g.op("Slice", [x, zero, mid, axis])
+    x2 = g.op("Slice", [x, mid, end, axis])
+    rotated = g.op("Concat", [g.op("Neg", [x2]), x1], {"axis": -1})
+    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
+
+
+def build_graph(reader, h: Hyper, found: dict, vocab: int) -> ir.Model:
+    """The ONNX decoder of a llama / qwen2 GGUF (see the module doc)."""
+    g = _Graph()
+    batch, seq, past, total = "batch", "sequence", "past_sequence", "total_sequence"
+    input_ids = ir.val("input_ids", ir.DataType.INT64, [batch, seq])
+    attention_mask = ir.val("attention_mask", ir.DataType.INT64, [batch, total])
+    position_ids = ir.val("position_ids", ir.DataType.INT64, [batch, seq])
+    inputs, outputs = [input_ids, attention_mask, position_ids], []
+    pasts = []
+    for i in range(h.layers):
+        key = ir.val(f"past_key_values.{i}.key", ir.DataType.FLOAT, [batch, h.kv_heads, past, h.head_dim])
+        value = ir.val(f"past_key_values.{i}.value", ir.DataType.FLOAT, [batch, h.kv_heads, past, h.head_dim])
+        inputs.extend([key, value])
+        pasts.append((key, value))
+
+    # token embedding: floats (a Gather reads them), half tables behind a Cast
+    embed = found["token_embd.weight"]
+    if embed.tensor_type.name in ("F16", "BF16"):
+        table = g.op("Cast", [g.const("token_embd.weight", _float_array(embed))], {"to": ir.DataType.FLOAT},
+                     name="token_embd.weight/fp32")
+    elif embed.tensor_type.name == "F32":
+        table = g.const("token_embd.weight", _float_array(embed))
+    else:
+        table = g.lazy("token_embd.weight", lambda: _float_array(embed).astype(np.float32), ir.DataType.FLOAT,
+                       (vocab, h.d_model))
+    x = g.op("Gather", [table, input_ids], {"axis": 0}, name="embed")
+
+    # RoPE tables: inv_freq (llama3's rope_freqs divide it, linear scaling too) times the positions
+    inv_freq = 1.0 / (h.rope_base ** (np.arange(0, h.head_dim, 2, dtype=np.float64) / h.head_dim))
+    if "rope_freqs.weight" in found:
+        inv_freq = inv_freq / _float_array(found["rope_freqs.weight"]).astype(np.float64)
+    inv_freq = (inv_freq / h.rope_scale).astype(np.float32)
+    positions = g.op("Unsqueeze", [g.op("Cast", [position_ids], {"to": ir.DataType.FLOAT}), g.ints("rope.axis", [-1])])
+    freqs = g.op("Mul", [positions, g.const("rope.inv_freq", inv_freq)])
+    emb = g.op("Concat", [freqs, freqs], {"axis": -1})
+    head_axis = g.ints("rope.head_axis", [1])
+    cos = g.op("Unsqueeze", [g.op("Cos", [emb]), head_axis], name="rope.cos")
+    sin = g.op("Unsqueeze", [g.op("Sin", [emb]), head_axis], name="rope.sin")
+    half = (g.ints("rope.zero", [0]), g.ints("rope.mid", [h.head_dim // 2]), g.ints("rope.end", [h.head_dim]),
+            g.ints("rope.last", [-1]))
+
+    # causal mask with the attention mask: [B, 1, S, P + S], 0 where a query may attend, else the float minimum
+    seq_len = g.op("Shape", [input_ids], {"start": 1, "end": 2})
+    past_len = g.op("Shape", [pasts[0][0]], {"start": 2, "end": 3})
+    total_len = g.op("Add", [past_len, seq_len])
+    scalar = lambda v: g.op("Squeeze", [v, g.ints(f"mask.squeeze{g.count}", [0])])  # noqa: E731
+    one = g.const("mask.one", np.array(1, np.int64))
+    keys = g.op("Range", [g.const("mask.zero", np.array(0, np.int64)), scalar(total_len), one])
+    queries = g.op("Range", [scalar(past_len), scalar(total_len), one])
+    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, g.ints("mask.rows", [0])]),
+                                  g.op("Unsqueeze", [queries, g.ints("mask.cols", [1])])])
+    padded = g.op("Unsqueeze", [g.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), g.ints("mask.axes", [1, 2])])
+    mask = g.op("Where", [g.op("And", [causal, padded]), g.scalar("mask.open", 0.0),
+                          g.scalar("mask.closed", np.finfo(np.float32).min)], name="mask")
+
+    scale = g.scalar("attn.scale", 1.0 / np.sqrt(h.head_dim))
+    groups = h.heads // h.kv_heads
+    permute = h.architecture == "llama"  # convert_hf_to_gguf permutes llama's q/k rows (not qwen2's)
+    q_rows = rope_rows(h.heads, h.head_dim) if permute else None
+    k_rows = rope_rows(h.kv_heads, h.head_dim) if permute else None
+    for i in range(h.layers):
+        p = f"blk.{i}."
+        get = lambda name: found.get(p + name)  # noqa: E731
+        a = _rms_norm(g, x, get("attn_norm.weight"), h.eps, p + "attn_norm")
+        q = _linear(g, a, p + "attn_q", get("attn_q.weight"), get("attn_q.bias"), q_rows)
+        k = _linear(g, a, p + "attn_k", get("attn_k.weight"), get("attn_k.bias"), k_rows)
+        v = _linear(g, a, p + "attn_v", get("attn_v.weight"), get("attn_v.bias"))
+        q = _rotate(g, _heads(g, q, h.heads, h.head_dim, p + "q_shape"), cos, sin, half)
+        k = _rotate(g, _heads(g, k, h.kv_heads, h.head_dim, p + "k_shape"), cos, sin, half)
+        v = _heads(g, v, h.kv_heads, h.head_dim, p + "v_shape")
+        present_key = g.op("Concat", [pasts[i][0], k], {"axis": 2}, name=f"present.{i}.key")
+        present_value = g.op("Concat", [pasts[i][1], v], {"axis": 2}, name=f"present.{i}.value")
+        present_key.name, present_value.name = f"present.{i}.key", f"present.{i}.value"
+        present_key.dtype = present_value.dtype = ir.DataType.FLOAT
+        present_key.shape = ir.Shape([batch, h.kv_heads, total, h.head_dim])
+        present_value.shape = ir.Shape([batch, h.kv_heads, total, h.head_dim])
+        outputs.extend([present_key, present_value])
+        if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
+            repeats, merged = g.ints(p + "kv_repeats", [1, 1, groups, 1, 1]), g.ints(p + "kv_shape", [0, h.heads, -1, h.head_dim])
+            expand = lambda t: g.op("Reshape", [g.op("Tile", [g.op("Unsqueeze", [t, g.ints(f"{p}kv_axis{g.count}", [2])]),  # noqa: E731
+                                                              repeats]), merged])
+            keys_all, values_all = expand(present_key), expand(present_value)
+        else:
+            keys_all, values_all = present_key, present_value
+        scores = g.op("MatMul", [q, g.op("Transpose", [keys_all], {"perm": [0, 1, 3, 2]})], name=p + "scores")
+        weights = g.op("Softmax", [g.op("Add", [g.op("Mul", [scores, scale]), mask])], {"axis": -1})
+        context = g.op("MatMul", [weights, values_all])
+        context = g.op("Reshape", [g.op("Transpose", [context], {"perm": [0, 2, 1, 3]}),
+                                   g.ints(p + "o_shape", [0, 0, h.heads * h.head_dim])])
+        x = g.op("Add", [x, _linear(g, context, p + "attn_output", get("attn_output.weight"))], name=p + "attn_residual")
+        f = _rms_norm(g, x, get("ffn_norm.weight"), h.eps, p + "ffn_norm")
+        gate = _linear(g, f, p + "ffn_gate", get("ffn_gate.weight"))
+        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+        up = _linear(g, f, p + "ffn_up", get("ffn_up.weight"))
+        down = _linear(g, g.op("Mul", [silu, up]), p + "ffn_down", get("ffn_down.weight"))
+        x = g.op("Add", [x, down], name=p + "ffn_residual")
+
+    x = _rms_norm(g, x, found["output_norm.weight"], h.eps, "output_norm")
+    if "output.weight" in found:
+        logits = _linear(g, x, "output", found["output.weight"])
+    else:  # tied: the embedding table, transposed
+        logits = g.op("MatMul", [x, g.op("Transpose", [table], {"perm": [1, 0]})], name="output")
+    logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape([batch, seq, vocab])
+    graph = ir.Graph(inputs, [logits, *outputs], nodes=g.nodes, initializers=g.initializers, name="gguf",
+                     opset_imports={"": OPSET, "com.microsoft": 1})
+    return ir.Model(graph, ir_version=10, producer_name="picompile-gguf")
+
+
+# ---------------------------------------------------------------- conversion, cached
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile") / "gguf-onnx"
+
+
+@dataclass(frozen=True)
+class Converted:
+    """Where a GGUF file's conversion lives: the ONNX model and, if the file had one, its tokenizer's directory."""
+
+    onnx: Path
+    tokenizer: Path | None
+    source: GGUFSource
+
+
+def _key(path: Path) -> str:
+    stat = path.stat()
+    text = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def convert(path: Path, log=lambda message: None) -> Converted:
+    """The GGUF file's ONNX decoder and tokenizer, written once (atomically: a directory renamed into place)."""
+    path = Path(path)
+    reader = read(path)
+    h = hyper(reader, path)
+    found, vocab = tensors(reader, h, path)
+    expected = _expected_shapes(h, vocab)
+    source = GGUFSource(str(path.resolve()), h.architecture, tuple(
+        GGUFTensor(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), expected[name][1])
+        for name, t in found.items()))
+    directory = cache_root() / f"{path.stem}-{_key(path)}"
+    onnx_path, notes_path = directory / "model.onnx", directory / "notes.json"
+    if not onnx_path.is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the conversion from the cache's other users
+        try:
+            model = build_graph(reader, h, found, vocab)
+            source.attach(model)
+            pir.save(model, staging / "model.onnx")
+            from .gguf_tokenizer import write_tokenizer
+
+            notes = write_tokenizer(reader, path, staging, vocab, log)
+            (staging / "notes.json").write_text(json.dumps(notes))
+            try:
+                staging.rename(directory)
+            except OSError:  # another process converted the same file meanwhile: theirs is as good
+                shutil.rmtree(staging, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    tokenizer = directory if (directory / "tokenizer.json").is_file() else None
+    notes = tuple(json.loads(notes_path.read_text())) if notes_path.is_file() else ()
+    return Converted(onnx_path, tokenizer, replace(source, notes=notes))
+
+
+@lru_cache(maxsize=8)
+def _converted(path: str, key: str) -> Converted:
+    return convert(Path(path))
+
+
+def converted(path: Path) -> Converted:
+    """`convert`, once per process for an unchanged file."""
+    path = Path(path)
+    if not path.is_file():
+        return convert(path)  # its refusal
+    return _converted(str(path.resolve()), _key(path))
+
+
+def load(path: Path, for_build: bool = True) -> ir.Model:
+    """The GGUF file's decoder as the ONNX front end loads a model (`passes.import_onnx.load`), carrying its
+    `GGUFSource`; `source_file` of it is the converted ONNX file (what onnxruntime runs as the reference)."""
+    from .import_onnx import load as load_onnx
+
+    made = converted(path)
+    model = load_onnx(made.onnx, for_build=for_build)
+    made.source.attach(model)
+    return model
+
+
+
+
+@dataclass
+class ImportGGUF(Import):
+    """The import pass of a model that came from a GGUF file (`load` converted it): the ONNX front end's import,
+    after saying what the file held and passing on the conversion's notes."""
+
+    name = "import"
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        source = GGUFSource.of(model)
+        if source is not None:
+            ctx.log(f"import: {source.describe()}")
+            for note in source.notes:
+                ctx.warn(note)
+        return super().apply(model, ctx)
