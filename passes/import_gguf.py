@@ -139,12 +139,23 @@ class GGUFSource:
             return "fp32"
         return AUTO_FORMAT.get(max(by_format, key=by_format.get), AUTO_FALLBACK)
 
+    def auto_reason(self) -> str:
+        """Why `weight_dtype` chose what it did, for -v."""
+        by_format: dict[str, int] = {}
+        for t in self.matrices():
+            by_format[t.format] = by_format.get(t.format, 0) + int(np.prod(t.shape))
+        most = max(by_format, key=by_format.get) if by_format else "F32"
+        if most in AUTO_FORMAT:
+            return f"most of the file's weights are {most}"
+        return (f"most of the file's weights are {most}, which no picompile format holds exactly yet: int8 keeps "
+                "them closest at its size")
+
     def changed(self, weight_dtype: str) -> dict[str, int]:
         """Source format -> how many matrices a build storing weights in `weight_dtype` re-rounds (values no
         longer the file's)."""
         counts: dict[str, int] = {}
         for t in self.matrices():
-            if (t.format, weight_dtype) not in EXACT:
+            if weight_dtype != "fp32" and (t.format, weight_dtype) not in EXACT:  # fp32 holds every file value
                 counts[t.format] = counts.get(t.format, 0) + 1
         return counts
 
@@ -165,7 +176,9 @@ def rerounding_warning(source: GGUFSource, weight_dtype: str, target_has_gpu: bo
     parts = ", ".join(f"{count} {name}" for name, count in sorted(changed.items(), key=lambda kv: -kv[1]))
     total = sum(changed.values())
     gpu = " (GPU-resident ones are stored fp16 whatever --weight-dtype says)" if target_has_gpu else ""
-    return (f"{total} of the file's weight matrices ({parts}) are re-rounded to {weight_dtype}: their values "
+    unheld = sorted(name for name in changed if name not in AUTO_FORMAT)
+    why = (f" (no picompile format holds {'/'.join(unheld)} blocks exactly yet)" if unheld else "")
+    return (f"{total} of the file's weight matrices ({parts}) are re-rounded to {weight_dtype}{why}: their values "
             f"are no longer the file's{gpu}; --weight-dtype fp32 keeps every value")
 
 
@@ -198,7 +211,9 @@ def read(path: Path):
         raise _refuse(path, f"GGUF version {version} is not supported (the gguf reader knows versions "
                             f"{', '.join(map(str, gguf.gguf_reader.READER_SUPPORTED_VERSIONS))})")
     try:
-        return gguf.GGUFReader(str(path))
+        return _reader_class()(str(path))
+    except _Refused as refused:
+        raise _refuse(path, str(refused)) from None
     except ValueError as error:
         text = str(error)
         if "is not a valid GGMLQuantizationType" in text:
@@ -209,7 +224,38 @@ def read(path: Path):
                                 f"({path.stat().st_size} bytes)") from None
         raise _refuse(path, f"not a readable GGUF file ({text})") from None
     except (struct.error, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError, MemoryError) as error:
-        raise _refuse(path, f"the GGUF file is truncated or damaged ({type(error).__name__}: {error})") from None
+        raise _refuse(path, f"the GGUF header is truncated or damaged: it ends or breaks off before all its "
+                            f"metadata and tensor entries ({type(error).__name__}: {error})") from None
+
+
+class _Refused(Exception):
+    """What the reader found wrong with a tensor's header entry, worded for the user."""
+
+
+@lru_cache(maxsize=1)
+def _reader_class():
+    """GGUFReader, checking each tensor's header entry (type, where its data ends) before the reader builds its
+    view, so that the refusal names the tensor (the reader's own error is numpy's failed reshape)."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise _Refused(f"tensor {name} has unknown GGML type {int(raw_dtype[0])} (a newer llama.cpp's "
+                                   "format?)") from None
+                block, type_size = gguf.GGML_QUANT_SIZES[kind]
+                end = start_offs + int(offset[0]) + int(np.prod(dims.astype(np.int64))) * type_size // block
+                if end > len(self.data):
+                    raise _Refused(f"the data of tensor {name} ends at byte {end}, past the end of the file "
+                                   f"({len(self.data)} bytes): the file is truncated or damaged")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
 
 
 def _field(reader, key: str, path: Path, default=None, required: bool = True):

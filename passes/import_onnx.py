@@ -100,6 +100,9 @@ def compute_in_fp32(graph: ir.Graph) -> tuple[int, int]:
             continue
         if len(tensor.shape) == 2 and value.uses():
             users = list(value.uses())
+            if all(user.op_type == "Cast" and pir.attr(user, "to") == ir.DataType.FLOAT for user, _ in users):
+                kept += 1  # already read through a Cast to fp32 (a GGUF file's F16 matrices come so)
+                continue
             cast = ir.node("Cast", [value], attributes={"to": ir.DataType.FLOAT}, name=f"{value.name}/fp32")
             widened_value = cast.outputs[0]
             widened_value.name, widened_value.shape, widened_value.dtype = f"{value.name}/fp32", value.shape, ir.DataType.FLOAT

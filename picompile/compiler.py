@@ -153,8 +153,7 @@ def resolve_weight_dtype(options: Options, model: ir.Model, log=lambda message: 
         return options
     gguf = GGUFSource.of(model)
     resolved = dataclasses.replace(options, weight_dtype=gguf.weight_dtype() if gguf else stored_weight_dtype(model))
-    log(f"weight dtype {resolved.weight_dtype} (auto: as the model stores its weights"
-        f"{'; Q4_1 and K-quant matrices, which no picompile format holds yet, in int8' if gguf else ''})")
+    log(f"weight dtype {resolved.weight_dtype} (auto: {gguf.auto_reason() if gguf else 'as the model stores its weights'})")
     return resolved
 
 

@@ -122,7 +122,7 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {name: gguf.quants.dequantize(array, kind).reshape(shapes[name]) for name, (array, kind) in tensors.items()}
+    return {name: gguf.quants.dequantize(array, kind) for name, (array, kind) in tensors.items()}
 
 
 def _rms(x, w, eps):

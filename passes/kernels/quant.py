@@ -113,8 +113,11 @@ def on_grid(blocks: np.ndarray, largest: np.ndarray, fmt: WeightFormat) -> tuple
     q = np.zeros(blocks.shape, np.int8)
     scale = np.zeros(largest.shape, fmt.scale_dtype)
     exact = ~blocks.any(axis=-1)  # all-zero blocks: q 0, scale 0
+    possible = ~exact
+    if fmt.bits == 4:  # a block of more than 16 distinct values is on no 4-bit grid: float weights stop here
+        possible &= (np.diff(np.sort(blocks, axis=-1), axis=-1) != 0).sum(-1) < 16
     for code in codes:
-        todo = np.flatnonzero(~exact)
+        todo = np.flatnonzero(possible & ~exact)
         if not todo.size:
             break
         part = blocks[todo]
