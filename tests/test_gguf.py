@@ -229,7 +229,7 @@ def test_a_gpt2_tokenizer_round_trips_through_the_metadata(files):
 def test_a_sentencepiece_vocabulary_merges_by_score_with_byte_fallback(files):
     """llama's vocabulary type: pieces merge by their score, a space prefix, unknown characters as <0xXX>."""
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
-             ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "wo", "or", "▁w", "▁wor",
+             ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "or", "▁w", "▁wor",
               "ld", "▁world"]
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)]
     scores[pieces.index("▁hello")] = 5.0
