@@ -97,7 +97,8 @@ def _spm(tokens: list[str], scores: list[float], types: list[int], unk: int | No
     steps = [normalizers.Prepend("▁")] if space_prefix else []
     tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     tail = [decoders.Strip(" ", 1, 0)] if space_prefix else []
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()] + tail)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           *tail])
     _special(tokenizer, tokens, types)
     return tokenizer
 

@@ -5,9 +5,9 @@ once per file (cached by its path, size and modification time under `$PICOMPILE_
 ordinary ONNX decoder in optimum's KV-cache convention (inputs `input_ids`, `attention_mask`, `position_ids`,
 `past_key_values.{i}.key/.value`; outputs `logits`, `present.{i}.key/.value`), built from standard ONNX ops
 the way transformers' exports compute LLaMA / Qwen2 (RMSNorm, rotate-half RoPE, grouped-query attention,
-SwiGLU), plus `com.microsoft.MatMulNBits` for Q8_0 / Q4_0 weight matrices; and, from the file's metadata,
-the model's tokenizer (`tokenizer.json` built with the `tokenizers` library, `tokenizer_config.json`,
-`generation_config.json`) beside it. `load` then reads that ONNX file through the ONNX front end's own
+SwiGLU), plus `com.microsoft.MatMulNBits` for Q8_0 / Q4_0 weight matrices (`passes.gguf_graph`); and, from
+the file's metadata, the model's tokenizer (`passes.gguf_tokenizer`: `tokenizer.json` built with the
+`tokenizers` library, `tokenizer_config.json`, `generation_config.json`) beside it. `load` then reads that ONNX file through the ONNX front end's own
 `load`, so the import pass, every later pass, `--dump-ir`, `inspect`, the profile pass's onnxruntime
 reference and `eval --reference model.gguf` see exactly what an ONNX model gives them.
 
@@ -17,7 +17,7 @@ Weights keep the file's values:
 - Q8_0 and Q4_0 matrices become MatMulNBits (bits 8 / 4, blocks of 32 along K, the file's codes and its fp16
   scales held in float32: MatMulNBits' scales share its input's type), which the import pass dequantizes
   exactly and records (`SourceQuantization`); the quantize pass stores them back in picompile's int8 / int4
-  blocks with the file's q and scales (`passes.kernels.quant.recover`).
+  blocks with the file's q and scales (`passes.kernels.quant.on_grid`).
 - Every other type the `gguf.quants` module dequantizes (Q4_1, Q5_0, Q5_1, the K-quants, ...) and every
   quantized embedding table (a Gather reads floats) is stored dequantized to float32: exactly the file's
   values (`gguf.quants.dequantize`). Q4_1 is among them, not a MatMulNBits with float zero points: (q - zp) x
@@ -56,14 +56,13 @@ from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 
+from .gguf_graph import NBITS_TYPES, build_graph
 from .import_onnx import Import
 
 GGUF_MAGIC = b"GGUF"
 CONVERTER_VERSION = 1  # part of the cache key: a change to the graph written here invalidates old conversions
 ARCHITECTURES = ("llama", "qwen2")
 GGUF_KEY = "picompile.gguf"  # the metadata_props entry of the fact
-OPSET = 18
-NBITS_TYPES = {"Q8_0": 8, "Q4_0": 4}  # stored as MatMulNBits, their blocks kept
 FLOAT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "fp16"}
 # --weight-dtype that keeps (or, for formats no picompile block holds, best keeps) a GGUF type's values:
 # `auto`'s choice for a file whose matrices are mostly of that type. Q4_1 and the K-quants go to int8 until an
@@ -374,7 +373,8 @@ def tensors(reader, h: Hyper, path: Path) -> tuple[dict, int]:
                             f"it{hint}" + (f" ({len(unknown) - 1} more)" if len(unknown) > 1 else ""))
     missing = [name for name, (_, _, required) in expected.items() if required and name not in found]
     if missing:
-        raise _refuse(path, f"tensor {missing[0]} is missing" + (f" ({len(missing) - 1} more)" if len(missing) > 1 else ""))
+        more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise _refuse(path, f"tensor {missing[0]} is missing{more}")
     size = path.stat().st_size
     for name, tensor in found.items():
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -387,267 +387,9 @@ def tensors(reader, h: Hyper, path: Path) -> tuple[dict, int]:
             raise _refuse(path, f"the data of tensor {name} ends at byte {tensor.data_offset + tensor.n_bytes}, past "
                                 f"the end of the file ({size} bytes): the file is truncated")
         kind = tensor.tensor_type.name
-        readable = kind in FLOAT_TYPES or kind in NBITS_TYPES or tensor.tensor_type in gguf.quants._type_traits
-        if not readable or (not expected[name][1] and kind not in FLOAT_TYPES and kind not in NBITS_TYPES
-                            and tensor.tensor_type not in gguf.quants._type_traits):
-            raise _refuse(path, f"tensor {name} is stored as {kind}, which picompile cannot read")
+        if kind not in FLOAT_TYPES and kind not in NBITS_TYPES and tensor.tensor_type not in gguf.quants._type_traits:
+            raise _refuse(path, f"tensor {name} is stored as {kind}, which the gguf package cannot dequantize")
     return found, vocab
-
-
-# ---------------------------------------------------------------- tensors as arrays
-
-
-def _float_array(tensor) -> np.ndarray:
-    """A tensor's values in numpy order: F32 / F16 as stored (memory-mapped views), BF16 as ml_dtypes'
-    bfloat16, anything quantized dequantized to float32 (exactly `gguf.quants.dequantize`)."""
-    import gguf
-    import ml_dtypes
-
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    kind = tensor.tensor_type.name
-    if kind in ("F32", "F16"):
-        return tensor.data.reshape(shape)
-    if kind == "BF16":
-        return tensor.data.view(ml_dtypes.bfloat16).reshape(shape)
-    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-
-
-def _nbits(tensor, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 / Q4_0 [N, K] matrix as MatMulNBits' B (uint8 [N, K/32, 32 or 16]: codes q + 2^(bits-1), two
-    4-bit codes a byte, low nibble first) and float32 scales [N, K/32] (the file's fp16 d, exactly).
-    `rows` reorders the rows (whole rows: blocks unchanged)."""
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    N, K = shape
-    raw = tensor.data.reshape(N, K // 32, -1)
-    if rows is not None:
-        raw = raw[rows]
-    scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-    if tensor.tensor_type.name == "Q8_0":
-        codes = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return np.ascontiguousarray(codes), scales
-    qs = raw[..., 2:]  # byte j: element j in the low nibble, element j + 16 in the high one (codes q + 8)
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, blocks, 32] in element order
-    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), scales
-
-
-def rope_rows(heads: int, head_dim: int) -> np.ndarray:
-    """The row order that undoes llama.cpp's convert permutation of attn_q / attn_k: row h*d + p*d/2 + i of
-    transformers' layout (rotate-half pairs i, i + d/2) is row h*d + 2i + p of the file (adjacent pairs)."""
-    index = np.arange(heads * head_dim).reshape(heads, head_dim // 2, 2)
-    return index.transpose(0, 2, 1).reshape(-1)
-
-
-# ---------------------------------------------------------------- the ONNX graph
-
-
-class _Graph:
-    """A small builder over onnx_ir for the decoder graph."""
-
-    def __init__(self):
-        self.nodes: list[ir.Node] = []
-        self.initializers: list[ir.Value] = []
-        self.count = 0
-
-    def const(self, name: str, tensor) -> ir.Value:
-        if isinstance(tensor, np.ndarray):
-            tensor = ir.tensor(tensor, name=name)
-        value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape))
-        self.initializers.append(value)
-        return value
-
-    def lazy(self, name: str, make, dtype: ir.DataType, shape) -> ir.Value:
-        """An initializer computed when it is saved (dequantized matrices never all held at once)."""
-        return self.const(name, ir.LazyTensor(lambda: ir.tensor(make(), name=name), dtype, ir.Shape(list(shape)),
-                                              name=name))
-
-    def op(self, op_type: str, inputs, attributes=None, domain: str = "", name: str | None = None,
-           outputs: int = 1):
-        self.count += 1
-        node = ir.node(op_type, list(inputs), attributes or {}, domain=domain, num_outputs=outputs,
-                       name=name or f"{op_type}_{self.count}")
-        self.nodes.append(node)
-        for index, value in enumerate(node.outputs):
-            value.name = f"{node.name}/out{index}" if outputs > 1 else f"{node.name}/out"
-        return node.outputs[0] if outputs == 1 else node.outputs
-
-    def scalar(self, name: str, value, dtype=np.float32) -> ir.Value:
-        return self.const(name, np.array(value, dtype))
-
-    def ints(self, name: str, values) -> ir.Value:
-        return self.const(name, np.array(values, np.int64))
-
-
-def _weight(g: _Graph, name: str, tensor, rows: np.ndarray | None = None) -> tuple[ir.Value, str]:
-    """A linear's weight as an ONNX value [K, N] (fp32, or a half matrix behind a Cast), or, for Q8_0 / Q4_0,
-    ('nbits', ...) handled by `_linear`. Returns (value, kind)."""
-    kind = tensor.tensor_type.name
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    if kind in ("F32", "F16", "BF16"):
-        array = _float_array(tensor)
-        if rows is not None:
-            array = array[rows]
-        stored = g.const(name, np.ascontiguousarray(array.T))
-        if kind == "F32":
-            return stored, kind
-        return g.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{name}/fp32"), kind
-
-    def make():
-        array = _float_array(tensor)
-        return np.ascontiguousarray((array if rows is None else array[rows]).T.astype(np.float32))
-
-    return g.lazy(name, make, ir.DataType.FLOAT, (shape[1], shape[0])), kind
-
-
-def _linear(g: _Graph, x: ir.Value, name: str, tensor, bias=None, rows: np.ndarray | None = None) -> ir.Value:
-    """x @ W^T (+ b) for the file's W [N, K]: MatMulNBits for Q8_0 / Q4_0, else MatMul over [K, N]."""
-    kind = tensor.tensor_type.name
-    if kind in NBITS_TYPES:
-        N, K = (int(d) for d in reversed(tensor.shape.tolist()))
-        B, scales = _nbits(tensor, rows)
-        inputs = [x, g.const(f"{name}.B", B), g.const(f"{name}.scales", scales)]
-        y = g.op("MatMulNBits", inputs, {"K": K, "N": N, "bits": NBITS_TYPES[kind], "block_size": 32},
-                 domain="com.microsoft", name=name)
-    else:
-        weight, _ = _weight(g, name, tensor, rows)
-        y = g.op("MatMul", [x, weight], name=name)
-    if bias is not None:
-        b = _float_array(bias).astype(np.float32)
-        y = g.op("Add", [y, g.const(f"{name}.bias", np.ascontiguousarray(b if rows is None else b[rows]))],
-                 name=f"{name}/bias")
-    return y
-
-
-def _rms_norm(g: _Graph, x: ir.Value, tensor, eps: float, name: str) -> ir.Value:
-    two, epsilon, axes = g.scalar(f"{name}.two", 2.0), g.scalar(f"{name}.eps", eps), g.ints(f"{name}.axes", [-1])
-    square = g.op("Pow", [x, two])
-    mean = g.op("ReduceMean", [square, axes], {"keepdims": 1})
-    root = g.op("Sqrt", [g.op("Add", [mean, epsilon])])
-    normed = g.op("Mul", [x, g.op("Reciprocal", [root])])
-    weight = g.const(f"{name}.weight", np.ascontiguousarray(_float_array(tensor).astype(np.float32)))
-    return g.op("Mul", [normed, weight], name=name)
-
-
-def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str) -> ir.Value:
-    """[B, S, heads*d] -> [B, heads, S, d]."""
-    shaped = g.op("Reshape", [x, g.ints(shape_name, [0, 0, heads, head_dim])])
-    return g.op("Transpose", [shaped], {"perm": [0, 2, 1, 3]})
-
-
-def _rotate(g: _Graph, x: ir.Value, cos: ir.Value, sin: ir.Value, half: tuple[ir.Value, ...]) -> ir.Value:
-    """x * cos + rotate_half(x) * sin (transformers' RoPE)."""
-    zero, mid, end, axis = half
-    x1 = g.op("Slice", [x, zero, mid, axis])
-    x2 = g.op("Slice", [x, mid, end, axis])
-    rotated = g.op("Concat", [g.op("Neg", [x2]), x1], {"axis": -1})
-    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
-
-
-def build_graph(reader, h: Hyper, found: dict, vocab: int) -> ir.Model:
-    """The ONNX decoder of a llama / qwen2 GGUF (see the module doc)."""
-    g = _Graph()
-    batch, seq, past, total = "batch", "sequence", "past_sequence", "total_sequence"
-    input_ids = ir.val("input_ids", ir.DataType.INT64, [batch, seq])
-    attention_mask = ir.val("attention_mask", ir.DataType.INT64, [batch, total])
-    position_ids = ir.val("position_ids", ir.DataType.INT64, [batch, seq])
-    inputs, outputs = [input_ids, attention_mask, position_ids], []
-    pasts = []
-    for i in range(h.layers):
-        key = ir.val(f"past_key_values.{i}.key", ir.DataType.FLOAT, [batch, h.kv_heads, past, h.head_dim])
-        value = ir.val(f"past_key_values.{i}.value", ir.DataType.FLOAT, [batch, h.kv_heads, past, h.head_dim])
-        inputs.extend([key, value])
-        pasts.append((key, value))
-
-    # token embedding: floats (a Gather reads them), half tables behind a Cast
-    embed = found["token_embd.weight"]
-    if embed.tensor_type.name in ("F16", "BF16"):
-        table = g.op("Cast", [g.const("token_embd.weight", _float_array(embed))], {"to": ir.DataType.FLOAT},
-                     name="token_embd.weight/fp32")
-    elif embed.tensor_type.name == "F32":
-        table = g.const("token_embd.weight", _float_array(embed))
-    else:
-        table = g.lazy("token_embd.weight", lambda: _float_array(embed).astype(np.float32), ir.DataType.FLOAT,
-                       (vocab, h.d_model))
-    x = g.op("Gather", [table, input_ids], {"axis": 0}, name="embed")
-
-    # RoPE tables: inv_freq (llama3's rope_freqs divide it, linear scaling too) times the positions
-    inv_freq = 1.0 / (h.rope_base ** (np.arange(0, h.head_dim, 2, dtype=np.float64) / h.head_dim))
-    if "rope_freqs.weight" in found:
-        inv_freq = inv_freq / _float_array(found["rope_freqs.weight"]).astype(np.float64)
-    inv_freq = (inv_freq / h.rope_scale).astype(np.float32)
-    positions = g.op("Unsqueeze", [g.op("Cast", [position_ids], {"to": ir.DataType.FLOAT}), g.ints("rope.axis", [-1])])
-    freqs = g.op("Mul", [positions, g.const("rope.inv_freq", inv_freq)])
-    emb = g.op("Concat", [freqs, freqs], {"axis": -1})
-    head_axis = g.ints("rope.head_axis", [1])
-    cos = g.op("Unsqueeze", [g.op("Cos", [emb]), head_axis], name="rope.cos")
-    sin = g.op("Unsqueeze", [g.op("Sin", [emb]), head_axis], name="rope.sin")
-    half = (g.ints("rope.zero", [0]), g.ints("rope.mid", [h.head_dim // 2]), g.ints("rope.end", [h.head_dim]),
-            g.ints("rope.last", [-1]))
-
-    # causal mask with the attention mask: [B, 1, S, P + S], 0 where a query may attend, else the float minimum
-    seq_len = g.op("Shape", [input_ids], {"start": 1, "end": 2})
-    past_len = g.op("Shape", [pasts[0][0]], {"start": 2, "end": 3})
-    total_len = g.op("Add", [past_len, seq_len])
-    scalar = lambda v: g.op("Squeeze", [v, g.ints(f"mask.squeeze{g.count}", [0])])  # noqa: E731
-    one = g.const("mask.one", np.array(1, np.int64))
-    keys = g.op("Range", [g.const("mask.zero", np.array(0, np.int64)), scalar(total_len), one])
-    queries = g.op("Range", [scalar(past_len), scalar(total_len), one])
-    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, g.ints("mask.rows", [0])]),
-                                  g.op("Unsqueeze", [queries, g.ints("mask.cols", [1])])])
-    padded = g.op("Unsqueeze", [g.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), g.ints("mask.axes", [1, 2])])
-    mask = g.op("Where", [g.op("And", [causal, padded]), g.scalar("mask.open", 0.0),
-                          g.scalar("mask.closed", np.finfo(np.float32).min)], name="mask")
-
-    scale = g.scalar("attn.scale", 1.0 / np.sqrt(h.head_dim))
-    groups = h.heads // h.kv_heads
-    permute = h.architecture == "llama"  # convert_hf_to_gguf permutes llama's q/k rows (not qwen2's)
-    q_rows = rope_rows(h.heads, h.head_dim) if permute else None
-    k_rows = rope_rows(h.kv_heads, h.head_dim) if permute else None
-    for i in range(h.layers):
-        p = f"blk.{i}."
-        get = lambda name: found.get(p + name)  # noqa: E731
-        a = _rms_norm(g, x, get("attn_norm.weight"), h.eps, p + "attn_norm")
-        q = _linear(g, a, p + "attn_q", get("attn_q.weight"), get("attn_q.bias"), q_rows)
-        k = _linear(g, a, p + "attn_k", get("attn_k.weight"), get("attn_k.bias"), k_rows)
-        v = _linear(g, a, p + "attn_v", get("attn_v.weight"), get("attn_v.bias"))
-        q = _rotate(g, _heads(g, q, h.heads, h.head_dim, p + "q_shape"), cos, sin, half)
-        k = _rotate(g, _heads(g, k, h.kv_heads, h.head_dim, p + "k_shape"), cos, sin, half)
-        v = _heads(g, v, h.kv_heads, h.head_dim, p + "v_shape")
-        present_key = g.op("Concat", [pasts[i][0], k], {"axis": 2}, name=f"present.{i}.key")
-        present_value = g.op("Concat", [pasts[i][1], v], {"axis": 2}, name=f"present.{i}.value")
-        present_key.name, present_value.name = f"present.{i}.key", f"present.{i}.value"
-        present_key.dtype = present_value.dtype = ir.DataType.FLOAT
-        present_key.shape = ir.Shape([batch, h.kv_heads, total, h.head_dim])
-        present_value.shape = ir.Shape([batch, h.kv_heads, total, h.head_dim])
-        outputs.extend([present_key, present_value])
-        if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
-            repeats, merged = g.ints(p + "kv_repeats", [1, 1, groups, 1, 1]), g.ints(p + "kv_shape", [0, h.heads, -1, h.head_dim])
-            expand = lambda t: g.op("Reshape", [g.op("Tile", [g.op("Unsqueeze", [t, g.ints(f"{p}kv_axis{g.count}", [2])]),  # noqa: E731
-                                                              repeats]), merged])
-            keys_all, values_all = expand(present_key), expand(present_value)
-        else:
-            keys_all, values_all = present_key, present_value
-        scores = g.op("MatMul", [q, g.op("Transpose", [keys_all], {"perm": [0, 1, 3, 2]})], name=p + "scores")
-        weights = g.op("Softmax", [g.op("Add", [g.op("Mul", [scores, scale]), mask])], {"axis": -1})
-        context = g.op("MatMul", [weights, values_all])
-        context = g.op("Reshape", [g.op("Transpose", [context], {"perm": [0, 2, 1, 3]}),
-                                   g.ints(p + "o_shape", [0, 0, h.heads * h.head_dim])])
-        x = g.op("Add", [x, _linear(g, context, p + "attn_output", get("attn_output.weight"))], name=p + "attn_residual")
-        f = _rms_norm(g, x, get("ffn_norm.weight"), h.eps, p + "ffn_norm")
-        gate = _linear(g, f, p + "ffn_gate", get("ffn_gate.weight"))
-        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-        up = _linear(g, f, p + "ffn_up", get("ffn_up.weight"))
-        down = _linear(g, g.op("Mul", [silu, up]), p + "ffn_down", get("ffn_down.weight"))
-        x = g.op("Add", [x, down], name=p + "ffn_residual")
-
-    x = _rms_norm(g, x, found["output_norm.weight"], h.eps, "output_norm")
-    if "output.weight" in found:
-        logits = _linear(g, x, "output", found["output.weight"])
-    else:  # tied: the embedding table, transposed
-        logits = g.op("MatMul", [x, g.op("Transpose", [table], {"perm": [1, 0]})], name="output")
-    logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape([batch, seq, vocab])
-    graph = ir.Graph(inputs, [logits, *outputs], nodes=g.nodes, initializers=g.initializers, name="gguf",
-                     opset_imports={"": OPSET, "com.microsoft": 1})
-    return ir.Model(graph, ir_version=10, producer_name="picompile-gguf")
 
 
 # ---------------------------------------------------------------- conversion, cached
@@ -691,7 +433,7 @@ def convert(path: Path, log=lambda message: None) -> Converted:
         os.umask(umask)
         staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the conversion from the cache's other users
         try:
-            model = build_graph(reader, h, found, vocab)
+            model = build_graph(h, found, vocab)
             source.attach(model)
             pir.save(model, staging / "model.onnx")
             from .gguf_tokenizer import write_tokenizer

@@ -153,7 +153,8 @@ def resolve_weight_dtype(options: Options, model: ir.Model, log=lambda message: 
         return options
     gguf = GGUFSource.of(model)
     resolved = dataclasses.replace(options, weight_dtype=gguf.weight_dtype() if gguf else stored_weight_dtype(model))
-    log(f"weight dtype {resolved.weight_dtype} (auto: {gguf.auto_reason() if gguf else 'as the model stores its weights'})")
+    why = gguf.auto_reason() if gguf else "as the model stores its weights"
+    log(f"weight dtype {resolved.weight_dtype} (auto: {why})")
     return resolved
 
 

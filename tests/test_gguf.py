@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import gguf_files as gf
-from passes.import_gguf import ImportGGUF, converted, load, rope_rows
+from passes.gguf_graph import rope_rows
+from passes.import_gguf import ImportGGUF, converted, load
 from passes.kernels import quant
 from picompile import ir as pir
 from picompile.cli import main
@@ -168,7 +169,8 @@ def test_q4_0_and_q8_0_blocks_reach_the_artifact_bit_for_bit(files, tmp_path, ca
     if kind == "Q8_0":  # the tied table: the embedding's rows and the output layer, both the file's blocks
         q, d = file_blocks("token_embd.weight")
         packed, scales = quant.pack_rows(q, d, fmt)
-        assert np.array_equal(stored["embed.tokens.q"], packed) and np.array_equal(stored["embed.tokens.q.scales"], scales)
+        assert np.array_equal(stored["embed.tokens.q"], packed)
+        assert np.array_equal(stored["embed.tokens.q.scales"], scales)
     # the stored values are the file's: fp32 activations compute the file's model
     for ours, reference in zip(_logits(Engine(out)), _logits(OrtDecoder(converted(path).onnx))):
         np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
