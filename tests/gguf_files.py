@@ -29,6 +29,7 @@ class Tiny:
     default: T = T.F32
     rope_base: float = 10000.0
     eps: float = 1e-5
+    rope_freqs: bool = False  # LLaMA 3.1's rope_freqs.weight: per-frequency divisors of RoPE's angles
 
     @property
     def head_dim(self) -> int:
@@ -69,6 +70,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     rng = np.random.default_rng(seed)
     t, q, kv = tiny, tiny.heads * tiny.head_dim, tiny.kv_heads * tiny.head_dim
     shapes = {"token_embd.weight": (t.vocab, t.d_model), "output_norm.weight": (t.d_model,)}
+    if t.rope_freqs:
+        shapes["rope_freqs.weight"] = (t.head_dim // 2,)
     if not t.tied:
         shapes["output.weight"] = (t.vocab, t.d_model)
     for i in range(t.layers):
@@ -83,7 +86,12 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     tensors = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
-            w = (1.0 + 0.1 * rng.standard_normal(shape)) if name.endswith("norm.weight") else 0.1 * rng.standard_normal(shape)
+            if name == "rope_freqs.weight":
+                w = rng.uniform(1.0, 8.0, shape)
+            elif name.endswith("norm.weight"):
+                w = 1.0 + 0.1 * rng.standard_normal(shape)
+            else:
+                w = 0.1 * rng.standard_normal(shape)
             tensors[name] = (w.astype(np.float32), T.F32)
             continue
         w = (0.5 if name == "token_embd.weight" else 0.15) * rng.standard_normal(shape)
@@ -129,11 +137,11 @@ def _rms(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, base: float, adjacent: bool) -> np.ndarray:
+def _rope(x: np.ndarray, positions: np.ndarray, base: float, adjacent: bool, factors=None) -> np.ndarray:
     """llama.cpp's RoPE on [S, heads, d]: adjacent pairs (2i, 2i+1) for llama ("normal"), (i, i + d/2) for
-    qwen2 (NeoX)."""
+    qwen2 (NeoX); `factors` (rope_freqs) divide the angles."""
     d = x.shape[-1]
-    theta = positions[:, None] * base ** (-np.arange(0, d, 2) / d)  # [S, d/2]
+    theta = positions[:, None] * base ** (-np.arange(0, d, 2) / d) / (1.0 if factors is None else factors)
     cos, sin = np.cos(theta)[:, None], np.sin(theta)[:, None]
     a, b = (x[..., 0::2], x[..., 1::2]) if adjacent else (x[..., : d // 2], x[..., d // 2:])
     ra, rb = a * cos - b * sin, a * sin + b * cos
@@ -160,8 +168,9 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
             if p + f"attn_{name}.bias" in w:
                 y = y + w[p + f"attn_{name}.bias"]
             proj[name] = y.reshape(S, -1, hd)
-        q = _rope(proj["q"], positions, t.rope_base, t.arch == "llama")
-        k = _rope(proj["k"], positions, t.rope_base, t.arch == "llama")
+        factors = w.get("rope_freqs.weight")
+        q = _rope(proj["q"], positions, t.rope_base, t.arch == "llama", factors)
+        k = _rope(proj["k"], positions, t.rope_base, t.arch == "llama", factors)
         heads = []
         for h in range(t.heads):
             scores = q[:, h] @ k[:, h // group].T / np.sqrt(hd)

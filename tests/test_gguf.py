@@ -25,10 +25,11 @@ from runtime.dtypes import WEIGHT_FORMATS
 T = gf.T
 PROMPT = np.array([3, 14, 15, 92, 65, 35, 89], np.int64)
 # every type the front end treats its own way, in one llama: MatMulNBits (Q8_0, Q4_0), exact float32 (Q4_1,
-# Q4_K, a Q8_0 embedding table), a half matrix behind a Cast (F16), float32 as stored
-MIXED = gf.Tiny(d_model=256, heads=8, kv_heads=2, ffn=256, formats={
-    "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F16, "ffn_down": T.Q4_K,
-    "token_embd": T.Q8_0, "output": T.Q4_0})
+# Q4_K, a Q8_0 embedding table), half matrices behind a Cast (F16, BF16), float32 as stored; and LLaMA 3.1's
+# rope_freqs
+MIXED = gf.Tiny(d_model=256, heads=8, kv_heads=2, ffn=256, rope_freqs=True, formats={
+    "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F16, "ffn_up": T.BF16,
+    "ffn_down": T.Q4_K, "token_embd": T.Q8_0, "output": T.Q4_0})
 MODELS = {"llama": gf.Tiny(), "qwen2": gf.Tiny(arch="qwen2", tied=True), "mixed": MIXED}
 
 
@@ -70,19 +71,22 @@ def test_the_import_holds_the_files_values_exactly(files):
                 "blk.0.attn_v": weights["blk.0.attn_v.weight"].T,
                 "blk.0.attn_output": weights["blk.0.attn_output.weight"].T,
                 "blk.0.ffn_down": weights["blk.0.ffn_down.weight"].T,
+                "blk.0.ffn_up": weights["blk.0.ffn_up.weight"].T,
                 "token_embd.weight": weights["token_embd.weight"],
                 "output.B.dequantized": weights["output.weight"].T}
     for name, values in expected.items():
         stored = pir.const_array(graph.initializers[name])
         assert np.array_equal(np.asarray(stored, np.float32), values.astype(np.float32)), name
     assert graph.initializers["blk.0.attn_output"].const_value.dtype == pir.ir.DataType.FLOAT16
+    assert graph.initializers["blk.0.ffn_up"].const_value.dtype == pir.ir.DataType.BFLOAT16
     from passes.import_gguf import GGUFSource
     from passes.import_onnx import SourceQuantization
 
     source = GGUFSource.of(model)
     formats = {t.name: t.format for t in source.tensors}
     assert formats["blk.0.attn_v.weight"] == "Q4_1" and formats["blk.1.ffn_down.weight"] == "Q4_K"
-    assert source.weight_dtype() == "fp32" and source.changed("int4") and not source.changed("fp32")  # mostly F32
+    assert source.weight_dtype() == "int8"  # Q8_0 holds the most weights
+    assert source.changed("int4") and not source.changed("fp32")
     nbits = SourceQuantization.of(model)
     assert {(w.bits, w.scale_dtype) for w in nbits.weights} == {(8, "float16"), (4, "float16")}
 
