@@ -63,11 +63,12 @@ GGUF_MAGIC = b"GGUF"
 CONVERTER_VERSION = 1  # part of the cache key: a change to the graph written here invalidates old conversions
 ARCHITECTURES = ("llama", "qwen2")
 GGUF_KEY = "picompile.gguf"  # the metadata_props entry of the fact
-FLOAT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "fp16"}
+FLOAT_TYPES = ("F32", "F16", "BF16")
 # --weight-dtype that keeps (or, for formats no picompile block holds, best keeps) a GGUF type's values:
 # `auto`'s choice for a file whose matrices are mostly of that type. Q4_1 and the K-quants go to int8 until an
-# asymmetric / super-block format exists: int8 keeps them within ~0.3% of a matrix (fp16 within 0.05%, at
-# twice the bytes), where int4 would cost x1.3-1.4 perplexity (issue 32's SmolLM2 measurements).
+# asymmetric / super-block format exists: on SmolLM2-135M's Q4_1 file int8 changed each matrix by 0.5%
+# (relative, mean) and perplexity by +0.2% against the file's own model (2026-12-03), where int4 costs x1.3-1.4
+# (issue 32); fp16 would hold them closer at twice the bytes.
 AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "int8", "Q4_0": "int4"}
 AUTO_FALLBACK = "int8"
 # (source type, --weight-dtype) pairs that keep every value exactly
