@@ -104,25 +104,25 @@ class _Graph:
         return self.const(name, np.array(values, np.int64))
 
 
+HALF = {"F16": ir.DataType.FLOAT16, "BF16": ir.DataType.BFLOAT16}
+
+
 def _weight(g: _Graph, name: str, tensor, rows: np.ndarray | None = None) -> ir.Value:
-    """A linear's (not Q8_0 / Q4_0) weight as an ONNX value [K, N]: float32 (F32 as stored, anything quantized
-    dequantized when saved), or a half matrix behind a Cast to float32."""
+    """A linear's (not Q8_0 / Q4_0) weight as an ONNX value [K, N], made when the model is saved (one matrix
+    held at a time): float32 (F32 as stored, anything quantized dequantized), or a half matrix as stored,
+    behind a Cast to float32."""
     kind = tensor.tensor_type.name
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    if kind in ("F32", "F16", "BF16"):
-        array = _float_array(tensor)
-        if rows is not None:
-            array = array[rows]
-        stored = g.const(name, np.ascontiguousarray(array.T))
-        if kind == "F32":
-            return stored
-        return g.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{name}/fp32")
+    N, K = (int(d) for d in reversed(tensor.shape.tolist()))
 
     def make():
         array = _float_array(tensor)
-        return np.ascontiguousarray((array if rows is None else array[rows]).T.astype(np.float32))
+        array = array if rows is None else array[rows]
+        return np.ascontiguousarray(array.T if kind in HALF else array.T.astype(np.float32))
 
-    return g.lazy(name, make, ir.DataType.FLOAT, (shape[1], shape[0]))
+    stored = g.lazy(name, make, HALF.get(kind, ir.DataType.FLOAT), (K, N))
+    if kind not in HALF:
+        return stored
+    return g.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{name}/fp32")
 
 
 def _linear(g: _Graph, x: ir.Value, name: str, tensor, bias=None, rows: np.ndarray | None = None) -> ir.Value:
@@ -130,13 +130,14 @@ def _linear(g: _Graph, x: ir.Value, name: str, tensor, bias=None, rows: np.ndarr
     kind = tensor.tensor_type.name
     if kind in NBITS_TYPES:
         N, K = (int(d) for d in reversed(tensor.shape.tolist()))
-        B, scales = _nbits(tensor, rows)
-        inputs = [x, g.const(f"{name}.B", B), g.const(f"{name}.scales", scales)]
+        blocks = -(-K // 32)
+        inputs = [x, g.lazy(f"{name}.B", lambda: _nbits(tensor, rows)[0], ir.DataType.UINT8,
+                            (N, blocks, 32 * NBITS_TYPES[kind] // 8)),
+                  g.lazy(f"{name}.scales", lambda: _nbits(tensor, rows)[1], ir.DataType.FLOAT, (N, blocks))]
         y = g.op("MatMulNBits", inputs, {"K": K, "N": N, "bits": NBITS_TYPES[kind], "block_size": 32},
                  domain="com.microsoft", name=name)
     else:
-        weight = _weight(g, name, tensor, rows)
-        y = g.op("MatMul", [x, weight], name=name)
+        y = g.op("MatMul", [x, _weight(g, name, tensor, rows)], name=name)
     if bias is not None:
         b = _float_array(bias).astype(np.float32)
         y = g.op("Add", [y, g.const(f"{name}.bias", np.ascontiguousarray(b if rows is None else b[rows]))],

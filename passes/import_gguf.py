@@ -52,7 +52,6 @@ import onnx_ir as ir
 
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
 from picompile.errors import UserError
 from picompile.pipeline import Context
 
@@ -60,7 +59,7 @@ from .gguf_graph import NBITS_TYPES, build_graph
 from .import_onnx import Import
 
 GGUF_MAGIC = b"GGUF"
-CONVERTER_VERSION = 1  # part of the cache key: a change to the graph written here invalidates old conversions
+CONVERTER_VERSION = 2  # part of the cache key: a change to the graph written here invalidates old conversions
 ARCHITECTURES = ("llama", "qwen2")
 GGUF_KEY = "picompile.gguf"  # the metadata_props entry of the fact
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -436,7 +435,8 @@ def convert(path: Path, log=lambda message: None) -> Converted:
         try:
             model = build_graph(h, found, vocab)
             source.attach(model)
-            pir.save(model, staging / "model.onnx")
+            # weights streamed into model.onnx.data one tensor at a time (the lazy ones made as they are written)
+            ir.save(model, staging / "model.onnx", external_data="model.onnx.data")
             from .gguf_tokenizer import write_tokenizer
 
             notes = write_tokenizer(reader, path, staging, vocab, log)
