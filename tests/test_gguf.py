@@ -5,6 +5,8 @@ file's tokenizer. Bad files: tests/test_bad_inputs.py."""
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -102,8 +104,8 @@ def _logits(engine, steps: int = 4) -> list[np.ndarray]:
 
 def test_a_dense_fp32_build_matches_onnxruntime_on_the_import_and_writes_text(files, tmp_path, capsys):
     """The mixed file, with a tokenizer in its metadata: fp32 holds every value of the file (no re-rounding
-    warning), the artifact's logits are onnxruntime's on the import, prompt and decode steps, and `run -p`
-    reads text with the file's tokenizer."""
+    warning), the artifact's logits are onnxruntime's on the import, prompt and decode steps, `run -p` reads
+    text with the file's tokenizer, and `eval --reference FILE.gguf` measures the artifact against the file."""
     path, _ = files("mixed-tokenized", MIXED, tokenizer=_metadata()[0])
     out = tmp_path / "mixed.pic"
     assert main(["build", str(path), "--target", "cpu", "--dense", "--weight-dtype", "fp32", "-o", str(out),
@@ -114,6 +116,11 @@ def test_a_dense_fp32_build_matches_onnxruntime_on_the_import_and_writes_text(fi
         np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
     assert main(["run", str(out), "-p", "the quick", "-n", "4", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip()
+    tokens = tmp_path / "tokens.txt"  # eval takes the file itself as its reference
+    tokens.write_text("3 14 15 92 65 35 89 79 32 38 46 26\n")
+    assert main(["eval", str(out), "--reference", str(path), "--tokens", str(tokens), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["top1_agreement"] == 1.0 and report["kl_mean"] < 1e-8
 
 
 def test_a_file_without_a_tokenizer_says_so(files):
