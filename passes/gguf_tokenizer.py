@@ -121,8 +121,9 @@ def write_tokenizer(reader, path: Path, directory: Path, vocab_size: int, log=la
         types = [1] * len(tokens)
     if kind == "gpt2":
         merges = _get(reader, "tokenizer.ggml.merges", [])
-        tokenizer = _bpe(tokens, merges, types, _get(reader, "tokenizer.ggml.pre", "default") or "default", notes)
-        add_bos_default = False
+        pre = _get(reader, "tokenizer.ggml.pre", "default") or "default"
+        tokenizer = _bpe(tokens, merges, types, pre, notes)
+        add_bos_default = pre in IGNORE_MERGES  # llama.cpp adds BOS for llama3's pre-tokenizer unless told not to
     elif kind == "llama":
         scores = _get(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))
         tokenizer = _spm(tokens, list(scores), types, _get(reader, "tokenizer.ggml.unknown_token_id"),
