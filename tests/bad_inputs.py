@@ -202,6 +202,11 @@ def gguf_unknown_version(base: Path, path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def gguf_missing_metadata(base: Path, path: Path) -> None:
+    """llama.block_count renamed (same length): the key the layer count comes from is gone."""
+    path.write_bytes(base.read_bytes().replace(b"llama.block_count", b"llama.block_coun_", 1))
+
+
 def _tensor_part(reader, name: str, part: int):
     return next(t for t in reader.tensors if t.name == name).field.parts[part]
 
@@ -239,6 +244,7 @@ GGUF_FILES = {
     "wrong_magic": (gguf_wrong_magic, ["not a gguf file", "GGUG"]),
     "unknown_version": (gguf_unknown_version, ["version 99"]),
     "unknown_type": (gguf_unknown_type, ["unknown ggml type", "99"]),
+    "missing_metadata": (gguf_missing_metadata, ["llama.block_count", "missing"]),
     "data_past_end": (gguf_data_past_end, ["output_norm.weight", "past the end"]),
     "wrong_shape": (_gguf_written(_wrong_shape), ["blk.1.ffn_up.weight", "shape", "feed_forward_length"]),
     "missing_tensor": (_gguf_written(lambda tensors: tensors.pop("blk.1.attn_v.weight")),
