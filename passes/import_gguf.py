@@ -368,7 +368,9 @@ def tensors(reader, h: Hyper, path: Path) -> tuple[dict, int]:
     expected = _expected_shapes(h, vocab)
     unknown = sorted(set(found) - set(expected), key=lambda n: (len(n), n))
     if unknown:
-        hint = " (a mixture of experts?)" if any("exps" in n or "ffn_gate_inp" in n for n in unknown) else ""
+        hint = (" (a mixture of experts?)" if any("exps" in n or "ffn_gate_inp" in n for n in unknown) else
+                " (PowerInfer's predictor weights? picompile trains its own, and reads ReLU LLaMA files not yet)"
+                if any(".fc1." in n or ".fc2." in n for n in unknown) else "")
         raise _refuse(path, f"tensor {unknown[0]} is not part of a {h.architecture} model as picompile compiles "
                             f"it{hint}" + (f" ({len(unknown) - 1} more)" if len(unknown) > 1 else ""))
     missing = [name for name, (_, _, required) in expected.items() if required and name not in found]
