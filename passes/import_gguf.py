@@ -129,21 +129,20 @@ class GGUFSource:
         """Whether some of its matrices came block-quantized."""
         return any(t.format not in FLOAT_TYPES for t in self.matrices())
 
-    def weight_dtype(self) -> str:
-        """`--weight-dtype auto` for this file: the format of most of its matrix weights (by count of weights)."""
+    def main_format(self) -> str:
+        """The format of most of its matrix weights (by count of weights)."""
         by_format: dict[str, int] = {}
         for t in self.matrices():
             by_format[t.format] = by_format.get(t.format, 0) + int(np.prod(t.shape))
-        if not by_format:
-            return "fp32"
-        return AUTO_FORMAT.get(max(by_format, key=by_format.get), AUTO_FALLBACK)
+        return max(by_format, key=by_format.get) if by_format else "F32"
+
+    def weight_dtype(self) -> str:
+        """`--weight-dtype auto` for this file: its main format's (AUTO_FORMAT)."""
+        return AUTO_FORMAT.get(self.main_format(), AUTO_FALLBACK)
 
     def auto_reason(self) -> str:
         """Why `weight_dtype` chose what it did, for -v."""
-        by_format: dict[str, int] = {}
-        for t in self.matrices():
-            by_format[t.format] = by_format.get(t.format, 0) + int(np.prod(t.shape))
-        most = max(by_format, key=by_format.get) if by_format else "F32"
+        most = self.main_format()
         if most in AUTO_FORMAT:
             return f"most of the file's weights are {most}"
         return (f"most of the file's weights are {most}, which no picompile format holds exactly yet: int8 keeps "
@@ -257,10 +256,11 @@ def _reader_class():
     return Reader
 
 
-def _field(reader, key: str, path: Path, default=None, required: bool = True):
+def _field(reader, key: str, path: Path, default=None):
+    """Metadata `key`'s value; `default` where it is absent, or an error where there is no default."""
     field = reader.fields.get(key)
     if field is None:
-        if required and default is None:
+        if default is None:
             raise _refuse(path, f"metadata {key} is missing, and picompile needs it")
         return default
     try:
@@ -282,8 +282,7 @@ class Hyper:
     head_dim: int
     eps: float
     rope_base: float
-    rope_scale: float
-    context: int
+    rope_scale: float  # linear RoPE scaling: positions divided by it
 
 
 def _int(value, key: str, path: Path) -> int:
@@ -299,6 +298,7 @@ def _int(value, key: str, path: Path) -> int:
 
 
 def hyper(reader, path: Path) -> Hyper:
+    """The architecture's numbers, checked (llama.cpp's defaults where a key is optional)."""
     arch = _field(reader, "general.architecture", path)
     if arch not in ARCHITECTURES:
         raise _refuse(path, f"architecture {arch!r} is not supported (picompile compiles GGUF "
@@ -325,8 +325,7 @@ def hyper(reader, path: Path) -> Hyper:
         raise _refuse(path, f"rope scaling {scaling!r} is not supported (none and linear are)")
     eps = float(get("attention.layer_norm_rms_epsilon", 1e-5))
     return Hyper(arch, layers, d_model, ffn, heads, kv_heads, head_dim, eps,
-                 float(get("rope.freq_base", 10000.0)), factor if scaling == "linear" else 1.0,
-                 _int(get("context_length", 2048), f"{arch}.context_length", path))
+                 float(get("rope.freq_base", 10000.0)), factor if scaling == "linear" else 1.0)
 
 
 def _expected_shapes(h: Hyper, vocab: int) -> dict[str, tuple[tuple[int, ...], bool, bool]]:
