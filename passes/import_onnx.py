@@ -100,6 +100,9 @@ def compute_in_fp32(graph: ir.Graph) -> tuple[int, int]:
             continue
         if len(tensor.shape) == 2 and value.uses():
             users = list(value.uses())
+            if all(user.op_type == "Cast" and pir.attr(user, "to") == ir.DataType.FLOAT for user, _ in users):
+                kept += 1  # already read through a Cast to fp32 (a GGUF file's F16 matrices come so)
+                continue
             cast = ir.node("Cast", [value], attributes={"to": ir.DataType.FLOAT}, name=f"{value.name}/fp32")
             widened_value = cast.outputs[0]
             widened_value.name, widened_value.shape, widened_value.dtype = f"{value.name}/fp32", value.shape, ir.DataType.FLOAT
@@ -130,9 +133,16 @@ def compute_in_fp32(graph: ir.Graph) -> tuple[int, int]:
 
 def load(path: Path, for_build: bool = True) -> ir.Model:
     """The model at `path`, its weights checked readable; a build (`for_build`) first checks that the machine
-    has the memory to compile it (eval's reference only has to be read)."""
+    has the memory to compile it (eval's reference only has to be read). A GGUF file is converted to ONNX by
+    the GGUF front end (`passes.import_gguf`) and that file loaded."""
     if not path.exists():
         raise UserError(f"model file not found: {path}")
+    from .import_gguf import is_gguf
+
+    if not path.is_dir() and is_gguf(path):  # the GGUF front end: its conversion, loaded as below
+        from .import_gguf import load as load_gguf
+
+        return load_gguf(path, for_build=for_build)
     if path.is_dir() or path.stat().st_size == 0:
         raise UserError(f"{path} is not an ONNX model (empty or a directory)")
     if for_build:
@@ -321,7 +331,7 @@ class QuantizedWeight:
     bits: int
     block_size: int  # weights per scale, along K
     symmetric: bool  # no zero points, or all of them 2^(bits-1)
-    scale_dtype: str  # numpy's name: float32, float16 or bfloat16
+    scale_dtype: str  # numpy's name: float32, float16 or bfloat16 (float16 for float32 scales that are all fp16 values)
     K: int
     N: int
 
@@ -434,7 +444,15 @@ def _read_matmul_nbits(node: ir.Node) -> dict:
     symmetric = points is None or bool(np.all(points == midpoint))
     return dict(node=node, K=K, N=N, bits=bits, block=block, B=B, scales=scales, points=points, midpoint=midpoint,
                 fact=dict(node=node.name, initializers=sources, bits=bits, block_size=block, symmetric=symmetric,
-                          scale_dtype=str(scales.dtype), K=K, N=N))
+                          scale_dtype=_scale_dtype(scales), K=K, N=N))
+
+
+def _scale_dtype(scales: np.ndarray) -> str:
+    """The scales' dtype, float16 where float32 scales all hold float16 values (a GGUF file's fp16 scales come
+    as float32, MatMulNBits' scale type for float32 inputs): the narrowest type that stores them exactly."""
+    if scales.dtype == np.float32 and np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
+        return "float16"
+    return str(scales.dtype)
 
 
 def _dequantize(read: dict) -> np.ndarray:

@@ -21,7 +21,10 @@ before predict, where the profile's activations are. Predictors round to nearest
 their thresholds to those values).
 A model that came quantized in this format (MatMulNBits, symmetric, the same bits and block: import's
 `SourceQuantization`) keeps its own values: they are on the grid, and rounding them again returns them, with
-the source's scale type (float32 where it had float32 scales) so that no scale rounds either.
+the source's scale type (float32 where it had float32 scales) so that no scale rounds either. In a model that
+came quantized (that fact, or a GGUF file with block-quantized tensors: `GGUFSource`) every block already on the
+format's grid keeps the integers and scale it came with (`quant.on_grid`: a GGUF file's Q8_0 blocks, whose scale
+max|w| / 127 no rounding rule here gives, and its Q4_0 blocks in int4 or int8), whatever `method` says.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from picompile.sizes import predictor_format, weight_format
 from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 
 from .awq import AWQ_KEY
+from .import_gguf import GGUFSource
 from .import_onnx import SourceQuantization
 from .kernels import quant
 from .place import DEVICE_KEY, device_of
@@ -103,9 +107,13 @@ class Quantize:
         fmt = _source_format(source, fmt)
         # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not
         fit_scales = self.method == "awq" and source is None  # (predictors never are: `_matrices`)
+        # and its blocks that are on the format's grid keep the integers and scales they came with (a GGUF file's
+        # Q8_0 blocks are, under a scale no rounding rule here gives: max|w| / 127)
+        gguf = GGUFSource.of(model)
+        keep_grid = fmt.quantized and (source is not None or (gguf is not None and gguf.quantized()))
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
-        kept, stored, floats, errors, quantized_bytes = [], 0, 0, [], 0.0
+        kept, stored, floats, errors, quantized_bytes, exact = [], 0, 0, [], 0.0, 0
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
@@ -118,8 +126,10 @@ class Quantize:
                         kept.append(value.name)
                         continue
                     array = np.asarray(array, np.float32)  # a half model's matrix, widened one at a time
-                    q, scales = quant.quantize(array, matrix_format, axis, fit_scales=fit)
+                    q, scales = quant.quantize(array, matrix_format, axis, fit_scales=fit,
+                                               keep_grid=keep_grid and node.op_type != "Predict")
                     errors.append(_relative_error(array, quant.dequantize(q, scales, axis)))
+                    exact += errors[-1] == 0.0
                     done[key] = self._dequantize(graph, node, value.name, q, scales, axis, matrix_format)
                     stored += array.size
                     floats += array.nbytes
@@ -135,12 +145,13 @@ class Quantize:
                    "scope": "weights" if fmt.quantized else "predictors",
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
+                   "exact_matrices": exact,
                    "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
         ctx.log(f"quantize: {len(done)} {summary['scope'][:-1]} matrices to {blocked.name} ({method}, blocks of "
                 f"{blocked.block}, {blocked.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
-                f"{summary['mean_relative_error']:.4f}"
+                f"{summary['mean_relative_error']:.4f}{f' ({exact} of them exactly as they came)' if keep_grid else ''}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}")
         return PassResult(model, modified=True)
 

@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from passes.import_gguf import GGUF_KEY
 from passes.import_onnx import SOURCE_QUANTIZATION, available_memory_bytes
 from picompile import ir as pir
 from picompile.errors import UserError
@@ -858,8 +859,9 @@ class Recognise:
         # the concatenated weights are copies: the source pages they were read from need not stay resident
         lifted = build_graph(decoder, after_layer=lambda: pir.release_mapped_pages(model))
         lifted.meta[SOURCE] = model
-        if SOURCE_QUANTIZATION in model.metadata_props:  # a fact about the weights, which the lifted graph keeps
-            lifted.metadata_props[SOURCE_QUANTIZATION] = model.metadata_props[SOURCE_QUANTIZATION]
+        for key in (SOURCE_QUANTIZATION, GGUF_KEY):  # facts about the weights, which the lifted graph keeps
+            if key in model.metadata_props:
+                lifted.metadata_props[key] = model.metadata_props[key]
         ctx.log(f"recognised {len(decoder.attentions)} layers: "
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="picompile", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    build = commands.add_parser("build", help="compile an ONNX decoder into an artifact")
+    build = commands.add_parser("build", help="compile an ONNX decoder (or a GGUF file) into an artifact")
     build.add_argument("model", type=Path)
     build.add_argument("--target", default="cpu", help=f"one of {', '.join(TARGETS)}")
     build.add_argument("-o", "--output", type=Path, required=True)
@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                             "text file or a directory of .txt/.md/.py files")
     build.add_argument("--tokenizer", type=Path, metavar="DIR",
                        help="the model's tokenizer (a directory with tokenizer.json, as save_pretrained writes it), "
-                            "copied into the artifact for `run -p` and `chat`; default: the one beside the ONNX file")
+                            "copied into the artifact for `run -p` and `chat`; default: the one beside the ONNX file, "
+                            "or a GGUF file's own")
     build.add_argument("--calib-tokens", type=_positive_int, default=None, metavar="N",
                        help="profile at most N calibration tokens (default: all of --calib; 4096 random tokens "
                             "without it)")
@@ -150,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="requests that may wait for a slot; past that the server answers 503 with Retry-After")
     _threads_argument(serve)
 
-    evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX")
+    evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX (or GGUF file)")
     evaluate.add_argument("artifact", type=Path)
     evaluate.add_argument("--reference", type=Path, required=True)
     evaluate.add_argument("--tokens", type=Path, required=True)

@@ -17,6 +17,7 @@ import onnx_ir as ir
 from passes.awq import AWQ, AWQ_MIN_TOKENS, AWQ_TOKENS
 from passes.compile import Compile
 from passes.fuse import Fuse
+from passes.import_gguf import GGUFSource, ImportGGUF, rerounding_warning
 from passes.import_onnx import Import, SourceQuantization, load, stored_weight_dtype
 from passes.lower import LowerPredicted, LowerThresholded
 from passes.partition import Partition
@@ -40,9 +41,10 @@ from .targets import TARGETS, Target, check_vram_budget, format_size
 MODES = ("dense", "predictor", "threshold")
 
 
-def front(options: Options) -> list[Pass]:
-    """What every build runs first: import, recognise and, unless --dense, the sparsity mode's choice."""
-    passes = [Import(), Recognise(max_context=options.max_context)]
+def front(options: Options, gguf: bool = False) -> list[Pass]:
+    """What every build runs first: import (of a GGUF file's conversion where `gguf`), recognise and, unless
+    --dense, the sparsity mode's choice."""
+    passes = [ImportGGUF() if gguf else Import(), Recognise(max_context=options.max_context)]
     if not options.dense:
         passes.append(SparsityMode(requested=options.sparsity_mode, sparsity=options.sparsity))
     return passes
@@ -104,10 +106,10 @@ def back(options: Options, target: Target, predictors: bool = False) -> list[Pas
             PlanBuffers(), Compile(cpu_isa=cpu_isa), Schedule()]
 
 
-def pipeline(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[Pass]:
+def pipeline(options: Options, mode: str, target: Target = TARGETS["cpu"], gguf: bool = False) -> list[Pass]:
     """The whole compilation in `mode` ("dense", "predictor" or "threshold") for `target`: exactly the
-    passes it runs."""
-    return front(options) + rest(options, mode, target)
+    passes it runs (`gguf`: for a model loaded from a GGUF file)."""
+    return front(options, gguf) + rest(options, mode, target)
 
 
 def mode_of(model: ir.Model, options: Options) -> str:
@@ -116,7 +118,14 @@ def mode_of(model: ir.Model, options: Options) -> str:
 
 
 def _warn_if_dequantized(model: ir.Model, options: Options, ctx: Context) -> None:
-    """A model that came block-quantized, built in a float format, keeps its values but not its size: say so."""
+    """A model that came block-quantized, built in a float format, keeps its values but not its size: say so.
+    A GGUF file's: which of its matrices the build's format re-rounds, if any."""
+    gguf = GGUFSource.of(model)
+    if gguf is not None:
+        line = rerounding_warning(gguf, options.weight_dtype, ctx.target.has_gpu)
+        if line is not None:
+            ctx.warn(line)
+        return
     source = SourceQuantization.of(model)
     if source is None or WEIGHT_FORMATS[options.weight_dtype].quantized:
         return
@@ -142,8 +151,10 @@ def resolve_weight_dtype(options: Options, model: ir.Model, log=lambda message: 
     builds an fp16 artifact, not one twice its size); any other weight_dtype as it is."""
     if options.weight_dtype != AUTO_WEIGHT_DTYPE:
         return options
-    resolved = dataclasses.replace(options, weight_dtype=stored_weight_dtype(model))
-    log(f"weight dtype {resolved.weight_dtype} (auto: as the model stores its weights)")
+    gguf = GGUFSource.of(model)
+    resolved = dataclasses.replace(options, weight_dtype=gguf.weight_dtype() if gguf else stored_weight_dtype(model))
+    why = gguf.auto_reason() if gguf else "as the model stores its weights"
+    log(f"weight dtype {resolved.weight_dtype} (auto: {why})")
     return resolved
 
 
@@ -169,7 +180,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
         if passes is not None:
             lowered = run_passes(model, passes, ctx, hooks)
         else:
-            first = front(options)
+            first = front(options, gguf=GGUFSource.of(model) is not None)
             lifted = run_passes(model, first, ctx, hooks)
             if options.tokenizer is not None:  # before the long passes: another model's tokenizer is refused now
                 from .tokenizer import check_vocabulary

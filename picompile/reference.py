@@ -15,7 +15,7 @@ FED_INPUTS = ("input_ids", "attention_mask", "position_ids")
 def reference_for(path: Path, sequences: list[np.ndarray], workdir: Path):
     """eval's reference executor on the model at `path` for these sequences: onnxruntime on the whole model,
     or, where onnxruntime could not hold its weights, on one layer at a time (`passes.layer_reference`)."""
-    from passes.import_onnx import Import, load
+    from passes.import_onnx import Import, load, source_file
     from passes.layer_reference import LayeredReference, needs_layers
     from passes.recognise import analyse, source_layer_input
 
@@ -24,7 +24,7 @@ def reference_for(path: Path, sequences: list[np.ndarray], workdir: Path):
 
     imported = Import().apply(load(Path(path), for_build=False), Context(get_target("cpu"))).model
     if not needs_layers(imported):
-        return OrtDecoder(path)
+        return OrtDecoder(source_file(imported) or path)  # a GGUF file's: its conversion to ONNX
     layered = LayeredReference(imported, {a.layer: source_layer_input(a) for a in analyse(imported).attentions}, workdir)
     layered.prepare(sequences)
     return layered

@@ -1,5 +1,5 @@
 """Finding the model's tokenizer for a build: `--tokenizer DIR`, else the files beside the ONNX file (where
-optimum's export and `save_pretrained` put them). The artifact writer copies them into `tokenizer/`; the
+optimum's export and `save_pretrained` put them), or those the GGUF front end made from a GGUF file's metadata. The artifact writer copies them into `tokenizer/`; the
 profile pass reads text calibration with them."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class TokenizerFiles:
 
 def find_tokenizer(model: Path, directory: Path | None = None) -> TokenizerFiles | None:
     """The tokenizer of `directory` (`--tokenizer`; an error without a readable tokenizer.json), else the one
-    beside `model` if there is one (else None). Either is read once here, so that a broken one is refused
-    before the build."""
+    beside `model` if there is one or, for a GGUF file, the one its metadata describes (else None). Either is
+    read once here, so that a broken one is refused before the build."""
     if directory is not None:
         directory = Path(directory)
         if not directory.is_dir():
@@ -39,9 +39,16 @@ def find_tokenizer(model: Path, directory: Path | None = None) -> TokenizerFiles
             raise UserError(f"--tokenizer {directory} holds no {TOKENIZER_FILE} (the file save_pretrained and "
                             "optimum write beside the model)")
     else:
-        directory = Path(model).parent
-        if not (directory / TOKENIZER_FILE).is_file():
-            return None
+        from passes.import_gguf import converted, is_gguf  # here: the passes import this module's TokenizerFiles
+
+        if is_gguf(model):  # the tokenizer its metadata describes, written beside the file's conversion
+            directory = converted(model).tokenizer
+            if directory is None:
+                return None
+        else:
+            directory = Path(model).parent
+            if not (directory / TOKENIZER_FILE).is_file():
+                return None
     found = TokenizerFiles(directory, (TOKENIZER_FILE, *(name for name in OPTIONAL_FILES
                                                          if (directory / name).is_file())))
     try:

@@ -168,6 +168,94 @@ MODELS = {
 }
 
 
+# ---- GGUF files: each maker writes a damaged or unsuitable GGUF at `path` (base: a valid tiny one's path)
+
+
+def _gguf_patch(base: Path, path: Path, edit) -> None:
+    """Copy `base` to `path` and let `edit(reader)` change header values in place (the reader's fields are
+    views of the file, opened writable)."""
+    import gguf
+
+    path.write_bytes(base.read_bytes())
+    reader = gguf.GGUFReader(str(path), "r+")
+    edit(reader)
+    reader.data.flush()
+    del reader
+
+
+def gguf_truncated(base: Path, path: Path) -> None:
+    data = base.read_bytes()
+    path.write_bytes(data[: len(data) - 5000])
+
+
+def gguf_header_cut(base: Path, path: Path) -> None:
+    path.write_bytes(base.read_bytes()[:300])
+
+
+def gguf_wrong_magic(base: Path, path: Path) -> None:
+    path.write_bytes(b"GGUG" + base.read_bytes()[4:])
+
+
+def gguf_unknown_version(base: Path, path: Path) -> None:
+    data = bytearray(base.read_bytes())
+    data[4:8] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+def gguf_missing_metadata(base: Path, path: Path) -> None:
+    """llama.block_count renamed (same length): the key the layer count comes from is gone."""
+    path.write_bytes(base.read_bytes().replace(b"llama.block_count", b"llama.block_coun_", 1))
+
+
+def _tensor_part(reader, name: str, part: int):
+    return next(t for t in reader.tensors if t.name == name).field.parts[part]
+
+
+def gguf_unknown_type(base: Path, path: Path) -> None:
+    """blk.0.attn_q.weight's type is 99, which no ggml knows."""
+    def edit(reader):
+        _tensor_part(reader, "blk.0.attn_q.weight", 4)[0] = 99
+    _gguf_patch(base, path, edit)
+
+
+def gguf_data_past_end(base: Path, path: Path) -> None:
+    """output_norm.weight's data offset points past the end of the file."""
+    def edit(reader):
+        _tensor_part(reader, "output_norm.weight", 5)[0] = 1 << 30
+    _gguf_patch(base, path, edit)
+
+
+def _gguf_written(edit_tensors=None, **tiny):
+    def make(base: Path, path: Path) -> None:
+        import gguf_files
+
+        gguf_files.write(path, gguf_files.Tiny(**tiny), edit=edit_tensors)
+    return make
+
+
+def _wrong_shape(tensors):
+    array, kind = tensors["blk.1.ffn_up.weight"]
+    tensors["blk.1.ffn_up.weight"] = (np.zeros((array.shape[0] // 2, array.shape[1]), array.dtype), kind)
+
+
+GGUF_FILES = {
+    "truncated": (gguf_truncated, ["truncated"]),
+    "header_cut": (gguf_header_cut, ["truncated"]),
+    "wrong_magic": (gguf_wrong_magic, ["not a gguf file", "GGUG"]),
+    "unknown_version": (gguf_unknown_version, ["version 99"]),
+    "unknown_type": (gguf_unknown_type, ["unknown ggml type", "99"]),
+    "missing_metadata": (gguf_missing_metadata, ["llama.block_count", "missing"]),
+    "data_past_end": (gguf_data_past_end, ["output_norm.weight", "past the end"]),
+    "wrong_shape": (_gguf_written(_wrong_shape), ["blk.1.ffn_up.weight", "shape", "feed_forward_length"]),
+    "missing_tensor": (_gguf_written(lambda tensors: tensors.pop("blk.1.attn_v.weight")),
+                       ["blk.1.attn_v.weight", "missing"]),
+    "extra_tensor": (_gguf_written(lambda tensors: tensors.update(
+        {"blk.0.ffn_gate_exps.weight": (np.zeros((4, 8), np.float32), __import__("gguf").GGMLQuantizationType.F32)})),
+        ["blk.0.ffn_gate_exps.weight", "experts"]),
+    "unknown_architecture": (_gguf_written(arch="mamba"), ["architecture", "mamba"]),
+}
+
+
 # Command-line flags a case needs besides `build MODEL -o OUT`.
 MODEL_ARGS = {"silu_ffn_predictor": ["--sparsity-mode", "predictor"]}
 

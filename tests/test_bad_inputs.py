@@ -55,6 +55,26 @@ def test_bad_models(base_model, workdir, capfd, case, monkeypatch):
         assert word.lower() in line.lower(), line
 
 
+@pytest.fixture(scope="session")
+def base_gguf(tmp_path_factory):
+    """A valid tiny LLaMA GGUF (tests/gguf_files.py), the GGUF cases' starting point."""
+    import gguf_files
+
+    path = tmp_path_factory.mktemp("gguf") / "base.gguf"
+    gguf_files.write(path, gguf_files.Tiny())
+    return path
+
+
+@pytest.mark.parametrize("case", bad_inputs.GGUF_FILES)
+def test_bad_gguf_files(base_gguf, workdir, capfd, case):
+    make, words = bad_inputs.GGUF_FILES[case]
+    model = workdir / "model.gguf"
+    make(base_gguf, model)
+    line = build_fails(workdir, capfd, model, "--dense", inputs=("model.gguf",))
+    for word in words:
+        assert word.lower() in line.lower(), line
+
+
 def test_silu_ffn_is_lifted_for_a_dense_build(base_model, tmp_path):
     """The SiLU model refused for a predictor-mode build above is a model picompile lifts: recognise takes it."""
     from passes.import_onnx import Import, load

@@ -59,14 +59,18 @@ FITTED_SCALE_RATIOS = (0.8, 0.85, 0.9, 0.95, 1.0)
 FIT_CHUNK_BLOCKS = 1 << 20  # blocks searched at a time (bounds the search's temporaries)
 
 
-def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = False,
+             keep_grid: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Block quantization of the matrix `w` along `axis`: (q, scales), q int8 shaped like w (int8: [-128, 127];
     int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the block. q * scales (each
     scale repeated over its block) is the dequantized weight (`dequantize`).
     Round-to-nearest by default: the block's largest-magnitude weight maps to -2^(bits-1) exactly (Q4_0's rule,
     MatMulNBits' symmetric one), so an imported MatMulNBits weight re-quantizes to its own values. With
     `fit_scales` each block takes the scale of FITTED_SCALE_RATIOS (either sign) whose rounding has the least
-    squared error (the clipping search of AWQ, without activations)."""
+    squared error (the clipping search of AWQ, without activations).
+    With `keep_grid` a block whose values already are integers times one scale of the format (a model that came
+    quantized: a GGUF file's Q8_0 blocks, d = max|w| / 127, or Q4_0's, or ones an imatrix placed elsewhere) keeps
+    exactly those integers and that scale (`on_grid`) whatever the rule would give."""
     if fmt.bits not in (4, 8):
         raise ValueError(f"{fmt.name} is not a block-quantized format")
     blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
@@ -91,8 +95,42 @@ def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = Fal
             better = slice(None) if best_error is None else error < best_error
             q[chunk][better], scale[chunk][better] = values[better], s[better]
             best_error = error if best_error is None else np.minimum(error, best_error)
+        if keep_grid:
+            grid_q, grid_scale, exact = on_grid(part, largest[chunk], fmt)
+            q[chunk][exact], scale[chunk][exact] = grid_q[exact], grid_scale[exact]
     q, scale = q.reshape(shape[0], -1), scale.reshape(shape[:2])
     return (q, scale) if axis == 1 else (np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T))
+
+
+def on_grid(blocks: np.ndarray, largest: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For float32 `blocks` [n, block] with their largest-magnitude values `largest` [n]: (q, scales, exact),
+    where exact[i] says block i is q[i] x scales[i] exactly, q in the format's range and the scale a value of
+    fmt.scale_dtype. The scale is the largest value over its own code, tried in this order: -2^(bits-1) (Q4_0's
+    and MatMulNBits' rule), +-(2^(bits-1) - 1) with a positive scale (Q8_0's: d = max|w| / 127), then, for
+    int4, every other code (quantizers with an importance matrix place the largest elsewhere)."""
+    low, high = -(1 << (fmt.bits - 1)), (1 << (fmt.bits - 1)) - 1
+    codes = [low, high, -high] + ([c for c in range(high - 1, 0, -1) for c in (c, -c)] if fmt.bits == 4 else [])
+    q = np.zeros(blocks.shape, np.int8)
+    scale = np.zeros(largest.shape, fmt.scale_dtype)
+    exact = ~blocks.any(axis=-1)  # all-zero blocks: q 0, scale 0
+    possible = ~exact
+    if fmt.bits == 4:  # a block of more than 16 distinct values is on no 4-bit grid: float weights stop here
+        possible &= (np.diff(np.sort(blocks, axis=-1), axis=-1) != 0).sum(-1) < 16
+    for code in codes:
+        todo = np.flatnonzero(possible & ~exact)
+        if not todo.size:
+            break
+        part = blocks[todo]
+        s = np.abs(largest[todo]) / abs(code) if code in (high, -high) else largest[todo] / code
+        s = (s if code != -high else -s).astype(fmt.scale_dtype)
+        stored = s.astype(np.float32)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = np.where(stored == 0, np.inf, np.rint(part / stored))
+        good = ((values >= low) & (values <= high)).all(-1)
+        good &= (np.where(good[:, None], values, 0) * stored == part).all(-1)
+        hit = todo[good]
+        q[hit], scale[hit], exact[hit] = values[good].astype(np.int8), s[good], True
+    return q, scale, exact
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray, axis: int) -> np.ndarray:

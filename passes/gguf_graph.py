@@ -1,0 +1,283 @@
+"""The ONNX decoder of a GGUF file (the GGUF front end's graph; `passes.import_gguf` reads and checks the file
+and caches what this writes).
+
+Standard ONNX ops computed as transformers' LLaMA / Qwen2 exports compute them: RMSNorm as x * 1/sqrt(mean(x^2)
++ eps) * w, rotate-half RoPE from an `inv_freq` constant and `position_ids`, a causal mask with
+`attention_mask`, grouped-query attention by repeating the cache's kv heads, SwiGLU as gate * sigmoid(gate) *
+up; the KV cache in optimum's convention. Weights: F32 as stored, F16 / BF16 as stored behind a Cast to
+float32, Q8_0 / Q4_0 matrices as `com.microsoft.MatMulNBits` over the file's codes and scales, anything else
+dequantized to float32 when the model is saved (`onnx_ir.LazyTensor`: one tensor at a time). LLaMA's q / k rows
+are put back in rotate-half order (`rope_rows`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx_ir as ir
+
+if TYPE_CHECKING:
+    from .import_gguf import Hyper
+
+OPSET = 18
+NBITS_TYPES = {"Q8_0": 8, "Q4_0": 4}  # stored as MatMulNBits, their blocks kept
+
+
+def _float_array(tensor) -> np.ndarray:
+    """A tensor's values in numpy order: F32 / F16 as stored (memory-mapped views), BF16 as ml_dtypes'
+    bfloat16, anything quantized dequantized to float32 (exactly `gguf.quants.dequantize`)."""
+    import gguf
+    import ml_dtypes
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    kind = tensor.tensor_type.name
+    if kind in ("F32", "F16"):
+        return tensor.data.reshape(shape)
+    if kind == "BF16":
+        return tensor.data.view(ml_dtypes.bfloat16).reshape(shape)
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+
+def _nbits(tensor, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 / Q4_0 [N, K] matrix as MatMulNBits' B (uint8 [N, K/32, 32 or 16]: codes q + 2^(bits-1), two
+    4-bit codes a byte, low nibble first) and float32 scales [N, K/32] (the file's fp16 d, exactly).
+    `rows` reorders the rows (whole rows: blocks unchanged)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    N, K = shape
+    raw = tensor.data.reshape(N, K // 32, -1)
+    if rows is not None:
+        raw = raw[rows]
+    scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    if tensor.tensor_type.name == "Q8_0":
+        codes = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return np.ascontiguousarray(codes), scales
+    qs = raw[..., 2:]  # byte j: element j in the low nibble, element j + 16 in the high one (codes q + 8)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, blocks, 32] in element order
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), scales
+
+
+def rope_rows(heads: int, head_dim: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's convert permutation of attn_q / attn_k: row h*d + p*d/2 + i of
+    transformers' layout (rotate-half pairs i, i + d/2) is row h*d + 2i + p of the file (adjacent pairs)."""
+    index = np.arange(heads * head_dim).reshape(heads, head_dim // 2, 2)
+    return index.transpose(0, 2, 1).reshape(-1)
+
+
+# ---------------------------------------------------------------- the ONNX graph
+
+
+class _Graph:
+    """A small builder over onnx_ir for the decoder graph."""
+
+    def __init__(self):
+        self.nodes: list[ir.Node] = []
+        self.initializers: list[ir.Value] = []
+        self.count = 0
+
+    def const(self, name: str, tensor) -> ir.Value:
+        if isinstance(tensor, np.ndarray):
+            tensor = ir.tensor(tensor, name=name)
+        value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape))
+        self.initializers.append(value)
+        return value
+
+    def lazy(self, name: str, make, dtype: ir.DataType, shape) -> ir.Value:
+        """An initializer computed when it is saved (dequantized matrices never all held at once)."""
+        return self.const(name, ir.LazyTensor(lambda: ir.tensor(make(), name=name), dtype, ir.Shape(list(shape)),
+                                              name=name))
+
+    def op(self, op_type: str, inputs, attributes=None, domain: str = "", name: str | None = None,
+           outputs: int = 1):
+        self.count += 1
+        node = ir.node(op_type, list(inputs), attributes or {}, domain=domain, num_outputs=outputs,
+                       name=name or f"{op_type}_{self.count}")
+        self.nodes.append(node)
+        for index, value in enumerate(node.outputs):
+            value.name = f"{node.name}/out{index}" if outputs > 1 else f"{node.name}/out"
+        return node.outputs[0] if outputs == 1 else node.outputs
+
+    def scalar(self, name: str, value, dtype=np.float32) -> ir.Value:
+        return self.const(name, np.array(value, dtype))
+
+    def ints(self, name: str, values) -> ir.Value:
+        return self.const(name, np.array(values, np.int64))
+
+
+HALF = {"F16": ir.DataType.FLOAT16, "BF16": ir.DataType.BFLOAT16}
+
+
+def _weight(g: _Graph, name: str, tensor, rows: np.ndarray | None = None) -> ir.Value:
+    """A linear's (not Q8_0 / Q4_0) weight as an ONNX value [K, N], made when the model is saved (one matrix
+    held at a time): float32 (F32 as stored, anything quantized dequantized), or a half matrix as stored,
+    behind a Cast to float32."""
+    kind = tensor.tensor_type.name
+    N, K = (int(d) for d in reversed(tensor.shape.tolist()))
+
+    def make():
+        array = _float_array(tensor)
+        array = array if rows is None else array[rows]
+        return np.ascontiguousarray(array.T if kind in HALF else array.T.astype(np.float32))
+
+    stored = g.lazy(name, make, HALF.get(kind, ir.DataType.FLOAT), (K, N))
+    if kind not in HALF:
+        return stored
+    return g.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{name}/fp32")
+
+
+def _linear(g: _Graph, x: ir.Value, name: str, tensor, bias=None, rows: np.ndarray | None = None) -> ir.Value:
+    """x @ W^T (+ b) for the file's W [N, K]: MatMulNBits for Q8_0 / Q4_0, else MatMul over [K, N]."""
+    kind = tensor.tensor_type.name
+    if kind in NBITS_TYPES:
+        N, K = (int(d) for d in reversed(tensor.shape.tolist()))
+        blocks = -(-K // 32)
+        inputs = [x, g.lazy(f"{name}.B", lambda: _nbits(tensor, rows)[0], ir.DataType.UINT8,
+                            (N, blocks, 32 * NBITS_TYPES[kind] // 8)),
+                  g.lazy(f"{name}.scales", lambda: _nbits(tensor, rows)[1], ir.DataType.FLOAT, (N, blocks))]
+        y = g.op("MatMulNBits", inputs, {"K": K, "N": N, "bits": NBITS_TYPES[kind], "block_size": 32},
+                 domain="com.microsoft", name=name)
+    else:
+        y = g.op("MatMul", [x, _weight(g, name, tensor, rows)], name=name)
+    if bias is not None:
+        b = _float_array(bias).astype(np.float32)
+        y = g.op("Add", [y, g.const(f"{name}.bias", np.ascontiguousarray(b if rows is None else b[rows]))],
+                 name=f"{name}/bias")
+    return y
+
+
+def _rms_norm(g: _Graph, x: ir.Value, tensor, eps: float, name: str) -> ir.Value:
+    two, epsilon, axes = g.scalar(f"{name}.two", 2.0), g.scalar(f"{name}.eps", eps), g.ints(f"{name}.axes", [-1])
+    square = g.op("Pow", [x, two])
+    mean = g.op("ReduceMean", [square, axes], {"keepdims": 1})
+    root = g.op("Sqrt", [g.op("Add", [mean, epsilon])])
+    normed = g.op("Mul", [x, g.op("Reciprocal", [root])])
+    weight = g.const(f"{name}.weight", np.ascontiguousarray(_float_array(tensor).astype(np.float32)))
+    return g.op("Mul", [normed, weight], name=name)
+
+
+def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str) -> ir.Value:
+    """[B, S, heads*d] -> [B, heads, S, d]."""
+    shaped = g.op("Reshape", [x, g.ints(shape_name, [0, 0, heads, head_dim])])
+    return g.op("Transpose", [shaped], {"perm": [0, 2, 1, 3]})
+
+
+def _rotate(g: _Graph, x: ir.Value, cos: ir.Value, sin: ir.Value, half: tuple[ir.Value, ...]) -> ir.Value:
+    """x * cos + rotate_half(x) * sin (transformers' RoPE)."""
+    zero, mid, end, axis = half
+    x1 = g.op("Slice", [x, zero, mid, axis])
+    x2 = g.op("Slice", [x, mid, end, axis])
+    rotated = g.op("Concat", [g.op("Neg", [x2]), x1], {"axis": -1})
+    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
+
+
+def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
+    """The ONNX decoder of a llama / qwen2 GGUF (see the module doc)."""
+    g = _Graph()
+    batch, seq, past, total = "batch", "sequence", "past_sequence", "total_sequence"
+    input_ids = ir.val("input_ids", ir.DataType.INT64, [batch, seq])
+    attention_mask = ir.val("attention_mask", ir.DataType.INT64, [batch, total])
+    position_ids = ir.val("position_ids", ir.DataType.INT64, [batch, seq])
+    inputs, outputs = [input_ids, attention_mask, position_ids], []
+    pasts = []
+    for i in range(h.layers):
+        key = ir.val(f"past_key_values.{i}.key", ir.DataType.FLOAT, [batch, h.kv_heads, past, h.head_dim])
+        value = ir.val(f"past_key_values.{i}.value", ir.DataType.FLOAT, [batch, h.kv_heads, past, h.head_dim])
+        inputs.extend([key, value])
+        pasts.append((key, value))
+
+    # token embedding: floats (a Gather reads them), half tables behind a Cast
+    embed = found["token_embd.weight"]
+    if embed.tensor_type.name in ("F16", "BF16"):
+        table = g.op("Cast", [g.const("token_embd.weight", _float_array(embed))], {"to": ir.DataType.FLOAT},
+                     name="token_embd.weight/fp32")
+    elif embed.tensor_type.name == "F32":
+        table = g.const("token_embd.weight", _float_array(embed))
+    else:
+        table = g.lazy("token_embd.weight", lambda: _float_array(embed).astype(np.float32), ir.DataType.FLOAT,
+                       (vocab, h.d_model))
+    x = g.op("Gather", [table, input_ids], {"axis": 0}, name="embed")
+
+    # RoPE tables: inv_freq (llama3's rope_freqs divide it, linear scaling too) times the positions
+    inv_freq = 1.0 / (h.rope_base ** (np.arange(0, h.head_dim, 2, dtype=np.float64) / h.head_dim))
+    if "rope_freqs.weight" in found:
+        inv_freq = inv_freq / _float_array(found["rope_freqs.weight"]).astype(np.float64)
+    inv_freq = (inv_freq / h.rope_scale).astype(np.float32)
+    positions = g.op("Unsqueeze", [g.op("Cast", [position_ids], {"to": ir.DataType.FLOAT}), g.ints("rope.axis", [-1])])
+    freqs = g.op("Mul", [positions, g.const("rope.inv_freq", inv_freq)])
+    emb = g.op("Concat", [freqs, freqs], {"axis": -1})
+    head_axis = g.ints("rope.head_axis", [1])
+    cos = g.op("Unsqueeze", [g.op("Cos", [emb]), head_axis], name="rope.cos")
+    sin = g.op("Unsqueeze", [g.op("Sin", [emb]), head_axis], name="rope.sin")
+    half = (g.ints("rope.zero", [0]), g.ints("rope.mid", [h.head_dim // 2]), g.ints("rope.end", [h.head_dim]),
+            g.ints("rope.last", [-1]))
+
+    # causal mask with the attention mask: [B, 1, S, P + S], 0 where a query may attend, else the float minimum
+    seq_len = g.op("Shape", [input_ids], {"start": 1, "end": 2})
+    past_len = g.op("Shape", [pasts[0][0]], {"start": 2, "end": 3})
+    total_len = g.op("Add", [past_len, seq_len])
+    scalar = lambda v: g.op("Squeeze", [v, g.ints(f"mask.squeeze{g.count}", [0])])  # noqa: E731
+    one = g.const("mask.one", np.array(1, np.int64))
+    keys = g.op("Range", [g.const("mask.zero", np.array(0, np.int64)), scalar(total_len), one])
+    queries = g.op("Range", [scalar(past_len), scalar(total_len), one])
+    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, g.ints("mask.rows", [0])]),
+                                  g.op("Unsqueeze", [queries, g.ints("mask.cols", [1])])])
+    padded = g.op("Unsqueeze", [g.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), g.ints("mask.axes", [1, 2])])
+    mask = g.op("Where", [g.op("And", [causal, padded]), g.scalar("mask.open", 0.0),
+                          g.scalar("mask.closed", np.finfo(np.float32).min)], name="mask")
+
+    scale = g.scalar("attn.scale", 1.0 / np.sqrt(h.head_dim))
+    groups = h.heads // h.kv_heads
+    permute = h.architecture == "llama"  # convert_hf_to_gguf permutes llama's q/k rows (not qwen2's)
+    q_rows = rope_rows(h.heads, h.head_dim) if permute else None
+    k_rows = rope_rows(h.kv_heads, h.head_dim) if permute else None
+    for i in range(h.layers):
+        p = f"blk.{i}."
+        get = lambda name: found.get(p + name)  # noqa: E731
+        a = _rms_norm(g, x, get("attn_norm.weight"), h.eps, p + "attn_norm")
+        q = _linear(g, a, p + "attn_q", get("attn_q.weight"), get("attn_q.bias"), q_rows)
+        k = _linear(g, a, p + "attn_k", get("attn_k.weight"), get("attn_k.bias"), k_rows)
+        v = _linear(g, a, p + "attn_v", get("attn_v.weight"), get("attn_v.bias"))
+        q = _rotate(g, _heads(g, q, h.heads, h.head_dim, p + "q_shape"), cos, sin, half)
+        k = _rotate(g, _heads(g, k, h.kv_heads, h.head_dim, p + "k_shape"), cos, sin, half)
+        v = _heads(g, v, h.kv_heads, h.head_dim, p + "v_shape")
+        present_key = g.op("Concat", [pasts[i][0], k], {"axis": 2}, name=f"present.{i}.key")
+        present_value = g.op("Concat", [pasts[i][1], v], {"axis": 2}, name=f"present.{i}.value")
+        present_key.name, present_value.name = f"present.{i}.key", f"present.{i}.value"
+        present_key.dtype = present_value.dtype = ir.DataType.FLOAT
+        present_key.shape = ir.Shape([batch, h.kv_heads, total, h.head_dim])
+        present_value.shape = ir.Shape([batch, h.kv_heads, total, h.head_dim])
+        outputs.extend([present_key, present_value])
+        if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
+            repeats = g.ints(p + "kv_repeats", [1, 1, groups, 1, 1])
+            merged = g.ints(p + "kv_shape", [0, h.heads, -1, h.head_dim])
+
+            def expand(t):  # [B, kv, T, d] -> [B, kv, groups, T, d] -> [B, heads, T, d]
+                unsqueezed = g.op("Unsqueeze", [t, g.ints(f"{p}kv_axis{g.count}", [2])])
+                return g.op("Reshape", [g.op("Tile", [unsqueezed, repeats]), merged])
+
+            keys_all, values_all = expand(present_key), expand(present_value)
+        else:
+            keys_all, values_all = present_key, present_value
+        scores = g.op("MatMul", [q, g.op("Transpose", [keys_all], {"perm": [0, 1, 3, 2]})], name=p + "scores")
+        weights = g.op("Softmax", [g.op("Add", [g.op("Mul", [scores, scale]), mask])], {"axis": -1})
+        context = g.op("MatMul", [weights, values_all])
+        context = g.op("Reshape", [g.op("Transpose", [context], {"perm": [0, 2, 1, 3]}),
+                                   g.ints(p + "o_shape", [0, 0, h.heads * h.head_dim])])
+        attended = _linear(g, context, p + "attn_output", get("attn_output.weight"))
+        x = g.op("Add", [x, attended], name=p + "attn_residual")
+        f = _rms_norm(g, x, get("ffn_norm.weight"), h.eps, p + "ffn_norm")
+        gate = _linear(g, f, p + "ffn_gate", get("ffn_gate.weight"))
+        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+        up = _linear(g, f, p + "ffn_up", get("ffn_up.weight"))
+        down = _linear(g, g.op("Mul", [silu, up]), p + "ffn_down", get("ffn_down.weight"))
+        x = g.op("Add", [x, down], name=p + "ffn_residual")
+
+    x = _rms_norm(g, x, found["output_norm.weight"], h.eps, "output_norm")
+    if "output.weight" in found:
+        logits = _linear(g, x, "output", found["output.weight"])
+    else:  # tied: the embedding table, transposed
+        logits = g.op("MatMul", [x, g.op("Transpose", [table], {"perm": [1, 0]})], name="output")
+    logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape([batch, seq, vocab])
+    graph = ir.Graph(inputs, [logits, *outputs], nodes=g.nodes, initializers=g.initializers, name="gguf",
+                     opset_imports={"": OPSET, "com.microsoft": 1})
+    return ir.Model(graph, ir_version=10, producer_name="picompile-gguf")

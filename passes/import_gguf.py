@@ -1,0 +1,496 @@
+"""import (GGUF): a llama.cpp model file in, the same ONNX decoder the ONNX front end imports out.
+
+Reads: a GGUF file (`gguf.GGUFReader`: the header parsed, tensors memory-mapped, never read whole). Writes,
+once per file (cached by its path, size and modification time under `$PICOMPILE_CACHE/gguf-onnx/`), an
+ordinary ONNX decoder in optimum's KV-cache convention (inputs `input_ids`, `attention_mask`, `position_ids`,
+`past_key_values.{i}.key/.value`; outputs `logits`, `present.{i}.key/.value`), built from standard ONNX ops
+the way transformers' exports compute LLaMA / Qwen2 (RMSNorm, rotate-half RoPE, grouped-query attention,
+SwiGLU), plus `com.microsoft.MatMulNBits` for Q8_0 / Q4_0 weight matrices (`passes.gguf_graph`); and, from
+the file's metadata, the model's tokenizer (`passes.gguf_tokenizer`: `tokenizer.json` built with the
+`tokenizers` library, `tokenizer_config.json`, `generation_config.json`) beside it. `load` then reads that ONNX file through the ONNX front end's own
+`load`, so the import pass, every later pass, `--dump-ir`, `inspect`, the profile pass's onnxruntime
+reference and `eval --reference model.gguf` see exactly what an ONNX model gives them.
+
+Weights keep the file's values:
+- F32, F16 and BF16 tensors are stored as they are (half matrices behind a Cast, as the ONNX front end keeps
+  an fp16 model's).
+- Q8_0 and Q4_0 matrices become MatMulNBits (bits 8 / 4, blocks of 32 along K, the file's codes and its fp16
+  scales held in float32: MatMulNBits' scales share its input's type), which the import pass dequantizes
+  exactly and records (`SourceQuantization`); the quantize pass stores them back in picompile's int8 / int4
+  blocks with the file's q and scales (`passes.kernels.quant.on_grid`).
+- Every other type the `gguf.quants` module dequantizes (Q4_1, Q5_0, Q5_1, the K-quants, ...) and every
+  quantized embedding table (a Gather reads floats) is stored dequantized to float32: exactly the file's
+  values (`gguf.quants.dequantize`). Q4_1 is among them, not a MatMulNBits with float zero points: (q - zp) x
+  scale cannot give d x q + m exactly in floating point (zp = -m / d rounds), and the file's values must
+  stay exact.
+What each tensor was in the file is a fact on the model (`GGUFSource`, `metadata_props["picompile.gguf"]`),
+which recognise keeps and the build reads to say which tensors a `--weight-dtype` re-rounds.
+
+LLaMA's converter permutes the rows of attn_q / attn_k so that llama.cpp's RoPE, which rotates adjacent pairs,
+equals transformers' rotate-half; the rows are permuted back here (exactly: whole rows move), so the graph
+computes rotate-half RoPE as transformers does. Qwen2 files are stored rotate-half already.
+Refuses, in one line naming it: a file that is not GGUF (wrong magic), truncated or unreadable, an unknown
+version or tensor type, tensor data past the end of the file, an architecture other than llama / qwen2,
+missing metadata or tensors, tensors the architecture does not have, and shapes that disagree with the
+metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_ir.passes import PassResult
+
+from picompile.errors import UserError
+from picompile.pipeline import Context
+
+from .gguf_graph import NBITS_TYPES, build_graph
+from .import_onnx import Import
+
+GGUF_MAGIC = b"GGUF"
+CONVERTER_VERSION = 2  # part of the cache key: a change to the graph written here invalidates old conversions
+ARCHITECTURES = ("llama", "qwen2")
+GGUF_KEY = "picompile.gguf"  # the metadata_props entry of the fact
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# --weight-dtype that keeps (or, for formats no picompile block holds, best keeps) a GGUF type's values:
+# `auto`'s choice for a file whose matrices are mostly of that type. Q4_1 and the K-quants go to int8 until an
+# asymmetric / super-block format exists: on SmolLM2-135M's Q4_1 file int8 changed each matrix by 0.5%
+# (relative, mean) and perplexity by +0.2% against the file's own model (2026-12-03), where int4 costs x1.3-1.4
+# (issue 32); fp16 would hold them closer at twice the bytes.
+AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "int8", "Q4_0": "int4"}
+AUTO_FALLBACK = "int8"
+# (source type, --weight-dtype) pairs that keep every value exactly
+EXACT = {("F32", "fp32"), ("F16", "fp32"), ("F16", "fp16"), ("BF16", "fp32"), ("Q8_0", "fp32"), ("Q8_0", "int8"),
+         ("Q4_0", "fp32"), ("Q4_0", "int8"), ("Q4_0", "int4")}
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a GGUF file (by its magic; a .gguf suffix with another magic is refused by `read`)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: its GGUF name, type (ggml's name: Q4_0, F16, ...), numpy-order shape, and
+    whether it is a weight matrix (linear layer or embedding table) rather than a norm or bias."""
+
+    name: str
+    format: str
+    shape: tuple[int, ...]
+    matrix: bool
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """The fact that the model came from a GGUF file, and each tensor's format there."""
+
+    file: str
+    architecture: str
+    tensors: tuple[GGUFTensor, ...]
+    notes: tuple[str, ...] = ()  # what the user should know (no tokenizer, an unknown pre-tokenizer)
+
+    def attach(self, model: ir.Model) -> None:
+        model.metadata_props[GGUF_KEY] = json.dumps(asdict(self))
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "GGUFSource | None":
+        text = model.metadata_props.get(GGUF_KEY)
+        if text is None:
+            return None
+        fields = json.loads(text)
+        tensors = tuple(GGUFTensor(**{**t, "shape": tuple(t["shape"])}) for t in fields.pop("tensors"))
+        return cls(tensors=tensors, notes=tuple(fields.pop("notes", ())), **fields)
+
+    def matrices(self) -> list[GGUFTensor]:
+        return [t for t in self.tensors if t.matrix]
+
+    def quantized(self) -> bool:
+        """Whether some of its matrices came block-quantized."""
+        return any(t.format not in FLOAT_TYPES for t in self.matrices())
+
+    def main_format(self) -> str:
+        """The format of most of its matrix weights (by count of weights)."""
+        by_format: dict[str, int] = {}
+        for t in self.matrices():
+            by_format[t.format] = by_format.get(t.format, 0) + int(np.prod(t.shape))
+        return max(by_format, key=by_format.get) if by_format else "F32"
+
+    def weight_dtype(self) -> str:
+        """`--weight-dtype auto` for this file: its main format's (AUTO_FORMAT)."""
+        return AUTO_FORMAT.get(self.main_format(), AUTO_FALLBACK)
+
+    def auto_reason(self) -> str:
+        """Why `weight_dtype` chose what it did, for -v."""
+        most = self.main_format()
+        if most in AUTO_FORMAT:
+            return f"most of the file's weights are {most}"
+        return (f"most of the file's weights are {most}, which no picompile format holds exactly yet: int8 keeps "
+                "them closest at its size")
+
+    def changed(self, weight_dtype: str) -> dict[str, int]:
+        """Source format -> how many matrices a build storing weights in `weight_dtype` re-rounds (values no
+        longer the file's)."""
+        counts: dict[str, int] = {}
+        for t in self.matrices():
+            if weight_dtype != "fp32" and (t.format, weight_dtype) not in EXACT:  # fp32 holds every file value
+                counts[t.format] = counts.get(t.format, 0) + 1
+        return counts
+
+    def describe(self) -> str:
+        formats: dict[str, int] = {}
+        for t in self.matrices():
+            formats[t.format] = formats.get(t.format, 0) + 1
+        listed = ", ".join(f"{count} {name}" for name, count in sorted(formats.items(), key=lambda kv: -kv[1]))
+        return f"GGUF {self.architecture} ({Path(self.file).name}): weight matrices {listed}"
+
+
+def rerounding_warning(source: GGUFSource, weight_dtype: str, target_has_gpu: bool = False) -> str | None:
+    """The one line a build prints where storing the file's matrices in `weight_dtype` changes some of their
+    values (None where every value is kept)."""
+    changed = source.changed(weight_dtype)
+    if not changed:
+        return None
+    parts = ", ".join(f"{count} {name}" for name, count in sorted(changed.items(), key=lambda kv: -kv[1]))
+    total = sum(changed.values())
+    gpu = " (GPU-resident ones are stored fp16 whatever --weight-dtype says)" if target_has_gpu else ""
+    unheld = sorted(name for name in changed if name not in AUTO_FORMAT)
+    why = (f" (no picompile format holds {'/'.join(unheld)} blocks exactly yet)" if unheld else "")
+    return (f"{total} of the file's weight matrices ({parts}) are re-rounded to {weight_dtype}{why}: their values "
+            f"are no longer the file's{gpu}; --weight-dtype fp32 keeps every value")
+
+
+# ---------------------------------------------------------------- reading the file
+
+
+def _refuse(path: Path, reason: str) -> UserError:
+    return UserError(f"{path}: {reason}")
+
+
+def read(path: Path):
+    """The file's GGUFReader, every failure worded as one UserError."""
+    import gguf
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"model file not found: {path}")
+    if path.is_dir() or path.stat().st_size == 0:
+        raise _refuse(path, "not a GGUF file (empty or a directory)")
+    with open(path, "rb") as file:
+        head = file.read(8)
+    if head[:4] != GGUF_MAGIC:
+        raise _refuse(path, f"not a GGUF file (it starts with {head[:4]!r}, not {GGUF_MAGIC!r})")
+    if len(head) < 8:
+        raise _refuse(path, "the GGUF file is truncated (it ends inside its header)")
+    version = struct.unpack("<I", head[4:8])[0]
+    if version & 0xFFFF == 0:  # a big-endian file, as the reader tells them apart
+        version = struct.unpack(">I", head[4:8])[0]
+    if version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
+        raise _refuse(path, f"GGUF version {version} is not supported (the gguf reader knows versions "
+                            f"{', '.join(map(str, gguf.gguf_reader.READER_SUPPORTED_VERSIONS))})")
+    try:
+        return _reader_class()(str(path))
+    except _Refused as refused:
+        raise _refuse(path, str(refused)) from None
+    except ValueError as error:
+        text = str(error)
+        if "is not a valid GGMLQuantizationType" in text:
+            code = text.split()[0]
+            raise _refuse(path, f"a tensor has unknown GGML type {code} (a newer llama.cpp's format?)") from None
+        if "cannot reshape" in text or "buffer is smaller" in text or "mmap length" in text:
+            raise _refuse(path, f"the GGUF file is truncated: tensor data or header reaches past its end "
+                                f"({path.stat().st_size} bytes)") from None
+        raise _refuse(path, f"not a readable GGUF file ({text})") from None
+    except (struct.error, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError, MemoryError) as error:
+        raise _refuse(path, f"the GGUF header is truncated or damaged: it ends or breaks off before all its "
+                            f"metadata and tensor entries ({type(error).__name__}: {error})") from None
+
+
+class _Refused(Exception):
+    """What the reader found wrong with a tensor's header entry, worded for the user."""
+
+
+@lru_cache(maxsize=1)
+def _reader_class():
+    """GGUFReader, checking each tensor's header entry (type, where its data ends) before the reader builds its
+    view, so that the refusal names the tensor (the reader's own error is numpy's failed reshape)."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    kind = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise _Refused(f"tensor {name} has unknown GGML type {int(raw_dtype[0])} (a newer llama.cpp's "
+                                   "format?)") from None
+                block, type_size = gguf.GGML_QUANT_SIZES[kind]
+                end = start_offs + int(offset[0]) + int(np.prod(dims.astype(np.int64))) * type_size // block
+                if end > len(self.data):
+                    raise _Refused(f"the data of tensor {name} ends at byte {end}, past the end of the file "
+                                   f"({len(self.data)} bytes): the file is truncated or damaged")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
+
+
+def _field(reader, key: str, path: Path, default=None):
+    """Metadata `key`'s value; `default` where it is absent, or an error where there is no default."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise _refuse(path, f"metadata {key} is missing, and picompile needs it")
+        return default
+    try:
+        return field.contents()
+    except Exception as error:  # the reader's own view of a damaged value
+        raise _refuse(path, f"metadata {key} cannot be read ({type(error).__name__}: {error})") from None
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The architecture's numbers, from the metadata."""
+
+    architecture: str
+    layers: int
+    d_model: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    rope_base: float
+    rope_scale: float  # linear RoPE scaling: positions divided by it
+
+
+def _int(value, key: str, path: Path) -> int:
+    if isinstance(value, list):
+        values = set(value)
+        if len(values) != 1:
+            raise _refuse(path, f"metadata {key} differs between layers ({sorted(values)[:4]}...), which picompile "
+                                "does not compile")
+        value = values.pop()
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise _refuse(path, f"metadata {key} is {value!r}, not a positive integer")
+    return int(value)
+
+
+def hyper(reader, path: Path) -> Hyper:
+    """The architecture's numbers, checked (llama.cpp's defaults where a key is optional)."""
+    arch = _field(reader, "general.architecture", path)
+    if arch not in ARCHITECTURES:
+        raise _refuse(path, f"architecture {arch!r} is not supported (picompile compiles GGUF "
+                            f"{', '.join(ARCHITECTURES)})")
+    get = lambda key, default=None: _field(reader, f"{arch}.{key}", path, default)  # noqa: E731
+    layers = _int(get("block_count"), f"{arch}.block_count", path)
+    d_model = _int(get("embedding_length"), f"{arch}.embedding_length", path)
+    ffn = _int(get("feed_forward_length"), f"{arch}.feed_forward_length", path)
+    heads = _int(get("attention.head_count"), f"{arch}.attention.head_count", path)
+    kv_heads = _int(get("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv", path)
+    if heads % kv_heads:
+        raise _refuse(path, f"{heads} attention heads cannot share {kv_heads} kv heads evenly")
+    head_dim = _int(get("attention.key_length", max(d_model // heads, 1)), f"{arch}.attention.key_length", path)
+    value_dim = _int(get("attention.value_length", head_dim), f"{arch}.attention.value_length", path)
+    if value_dim != head_dim or head_dim % 2:
+        raise _refuse(path, f"key length {head_dim} and value length {value_dim}: picompile needs them equal and even")
+    rope_dims = _int(get("rope.dimension_count", head_dim), f"{arch}.rope.dimension_count", path)
+    if rope_dims != head_dim:
+        raise _refuse(path, f"rope.dimension_count {rope_dims} is not the head size {head_dim} (partial rotary "
+                            "embeddings are not supported for GGUF files yet)")
+    scaling = get("rope.scaling.type", "none")
+    factor = float(get("rope.scaling.factor", 1.0) or 1.0)
+    if scaling not in ("none", "linear") and factor != 1.0:
+        raise _refuse(path, f"rope scaling {scaling!r} is not supported (none and linear are)")
+    eps = float(get("attention.layer_norm_rms_epsilon", 1e-5))
+    return Hyper(arch, layers, d_model, ffn, heads, kv_heads, head_dim, eps,
+                 float(get("rope.freq_base", 10000.0)), factor if scaling == "linear" else 1.0)
+
+
+def _expected_shapes(h: Hyper, vocab: int) -> dict[str, tuple[tuple[int, ...], bool, bool]]:
+    """GGUF tensor name -> (numpy-order shape, whether a weight matrix, whether required)."""
+    q, kv = h.heads * h.head_dim, h.kv_heads * h.head_dim
+    shapes = {"token_embd.weight": ((vocab, h.d_model), True, True),
+              "output_norm.weight": ((h.d_model,), False, True),
+              "output.weight": ((vocab, h.d_model), True, False),
+              "rope_freqs.weight": ((h.head_dim // 2,), False, False)}
+    bias = h.architecture == "qwen2"
+    for i in range(h.layers):
+        p = f"blk.{i}."
+        shapes.update({
+            p + "attn_norm.weight": ((h.d_model,), False, True),
+            p + "attn_q.weight": ((q, h.d_model), True, True),
+            p + "attn_k.weight": ((kv, h.d_model), True, True),
+            p + "attn_v.weight": ((kv, h.d_model), True, True),
+            p + "attn_output.weight": ((h.d_model, q), True, True),
+            p + "ffn_norm.weight": ((h.d_model,), False, True),
+            p + "ffn_gate.weight": ((h.ffn, h.d_model), True, True),
+            p + "ffn_up.weight": ((h.ffn, h.d_model), True, True),
+            p + "ffn_down.weight": ((h.d_model, h.ffn), True, True),
+        })
+        for name, width in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            shapes[p + name + ".bias"] = ((width,), False, bias)
+    return shapes
+
+
+def tensors(reader, h: Hyper, path: Path) -> tuple[dict, int]:
+    """GGUF name -> ReaderTensor, checked against the architecture (names, shapes, types, the file's end);
+    and the vocabulary size."""
+    import gguf
+
+    found = {t.name: t for t in reader.tensors}
+    embed = found.get("token_embd.weight")
+    if embed is None:
+        raise _refuse(path, "tensor token_embd.weight (the token embedding) is missing")
+    vocab = int(embed.shape[-1]) if len(embed.shape) == 2 else 0
+    expected = _expected_shapes(h, vocab)
+    unknown = sorted(set(found) - set(expected), key=lambda n: (len(n), n))
+    if unknown:
+        hint = (" (a mixture of experts?)" if any("exps" in n or "ffn_gate_inp" in n for n in unknown) else
+                " (PowerInfer's predictor weights? picompile trains its own, and reads ReLU LLaMA files not yet)"
+                if any(".fc1." in n or ".fc2." in n for n in unknown) else "")
+        raise _refuse(path, f"tensor {unknown[0]} is not part of a {h.architecture} model as picompile compiles "
+                            f"it{hint}" + (f" ({len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    missing = [name for name, (_, _, required) in expected.items() if required and name not in found]
+    if missing:
+        more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise _refuse(path, f"tensor {missing[0]} is missing{more}")
+    size = path.stat().st_size
+    for name, tensor in found.items():
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        want = expected[name][0]
+        if shape != want:
+            raise _refuse(path, f"tensor {name} has shape {list(shape)} but {h.architecture}'s metadata "
+                                f"(embedding_length {h.d_model}, feed_forward_length {h.ffn}, head_count {h.heads}, "
+                                f"head_count_kv {h.kv_heads}) makes it {list(want)}")
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise _refuse(path, f"the data of tensor {name} ends at byte {tensor.data_offset + tensor.n_bytes}, past "
+                                f"the end of the file ({size} bytes): the file is truncated")
+        kind = tensor.tensor_type.name
+        if kind not in FLOAT_TYPES and kind not in NBITS_TYPES and tensor.tensor_type not in gguf.quants._type_traits:
+            raise _refuse(path, f"tensor {name} is stored as {kind}, which the gguf package cannot dequantize")
+    return found, vocab
+
+
+# ---------------------------------------------------------------- conversion, cached
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile") / "gguf-onnx"
+
+
+@dataclass(frozen=True)
+class Converted:
+    """Where a GGUF file's conversion lives: the ONNX model and, if the file had one, its tokenizer's directory."""
+
+    onnx: Path
+    tokenizer: Path | None
+    source: GGUFSource
+
+
+def _key(path: Path) -> str:
+    stat = path.stat()
+    text = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def convert(path: Path, log=lambda message: None) -> Converted:
+    """The GGUF file's ONNX decoder and tokenizer, written once (atomically: a directory renamed into place)."""
+    path = Path(path)
+    reader = read(path)
+    h = hyper(reader, path)
+    found, vocab = tensors(reader, h, path)
+    expected = _expected_shapes(h, vocab)
+    source = GGUFSource(str(path.resolve()), h.architecture, tuple(
+        GGUFTensor(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), expected[name][1])
+        for name, t in found.items()))
+    directory = cache_root() / f"{path.stem}-{_key(path)}"
+    onnx_path, notes_path = directory / "model.onnx", directory / "notes.json"
+    if not onnx_path.is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the conversion from the cache's other users
+        try:
+            model = build_graph(h, found, vocab)
+            source.attach(model)
+            # weights streamed into model.onnx.data one tensor at a time (the lazy ones made as they are written)
+            ir.save(model, staging / "model.onnx", external_data="model.onnx.data")
+            from .gguf_tokenizer import write_tokenizer
+
+            notes = write_tokenizer(reader, path, staging, vocab, log)
+            (staging / "notes.json").write_text(json.dumps(notes))
+            try:
+                staging.rename(directory)
+            except OSError:  # another process converted the same file meanwhile: theirs is as good
+                shutil.rmtree(staging, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    tokenizer = directory if (directory / "tokenizer.json").is_file() else None
+    notes = tuple(json.loads(notes_path.read_text())) if notes_path.is_file() else ()
+    return Converted(onnx_path, tokenizer, replace(source, notes=notes))
+
+
+@lru_cache(maxsize=8)
+def _converted(path: str, key: str) -> Converted:
+    return convert(Path(path))
+
+
+def converted(path: Path) -> Converted:
+    """`convert`, once per process for an unchanged file."""
+    path = Path(path)
+    if not path.is_file():
+        return convert(path)  # its refusal
+    return _converted(str(path.resolve()), _key(path))
+
+
+def load(path: Path, for_build: bool = True) -> ir.Model:
+    """The GGUF file's decoder as the ONNX front end loads a model (`passes.import_onnx.load`), carrying its
+    `GGUFSource`; `source_file` of it is the converted ONNX file (what onnxruntime runs as the reference)."""
+    from .import_onnx import load as load_onnx
+
+    made = converted(path)
+    model = load_onnx(made.onnx, for_build=for_build)
+    made.source.attach(model)
+    return model
+
+
+
+
+@dataclass
+class ImportGGUF(Import):
+    """The import pass of a model that came from a GGUF file (`load` converted it): the ONNX front end's import,
+    after saying what the file held and passing on the conversion's notes."""
+
+    name = "import"
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        source = GGUFSource.of(model)
+        if source is not None:
+            ctx.log(f"import: {source.describe()}")
+            for note in source.notes:
+                ctx.warn(note)
+        return super().apply(model, ctx)

@@ -1,0 +1,261 @@
+"""The GGUF front end: tiny GGUF files written on the fly (tests/gguf_files.py) import into an ONNX decoder that
+onnxruntime runs as llama.cpp computes the file, keep the file's values (F32 / F16 as stored, Q8_0 / Q4_0 blocks
+bit for bit in the artifact's int8 / int4 blocks, everything else dequantized exactly), build, and carry the
+file's tokenizer. Bad files: tests/test_bad_inputs.py."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+import gguf_files as gf
+from passes.gguf_graph import rope_rows
+from passes.import_gguf import ImportGGUF, converted, load
+from passes.kernels import quant
+from picompile import ir as pir
+from picompile.cli import main
+from picompile.pipeline import Context
+from picompile.reference import OrtDecoder
+from picompile.targets import get_target
+from runtime import Engine
+from runtime.artifact import read_safetensors
+from runtime.dtypes import WEIGHT_FORMATS
+
+T = gf.T
+PROMPT = np.array([3, 14, 15, 92, 65, 35, 89], np.int64)
+# every type the front end treats its own way, in one llama: MatMulNBits (Q8_0, Q4_0), exact float32 (Q4_1,
+# Q4_K, a Q8_0 embedding table), half matrices behind a Cast (F16, BF16), float32 as stored; and LLaMA 3.1's
+# rope_freqs
+MIXED = gf.Tiny(d_model=256, heads=8, kv_heads=2, ffn=256, rope_freqs=True, formats={
+    "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F16, "ffn_up": T.BF16,
+    "ffn_down": T.Q4_K, "token_embd": T.Q8_0, "output": T.Q4_0})
+MODELS = {"llama": gf.Tiny(), "qwen2": gf.Tiny(arch="qwen2", tied=True), "mixed": MIXED,
+          "f16_tied": gf.Tiny(default=T.F16, tied=True)}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """name -> (path, the file's tensors dequantized), written once."""
+    root, made = tmp_path_factory.mktemp("gguf"), {}
+
+    def get(name: str, tiny: gf.Tiny | None = None, **kwargs):
+        if name not in made:
+            path = root / f"{name}.gguf"
+            made[name] = path, gf.write(path, tiny or MODELS[name], **kwargs)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_onnxruntime_on_the_import_computes_what_llama_cpp_computes(files, name):
+    """A numpy forward with llama.cpp's RoPE (adjacent pairs over the permuted q / k rows for llama, NeoX pairs
+    for qwen2) on the file's dequantized tensors is what onnxruntime computes on the front end's ONNX."""
+    path, weights = files(name)
+    reference = gf.forward(weights, MODELS[name], PROMPT)
+    logits = OrtDecoder(converted(path).onnx).forward(PROMPT).reshape(reference.shape)
+    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
+
+
+def test_the_import_holds_the_files_values_exactly(files):
+    """After the import pass, every weight is the file's: MatMulNBits dequantized to exactly q x d, Q4_1 and
+    Q4_K exactly `gguf.quants.dequantize`, the F16 matrix as stored, the Q8_0 table dequantized; and the
+    source's formats are a fact on the model."""
+    path, weights = files("mixed")
+    model = ImportGGUF().apply(load(path), Context(get_target("cpu"))).model
+    graph = model.graph
+    q_rows = rope_rows(MIXED.heads, MIXED.head_dim)
+    k_rows = rope_rows(MIXED.kv_heads, MIXED.head_dim)
+    expected = {"blk.0.attn_q.B.dequantized": weights["blk.0.attn_q.weight"][q_rows].T,
+                "blk.0.attn_k.B.dequantized": weights["blk.0.attn_k.weight"][k_rows].T,
+                "blk.0.attn_v": weights["blk.0.attn_v.weight"].T,
+                "blk.0.attn_output": weights["blk.0.attn_output.weight"].T,
+                "blk.0.ffn_down": weights["blk.0.ffn_down.weight"].T,
+                "blk.0.ffn_up": weights["blk.0.ffn_up.weight"].T,
+                "token_embd.weight": weights["token_embd.weight"],
+                "output.B.dequantized": weights["output.weight"].T}
+    for name, values in expected.items():
+        stored = pir.const_array(graph.initializers[name])
+        assert np.array_equal(np.asarray(stored, np.float32), values.astype(np.float32)), name
+    assert graph.initializers["blk.0.attn_output"].const_value.dtype == pir.ir.DataType.FLOAT16
+    assert graph.initializers["blk.0.ffn_up"].const_value.dtype == pir.ir.DataType.BFLOAT16
+    from passes.import_gguf import GGUFSource
+    from passes.import_onnx import SourceQuantization
+
+    source = GGUFSource.of(model)
+    formats = {t.name: t.format for t in source.tensors}
+    assert formats["blk.0.attn_v.weight"] == "Q4_1" and formats["blk.1.ffn_down.weight"] == "Q4_K"
+    assert source.weight_dtype() == "int8"  # Q8_0 holds the most weights
+    assert source.changed("int4") and not source.changed("fp32")
+    nbits = SourceQuantization.of(model)
+    assert {(w.bits, w.scale_dtype) for w in nbits.weights} == {(8, "float16"), (4, "float16")}
+
+
+def _logits(engine, steps: int = 4) -> list[np.ndarray]:
+    """Logits of the prompt, then of `steps` greedy decode steps."""
+    engine.reset()
+    rows = [np.asarray(engine.forward(PROMPT)).reshape(len(PROMPT), -1)]
+    for _ in range(steps):
+        rows.append(np.asarray(engine.forward([int(np.argmax(rows[-1][-1]))])).reshape(1, -1))
+    return rows
+
+
+def test_a_dense_fp32_build_matches_onnxruntime_on_the_import_and_writes_text(files, tmp_path, capsys):
+    """The mixed file, with a tokenizer in its metadata: fp32 holds every value of the file (no re-rounding
+    warning), the artifact's logits are onnxruntime's on the import, prompt and decode steps, `run -p` reads
+    text with the file's tokenizer, and `eval --reference FILE.gguf` measures the artifact against the file."""
+    path, _ = files("mixed-tokenized", MIXED, tokenizer=_metadata()[0])
+    out = tmp_path / "mixed.pic"
+    assert main(["build", str(path), "--target", "cpu", "--dense", "--weight-dtype", "fp32", "-o", str(out),
+                 "--max-context", "32"]) == 0
+    err = capsys.readouterr().err
+    assert "re-rounded" not in err and "tokenizer" not in err
+    for ours, reference in zip(_logits(Engine(out)), _logits(OrtDecoder(converted(path).onnx))):
+        np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    assert main(["run", str(out), "-p", "the quick", "-n", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
+    tokens = tmp_path / "tokens.txt"  # eval takes the file itself as its reference
+    tokens.write_text("3 14 15 92 65 35 89 79 32 38 46 26\n")
+    assert main(["eval", str(out), "--reference", str(path), "--tokens", str(tokens), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["top1_agreement"] == 1.0 and report["kl_mean"] < 1e-8
+
+
+def test_a_file_without_a_tokenizer_says_so(files):
+    from picompile.tokenizer import find_tokenizer
+
+    path, _ = files("qwen2")
+    assert find_tokenizer(path) is None
+    assert any("no tokenizer in its metadata" in note for note in converted(path).source.notes)
+
+
+def _blocks(raw: np.ndarray, kind: str, shape) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 / Q4_0 tensor's integers [N, K] and scales [N, K/32] as the file stores them."""
+    N, K = shape
+    blocks = raw.reshape(N, K // 32, -1)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        return blocks[..., 2:].view(np.int8).reshape(N, K), d
+    codes = np.concatenate([blocks[..., 2:] & 0xF, blocks[..., 2:] >> 4], axis=-1).astype(np.int8) - 8
+    return codes.reshape(N, K), d
+
+
+@pytest.mark.parametrize("kind,weight_dtype", [("Q4_0", "int4"), ("Q8_0", "int8")])
+def test_q4_0_and_q8_0_blocks_reach_the_artifact_bit_for_bit(files, tmp_path, capsys, kind, weight_dtype):
+    """Every matrix of a Q4_0 (Q8_0) file is in the int4 (int8) artifact with the file's integers and scales
+    (Q8_0's d = max|w| / 127 too, which no rounding rule gives back), and computes the file's model."""
+    tiny = gf.Tiny(default=getattr(T, kind), tied=kind == "Q8_0")
+    path, _ = files(kind, tiny)
+    out = tmp_path / f"{kind}.pic"
+    assert main(["build", str(path), "--target", "cpu", "--dense", "-o", str(out), "--max-context", "32",
+                 "--no-int8-activations"]) == 0  # auto: the file's own format
+    assert "re-rounded" not in capsys.readouterr().err
+    stored = read_safetensors(out / "weights" / "cpu.safetensors")
+    fmt = WEIGHT_FORMATS[weight_dtype]
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+
+    def file_blocks(name, rows=None):
+        t = tensors[name]
+        q, d = _blocks(t.data, kind, tuple(reversed(t.shape.tolist())))
+        return (q, d) if rows is None else (q[rows], d[rows])
+
+    for layer in range(tiny.layers):
+        p, a = f"blk.{layer}.", f"layers.{layer}."
+        parts = [file_blocks(p + "attn_q.weight", rope_rows(tiny.heads, tiny.head_dim)),
+                 file_blocks(p + "attn_k.weight", rope_rows(tiny.kv_heads, tiny.head_dim)),
+                 file_blocks(p + "attn_v.weight")]
+        qkv = (np.concatenate([q for q, _ in parts]).T, np.concatenate([d for _, d in parts]).T)
+        gate_up = [file_blocks(p + "ffn_gate.weight"), file_blocks(p + "ffn_up.weight")]
+        up = (np.concatenate([q for q, _ in gate_up]).T, np.concatenate([d for _, d in gate_up]).T)
+        for name, (q, d) in ((a + "attn.w_qkv", qkv), (a + "attn.w_o", file_blocks(p + "attn_output.weight")),
+                             (a + "ffn.w_up", up), (a + "ffn.w_down", file_blocks(p + "ffn_down.weight"))):
+            if name.endswith(("w_o", "w_down")):
+                q, d = q.T, d.T
+            packed, scales = quant.pack_panels(np.ascontiguousarray(q), np.ascontiguousarray(d), fmt)
+            assert np.array_equal(stored[name + ".q"], packed), name
+            assert np.array_equal(stored[name + ".q.scales"], scales), name
+    if kind == "Q8_0":  # the tied table: the embedding's rows and the output layer, both the file's blocks
+        q, d = file_blocks("token_embd.weight")
+        packed, scales = quant.pack_rows(q, d, fmt)
+        assert np.array_equal(stored["embed.tokens.q"], packed)
+        assert np.array_equal(stored["embed.tokens.q.scales"], scales)
+    # the stored values are the file's: fp32 activations compute the file's model
+    for ours, reference in zip(_logits(Engine(out)), _logits(OrtDecoder(converted(path).onnx))):
+        np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+
+
+TEXTS = ["The capital of France is Paris.", "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+         "naïve café, 日本語のテキスト, emoji 🙂 and ünïcödé", "tabs\tand   runs of    spaces\n\n\nand newlines  ",
+         "<|im_start|>user\nhi there<|im_end|>\n", "12345 + 678 = 13023", ""]
+
+
+def _trained_bpe():
+    """A byte-level BPE trained here (GPT-2's pre-tokenizer), with two control tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [t * 3 for t in TEXTS] + ["the quick brown fox jumps over the lazy dog " * 4, "import numpy as np\n" * 4]
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+def _metadata():
+    """The trained tokenizer as llama.cpp's converter writes it into the metadata (tokens in id order, token
+    types, merges, pre-tokenizer name, special ids, a chat template); and the trained tokenizer."""
+    import json
+
+    trained = _trained_bpe()
+    vocab = trained.get_vocab()
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [" ".join(pair) for pair in json.loads(trained.to_str())["model"]["merges"]]
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3 if t.startswith("<|") else 1 for t in tokens],
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": vocab["<|im_start|>"],
+            "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"], "tokenizer.chat_template": template}, trained
+
+
+def test_a_gpt2_tokenizer_round_trips_through_the_metadata(files):
+    """A tokenizer trained here, written into a GGUF's metadata, comes back encoding every text (English,
+    code, Unicode, whitespace runs, control tokens) to the same ids, with its special ids and chat template."""
+    metadata, trained = _metadata()
+    vocab = trained.get_vocab()
+    path, _ = files("tokenized", gf.Tiny(vocab=len(vocab)), tokenizer=metadata)
+    from picompile.tokenizer import find_tokenizer
+
+    found = find_tokenizer(path).tokenizer
+    for text in TEXTS:
+        assert found.encode(text) == trained.encode(text).ids, text
+        assert found.decode(found.encode(text)) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    assert found.eos_ids == {vocab["<|im_end|>"]} and found.bos_id == vocab["<|im_start|>"]
+    assert found.chat_prompt([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+
+
+def test_a_sentencepiece_vocabulary_merges_by_score_with_byte_fallback(files):
+    """llama's vocabulary type: pieces merge by their score, a space prefix, unknown characters as <0xXX>."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+             ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "or", "▁w", "▁wor",
+              "ld", "▁world"]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)]
+    scores[pieces.index("▁hello")] = 5.0
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 259)
+    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": pieces, "tokenizer.ggml.scores": scores,
+                "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                "tokenizer.ggml.unknown_token_id": 0}
+    path, _ = files("spm", gf.Tiny(vocab=len(pieces)), tokenizer=metadata)
+    from picompile.tokenizer import find_tokenizer
+
+    found = find_tokenizer(path).tokenizer
+    ids = found.encode("hello world 日")
+    assert ids[:3] == [1, pieces.index("▁hello"), pieces.index("▁world")]  # BOS: llama's default
+    assert [pieces[i] for i in ids[3:]] == ["▁", "<0xE6>", "<0x97>", "<0xA5>"]
+    assert found.decode(ids) == "hello world 日"
