@@ -56,22 +56,16 @@ def model_sources(name: str, log=print) -> tuple[Path, dict[str, Path], int]:
 
 
 def gguf_sources(path: Path, log=print) -> tuple[Path, dict[str, Path], int]:
-    """A GGUF file's front-end ONNX and its dense build (cached beside the other artifacts by file and options)."""
-    import hashlib
+    """A GGUF file's front-end ONNX (onnxruntime runs it) and its dense build in the file's own format, made
+    once and kept beside the other artifacts (keyed by the file and its size)."""
+    import subprocess
 
     from examples.models import cache_dir
-    from passes.import_gguf import write_onnx  # the GGUF front end's ONNX, for onnxruntime
+    from passes.import_gguf import converted
 
-    key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:12]
-    work = cache_dir() / "gguf" / f"{path.stem}-{key}"
-    onnx = work / "model.onnx"
-    if not onnx.exists():
-        work.mkdir(parents=True, exist_ok=True)
-        write_onnx(path, onnx)
-    artifact = cache_dir() / "artifacts" / f"{path.stem}-{key}-dense.pic"
+    onnx = converted(path).onnx
+    artifact = cache_dir() / "artifacts" / f"{path.stem}-{path.stat().st_size}-dense.pic"
     if not (artifact / "manifest.json").exists():
-        import subprocess
-
         started = time.perf_counter()
         subprocess.run([sys.executable, "-m", "picompile", "build", str(path), "--dense", "--target", "cpu",
                         "--max-context", "256", "-q", "-o", str(artifact)], check=True, cwd=ROOT)
