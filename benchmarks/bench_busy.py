@@ -60,11 +60,12 @@ def gguf_sources(path: Path, log=print) -> tuple[Path, dict[str, Path], int]:
     once and kept beside the other artifacts (keyed by the file and its size)."""
     import subprocess
 
+    from examples.bench_decode import compiler_digest
     from examples.models import cache_dir
     from passes.import_gguf import converted
 
     onnx = converted(path).onnx
-    artifact = cache_dir() / "artifacts" / f"{path.stem}-{path.stat().st_size}-dense.pic"
+    artifact = cache_dir() / "artifacts" / f"{path.stem}-{path.stat().st_size}-dense-{compiler_digest()[:12]}.pic"
     if not (artifact / "manifest.json").exists():
         started = time.perf_counter()
         subprocess.run([sys.executable, "-m", "picompile", "build", str(path), "--dense", "--target", "cpu",

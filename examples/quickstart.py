@@ -40,7 +40,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
 
-    from examples.bench_decode import measure, table
+    from examples.bench_decode import compiler_digest, measure, table
     from examples.models import cache_dir
     from examples.real_models import smollm2_gguf
     from passes.import_gguf import converted
@@ -54,7 +54,7 @@ def main() -> int:
     say(f"{gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
 
     print("2. compiling it from the GGUF for this CPU (dense, in the file's own block format)", flush=True)
-    artifact = cache_dir() / "artifacts" / f"{gguf.stem}-{gguf.stat().st_size}-quickstart.pic"
+    artifact = cache_dir() / "artifacts" / f"{gguf.stem}-quickstart-{compiler_digest()[:12]}.pic"
     if not (artifact / "manifest.json").exists():
         started = time.perf_counter()
         subprocess.run([sys.executable, "-m", "picompile", "build", str(gguf), "--dense", "--target", "cpu",
