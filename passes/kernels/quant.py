@@ -32,7 +32,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from picompile.sizes import float_format
-from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WEIGHT_FORMATS, WeightFormat
 
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch, row_dim
@@ -59,18 +59,22 @@ FITTED_SCALE_RATIOS = (0.8, 0.85, 0.9, 0.95, 1.0)
 FIT_CHUNK_BLOCKS = 1 << 20  # blocks searched at a time (bounds the search's temporaries)
 
 
-def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Block quantization of the matrix `w` along `axis`: (q, scales), q int8 shaped like w (int8: [-128, 127];
-    int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the block. q * scales (each
-    scale repeated over its block) is the dequantized weight (`dequantize`).
-    Round-to-nearest by default: the block's largest-magnitude weight maps to -2^(bits-1) exactly (Q4_0's rule,
-    MatMulNBits' symmetric one), so an imported MatMulNBits weight re-quantizes to its own values. With
-    `fit_scales` each block takes the scale of FITTED_SCALE_RATIOS (either sign) whose rounding has the least
-    squared error (the clipping search of AWQ, without activations)."""
+def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = False, exact: bool = False):
+    """Block quantization of the matrix `w` along `axis`: (q, scales), and for an asymmetric format (q, scales,
+    mins); q int8 shaped like w (int8: [-128, 127]; int4: [-8, 7]; int4a: [0, 15]), scales (mins) in
+    fmt.scale_dtype shaped like w with `axis` divided by the block. q * scales (+ mins, each
+    repeated over its block) is the dequantized weight (`dequantize`).
+    Symmetric: round-to-nearest by default: the block's largest-magnitude weight maps to -2^(bits-1) exactly
+    (Q4_0's rule, MatMulNBits' symmetric one), so an imported MatMulNBits weight re-quantizes to its own values.
+    With `fit_scales` each block takes the scale of FITTED_SCALE_RATIOS (either sign) whose rounding has the least
+    squared error (the clipping search of AWQ, without activations). Asymmetric: `quantize_asymmetric`."""
+    if fmt.has_min:
+        q, scales, mins, _ = quantize_asymmetric(w, fmt, axis, exact=exact)
+        return q, scales, mins
     if fmt.bits not in (4, 8):
         raise ValueError(f"{fmt.name} is not a block-quantized format")
     blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
-    low, high = -(1 << (fmt.bits - 1)), (1 << (fmt.bits - 1)) - 1
+    low, high = fmt.levels
     pick = np.abs(blocks).argmax(axis=-1)
     largest = np.take_along_axis(blocks, pick[..., None], axis=-1)[..., 0]
     shape = blocks.shape
@@ -91,14 +95,65 @@ def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = Fal
             better = slice(None) if best_error is None else error < best_error
             q[chunk][better], scale[chunk][better] = values[better], s[better]
             best_error = error if best_error is None else np.minimum(error, best_error)
-    q, scale = q.reshape(shape[0], -1), scale.reshape(shape[:2])
-    return (q, scale) if axis == 1 else (np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T))
+    return _unblocked(axis, shape, q, scale)
 
 
-def dequantize(q: np.ndarray, scales: np.ndarray, axis: int) -> np.ndarray:
-    """The float32 matrix that `quantize`'s (q, scales) stand for."""
-    block = q.shape[axis] // scales.shape[axis]
-    return q.astype(np.float32) * np.repeat(scales.astype(np.float32), block, axis=axis)
+def _unblocked(axis, shape, q, *per_block):
+    """quantize's flat [blocks, block] q and per-block arrays back in the matrix's orientation."""
+    q, per_block = q.reshape(shape[0], -1), [a.reshape(shape[:2]) for a in per_block]
+    if axis == 1:
+        return (q, *per_block)
+    return (np.ascontiguousarray(q.T), *(np.ascontiguousarray(a.T) for a in per_block))
+
+
+def _round_asymmetric(part, d, m, high):
+    """(q, float32 values) of blocks `part` [n, block] with steps d and minimums m ([n], stored types)."""
+    d32, m32 = d.astype(np.float32)[:, None], m.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d32 == 0, 0, np.clip(np.rint((part.astype(np.float64) - m32) / d32), 0, high)).astype(np.int8)
+    return q, q.astype(np.float32) * d32 + m32  # (float32 ops, as WeightFormat.dequantize)
+
+
+def quantize_asymmetric(w: np.ndarray, fmt: WeightFormat, axis: int, exact: bool = False):
+    """Asymmetric blocks (Q4_1's rule): per block m = min, d = (max - m) / (2^bits - 1), q = round((x - m) / d)
+    in [0, 2^bits - 1], d and m rounded to their stored types first. Returns (q, scales, mins, blocks not
+    reproduced).
+
+    `exact`: `w` holds dequantized blocks (an imported MatMulNBits with zero points, written by
+    WeightFormat.dequantize): a block whose values the rule does not reproduce bit for bit (its codes do not
+    span 0 .. 2^bits - 1, or its scale's division rounded) tries every narrower span k and the stored types'
+    neighbours of (max - m) / k, keeping the first that reproduces it. The count returned is the blocks no
+    candidate reproduces (re-rounded by the rule)."""
+    blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
+    shape, flat = blocks.shape, blocks.reshape(-1, fmt.block)
+    high = fmt.levels[1]
+    lo, hi = flat.min(axis=-1), flat.max(axis=-1)
+    m = lo.astype(fmt.scale_dtype)
+    span = hi.astype(np.float64) - m.astype(np.float64)
+    d = (span / high).astype(fmt.scale_dtype)
+    q, values = _round_asymmetric(flat, d, m, high)
+    missed = np.flatnonzero((values != flat).any(-1)) if exact else np.empty(0, np.intp)
+    if missed.size:
+        sdtype = np.dtype(fmt.scale_dtype)
+        for k in range(high, 0, -1):
+            for step in (0, 1, -1):
+                if not missed.size:
+                    break
+                trial = (span[missed] / k).astype(sdtype)
+                if step:
+                    trial = np.nextafter(trial, np.array(np.inf if step > 0 else -np.inf, sdtype))
+                tq, tv = _round_asymmetric(flat[missed], trial, m[missed], high)
+                hit = (tv == flat[missed]).all(-1)
+                q[missed[hit]], d[missed[hit]] = tq[hit], trial[hit]
+                missed = missed[~hit]
+    q, d, m = _unblocked(axis, shape, q, d, m)
+    return q, d, m, int(missed.size)
+
+
+def dequantize(q: np.ndarray, scales: np.ndarray, axis: int, mins: np.ndarray | None = None) -> np.ndarray:
+    """The float32 matrix that `quantize`'s (q, scales (, mins)) stand for (`WeightFormat.dequantize`)."""
+    fmt = WEIGHT_FORMATS["int4a" if mins is not None else "int8"]  # (the formula is the format kind's alone)
+    return fmt.dequantize(q, scales, axis, mins)
 
 
 def as_stored(w: np.ndarray, fmt: WeightFormat, axis: int) -> np.ndarray:
@@ -106,7 +161,8 @@ def as_stored(w: np.ndarray, fmt: WeightFormat, axis: int) -> np.ndarray:
     blocks, else in the build's float format, `sizes.float_format`): what a kernel will read. Passes that fit
     something to a stored weight (predict's thresholds) fit it to these."""
     if fmt.quantized and quantizable(w.shape, axis, fmt.block):
-        return dequantize(*quantize(w, fmt, axis), axis)
+        q, scales, *mins = quantize(w, fmt, axis)
+        return dequantize(q, scales, axis, *mins)
     return np.asarray(w, np.float32).astype(float_format(fmt).storage).astype(np.float32)
 
 
@@ -121,14 +177,23 @@ def int8_blocks(x: np.ndarray) -> np.ndarray:
     return (np.round(blocks * inv) * (amax / np.float32(127))).astype(np.float32).reshape(np.shape(x))
 
 
-def pack_rows(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scales) of a matrix quantized along its rows (axis 1) in the rows layout (see the module doc)."""
+def pack_rows(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat, mins: np.ndarray | None = None) -> tuple:
+    """(q, scales) of a matrix quantized along its rows (axis 1) in the rows layout (see the module doc); an
+    asymmetric format's scales and mins [R, C / 32] interleaved, [R, 2 C / 32]: d and m of block b at 2b, 2b + 1."""
+    scales = _with_mins(scales, mins, fmt, lambda d, m: np.stack([d, m], -1).reshape(d.shape[0], -1))
     if fmt.bits == 8:
-        return np.ascontiguousarray(q, np.int8), np.ascontiguousarray(scales)
+        return np.ascontiguousarray(q, np.int8), scales
     rows, columns = q.shape
-    blocks = (q.astype(np.int16) + INT4_OFFSET).astype(np.uint8).reshape(rows, columns // fmt.block, 2, fmt.block // 2)
+    blocks = (q.astype(np.int16) + fmt.offset).astype(np.uint8).reshape(rows, columns // fmt.block, 2, fmt.block // 2)
     packed = blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)
-    return np.ascontiguousarray(packed.reshape(rows, columns // 2)), np.ascontiguousarray(scales)
+    return np.ascontiguousarray(packed.reshape(rows, columns // 2)), scales
+
+
+def _with_mins(scales, mins, fmt: WeightFormat, join):
+    """The scales a layout stores: `join(scales, mins)` for an asymmetric format, else the scales."""
+    if fmt.has_min != (mins is not None):
+        raise ValueError(f"{fmt.name} blocks {'take' if fmt.has_min else 'have no'} minimums")
+    return np.ascontiguousarray(scales if mins is None else join(scales, mins))
 
 
 def unpack_rows(packed: np.ndarray, fmt: WeightFormat) -> np.ndarray:
@@ -138,22 +203,29 @@ def unpack_rows(packed: np.ndarray, fmt: WeightFormat) -> np.ndarray:
     rows, half = packed.shape
     blocks = packed.reshape(rows, -1, fmt.block // 2)
     low, high = (blocks & 0xF).astype(np.int8), (blocks >> 4).astype(np.int8)
-    return (np.concatenate([low, high], axis=-1) - INT4_OFFSET).reshape(rows, 2 * half).astype(np.int8)
+    return (np.concatenate([low, high], axis=-1) - fmt.offset).reshape(rows, 2 * half).astype(np.int8)
 
 
-def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scales) of a [K, N] matrix quantized along K (axis 0) in the panels layout (see the module doc)."""
+def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat, mins: np.ndarray | None = None) -> tuple:
+    """(q, scales) of a [K, N] matrix quantized along K (axis 0) in the panels layout (see the module doc); an
+    asymmetric format's scales [P, K / 32, 32]: per block a panel's 16 scales, then its 16 mins."""
     K, N = q.shape
     panels = -(-N // PANEL)
     padded_q = np.zeros((K, panels * PANEL), np.int8)
     padded_q[:, :N] = q
-    padded_s = np.zeros((K // fmt.block, panels * PANEL), scales.dtype)
-    padded_s[:, :N] = scales
+
+    def per_block(a):
+        padded = np.zeros((K // fmt.block, panels * PANEL), a.dtype)
+        padded[:, :N] = a
+        return padded.reshape(-1, panels, PANEL).transpose(1, 0, 2)
+
+    s_panels = _with_mins(scales, mins, fmt, lambda d, m: np.concatenate([per_block(d), per_block(m)], -1))
+    if not fmt.has_min:
+        s_panels = np.ascontiguousarray(per_block(scales))
     q_panels = padded_q.reshape(K, panels, PANEL).transpose(1, 0, 2)
-    s_panels = np.ascontiguousarray(padded_s.reshape(-1, panels, PANEL).transpose(1, 0, 2))
     if fmt.bits == 8:
         return np.ascontiguousarray(q_panels), s_panels
-    stored = (q_panels.astype(np.int16) + INT4_OFFSET).astype(np.uint8)
+    stored = (q_panels.astype(np.int16) + fmt.offset).astype(np.uint8)
     half = PANEL // 2
     return np.ascontiguousarray(stored[..., :half] | (stored[..., half:] << 4)), s_panels
 
