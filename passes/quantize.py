@@ -1,12 +1,15 @@
-"""quantize: store the CPU's weight matrices in blocks of int8 or int4 (--weight-dtype int8|int4), and in every
-build the CPU's predictors in blocks of int8 (`sizes.predictor_format`).
+"""quantize: store the CPU's weight matrices in blocks of int8, int4 or int4a (--weight-dtype int8|int4|int4a),
+and in every build the CPU's predictors in blocks of int8 (`sizes.predictor_format`).
 
 Reads: the block IR after place (each node's device), `weight_dtype`, `method` and the awq pass's report
 (`picompile.awq`, repeated in the summary for inspect). Rewrites each weight matrix
 of a CPU block into a standard ONNX `DequantizeLinear` of its block-quantized values (INT8 or INT4, one scale
 per `runtime.dtypes.QUANT_BLOCK` weights along `axis`, `block_size` set; no zero point: the formats are
 symmetric), so the IR between passes stays valid ONNX and says exactly which values the kernels will read.
-select-kernels packs those values into its layouts and never rounds anything itself.
+int4a's asymmetric blocks (x = d q + m, q in [0, 15]: GGUF's Q4_1) are a DequantizeLinear of UINT4 values and
+their scales, reshaped to [.., blocks, 32, ..], plus an Add of the mins (shaped [.., blocks, 1, ..]), reshaped
+back (`_with_mins`, which `QuantizedMatrix.of` reads). select-kernels packs those values into its layouts and
+never rounds anything itself.
 
 The block axis is the one each matrix's kernels read contiguously (`BLOCKED`): the reduction axis K of a dense
 linear's [K, N] (panels), the row of a weight whose rows are gathered (the FFN parts' up and down rows, one row
@@ -21,7 +24,10 @@ before predict, where the profile's activations are. Predictors round to nearest
 their thresholds to those values).
 A model that came quantized in this format (MatMulNBits, symmetric, the same bits and block: import's
 `SourceQuantization`) keeps its own values: they are on the grid, and rounding them again returns them, with
-the source's scale type (float32 where it had float32 scales) so that no scale rounds either.
+the source's scale type (float32 where it had float32 scales) so that no scale rounds either. One with zero
+points in int4a: import wrote its weights as int4a blocks' values (d = the scale, m = -scale x zero point, in
+the scale type it records), and `quant.quantize_asymmetric`'s exact mode finds each block's q, d and m again;
+a block it cannot reproduce bit for bit is re-rounded and counted in the log line.
 """
 
 from __future__ import annotations
@@ -54,18 +60,25 @@ BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
 }
 PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in predictor_format
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored, for inspect and -v
-_ONNX_TYPES = {8: (ir.DataType.INT8, np.int8), 4: (ir.DataType.INT4, ml_dtypes.int4)}
+_ONNX_TYPES = {(8, False): (ir.DataType.INT8, np.int8), (4, False): (ir.DataType.INT4, ml_dtypes.int4),
+               (4, True): (ir.DataType.UINT4, ml_dtypes.uint4)}  # (bits, has_min) -> the values' types
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
     """A weight matrix as select-kernels reads it from the IR: integer values (int8 numpy, unpacked), scales,
-    the block axis and the format."""
+    the block axis, the format and, for an asymmetric one, its mins (shaped as the scales)."""
 
     values: np.ndarray
     scales: np.ndarray
     axis: int
     fmt: WeightFormat
+    mins: np.ndarray | None = None
+
+    @property
+    def blocks(self) -> tuple:
+        """(values, scales (, mins)): what quant.pack_rows / pack_panels take before the format."""
+        return (self.values, self.scales) if self.mins is None else (self.values, self.scales, self.mins)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -73,18 +86,28 @@ class QuantizedMatrix:
 
     @classmethod
     def of(cls, value: ir.Value | None) -> "QuantizedMatrix | None":
-        """The matrix `value` stands for, when a DequantizeLinear of constants (this pass's rewrite) makes it."""
-        node = None if value is None else value.producer()
-        if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+        """The matrix `value` stands for, when a DequantizeLinear of constants (this pass's rewrite; with int4a's
+        mins, `_with_mins`') makes it."""
+        node, mins = None if value is None else value.producer(), None
+        added = _standard(node, "Reshape") and _standard(node.inputs[0].producer(), "Add")
+        if added:
+            add = node.inputs[0].producer()
+            mins, node = pir.const_array(add.inputs[1]), add.inputs[0].producer()
+            node = node.inputs[0].producer() if _standard(node, "Reshape") else None
+        if not _standard(node, "DequantizeLinear") or (added and mins is None):
             return None
         q, scales = (pir.const_array(v) for v in node.inputs[:2])
         if q is None or scales is None or (len(node.inputs) > 2 and node.inputs[2] is not None):
             return None
-        bits = 4 if node.inputs[0].const_value.dtype == ir.DataType.INT4 else 8
-        fmt = next(f for f in WEIGHT_FORMATS.values() if f.bits == bits)
+        key = next((key for key, (onnx_type, _) in _ONNX_TYPES.items()
+                    if onnx_type == node.inputs[0].const_value.dtype), None)
+        if key is None or key[1] != added:
+            return None
+        fmt = next(f for f in WEIGHT_FORMATS.values() if (f.bits, f.has_min) == key)
         if scales.dtype != np.dtype(fmt.scale_dtype):  # e.g. float32 scales, as an imported model had them
             fmt = replace(fmt, scale_dtype=scales.dtype.name)
-        return cls(np.asarray(q).astype(np.int8), scales, int(pir.attr(node, "axis", 1)), fmt)
+        return cls(np.asarray(q).astype(np.int8), scales, int(pir.attr(node, "axis", 1)), fmt,
+                   None if mins is None else np.ascontiguousarray(mins.reshape(scales.shape)))
 
 
 @dataclass
@@ -101,11 +124,13 @@ class Quantize:
         fmt = weight_format("cpu", self.weight_dtype)
         source = SourceQuantization.of(model) if fmt.quantized else None
         fmt = _source_format(source, fmt)
-        # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not
-        fit_scales = self.method == "awq" and source is None  # (predictors never are: `_matrices`)
+        # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not;
+        # asymmetric blocks are found again (exact) where the model came in them
+        fit_scales = self.method == "awq" and source is None and not fmt.has_min  # (predictors never: `_matrices`)
+        exact = source is not None and fmt.has_min and any(not w.symmetric for w in source.weights)
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
-        kept, stored, floats, errors, quantized_bytes = [], 0, 0, [], 0.0
+        kept, stored, floats, errors, quantized_bytes, rerounded = [], 0, 0, [], 0.0, 0
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
@@ -118,9 +143,14 @@ class Quantize:
                         kept.append(value.name)
                         continue
                     array = np.asarray(array, np.float32)  # a half model's matrix, widened one at a time
-                    q, scales = quant.quantize(array, matrix_format, axis, fit_scales=fit)
-                    errors.append(_relative_error(array, quant.dequantize(q, scales, axis)))
-                    done[key] = self._dequantize(graph, node, value.name, q, scales, axis, matrix_format)
+                    if matrix_format.has_min:
+                        q, scales, mins, missed = quant.quantize_asymmetric(array, matrix_format, axis, exact=exact)
+                        blocks, rerounded = (q, scales, mins), rerounded + missed
+                    else:
+                        blocks = quant.quantize(array, matrix_format, axis, fit_scales=fit)
+                    errors.append(_relative_error(array, quant.dequantize(*blocks[:2], axis, *blocks[2:])))
+                    done[key] = self._dequantize(graph, node, value.name, *blocks[:2], axis, matrix_format,
+                                                 *blocks[2:])
                     stored += array.size
                     floats += array.nbytes
                     quantized_bytes += array.size * matrix_format.bytes_per_weight
@@ -135,19 +165,22 @@ class Quantize:
                    "scope": "weights" if fmt.quantized else "predictors",
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
+                   "source_blocks_rerounded": rerounded,
                    "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
         ctx.log(f"quantize: {len(done)} {summary['scope'][:-1]} matrices to {blocked.name} ({method}, blocks of "
                 f"{blocked.block}, {blocked.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
                 f"{summary['mean_relative_error']:.4f}"
-                f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}")
+                f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}"
+                f"{'; the model' + chr(39) + 's own blocks kept exactly' if exact and not rerounded else ''}"
+                f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")
         return PassResult(model, modified=True)
 
     @staticmethod
     def _dequantize(graph: ir.Graph, before: ir.Node, name: str, q: np.ndarray, scales: np.ndarray, axis: int,
-                    fmt: WeightFormat) -> ir.Value:
-        onnx_type, numpy_type = _ONNX_TYPES[fmt.bits]
+                    fmt: WeightFormat, mins: np.ndarray | None = None) -> ir.Value:
+        onnx_type, numpy_type = _ONNX_TYPES[(fmt.bits, fmt.has_min)]
         q_value = ir.val(f"{name}.q", const_value=ir.tensor(q.astype(numpy_type), dtype=onnx_type, name=f"{name}.q"))
         graph.register_initializer(q_value)
         s_value = pir.initializer(graph, f"{name}.scales", scales)
@@ -158,7 +191,40 @@ class Quantize:
         node.outputs[0].shape = ir.Shape(list(q.shape))
         node.metadata_props[DEVICE_KEY] = "cpu"
         graph.insert_before(before, node)
-        return node.outputs[0]
+        return node.outputs[0] if mins is None else _with_mins(graph, before, name, node.outputs[0], mins, axis, fmt)
+
+
+def _standard(node: ir.Node | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def dequantizes_weight(node: ir.Node) -> bool:
+    """Whether `node` is part of a stored matrix's dequantization (its DequantizeLinear; int4a's mins' Reshape /
+    Add / Reshape after one): constants a kernel reads as blocks (`QuantizedMatrix.of`), not a computation."""
+    while (_standard(node, "Reshape") or _standard(node, "Add")) and pir.const_array(node.inputs[1]) is not None:
+        node = node.inputs[0].producer()
+    return _standard(node, "DequantizeLinear") and pir.const_array(node.inputs[0]) is not None
+
+
+def _with_mins(graph: ir.Graph, before: ir.Node, name: str, scaled: ir.Value, mins: np.ndarray, axis: int,
+               fmt: WeightFormat) -> ir.Value:
+    """scaled (DequantizeLinear's q * d, [K, N]) plus each block's min: Reshape to [.., blocks, block, ..], Add
+    the mins shaped [.., blocks, 1, ..], Reshape back (standard ONNX, as QuantizedMatrix.of reads it)."""
+    shape = list(scaled.shape)
+    blocked = shape[:axis] + [shape[axis] // fmt.block, fmt.block] + shape[axis + 1:]
+    min_shape = shape[:axis] + [shape[axis] // fmt.block, 1] + shape[axis + 1:]
+    nodes, out = [], scaled
+    for step, (op, operand) in enumerate((("Reshape", np.array(blocked, np.int64)), ("Add", mins.reshape(min_shape)),
+                                          ("Reshape", np.array(shape, np.int64)))):
+        constant = pir.initializer(graph, f"{name}.{('blocks', 'mins', 'shape')[step]}", operand)
+        node = ir.node(op, [out, constant], name=f"{name}.{('blocked', 'add_mins', 'unblocked')[step]}")
+        node.outputs[0].name, node.outputs[0].dtype = f"{name}.{('blocked', 'with_mins', 'dequantized_mins')[step]}", \
+            ir.DataType.FLOAT
+        node.outputs[0].shape = ir.Shape(blocked if step < 2 else shape)
+        node.metadata_props[DEVICE_KEY] = "cpu"
+        graph.insert_before(before, node)
+        out = node.outputs[0]
+    return out
 
 
 def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str,
@@ -175,8 +241,13 @@ def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str,
 
 def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> WeightFormat:
     """`fmt`, with the source's scale type where every weight of the model came quantized in it (bits, block,
-    symmetric)."""
+    symmetric; int4a: with zero points, in the type import wrote its blocks' scales and mins in)."""
     if source is None or not source.weights:
+        return fmt
+    if fmt.has_min:
+        asymmetric = [w for w in source.weights if not w.symmetric and w.bits == fmt.bits and w.block_size == fmt.block]
+        if asymmetric and any(w.block_dtype == "float32" for w in asymmetric):
+            return replace(fmt, scale_dtype="float32")
         return fmt
     if all(w.symmetric and w.bits == fmt.bits and w.block_size == fmt.block for w in source.weights):
         scale_types = {w.scale_dtype for w in source.weights}

@@ -148,12 +148,17 @@ class _FoldDequantize:
     name = "fold-dequantize"
 
     def apply(self, model, ctx):
-        for node in [n for n in model.graph if n.op_type == "DequantizeLinear"]:
+        for node in list(model.graph):
             matrix = QuantizedMatrix.of(node.outputs[0])
+            if matrix is None:  # (an int4a matrix's DequantizeLinear: its mins' Reshape / Add / Reshape stand for it)
+                continue
             value = pir.initializer(model.graph, node.outputs[0].name + ".folded",
-                                    quant.dequantize(matrix.values, matrix.scales, matrix.axis))
+                                    quant.dequantize(*matrix.blocks[:2], matrix.axis, *matrix.blocks[2:]))
             node.outputs[0].replace_all_uses_with(value)
-            model.graph.remove(node, safe=True)
+            while node is not None:  # the node, and for int4a the chain up to its DequantizeLinear
+                producer = node.inputs[0].producer()
+                model.graph.remove(node, safe=True)
+                node = producer if node.op_type != "DequantizeLinear" else None
         pir.drop_unused_initializers(model.graph)
         return PassResult(model, modified=True)
 
@@ -183,12 +188,11 @@ def built(sparse_opt, tmp_path_factory):
 
 # int4 dense and sparse, int8 sparse: a sparse build reads quantized panels (attention, output layer) and rows (the
 # FFN parts, the embedding table), a dense one panels for its FFN too
-@pytest.mark.parametrize("weight_dtype,dense", [("int4", True), ("int4", False), ("int8", False)],
-                         ids=["int4-dense", "int4-sparse", "int8-sparse"])
+@pytest.mark.parametrize("weight_dtype,dense", [("int4", True), ("int4", False), ("int8", False), ("int4a", False)],
+                         ids=["int4-dense", "int4-sparse", "int8-sparse", "int4a-sparse"])
 def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dtype, dense):
-    """The artifact's int8 / int4 kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the logits of
-    the same quantized values run through fp32 kernels, within fp32 rounding; and it stores ~1/4 (int8) or ~1/7
-    (int4) of the fp32 weight bytes."""
+    """The artifact's int8 / int4 / int4a kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the
+    logits of the same quantized values run through fp32 kernels, within fp32 rounding."""
     quantized, folded = built(weight_dtype, dense), built(weight_dtype, dense, fold=True)
     manifest = json.loads((quantized / "manifest.json").read_text())
     layouts = {info.get("layout") for info in manifest["buffers"].values() if info["kind"] == "weight"}
