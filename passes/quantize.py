@@ -127,10 +127,10 @@ class Quantize:
         # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not;
         # asymmetric blocks are found again (exact) where the model came in them
         fit_scales = self.method == "awq" and source is None and not fmt.has_min  # (predictors never: `_matrices`)
-        exact = source is not None and fmt.has_min and any(not w.symmetric for w in source.weights)
+        exact = source is not None and fmt.has_min
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
-        kept, stored, floats, errors, quantized_bytes, rerounded = [], 0, 0, [], 0.0, 0
+        kept, stored, floats, errors, quantized_bytes, rerounded, foreign = [], 0, 0, [], 0.0, 0, []
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
@@ -144,7 +144,11 @@ class Quantize:
                         continue
                     array = np.asarray(array, np.float32)  # a half model's matrix, widened one at a time
                     if matrix_format.has_min:
-                        q, scales, mins, missed = quant.quantize_asymmetric(array, matrix_format, axis, exact=exact)
+                        q, scales, mins, missed, unlike = quant.quantize_asymmetric(array, matrix_format, axis,
+                                                                                    exact=exact)
+                        if unlike:  # a matrix the model stores in floats (or in other blocks): not re-rounded
+                            foreign.append(value.name)
+                            continue
                         blocks, rerounded = (q, scales, mins), rerounded + missed
                     else:
                         blocks = quant.quantize(array, matrix_format, axis, fit_scales=fit)
@@ -165,7 +169,7 @@ class Quantize:
                    "scope": "weights" if fmt.quantized else "predictors",
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
-                   "source_blocks_rerounded": rerounded,
+                   "source_blocks_rerounded": rerounded, "source_floats_kept": foreign,
                    "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
         ctx.log(f"quantize: {len(done)} {summary['scope'][:-1]} matrices to {blocked.name} ({method}, blocks of "
@@ -173,6 +177,7 @@ class Quantize:
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
                 f"{summary['mean_relative_error']:.4f}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}"
+                f"{f'; {len(foreign)} not in 4-bit blocks in the model ({_names(foreign)}), kept in floats' if foreign else ''}"
                 f"{'; the model' + chr(39) + 's own blocks kept exactly' if exact and not rerounded else ''}"
                 f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")
         return PassResult(model, modified=True)
@@ -254,6 +259,10 @@ def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> Weig
         if scale_types == {"float32"}:
             return replace(fmt, scale_dtype="float32")
     return fmt
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _relative_error(w: np.ndarray, approx: np.ndarray) -> float:

@@ -116,14 +116,24 @@ def mode_of(model: ir.Model, options: Options) -> str:
 
 
 def _warn_if_dequantized(model: ir.Model, options: Options, ctx: Context) -> None:
-    """A model that came block-quantized, built in a float format, keeps its values but not its size: say so."""
+    """A model that came block-quantized, built in a float format, keeps its values but not its size; built in a
+    quantized format that cannot hold its blocks (asymmetric 4-bit ones in int4 or int8), it loses its values:
+    say so."""
     source = SourceQuantization.of(model)
-    if source is None or WEIGHT_FORMATS[options.weight_dtype].quantized:
+    if source is None:
         return
     bits = sorted({w.bits for w in source.weights})
-    ctx.warn(f"the model's weights came {'/'.join(map(str, bits))}-bit quantized ({source.op}); this "
-             f"{options.weight_dtype} build stores them dequantized, "
-             f"{'--weight-dtype int' + str(bits[0]) + ' keeps their values' if len(bits) == 1 else ''}".rstrip(", "))
+    asymmetric = [w for w in source.weights if w.bits == 4 and not w.symmetric]
+    keeps = "int4a" if asymmetric else f"int{bits[0]}"
+    fmt = WEIGHT_FORMATS[options.weight_dtype]
+    if not fmt.quantized:
+        ctx.warn(f"the model's weights came {'/'.join(map(str, bits))}-bit quantized ({source.op}); this "
+                 f"{options.weight_dtype} build stores them dequantized, "
+                 f"{'--weight-dtype ' + keeps + ' keeps their values' if len(bits) == 1 else ''}".rstrip(", "))
+    elif asymmetric and not fmt.has_min:
+        ctx.warn(f"{len(asymmetric)} of the model's 4-bit weights have zero points (a scale and a minimum per "
+                 f"block); this {options.weight_dtype} build re-rounds them to its own blocks (the quantize line "
+                 "says by how much), --weight-dtype int4a keeps their values")
 
 
 class ReleaseMappedPages(Hook):

@@ -32,7 +32,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from picompile.sizes import float_format
-from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WEIGHT_FORMATS, WeightFormat
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat, dequantize_blocks
 
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch, row_dim
@@ -69,7 +69,7 @@ def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = Fal
     With `fit_scales` each block takes the scale of FITTED_SCALE_RATIOS (either sign) whose rounding has the least
     squared error (the clipping search of AWQ, without activations). Asymmetric: `quantize_asymmetric`."""
     if fmt.has_min:
-        q, scales, mins, _ = quantize_asymmetric(w, fmt, axis, exact=exact)
+        q, scales, mins, *_ = quantize_asymmetric(w, fmt, axis, exact=exact)
         return q, scales, mins
     if fmt.bits not in (4, 8):
         raise ValueError(f"{fmt.name} is not a block-quantized format")
@@ -116,14 +116,15 @@ def _round_asymmetric(part, d, m, high):
 
 def quantize_asymmetric(w: np.ndarray, fmt: WeightFormat, axis: int, exact: bool = False):
     """Asymmetric blocks (Q4_1's rule): per block m = min, d = (max - m) / (2^bits - 1), q = round((x - m) / d)
-    in [0, 2^bits - 1], d and m rounded to their stored types first. Returns (q, scales, mins, blocks not
-    reproduced).
+    in [0, 2^bits - 1], d and m rounded to their stored types first. Returns (q, scales, mins, missed, foreign):
+    with `exact`, the counts of blocks not reproduced and of blocks that are no dequantized blocks (0 without).
 
-    `exact`: `w` holds dequantized blocks (an imported MatMulNBits with zero points, written by
-    WeightFormat.dequantize): a block whose values the rule does not reproduce bit for bit (its codes do not
-    span 0 .. 2^bits - 1, or its scale's division rounded) tries every narrower span k and the stored types'
-    neighbours of (max - m) / k, keeping the first that reproduces it. The count returned is the blocks no
-    candidate reproduces (re-rounded by the rule)."""
+    `exact`: `w` may hold dequantized blocks (an imported MatMulNBits with zero points, written by
+    `dequantize_blocks`): a block whose values the rule does not reproduce bit for bit (its codes do not span
+    0 .. 2^bits - 1, or its scale's division rounded) tries every narrower span k and the stored types'
+    neighbours of (max - m) / k, keeping the first that reproduces it; `missed` counts those no candidate
+    reproduces (re-rounded by the rule), `foreign` the blocks of more than 2^bits distinct values, which no
+    dequantized block has (rounded by the rule too: a float matrix, or another format's blocks)."""
     blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
     shape, flat = blocks.shape, blocks.reshape(-1, fmt.block)
     high = fmt.levels[1]
@@ -133,7 +134,10 @@ def quantize_asymmetric(w: np.ndarray, fmt: WeightFormat, axis: int, exact: bool
     d = (span / high).astype(fmt.scale_dtype)
     q, values = _round_asymmetric(flat, d, m, high)
     missed = np.flatnonzero((values != flat).any(-1)) if exact else np.empty(0, np.intp)
-    if missed.size:
+    foreign = 0
+    if missed.size:  # (only blocks of at most 2^bits distinct values can be dequantized blocks)
+        grid = (np.diff(np.sort(flat[missed], axis=-1), axis=-1) != 0).sum(-1) < high + 1
+        missed, foreign = missed[grid], int((~grid).sum())
         sdtype = np.dtype(fmt.scale_dtype)
         for k in range(high, 0, -1):
             for step in (0, 1, -1):
@@ -147,13 +151,10 @@ def quantize_asymmetric(w: np.ndarray, fmt: WeightFormat, axis: int, exact: bool
                 q[missed[hit]], d[missed[hit]] = tq[hit], trial[hit]
                 missed = missed[~hit]
     q, d, m = _unblocked(axis, shape, q, d, m)
-    return q, d, m, int(missed.size)
+    return q, d, m, int(missed.size), foreign
 
 
-def dequantize(q: np.ndarray, scales: np.ndarray, axis: int, mins: np.ndarray | None = None) -> np.ndarray:
-    """The float32 matrix that `quantize`'s (q, scales (, mins)) stand for (`WeightFormat.dequantize`)."""
-    fmt = WEIGHT_FORMATS["int4a" if mins is not None else "int8"]  # (the formula is the format kind's alone)
-    return fmt.dequantize(q, scales, axis, mins)
+dequantize = dequantize_blocks  # (q, scales, axis, mins=None) -> the float32 matrix `quantize`'s blocks stand for
 
 
 def as_stored(w: np.ndarray, fmt: WeightFormat, axis: int) -> np.ndarray:
