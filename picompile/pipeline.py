@@ -52,7 +52,7 @@ class Options:
     target_recall: float = 0.99  # the threshold of each predictor is set to reach this on held-out tokens
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)
     dense_fallback: bool = True  # predictor mode: placement may run a layer dense (where the cost model prices it lower)
-    # storage of the CPU's weight matrices: fp32, fp16 (converted in registers), int8, int4, or "auto"
+    # storage of the CPU's weight matrices: fp32, fp16 (converted in registers), int8, int4, int4a, or "auto"
     # (runtime.dtypes.AUTO_WEIGHT_DTYPE, the command line's default: as the model file stores them; `compiler.build`
     # resolves it from the model)
     weight_dtype: str = "fp32"

@@ -1,23 +1,27 @@
 """Block-quantized weights: the quantization rules (numpy) and the layouts the CPU's kernels read them in.
 
-The formats are `runtime.dtypes.WEIGHT_FORMATS`' int8 and int4: one scale per QUANT_BLOCK consecutive weights
-along one axis of the matrix (`axis`). A matrix is quantized once (`quantize`: integer values, unpacked, and
-their scales, both shaped like the matrix with the block axis divided by the block) and packed into the layout
-of the kernel that reads it:
+The formats are `runtime.dtypes.WEIGHT_FORMATS`' int8, int4 and int4a: one scale (int4a: a scale and a minimum,
+x = d q + m) per QUANT_BLOCK consecutive weights along one axis of the matrix (`axis`). A matrix is quantized
+once (`quantize`: integer values, unpacked, and their scales (and mins), shaped like the matrix with the block
+axis divided by the block) and packed into the layout of the kernel that reads it:
 
 * rows (`pack_rows`): a row-major [R, C] weight whose rows kernels read whole (the gathered FFN rows, one per
   neuron; the embedding table), blocks along the row (axis 1). int8: q [R, C] int8; int4: q [R, C/2] uint8,
   byte 16 b + i of a row holding its element 32 b + i in the low nibble and 32 b + 16 + i in the high one
-  (Q4_0's order), each as q + 8. Scales [R, C / 32].
+  (Q4_0's order), each as q + 8 (int4a: q, in [0, 15]). Scales [R, C / 32]; int4a's scales and mins
+  interleaved, [R, 2 C / 32] (d and m of block b at 2b and 2b + 1, as Q4_1 keeps them beside each other).
 * panels (`pack_panels`): a dense linear's [K, N] weight, blocks along the reduction axis K (axis 0), cut
   into panels of PANEL columns like `cpu.pack_panels`. int8: q [P, K, 16] int8; int4: q [P, K, 8] uint8,
-  byte v holding column v of the panel in the low nibble and column v + 8 in the high one, each as q + 8.
-  Scales [P, K / 32, 16]. Padded columns are 0 with scale 0.
+  byte v holding column v of the panel in the low nibble and column v + 8 in the high one, each as q + 8
+  (int4a: q). Scales [P, K / 32, 16]; int4a's [P, K / 32, 32], a block's 16 scales then its 16 mins (one
+  64-byte line). Padded columns are 0 with scale 0 (and min 0).
 
 A quantized axis must be a whole number of blocks (`quantizable`); other weights stay in floats.
 
 Below the numpy code, the CPU kernels that read these layouts (TVMScript, fp32 arithmetic): the decode GEMV over
-panels (`gemv_panels_q`; `gemv_panels_q4x8` and `gemv_panels_q8x8`, int4 and int8 with int8 activations), the
+panels (`gemv_panels_q`; `gemv_panels_q4x8` and `gemv_panels_q8x8`, int4 / int4a and int8 with int8
+activations; int4a's kernels add each block's min times x's block sum, sum_k (d q_k + m) x_k = d sum_k q_k x_k +
+m sum_k x_k, so a block costs one more FMA per column, not one per weight), the
 prefill operands: `panels_weight`, which `cpu.gemm` dequantizes into its per-task panels, and `quantized_rows`,
 the FFN rows as `cpu.gemm_nt` (up rows, [N, K]) and `cpu.gemm_kn` (down rows, [K, N]) read them in place
 (`rows_weight` and `kn_weight`, the same rows packed per call by `cpu.gemm`, are what linear_rows_q and
