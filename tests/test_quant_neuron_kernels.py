@@ -26,9 +26,8 @@ FUSED = {  # name: (D, bits, gated, activation, scale dtype); D = 96: 3 blocks (
     "int4_gated_relu": (96, "int4", True, "relu", "float16"),
     "int4_wide_relu": (256, "int4", False, "relu", "float16"),  # 8 blocks: 4 chains, 4 int4 blocks a line
     "int8_wide_gated_gelu": (256, "int8", True, "gelu", "float16"),  # 2 int8 blocks a line
-    "int4a_relu": (96, "int4a", False, "relu", "float32"),  # asymmetric blocks: mins beside the scales
+    "int4a_relu": (128, "int4a", False, "relu", "float32"),  # asymmetric blocks, mins beside the scales: 4 chains
     "int4a_gated_silu": (96, "int4a", True, "silu", "float16"),
-    "int4a_wide_gated_relu": (256, "int4a", True, "relu", "float16"),  # 4 chains, the mins' sums in vectors
 }
 INT8_DOT = {  # sparse_ffn_q with int8_dot: (D, bits, gated, activation, scale dtype, dot)
     "int4_relu": (256, "int4", False, "relu", "float16", "madd"),  # zmm: 2 vectors (2 chains); ymm: 4
@@ -45,7 +44,8 @@ INT8_VNNI = {  # AVX512-VNNI only (the avx512vnni ISA)
 }
 V, MAX_CTX, MAX_ROWS = 50, 20, 8
 EMBED = {"int8_pos": (96, "int8", MAX_CTX, "float16"), "int4_pos": (96, "int4", MAX_CTX, "float32"),
-         "int4_nopos": (64, "int4", None, "float16"), "int8_nopos": (64, "int8", None, "float32")}
+         "int4_nopos": (64, "int4", None, "float16"), "int8_nopos": (64, "int8", None, "float32"),
+         "int4a_pos": (96, "int4a", MAX_CTX, "float16")}
 ROWS = {"d": 1, "p": None}
 
 
