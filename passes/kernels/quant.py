@@ -384,8 +384,8 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
                 if has_min:
                     for g, h, half in T.grid(group, 2, 2):
                         for c in T.vectorized(HALF):
-                            acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + xc[kb, half * HALF + c] * load_f32(
-                                ws[t * group + g, kb, PANEL + h * HALF + c], sdtype)
+                            acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + xc[
+                                kb, half * HALF + c] * load_f32(ws[t * group + g, kb, PANEL + h * HALF + c], sdtype)
             for g, h in T.grid(group, 2):
                 for c in (T.vectorized if full else T.serial)(HALF):
                     if full or t * width + g * PANEL + h * HALF + c < N:
@@ -955,8 +955,8 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
     if int8_dot is not None and tile_panels > 1 and gemv_int8_dot_fits(bits, int8_dot, tile_panels):
         return gemm_panels_qx8(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual,
                                dot=int8_dot, tile_panels=tile_panels, has_min=has_min)
-    return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype, has_min=has_min), bias=bias, act=act,
-                     residual=residual, tile_panels=tile_panels)
+    return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype, has_min=has_min), bias=bias,
+                     act=act, residual=residual, tile_panels=tile_panels)
 
 
 def linear_rows_q(name, K, N, *, rows, bits, sdtype="float16", act="none", tile_panels=1, has_min=False):
@@ -964,8 +964,8 @@ def linear_rows_q(name, K, N, *, rows, bits, sdtype="float16", act="none", tile_
     rows, as neuron.linear_rows), read in place by cpu.gemm_nt.  Args: x, w, ws, b (zeros for bias-free models), y. Prefill only."""
     if rows is not None:
         raise ValueError("linear_rows_q runs in prefill only")
-    return _cpu.gemm_nt(name, K, N, rows=quantized_rows(N, K, bits=bits, sdtype=sdtype, has_min=has_min), bias=True, act=act,
-                        tile_panels=tile_panels)
+    return _cpu.gemm_nt(name, K, N, rows=quantized_rows(N, K, bits=bits, sdtype=sdtype, has_min=has_min), bias=True,
+                        act=act, tile_panels=tile_panels)
 
 
 def linear_kn_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
@@ -975,5 +975,5 @@ def linear_kn_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="no
     multiply are not read).  Args: x, w, ws, (b), (res), y. Prefill only (N a multiple of 32)."""
     if rows is not None:
         raise ValueError("linear_kn_q runs in prefill only")
-    return _cpu.gemm_kn(name, K, N, rows=quantized_rows(K, N, bits=bits, sdtype=sdtype, has_min=has_min), bias=bias, act=act,
-                        residual=residual, tile_panels=tile_panels, skip_zero_rows=skip_zero_rows)
+    return _cpu.gemm_kn(name, K, N, rows=quantized_rows(K, N, bits=bits, sdtype=sdtype, has_min=has_min), bias=bias,
+                        act=act, residual=residual, tile_panels=tile_panels, skip_zero_rows=skip_zero_rows)
