@@ -43,7 +43,7 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
 from picompile.sizes import predictor_format, weight_format
-from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
+from runtime.dtypes import QUANT_BLOCK, QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 
 from .awq import AWQ_KEY
 from .import_onnx import SourceQuantization
@@ -128,6 +128,7 @@ class Quantize:
         # asymmetric blocks are found again (exact) where the model came in them
         fit_scales = self.method == "awq" and source is None and not fmt.has_min  # (predictors never: `_matrices`)
         exact = source is not None and fmt.has_min
+        group = _source_group(source) if exact else 1  # source blocks of 64, 128: 2, 4 of ours share a d and m
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors, quantized_bytes, rerounded, foreign = [], 0, 0, [], 0.0, 0, []
@@ -144,8 +145,8 @@ class Quantize:
                         continue
                     array = np.asarray(array, np.float32)  # a half model's matrix, widened one at a time
                     if matrix_format.has_min:
-                        q, scales, mins, missed, unlike = quant.quantize_asymmetric(array, matrix_format, axis,
-                                                                                    exact=exact)
+                        q, scales, mins, missed, unlike = quant.quantize_asymmetric(
+                            array, matrix_format, axis, exact=exact, group=group if axis == 0 else 1)
                         if unlike:  # a matrix the model stores in floats (or in other blocks): not re-rounded
                             foreign.append(value.name)
                             continue
@@ -218,7 +219,7 @@ def _with_mins(graph: ir.Graph, before: ir.Node, name: str, scaled: ir.Value, mi
     shape = list(scaled.shape)
     blocked = shape[:axis] + [shape[axis] // fmt.block, fmt.block] + shape[axis + 1:]
     min_shape = shape[:axis] + [shape[axis] // fmt.block, 1] + shape[axis + 1:]
-    nodes, out = [], scaled
+    out = scaled
     for step, (op, operand) in enumerate((("Reshape", np.array(blocked, np.int64)), ("Add", mins.reshape(min_shape)),
                                           ("Reshape", np.array(shape, np.int64)))):
         constant = pir.initializer(graph, f"{name}.{('blocks', 'mins', 'shape')[step]}", operand)
@@ -250,7 +251,8 @@ def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> Weig
     if source is None or not source.weights:
         return fmt
     if fmt.has_min:
-        asymmetric = [w for w in source.weights if not w.symmetric and w.bits == fmt.bits and w.block_size == fmt.block]
+        asymmetric = [w for w in source.weights if not w.symmetric and w.bits == fmt.bits
+                      and w.block_size % fmt.block == 0]
         if asymmetric and any(w.block_dtype == "float32" for w in asymmetric):
             return replace(fmt, scale_dtype="float32")
         return fmt
@@ -259,6 +261,14 @@ def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> Weig
         if scale_types == {"float32"}:
             return replace(fmt, scale_dtype="float32")
     return fmt
+
+
+def _source_group(source: SourceQuantization) -> int:
+    """How many QUANT_BLOCKs along K one block of the model's asymmetric 4-bit weights spans (MatMulNBits'
+    block_size / 32), where they all have one block size that is a multiple of it; else 1."""
+    sizes = {w.block_size for w in source.weights if w.bits == 4 and not w.symmetric}
+    size = sizes.pop() if len(sizes) == 1 else 0
+    return size // QUANT_BLOCK if size and size % QUANT_BLOCK == 0 else 1
 
 
 def _names(names: list[str], shown: int = 3) -> str:

@@ -33,11 +33,13 @@ def quantized(tiny_models, tmp_path_factory):
     made = {}
     root = tmp_path_factory.mktemp("quantized")
 
-    def get(bits=4, symmetric=True, accuracy_level=None):
-        key = (bits, symmetric, accuracy_level)
+    def get(bits=4, symmetric=True, accuracy_level=None, block_size=32):
+        key = (bits, symmetric, accuracy_level, block_size)
         if key not in made:
-            made[key] = ort_quantize_nbits(tiny_models("opt").onnx, root / f"q{bits}-{int(symmetric)}-{accuracy_level}.onnx",
-                                           bits=bits, block_size=32, symmetric=symmetric, accuracy_level=accuracy_level)
+            made[key] = ort_quantize_nbits(tiny_models("opt").onnx,
+                                           root / f"q{bits}-{int(symmetric)}-{accuracy_level}-{block_size}.onnx",
+                                           bits=bits, block_size=block_size, symmetric=symmetric,
+                                           accuracy_level=accuracy_level)
         return made[key]
 
     return get
@@ -267,13 +269,16 @@ def q4_1_zero_points(tmp_path, source):
     return path, blocks
 
 
-def test_zero_points_import_as_int4a_blocks_that_give_back_the_models_q_d_and_m(quantized, tmp_path):
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_zero_points_import_as_int4a_blocks_that_give_back_the_models_q_d_and_m(quantized, tmp_path, block_size):
     """The contract with a GGUF front end: a 4-bit MatMulNBits with zero points imports as int4a's values, from
     which the quantize pass's exact rounding recovers the model's codes, scales and minimums bit for bit: fp16
     ones from Q4_1 blocks written as float32 d and -m / d; float32 ones (m = -scale x zero point) from
-    onnxruntime's quantizer, whose scales are no fp16 values."""
-    source = quantized(4, False)
+    onnxruntime's quantizer, whose scales are no fp16 values. Blocks of 64 are two of int4a's with one d and m
+    (found from the pair: a half whose codes miss 0 or 15 still gets them)."""
+    source = quantized(4, False, block_size=block_size)
     gguf_like, q4_1 = q4_1_zero_points(tmp_path, source)
+    group = block_size // 32
     for path, block_dtype in ((gguf_like, "float16"), (source, "float32")):
         logs = []
         model = imported(path, logs)
@@ -283,15 +288,13 @@ def test_zero_points_import_as_int4a_blocks_that_give_back_the_models_q_d_and_m(
         fmt = dataclasses.replace(WEIGHT_FORMATS["int4a"], scale_dtype=block_dtype)
         for (node, codes, scales, points), w in zip(_asymmetric_sources(path), fact.weights):
             q, d, m, missed, foreign = quant.quantize_asymmetric(
-                pir.const_array(model.graph.initializers[w.weight]), fmt, axis=0, exact=True)
+                pir.const_array(model.graph.initializers[w.weight]), fmt, axis=0, exact=True, group=group)
             assert missed == foreign == 0
             np.testing.assert_array_equal(q, codes.T)
-            if block_dtype == "float16":
-                np.testing.assert_array_equal(d, q4_1[node.name][0].T)
-                np.testing.assert_array_equal(m, q4_1[node.name][1].T)
-            else:
-                np.testing.assert_array_equal(d, scales.T)
-                np.testing.assert_array_equal(m, (-(scales.astype(np.float64) * points)).astype(np.float32).T)
+            want_d, want_m = q4_1[node.name] if block_dtype == "float16" else (
+                scales, (-(scales.astype(np.float64) * points)).astype(np.float32))
+            np.testing.assert_array_equal(d, np.repeat(want_d, group, axis=1).T)
+            np.testing.assert_array_equal(m, np.repeat(want_m, group, axis=1).T)
     assert stored_weight_dtype_of(gguf_like) == "int4a" and stored_weight_dtype_of(source) == "int4a"
 
 

@@ -118,7 +118,7 @@ def _round_asymmetric(part, d, m, high):
     return q, q.astype(np.float32) * d32 + m32  # (float32 ops, as WeightFormat.dequantize)
 
 
-def quantize_asymmetric(w: np.ndarray, fmt: WeightFormat, axis: int, exact: bool = False):
+def quantize_asymmetric(w: np.ndarray, fmt: WeightFormat, axis: int, exact: bool = False, group: int = 1):
     """Asymmetric blocks (Q4_1's rule): per block m = min, d = (max - m) / (2^bits - 1), q = round((x - m) / d)
     in [0, 2^bits - 1], d and m rounded to their stored types first. Returns (q, scales, mins, missed, foreign):
     with `exact`, the counts of blocks not reproduced and of blocks that are no dequantized blocks (0 without).
@@ -128,32 +128,42 @@ def quantize_asymmetric(w: np.ndarray, fmt: WeightFormat, axis: int, exact: bool
     0 .. 2^bits - 1, or its scale's division rounded) tries every narrower span k and the stored types'
     neighbours of (max - m) / k, keeping the first that reproduces it; `missed` counts those no candidate
     reproduces (re-rounded by the rule), `foreign` the blocks of more than 2^bits distinct values, which no
-    dequantized block has (rounded by the rule too: a float matrix, or another format's blocks)."""
+    dequantized block has (rounded by the rule too: a float matrix, or another format's blocks). `group`: the
+    source's blocks are that many of ours (MatMulNBits' block_size 64, 128: one d and m for all of them), so the
+    candidates take the min and max of the group's weights first: a block whose codes miss 0 or 15 still gets
+    its source block's d and m.
+    """
     blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
     shape, flat = blocks.shape, blocks.reshape(-1, fmt.block)
-    high = fmt.levels[1]
-    lo, hi = flat.min(axis=-1), flat.max(axis=-1)
-    m = lo.astype(fmt.scale_dtype)
-    span = hi.astype(np.float64) - m.astype(np.float64)
-    d = (span / high).astype(fmt.scale_dtype)
+    high, sdtype = fmt.levels[1], np.dtype(fmt.scale_dtype)
+    ranges = [(flat.min(axis=-1), flat.max(axis=-1))]  # each block's own (the rule), then its group's
+    if exact and group > 1 and shape[1] % group == 0:
+        grouped = blocks.reshape(shape[0], -1, group * fmt.block)
+        ranges.insert(0, tuple(np.repeat(a, group, axis=-1).reshape(-1)
+                               for a in (grouped.min(axis=-1), grouped.max(axis=-1))))
+
+    def candidate(lo, hi, k, step=0):
+        m = lo.astype(sdtype)
+        d = ((hi.astype(np.float64) - m.astype(np.float64)) / k).astype(sdtype)
+        return (np.nextafter(d, np.array(np.inf if step > 0 else -np.inf, sdtype)) if step else d), m
+
+    d, m = candidate(*ranges[-1], high)
     q, values = _round_asymmetric(flat, d, m, high)
-    missed = np.flatnonzero((values != flat).any(-1)) if exact else np.empty(0, np.intp)
-    foreign = 0
-    if missed.size:  # (only blocks of at most 2^bits distinct values can be dequantized blocks)
+    missed, foreign = np.empty(0, np.intp), 0
+    if exact:  # (only blocks of at most 2^bits distinct values can be dequantized blocks)
+        missed = np.flatnonzero((values != flat).any(-1))
         grid = (np.diff(np.sort(flat[missed], axis=-1), axis=-1) != 0).sum(-1) < high + 1
         missed, foreign = missed[grid], int((~grid).sum())
-        sdtype = np.dtype(fmt.scale_dtype)
-        for k in range(high, 0, -1):
-            for step in (0, 1, -1):
-                if not missed.size:
-                    break
-                trial = (span[missed] / k).astype(sdtype)
-                if step:
-                    trial = np.nextafter(trial, np.array(np.inf if step > 0 else -np.inf, sdtype))
-                tq, tv = _round_asymmetric(flat[missed], trial, m[missed], high)
-                hit = (tv == flat[missed]).all(-1)
-                q[missed[hit]], d[missed[hit]] = tq[hit], trial[hit]
-                missed = missed[~hit]
+        for lo, hi in ranges:
+            for k in range(high, 0, -1):
+                for step in (0, 1, -1):
+                    if not missed.size:
+                        break
+                    td, tm = candidate(lo[missed], hi[missed], k, step)
+                    tq, tv = _round_asymmetric(flat[missed], td, tm, high)
+                    hit = (tv == flat[missed]).all(-1)
+                    q[missed[hit]], d[missed[hit]], m[missed[hit]] = tq[hit], td[hit], tm[hit]
+                    missed = missed[~hit]
     q, d, m = _unblocked(axis, shape, q, d, m)
     return q, d, m, int(missed.size), foreign
 
