@@ -71,6 +71,34 @@ def test_layouts_hold_every_value_where_the_module_says(name):
         assert panels[0, 40, 2] >> 4 == q[40, 10] + 8
 
 
+@pytest.mark.parametrize("axis", [0, 1])
+def test_int4a_rounds_by_each_blocks_min_and_max_and_finds_its_blocks_again(axis):
+    """int4a (Q4_1's rule): m = the block's min, d = (max - m) / 15, q in [0, 15]: within half a step (plus m's
+    fp16 rounding) of every weight; its dequantized values give back the same q, d and m (exact mode); the
+    layouts hold each block's d and m together."""
+    fmt = WEIGHT_FORMATS["int4a"]
+    w = np.random.default_rng(0).standard_normal((96, 40) if axis == 0 else (40, 96)).astype(np.float32) + 0.5
+    if axis == 1:
+        w[:3] = 0.0  # all-zero blocks: d = 0, m = 0, q = 0
+    q, d, m = quant.quantize(w, fmt, axis)
+    assert q.min() >= 0 and q.max() <= 15 and d.dtype == m.dtype == np.float16
+    back = quant.dequantize(q, d, axis, m)
+    lo = (w if axis == 1 else w.T).reshape(40, -1, 32).min(-1)
+    off = np.abs(m.astype(np.float32) - (lo if axis == 1 else lo.T))  # m's own rounding to fp16
+    assert np.all(np.abs(back - w) <= np.repeat(d.astype(np.float32) / 2 + off, 32, axis=axis) + 1e-6)
+    again_q, again_d, again_m, missed, foreign = quant.quantize_asymmetric(back, fmt, axis, exact=True)
+    assert missed == foreign == 0 and np.array_equal(again_q, q)
+    assert np.array_equal(again_d, d) and np.array_equal(again_m, m)
+    if axis == 1:
+        packed, scales = quant.pack_rows(q, d, fmt, m)
+        assert packed[2, 16 + 3] & 0xF == q[2, 32 + 3] and packed[2, 16 + 3] >> 4 == q[2, 48 + 3]  # no offset
+        assert np.array_equal(scales[:, 0::2], d) and np.array_equal(scales[:, 1::2], m)
+    else:
+        panels, scales = quant.pack_panels(q, d, fmt, m)
+        assert scales.shape == (3, 3, 32) and scales[1, 2, 3] == d[2, 16 + 3] and scales[1, 2, 16 + 3] == m[2, 16 + 3]
+        assert panels[0, 40, 2] & 0xF == q[40, 2] and np.all(scales[2, :, 8:16] == 0)
+
+
 @pytest.fixture(scope="module")
 def sparse_opt(tiny_models):
     return tiny_models("opt", sparsity=0.9)
