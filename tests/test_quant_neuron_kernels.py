@@ -26,8 +26,7 @@ FUSED = {  # name: (D, bits, gated, activation, scale dtype); D = 96: 3 blocks (
     "int4_gated_relu": (96, "int4", True, "relu", "float16"),
     "int4_wide_relu": (256, "int4", False, "relu", "float16"),  # 8 blocks: 4 chains, 4 int4 blocks a line
     "int8_wide_gated_gelu": (256, "int8", True, "gelu", "float16"),  # 2 int8 blocks a line
-    "int4a_relu": (128, "int4a", False, "relu", "float32"),  # asymmetric blocks, mins beside the scales: 4 chains
-    "int4a_gated_silu": (96, "int4a", True, "silu", "float16"),
+    "int4a_gated_relu": (128, "int4a", True, "relu", "float32"),  # asymmetric blocks, mins beside the scales: 4 chains
 }
 INT8_DOT = {  # sparse_ffn_q with int8_dot: (D, bits, gated, activation, scale dtype, dot)
     "int4_relu": (256, "int4", False, "relu", "float16", "madd"),  # zmm: 2 vectors (2 chains); ymm: 4

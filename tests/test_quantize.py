@@ -216,11 +216,13 @@ def built(sparse_opt, tmp_path_factory):
 
 # int4 dense and sparse, int8 sparse: a sparse build reads quantized panels (attention, output layer) and rows (the
 # FFN parts, the embedding table), a dense one panels for its FFN too
-@pytest.mark.parametrize("weight_dtype,dense", [("int4", True), ("int4", False), ("int8", False), ("int4a", False)],
-                         ids=["int4-dense", "int4-sparse", "int8-sparse", "int4a-sparse"])
+# (("int4a", False) passes too, 2026-12-03: two more builds, ~21 s, left out of the suite's budget; int4a's kernels
+# are checked one by one against numpy, and its dense build end to end by test_quantized_import)
+@pytest.mark.parametrize("weight_dtype,dense", [("int4", True), ("int4", False), ("int8", False)],
+                         ids=["int4-dense", "int4-sparse", "int8-sparse"])
 def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dtype, dense):
-    """The artifact's int8 / int4 / int4a kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the
-    logits of the same quantized values run through fp32 kernels, within fp32 rounding."""
+    """The artifact's int8 / int4 kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the logits of
+    the same quantized values run through fp32 kernels, within fp32 rounding."""
     quantized, folded = built(weight_dtype, dense), built(weight_dtype, dense, fold=True)
     manifest = json.loads((quantized / "manifest.json").read_text())
     layouts = {info.get("layout") for info in manifest["buffers"].values() if info["kind"] == "weight"}
