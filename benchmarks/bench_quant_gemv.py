@@ -10,9 +10,11 @@ that variant's bytes), alternating in blocks of calls separated by a pause (as b
   picompile fp16      `linear_panels` decode, fp16 panels (the float baseline)
   picompile int8      `linear_panels_q` decode, int8 panels, fp16 scales
   picompile int4      `linear_panels_q` decode, int4 panels, fp16 scales
+  picompile int4a     `linear_panels_q` decode, int4a panels (asymmetric blocks, GGUF's Q4_1: fp16 scales and
+                      mins, 0.625 bytes a weight against int4's 0.5625)
   picompile int4 x8 madd / vnni   the same with int8 activations (x quantized per 32-block), the block sums
                       integer dot products: vpmaddubsw + vpmaddwd (zmm under avx512, ymm under avx2), or vpdpbusd
-                      (AVX512-VNNI: built for the avx512vnni ISA, where this CPU has it)
+                      (AVX512-VNNI: built for the avx512vnni ISA, where this CPU has it); int4a x8 likewise
 
 over `--threads` threads (onnxruntime intra-op threads, TVM_NUM_THREADS), kernels built for `--isa` (default: this
 machine's). Checks every variant against a float64 reference of the dequantized matrix first and reports its
@@ -21,6 +23,7 @@ worst error relative to max |y|. Prints medians over calls: microseconds per cal
 one copy called again and again (in cache where it fits: compute, not memory), as a markdown table.
 
     python benchmarks/bench_quant_gemv.py [--shapes 2048x2048,...] [--threads 2] [--rounds 15] [--isa avx512]
+        [--formats int4,int4a] [--no-ort]
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--mib", type=int, default=256, help="weight bytes per variant and shape, in copies")
     parser.add_argument("--isa", default=None, help="CPU_ISAS entry to build for (default: this machine's)")
+    parser.add_argument("--formats", default="int8,int4,int4a", help="picompile's weight formats to run")
+    parser.add_argument("--no-ort", action="store_true", help="leave onnxruntime's MatMulNBits out")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
@@ -89,15 +94,18 @@ def main():
     vnni_isa = CPU_ISAS["avx512vnni"]
     vnni = isa.gemm_panels == vnni_isa.gemm_panels and set(vnni_isa.features) <= (cpu_flags() or set())
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    variants = ["int8", "int4", "int4 x8 madd"] + (["int4 x8 vnni"] if vnni else [])
+    formats = args.formats.split(",")
+    variants = formats + [f"{name} x8 {dot}" for dot in ["madd"] + (["vnni"] if vnni else []) for name in formats
+                          if WEIGHT_FORMATS[name].bits == 4]
     funcs = {"base": [], "vnni": []}
     for K, N in shapes:
         funcs["base"].append(cpu.linear_panels(f"fp16_{K}_{N}", K, N, rows=1, wdtype="float16", bias=False))
         for v in variants:
             dot = v.split()[-1] if " x8 " in v else None
+            fmt = WEIGHT_FORMATS[v.split()[0]]
             funcs["vnni" if dot == "vnni" else "base"].append(quant.linear_panels_q(
-                f"{v.replace(' ', '_')}_{K}_{N}", K, N, rows=1, bits=int(v[3]), bias=False, int8_dot=dot,
-                tile_panels=isa.gemm_panels))
+                f"{v.replace(' ', '_')}_{K}_{N}", K, N, rows=1, bits=fmt.bits, bias=False, int8_dot=dot,
+                tile_panels=isa.gemm_panels, **({"has_min": True} if fmt.has_min else {})))
     targets = {"base": isa.llvm_target(), "vnni": vnni_isa.llvm_target()}
     libs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,9 +148,10 @@ def main():
         def shuffled(q, c):  # another matrix of the same statistics: rotate the columns
             return np.roll(q, 17 * c, axis=1)
 
-        sessions = variant_copies("ort int4", lambda c: ort_int4_session(shuffled(q4[0], c), shuffled(q4[1], c),
-                                                                          args.threads))
-        calls["ort int4"] = lambda c, s=sessions: s[c].run(None, {"x": x})[0]
+        sessions = [] if args.no_ort else variant_copies(
+            "ort int4", lambda c: ort_int4_session(shuffled(q4[0], c), shuffled(q4[1], c), args.threads))
+        if sessions:
+            calls["ort int4"] = lambda c, s=sessions: s[c].run(None, {"x": x})[0]
         fp16 = variant_copies("picompile fp16",
                               lambda c: placed(cpu.pack_panels(np.roll(w0, 17 * c, axis=1).astype(np.float16))))
         f = kernel(f"fp16_{K}_{N}")
@@ -150,13 +159,14 @@ def main():
         refs = {"picompile fp16": x[0].astype(np.float64) @ w0.astype(np.float16).astype(np.float64)}
         for v in variants:
             fmt = WEIGHT_FORMATS[v.split()[0]]
-            q, s = q4 if fmt.bits == 4 else quant.quantize(w0, fmt, axis=0)
-            refs[f"picompile {v}"] = x[0].astype(np.float64) @ quant.dequantize(q, s, 0).astype(np.float64)
+            q, *per_block = q4 if fmt.name == "int4" else quant.quantize(w0, fmt, axis=0)
+            refs[f"picompile {v}"] = x[0].astype(np.float64) @ quant.dequantize(q, per_block[0], 0,
+                                                                               *per_block[1:]).astype(np.float64)
             packed = variant_copies(f"picompile {v}", lambda c: [placed(a) for a in quant.pack_panels(
-                shuffled(q, c), shuffled(s, c), fmt)])
+                shuffled(q, c), shuffled(per_block[0], c), fmt, *[shuffled(a, c) for a in per_block[1:]])])
             f = kernel(f"{v.replace(' ', '_')}_{K}_{N}")
             calls[f"picompile {v}"] = lambda c, f=f, w=packed: (f(dl(xa), dl(w[c][0]), dl(w[c][1]), dl(y)), y)[1]
-        refs["ort int4"] = refs["picompile int4"]
+        refs["ort int4"] = x[0].astype(np.float64) @ quant.dequantize(*q4, 0).astype(np.float64)
         for label, fn in calls.items():
             got = np.array(fn(0)).reshape(-1)
             errors[label] = np.abs(got - refs[label]).max() / np.abs(refs[label]).max()
@@ -177,7 +187,8 @@ def main():
                     began = clock()
                     fn(0)
                     warm[label].append(clock() - began)
-        base = {label: np.median(samples[label]) for label in ("ort int4", "picompile fp16")}
+        base = {label: np.median(samples[label]) if label in samples else np.nan
+                for label in ("ort int4", "picompile fp16")}
         for label, times in samples.items():
             t = np.median(times)
             rows.append((f"{K}x{N}", label, t * 1e6, bytes_per[label] / t / 1e9, t / base["ort int4"],

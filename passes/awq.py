@@ -82,8 +82,8 @@ def search_scales(x: np.ndarray, w_up: np.ndarray, b_up: np.ndarray | None, magn
     for alpha in alphas:
         s = np.maximum(magnitude, floor).astype(np.float64) ** alpha
         s = (s / np.exp(np.log(s).mean())).astype(np.float32)  # geometric mean 1: the weights keep their size
-        q, scales = quant.quantize(w_up * s[:, None], fmt, axis=0, fit_scales=True)
-        out = (x / s) @ quant.dequantize(q, scales, axis=0) + (0 if b_up is None else b_up)
+        q, scales, *mins = quant.quantize(w_up * s[:, None], fmt, axis=0, fit_scales=True)
+        out = (x / s) @ quant.dequantize(q, scales, 0, *mins) + (0 if b_up is None else b_up)
         if relu:
             out = np.maximum(out, 0)
         error = float(np.linalg.norm(out - reference)) / norm

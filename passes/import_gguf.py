@@ -68,11 +68,12 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # asymmetric / super-block format exists: on SmolLM2-135M's Q4_1 file int8 changed each matrix by 0.5%
 # (relative, mean) and perplexity by +0.2% against the file's own model (2026-12-03), where int4 costs x1.3-1.4
 # (issue 32); fp16 would hold them closer at twice the bytes.
-AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "int8", "Q4_0": "int4"}
+AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4a"}
 AUTO_FALLBACK = "int8"
-# (source type, --weight-dtype) pairs that keep every value exactly
+# (source type, --weight-dtype) pairs that keep every value exactly (an int4a build keeps a float matrix in floats)
 EXACT = {("F32", "fp32"), ("F16", "fp32"), ("F16", "fp16"), ("BF16", "fp32"), ("Q8_0", "fp32"), ("Q8_0", "int8"),
-         ("Q4_0", "fp32"), ("Q4_0", "int8"), ("Q4_0", "int4")}
+         ("Q4_0", "fp32"), ("Q4_0", "int8"), ("Q4_0", "int4"), ("Q4_0", "int4a"), ("Q4_1", "fp32"),
+         ("Q4_1", "int4a"), ("F32", "int4a"), ("F16", "int4a"), ("BF16", "int4a")}
 
 
 def is_gguf(path: Path) -> bool:
@@ -148,13 +149,18 @@ class GGUFSource:
         return (f"most of the file's weights are {most}, which no picompile format holds exactly yet: int8 keeps "
                 "them closest at its size")
 
-    def changed(self, weight_dtype: str) -> dict[str, int]:
+    def changed(self, weight_dtype: str, keep_source_blocks: bool = False) -> dict[str, int]:
         """Source format -> how many matrices a build storing weights in `weight_dtype` re-rounds (values no
-        longer the file's)."""
+        longer the file's); with `keep_source_blocks` (auto's build) a matrix in blocks another format holds
+        exactly is stored in that one (passes.quantize)."""
+        kept_in = {dtype for _, dtype in EXACT} if keep_source_blocks else {weight_dtype}
         counts: dict[str, int] = {}
         for t in self.matrices():
-            if weight_dtype != "fp32" and (t.format, weight_dtype) not in EXACT:  # fp32 holds every file value
-                counts[t.format] = counts.get(t.format, 0) + 1
+            if weight_dtype == "fp32" or (t.format, weight_dtype) in EXACT:  # fp32 holds every file value
+                continue
+            if keep_source_blocks and t.format not in FLOAT_TYPES and any((t.format, d) in EXACT for d in kept_in):
+                continue
+            counts[t.format] = counts.get(t.format, 0) + 1
         return counts
 
     def describe(self) -> str:
@@ -165,10 +171,11 @@ class GGUFSource:
         return f"GGUF {self.architecture} ({Path(self.file).name}): weight matrices {listed}"
 
 
-def rerounding_warning(source: GGUFSource, weight_dtype: str, target_has_gpu: bool = False) -> str | None:
+def rerounding_warning(source: GGUFSource, weight_dtype: str, target_has_gpu: bool = False,
+                       keep_source_blocks: bool = False) -> str | None:
     """The one line a build prints where storing the file's matrices in `weight_dtype` changes some of their
     values (None where every value is kept)."""
-    changed = source.changed(weight_dtype)
+    changed = source.changed(weight_dtype, keep_source_blocks)
     if not changed:
         return None
     parts = ", ".join(f"{count} {name}" for name, count in sorted(changed.items(), key=lambda kv: -kv[1]))

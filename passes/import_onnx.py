@@ -19,6 +19,12 @@ model, `metadata_props["picompile.source_quantization"]`: the JSON of a `SourceQ
 dequantized weight (its node, the new weight initializer, the B / scales / zero_points initializers it was
 stored in, bits, block_size, whether symmetric (no zero points, or all equal to 2^(bits-1)), the scales'
 dtype, K and N); read it with `SourceQuantization.of(model)` (recognise keeps it on the lifted model).
+A 4-bit MatMulNBits with zero points (uint8 codes or floats; onnxruntime's asymmetric quantizer, or a GGUF
+file's Q4_1 blocks) is written as int4a's blocks' values instead (`runtime.dtypes.dequantize_blocks`: x = d q + m
+in float32, d = the scale, m = -scale x zero point, both in fp16 where that is exact: fp16 scales, and m within
+fp32 rounding of an fp16 value, as a float32 zero point of -m / d gives back a Q4_1 block's fp16 m; else both in
+float32, said in the log line), so that the quantize pass finds the same q, d and m in them again; the fact
+records that type (`block_dtype`). The values differ from (q - zero point) x scale by fp32 rounding only.
 Symmetric MatMulNBits with block_size 32 is picompile's int4 / int8 rule (scale = the block's
 largest-magnitude weight / -2^(bits-1)): `passes.kernels.quant.quantize` recovers its q and scales exactly
 from the dequantized weight where the scales are representable in the format's scale dtype (float16: an fp16
@@ -50,7 +56,7 @@ from picompile.pipeline import Context
 from picompile.sizes import weight_bytes
 from picompile.targets import format_size
 from runtime.artifact import available_memory_bytes, first_line
-from runtime.dtypes import WEIGHT_FORMATS
+from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
 
 REQUIRED_INPUTS = ("input_ids",)
 REQUIRED_OUTPUTS = ("logits",)
@@ -162,11 +168,14 @@ def load(path: Path, for_build: bool = True) -> ir.Model:
 
 def stored_weight_dtype(model: ir.Model) -> str:
     """The --weight-dtype that keeps a loaded model's weights as the file stores them (what `auto` means):
-    int4 / int8 where its MatMulNBits weights all have those bits, fp16 where most of its float matrix bytes
-    are fp16 or bf16 (bf16 values are fp16 ones but for those below fp16's normal range, ~6e-5), else fp32."""
-    bits = {node.attributes["bits"].as_int() for node in model.graph
-            if node.op_type == "MatMulNBits" and "bits" in node.attributes}
+    int4 / int8 where its MatMulNBits weights all have those bits (int4a where 4-bit ones have zero points),
+    fp16 where most of its float matrix bytes are fp16 or bf16 (bf16 values are fp16 ones but for those below
+    fp16's normal range, ~6e-5), else fp32."""
+    nodes = [node for node in model.graph if node.op_type == "MatMulNBits" and node.domain == NBITS_DOMAIN]
+    bits = {int(pir.attr(node, "bits", 4)) for node in nodes}
     if len(bits) == 1 and (name := f"int{bits.pop()}") in WEIGHT_FORMATS:
+        if name == "int4" and not all(_read_matmul_nbits(node)["fact"]["symmetric"] for node in nodes):
+            return "int4a"
         return name
     by_dtype: dict[bool, int] = {True: 0, False: 0}
     for value in model.graph.initializers.values():
@@ -334,6 +343,7 @@ class QuantizedWeight:
     scale_dtype: str  # numpy's name: float32, float16 or bfloat16 (float16 for float32 scales that are all fp16 values)
     K: int
     N: int
+    block_dtype: str = ""  # 4-bit with zero points: the type of the int4a scales and mins its values are exact in
 
 
 @dataclass(frozen=True)
@@ -455,17 +465,39 @@ def _scale_dtype(scales: np.ndarray) -> str:
     return str(scales.dtype)
 
 
-def _dequantize(read: dict) -> np.ndarray:
-    """The float32 [K, N] weight a MatMulNBits stands for: (q - zero_point) x scale per block along K."""
+def _dequantize(read: dict) -> tuple[np.ndarray, str]:
+    """The float32 [K, N] weight a MatMulNBits stands for, (q - zero_point) x scale per block along K, and "";
+    with 4-bit zero points int4a's values d q + m instead, and the type of d and m (`_asymmetric_blocks`)."""
     K, N, B = read["K"], read["N"], read["B"]
     if not B.size:  # the schema's omitted projection: every weight 0
-        return np.zeros((K, N), np.float32)
+        return np.zeros((K, N), np.float32), ""
     blocks = B.shape[1]
     codes = _unpack(B, read["bits"], read["block"])  # [N, blocks, block]
+    if read["bits"] == 4 and not read["fact"]["symmetric"]:
+        d, m, dtype = _asymmetric_blocks(read["scales"].reshape(N, blocks), read["points"])
+        weight = dequantize_blocks(codes.reshape(N, -1), d, 1, m)[:, :K]
+        return np.ascontiguousarray(weight.T), dtype
     points = read["midpoint"] if read["points"] is None else read["points"][..., None]
     scales = read["scales"].astype(np.float32).reshape(N, blocks, 1)
     weight = ((codes - np.float32(points)) * scales).reshape(N, blocks * read["block"])[:, :K]
-    return np.ascontiguousarray(weight.T)
+    return np.ascontiguousarray(weight.T), ""
+
+
+MIN_TOLERANCE = 2.0 ** -22  # relative: an fp16 min within 4 fp32 rounding steps of -scale x zero point is it
+
+
+def _asymmetric_blocks(scales: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+    """(d, m, their type) of blocks with zero points: d = scale, m = -scale x zero point, in float16 where the
+    scales are fp16 values and each m is within MIN_TOLERANCE of one (so stored in fp16 they are the values),
+    else in float32."""
+    d64 = scales.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # (a zero scale's block is 0 whatever its zero point)
+        m64 = np.where(d64 == 0, 0.0, -(d64 * points.astype(np.float64)))
+    d16, m16 = d64.astype(np.float16), m64.astype(np.float16)
+    if np.array_equal(d16.astype(np.float64), d64, equal_nan=True) and np.all(
+            np.abs(m16.astype(np.float64) - m64) <= MIN_TOLERANCE * np.abs(m64)):
+        return d16, m16, "float16"
+    return d64.astype(np.float32), m64.astype(np.float32), "float32"
 
 
 def dequantize_matmul_nbits(model: ir.Model, ctx: Context) -> SourceQuantization | None:
@@ -481,14 +513,17 @@ def dequantize_matmul_nbits(model: ir.Model, ctx: Context) -> SourceQuantization
     check_memory(f"{path or 'the model'} (its {len(nodes)} MatMulNBits weights dequantized to float32)",
                  weight_bytes(graph) + added)
     taken = set(graph.initializers) | {v.name for n in graph for v in n.outputs}
-    facts = []
+    facts, block_dtypes = [], []
     for read in reads:
         node = read["node"]
         name = f"{node.inputs[1].name}.dequantized"
         while name in taken:
             name += "_"
         taken.add(name)
-        weight = pir.initializer(graph, name, _dequantize(read))
+        array, block_dtype = _dequantize(read)
+        weight = pir.initializer(graph, name, array)
+        if block_dtype:
+            block_dtypes.append(block_dtype)
         output = node.outputs[0]
         matmul = ir.node("MatMul", [node.inputs[0], weight], name=node.name)
         new_nodes, result = [matmul], matmul.outputs[0]
@@ -502,10 +537,16 @@ def dequantize_matmul_nbits(model: ir.Model, ctx: Context) -> SourceQuantization
         for value in quantized:  # B, scales, zero points: read by no one now
             if value.is_initializer() and not value.uses():
                 graph.initializers.pop(value.name)
-        facts.append(QuantizedWeight(weight=name, **read["fact"]))
+        facts.append(QuantizedWeight(weight=name, **read["fact"], block_dtype=block_dtype))
     fact = SourceQuantization(tuple(facts))
     fact.attach(model)
     ctx.log(f"import: {fact.describe()}")
+    if block_dtypes:
+        wide = block_dtypes.count("float32")
+        ctx.log(f"import: {len(block_dtypes)} 4-bit weights with zero points written as int4a blocks (x = d q + m, "
+                "m = -scale x zero point): " + (f"{wide} need float32 scales or mins (fp16 ones would change their "
+                                                 "values): the build stores float32 ones, 0.75 bytes a weight"
+                                                 if wide else "fp16 scales and mins, exact"))
     return fact
 
 

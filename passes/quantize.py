@@ -1,12 +1,15 @@
-"""quantize: store the CPU's weight matrices in blocks of int8 or int4 (--weight-dtype int8|int4), and in every
-build the CPU's predictors in blocks of int8 (`sizes.predictor_format`).
+"""quantize: store the CPU's weight matrices in blocks of int8, int4 or int4a (--weight-dtype int8|int4|int4a),
+and in every build the CPU's predictors in blocks of int8 (`sizes.predictor_format`).
 
 Reads: the block IR after place (each node's device), `weight_dtype`, `method` and the awq pass's report
 (`picompile.awq`, repeated in the summary for inspect). Rewrites each weight matrix
 of a CPU block into a standard ONNX `DequantizeLinear` of its block-quantized values (INT8 or INT4, one scale
 per `runtime.dtypes.QUANT_BLOCK` weights along `axis`, `block_size` set; no zero point: the formats are
 symmetric), so the IR between passes stays valid ONNX and says exactly which values the kernels will read.
-select-kernels packs those values into its layouts and never rounds anything itself.
+int4a's asymmetric blocks (x = d q + m, q in [0, 15]: GGUF's Q4_1) are a DequantizeLinear of UINT4 values and
+their scales, reshaped to [.., blocks, 32, ..], plus an Add of the mins (shaped [.., blocks, 1, ..]), reshaped
+back (`_with_mins`, which `QuantizedMatrix.of` reads). select-kernels packs those values into its layouts and
+never rounds anything itself.
 
 The block axis is the one each matrix's kernels read contiguously (`BLOCKED`): the reduction axis K of a dense
 linear's [K, N] (panels), the row of a weight whose rows are gathered (the FFN parts' up and down rows, one row
@@ -24,7 +27,12 @@ A model that came quantized in this format (MatMulNBits, symmetric, the same bit
 the source's scale type (float32 where it had float32 scales) so that no scale rounds either. In a model that
 came quantized (that fact, or a GGUF file with block-quantized tensors: `GGUFSource`) every block already on the
 format's grid keeps the integers and scale it came with (`quant.on_grid`: a GGUF file's Q8_0 blocks, whose scale
-max|w| / 127 no rounding rule here gives, and its Q4_0 blocks in int4 or int8), whatever `method` says.
+max|w| / 127 no rounding rule here gives, and its Q4_0 blocks in int4 or int8), whatever `method` says; in int4a
+(asymmetric 4-bit blocks: Q4_1, MatMulNBits with zero points) `quant.quantize_asymmetric`'s exact mode finds
+each block's q, d and m again, and a block it cannot reproduce bit for bit is re-rounded and counted in the log.
+With `keep_source_blocks` (a build whose format was chosen from the file, --weight-dtype auto) a matrix the
+model stores in other blocks than the build's format (a Q4_1 file's Q8_0 embedding) is stored in the first
+declared format that holds it exactly (`SOURCE_FORMATS`), not re-rounded.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from onnx_ir.passes import PassResult
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
 from picompile.sizes import predictor_format, weight_format
-from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
+from runtime.dtypes import QUANT_BLOCK, QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 
 from .awq import AWQ_KEY
 from .import_gguf import GGUFSource
@@ -58,18 +66,25 @@ BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
 }
 PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in predictor_format
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored, for inspect and -v
-_ONNX_TYPES = {8: (ir.DataType.INT8, np.int8), 4: (ir.DataType.INT4, ml_dtypes.int4)}
+_ONNX_TYPES = {(8, False): (ir.DataType.INT8, np.int8), (4, False): (ir.DataType.INT4, ml_dtypes.int4),
+               (4, True): (ir.DataType.UINT4, ml_dtypes.uint4)}  # (bits, has_min) -> the values' types
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
     """A weight matrix as select-kernels reads it from the IR: integer values (int8 numpy, unpacked), scales,
-    the block axis and the format."""
+    the block axis, the format and, for an asymmetric one, its mins (shaped as the scales)."""
 
     values: np.ndarray
     scales: np.ndarray
     axis: int
     fmt: WeightFormat
+    mins: np.ndarray | None = None
+
+    @property
+    def blocks(self) -> tuple:
+        """(values, scales (, mins)): what quant.pack_rows / pack_panels take before the format."""
+        return (self.values, self.scales) if self.mins is None else (self.values, self.scales, self.mins)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,18 +92,28 @@ class QuantizedMatrix:
 
     @classmethod
     def of(cls, value: ir.Value | None) -> "QuantizedMatrix | None":
-        """The matrix `value` stands for, when a DequantizeLinear of constants (this pass's rewrite) makes it."""
-        node = None if value is None else value.producer()
-        if node is None or node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+        """The matrix `value` stands for, when a DequantizeLinear of constants (this pass's rewrite; with int4a's
+        mins, `_with_mins`') makes it."""
+        node, mins = None if value is None else value.producer(), None
+        added = _standard(node, "Reshape") and _standard(node.inputs[0].producer(), "Add")
+        if added:
+            add = node.inputs[0].producer()
+            mins, node = pir.const_array(add.inputs[1]), add.inputs[0].producer()
+            node = node.inputs[0].producer() if _standard(node, "Reshape") else None
+        if not _standard(node, "DequantizeLinear") or (added and mins is None):
             return None
         q, scales = (pir.const_array(v) for v in node.inputs[:2])
         if q is None or scales is None or (len(node.inputs) > 2 and node.inputs[2] is not None):
             return None
-        bits = 4 if node.inputs[0].const_value.dtype == ir.DataType.INT4 else 8
-        fmt = next(f for f in WEIGHT_FORMATS.values() if f.bits == bits)
+        key = next((key for key, (onnx_type, _) in _ONNX_TYPES.items()
+                    if onnx_type == node.inputs[0].const_value.dtype), None)
+        if key is None or key[1] != added:
+            return None
+        fmt = next(f for f in WEIGHT_FORMATS.values() if (f.bits, f.has_min) == key)
         if scales.dtype != np.dtype(fmt.scale_dtype):  # e.g. float32 scales, as an imported model had them
             fmt = replace(fmt, scale_dtype=scales.dtype.name)
-        return cls(np.asarray(q).astype(np.int8), scales, int(pir.attr(node, "axis", 1)), fmt)
+        return cls(np.asarray(q).astype(np.int8), scales, int(pir.attr(node, "axis", 1)), fmt,
+                   None if mins is None else np.ascontiguousarray(mins.reshape(scales.shape)))
 
 
 @dataclass
@@ -96,6 +121,7 @@ class Quantize:
     name = "quantize"
     weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 block every matrix, float formats the predictors
     method: str = Options.quant_method  # --quant-method: "awq" fits each block's scale (`quant.quantize`'s fit_scales)
+    keep_source_blocks: bool = False  # matrices a quantized model stores in other blocks keep them (auto's build)
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -105,15 +131,18 @@ class Quantize:
         fmt = weight_format("cpu", self.weight_dtype)
         source = SourceQuantization.of(model) if fmt.quantized else None
         fmt = _source_format(source, fmt)
-        # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not
-        fit_scales = self.method == "awq" and source is None  # (predictors never are: `_matrices`)
-        # and its blocks that are on the format's grid keep the integers and scales they came with (a GGUF file's
-        # Q8_0 blocks are, under a scale no rounding rule here gives: max|w| / 127)
+        # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not;
+        # its blocks on the format's grid keep the integers and scales they came with (a GGUF file's Q8_0 blocks
+        # are, under a scale no rounding rule here gives: max|w| / 127), asymmetric blocks are found again (exact)
         gguf = GGUFSource.of(model)
-        keep_grid = fmt.quantized and (source is not None or (gguf is not None and gguf.quantized()))
+        came_quantized = source is not None or (gguf is not None and gguf.quantized())
+        fit_scales = self.method == "awq" and not came_quantized and not fmt.has_min  # (predictors never: `_matrices`)
+        exact = fmt.quantized and came_quantized
+        group = _source_group(source) if exact and source is not None else 1  # source blocks of 64, 128
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
-        kept, stored, floats, errors, quantized_bytes, exact = [], 0, 0, [], 0.0, 0
+        kept, stored, floats, errors, quantized_bytes, rerounded, foreign = [], 0, 0, [], 0.0, 0, []
+        exact_matrices, moved = 0, {}  # matrices kept exactly; format name -> matrices stored in it instead
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
@@ -126,11 +155,18 @@ class Quantize:
                         kept.append(value.name)
                         continue
                     array = np.asarray(array, np.float32)  # a half model's matrix, widened one at a time
-                    q, scales = quant.quantize(array, matrix_format, axis, fit_scales=fit,
-                                               keep_grid=keep_grid and node.op_type != "Predict")
-                    errors.append(_relative_error(array, quant.dequantize(q, scales, axis)))
-                    exact += errors[-1] == 0.0
-                    done[key] = self._dequantize(graph, node, value.name, q, scales, axis, matrix_format)
+                    blocks, used, missed = self._blocks(array, matrix_format, axis, fit,
+                                                        exact and node.op_type != "Predict", group if axis == 0 else 1)
+                    if blocks is None:  # a matrix the model stores in floats (or in other blocks): not re-rounded
+                        foreign.append(value.name)
+                        continue
+                    rerounded += missed
+                    if used is not matrix_format:
+                        moved[used.name] = moved.get(used.name, 0) + 1
+                    errors.append(_relative_error(array, quant.dequantize(*blocks[:2], axis, *blocks[2:])))
+                    exact_matrices += errors[-1] == 0.0
+                    done[key] = self._dequantize(graph, node, value.name, *blocks[:2], axis, used, *blocks[2:])
+                    matrix_format = used
                     stored += array.size
                     floats += array.nbytes
                     quantized_bytes += array.size * matrix_format.bytes_per_weight
@@ -145,20 +181,51 @@ class Quantize:
                    "scope": "weights" if fmt.quantized else "predictors",
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
-                   "exact_matrices": exact,
+                   "exact_matrices": exact_matrices, "source_blocks_rerounded": rerounded,
+                   "source_floats_kept": foreign, "source_formats_kept": moved,
                    "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
         ctx.log(f"quantize: {len(done)} {summary['scope'][:-1]} matrices to {blocked.name} ({method}, blocks of "
                 f"{blocked.block}, {blocked.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
-                f"{summary['mean_relative_error']:.4f}{f' ({exact} of them exactly as they came)' if keep_grid else ''}"
-                f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}")
+                f"{summary['mean_relative_error']:.4f}"
+                f"{(f'; the model{chr(39)}s own blocks kept exactly in {exact_matrices}' if exact_matrices else '') if exact else ''}"
+                f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}"
+                f"{''.join(f'; {n} in {name}, the blocks the model stores them in' for name, n in moved.items())}"
+                f"{f'; {len(foreign)} not in 4-bit blocks in the model ({_names(foreign)}), kept in floats' if foreign else ''}"
+                f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")
         return PassResult(model, modified=True)
+
+    def _blocks(self, array: np.ndarray, fmt: WeightFormat, axis: int, fit: bool, exact: bool, group: int):
+        """(blocks, the format they are in, blocks re-rounded) of a matrix; blocks None where an int4a build keeps
+        a matrix that is in no 4-bit blocks in floats. `exact` (a model that came quantized): its own blocks are
+        kept where `fmt` holds them; where it does not and `keep_source_blocks`, the first of SOURCE_FORMATS that
+        holds every block exactly stores them."""
+        if fmt.has_min:
+            q, scales, mins, missed, unlike = quant.quantize_asymmetric(array, fmt, axis, exact=exact, group=group)
+            blocks, holds = (None if unlike else (q, scales, mins)), not unlike and not missed
+        else:
+            blocks = quant.quantize(array, fmt, axis, fit_scales=fit, keep_grid=exact)
+            missed = 0
+            holds = not exact or _relative_error(array, quant.dequantize(*blocks, axis)) == 0.0
+        if exact and not holds and self.keep_source_blocks:
+            for other in SOURCE_FORMATS:
+                if other.name == fmt.name or not quant.quantizable(array.shape, axis, other.block):
+                    continue
+                if other.has_min:
+                    q, scales, mins, left, unlike = quant.quantize_asymmetric(array, other, axis, exact=True, group=group)
+                    if not unlike and not left:
+                        return (q, scales, mins), other, 0
+                else:
+                    candidate = quant.quantize(array, other, axis, keep_grid=True)
+                    if _relative_error(array, quant.dequantize(*candidate, axis)) == 0.0:
+                        return candidate, other, 0
+        return blocks, fmt, missed
 
     @staticmethod
     def _dequantize(graph: ir.Graph, before: ir.Node, name: str, q: np.ndarray, scales: np.ndarray, axis: int,
-                    fmt: WeightFormat) -> ir.Value:
-        onnx_type, numpy_type = _ONNX_TYPES[fmt.bits]
+                    fmt: WeightFormat, mins: np.ndarray | None = None) -> ir.Value:
+        onnx_type, numpy_type = _ONNX_TYPES[(fmt.bits, fmt.has_min)]
         q_value = ir.val(f"{name}.q", const_value=ir.tensor(q.astype(numpy_type), dtype=onnx_type, name=f"{name}.q"))
         graph.register_initializer(q_value)
         s_value = pir.initializer(graph, f"{name}.scales", scales)
@@ -169,7 +236,40 @@ class Quantize:
         node.outputs[0].shape = ir.Shape(list(q.shape))
         node.metadata_props[DEVICE_KEY] = "cpu"
         graph.insert_before(before, node)
-        return node.outputs[0]
+        return node.outputs[0] if mins is None else _with_mins(graph, before, name, node.outputs[0], mins, axis, fmt)
+
+
+def _standard(node: ir.Node | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def dequantizes_weight(node: ir.Node) -> bool:
+    """Whether `node` is part of a stored matrix's dequantization (its DequantizeLinear; int4a's mins' Reshape /
+    Add / Reshape after one): constants a kernel reads as blocks (`QuantizedMatrix.of`), not a computation."""
+    while (_standard(node, "Reshape") or _standard(node, "Add")) and pir.const_array(node.inputs[1]) is not None:
+        node = node.inputs[0].producer()
+    return _standard(node, "DequantizeLinear") and pir.const_array(node.inputs[0]) is not None
+
+
+def _with_mins(graph: ir.Graph, before: ir.Node, name: str, scaled: ir.Value, mins: np.ndarray, axis: int,
+               fmt: WeightFormat) -> ir.Value:
+    """scaled (DequantizeLinear's q * d, [K, N]) plus each block's min: Reshape to [.., blocks, block, ..], Add
+    the mins shaped [.., blocks, 1, ..], Reshape back (standard ONNX, as QuantizedMatrix.of reads it)."""
+    shape = list(scaled.shape)
+    blocked = shape[:axis] + [shape[axis] // fmt.block, fmt.block] + shape[axis + 1:]
+    min_shape = shape[:axis] + [shape[axis] // fmt.block, 1] + shape[axis + 1:]
+    out = scaled
+    for step, (op, operand) in enumerate((("Reshape", np.array(blocked, np.int64)), ("Add", mins.reshape(min_shape)),
+                                          ("Reshape", np.array(shape, np.int64)))):
+        constant = pir.initializer(graph, f"{name}.{('blocks', 'mins', 'shape')[step]}", operand)
+        node = ir.node(op, [out, constant], name=f"{name}.{('blocked', 'add_mins', 'unblocked')[step]}")
+        node.outputs[0].name, node.outputs[0].dtype = f"{name}.{('blocked', 'with_mins', 'dequantized_mins')[step]}", \
+            ir.DataType.FLOAT
+        node.outputs[0].shape = ir.Shape(blocked if step < 2 else shape)
+        node.metadata_props[DEVICE_KEY] = "cpu"
+        graph.insert_before(before, node)
+        out = node.outputs[0]
+    return out
 
 
 def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str,
@@ -184,16 +284,38 @@ def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str,
     return [(index, axis, fmt, fit_scales) for index, axis in BLOCKED.get(node.op_type, ())]
 
 
+# Where a model's matrix is in other blocks than the build's format: the formats tried, fewest bytes first.
+SOURCE_FORMATS = tuple(sorted((f for f in WEIGHT_FORMATS.values() if f.quantized), key=lambda f: f.bytes_per_weight))
+
+
 def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> WeightFormat:
     """`fmt`, with the source's scale type where every weight of the model came quantized in it (bits, block,
-    symmetric)."""
+    symmetric; int4a: with zero points, in the type import wrote its blocks' scales and mins in)."""
     if source is None or not source.weights:
+        return fmt
+    if fmt.has_min:
+        asymmetric = [w for w in source.weights if not w.symmetric and w.bits == fmt.bits
+                      and w.block_size % fmt.block == 0]
+        if asymmetric and any(w.block_dtype == "float32" for w in asymmetric):
+            return replace(fmt, scale_dtype="float32")
         return fmt
     if all(w.symmetric and w.bits == fmt.bits and w.block_size == fmt.block for w in source.weights):
         scale_types = {w.scale_dtype for w in source.weights}
         if scale_types == {"float32"}:
             return replace(fmt, scale_dtype="float32")
     return fmt
+
+
+def _source_group(source: SourceQuantization) -> int:
+    """How many QUANT_BLOCKs along K one block of the model's asymmetric 4-bit weights spans (MatMulNBits'
+    block_size / 32), where they all have one block size that is a multiple of it; else 1."""
+    sizes = {w.block_size for w in source.weights if w.bits == 4 and not w.symmetric}
+    size = sizes.pop() if len(sizes) == 1 else 0
+    return size // QUANT_BLOCK if size and size % QUANT_BLOCK == 0 else 1
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _relative_error(w: np.ndarray, approx: np.ndarray) -> float:

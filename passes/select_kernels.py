@@ -35,7 +35,7 @@ from runtime.dtypes import itemsize
 from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
 from .kernels import cpu, neuron, ops, quant
 from .place import device_of
-from .quantize import QuantizedMatrix
+from .quantize import QuantizedMatrix, dequantizes_weight
 
 
 MAX_BATCH_KEY = "picompile.max_batch"  # the model's metadata entry: the batch phase's sequences (0: none)
@@ -138,14 +138,15 @@ class Lowering:
     def quantized_in(self, name: str, layout: str) -> tuple[str, str, QuantizedMatrix]:
         """A quantized matrix packed in `layout` ("quant_rows": blocks along each row, the rows a kernel gathers
         or a row-major GEMM reads; "quant_panels": a [K, N] linear's panels, blocks along K), stored once as
-        two weights: its values and its scales. Returns (values, scales, matrix)."""
+        two weights: its values and its scales (int4a: the scales and the mins together, as the layouts keep
+        them). Returns (values, scales, matrix)."""
         matrix = self.quantized[name]
         axis, pack = {"quant_rows": (1, quant.pack_rows), "quant_panels": (0, quant.pack_panels)}[layout]
         if matrix.axis != axis:
             raise ValueError(f"{name} is blocked along axis {matrix.axis}; the {layout} layout needs axis {axis}")
         scales = f"{name}.scales"
         if name not in self.buffers:
-            values, scale_array = pack(matrix.values, matrix.scales, matrix.fmt)
+            values, scale_array = pack(matrix.values, matrix.scales, matrix.fmt, matrix.mins)
             self.weight(name, values, values.dtype.name, layout)
             self.weight(scales, scale_array, scale_array.dtype.name, layout)
             for buffer in (name, scales):
@@ -156,9 +157,10 @@ class Lowering:
 
     @staticmethod
     def quant_tag(matrix: QuantizedMatrix) -> tuple[str, dict]:
-        """A quantized kernel's name suffix and its format arguments."""
-        tag = f"_q{matrix.fmt.bits}{'' if matrix.fmt.scale_dtype == 'float16' else '_s32'}"
-        return tag, {"bits": matrix.fmt.bits, "sdtype": matrix.fmt.scale_dtype}
+        """A quantized kernel's name suffix and its format arguments (int4a's: has_min)."""
+        fmt = matrix.fmt
+        tag = f"_q{fmt.bits}{'a' if fmt.has_min else ''}{'' if fmt.scale_dtype == 'float16' else '_s32'}"
+        return tag, {"bits": fmt.bits, "sdtype": fmt.scale_dtype, **({"has_min": True} if fmt.has_min else {})}
 
     def row_bytes(self, name: str) -> int:
         """Bytes of one row of a row-major weight (its last axis)."""
@@ -337,6 +339,8 @@ class _Walker:
         return self.next_residual(width), self.location[skip.name]
 
     def lower(self, node: ir.Node, layer: int | None) -> None:
+        if dequantizes_weight(node):  # the quantize pass's weights: no call; the blocks that read one store it
+            return
         handler = getattr(self, f"lower_{node.op_type}", None)
         if handler is None:
             raise UserError(f"select-kernels: no kernel for {node.domain or 'onnx'}.{node.op_type} ({node.name})")
@@ -633,9 +637,6 @@ class _Walker:
         out = self.low.activation("logits", self.low.shape(weight)[1])
         self.low.linear(self.location[node.inputs[0].name], weight, bias, out, node.name, Role.HEAD)
         self.location[node.outputs[0].name] = out
-
-    def lower_DequantizeLinear(self, node: ir.Node) -> None:
-        """The quantize pass's weights: no call; the blocks that read one store it (`weight_of`)."""
 
     def lower_Add(self, node: ir.Node) -> None:
         raise UserError(f"select-kernels: residual add {node.name} does not follow a block fuse folds it into")

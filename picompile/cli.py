@@ -92,9 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                             "as not optimal, with its gap (picompile inspect)")
     build.add_argument("--weight-dtype", choices=[AUTO_WEIGHT_DTYPE, *WEIGHT_FORMATS], default=AUTO_WEIGHT_DTYPE,
                        help="storage of the CPU's weight matrices: auto (default) keeps the model's own (fp16 for an "
-                            "fp16 or bf16 file, int4/int8 for a MatMulNBits one, else fp32); fp16 halves the bytes a "
-                            "token reads; int8 and int4 store blocks of 32 integers with an fp16 scale (Q8_0 / Q4_0), "
-                            "about 1/4 and 1/7 of fp32. Math stays fp32")
+                            "fp16 or bf16 file, int4/int8 for a MatMulNBits one, int4a for one with 4-bit zero points, "
+                            "else fp32); fp16 halves the bytes a token reads; int8 and int4 store blocks of 32 integers "
+                            "with an fp16 scale (Q8_0 / Q4_0), about 1/4 and 1/7 of fp32; int4a blocks of 32 4-bit "
+                            "values with an fp16 scale and minimum (Q4_1), 1/6.4. Math stays fp32")
     build.add_argument("--quant-method", choices=list(QUANT_METHODS), default="awq",
                        help="int8/int4 builds: awq scales each FFN's input channels by their profiled magnitude before "
                             "rounding (activation-aware; folded into the norm, exact in floats), rtn rounds every weight "

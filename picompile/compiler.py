@@ -99,7 +99,8 @@ def back(options: Options, target: Target, predictors: bool = False) -> list[Pas
     device its buffers, compile the kernels, order the calls."""
     cpu_isa = options.cpu_isa_for(target).name
     quantized = WEIGHT_FORMATS[options.weight_dtype].quantized or predictors
-    quantize = [Quantize(weight_dtype=options.weight_dtype, method=options.quant_method)] if quantized else []
+    quantize = [Quantize(weight_dtype=options.weight_dtype, method=options.quant_method,
+                         keep_source_blocks=options.keep_source_blocks)] if quantized else []
     return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context), *quantize,
             SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa,
                           int8_activations=options.int8_activations, max_batch=options.max_batch),
@@ -118,21 +119,30 @@ def mode_of(model: ir.Model, options: Options) -> str:
 
 
 def _warn_if_dequantized(model: ir.Model, options: Options, ctx: Context) -> None:
-    """A model that came block-quantized, built in a float format, keeps its values but not its size: say so.
-    A GGUF file's: which of its matrices the build's format re-rounds, if any."""
+    """A model that came block-quantized, built in a float format, keeps its values but not its size; built in a
+    quantized format that cannot hold its blocks (asymmetric 4-bit ones in int4 or int8), it loses its values:
+    say so. A GGUF file's: which of its matrices the build's format re-rounds, if any."""
     gguf = GGUFSource.of(model)
     if gguf is not None:
-        line = rerounding_warning(gguf, options.weight_dtype, ctx.target.has_gpu)
+        line = rerounding_warning(gguf, options.weight_dtype, ctx.target.has_gpu, options.keep_source_blocks)
         if line is not None:
             ctx.warn(line)
         return
     source = SourceQuantization.of(model)
-    if source is None or WEIGHT_FORMATS[options.weight_dtype].quantized:
+    if source is None:
         return
     bits = sorted({w.bits for w in source.weights})
-    ctx.warn(f"the model's weights came {'/'.join(map(str, bits))}-bit quantized ({source.op}); this "
-             f"{options.weight_dtype} build stores them dequantized, "
-             f"{'--weight-dtype int' + str(bits[0]) + ' keeps their values' if len(bits) == 1 else ''}".rstrip(", "))
+    asymmetric = [w for w in source.weights if w.bits == 4 and not w.symmetric]
+    keeps = "int4a" if asymmetric else f"int{bits[0]}"
+    fmt = WEIGHT_FORMATS[options.weight_dtype]
+    if not fmt.quantized:
+        ctx.warn(f"the model's weights came {'/'.join(map(str, bits))}-bit quantized ({source.op}); this "
+                 f"{options.weight_dtype} build stores them dequantized, "
+                 f"{'--weight-dtype ' + keeps + ' keeps their values' if len(bits) == 1 else ''}".rstrip(", "))
+    elif asymmetric and not fmt.has_min:
+        ctx.warn(f"{len(asymmetric)} of the model's 4-bit weights have zero points (a scale and a minimum per "
+                 f"block); this {options.weight_dtype} build re-rounds them to its own blocks (the quantize line "
+                 "says by how much), --weight-dtype int4a keeps their values")
 
 
 class ReleaseMappedPages(Hook):
@@ -152,7 +162,8 @@ def resolve_weight_dtype(options: Options, model: ir.Model, log=lambda message: 
     if options.weight_dtype != AUTO_WEIGHT_DTYPE:
         return options
     gguf = GGUFSource.of(model)
-    resolved = dataclasses.replace(options, weight_dtype=gguf.weight_dtype() if gguf else stored_weight_dtype(model))
+    resolved = dataclasses.replace(options, weight_dtype=gguf.weight_dtype() if gguf else stored_weight_dtype(model),
+                                   keep_source_blocks=True)
     why = gguf.auto_reason() if gguf else "as the model stores its weights"
     log(f"weight dtype {resolved.weight_dtype} (auto: {why})")
     return resolved

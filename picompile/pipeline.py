@@ -52,10 +52,13 @@ class Options:
     target_recall: float = 0.99  # the threshold of each predictor is set to reach this on held-out tokens
     all_neurons: bool = False  # lower sparse but let every neuron pass the predictor (checks the split)
     dense_fallback: bool = True  # predictor mode: placement may run a layer dense (where the cost model prices it lower)
-    # storage of the CPU's weight matrices: fp32, fp16 (converted in registers), int8, int4, or "auto"
+    # storage of the CPU's weight matrices: fp32, fp16 (converted in registers), int8, int4, int4a, or "auto"
     # (runtime.dtypes.AUTO_WEIGHT_DTYPE, the command line's default: as the model file stores them; `compiler.build`
     # resolves it from the model)
     weight_dtype: str = "fp32"
+    # set where "auto" chose weight_dtype from a quantized model: its matrices in other blocks than that format (a
+    # Q4_1 file's Q8_0 embedding) keep their own blocks (passes.quantize), not re-rounded
+    keep_source_blocks: bool = False
     # int4 decode GEMVs quantize their input to int8 per block of 32 and take integer dot products (as llama.cpp's
     # Q4_0 and onnxruntime's accuracy_level 4 do): an error of ~5e-3 of the output, 1.3-1.9x faster
     int8_activations: bool = True

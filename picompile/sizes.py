@@ -35,7 +35,7 @@ def kv_cache_bytes(attentions: Iterable[tuple[int, int]], max_context: int) -> i
 
 
 def weight_format(device: str, weight_dtype: str) -> WeightFormat:
-    """The format a device stores its weight matrices in, for `--weight-dtype` (fp32, fp16, int8, int4): the
+    """The format a device stores its weight matrices in, for `--weight-dtype` (fp32, fp16, int8, int4, int4a): the
     CPU's follow it, the GPU's are GPU_WEIGHT_FORMAT. The quantize pass and select-kernels store them so;
     predict, partition and lower price them so (`WeightFormat.bytes_per_weight`)."""
     return WEIGHT_FORMATS[weight_dtype] if device == "cpu" else GPU_WEIGHT_FORMAT

@@ -43,14 +43,24 @@ class WeightFormat:
     quantized ones (`block` > 0) hold `bits`-bit integers in `storage` (int4: two to a uint8) and one scale
     in `scale_dtype` per `block` consecutive weights along the axis a kernel reads contiguously (the
     reduction axis of a dense linear, the row of a gathered one; `passes.kernels.quant` has the layouts).
-    Both round to nearest with one rule, Q4_0's and MatMulNBits' symmetric one: scale = the block's
-    largest-magnitude weight / -2^(bits-1), q in [-2^(bits-1), 2^(bits-1) - 1] (int4 stored as q + 8)."""
+    Symmetric ones (int8, int4) round to nearest with one rule, Q4_0's and MatMulNBits'
+    symmetric one: scale = the block's largest-magnitude weight / -2^(bits-1), q in [-2^(bits-1), 2^(bits-1) - 1],
+    stored as q + `offset` (int4: + 8). Asymmetric ones (`has_min`: int4a, GGUF's Q4_1) also hold a minimum m
+    per block, in `scale_dtype` beside its scale (the layouts store each block's d and m together): x = d * q + m,
+    q in [0, 2^bits - 1] stored as it is (`dequantize`)."""
 
     name: str  # the command line's spelling
     storage: str  # the element type of the stored values (a DTYPES name)
     bits: int = 0  # bits per quantized weight (0: a float format)
     block: int = 0  # weights per scale (0: no scales)
     scale_dtype: str = "float16"
+    has_min: bool = False  # asymmetric blocks: each also holds a minimum m (x = d q + m), in scale_dtype
+    offset: int = 0  # what a stored integer exceeds q by (int4: 8, so that the nibble is unsigned)
+
+    @property
+    def per_block(self) -> int:
+        """Values in scale_dtype per block: its scale, and its minimum where it has one."""
+        return 2 if self.has_min else 1
 
     @property
     def quantized(self) -> bool:
@@ -61,7 +71,32 @@ class WeightFormat:
         """Stored bytes per weight, its share of a scale included: what every byte count prices a weight at."""
         if not self.quantized:
             return float(itemsize(self.storage))
-        return self.bits / 8 + itemsize(self.scale_dtype) / self.block
+        return self.bits / 8 + self.per_block * itemsize(self.scale_dtype) / self.block
+
+    @property
+    def levels(self) -> tuple[int, int]:
+        """The smallest and the largest q."""
+        if self.has_min:
+            return 0, (1 << self.bits) - 1
+        return -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
+
+    def dequantize(self, q: np.ndarray, scales: np.ndarray, axis: int, mins: np.ndarray | None = None) -> np.ndarray:
+        """The float32 matrix this format's blocks stand for (`dequantize_blocks`); mins exactly where it has them."""
+        if self.has_min != (mins is not None):
+            raise ValueError(f"{self.name} blocks {'take' if self.has_min else 'have no'} minimums")
+        return dequantize_blocks(q, scales, axis, mins)
+
+
+def dequantize_blocks(q: np.ndarray, scales: np.ndarray, axis: int, mins: np.ndarray | None = None) -> np.ndarray:
+    """The float32 matrix blocks stand for (q unpacked, shaped like the matrix; scales and mins shaped like it
+    with `axis` divided by the block): q * d, or with minimums (q * d) + m in float32 (the one definition of an
+    asymmetric block's values: the import writes them so, the quantize pass checks its blocks against them; a
+    kernel's sums reassociate)."""
+    block = q.shape[axis] // scales.shape[axis]
+    out = q.astype(np.float32) * np.repeat(scales.astype(np.float32), block, axis=axis)
+    if mins is not None:
+        out += np.repeat(mins.astype(np.float32), block, axis=axis)
+    return out
 
 
 QUANT_BLOCK = 32  # weights per scale (Q8_0 / Q4_0, MatMulNBits' default)
@@ -72,7 +107,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         WeightFormat("fp32", "float32"),
         WeightFormat("fp16", "float16"),
         WeightFormat("int8", "int8", bits=8, block=QUANT_BLOCK),
-        WeightFormat("int4", "uint8", bits=4, block=QUANT_BLOCK),
+        WeightFormat("int4", "uint8", bits=4, block=QUANT_BLOCK, offset=INT4_OFFSET),
+        WeightFormat("int4a", "uint8", bits=4, block=QUANT_BLOCK, has_min=True),  # GGUF's Q4_1
     ]
 }
 # --weight-dtype's default: the format the model file stores its weights in (`compiler.resolve_weight_dtype`)

@@ -23,8 +23,9 @@ FLOAT = {"relu": (36, False, "relu", "float32"), "gated_relu_f16": (36, True, "r
 COLUMNS = {"cols": (False, "none", False, "float32"), "cols_gated_silu_f16": (True, "silu", False, "float16"),
            "cols_relu_bias": (False, "relu", True, "float32")}  # sparse_columns: (gated, act, bias, weight dtype)
 CK, CN = 40, 48  # input channels (no multiple of the row group), columns
-QUANT = {"int8_relu": (96, 8, False, "relu", "float16"), "int4_gated_relu": (96, 4, True, "relu", "float16"),
-         "int4_relu": (256, 4, False, "relu", "float32")}  # (D, bits, gated, activation, scale dtype)
+QUANT = {"int8_relu": (96, "int8", False, "relu", "float16"), "int4_gated_relu": (96, "int4", True, "relu", "float16"),
+         "int4_relu": (256, "int4", False, "relu", "float32"),
+         "int4a_gated_relu": (96, "int4a", True, "relu", "float16")}  # (D, format, gated, activation, scale dtype)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,10 @@ def lib(tmp_path_factory):
     for name, (D, gated, act, dtype) in FLOAT.items():
         funcs += [neuron.sparse_ffn(f"{name}_{phase}", D, N, rows=rows, gated=gated, act=act, wdtype=dtype,
                                     max_batch=MAX_BATCH) for phase, rows in (("decode", 1), ("batch", None))]
-    for name, (D, bits, gated, act, sdtype) in QUANT.items():
-        funcs += [neuron.sparse_ffn_q(f"{name}_{phase}", D, N, rows=rows, gated=gated, act=act, bits=bits,
-                                      sdtype=sdtype, max_batch=MAX_BATCH)
+    for name, (D, form, gated, act, sdtype) in QUANT.items():
+        has_min = {"has_min": True} if WEIGHT_FORMATS[form].has_min else {}
+        funcs += [neuron.sparse_ffn_q(f"{name}_{phase}", D, N, rows=rows, gated=gated, act=act,
+                                      bits=WEIGHT_FORMATS[form].bits, sdtype=sdtype, max_batch=MAX_BATCH, **has_min)
                   for phase, rows in (("decode", 1), ("batch", None))]
     for name, (gated, act, bias, dtype) in COLUMNS.items():
         funcs += [neuron.sparse_columns(f"{name}_{phase}", CK, CN, rows=rows, gated=gated, act=act, bias=bias,
@@ -73,13 +75,13 @@ def float_part(rng, D, gated, dtype):
     return [aligned(up)], aligned(bias), [aligned(down)], up.astype(np.float64), down.astype(np.float64)
 
 
-def quant_part(rng, D, bits, gated, sdtype):
-    fmt = replace(WEIGHT_FORMATS["int8" if bits == 8 else "int4"], scale_dtype=sdtype)
+def quant_part(rng, D, form, gated, sdtype):
+    fmt = replace(WEIGHT_FORMATS[form], scale_dtype=sdtype)
 
     def rows(shape):
-        q, scales = quant.quantize(rng.standard_normal(shape).astype(np.float32), fmt, axis=1)
-        packed, packed_scales = quant.pack_rows(q, scales, fmt)
-        return [aligned(packed), aligned(packed_scales)], quant.dequantize(q, scales, axis=1).astype(np.float64)
+        q, scales, *mins = quant.quantize(rng.standard_normal(shape).astype(np.float32), fmt, axis=1)
+        packed, packed_scales = quant.pack_rows(q, scales, fmt, *mins)
+        return [aligned(packed), aligned(packed_scales)], quant.dequantize(q, scales, 1, *mins).astype(np.float64)
 
     up, up_ref = rows(((2 if gated else 1) * N, D))
     down, down_ref = rows((N, D))
@@ -114,8 +116,8 @@ def test_sparse_ffn_batch_against_numpy_and_each_row_alone(lib, kind, name, m):
         D, gated, act, dtype = FLOAT[name]
         up, bias, down, up_ref, down_ref = float_part(rng, D, gated, dtype)
     else:
-        D, bits, gated, act, sdtype = QUANT[name]
-        up, bias, down, up_ref, down_ref = quant_part(rng, D, bits, gated, sdtype)
+        D, form, gated, act, sdtype = QUANT[name]
+        up, bias, down, up_ref, down_ref = quant_part(rng, D, form, gated, sdtype)
     x = aligned(rng.standard_normal((m, D)).astype(np.float32))
     selected = np.sort(rng.choice(N, size=23, replace=False)).astype(np.int32)
     index, count = aligned(np.zeros((1, N), np.int32)), aligned(np.array([[len(selected)]], np.int32))
@@ -131,7 +133,10 @@ def test_sparse_ffn_batch_against_numpy_and_each_row_alone(lib, kind, name, m):
             if gated:
                 first[N + silent] = np.nan
         else:  # a zero row of quantized values, the bias negative; the down row's scales NaN
-            first[silent] = 0 if QUANT[name][1] == 8 else (8 | 8 << 4)  # int4 stores q + 8
+            fmt = WEIGHT_FORMATS[QUANT[name][1]]  # (int4 stores q + 8; int4a's zero row: q 0 with min 0)
+            first[silent] = 0 if fmt.bits == 8 else (fmt.offset | fmt.offset << 4)
+            if fmt.has_min:
+                up[1][silent, 1::2] = 0
             bias[silent] = -1
             down[1][silent] = np.nan
             if gated:

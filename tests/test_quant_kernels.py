@@ -17,7 +17,7 @@ from runtime.artifact import cpu_flags
 from runtime.dtypes import WEIGHT_FORMATS
 from test_kernels import MAX_ROWS, aligned, call, rand, rows_buf
 
-BITS = (8, 4)
+FORMATS = ("int8", "int4", "int4a")  # int4a: asymmetric blocks (a scale and a min per block, GGUF's Q4_1)
 VARIANTS = [("d", 1), ("p", 1), ("p", 3), ("p", 7)]
 PREFILL = [("p", 1), ("p", 3), ("p", 7)]
 ROWS = {"d": 1, "p": None}
@@ -49,31 +49,49 @@ KN_Q = {  # down rows [K, N]: (K, N, bias, act, residual, sdtype, tile_panels, s
 }
 
 
-def _fmt(bits):
-    return WEIGHT_FORMATS[f"int{bits}"]
+# int4a (built for every ISA: compile time) over a few configurations: odd sizes, fp32 scales, padded panels
+INT4A = {"gelu", "f32", "group4", "relu", "res", "skip"}
 
 
-def x8_kernels(dot, isa, bits=4):
+def cases(table, formats=FORMATS):
+    """(format, configuration) pairs of a table: every one for int8 and int4, INT4A's for int4a."""
+    return [(fmt, cfg) for fmt in formats for cfg in table if fmt != "int4a" or cfg in INT4A]
+
+
+def _fmt(name):
+    return WEIGHT_FORMATS[name]
+
+
+def fmt_args(name):
+    """A format's kernel arguments, as select-kernels passes them (`Lowering.quant_tag`)."""
+    fmt = _fmt(name)
+    return {"bits": fmt.bits, **({"has_min": True} if fmt.has_min else {})}
+
+
+def x8_kernels(dot, isa, fmt="int4"):
     """int8-activation kernels: decode GEMVs ("d"), and on AVX-512 prefill GEMMs ("p")."""
     tile = CPU_ISAS[isa].gemm_panels
-    return [ops.linear_panels_q.cpu(kname(f"x8{dot}{bits}", cfg, v), K, N, rows=rows, bits=bits, sdtype=sdtype,
-                                    bias=bias, act=act, residual=res, int8_dot=dot, tile_panels=tile)
-            for cfg, (K, N, bias, act, res, sdtype) in X8.items() for v, rows in ROWS.items() if v == "d" or tile > 1]
+    return [ops.linear_panels_q.cpu(kname(f"x8{dot}{fmt}", cfg, v), K, N, rows=rows, sdtype=sdtype, bias=bias,
+                                    act=act, residual=res, int8_dot=dot, tile_panels=tile, **fmt_args(fmt))
+            for _, cfg in cases(X8, [fmt]) for v, rows in ROWS.items() if v == "d" or tile > 1
+            for K, N, bias, act, res, sdtype in [X8[cfg]]]
 
 
 def all_kernels(isa):
-    funcs = x8_kernels("madd", isa)
-    for bits in BITS:
-        for cfg, (K, N, bias, act, res, sdtype, tp) in PANELS.items():
-            for v, rows in ROWS.items():
-                funcs.append(ops.linear_panels_q.cpu(kname(f"panels{bits}", cfg, v), K, N, rows=rows, bits=bits,
-                                                     sdtype=sdtype, bias=bias, act=act, residual=res, tile_panels=tp))
-        for cfg, (K, N, act, sdtype, tp) in ROWS_Q.items():
-            funcs.append(ops.linear_rows_q.cpu(kname(f"rows{bits}", cfg, "p"), K, N, rows=None, bits=bits,
-                                               sdtype=sdtype, act=act, tile_panels=tp))
-        for cfg, (K, N, bias, act, res, sdtype, tp, skip) in KN_Q.items():
-            funcs.append(ops.linear_kn_q.cpu(kname(f"kn{bits}", cfg, "p"), K, N, rows=None, bits=bits, sdtype=sdtype,
-                                             bias=bias, act=act, residual=res, tile_panels=tp, skip_zero_rows=skip))
+    funcs = x8_kernels("madd", isa) + x8_kernels("madd", isa, "int4a")
+    for fmt, cfg in cases(PANELS):
+        K, N, bias, act, res, sdtype, tp = PANELS[cfg]
+        for v, rows in ROWS.items():
+            funcs.append(ops.linear_panels_q.cpu(kname(f"panels{fmt}", cfg, v), K, N, rows=rows, sdtype=sdtype,
+                                                 bias=bias, act=act, residual=res, tile_panels=tp, **fmt_args(fmt)))
+    for fmt, cfg in cases(ROWS_Q):
+        K, N, act, sdtype, tp = ROWS_Q[cfg]
+        funcs.append(ops.linear_rows_q.cpu(kname(f"rows{fmt}", cfg, "p"), K, N, rows=None, sdtype=sdtype, act=act,
+                                           tile_panels=tp, **fmt_args(fmt)))
+    for fmt, cfg in cases(KN_Q):
+        K, N, bias, act, res, sdtype, tp, skip = KN_Q[cfg]
+        funcs.append(ops.linear_kn_q.cpu(kname(f"kn{fmt}", cfg, "p"), K, N, rows=None, sdtype=sdtype, bias=bias,
+                                         act=act, residual=res, tile_panels=tp, skip_zero_rows=skip, **fmt_args(fmt)))
     return funcs
 
 
@@ -92,17 +110,22 @@ def vnni_lib(tmp_path_factory):
     if not set(CPU_ISAS["avx512vnni"].features) <= (cpu_flags() or set()):
         pytest.skip("this CPU has no AVX512-VNNI")
     path = str(tmp_path_factory.mktemp("quant") / "vnni.so")
-    cpu.build(x8_kernels("vnni", "avx512") + x8_kernels("vnni", "avx512", bits=8), CPU_ISAS["avx512vnni"].llvm_target(),
-              path)
+    cpu.build(x8_kernels("vnni", "avx512") + x8_kernels("vnni", "avx512", "int8") + x8_kernels("vnni", "avx512", "int4a"),
+              CPU_ISAS["avx512vnni"].llvm_target(), path)
     return tvm.runtime.load_module(path)
 
 
-def quantized(rng, shape, bits, axis, sdtype):
-    """A random matrix's (q, scales) along `axis` (the scales in `sdtype`) and its dequantized float64 matrix."""
-    fmt = _fmt(bits)
-    q, s = quant.quantize(rng.standard_normal(shape) * 0.5, fmt, axis=axis)
-    s = s.astype(sdtype)
-    return q, s, quant.dequantize(q, s, axis).astype(np.float64)
+def quantized(rng, shape, fmt, axis, sdtype):
+    """A random matrix's blocks along `axis`, (q, scales (, mins)) (in `sdtype`), and its dequantized float64
+    matrix (off-centre, so that an asymmetric format's mins matter)."""
+    q, *per_block = quant.quantize(rng.standard_normal(shape) * 0.5 + 0.2, _fmt(fmt), axis=axis)
+    blocks = (q, *(a.astype(sdtype) for a in per_block))
+    return blocks, quant.dequantize(*blocks[:2], axis, *blocks[2:]).astype(np.float64)
+
+
+def packed(pack, blocks, fmt):
+    """`pack` (quant.pack_panels / pack_rows) of `quantized`'s blocks."""
+    return pack(*blocks[:2], _fmt(fmt), *blocks[2:])
 
 
 def expected(x, w, b, r, act):
@@ -136,44 +159,44 @@ def test_interface():
         quant.linear_panels_q("q", 64, 40, rows=1, bits=4, bias=False, int8_dot="vnni", tile_panels=1)
     with pytest.raises(ValueError):  # int8 weights: VNNI only
         quant.linear_panels_q("q", 64, 40, rows=1, bits=8, bias=False, int8_dot="madd", tile_panels=2)
+    with pytest.raises(ValueError):  # minimums: 4-bit blocks only
+        quant.linear_panels_q("q", 64, 40, rows=1, bits=8, bias=False, has_min=True)
 
 
 @pytest.mark.parametrize("variant,m", VARIANTS)
-@pytest.mark.parametrize("cfg", PANELS)
-@pytest.mark.parametrize("bits", BITS)
-def test_linear_panels_q(lib, bits, cfg, variant, m):
+@pytest.mark.parametrize("fmt,cfg", cases(PANELS))
+def test_linear_panels_q(lib, fmt, cfg, variant, m):
     K, N, bias, act, res, sdtype, _ = PANELS[cfg]
-    rng = np.random.default_rng(bits)
-    q, s, w = quantized(rng, (K, N), bits, 0, sdtype)
+    rng = np.random.default_rng(_fmt(fmt).bits)
+    blocks, w = quantized(rng, (K, N), fmt, 0, sdtype)
     _, x = rows_buf(rng, m, K, scale=0.5)
-    y, b, r = run(lib, kname(f"panels{bits}", cfg, variant), x, quant.pack_panels(q, s, _fmt(bits)), bias, res, N, m,
-                  rng)
+    y, b, r = run(lib, kname(f"panels{fmt}", cfg, variant), x, packed(quant.pack_panels, blocks, fmt), bias, res, N,
+                  m, rng)
     close(y, expected(x, w, b, r, act))
 
 
 @pytest.mark.parametrize("variant,m", PREFILL)
-@pytest.mark.parametrize("cfg", ROWS_Q)
-@pytest.mark.parametrize("bits", BITS)
-def test_linear_rows_q(lib, bits, cfg, variant, m):
+@pytest.mark.parametrize("fmt,cfg", cases(ROWS_Q))
+def test_linear_rows_q(lib, fmt, cfg, variant, m):
     K, N, act, sdtype, _ = ROWS_Q[cfg]
-    rng = np.random.default_rng(10 + bits)
-    q, s, w = quantized(rng, (N, K), bits, 1, sdtype)  # one row per output neuron, blocks along K
+    rng = np.random.default_rng(10 + _fmt(fmt).bits)
+    blocks, w = quantized(rng, (N, K), fmt, 1, sdtype)  # one row per output neuron, blocks along K
     _, x = rows_buf(rng, m, K, scale=0.5)
-    y, b, _ = run(lib, kname(f"rows{bits}", cfg, variant), x, quant.pack_rows(q, s, _fmt(bits)), True, False, N, m, rng)
+    y, b, _ = run(lib, kname(f"rows{fmt}", cfg, variant), x, packed(quant.pack_rows, blocks, fmt), True, False, N, m,
+                  rng)
     close(y, expected(x, w.T, b, None, act))
 
 
 @pytest.mark.parametrize("variant,m", PREFILL)
-@pytest.mark.parametrize("cfg", KN_Q)
-@pytest.mark.parametrize("bits", BITS)
-def test_linear_kn_q(lib, bits, cfg, variant, m):
+@pytest.mark.parametrize("fmt,cfg", cases(KN_Q))
+def test_linear_kn_q(lib, fmt, cfg, variant, m):
     K, N, bias, act, res, sdtype, _, skip = KN_Q[cfg]
-    rng = np.random.default_rng(20 + bits)
-    q, s, w = quantized(rng, (K, N), bits, 1, sdtype)  # one row per reduction index, blocks along N
+    rng = np.random.default_rng(20 + _fmt(fmt).bits)
+    blocks, w = quantized(rng, (K, N), fmt, 1, sdtype)  # one row per reduction index, blocks along N
     _, x = rows_buf(rng, m, K, scale=0.5)
     if skip:  # a ReLU's output, two thirds of its columns zero in every row
         x[...] = np.maximum(x, 0) * (np.arange(K) % 3 == 0)
-    y, b, r = run(lib, kname(f"kn{bits}", cfg, variant), x, quant.pack_rows(q, s, _fmt(bits)), bias, res, N, m, rng)
+    y, b, r = run(lib, kname(f"kn{fmt}", cfg, variant), x, packed(quant.pack_rows, blocks, fmt), bias, res, N, m, rng)
     close(y, expected(x, w, b, r, act))
 
 
@@ -181,11 +204,12 @@ def test_rows_untouched(lib):
     """Prefill writes rows [0, m) of its output and nothing past them (the runtime passes slices)."""
     K, N, bias, act, res, sdtype, _ = PANELS["gelu"]
     rng = np.random.default_rng(5)
-    q, s, _ = quantized(rng, (K, N), 4, 0, sdtype)
+    blocks, _ = quantized(rng, (K, N), "int4", 0, sdtype)
     xs, x = rows_buf(rng, 3, K)
     ys, y = rows_buf(rng, 3, N)
     before = ys[3:].copy()
-    call(lib, kname("panels4", "gelu", "p"), x, *[aligned(a) for a in quant.pack_panels(q, s, _fmt(4))], rand(rng, N),
+    call(lib, kname("panelsint4", "gelu", "p"), x, *[aligned(a) for a in packed(quant.pack_panels, blocks, "int4")],
+         rand(rng, N),
          rows_buf(rng, 3, N)[1], y)
     np.testing.assert_array_equal(ys[3:], before)
     assert ys.shape[0] == MAX_ROWS
@@ -196,12 +220,12 @@ def x8_reference(x, w):
     return int8_blocks_ref(x, quant.QUANT_BLOCK) @ w
 
 
-def check_int8_activations(lib, dot, cfg, bits=4, variant="d", m=1):
+def check_int8_activations(lib, dot, cfg, fmt="int4", variant="d", m=1):
     K, N, bias, act, res, sdtype = X8[cfg]
     rng = np.random.default_rng(30)
-    q, s, w = quantized(rng, (K, N), bits, 0, sdtype)
+    blocks, w = quantized(rng, (K, N), fmt, 0, sdtype)
     _, x = rows_buf(rng, m, K, scale=0.5)
-    y, b, r = run(lib, kname(f"x8{dot}{bits}", cfg, variant), x, quant.pack_panels(q, s, _fmt(bits)), bias, res, N,
+    y, b, r = run(lib, kname(f"x8{dot}{fmt}", cfg, variant), x, packed(quant.pack_panels, blocks, fmt), bias, res, N,
                   m, rng)
     pre = x8_reference(x, w) + (0 if b is None else b)
     close(y, act_ref(pre, act) + (0 if r is None else r))
@@ -209,41 +233,44 @@ def check_int8_activations(lib, dot, cfg, bits=4, variant="d", m=1):
     assert np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("cfg", X8)
-def test_int8_activations_madd(lib, cfg):
-    """int4 decode with int8 activations (vpmaddubsw; zmm under AVX-512's budget, ymm under AVX2's): exact
-    against x quantized the same way, and within int8's error of the float product."""
-    check_int8_activations(lib, "madd", cfg)
+X8_FORMATS = ("int4", "int4a")  # the weight formats whose int8-activation kernels take "madd"
 
 
-@pytest.mark.parametrize("cfg", X8)
-def test_int8_activations_vnni(vnni_lib, cfg):
-    check_int8_activations(vnni_lib, "vnni", cfg)
+@pytest.mark.parametrize("fmt,cfg", cases(X8, X8_FORMATS))
+def test_int8_activations_madd(lib, cfg, fmt):
+    """int4 / int4a decode with int8 activations (vpmaddubsw; zmm under AVX-512's budget, ymm under AVX2's):
+    exact against x quantized the same way (int4a's mins times x's block sums as quantized), and within int8's
+    error of the float product."""
+    check_int8_activations(lib, "madd", cfg, fmt)
+
+
+@pytest.mark.parametrize("fmt,cfg", cases(X8, X8_FORMATS))
+def test_int8_activations_vnni(vnni_lib, cfg, fmt):
+    check_int8_activations(vnni_lib, "vnni", cfg, fmt)
 
 
 PREFILL_ROWS = [1, 5, 9]  # int8-activation prefill GEMMs: partial and whole 4-row register tiles
 
 
 @pytest.mark.parametrize("m", PREFILL_ROWS)
-@pytest.mark.parametrize("cfg", X8)
-def test_int8_activation_prefill_gemm_madd(lib, cfg, m):
-    """Prompts' GEMMs over int4 panels with each row of x rounded to int8 blocks (vpmaddubsw, AVX-512's zmm
-    only: the AVX2 module has none): exact against x quantized the same way, over odd row counts and padded
+@pytest.mark.parametrize("fmt,cfg", cases(X8, X8_FORMATS))
+def test_int8_activation_prefill_gemm_madd(lib, cfg, fmt, m):
+    """Prompts' GEMMs over int4 / int4a panels with each row of x rounded to int8 blocks (vpmaddubsw, AVX-512's
+    zmm only: the AVX2 module has none): exact against x quantized the same way, over odd row counts and padded
     panels."""
-    if not lib.implements_function(kname("x8madd4", cfg, "p")):
+    if not lib.implements_function(kname(f"x8madd{fmt}", cfg, "p")):
         pytest.skip("no int8-activation prefill GEMM on AVX2")
-    check_int8_activations(lib, "madd", cfg, variant="p", m=m)
+    check_int8_activations(lib, "madd", cfg, fmt, variant="p", m=m)
 
 
 @pytest.mark.parametrize("m", PREFILL_ROWS)
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("cfg", X8)
-def test_int8_activation_prefill_gemm_vnni(vnni_lib, cfg, bits, m):
-    """The same with vpdpbusd, over int4 and int8 panels."""
-    check_int8_activations(vnni_lib, "vnni", cfg, bits=bits, variant="p", m=m)
+@pytest.mark.parametrize("fmt,cfg", cases(X8))
+def test_int8_activation_prefill_gemm_vnni(vnni_lib, cfg, fmt, m):
+    """The same with vpdpbusd, over int4, int4a and int8 panels."""
+    check_int8_activations(vnni_lib, "vnni", cfg, fmt, variant="p", m=m)
 
 
 @pytest.mark.parametrize("cfg", X8)
 def test_int8_weights_int8_activations_vnni(vnni_lib, cfg):
     """int8 weights with int8 activations (vpdpbusd over q ^ 0x80): exact against x quantized the same way."""
-    check_int8_activations(vnni_lib, "vnni", cfg, bits=8)
+    check_int8_activations(vnni_lib, "vnni", cfg, "int8")

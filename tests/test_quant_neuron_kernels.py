@@ -1,5 +1,5 @@
 """The CPU kernels over block-quantized rows (neuron.sparse_ffn_q, cpu.embed_q) against numpy references built
-from quant.dequantize in float64: int8 and int4, float16 and float32 scales, both CPU instruction sets."""
+from quant.dequantize in float64: int8, int4 and int4a, float16 and float32 scales, both CPU instruction sets."""
 
 from __future__ import annotations
 
@@ -18,47 +18,57 @@ from kernel_reference import act_ref, aligned, int8_blocks_ref
 
 N = 37  # neurons: no multiple of 8 (uneven task slices)
 FUSED = {  # name: (D, bits, gated, activation, scale dtype); D = 96: 3 blocks (one dot chain, a prefetch a block)
-    "int8_relu": (96, 8, False, "relu", "float16"),
-    "int4_relu": (96, 4, False, "relu", "float32"),
-    "int8_gelu": (96, 8, False, "gelu", "float32"),
-    "int8_gated_silu": (96, 8, True, "silu", "float32"),
-    "int4_gated_silu": (96, 4, True, "silu", "float16"),
-    "int4_gated_relu": (96, 4, True, "relu", "float16"),
-    "int4_wide_relu": (256, 4, False, "relu", "float16"),  # 8 blocks: 4 chains, 4 int4 blocks a line
-    "int8_wide_gated_gelu": (256, 8, True, "gelu", "float16"),  # 2 int8 blocks a line
+    "int8_relu": (96, "int8", False, "relu", "float16"),
+    "int4_relu": (96, "int4", False, "relu", "float32"),
+    "int8_gelu": (96, "int8", False, "gelu", "float32"),
+    "int8_gated_silu": (96, "int8", True, "silu", "float32"),
+    "int4_gated_silu": (96, "int4", True, "silu", "float16"),
+    "int4_gated_relu": (96, "int4", True, "relu", "float16"),
+    "int4_wide_relu": (256, "int4", False, "relu", "float16"),  # 8 blocks: 4 chains, 4 int4 blocks a line
+    "int8_wide_gated_gelu": (256, "int8", True, "gelu", "float16"),  # 2 int8 blocks a line
+    "int4a_gated_relu": (128, "int4a", True, "relu", "float32"),  # asymmetric blocks, mins beside the scales: 4 chains
 }
 INT8_DOT = {  # sparse_ffn_q with int8_dot: (D, bits, gated, activation, scale dtype, dot)
-    "int4_relu": (256, 4, False, "relu", "float16", "madd"),  # zmm: 2 vectors (2 chains); ymm: 4
-    "int4_gated_silu": (128, 4, True, "silu", "float32", "madd"),  # zmm: 1 vector; ymm: 2
-    "int4_wide_gated_gelu": (1024, 4, True, "gelu", "float16", "madd"),  # zmm: 8 vectors, 2 steps of 4 chains
+    "int4_relu": (256, "int4", False, "relu", "float16", "madd"),  # zmm: 2 vectors (2 chains); ymm: 4
+    "int4_gated_silu": (128, "int4", True, "silu", "float32", "madd"),  # zmm: 1 vector; ymm: 2
+    "int4_wide_gated_gelu": (1024, "int4", True, "gelu", "float16", "madd"),  # zmm: 8 vectors, 2 steps of 4 chains
+    "int4a_gated_silu": (128, "int4a", True, "silu", "float32", "madd"),
 }
 INT8_VNNI = {  # AVX512-VNNI only (the avx512vnni ISA)
-    "int4_relu": (256, 4, False, "relu", "float16", "vnni"),
-    "int4_gated_silu": (128, 4, True, "silu", "float32", "vnni"),
-    "int8_relu": (192, 8, False, "relu", "float16", "vnni"),  # int8: 2 blocks a zmm; 3 vectors (1 chain)
-    "int8_gated_gelu": (256, 8, True, "gelu", "float32", "vnni"),
+    "int4_relu": (256, "int4", False, "relu", "float16", "vnni"),
+    "int4_gated_silu": (128, "int4", True, "silu", "float32", "vnni"),
+    "int8_relu": (192, "int8", False, "relu", "float16", "vnni"),  # int8: 2 blocks a zmm; 3 vectors (1 chain)
+    "int8_gated_gelu": (256, "int8", True, "gelu", "float32", "vnni"),
+    "int4a_relu": (256, "int4a", False, "relu", "float16", "vnni"),
 }
 V, MAX_CTX, MAX_ROWS = 50, 20, 8
-EMBED = {"int8_pos": (96, 8, MAX_CTX, "float16"), "int4_pos": (96, 4, MAX_CTX, "float32"),
-         "int4_nopos": (64, 4, None, "float16"), "int8_nopos": (64, 8, None, "float32")}
+EMBED = {"int8_pos": (96, "int8", MAX_CTX, "float16"), "int4_pos": (96, "int4", MAX_CTX, "float32"),
+         "int4_nopos": (64, "int4", None, "float16"), "int8_nopos": (64, "int8", None, "float32"),
+         "int4a_pos": (96, "int4a", MAX_CTX, "float16")}
 ROWS = {"d": 1, "p": None}
 
 
-def fmt(bits, sdtype):
-    return replace(WEIGHT_FORMATS["int8" if bits == 8 else "int4"], scale_dtype=sdtype)
+def fmt(name, sdtype):
+    return replace(WEIGHT_FORMATS[name], scale_dtype=sdtype)
+
+
+def fmt_args(name):
+    """A format's kernel arguments, as select-kernels passes them (`Lowering.quant_tag`)."""
+    f = WEIGHT_FORMATS[name]
+    return {"bits": f.bits, **({"has_min": True} if f.has_min else {})}
 
 
 @pytest.fixture(scope="module", params=["avx2", "avx512"])  # (avx512vnni: vnni_lib, its int8 dots only)
 def lib(request, tmp_path_factory):
     if not set(CPU_ISAS[request.param].features) <= (cpu_flags() or set()):
         pytest.skip(f"this CPU has no {request.param}")  # (its kernels would die of an illegal instruction)
-    funcs = [neuron.sparse_ffn_q(f"ffn_{name}", D, N, rows=1, gated=gated, act=act, bits=bits, sdtype=sdtype)
-             for name, (D, bits, gated, act, sdtype) in FUSED.items()]
-    funcs += [cpu.embed_q(f"embed_{name}_{v}", V, D, rows=rows, positions=positions, bits=bits, sdtype=sdtype)
-              for name, (D, bits, positions, sdtype) in EMBED.items() for v, rows in ROWS.items()]
-    funcs += [neuron.sparse_ffn_q(f"ffn8_{name}", D, N, rows=1, gated=gated, act=act, bits=bits, sdtype=sdtype,
+    funcs = [neuron.sparse_ffn_q(f"ffn_{name}", D, N, rows=1, gated=gated, act=act, sdtype=sdtype, **fmt_args(form))
+             for name, (D, form, gated, act, sdtype) in FUSED.items()]
+    funcs += [cpu.embed_q(f"embed_{name}_{v}", V, D, rows=rows, positions=positions, sdtype=sdtype, **fmt_args(form))
+              for name, (D, form, positions, sdtype) in EMBED.items() for v, rows in ROWS.items()]
+    funcs += [neuron.sparse_ffn_q(f"ffn8_{name}", D, N, rows=1, gated=gated, act=act, sdtype=sdtype, **fmt_args(form),
                                   int8_dot=dot, tile_panels=CPU_ISAS[request.param].gemm_panels)
-              for name, (D, bits, gated, act, sdtype, dot) in INT8_DOT.items()]
+              for name, (D, form, gated, act, sdtype, dot) in INT8_DOT.items()]
     path = tmp_path_factory.mktemp(f"quant_{request.param}") / "quant.so"
     cpu.build(funcs, CPU_ISAS[request.param].llvm_target(), str(path))
     return tvm.runtime.load_module(str(path))
@@ -68,9 +78,9 @@ def lib(request, tmp_path_factory):
 def vnni_lib(tmp_path_factory):
     if not set(CPU_ISAS["avx512vnni"].features) <= (cpu_flags() or set()):
         pytest.skip("this CPU has no AVX512-VNNI")
-    funcs = [neuron.sparse_ffn_q(f"ffn8_{name}", D, N, rows=1, gated=gated, act=act, bits=bits, sdtype=sdtype,
+    funcs = [neuron.sparse_ffn_q(f"ffn8_{name}", D, N, rows=1, gated=gated, act=act, sdtype=sdtype, **fmt_args(form),
                                  int8_dot=dot, tile_panels=CPU_ISAS["avx512"].gemm_panels)
-             for name, (D, bits, gated, act, sdtype, dot) in INT8_VNNI.items()]
+             for name, (D, form, gated, act, sdtype, dot) in INT8_VNNI.items()]
     path = str(tmp_path_factory.mktemp("quant_vnni") / "vnni.so")
     cpu.build(funcs, CPU_ISAS["avx512vnni"].llvm_target(), path)
     return tvm.runtime.load_module(path)
@@ -80,12 +90,23 @@ def call(lib, name, *args):
     lib[name](*[tvm_ffi.from_dlpack(a) if isinstance(a, np.ndarray) else a for a in args])
 
 
-def quantized(rng, shape, bits, sdtype):
-    """(packed q, scales, the float64 matrix they stand for) of a random matrix, rows layout."""
-    w = rng.standard_normal(shape).astype(np.float32)
-    q, scales = quant.quantize(w, fmt(bits, sdtype), axis=1)
-    packed, scales = quant.pack_rows(q, scales, fmt(bits, sdtype))
-    return aligned(packed), aligned(scales), quant.dequantize(q, scales, axis=1).astype(np.float64)
+class Dense(np.ndarray):
+    """A dequantized float64 matrix, with `magnitude`: what a kernel's sums over it run over, elementwise (|w|;
+    int4a's |d q| + |m|: its kernels sum the two parts apart)."""
+
+    magnitude: np.ndarray
+
+
+def quantized(rng, shape, form, sdtype):
+    """(packed q, scales, the `Dense` matrix they stand for) of a random matrix, rows layout (int4a: off-centre,
+    so that the mins matter)."""
+    w = rng.standard_normal(shape).astype(np.float32) + (0.3 if WEIGHT_FORMATS[form].has_min else 0)
+    q, scales, *mins = quant.quantize(w, fmt(form, sdtype), axis=1)
+    packed, stored = quant.pack_rows(q, scales, fmt(form, sdtype), *mins)
+    dense = quant.dequantize(q, scales, 1, *mins).astype(np.float64).view(Dense)
+    dense.magnitude = np.abs(quant.dequantize(q, scales, 1).astype(np.float64)) + (
+        np.abs(quant.dequantize(np.ones_like(q), mins[0], 1)) if mins else 0)
+    return aligned(packed), aligned(stored), dense
 
 
 def fused_reference(x, up, b, down, rows, gated, act):
@@ -94,16 +115,18 @@ def fused_reference(x, up, b, down, rows, gated, act):
     with |h|'s own error (its magnitude) carried through. An fp32 sum's rounding error is bounded relative to its
     magnitude, not to its value: a sum of large terms that cancel (out of a gated GELU, whose |h| reaches tens)
     misses a 1e-4 relative tolerance of the value while exact to 1e-6 of the magnitude."""
+    up_abs, down_abs = up.magnitude, down.magnitude
+    up, down = np.asarray(up), np.asarray(down)
     pre = up[rows] @ x[0] + b[rows]
-    size = np.abs(up[rows]) @ np.abs(x[0]) + np.abs(b[rows])
+    size = up_abs[rows] @ np.abs(x[0]) + np.abs(b[rows])
     hidden, hidden_size = act_ref(pre, act), size
     if gated:
         second = up[N + rows] @ x[0] + b[N + rows]
-        second_size = np.abs(up[N + rows]) @ np.abs(x[0]) + np.abs(b[N + rows])
+        second_size = up_abs[N + rows] @ np.abs(x[0]) + np.abs(b[N + rows])
         # d(act(g) u) = act'(g) u dg + act(g) du, |act'| <= 1.13 for relu, silu, gelu: the product's error scale
         hidden_size = 1.13 * size * np.abs(second) + np.abs(act_ref(pre, act)) * second_size
         hidden = hidden * second
-    out_size = (np.abs(hidden) + hidden_size) @ np.abs(down[rows])
+    out_size = (np.abs(hidden) + hidden_size) @ down_abs[rows]
     return hidden, hidden @ down[rows], hidden_size, out_size
 
 
@@ -118,12 +141,12 @@ def check_fused(hidden, out, count, want, tol):
         np.max(np.abs(out[0] - want_out) / np.maximum(out_size, 1e-30), initial=0)
 
 
-def run_fused(lib, kernel, D, bits, gated, sdtype, count, messy):
+def run_fused(lib, kernel, D, form, gated, sdtype, count, messy):
     """Random weights and inputs through `kernel`: (x, dequantized up, b, down, rows, hidden, out)."""
     rng = np.random.default_rng(count + 100 * messy)
     x = aligned(rng.standard_normal((1, D)).astype(np.float32))
-    up_q, up_s, up = quantized(rng, ((2 if gated else 1) * N, D), bits, sdtype)
-    down_q, down_s, down = quantized(rng, (N, D), bits, sdtype)
+    up_q, up_s, up = quantized(rng, ((2 if gated else 1) * N, D), form, sdtype)
+    down_q, down_s, down = quantized(rng, (N, D), form, sdtype)
     b = aligned(rng.standard_normal((2 if gated else 1) * N).astype(np.float32))
     index = indices(rng, count, messy)
     hidden, scratch = aligned(np.full((1, N), 99.0, np.float32)), aligned(np.zeros((neuron.FFN_TASKS, D), np.float32))
@@ -150,8 +173,8 @@ COUNTS = [(0, False), (1, False), (17, False), (17, True), (N, False)]
 @pytest.mark.parametrize("variant", FUSED)
 def test_sparse_ffn_q(lib, variant, count, messy):
     """fp32 arithmetic: within 1e-6 of the sums' magnitudes (D <= 256 terms of rounding 6e-8 each: ~sqrt(D) eps)."""
-    D, bits, gated, act, sdtype = FUSED[variant]
-    x, up, b, down, rows, hidden, out = run_fused(lib, f"ffn_{variant}", D, bits, gated, sdtype, count, messy)
+    D, form, gated, act, sdtype = FUSED[variant]
+    x, up, b, down, rows, hidden, out = run_fused(lib, f"ffn_{variant}", D, form, gated, sdtype, count, messy)
     want = fused_reference(x.astype(np.float64), up, b, down, rows, gated, act)
     check_fused(hidden, out, count, want, 1e-6)
     if act == "relu" and count > 1:
@@ -161,8 +184,8 @@ def test_sparse_ffn_q(lib, variant, count, messy):
 def check_int8_dot(lib, table, variant, count, messy):
     """Against x quantized as the kernel does (int8_blocks_ref): the integer sums are exact, the rest fp32, so
     within 1e-6 of the magnitudes (D <= 1024); and within int8 x's error (3e-2 of them) of the float64 x."""
-    D, bits, gated, act, sdtype, _ = table[variant]
-    x, up, b, down, rows, hidden, out = run_fused(lib, f"ffn8_{variant}", D, bits, gated, sdtype, count, messy)
+    D, form, gated, act, sdtype, _ = table[variant]
+    x, up, b, down, rows, hidden, out = run_fused(lib, f"ffn8_{variant}", D, form, gated, sdtype, count, messy)
     check_fused(hidden, out, count, fused_reference(int8_blocks_ref(x), up, b, down, rows, gated, act), 1e-6)
     check_fused(hidden, out, count, fused_reference(x.astype(np.float64), up, b, down, rows, gated, act), 3e-2)
 
@@ -193,11 +216,11 @@ def test_sparse_ffn_q_int8_dot_refusals():
 @pytest.mark.parametrize("variant,m", [("d", 1), ("p", 1), ("p", 7)])
 @pytest.mark.parametrize("table", EMBED)
 def test_embed_q(lib, table, variant, m, start):
-    D, bits, positions, sdtype = EMBED[table]
+    D, form, positions, sdtype = EMBED[table]
     rng = np.random.default_rng(4 + start)
     ids = aligned(rng.integers(0, V, MAX_ROWS).astype(np.int64))
     ids[1] = V + 3  # out of range: clamped to the last row
-    q, scales, dense = quantized(rng, (V, D), bits, sdtype)
+    q, scales, dense = quantized(rng, (V, D), form, sdtype)
     y = aligned(np.full((MAX_ROWS, D), np.nan, np.float32))
     want = dense[np.clip(ids[:m], 0, V - 1)]
     if positions:
@@ -206,4 +229,4 @@ def test_embed_q(lib, table, variant, m, start):
         want = want + pos[start:start + m]
     else:
         call(lib, f"embed_{table}_{variant}", ids[:m], q, scales, y[:m])
-    np.testing.assert_allclose(y[:m], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y[:m], np.asarray(want), rtol=1e-6, atol=1e-6)

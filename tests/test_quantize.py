@@ -71,6 +71,34 @@ def test_layouts_hold_every_value_where_the_module_says(name):
         assert panels[0, 40, 2] >> 4 == q[40, 10] + 8
 
 
+@pytest.mark.parametrize("axis", [0, 1])
+def test_int4a_rounds_by_each_blocks_min_and_max_and_finds_its_blocks_again(axis):
+    """int4a (Q4_1's rule): m = the block's min, d = (max - m) / 15, q in [0, 15]: within half a step (plus m's
+    fp16 rounding) of every weight; its dequantized values give back the same q, d and m (exact mode); the
+    layouts hold each block's d and m together."""
+    fmt = WEIGHT_FORMATS["int4a"]
+    w = np.random.default_rng(0).standard_normal((96, 40) if axis == 0 else (40, 96)).astype(np.float32) + 0.5
+    if axis == 1:
+        w[:3] = 0.0  # all-zero blocks: d = 0, m = 0, q = 0
+    q, d, m = quant.quantize(w, fmt, axis)
+    assert q.min() >= 0 and q.max() <= 15 and d.dtype == m.dtype == np.float16
+    back = quant.dequantize(q, d, axis, m)
+    lo = (w if axis == 1 else w.T).reshape(40, -1, 32).min(-1)
+    off = np.abs(m.astype(np.float32) - (lo if axis == 1 else lo.T))  # m's own rounding to fp16
+    assert np.all(np.abs(back - w) <= np.repeat(d.astype(np.float32) / 2 + off, 32, axis=axis) + 1e-6)
+    again_q, again_d, again_m, missed, foreign = quant.quantize_asymmetric(back, fmt, axis, exact=True)
+    assert missed == foreign == 0 and np.array_equal(again_q, q)
+    assert np.array_equal(again_d, d) and np.array_equal(again_m, m)
+    if axis == 1:
+        packed, scales = quant.pack_rows(q, d, fmt, m)
+        assert packed[2, 16 + 3] & 0xF == q[2, 32 + 3] and packed[2, 16 + 3] >> 4 == q[2, 48 + 3]  # no offset
+        assert np.array_equal(scales[:, 0::2], d) and np.array_equal(scales[:, 1::2], m)
+    else:
+        panels, scales = quant.pack_panels(q, d, fmt, m)
+        assert scales.shape == (3, 3, 32) and scales[1, 2, 3] == d[2, 16 + 3] and scales[1, 2, 16 + 3] == m[2, 16 + 3]
+        assert panels[0, 40, 2] & 0xF == q[40, 2] and np.all(scales[2, :, 8:16] == 0)
+
+
 @pytest.fixture(scope="module")
 def sparse_opt(tiny_models):
     return tiny_models("opt", sparsity=0.9)
@@ -148,12 +176,17 @@ class _FoldDequantize:
     name = "fold-dequantize"
 
     def apply(self, model, ctx):
-        for node in [n for n in model.graph if n.op_type == "DequantizeLinear"]:
+        for node in list(model.graph):
             matrix = QuantizedMatrix.of(node.outputs[0])
+            if matrix is None:  # (an int4a matrix's DequantizeLinear: its mins' Reshape / Add / Reshape stand for it)
+                continue
             value = pir.initializer(model.graph, node.outputs[0].name + ".folded",
-                                    quant.dequantize(matrix.values, matrix.scales, matrix.axis))
+                                    quant.dequantize(*matrix.blocks[:2], matrix.axis, *matrix.blocks[2:]))
             node.outputs[0].replace_all_uses_with(value)
-            model.graph.remove(node, safe=True)
+            while node is not None:  # the node, and for int4a the chain up to its DequantizeLinear
+                producer = node.inputs[0].producer()
+                model.graph.remove(node, safe=True)
+                node = producer if node.op_type != "DequantizeLinear" else None
         pir.drop_unused_initializers(model.graph)
         return PassResult(model, modified=True)
 
@@ -183,12 +216,13 @@ def built(sparse_opt, tmp_path_factory):
 
 # int4 dense and sparse, int8 sparse: a sparse build reads quantized panels (attention, output layer) and rows (the
 # FFN parts, the embedding table), a dense one panels for its FFN too
+# (("int4a", False) passes too, 2026-12-03: two more builds, ~21 s, left out of the suite's budget; int4a's kernels
+# are checked one by one against numpy, and its dense build end to end by test_quantized_import)
 @pytest.mark.parametrize("weight_dtype,dense", [("int4", True), ("int4", False), ("int8", False)],
                          ids=["int4-dense", "int4-sparse", "int8-sparse"])
 def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dtype, dense):
     """The artifact's int8 / int4 kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the logits of
-    the same quantized values run through fp32 kernels, within fp32 rounding; and it stores ~1/4 (int8) or ~1/7
-    (int4) of the fp32 weight bytes."""
+    the same quantized values run through fp32 kernels, within fp32 rounding."""
     quantized, folded = built(weight_dtype, dense), built(weight_dtype, dense, fold=True)
     manifest = json.loads((quantized / "manifest.json").read_text())
     layouts = {info.get("layout") for info in manifest["buffers"].values() if info["kind"] == "weight"}

@@ -4,6 +4,7 @@ and records that they came quantized; what it cannot honour is refused in one li
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import onnx
@@ -32,11 +33,13 @@ def quantized(tiny_models, tmp_path_factory):
     made = {}
     root = tmp_path_factory.mktemp("quantized")
 
-    def get(bits=4, symmetric=True, accuracy_level=None):
-        key = (bits, symmetric, accuracy_level)
+    def get(bits=4, symmetric=True, accuracy_level=None, block_size=32):
+        key = (bits, symmetric, accuracy_level, block_size)
         if key not in made:
-            made[key] = ort_quantize_nbits(tiny_models("opt").onnx, root / f"q{bits}-{int(symmetric)}-{accuracy_level}.onnx",
-                                           bits=bits, block_size=32, symmetric=symmetric, accuracy_level=accuracy_level)
+            made[key] = ort_quantize_nbits(tiny_models("opt").onnx,
+                                           root / f"q{bits}-{int(symmetric)}-{accuracy_level}-{block_size}.onnx",
+                                           bits=bits, block_size=block_size, symmetric=symmetric,
+                                           accuracy_level=accuracy_level)
         return made[key]
 
     return get
@@ -226,3 +229,92 @@ def test_matmul_nbits_that_cannot_be_honoured_is_refused(tiny_models, tmp_path, 
     code = main(["build", str(path), "--target", "cpu", "--dense", "-o", str(out)])
     assert_user_error(code, capsys.readouterr().err, *words)
     assert not out.exists()
+
+
+def _asymmetric_sources(path, mins_from=None):
+    """(node, codes [N, K], scales [N, blocks], zero points [N, blocks]) of every 4-bit MatMulNBits of the ONNX at
+    `path` (zero points unpacked to floats)."""
+    proto = onnx.load(str(path))
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    out = []
+    for node in nbits_nodes(proto):
+        packed, scales = inits[node.input[1]], inits[node.input[2]]
+        N = packed.shape[0]
+        codes = np.stack([packed & 0xF, packed >> 4], -1).reshape(N, -1)
+        points = inits[node.input[3]]
+        if points.dtype == np.uint8:
+            points = np.stack([points & 0xF, points >> 4], -1).reshape(N, -1)[:, :scales.shape[1]]
+        out.append((node, codes, scales.reshape(N, -1), points.reshape(N, -1).astype(np.float32)))
+    return out
+
+
+def q4_1_zero_points(tmp_path, source):
+    """The ORT-quantized asymmetric model with its blocks made Q4_1's (what a GGUF front end writes): fp16 scales
+    d and fp16 minimums m that are no multiple of d, as float32 scales d and float32 zero points -m / d (the
+    schema's float form). Returns (path, {node name: (d, m) fp16 [N, blocks]})."""
+    proto = onnx.load(str(source))
+    inits = {t.name: t for t in proto.graph.initializer}
+    rng, blocks = np.random.default_rng(3), {}
+    for node, _, scales, points in _asymmetric_sources(source):
+        d = scales.astype(np.float16)
+        m = (-(d.astype(np.float32) * points) * rng.uniform(0.9, 1.1, points.shape)).astype(np.float16)
+        m[d == 0] = 0  # (a zero scale's block is 0: its minimum has no zero point -m / d)
+        inits[node.input[2]].CopyFrom(numpy_helper.from_array(d.astype(np.float32), node.input[2]))
+        with np.errstate(invalid="ignore"):
+            z = np.where(d == 0, 0, -m.astype(np.float32) / d.astype(np.float32)).astype(np.float32)
+        inits[node.input[3]].CopyFrom(numpy_helper.from_array(z, node.input[3]))
+        blocks[node.name] = (d, m)
+    path = tmp_path / "q4_1.onnx"
+    onnx.save(proto, str(path))
+    return path, blocks
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_zero_points_import_as_int4a_blocks_that_give_back_the_models_q_d_and_m(quantized, tmp_path, block_size):
+    """The contract with a GGUF front end: a 4-bit MatMulNBits with zero points imports as int4a's values, from
+    which the quantize pass's exact rounding recovers the model's codes, scales and minimums bit for bit: fp16
+    ones from Q4_1 blocks written as float32 d and -m / d; float32 ones (m = -scale x zero point) from
+    onnxruntime's quantizer, whose scales are no fp16 values. Blocks of 64 are two of int4a's with one d and m
+    (found from the pair: a half whose codes miss 0 or 15 still gets them)."""
+    source = quantized(4, False, block_size=block_size)
+    gguf_like, q4_1 = q4_1_zero_points(tmp_path, source)
+    group = block_size // 32
+    for path, block_dtype in ((gguf_like, "float16"), (source, "float32")):
+        logs = []
+        model = imported(path, logs)
+        fact = SourceQuantization.of(model)
+        assert {w.block_dtype for w in fact.weights} == {block_dtype}
+        assert any("int4a blocks" in line for line in logs)
+        fmt = dataclasses.replace(WEIGHT_FORMATS["int4a"], scale_dtype=block_dtype)
+        for (node, codes, scales, points), w in zip(_asymmetric_sources(path), fact.weights):
+            q, d, m, missed, foreign = quant.quantize_asymmetric(
+                pir.const_array(model.graph.initializers[w.weight]), fmt, axis=0, exact=True, group=group)
+            assert missed == foreign == 0
+            np.testing.assert_array_equal(q, codes.T)
+            want_d, want_m = q4_1[node.name] if block_dtype == "float16" else (
+                scales, (-(scales.astype(np.float64) * points)).astype(np.float32))
+            np.testing.assert_array_equal(d, np.repeat(want_d, group, axis=1).T)
+            np.testing.assert_array_equal(m, np.repeat(want_m, group, axis=1).T)
+    assert stored_weight_dtype_of(gguf_like) == "int4a" and stored_weight_dtype_of(source) == "int4a"
+
+
+def stored_weight_dtype_of(path):
+    from passes.import_onnx import stored_weight_dtype
+
+    return stored_weight_dtype(load(path))
+
+
+def test_an_ort_model_with_zero_points_builds_in_int4a_and_matches_onnxruntime(quantized, tmp_path, capsys):
+    """--weight-dtype auto keeps a zero-point model's blocks (int4a, nothing re-rounded), and its logits are
+    onnxruntime's on the same ONNX within int8 activations' rounding (the default), prompt and decode steps."""
+    source = quantized(4, False)
+    out = tmp_path / "q4a.pic"
+    assert main(["build", str(source), "--target", "cpu", "--dense", "-o", str(out), "--max-context", "64",
+                 "-v"]) == 0
+    log = capsys.readouterr().err
+    assert "weight dtype int4a" in log and "the model's own blocks kept exactly" in log
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["quantization"]["format"] == "int4a" and manifest["quantization"]["source_blocks_rerounded"] == 0
+    ours, reference = logits_steps(Engine(out)), logits_steps(OrtDecoder(source))
+    for got, expected in zip(ours, reference):
+        assert np.abs(got - expected).max() < 5e-2 * expected.std()

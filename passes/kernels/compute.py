@@ -355,20 +355,22 @@ def embed(V, D, rows, *, positions: int | None, wdtype="float32"):
     return [ids, table] + _embedded(token, m, D, positions)
 
 
-def embed_q(V, D, rows, *, positions: int | None, bits: int, sdtype="float16"):
+def embed_q(V, D, rows, *, positions: int | None, bits: int, sdtype="float16", has_min: bool = False):
     """`embed` over a block-quantized table in the rows layout (blocks along D): y[i, j] = q[ids[i], j] *
-    scales[ids[i], j / 32] (+ pos_table[start + i]).  Args: ids, table_q, table_s, (pos_table, start), y.
-    Block ``y``."""
+    scales[ids[i], j / 32] (+ pos_table[start + i]); int4a (`has_min`: table_s [V, 2 D / 32], each block's scale
+    and min) q * scale + min.  Args: ids, table_q, table_s, (pos_table, start), y. Block ``y``."""
     m = row_dim(rows)
     ids = te.placeholder((m,), "int64", name="ids")
     table_q = te.placeholder((V, quant_width(D, bits)), name="table_q", dtype=quant_storage(bits))
-    table_s = te.placeholder((V, D // QUANT_BLOCK), name="table_s", dtype=sdtype)
+    per = 2 if has_min else 1
+    table_s = te.placeholder((V, D // QUANT_BLOCK * per), name="table_s", dtype=sdtype)
     half = QUANT_BLOCK // 2
 
     def token(i, j):
-        row = clamp_index(ids[i], V)
-        value = quant_value(table_q, row, j // QUANT_BLOCK, j % QUANT_BLOCK // half, j % half, bits, wide=False)
-        return value * load_f32(table_s[row, j // QUANT_BLOCK], sdtype)
+        row, blk = clamp_index(ids[i], V), j // QUANT_BLOCK
+        value = quant_value(table_q, row, blk, j % QUANT_BLOCK // half, j % half, bits, centred=not has_min,
+                            wide=False) * load_f32(table_s[row, blk * per], sdtype)
+        return value + load_f32(table_s[row, blk * per + 1], sdtype) if has_min else value
 
     return [ids, table_q, table_s] + _embedded(token, m, D, positions)
 

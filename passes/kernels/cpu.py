@@ -210,11 +210,12 @@ def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
     return sch.mod[name]
 
 
-def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
-    """`embed` over a block-quantized table (rows layout, int8 or int4 by `bits`, scales in `sdtype`).
-    Args: ids, table_q, table_s, (pos_table, start), y. Vectors of half a block (16 lanes), so that an int4
-    vector is the low or the high nibbles of 16 consecutive bytes."""
-    sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
+def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16", has_min: bool = False):
+    """`embed` over a block-quantized table (rows layout, int8 or int4 by `bits`, scales in `sdtype`; int4a's
+    scales and mins with `has_min`). Args: ids, table_q, table_s, (pos_table, start), y. Vectors of half a block
+    (16 lanes), so that an int4 vector is the low or the high nibbles of 16 consecutive bytes."""
+    sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype,
+                                                 has_min=has_min))
     _rowwise(sch, sch.get_sblock("y"), QUANT_BLOCK // 2, rows)
     return sch.mod[name]
 

@@ -759,13 +759,23 @@ def _qgemv(sch, K, N, bits):
     sch.reverse_compute_at(sch.get_sblock("y"), ty)
 
 
-def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False):
+def _refuse_min(has_min: bool) -> None:
+    """The GPU has no kernels over asymmetric blocks (int4a): it stores its weights in fp16
+    (`sizes.GPU_WEIGHT_FORMAT`), so none is asked for; a caller that does gets this one error."""
+    if has_min:
+        raise ValueError("int4a (4-bit blocks with a scale and a minimum) has no CUDA kernels: the GPU stores its "
+                         "weights in fp16")
+
+
+def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False,
+                 has_min: bool = False):
     """y[m, N] = act(x[m, K] @ W + b) + res with W^T [N, K] in the quant rows layout (blocks along K).
 
     Args: x, w [N, K (int8) or K/2 (int4)], ws [N, K/32] (``sdtype``), (b), (res), y. Decode: warp-per-row
     GEMV (``_qgemv``). Prefill: the tiled GEMM of ``linear_rows`` (``_gemm``), the weights dequantized to fp32
     as they are staged into shared memory.
     """
+    _refuse_min(has_min)
     args = compute.linear_qrows(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, bits=bits,
                                 sdtype=sdtype, tile=_gemm_tile(rows))
     sch = compute.schedule(name, args)
@@ -776,17 +786,20 @@ def linear_qrows(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, a
     return sch.mod[name]
 
 
-def linear_rows_q(name, K, N, *, rows, bits: int, sdtype="float16", act="none"):
+def linear_rows_q(name, K, N, *, rows, bits: int, sdtype="float16", act="none", has_min: bool = False):
     """``linear_rows`` over quant rows, the GPU twin of ``quant.linear_rows_q`` (the FFN up rows, prefill):
     y[m, N] = act(x @ W[N, K]^T + b).  Args: x, w [N, K or K/2], ws [N, K/32], b, y. ``linear_qrows``' GEMM."""
+    _refuse_min(has_min)
     _prefill_only("linear_rows_q", rows)
     return linear_qrows(name, K, N, rows=rows, bits=bits, sdtype=sdtype, bias=True, act=act)
 
 
-def linear_kn_q(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False):
+def linear_kn_q(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, act="none", residual=False,
+                has_min: bool = False):
     """y[m, N] = act(x[m, K] @ W[K, N] + b) + res with W stored as quant rows one per reduction index (blocks
     along N: the FFN down rows), the GPU twin of ``quant.linear_kn_q``.  Args: x, w [K, N or N/2], ws [K, N/32],
     (b), (res), y. Prefill only: ``linear``'s tiled GEMM, the weights dequantized as they are staged."""
+    _refuse_min(has_min)
     _prefill_only("linear_kn_q", rows)
     args = compute.linear_kn_qrows(K, N, rows, bias=bias, act=act, residual=residual, math=MATH, bits=bits,
                                    sdtype=sdtype, tile=_gemm_tile(rows))
@@ -795,17 +808,18 @@ def linear_kn_q(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, ac
     return sch.mod[name]
 
 
-def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16"):
+def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16", has_min: bool = False):
     """``embed`` over a quant-rows table (blocks along D): ``compute.embed_q``, the CPU's ``embed_q``'s definition.
     Args: ids, table_q, table_s, (pos_table, start), y. Elementwise over (row, column), like ``embed``: each
     thread dequantizes the weight it stores.
     """
+    _refuse_min(has_min)
     sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 
 
-def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16"):
+def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16", has_min: bool = False):
     """``sparse_up`` over quant rows: the gathered gate / up rows [(2 if gated) n, D] as (q, scales).
 
     Args: x[1, D], idx[1, n], count[1, 1], w[(2 if gated) n, D or D/2], ws[(2 if gated) n, D/32],
@@ -814,6 +828,7 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
     scales the sum by its block's scale; a warp-shuffle all-reduce, then lane 0 stores h[k]. Fixed grid,
     warps striding over k < count.
     """
+    _refuse_min(has_min)
     _decode_only("sparse_up_q", rows)
     actf = compute.activation(act, MATH)
     width = 2 * n if gated else n
@@ -880,7 +895,7 @@ def sparse_up_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="f
     return kernel.with_attr("global_symbol", name)
 
 
-def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
+def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16", has_min: bool = False):
     """``sparse_down`` over quant rows: out[0, :] = sum over k < count of h[0, k] * W[idx[0, k], :].
 
     Args: h[1, n], idx[1, n], count[1, 1], w[n, D or D/2], ws[n, D/32], out[1, D]. Block = 32 threads
@@ -889,6 +904,7 @@ def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16"):
     ... and adds (h[k] * scale) times its 4 or 8 values to as many column sums; the 16 row groups' sums meet
     in shared memory and the ty = 0 threads store them.
     """
+    _refuse_min(has_min)
     _decode_only("sparse_down_q", rows)
     per_block, blocks_per_step, values = _qrow_geometry(bits)
     nb = D // compute.QUANT_BLOCK

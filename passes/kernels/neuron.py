@@ -223,15 +223,21 @@ class RowFormat:
     lanes: int
     bits: int = 0  # 0: a float format
     sdtype: str = "float32"  # the scales' element type (quantized formats only)
+    has_min: bool = False  # int4a: each block's scale and min side by side in the scales buffer (x = d q + m)
 
     @property
     def quantized(self) -> bool:
         return self.bits > 0
 
     @property
+    def per_block(self) -> int:
+        """Elements of the scales buffer per block: a scale (and a min)."""
+        return 2 if self.has_min else 1
+
+    @property
     def offset(self) -> int:
         """What a stored value exceeds the weight by (int4's + 8): taken off per block or per row, not per weight."""
-        return INT4_OFFSET if self.bits == 4 else 0
+        return INT4_OFFSET if self.bits == 4 and not self.has_min else 0
 
     @property
     def block(self) -> int:
@@ -256,11 +262,11 @@ class RowFormat:
 
     def scale_lines(self, D: int) -> int:
         """Cache lines of one row's scales (0 for a float row): prefetched up front, they are a few lines."""
-        return -(-(D // QUANT_BLOCK) * itemsize(self.sdtype) // 64) if self.quantized else 0
+        return -(-(D // QUANT_BLOCK) * self.per_block * itemsize(self.sdtype) // 64) if self.quantized else 0
 
     def row_bytes(self, D: int) -> int:
         """Bytes of one stored row, its scales included."""
-        scales = D // QUANT_BLOCK * itemsize(self.sdtype) if self.quantized else 0
+        scales = D // QUANT_BLOCK * self.per_block * itemsize(self.sdtype) if self.quantized else 0
         return self.stored(D) * itemsize(self.storage) + scales
 
     def weight(self, w, row, blk, u, v):
@@ -300,14 +306,16 @@ medians of 4-5 rounds): int4 1, 2, 4, 8 rows ahead 0.31, 0.29, 0.26, 0.26 ms a c
 2 rows 0.32, 0.27 ms; prefetcht0 (locality 3) was slower (0.32 ms at 4 rows)."""
 
 
-def quant_prefetch_rows(D: int, bits: int, sdtype: str = "float16") -> int:
+def quant_prefetch_rows(D: int, bits: int, sdtype: str = "float16", has_min: bool = False) -> int:
     """Rows ahead for QUANT_PREFETCH_BYTES, at most 8 (no more was measured to help)."""
-    return min(8, max(1, -(-QUANT_PREFETCH_BYTES // quant_rows(D, bits, sdtype).row_bytes(D))))
+    return min(8, max(1, -(-QUANT_PREFETCH_BYTES // quant_rows(D, bits, sdtype, has_min).row_bytes(D))))
 
 
-def quant_rows(D: int, bits: int, sdtype: str = "float16") -> RowFormat:
+def quant_rows(D: int, bits: int, sdtype: str = "float16", has_min: bool = False) -> RowFormat:
     compute.quant_width(D, bits)  # (refuses a row that is not whole blocks)
-    return RowFormat(compute.quant_storage(bits), QUANT_LANES, bits, sdtype)
+    if has_min and bits != 4:
+        raise ValueError("blocks with minimums (int4a) are 4-bit")
+    return RowFormat(compute.quant_storage(bits), QUANT_LANES, bits, sdtype, has_min)
 
 
 def sparse_ffn(name, D, n, *, rows, gated: bool, act: str, wdtype="float32", prefetch_rows: int | None = None,
@@ -354,9 +362,10 @@ def int8_dot_fits(D: int, bits: int, dot: str, tile_panels: int) -> bool:
 
 def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="float16",
                  prefetch_rows: int | None = None, prefetch_locality: int | None = None,
-                 int8_dot: str | None = None, tile_panels: int = 1, max_batch: int = 1):
+                 int8_dot: str | None = None, tile_panels: int = 1, max_batch: int = 1, has_min: bool = False):
     """`sparse_ffn` over block-quantized rows (int8 or int4 by `bits`, the rows layout of
-    `passes.kernels.quant`, scales in `sdtype`).
+    `passes.kernels.quant`, scales in `sdtype`; int4a's scales and mins side by side, [rows, 2 D / 32], with
+    `has_min`: a dot product adds sum over blocks of m * x's block sum, an axpy a * m over each block).
 
     Args: x[1, D], idx[1, n], count[1, 1], w_up_q[(2 if gated) n, D or D/2], w_up_s[(2 if gated) n, D/32],
     b_up[(2 if gated) n], w_down_q[n, D or D/2], w_down_s[n, D/32], h[1, n], fired[1, n] int32,
@@ -389,8 +398,8 @@ def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="
     if rows not in (1, None):
         raise ValueError("sparse_ffn_q runs in one-token steps only (decode: rows 1, batch: rows None)")
     if prefetch_rows is None:
-        prefetch_rows = quant_prefetch_rows(D, bits, sdtype)
-    kernel = _sparse_ffn(D, n, quant_rows(D, bits, sdtype), gated=gated, act=act, prefetch_rows=prefetch_rows,
+        prefetch_rows = quant_prefetch_rows(D, bits, sdtype, has_min)
+    kernel = _sparse_ffn(D, n, quant_rows(D, bits, sdtype, has_min), gated=gated, act=act, prefetch_rows=prefetch_rows,
                          prefetch_locality=prefetch_locality, int8_dot=int8_dot,
                          dot_lanes=16 if tile_panels > 1 else 8, rows=rows, max_batch=max_batch)
     return kernel.with_attr("global_symbol", name)
@@ -405,7 +414,9 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     A quantized row's scales become fp32 factors first (rs: the scales for a dot product, h * scales for an
     axpy). int4's offset (values stored + 8) is taken out once per row, not per weight: a dot product subtracts
     8 * sum over blocks of rs[b] * xs[b] (xs[b]: block b's sum of x, once per call), an axpy adds 8 * rs[b]
-    into off[b], which each task subtracts from its scratch row at the end.
+    into off[b], which each task subtracts from its scratch row at the end. int4a's mins take the same two
+    roads: a dot product adds sum over blocks of m[b] * xs[b] (the mins ride in rs after the scales), an axpy
+    adds a * m[b] into off[b], which each task adds to its scratch row at the end.
 
     With `int8_dot` (sparse_ffn_q's), the up rows' dot products are integer: see row_dot8.
 
@@ -437,12 +448,16 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
     sblocks = D // QUANT_BLOCK if fmt.quantized else 1
     scale_lines = fmt.scale_lines(D)
     per_scale_line = 64 // itemsize(fmt.sdtype)
+    per = fmt.per_block  # scales-buffer elements per block (int4a: the scale, then the min)
     offset = fmt.offset
     has_offset = offset > 0  # (TVMScript branches on Python bools only)
+    has_min = fmt.has_min
+    offsets = has_offset or has_min  # per-block terms of x's block sums (dots) and of a's (axpys)
+    off_factor = T.float32(-offset if has_offset else 1)  # what a task's scratch takes of off[b] at its end
     slanes = lanes if sblocks % lanes == 0 else 1  # the offset sums over blocks: in acc's vectors when they tile
     half = QUANT_BLOCK // 2
-    factors = sblocks if fmt.quantized else 0  # (empty buffers cost nothing: a float kernel allocates none)
-    sums = sblocks if has_offset else 0
+    factors = sblocks * per if fmt.quantized else 0  # (empty buffers cost nothing: a float kernel allocates none)
+    sums = sblocks if offsets else 0
     row_sums = sums * batch_rows
     width = 2 * n if gated else n
     tasks = FFN_TASKS
@@ -469,7 +484,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         qchains = next(c for c in (4, 2, 1) if qvectors % c == 0)  # independent accumulators (cvt + FMA latency)
         qsteps = qvectors // qchains
         qprefetch = max(1, qchains * nbytes // 64)  # lines of the next row per step
-        stored_offset = INT4_OFFSET if int4 else 128  # int8: q ^ 0x80 = q + 128, the unsigned operand
+        stored_offset = offset if int4 else 128  # int8: q ^ 0x80 = q + 128, the unsigned operand
         xpats = 2 if int4 else 1
         m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
         flip = T.broadcast(T.uint8(128), nbytes)
@@ -481,7 +496,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         """The scales of the row to come, all of them up front (a few lines; a float row has none)."""
         if fmt.quantized:
             for q in T.unroll(scale_lines):
-                prefetch(T.address_of(ws_next[next_row, T.min(q * per_scale_line, sblocks - 1)]), locality)
+                prefetch(T.address_of(ws_next[next_row, T.min(q * per_scale_line, sblocks * per - 1)]), locality)
 
     @T.macro
     def dot_scales(rs, ws, row, ws_next, next_row):
@@ -489,22 +504,29 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         prefetch_scales(ws_next, next_row)
         if fmt.quantized:
             for b in T.vectorized(sblocks):
-                rs[b] = load_f32(ws[row, b], fmt.sdtype)
+                rs[b] = load_f32(ws[row, b * per], fmt.sdtype)
+            if has_min:
+                for b in T.vectorized(sblocks):
+                    rs[sblocks + b] = load_f32(ws[row, b * per + 1], fmt.sdtype)
 
     @T.macro
     def take_offset(acc, a, rs, xs, r):
         """int4: acc[a] minus the stored offset's share of a dot product with x[r] (8 * sum over blocks of
-        rs[b] * x[r]'s block sums), in acc's lanes."""
+        rs[b] * x[r]'s block sums), in acc's lanes; int4a: plus the mins' (sum over blocks of m[b] * the sums)."""
         if has_offset:
             for b in range(sblocks // slanes):
                 for v in T.vectorized(slanes):
                     acc[a, v] = acc[a, v] - T.float32(offset) * rs[b * slanes + v] * xs[r * sblocks + b * slanes + v]
+        if has_min:
+            for b in range(sblocks // slanes):
+                for v in T.vectorized(slanes):
+                    acc[a, v] = acc[a, v] + rs[sblocks + b * slanes + v] * xs[r * sblocks + b * slanes + v]
 
     @T.macro
     def block_sums(xs, x, r):
-        """xs[r, b] = the sum of x[r] over block b (int4's offset term), two half-block vectors and a horizontal
-        sum (xs is flat: row r's sums start at r * sblocks)."""
-        if has_offset:
+        """xs[r, b] = the sum of x[r] over block b (int4's offset term, int4a's mins'), two half-block vectors and
+        a horizontal sum (xs is flat: row r's sums start at r * sblocks)."""
+        if offsets:
             for b in range(sblocks):
                 part = T.alloc_local((half,), "float32")
                 for v in T.vectorized(half):
@@ -573,7 +595,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         lane (rs, made per row, spread over each block's lanes), in `qchains` fp32 accumulators."""
         prefetch_scales(ws_next, next_row)
         for b in T.vectorized(sblocks):
-            rs[b] = load_f32(ws[row, b], fmt.sdtype) * sx[b]
+            rs[b] = load_f32(ws[row, b * per], fmt.sdtype) * sx[b]
         for c in T.unroll(qchains):
             for v in T.vectorized(L):
                 qacc[c, v] = T.float32(0)
@@ -604,6 +626,9 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                         [rs[T.ramp((s * qchains + c) * qblocks, 1, qblocks)]] * block_lanes, spread)  # (a shuffle
                     # has no more lanes than its operands: the copies only make up the width)
         sum_chains(qacc, qchains, L, dot, slot)
+        if has_min:  # sum over blocks of m * x's block sum as quantized (sx[sblocks + b], made per call)
+            for b in range(sblocks):
+                dot[slot] = dot[slot] + load_f32(ws[row, b * per + 1], fmt.sdtype) * sx[sblocks + b]
 
     @T.macro
     def axpy_block(y, t, col, a, rs, w, row, blk):
@@ -632,9 +657,11 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
         prefetch_scales(ws_next, next_row)
         if fmt.quantized:
             for b in T.vectorized(sblocks):
-                rs[b] = a * load_f32(ws[row, b], fmt.sdtype)
+                rs[b] = a * load_f32(ws[row, b * per], fmt.sdtype)
                 if has_offset:
                     off[r * sblocks + b] = off[r * sblocks + b] + rs[b]
+                if has_min:
+                    off[r * sblocks + b] = off[r * sblocks + b] + a * load_f32(ws[row, b * per + 1], fmt.sdtype)
         for s in range(lines):
             prefetch(T.address_of(w_next[next_row, T.min(fmt.stored(s * line_blocks * block), last_stored)]),
                       locality)
@@ -668,19 +695,22 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
 
     @T.prim_func
     def kernel(x: T.Buffer((m, D), "float32"), idx: T.Buffer((1, n), "int32"), count: T.Buffer((1, 1), "int32"),
-               w_up: T.Buffer((width, stored), fmt.storage), w_up_s: T.Buffer((width, sblocks), fmt.sdtype),
+               w_up: T.Buffer((width, stored), fmt.storage), w_up_s: T.Buffer((width, sblocks * per), fmt.sdtype),
                b_up: T.Buffer((width,), "float32"), w_down: T.Buffer((n, stored), fmt.storage),
-               w_down_s: T.Buffer((n, sblocks), fmt.sdtype), h: T.Buffer((m, n), "float32"),
+               w_down_s: T.Buffer((n, sblocks * per), fmt.sdtype), h: T.Buffer((m, n), "float32"),
                fired: T.Buffer((1, n), "int32"), scratch: T.Buffer((tasks, max_batch * D), "float32"),
                out: T.Buffer((m, D), "float32")):
         T.func_attr({"tirx.noalias": True})
         if q8:  # x quantized once per call, and laid out as the rows' bytes
             xq = T.alloc_buffer((D,), "int8")
-            sx = T.alloc_buffer((sblocks,), "float32")
+            sx = T.alloc_buffer((sblocks * per,), "float32")  # x's block scales (int4a: then its block sums)
             xsum = T.alloc_buffer((sblocks,), "int32")
             xpat = T.alloc_buffer((xpats, stored), "int8")
             xc = T.alloc_buffer((qvectors, L), "int32")
             quantize_x(x, 0, xq, sx, xsum, 0)
+            if has_min:
+                for b in range(sblocks):
+                    sx[sblocks + b] = sx[b] * T.Cast("float32", xsum[b])
             for b in range(sblocks):
                 for i in T.vectorized(stored // sblocks):
                     if int4:  # byte 16 b + i of a row: element 32 b + i (low nibble), 32 b + 16 + i (high)
@@ -759,7 +789,7 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
             for r in range(m):
                 for j in T.vectorized(D):
                     scratch[t, r * D + j] = T.float32(0)
-            if has_offset:
+            if offsets:
                 for b in T.vectorized(row_sums):
                     off[b] = T.float32(0)
             if not grouped:
@@ -795,12 +825,12 @@ def _sparse_ffn(D, n, fmt: RowFormat, *, gated: bool, act: str, prefetch_rows: i
                         for q in range(T.min(group, listed[0] - start)):
                             h[0, fired[0, start + q]] = coefs[q]
                     group_axpy(scratch, t, coefs, w_down, grows)
-            if has_offset:
+            if offsets:
                 for r in range(m):
                     for b in range(sblocks):
                         for v in T.vectorized(QUANT_BLOCK):
                             scratch[t, r * D + b * QUANT_BLOCK + v] = (scratch[t, r * D + b * QUANT_BLOCK + v]
-                                                                       - T.float32(offset) * off[r * sblocks + b])
+                                                                       + off_factor * off[r * sblocks + b])
         for r in range(m):
             for j in T.vectorized(D):
                 out[r, j] = scratch[0, r * D + j]

@@ -1,23 +1,27 @@
 """Block-quantized weights: the quantization rules (numpy) and the layouts the CPU's kernels read them in.
 
-The formats are `runtime.dtypes.WEIGHT_FORMATS`' int8 and int4: one scale per QUANT_BLOCK consecutive weights
-along one axis of the matrix (`axis`). A matrix is quantized once (`quantize`: integer values, unpacked, and
-their scales, both shaped like the matrix with the block axis divided by the block) and packed into the layout
-of the kernel that reads it:
+The formats are `runtime.dtypes.WEIGHT_FORMATS`' int8, int4 and int4a: one scale (int4a: a scale and a minimum,
+x = d q + m) per QUANT_BLOCK consecutive weights along one axis of the matrix (`axis`). A matrix is quantized
+once (`quantize`: integer values, unpacked, and their scales (and mins), shaped like the matrix with the block
+axis divided by the block) and packed into the layout of the kernel that reads it:
 
 * rows (`pack_rows`): a row-major [R, C] weight whose rows kernels read whole (the gathered FFN rows, one per
   neuron; the embedding table), blocks along the row (axis 1). int8: q [R, C] int8; int4: q [R, C/2] uint8,
   byte 16 b + i of a row holding its element 32 b + i in the low nibble and 32 b + 16 + i in the high one
-  (Q4_0's order), each as q + 8. Scales [R, C / 32].
+  (Q4_0's order), each as q + 8 (int4a: q, in [0, 15]). Scales [R, C / 32]; int4a's scales and mins
+  interleaved, [R, 2 C / 32] (d and m of block b at 2b and 2b + 1, as Q4_1 keeps them beside each other).
 * panels (`pack_panels`): a dense linear's [K, N] weight, blocks along the reduction axis K (axis 0), cut
   into panels of PANEL columns like `cpu.pack_panels`. int8: q [P, K, 16] int8; int4: q [P, K, 8] uint8,
-  byte v holding column v of the panel in the low nibble and column v + 8 in the high one, each as q + 8.
-  Scales [P, K / 32, 16]. Padded columns are 0 with scale 0.
+  byte v holding column v of the panel in the low nibble and column v + 8 in the high one, each as q + 8
+  (int4a: q). Scales [P, K / 32, 16]; int4a's [P, K / 32, 32], a block's 16 scales then its 16 mins (one
+  64-byte line). Padded columns are 0 with scale 0 (and min 0).
 
 A quantized axis must be a whole number of blocks (`quantizable`); other weights stay in floats.
 
 Below the numpy code, the CPU kernels that read these layouts (TVMScript, fp32 arithmetic): the decode GEMV over
-panels (`gemv_panels_q`; `gemv_panels_q4x8` and `gemv_panels_q8x8`, int4 and int8 with int8 activations), the
+panels (`gemv_panels_q`; `gemv_panels_q4x8` and `gemv_panels_q8x8`, int4 / int4a and int8 with int8
+activations; int4a's kernels add each block's min times x's block sum, sum_k (d q_k + m) x_k = d sum_k q_k x_k +
+m sum_k x_k, so a block costs one more FMA per column, not one per weight), the
 prefill operands: `panels_weight`, which `cpu.gemm` dequantizes into its per-task panels, and `quantized_rows`,
 the FFN rows as `cpu.gemm_nt` (up rows, [N, K]) and `cpu.gemm_kn` (down rows, [K, N]) read them in place
 (`rows_weight` and `kn_weight`, the same rows packed per call by `cpu.gemm`, are what linear_rows_q and
@@ -32,7 +36,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from picompile.sizes import float_format
-from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat
+from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat, dequantize_blocks
 
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch, row_dim
@@ -59,22 +63,27 @@ FITTED_SCALE_RATIOS = (0.8, 0.85, 0.9, 0.95, 1.0)
 FIT_CHUNK_BLOCKS = 1 << 20  # blocks searched at a time (bounds the search's temporaries)
 
 
-def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = False,
-             keep_grid: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Block quantization of the matrix `w` along `axis`: (q, scales), q int8 shaped like w (int8: [-128, 127];
-    int4: [-8, 7]), scales in fmt.scale_dtype shaped like w with `axis` divided by the block. q * scales (each
-    scale repeated over its block) is the dequantized weight (`dequantize`).
-    Round-to-nearest by default: the block's largest-magnitude weight maps to -2^(bits-1) exactly (Q4_0's rule,
-    MatMulNBits' symmetric one), so an imported MatMulNBits weight re-quantizes to its own values. With
-    `fit_scales` each block takes the scale of FITTED_SCALE_RATIOS (either sign) whose rounding has the least
+def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = False, keep_grid: bool = False,
+             exact: bool = False):
+    """Block quantization of the matrix `w` along `axis`: (q, scales), and for an asymmetric format (q, scales,
+    mins); q int8 shaped like w (int8: [-128, 127]; int4: [-8, 7]; int4a: [0, 15]), scales (mins) in
+    fmt.scale_dtype shaped like w with `axis` divided by the block. q * scales (+ mins, each
+    repeated over its block) is the dequantized weight (`dequantize`).
+    Symmetric: round-to-nearest by default: the block's largest-magnitude weight maps to -2^(bits-1) exactly
+    (Q4_0's rule, MatMulNBits' symmetric one), so an imported MatMulNBits weight re-quantizes to its own values.
+    With `fit_scales` each block takes the scale of FITTED_SCALE_RATIOS (either sign) whose rounding has the least
     squared error (the clipping search of AWQ, without activations).
     With `keep_grid` a block whose values already are integers times one scale of the format (a model that came
     quantized: a GGUF file's Q8_0 blocks, d = max|w| / 127, or Q4_0's, or ones an imatrix placed elsewhere) keeps
-    exactly those integers and that scale (`on_grid`) whatever the rule would give."""
+    exactly those integers and that scale (`on_grid`) whatever the rule would give.
+    Asymmetric: `quantize_asymmetric` (`exact` finds a model's own blocks again)."""
+    if fmt.has_min:
+        q, scales, mins, *_ = quantize_asymmetric(w, fmt, axis, exact=exact or keep_grid)
+        return q, scales, mins
     if fmt.bits not in (4, 8):
         raise ValueError(f"{fmt.name} is not a block-quantized format")
     blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
-    low, high = -(1 << (fmt.bits - 1)), (1 << (fmt.bits - 1)) - 1
+    low, high = fmt.levels
     pick = np.abs(blocks).argmax(axis=-1)
     largest = np.take_along_axis(blocks, pick[..., None], axis=-1)[..., 0]
     shape = blocks.shape
@@ -96,10 +105,9 @@ def quantize(w: np.ndarray, fmt: WeightFormat, axis: int, fit_scales: bool = Fal
             q[chunk][better], scale[chunk][better] = values[better], s[better]
             best_error = error if best_error is None else np.minimum(error, best_error)
         if keep_grid:
-            grid_q, grid_scale, exact = on_grid(part, largest[chunk], fmt)
-            q[chunk][exact], scale[chunk][exact] = grid_q[exact], grid_scale[exact]
-    q, scale = q.reshape(shape[0], -1), scale.reshape(shape[:2])
-    return (q, scale) if axis == 1 else (np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T))
+            grid_q, grid_scale, on = on_grid(part, largest[chunk], fmt)
+            q[chunk][on], scale[chunk][on] = grid_q[on], grid_scale[on]
+    return _unblocked(axis, shape, q, scale)
 
 
 def on_grid(blocks: np.ndarray, largest: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -133,10 +141,73 @@ def on_grid(blocks: np.ndarray, largest: np.ndarray, fmt: WeightFormat) -> tuple
     return q, scale, exact
 
 
-def dequantize(q: np.ndarray, scales: np.ndarray, axis: int) -> np.ndarray:
-    """The float32 matrix that `quantize`'s (q, scales) stand for."""
-    block = q.shape[axis] // scales.shape[axis]
-    return q.astype(np.float32) * np.repeat(scales.astype(np.float32), block, axis=axis)
+def _unblocked(axis, shape, q, *per_block):
+    """quantize's flat [blocks, block] q and per-block arrays back in the matrix's orientation."""
+    q, per_block = q.reshape(shape[0], -1), [a.reshape(shape[:2]) for a in per_block]
+    if axis == 1:
+        return (q, *per_block)
+    return (np.ascontiguousarray(q.T), *(np.ascontiguousarray(a.T) for a in per_block))
+
+
+def _round_asymmetric(part, d, m, high):
+    """(q, float32 values) of blocks `part` [n, block] with steps d and minimums m ([n], stored types)."""
+    d32, m32 = d.astype(np.float32)[:, None], m.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d32 == 0, 0, np.clip(np.rint((part.astype(np.float64) - m32) / d32), 0, high)).astype(np.int8)
+    return q, q.astype(np.float32) * d32 + m32  # (float32 ops, as WeightFormat.dequantize)
+
+
+def quantize_asymmetric(w: np.ndarray, fmt: WeightFormat, axis: int, exact: bool = False, group: int = 1):
+    """Asymmetric blocks (Q4_1's rule): per block m = min, d = (max - m) / (2^bits - 1), q = round((x - m) / d)
+    in [0, 2^bits - 1], d and m rounded to their stored types first. Returns (q, scales, mins, missed, foreign):
+    with `exact`, the counts of blocks not reproduced and of blocks that are no dequantized blocks (0 without).
+
+    `exact`: `w` may hold dequantized blocks (an imported MatMulNBits with zero points, written by
+    `dequantize_blocks`): a block whose values the rule does not reproduce bit for bit (its codes do not span
+    0 .. 2^bits - 1, or its scale's division rounded) tries every narrower span k and the stored types'
+    neighbours of (max - m) / k, keeping the first that reproduces it; `missed` counts those no candidate
+    reproduces (re-rounded by the rule), `foreign` the blocks of more than 2^bits distinct values, which no
+    dequantized block has (rounded by the rule too: a float matrix, or another format's blocks). `group`: the
+    source's blocks are that many of ours (MatMulNBits' block_size 64, 128: one d and m for all of them), so the
+    candidates take the min and max of the group's weights first: a block whose codes miss 0 or 15 still gets
+    its source block's d and m.
+    """
+    blocks = _blocked(np.asarray(w, np.float32), axis, fmt.block)
+    shape, flat = blocks.shape, blocks.reshape(-1, fmt.block)
+    high, sdtype = fmt.levels[1], np.dtype(fmt.scale_dtype)
+    ranges = [(flat.min(axis=-1), flat.max(axis=-1))]  # each block's own (the rule), then its group's
+    if exact and group > 1 and shape[1] % group == 0:
+        grouped = blocks.reshape(shape[0], -1, group * fmt.block)
+        ranges.insert(0, tuple(np.repeat(a, group, axis=-1).reshape(-1)
+                               for a in (grouped.min(axis=-1), grouped.max(axis=-1))))
+
+    def candidate(lo, hi, k, step=0):
+        m = lo.astype(sdtype)
+        d = ((hi.astype(np.float64) - m.astype(np.float64)) / k).astype(sdtype)
+        return (np.nextafter(d, np.array(np.inf if step > 0 else -np.inf, sdtype)) if step else d), m
+
+    d, m = candidate(*ranges[-1], high)
+    q, values = _round_asymmetric(flat, d, m, high)
+    missed, foreign = np.empty(0, np.intp), 0
+    if exact:  # (only blocks of at most 2^bits distinct values can be dequantized blocks)
+        missed = np.flatnonzero((values != flat).any(-1))
+        grid = (np.diff(np.sort(flat[missed], axis=-1), axis=-1) != 0).sum(-1) < high + 1
+        missed, foreign = missed[grid], int((~grid).sum())
+        for lo, hi in ranges:
+            for k in range(high, 0, -1):
+                for step in (0, 1, -1):
+                    if not missed.size:
+                        break
+                    td, tm = candidate(lo[missed], hi[missed], k, step)
+                    tq, tv = _round_asymmetric(flat[missed], td, tm, high)
+                    hit = (tv == flat[missed]).all(-1)
+                    q[missed[hit]], d[missed[hit]], m[missed[hit]] = tq[hit], td[hit], tm[hit]
+                    missed = missed[~hit]
+    q, d, m = _unblocked(axis, shape, q, d, m)
+    return q, d, m, int(missed.size), foreign
+
+
+dequantize = dequantize_blocks  # (q, scales, axis, mins=None) -> the float32 matrix `quantize`'s blocks stand for
 
 
 def as_stored(w: np.ndarray, fmt: WeightFormat, axis: int) -> np.ndarray:
@@ -144,7 +215,8 @@ def as_stored(w: np.ndarray, fmt: WeightFormat, axis: int) -> np.ndarray:
     blocks, else in the build's float format, `sizes.float_format`): what a kernel will read. Passes that fit
     something to a stored weight (predict's thresholds) fit it to these."""
     if fmt.quantized and quantizable(w.shape, axis, fmt.block):
-        return dequantize(*quantize(w, fmt, axis), axis)
+        q, scales, *mins = quantize(w, fmt, axis)
+        return dequantize(q, scales, axis, *mins)
     return np.asarray(w, np.float32).astype(float_format(fmt).storage).astype(np.float32)
 
 
@@ -159,14 +231,23 @@ def int8_blocks(x: np.ndarray) -> np.ndarray:
     return (np.round(blocks * inv) * (amax / np.float32(127))).astype(np.float32).reshape(np.shape(x))
 
 
-def pack_rows(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scales) of a matrix quantized along its rows (axis 1) in the rows layout (see the module doc)."""
+def pack_rows(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat, mins: np.ndarray | None = None) -> tuple:
+    """(q, scales) of a matrix quantized along its rows (axis 1) in the rows layout (see the module doc); an
+    asymmetric format's scales and mins [R, C / 32] interleaved, [R, 2 C / 32]: d and m of block b at 2b, 2b + 1."""
+    scales = _with_mins(scales, mins, fmt, lambda d, m: np.stack([d, m], -1).reshape(d.shape[0], -1))
     if fmt.bits == 8:
-        return np.ascontiguousarray(q, np.int8), np.ascontiguousarray(scales)
+        return np.ascontiguousarray(q, np.int8), scales
     rows, columns = q.shape
-    blocks = (q.astype(np.int16) + INT4_OFFSET).astype(np.uint8).reshape(rows, columns // fmt.block, 2, fmt.block // 2)
+    blocks = (q.astype(np.int16) + fmt.offset).astype(np.uint8).reshape(rows, columns // fmt.block, 2, fmt.block // 2)
     packed = blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)
-    return np.ascontiguousarray(packed.reshape(rows, columns // 2)), np.ascontiguousarray(scales)
+    return np.ascontiguousarray(packed.reshape(rows, columns // 2)), scales
+
+
+def _with_mins(scales, mins, fmt: WeightFormat, join):
+    """The scales a layout stores: `join(scales, mins)` for an asymmetric format, else the scales."""
+    if fmt.has_min != (mins is not None):
+        raise ValueError(f"{fmt.name} blocks {'take' if fmt.has_min else 'have no'} minimums")
+    return np.ascontiguousarray(scales if mins is None else join(scales, mins))
 
 
 def unpack_rows(packed: np.ndarray, fmt: WeightFormat) -> np.ndarray:
@@ -176,22 +257,29 @@ def unpack_rows(packed: np.ndarray, fmt: WeightFormat) -> np.ndarray:
     rows, half = packed.shape
     blocks = packed.reshape(rows, -1, fmt.block // 2)
     low, high = (blocks & 0xF).astype(np.int8), (blocks >> 4).astype(np.int8)
-    return (np.concatenate([low, high], axis=-1) - INT4_OFFSET).reshape(rows, 2 * half).astype(np.int8)
+    return (np.concatenate([low, high], axis=-1) - fmt.offset).reshape(rows, 2 * half).astype(np.int8)
 
 
-def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scales) of a [K, N] matrix quantized along K (axis 0) in the panels layout (see the module doc)."""
+def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat, mins: np.ndarray | None = None) -> tuple:
+    """(q, scales) of a [K, N] matrix quantized along K (axis 0) in the panels layout (see the module doc); an
+    asymmetric format's scales [P, K / 32, 32]: per block a panel's 16 scales, then its 16 mins."""
     K, N = q.shape
     panels = -(-N // PANEL)
     padded_q = np.zeros((K, panels * PANEL), np.int8)
     padded_q[:, :N] = q
-    padded_s = np.zeros((K // fmt.block, panels * PANEL), scales.dtype)
-    padded_s[:, :N] = scales
+
+    def per_block(a):
+        padded = np.zeros((K // fmt.block, panels * PANEL), a.dtype)
+        padded[:, :N] = a
+        return padded.reshape(-1, panels, PANEL).transpose(1, 0, 2)
+
+    s_panels = _with_mins(scales, mins, fmt, lambda d, m: np.concatenate([per_block(d), per_block(m)], -1))
+    if not fmt.has_min:
+        s_panels = np.ascontiguousarray(per_block(scales))
     q_panels = padded_q.reshape(K, panels, PANEL).transpose(1, 0, 2)
-    s_panels = np.ascontiguousarray(padded_s.reshape(-1, panels, PANEL).transpose(1, 0, 2))
     if fmt.bits == 8:
         return np.ascontiguousarray(q_panels), s_panels
-    stored = (q_panels.astype(np.int16) + INT4_OFFSET).astype(np.uint8)
+    stored = (q_panels.astype(np.int16) + fmt.offset).astype(np.uint8)
     half = PANEL // 2
     return np.ascontiguousarray(stored[..., :half] | (stored[..., half:] << 4)), s_panels
 
@@ -236,18 +324,22 @@ def next_task_prefetcher(K, panels, group, k_bytes):
     return prefetch_next
 
 
-def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None):
+def gemv_panels_q(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, group=None,
+                  has_min=False):
     """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in the quant panels layout.  Args: x, w, ws, (b), (res), y.
 
-    int8: w [P, K, 16] int8; int4: w [P, K, 8] uint8 (q + 8 nibbles); ws [P, K / 32, 16] in `sdtype`.
+    int8: w [P, K, 16] int8; int4: w [P, K, 8] uint8 (q + 8 nibbles; int4a, `has_min`: q); ws [P, K / 32, 16]
+    in `sdtype` (int4a: [P, K / 32, 32], the scales then the mins).
     Each parallel task takes `group` adjacent panels (default: as cpu._gemv_panels); per 32-row block it sums
     x[k] * q in registers and adds that sum times the block's scales to the accumulators (one multiply per
     block), then runs the epilogue on the accumulators.
     """
-    _check(K, N, bits, K, "K")
+    _check(K, N, bits, K, "K", has_min)
     panels = -(-N // PANEL)
     group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
-    kernel = (_gemv_q8 if bits == 8 else _gemv_q4)(K, N, panels, group, sdtype, _cpu._epilogue(act, bias, residual))
+    epilogue = _cpu._epilogue(act, bias, residual)
+    kernel = _gemv_q8(K, N, panels, group, sdtype, epilogue) if bits == 8 else _gemv_q4(K, N, panels, group, sdtype,
+                                                                                         epilogue, has_min)
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
 
@@ -286,17 +378,20 @@ def _gemv_q8(K, N, panels, group, sdtype, epilogue):
     return kernel
 
 
-def _gemv_q4(K, N, panels, group, sdtype, epilogue):
+def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
     """gemv_panels_q's int4 kernel. It reads two k steps (16 bytes) per vector: lanes 0-7 are row k, 8-15 row
     k + 1, so a k pair's low nibbles are one vector (columns 0-7) and its high nibbles another (columns 8-15),
     against x[k] x8 ++ x[k+1] x8 (xp, made once per call); lanes l and l + 8 are summed in the epilogue. The +8
-    offset is folded into the block sums' start, -8 * sum(x) over the block (xc)."""
+    offset is folded into the block sums' start, -8 * sum(x) over the block (xc). int4a (`has_min`): xc holds
+    the block sums of x themselves (lanes 0-7 the even k, 8-15 the odd), and each block adds m * xc to the
+    accumulators beside d * its sums: sum_k (d q_k + m) x_k = d sum_k q_k x_k + m sum_k x_k."""
     B, nb, width = QUANT_BLOCK, K // QUANT_BLOCK, group * PANEL
     full = N % width == 0
+    factor = T.float32(1) if has_min else T.float32(-INT4_OFFSET)  # xc: sum(x), or the offset's -8 sum(x)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
-               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               ws: T.Buffer((panels, nb, PANEL * (1 + has_min)), sdtype), b: T.Buffer((N,), "float32"),
                res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True})
         qf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
@@ -310,7 +405,7 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue):
                 xc[kb, v] = T.float32(0)
             for j in range(B // 2):
                 for v in T.vectorized(PANEL):
-                    xc[kb, v] = xc[kb, v] - T.float32(INT4_OFFSET) * xp[kb * (B // 2) + j, v]
+                    xc[kb, v] = xc[kb, v] + factor * xp[kb * (B // 2) + j, v]
         for t in T.parallel(panels // group):
             acc = T.alloc_local((group, 2, PANEL), "float32")
             part = T.alloc_local((group, 2, PANEL), "float32")
@@ -320,7 +415,10 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue):
             for kb in range(nb):
                 for g, h in T.grid(group, 2):
                     for v in T.vectorized(PANEL):
-                        part[g, h, v] = xc[kb, v]
+                        if has_min:
+                            part[g, h, v] = T.float32(0)
+                        else:
+                            part[g, h, v] = xc[kb, v]
                 for j in T.unroll(B // 2):
                     for g in T.unroll(group):
                         for v in T.vectorized(PANEL):
@@ -332,6 +430,11 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue):
                     for c in T.vectorized(HALF):
                         acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * load_f32(
                             ws[t * group + g, kb, h * HALF + c], sdtype)
+                if has_min:
+                    for g, h, half in T.grid(group, 2, 2):
+                        for c in T.vectorized(HALF):
+                            acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + xc[
+                                kb, half * HALF + c] * load_f32(ws[t * group + g, kb, PANEL + h * HALF + c], sdtype)
             for g, h in T.grid(group, 2):
                 for c in (T.vectorized if full else T.serial)(HALF):
                     if full or t * width + g * PANEL + h * HALF + c < N:
@@ -418,7 +521,7 @@ def x_quantizer(K):
 
 
 def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", residual=False, dot="vnni", lanes=16,
-                     group=None):
+                     group=None, has_min=False):
     """Decode y[1, N] = act(x[1, K] @ W + b) + res, W int4 quant panels, x quantized to int8 per 32-block.
     Args: x, w, ws, (b), (res), y (as gemv_panels_q). `dot`, `lanes`: "vnni", 16 needs a target with
     AVX512-VNNI; "madd", 16 AVX512BW; "madd", 8 AVX2.
@@ -428,10 +531,12 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     weights' (with 16 lanes: lanes 0-7 k steps 0-3 of the vector, lanes 8-15 k steps 4-7). Per task and block,
     each vector of a panel is permuted so each dword holds one column's 4 k steps (_vector_perm), split into
     low and high nibbles and dotted with xpat into int32 accumulators; then acc += float(sum) * ws * sx, once
-    per block; lanes l and l + 8 (16 lanes) are summed in the epilogue.
+    per block; lanes l and l + 8 (16 lanes) are summed in the epilogue. int4a (`has_min`, ws [P, K / 32, 32]:
+    the scales then the mins): the sums start at 0 (no offset) and each block adds m * sx * sum(xq) (x's block
+    sum as quantized, xs) to the first k group's lanes.
     """
     B = QUANT_BLOCK
-    _check(K, N, 4, K, "K")
+    _check(K, N, 4, K, "K", has_min)
     check_dot(dot, lanes)
     panels = -(-N // PANEL)
     group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
@@ -444,26 +549,29 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     kgroups = lanes // HALF  # 4-step k groups per vector (lanes l and l + 8 hold different ones)
     perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
+    offset = 0 if has_min else INT4_OFFSET
     quantize_x = x_quantizer(K)
     prefetch_next = next_task_prefetcher(K, panels, group, HALF)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
-               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"),
+               ws: T.Buffer((panels, nb, PANEL * (1 + has_min)), sdtype), b: T.Buffer((N,), "float32"),
                res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True})
         wf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
         xq = T.alloc_buffer((K,), "int8")
         xq32 = T.decl_buffer((K // 4,), "int32", data=xq.data)
         sx = T.alloc_buffer((nb,), "float32")
+        xs = T.alloc_buffer((nb,), "float32")
         xc = T.alloc_buffer((nb, lanes), "int32")
         xpat = T.alloc_buffer((K // steps, lanes), "int32")
         xpat8 = T.decl_buffer((K // steps * nbytes,), "int8", data=xpat.data)
         xsum = T.alloc_buffer((nb,), "int32")
         quantize_x(x, 0, xq, sx, xsum, 0)
         for kb in range(nb):
+            xs[kb] = sx[kb] * T.Cast("float32", xsum[kb])
             for v in T.vectorized(lanes):
-                xc[kb, v] = T.if_then_else(v < HALF, -INT4_OFFSET * xsum[kb], 0)
+                xc[kb, v] = T.if_then_else(v < HALF, -offset * xsum[kb], 0)
         for o in range(K // steps):
             for v in T.vectorized(lanes):
                 xpat[o, v] = xq32[kgroups * o + v // HALF]
@@ -495,6 +603,11 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
                         acc[g, h, kg * HALF + c] = acc[g, h, kg * HALF + c] + T.Cast(
                             "float32", part[g, h, kg * HALF + c]) * (load_f32(ws[t * group + g, kb, h * HALF + c], sdtype)
                                                                      * sx[kb])
+                if has_min:
+                    for g, h in T.grid(group, 2):
+                        for c in T.vectorized(HALF):
+                            acc[g, h, c] = acc[g, h, c] + load_f32(ws[t * group + g, kb, PANEL + h * HALF + c],
+                                                                   sdtype) * xs[kb]
             for g, h in T.grid(group, 2):
                 for c in (T.vectorized if full else T.serial)(HALF):
                     if full or t * width + g * PANEL + h * HALF + c < N:
@@ -580,7 +693,7 @@ X8_ROWS = 4  # gemm_panels_qx8: prompt rows per register tile (x 2 panels x 2 ni
 
 
 def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, dot="vnni",
-                    tile_panels=2):
+                    tile_panels=2, has_min=False):
     """Prefill y[m, N] = act(x[m, K] @ W + b) + res, W int4 or int8 quant panels, each row of x quantized to int8
     per 32-block (as the decode GEMVs do, and onnxruntime's accuracy_level 4 prefill), in zmm integer dot
     products ("vnni", or "madd" for int4).  Args: x, w, ws, (b), (res), y (as gemv_panels_q).
@@ -590,10 +703,11 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
     permuted once so each dword is one column's 4 k steps (int4: and split into nibbles) and dotted with every
     row's xq dwords broadcast to the lanes (int4: two 4-step k groups, lanes l and l + 8), into int32 sums that
     start at the stored offset's -offset * sum(xq); then acc += float(sum) * ws * sx. The epilogue sums the k
-    groups' lanes.
+    groups' lanes. int4a (`has_min`): the sums start at 0, and each block adds m * sx * sum(xq) (the row's block
+    sum as quantized) to the first k group's lanes, as gemv_panels_q4x8.
     """
     B, lanes = QUANT_BLOCK, 16
-    _check(K, N, bits, K, "K")
+    _check(K, N, bits, K, "K", has_min)
     check_dot(dot, lanes)
     if bits == 8 and dot != "vnni":
         raise ValueError("int8 weights take int8 activations with dot='vnni' only")
@@ -610,7 +724,7 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
     H = 2 if int4 else 1  # int32 sums per panel: int4's low and high nibbles (columns 0-7, 8-15)
     kgroups = steps // 4  # 4-step k groups per vector (int4: lanes 0-7 the first, 8-15 the second)
     CW = lanes // kgroups  # columns per sum vector
-    offset = INT4_OFFSET if int4 else 128  # int8: q ^ 0x80 = q + 128, the unsigned operand
+    offset = (0 if has_min else INT4_OFFSET) if int4 else 128  # int8: q ^ 0x80 = q + 128, the unsigned operand
     perm = [tirx.IntImm("int32", i) for i in (_vector_perm(lanes) if int4 else
                                                [PANEL * (e % 4) + e // 4 for e in range(4 * lanes)])]
     m15, m4 = T.broadcast(T.uint8(15), 64), T.broadcast(T.uint8(4), 64)
@@ -628,8 +742,8 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
 
     @T.prim_func
     def kernel(x_h: T.handle, w: T.Buffer((panels, K, kbytes), "uint8" if int4 else "int8"),
-               ws: T.Buffer((panels, nb, PANEL), sdtype), b: T.Buffer((N,), "float32"), res_h: T.handle,
-               y_h: T.handle):
+               ws: T.Buffer((panels, nb, PANEL * (1 + has_min)), sdtype), b: T.Buffer((N,), "float32"),
+               res_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         x = T.match_buffer(x_h, (m, K), "float32")
         res = T.match_buffer(res_h, (m, N), "float32")
@@ -675,6 +789,13 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
                                 "float32", part[r, g, h, kg * CW + c]) * (
                                 load_f32(ws[t * TP + g, kb, h * CW + c], sdtype)
                                 * sx[T.min(io * MR + r, m - 1) * nb + kb])
+                    if has_min:
+                        for r, g, h in T.grid(MR, TP, H):
+                            for c in T.vectorized(CW):
+                                acc[r, g, h, c] = acc[r, g, h, c] + load_f32(ws[t * TP + g, kb, PANEL + h * CW + c],
+                                                                             sdtype) * (
+                                    sx[T.min(io * MR + r, m - 1) * nb + kb]
+                                    * T.Cast("float32", xsum[T.min(io * MR + r, m - 1) * nb + kb]))
                 for r in T.unroll(MR):
                     if io * MR + r < m:
                         for g, h in T.grid(TP, H):
@@ -709,28 +830,38 @@ def _sum_kgroups(acc, g, h, c, kgroups):
 # --------------------------------------------------------------------------------------------
 
 
-def _int4(byte, high):
-    """The int4 weight q (stored q + 8) in the low (high=0) or high (high=1) nibble of `byte`, as fp32.
-    `high` may be an expression (a loop-dependent nibble)."""
-    return T.Cast("float32", ((T.Cast("int32", byte) >> (high * 4)) & 15) - INT4_OFFSET)
+def _int4(byte, high, offset=INT4_OFFSET):
+    """The int4 weight q (stored q + offset: int4's 8, int4a's 0) in the low (high=0) or high (high=1) nibble of
+    `byte`, as fp32. `high` may be an expression (a loop-dependent nibble)."""
+    return T.Cast("float32", ((T.Cast("int32", byte) >> (high * 4)) & 15) - offset)
+
+
+def _dequantized(value, ws, scale_at, min_at, sdtype, has_min):
+    """value * the block's scale ws[scale_at] (+ its minimum ws[min_at] where it `has_min`), as fp32."""
+    scaled = value * load_f32(ws[scale_at], sdtype)
+    return scaled + load_f32(ws[min_at], sdtype) if has_min else scaled
 
 
 def _int8(value):
     return T.Cast("float32", value)
 
 
-def _check(K, N, bits, axis_len, axis):
+def _check(K, N, bits, axis_len, axis, has_min=False):
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if has_min and bits != 4:
+        raise ValueError("blocks with minimums (int4a) are 4-bit")
     if axis_len % QUANT_BLOCK or axis_len <= 0:
         raise ValueError(f"a {K}x{N} weight blocked along {axis} needs {axis} a multiple of {QUANT_BLOCK}")
 
 
-def panels_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
+def panels_weight(K, N, *, bits, sdtype="float16", has_min=False) -> _cpu.GemmWeight:
     """The quant panels layout (pack_panels) as a gemm operand: w [P, K, 16] int8 / [P, K, 8] uint8,
-    ws [P, K / 32, 16]; a task dequantizes its panels k step by k step (one 64 B line of packed per k)."""
-    _check(K, N, bits, K, "K")
+    ws [P, K / 32, 16] (int4a: [P, K / 32, 32], the scales then the mins); a task dequantizes its panels k step
+    by k step (one 64 B line of packed per k)."""
+    _check(K, N, bits, K, "K", has_min)
     panels, B = -(-N // PANEL), QUANT_BLOCK
+    offset = 0 if has_min else INT4_OFFSET
 
     def make(tile_panels):
         @T.macro
@@ -742,15 +873,17 @@ def panels_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
                             ws[p * tile_panels + q, k // B, v], sdtype)
                 else:
                     for v in T.vectorized(HALF):
-                        packed[q, k, v] = _int4(w[p * tile_panels + q, k, v], 0) * load_f32(
-                            ws[p * tile_panels + q, k // B, v], sdtype)
-                        packed[q, k, HALF + v] = _int4(w[p * tile_panels + q, k, v], 1) * load_f32(
-                            ws[p * tile_panels + q, k // B, HALF + v], sdtype)
+                        packed[q, k, v] = _dequantized(
+                            _int4(w[p * tile_panels + q, k, v], 0, offset), ws, (p * tile_panels + q, k // B, v),
+                            (p * tile_panels + q, k // B, PANEL + v), sdtype, has_min)
+                        packed[q, k, HALF + v] = _dequantized(
+                            _int4(w[p * tile_panels + q, k, v], 1, offset), ws, (p * tile_panels + q, k // B, HALF + v),
+                            (p * tile_panels + q, k // B, PANEL + HALF + v), sdtype, has_min)
 
         return pack
 
     wq = ((panels, K, PANEL if bits == 8 else HALF), "int8" if bits == 8 else "uint8")
-    return _cpu.GemmWeight(wq, ((panels, K // B, PANEL), sdtype), make)
+    return _cpu.GemmWeight(wq, ((panels, K // B, PANEL * (1 + has_min)), sdtype), make)
 
 
 def rows_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
@@ -780,14 +913,15 @@ def rows_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
     return _cpu.GemmWeight(wq, ((N, K // B), sdtype), make)
 
 
-def quantized_rows(R, C, *, bits, sdtype="float16") -> _cpu.QuantizedRows:
+def quantized_rows(R, C, *, bits, sdtype="float16", has_min=False) -> _cpu.QuantizedRows:
     """Quant rows of an [R, C] weight (pack_rows: blocks of 32 along each row) as an operand cpu.gemm_nt (the FFN
     up rows, [N, K]) and cpu.gemm_kn (the down rows, [K, N]) read in place: w [R, C] int8 / [R, C / 2] uint8,
-    ws [R, C / 32], dequantized 16 elements at a time: elements c .. c + 15 of a row (c a multiple of 16) are
-    half c // 16 % 2 of block c // 32 (int4: the low nibbles of its 16 bytes for the first half, the high ones
-    for the second)."""
-    _check(R, C, bits, C, "the row")
-    B = QUANT_BLOCK
+    ws [R, C / 32] (int4a: [R, 2 C / 32], each block's scale and min), dequantized 16 elements at a time:
+    elements c .. c + 15 of a row (c a multiple of 16) are half c // 16 % 2 of block c // 32 (int4: the low
+    nibbles of its 16 bytes for the first half, the high ones for the second)."""
+    _check(R, C, bits, C, "the row", has_min)
+    B, per = QUANT_BLOCK, 1 + has_min
+    offset = 0 if has_min else INT4_OFFSET
 
     def values(width):
         groups = T.unroll if width <= 4 * PANEL else T.serial  # (a whole row of K: a loop, not K / 16 copies)
@@ -800,14 +934,15 @@ def quantized_rows(R, C, *, bits, sdtype="float16") -> _cpu.QuantizedRows:
                         wv[i, g * PANEL + v] = _int8(w[k, col + g * PANEL + v]) * load_f32(
                             ws[k, (col + g * PANEL) // B], sdtype)
                     else:
-                        wv[i, g * PANEL + v] = _int4(w[k, (col + g * PANEL) // B * PANEL + v],
-                                                  (col + g * PANEL) // PANEL % 2) * load_f32(
-                            ws[k, (col + g * PANEL) // B], sdtype)
+                        wv[i, g * PANEL + v] = _dequantized(
+                            _int4(w[k, (col + g * PANEL) // B * PANEL + v], (col + g * PANEL) // PANEL % 2, offset),
+                            ws, (k, (col + g * PANEL) // B * per), (k, (col + g * PANEL) // B * per + 1), sdtype,
+                            has_min)
 
         return load
 
     wq = ((R, C), "int8") if bits == 8 else ((R, C // 2), "uint8")
-    return _cpu.QuantizedRows(wq, ((R, C // B), sdtype), values)
+    return _cpu.QuantizedRows(wq, ((R, C // B * per), sdtype), values)
 
 
 def kn_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
@@ -840,14 +975,15 @@ def kn_weight(K, N, *, bits, sdtype="float16") -> _cpu.GemmWeight:
 
 
 def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
-                    tile_panels=1, int8_dot=None):
+                    tile_panels=1, int8_dot=None, has_min=False):
     """y[m, N] = act(x[m, K] @ W + b) + res, W in the quant panels layout (pack_panels; int8 or int4 by `bits`,
     scales in `sdtype`).  Args: x, w, ws, (b), (res), y. `tile_panels` is the ISA's register budget as for
     cpu.linear_panels (1: AVX2, 2: AVX-512), which also sizes the int4 decode tasks. Decode: gemv_panels_q, or
     with `int8_dot` ("vnni": AVX-512 with VNNI; "madd": AVX-512 or AVX2, int4 only) gemv_panels_q4x8 (int4) or
     gemv_panels_q8x8 (int8, vnni), x quantized to int8 per block (an error of ~5e-3 of max |y| on random data,
     as onnxruntime's accuracy_level 4). Prefill: cpu.gemm over panels_weight, `tile_panels` per register tile;
-    with `int8_dot` on AVX-512 (zmm), gemm_panels_qx8, each row of x quantized so (1.3-2.4x faster)."""
+    with `int8_dot` on AVX-512 (zmm), gemm_panels_qx8, each row of x quantized so (1.3-2.4x faster). `has_min`:
+    int4a's blocks (bits 4), every variant."""
     if rows == 1 and int8_dot is not None:
         if not gemv_int8_dot_fits(bits, int8_dot, tile_panels):
             raise ValueError(f"int8 activations over int{bits} weights with {int8_dot!r} at tile_panels={tile_panels}: "
@@ -858,34 +994,35 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
         if bits == 8:
             return gemv_panels_q8x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
         return gemv_panels_q4x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, dot=int8_dot,
-                                lanes=16 if wide else 8, group=group)
+                                lanes=16 if wide else 8, group=group, has_min=has_min)
     if rows == 1:  # 4 panels' accumulators and block sums fit AVX-512's 32 registers; in AVX2's 16 they spill:
         # 2 panels per task for int8, 1 for int4 (its 16-lane vectors are 2 ymm each)
         group = _cpu.gemv_group(-(-N // PANEL), QUANT_GEMV_PANELS if tile_panels > 1 else (2 if bits == 8 else 1))
-        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
+        return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group,
+                             has_min=has_min)
     row_dim(rows)
     if int8_dot is not None and tile_panels > 1 and gemv_int8_dot_fits(bits, int8_dot, tile_panels):
         return gemm_panels_qx8(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual,
-                               dot=int8_dot, tile_panels=tile_panels)
-    return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
-                     residual=residual, tile_panels=tile_panels)
+                               dot=int8_dot, tile_panels=tile_panels, has_min=has_min)
+    return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype, has_min=has_min), bias=bias,
+                     act=act, residual=residual, tile_panels=tile_panels)
 
 
-def linear_rows_q(name, K, N, *, rows, bits, sdtype="float16", act="none", tile_panels=1):
+def linear_rows_q(name, K, N, *, rows, bits, sdtype="float16", act="none", tile_panels=1, has_min=False):
     """y[m, N] = act(x[m, K] @ W[N, K]^T + b), W quantized rows one per output neuron (quantized_rows; the FFN up
     rows, as neuron.linear_rows), read in place by cpu.gemm_nt.  Args: x, w, ws, b (zeros for bias-free models), y. Prefill only."""
     if rows is not None:
         raise ValueError("linear_rows_q runs in prefill only")
-    return _cpu.gemm_nt(name, K, N, rows=quantized_rows(N, K, bits=bits, sdtype=sdtype), bias=True, act=act,
-                        tile_panels=tile_panels)
+    return _cpu.gemm_nt(name, K, N, rows=quantized_rows(N, K, bits=bits, sdtype=sdtype, has_min=has_min), bias=True,
+                        act=act, tile_panels=tile_panels)
 
 
 def linear_kn_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act="none", residual=False,
-                tile_panels=1, skip_zero_rows=False):
+                tile_panels=1, skip_zero_rows=False, has_min=False):
     """y[m, N] = act(x[m, K] @ W[K, N] + b) + res, W quantized rows one per reduction index (quantized_rows; the FFN
     down rows), read in place by cpu.gemm_kn (`skip_zero_rows`: x a ReLU's output, rows only its zeros
     multiply are not read).  Args: x, w, ws, (b), (res), y. Prefill only (N a multiple of 32)."""
     if rows is not None:
         raise ValueError("linear_kn_q runs in prefill only")
-    return _cpu.gemm_kn(name, K, N, rows=quantized_rows(K, N, bits=bits, sdtype=sdtype), bias=bias, act=act,
-                        residual=residual, tile_panels=tile_panels, skip_zero_rows=skip_zero_rows)
+    return _cpu.gemm_kn(name, K, N, rows=quantized_rows(K, N, bits=bits, sdtype=sdtype, has_min=has_min), bias=bias,
+                        act=act, residual=residual, tile_panels=tile_panels, skip_zero_rows=skip_zero_rows)
