@@ -66,7 +66,9 @@ import llama_cpp  # noqa: E402
 SOURCE_GGUF = Path.home() / ".cache" / "picompile" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DERIVED_TYPES = ("Q4_0", "Q8_0", "F16")
 SETTLE_S = 0.5  # between engines: a thread pool still spinning from the last call steals a core
-BUILDS = {"dense": ["--dense"], "default": []}
+# dense: the file's own format (auto); fp32: every value of the file in fp32 and fp32 activations, the file's own
+# model exactly (its perplexity is the reference the others are held to); default: the default (sparse) build
+BUILDS = {"dense": ["--dense"], "fp32": ["--dense", "--weight-dtype", "fp32"], "default": []}
 
 # English, code, Unicode, whitespace runs, a chat turn: where byte-level BPE pre-tokenizers differ
 PROMPTS = (
@@ -374,11 +376,12 @@ def _bos_if_added(llama, gguf: Path) -> int | None:
 def tables(results: dict) -> str:
     out = []
     for name, rows in results["files"].items():
+        own = rows.get("picompile fp32", {}).get("ppl")  # the file's own model, every value exact
         out.append(f"**{name}**\n\n| engine | decode tok/s | vs llama.cpp | prompt tok/s | vs llama.cpp | ppl | "
-                   f"ppl vs llama.cpp |\n| --- | --- | --- | --- | --- | --- | --- |")
+                   f"ppl vs llama.cpp | ppl vs the file's own model |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
         for engine, r in rows.items():
             if r["error"]:
-                out.append(f"| {engine} | not built: {r['error']} | | | | | |")
+                out.append(f"| {engine} | not built: {r['error']} | | | | | | |")
                 continue
             dec, pp, ppl = r["decode_tokens_per_s"], r["prompt_tokens_per_s"], r["ppl"]
             base = rows[r.get("base", "llama.cpp")]
@@ -386,7 +389,8 @@ def tables(results: dict) -> str:
             ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
             out.append(f"| {engine} | {_num(dec)} | {ratio(dec, base['decode_tokens_per_s'])} | {_num(pp)} | "
                        f"{ratio(pp, base['prompt_tokens_per_s'])} | {_num(ppl, 3)} | "
-                       f"{'x%.4f' % (ppl / quality) if ppl and quality else '-'} |")
+                       f"{'x%.4f' % (ppl / quality) if ppl and quality else '-'} | "
+                       f"{'x%.4f' % (ppl / own) if ppl and own else '-'} |")
         out.append("")
     check = results.get("tokens_check")
     if check:
@@ -431,7 +435,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", type=int, default=8, help="perplexity windows")
     parser.add_argument("--max-context", type=int, default=None, help="artifacts' KV cache (default: max(--ctx, "
                         "--prompt-len + --tokens))")
-    parser.add_argument("--builds", default="dense", help="picompile builds per file: dense, default (comma list)")
+    parser.add_argument("--builds", default="dense", help="picompile builds per file: dense, fp32, default (comma list)")
     parser.add_argument("--artifact", action="append", default=[], metavar="FILE=ARTIFACT",
                         help="use this artifact for FILE (path or file name) instead of building one")
     parser.add_argument("--no-picompile", action="store_true", help="measure llama.cpp alone")
