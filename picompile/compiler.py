@@ -162,8 +162,9 @@ def resolve_weight_dtype(options: Options, model: ir.Model, log=lambda message: 
     if options.weight_dtype != AUTO_WEIGHT_DTYPE:
         return options
     gguf = GGUFSource.of(model)
+    came_quantized = (gguf is not None and gguf.quantized()) or SourceQuantization.of(model) is not None
     resolved = dataclasses.replace(options, weight_dtype=gguf.weight_dtype() if gguf else stored_weight_dtype(model),
-                                   keep_source_blocks=True)
+                                   keep_source_blocks=came_quantized)
     why = gguf.auto_reason() if gguf else "as the model stores its weights"
     log(f"weight dtype {resolved.weight_dtype} (auto: {why})")
     return resolved
