@@ -210,13 +210,15 @@ class ThreadGovernor:
         stats.next_check = self.step_seconds + CHECK_EVERY * current
         best = stats.best.get(stats.choice)
         stats.best[stats.choice] = current if best is None else min(best, current)
-        if best is not None and current > self.slowdown * best:  # the machine changed: what lost may win now
+        slowed = best is not None and current > self.slowdown * best
+        if slowed:  # the machine changed: what lost before may win now, so try at once, whatever the share
             stats.next_trial_at, stats.backoff = 0.0, 0.0
             stats.best[stats.choice] = current
+            stats.last.clear()
         if self.step_seconds < stats.next_trial_at:
             return None
         untried = [count for count in candidates if count not in stats.last]
-        if untried:  # each count's first trial, whatever the share
+        if untried:  # each count's first trial (again after a slowdown), whatever the share
             return _Trial(untried[0])
         if self.trial_cost > self.trial_share * self.step_seconds:
             return None
@@ -234,9 +236,11 @@ class ThreadGovernor:
             stats.backoff = 0.0
             stats.next_trial_at = stats.next_check = self.step_seconds  # its own neighbours next
             return
-        # lost: try again later, each loss twice as much later (in seconds of steps), at least a few steps on
+        # lost: try again later, each loss twice as much later (in seconds of steps), at least a few steps on; the
+        # choice's own steps are still looked at as often as ever (a slowdown ends the wait)
         stats.backoff = max(2 * stats.backoff, 20 * current)
-        stats.next_trial_at = stats.next_check = self.step_seconds + stats.backoff
+        stats.next_trial_at = self.step_seconds + stats.backoff
+        stats.next_check = self.step_seconds + CHECK_EVERY * current
 
 
 def step_kind(phase: str, rows: int) -> tuple:

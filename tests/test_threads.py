@@ -69,6 +69,16 @@ def test_when_the_machine_changes_it_changes_back():
     assert used[-200:].count(1) >= 190
 
 
+def test_a_long_quiet_spell_does_not_delay_the_move_when_load_comes():
+    """Many lost trials put the next one far off; a slowdown of the choice's own steps must not wait for it."""
+    governor = ThreadGovernor(FakePool(2))
+    busy_from = 20000
+    times = lambda n, step: (1e-4 / n) if step < busy_from else (1e-4 if n == 1 else 4e-4)  # noqa: E731
+    used = drive(governor, times, busy_from + 400)
+    assert used[busy_from - 100:busy_from].count(2) >= 95
+    assert used[busy_from + 100:].count(1) >= 290  # moved within a few dozen steps of the change
+
+
 def test_kinds_of_step_are_chosen_apart():
     governor = ThreadGovernor(FakePool(2))
     # decode is too small to split; a prefill of 64 rows is not
