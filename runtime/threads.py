@@ -170,6 +170,8 @@ class ThreadGovernor:
         if trial is None or trial.threads != threads:
             if threads == stats.choice:
                 stats.recent.append(seconds)
+                if seconds >= LONG_STEP_S and seconds > self.slowdown * stats.best.get(threads, seconds):
+                    stats.next_check = 0.0  # a long step this much slower is news enough: look now
             return
         current = _median(stats.recent)
         self.trial_cost += max(0.0, seconds - current)
@@ -210,15 +212,14 @@ class ThreadGovernor:
         stats.next_check = self.step_seconds + CHECK_EVERY * current
         best = stats.best.get(stats.choice)
         stats.best[stats.choice] = current if best is None else min(best, current)
-        slowed = best is not None and current > self.slowdown * best
-        if slowed:  # the machine changed: what lost before may win now, so try at once, whatever the share
+        latest = _median(list(stats.recent)[-3:])  # a change shows in the last few steps first
+        if best is not None and latest > self.slowdown * best:  # the machine changed: what lost may win now
             stats.next_trial_at, stats.backoff = 0.0, 0.0
-            stats.best[stats.choice] = current
-            stats.last.clear()
+            stats.best[stats.choice] = latest
         if self.step_seconds < stats.next_trial_at:
             return None
         untried = [count for count in candidates if count not in stats.last]
-        if untried:  # each count's first trial (again after a slowdown), whatever the share
+        if untried:  # each count's first trial, whatever the share
             return _Trial(untried[0])
         if self.trial_cost > self.trial_share * self.step_seconds:
             return None

@@ -52,6 +52,18 @@ def test_it_stays_at_one_thread_where_splitting_costs_more():
     assert governor.trial_cost <= governor.trial_share * governor.step_seconds + 5 * 45e-6
 
 
+def test_jitter_does_not_buy_hopeless_trials():
+    """A tiny model beside a busy core: one thread's steps jitter (a slowdown now and then), two threads' cost a
+    scheduler slice; what trials cost stays within the share."""
+    import random
+
+    rng = random.Random(0)
+    governor = ThreadGovernor(FakePool(2))
+    used = drive(governor, lambda n, step: 15e-6 * rng.choice((1, 1, 1, 2.5)) if n == 1 else 40e-3, 20000)
+    assert used.count(2) <= 5
+    assert governor.trial_cost <= governor.trial_share * governor.step_seconds + 40e-3
+
+
 def test_a_hopeless_trial_ends_after_one_step():
     governor = ThreadGovernor(FakePool(2))
     used = drive(governor, lambda n, step: 20e-6 if n == 1 else 40e-3, 10)  # a worker beside a busy process
