@@ -32,6 +32,7 @@ PINNING_ENV = "TVM_BIND_THREADS"
 _MODE_BIG = 1
 LONG_STEP_S = 2e-3  # a step this long is measured well enough alone
 CHECK_EVERY = 8  # between looks at the recent steps, about this many steps' time
+FALL_BACK = 2.0  # a step on several threads this many times its best starts a trial of fewer at once
 
 
 def usable_cores() -> int:
@@ -117,6 +118,7 @@ class _KindStats:
     backoff: float = 0.0  # how far the next trial is put off after one that lost (doubles)
     trial: _Trial | None = None
     candidate_turn: int = 0
+    fall_back: bool = False  # the choice's last step was FALL_BACK times its best: try fewer threads next
 
 
 class ThreadGovernor:
@@ -130,7 +132,9 @@ class ThreadGovernor:
     hopeless (`hopeless` times the choice's); a judged step over twice the choice's ends it. A count that
     wins by `margin` becomes the choice; one that loses is tried again later, the interval doubling each time
     it loses, and sooner when the choice's recent steps run `slowdown` times slower than its best: the
-    machine changed."""
+    machine changed. Trials toward fewer threads are safe (they cost at most the parallel speed-up), toward
+    more are not (a worker beside a busy core waits a scheduler slice per kernel): so one step on several
+    threads that takes FALL_BACK times its best starts a trial of half as many at once, whatever the share."""
 
     def __init__(self, pool: ThreadPool, fixed: int | None = None, *, trial_share: float = 0.05,
                  trial_steps: int = 4, margin: float = 0.05, slowdown: float = 1.5, hopeless: float = 20.0):
@@ -170,8 +174,13 @@ class ThreadGovernor:
         if trial is None or trial.threads != threads:
             if threads == stats.choice:
                 stats.recent.append(seconds)
-                if seconds >= LONG_STEP_S and seconds > self.slowdown * stats.best.get(threads, seconds):
-                    stats.next_check = 0.0  # a long step this much slower is news enough: look now
+                best = stats.best.get(threads)
+                if threads > 1 and best is not None and seconds > FALL_BACK * best:
+                    # a step on several threads this slow: another program has a core. Fewer threads cost at most
+                    # the parallel speed-up, more may cost a scheduler slice per kernel: try fewer at once
+                    stats.fall_back = True
+                    stats.recent = deque(list(stats.recent)[-2:], maxlen=stats.recent.maxlen)
+                    stats.next_check = 0.0
             return
         current = _median(stats.recent)
         self.trial_cost += max(0.0, seconds - current)
@@ -204,6 +213,9 @@ class ThreadGovernor:
 
     def _maybe_start_trial(self, stats: _KindStats) -> _Trial | None:
         """A trial to run now, else None and the step time after which to ask again."""
+        if stats.fall_back:
+            stats.fall_back = False
+            return _Trial(max(1, stats.choice // 2), warmed=True)  # (fewer workers: none to wake)
         candidates = self._candidates(stats.choice)
         # the choice's own time first: three steps, or one long one (a prefill's)
         if not candidates or (len(stats.recent) < 3 and sum(stats.recent) < LONG_STEP_S):
