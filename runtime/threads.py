@@ -136,7 +136,7 @@ class ThreadGovernor:
     more are not (a worker beside a busy core waits a scheduler slice per kernel): so one step on several
     threads that takes FALL_BACK times its best starts a trial of half as many at once, whatever the share."""
 
-    def __init__(self, pool: ThreadPool, fixed: int | None = None, *, trial_share: float = 0.05,
+    def __init__(self, pool: ThreadPool, fixed: int | None = None, *, trial_share: float = 0.02,
                  trial_steps: int = 4, margin: float = 0.05, slowdown: float = 1.5, hopeless: float = 20.0):
         if fixed is not None and (not isinstance(fixed, int) or fixed < 1):
             raise ValueError(f"threads must be a positive integer, got {fixed!r}")
