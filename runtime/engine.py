@@ -95,8 +95,6 @@ class Engine:
                  slots: int = 1, threads: int | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-            raise ValueError(f"threads must be a positive integer, got {threads!r}")
         self.directory = Path(directory)
         self.manifest = load_manifest(self.directory, check_hashes=check_hashes)
         target = self.manifest.get("target", {})

@@ -138,7 +138,7 @@ class ThreadGovernor:
 
     def __init__(self, pool: ThreadPool, fixed: int | None = None, *, trial_share: float = 0.02,
                  trial_steps: int = 4, margin: float = 0.05, slowdown: float = 1.5, hopeless: float = 20.0):
-        if fixed is not None and (not isinstance(fixed, int) or fixed < 1):
+        if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool) or fixed < 1):
             raise ValueError(f"threads must be a positive integer, got {fixed!r}")
         self.pool = pool
         self.fixed = None if fixed is None else min(fixed, pool.size)
