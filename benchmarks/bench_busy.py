@@ -56,22 +56,15 @@ def model_sources(name: str, log=print) -> tuple[Path, dict[str, Path], int]:
 
 
 def gguf_sources(path: Path, log=print) -> tuple[Path, dict[str, Path], int]:
-    """A GGUF file's front-end ONNX (onnxruntime runs it) and its dense build in the file's own format, made
-    once and kept beside the other artifacts (keyed by the file and its size)."""
-    import subprocess
-
-    from examples.bench_decode import compiler_digest
-    from examples.models import cache_dir
+    """A GGUF file's front-end ONNX (onnxruntime runs it) and its dense build in the file's own format
+    (bench_gguf's builder and cache)."""
+    from benchmarks.bench_gguf import ensure_gguf_artifact
     from passes.import_gguf import converted
 
-    onnx = converted(path).onnx
-    artifact = cache_dir() / "artifacts" / f"{path.stem}-{path.stat().st_size}-dense-{compiler_digest()[:12]}.pic"
-    if not (artifact / "manifest.json").exists():
-        started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "picompile", "build", str(path), "--dense", "--target", "cpu",
-                        "--max-context", "256", "-q", "-o", str(artifact)], check=True, cwd=ROOT)
-        log(f"built {artifact.name} in {time.perf_counter() - started:.1f}s")
-    return onnx, {"dense": artifact}, 256
+    built = ensure_gguf_artifact(path, "dense", 256, None, log=log)
+    if built.artifact is None:
+        raise SystemExit(f"error: {path}: {built.error}")
+    return converted(path).onnx, {"dense": built.artifact}, 256
 
 
 def measure_model(name: str, args) -> dict:
