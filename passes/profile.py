@@ -44,6 +44,7 @@ from .layer_reference import layer_cuts, lifted_layer_inputs, needs_layers, run_
 from .recognise import source_model
 
 PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
+SEQUENCES = "picompile.calibration_sequences"  # the IR's `meta` entry
 
 
 @dataclass
@@ -112,6 +113,24 @@ class ProfiledActivations:
         writable.flush()
         del writable
         layer.inputs = np.load(path, mmap_mode="c")
+
+
+@dataclass
+class CalibrationSequences:
+    """The token sequences the profile pass ran, in its order (sampled ones first, the user's text last): the
+    quality pass fits on the first and measures on the last, the predictors' split (`predict.HOLDOUT`)."""
+
+    sequences: list[np.ndarray]
+
+    def attach(self, model: ir.Model) -> None:
+        model.meta[SEQUENCES] = self
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "CalibrationSequences":
+        found = model.meta.get(SEQUENCES)
+        if found is None:
+            raise ValueError("the IR carries no calibration sequences (run the profile pass first)")
+        return found
 
 
 @dataclass
@@ -288,6 +307,9 @@ class Profile:
     seed: int = Options.seed
     wanted_tokens: int | None = None  # the tokens the fits after it want (None: MIN_TOKENS_PER_NEURON per neuron)
     layered: bool | None = None  # run the source one layer at a time (passes.layer_reference); None: when needed
+    # run the source over the sequences and record the FFNs' inputs and activity (False: the sequences alone, for
+    # the quality pass, which runs the model itself)
+    activations: bool = True
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         source = source_model(model)
@@ -325,8 +347,16 @@ class Profile:
             seconds = time.perf_counter() - started
         # The given tokens go last: the predictors' held-out tokens (the last ones) are then the user's text
         sequences = sampled + given
+        CalibrationSequences(sequences).attach(model)
         tokens = sum(len(s) for s in sequences)
         self._report(ctx, given_tokens, tokens, samples, length, seconds, width, needed)
+        calibration = {"tokens": tokens, "given_tokens": given_tokens,  # inspect shows what the fits had
+                       "source": str(self.calib) if self.calib else "random tokens", "sampled_sequences": samples,
+                       "sequence_tokens": length, "sample_seconds": round(seconds, 3), "wanted_tokens": needed}
+        model.metadata_props["picompile.calibration"] = json.dumps(calibration)
+        if not self.activations:
+            ctx.log(f"profile: {tokens} tokens, {len(sequences)} sequences (the model is run by the passes after)")
+            return PassResult(model, modified=True)
 
         # a directory of its own: an earlier profile's memory maps (say, in the same workdir) keep their files
         spill = _Spill(Path(tempfile.mkdtemp(prefix="activations-", dir=ctx.workdir)), tokens)
@@ -360,11 +390,6 @@ class Profile:
             for key in ("sparsity", "skewness", "hot80_share"):
                 node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
         profiled.attach(model)
-        model.metadata_props["picompile.calibration"] = json.dumps({  # inspect shows what the fits had
-            "tokens": tokens, "given_tokens": given_tokens,
-            "source": str(self.calib) if self.calib else "random tokens",
-            "sampled_sequences": samples, "sequence_tokens": length, "sample_seconds": round(seconds, 3),
-            "wanted_tokens": needed})
         plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
         plot_cdf(stats, plot)
         ctx.artifact_files["plots/activation_cdf.png"] = plot

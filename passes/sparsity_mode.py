@@ -8,8 +8,8 @@ threshold pass its sparsity, and the artifact's manifest carries it (`build` pri
 
 The rule of "auto": a ReLU FFN outputs exact zeros for most neurons, so a predictor can skip whole neurons
 (predictor mode). A SiLU or GELU FFN almost never does, so there is nothing to predict; instead the inputs of
-each projection whose magnitude is below a calibrated threshold are dropped (threshold mode, at
-DEFAULT_SPARSITY unless `--sparsity` says otherwise). Asking for predictor mode on such a model is refused:
+each projection whose magnitude is below a calibrated threshold are dropped (threshold mode: a level per linear
+input within the quality budget, passes.quality, unless `--sparsity` fixes one for every FFN input). Asking for predictor mode on such a model is refused:
 its predictors would let every neuron through.
 """
 
@@ -26,8 +26,6 @@ from picompile.errors import UserError
 from picompile.pipeline import Context, Options
 
 MODES = ("auto", "predictor", "threshold")
-# TEAL reports 40-50% model-wide sparsity at small quality cost; 0.4 is the cautious end of that range.
-DEFAULT_SPARSITY = 0.4
 PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn
 SPELLING = {"relu": "ReLU", "silu": "SiLU", "gelu": "GELU"}
 KEY = "picompile.sparsity"  # the metadata_props entry
@@ -38,7 +36,7 @@ class Sparsity:
     """How decode skips FFN work in this model."""
 
     mode: str  # "predictor" or "threshold"
-    sparsity: float | None  # threshold mode: the share of each projection's inputs dropped; else None
+    sparsity: float | None  # threshold mode with --sparsity: the share of each FFN input dropped; else None
     reason: str  # why this mode (what `build` prints)
 
     def attach(self, model: ir.Model) -> None:
@@ -52,7 +50,8 @@ class Sparsity:
 
     def describe(self) -> str:
         """One line: the mode, its sparsity (threshold mode) and why."""
-        level = f" at {self.sparsity:.2f}" if self.sparsity is not None else ""
+        level = (f" at {self.sparsity:.2f}" if self.sparsity is not None else
+                 " (a level per linear input, within the quality budget)" if self.mode == "threshold" else "")
         return f"{self.mode} mode{level} ({self.reason})"
 
 
@@ -60,7 +59,7 @@ class Sparsity:
 class SparsityMode:
     name = "sparsity"
     requested: str = Options.sparsity_mode  # "auto", "predictor" or "threshold"
-    sparsity: float | None = Options.sparsity  # threshold mode's share dropped (None: DEFAULT_SPARSITY)
+    sparsity: float | None = Options.sparsity  # threshold mode's share dropped (None: per input, passes.quality)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         if self.requested not in MODES:
@@ -90,9 +89,7 @@ class SparsityMode:
         if mode == "threshold" and ctx.target.has_gpu:
             raise UserError(f"threshold sparsity runs on the CPU only (no GPU kernels for it yet), and target "
                             f"{ctx.target.name} has a GPU: build with --target cpu, or --dense")
-        sparsity = None
-        if mode == "threshold":
-            sparsity = DEFAULT_SPARSITY if self.sparsity is None else float(self.sparsity)
+        sparsity = None if self.sparsity is None else float(self.sparsity)
         decided = Sparsity(mode, sparsity, why)
         decided.attach(model)
         ctx.log(f"sparsity: {decided.describe()}")

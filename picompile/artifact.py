@@ -133,6 +133,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             "layers": json.loads(model.metadata_props.get("picompile.layers", "[]")),
             "calibration": json.loads(model.metadata_props.get("picompile.calibration", "{}")),
             "quantization": json.loads(model.metadata_props.get("picompile.quantized", "{}")),
+            "quality": json.loads(model.metadata_props.get("picompile.quality", "null")),
             "placement": json.loads(model.metadata_props.get("picompile.placement", "{}")),
             "devices": json.loads(model.metadata_props.get("picompile.devices", "{}")),
             "tokenizer": ({"source": str(options.tokenizer.directory),

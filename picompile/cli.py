@@ -113,7 +113,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="how decode skips FFN work: predictor (PowerInfer; ReLU FFNs), threshold (TEAL: drop "
                             "projection inputs of small magnitude; SiLU/GELU FFNs), auto: by the FFN activation")
     build.add_argument("--sparsity", type=_sparsity, default=None,
-                       help="threshold mode: share of each FFN projection's inputs dropped (default 0.4)")
+                       help="threshold mode: drop this share of every FFN projection's inputs, one level for all "
+                            "(default: a level per linear input, attention's too, chosen within --max-quality-loss)")
+    build.add_argument("--max-quality-loss", type=_quality_budget, default=None, metavar="BUDGET",
+                       help="what the build may give up for speed, measured on held-out calibration tokens against "
+                            "the source model: a perplexity increase (1%%, the default; or 0.01) or a mean KL per "
+                            "token (kl=0.01). Threshold mode picks its levels per linear input and, for "
+                            "--weight-dtype int8/int4/int4a, a format per matrix within it: --weight-dtype int4 means "
+                            "at most 4 bits, a matrix whose rounding costs too much stays int8 or fp16")
     chatter = build.add_mutually_exclusive_group()
     chatter.add_argument("-v", "--verbose", action="store_true",
                          help="print each pass with its time and node counts, and a failing pass's traceback")
@@ -181,6 +188,15 @@ def _sampling_arguments(command, default_tokens: int = 32) -> None:
     command.add_argument("--seed", type=_non_negative(int), default=None)
 
 
+def _quality_budget(text: str):
+    from .budget import QualityBudget
+
+    try:
+        return QualityBudget.parse(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--max-quality-loss ")) from None
+
+
 def _build(args) -> int:
     from .compiler import build
     from .pipeline import Options
@@ -205,7 +221,8 @@ def _build(args) -> int:
                       max_batch=args.max_batch,
                       quant_method=args.quant_method,
                       target_recall=args.target_recall, cpu_isa=args.cpu_isa,
-                      sparsity_mode=args.sparsity_mode, sparsity=args.sparsity)
+                      sparsity_mode=args.sparsity_mode, sparsity=args.sparsity,
+                      **({"quality_budget": args.max_quality_loss} if args.max_quality_loss else {}))
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     from .pipeline import ProgressBars
 
@@ -225,6 +242,10 @@ def _build(args) -> int:
         print(f"sparsity: {Sparsity(**manifest['sparsity']).describe()}")
     for line in Estimate(**manifest["estimate"]).lines(target):
         print(line)
+    if manifest.get("quality"):
+        from passes.quality import ExpectedQuality
+
+        print(ExpectedQuality.from_json(manifest["quality"]).line())
     return 0
 
 

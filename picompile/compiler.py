@@ -25,6 +25,7 @@ from passes.place import Place
 from passes.plan_buffers import PlanBuffers
 from passes.predict import Predict
 from passes.profile import Profile
+from passes.quality import QualityPlan
 from passes.quantize import Quantize
 from passes.recognise import Recognise
 from passes.schedule import Schedule
@@ -54,7 +55,8 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
     """What follows the front for `mode`: dense lowers every block as it is (an int8 / int4 one with awq
     profiles and scales channels first); predictor mode profiles, (awq) scales channels, trains predictors,
     places neurons and splits each FFN; threshold mode profiles, calibrates thresholds and
-    lowers each FFN to thresholded ops (on the CPU: no placement)."""
+    lowers each FFN to thresholded ops (on the CPU: no placement); its levels (per linear input) and formats (per
+    matrix) are the quality pass's, within --max-quality-loss."""
     if (mode == "dense") != options.dense:
         raise ValueError(f"mode {mode!r} does not fit options.dense={options.dense}")
     if options.weight_dtype == AUTO_WEIGHT_DTYPE:
@@ -81,7 +83,12 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
                               weight_dtype=options.weight_dtype, seed=options.seed,
                               cpu_isa=options.cpu_isa_for(target).name, int8_activations=options.int8_activations),
                       partition, LowerPredicted(all_neurons=options.all_neurons)],
-        "threshold": [profile, Threshold(), LowerThresholded()],
+        # --sparsity: one level for every FFN input (the threshold pass), measured; else a plan within the budget
+        "threshold": [dataclasses.replace(profile, activations=options.sparsity is not None),
+                      *([Threshold()] if options.sparsity is not None else []),
+                      QualityPlan(budget=options.quality_budget, weight_dtype=options.weight_dtype,
+                                  method=options.quant_method, fixed_formats=options.keep_source_blocks),
+                      LowerThresholded()],
     }[mode]
     return sparse + back(options, target, predictors=mode == "predictor")
 

@@ -56,6 +56,15 @@ def sync_seconds(target: Target, activation_bytes: int) -> float:
     return 2 * copy_seconds(target, activation_bytes)
 
 
+def linear_seconds(stored_bytes: float, bandwidth: float, kept: float | None = None) -> float:
+    """One CPU linear layer's decode seconds for a matrix of `stored_bytes`: dense (`kept` None) the matrix over
+    the bandwidth and one call; thresholded, the `kept` share of its rows (one per input channel) at
+    SPARSE_ROW_EFFICIENCY of the bandwidth, plus the select call before it. The quality pass prices its plans so."""
+    if kept is None:
+        return stored_bytes / bandwidth + launch_seconds("cpu")
+    return kept * stored_bytes / (bandwidth * SPARSE_ROW_EFFICIENCY) + 2 * launch_seconds("cpu")
+
+
 @dataclass(frozen=True)
 class BlockBytes:
     """What a block keeps on the GPU and reads in one decode step on each device (each stores its weights in its own

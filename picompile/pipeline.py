@@ -24,6 +24,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from . import memory
+from .budget import DEFAULT_BUDGET, QualityBudget
 from .errors import PassError, UserError
 from .targets import CpuIsa, Target, format_size, get_cpu_isa, host_cpu_isa
 from .tokenizer import TokenizerFiles
@@ -70,7 +71,10 @@ class Options:
     # "threshold" (TEAL: inputs of each projection below a calibrated magnitude are dropped, for SiLU/GELU
     # FFNs) or "auto" (by the model's FFN activation; passes.sparsity_mode).
     sparsity_mode: str = "auto"
-    sparsity: float | None = None  # threshold mode: share of each projection's inputs dropped (None: the default)
+    # threshold mode: the share of each FFN projection's inputs dropped, one level for all (None: a level per linear
+    # input, chosen within quality_budget by passes.quality)
+    sparsity: float | None = None
+    quality_budget: QualityBudget = DEFAULT_BUDGET  # --max-quality-loss: what sparsity and formats may cost
     # sequences one batch step decodes together (CPU artifacts: runtime Engine.forward_batch); below 2: no batch phase
     max_batch: int = 8
     seed: int = 0

@@ -1,0 +1,222 @@
+"""A torch interpreter of the block IR (after recognise, before lower): what the quality pass measures plans with.
+
+It runs whole calibration sequences from an empty KV cache, batched, causal, as the artifact computes them: a
+prompt of `prefill` tokens through dense GEMMs, then one token per step. A `Variant` says how a plan changes that
+arithmetic, as the kernels will: a linear input's channels with |v| <= threshold read no weight row in decode
+steps (rows from `prefill` on), and a weight matrix is read as stored (its fp16 or quantized values).
+`probe` sees every Attention / FFN block (and MatMul: the output layer) as it runs (its input, output and the residual it is added to), so
+that a caller can measure a change to one block on the spot instead of keeping every activation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from picompile import ir as pir
+
+# Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies
+SITES = {("Attention", "qkv"): 4, ("Attention", "o"): 6, ("FFN", "in"): 1, ("FFN", "down"): 3}
+_ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
+
+
+@dataclass
+class Variant:
+    """A plan's changes to the dense arithmetic. `thresholds[(layer, site)]`: decode rows keep the input channels
+    with |v| > t; `weights[name]`: a matrix's values as stored (absent: the source's); `prefill`: the rows
+    computed densely (eval's and the engine's prompt before one-token steps)."""
+
+    thresholds: dict[tuple[int, str], float] = field(default_factory=dict)
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+    prefill: int = 4
+
+
+DENSE = Variant()
+
+
+@dataclass
+class Block:
+    """One block as `probe` sees it: the node, its input and output [batch, tokens, width], and the residual
+    stream it is added to (its output plus that is the next residual)."""
+
+    node: ir.Node
+    x: torch.Tensor
+    out: torch.Tensor
+    residual: torch.Tensor | None
+
+
+class Interpreter:
+    """The block IR of `model` in torch, weights fp32 (read from the IR's constants on first use)."""
+
+    def __init__(self, model: ir.Model):
+        self.model = model
+        self._weights: dict[str, torch.Tensor] = {}
+        self._residual_of = _residual_partners(model.graph)
+        self._rotations: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def weight(self, value: ir.Value | None, variant: Variant = DENSE) -> torch.Tensor | None:
+        if value is None:
+            return None
+        if value.name in variant.weights:
+            return torch.from_numpy(np.asarray(variant.weights[value.name], np.float32))
+        if value.name not in self._weights:
+            self._weights[value.name] = torch.from_numpy(np.array(pir.const_array(value), np.float32))
+        return self._weights[value.name]
+
+    def logits(self, sequences: np.ndarray, variant: Variant = DENSE,
+               probe: Callable[[Block], None] | None = None) -> torch.Tensor:
+        """[batch, tokens, vocab] logits of `sequences` [batch, tokens] (each from an empty cache)."""
+        ids = torch.from_numpy(np.asarray(sequences, np.int64))
+        values: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for node in self.model.graph:
+                out = self._run(node, values, ids, variant)
+                values[node.outputs[0].name] = out
+                if probe is not None and node.op_type in ("Attention", "FFN", "MatMul"):
+                    partner = self._residual_of.get(node.outputs[0].name)
+                    probe(Block(node, values[node.inputs[0].name], out, values.get(partner)))
+        return values[self.model.graph.outputs[0].name]
+
+    def _run(self, node: ir.Node, values: dict, ids: torch.Tensor, variant: Variant) -> torch.Tensor:
+        op = node.op_type
+        x = values.get(node.inputs[0].name) if node.inputs and node.inputs[0] is not None else None
+        if op == "Embed":
+            out = self.weight(node.inputs[2], variant)[ids]
+            if len(node.inputs) > 3 and node.inputs[3] is not None:
+                out = out + self.weight(node.inputs[3], variant)[: ids.shape[1]]
+            return out
+        if op in ("LayerNormalization", "RMSNormalization"):
+            return norm(node, x, self.weight(node.inputs[1]),
+                        self.weight(node.inputs[2]) if len(node.inputs) > 2 else None)
+        if op == "Add":
+            return values[node.inputs[0].name] + (values.get(node.inputs[1].name) if node.inputs[1].name in values
+                                                   else self.weight(node.inputs[1]))
+        if op == "MatMul":
+            return x @ self.weight(node.inputs[1], variant)
+        if op == "FFN":
+            return self.ffn(node, x, variant)
+        if op == "Attention":
+            return self.attention(node, x, variant)
+        raise NotImplementedError(f"the IR reference has no {op} ({node.name})")
+
+    @staticmethod
+    def linear_input(node: ir.Node, site: str, v: torch.Tensor, variant: Variant, taps: dict | None) -> torch.Tensor:
+        """`v` as a decode step's sparse kernel reads it: the channels at or below the site's threshold zeroed
+        from the `prefill`-th row on (prompt rows run dense). `taps` (where given) keeps the dense `v`."""
+        if taps is not None:
+            taps[site] = v
+        t = variant.thresholds.get((int(pir.attr(node, "layer")), site))
+        if t is None or t < 0:
+            return v
+        kept = v.clone()
+        decode = kept[:, variant.prefill:]
+        decode.mul_(decode.abs() > t)
+        return kept
+
+    def ffn(self, node: ir.Node, x: torch.Tensor, variant: Variant = DENSE, taps: dict | None = None) -> torch.Tensor:
+        w_up, b_up = self.weight(node.inputs[1], variant), self.weight(node.inputs[2])
+        w_down, b_down = self.weight(node.inputs[3], variant), self.weight(node.inputs[4])
+        pre = self.linear_input(node, "in", x, variant, taps) @ w_up
+        if b_up is not None:
+            pre = pre + b_up
+        act = _ACTIVATIONS[str(pir.attr(node, "activation"))]
+        if pir.attr(node, "gated"):
+            half = pre.shape[-1] // 2
+            hidden = act(pre[..., :half]) * pre[..., half:]
+        else:
+            hidden = act(pre)
+        out = self.linear_input(node, "down", hidden, variant, taps) @ w_down
+        return out if b_down is None else out + b_down
+
+    def attention(self, node: ir.Node, x: torch.Tensor, variant: Variant = DENSE,
+                  taps: dict | None = None) -> torch.Tensor:
+        heads, kv_heads, hd = (int(pir.attr(node, a)) for a in ("num_heads", "num_kv_heads", "head_dim"))
+        batch, tokens, _ = x.shape
+        qkv = self.linear_input(node, "qkv", x, variant, taps) @ self.weight(node.inputs[4], variant)
+        if node.inputs[5] is not None:
+            qkv = qkv + self.weight(node.inputs[5])
+        q = qkv[..., : heads * hd].reshape(batch, tokens, heads, hd).transpose(1, 2)
+        k = qkv[..., heads * hd: (heads + kv_heads) * hd].reshape(batch, tokens, kv_heads, hd).transpose(1, 2)
+        v = qkv[..., (heads + kv_heads) * hd:].reshape(batch, tokens, kv_heads, hd).transpose(1, 2)
+        if len(node.inputs) > 8 and node.inputs[8] is not None:
+            cos, sin = self._rotation(node.inputs[8], tokens)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        group = heads // kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    scale=float(pir.attr(node, "scale")))
+        attended = attended.transpose(1, 2).reshape(batch, tokens, heads * hd)
+        out = self.linear_input(node, "o", attended, variant, taps) @ self.weight(node.inputs[6], variant)
+        return out if node.inputs[7] is None else out + self.weight(node.inputs[7])
+
+    def _rotation(self, inv_freq: ir.Value, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin [tokens, hd / 2] at positions 0.. (computed in float64 once per table and length)."""
+        key = (inv_freq.name, tokens)
+        if key not in self._rotations:
+            angles = torch.arange(tokens, dtype=torch.float64)[:, None] * self.weight(inv_freq).to(torch.float64)[None]
+            self._rotations[key] = (torch.cos(angles).float(), torch.sin(angles).float())
+        return self._rotations[key]
+
+    def block(self, node: ir.Node, x: torch.Tensor, variant: Variant = DENSE,
+              taps: dict | None = None) -> torch.Tensor:
+        """A block's output for input `x` under `variant` (`taps`: gets each site's dense input)."""
+        return (self.attention if node.op_type == "Attention" else self.ffn)(node, x, variant, taps)
+
+
+def norm(node: ir.Node, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    eps = float(pir.attr(node, "epsilon", 1e-5))
+    if node.op_type == "LayerNormalization":
+        out = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps) * scale
+        return out if bias is None else out + bias
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * scale
+
+
+def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE over [batch, heads, tokens, hd] (the CPU kernel's rope_kv_write)."""
+    half = t.shape[-1] // 2
+    a, b = t[..., :half], t[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def _residual_partners(graph: ir.Graph) -> dict[str, str]:
+    """Block output name -> the other operand of the Add that puts it on the residual stream."""
+    partners = {}
+    for node in graph:
+        if node.op_type == "Add" and node.domain in ("", "ai.onnx") and len(node.inputs) == 2:
+            a, b = node.inputs
+            partners[a.name], partners[b.name] = b.name, a.name
+    return partners
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.to(torch.float64), dim=-1)
+
+
+@dataclass(frozen=True)
+class Quality:
+    """A plan's quality against the dense model on the same tokens: perplexity change (ppl ratio - 1), mean KL
+    per predicted position, and top-1 agreement."""
+
+    ppl_change: float
+    kl: float
+    top1: float
+    tokens: int
+
+    def describe(self) -> str:
+        return f"ppl {self.ppl_change * 100:+.1f}%, KL {self.kl:.4f}, top-1 {self.top1:.2f}"
+
+
+def quality(reference: torch.Tensor, candidate: torch.Tensor, sequences: np.ndarray) -> Quality:
+    """`candidate` logits against `reference` on `sequences` (the next token of each position is its target)."""
+    ref, got = log_probs(reference[:, :-1]), log_probs(candidate[:, :-1])
+    targets = torch.from_numpy(np.asarray(sequences, np.int64))[:, 1:, None]
+    nll_ref = -ref.gather(-1, targets).mean()
+    nll_got = -got.gather(-1, targets).mean()
+    kl = (ref.exp() * (ref - got)).sum(-1).mean()
+    top1 = (ref.argmax(-1) == got.argmax(-1)).double().mean()
+    return Quality(float(math.exp(nll_got - nll_ref) - 1.0), float(kl), float(top1), int(targets.numel()))

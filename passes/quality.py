@@ -1,0 +1,538 @@
+"""quality: the plan with the most expected speed that keeps the build within the user's quality budget.
+
+Runs in threshold mode, after profile. Reads: the block IR (Attention, FFN and the output layer's MatMul, their
+weights), the calibration sequences the profile pass ran (`CalibrationSequences`), the budget
+(--max-quality-loss, `picompile.budget`), the build's weight format and quantization method, and, where
+--sparsity fixed one level for every FFN, the thresholds the threshold pass set.
+Adds: on each FFN `threshold_in` / `threshold_down` and on each Attention `threshold_qkv` / `threshold_o`
+(`KEEP_ALL` where the input stays dense), with `sparsity_*`, the share each drops on held-out tokens; the
+per-matrix formats (`WeightPlan`, which the quantize pass stores) and what the build expects eval to measure
+(`ExpectedQuality`, carried into the manifest and printed by `build`).
+
+How (TEAL's greedy allocation, priced by the cost model, checked end to end):
+1. Knobs. Every linear input of every block (qkv, o, the FFN's gate/up and down) may drop its inputs below a
+   magnitude threshold, at LEVELS of the input's share; every matrix may be stored in any format from the
+   build's own up to fp16 (`allowed_formats`: --weight-dtype int4 means "at most 4 bits"). A knob's cost is the
+   cost model's decode seconds for its matrix at that level and format (`costmodel.linear_seconds`): a sparse
+   read pays the gathered rows' lower bandwidth and a select call, so a low level costs more than dense.
+2. Local effects, measured. One dense pass over the fitting tokens (the first calibration sequences) runs every
+   block again at each level and format of each of its knobs alone (`passes.ir_reference`), and records the
+   change of the block's output relative to the residual stream it joins.
+3. Greedy path. From dense at the widest formats, repeatedly take the move (one knob to a sparser level and/or
+   a narrower format) with the least added local error per second saved. Every move saves time, so every plan
+   on the path is expected faster than the dense build of its formats.
+4. Budget, measured. On the held-out sequences (the last calibration sequences), the model's logits under a plan,
+   computed with the kernels' arithmetic (thresholded decode rows after a 4-token prompt, weights as stored),
+   against the dense source model's: a binary search along the path for the furthest plan within the budget.
+   That plan's perplexity change, KL and top-1 are what the build prints and eval should confirm.
+The output layer is not sparse; it takes the narrowest allowed format whose own KL on the fitting tokens stays
+under HEAD_SHARE of the budget. The embedding table (one row gathered per token: its format costs memory, not
+time) takes int8 where the build allows it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+import torch
+from onnx_ir.passes import PassResult
+
+from picompile import costmodel
+from picompile import ir as pir
+from picompile.budget import DEFAULT_BUDGET, QualityBudget
+from picompile.pipeline import Context, Options
+from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
+
+from .ir_reference import SITES, Block, Interpreter, Quality, Variant
+from .kernels import quant
+from .predict import HOLDOUT
+from .profile import CalibrationSequences
+from .threshold import KEEP_ALL
+
+LEVELS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # shares of a linear input a plan may drop
+FIT_TOKENS = 512  # tokens the local effects are measured on
+HELD_OUT_TOKENS = 1536  # tokens the budget is measured on (at most)
+HEAD_SHARE = 0.25  # of the budget, what the output layer's rounding alone may cost
+PREFILL = 4  # prompt tokens computed densely before one-token steps (eval's `compiled_logits`)
+CHUNK = 4  # sequences per batch of the reference (bounds the logits held at once)
+QUALITY_KEY = "picompile.quality"
+WEIGHT_PLAN_KEY = "picompile.weight_plan"
+_NODE_SITES = {"Attention": ("qkv", "o"), "FFN": ("in", "down")}
+_ATTRIBUTE = {"qkv": "qkv", "o": "o", "in": "in", "down": "down"}  # threshold_<x> / sparsity_<x>
+
+
+def allowed_formats(weight_dtype: str) -> tuple[str, ...]:
+    """The formats a matrix may take, widest first: a float build keeps its own; a quantized one may widen a
+    matrix to int8 or fp16 where rounding it hurts (--weight-dtype int4: "at most 4 bits")."""
+    fmt = WEIGHT_FORMATS[weight_dtype]
+    if not fmt.quantized:
+        return (weight_dtype,)
+    return ("fp16", "int8") + (() if weight_dtype == "int8" else (weight_dtype,))
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """Per matrix (its initializer's name), the format the quantize pass stores it in where it is not the build's."""
+
+    formats: dict[str, str]
+
+    def attach(self, model: ir.Model) -> None:
+        model.metadata_props[WEIGHT_PLAN_KEY] = json.dumps(self.formats, sort_keys=True)
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "WeightPlan":
+        return cls(json.loads(model.metadata_props.get(WEIGHT_PLAN_KEY, "{}")))
+
+
+@dataclass(frozen=True)
+class ExpectedQuality:
+    """What the build expects `eval` to measure against the source model, on held-out calibration tokens."""
+
+    budget: QualityBudget
+    ppl_change: float
+    kl: float
+    top1: float
+    tokens: int
+    met: bool
+    plan: str  # what was chosen, one line
+    gave_up: str  # what the budget cost, one line ("" where nothing)
+    seconds: float  # the measuring's share of the build
+
+    def attach(self, model: ir.Model) -> None:
+        model.metadata_props[QUALITY_KEY] = json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ExpectedQuality":
+        return cls(**{**data, "budget": QualityBudget(**data["budget"])})
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "ExpectedQuality | None":
+        text = model.metadata_props.get(QUALITY_KEY)
+        return None if text is None else cls.from_json(json.loads(text))
+
+    def line(self) -> str:
+        return (f"expected quality: ppl {self.ppl_change * 100:+.1f}% (budget {self.budget.describe()}), KL "
+                f"{self.kl:.4f}, top-1 {self.top1:.2f} on {self.tokens:,} held-out calibration tokens")
+
+
+@dataclass
+class Knob:
+    """One linear input of one block and the matrix it multiplies: its levels' thresholds and local errors, its
+    formats' local errors, and the cost of each (level, format)."""
+
+    node: ir.Node
+    site: str
+    matrix: str
+    thresholds: np.ndarray  # per level (KEEP_ALL at level 0)
+    sparse_error: np.ndarray  # per level
+    format_error: np.ndarray  # per allowed format
+    held_out_dropped: np.ndarray  # per level: the share of held-out decode inputs at or below its threshold
+    cost: np.ndarray = field(default=None)  # [level, format] seconds
+
+    @property
+    def layer(self) -> int:
+        return int(pir.attr(self.node, "layer"))
+
+    def error(self, level: int, fmt: int) -> float:
+        return float(self.sparse_error[level] + self.format_error[fmt])
+
+
+class StoredWeights:
+    """Matrices as a plan stores them, for the reference: blocks computed once per (matrix, format, axis), kept
+    as integers and scales, dequantized when a pass asks (`Variant.weights` reads it as a mapping)."""
+
+    def __init__(self, model: ir.Model, method: str):
+        self._values = {v.name: v for v in model.graph.initializers.values()}
+        self._fit = method == "awq"
+        self._blocks: dict[tuple[str, str, int], tuple] = {}
+
+    def values(self, name: str, fmt_name: str, axis: int) -> np.ndarray:
+        source = np.asarray(pir.const_array(self._values[name]), np.float32)
+        fmt = WEIGHT_FORMATS[fmt_name]
+        if not fmt.quantized:
+            return source.astype(fmt.storage).astype(np.float32)
+        if not quant.quantizable(source.shape, axis, fmt.block):
+            return source.astype(np.float16).astype(np.float32)  # the quantize pass keeps it in floats
+        key = (name, fmt_name, axis)
+        if key not in self._blocks:
+            self._blocks[key] = quant.quantize(source, fmt, axis, fit_scales=self._fit and not fmt.has_min)
+        return dequantize_blocks(*self._blocks[key][:2], axis, *self._blocks[key][2:])
+
+
+class _Planned(dict):
+    """name -> stored values of the matrices a plan changes, computed on first read (a Variant's `weights`)."""
+
+    def __init__(self, stored: StoredWeights, choices: dict[str, tuple[str, int]]):
+        super().__init__()
+        self._stored, self._choices = stored, choices
+
+    def __contains__(self, name) -> bool:
+        return name in self._choices
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if not dict.__contains__(self, name):
+            dict.__setitem__(self, name, self._stored.values(name, *self._choices[name]))
+        return dict.__getitem__(self, name)
+
+
+@dataclass
+class QualityPlan:
+    name = "quality"
+    budget: QualityBudget = DEFAULT_BUDGET
+    weight_dtype: str = Options.weight_dtype
+    method: str = Options.quant_method
+    fixed_formats: bool = False  # a model that came quantized keeps its blocks: formats are not the plan's
+
+    def apply(self, model: ir.Model, ctx: Context) -> PassResult:
+        started = time.perf_counter()
+        sequences = _equal_length(CalibrationSequences.of(model).sequences)
+        fit, held_out = _split(sequences)
+        interpreter = Interpreter(model)
+        formats = (self.weight_dtype,) if self.fixed_formats else allowed_formats(self.weight_dtype)
+        stored = StoredWeights(model, self.method)
+        fixed_level = _fixed_levels(model)  # --sparsity: the threshold pass's levels, kept as they are
+        nodes = [n for n in model.graph if n.op_type in _NODE_SITES and n.domain == pir.DOMAIN]
+        with ctx.progress("quality: local effects", len(nodes)) as advance:
+            knobs, head_error = _measure_locally(interpreter, fit, nodes, formats, stored, fixed_level, advance)
+        measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
+        bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
+        for knob in knobs:
+            knob.cost = _costs(knob, model, formats, bandwidth)
+        head, embed = _head_and_embed(model, formats, head_error, self.budget)
+        moves = [] if fixed_level else _greedy_path(knobs, len(formats))
+        local_error = _summed_errors(knobs, moves)
+        state_at = lambda steps: _replay(knobs, moves[:steps], fixed_level)  # noqa: E731
+        evaluate = lambda steps: measure.quality(_variant(knobs, state_at(steps), formats, stored, head, embed))  # noqa: E731
+        with ctx.progress("quality: the budget on held-out tokens", None):
+            steps, found = _furthest_within(self.budget, local_error, evaluate)
+            if not self.budget.met_by(found.ppl_change, found.kl) and (head or embed):
+                head = embed = None  # the widest output layer and embedding, and dense
+                steps, found = _furthest_within(self.budget, local_error, evaluate)
+        state = state_at(steps)
+        _write_thresholds(knobs, state)
+        plan = WeightPlan({**{k.matrix: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != self.weight_dtype},
+                           **({head[0]: head[1]} if head and head[1] != self.weight_dtype else {}),
+                           **({embed[0]: embed[1]} if embed and embed[1] != self.weight_dtype else {})})
+        plan.attach(model)
+        met = self.budget.met_by(found.ppl_change, found.kl)
+        expected = ExpectedQuality(self.budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
+                                   _describe_plan(knobs, state, formats, plan), _gave_up(knobs, state, moves, steps, met,
+                                                                                         self.budget),
+                                   round(time.perf_counter() - started, 2))
+        expected.attach(model)
+        ctx.log(f"quality: {expected.plan}")
+        ctx.log(f"quality: {expected.line()}; measured in {expected.seconds:.1f}s")
+        if expected.gave_up:
+            (ctx.log if met else ctx.warn)(f"quality: {expected.gave_up}")
+        return PassResult(model, modified=True)
+
+
+def _equal_length(sequences: list[np.ndarray]) -> np.ndarray:
+    """The sequences of the most common length (a calibration file's last piece may be shorter), stacked."""
+    lengths = [len(s) for s in sequences]
+    length = max(set(lengths), key=lambda n: (lengths.count(n) * n, n))
+    return np.stack([s for s in sequences if len(s) == length])
+
+
+def _split(sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fitting, held-out) sequences: the last HOLDOUT of them (at most HELD_OUT_TOKENS) measure the budget, the
+    first (at most FIT_TOKENS) measure local effects; a single sequence serves both."""
+    count, length = sequences.shape
+    held = max(1, min(int(round(HOLDOUT * count)), HELD_OUT_TOKENS // length or 1))
+    fit = max(1, min(count - held, FIT_TOKENS // length or 1))
+    return sequences[:fit] if count > 1 else sequences, sequences[count - held:]
+
+
+def _fixed_levels(model: ir.Model) -> dict[str, bool]:
+    """With --sparsity the threshold pass set the FFN inputs' thresholds: {site: True} for the FFN's two."""
+    ffn = next(iter(pir.nodes_in_domain(model, "FFN")), None)
+    return {"in": True, "down": True} if ffn is not None and "threshold_in" in ffn.attributes else {}
+
+
+def _matrix(node: ir.Node, site: str) -> ir.Value:
+    return node.inputs[SITES[(node.op_type, site)]]
+
+
+QUANTILE_SAMPLE = 1 << 18  # magnitudes a threshold's quantile is taken over (an even sample of them)
+
+
+def _quantiles(magnitudes: torch.Tensor, shares) -> np.ndarray:
+    """The `shares`-quantiles of `magnitudes` (over an evenly strided sample where there are many)."""
+    flat = magnitudes.flatten()
+    flat = flat[:: max(1, flat.numel() // QUANTILE_SAMPLE)]
+    ranked = torch.sort(flat).values
+    return np.array([float(ranked[min(len(ranked) - 1, int(share * len(ranked)))]) for share in shares])
+
+
+def _measure_locally(interpreter: Interpreter, fit: np.ndarray, nodes: list[ir.Node], formats: tuple[str, ...],
+                     stored: StoredWeights, fixed_level: dict, advance) -> tuple[list[Knob], np.ndarray]:
+    """Every knob's thresholds per level and local errors per level and format, from one dense pass over `fit`;
+    and the output layer's KL per format."""
+    knobs: list[Knob] = []
+    head_error = np.zeros(len(formats))
+
+    def probe(block: Block) -> None:
+        node = block.node
+        if node.op_type not in _NODE_SITES:  # the output layer: its KL per format
+            if node is head and len(formats) > 1:
+                reference = torch.log_softmax(block.out.to(torch.float64), -1)
+                for index, fmt in enumerate(formats[1:], 1):
+                    weight = torch.from_numpy(stored.values(node.inputs[1].name, fmt, 0))
+                    got = torch.log_softmax((block.x @ weight).to(torch.float64), -1)
+                    head_error[index] = float((reference.exp() * (reference - got)).sum(-1).mean())
+            return
+        target = block.out + (block.residual if block.residual is not None else 0)
+        scale = float((target * target).sum(-1).mean()) or 1.0
+        taps: dict[str, torch.Tensor] = {}
+        interpreter.block(node, block.x, taps=taps)
+        layer = int(pir.attr(node, "layer"))
+
+        def error(delta: torch.Tensor) -> float:
+            return float((delta * delta).sum(-1).mean()) / scale
+
+        def rerun(variant: Variant) -> torch.Tensor:
+            return interpreter.block(node, block.x, variant) - block.out
+
+        for site in _NODE_SITES[node.op_type]:
+            matrix = _matrix(node, site)
+            v, weight = taps[site], interpreter.weight(matrix)
+            last = site in ("o", "down")  # its product is the block's output: the change is what it drops, times W
+            if site in fixed_level:
+                thresholds = np.array([KEEP_ALL, float(pir.attr(node, f"threshold_{site}"))], np.float32)
+            elif fixed_level:
+                thresholds = np.array([KEEP_ALL], np.float32)
+            else:
+                thresholds = np.concatenate([[KEEP_ALL], _quantiles(v.abs(), LEVELS[1:])]).astype(np.float32)
+            sparse = [0.0]
+            for t in thresholds[1:]:
+                dropped = v * (v.abs() <= float(t))
+                sparse.append(error(-(dropped @ weight)) if last else
+                              error(rerun(Variant({(layer, site): float(t)}, prefill=0))))
+            fmt_error = [0.0]
+            for fmt in formats[1:]:
+                values = stored.values(matrix.name, fmt, 0)
+                fmt_error.append(error(v @ (torch.from_numpy(values) - weight)) if last else
+                                 error(rerun(Variant(weights={matrix.name: values}, prefill=0))))
+            # a sparser level or a narrower format never counts as better (noise at the first levels)
+            knobs.append(Knob(node, site, matrix.name, thresholds, np.maximum.accumulate(np.maximum(sparse, 0.0)),
+                              np.maximum.accumulate(np.maximum(fmt_error, 0.0)), np.zeros(len(thresholds))))
+        advance()
+
+    head = _head_node(interpreter.model)
+    interpreter.logits(fit, probe=probe)
+    return knobs, head_error
+
+
+def _head_node(model: ir.Model) -> ir.Node | None:
+    """The output layer: the MatMul of a constant producing the logits."""
+    producer = model.graph.outputs[0].producer()
+    return producer if producer is not None and producer.op_type == "MatMul" and \
+        pir.const_array(producer.inputs[1]) is not None else None
+
+
+def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.ndarray,
+                    budget: QualityBudget) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """(matrix, format) of the output layer (the narrowest whose own KL stays under HEAD_SHARE of the budget) and
+    of the embedding table (int8 where allowed); None where the build has one format."""
+    if len(formats) == 1:
+        return None, None
+    head_node = _head_node(model)
+    head = None
+    if head_node is not None:
+        fits = [i for i in range(len(formats)) if head_error[i] <= HEAD_SHARE * budget.value]
+        head = (head_node.inputs[1].name, formats[max(fits)])
+    embed_node = next(iter(pir.nodes_in_domain(model, "Embed")), None)
+    embed = None
+    if embed_node is not None:
+        embed = (embed_node.inputs[2].name, "int8" if "int8" in formats else formats[-1])
+    return head, embed
+
+
+def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: float) -> np.ndarray:
+    """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a sparse level
+    reading the rows of the inputs it keeps on held-out tokens."""
+    weights = int(np.prod(pir.const_array(model.graph.initializers[knob.matrix]).shape))
+    cost = np.empty((len(knob.thresholds), len(formats)))
+    for f, name in enumerate(formats):
+        stored = weights * WEIGHT_FORMATS[name].bytes_per_weight
+        for level in range(len(knob.thresholds)):
+            kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
+            cost[level, f] = costmodel.linear_seconds(stored, bandwidth, kept)
+    return cost
+
+
+def _greedy_path(knobs: list[Knob], formats: int) -> list[tuple[int, int, int]]:
+    """The moves (knob, level, format) from dense at the widest formats, each the least added local error per
+    second saved among every knob's moves to a sparser level and/or narrower format; until no move saves time."""
+    state = [(0, 0)] * len(knobs)
+    moves = []
+
+    def best_move(index: int):
+        knob, (level, fmt) = knobs[index], state[index]
+        here_cost, here_error = knob.cost[level, fmt], knob.error(level, fmt)
+        best = None
+        for new_level in range(level, len(knob.thresholds)):
+            for new_fmt in range(fmt, formats):
+                saved = here_cost - knob.cost[new_level, new_fmt]
+                if saved <= 0:
+                    continue
+                ratio = (knob.error(new_level, new_fmt) - here_error) / saved
+                if best is None or ratio < best[0]:
+                    best = (ratio, new_level, new_fmt)
+        return best
+
+    candidates = [best_move(i) for i in range(len(knobs))]
+    while True:
+        options = [(c[0], i) for i, c in enumerate(candidates) if c is not None]
+        if not options:
+            return moves
+        _, index = min(options)
+        _, level, fmt = candidates[index]
+        state[index] = (level, fmt)
+        moves.append((index, level, fmt))
+        candidates[index] = best_move(index)
+
+
+def _summed_errors(knobs: list[Knob], moves: list[tuple[int, int, int]]) -> np.ndarray:
+    """The summed local error of every knob after 0, 1, ... len(moves) moves."""
+    now, sums = [0.0] * len(knobs), [0.0]
+    for index, level, fmt in moves:
+        error = knobs[index].error(level, fmt)
+        sums.append(sums[-1] + error - now[index])
+        now[index] = error
+    return np.array(sums)
+
+
+def _replay(knobs: list[Knob], moves: list[tuple[int, int, int]], fixed_level: dict) -> list[tuple[int, int]]:
+    """Each knob's (level, format) after `moves` (with --sparsity: the FFN inputs at the pass's level)."""
+    state = [(1 if knob.site in fixed_level else 0, 0) for knob in knobs]
+    for index, level, fmt in moves:
+        state[index] = (level, fmt)
+    return state
+
+
+def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str, ...], stored: StoredWeights,
+             head: tuple[str, str] | None, embed: tuple[str, str] | None) -> Variant:
+    """A plan as the kernels compute it: thresholds on decode rows, matrices as stored (a sparse one blocked
+    along its rows, the layout its kernel gathers; a dense one along K)."""
+    thresholds = {(knob.layer, knob.site): float(knob.thresholds[level])
+                  for knob, (level, _) in zip(knobs, state) if level}
+    choices = {knob.matrix: (formats[f], 1 if level else 0) for knob, (level, f) in zip(knobs, state) if f}
+    for matrix, axis in ((head, 0), (embed, 1)):
+        if matrix is not None and matrix[1] != formats[0]:
+            choices[matrix[0]] = (matrix[1], axis)
+    return Variant(thresholds, _Planned(stored, choices), prefill=PREFILL)
+
+
+class _HeldOut:
+    """The dense model's log-probabilities on the held-out sequences (computed once), and a plan's quality
+    against them; also each knob's held-out dropped share per level (from the same dense pass)."""
+
+    def __init__(self, interpreter: Interpreter, sequences: np.ndarray, knobs: list[Knob]):
+        self.interpreter, self.sequences = interpreter, sequences
+        by_block = {}
+        for knob in knobs:
+            by_block.setdefault(knob.node.name, []).append(knob)
+
+        def probe(block: Block) -> None:
+            if block.node.name not in by_block:
+                return
+            taps: dict[str, torch.Tensor] = {}
+            interpreter.block(block.node, block.x, taps=taps)
+            for knob in by_block[block.node.name]:
+                decode = taps[knob.site][:, PREFILL:].abs()
+                knob.held_out_dropped = np.array([float((decode <= t).double().mean()) if t >= 0 else 0.0
+                                                  for t in knob.thresholds])
+
+        self.reference = [torch.log_softmax(interpreter.logits(chunk, probe=probe), -1) for chunk in self._chunks()]
+
+    def _chunks(self):
+        return [self.sequences[i: i + CHUNK] for i in range(0, len(self.sequences), CHUNK)]
+
+    def quality(self, variant: Variant) -> Quality:
+        nll_ref = nll_got = kl = agree = 0.0
+        count = 0
+        for chunk, reference in zip(self._chunks(), self.reference):
+            got = torch.log_softmax(self.interpreter.logits(chunk, variant), -1)[:, :-1]
+            ref = reference[:, :-1]
+            targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, 1:, None]
+            nll_ref += float(-ref.gather(-1, targets).sum())
+            nll_got += float(-got.gather(-1, targets).sum())
+            kl += float((ref.exp() * (ref - got)).sum())
+            agree += float((ref.argmax(-1) == got.argmax(-1)).sum())
+            count += targets.numel()
+        return Quality(float(np.exp((nll_got - nll_ref) / count) - 1.0), kl / count, agree / count, count)
+
+
+MAX_EVALUATIONS = 4  # plans measured on the held-out tokens while searching the path
+
+
+def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -> tuple[int, Quality]:
+    """The furthest step of the path (`local_error[k]`: the summed local error after k moves) whose plan `evaluate`
+    finds within `budget`, and its quality. The path's end first; then steps aimed, by interpolating the measured
+    quality against the local error between the furthest step within the budget and the nearest beyond it, at
+    0.9 of the budget (regula falsi: a few plans measured, not a bisection's many); step 0 (dense at the widest
+    formats) where none is."""
+    metric = (lambda q: q.ppl_change) if budget.kind == "ppl" else (lambda q: q.kl)  # noqa: E731
+    end = len(local_error) - 1
+    found = {end: evaluate(end)}
+    if budget.met_by(found[end].ppl_change, found[end].kl):
+        return end, found[end]
+    low, high, low_value = 0, end, 0.0  # step 0 is taken as within until measured
+    for _ in range(MAX_EVALUATIONS - 1):
+        if high - low <= 1:
+            break
+        slope = (metric(found[high]) - low_value) / max(local_error[high] - local_error[low], 1e-30)
+        aim = local_error[low] + (0.9 * budget.value - low_value) / slope if slope > 0 else local_error[high]
+        step = int(np.clip(np.searchsorted(local_error, aim), low + 1, high - 1))
+        found[step] = evaluate(step)
+        if budget.met_by(found[step].ppl_change, found[step].kl):
+            low, low_value = step, metric(found[step])
+        else:
+            high = step
+    if low not in found:
+        found[low] = evaluate(low)
+    return low, found[low]
+
+
+def _write_thresholds(knobs: list[Knob], state: list[tuple[int, int]]) -> None:
+    for knob, (level, _) in zip(knobs, state):
+        name = _ATTRIBUTE[knob.site]
+        knob.node.attributes[f"threshold_{name}"] = ir.AttrFloat32(f"threshold_{name}", float(knob.thresholds[level]))
+        knob.node.attributes[f"sparsity_{name}"] = ir.AttrFloat32(f"sparsity_{name}",
+                                                                  float(knob.held_out_dropped[level]))
+
+
+def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str, ...], plan: WeightPlan) -> str:
+    sparse = [(knob, level) for knob, (level, _) in zip(knobs, state) if level]
+    mean = float(np.mean([knob.held_out_dropped[level] for knob, level in sparse])) if sparse else 0.0
+    by_site = {}
+    for knob, level in sparse:
+        by_site[knob.site] = by_site.get(knob.site, 0) + 1
+    counts = {}
+    for fmt in plan.formats.values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    where = ", ".join(f"{site} {n}" for site, n in sorted(by_site.items()))
+    widened = "; " + ", ".join(f"{n} matrices in {fmt}" for fmt, n in sorted(counts.items())) if counts else ""
+    return (f"{len(sparse)} of {len(knobs)} linear inputs sparse ({where or 'none'}), dropping {mean:.2f} of "
+            f"their inputs on held-out tokens{widened}")
+
+
+def _gave_up(knobs: list[Knob], state, moves, steps: int, met: bool, budget: QualityBudget) -> str:
+    """What the budget cost against the end of the greedy path (every move taken), one line; "" where nothing."""
+    if not met:
+        return (f"even dense at the widest formats the plan misses the budget ({budget.describe()}): built dense, "
+                "at the widest formats allowed")
+    if steps == len(moves):
+        return ""
+    full = _replay(knobs, moves, {})
+    dense = sum(1 for (level, _), (end, _) in zip(state, full) if end and not level)
+    wider = sum(1 for (_, f), (_, g) in zip(state, full) if f < g)
+    seconds = sum(k.cost[s] for k, s in zip(knobs, state)) / sum(k.cost[s] for k, s in zip(knobs, full))
+    return (f"to stay within {budget.describe()} the plan stops at step {steps} of {len(moves)} of its path: "
+            f"{dense} linear inputs stay dense and {wider} matrices wider than at the path's end, whose linear "
+            f"layers would read in {1 / seconds:.2f}x less time")
