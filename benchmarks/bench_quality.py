@@ -202,19 +202,27 @@ def heldout_ids(source: Source, artifacts: list[Path], work: Path, sequences: in
 
 def ort_int4_model(source: Source, log=print) -> Path:
     """onnxruntime's int4 of the fp32 ONNX (MatMulNBits, blocks of 32, symmetric round-to-nearest), made once
-    into the picompile cache (keyed by the ONNX's directory, which names its conversion or trained model)."""
+    into the picompile cache (keyed by the ONNX's directory, which names its conversion or trained model);
+    written into a directory of its own renamed into place, so a killed run leaves no half model."""
+    import shutil
+    import tempfile
+
     from examples.models import cache_dir, ort_quantize_nbits
 
-    target = cache_dir() / "ort-int4" / f"{source.onnx.parent.name}-{source.onnx.stem}-b32.onnx"
+    directory = cache_dir() / "ort-int4" / f"{source.onnx.parent.name}-{source.onnx.stem}-b32"
+    target = directory / "model.onnx"
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
+        directory.parent.mkdir(parents=True, exist_ok=True)
         log(f"  quantizing {source.onnx} with onnxruntime's MatMulNBitsQuantizer (int4, blocks of 32)")
-        partial = target.with_name(f".{target.stem}.{os.getpid()}.onnx")
-        made = ort_quantize_nbits(source.onnx, partial, bits=4, block_size=32, symmetric=True)
-        data = made.with_name(made.name + ".data")
-        if data.exists():  # external data is named in the model: keep its name, move it with the model
-            raise Refused(f"{source.onnx} quantized to more than the inline limit; not supported here")
-        os.replace(made, target)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide it from the cache's other users
+        try:
+            ort_quantize_nbits(source.onnx, staging / "model.onnx", bits=4, block_size=32, symmetric=True)
+            staging.rename(directory)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -270,8 +278,17 @@ def expected_over_measured(expected: float | None, measured: float | None) -> fl
     return expected / measured
 
 
+def budget_met(expected: dict, measured: dict) -> bool | None:
+    """Whether the measured quality is within the budget the build states (None: it states none, or the
+    measure is missing)."""
+    kind, value = expected.get("budget_kind"), expected.get("budget_value")
+    got = measured.get({"ppl": "ppl_change", "kl": "kl"}.get(kind, ""))
+    return None if value is None or got is None else got <= value
+
+
 def finish_rows(rows: list[dict]) -> list[dict]:
-    """Add each row's speed ratios to dense-fp32 and onnxruntime fp32 and its expected/measured ratio."""
+    """Add each row's speed ratios to dense-fp32 and onnxruntime fp32, its expected/measured ratio and whether
+    it met its budget."""
     by_name = {r["build"]: r for r in rows}
     dense = (by_name.get("dense-fp32") or {}).get("decode_tokens_per_s")
     ort = (by_name.get(ORT_FP32) or {}).get("decode_tokens_per_s")
@@ -280,6 +297,7 @@ def finish_rows(rows: list[dict]) -> list[dict]:
         r["vs_ort_fp32"] = ratio(r.get("decode_tokens_per_s"), ort)
         expected, measured = r.get("expected") or {}, r.get("measured") or {}
         r["expected_over_measured"] = expected_over_measured(expected.get("ppl_change"), measured.get("ppl_change"))
+        r["budget_met"] = budget_met(expected, measured)
     return rows
 
 
@@ -306,8 +324,16 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _budget(expected: dict, met: bool | None) -> str:
+    kind, value = expected.get("budget_kind"), expected.get("budget_value")
+    if value is None:
+        return "-"
+    stated = f"ppl +{value * 100:g}%" if kind == "ppl" else f"KL {value:g}"
+    return stated + ("" if met is None else " (yes)" if met else " (**no**)")
+
+
 def table(rows: list[dict]) -> str:
-    columns = ("build", "build s", "expected ppl", "expected KL", "expected top-1", "measured ppl", "measured KL",
+    columns = ("build", "build s", "budget (met)", "expected ppl", "expected KL", "expected top-1", "measured ppl", "measured KL",
                "measured top-1", "expected / measured ppl change", "decode tok/s", "vs dense fp32",
                "vs onnxruntime fp32")
     out = [f"| {' | '.join(columns)} |", "| --- " * len(columns) + "|"]
@@ -318,7 +344,7 @@ def table(rows: list[dict]) -> str:
             continue
         e, m = r.get("expected") or {}, r.get("measured") or {}
         out.append(" | ".join([
-            f"| {r['build']}", _num(r.get("build_s"), ".0f"), _pct(e.get("ppl_change")), _num(e.get("kl"), ".4f"),
+            f"| {r['build']}", _num(r.get("build_s"), ".0f"), _budget(e, r.get("budget_met")), _pct(e.get("ppl_change")), _num(e.get("kl"), ".4f"),
             _num(e.get("top1"), ".3f"), _pct(m.get("ppl_change")), _num(m.get("kl"), ".4f"), _num(m.get("top1"), ".3f"),
             _num(r.get("expected_over_measured"), ".2f"), _num(r.get("decode_tokens_per_s"), ".1f"),
             _x(r.get("vs_dense_fp32")), _x(r.get("vs_ort_fp32")) + " |"]))

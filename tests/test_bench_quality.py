@@ -76,7 +76,8 @@ def test_expected_quality_reads_the_manifest(tmp_path):
 def _row(build, speed, change, expected=None):
     return {"build": build, "error": None, "build_s": 60.0, "decode_tokens_per_s": speed,
             "measured": {"ppl_change": change, "kl": 0.01, "top1": 0.9},
-            "expected": expected and {"ppl_change": expected, "kl": 0.01, "top1": 0.9}}
+            "expected": expected and {"budget_kind": "ppl", "budget_value": 0.03, "ppl_change": expected, "kl": 0.01,
+                                      "top1": 0.9}}
 
 
 def test_ratios_table_and_curves():
@@ -91,8 +92,10 @@ def test_ratios_table_and_curves():
     assert by["budget-fp32-3%"]["expected_over_measured"] == pytest.approx(0.025 / 0.03)
     assert by["budget-int4-10%"]["expected_over_measured"] == pytest.approx(2.5)
     assert by["dense-fp32"]["expected_over_measured"] is None  # no expectation, and no increase to divide by
+    assert by["budget-fp32-3%"]["budget_met"] is True and by["budget-int4-10%"]["budget_met"] is False
+    assert by["dense-fp32"]["budget_met"] is None
     text = bench.table(rows)
-    assert "| budget-fp32-3% | 60 | +2.5% |" in text and "| 0.83 | 150.0 | 1.50x | 1.88x |" in text
+    assert "| budget-fp32-3% | 60 | ppl +3% (yes) | +2.5% |" in text and "| 0.83 | 150.0 | 1.50x | 1.88x |" in text
     curve = bench.curves(rows)
     # today's speed at +3%: a quarter of the way from (+2%, 120) to (+10%, 140)
     assert "| budget-fp32-3% | +3.0% | 150.0 | 122.5 | 1.22x |" in curve
