@@ -30,8 +30,11 @@ Quality: `python -m picompile eval ART --reference MODEL --tokens IDS --max-sequ
 reference: onnxruntime on the ONNX, a GGUF file's conversion for a GGUF model) on --sequences windows of
 --length held-out tokens (prose ids written with the artifact's tokenizer; the code model's heldout.npy).
 onnxruntime int4 (MatMulNBits, blocks of 32, symmetric, made by onnxruntime's MatMulNBitsQuantizer from the
-fp32 ONNX: examples/models.ort_quantize_nbits, cached under the picompile cache) is measured on the same
-windows the same way (examples/bench_decode.ort_quality: the same evaluate() loop, a short prefill then one
+fp32 ONNX: examples/models.ort_quantize_nbits, cached under the picompile cache), in two models where they
+differ: every matrix, a tied output layer too, as picompile's int4 quantizes them ("onnxruntime int4"), and the
+quantizer's own choice on the ONNX as it is, which leaves a tied output layer (a MatMul of the embedding's
+Transpose) in fp32 as onnxruntime's and llama.cpp's usual files keep it ("onnxruntime int4, output fp32"),
+is measured on the same windows the same way (examples/bench_decode.ort_quality: the same evaluate() loop, a short prefill then one
 token per step). Reported: perplexity change against the source, KL per position, top-1 agreement; beside
 the build's own expectation (the manifest's "quality", read by `expected_quality`; absent in artifacts that
 do not state one) and the ratio of expected to measured perplexity change.
@@ -69,7 +72,8 @@ BUILDS_GGUF = ("dense-fp32", "dense-int4", "thr-0.1", "thr-0.2", "thr-0.3", "thr
 BUILDS_RELU = ("dense-fp32", "dense-int4", "default", "budget-fp32-1%", "budget-fp32-3%", "budget-fp32-10%",
                "budget-int4-1%", "budget-int4-3%", "budget-int4-10%")
 ORT_FP32 = "onnxruntime fp32"
-ORT_INT4 = "onnxruntime int4"  # MatMulNBits, blocks of 32
+ORT_INT4 = "onnxruntime int4"  # MatMulNBits, blocks of 32, every matrix
+ORT_INT4_OWN = "onnxruntime int4, output fp32"  # the quantizer's own choice: a tied output layer stays fp32
 CALIB_CHARS = 40_000  # of prose, as bench_gguf's default builds take it (~9k SmolLM2 tokens)
 _BUDGET = re.compile(r"^(\d+(\.\d+)?%|kl=\d+(\.\d+)?(e-?\d+)?)$")
 
@@ -200,30 +204,43 @@ def heldout_ids(source: Source, artifacts: list[Path], work: Path, sequences: in
     return write_tokens(target, ids[: sequences * length].reshape(sequences, length))
 
 
-def ort_int4_model(source: Source, log=print) -> Path:
-    """onnxruntime's int4 of the fp32 ONNX (MatMulNBits, blocks of 32, symmetric round-to-nearest), made once
-    into the picompile cache (keyed by the ONNX's directory, which names its conversion or trained model);
-    written into a directory of its own renamed into place, so a killed run leaves no half model."""
+def ort_int4_models(source: Source, log=print) -> dict[str, Path]:
+    """onnxruntime's int4 of the fp32 ONNX (MatMulNBits, blocks of 32, symmetric round-to-nearest) by name:
+    every matrix (ORT_INT4, as picompile's int4 quantizes them) and, where that differs, the quantizer's own
+    choice on the ONNX as it is (ORT_INT4_OWN: a tied output layer stays fp32). Each made once into the
+    picompile cache (keyed by the ONNX's directory, which names its conversion or trained model), written into
+    a directory of its own renamed into place, so a killed run leaves no half model."""
     import shutil
     import tempfile
 
+    import onnx
+
     from examples.models import cache_dir, ort_quantize_nbits
 
-    directory = cache_dir() / "ort-int4" / f"{source.onnx.parent.name}-{source.onnx.stem}-b32"
-    target = directory / "model.onnx"
-    if not target.is_file():
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        log(f"  quantizing {source.onnx} with onnxruntime's MatMulNBitsQuantizer (int4, blocks of 32)")
-        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide it from the cache's other users
-        try:
-            ort_quantize_nbits(source.onnx, staging / "model.onnx", bits=4, block_size=32, symmetric=True)
-            staging.rename(directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    made = {}
+    for name, every, tag in ((ORT_INT4, True, "b32"), (ORT_INT4_OWN, False, "b32-own")):
+        directory = cache_dir() / "ort-int4" / f"{source.onnx.parent.name}-{source.onnx.stem}-{tag}"
+        target = directory / "model.onnx"
+        if not target.is_file():
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            log(f"  quantizing {source.onnx} with onnxruntime's MatMulNBitsQuantizer (int4, blocks of 32, "
+                f"{'every matrix' if every else 'its own choice'})")
+            staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+            umask = os.umask(0)
+            os.umask(umask)
+            staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide it from the cache's other users
+            try:
+                ort_quantize_nbits(source.onnx, staging / "model.onnx", bits=4, block_size=32, symmetric=True,
+                                   every_matrix=every)
+                staging.rename(directory)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        made[name] = target
+    counts = {name: sum(n.op_type == "MatMulNBits" for n in onnx.load(str(path), load_external_data=False).graph.node)
+              for name, path in made.items()}
+    if counts[ORT_INT4_OWN] == counts[ORT_INT4]:  # nothing left in floats: one model, one row
+        del made[ORT_INT4_OWN]
+    return made
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -378,14 +395,16 @@ def curves(rows: list[dict]) -> str:
             out.append(f"| {build} (today) | {_pct(change)} | {speed:.1f} | | |")
     if not budget:
         out.append("| (no budget build measured) | | | | |")
-    int4 = curve_points(rows, lambda b: b.startswith("budget-int4-") or b in ("dense-int4", ORT_INT4))
+    int4 = curve_points(rows, lambda b: b.startswith("budget-int4-") or b in ("dense-int4", ORT_INT4, ORT_INT4_OWN))
     out += ["", "**Curve, int4 weights: budget builds beside dense int4 and onnxruntime int4**", "",
-            "| build | measured ppl | decode tok/s | vs dense int4 | vs onnxruntime int4 |", "| --- | --- | --- | --- | --- |"]
+            f"| build | measured ppl | decode tok/s | vs dense int4 | vs {ORT_INT4} | vs {ORT_INT4_OWN} |",
+            "| --- | --- | --- | --- | --- | --- |"]
     by_name = {r["build"]: r for r in rows}
-    dense4 = (by_name.get("dense-int4") or {}).get("decode_tokens_per_s")
-    ort4 = (by_name.get(ORT_INT4) or {}).get("decode_tokens_per_s")
+    dense4, ort4, own4 = ((by_name.get(name) or {}).get("decode_tokens_per_s")
+                          for name in ("dense-int4", ORT_INT4, ORT_INT4_OWN))
     for change, speed, build in int4:
-        out.append(f"| {build} | {_pct(change)} | {speed:.1f} | {_x(ratio(speed, dense4))} | {_x(ratio(speed, ort4))} |")
+        out.append(f"| {build} | {_pct(change)} | {speed:.1f} | {_x(ratio(speed, dense4))} | {_x(ratio(speed, ort4))} | "
+                   f"{_x(ratio(speed, own4))} |")
     return "\n".join(out)
 
 
@@ -415,7 +434,7 @@ def run(args) -> dict:
             row["build_output"] = built.output
         rows.append(row)
     ids = heldout_ids(source, list(artifacts.values()), work, args.sequences, args.length)
-    int4 = ort_int4_model(source)
+    int4 = ort_int4_models(source)
 
     print(f"quality on {args.sequences} x {args.length} held-out tokens ({ids})", flush=True)
     source_ppl = None
@@ -432,22 +451,28 @@ def run(args) -> dict:
         print(f"  {row['build']}: ppl {_pct(row['measured']['ppl_change'], 2)}, KL {row['measured']['kl']:.4f}, "
               f"top-1 {row['measured']['top1']:.3f}", flush=True)
     from examples.bench_decode import ort_quality
+    from picompile.reference import OrtDecoder
 
     files = dataclasses.replace(source, heldout=ids)  # what ort_quality reads: .onnx and .heldout
-    ort4 = {"build": ORT_INT4, "engine": "onnxruntime", "args": ["MatMulNBits", "bits 4", "block 32"],
-            "build_s": None, "error": None, "onnx": str(int4),
-            "measured": measured_quality(ort_quality(files, int4, args.length, args.sequences))}
-    source_ppl = source_ppl or ort4["measured"]["ppl_source"]
+    reference = OrtDecoder(source.onnx)
+    ort4 = []
+    for name, path in int4.items():
+        ort4.append({"build": name, "engine": "onnxruntime", "args": ["MatMulNBits", "bits 4", "block 32"],
+                     "build_s": None, "error": None, "onnx": str(path),
+                     "measured": measured_quality(ort_quality(files, path, args.length, args.sequences, reference))})
+        m = ort4[-1]["measured"]
+        print(f"  {name}: ppl {_pct(m['ppl_change'], 2)}, KL {m['kl']:.4f}, top-1 {m['top1']:.3f}", flush=True)
+    del reference
+    source_ppl = source_ppl or ort4[0]["measured"]["ppl_source"]
     ort32 = {"build": ORT_FP32, "engine": "onnxruntime", "args": [], "build_s": None, "error": None,
              "onnx": str(source.onnx),
              "measured": {"ppl": source_ppl, "ppl_source": source_ppl, "ppl_change": 0.0, "kl": 0.0, "top1": 1.0}}
 
     states = []
-    figures = speeds(files, artifacts, {ORT_INT4: int4}, args, states) if artifacts else {}
-    rows = [ort32, ort4, *rows]
+    figures = speeds(files, artifacts, int4, args, states) if artifacts else {}
+    rows = [ort32, *ort4, *rows]
     for row in rows:
-        row.update(figures.get(row["build"] if row["engine"] == "picompile" or row["build"] == ORT_INT4
-                               else "onnxruntime", {}))
+        row.update(figures.get("onnxruntime" if row["build"] == ORT_FP32 else row["build"], {}))
     host = states[-1].summary() if states else "host: not measured (nothing to time)"
     return {"model": source.name, "source_ppl": source_ppl, "rows": finish_rows(rows), "host": host,
             "hosts": [s.summary() for s in states],

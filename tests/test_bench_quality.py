@@ -100,7 +100,7 @@ def test_ratios_table_and_curves():
     # today's speed at +3%: a quarter of the way from (+2%, 120) to (+10%, 140)
     assert "| budget-fp32-3% | +3.0% | 150.0 | 122.5 | 1.22x |" in curve
     assert "| thr-0.4 (today) | +10.0% | 140.0 | | |" in curve
-    assert "| budget-int4-10% | +12.0% | 250.0 | 1.25x | 2.50x |" in curve
+    assert "| budget-int4-10% | +12.0% | 250.0 | 1.25x | 2.50x | - |" in curve
 
 
 def test_interpolate():
