@@ -34,8 +34,8 @@ fp32 ONNX: examples/models.ort_quantize_nbits, cached under the picompile cache)
 differ: every matrix, a tied output layer too, as picompile's int4 quantizes them ("onnxruntime int4"), and the
 quantizer's own choice on the ONNX as it is, which leaves a tied output layer (a MatMul of the embedding's
 Transpose) in fp32 as onnxruntime's and llama.cpp's usual files keep it ("onnxruntime int4, output fp32"),
-is measured on the same windows the same way (examples/bench_decode.ort_quality: the same evaluate() loop, a short prefill then one
-token per step). Reported: perplexity change against the source, KL per position, top-1 agreement; beside
+is measured on the same windows the same way (examples/bench_decode.ort_quality: the same evaluate() loop, a
+short prefill then one token per step). Reported: perplexity change against the source, KL per position, top-1 agreement; beside
 the build's own expectation (the manifest's "quality", read by `expected_quality`; absent in artifacts that
 do not state one) and the ratio of expected to measured perplexity change.
 
@@ -350,8 +350,8 @@ def _budget(expected: dict, met: bool | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    columns = ("build", "build s", "budget (met)", "expected ppl", "expected KL", "expected top-1", "measured ppl", "measured KL",
-               "measured top-1", "expected / measured ppl change", "decode tok/s", "vs dense fp32",
+    columns = ("build", "build s", "budget (met)", "expected ppl", "expected KL", "expected top-1", "measured ppl",
+               "measured KL", "measured top-1", "expected / measured ppl change", "decode tok/s", "vs dense fp32",
                "vs onnxruntime fp32")
     out = [f"| {' | '.join(columns)} |", "| --- " * len(columns) + "|"]
     for r in rows:
@@ -360,10 +360,13 @@ def table(rows: list[dict]) -> str:
                        + " |" * (len(columns) - 3))
             continue
         e, m = r.get("expected") or {}, r.get("measured") or {}
+        threads = r.get("ort_threads")  # onnxruntime's faster thread count
+        label = r["build"] + (f" ({threads} thread{'s' if threads > 1 else ''})" if threads else "")
+        measured_ppl = f"eval failed: {r['eval_error']}" if r.get("eval_error") else _pct(m.get("ppl_change"))
         out.append(" | ".join([
-            f"| {r['build']}", _num(r.get("build_s"), ".0f"), _budget(e, r.get("budget_met")), _pct(e.get("ppl_change")), _num(e.get("kl"), ".4f"),
-            _num(e.get("top1"), ".3f"), _pct(m.get("ppl_change")), _num(m.get("kl"), ".4f"), _num(m.get("top1"), ".3f"),
-            _num(r.get("expected_over_measured"), ".2f"), _num(r.get("decode_tokens_per_s"), ".1f"),
+            f"| {label}", _num(r.get("build_s"), ".0f"), _budget(e, r.get("budget_met")), _pct(e.get("ppl_change")),
+            _num(e.get("kl"), ".4f"), _num(e.get("top1"), ".3f"), measured_ppl, _num(m.get("kl"), ".4f"),
+            _num(m.get("top1"), ".3f"), _num(r.get("expected_over_measured"), ".2f"), _num(r.get("decode_tokens_per_s"), ".1f"),
             _x(r.get("vs_dense_fp32")), _x(r.get("vs_ort_fp32")) + " |"]))
     return "\n".join(out)
 
@@ -403,8 +406,8 @@ def curves(rows: list[dict]) -> str:
     dense4, ort4, own4 = ((by_name.get(name) or {}).get("decode_tokens_per_s")
                           for name in ("dense-int4", ORT_INT4, ORT_INT4_OWN))
     for change, speed, build in int4:
-        out.append(f"| {build} | {_pct(change)} | {speed:.1f} | {_x(ratio(speed, dense4))} | {_x(ratio(speed, ort4))} | "
-                   f"{_x(ratio(speed, own4))} |")
+        out.append(f"| {build} | {_pct(change)} | {speed:.1f} | {_x(ratio(speed, dense4))} | "
+                   f"{_x(ratio(speed, ort4))} | {_x(ratio(speed, own4))} |")
     return "\n".join(out)
 
 

@@ -20,7 +20,8 @@ def test_build_names_become_build_options():
     assert bench.build_args("dense-fp32") == ["--dense", "--weight-dtype", "fp32"]
     assert bench.build_args("dense-int4") == ["--dense", "--weight-dtype", "int4"]
     assert bench.build_args("default") == []
-    assert bench.build_args("thr-0.25") == ["--weight-dtype", "fp32", "--sparsity-mode", "threshold", "--sparsity", "0.25"]
+    assert bench.build_args("thr-0.25") == ["--weight-dtype", "fp32", "--sparsity-mode", "threshold",
+                                            "--sparsity", "0.25"]
     assert bench.build_args("budget-fp32-1%") == ["--weight-dtype", "fp32", "--max-quality-loss", "1%"]
     assert bench.build_args("budget-int4-10%") == ["--weight-dtype", "int4", "--max-quality-loss", "10%"]
     assert bench.build_args("budget-int4-kl=0.01") == ["--weight-dtype", "int4", "--max-quality-loss", "kl=0.01"]
@@ -45,7 +46,8 @@ def test_a_budget_build_passes_its_budget_and_a_refused_option_is_a_row(tmp_path
                                                            "--max-quality-loss 3%\n")
 
     monkeypatch.setattr(bench_gguf.subprocess, "run", refused)
-    built = bench_gguf.build_cached(model, "budget-fp32-3%", bench.build_args("budget-fp32-3%"), calib, log=lambda m: None)
+    built = bench_gguf.build_cached(model, "budget-fp32-3%", bench.build_args("budget-fp32-3%"), calib,
+                                    log=lambda m: None)
     command = seen[0]
     assert command[command.index("--max-quality-loss") + 1] == "3%"
     assert command[command.index("--calib") + 1] == str(calib)
