@@ -35,9 +35,10 @@ differ: every matrix, a tied output layer too, as picompile's int4 quantizes the
 quantizer's own choice on the ONNX as it is, which leaves a tied output layer (a MatMul of the embedding's
 Transpose) in fp32 as onnxruntime's and llama.cpp's usual files keep it ("onnxruntime int4, output fp32"),
 is measured on the same windows the same way (examples/bench_decode.ort_quality: the same evaluate() loop, a
-short prefill then one token per step). Reported: perplexity change against the source, KL per position, top-1 agreement; beside
-the build's own expectation (the manifest's "quality", read by `expected_quality`; absent in artifacts that
-do not state one) and the ratio of expected to measured perplexity change.
+short prefill then one token per step). Reported: perplexity change against the source, KL per position, top-1
+agreement; beside the build's own expectation (the manifest's "quality", read by `expected_quality`; absent in
+artifacts that do not state one), the ratio of expected to measured perplexity change, and whether the
+measure met the budget the build states.
 
 Speed: decode tokens/s (examples/bench_decode.measure: alternated runs, medians, the host's state around
 them), once with onnxruntime on one thread and once on --threads (picompile's engines choose their threads
@@ -366,8 +367,8 @@ def table(rows: list[dict]) -> str:
         out.append(" | ".join([
             f"| {label}", _num(r.get("build_s"), ".0f"), _budget(e, r.get("budget_met")), _pct(e.get("ppl_change")),
             _num(e.get("kl"), ".4f"), _num(e.get("top1"), ".3f"), measured_ppl, _num(m.get("kl"), ".4f"),
-            _num(m.get("top1"), ".3f"), _num(r.get("expected_over_measured"), ".2f"), _num(r.get("decode_tokens_per_s"), ".1f"),
-            _x(r.get("vs_dense_fp32")), _x(r.get("vs_ort_fp32")) + " |"]))
+            _num(m.get("top1"), ".3f"), _num(r.get("expected_over_measured"), ".2f"),
+            _num(r.get("decode_tokens_per_s"), ".1f"), _x(r.get("vs_dense_fp32")), _x(r.get("vs_ort_fp32")) + " |"]))
     return "\n".join(out)
 
 
