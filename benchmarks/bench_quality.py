@@ -2,7 +2,7 @@
 text the build never saw, and beside the quality the build said it expected.
 
     python benchmarks/bench_quality.py [--model smollm2|code|gguf:PATH] [--builds NAME,...] [--threads 2]
-        [--tokens 32] [--runs 3] [--prompt-len 16] [--max-context 256] [--sequences 8] [--length 128]
+        [--tokens 32] [--runs 3] [--prompt-len 16] [--max-context N] [--sequences 8] [--length 128]
         [--json OUT] [--record]
 
 Models:
@@ -150,15 +150,18 @@ class Source:
     prose: Path | None      # held-out English text (bench_gguf.write_texts), for a model without held-out ids
     tokenizer: Path | None  # the conversion's tokenizer directory, should no artifact be built
     default_builds: tuple[str, ...]
+    max_context: int        # the artifacts' KV cache unless --max-context says (no more than the model learned)
 
 
 def source_for(model: str, work: Path, sequences: int, length: int, log=print) -> Source:
     if model == "code":
         from examples.text_model import cached_text_model
 
+        from examples.text_model import TEXT_PRESETS
+
         files = cached_text_model("code", log=log)
         return Source("text-opt-code (ReLU)", files.onnx, files.onnx, files.calib, files.heldout, None, None,
-                      BUILDS_RELU)
+                      BUILDS_RELU, TEXT_PRESETS["code"]["context"])
     if model == "smollm2":
         from examples.real_models import smollm2_gguf
 
@@ -175,7 +178,7 @@ def source_for(model: str, work: Path, sequences: int, length: int, log=print) -
     made = converted(path)
     # about 4-5 characters a token: room for `sequences` x `length` tokens and some
     prose, calib = write_texts(work, heldout_chars=sequences * length * 7, calib_chars=CALIB_CHARS)
-    return Source(path.stem, path, made.onnx, calib, None, prose, made.tokenizer, BUILDS_GGUF)
+    return Source(path.stem, path, made.onnx, calib, None, prose, made.tokenizer, BUILDS_GGUF, 256)
 
 
 def heldout_ids(source: Source, artifacts: list[Path], work: Path, sequences: int, length: int) -> Path:
@@ -421,6 +424,9 @@ def run(args) -> dict:
     work = cache_dir() / "bench_quality"
     source = source_for(args.model, work, args.sequences, args.length)
     names = [b for b in (args.builds.split(",") if args.builds else source.default_builds) if b]
+    args.max_context = args.max_context or source.max_context
+    if max(args.prompt_len + args.tokens, args.length) > args.max_context:
+        raise Refused(f"--prompt-len + --tokens and --length must fit in --max-context {args.max_context}")
     for name in names:
         build_args(name)  # refuses an unknown name before anything is built
     print(f"{source.name}: {len(names)} builds", flush=True)
@@ -503,7 +509,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded per timed run")
     parser.add_argument("--runs", type=int, default=3, help="alternated runs; speeds are their medians")
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--max-context", type=int, default=256, help="the artifacts' KV cache")
+    parser.add_argument("--max-context", type=int, default=None,
+                        help="the artifacts' KV cache (default: 256, or the model's learned positions if fewer)")
     parser.add_argument("--sequences", type=int, default=8, help="held-out windows evaluated")
     parser.add_argument("--length", type=int, default=128, help="tokens per held-out window")
     parser.add_argument("--json", type=Path, help="write every row here")
@@ -512,8 +519,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if min(args.threads, args.runs, args.sequences) < 1 or args.tokens < 2 or args.prompt_len < 2:
         parser.error("--threads, --runs, --sequences must be >= 1; --tokens, --prompt-len >= 2")
-    if max(args.prompt_len + args.tokens, args.length) > args.max_context:
-        parser.error("--prompt-len + --tokens and --length must fit in --max-context")
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM is imported, which reads it
     try:
         results = run(args)
