@@ -164,6 +164,8 @@ class Built:
     name: str                   # "picompile dense"
     artifact: Path | None
     error: str | None = None    # why there is no artifact
+    seconds: float | None = None  # the build's wall time (recorded beside a cached artifact); None: not known
+    output: str = ""            # what the build printed (its estimate, its expected quality)
 
 
 def compiler_digest() -> str:
@@ -172,31 +174,46 @@ def compiler_digest() -> str:
 
 
 def ensure_gguf_artifact(gguf: Path, build: str, max_context: int, calib: Path | None, log=print) -> Built:
-    """`python -m picompile build GGUF ...` in a child process, cached under ~/.cache/picompile/artifacts by
-    the file (path, size, mtime), the options and the compiler's source."""
+    """`python -m picompile build GGUF ...` (a BUILDS entry) in a child process, cached (`build_cached`)."""
+    args = [*BUILDS[build], "--target", "cpu", "--max-context", str(max_context)]
+    return build_cached(gguf, build, args, calib if build != "dense" else None, log=log,
+                        name=f"picompile {build}")
+
+
+def build_cached(model: Path, label: str, args: list[str], calib: Path | None = None, log=print,
+                 name: str | None = None) -> Built:
+    """`python -m picompile build MODEL -o ART *args [--calib CALIB]` in a child process, cached under
+    ~/.cache/picompile/artifacts by the model file (path, size, mtime), the options, the calibration file's
+    contents and the compiler's source. The build's wall time and output are kept beside the artifact
+    (ART.build.json), so a cached artifact still reports them. A failed build is not cached: its `error` is
+    the build's `error:` line (or its last line)."""
     from examples.models import cache_dir
 
-    args = [*BUILDS[build], "--target", "cpu", "--max-context", str(max_context)]
-    if build != "dense" and calib is not None:
-        args += ["--calib", str(calib)]
-    stat = gguf.stat()
-    key = json.dumps({"file": str(gguf.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns, "args": args,
+    if calib is not None:
+        args = [*args, "--calib", str(calib)]
+    stat = model.stat()
+    key = json.dumps({"file": str(model.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns, "args": args,
                       "calib": calib and hashlib.sha256(calib.read_bytes()).hexdigest(),
                       "compiler": compiler_digest()}, sort_keys=True)
-    artifact = cache_dir() / "artifacts" / f"gguf-{gguf.stem}-{build}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic"
-    name = f"picompile {build}"
+    stem = f"gguf-{model.stem}" if model.suffix == ".gguf" else model.parent.name
+    artifact = cache_dir() / "artifacts" / f"{stem}-{label}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic"
+    record = artifact.with_name(artifact.name + ".build.json")
+    name = name or label
     if (artifact / "manifest.json").exists():
-        return Built(name, artifact)
+        known = json.loads(record.read_text()) if record.is_file() else {}
+        return Built(name, artifact, seconds=known.get("seconds"), output=known.get("output", ""))
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "picompile", "build", str(gguf), "-o", str(artifact), *args],
+    done = subprocess.run([sys.executable, "-m", "picompile", "build", str(model), "-o", str(artifact), *args],
                           cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
     if done.returncode != 0:
         lines = [l for l in (done.stderr + done.stdout).splitlines() if l.strip()]
         error = next((l for l in reversed(lines) if l.startswith("error:")), lines[-1] if lines else "no output")
-        log(f"  picompile build {gguf.name} ({build}) failed: {error}")
-        return Built(name, None, error)
-    log(f"  built {artifact.name} in {time.perf_counter() - started:.0f}s")
-    return Built(name, artifact)
+        log(f"  picompile build {model.name} ({label}) failed: {error}")
+        return Built(name, None, error, seconds=seconds)
+    record.write_text(json.dumps({"seconds": seconds, "output": done.stdout, "args": args}))
+    log(f"  built {artifact.name} in {seconds:.0f}s")
+    return Built(name, artifact, seconds=seconds, output=done.stdout)
 
 
 def picompile_speed(engine, prompt, tokens: int) -> tuple[float, float]:

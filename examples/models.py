@@ -848,20 +848,23 @@ def matmul_weights_as_initializers(proto) -> int:
 
 
 def ort_quantize_nbits(source: str | os.PathLike, target: str | os.PathLike, bits: int = 4, block_size: int = 32,
-                       symmetric: bool = True, accuracy_level: int | None = 4) -> Path:
+                       symmetric: bool = True, accuracy_level: int | None = 4, every_matrix: bool = True) -> Path:
     """Save `source` with its MatMul weights quantized by onnxruntime's MatMulNBitsQuantizer into com.microsoft
     MatMulNBits nodes (its linear layers first made MatMuls of initializers, `matmul_weights_as_initializers`:
     Gemms as MatMul + Add, a tied output layer's transpose folded), in `target` (with
     external data beside it when large). Round to nearest: the quantizer's "DEFAULT" algorithm (its C++
     blockwise quantizer; symmetric: scale = the block's largest-magnitude weight / -2^(bits-1), no zero
     points), not its RTNWeightOnlyQuantConfig, which runs Intel neural-compressor, not installed here.
-    accuracy_level 4 lets onnxruntime quantize the activations to int8 inside the kernel (its fast CPU path)."""
+    accuracy_level 4 lets onnxruntime quantize the activations to int8 inside the kernel (its fast CPU path).
+    every_matrix=False leaves the graph as it is: the quantizer's own choice, MatMuls whose weight is an
+    initializer (a tied output layer, a MatMul of the embedding's Transpose, then stays in floats)."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
                                                                  MatMulNBitsQuantizer)
 
     proto = onnx.load(str(source))
-    matmul_weights_as_initializers(proto)
+    if every_matrix:
+        matmul_weights_as_initializers(proto)
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
                                           accuracy_level=accuracy_level, bits=bits)
     quantizer = MatMulNBitsQuantizer(proto, algo_config=config)
