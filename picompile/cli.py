@@ -448,6 +448,11 @@ def _eval(args) -> int:
                                 ("vs_baseline", evaluate(engine, ArtifactReference(baseline), sequences))):
                 report.update({f"{name}.{key}": value for key, value in found.items()
                                if key in ("kl_mean", "top1_agreement", "max_abs_logit_diff", "ppl_compiled")})
+    report["ppl_change"] = report["ppl_compiled"] / report["ppl_reference"] - 1.0
+    expected = engine.manifest.get("quality")
+    if expected:  # what the build measured on its held-out calibration tokens, to set beside what eval measures
+        report.update(expected_ppl_change=expected["ppl_change"], expected_kl=expected["kl"],
+                      expected_top1=expected["top1"])
     sparsity = engine.manifest.get("sparsity", {})
     if sparsity:
         report["sparsity_mode"] = sparsity["mode"]
