@@ -34,6 +34,8 @@ class Variant:
     thresholds: dict[tuple[int, str], float] = field(default_factory=dict)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     prefill: int = 4
+    # layer -> (w1 [d, r], w2 [r, ffn], threshold): decode rows compute only the FFN neurons the predictor selects
+    predictors: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
 
 
 DENSE = Variant()
@@ -130,6 +132,12 @@ class Interpreter:
             hidden = act(pre[..., :half]) * pre[..., half:]
         else:
             hidden = act(pre)
+        predictor = variant.predictors.get(int(pir.attr(node, "layer")))
+        if predictor is not None:
+            w1, w2, threshold = predictor
+            selected = (torch.relu(x @ w1) @ w2) > threshold
+            selected[:, : variant.prefill] = True
+            hidden = hidden * selected
         out = self.linear_input(node, "down", hidden, variant, taps) @ w_down
         return out if b_down is None else out + b_down
 

@@ -45,11 +45,13 @@ from picompile import costmodel
 from picompile import ir as pir
 from picompile.budget import DEFAULT_BUDGET, QualityBudget
 from picompile.pipeline import Context, Options
+from picompile.sizes import predictor_format
 from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
 
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant
 from .kernels import quant
-from .predict import HOLDOUT
+from .lower import ALL_NEURONS
+from .predict import HOLDOUT, _threshold_for_recall
 from .profile import CalibrationSequences
 from .threshold import KEEP_ALL
 
@@ -61,8 +63,10 @@ PREFILL = 4  # prompt tokens computed densely before one-token steps (eval's `co
 CHUNK = 4  # sequences per batch of the reference (bounds the logits held at once)
 QUALITY_KEY = "picompile.quality"
 WEIGHT_PLAN_KEY = "picompile.weight_plan"
-_NODE_SITES = {"Attention": ("qkv", "o"), "FFN": ("in", "down")}
-_ATTRIBUTE = {"qkv": "qkv", "o": "o", "in": "in", "down": "down"}  # threshold_<x> / sparsity_<x>
+# The knobs of each mode, by block: threshold mode's linear inputs; predictor mode's FFN neurons (a predictor's
+# threshold: RECALLS, from dense (level 0) down)
+MODE_SITES = {"threshold": {"Attention": ("qkv", "o"), "FFN": ("in", "down")}, "predictor": {"FFN": ("neurons",)}}
+RECALLS = (0.999, 0.995, 0.99, 0.98, 0.95, 0.9)  # predictor mode's levels after dense, down to --target-recall
 
 
 def allowed_formats(weight_dtype: str) -> tuple[str, ...]:
@@ -127,10 +131,13 @@ class Knob:
     node: ir.Node
     site: str
     matrix: str
-    thresholds: np.ndarray  # per level (KEEP_ALL at level 0)
+    thresholds: np.ndarray  # per level (KEEP_ALL at level 0; predictor mode: the predictor's, per RECALLS)
     sparse_error: np.ndarray  # per level
     format_error: np.ndarray  # per allowed format
-    held_out_dropped: np.ndarray  # per level: the share of held-out decode inputs at or below its threshold
+    held_out_dropped: np.ndarray  # per level: the share of held-out decode inputs (neurons) it does not read
+    predictor: tuple[torch.Tensor, torch.Tensor] | None = None  # predictor mode: the FFN's w1, w2
+    held_out_recall: np.ndarray | None = None  # predictor mode, per level: truly active neurons computed
+    held_out_precision: np.ndarray | None = None  # ... and truly active among those computed
     cost: np.ndarray = field(default=None)  # [level, format] seconds
 
     @property
@@ -186,42 +193,51 @@ class QualityPlan:
     weight_dtype: str = Options.weight_dtype
     method: str = Options.quant_method
     fixed_formats: bool = False  # a model that came quantized keeps its blocks: formats are not the plan's
+    mode: str = "threshold"  # threshold: a level per linear input; predictor: a recall per FFN (formats fixed)
+    lowest_recall: float = Options.target_recall  # predictor mode: the recall predict fitted to, the lowest level
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         started = time.perf_counter()
         sequences = _equal_length(CalibrationSequences.of(model).sequences)
         fit, held_out = _split(sequences)
         interpreter = Interpreter(model)
-        formats = (self.weight_dtype,) if self.fixed_formats else allowed_formats(self.weight_dtype)
+        predictor = self.mode == "predictor"
+        formats = (self.weight_dtype,) if self.fixed_formats or predictor else allowed_formats(self.weight_dtype)
+        sites = MODE_SITES[self.mode]
         stored = StoredWeights(model, self.method)
         fixed_level = _fixed_levels(model)  # --sparsity: the threshold pass's levels, kept as they are
-        nodes = [n for n in model.graph if n.op_type in _NODE_SITES and n.domain == pir.DOMAIN]
+        nodes = [n for n in model.graph if n.op_type in sites and n.domain == pir.DOMAIN]
         with ctx.progress("quality: local effects", len(nodes)) as advance:
-            knobs, head_error = _measure_locally(interpreter, fit, nodes, formats, stored, fixed_level, advance)
+            knobs, head_error = _measure_locally(interpreter, fit, sites, formats, stored, fixed_level,
+                                                 self.lowest_recall, advance)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
         for knob in knobs:
             knob.cost = _costs(knob, model, formats, bandwidth)
         head, embed = _head_and_embed(model, formats, head_error, self.budget)
-        moves = [] if fixed_level else _greedy_path(knobs, len(formats))
-        local_error = _summed_errors(knobs, moves)
-        state_at = lambda steps: _replay(knobs, moves[:steps], fixed_level)  # noqa: E731
+        start = _start(knobs, fixed_level)
+        moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
+        local_error = _summed_errors(knobs, moves, start)
+        state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
         evaluate = lambda steps: measure.quality(_variant(knobs, state_at(steps), formats, stored, head, embed))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
             steps, found = _furthest_within(self.budget, local_error, evaluate)
             if not self.budget.met_by(found.ppl_change, found.kl) and (head or embed):
                 head = embed = None  # the widest output layer and embedding, and dense
                 steps, found = _furthest_within(self.budget, local_error, evaluate)
-        state = state_at(steps)
+            state = state_at(steps)
+            if not self.budget.met_by(found.ppl_change, found.kl) and any(level for level, _ in state):
+                state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
+                found = measure.quality(_variant(knobs, state, formats, stored, head, embed))
         _write_thresholds(knobs, state)
         plan = WeightPlan({**{k.matrix: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != self.weight_dtype},
                            **({head[0]: head[1]} if head and head[1] != self.weight_dtype else {}),
                            **({embed[0]: embed[1]} if embed and embed[1] != self.weight_dtype else {})})
         plan.attach(model)
         met = self.budget.met_by(found.ppl_change, found.kl)
+        gave_up = _gave_up(knobs, state, start, moves, steps, met, self.budget)
         expected = ExpectedQuality(self.budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
-                                   _describe_plan(knobs, state, formats, plan), _gave_up(knobs, state, moves, steps, met,
-                                                                                         self.budget),
+                                   _describe_plan(knobs, state, formats, plan), gave_up,
                                    round(time.perf_counter() - started, 2))
         expected.attach(model)
         ctx.log(f"quality: {expected.plan}")
@@ -268,8 +284,9 @@ def _quantiles(magnitudes: torch.Tensor, shares) -> np.ndarray:
     return np.array([float(ranked[min(len(ranked) - 1, int(share * len(ranked)))]) for share in shares])
 
 
-def _measure_locally(interpreter: Interpreter, fit: np.ndarray, nodes: list[ir.Node], formats: tuple[str, ...],
-                     stored: StoredWeights, fixed_level: dict, advance) -> tuple[list[Knob], np.ndarray]:
+def _measure_locally(interpreter: Interpreter, fit: np.ndarray, sites: dict, formats: tuple[str, ...],
+                     stored: StoredWeights, fixed_level: dict, lowest_recall: float,
+                     advance) -> tuple[list[Knob], np.ndarray]:
     """Every knob's thresholds per level and local errors per level and format, from one dense pass over `fit`;
     and the output layer's KL per format."""
     knobs: list[Knob] = []
@@ -277,7 +294,7 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, nodes: list[ir.N
 
     def probe(block: Block) -> None:
         node = block.node
-        if node.op_type not in _NODE_SITES:  # the output layer: its KL per format
+        if node.op_type not in sites:  # the output layer (and predictor mode's attention): the output's KL per format
             if node is head and len(formats) > 1:
                 reference = torch.log_softmax(block.out.to(torch.float64), -1)
                 for index, fmt in enumerate(formats[1:], 1):
@@ -297,7 +314,10 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, nodes: list[ir.N
         def rerun(variant: Variant) -> torch.Tensor:
             return interpreter.block(node, block.x, variant) - block.out
 
-        for site in _NODE_SITES[node.op_type]:
+        for site in sites[node.op_type]:
+            if site == "neurons":
+                knobs.append(_predictor_knob(interpreter, node, block.x, taps["down"], lowest_recall, error, rerun))
+                continue
             matrix = _matrix(node, site)
             v, weight = taps[site], interpreter.weight(matrix)
             last = site in ("o", "down")  # its product is the block's output: the change is what it drops, times W
@@ -327,6 +347,24 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, nodes: list[ir.N
     return knobs, head_error
 
 
+def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hidden: torch.Tensor,
+                    lowest_recall: float, error, rerun) -> Knob:
+    """Predictor mode's knob of one FFN: dense, or its predictor at the threshold reaching each of RECALLS above
+    `lowest_recall` of the truly active neurons (those with a non-zero hidden value) on the fitting tokens, then at
+    predict's own threshold (fitted to `lowest_recall` on held-out profiled tokens)."""
+    layer = int(pir.attr(node, "layer"))
+    graph = interpreter.model.graph
+    w1, w2 = (interpreter.weight(graph.initializers[f"layers.{layer}.ffn.predictor.{w}"]) for w in ("w1", "w2"))
+    logits = (torch.relu(x @ w1) @ w2).flatten().numpy()
+    active = (hidden != 0).flatten().numpy()
+    thresholds = np.array([KEEP_ALL] + [_threshold_for_recall(logits, active, r) for r in RECALLS if r > lowest_recall]
+                          + [float(pir.attr(node, "predictor_threshold"))], np.float32)
+    errors = [0.0] + [error(rerun(Variant(prefill=0, predictors={layer: (w1, w2, float(t))}))) for t in thresholds[1:]]
+    matrix = node.inputs[1].name
+    return Knob(node, "neurons", matrix, thresholds, np.maximum.accumulate(errors), np.zeros(1),
+                np.zeros(len(thresholds)), predictor=(w1, w2))
+
+
 def _head_node(model: ir.Model) -> ir.Node | None:
     """The output layer: the MatMul of a constant producing the logits."""
     producer = model.graph.outputs[0].producer()
@@ -354,21 +392,34 @@ def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.nd
 
 def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: float) -> np.ndarray:
     """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a sparse level
-    reading the rows of the inputs it keeps on held-out tokens."""
-    weights = int(np.prod(pir.const_array(model.graph.initializers[knob.matrix]).shape))
+    reading the rows of the inputs it keeps on held-out tokens; a predictor knob's FFN (up and down), its sparse
+    levels reading the predictor whole and the rows of the neurons it selects."""
+    size = lambda value: int(np.prod(pir.const_array(value).shape))  # noqa: E731
+    weights = size(model.graph.initializers[knob.matrix])
+    if knob.predictor is not None:
+        weights += size(knob.node.inputs[3])  # w_down
+        predictor = sum(w.numel() for w in knob.predictor) * predictor_format(formats[0]).bytes_per_weight
     cost = np.empty((len(knob.thresholds), len(formats)))
     for f, name in enumerate(formats):
         stored = weights * WEIGHT_FORMATS[name].bytes_per_weight
         for level in range(len(knob.thresholds)):
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
             cost[level, f] = costmodel.linear_seconds(stored, bandwidth, kept)
+            if knob.predictor is not None and level:
+                cost[level, f] += costmodel.linear_seconds(predictor, bandwidth)
     return cost
 
 
-def _greedy_path(knobs: list[Knob], formats: int) -> list[tuple[int, int, int]]:
+def _start(knobs: list[Knob], fixed_level: dict) -> list[tuple[int, int]]:
+    """Where the path starts: every knob dense at the widest format, but a --sparsity FFN input at the pass's level
+    and a predictor at its highest recall (whether an FFN runs dense is placement's choice, with its own prices)."""
+    return [(1 if knob.site in fixed_level or knob.predictor is not None else 0, 0) for knob in knobs]
+
+
+def _greedy_path(knobs: list[Knob], formats: int, start: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """The moves (knob, level, format) from dense at the widest formats, each the least added local error per
     second saved among every knob's moves to a sparser level and/or narrower format; until no move saves time."""
-    state = [(0, 0)] * len(knobs)
+    state = list(start)
     moves = []
 
     def best_move(index: int):
@@ -397,9 +448,10 @@ def _greedy_path(knobs: list[Knob], formats: int) -> list[tuple[int, int, int]]:
         candidates[index] = best_move(index)
 
 
-def _summed_errors(knobs: list[Knob], moves: list[tuple[int, int, int]]) -> np.ndarray:
-    """The summed local error of every knob after 0, 1, ... len(moves) moves."""
-    now, sums = [0.0] * len(knobs), [0.0]
+def _summed_errors(knobs: list[Knob], moves: list[tuple[int, int, int]], start: list[tuple[int, int]]) -> np.ndarray:
+    """The summed local error of every knob after 0, 1, ... len(moves) moves from `start`."""
+    now = [knob.error(*state) for knob, state in zip(knobs, start)]
+    sums = [sum(now)]
     for index, level, fmt in moves:
         error = knobs[index].error(level, fmt)
         sums.append(sums[-1] + error - now[index])
@@ -407,9 +459,9 @@ def _summed_errors(knobs: list[Knob], moves: list[tuple[int, int, int]]) -> np.n
     return np.array(sums)
 
 
-def _replay(knobs: list[Knob], moves: list[tuple[int, int, int]], fixed_level: dict) -> list[tuple[int, int]]:
-    """Each knob's (level, format) after `moves` (with --sparsity: the FFN inputs at the pass's level)."""
-    state = [(1 if knob.site in fixed_level else 0, 0) for knob in knobs]
+def _replay(start: list[tuple[int, int]], moves: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """Each knob's (level, format) after `moves` from `start`."""
+    state = list(start)
     for index, level, fmt in moves:
         state[index] = (level, fmt)
     return state
@@ -420,12 +472,28 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     """A plan as the kernels compute it: thresholds on decode rows, matrices as stored (a sparse one blocked
     along its rows, the layout its kernel gathers; a dense one along K)."""
     thresholds = {(knob.layer, knob.site): float(knob.thresholds[level])
-                  for knob, (level, _) in zip(knobs, state) if level}
+                  for knob, (level, _) in zip(knobs, state) if level and knob.predictor is None}
+    predictors = {knob.layer: (*knob.predictor, float(knob.thresholds[level]))
+                  for knob, (level, _) in zip(knobs, state) if level and knob.predictor is not None}
     choices = {knob.matrix: (formats[f], 1 if level else 0) for knob, (level, f) in zip(knobs, state) if f}
     for matrix, axis in ((head, 0), (embed, 1)):
         if matrix is not None and matrix[1] != formats[0]:
             choices[matrix[0]] = (matrix[1], axis)
-    return Variant(thresholds, _Planned(stored, choices), prefill=PREFILL)
+    return Variant(thresholds, _Planned(stored, choices), prefill=PREFILL, predictors=predictors)
+
+
+def _held_out_predictions(knob: Knob, x: torch.Tensor, active: torch.Tensor) -> None:
+    """A predictor knob's share of neurons not computed, recall and precision per level on held-out decode rows."""
+    w1, w2 = knob.predictor
+    logits = torch.relu(x @ w1) @ w2
+    dropped, recall, precision = [0.0], [1.0], [float(active.double().mean())]
+    for t in knob.thresholds[1:]:
+        selected = logits > float(t)
+        hits = float((selected & active).sum())
+        dropped.append(1.0 - float(selected.double().mean()))
+        recall.append(hits / max(float(active.sum()), 1.0))
+        precision.append(hits / max(float(selected.sum()), 1.0))
+    knob.held_out_dropped, knob.held_out_recall, knob.held_out_precision = map(np.array, (dropped, recall, precision))
 
 
 class _HeldOut:
@@ -444,6 +512,9 @@ class _HeldOut:
             taps: dict[str, torch.Tensor] = {}
             interpreter.block(block.node, block.x, taps=taps)
             for knob in by_block[block.node.name]:
+                if knob.predictor is not None:
+                    _held_out_predictions(knob, block.x[:, PREFILL:], taps["down"][:, PREFILL:] != 0)
+                    continue
                 decode = taps[knob.site][:, PREFILL:].abs()
                 knob.held_out_dropped = np.array([float((decode <= t).double().mean()) if t >= 0 else 0.0
                                                   for t in knob.thresholds])
@@ -500,14 +571,31 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
 
 
 def _write_thresholds(knobs: list[Knob], state: list[tuple[int, int]]) -> None:
+    """Each knob's level on its node: a linear input's threshold and held-out share dropped; a predictor's
+    threshold, recall, precision and predicted-active share (dense: every neuron passes, placement runs it dense)."""
     for knob, (level, _) in zip(knobs, state):
-        name = _ATTRIBUTE[knob.site]
-        knob.node.attributes[f"threshold_{name}"] = ir.AttrFloat32(f"threshold_{name}", float(knob.thresholds[level]))
-        knob.node.attributes[f"sparsity_{name}"] = ir.AttrFloat32(f"sparsity_{name}",
-                                                                  float(knob.held_out_dropped[level]))
+        if knob.predictor is not None:
+            threshold = float(knob.thresholds[level]) if level else ALL_NEURONS
+            for key, value in (("predictor_threshold", threshold), ("predictor_recall", knob.held_out_recall[level]),
+                               ("predictor_precision", knob.held_out_precision[level]),
+                               ("predictor_active", 1.0 - knob.held_out_dropped[level])):
+                knob.node.attributes[key] = ir.AttrFloat32(key, float(value))
+            continue
+        knob.node.attributes[f"threshold_{knob.site}"] = ir.AttrFloat32(f"threshold_{knob.site}",
+                                                                         float(knob.thresholds[level]))
+        knob.node.attributes[f"sparsity_{knob.site}"] = ir.AttrFloat32(f"sparsity_{knob.site}",
+                                                                        float(knob.held_out_dropped[level]))
 
 
 def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str, ...], plan: WeightPlan) -> str:
+    if knobs and knobs[0].predictor is not None:
+        sparse = [(knob, level) for knob, (level, _) in zip(knobs, state) if level]
+        if not sparse:
+            return f"every one of the {len(knobs)} FFNs dense"
+        recalls = [knob.held_out_recall[level] for knob, level in sparse]
+        active = np.mean([1.0 - knob.held_out_dropped[level] for knob, level in sparse])
+        return (f"{len(sparse)} of {len(knobs)} FFNs predicted, computing {active:.2f} of their neurons on held-out "
+                f"tokens at recall {min(recalls):.3f}-{max(recalls):.3f}")
     sparse = [(knob, level) for knob, (level, _) in zip(knobs, state) if level]
     mean = float(np.mean([knob.held_out_dropped[level] for knob, level in sparse])) if sparse else 0.0
     by_site = {}
@@ -522,14 +610,14 @@ def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], formats: tup
             f"their inputs on held-out tokens{widened}")
 
 
-def _gave_up(knobs: list[Knob], state, moves, steps: int, met: bool, budget: QualityBudget) -> str:
+def _gave_up(knobs: list[Knob], state, state_at_start, moves, steps: int, met: bool, budget: QualityBudget) -> str:
     """What the budget cost against the end of the greedy path (every move taken), one line; "" where nothing."""
     if not met:
         return (f"even dense at the widest formats the plan misses the budget ({budget.describe()}): built dense, "
                 "at the widest formats allowed")
     if steps == len(moves):
         return ""
-    full = _replay(knobs, moves, {})
+    full = _replay(state_at_start, moves)
     dense = sum(1 for (level, _), (end, _) in zip(state, full) if end and not level)
     wider = sum(1 for (_, f), (_, g) in zip(state, full) if f < g)
     seconds = sum(k.cost[s] for k, s in zip(knobs, state)) / sum(k.cost[s] for k, s in zip(knobs, full))

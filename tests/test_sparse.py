@@ -203,7 +203,7 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     assert "sparsity: predictor mode (layer FFNs use ReLU: most neurons output exactly zero" in capsys.readouterr().out
     names = sorted(p.name for p in dumps.glob("*.onnx"))
     assert [n.split("-", 1)[1] for n in names] == ["import.onnx", "recognise.onnx", "sparsity.onnx", "profile.onnx",
-                                                  "predict.onnx", "partition.onnx", "lower.onnx", "fuse.onnx",
+                                                  "predict.onnx", "quality.onnx", "partition.onnx", "lower.onnx", "fuse.onnx",
                                                   "place.onnx", "quantize.onnx", "select-kernels.onnx",
                                                   "plan-buffers.onnx", "compile.onnx", "schedule.onnx"]
     # predictor mode's passes: no threshold; quantize blocks the predictors of this fp32 build
