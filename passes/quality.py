@@ -57,7 +57,7 @@ from .threshold import KEEP_ALL
 
 LEVELS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # shares of a linear input a plan may drop
 FIT_TOKENS = 512  # tokens the local effects are measured on
-HELD_OUT_TOKENS = 1536  # tokens the budget is measured on (at most)
+HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
 HEAD_SHARE = 0.25  # of the budget, what the output layer's rounding alone may cost
 PREFILL = 4  # prompt tokens computed densely before one-token steps (eval's `compiled_logits`)
 CHUNK = 4  # sequences per batch of the reference (bounds the logits held at once)
@@ -475,9 +475,12 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
                   for knob, (level, _) in zip(knobs, state) if level and knob.predictor is None}
     predictors = {knob.layer: (*knob.predictor, float(knob.thresholds[level]))
                   for knob, (level, _) in zip(knobs, state) if level and knob.predictor is not None}
-    choices = {knob.matrix: (formats[f], 1 if level else 0) for knob, (level, f) in zip(knobs, state) if f}
+    # (a float build's own format is the source's values: fp32, or the fp16 a half model stores)
+    changed = lambda fmt: fmt != "fp32" and not (len(formats) == 1 and not WEIGHT_FORMATS[fmt].quantized)  # noqa: E731
+    choices = {knob.matrix: (formats[f], 1 if level and knob.predictor is None else 0)
+               for knob, (level, f) in zip(knobs, state) if changed(formats[f])}
     for matrix, axis in ((head, 0), (embed, 1)):
-        if matrix is not None and matrix[1] != formats[0]:
+        if matrix is not None and changed(matrix[1]):
             choices[matrix[0]] = (matrix[1], axis)
     return Variant(thresholds, _Planned(stored, choices), prefill=PREFILL, predictors=predictors)
 
@@ -620,7 +623,7 @@ def _gave_up(knobs: list[Knob], state, state_at_start, moves, steps: int, met: b
     full = _replay(state_at_start, moves)
     dense = sum(1 for (level, _), (end, _) in zip(state, full) if end and not level)
     wider = sum(1 for (_, f), (_, g) in zip(state, full) if f < g)
-    seconds = sum(k.cost[s] for k, s in zip(knobs, state)) / sum(k.cost[s] for k, s in zip(knobs, full))
+    share = sum(k.cost[s] for k, s in zip(knobs, full)) / sum(k.cost[s] for k, s in zip(knobs, state))
     return (f"to stay within {budget.describe()} the plan stops at step {steps} of {len(moves)} of its path: "
-            f"{dense} linear inputs stay dense and {wider} matrices wider than at the path's end, whose linear "
-            f"layers would read in {1 / seconds:.2f}x less time")
+            f"{dense} more linear inputs stay dense and {wider} matrices wider than at the path's end, where the "
+            f"linear layers would take {share:.2f} of the time")

@@ -1,0 +1,127 @@
+"""The quality budget: parsed once, met by the plan the build chooses, printed, confirmed by eval, and a budget that
+cannot be met falls back and says so."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from picompile.budget import QualityBudget
+from picompile.errors import UserError
+
+
+@pytest.mark.parametrize("text, kind, value", [("1%", "ppl", 0.01), ("0.03", "ppl", 0.03), ("kl=0.005", "kl", 0.005),
+                                               ("KL=0", "kl", 0.0), (" 10% ", "ppl", 0.1)])
+def test_budget_spellings(text, kind, value):
+    assert QualityBudget.parse(text) == QualityBudget(kind, pytest.approx(value))
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1%", "kl=1%", "ppl:1", "inf", "nan", "top1=0.9"])
+def test_bad_budgets_are_refused(text):
+    with pytest.raises(UserError, match="--max-quality-loss must be"):
+        QualityBudget.parse(text)
+
+
+def test_bad_budget_on_the_command_line_is_one_error_line(tiny_models, tmp_path, capsys):
+    from picompile.cli import main
+
+    files = tiny_models("llama", hidden_act="silu")
+    assert main(["build", str(files.onnx), "-o", str(tmp_path / "x.pic"), "--max-quality-loss", "lots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--max-quality-loss" in err[0], err
+    assert not (tmp_path / "x.pic").exists()
+
+
+def test_the_interpreter_computes_what_onnxruntime_computes(tiny_models):
+    """The plans are measured through passes.ir_reference: on the dense model it must be the source model."""
+    from passes.import_onnx import Import, load
+    from passes.ir_reference import Interpreter
+    from passes.recognise import Recognise
+    from picompile.pipeline import Context
+    from picompile.reference import OrtDecoder
+    from picompile.targets import get_target
+
+    for family, kwargs in (("llama", {"hidden_act": "silu"}), ("gpt2", {})):
+        files = tiny_models(family, **kwargs)
+        ctx = Context(get_target("cpu"))
+        lifted = Recognise(max_context=64).apply(Import().apply(load(files.onnx), ctx).model, ctx).model
+        sequences = np.load(files.calib).reshape(-1)[:60].reshape(3, 20)
+        got = Interpreter(lifted).logits(sequences).numpy()
+        decoder = OrtDecoder(files.onnx)
+        want = []
+        for sequence in sequences:
+            decoder.reset()
+            want.append(decoder.run(sequence[None], ["logits"])["logits"][0])
+        np.testing.assert_allclose(got, np.stack(want), atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def trained_text(tmp_path_factory):
+    """The ReLU text model's tiny preset (trained here in seconds): real, learned sparsity."""
+    from examples import text_model
+
+    return text_model.cached_text_model("tiny", seed=0, threads=1)
+
+
+def _build(files, out, *args):
+    from picompile.cli import main
+
+    assert main(["build", str(files.onnx), "-o", str(out), "--calib", str(files.calib), "--max-context", "64",
+                 *args]) == 0
+    return json.loads((out / "manifest.json").read_text())
+
+
+def _eval(files, out, capsys) -> dict:
+    from picompile.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", str(out), "--reference", str(files.onnx), "--tokens", str(files.heldout),
+                 "--max-sequences", "4", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_trained_relu_model_meets_its_budget_and_eval_confirms_it(trained_text, tmp_path, capsys):
+    """Predictor mode: the recall per layer is chosen within the budget (--target-recall its floor); the build
+    prints what it expects and eval, on held-out text the build never saw, measures about that."""
+    manifest = _build(trained_text, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.05", "--target-recall", "0.9")
+    quality = manifest["quality"]
+    assert quality["met"] and quality["kl"] <= 0.05 and quality["budget"] == {"kind": "kl", "value": 0.05}
+    assert "expected quality:" in capsys.readouterr().out
+    report = _eval(trained_text, tmp_path / "loose.pic", capsys)
+    assert report["expected_kl"] == pytest.approx(quality["kl"])
+    assert report["kl_mean"] < 2 * 0.05, report
+    recalls = [layer["predictor_recall"] for layer in manifest["layers"] if "predictor_recall" in layer]
+    assert recalls and min(recalls) >= 0.85, recalls
+    # a tighter budget: never a lower recall in any layer, and the expectation within it
+    tight = _build(trained_text, tmp_path / "tight.pic", "--max-quality-loss", "kl=0.0005", "--target-recall", "0.9")
+    assert tight["quality"]["kl"] <= 0.0005 or not tight["quality"]["met"]
+    tight_recalls = [layer["predictor_recall"] for layer in tight["layers"] if "predictor_recall" in layer]
+    assert sum(tight_recalls) >= sum(recalls) - 1e-6, (tight_recalls, recalls)
+
+
+def test_threshold_plan_spends_the_budget_on_more_sparsity(tiny_models, tmp_path, capsys):
+    """Threshold mode: a larger budget buys more dropped inputs (attention's inputs among the choices), each level
+    measured; the build's expectation stays within each budget."""
+    files = tiny_models("llama", hidden_act="silu")
+    plans = {}
+    for budget in ("kl=0.00005", "kl=0.01"):
+        manifest = _build(files, tmp_path / f"{budget}.pic", "--max-quality-loss", budget)
+        quality = manifest["quality"]
+        assert quality["met"] and quality["kl"] <= float(budget.split("=")[1]), quality
+        plans[budget] = quality
+    dropped = {b: float(q["plan"].split("dropping ")[1].split(" ")[0]) * int(q["plan"].split(" of ")[0])
+               for b, q in plans.items()}
+    assert dropped["kl=0.01"] > dropped["kl=0.00005"], plans
+
+
+def test_a_budget_no_plan_meets_falls_back_and_says_so(tiny_models, tmp_path, capsys):
+    """kl=0 for an int8 build: even fp16 matrices differ a little from fp32, so no plan meets it: the build
+    makes the densest, widest one, warns, and the manifest says the budget was missed."""
+    files = tiny_models("llama", hidden_act="silu")
+    manifest = _build(files, tmp_path / "zero.pic", "--weight-dtype", "int8", "--max-quality-loss", "kl=0")
+    err = capsys.readouterr().err
+    assert "misses the budget (KL 0)" in err, err
+    assert not manifest["quality"]["met"]
+    assert "0 of 8 linear inputs sparse" in manifest["quality"]["plan"]
