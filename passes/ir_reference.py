@@ -34,6 +34,8 @@ class Variant:
     thresholds: dict[tuple[int, str], float] = field(default_factory=dict)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     prefill: int = 4
+    # matrices whose decode GEMV quantizes its input to int8 per block of 32 (an int4 / int8 build's int8_dot kernels)
+    int8_inputs: frozenset[str] = frozenset()
     # layer -> (w1 [d, r], w2 [r, ffn], threshold): decode rows compute only the FFN neurons the predictor selects
     predictors: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
 
@@ -99,12 +101,19 @@ class Interpreter:
             return values[node.inputs[0].name] + (values.get(node.inputs[1].name) if node.inputs[1].name in values
                                                    else self.weight(node.inputs[1]))
         if op == "MatMul":
-            return x @ self.weight(node.inputs[1], variant)
+            return self.product(x, node.inputs[1], variant)
         if op == "FFN":
             return self.ffn(node, x, variant)
         if op == "Attention":
             return self.attention(node, x, variant)
         raise NotImplementedError(f"the IR reference has no {op} ({node.name})")
+
+    def product(self, v: torch.Tensor, matrix: ir.Value, variant: Variant) -> torch.Tensor:
+        """v @ W for the weight `matrix` as the variant stores it; decode rows' v rounded to int8 blocks first where
+        its kernel takes int8 activations."""
+        if matrix.name in variant.int8_inputs:
+            v = torch.cat([v[:, : variant.prefill], int8_blocks(v[:, variant.prefill:])], dim=1)
+        return v @ self.weight(matrix, variant)
 
     @staticmethod
     def linear_input(node: ir.Node, site: str, v: torch.Tensor, variant: Variant, taps: dict | None) -> torch.Tensor:
@@ -121,9 +130,8 @@ class Interpreter:
         return kept
 
     def ffn(self, node: ir.Node, x: torch.Tensor, variant: Variant = DENSE, taps: dict | None = None) -> torch.Tensor:
-        w_up, b_up = self.weight(node.inputs[1], variant), self.weight(node.inputs[2])
-        w_down, b_down = self.weight(node.inputs[3], variant), self.weight(node.inputs[4])
-        pre = self.linear_input(node, "in", x, variant, taps) @ w_up
+        b_up, b_down = self.weight(node.inputs[2]), self.weight(node.inputs[4])
+        pre = self.product(self.linear_input(node, "in", x, variant, taps), node.inputs[1], variant)
         if b_up is not None:
             pre = pre + b_up
         act = _ACTIVATIONS[str(pir.attr(node, "activation"))]
@@ -138,14 +146,14 @@ class Interpreter:
             selected = (torch.relu(x @ w1) @ w2) > threshold
             selected[:, : variant.prefill] = True
             hidden = hidden * selected
-        out = self.linear_input(node, "down", hidden, variant, taps) @ w_down
+        out = self.product(self.linear_input(node, "down", hidden, variant, taps), node.inputs[3], variant)
         return out if b_down is None else out + b_down
 
     def attention(self, node: ir.Node, x: torch.Tensor, variant: Variant = DENSE,
                   taps: dict | None = None) -> torch.Tensor:
         heads, kv_heads, hd = (int(pir.attr(node, a)) for a in ("num_heads", "num_kv_heads", "head_dim"))
         batch, tokens, _ = x.shape
-        qkv = self.linear_input(node, "qkv", x, variant, taps) @ self.weight(node.inputs[4], variant)
+        qkv = self.product(self.linear_input(node, "qkv", x, variant, taps), node.inputs[4], variant)
         if node.inputs[5] is not None:
             qkv = qkv + self.weight(node.inputs[5])
         q = qkv[..., : heads * hd].reshape(batch, tokens, heads, hd).transpose(1, 2)
@@ -159,7 +167,7 @@ class Interpreter:
         attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                     scale=float(pir.attr(node, "scale")))
         attended = attended.transpose(1, 2).reshape(batch, tokens, heads * hd)
-        out = self.linear_input(node, "o", attended, variant, taps) @ self.weight(node.inputs[6], variant)
+        out = self.product(self.linear_input(node, "o", attended, variant, taps), node.inputs[6], variant)
         return out if node.inputs[7] is None else out + self.weight(node.inputs[7])
 
     def _rotation(self, inv_freq: ir.Value, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +182,15 @@ class Interpreter:
               taps: dict | None = None) -> torch.Tensor:
         """A block's output for input `x` under `variant` (`taps`: gets each site's dense input)."""
         return (self.attention if node.op_type == "Attention" else self.ffn)(node, x, variant, taps)
+
+
+def int8_blocks(v: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """v as the int8-activation kernels see it (quant.x_quantizer): per block of 32 along the last axis, the
+    scale max|v| / 127 and q = round(v * 127 / max|v|)."""
+    blocks = v.reshape(*v.shape[:-1], -1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros((), dtype=v.dtype))
+    return (torch.round(blocks * inverse) * (amax / 127.0)).reshape(v.shape)
 
 
 def norm(node: ir.Node, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -46,6 +46,7 @@ from picompile import ir as pir
 from picompile.budget import DEFAULT_BUDGET, QualityBudget
 from picompile.pipeline import Context, Options
 from picompile.sizes import predictor_format
+from picompile.targets import CpuIsa, get_cpu_isa
 from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
 
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant
@@ -195,6 +196,8 @@ class QualityPlan:
     fixed_formats: bool = False  # a model that came quantized keeps its blocks: formats are not the plan's
     mode: str = "threshold"  # threshold: a level per linear input; predictor: a recall per FFN (formats fixed)
     lowest_recall: float = Options.target_recall  # predictor mode: the recall predict fitted to, the lowest level
+    cpu_isa: str = "avx2"  # targets.CPU_ISAS: with int8_activations, which quantized GEMVs round their input to int8
+    int8_activations: bool = Options.int8_activations
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         started = time.perf_counter()
@@ -219,7 +222,9 @@ class QualityPlan:
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
         state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
-        evaluate = lambda steps: measure.quality(_variant(knobs, state_at(steps), formats, stored, head, embed))  # noqa: E731
+        int8_dot = get_cpu_isa(self.cpu_isa) if self.int8_activations else None
+        variant = lambda state: _variant(knobs, state, formats, stored, head, embed, int8_dot)  # noqa: E731
+        evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
             steps, found = _furthest_within(self.budget, local_error, evaluate)
             if not self.budget.met_by(found.ppl_change, found.kl) and (head or embed):
@@ -228,7 +233,7 @@ class QualityPlan:
             state = state_at(steps)
             if not self.budget.met_by(found.ppl_change, found.kl) and any(level for level, _ in state):
                 state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
-                found = measure.quality(_variant(knobs, state, formats, stored, head, embed))
+                found = measure.quality(variant(state))
         _write_thresholds(knobs, state)
         plan = WeightPlan({**{k.matrix: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != self.weight_dtype},
                            **({head[0]: head[1]} if head and head[1] != self.weight_dtype else {}),
@@ -468,7 +473,7 @@ def _replay(start: list[tuple[int, int]], moves: list[tuple[int, int, int]]) -> 
 
 
 def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str, ...], stored: StoredWeights,
-             head: tuple[str, str] | None, embed: tuple[str, str] | None) -> Variant:
+             head: tuple[str, str] | None, embed: tuple[str, str] | None, isa: CpuIsa | None) -> Variant:
     """A plan as the kernels compute it: thresholds on decode rows, matrices as stored (a sparse one blocked
     along its rows, the layout its kernel gathers; a dense one along K)."""
     thresholds = {(knob.layer, knob.site): float(knob.thresholds[level])
@@ -482,7 +487,12 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     for matrix, axis in ((head, 0), (embed, 1)):
         if matrix is not None and changed(matrix[1]):
             choices[matrix[0]] = (matrix[1], axis)
-    return Variant(thresholds, _Planned(stored, choices), prefill=PREFILL, predictors=predictors)
+    # a dense quantized matrix's decode GEMV over int8 activations, where select-kernels picks that kernel
+    int8_inputs = frozenset(name for name, (fmt, axis) in choices.items() if axis == 0 and isa is not None
+                            and WEIGHT_FORMATS[fmt].quantized
+                            and quant.gemv_int8_dot_fits(WEIGHT_FORMATS[fmt].bits, isa.int8_dot, isa.gemm_panels))
+    return Variant(thresholds, _Planned(stored, choices), prefill=PREFILL, predictors=predictors,
+                   int8_inputs=int8_inputs)
 
 
 def _held_out_predictions(knob: Knob, x: torch.Tensor, active: torch.Tensor) -> None:

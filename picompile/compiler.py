@@ -89,7 +89,8 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
         "threshold": [dataclasses.replace(profile, activations=options.sparsity is not None),
                       *([Threshold()] if options.sparsity is not None else []),
                       QualityPlan(budget=options.quality_budget, weight_dtype=options.weight_dtype,
-                                  method=options.quant_method, fixed_formats=options.keep_source_blocks),
+                                  method=options.quant_method, fixed_formats=options.keep_source_blocks,
+                                  cpu_isa=options.cpu_isa_for(target).name, int8_activations=options.int8_activations),
                       LowerThresholded()],
     }[mode]
     return sparse + back(options, target, predictors=mode == "predictor")
