@@ -501,6 +501,9 @@ class _Walker:
         up_bias = up_bias or self.low.zeros(f"{p}.up_bias", up_width)
         gate_tag = "_gated" if gated else ""
         quantized = up_rows in self.low.quantized
+        if quantized != (down_rows in self.low.quantized) or (
+                quantized and self.low.quantized[up_rows].fmt != self.low.quantized[down_rows].fmt):
+            raise ValueError(f"{p}: the fused sparse FFN reads its up and down rows in one format")
         if quantized:  # each row's values and its scales, blocked along the row
             *up_parts, matrix = self.low.quantized_in(up_rows, "quant_rows")
             *down_parts, _ = self.low.quantized_in(down_rows, "quant_rows")

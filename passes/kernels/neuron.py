@@ -985,9 +985,9 @@ def sparse_columns_q(name, K, N, *, rows, bits: int, sdtype="float16", has_min: 
     partial sums once at its end. The second loop is sparse_columns' (`_column_sums`)."""
     if rows not in (1, None):
         raise ValueError("sparse_columns_q runs in one-token steps only (decode: rows 1, batch: rows None)")
-    fmt = quant_rows(N, bits, sdtype, has_min)
-    if gated and N % (2 * QUANT_BLOCK):
-        raise ValueError("a gated quantized weight has gate and up halves of whole blocks")
+    fmt = quant_rows(N, bits, sdtype, has_min)  # (the GLU's halves need not be whole blocks: it reads the sums)
+    if gated and N % 2:
+        raise ValueError("a gated weight has gate and up halves")
     m = row_dim(rows)
     locality = PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality
     out = N // 2 if gated else N
