@@ -24,6 +24,11 @@ threshold pass) makes each FFN instead, on the CPU:
                           as stored) of the channels with |x| > threshold_in, down the rows (w_down [F, D])
                           of the neurons with |h| > threshold_down; multi-token prompts run densely;
   `picompile.MergePartial` adds the down bias.
+A threshold < 0 (`threshold.KEEP_ALL`) means that projection runs dense; an FFN whose two thresholds are < 0 stays
+the plain `FFN` (select-kernels lowers it as a dense build does). The layer report carries every projection
+input's threshold and held-out dropped share, attention's (`threshold_qkv` / `threshold_o`, `sparsity_qkv` /
+`sparsity_o` on the Attention node, read by select-kernels there) included: KEEP_ALL and 0.0 where absent or
+dense. The cost model prices each threshold call by those shares (`costmodel.expected_share`).
 """
 
 from __future__ import annotations

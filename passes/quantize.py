@@ -13,7 +13,10 @@ never rounds anything itself.
 
 The block axis is the one each matrix's kernels read contiguously (`BLOCKED`): the reduction axis K of a dense
 linear's [K, N] (panels), the row of a weight whose rows are gathered (the FFN parts' up and down rows, one row
-per neuron; the embedding table). A matrix whose axis is not a whole number of blocks stays in floats (as
+per neuron; the embedding table), and in threshold mode the row of a matrix whose input a threshold thins
+(`THRESHOLDED`: ThresholdFFN's and attention's, threshold >= 0; the column-sparse kernels read one row per kept
+input channel). `formats` (a quality plan's, by initializer name, through `format_for`) stores a matrix in
+another format than `weight_dtype`, or keeps it in floats (fp16). A matrix whose axis is not a whole number of blocks stays in floats (as
 `sizes.float_format` says: fp16). Predictors are stored in `sizes.predictor_format` (int8: predict fitted their thresholds to those values), biases and norms fp32,
 and GPU blocks keep the GPU's format (`sizes.GPU_WEIGHT_FORMAT`: fp16).
 

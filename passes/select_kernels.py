@@ -2,7 +2,9 @@
 
 Reads: the block IR after fuse and place (`picompile.Embed`, `Attention`, `FFN`, `Linear` (output layer),
 norms; after lower `Predict` / `SparseFFN` / `MergePartial` (predictor mode) or `ThresholdFFN` /
-`MergePartial` (threshold mode)), each node's `device` (from place) and fused `residual` input (from fuse).
+`MergePartial` (threshold mode); Attention's `threshold_qkv` / `threshold_o` where set, each thresholded
+projection lowered by `_Walker.thresholded_linear`), each node's `device` (from place) and fused `residual` input
+(from fuse).
 Adds: the kernel-call IR (`passes.kernel_ir`): one `runtime.calls.Call` per kernel call, saying what it
 reads and how (whole, one row per token, the cached positions, only the selected rows), the buffers it
 uses, the weights in the layout and precision their device reads (the CPU's matrices panel-packed and in
