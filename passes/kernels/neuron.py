@@ -1019,32 +1019,37 @@ def sparse_columns_q(name, K, N, *, rows, bits: int, sdtype="float16", has_min: 
                 off[r * sblocks + b] = off[r * sblocks + b] + v[r, row] * load_f32(ws[row, b * per + 1], sdtype)
 
     @T.macro
-    def prefetch_rows(w, ws, after, count):
-        """The scales and a line per line of the rows to come (L2)."""
+    def prefetch_scales(ws, after, count):
+        """The scales of the rows to come (a few lines each), up front."""
         for q in T.unroll(count):
             for z in T.unroll(scale_lines):
                 prefetch(T.address_of(ws[after[q], T.min(z * per_scale_line, sblocks * per - 1)]), locality)
-            for s in range(lines):
-                prefetch(T.address_of(w[after[q], T.min(fmt.stored(s * line_blocks * block), stored - 1)]), locality)
 
     @T.macro
-    def add_rows(scratch, t, r, rs, w, row, count):
-        """scratch[t, row r's N columns] += the sum over q < count of rs[q] (per block) * w[row[q]]."""
-        for b in range(sblocks):
-            if int4:
-                wide = T.alloc_local((count, lanes), "int32")
+    def add_rows(scratch, t, r, rs, w, row, count, after, ahead):
+        """scratch[t, row r's N columns] += the sum over q < count of rs[q] (per block) * w[row[q]]; with `ahead`,
+        a line of each of the rows to come prefetched per line of these read (spread out, not queued up front)."""
+        for s in range(lines):
+            if ahead:
                 for q in T.unroll(count):
-                    for l in T.vectorized(lanes):
-                        wide[q, l] = compute.int4_byte(w, row[q], b, l)
-                for u in T.unroll(2):
-                    for l in T.vectorized(lanes):
-                        scratch[t, r * N + b * block + u * lanes + l] = scratch[t, r * N + b * block + u * lanes + l] + (
-                            _group_terms(count, lambda q: rs[q * sblocks + b] * compute.int4_nibble(wide[q, l], u)))
-            else:
-                for u in T.unroll(vectors):
-                    for l in T.vectorized(lanes):
-                        scratch[t, r * N + b * block + u * lanes + l] = scratch[t, r * N + b * block + u * lanes + l] + (
-                            _group_terms(count, lambda q: rs[q * sblocks + b] * fmt.weight(w, row[q], b, u, l)))
+                    prefetch(T.address_of(w[after[q], T.min(fmt.stored(s * line_blocks * block), stored - 1)]), locality)
+            for i in T.unroll(line_blocks):
+                if int4:
+                    wide = T.alloc_local((count, lanes), "int32")
+                    for q in T.unroll(count):
+                        for l in T.vectorized(lanes):
+                            wide[q, l] = compute.int4_byte(w, row[q], s * line_blocks + i, l)
+                    for u in T.unroll(2):
+                        for l in T.vectorized(lanes):
+                            scratch[t, r * N + (s * line_blocks + i) * block + u * lanes + l] = _accumulate(
+                                scratch[t, r * N + (s * line_blocks + i) * block + u * lanes + l], count,
+                                lambda q: rs[q * sblocks + s * line_blocks + i] * compute.int4_nibble(wide[q, l], u))
+                else:
+                    for u in T.unroll(vectors):
+                        for l in T.vectorized(lanes):
+                            scratch[t, r * N + (s * line_blocks + i) * block + u * lanes + l] = _accumulate(
+                                scratch[t, r * N + (s * line_blocks + i) * block + u * lanes + l], count,
+                                lambda q: rs[q * sblocks + s * line_blocks + i] * fmt.weight(w, row[q], s * line_blocks + i, u, l))
 
     @T.prim_func
     def kernel(v: T.Buffer((m, K), "float32"), idx: T.Buffer((1, K), "int32"), count: T.Buffer((1, 1), "int32"),
@@ -1069,16 +1074,19 @@ def sparse_columns_q(name, K, N, *, rows, bits: int, sdtype="float16", has_min: 
                 for q in T.unroll(group):
                     row[q] = clamp_index(idx[0, first + g * group + q], K)
                     after[q] = clamp_index(idx[0, T.min(first + (g + 1) * group + q, last - 1)], K)
-                prefetch_rows(w, ws, after, group)
-                for r in range(m):
+                prefetch_scales(ws, after, group)
+                for q in T.unroll(group):
+                    factors(rs, off, ws, v, 0, q, row[q])
+                add_rows(scratch, t, 0, rs, w, row, group, after, True)
+                for r in range(1, m):  # (batch steps: the other sequences, the rows in cache now)
                     for q in T.unroll(group):
                         factors(rs, off, ws, v, r, q, row[q])
-                    add_rows(scratch, t, r, rs, w, row, group)
+                    add_rows(scratch, t, r, rs, w, row, group, after, False)
             for k in range(first + (last - first) // group * group, last):
                 row[0] = clamp_index(idx[0, k], K)
                 for r in range(m):
                     factors(rs, off, ws, v, r, 0, row[0])
-                    add_rows(scratch, t, r, rs, w, row, 1)
+                    add_rows(scratch, t, r, rs, w, row, 1, row, False)
             if offsets:
                 for r in range(m):
                     for c in range(sblocks):
@@ -1091,11 +1099,10 @@ def sparse_columns_q(name, K, N, *, rows, bits: int, sdtype="float16", has_min: 
     return kernel.with_attr("global_symbol", name)
 
 
-def _group_terms(count, term):
-    """term(0) + term(1) + ... + term(count - 1) as one TIR expression (a group's rows added before the partial
-    sum is stored)."""
-    total = term(0)
-    for q in range(1, count):
+def _accumulate(total, count, term):
+    """total + term(0) + ... + term(count - 1), added in that order: a chain of FMAs on the partial sum (one load
+    and store of it for a group's rows, no separate products to add up)."""
+    for q in range(count):
         total = total + term(q)
     return total
 
