@@ -87,6 +87,25 @@ def test_column_sparse_gemv_over_quantized_rows(lib, kernel, threshold):
     np.testing.assert_allclose(y, expected, atol=2e-4 * max(1.0, np.abs(expected).max()), rtol=1e-4)
 
 
+@pytest.mark.parametrize("count", [-5, 7, K + 9])
+def test_column_sparse_gemv_over_quantized_rows_clamps_counts_and_indices(lib, count):
+    """A wrong count or index (however select went wrong) reads no row outside the weight: counts are clamped
+    to [0, K], indices to [0, K - 1]."""
+    fmt = WEIGHT_FORMATS["int4"]
+    rng = np.random.default_rng(5)
+    x = aligned(rng.standard_normal((1, K)).astype(np.float32))
+    idx = rng.integers(-50, K + 50, size=(1, K)).astype(np.int32)
+    q, scales = quant.quantize(rng.standard_normal((K, N)).astype(np.float32), fmt, axis=1)
+    values, packed = quant.pack_rows(q, scales, fmt)
+    y = aligned(np.zeros((1, N), np.float32))
+    call(lib, "int4_residual_bias", x, aligned(idx), aligned(np.array([[count]], np.int32)),
+         aligned(values), aligned(packed), aligned(np.zeros(N, np.float32)), aligned(np.zeros((1, N), np.float32)),
+         aligned(np.zeros((neuron.COLUMN_TASKS, N), np.float32)), y)
+    rows = np.clip(idx[0, : min(max(count, 0), K)], 0, K - 1)
+    expected = x[0, rows].astype(np.float64) @ quant.dequantize(q, scales, 1)[rows]
+    np.testing.assert_allclose(y[0], expected, atol=2e-4 * max(1.0, np.abs(expected).max()), rtol=1e-4)
+
+
 def test_column_sparse_gemv_residual_epilogue_over_floats(lib):
     rng = np.random.default_rng(4)
     x = aligned(rng.standard_normal((1, K)).astype(np.float32))
