@@ -24,6 +24,11 @@ threshold pass) makes each FFN instead, on the CPU:
                           as stored) of the channels with |x| > threshold_in, down the rows (w_down [F, D])
                           of the neurons with |h| > threshold_down; multi-token prompts run densely;
   `picompile.MergePartial` adds the down bias.
+A threshold < 0 (`threshold.KEEP_ALL`) means that projection runs dense; an FFN whose two thresholds are < 0 stays
+the plain `FFN` (select-kernels lowers it as a dense build does). The layer report carries every projection
+input's threshold and held-out dropped share, attention's (`threshold_qkv` / `threshold_o`, `sparsity_qkv` /
+`sparsity_o` on the Attention node, read by select-kernels there) included: KEEP_ALL and 0.0 where absent or
+dense. The cost model prices each threshold call by those shares (`costmodel.expected_share`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from onnx_ir.passes import PassResult
 
 from picompile import ir as pir
 from picompile.pipeline import Context, Options
+
+from .threshold import KEEP_ALL
 
 ALL_NEURONS = -3.0e38  # a threshold every score passes
 STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
@@ -55,19 +62,28 @@ class LowerThresholded:
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
-        report = [self._lower_one(graph, node) for node in pir.nodes_in_domain(model, "FFN")]
+        attention = {pir.attr(node, "layer"): node for node in pir.nodes_in_domain(model, "Attention")}
+        report = [self._lower_one(graph, node, attention.get(pir.attr(node, "layer")))
+                  for node in pir.nodes_in_domain(model, "FFN")]
         pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
         model.metadata_props["picompile.layers"] = json.dumps(report)
-        ctx.log(f"lower: {len(report)} threshold FFNs")
+        dense = [r["layer"] for r in report if r.get("ffn") == "dense"]
+        ctx.log(f"lower: {len(report) - len(dense)} threshold FFNs"
+                f"{f'; {len(dense)} dense (layers {dense})' if dense else ''}")
         return PassResult(model, modified=True)
 
-    def _lower_one(self, graph: ir.Graph, node: ir.Node) -> dict:
+    def _lower_one(self, graph: ir.Graph, node: ir.Node, attention: ir.Node | None) -> dict:
+        """The layer's FFN as ThresholdFFN + MergePartial, or left a dense FFN where both its thresholds are
+        < 0 (KEEP_ALL: the plan runs it dense); its report: each projection input's threshold and held-out
+        dropped share (attention's too: absent, or < 0, means dense, a share of 0)."""
         layer = pir.attr(node, "layer")
         prefix = f"layers.{layer}.ffn"
-        keys = ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down")
+        report = {"layer": layer, "mode": "threshold", **_thresholds(node, FFN_INPUTS), **_thresholds(attention, ATTENTION_INPUTS)}
+        if report["threshold_in"] < 0 and report["threshold_down"] < 0:
+            return {**report, "ffn": "dense"}
         thresholded = ir.node("ThresholdFFN", list(node.inputs[:4]), {
             "layer": layer, "activation": pir.attr(node, "activation"), "gated": pir.attr(node, "gated"),
-            "threshold_in": pir.attr(node, "threshold_in"), "threshold_down": pir.attr(node, "threshold_down"),
+            "threshold_in": report["threshold_in"], "threshold_down": report["threshold_down"],
         }, domain=pir.DOMAIN, name=f"{prefix}.threshold")
         graph.insert_before(node, thresholded)
         merge = ir.node("MergePartial", [thresholded.outputs[0], node.inputs[4]], {"layer": layer},
@@ -78,7 +94,22 @@ class LowerThresholded:
             value.dtype, value.shape = ir.DataType.FLOAT, node.outputs[0].shape
         node.outputs[0].replace_all_uses_with(merge.outputs[0])
         graph.remove(node, safe=True)
-        return {"layer": layer, "mode": "threshold", **{key: pir.attr(node, key) for key in keys}}
+        return report
+
+
+# the thresholded inputs of each block: (threshold attribute, held-out sparsity attribute)
+FFN_INPUTS = (("threshold_in", "sparsity_in"), ("threshold_down", "sparsity_down"))
+ATTENTION_INPUTS = (("threshold_qkv", "sparsity_qkv"), ("threshold_o", "sparsity_o"))
+
+
+def _thresholds(node: ir.Node | None, inputs) -> dict:
+    """A block's thresholds and their held-out sparsities, KEEP_ALL and 0.0 where absent or dense."""
+    found = {}
+    for threshold, sparsity in inputs:
+        t = float(pir.attr(node, threshold, KEEP_ALL)) if node is not None else KEEP_ALL
+        found[threshold] = t
+        found[sparsity] = float(pir.attr(node, sparsity, 0.0)) if t >= 0 else 0.0
+    return found
 
 
 @dataclass

@@ -13,7 +13,10 @@ never rounds anything itself.
 
 The block axis is the one each matrix's kernels read contiguously (`BLOCKED`): the reduction axis K of a dense
 linear's [K, N] (panels), the row of a weight whose rows are gathered (the FFN parts' up and down rows, one row
-per neuron; the embedding table). A matrix whose axis is not a whole number of blocks stays in floats (as
+per neuron; the embedding table), and in threshold mode the row of a matrix whose input a threshold thins
+(`THRESHOLDED`: ThresholdFFN's and attention's, threshold >= 0; the column-sparse kernels read one row per kept
+input channel). `formats` (a quality plan's, by initializer name, through `format_for`) stores a matrix in
+another format than `weight_dtype`, or keeps it in floats (fp16). A matrix whose axis is not a whole number of blocks stays in floats (as
 `sizes.float_format` says: fp16). Predictors are stored in `sizes.predictor_format` (int8: predict fitted their thresholds to those values), biases and norms fp32,
 and GPU blocks keep the GPU's format (`sizes.GPU_WEIGHT_FORMAT`: fp16).
 
@@ -38,7 +41,7 @@ declared format that holds it exactly (`SOURCE_FORMATS`), not re-rounded.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ml_dtypes
 import numpy as np
@@ -55,6 +58,7 @@ from .import_gguf import GGUFSource
 from .import_onnx import SourceQuantization
 from .kernels import quant
 from .place import DEVICE_KEY, device_of
+from .threshold import KEEP_ALL
 
 # op type -> (input index, block axis) of each weight matrix a quantized build stores in blocks
 BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
@@ -63,6 +67,13 @@ BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
     "FFN": ((1, 0), (3, 0)),  # a dense FFN's up and down
     "Linear": ((1, 0),),  # the output layer
     "SparseFFN": ((2, 1), (4, 1)),  # a part's up (gate) rows [n, D] and down rows [n, D]: rows gathered
+}
+# a projection whose input a threshold thins (threshold >= 0) is read one row per input channel by the column-sparse
+# kernels: blocked along its rows (axis 1), as the SparseFFN rows; else it is a dense linear's panels (axis 0).
+# op type -> (input index, the node's threshold attribute) of each such matrix
+THRESHOLDED: dict[str, tuple[tuple[int, str], ...]] = {
+    "ThresholdFFN": ((1, "threshold_in"), (3, "threshold_down")),  # w_up [D, 2F or F], w_down [F, D]
+    "Attention": ((4, "threshold_qkv"), (6, "threshold_o")),  # w_qkv, w_o: [K, N]; absent attributes: dense
 }
 PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in predictor_format
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored, for inspect and -v
@@ -122,6 +133,9 @@ class Quantize:
     weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 block every matrix, float formats the predictors
     method: str = Options.quant_method  # --quant-method: "awq" fits each block's scale (`quant.quantize`'s fit_scales)
     keep_source_blocks: bool = False  # matrices a quantized model stores in other blocks keep them (auto's build)
+    # per initializer name, a weight format name ("fp16", "int8", "int4", "int4a") that overrides weight_dtype for
+    # that matrix (a quality plan's choice); "fp16" / "fp32" keep it in floats (`format_for`)
+    formats: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -143,12 +157,19 @@ class Quantize:
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors, quantized_bytes, rerounded, foreign = [], 0, 0, [], 0.0, 0, []
         exact_matrices, moved = 0, {}  # matrices kept exactly; format name -> matrices stored in it instead
+        planned_floats: list[str] = []  # matrices `formats` keeps in floats
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
             for index, axis, matrix_format, fit in _matrices(node, fmt, self.weight_dtype, fit_scales):
                 value = node.inputs[index]
                 key = (id(value), axis)
+                if node.op_type != "Predict":
+                    matrix_format = self.format_for(value.name, matrix_format)
+                    if not matrix_format.quantized:  # planned in floats: select-kernels stores it so
+                        planned_floats.append(value.name)
+                        continue
+                    fit = self.method == "awq" and not came_quantized and not matrix_format.has_min
                 if key not in done:
                     array = pir.const_array(value)
                     if array is None or not quant.quantizable(array.shape, axis, matrix_format.block):
@@ -181,7 +202,7 @@ class Quantize:
                    "scope": "weights" if fmt.quantized else "predictors",
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
-                   "exact_matrices": exact_matrices, "source_blocks_rerounded": rerounded,
+                   "exact_matrices": exact_matrices, "planned_floats": planned_floats, "source_blocks_rerounded": rerounded,
                    "source_floats_kept": foreign, "source_formats_kept": moved,
                    "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
@@ -191,10 +212,20 @@ class Quantize:
                 f"{summary['mean_relative_error']:.4f}"
                 f"{(f'; the model{chr(39)}s own blocks kept exactly in {exact_matrices}' if exact_matrices else '') if exact else ''}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}"
+                f"{f'; {len(planned_floats)} kept in floats by the plan' if planned_floats else ''}"
                 f"{''.join(f'; {n} in {name}, the blocks the model stores them in' for name, n in moved.items())}"
                 f"{f'; {len(foreign)} not in 4-bit blocks in the model ({_names(foreign)}), kept in floats' if foreign else ''}"
                 f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")
         return PassResult(model, modified=True)
+
+    def format_for(self, name: str, default: WeightFormat) -> WeightFormat:
+        """The format the matrix initializer `name` is stored in: the one `formats` plans for it, else `default`
+        (the build's). The one place a per-matrix choice enters the pass."""
+        planned = self.formats.get(name)
+        if planned is None:
+            return default
+        fmt = weight_format("cpu", planned)
+        return replace(fmt, scale_dtype=default.scale_dtype) if fmt.quantized and default.quantized else fmt
 
     def _blocks(self, array: np.ndarray, fmt: WeightFormat, axis: int, fit: bool, exact: bool, group: int):
         """(blocks, the format they are in, blocks re-rounded) of a matrix; blocks None where an int4a build keeps
@@ -281,7 +312,16 @@ def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str,
         return [(index, PREDICTOR_AXIS, predictor_format(weight_dtype), False) for index in range(1, len(node.inputs))]
     if not fmt.quantized:
         return []
-    return [(index, axis, fmt, fit_scales) for index, axis in BLOCKED.get(node.op_type, ())]
+    return [(index, axis, fmt, fit_scales) for index, axis in blocked_axes(node)]
+
+
+def blocked_axes(node: ir.Node) -> list[tuple[int, int]]:
+    """(input index, block axis) of each weight matrix of `node` a quantized build stores in blocks: `BLOCKED`'s,
+    the matrices a threshold thins blocked along their rows instead (`THRESHOLDED`)."""
+    rows = {index for index, key in THRESHOLDED.get(node.op_type, ()) if float(pir.attr(node, key, KEEP_ALL)) >= 0}
+    if node.op_type == "ThresholdFFN":
+        return [(1, 1 if 1 in rows else 0), (3, 1 if 3 in rows else 0)]
+    return [(index, 1 if index in rows else axis) for index, axis in BLOCKED.get(node.op_type, ())]
 
 
 # Where a model's matrix is in other blocks than the build's format: the formats tried, fewest bytes first.

@@ -2,7 +2,9 @@
 
 Reads: the block IR after fuse and place (`picompile.Embed`, `Attention`, `FFN`, `Linear` (output layer),
 norms; after lower `Predict` / `SparseFFN` / `MergePartial` (predictor mode) or `ThresholdFFN` /
-`MergePartial` (threshold mode)), each node's `device` (from place) and fused `residual` input (from fuse).
+`MergePartial` (threshold mode); Attention's `threshold_qkv` / `threshold_o` where set, each thresholded
+projection lowered by `_Walker.thresholded_linear`), each node's `device` (from place) and fused `residual` input
+(from fuse).
 Adds: the kernel-call IR (`passes.kernel_ir`): one `runtime.calls.Call` per kernel call, saying what it
 reads and how (whole, one row per token, the cached positions, only the selected rows), the buffers it
 uses, the weights in the layout and precision their device reads (the CPU's matrices panel-packed and in
@@ -36,6 +38,7 @@ from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
 from .kernels import cpu, neuron, ops, quant
 from .place import device_of
 from .quantize import QuantizedMatrix, dequantizes_weight
+from .threshold import KEEP_ALL
 
 
 MAX_BATCH_KEY = "picompile.max_batch"  # the model's metadata entry: the batch phase's sequences (0: none)
@@ -268,11 +271,14 @@ class Lowering:
                                   residual=residual is not None, **fmt_args,
                                   **self.gemm_tile(device))
         else:
-            if bias or act != "none" or residual or "decode" in phases:
-                raise ValueError(f"{weight}: the quantized rows GEMM is prefill-only, without an epilogue")
+            if "decode" in phases:
+                raise ValueError(f"{weight}: the quantized rows GEMM is prefill-only")
             skip = {"skip_zero_rows": True} if skip_zero_rows else {}
-            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tag}{'_skip0' if skip else ''}", k, n,
-                                  phases=phases, bias=False, **fmt_args, **skip, **self.gemm_tile(device))
+            tags = (f"{tag}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
+                    f"{'_skip0' if skip else ''}")
+            kernels = self.kernel(ops.linear_kn_q, f"linear_kn_q_k{k}_n{n}{tags}", k, n, phases=phases,
+                                  bias=bias is not None, act=act, residual=residual is not None, **fmt_args, **skip,
+                                  **self.gemm_tile(device))
         args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
                 + ([read(residual)] if residual else []) + [write(out)])
         self.call(label, kernels, args, role, device)
@@ -406,7 +412,11 @@ class _Walker:
         for name in (key_cache, value_cache):
             self.low.buffers[name] = {"kind": "cache", "shape": [kv_heads, ctx, head_dim], "dtype": KV_CACHE_DTYPE}
         p = node.name
-        self.low.linear(x, w_qkv, b_qkv, qkv, f"{p}.qkv", Role.ATTENTION)
+        t_qkv, t_o = (float(pir.attr(node, key, KEEP_ALL)) for key in ("threshold_qkv", "threshold_o"))
+        if t_qkv >= 0:  # decode reads only the rows of the normed x's kept channels
+            self.thresholded_linear(p, "qkv", x, w_qkv, b_qkv, qkv, t_qkv, Role.ATTENTION)
+        else:
+            self.low.linear(x, w_qkv, b_qkv, qkv, f"{p}.qkv", Role.ATTENTION)
         rope_args = []
         if inv_freq is not None:
             angles = np.arange(ctx, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
@@ -422,7 +432,10 @@ class _Walker:
                                                   Arg(value_cache, Access.CONTEXT), write(attn), Arg(START)],
                       Role.ATTENTION)
         out, residual = self.output_for(node, self.low.shape(w_o)[1])
-        self.low.linear(attn, w_o, b_o, out, f"{p}.o", Role.ATTENTION, residual=residual)
+        if t_o >= 0:  # ... of the attention output's kept channels, the residual added in the epilogue
+            self.thresholded_linear(p, "o", attn, w_o, b_o, out, t_o, Role.ATTENTION, residual=residual)
+        else:
+            self.low.linear(attn, w_o, b_o, out, f"{p}.o", Role.ATTENTION, residual=residual)
         self.location[node.outputs[0].name] = out
         self.location[node.outputs[1].name], self.location[node.outputs[2].name] = key_cache, value_cache
 
@@ -490,6 +503,9 @@ class _Walker:
         up_bias = up_bias or self.low.zeros(f"{p}.up_bias", up_width)
         gate_tag = "_gated" if gated else ""
         quantized = up_rows in self.low.quantized
+        if quantized != (down_rows in self.low.quantized) or (
+                quantized and self.low.quantized[up_rows].fmt != self.low.quantized[down_rows].fmt):
+            raise ValueError(f"{p}: the fused sparse FFN reads its up and down rows in one format")
         if quantized:  # each row's values and its scales, blocked along the row
             *up_parts, matrix = self.low.quantized_in(up_rows, "quant_rows")
             *down_parts, _ = self.low.quantized_in(down_rows, "quant_rows")
@@ -573,51 +589,78 @@ class _Walker:
         self.location[node.outputs[0].name] = partial
 
     def lower_ThresholdFFN(self, node: ir.Node) -> None:
-        """Decode: keep the inputs above their thresholds (select on |x|), gate and up over the kept input
-        channels' rows (one column-sparse GEMV over w_up [D, 2F], the GLU on its sums), the same for down over
-        h. Prompts: dense GEMMs over the same [K, N] weights (the sparse kernels need that layout, not panels)."""
+        """Each projection whose threshold is >= 0 goes through `thresholded_linear` (decode: the kept input
+        channels' rows of its [K, N] weight; gate and up in one column-sparse GEMV over w_up [D, 2F], the GLU on
+        its sums); one whose threshold is < 0 (KEEP_ALL: the plan runs it dense) is a dense panel linear (the
+        gated up's GLU after it) in both phases."""
         activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
         x = self.location[node.inputs[0].name]
         w_up, b_up, w_down = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2]), self.weight_of(node.inputs[3])
-        for weight in (w_up, w_down):
-            self.low.stored_for(weight, self.low.device)
-        d_in, up_width = self.low.weights[w_up].shape
-        neurons, width = self.low.weights[w_down].shape
-        dtype = self.low.buffers[w_up]["dtype"]
-        dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
+        up_width = self.low.shape(w_up)[1]
+        neurons, width = self.low.shape(w_down)
         p = node.name
         partial = self.low.activation("act.partial.cpu", width)
         hidden = self.low.activation(f"act.ffn_hidden.f{neurons}", neurons)
-        projections = (("up", x, w_up, b_up, d_in, up_width, hidden, gated, activation, "threshold_in", Role.FFN_UP),
-                       ("down", hidden, w_down, None, neurons, width, partial, False, "none", "threshold_down",
-                        Role.FFN_DOWN))
-        for part, v, weight, bias, rows, columns, out, glu, act, key, role in projections:
-            threshold = self.low.weight(f"{p}.{key}", np.array([pir.attr(node, key)], np.float32))
-            index = self.low.activation(f"act.kept_index.n{rows}", rows, dtype="int32", rows=1)
-            count = self.low.activation("act.kept_count", 1, dtype="int32", rows=1)
-            # batch steps: the union of the sequences' kept channels, each one's row read once for all of them
-            batch = self.low.max_batch > 1
-            kernels = self.low.kernel(ops.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",),
-                                      batch={} if batch else None)
-            self.low.call(f"{p}.{part}_select", kernels, [read(v), read(threshold), write(index), write(count)], role)
-            scratch = self.low.batch_scratch(f"scratch.columns.n{columns}", neuron.COLUMN_TASKS, columns)
-            tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{dtype_tag}"
-            kernels = self.low.kernel(ops.sparse_columns, f"sparse_columns_k{rows}_n{columns}{tags}", rows, columns,
-                                      gated=glu, act=act, bias=bias is not None, phases=("decode",),
-                                      batch={} if batch else None, **dtype_arg,
-                                      **({"max_batch": self.low.max_batch} if batch else {}))
-            # the kept input channels' rows of the [K, N] weight; the bias is per output, read whole
-            args = [read(v), read(index), read(count), Arg(weight, Access.SELECTED_ROWS, row_bytes=self.low.row_bytes(weight)),
-                    *([read(bias)] if bias else []), write(scratch), write(out)]
-            self.low.call(f"{p}.{part}", kernels, args, role, selection=Selection("threshold", part, count, rows))
-        # multi-token steps: dense, as the sparse FFN parts do
-        pre = self.low.activation(f"act.ffn_pre.n{up_width}", up_width)
-        self.low.linear(x, w_up, b_up, pre if gated else hidden, f"{p}.up_dense", Role.FFN_UP,
-                        act="none" if gated else activation, phases=("prefill",), packed=False)
-        if gated:
-            self.low.glu(pre, hidden, neurons, activation, f"{p}.glu", phases=("prefill",))
-        self.low.linear(hidden, w_down, None, partial, f"{p}.down_dense", Role.FFN_DOWN, phases=("prefill",), packed=False)
+        t_in, t_down = (float(pir.attr(node, key)) for key in ("threshold_in", "threshold_down"))
+        if t_in >= 0:
+            self.thresholded_linear(p, "up", x, w_up, b_up, hidden, t_in, Role.FFN_UP, glu=gated, act=activation)
+        elif gated:
+            pre = self.low.activation(f"act.ffn_pre.n{up_width}", up_width)
+            self.low.linear(x, w_up, b_up, pre, f"{p}.up", Role.FFN_UP)
+            self.low.glu(pre, hidden, neurons, activation, f"{p}.glu")
+        else:
+            self.low.linear(x, w_up, b_up, hidden, f"{p}.up", Role.FFN_UP, act=activation)
+        if t_down >= 0:
+            self.thresholded_linear(p, "down", hidden, w_down, None, partial, t_down, Role.FFN_DOWN)
+        else:
+            self.low.linear(hidden, w_down, None, partial, f"{p}.down", Role.FFN_DOWN)
         self.location[node.outputs[0].name] = partial
+
+    def thresholded_linear(self, p: str, part: str, v: str, weight: str, bias: str | None, out: str, threshold: float,
+                           role: Role, glu: bool = False, act: str = "none", residual: str | None = None) -> None:
+        """out = act(v' @ W + b) (+ residual) for W [K, N] stored one row per input channel, v' = v with the
+        entries |v| <= threshold zeroed (`glu`: W = [gate | up], out the GLU of the two halves' sums).
+        Decode: select_abs keeps the channels, sparse_columns (sparse_columns_q over quantized rows: values and
+        scales, blocked along each row) reads only their rows; a batch step the union of the sequences' kept
+        channels, each row read once for all of them. Prompts: dense GEMMs over the same rows (a quantized
+        matrix's: linear_kn_q), the GLU after."""
+        low = self.low
+        rows, columns = low.shape(weight)
+        threshold_buffer = low.weight(f"{p}.threshold_{part}", np.array([threshold], np.float32))
+        index = low.activation(f"act.kept_index.n{rows}", rows, dtype="int32", rows=1)
+        count = low.activation("act.kept_count", 1, dtype="int32", rows=1)
+        batch = low.max_batch > 1
+        kernels = low.kernel(ops.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",),
+                             batch={} if batch else None)
+        low.call(f"{p}.{part}_select", kernels, [read(v), read(threshold_buffer), write(index), write(count)], role)
+        scratch = low.batch_scratch(f"scratch.columns.n{columns}", neuron.COLUMN_TASKS, columns)
+        flags = {"gated": glu, "act": act, "bias": bias is not None, "residual": residual is not None}
+        tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{'_res' if residual else ''}"
+        batch_args = {"max_batch": low.max_batch} if batch else {}
+        if weight in low.quantized:  # each kept row's values and its scales (int4a: and mins)
+            *parts, matrix = low.quantized_in(weight, "quant_rows")
+            dtype_tag, dtype_arg = low.quant_tag(matrix)
+            op, base = ops.sparse_columns_q, "sparse_columns_q"
+        else:
+            parts = [low.stored_for(weight, low.device)]
+            dtype = low.buffers[weight]["dtype"]
+            dtype_tag, dtype_arg = ("_f16", {"wdtype": dtype}) if dtype != "float32" else ("", {})
+            op, base = ops.sparse_columns, "sparse_columns"
+        kernels = low.kernel(op, f"{base}_k{rows}_n{columns}{tags}{dtype_tag}", rows, columns, phases=("decode",),
+                             batch={} if batch else None, **flags, **dtype_arg, **batch_args)
+        # the kept input channels' rows of the [K, N] weight (and of its scales); bias and residual read whole
+        args = [read(v), read(index), read(count),
+                *(Arg(buffer, Access.SELECTED_ROWS, row_bytes=low.row_bytes(buffer)) for buffer in parts),
+                *([read(bias)] if bias else []), *([read(residual)] if residual else []), write(scratch), write(out)]
+        low.call(f"{p}.{part}", kernels, args, role, selection=Selection("threshold", part, count, rows))
+        # multi-token steps: dense over the same rows
+        if glu:
+            pre = low.activation(f"act.ffn_pre.n{columns}", columns)
+            low.linear(v, weight, bias, pre, f"{p}.{part}_dense", role, phases=("prefill",), packed=False)
+            low.glu(pre, out, columns // 2, act, f"{p}.glu", phases=("prefill",))
+        else:
+            low.linear(v, weight, bias, out, f"{p}.{part}_dense", role, act=act, residual=residual,
+                       phases=("prefill",), packed=False)
 
     def lower_MergePartial(self, node: ir.Node) -> None:
         inputs = list(node.inputs[:-1] if _residual(node) is not None else node.inputs)

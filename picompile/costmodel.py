@@ -134,6 +134,10 @@ class Estimate:
         return lines
 
 
+# a threshold call's part -> the layer report's held-out share of its inputs dropped (lower's report)
+THRESHOLD_SPARSITY = {"up": "sparsity_in", "down": "sparsity_down", "qkv": "sparsity_qkv", "o": "sparsity_o"}
+
+
 def expected_share(call: Call, layers: dict[int, dict]) -> float:
     """The expected share of a sparse call's selectable entries its decode step reads: the inputs a
     threshold keeps on held-out tokens, or the predicted-active neurons divided between the parts by their
@@ -142,7 +146,7 @@ def expected_share(call: Call, layers: dict[int, dict]) -> float:
     if selection is None or layer is None:
         return 1.0
     if selection.by == "threshold":
-        return 1.0 - layer["sparsity_down" if selection.part == "down" else "sparsity_in"]
+        return 1.0 - layer.get(THRESHOLD_SPARSITY[selection.part], 0.0)
     if "predictor_active" not in layer:
         return 1.0
     total = layer["gpu_neurons"] + layer["cpu_neurons"]

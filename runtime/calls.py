@@ -81,7 +81,8 @@ class Arg:
 class Selection:
     """Which rows a sparse decode call reads, as the layer's statistics describe them: the neurons a
     predictor lets through (`by` "predictor", `part` the GPU's hot part or the CPU's cold one), or the
-    input channels a magnitude threshold keeps (`by` "threshold", `part` "up" or "down")."""
+    input channels a magnitude threshold keeps (`by` "threshold", `part` "up" or "down" (an FFN's gate/up or down
+    projection), "qkv" or "o" (attention's)."""
 
     by: str
     part: str

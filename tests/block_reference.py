@@ -36,11 +36,23 @@ def _rope(x, positions, inv_freq):
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
-def run_blocks(model: ir.Model, token_ids: np.ndarray, caches: dict, start: int) -> np.ndarray:
-    """Forward `token_ids` after `start` cached tokens; `caches` maps layer -> (K, V) lists, updated."""
+def run_blocks(model: ir.Model, token_ids: np.ndarray, caches: dict, start: int, weights: dict | None = None,
+               thresholded: bool = False, seen: dict | None = None) -> np.ndarray:
+    """Forward `token_ids` after `start` cached tokens; `caches` maps layer -> (K, V) lists, updated.
+    `weights` replaces initializers by name (e.g. by the values a quantized build stores). `thresholded`: a one-
+    token step zeroes each projection input |v| <= the block's threshold attribute (FFN threshold_in /
+    threshold_down, Attention threshold_qkv / threshold_o; absent or < 0: none), as threshold decode does.
+    `seen` collects, per (layer, attribute), the inputs each of those projections got (rows of every step)."""
     values = {name: v.const_value.numpy() for name, v in model.graph.initializers.items()}
+    values.update(weights or {})
     m = len(token_ids)
     positions = np.arange(start, start + m)
+
+    def kept(v, node, key):
+        if seen is not None:
+            seen.setdefault((pir.attr(node, "layer"), key), []).append(np.array(v))
+        t = pir.attr(node, key)
+        return np.where(np.abs(v) > t, v, 0) if thresholded and m == 1 and t is not None else v
     for node in model.graph:
         x = values.get(node.inputs[0].name) if node.inputs and node.inputs[0] is not None else None
         if node.op_type == "Embed":
@@ -54,6 +66,7 @@ def run_blocks(model: ir.Model, token_ids: np.ndarray, caches: dict, start: int)
         elif node.op_type == "MatMul":
             out = x @ values[node.inputs[1].name]
         elif node.op_type == "FFN":
+            x = kept(x, node, "threshold_in")
             w_up = values[node.inputs[1].name]
             pre = x @ w_up + (values[node.inputs[2].name] if node.inputs[2] is not None else 0)
             act = _ACT[pir.attr(node, "activation")]
@@ -62,11 +75,12 @@ def run_blocks(model: ir.Model, token_ids: np.ndarray, caches: dict, start: int)
                 hidden = act(pre[:, :half]) * pre[:, half:]
             else:
                 hidden = act(pre)
-            out = hidden @ values[node.inputs[3].name] + (values[node.inputs[4].name] if node.inputs[4] is not None else 0)
+            out = kept(hidden, node, "threshold_down") @ values[node.inputs[3].name] + (
+                values[node.inputs[4].name] if node.inputs[4] is not None else 0)
         elif node.op_type == "Attention":
             layer = pir.attr(node, "layer")
             heads, kv_heads, hd = (pir.attr(node, a) for a in ("num_heads", "num_kv_heads", "head_dim"))
-            qkv = x @ values[node.inputs[4].name] + (values[node.inputs[5].name] if node.inputs[5] is not None else 0)
+            qkv = kept(x, node, "threshold_qkv") @ values[node.inputs[4].name] + (values[node.inputs[5].name] if node.inputs[5] is not None else 0)
             q = qkv[:, : heads * hd].reshape(m, heads, hd)
             k = qkv[:, heads * hd: (heads + kv_heads) * hd].reshape(m, kv_heads, hd)
             v = qkv[:, (heads + kv_heads) * hd:].reshape(m, kv_heads, hd)
@@ -84,7 +98,7 @@ def run_blocks(model: ir.Model, token_ids: np.ndarray, caches: dict, start: int)
                 scores = np.where(np.arange(len(K))[None, :] <= positions[:, None], scores, -np.inf)
                 p = np.exp(scores - scores.max(-1, keepdims=True))
                 out[:, h] = (p / p.sum(-1, keepdims=True)) @ V[:, h // group]
-            out = out.reshape(m, heads * hd) @ values[node.inputs[6].name]
+            out = kept(out.reshape(m, heads * hd), node, "threshold_o") @ values[node.inputs[6].name]
             if node.inputs[7] is not None:
                 out = out + values[node.inputs[7].name]
             values[node.outputs[1].name] = values[node.outputs[2].name] = None

@@ -123,13 +123,15 @@ def greedy_steps(forward, prompt=PROMPT, steps=DECODE_STEPS):
 
 
 def test_sparsity_zero_matches_onnxruntime(threshold_builds, swiglu):
-    """With thresholds that keep every input, the column-sparse decode is the dense model (prefill and decode)."""
+    """Thresholds that keep every input (KEEP_ALL, < 0) mean dense projections: the build is the dense model
+    (prefill and decode), with no column-sparse call."""
     from picompile.reference import OrtDecoder
     from runtime import Engine
 
     manifest = json.loads((threshold_builds[0.0] / "manifest.json").read_text())
     assert manifest["sparsity"]["mode"] == "threshold"
-    assert {call.selection.part for call in threshold_calls(threshold_builds[0.0])} == {"up", "down"}
+    assert threshold_calls(threshold_builds[0.0]) == []
+    assert {call.selection.part for call in threshold_calls(threshold_builds[0.5])} == {"up", "down"}
     engine, reference = Engine(threshold_builds[0.0]), OrtDecoder(swiglu.onnx)
     rows = greedy_steps(reference.forward)
     engine_rows = [engine.forward(PROMPT)] + [engine.forward([int(np.argmax(r[-1]))]) for r in rows[:-1]]
@@ -138,18 +140,22 @@ def test_sparsity_zero_matches_onnxruntime(threshold_builds, swiglu):
 
 
 def test_fp16_threshold_build_stays_close_to_onnxruntime(swiglu, tmp_path):
-    """--weight-dtype fp16: the column-sparse kernels read fp16 rows; at sparsity 0 only fp16 rounding remains."""
-    from picompile.compiler import build
+    """--weight-dtype fp16: the column-sparse kernels read fp16 rows; with thresholds of 0 (only exact zeros
+    dropped) only fp16 rounding remains."""
+    from picompile.compiler import build, pipeline
     from picompile.pipeline import Options
     from picompile.reference import OrtDecoder
     from picompile.targets import get_target
     from runtime import Engine
+    from threshold_plans import SetThresholds, insert_after
 
-    artifact = build(swiglu.onnx, tmp_path / "f16.pic", get_target("cpu"),
-                     Options(max_context=32, calib=swiglu.calib, sparsity_mode="threshold", sparsity=0.0,
-                             weight_dtype="fp16", calib_tokens=512))
+    options = Options(max_context=32, calib=swiglu.calib, sparsity_mode="threshold", sparsity=0.0,
+                      weight_dtype="fp16", calib_tokens=512)
+    zero = SetThresholds(lambda op, layer, model: {"threshold_in": 0.0, "threshold_down": 0.0} if op == "FFN" else {})
+    artifact = build(swiglu.onnx, tmp_path / "f16.pic", get_target("cpu"), options,
+                     passes=insert_after(pipeline(options, "threshold"), "threshold", zero))
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert all(manifest["buffers"][arg.buffer]["dtype"] == "float16" for call in threshold_calls(artifact)
+    assert threshold_calls(artifact) and all(manifest["buffers"][arg.buffer]["dtype"] == "float16" for call in threshold_calls(artifact)
                for arg in call.args if arg.access is Access.SELECTED_ROWS)
     assert manifest["buffers"]["layers.0.ffn.w_up"]["dtype"] == "float16"
     engine, reference = Engine(artifact), OrtDecoder(swiglu.onnx)
@@ -160,16 +166,20 @@ def test_fp16_threshold_build_stays_close_to_onnxruntime(swiglu, tmp_path):
 
 
 def test_threshold_mode_on_an_ungated_biased_relu_ffn(tiny_models, tmp_path):
-    """Threshold mode asked for on OPT (ReLU, not gated, biases): at sparsity 0 it is the dense model."""
-    from picompile.compiler import build
+    """Threshold mode asked for on OPT (ReLU, not gated, biases), with thresholds of 0 (only exact zeros dropped,
+    so the column-sparse calls run and the model stays exactly the dense one)."""
+    from picompile.compiler import build, pipeline
     from picompile.pipeline import Options
     from picompile.reference import OrtDecoder
     from picompile.targets import get_target
     from runtime import Engine
+    from threshold_plans import SetThresholds, insert_after
 
     files = tiny_models("opt", sparsity=0.9)
-    artifact = build(files.onnx, tmp_path / "opt.pic", get_target("cpu"),
-                     Options(max_context=32, calib=files.calib, sparsity_mode="threshold", sparsity=0.0, calib_tokens=512))
+    options = Options(max_context=32, calib=files.calib, sparsity_mode="threshold", sparsity=0.0, calib_tokens=512)
+    zero = SetThresholds(lambda op, layer, model: {"threshold_in": 0.0, "threshold_down": 0.0} if op == "FFN" else {})
+    artifact = build(files.onnx, tmp_path / "opt.pic", get_target("cpu"), options,
+                     passes=insert_after(pipeline(options, "threshold"), "threshold", zero))
     manifest = json.loads((artifact / "manifest.json").read_text())
     up = [call for call in threshold_calls(artifact) if call.selection.part == "up"]
     # OPT's up projection has a bias: read whole beside the kept rows
@@ -238,7 +248,8 @@ def test_half_sparsity_matches_the_thresholded_model_and_reads_fewer_rows(thresh
         return engine.profile["weight_bytes"]
 
     dense, sparse = bytes_read(threshold_builds[0.0]), bytes_read(threshold_builds[0.5])
-    assert dense - sparse == state["dropped_bytes"]
+    thresholds = 2 * 4 * len(layers) * len(tokens)  # the sparse build's select calls read their fp32 thresholds
+    assert dense - sparse + thresholds == state["dropped_bytes"]
     ffn_bytes = len(layers) * 3 * d * f * 4 * len(tokens)
     assert 0.4 < state["dropped_bytes"] / ffn_bytes < 0.6  # about half of the FFN rows, as asked
 

@@ -44,6 +44,7 @@ sparse_down = KernelOp("sparse_down", neuron.sparse_down, cuda.sparse_down)
 sparse_ffn = KernelOp("sparse_ffn", neuron.sparse_ffn, None)
 sparse_ffn_q = KernelOp("sparse_ffn_q", neuron.sparse_ffn_q, None)  # over int8 / int4 rows
 sparse_columns = KernelOp("sparse_columns", neuron.sparse_columns, None)
+sparse_columns_q = KernelOp("sparse_columns_q", neuron.sparse_columns_q, None)  # over quant rows (int8 / int4 / int4a)
 merge = KernelOp("merge", neuron.merge, cuda.merge)
 linear_rows = KernelOp("linear_rows", neuron.linear_rows, cuda.linear_rows)
 # block-quantized weights (--weight-dtype int8 / int4); the makers also take bits and sdtype (scales). The panels
