@@ -204,26 +204,27 @@ class QualityPlan:
         sequences = _equal_length(CalibrationSequences.of(model).sequences)
         fit, held_out = _split(sequences)
         interpreter = Interpreter(model)
-        predictor = self.mode == "predictor"
-        formats = (self.weight_dtype,) if self.fixed_formats or predictor else allowed_formats(self.weight_dtype)
-        sites = MODE_SITES[self.mode]
+        fixed_level = _fixed_levels(model)  # --sparsity: the threshold pass's levels, kept as they are (measured)
+        planned = self.mode == "threshold" and not fixed_level
+        formats = allowed_formats(self.weight_dtype) if planned and not self.fixed_formats else (self.weight_dtype,)
+        sites = MODE_SITES[self.mode] if not fixed_level else {"FFN": ("in", "down")}
         stored = StoredWeights(model, self.method)
-        fixed_level = _fixed_levels(model)  # --sparsity: the threshold pass's levels, kept as they are
         nodes = [n for n in model.graph if n.op_type in sites and n.domain == pir.DOMAIN]
         with ctx.progress("quality: local effects", len(nodes)) as advance:
             knobs, head_error = _measure_locally(interpreter, fit, sites, formats, stored, fixed_level,
                                                  self.lowest_recall, advance)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
+        isa = get_cpu_isa(self.cpu_isa) if self.int8_activations else None
+        int8_dot = isa.int8_dot if isa is not None else None
         for knob in knobs:
-            knob.cost = _costs(knob, model, formats, bandwidth)
+            knob.cost = _costs(knob, model, formats, bandwidth, int8_dot)
         head, embed = _head_and_embed(model, formats, head_error, self.budget)
         start = _start(knobs, fixed_level)
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
         state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
-        int8_dot = get_cpu_isa(self.cpu_isa) if self.int8_activations else None
-        variant = lambda state: _variant(knobs, state, formats, stored, head, embed, int8_dot)  # noqa: E731
+        variant = lambda state: _variant(knobs, state, formats, stored, head, embed, isa)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
             steps, found = _furthest_within(self.budget, local_error, evaluate)
@@ -395,7 +396,7 @@ def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.nd
     return head, embed
 
 
-def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: float) -> np.ndarray:
+def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: float, int8_dot: str | None) -> np.ndarray:
     """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a sparse level
     reading the rows of the inputs it keeps on held-out tokens; a predictor knob's FFN (up and down), its sparse
     levels reading the predictor whole and the rows of the neurons it selects."""
@@ -409,7 +410,8 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
         stored = weights * WEIGHT_FORMATS[name].bytes_per_weight
         for level in range(len(knob.thresholds)):
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
-            cost[level, f] = costmodel.linear_seconds(stored, bandwidth, kept)
+            efficiency = costmodel.sparse_row_efficiency(WEIGHT_FORMATS[name].bits, int8_dot)
+            cost[level, f] = costmodel.linear_seconds(stored, bandwidth, kept, efficiency)
             if knob.predictor is not None and level:
                 cost[level, f] += costmodel.linear_seconds(predictor, bandwidth)
     return cost

@@ -15,8 +15,8 @@ The block axis is the one each matrix's kernels read contiguously (`BLOCKED`): t
 linear's [K, N] (panels), the row of a weight whose rows are gathered (the FFN parts' up and down rows, one row
 per neuron; the embedding table), and in threshold mode the row of a matrix whose input a threshold thins
 (`THRESHOLDED`: ThresholdFFN's and attention's, threshold >= 0; the column-sparse kernels read one row per kept
-input channel). `formats` (a quality plan's, by initializer name, through `format_for`) stores a matrix in
-another format than `weight_dtype`, or keeps it in floats (fp16). A matrix whose axis is not a whole number of blocks stays in floats (as
+input channel). The quality pass's `WeightPlan` (by initializer name, read through `format_for`) stores a matrix
+in another format than `weight_dtype`, or keeps it in floats (fp16). A matrix whose axis is not a whole number of blocks stays in floats (as
 `sizes.float_format` says: fp16). Predictors are stored in `sizes.predictor_format` (int8: predict fitted their thresholds to those values), biases and norms fp32,
 and GPU blocks keep the GPU's format (`sizes.GPU_WEIGHT_FORMAT`: fp16).
 
@@ -41,7 +41,7 @@ declared format that holds it exactly (`SOURCE_FORMATS`), not re-rounded.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
@@ -54,6 +54,7 @@ from picompile.sizes import predictor_format, weight_format
 from runtime.dtypes import QUANT_BLOCK, QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 
 from .awq import AWQ_KEY
+from .quality import WeightPlan
 from .import_gguf import GGUFSource
 from .import_onnx import SourceQuantization
 from .kernels import quant
@@ -133,9 +134,6 @@ class Quantize:
     weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 block every matrix, float formats the predictors
     method: str = Options.quant_method  # --quant-method: "awq" fits each block's scale (`quant.quantize`'s fit_scales)
     keep_source_blocks: bool = False  # matrices a quantized model stores in other blocks keep them (auto's build)
-    # per initializer name, a weight format name ("fp16", "int8", "int4", "int4a") that overrides weight_dtype for
-    # that matrix (a quality plan's choice); "fp16" / "fp32" keep it in floats (`format_for`)
-    formats: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
@@ -157,7 +155,8 @@ class Quantize:
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors, quantized_bytes, rerounded, foreign = [], 0, 0, [], 0.0, 0, []
         exact_matrices, moved = 0, {}  # matrices kept exactly; format name -> matrices stored in it instead
-        planned_floats: list[str] = []  # matrices `formats` keeps in floats
+        planned = WeightPlan.of(model).formats  # the quality pass's format per matrix, where not the build's
+        planned_floats: list[str] = []  # matrices the plan keeps in floats
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
@@ -165,7 +164,7 @@ class Quantize:
                 value = node.inputs[index]
                 key = (id(value), axis)
                 if node.op_type != "Predict":
-                    matrix_format = self.format_for(value.name, matrix_format)
+                    matrix_format = format_for(planned, value.name, matrix_format)
                     if not matrix_format.quantized:  # planned in floats: select-kernels stores it so
                         planned_floats.append(value.name)
                         continue
@@ -218,15 +217,6 @@ class Quantize:
                 f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")
         return PassResult(model, modified=True)
 
-    def format_for(self, name: str, default: WeightFormat) -> WeightFormat:
-        """The format the matrix initializer `name` is stored in: the one `formats` plans for it, else `default`
-        (the build's). The one place a per-matrix choice enters the pass."""
-        planned = self.formats.get(name)
-        if planned is None:
-            return default
-        fmt = weight_format("cpu", planned)
-        return replace(fmt, scale_dtype=default.scale_dtype) if fmt.quantized and default.quantized else fmt
-
     def _blocks(self, array: np.ndarray, fmt: WeightFormat, axis: int, fit: bool, exact: bool, group: int):
         """(blocks, the format they are in, blocks re-rounded) of a matrix; blocks None where an int4a build keeps
         a matrix that is in no 4-bit blocks in floats. `exact` (a model that came quantized): its own blocks are
@@ -268,6 +258,15 @@ class Quantize:
         node.metadata_props[DEVICE_KEY] = "cpu"
         graph.insert_before(before, node)
         return node.outputs[0] if mins is None else _with_mins(graph, before, name, node.outputs[0], mins, axis, fmt)
+
+
+def format_for(planned: dict[str, str], name: str, default: WeightFormat) -> WeightFormat:
+    """The format the matrix initializer `name` is stored in: the one the plan gives it, else `default` (the
+    build's, with its scale type). The one place a per-matrix choice enters the pass."""
+    if name not in planned:
+        return default
+    fmt = weight_format("cpu", planned[name])
+    return replace(fmt, scale_dtype=default.scale_dtype) if fmt.quantized and default.quantized else fmt
 
 
 def _standard(node: ir.Node | None, op_type: str) -> bool:

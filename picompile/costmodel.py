@@ -56,13 +56,28 @@ def sync_seconds(target: Target, activation_bytes: int) -> float:
     return 2 * copy_seconds(target, activation_bytes)
 
 
-def linear_seconds(stored_bytes: float, bandwidth: float, kept: float | None = None) -> float:
+QUANT_SPARSE_ROW_EFFICIENCY = 0.45
+"""4-bit rows gathered by the column-sparse kernel (neuron.sparse_columns_q) against the dense GEMV of the same
+matrix where that one takes int8 activations with VNNI: on the 2-core Zen 4 (AVX-512 VNNI) of 2026-12-03, a gated
+576x3072 int4 up read 10.5 GB/s sparse at 60% of its inputs kept against 23 GB/s dense (57 vs 43 us; 47 us at 40%:
+no faster than dense), int8 rows 16 GB/s against a dense int8 GEMV at half that rate; on AVX2 the int4 rows beat the
+dense GEMV (77 vs 144 us). The dense VNNI GEMV's integer dot products are what the row kernel lacks."""
+
+
+def sparse_row_efficiency(bits: int, int8_dot: str | None) -> float:
+    """The share of the dense GEMV's rate at which a column-sparse kernel reads rows of `bits`-bit weights (0: a
+    float format) on a CPU whose int8-activation kernels use `int8_dot` (None: none)."""
+    return QUANT_SPARSE_ROW_EFFICIENCY if bits == 4 and int8_dot == "vnni" else SPARSE_ROW_EFFICIENCY
+
+
+def linear_seconds(stored_bytes: float, bandwidth: float, kept: float | None = None,
+                   efficiency: float = SPARSE_ROW_EFFICIENCY) -> float:
     """One CPU linear layer's decode seconds for a matrix of `stored_bytes`: dense (`kept` None) the matrix over
-    the bandwidth and one call; thresholded, the `kept` share of its rows (one per input channel) at
-    SPARSE_ROW_EFFICIENCY of the bandwidth, plus the select call before it. The quality pass prices its plans so."""
+    the bandwidth and one call; thresholded, the `kept` share of its rows (one per input channel) at `efficiency`
+    of the bandwidth (`sparse_row_efficiency`), plus the select call before it. The quality pass prices its plans so."""
     if kept is None:
         return stored_bytes / bandwidth + launch_seconds("cpu")
-    return kept * stored_bytes / (bandwidth * SPARSE_ROW_EFFICIENCY) + 2 * launch_seconds("cpu")
+    return kept * stored_bytes / (bandwidth * efficiency) + 2 * launch_seconds("cpu")
 
 
 @dataclass(frozen=True)

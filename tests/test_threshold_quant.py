@@ -150,19 +150,17 @@ def attention_quantiles(model, share=0.5):
 def threshold_build(swiglu, path, weight_dtype, plan, formats=None, **options):
     """A threshold build at sparsity 0.5 with `plan`'s thresholds set after the threshold pass; returns (artifact,
     the block IR the thresholds apply to, the matrices as stored (quantized builds))."""
-    from passes.quantize import Quantize
     from picompile.compiler import build, pipeline
     from picompile.pipeline import Options
     from picompile.targets import get_target
-    from threshold_plans import SetThresholds, Snapshot, StoredWeights, insert_after
+    from threshold_plans import PlanFormats, SetThresholds, Snapshot, StoredWeights, insert_after
 
     options = Options(max_context=64, calib=swiglu.calib, sparsity_mode="threshold", sparsity=0.5,
                       weight_dtype=weight_dtype, int8_activations=False, calib_tokens=512, **options)
     snapshot, stored = Snapshot(), StoredWeights()
     passes = insert_after(pipeline(options, "threshold"), "threshold", SetThresholds(plan), snapshot)
     if any(p.name == "quantize" for p in passes):
-        passes = [Quantize(weight_dtype=p.weight_dtype, method=p.method, formats=formats or {})
-                  if p.name == "quantize" else p for p in passes]
+        passes = insert_after(passes, "quality", PlanFormats(formats or {}))
         passes = insert_after(passes, "quantize", stored)
     artifact = build(swiglu.onnx, path, get_target("cpu"), options, passes=passes)
     return artifact, snapshot.model, stored

@@ -32,6 +32,20 @@ class SetThresholds:
 
 
 @dataclass
+class PlanFormats:
+    """Replaces the quality pass's per-matrix formats with the test's ({initializer name: format name})."""
+
+    formats: dict[str, str]
+    name = "plan-formats"
+
+    def apply(self, model, ctx):
+        from passes.quality import WeightPlan
+
+        WeightPlan(dict(self.formats)).attach(model)
+        return PassResult(model, modified=True)
+
+
+@dataclass
 class Snapshot:
     """A copy of the model as it is where the pass runs (later passes change the one they get in place)."""
 
