@@ -554,7 +554,7 @@ class _HeldOut:
         return Quality(float(np.exp((nll_got - nll_ref) / count) - 1.0), kl / count, agree / count, count)
 
 
-MAX_EVALUATIONS = 4  # plans measured on the held-out tokens while searching the path
+MAX_EVALUATIONS = 5  # plans measured on the held-out tokens while searching the path
 
 
 def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -> tuple[int, Quality]:
