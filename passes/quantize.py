@@ -157,6 +157,7 @@ class Quantize:
         exact_matrices, moved = 0, {}  # matrices kept exactly; format name -> matrices stored in it instead
         planned = WeightPlan.of(model).formats  # the quality pass's format per matrix, where not the build's
         planned_floats: list[str] = []  # matrices the plan keeps in floats
+        planned_formats: dict[str, int] = {}  # format name -> matrices the plan stores in it instead of fmt
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
@@ -187,6 +188,8 @@ class Quantize:
                     exact_matrices += errors[-1] == 0.0
                     done[key] = self._dequantize(graph, node, value.name, *blocks[:2], axis, used, *blocks[2:])
                     matrix_format = used
+                    if node.op_type != "Predict" and used.name != fmt.name and value.name in planned:
+                        planned_formats[used.name] = planned_formats.get(used.name, 0) + 1
                     stored += array.size
                     floats += array.nbytes
                     quantized_bytes += array.size * matrix_format.bytes_per_weight
@@ -201,7 +204,8 @@ class Quantize:
                    "scope": "weights" if fmt.quantized else "predictors",
                    "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
                    "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
-                   "exact_matrices": exact_matrices, "planned_floats": planned_floats, "source_blocks_rerounded": rerounded,
+                   "exact_matrices": exact_matrices, "planned_floats": planned_floats,
+                   "planned_formats": planned_formats, "source_blocks_rerounded": rerounded,
                    "source_floats_kept": foreign, "source_formats_kept": moved,
                    "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
@@ -211,7 +215,8 @@ class Quantize:
                 f"{summary['mean_relative_error']:.4f}"
                 f"{(f'; the model{chr(39)}s own blocks kept exactly in {exact_matrices}' if exact_matrices else '') if exact else ''}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}"
-                f"{f'; {len(planned_floats)} kept in floats by the plan' if planned_floats else ''}"
+                f"{''.join(f'; {n} in {name} by the quality plan' for name, n in planned_formats.items())}"
+                f"{f'; {len(planned_floats)} kept in floats by the quality plan' if planned_floats else ''}"
                 f"{''.join(f'; {n} in {name}, the blocks the model stores them in' for name, n in moved.items())}"
                 f"{f'; {len(foreign)} not in 4-bit blocks in the model ({_names(foreign)}), kept in floats' if foreign else ''}"
                 f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")

@@ -576,17 +576,34 @@ def _inspect(args) -> int:
         say(f"{quantized.get('scope', 'weights'):<10} {quantized['matrices']} matrices in {quantized['format']} ({quantized['method']}, blocks of "
             f"{quantized['block']}): {format_size(quantized['bytes'])} from {format_size(quantized['float32_bytes'])} "
             f"fp32, mean relative error {quantized['mean_relative_error']:.4f}"
-            + (f"; {len(quantized['kept_in_floats'])} kept in fp16 (not whole blocks)" if quantized["kept_in_floats"] else ""))
+            + (f"; {len(quantized['kept_in_floats'])} kept in fp16 (not whole blocks)" if quantized["kept_in_floats"] else "")
+            + "".join(f"; {n} in {name} by the quality plan" for name, n in quantized.get("planned_formats", {}).items())
+            + (f"; {len(quantized['planned_floats'])} in fp16 by the quality plan" if quantized.get("planned_floats")
+               else ""))
         channels = quantized.get("channel_scales") or {}
         scaled = [layer for layer in channels.get("layers", []) if layer["alpha"] > 0]
         if scaled:
             say(f"           awq channel scales on {len(scaled)} of {len(channels['layers'])} FFN inputs: "
                 f"up-projection error {channels['error_ratio']:.3f}x the unscaled one's")
+    if manifest.get("quality"):
+        from passes.quality import ExpectedQuality
+
+        expected = ExpectedQuality.from_json(manifest["quality"])
+        say(f"quality     {expected.line().removeprefix('expected quality: ')}{'' if expected.met else ' (MISSED)'}")
+        say(f"            plan: {expected.plan}")
+        if expected.gave_up:
+            say(f"            {expected.gave_up}")
     if info["layers"] and "threshold_in" in info["layers"][0]:
-        say(f"{'layer':>5} {'t_in':>9} {'drops':>6} {'t_down':>9} {'drops':>6}")
+        # each linear input's threshold (- where it stays dense) and share dropped on held-out calibration tokens,
+        # and each matrix's stored format (qkv / o / gate+up / down)
+        say(f"{'layer':>5} {'t_qkv':>9} {'drops':>6} {'t_o':>9} {'drops':>6} {'t_in':>9} {'drops':>6} "
+            f"{'t_down':>9} {'drops':>6}  formats qkv/o/up/down")
         for layer in info["layers"]:
-            say(f"{layer['layer']:>5} {layer['threshold_in']:>9.4g} {layer['sparsity_in']:>6.3f} "
-                f"{layer['threshold_down']:>9.4g} {layer['sparsity_down']:>6.3f}")
+            cells = []
+            for site in ("qkv", "o", "in", "down"):
+                t = layer.get(f"threshold_{site}", -1.0)
+                cells.append(f"{'-' if t < 0 else f'{t:.4g}':>9} {layer.get(f'sparsity_{site}', 0.0):>6.3f}")
+            say(f"{layer['layer']:>5} {' '.join(cells)}  {'/'.join(_matrix_formats(manifest, layer['layer']))}")
     elif info["layers"]:
         # active shares: true = fired on the profiled tokens (1 - sparsity), predicted = what decode computes
         say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} "
@@ -603,6 +620,19 @@ def _inspect(args) -> int:
                 say(f"  layer {layer['layer']} FFN lowered dense: {layer['dense_reason']}")
     sys.stdout.write("".join(line + "\n" for line in lines))
     return _write_report(args, manifest, lines)
+
+
+def _matrix_formats(manifest: dict, layer: int) -> list[str]:
+    """The stored formats of a layer's qkv, o, gate/up and down matrices, as the artifact's buffers say."""
+    from runtime.dtypes import WEIGHT_FORMATS
+
+    spelled = {fmt.storage: name for name, fmt in WEIGHT_FORMATS.items() if not fmt.quantized}
+    found = []
+    for name in (f"layers.{layer}.attn.w_qkv", f"layers.{layer}.attn.w_o", f"layers.{layer}.ffn.w_up",
+                 f"layers.{layer}.ffn.w_down"):
+        info = manifest["buffers"].get(f"{name}.q") or manifest["buffers"].get(name)  # (quantized values: NAME.q)
+        found.append("?" if info is None else info.get("format") or spelled.get(info["dtype"], info["dtype"]))
+    return found
 
 
 def _tokenizer_facts(artifact: Path, manifest: dict) -> dict | None:

@@ -30,7 +30,9 @@ LAYER_COLUMNS = [
 ]
 # ... and of a threshold-mode build (no placement, no predictors)
 THRESHOLD_COLUMNS = [
-    ("layer", "layer", "{}"), ("gate/up threshold", "threshold_in", "{:.4g}"),
+    ("layer", "layer", "{}"), ("qkv threshold", "threshold_qkv", "{:.4g}"), ("qkv inputs dropped", "sparsity_qkv", "{:.3f}"),
+    ("o threshold", "threshold_o", "{:.4g}"), ("o inputs dropped", "sparsity_o", "{:.3f}"),
+    ("gate/up threshold", "threshold_in", "{:.4g}"),
     ("gate/up inputs dropped", "sparsity_in", "{:.3f}"), ("down threshold", "threshold_down", "{:.4g}"),
     ("down inputs dropped", "sparsity_down", "{:.3f}"),
 ]
