@@ -232,7 +232,8 @@ class QualityPlan:
                 head = embed = None  # the widest output layer and embedding, and dense
                 steps, found = _furthest_within(self.budget, local_error, evaluate)
             state = state_at(steps)
-            if not self.budget.met_by(found.ppl_change, found.kl) and any(level for level, _ in state):
+            # (levels --sparsity fixed are the user's: measured and said, not given up)
+            if not self.budget.met_by(found.ppl_change, found.kl) and not fixed_level and any(l for l, _ in state):
                 state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
                 found = measure.quality(variant(state))
         _write_thresholds(knobs, state)
@@ -627,6 +628,9 @@ def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], formats: tup
 
 def _gave_up(knobs: list[Knob], state, state_at_start, moves, steps: int, met: bool, budget: QualityBudget) -> str:
     """What the budget cost against the end of the greedy path (every move taken), one line; "" where nothing."""
+    if not met and not moves and any(level for level, _ in state):
+        return (f"the --sparsity level misses the budget ({budget.describe()}); built as asked (without --sparsity "
+                "the build picks a level per linear input within it)")
     if not met:
         return (f"even dense at the widest formats the plan misses the budget ({budget.describe()}): built dense, "
                 "at the widest formats allowed")

@@ -125,3 +125,12 @@ def test_a_budget_no_plan_meets_falls_back_and_says_so(tiny_models, tmp_path, ca
     assert "misses the budget (KL 0)" in err, err
     assert not manifest["quality"]["met"]
     assert "0 of 8 linear inputs sparse" in manifest["quality"]["plan"]
+
+
+def test_a_fixed_sparsity_over_the_budget_is_built_as_asked_and_said(tiny_models, tmp_path, capsys):
+    """--sparsity is the user's level: a budget it misses gets a warning, not a denser build."""
+    files = tiny_models("llama", hidden_act="silu")
+    manifest = _build(files, tmp_path / "fixed.pic", "--sparsity", "0.5", "--max-quality-loss", "kl=0")
+    assert "the --sparsity level misses the budget (KL 0)" in capsys.readouterr().err
+    assert not manifest["quality"]["met"] and manifest["quality"]["kl"] > 0
+    assert all(layer["threshold_in"] >= 0 and layer["sparsity_in"] > 0.3 for layer in manifest["layers"])
