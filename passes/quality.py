@@ -224,7 +224,8 @@ class QualityPlan:
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
         state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
-        variant = lambda state: _variant(knobs, state, formats, stored, head, embed, isa)  # noqa: E731
+        unplanned = _build_matrices(model, self.weight_dtype) if len(formats) == 1 and not self.fixed_formats else {}
+        variant = lambda state: _variant(knobs, state, formats, stored, head, embed, isa, unplanned)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
             steps, found = _furthest_within(self.budget, local_error, evaluate)
@@ -475,18 +476,41 @@ def _replay(start: list[tuple[int, int]], moves: list[tuple[int, int, int]]) -> 
     return state
 
 
+def _build_matrices(model: ir.Model, weight_dtype: str) -> dict[str, tuple[str, int]]:
+    """Every matrix a quantized build stores in its own format, with the axis the quantize pass blocks it along
+    (a dense linear's K; the embedding's rows; predictor mode's down rows, gathered per neuron); {} for a float
+    build. Where a knob then chooses a level or format, its choice replaces this."""
+    if not WEIGHT_FORMATS[weight_dtype].quantized:
+        return {}
+    matrices = {}
+    for node in model.graph:
+        if node.op_type in ("Attention", "FFN") and node.domain == pir.DOMAIN:
+            for (op, site), index in SITES.items():
+                if op == node.op_type and node.inputs[index] is not None:
+                    matrices[node.inputs[index].name] = (weight_dtype, 1 if site == "down" else 0)
+        elif node.op_type == "Embed":
+            matrices[node.inputs[2].name] = (weight_dtype, 1)
+    head = _head_node(model)
+    if head is not None:
+        matrices[head.inputs[1].name] = (weight_dtype, 0)
+    return matrices
+
+
 def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str, ...], stored: StoredWeights,
-             head: tuple[str, str] | None, embed: tuple[str, str] | None, isa: CpuIsa | None) -> Variant:
+             head: tuple[str, str] | None, embed: tuple[str, str] | None, isa: CpuIsa | None,
+             build_matrices: dict[str, tuple[str, int]]) -> Variant:
     """A plan as the kernels compute it: thresholds on decode rows, matrices as stored (a sparse one blocked
-    along its rows, the layout its kernel gathers; a dense one along K)."""
+    along its rows, the layout its kernel gathers; a dense one along K); `build_matrices`: the matrices no knob
+    chooses a format for, in the build's (a quantized predictor-mode or --sparsity build's)."""
     thresholds = {(knob.layer, knob.site): float(knob.thresholds[level])
                   for knob, (level, _) in zip(knobs, state) if level and knob.predictor is None}
     predictors = {knob.layer: (*knob.predictor, float(knob.thresholds[level]))
                   for knob, (level, _) in zip(knobs, state) if level and knob.predictor is not None}
     # (a float build's own format is the source's values: fp32, or the fp16 a half model stores)
     changed = lambda fmt: fmt != "fp32" and not (len(formats) == 1 and not WEIGHT_FORMATS[fmt].quantized)  # noqa: E731
-    choices = {knob.matrix: (formats[f], 1 if level and knob.predictor is None else 0)
-               for knob, (level, f) in zip(knobs, state) if changed(formats[f])}
+    choices = dict(build_matrices)
+    choices.update({knob.matrix: (formats[f], 1 if level and knob.predictor is None else 0)
+                    for knob, (level, f) in zip(knobs, state) if changed(formats[f])})
     for matrix, axis in ((head, 0), (embed, 1)):
         if matrix is not None and changed(matrix[1]):
             choices[matrix[0]] = (matrix[1], axis)
