@@ -10,7 +10,6 @@ that a caller can measure a change to one block on the spot instead of keeping e
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -218,10 +217,6 @@ def _residual_partners(graph: ir.Graph) -> dict[str, str]:
     return partners
 
 
-def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.to(torch.float64), dim=-1)
-
-
 @dataclass(frozen=True)
 class Quality:
     """A plan's quality against the dense model on the same tokens: perplexity change (ppl ratio - 1), mean KL
@@ -234,14 +229,3 @@ class Quality:
 
     def describe(self) -> str:
         return f"ppl {self.ppl_change * 100:+.1f}%, KL {self.kl:.4f}, top-1 {self.top1:.2f}"
-
-
-def quality(reference: torch.Tensor, candidate: torch.Tensor, sequences: np.ndarray) -> Quality:
-    """`candidate` logits against `reference` on `sequences` (the next token of each position is its target)."""
-    ref, got = log_probs(reference[:, :-1]), log_probs(candidate[:, :-1])
-    targets = torch.from_numpy(np.asarray(sequences, np.int64))[:, 1:, None]
-    nll_ref = -ref.gather(-1, targets).mean()
-    nll_got = -got.gather(-1, targets).mean()
-    kl = (ref.exp() * (ref - got)).sum(-1).mean()
-    top1 = (ref.argmax(-1) == got.argmax(-1)).double().mean()
-    return Quality(float(math.exp(nll_got - nll_ref) - 1.0), float(kl), float(top1), int(targets.numel()))

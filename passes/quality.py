@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -245,7 +246,7 @@ class QualityPlan:
         met = self.budget.met_by(found.ppl_change, found.kl)
         gave_up = _gave_up(knobs, state, start, moves, steps, met, self.budget)
         expected = ExpectedQuality(self.budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
-                                   _describe_plan(knobs, state, formats, plan), gave_up,
+                                   _describe_plan(knobs, state, plan), gave_up,
                                    round(time.perf_counter() - started, 2))
         expected.attach(model)
         ctx.log(f"quality: {expected.plan}")
@@ -627,23 +628,19 @@ def _write_thresholds(knobs: list[Knob], state: list[tuple[int, int]]) -> None:
                                                                         float(knob.held_out_dropped[level]))
 
 
-def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str, ...], plan: WeightPlan) -> str:
+def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], plan: WeightPlan) -> str:
+    """The chosen plan in one line: which knobs are sparse and how much they drop, the formats it changed."""
+    sparse = [(knob, level) for knob, (level, _) in zip(knobs, state) if level]
     if knobs and knobs[0].predictor is not None:
-        sparse = [(knob, level) for knob, (level, _) in zip(knobs, state) if level]
         if not sparse:
             return f"every one of the {len(knobs)} FFNs dense"
         recalls = [knob.held_out_recall[level] for knob, level in sparse]
         active = np.mean([1.0 - knob.held_out_dropped[level] for knob, level in sparse])
         return (f"{len(sparse)} of {len(knobs)} FFNs predicted, computing {active:.2f} of their neurons on held-out "
                 f"tokens at recall {min(recalls):.3f}-{max(recalls):.3f}")
-    sparse = [(knob, level) for knob, (level, _) in zip(knobs, state) if level]
     mean = float(np.mean([knob.held_out_dropped[level] for knob, level in sparse])) if sparse else 0.0
-    by_site = {}
-    for knob, level in sparse:
-        by_site[knob.site] = by_site.get(knob.site, 0) + 1
-    counts = {}
-    for fmt in plan.formats.values():
-        counts[fmt] = counts.get(fmt, 0) + 1
+    by_site = Counter(knob.site for knob, _ in sparse)
+    counts = Counter(plan.formats.values())
     where = ", ".join(f"{site} {n}" for site, n in sorted(by_site.items()))
     widened = "; " + ", ".join(f"{n} matrices in {fmt}" for fmt, n in sorted(counts.items())) if counts else ""
     return (f"{len(sparse)} of {len(knobs)} linear inputs sparse ({where or 'none'}), dropping {mean:.2f} of "

@@ -68,6 +68,7 @@ BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
     "FFN": ((1, 0), (3, 0)),  # a dense FFN's up and down
     "Linear": ((1, 0),),  # the output layer
     "SparseFFN": ((2, 1), (4, 1)),  # a part's up (gate) rows [n, D] and down rows [n, D]: rows gathered
+    "ThresholdFFN": ((1, 0), (3, 0)),  # w_up, w_down [K, N]: panels where dense (THRESHOLDED: rows where thinned)
 }
 # a projection whose input a threshold thins (threshold >= 0) is read one row per input channel by the column-sparse
 # kernels: blocked along its rows (axis 1), as the SparseFFN rows; else it is a dense linear's panels (axis 0).
@@ -323,8 +324,6 @@ def blocked_axes(node: ir.Node) -> list[tuple[int, int]]:
     """(input index, block axis) of each weight matrix of `node` a quantized build stores in blocks: `BLOCKED`'s,
     the matrices a threshold thins blocked along their rows instead (`THRESHOLDED`)."""
     rows = {index for index, key in THRESHOLDED.get(node.op_type, ()) if float(pir.attr(node, key, KEEP_ALL)) >= 0}
-    if node.op_type == "ThresholdFFN":
-        return [(1, 1 if 1 in rows else 0), (3, 1 if 3 in rows else 0)]
     return [(index, 1 if index in rows else axis) for index, axis in BLOCKED.get(node.op_type, ())]
 
 
