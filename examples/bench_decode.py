@@ -172,6 +172,10 @@ def quality(files, artifact: Path, sequences: int = 4, reference=None) -> dict:
 
     engine = Engine(artifact)
     report = evaluate(engine, reference or OrtDecoder(files.onnx), read_tokens(files.heldout)[:sequences])
+    report["ppl_change"] = report["ppl_compiled"] / report["ppl_reference"] - 1.0
+    expected = engine.manifest.get("quality")
+    if expected:  # what the build's quality pass expected on its held-out calibration tokens
+        report.update(expected_ppl_change=expected["ppl_change"], expected_kl=expected["kl"])
     layers = engine.manifest.get("layers", [])
     if layers and "predictor_recall" in layers[0]:
         report["recall_min"] = min(layer["predictor_recall"] for layer in layers)
@@ -206,6 +210,10 @@ def quality_text(q: dict) -> str:
     if not q:
         return "reference"
     text = f"top-1 {q['top1_agreement']:.3f}, KL {q['kl_mean']:.2e}"
+    if "ppl_change" in q:
+        text += f", ppl {q['ppl_change'] * 100:+.2f}%"
+    if "expected_kl" in q:
+        text += f" (expected KL {q['expected_kl']:.2e}, ppl {q['expected_ppl_change'] * 100:+.2f}%)"
     if "recall_min" in q:
         text += (f", recall >= {q['recall_min']:.3f}, precision {q.get('precision_mean', 0.0):.2f}, "
                  f"{q['predicted_active_mean'] * 100:.1f}% predicted active")
