@@ -28,7 +28,7 @@ import tvm  # noqa: E402
 import tvm_ffi  # noqa: E402
 
 from passes.kernels import cpu, neuron  # noqa: E402
-from picompile.targets import host_cpu_isa  # noqa: E402
+from passes.targets import host_cpu_isa  # noqa: E402
 from runtime.artifact import aligned_zeros  # noqa: E402
 
 

@@ -21,8 +21,8 @@ import passes.import_onnx as import_onnx  # noqa: E402
 from examples import models  # noqa: E402
 from examples.streamed_models import STREAMED_PRESETS  # noqa: E402
 from picompile.compiler import build  # noqa: E402
-from picompile.pipeline import Options  # noqa: E402
-from picompile.targets import get_target  # noqa: E402
+from passes.pipeline import Options  # noqa: E402
+from passes.targets import get_target  # noqa: E402
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def gguf_sources(path: Path, log=print) -> tuple[Path, dict[str, Path], int]:
 def measure_model(name: str, args) -> dict:
     import numpy as np
 
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
     from runtime import Engine
 
     onnx, artifacts, context = model_sources(name)

@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.bench_decode import add_run_arguments, parsed_run_arguments, QUALITY_COLUMNS, quality_cells  # noqa: E402 (stdlib only: TVM not yet)
-from picompile.targets import CPU_ISAS  # noqa: E402 (numpy only)
+from passes.targets import CPU_ISAS  # noqa: E402 (numpy only)
 from runtime.dtypes import WEIGHT_FORMATS  # noqa: E402 (numpy only)
 
 # The weight dtypes `--dtypes` takes and the element type each stores its weight matrices in (int4: packed
@@ -197,7 +197,7 @@ def build_all(members: dict[str, object], args) -> dict[str, Path]:
 def byte_agreement(artifacts: dict[str, Path]) -> dict[str, dict]:
     """Per artifact, after a prompt and 3 decode steps: how many decode calls the cost model and the runtime
     count the same weight bytes for (both read the calls' facts), and which do not agree."""
-    from picompile import costmodel
+    from passes import costmodel
     from runtime import Engine
 
     agreement = {}
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
 
     from examples.bench_decode import machine, measure, ort_quality, quality, record
     from examples.models import SYNTH_DEFAULTS, TOKEN_DEFAULTS, cached_models
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
 
     family = args.predictability is not None or args.calib_tokens is not None
     levels = args.predictability or [None]

@@ -72,7 +72,7 @@ def main():
     import tvm_ffi
 
     from passes.kernels import cpu
-    from picompile.targets import CPU_ISAS
+    from passes.targets import CPU_ISAS
     from runtime.artifact import aligned_empty
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

@@ -263,7 +263,7 @@ def token_check(llama, gguf: Path, artifact: Path) -> tuple[int, list[str]]:
 
 def machine() -> str:
     from examples.bench_decode import machine as cpu
-    from picompile.targets import host_cpu_isa
+    from passes.targets import host_cpu_isa
 
     return f"{cpu()}, kernels {host_cpu_isa().name}"
 

@@ -94,7 +94,7 @@ def main():
     import tvm_ffi
 
     from bench_cpu_decode import Bandwidth
-    from picompile.targets import host_cpu_isa
+    from passes.targets import host_cpu_isa
 
     cpu, funcs = kernels()
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,9 +34,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from passes.partition import RESERVE_FRACTION  # noqa: E402
-from picompile.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
-from picompile.costmodel import sync_seconds  # noqa: E402
-from picompile.targets import GiB, get_target  # noqa: E402
+from benchmarks.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
+from passes.costmodel import sync_seconds  # noqa: E402
+from passes.targets import GiB, get_target  # noqa: E402
 
 SHAPES = {  # name: (layers, ffn, d_model, kv_heads, head_dim, vocab)
     "7B": (32, 11008, 4096, 32, 128, 32000),

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_placement import zipf_frequencies  # noqa: E402  (the same synthetic activity as PowerInfer's ILP benchmark)
 from picompile import placement  # noqa: E402
-from picompile.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
-from picompile.costmodel import CONTEXT, BlockBytes, FfnBytes, copy_seconds, price, price_ffn, sync_seconds  # noqa: E402
-from picompile.sizes import GPU_WEIGHT_FORMAT, KV_CACHE_DTYPE, predictor_format, weight_format  # noqa: E402
-from picompile.targets import GiB, get_target  # noqa: E402
+from benchmarks.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
+from passes.costmodel import CONTEXT, BlockBytes, FfnBytes, copy_seconds, price, price_ffn, sync_seconds  # noqa: E402
+from passes.sizes import GPU_WEIGHT_FORMAT, KV_CACHE_DTYPE, predictor_format, weight_format  # noqa: E402
+from passes.targets import GiB, get_target  # noqa: E402
 from runtime.dtypes import itemsize  # noqa: E402
 
 SHAPES = {  # name: (layers, d_model, ffn, gated, kv_heads, head_dim, vocab)

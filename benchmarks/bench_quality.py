@@ -461,7 +461,7 @@ def run(args) -> dict:
         print(f"  {row['build']}: ppl {_pct(row['measured']['ppl_change'], 2)}, KL {row['measured']['kl']:.4f}, "
               f"top-1 {row['measured']['top1']:.3f}", flush=True)
     from examples.bench_decode import ort_quality
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
 
     files = dataclasses.replace(source, heldout=ids)  # what ort_quality reads: .onnx and .heldout
     reference = OrtDecoder(source.onnx)

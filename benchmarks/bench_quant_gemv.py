@@ -86,7 +86,7 @@ def main():
     import tvm_ffi
 
     from passes.kernels import cpu, quant
-    from picompile.targets import CPU_ISAS, host_cpu_isa
+    from passes.targets import CPU_ISAS, host_cpu_isa
     from runtime.artifact import aligned_empty, cpu_flags
     from runtime.dtypes import WEIGHT_FORMATS
 

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         parser.error("--dtypes takes int8 and int4")
 
     from examples.bench_decode import ensure_artifact, quality
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
 
     files = model_files(args)
     reference = OrtDecoder(files.onnx)

@@ -104,7 +104,7 @@ def main():
     import tvm_ffi
 
     from passes.kernels import cpu, neuron, quant
-    from picompile.targets import CPU_ISAS
+    from passes.targets import CPU_ISAS
     from runtime.artifact import aligned_empty, huge_pages_in
     from runtime.dtypes import WEIGHT_FORMATS
 

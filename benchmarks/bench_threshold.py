@@ -109,7 +109,7 @@ def main(argv=None) -> int:
 
     from examples.bench_decode import ensure_artifact, machine, quality, record
     from examples.models import cached_model
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
 
     files = cached_model("llama", preset=args.preset, hidden_act="silu", log=print)
     params = json.loads(files.config.read_text())["num_params"]

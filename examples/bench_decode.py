@@ -64,9 +64,9 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
     target, build options (`options`: further pipeline Options fields) and compiler source. A tokenizer
     beside the model's ONNX goes into the artifact, as `picompile build` puts it."""
     from examples.models import cache_dir
-    from picompile.pipeline import Options
-    from picompile.targets import get_target
-    from picompile.tokenizer import find_tokenizer
+    from passes.pipeline import Options
+    from passes.targets import get_target
+    from passes.front_end import find_tokenizer
 
     opts = Options(dense=dense, max_context=max_context, calib=files.calib,
                    **{"tokenizer": find_tokenizer(files.onnx), **options})
@@ -90,7 +90,7 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
 
 def _build(onnx: Path, artifact: Path, target: str, options) -> None:
     from picompile.compiler import build
-    from picompile.targets import get_target
+    from passes.targets import get_target
 
     build(onnx, artifact, get_target(target), options, log=lambda message: print("   " + message, flush=True))
 
@@ -122,7 +122,7 @@ def measure(files, artifacts: dict[str, Path], tokens: int, runs: int, threads: 
 
     from benchmarks.host import HostState
 
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
     from runtime import Engine, generate
 
     engines = {"onnxruntime": OrtDecoder(files.onnx, threads=threads)}
@@ -166,8 +166,8 @@ def quality(files, artifact: Path, sequences: int = 4, reference=None) -> dict:
     import gc
 
     from picompile.evaluate import evaluate
-    from picompile.reference import OrtDecoder
-    from picompile.tokens import read_tokens
+    from passes.reference import OrtDecoder
+    from passes.tokens import read_tokens
     from runtime import Engine
 
     engine = Engine(artifact)
@@ -194,8 +194,8 @@ def ort_quality(files, onnx_path: Path, max_context: int, sequences: int = 4, re
     import gc
 
     from picompile.evaluate import evaluate
-    from picompile.reference import OrtDecoder
-    from picompile.tokens import read_tokens
+    from passes.reference import OrtDecoder
+    from passes.tokens import read_tokens
 
     candidate = OrtDecoder(onnx_path)
     candidate.max_context = max_context  # what evaluate() cuts each sequence to (an Engine's own limit)

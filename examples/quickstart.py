@@ -87,7 +87,7 @@ def artifact_quality(engine, reference_onnx: Path, tokenizer) -> dict:
     """eval on held-out prose: the artifact against the file's own model (onnxruntime on the front end's ONNX)."""
     from benchmarks.bench_gguf import heldout_paragraphs
     from picompile.evaluate import evaluate
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
 
     ids = tokenizer.encode(" ".join(heldout_paragraphs()[:40]))
     sequences = [ids[i * EVAL_LENGTH:(i + 1) * EVAL_LENGTH] for i in range(EVAL_SEQUENCES)]

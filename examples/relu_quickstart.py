@@ -64,7 +64,7 @@ def main() -> int:
 
     from examples.bench_decode import ensure_artifact, measure, quality, table
     from examples.models import cache_dir
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
     from runtime import Engine, generate_stream
     from runtime.text import load_tokenizer
 

@@ -29,9 +29,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.pipeline import Context, Options
-from picompile.sizes import weight_format
+from . import ir as pir
+from .pipeline import Context, Options
+from .sizes import weight_format
 
 from .import_onnx import SourceQuantization
 from .kernels import quant

@@ -16,9 +16,9 @@ from pathlib import Path
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile.errors import UserError
-from picompile.pipeline import Context
-from picompile.targets import get_cpu_isa
+from .errors import UserError
+from .pipeline import Context
+from .targets import get_cpu_isa
 from runtime.calls import Role
 
 from .kernel_ir import KernelProgram, KernelSpec

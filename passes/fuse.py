@@ -19,8 +19,8 @@ from typing import Callable
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.pipeline import Context
+from . import ir as pir
+from .pipeline import Context
 
 RESIDUAL_BLOCKS = ("Attention", "FFN", "ThresholdFFN", "MergePartial", "Linear")
 

@@ -12,16 +12,29 @@ are put back in rotate-half order (`rope_rows`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-if TYPE_CHECKING:
-    from .import_gguf import Hyper
-
 OPSET = 18
 NBITS_TYPES = {"Q8_0": 8, "Q4_0": 4}  # stored as MatMulNBits, their blocks kept
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The architecture's numbers, from the metadata."""
+
+    architecture: str
+    layers: int
+    d_model: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    rope_base: float
+    rope_scale: float  # linear RoPE scaling: positions divided by it
 
 
 def _float_array(tensor) -> np.ndarray:

@@ -52,11 +52,11 @@ import onnx_ir as ir
 
 from onnx_ir.passes import PassResult
 
-from picompile.errors import UserError
-from picompile.pipeline import Context
+from .errors import UserError
+from .pipeline import Context
 
-from .gguf_graph import NBITS_TYPES, build_graph
-from .import_onnx import Import
+from .gguf_graph import NBITS_TYPES, Hyper, build_graph
+from .import_onnx import Import, load_onnx
 
 GGUF_MAGIC = b"GGUF"
 CONVERTER_VERSION = 2  # part of the cache key: a change to the graph written here invalidates old conversions
@@ -276,22 +276,6 @@ def _field(reader, key: str, path: Path, default=None):
         raise _refuse(path, f"metadata {key} cannot be read ({type(error).__name__}: {error})") from None
 
 
-@dataclass(frozen=True)
-class Hyper:
-    """The architecture's numbers, from the metadata."""
-
-    architecture: str
-    layers: int
-    d_model: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
-    rope_base: float
-    rope_scale: float  # linear RoPE scaling: positions divided by it
-
-
 def _int(value, key: str, path: Path) -> int:
     if isinstance(value, list):
         values = set(value)
@@ -475,10 +459,8 @@ def converted(path: Path) -> Converted:
 
 
 def load(path: Path, for_build: bool = True) -> ir.Model:
-    """The GGUF file's decoder as the ONNX front end loads a model (`passes.import_onnx.load`), carrying its
-    `GGUFSource`; `source_file` of it is the converted ONNX file (what onnxruntime runs as the reference)."""
-    from .import_onnx import load as load_onnx
-
+    """The GGUF file's decoder as the ONNX front end loads a model (`passes.import_onnx.load_onnx`), carrying
+    its `GGUFSource`; `source_file` of it is the converted ONNX file (what onnxruntime runs as the reference)."""
     made = converted(path)
     model = load_onnx(made.onnx, for_build=for_build)
     made.source.attach(model)

@@ -1,7 +1,7 @@
 """import: load the user's ONNX decoder, fix batch to 1, compute in fp32, fold constants and infer shapes.
 
 Reads: a path (the pass's argument), not an IR; weights may live in external data files beside it (models
-over 2 GB; read into memory when they total under `picompile.ir.EXTERNAL_DATA_BYTES`, else memory-mapped, so
+over 2 GB; read into memory when they total under `passes.ir.EXTERNAL_DATA_BYTES`, else memory-mapped, so
 a big model's weights are paged in as passes read them, never copied whole). Adds: the IR itself, with every
 graph input's batch dimension fixed to 1, constant subgraphs folded (onnxscript's optimizer), so that the
 recognise pass sees weights as initializers whatever exporter made the graph, and then the graph made to
@@ -50,11 +50,11 @@ import onnx_ir as ir
 import onnxscript.optimizer
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.errors import UserError
-from picompile.pipeline import Context
-from picompile.sizes import weight_bytes
-from picompile.targets import format_size
+from . import ir as pir
+from .errors import UserError
+from .pipeline import Context
+from .sizes import weight_bytes
+from .targets import format_size
 from runtime.artifact import available_memory_bytes, first_line
 from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
 
@@ -96,7 +96,7 @@ def _fp32_tensor(tensor: ir.TensorProtocol) -> ir.Tensor:
 def compute_in_fp32(graph: ir.Graph) -> tuple[int, int]:
     """Make a half-precision (fp16 / bf16) graph compute in fp32: casts to half types cast to fp32, and inputs,
     outputs and intermediate values are typed fp32. Its matrices (weights, embedding tables) keep their stored
-    precision behind a `Cast` to fp32 (`picompile.ir.const_array` reads through it), so a half model is held
+    precision behind a `Cast` to fp32 (`passes.ir.const_array` reads through it), so a half model is held
     at half the memory until lowering stores each weight in the build's format; its other constants are widened
     (exactly). Returns (matrices kept in half precision, tensors widened)."""
     kept = widened = 0
@@ -137,18 +137,11 @@ def compute_in_fp32(graph: ir.Graph) -> tuple[int, int]:
     return kept, widened
 
 
-def load(path: Path, for_build: bool = True) -> ir.Model:
-    """The model at `path`, its weights checked readable; a build (`for_build`) first checks that the machine
-    has the memory to compile it (eval's reference only has to be read). A GGUF file is converted to ONNX by
-    the GGUF front end (`passes.import_gguf`) and that file loaded."""
+def load_onnx(path: Path, for_build: bool = True) -> ir.Model:
+    """The ONNX model at `path`, its weights checked readable; a build (`for_build`) first checks that the
+    machine has the memory to compile it (eval's reference only has to be read)."""
     if not path.exists():
         raise UserError(f"model file not found: {path}")
-    from .import_gguf import is_gguf
-
-    if not path.is_dir() and is_gguf(path):  # the GGUF front end: its conversion, loaded as below
-        from .import_gguf import load as load_gguf
-
-        return load_gguf(path, for_build=for_build)
     if path.is_dir() or path.stat().st_size == 0:
         raise UserError(f"{path} is not an ONNX model (empty or a directory)")
     if for_build:

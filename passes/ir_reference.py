@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from picompile import ir as pir
+from . import ir as pir
 
 # Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies
 SITES = {("Attention", "qkv"): 4, ("Attention", "o"): 6, ("FFN", "in"): 1, ("FFN", "down"): 3}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from picompile import ir as pir
+from . import ir as pir
 from runtime.calls import START, Call
 
 _DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "int32": ir.DataType.INT32,

@@ -19,10 +19,10 @@ from typing import Iterator
 import numpy as np
 import onnx_ir as ir
 
-from picompile import ir as pir
-from picompile import memory
-from picompile.errors import UserError
-from picompile.reference import OrtDecoder
+from . import ir as pir
+from . import memory
+from .errors import UserError
+from .reference import OrtDecoder
 from runtime import dtypes
 from runtime.artifact import available_memory_bytes, first_line
 

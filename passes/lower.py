@@ -40,8 +40,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.pipeline import Context, Options
+from . import ir as pir
+from .pipeline import Context, Options
 
 from .threshold import KEEP_ALL
 

@@ -1,4 +1,4 @@
-"""partition: decide where every block of the decoder lives, in one integer program (`picompile.placement`).
+"""partition: decide where every block of the decoder lives, in one integer program (`passes.placement`).
 
 Reads: the block IR (after recognise; in predictor mode after profile and predict): each node's block
 (`pir.node_blocks`: the embedding, per layer its attention block with its norms and residual adds, its
@@ -30,13 +30,13 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import costmodel, placement
-from picompile import ir as pir
-from picompile.costmodel import CONTEXT, BlockBytes, FfnBytes
-from picompile.pipeline import Context, Options
-from picompile.sizes import (GPU_WEIGHT_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes, predictor_format,
+from . import costmodel, placement
+from . import ir as pir
+from .costmodel import CONTEXT, BlockBytes, FfnBytes
+from .pipeline import Context, Options
+from .sizes import (GPU_WEIGHT_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes, predictor_format,
                              stored_predictor_format, weight_format)
-from picompile.targets import check_vram_budget, format_size
+from .targets import check_vram_budget, format_size
 from runtime.dtypes import WeightFormat, nbytes
 
 # Share of the GPU memory kept free for activations, kernel workspace and the allocator's slack.

@@ -1,7 +1,7 @@
 """place: decide the device of every block of the IR. The one pass that does; kernel selection reads it.
 
 Reads: the block IR (after fuse; in predictor mode after lower: `picompile.SparseFFN` parts carry `part`
-"gpu"/"cpu"), partition's plan (`picompile.placement`'s `plan`: the embedding's, each layer's attention block's
+"gpu"/"cpu"), partition's plan (`picompile.placement` metadata's `plan`: the embedding's, each layer's attention block's
 and the output layer's device, each FFN's `placed`), the target and the budget.
 Adds: the device ("cpu" or "gpu") of every node, in its `picompile.device` metadata (standard ONNX ops
 may not carry foreign attributes; `device_of` reads it), and `picompile.devices` (a JSON summary: the rule, the
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.pipeline import Context
-from picompile.sizes import gpu_bytes, kv_cache_bytes
-from picompile.targets import format_size
+from . import ir as pir
+from .pipeline import Context
+from .sizes import gpu_bytes, kv_cache_bytes
+from .targets import format_size
 
 from .partition import RESERVE_FRACTION
 

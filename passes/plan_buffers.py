@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile.pipeline import Context
+from .pipeline import Context
 from runtime.calls import PHASES, Access, Arg, Call, Role
 
 from .kernel_ir import KernelProgram, carried_metadata

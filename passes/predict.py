@@ -40,10 +40,10 @@ import onnx_ir as ir
 import torch
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.pipeline import Context, Options
-from picompile.sizes import float_format, parameter_count, predictor_format, stored_predictor_format, weight_format
-from picompile.targets import BASELINE_CPU_ISA, get_cpu_isa
+from . import ir as pir
+from .pipeline import Context, Options
+from .sizes import float_format, parameter_count, predictor_format, stored_predictor_format, weight_format
+from .targets import BASELINE_CPU_ISA, get_cpu_isa
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
 from .kernels import quant

@@ -31,12 +31,12 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.errors import UserError
-from picompile.pipeline import Context, Options
-from picompile.reference import OrtDecoder
-from picompile.tokenizer import TokenizerFiles
-from picompile.tokens import read_calibration
+from . import ir as pir
+from .errors import UserError
+from .pipeline import Context, Options
+from .reference import OrtDecoder
+from .tokenizer import TokenizerFiles
+from .tokens import read_calibration
 from runtime.artifact import first_line
 
 from .import_onnx import source_file
@@ -158,7 +158,7 @@ RANDOM_TOKENS = 4096  # random tokens profiled without a --calib file (unless --
 
 def calibration_tokens(calib: Path | None, budget: int | None, length: int, seed: int, vocab_size: int,
                        log=lambda message: None, tokenizer: TokenizerFiles | None = None) -> list[np.ndarray]:
-    """The sequences of `calib` (ids, or text tokenized with `tokenizer`: picompile.tokens.read_calibration)
+    """The sequences of `calib` (ids, or text tokenized with `tokenizer`: passes.tokens.read_calibration)
     cut into pieces of `length` tokens, or random tokens (fit only for synthetic models), `budget` tokens at
     most (None: all of `calib`, RANDOM_TOKENS random ones)."""
     if calib is None:

@@ -2,7 +2,7 @@
 
 Runs in threshold mode, after profile. Reads: the block IR (Attention, FFN and the output layer's MatMul, their
 weights), the calibration sequences the profile pass ran (`CalibrationSequences`), the budget
-(--max-quality-loss, `picompile.budget`), the build's weight format and quantization method, and, where
+(--max-quality-loss, `passes.budget`), the build's weight format and quantization method, and, where
 --sparsity fixed one level for every FFN, the thresholds the threshold pass set.
 Adds: on each FFN `threshold_in` / `threshold_down` and on each Attention `threshold_qkv` / `threshold_o`
 (`KEEP_ALL` where the input stays dense), with `sparsity_*`, the share each drops on held-out tokens; the
@@ -42,12 +42,12 @@ import onnx_ir as ir
 import torch
 from onnx_ir.passes import PassResult
 
-from picompile import costmodel
-from picompile import ir as pir
-from picompile.budget import DEFAULT_BUDGET, QualityBudget
-from picompile.pipeline import Context, Options
-from picompile.sizes import predictor_format
-from picompile.targets import CpuIsa, get_cpu_isa
+from . import costmodel
+from . import ir as pir
+from .budget import DEFAULT_BUDGET, QualityBudget
+from .pipeline import Context, Options
+from .sizes import predictor_format
+from .targets import CpuIsa, get_cpu_isa
 from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
 
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant

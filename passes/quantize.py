@@ -48,9 +48,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.pipeline import Context, Options
-from picompile.sizes import predictor_format, weight_format
+from . import ir as pir
+from .pipeline import Context, Options
+from .sizes import predictor_format, weight_format
 from runtime.dtypes import QUANT_BLOCK, QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 
 from .awq import AWQ_KEY

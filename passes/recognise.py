@@ -28,11 +28,11 @@ from onnx_ir.passes import PassResult
 
 from passes.import_gguf import GGUF_KEY
 from passes.import_onnx import SOURCE_QUANTIZATION, available_memory_bytes
-from picompile import ir as pir
-from picompile.errors import UserError
-from picompile.pipeline import Context, Options
-from picompile.sizes import kv_cache_bytes
-from picompile.targets import format_size
+from . import ir as pir
+from .errors import UserError
+from .pipeline import Context, Options
+from .sizes import kv_cache_bytes
+from .targets import format_size
 from runtime.artifact import first_line
 from runtime.dtypes import nbytes
 

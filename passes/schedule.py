@@ -17,7 +17,7 @@ import networkx as nx
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile.pipeline import Context
+from .pipeline import Context
 from runtime.calls import PHASES
 
 from .kernel_ir import KernelProgram

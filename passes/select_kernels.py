@@ -26,11 +26,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.errors import UserError
-from picompile.pipeline import Context, Options
-from picompile.sizes import KV_CACHE_DTYPE, float_format, weight_format
-from picompile.targets import get_cpu_isa
+from . import ir as pir
+from .errors import UserError
+from .pipeline import Context, Options
+from .sizes import KV_CACHE_DTYPE, float_format, weight_format
+from .targets import get_cpu_isa
 from runtime.calls import START, Access, Arg, Call, Role, Selection
 from runtime.dtypes import itemsize
 

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.errors import UserError
-from picompile.pipeline import Context, Options
+from . import ir as pir
+from .errors import UserError
+from .pipeline import Context, Options
 
 MODES = ("auto", "predictor", "threshold")
 PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn

@@ -26,8 +26,8 @@ import onnx_ir as ir
 import torch
 from onnx_ir.passes import PassResult
 
-from picompile import ir as pir
-from picompile.pipeline import Context
+from . import ir as pir
+from .pipeline import Context
 
 from .predict import HOLDOUT, _training_tokens  # the predictors' split of the profiled tokens
 from .profile import ProfiledActivations

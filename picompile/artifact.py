@@ -27,15 +27,16 @@ from pathlib import Path
 import onnx_ir as ir
 import numpy as np
 
+from passes import costmodel
+from passes import ir as pir
+from passes.errors import UserError
+from passes.pipeline import Context, Options
 from runtime import dtypes
 from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
 from runtime.calls import schedule_calls
 from runtime.text import TOKENIZER_DIR
 
-from . import __version__, costmodel
-from . import ir as pir
-from .errors import UserError
-from .pipeline import Context, Options
+from . import __version__
 
 
 def write_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:

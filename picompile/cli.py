@@ -14,10 +14,9 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from passes.errors import PassError, UserError
+from passes.targets import CPU_ISAS
 from runtime.dtypes import AUTO_WEIGHT_DTYPE, QUANT_METHODS, WEIGHT_FORMATS
-
-from .errors import PassError, UserError
-from .targets import CPU_ISAS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +48,7 @@ def _non_negative(kind):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .targets import TARGETS
+    from passes.targets import TARGETS
 
     parser = _Parser(prog="picompile", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -189,7 +188,7 @@ def _sampling_arguments(command, default_tokens: int = 32) -> None:
 
 
 def _quality_budget(text: str):
-    from .budget import QualityBudget
+    from passes.budget import QualityBudget
 
     try:
         return QualityBudget.parse(text)
@@ -199,14 +198,14 @@ def _quality_budget(text: str):
 
 def _build(args) -> int:
     from .compiler import build
-    from .pipeline import Options
-    from .targets import get_target, parse_size
+    from passes.pipeline import Options
+    from passes.targets import get_target, parse_size
 
     target = get_target(args.target)
     if args.dense and (args.sparsity is not None or args.sparsity_mode != "auto"):
         raise UserError("--dense computes every input of every FFN: drop --sparsity and --sparsity-mode, or --dense")
-    from .tokenizer import find_tokenizer
-    from .tokens import check_calibration
+    from passes.front_end import find_tokenizer
+    from passes.tokens import check_calibration
 
     tokenizer = find_tokenizer(args.model, args.tokenizer)
     if args.calib is not None:
@@ -224,7 +223,7 @@ def _build(args) -> int:
                       sparsity_mode=args.sparsity_mode, sparsity=args.sparsity,
                       **({"quality_budget": args.max_quality_loss} if args.max_quality_loss else {}))
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
-    from .pipeline import ProgressBars
+    from passes.pipeline import ProgressBars
 
     # warnings (say, too little calibration data) reach the user without -v; --quiet keeps them out
     warn = None if args.quiet else (lambda message: print(f"warning: {message}", file=sys.stderr))
@@ -233,7 +232,7 @@ def _build(args) -> int:
     print(f"wrote {output}")
     if args.quiet:
         return 0
-    from .costmodel import Estimate
+    from passes.costmodel import Estimate
 
     manifest = json.loads((output / "manifest.json").read_text())
     if manifest.get("sparsity"):
@@ -315,7 +314,7 @@ def _print_speed(result: dict) -> None:
 def _run(args) -> int:
     from runtime.sampling import GenerationStats, generate_stream, profile_per_token, timings
 
-    from .tokens import parse_ids
+    from passes.tokens import parse_ids
 
     text = args.prompt is not None
     ids = None if text else parse_ids(args.prompt_ids, "--prompt-ids")  # refused before the artifact is read
@@ -420,9 +419,8 @@ def _serve(args) -> int:
 
 
 def _eval(args) -> int:
-    from .evaluate import ArtifactReference, evaluate
-    from .reference import check_reference, reference_for
-    from .tokens import read_tokens
+    from .evaluate import ArtifactReference, check_reference, evaluate, reference_for
+    from passes.tokens import read_tokens
 
     sequences = read_tokens(args.tokens)[: args.max_sequences]
     top = max(int(s.max()) for s in sequences)
@@ -543,8 +541,8 @@ def _inspect(args) -> int:
         f"{'a chat template' if found['chat_template'] else 'no chat template (plain turns)'}; "
         + ", ".join(found["files"]))
     if info["estimate"]:
-        from .costmodel import Estimate
-        from .targets import get_target
+        from passes.costmodel import Estimate
+        from passes.targets import get_target
 
         for line in Estimate(**info["estimate"]).lines(get_target(manifest["target"]["name"])):
             say(line)

@@ -14,13 +14,17 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from passes import ir as pir
+from passes import memory
 from passes.awq import AWQ, AWQ_MIN_TOKENS, AWQ_TOKENS
 from passes.compile import Compile
 from passes.fuse import Fuse
 from passes.import_gguf import GGUFSource, ImportGGUF, rerounding_warning
-from passes.import_onnx import Import, SourceQuantization, load, stored_weight_dtype
+from passes.import_onnx import Import, SourceQuantization, stored_weight_dtype
+from passes.front_end import load
 from passes.lower import LowerPredicted, LowerThresholded
 from passes.partition import Partition
+from passes.pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
 from passes.place import Place
 from passes.plan_buffers import PlanBuffers
 from passes.predict import Predict
@@ -31,13 +35,11 @@ from passes.recognise import Recognise
 from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
 from passes.sparsity_mode import Sparsity, SparsityMode
+from passes.targets import TARGETS, Target, check_vram_budget, format_size
 from passes.threshold import Threshold
 from runtime.dtypes import AUTO_WEIGHT_DTYPE, WEIGHT_FORMATS
 
-from . import artifact, memory
-from . import ir as pir
-from .pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
-from .targets import TARGETS, Target, check_vram_budget, format_size
+from . import artifact
 
 MODES = ("dense", "predictor", "threshold")
 
@@ -157,7 +159,7 @@ def _warn_if_dequantized(model: ir.Model, options: Options, ctx: Context) -> Non
 
 class ReleaseMappedPages(Hook):
     """After each pass, the pages of the user's memory-mapped weights that pass read leave the resident set
-    (`picompile.ir.release_mapped_pages`): the lifted IR's views into the file map them back when read."""
+    (`passes.ir.release_mapped_pages`): the lifted IR's views into the file map them back when read."""
 
     def __init__(self, source: ir.Model):
         self.source = source
@@ -205,7 +207,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
             first = front(options, gguf=GGUFSource.of(model) is not None)
             lifted = run_passes(model, first, ctx, hooks)
             if options.tokenizer is not None:  # before the long passes: another model's tokenizer is refused now
-                from .tokenizer import check_vocabulary
+                from passes.tokenizer import check_vocabulary
 
                 check_vocabulary(options.tokenizer, lifted.graph.initializers["embed.tokens"].shape[0])
             _warn_if_dequantized(lifted, options, ctx)

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from passes.errors import UserError
+
 from .artifact import current_umask
-from .errors import UserError
 
 # (heading, manifest key, format) of the per-layer table; the same columns `picompile inspect` prints
 LAYER_COLUMNS = [

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from picompile import ir as pir
+from passes import ir as pir
 
 
 def _norm(node, x, values):

@@ -97,8 +97,8 @@ def tiny_models():
 def tiny_sparse_artifact(tiny_models, tmp_path_factory):
     """The tiny OPT (90% sparse FFNs) built sparse for the CPU, 64 tokens of context: for the slot and server tests."""
     from picompile.compiler import build
-    from picompile.pipeline import Options
-    from picompile.targets import get_target
+    from passes.pipeline import Options
+    from passes.targets import get_target
 
     files = tiny_models("opt", sparsity=0.9)
     out = tmp_path_factory.mktemp("serving") / "opt-tiny.pic"

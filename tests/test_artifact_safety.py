@@ -22,8 +22,8 @@ import pytest
 from picompile import artifact as writer
 from picompile.cli import main
 from picompile.compiler import build
-from picompile.pipeline import Options
-from picompile.targets import get_target
+from passes.pipeline import Options
+from passes.targets import get_target
 from runtime import ArtifactError, Engine, load_manifest
 from runtime.artifact import DIGEST_KEY, FORMAT_VERSION, seal_manifest
 from runtime.calls import Role, schedule_calls

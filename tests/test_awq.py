@@ -15,13 +15,13 @@ from onnx import numpy_helper
 
 from passes.awq import AWQ_KEY, mean_magnitude, search_scales
 from passes.kernels import quant
-from passes.import_onnx import load
+from passes.front_end import load
 from passes.profile import ProfiledActivations
-from picompile import ir as pir
+from passes import ir as pir
 from picompile.cli import main
 from picompile.compiler import build, pipeline
-from picompile.pipeline import Context, Options, run_passes
-from picompile.targets import get_target
+from passes.pipeline import Context, Options, run_passes
+from passes.targets import get_target
 from runtime.dtypes import WEIGHT_FORMATS
 
 INT4 = WEIGHT_FORMATS["int4"]

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import bad_inputs
+import passes.front_end
 import passes.import_onnx
 import passes.recognise
-from picompile.targets import format_size
+from passes.targets import format_size
 from test_cli_errors import assert_user_error, run_cli
 
 
@@ -77,11 +78,12 @@ def test_bad_gguf_files(base_gguf, workdir, capfd, case):
 
 def test_silu_ffn_is_lifted_for_a_dense_build(base_model, tmp_path):
     """The SiLU model refused for a predictor-mode build above is a model picompile lifts: recognise takes it."""
-    from passes.import_onnx import Import, load
+    from passes.import_onnx import Import
+    from passes.front_end import load
     from passes.recognise import Recognise
-    from picompile import ir as pir
-    from picompile.pipeline import Context, run_passes
-    from picompile.targets import get_target
+    from passes import ir as pir
+    from passes.pipeline import Context, run_passes
+    from passes.targets import get_target
 
     bad_inputs.silu_ffn(base_model, tmp_path / "silu.onnx")
     model = run_passes(load(tmp_path / "silu.onnx"), [Import(), Recognise()], Context(get_target("cpu")))
@@ -209,11 +211,11 @@ def test_external_weights_count_towards_the_memory_need(tiny_models, workdir, mo
     assert int(weights * passes.import_onnx.WORKING_FACTOR) + passes.import_onnx.BASE_BYTES > available
     monkeypatch.setattr(passes.import_onnx, "available_memory_bytes", lambda: available)
     with pytest.raises(passes.import_onnx.UserError, match=f"only {format_size(available)} is available"):
-        passes.import_onnx.load(path)
+        passes.front_end.load(path)
     (workdir / "model.onnx.data").write_bytes(b"\0" * 100)  # truncated external data is named, not a crash
     monkeypatch.setattr(passes.import_onnx, "available_memory_bytes", lambda: None)
     with pytest.raises(passes.import_onnx.UserError, match="model.onnx.data is 100 bytes"):
-        passes.import_onnx.load(path)
+        passes.front_end.load(path)
 
 
 def test_kv_cache_larger_than_available_memory_is_refused(tiny_models, workdir, capfd, monkeypatch):
@@ -241,8 +243,8 @@ def test_placement_stopped_by_its_time_limit_is_reported_as_such():
     import onnx_ir as ir
 
     from passes.partition import Partition
-    from picompile import ir as pir
-    from picompile.pipeline import Context
+    from passes import ir as pir
+    from passes.pipeline import Context
     from test_powerinfer_placement import power_law
     from tiny_targets import SLOW_CPU_RTX4090
 

@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 
 from passes.kernels import cpu, neuron, quant
-from picompile.targets import CPU_ISAS
+from passes.targets import CPU_ISAS
 from runtime.dtypes import WEIGHT_FORMATS
 from kernel_reference import act_ref, aligned
 
@@ -198,8 +198,8 @@ def test_sparse_columns_batch_over_the_union_of_kept_channels(lib, kernel, m):
 def tiny_all_neurons_artifact(tiny_models, tmp_path_factory):
     """The tiny OPT built sparse with every neuron let through: batch steps must give each slot's own logits."""
     from picompile.compiler import build
-    from picompile.pipeline import Options
-    from picompile.targets import get_target
+    from passes.pipeline import Options
+    from passes.targets import get_target
 
     files = tiny_models("opt", sparsity=0.9)
     out = tmp_path_factory.mktemp("batch") / "opt-all.pic"
@@ -233,7 +233,7 @@ def test_batch_steps_give_each_slots_own_logits_with_every_neuron(tiny_all_neuro
 def test_batch_steps_read_the_union_of_the_rows_neurons(tiny_sparse_artifact):
     """Step by step through one bound batch program: each fused FFN call reads the union of the rows' own
     selections (select's scores, row by row), and its byte count is the union's, each row counted once."""
-    from picompile.costmodel import weight_bytes
+    from passes.costmodel import weight_bytes
     from runtime import Engine
 
     engine = Engine(tiny_sparse_artifact, slots=3)
@@ -327,8 +327,8 @@ def test_more_slots_than_max_batch_are_chunked(tiny_all_neurons_artifact):
 def test_an_int4_build_batches_too(tiny_models, tmp_path_factory):
     """Block-quantized rows (int4, fp32 dot products on both sides): batch rows equal each slot's own logits."""
     from picompile.compiler import build
-    from picompile.pipeline import Options
-    from picompile.targets import get_target
+    from passes.pipeline import Options
+    from passes.targets import get_target
     from runtime import Engine
 
     out = tmp_path_factory.mktemp("batch") / "opt-int4.pic"

@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from passes.import_onnx import Import, load
+from passes.import_onnx import Import
+from passes.front_end import load
 from passes.kernels import ops
 from passes.partition import Partition
 from passes.profile import Profile
 from passes.recognise import Recognise
 from picompile.cli import main
-from picompile.errors import PassError
-from picompile.pipeline import Context, Options, PassResult, ProgressBars, describe_change, describe_pass, run_passes
-from picompile.targets import get_target
+from passes.errors import PassError
+from passes.pipeline import Context, Options, PassResult, ProgressBars, describe_change, describe_pass, run_passes
+from passes.targets import get_target
 
 
 @pytest.fixture(scope="module")

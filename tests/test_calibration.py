@@ -11,14 +11,15 @@ import re
 import numpy as np
 import pytest
 
-from passes.import_onnx import Import, load
+from passes.import_onnx import Import
+from passes.front_end import load
 from passes.predict import Predict
 from passes.profile import MIN_TOKENS_PER_NEURON, Profile, ProfiledActivations, sample_sequences
 from passes.recognise import Recognise
 from picompile.cli import main
-from picompile.pipeline import Context, run_passes
-from picompile.reference import OrtDecoder
-from picompile.targets import get_target
+from passes.pipeline import Context, run_passes
+from passes.reference import OrtDecoder
+from passes.targets import get_target
 
 CONTEXT = 64  # calibration sequences are cut to min(max_context, 128) tokens: 64 here
 
@@ -206,7 +207,7 @@ def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, monke
 
     from passes.layer_reference import layer_cuts, lifted_layer_inputs, part_model
     from passes.recognise import source_model
-    from picompile import ir as pir
+    from passes import ir as pir
 
     model_files = tiny_models(family, exporter) if family == "falcon" else tiny_models(family, exporter, sparsity=0.9)
     onnx_path = model_files.onnx

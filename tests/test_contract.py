@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from picompile import costmodel
+from passes import costmodel
 from picompile.compiler import build
-from picompile.pipeline import Options
+from passes.pipeline import Options
 from runtime import Engine
 from runtime.calls import Access, Arg, Call, Role, Selection, schedule_calls
 from runtime.dtypes import itemsize

@@ -31,7 +31,7 @@ if "CUDA_PATH" not in os.environ and os.path.isdir("/usr/local/cuda"):
 import tvm  # noqa: E402
 
 from passes.kernels import cuda, ops  # noqa: E402
-from picompile.targets import CUDA_ARCHS, CUDA_HOST_ISA, cuda_target  # noqa: E402
+from passes.targets import CUDA_ARCHS, CUDA_HOST_ISA, cuda_target  # noqa: E402
 from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, fatbin_entries, kname  # noqa: E402
 
 if cuda.nvcc_path() is None or not os.path.isdir(os.environ.get("CUDA_PATH", "/usr/local/cuda")):

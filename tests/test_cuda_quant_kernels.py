@@ -28,7 +28,7 @@ import tvm  # noqa: E402
 import tvm_ffi  # noqa: E402
 
 from passes.kernels import cpu, cuda, ops, quant  # noqa: E402
-from picompile.targets import CPU_ISAS  # noqa: E402
+from passes.targets import CPU_ISAS  # noqa: E402
 from runtime.dtypes import WEIGHT_FORMATS  # noqa: E402
 from kernel_reference import act_ref, aligned, close, fatbin_entries  # noqa: E402
 

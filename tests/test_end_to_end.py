@@ -11,9 +11,9 @@ import pytest
 
 from picompile.cli import main
 from picompile.compiler import build
-from picompile.pipeline import Options
-from picompile.reference import OrtDecoder
-from picompile.targets import get_target
+from passes.pipeline import Options
+from passes.reference import OrtDecoder
+from passes.targets import get_target
 from runtime import Engine, generate
 from test_runtime_thin import run_without_compiler_stack
 

@@ -61,7 +61,7 @@ def test_a_gpu_artifact_refuses_more_than_one_slot_and_runs_as_before(tiny_model
     from runtime import ArtifactError
     from test_sparse import hybrid_build
 
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
 
     files = tiny_models("opt", sparsity=0.9)
     hybrid = hybrid_build(files, tmp_path_factory)  # every neuron let through: the dense model's tokens

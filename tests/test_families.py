@@ -21,8 +21,8 @@ import torch
 from examples import models
 from picompile.cli import main
 from picompile.compiler import build
-from picompile.pipeline import Options
-from picompile.targets import get_target
+from passes.pipeline import Options
+from passes.targets import get_target
 from runtime.calls import Role, schedule_calls
 from test_sparse import assert_matches_onnxruntime  # the same check, prompt and tolerance
 
@@ -132,10 +132,11 @@ def test_half_precision_weights_stay_half_until_lowering(half_exports, precision
     import ml_dtypes
     import numpy as np
 
-    from passes.import_onnx import Import, load
+    from passes.import_onnx import Import
+    from passes.front_end import load
     from passes.recognise import Recognise
-    from picompile import ir as pir
-    from picompile.pipeline import Context, run_passes
+    from passes import ir as pir
+    from passes.pipeline import Context, run_passes
 
     half, _ = half_exports[precision]
     expected = {"fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}[precision]
@@ -152,7 +153,8 @@ def test_half_precision_weights_stay_half_until_lowering(half_exports, precision
 def test_the_default_weight_dtype_is_the_files_own(half_exports, tmp_path):
     """--weight-dtype auto (the default) stores a half model's matrices in fp16, not in an fp32 copy twice the
     file's size; an fp32 model stays fp32 and an explicit choice stands."""
-    from passes.import_onnx import load, stored_weight_dtype
+    from passes.import_onnx import stored_weight_dtype
+    from passes.front_end import load
     from picompile.compiler import resolve_weight_dtype
 
     half, rounded = half_exports["fp16"]
@@ -171,10 +173,10 @@ def test_a_half_models_sparse_rows_stay_half_through_lowering(half_exports, tmp_
     to fp32 there, a 7B build's lower pass held twice its weights)."""
     import numpy as np
 
-    from passes.import_onnx import load
+    from passes.front_end import load
     from picompile import compiler
-    from picompile import ir as pir
-    from picompile.pipeline import Context, run_passes
+    from passes import ir as pir
+    from passes.pipeline import Context, run_passes
 
     half, rounded = half_exports["fp16"]
     calib = models.write_tokens(tmp_path / "calib.npy", models.random_tokens(128, 8, 16, seed=0))

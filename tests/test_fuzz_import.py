@@ -18,11 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from passes.import_onnx import Import, load
+from passes.import_onnx import Import
+from passes.front_end import load
 from passes.recognise import Recognise
-from picompile.errors import UserError
-from picompile.pipeline import Context, run_passes
-from picompile.targets import get_target
+from passes.errors import UserError
+from passes.pipeline import Context, run_passes
+from passes.targets import get_target
 
 EXAMPLES = int(os.environ.get("PICOMPILE_FUZZ_EXAMPLES", "100"))
 OPS = ["Relu", "Gelu", "Tanh", "Add", "Mul", "MatMul", "Gemm", "Softmax", "Reshape", "Transpose", "Identity",

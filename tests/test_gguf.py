@@ -15,11 +15,11 @@ import gguf_files as gf
 from passes.gguf_graph import rope_rows
 from passes.import_gguf import ImportGGUF, converted, load
 from passes.kernels import quant
-from picompile import ir as pir
+from passes import ir as pir
 from picompile.cli import main
-from picompile.pipeline import Context
-from picompile.reference import OrtDecoder
-from picompile.targets import get_target
+from passes.pipeline import Context
+from passes.reference import OrtDecoder
+from passes.targets import get_target
 from runtime import Engine
 from runtime.artifact import read_safetensors
 from runtime.dtypes import WEIGHT_FORMATS
@@ -125,7 +125,7 @@ def test_a_dense_fp32_build_matches_onnxruntime_on_the_import_and_writes_text(fi
 
 
 def test_a_file_without_a_tokenizer_says_so(files):
-    from picompile.tokenizer import find_tokenizer
+    from passes.front_end import find_tokenizer
 
     path, _ = files("qwen2")
     assert find_tokenizer(path) is None
@@ -230,7 +230,7 @@ def test_a_gpt2_tokenizer_round_trips_through_the_metadata(files):
     metadata, trained = _metadata()
     vocab = trained.get_vocab()
     path, _ = files("tokenized", gf.Tiny(vocab=len(vocab)), tokenizer=metadata)
-    from picompile.tokenizer import find_tokenizer
+    from passes.front_end import find_tokenizer
 
     found = find_tokenizer(path).tokenizer
     for text in TEXTS:
@@ -252,7 +252,7 @@ def test_a_sentencepiece_vocabulary_merges_by_score_with_byte_fallback(files):
                 "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
                 "tokenizer.ggml.unknown_token_id": 0}
     path, _ = files("spm", gf.Tiny(vocab=len(pieces)), tokenizer=metadata)
-    from picompile.tokenizer import find_tokenizer
+    from passes.front_end import find_tokenizer
 
     found = find_tokenizer(path).tokenizer
     ids = found.encode("hello world 日")

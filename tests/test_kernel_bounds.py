@@ -16,7 +16,7 @@ import tvm_ffi
 
 from kernel_reference import act_ref, close
 from passes.kernels import cpu, neuron, ops
-from picompile.targets import CPU_ISAS
+from passes.targets import CPU_ISAS
 from runtime.artifact import aligned_empty
 
 D = 48  # 192-byte rows: a row offset keeps a view 64-byte aligned

@@ -18,7 +18,7 @@ import tvm
 import tvm_ffi
 
 from passes.kernels import cpu
-from picompile.targets import CPU_ISAS
+from passes.targets import CPU_ISAS
 from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
 
 MAX_ROWS = 8  # prefill buffers are allocated this tall and sliced to m rows

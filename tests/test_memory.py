@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from picompile import ir as pir
-from picompile import memory
+from passes import ir as pir
+from passes import memory
 
 
 def test_mapped_weights_leave_the_resident_set_and_read_back_the_same(tmp_path):

@@ -8,7 +8,7 @@ import tvm
 import tvm_ffi
 
 from passes.kernels import cpu, neuron
-from picompile.targets import CPU_ISAS
+from passes.targets import CPU_ISAS
 from kernel_reference import aligned
 
 D, N = 36, 24  # odd sizes: 4-lane vectors, no multiple of 8

@@ -10,10 +10,10 @@ import onnx_ir as ir
 import pytest
 
 from passes.partition import Partition
-from picompile import ir as pir
-from picompile.errors import UserError
-from picompile.pipeline import Context, run_passes
-from picompile.targets import GiB, get_target
+from passes import ir as pir
+from passes.errors import UserError
+from passes.pipeline import Context, run_passes
+from passes.targets import GiB, get_target
 from test_powerinfer_placement import power_law
 from tiny_targets import SLOW_CPU_RTX4090
 
@@ -23,7 +23,8 @@ from tiny_targets import SLOW_CPU_RTX4090
 
 @pytest.fixture(scope="module")
 def lifted(tiny_models):
-    from passes.import_onnx import Import, load
+    from passes.import_onnx import Import
+    from passes.front_end import load
     from passes.recognise import Recognise
 
     files = tiny_models("llama", sparsity=0.9)

@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from picompile import placement
-from picompile.placement import Block, Ffn, Layer, Plan, Problem
+from passes import placement
+from passes.placement import Block, Ffn, Layer, Plan, Problem
 
 
 def random_problem(seed: int, budget_share: float | None = None, sparse: bool = True) -> Problem:

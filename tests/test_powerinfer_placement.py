@@ -1,4 +1,4 @@
-"""PowerInfer's placement policy (picompile.powerinfer_placement), the baseline of the placement benchmarks:
+"""PowerInfer's placement policy (powerinfer_placement), the baseline of the placement benchmarks:
 its ILP is exact on small instances and its answers keep every constraint."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-from picompile.costmodel import sync_seconds
-from picompile.powerinfer_placement import min_neurons_for, solve_placement
-from picompile.targets import GiB, get_target
+from passes.costmodel import sync_seconds
+from benchmarks.powerinfer_placement import min_neurons_for, solve_placement
+from passes.targets import GiB, get_target
 
 # ---------------------------------------------------------------- the solver against brute force
 

@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from passes.import_onnx import Import, load
+from passes.import_onnx import Import
+from passes.front_end import load
 from passes.predict import (Predict, Predictor, _threshold_for_recall, candidate_ranks, choose_ranks, predict_active,
                             predictor_step_reads, price_ranks, step_reads, train_predictor)
 from passes.profile import LayerActivations, ProfiledActivations
 from passes.recognise import Recognise
-from picompile import ir as pir
+from passes import ir as pir
 from runtime.dtypes import WEIGHT_FORMATS
-from picompile.pipeline import Context, run_passes, verify_onnx
-from picompile.targets import get_target
+from passes.pipeline import Context, run_passes, verify_onnx
+from passes.targets import get_target
 
 torch.set_num_threads(2)
 

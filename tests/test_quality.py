@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from picompile.budget import QualityBudget
-from picompile.errors import UserError
+from passes.budget import QualityBudget
+from passes.errors import UserError
 
 
 @pytest.mark.parametrize("text, kind, value", [("1%", "ppl", 0.01), ("0.03", "ppl", 0.03), ("kl=0.005", "kl", 0.005),
@@ -36,12 +36,13 @@ def test_bad_budget_on_the_command_line_is_one_error_line(tiny_models, tmp_path,
 
 def test_the_interpreter_computes_what_onnxruntime_computes(tiny_models):
     """The plans are measured through passes.ir_reference: on the dense model it must be the source model."""
-    from passes.import_onnx import Import, load
+    from passes.import_onnx import Import
+    from passes.front_end import load
     from passes.ir_reference import Interpreter
     from passes.recognise import Recognise
-    from picompile.pipeline import Context
-    from picompile.reference import OrtDecoder
-    from picompile.targets import get_target
+    from passes.pipeline import Context
+    from passes.reference import OrtDecoder
+    from passes.targets import get_target
 
     for family, kwargs in (("llama", {"hidden_act": "silu"}), ("gpt2", {})):
         files = tiny_models(family, **kwargs)

@@ -12,7 +12,7 @@ import tvm
 
 from kernel_reference import act_ref, close, int8_blocks_ref, kname
 from passes.kernels import cpu, ops, quant
-from picompile.targets import CPU_ISAS
+from passes.targets import CPU_ISAS
 from runtime.artifact import cpu_flags
 from runtime.dtypes import WEIGHT_FORMATS
 from test_kernels import MAX_ROWS, aligned, call, rand, rows_buf

@@ -11,7 +11,7 @@ import tvm
 import tvm_ffi
 
 from passes.kernels import cpu, neuron, quant
-from picompile.targets import CPU_ISAS
+from passes.targets import CPU_ISAS
 from runtime.artifact import cpu_flags
 from runtime.dtypes import WEIGHT_FORMATS
 from kernel_reference import act_ref, aligned, int8_blocks_ref

@@ -10,14 +10,14 @@ import onnx_ir as ir
 import pytest
 from onnx_ir.passes import PassResult
 
-from passes.import_onnx import load
+from passes.front_end import load
 from passes.kernels import quant
 from passes.quantize import BLOCKED, QuantizedMatrix, Quantize
-from picompile import ir as pir
+from passes import ir as pir
 from picompile.compiler import build, pipeline
-from picompile.pipeline import Context, Options, run_passes
-from picompile.reference import OrtDecoder
-from picompile.targets import get_cpu_isa, get_target
+from passes.pipeline import Context, Options, run_passes
+from passes.reference import OrtDecoder
+from passes.targets import get_cpu_isa, get_target
 from runtime.artifact import missing_cpu_features
 from runtime import Engine
 from runtime.dtypes import WEIGHT_FORMATS

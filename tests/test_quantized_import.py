@@ -12,13 +12,14 @@ import pytest
 from onnx import numpy_helper
 
 from examples.models import matmul_weights_as_initializers, ort_quantize_nbits
-from passes.import_onnx import SOURCE_QUANTIZATION, Import, SourceQuantization, load
+from passes.import_onnx import SOURCE_QUANTIZATION, Import, SourceQuantization
+from passes.front_end import load
 from passes.kernels import quant
-from picompile import ir as pir
+from passes import ir as pir
 from picompile.cli import main
-from picompile.pipeline import Context
-from picompile.reference import OrtDecoder
-from picompile.targets import get_target
+from passes.pipeline import Context
+from passes.reference import OrtDecoder
+from passes.targets import get_target
 from runtime import Engine
 from runtime.dtypes import WEIGHT_FORMATS
 from test_cli_errors import assert_user_error

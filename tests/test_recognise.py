@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from block_reference import run_blocks
-from passes.import_onnx import Import, load
+from passes.import_onnx import Import
+from passes.front_end import load
 from passes.recognise import Recognise
-from picompile import ir as pir
-from picompile.pipeline import Context, run_passes, verify_onnx
-from picompile.reference import OrtDecoder
-from picompile.targets import get_target
+from passes import ir as pir
+from passes.pipeline import Context, run_passes, verify_onnx
+from passes.reference import OrtDecoder
+from passes.targets import get_target
 
 CASES = [(family, exporter) for family in ("opt", "llama") for exporter in ("dynamo", "legacy")]
 

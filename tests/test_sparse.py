@@ -10,13 +10,13 @@ import numpy as np
 import onnx
 import pytest
 
-from picompile import costmodel, placement
+from passes import costmodel, placement
 from picompile.cli import main
 from picompile.compiler import build, pipeline
-from picompile.errors import UserError
-from picompile.pipeline import Options
-from picompile.reference import OrtDecoder
-from picompile.targets import get_target
+from passes.errors import UserError
+from passes.pipeline import Options
+from passes.reference import OrtDecoder
+from passes.targets import get_target
 from runtime import Engine, generate
 from runtime.artifact import seal_manifest
 from runtime.calls import Role, schedule_calls
@@ -122,7 +122,7 @@ class _ForcedPlan:
         import onnx_ir as ir
         from onnx_ir.passes import PassResult
 
-        from picompile import ir as pir
+        from passes import ir as pir
 
         report = json.loads(model.metadata_props["picompile.placement"])
         ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: pir.attr(n, "layer"))
@@ -234,7 +234,7 @@ def test_models_with_external_data_build(sparse_models, tmp_path, monkeypatch):
     hands the source graph to onnxruntime from the build's own directory, so it must copy them along."""
     import onnx_ir as ir
 
-    from picompile import ir as pir
+    from passes import ir as pir
 
     files = sparse_models["llama"]
     external = tmp_path / "ext" / "model.onnx"
@@ -310,7 +310,7 @@ def test_default_kernels_are_the_build_machines_widest_and_avx2_is_portable(spar
                                                                             tmp_path):
     """Without --cpu-isa the kernels are compiled for the widest instruction set this CPU has (AVX-512 where
     present); --cpu-isa avx2 builds the portable artifact, which matches onnxruntime on any x86 CPU here."""
-    from picompile.targets import host_cpu_isa
+    from passes.targets import host_cpu_isa
 
     files = sparse_models["opt"]
     default = dense_opt_artifact  # built without --cpu-isa
@@ -322,7 +322,7 @@ def test_default_kernels_are_the_build_machines_widest_and_avx2_is_portable(spar
 
 
 def test_host_isa_is_read_from_the_cpu_flags(monkeypatch):
-    from picompile import targets
+    from passes import targets
 
     avx2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
     avx512 = avx2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
@@ -360,7 +360,7 @@ class _ExpectedShares:
         from onnx_ir.passes import PassResult
 
         from passes.lower import ALL_NEURONS
-        from picompile import ir as pir
+        from passes import ir as pir
 
         for node in pir.nodes_in_domain(model, "FFN"):
             if pir.attr(node, "layer") == 0:

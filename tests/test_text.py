@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from picompile.cli import main
-from picompile.tokens import read_calibration
+from passes.tokens import read_calibration
 from runtime import Engine, GenerationStats, generate, generate_stream
 from runtime.artifact import ArtifactError
 from runtime.text import TextTokenizer, load_tokenizer

@@ -125,8 +125,8 @@ def text_artifact(tiny_text, tmp_path_factory):
 
 def test_picompile_builds_the_trained_model_with_its_calibration(tiny_text, text_artifact, capsys):
     from picompile.evaluate import evaluate
-    from picompile.reference import OrtDecoder
-    from picompile.tokens import read_tokens
+    from passes.reference import OrtDecoder
+    from passes.tokens import read_tokens
     from runtime import Engine
 
     out = text_artifact

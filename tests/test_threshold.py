@@ -14,7 +14,7 @@ import tvm_ffi
 
 from passes.kernels import cpu, neuron
 from passes.threshold import calibrate, hidden_of
-from picompile.targets import CPU_ISAS
+from passes.targets import CPU_ISAS
 from kernel_reference import aligned
 from runtime.calls import Access, schedule_calls
 
@@ -105,8 +105,8 @@ def swiglu(tiny_models):
 def threshold_builds(swiglu, tmp_path_factory):
     """Threshold builds of the SwiGLU model at sparsity 0 and 0.5 (built once for the module)."""
     from picompile.compiler import build
-    from picompile.pipeline import Options
-    from picompile.targets import get_target
+    from passes.pipeline import Options
+    from passes.targets import get_target
 
     root = tmp_path_factory.mktemp("threshold-builds")
     return {s: build(swiglu.onnx, root / f"s{s}.pic", get_target("cpu"),
@@ -125,7 +125,7 @@ def greedy_steps(forward, prompt=PROMPT, steps=DECODE_STEPS):
 def test_sparsity_zero_matches_onnxruntime(threshold_builds, swiglu):
     """Thresholds that keep every input (KEEP_ALL, < 0) mean dense projections: the build is the dense model
     (prefill and decode), with no column-sparse call."""
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
     from runtime import Engine
 
     manifest = json.loads((threshold_builds[0.0] / "manifest.json").read_text())
@@ -143,9 +143,9 @@ def test_fp16_threshold_build_stays_close_to_onnxruntime(swiglu, tmp_path):
     """--weight-dtype fp16: the column-sparse kernels read fp16 rows; with thresholds of 0 (only exact zeros
     dropped) only fp16 rounding remains."""
     from picompile.compiler import build, pipeline
-    from picompile.pipeline import Options
-    from picompile.reference import OrtDecoder
-    from picompile.targets import get_target
+    from passes.pipeline import Options
+    from passes.reference import OrtDecoder
+    from passes.targets import get_target
     from runtime import Engine
     from threshold_plans import SetThresholds, insert_after
 
@@ -169,9 +169,9 @@ def test_threshold_mode_on_an_ungated_biased_relu_ffn(tiny_models, tmp_path):
     """Threshold mode asked for on OPT (ReLU, not gated, biases), with thresholds of 0 (only exact zeros dropped,
     so the column-sparse calls run and the model stays exactly the dense one)."""
     from picompile.compiler import build, pipeline
-    from picompile.pipeline import Options
-    from picompile.reference import OrtDecoder
-    from picompile.targets import get_target
+    from passes.pipeline import Options
+    from passes.reference import OrtDecoder
+    from passes.targets import get_target
     from runtime import Engine
     from threshold_plans import SetThresholds, insert_after
 
@@ -323,7 +323,7 @@ def test_report_of_a_threshold_build_tabulates_its_thresholds(threshold_builds, 
 def test_batch_steps_keep_the_union_of_the_sequences_channels(threshold_builds, swiglu):
     """Threshold builds batch too: at sparsity 0 a batch step's rows are each sequence's own decode step; at 0.5
     each row computes the union of the batch's kept channels, so it is as close to the dense model as its own."""
-    from picompile.reference import OrtDecoder
+    from passes.reference import OrtDecoder
     from runtime import Engine
 
     prompts = [PROMPT, [3, 1, 4, 1, 5, 9], [27, 18]]

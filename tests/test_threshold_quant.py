@@ -13,7 +13,7 @@ import tvm
 import tvm_ffi
 
 from passes.kernels import cpu, neuron, quant
-from picompile.targets import CPU_ISAS
+from passes.targets import CPU_ISAS
 from runtime.dtypes import WEIGHT_FORMATS
 from kernel_reference import aligned
 
@@ -151,8 +151,8 @@ def threshold_build(swiglu, path, weight_dtype, plan, formats=None, **options):
     """A threshold build at sparsity 0.5 with `plan`'s thresholds set after the threshold pass; returns (artifact,
     the block IR the thresholds apply to, the matrices as stored (quantized builds))."""
     from picompile.compiler import build, pipeline
-    from picompile.pipeline import Options
-    from picompile.targets import get_target
+    from passes.pipeline import Options
+    from passes.targets import get_target
     from threshold_plans import PlanFormats, SetThresholds, Snapshot, StoredWeights, insert_after
 
     options = Options(max_context=64, calib=swiglu.calib, sparsity_mode="threshold", sparsity=0.5,
@@ -171,7 +171,7 @@ def check_against_reference(artifact, model, weights, slots=1):
     of the thresholded model with the stored weights; each decode step's bytes as the cost model counts them.
     Returns the engine and the decode steps' weight bytes."""
     from block_reference import run_blocks
-    from picompile import costmodel
+    from passes import costmodel
     from runtime import Engine
 
     engine, caches = Engine(artifact), {}
@@ -193,7 +193,7 @@ def check_against_reference(artifact, model, weights, slots=1):
 
 def dense_bytes(engine) -> int:
     """The weight bytes one decode step of the same artifact would read with every input channel kept."""
-    from picompile import costmodel
+    from passes import costmodel
 
     return sum(costmodel.weight_bytes(call, engine.manifest["buffers"], call.selection.capacity if call.selection else 0)
                for call in engine.calls if call.decode)

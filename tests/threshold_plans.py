@@ -13,7 +13,7 @@ from onnx_ir.passes import PassResult
 
 from passes.kernels import quant
 from passes.quantize import QuantizedMatrix
-from picompile import ir as pir
+from passes import ir as pir
 
 
 @dataclass

@@ -7,6 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from picompile.targets import get_target
+from passes.targets import get_target
 
 SLOW_CPU_RTX4090 = dataclasses.replace(get_target("rtx4090"), cpu_bandwidth_gbs=0.05)

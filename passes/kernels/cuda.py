@@ -71,7 +71,7 @@ import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
-from picompile.targets import cuda_target
+from ..targets import cuda_target
 
 from . import compute
 from .compute import clamp_count, clamp_index, drop_params, glu_unit, load_f32, rope_high, rope_low, row_dim
@@ -957,7 +957,7 @@ def sparse_down_q(name, n, D, *, rows, bits: int, sdtype="float16", has_min: boo
 
 
 def _target(arch):
-    """picompile.targets' CUDA target for ``arch`` as a tvm Target (the host given apart, as TVM takes it)."""
+    """passes.targets' CUDA target for ``arch`` as a tvm Target (the host given apart, as TVM takes it)."""
     spec = cuda_target(arch)
     host = spec.pop("host")
     return tvm.target.Target(spec, host=host)

@@ -35,7 +35,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from picompile.sizes import float_format
+from ..sizes import float_format
 from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat, dequantize_blocks
 
 from . import cpu as _cpu

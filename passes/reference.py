@@ -6,65 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
 
 # What OrtDecoder feeds a decoder (besides past_key_values.{i}.key/value)
 FED_INPUTS = ("input_ids", "attention_mask", "position_ids")
-
-
-def reference_for(path: Path, sequences: list[np.ndarray], workdir: Path):
-    """eval's reference executor on the model at `path` for these sequences: onnxruntime on the whole model,
-    or, where onnxruntime could not hold its weights, on one layer at a time (`passes.layer_reference`)."""
-    from passes.import_onnx import Import, load, source_file
-    from passes.layer_reference import LayeredReference, needs_layers
-    from passes.recognise import analyse, source_layer_input
-
-    from .pipeline import Context
-    from .targets import get_target
-
-    imported = Import().apply(load(Path(path), for_build=False), Context(get_target("cpu"))).model
-    if not needs_layers(imported):
-        return OrtDecoder(source_file(imported) or path)  # a GGUF file's: its conversion to ONNX
-    layered = LayeredReference(imported, {a.layer: source_layer_input(a) for a in analyse(imported).attentions}, workdir)
-    layered.prepare(sequences)
-    return layered
-
-
-def check_reference(path: Path) -> int:
-    """Check that `path` is a model eval can compare an artifact with, as `build` checks a model (the import
-    pass's refusals: missing, not ONNX, damaged, not a decoder LLM export with input_ids and logits (a CNN),
-    no KV cache (an encoder), weights fed as inputs), that it takes only the inputs OrtDecoder feeds, and that
-    its logits are as wide as its vocabulary; return the vocabulary: its token embedding table's rows (the
-    table recognise finds: a Gather of a constant by input_ids)."""
-    from passes.import_onnx import Import, load
-    from passes.recognise import find_embeddings
-
-    from . import ir as pir
-    from .pipeline import Context
-    from .targets import get_target
-
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"reference model not found: {path}")
-    try:
-        model = Import().apply(load(path, for_build=False), Context(get_target("cpu"))).model
-    except UserError as error:
-        raise UserError(f"reference {path}: {error}") from None
-    unfed = [v.name for v in model.graph.inputs if v.name not in FED_INPUTS and not v.name.startswith("past_key_values.")]
-    if unfed:
-        raise UserError(f"reference {path} takes {', '.join(unfed)}, which eval does not feed (it feeds "
-                        f"{', '.join(FED_INPUTS)} and past_key_values.*)")
-    try:
-        token, _ = find_embeddings(model.graph)
-    except UserError as error:
-        raise UserError(f"reference {path}: {error}") from None
-    vocab = int(pir.const_array(token.inputs[0]).shape[0])
-    logits = next(v for v in model.graph.outputs if v.name == "logits")  # check_decoder saw it
-    width = logits.shape[-1] if logits.shape is not None and len(logits.shape) else None
-    if isinstance(width, int) and width != vocab:
-        raise UserError(f"reference {path} has logits over {width} tokens but its token embedding table has {vocab} "
-                        "rows: not a language model eval can compare")
-    return vocab
 
 
 def quiet_between_runs(options) -> None:

@@ -40,8 +40,8 @@ class Options:
 
     dense: bool = False
     max_context: int = 256
-    calib: Path | None = None  # token ids, or text read with `tokenizer` (picompile.tokens.read_calibration)
-    tokenizer: TokenizerFiles | None = None  # the model's, copied into the artifact (picompile.tokenizer)
+    calib: Path | None = None  # token ids, or text read with `tokenizer` (passes.tokens.read_calibration)
+    tokenizer: TokenizerFiles | None = None  # the model's, copied into the artifact (passes.tokenizer)
     vram_budget_bytes: int | None = None  # overrides the target's GPU memory
     calib_tokens: int | None = None  # cap on the calibration tokens the profile pass runs (None: every one given)
     # Sequences the profile pass samples from the model itself to add to --calib (None: "auto", enough to reach
@@ -88,7 +88,7 @@ class Options:
 @dataclass
 class Context:
     """What passes share that is not a fact about the model: the target, the working directory, the log,
-    progress bars and files bound for the artifact. Facts ride on the IR (`picompile.ir`)."""
+    progress bars and files bound for the artifact. Facts ride on the IR (`passes.ir`)."""
 
     target: Target
     # Files a pass produces for the artifact (kernel libraries, plots): relative path -> bytes on disk.

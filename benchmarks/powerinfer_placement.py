@@ -1,6 +1,6 @@
 """PowerInfer's neuron placement policy (SOSP '24, section "Neuron placement policy") as a 0-1 integer program,
 solved by HiGHS: the FFN neurons alone, for a GPU budget left after the whole dense part. picompile's own
-placement (`picompile.placement`) places every block in one program; this one is kept as the baseline the
+placement (`passes.placement`) places every block in one program; this one is kept as the baseline the
 placement benchmarks compare with (`benchmarks/bench_placement.py` times it at real shapes).
 
 Fixed against the public code: variables are declared binary (its unbounded integers are rightly reported

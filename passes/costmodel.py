@@ -3,7 +3,7 @@ baselines users compare with.
 
 Decoding is bound by memory traffic, so each decode call costs the bytes it reads over its device's
 bandwidth plus a fixed launch cost; a sparse part reads only the rows its predictor is expected to
-select. Placement prices each block so (`price`, `price_ffn`: `picompile.placement` solves with those costs and
+select. Placement prices each block so (`price`, `price_ffn`: `passes.placement` solves with those costs and
 prices llama.cpp-style layer offload with the same ones). An artifact's step is its schedule's DAG, with each
 device's calls chained in program order (a device runs one call at a time), and its critical path; the
 CPU-only baseline comes from the same byte counts (every weight streamed by the CPU).
