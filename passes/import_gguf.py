@@ -64,10 +64,9 @@ ARCHITECTURES = ("llama", "qwen2")
 GGUF_KEY = "picompile.gguf"  # the metadata_props entry of the fact
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # --weight-dtype that keeps (or, for formats no picompile block holds, best keeps) a GGUF type's values:
-# `auto`'s choice for a file whose matrices are mostly of that type. Q4_1 and the K-quants go to int8 until an
-# asymmetric / super-block format exists: on SmolLM2-135M's Q4_1 file int8 changed each matrix by 0.5%
-# (relative, mean) and perplexity by +0.2% against the file's own model (2026-12-03), where int4 costs x1.3-1.4
-# (issue 32); fp16 would hold them closer at twice the bytes.
+# `auto`'s choice for a file whose matrices are mostly of that type. Q4_1 has int4a, its own blocks; formats
+# no picompile block holds (the K-quants) go to int8, which changed SmolLM2's Q4_1 matrices by 0.5% and its
+# perplexity by +0.2% where int4 cost x1.3-1.4; fp16 would hold them closer at twice the bytes.
 AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4a"}
 AUTO_FALLBACK = "int8"
 # (source type, --weight-dtype) pairs that keep every value exactly (an int4a build keeps a float matrix in floats)

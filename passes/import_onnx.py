@@ -65,12 +65,10 @@ DECODER_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids
 # Ops whose second input is a weight: a graph input there means weights are fed at run time.
 WEIGHT_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Gather"}
 # Build memory = BASE + WORKING_FACTOR x weight bytes (as stored: fp16 ones count 2 bytes, since import keeps them
-# so). Measured with -v's per-pass peaks (2026-12-02, Zen 3, 24 GiB): the streamed llama-7b fp16 (12.55 GiB of
-# weights, memory-mapped external data), sparse --weight-dtype fp16 build with its 1,024 calibration tokens: peak
-# 22.05 GiB in lower (1.76x), every other pass at most 13.5 GiB. The old pipeline (fp16 widened at import, every
-# weight copied in recognise) needed 3.9x on opt-1b. A build that widens half weights (--weight-dtype fp32 of an
-# fp16 model) stores twice their bytes, which this does not count: the refusal stops only builds that clearly
-# cannot fit.
+# so): the lower pass's peak on a streamed 7B fp16 build was 1.76x its weights, every other pass's lower
+# (measurements: BENCHMARKS.md, "Measurements behind the code's constants"). A build that widens half weights
+# (--weight-dtype fp32 of an fp16 model) stores twice their bytes, which this does not count: the refusal stops
+# only builds that clearly cannot fit.
 WORKING_FACTOR = 2.0
 BASE_BYTES = 512 << 20
 

@@ -65,12 +65,9 @@ def float_format(fmt: WeightFormat) -> WeightFormat:
 
 def predictor_format(weight_dtype: str) -> WeightFormat:
     """What the CPU stores predictors in, whatever `weight_dtype`: int8 blocks, which the quantize pass makes.
-    int4 ones lose too much of a score's margin: on the small hard member (`bench_cpu_decode.py --preset small
-    --predictability 0.6 --calib-tokens 1024 --dtypes int4`, 2026-12-03) int4 predictors of ranks 128-160 kept
-    recall 0.99 at precision 0.11-0.20 (59-88% of the neurons predicted active) where int8 ones of ranks 80-96
-    reached 0.29-0.38 (28-35%), and the step read 46.3 MiB against 40.5. A predictor is read whole every
-    decode step, so its bytes are what it costs: int8 ones cost a quarter of fp32's, predicted as precisely
-    (the 1B hard member: precision 0.42 at recall 0.99 either way, BENCHMARKS.md). Predict fits the thresholds
+    int4 ones lose too much of a score's margin (their precision at recall 0.99 fell to a third); a
+    predictor is read whole every decode step, so its bytes are what it costs: int8 ones cost a quarter of
+    fp32's, predicted as precisely (measurements: BENCHMARKS.md#measurements-behind-the-codes-constants). Predict fits the thresholds
     to the predictors as stored; predict and lower price them so."""
     return WEIGHT_FORMATS["int8"]
 

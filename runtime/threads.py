@@ -1,7 +1,7 @@
 """The kernels' threads: how many a step runs on, chosen from what the machine gives, not assumed.
 
-A computer that runs a model is rarely idle. TVM's thread pool, as it comes, fails there three ways, each
-measured on 2-core machines on 2026-12-03 (BENCHMARKS.md, "busy machine"):
+A computer that runs a model is rarely idle. TVM's thread pool, as it comes, fails there three ways
+(measured: BENCHMARKS.md, "busy machine"):
 - It pins each worker to a core. When another process keeps that core busy, every parallel kernel waits
   a scheduler slice (milliseconds) for its pinned worker: a tiny model's decode fell from 58,000 to 23
   tokens/s beside one busy process. Unpinned, the OS moves the worker to whatever core is free.
