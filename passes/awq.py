@@ -31,7 +31,6 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .pipeline import Context, Options
-from .sizes import weight_format
 
 from .import_onnx import SourceQuantization
 from .kernels import quant
@@ -110,11 +109,10 @@ def _foldable_norm(node: ir.Node) -> ir.Node | None:
 @dataclass
 class AWQ:
     name = "awq"
-    weight_dtype: str = Options.weight_dtype
     seed: int = Options.seed
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        fmt = weight_format("cpu", self.weight_dtype)
+        fmt = ctx.build.weight_format
         if not fmt.quantized:
             return PassResult(model, modified=False)
         if SourceQuantization.of(model) is not None:

@@ -14,7 +14,7 @@ initializers (`layers.3.ffn.w_up`, ...). Partial rotary embeddings become full-w
 frequencies on the pass-through dimensions (query and key columns permuted alike, so the scores are
 unchanged). The source model rides on the new IR's `meta` (`source_model`), for the profile pass to run as
 its reference executor. Refuses what it cannot recognise with a message naming it, and a `max_context`
-(its field) that the model's learned positions or the machine's memory cannot hold.
+(the build's, `ctx.build`) that the model's learned positions or the machine's memory cannot hold.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from passes.import_gguf import GGUF_KEY
 from passes.import_onnx import SOURCE_QUANTIZATION, available_memory_bytes
 from . import ir as pir
 from .errors import UserError
-from .pipeline import Context, Options
+from .pipeline import Context
 from .sizes import kv_cache_bytes
 from .targets import format_size
 from runtime.artifact import first_line
@@ -851,11 +851,10 @@ def source_model(lifted: ir.Model) -> ir.Model:
 @dataclass
 class Recognise:
     name = "recognise"
-    max_context: int = Options.max_context
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)
-        _check_context(decoder, self.max_context)
+        _check_context(decoder, ctx.build.max_context)
         # the concatenated weights are copies: the source pages they were read from need not stay resident
         lifted = build_graph(decoder, after_layer=lambda: pir.release_mapped_pages(model))
         lifted.meta[SOURCE] = model

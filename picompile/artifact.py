@@ -95,7 +95,7 @@ def check_output(output: Path) -> None:
 
 def write(model: ir.Model, ctx: Context, output: Path, options: Options, source: Path | None = None) -> Path:
     check_output(output)
-    cpu_isa = options.cpu_isa_for(ctx.target)
+    cpu_isa = ctx.build.cpu_isa
     buffers = json.loads(model.metadata_props["picompile.buffers"])
     schedule = json.loads(model.metadata_props["picompile.schedule"])
     output = Path(output)

@@ -81,9 +81,9 @@ def _passes(files, quant_method: str, dense: bool = False):
 
 
 def test_the_scales_fold_into_the_norm_the_up_rows_and_the_profile_exactly(outlier_opt, tmp_path):
-    _, passes = _passes(outlier_opt, "awq")
+    options, passes = _passes(outlier_opt, "awq")
     index = next(i for i, p in enumerate(passes) if p.name == "awq")
-    ctx = Context(get_target("cpu"), workdir=tmp_path)
+    ctx = Context(get_target("cpu"), workdir=tmp_path, options=options)
     model = run_passes(load(outlier_opt.onnx), passes[:index], ctx)
     ffns = pir.nodes_in_domain(model, "FFN")
     before = {}
