@@ -25,6 +25,7 @@ import math
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .errors import UserError
+from .facts import MemoryFact
 from .pipeline import Context, Options
 from .reference import OrtDecoder
 from .tokenizer import TokenizerFiles
@@ -79,20 +81,12 @@ class LayerActivations:
 
 
 @dataclass
-class ProfiledActivations:
+class ProfiledActivations(MemoryFact):
     """What the profile pass saw, per layer, for the passes that fit to it (predict, threshold)."""
 
+    META_KEY: ClassVar[str] = PROFILED
+    MISSING: ClassVar[str] = "the IR carries no profiled activations (run the profile pass first)"
     layers: dict[int, LayerActivations]
-
-    def attach(self, model: ir.Model) -> None:
-        model.meta[PROFILED] = self
-
-    @classmethod
-    def of(cls, model: ir.Model) -> "ProfiledActivations":
-        profiled = model.meta.get(PROFILED)
-        if profiled is None:
-            raise ValueError("the IR carries no profiled activations (run the profile pass first)")
-        return profiled
 
     def layer(self, index: int) -> LayerActivations:
         if index not in self.layers:
@@ -116,21 +110,13 @@ class ProfiledActivations:
 
 
 @dataclass
-class CalibrationSequences:
+class CalibrationSequences(MemoryFact):
     """The token sequences the profile pass ran, in its order (sampled ones first, the user's text last): the
     quality pass fits on the first and measures on the last, the predictors' split (`predict.HOLDOUT`)."""
 
+    META_KEY: ClassVar[str] = SEQUENCES
+    MISSING: ClassVar[str] = "the IR carries no calibration sequences (run the profile pass first)"
     sequences: list[np.ndarray]
-
-    def attach(self, model: ir.Model) -> None:
-        model.meta[SEQUENCES] = self
-
-    @classmethod
-    def of(cls, model: ir.Model) -> "CalibrationSequences":
-        found = model.meta.get(SEQUENCES)
-        if found is None:
-            raise ValueError("the IR carries no calibration sequences (run the profile pass first)")
-        return found
 
 
 @dataclass

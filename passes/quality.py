@@ -36,6 +36,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -45,6 +46,7 @@ from onnx_ir.passes import PassResult
 from . import costmodel
 from . import ir as pir
 from .budget import QualityBudget
+from .facts import ModelFact
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
 from .targets import CpuIsa
@@ -81,17 +83,23 @@ def allowed_formats(weight_dtype: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class WeightPlan:
+class WeightPlan(ModelFact):
     """Per matrix (its initializer's name), the format the quantize pass stores it in where it is not the build's."""
 
+    KEY: ClassVar[str] = WEIGHT_PLAN_KEY
+    SORT_KEYS: ClassVar[bool] = True
     formats: dict[str, str]
 
-    def attach(self, model: ir.Model) -> None:
-        model.metadata_props[WEIGHT_PLAN_KEY] = json.dumps(self.formats, sort_keys=True)
+    def to_json(self) -> dict:
+        return self.formats
 
     @classmethod
-    def of(cls, model: ir.Model) -> "WeightPlan":
-        return cls(json.loads(model.metadata_props.get(WEIGHT_PLAN_KEY, "{}")))
+    def from_json(cls, data: dict) -> "WeightPlan":
+        return cls(data)
+
+    @classmethod
+    def missing(cls) -> "WeightPlan":
+        return cls({})
 
 
 @dataclass(frozen=True)

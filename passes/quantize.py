@@ -53,7 +53,7 @@ from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
 from runtime.dtypes import QUANT_BLOCK, QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 
-from .awq import AWQ_KEY
+from .awq import AwqReport
 from .quality import WeightPlan
 from .import_gguf import GGUFSource
 from .import_onnx import SourceQuantization
@@ -208,7 +208,7 @@ class Quantize:
                    "exact_matrices": exact_matrices, "planned_floats": planned_floats,
                    "planned_formats": planned_formats, "source_blocks_rerounded": rerounded,
                    "source_floats_kept": foreign, "source_formats_kept": moved,
-                   "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
+                   "channel_scales": channel_scales.to_json() if (channel_scales := AwqReport.of(model)) else {}}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
         ctx.log(f"quantize: {len(done)} {summary['scope'][:-1]} matrices to {blocked.name} ({method}, blocks of "
                 f"{blocked.block}, {blocked.scale_dtype} scales): "

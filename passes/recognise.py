@@ -26,8 +26,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from passes.import_gguf import GGUF_KEY
-from passes.import_onnx import SOURCE_QUANTIZATION, available_memory_bytes
+from passes.import_gguf import GGUFSource
+from passes.import_onnx import SourceQuantization, available_memory_bytes
 from . import ir as pir
 from .errors import UserError
 from .pipeline import Context
@@ -858,9 +858,10 @@ class Recognise:
         # the concatenated weights are copies: the source pages they were read from need not stay resident
         lifted = build_graph(decoder, after_layer=lambda: pir.release_mapped_pages(model))
         lifted.meta[SOURCE] = model
-        for key in (SOURCE_QUANTIZATION, GGUF_KEY):  # facts about the weights, which the lifted graph keeps
-            if key in model.metadata_props:
-                lifted.metadata_props[key] = model.metadata_props[key]
+        for fact in (SourceQuantization, GGUFSource):  # facts about the weights, which the lifted graph keeps
+            found = fact.of(model)
+            if found is not None:
+                found.attach(lifted)
         ctx.log(f"recognised {len(decoder.attentions)} layers: "
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "

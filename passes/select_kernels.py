@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -28,6 +29,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .errors import UserError
+from .facts import ModelFact
 from .pipeline import Context, Options
 from .sizes import KV_CACHE_DTYPE, float_format, weight_format
 from runtime.calls import START, Access, Arg, Call, Role, Selection
@@ -40,7 +42,23 @@ from .quantize import QuantizedMatrix, dequantizes_weight
 from .threshold import KEEP_ALL
 
 
-MAX_BATCH_KEY = "picompile.max_batch"  # the model's metadata entry: the batch phase's sequences (0: none)
+@dataclass(frozen=True)
+class BatchPhase(ModelFact):
+    """How many sequences the program's batch step holds (0: it has no batch phase), for the manifest."""
+
+    KEY: ClassVar[str] = "picompile.max_batch"
+    max_batch: int
+
+    def to_json(self) -> int:
+        return self.max_batch
+
+    @classmethod
+    def from_json(cls, data: int) -> "BatchPhase":
+        return cls(int(data))
+
+    @classmethod
+    def missing(cls) -> "BatchPhase":
+        return cls(0)
 
 
 def read(buffer: str) -> Arg:
@@ -710,5 +728,6 @@ class SelectKernels:
         program = lowering.program
         ctx.log(f"select-kernels: {len(program.kernels)} kernels, {len(program.calls)} calls, "
                 + (f"batch steps of up to {lowering.max_batch} sequences" if lowering.max_batch else "no batch phase"))
-        result = program.to_model({**carried_metadata(model), MAX_BATCH_KEY: str(lowering.max_batch)})
+        result = program.to_model(carried_metadata(model))
+        BatchPhase(lowering.max_batch).attach(result)
         return PassResult(result, modified=True)
