@@ -112,8 +112,10 @@ def back(options: Options, build: BuildTarget, predictors: bool = False) -> list
 
 def pipeline(options: Options, mode: str, target: Target = TARGETS["cpu"], gguf: bool = False) -> list[Pass]:
     """The whole compilation in `mode` ("dense", "predictor" or "threshold") for `target`: exactly the
-    passes it runs (`gguf`: for a model loaded from a GGUF file), with `options`' weight dtype (not "auto")."""
-    return front(options, gguf) + rest(options, mode, BuildTarget.resolve(options, target))
+    passes it runs (`gguf`: for a model loaded from a GGUF file), with `options`' weight dtype (not "auto").
+    Which passes run does not depend on the GPU budget: `build` checks --vram-budget against the target it builds
+    for, not here."""
+    return front(options, gguf) + rest(options, mode, BuildTarget.resolve(options, target, gpu=GpuBudget(0)))
 
 
 def mode_of(model: ir.Model, options: Options) -> str:
