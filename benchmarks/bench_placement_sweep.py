@@ -27,9 +27,9 @@ from bench_placement import zipf_frequencies  # noqa: E402  (the same synthetic 
 from picompile import placement  # noqa: E402
 from benchmarks.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
 from passes.costmodel import CONTEXT, BlockBytes, FfnBytes, copy_seconds, price, price_ffn, sync_seconds  # noqa: E402
-from passes.sizes import GPU_WEIGHT_FORMAT, KV_CACHE_DTYPE, predictor_format, weight_format  # noqa: E402
+from passes.sizes import GPU_WEIGHT_FORMAT, KV_CACHE_DTYPE, PREDICTOR_FORMAT  # noqa: E402
 from passes.targets import GiB, get_target  # noqa: E402
-from runtime.dtypes import itemsize  # noqa: E402
+from runtime.dtypes import WEIGHT_FORMATS, itemsize  # noqa: E402
 
 SHAPES = {  # name: (layers, d_model, ffn, gated, kv_heads, head_dim, vocab)
     "7B": (32, 4096, 11008, True, 32, 128, 32000),
@@ -45,7 +45,7 @@ PREDICTOR_CALLS = 2
 def problem(shape: str, target, weight_dtype: str, budget: int, frequencies, rank: int, precision: float,
             max_context: int) -> placement.Problem:
     layers, d, ffn, gated, kv_heads, head_dim, vocab = SHAPES[shape]
-    gpu, cpu = GPU_WEIGHT_FORMAT.bytes_per_weight, weight_format("cpu", weight_dtype).bytes_per_weight
+    gpu, cpu = GPU_WEIGHT_FORMAT.bytes_per_weight, WEIGHT_FORMATS[weight_dtype].bytes_per_weight
     kv = 2 * kv_heads * head_dim * itemsize(KV_CACHE_DTYPE)  # per token
     attention_weights = 2 * d * d + 2 * d * kv_heads * head_dim
     kv_read = kv * min(CONTEXT, max_context)
@@ -63,7 +63,7 @@ def problem(shape: str, target, weight_dtype: str, budget: int, frequencies, ran
             width=ffn, activation_bytes=row, gpu_bytes_per_neuron=int((up + 1) * d * gpu),
             cpu_bytes_per_neuron=int((up + 1) * d * cpu), frequencies=f,
             predictor=BlockBytes(int(predictor_weights * gpu),
-                                 predictor_weights * predictor_format(weight_dtype).bytes_per_weight,
+                                 predictor_weights * PREDICTOR_FORMAT.bytes_per_weight,
                                  predictor_weights * gpu, PREDICTOR_CALLS),
             rows_per_active=1.0 / precision)
         built.append(placement.Layer(attention, price_ffn(target, ffn_bytes)))
@@ -82,7 +82,7 @@ def powerinfer_plan(p: placement.Problem, shape: str, target, weight_dtype: str,
     if dense > p.budget_bytes:
         return placement.Plan("cpu", ["cpu"] * n, ["sparse"] * n, [0] * n, "cpu")
     _, d, _, gated, _, _, _ = SHAPES[shape]
-    cpu_bytes = int(((2 if gated else 1) + 1) * d * weight_format("cpu", weight_dtype).bytes_per_weight)
+    cpu_bytes = int(((2 if gated else 1) + 1) * d * WEIGHT_FORMATS[weight_dtype].bytes_per_weight)
     frequencies = [layer.ffn.frequencies for layer in p.layers]
     sync = sync_seconds(target, 4 * d)
     minimum = [min_neurons_for(np.sort(f)[::-1], cpu_bytes, batch, target.cpu_bandwidth_gbs, sync) for f in frequencies]

@@ -64,14 +64,14 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
     target, build options (`options`: further pipeline Options fields) and compiler source. A tokenizer
     beside the model's ONNX goes into the artifact, as `picompile build` puts it."""
     from examples.models import cache_dir
-    from passes.pipeline import Options
+    from passes.pipeline import BuildTarget, Options
     from passes.targets import get_target
     from passes.front_end import find_tokenizer
 
     opts = Options(dense=dense, max_context=max_context, calib=files.calib,
                    **{"tokenizer": find_tokenizer(files.onnx), **options})
     # the ISA resolved, not the option: a default build is the build machine's
-    isa = opts.cpu_isa_for(get_target(target)).name
+    isa = BuildTarget.cpu_isa_of(opts, get_target(target)).name
     key = json.dumps({"model": files.dir.name, "target": target, "options": dataclasses.asdict(opts), "cpu_isa": isa,
                       "compiler": compiler_digest()}, sort_keys=True, default=str)
     artifact = cache_dir() / "artifacts" / f"{files.dir.name}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic"

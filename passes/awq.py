@@ -17,21 +17,21 @@ shared LayerNorm), an FFN input that is no norm's output. A model that came quan
 (rescaling would move them off their grid). Attention and the output layer are not profiled: they go
 unscaled too. The down projection gains nothing: its blocks run along a neuron's row, inside one
 input channel, where a channel scale only multiplies a block's scale.
-The per-layer alpha and error reduction go to `metadata_props["picompile.awq"]` for inspect.
+The per-layer alpha and error reduction go to `metadata_props["picompile.awq"]` (`AwqReport`) for inspect.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
+from .facts import ModelFact
 from .pipeline import Context, Options
-from .sizes import weight_format
 
 from .import_onnx import SourceQuantization
 from .kernels import quant
@@ -55,9 +55,32 @@ class ChannelScales:
     unscaled_error: float  # relative output error without channel scales (alpha 0)
     error: float  # the same at the chosen alpha
 
-    def report(self, layer: int) -> dict:
-        return {"layer": layer, "alpha": self.alpha, "unscaled_error": round(self.unscaled_error, 6),
-                "error": round(self.error, 6)}
+    def report(self, layer: int) -> "AwqLayer":
+        return AwqLayer(layer, self.alpha, round(self.unscaled_error, 6), round(self.error, 6))
+
+
+@dataclass(frozen=True)
+class AwqLayer:
+    """What the search chose for one layer's FFN input, and the up projection's error with and without it."""
+
+    layer: int
+    alpha: float  # 0: unscaled
+    unscaled_error: float
+    error: float
+
+
+@dataclass(frozen=True)
+class AwqReport(ModelFact):
+    """What the awq pass did (the quantize pass repeats it in its summary, for inspect)."""
+
+    KEY: ClassVar[str] = AWQ_KEY
+    layers: tuple[AwqLayer, ...]  # the searched layers
+    unscaled: tuple[int, ...]  # layers whose norm does not fold a scale: left unscaled
+    error_ratio: float  # mean over the searched layers of the up projection's error against the unscaled one
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AwqReport":
+        return cls(tuple(AwqLayer(**layer) for layer in data["layers"]), tuple(data["unscaled"]), data["error_ratio"])
 
 
 def mean_magnitude(inputs: np.ndarray, chunk: int = 4096) -> np.ndarray:
@@ -110,11 +133,10 @@ def _foldable_norm(node: ir.Node) -> ir.Node | None:
 @dataclass
 class AWQ:
     name = "awq"
-    weight_dtype: str = Options.weight_dtype
     seed: int = Options.seed
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        fmt = weight_format("cpu", self.weight_dtype)
+        fmt = ctx.build.weight_format
         if not fmt.quantized:
             return PassResult(model, modified=False)
         if SourceQuantization.of(model) is not None:
@@ -147,12 +169,12 @@ class AWQ:
                     report.append(found.report(layer))
                 advance()
         # mean over the searched layers of the up projection's error against the unscaled one (1: no gain)
-        ratio = float(np.mean([r["error"] / r["unscaled_error"] for r in report if r["unscaled_error"] > 0] or [1.0]))
-        model.metadata_props[AWQ_KEY] = json.dumps({"layers": report, "unscaled": kept, "error_ratio": ratio})
-        scaled = [r for r in report if r["alpha"] > 0]
+        ratio = float(np.mean([r.error / r.unscaled_error for r in report if r.unscaled_error > 0] or [1.0]))
+        AwqReport(tuple(report), tuple(kept), ratio).attach(model)
+        scaled = [r for r in report if r.alpha > 0]
         if report:
             ctx.log(f"awq: {len(scaled)} of {len(ffns)} FFN inputs scaled (alpha "
-                    f"{', '.join(str(r['alpha']) for r in report)}); up-projection error {ratio:.3f}x "
+                    f"{', '.join(str(r.alpha) for r in report)}); up-projection error {ratio:.3f}x "
                     f"the unscaled one's" + (f"; layers {kept} not foldable, unscaled" if kept else ""))
         return PassResult(model, modified=bool(scaled))
 

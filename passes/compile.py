@@ -18,7 +18,6 @@ from onnx_ir.passes import PassResult
 
 from .errors import UserError
 from .pipeline import Context
-from .targets import get_cpu_isa
 from runtime.calls import Role
 
 from .kernel_ir import KernelProgram, KernelSpec
@@ -86,16 +85,16 @@ def make_kernels(program: KernelProgram, names: list[str], device: str, ctx: Con
 @dataclass
 class Compile:
     name = "compile"
-    cpu_isa: str = "avx2"  # targets.CPU_ISAS: the instruction set the CPU kernels are compiled for
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         program = KernelProgram.from_model(model)
+        isa = ctx.build.cpu_isa  # the instruction set the CPU kernels are compiled for
         library = Path(ctx.workdir) / "kernels" / "cpu.so"
         library.parent.mkdir(parents=True, exist_ok=True)
         names = sorted(program.kernels)
         funcs = make_kernels(program, names, "cpu", ctx)
         with ctx.progress(f"compile: compiling {len(funcs)} CPU kernels (LLVM)"):
-            cpu.build(funcs, get_cpu_isa(self.cpu_isa).llvm_target(), str(library))
+            cpu.build(funcs, isa.llvm_target(), str(library))
         ctx.artifact_files["kernels/cpu.so"] = library
         signatures = library.parent / "signatures.json"
         signatures.write_text(json.dumps({name: kernel_signature(func) for name, func in zip(names, funcs)},
@@ -103,7 +102,7 @@ class Compile:
         ctx.artifact_files["kernels/signatures.json"] = signatures
         if ctx.target.has_gpu:
             self.build_cuda(program, ctx)
-        ctx.log(f"compile: {len(funcs)} CPU kernels for {self.cpu_isa}")
+        ctx.log(f"compile: {len(funcs)} CPU kernels for {isa.name}")
         return PassResult(model, modified=False)
 
     @staticmethod

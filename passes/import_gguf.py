@@ -43,9 +43,10 @@ import os
 import shutil
 import struct
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -53,6 +54,7 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from .errors import UserError
+from .facts import ModelFact
 from .pipeline import Context
 
 from .gguf_graph import NBITS_TYPES, Hyper, build_graph
@@ -102,23 +104,19 @@ class GGUFTensor:
 
 
 @dataclass(frozen=True)
-class GGUFSource:
-    """The fact that the model came from a GGUF file, and each tensor's format there."""
+class GGUFSource(ModelFact):
+    """The fact that the model came from a GGUF file, and each tensor's format there (`of`: None where the model
+    came from elsewhere)."""
 
+    KEY: ClassVar[str] = GGUF_KEY
     file: str
     architecture: str
     tensors: tuple[GGUFTensor, ...]
     notes: tuple[str, ...] = ()  # what the user should know (no tokenizer, an unknown pre-tokenizer)
 
-    def attach(self, model: ir.Model) -> None:
-        model.metadata_props[GGUF_KEY] = json.dumps(asdict(self))
-
     @classmethod
-    def of(cls, model: ir.Model) -> "GGUFSource | None":
-        text = model.metadata_props.get(GGUF_KEY)
-        if text is None:
-            return None
-        fields = json.loads(text)
+    def from_json(cls, data: dict) -> "GGUFSource":
+        fields = dict(data)
         tensors = tuple(GGUFTensor(**{**t, "shape": tuple(t["shape"])}) for t in fields.pop("tensors"))
         return cls(tensors=tensors, notes=tuple(fields.pop("notes", ())), **fields)
 

@@ -40,10 +40,10 @@ more memory than the machine has available.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -52,6 +52,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .errors import UserError
+from .facts import ModelFact
 from .pipeline import Context
 from .sizes import weight_bytes
 from .targets import format_size
@@ -338,22 +339,17 @@ class QuantizedWeight:
 
 
 @dataclass(frozen=True)
-class SourceQuantization:
-    """The fact that (some of) the model's weights came block-quantized, and how (see the module doc)."""
+class SourceQuantization(ModelFact):
+    """The fact that (some of) the model's weights came block-quantized, and how (see the module doc); `of`: None
+    where its weights came in floats."""
 
+    KEY: ClassVar[str] = SOURCE_QUANTIZATION
     weights: tuple[QuantizedWeight, ...]
     op: str = "com.microsoft.MatMulNBits"
 
-    def attach(self, model: ir.Model) -> None:
-        model.metadata_props[SOURCE_QUANTIZATION] = json.dumps(asdict(self))
-
     @classmethod
-    def of(cls, model: ir.Model) -> "SourceQuantization | None":
-        """The model's source quantization, or None where its weights came in floats."""
-        text = model.metadata_props.get(SOURCE_QUANTIZATION)
-        if text is None:
-            return None
-        fields = json.loads(text)
+    def from_json(cls, data: dict) -> "SourceQuantization":
+        fields = dict(data)
         weights = tuple(QuantizedWeight(**{**w, "initializers": tuple(w["initializers"])}) for w in fields.pop("weights"))
         return cls(weights=weights, **fields)
 

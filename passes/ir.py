@@ -5,7 +5,7 @@ adds (layer numbers, placement, the sparsity mode, kernel names) ride on node at
 the model's `metadata_props`, never on the side. The few too large to serialise ride on the in-memory IR,
 `model.meta` (never saved), each as one typed object with its accessor beside the pass that adds it:
 the source model recognise lifted the graph from (`passes.recognise.source_model`) and the profiled
-activations (`passes.profile.ProfiledActivations`).
+activations (`passes.profile.ProfiledActivations`). `passes.facts` has the base of both kinds of fact.
 """
 
 from __future__ import annotations

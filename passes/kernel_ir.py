@@ -4,19 +4,21 @@ A `KernelProgram` is the typed form: the calls (`runtime.calls.Call`, in program
 (name -> manifest entry: kind, shape, dtype, layout, device), the weights' arrays and the kernels' specs
 (kernel name -> how to make it: op, rows, arguments). `to_model` writes it as an ONNX graph of
 `picompile.Call` nodes (one per call, its facts in the `call` attribute, values named `buffer#version` so the
-dump shows where each buffer is written, weights as initializers); `from_model` reads it back. Passes
-work on the typed form and never parse the names.
+dump shows where each buffer is written, weights as initializers, the buffers and kernel specs as the facts
+`Buffers` and `Kernels`); `from_model` reads it back. Passes work on the typed form and never parse the names.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 
 from . import ir as pir
+from .facts import ModelFact
 from runtime.calls import START, Call
 
 _DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "int32": ir.DataType.INT32,
@@ -40,6 +42,43 @@ class KernelSpec:
     @classmethod
     def from_json(cls, data: dict) -> "KernelSpec":
         return cls(data["op"], data["rows"], tuple(data["args"]), dict(data["kwargs"]))
+
+
+@dataclass(frozen=True)
+class Buffers(ModelFact):
+    """The program's buffers: name -> its manifest entry (kind, shape, dtype, layout, device), as the artifact's
+    manifest lists them."""
+
+    KEY: ClassVar[str] = "picompile.buffers"
+    SORT_KEYS: ClassVar[bool] = True
+    entries: dict[str, dict]
+
+    def to_json(self) -> dict:
+        return self.entries
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Buffers":
+        return cls(data)
+
+
+@dataclass(frozen=True)
+class Kernels(ModelFact):
+    """The program's kernels: name -> how to make it (`KernelSpec`), for the compile pass."""
+
+    KEY: ClassVar[str] = "picompile.kernels"
+    SORT_KEYS: ClassVar[bool] = True
+    specs: dict[str, KernelSpec]
+
+    def to_json(self) -> dict:
+        return {name: spec.to_json() for name, spec in self.specs.items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Kernels":
+        return cls({name: KernelSpec.from_json(spec) for name, spec in data.items()})
+
+    @classmethod
+    def missing(cls) -> "Kernels":
+        return cls({})
 
 
 @dataclass
@@ -84,9 +123,8 @@ class KernelProgram:
         graph.outputs.extend(current[b] for b, info in self.buffers.items() if info["kind"] == "cache" and b in current)
         model = ir.Model(graph, ir_version=10, producer_name="picompile")
         model.metadata_props.update(metadata)
-        model.metadata_props["picompile.buffers"] = json.dumps(self.buffers, sort_keys=True)
-        model.metadata_props["picompile.kernels"] = json.dumps({name: spec.to_json() for name, spec in self.kernels.items()},
-                                                               sort_keys=True)
+        Buffers(self.buffers).attach(model)
+        Kernels(self.kernels).attach(model)
         return model
 
     def _shape(self, buffer: str) -> ir.Shape:
@@ -107,12 +145,13 @@ class KernelProgram:
             calls.append(Call.from_json(json.loads(pir.attr(node, "call"))))
         weights = {name: value.const_value.numpy() for name, value in model.graph.initializers.items()
                    if value.const_value is not None}
-        kernels = {name: KernelSpec.from_json(spec)
-                   for name, spec in json.loads(model.metadata_props.get("picompile.kernels", "{}")).items()}
-        return cls(calls, json.loads(model.metadata_props["picompile.buffers"]), weights, kernels)
+        buffers = Buffers.of(model)
+        if buffers is None:
+            raise ValueError("the model is no kernel-call IR: it has no buffers (run select-kernels first)")
+        return cls(calls, buffers.entries, weights, Kernels.of(model).specs)
 
 
 def carried_metadata(model: ir.Model) -> dict[str, str]:
     """What earlier passes decided (placement, layers, sparsity), without the program's own entries."""
-    own = ("picompile.buffers", "picompile.kernels")
+    own = (Buffers.KEY, Kernels.KEY)
     return {key: value for key, value in model.metadata_props.items() if key not in own}

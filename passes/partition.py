@@ -5,16 +5,16 @@ Reads: the block IR (after recognise; in predictor mode after profile and predic
 `picompile.FFN` node, the final norm and output layer), the constants each block reads, the
 `picompile.Attention` nodes' KV cache shape; in predictor mode per layer `layers.{i}.ffn.frequency` (profile),
 the predictor `layers.{i}.ffn.predictor.w1` / `w2` and the FFN's `predictor_active` (predict); the target's GPU
-memory and bandwidths; the fields `vram_budget_bytes`, `max_context`, `placement_batch`, `time_limit_s`,
-`weight_dtype` and `dense_ffns`.
+memory and bandwidths; the build target (`ctx.build`: the GPU budget, the context length, the CPU's weight format);
+the fields `placement_batch`, `time_limit_s` and `dense_ffns`.
 Adds per FFN node: `gpu_neurons` (int), `placed` ("sparse", or "gpu" / "cpu": dense on that device) and, where it
 has a frequency table, `layers.{i}.ffn.neuron_order` (int64 [F]: neuron ids, hottest first; the first gpu_neurons
 on the GPU); and `metadata_props["picompile.placement"]`: the solve's report (status, gap, times, the plan: every
 block's device, its expected step against layer offload's, the GPU bytes) that place applies and `inspect` shows.
 
 Every block is priced as its device stores it (`sizes.gpu_bytes`: fp16 matrices on the GPU; `sizes.cpu_bytes`:
---weight-dtype on the CPU; predictors as `sizes.predictor_format`) with the cost model's `price` and `price_ffn`.
-The budget is the GPU memory (`--vram-budget`, else the target's) less a RESERVE_FRACTION reserve; each attention
+--weight-dtype on the CPU; predictors as `sizes.PREDICTOR_FORMAT`) with the cost model's `price` and `price_ffn`.
+The budget is `ctx.build.gpu` (`--vram-budget`, else the target's memory, less its reserve); each attention
 block carries its KV cache for `max_context` tokens. A layer without a predictor (a dense build, or no profile)
 runs dense on one device. CPU targets: everything on the CPU, no solve.
 """
@@ -34,13 +34,10 @@ from . import costmodel, placement
 from . import ir as pir
 from .costmodel import CONTEXT, BlockBytes, FfnBytes
 from .pipeline import Context, Options
-from .sizes import (GPU_WEIGHT_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes, predictor_format,
-                             stored_predictor_format, weight_format)
-from .targets import check_vram_budget, format_size
+from .sizes import (GPU_WEIGHT_FORMAT, PREDICTOR_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes,
+                             stored_predictor_format)
+from .targets import format_size
 from runtime.dtypes import WeightFormat, nbytes
-
-# Share of the GPU memory kept free for activations, kernel workspace and the allocator's slack.
-RESERVE_FRACTION = 0.05
 PREDICTOR_CALLS = 2  # its two GEMVs
 DENSE_FFN_CALLS = 2  # up (and gate), down
 
@@ -55,23 +52,16 @@ def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: 
 @dataclass
 class Partition:
     name = "partition"
-    vram_budget_bytes: int | None = Options.vram_budget_bytes  # None: the target's GPU memory
-    max_context: int = Options.max_context  # the KV cache's length
     placement_batch: int | None = Options.placement_batch  # neurons per ILP column; None: placement.default_batch
     time_limit_s: float = Options.placement_time_limit_s
-    weight_dtype: str = Options.weight_dtype  # --weight-dtype: how the CPU stores its blocks
-    reserve_fraction: float = RESERVE_FRACTION
     dense_ffns: bool = Options.dense_fallback  # a layer with a predictor may still run dense (else always sparse)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        graph, target = model.graph, ctx.target
-        check_vram_budget(target, self.vram_budget_bytes)
+        graph, target, gpu = model.graph, ctx.target, ctx.build.gpu
         ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
         layers = [int(pir.attr(node, "layer")) for node in ffns]
         frequencies = [self._frequency(graph, node) for node in ffns]
-        vram = self.vram_budget_bytes if self.vram_budget_bytes is not None else target.gpu_memory_bytes
-        reserve = int(vram * self.reserve_fraction)
-        problem = self._problem(model, ctx, ffns, frequencies, int(vram - reserve))
+        problem = self._problem(model, ctx, ffns, frequencies, gpu.usable_bytes)
         batch = self.placement_batch or placement.default_batch(layer.ffn.width for layer in problem.layers)
         if not target.has_gpu:
             plan = placement.cpu_only(problem, self.dense_ffns)
@@ -105,8 +95,8 @@ class Partition:
             "solve_time_s": solution.solve_time_s,
             "num_variables": solution.num_variables,
             "batch": batch,
-            "vram_bytes": int(vram),
-            "reserve_bytes": reserve,
+            "vram_bytes": gpu.total_bytes,
+            "reserve_bytes": gpu.reserve_bytes,
             "budget_bytes": problem.budget_bytes,
             "used_bytes": solution.used_bytes,
             "expected_step_s": solution.seconds,
@@ -114,7 +104,7 @@ class Partition:
             "layer_offload_layers": offload.attention.count("gpu") if target.has_gpu else 0,
             "activation_share": placed / total_activity if total_activity > 0 else 0.0,
             "gpu_weight_format": GPU_WEIGHT_FORMAT.name,
-            "cpu_weight_format": weight_format("cpu", self.weight_dtype).name,
+            "cpu_weight_format": ctx.build.weight_format.name,
             "layers": layers,
             "plan": plan.to_json(),
             "gpu_neurons": [int(n) if m == "sparse" else 0 for n, m in zip(plan.gpu_neurons, plan.ffn)],
@@ -146,14 +136,16 @@ class Partition:
             raise ValueError(f"{name} has {frequency.size} entries but layer {pir.attr(node, 'layer')} has {width} neurons")
         return frequency
 
-    def _bytes(self, values) -> BlockBytes:
-        """The constants `values` as a block: their GPU memory and what one decode step reads of them on each device."""
+    @staticmethod
+    def _bytes(values, cpu_format: WeightFormat) -> BlockBytes:
+        """The constants `values` as a block: their GPU memory and what one decode step reads of them on each device
+        (the CPU's matrices in `cpu_format`)."""
         values = [v for v in values if v is not None and v.const_value is not None]
         on_gpu = sum(gpu_bytes(v.const_value.shape) for v in values)
-        return BlockBytes(on_gpu, sum(cpu_bytes(v.const_value.shape, self.weight_dtype) for v in values), on_gpu, 0)
+        return BlockBytes(on_gpu, sum(cpu_bytes(v.const_value.shape, cpu_format) for v in values), on_gpu, 0)
 
     def _problem(self, model: ir.Model, ctx: Context, ffns: list[ir.Node], frequencies: list, budget: int):
-        graph, target = model.graph, ctx.target
+        graph, target, cpu_format, max_context = model.graph, ctx.target, ctx.build.weight_format, ctx.build.max_context
         blocks = pir.node_blocks(graph)
         members: dict = {}
         for node in graph:
@@ -163,14 +155,14 @@ class Partition:
         constants = lambda nodes: {id(v): v for n in nodes for v in n.inputs if v is not None and v.const_value is not None}
 
         def block_bytes(nodes: list[ir.Node]) -> BlockBytes:
-            b = self._bytes(constants(nodes).values())
+            b = self._bytes(constants(nodes).values(), cpu_format)
             kv = sum(kv_cache_bytes([(int(pir.attr(n, "num_kv_heads")), int(pir.attr(n, "head_dim")))], 1)
                      for n in nodes if n.op_type == "Attention")  # per token
-            read = kv * min(CONTEXT, self.max_context)
-            return BlockBytes(b.gpu_bytes + kv * self.max_context, b.cpu_read + read, b.gpu_read + read, len(nodes))
+            read = kv * min(CONTEXT, max_context)
+            return BlockBytes(b.gpu_bytes + kv * max_context, b.cpu_read + read, b.gpu_read + read, len(nodes))
 
         embed_nodes = members.get(pir.EMBED, [])
-        embed = self._bytes(constants(embed_nodes).values())
+        embed = self._bytes(constants(embed_nodes).values(), cpu_format)
         # the embedding gathers one row per token; its table is memory, not traffic
         rows = max((v.const_value.shape[0] for v in constants(embed_nodes).values() if len(v.const_value.shape) >= 2),
                    default=1)
@@ -189,20 +181,19 @@ class Partition:
             w_up, b_up, w_down, b_down = node.inputs[1:5]
             width, d_model = w_down.const_value.shape
             up = 2 if int(pir.attr(node, "gated", 0)) else 1
-            dense = self._bytes([w_up, b_up, w_down, b_down])
+            dense = self._bytes([w_up, b_up, w_down, b_down], cpu_format)
             ffn = FfnBytes(dense=BlockBytes(dense.gpu_bytes, dense.cpu_read, dense.gpu_read, DENSE_FFN_CALLS),
                            width=int(width), activation_bytes=nbytes([d_model], "float32"))
             predictor = [graph.initializers.get(f"layers.{layer}.ffn.predictor.{w}") for w in ("w1", "w2")]
             if frequency is not None and all(p is not None for p in predictor) and "predictor_active" in node.attributes:
                 shapes = [p.const_value.shape for p in predictor]
-                stored = predictor_format(self.weight_dtype)
-                cpu_predictor = sum(math.ceil(math.prod(s) * stored_predictor_format(s, stored).bytes_per_weight)
+                cpu_predictor = sum(math.ceil(math.prod(s) * stored_predictor_format(s, PREDICTOR_FORMAT).bytes_per_weight)
                                     for s in shapes)
                 gpu_predictor = sum(gpu_bytes(s) for s in shapes)
                 active = float(pir.attr(node, "predictor_active"))
                 ffn = dataclasses.replace(
                     ffn, gpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, GPU_WEIGHT_FORMAT),
-                    cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, weight_format("cpu", self.weight_dtype)),
+                    cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, cpu_format),
                     frequencies=frequency, predictor=BlockBytes(gpu_predictor, cpu_predictor, gpu_predictor, PREDICTOR_CALLS),
                     rows_per_active=max(1.0, active * width / max(float(frequency.sum()), 1e-12)))
             built.append(placement.Layer(costmodel.price(target, block_bytes(members.get(layer, []))),

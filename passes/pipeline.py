@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import InitVar, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -26,10 +26,11 @@ from . import ir as pir
 from . import memory
 from .budget import DEFAULT_BUDGET, QualityBudget
 from .errors import PassError, UserError
-from .targets import CpuIsa, Target, format_size, get_cpu_isa, host_cpu_isa
+from .targets import CpuIsa, GpuBudget, Target, format_size, get_cpu_isa, host_cpu_isa
 from .tokenizer import TokenizerFiles
+from runtime.dtypes import AUTO_WEIGHT_DTYPE, WEIGHT_FORMATS, WeightFormat
 
-__all__ = ["Options", "Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming",
+__all__ = ["Options", "BuildTarget", "Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming",
            "verify_onnx", "describe_pass", "op_counts", "describe_change"]
 
 
@@ -79,10 +80,51 @@ class Options:
     max_batch: int = 8
     seed: int = 0
 
-    def cpu_isa_for(self, target: Target) -> CpuIsa:
+
+@dataclass(frozen=True)
+class BuildTarget:
+    """What the build is for, resolved once from the options and the target before the passes run
+    (`resolve`): the passes read it from `Context.build` and never derive it again."""
+
+    target: Target
+    weight_format: WeightFormat  # the CPU's weight matrices (--weight-dtype, "auto" resolved against the model)
+    keep_source_blocks: bool  # Options.keep_source_blocks: a quantized model's other blocks stay as they came
+    cpu_isa: CpuIsa  # the CPU kernels' instruction set
+    gpu: GpuBudget  # what placement may fill (total 0 without a GPU)
+    max_context: int  # the KV cache's length, and of the sequences the build profiles
+    quality_budget: QualityBudget  # --max-quality-loss
+
+    @classmethod
+    def resolve(cls, options: Options, target: Target, gpu: GpuBudget | None = None) -> "BuildTarget":
+        """The build target of `options` for `target`. The weight dtype must be resolved already ("auto" needs
+        the model: `picompile.compiler.resolve_weight_dtype`); `gpu`, where the driver checked the budget
+        before loading the model, is that budget; else --vram-budget is checked here."""
+        if options.weight_dtype == AUTO_WEIGHT_DTYPE:
+            raise ValueError("weight_dtype 'auto' is resolved from the model first (resolve_weight_dtype)")
+        return cls(target, WEIGHT_FORMATS[options.weight_dtype], options.keep_source_blocks,
+                   cls.cpu_isa_of(options, target),
+                   gpu if gpu is not None else GpuBudget.resolve(target, options.vram_budget_bytes),
+                   options.max_context, options.quality_budget)
+
+    @staticmethod
+    def cpu_isa_of(options: Options, target: Target) -> CpuIsa:
         """The CPU kernels' instruction set: --cpu-isa, else the target's, else the build machine's widest."""
-        name = self.cpu_isa or target.cpu_isa
+        name = options.cpu_isa or target.cpu_isa
         return get_cpu_isa(name) if name else host_cpu_isa()
+
+    def describe(self) -> str:
+        """One line for -v: 'build for rtx4090: int4 weights, avx512 CPU kernels, GPU budget 1.0 MiB (5% reserve),
+        context 256, quality budget ...'."""
+        gpu = (f", GPU budget {format_size(self.gpu.total_bytes)} ({self.gpu.reserve_fraction:.0%} reserve)"
+               if self.target.has_gpu else "")
+        return (f"build for {self.target.name}: {self.weight_dtype} weights"
+                f"{' (keeping the source blocks)' if self.keep_source_blocks else ''}, {self.cpu_isa.name} CPU kernels"
+                f"{gpu}, context {self.max_context}, quality budget {self.quality_budget.describe()}")
+
+    @property
+    def weight_dtype(self) -> str:
+        """The CPU's weight format by its command-line name."""
+        return self.weight_format.name
 
 
 @dataclass
@@ -98,6 +140,16 @@ class Context:
     # Where `warn` sends lines the user should see without -v (the CLI: stderr); None: to `log` like the rest
     warnings: Callable[[str], None] | None = None
     progress_bars: "ProgressBars | None" = None  # None: no bars
+    build: BuildTarget | None = None  # what the build is for; None: resolved from `options` (default Options())
+    options: InitVar[Options | None] = None  # only to resolve `build` (a pass never reads the options)
+
+    def __post_init__(self, options: Options | None) -> None:
+        if self.build is None:
+            self.build = BuildTarget.resolve(options or Options(), self.target)
+        elif options is not None:
+            raise ValueError("a Context takes a resolved build or the options to resolve it from, not both")
+        if self.build.target != self.target:
+            raise ValueError(f"the build is for target {self.build.target.name}, the context's is {self.target.name}")
 
     def warn(self, message: str) -> None:
         """A line about the build the user should act on (say, too little calibration data), shown even

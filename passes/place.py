@@ -14,7 +14,7 @@ layers with a block on the GPU and, for layer offload, the model's and the budge
   merge run where the residual stream is), except a dense FFN (where `placed` says) and a sparse FFN's parts
   (each on its own device); the embedding's and the output layer's nodes where the plan puts them.
 - Without one (threshold mode): whole layers in order while they fit the budget (llama.cpp's layer offload),
-  the embedding and output layer on the CPU; weights priced at the precision the GPU stores them in
+  the embedding and output layer on the CPU (the budget: `ctx.build.gpu`, less its reserve); weights priced at the precision the GPU stores them in
   (`sizes.gpu_bytes`: fp16 matrices), each layer with its KV cache.
 """
 
@@ -30,8 +30,6 @@ from . import ir as pir
 from .pipeline import Context
 from .sizes import gpu_bytes, kv_cache_bytes
 from .targets import format_size
-
-from .partition import RESERVE_FRACTION
 
 DEVICE_KEY = "picompile.device"
 
@@ -53,8 +51,6 @@ def _gpu_bytes(node: ir.Node, max_context: int) -> int:
 @dataclass
 class Place:
     name = "place"
-    vram_budget_bytes: int | None = None  # overrides the target's GPU memory
-    max_context: int = 256
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         nodes = list(model.graph)
@@ -97,12 +93,11 @@ class Place:
         return devices, {"rule": rule, "gpu_layers": gpu_layers}
 
     def _layer_offload(self, graph: ir.Graph, nodes: list[ir.Node], ctx: Context) -> tuple[dict, dict]:
-        budget_total = self.vram_budget_bytes if self.vram_budget_bytes is not None else ctx.target.gpu_memory_bytes
-        budget = int(budget_total * (1 - RESERVE_FRACTION))
+        budget = ctx.build.gpu.usable_bytes  # partition's budget: the same reserve
         layers = pir.node_layers(graph)
         per_layer: dict[int | None, int] = {}
         for node in nodes:
-            per_layer[layers[node]] = per_layer.get(layers[node], 0) + _gpu_bytes(node, self.max_context)
+            per_layer[layers[node]] = per_layer.get(layers[node], 0) + _gpu_bytes(node, ctx.build.max_context)
         total = sum(per_layer.values())
         if total <= budget:
             gpu_layers = set(per_layer)

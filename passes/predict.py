@@ -7,9 +7,9 @@ only while it is priced or trained; the `picompile.FFN` nodes (int attributes `l
 `gated`; the up (gate) weight and bias: the pre-activations the predictors are fitted to, and the weight
 that gives the fit's cross-covariance exactly, so a profile of fewer tokens than d_model still finds the
 right subspace); the model's parameter count (`sizes.parameter_count`); its fields `target_recall`, `param_share`,
-`weight_dtype` and `seed`.
+`seed`; the build's weight format and instruction set (`ctx.build`).
 Adds: per FFN layer i the initializers `layers.{i}.ffn.predictor.w1` [d_model, r] and
-`layers.{i}.ffn.predictor.w2` [r, ffn] (float32 holding the values `sizes.predictor_format` stores, which
+`layers.{i}.ffn.predictor.w2` [r, ffn] (float32 holding the values `sizes.PREDICTOR_FORMAT` stores, which
 the quantize pass then blocks; neuron j is predicted active for input x iff
 (relu(x @ w1) @ w2)[j] > threshold) and, on the FFN node, `predictor_rank` (int), `predictor_threshold`,
 `predictor_recall`, `predictor_precision` and `predictor_active` (floats: recall, precision and mean
@@ -42,8 +42,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .pipeline import Context, Options
-from .sizes import float_format, parameter_count, predictor_format, stored_predictor_format, weight_format
-from .targets import BASELINE_CPU_ISA, get_cpu_isa
+from .sizes import PREDICTOR_FORMAT, float_format, parameter_count, stored_predictor_format
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
 from .kernels import quant
@@ -85,7 +84,7 @@ def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bo
     """Weight bytes one FFN layer reads in a one-token decode step: the whole predictor (w1 [d_model, rank],
     w2 [rank, ffn]; `w2_bytes` where w2 is stored otherwise than w1) and the up (gate) and down rows of the
     neurons it predicts active, each at its bytes per weight as stored (`WeightFormat.bytes_per_weight`;
-    `sizes.predictor_format`). Decode is memory-bound, so this is its cost."""
+    `sizes.PREDICTOR_FORMAT`). Decode is memory-bound, so this is its cost."""
     w2 = predictor_bytes if w2_bytes is None else w2_bytes
     return (rank * (d_model * predictor_bytes + ffn * w2)
             + active_share * ffn * d_model * (3 if gated else 2) * row_bytes)
@@ -93,7 +92,7 @@ def step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bo
 
 def predictor_step_reads(rank: int, active_share: float, d_model: int, ffn: int, gated: bool, row_bytes: float,
                          predictor: WeightFormat) -> float:
-    """`step_reads` of a predictor stored as `predictor` (`sizes.predictor_format`), each matrix as the quantize
+    """`step_reads` of a predictor stored as `predictor` (`sizes.PREDICTOR_FORMAT`), each matrix as the quantize
     pass keeps it (`sizes.stored_predictor_format`: a rank of part of a block keeps w2 in floats)."""
     w1, w2 = (stored_predictor_format(shape, predictor).bytes_per_weight for shape in ((d_model, rank), (rank, ffn)))
     return step_reads(rank, active_share, d_model, ffn, gated, row_bytes, w1, w2)
@@ -578,9 +577,7 @@ class Predict:
     name = "predict"
     target_recall: float = Options.target_recall
     param_share: float = Options.predictor_param_share  # cap on all predictors together, of the model's parameters
-    weight_dtype: str = Options.weight_dtype  # --weight-dtype: the CPU's FFN rows are priced as stored
     seed: int = Options.seed
-    cpu_isa: str = BASELINE_CPU_ISA  # targets.CPU_ISAS: with int8_activations, whether the predictor GEMVs quantize x
     int8_activations: bool = Options.int8_activations
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
@@ -594,13 +591,13 @@ class Predict:
         params = parameter_count(model.graph)
         budget = int(self.param_share * params)
         # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.
-        row_bytes = weight_format("cpu", self.weight_dtype).bytes_per_weight
-        predictor_fmt = predictor_format(self.weight_dtype)
+        row_bytes = ctx.build.weight_format.bytes_per_weight
+        predictor_fmt = PREDICTOR_FORMAT
 
         def as_stored(w: np.ndarray) -> np.ndarray:  # w1 [d, r] and w2 [r, ffn]: blocked along their first axis
             return quant.as_stored(w, predictor_fmt, axis=0)
 
-        isa = get_cpu_isa(self.cpu_isa)
+        isa = ctx.build.cpu_isa  # with int8_activations, whether the predictor GEMVs quantize x
         int8_inputs = (self.int8_activations and predictor_fmt.quantized
                        and quant.gemv_int8_dot_fits(predictor_fmt.bits, isa.int8_dot, isa.gemm_panels))
 

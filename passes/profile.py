@@ -5,9 +5,9 @@ tensors in the source graph; w_down [ffn, d_model] gives the width), the source 
 (`recognise.source_model`, on the IR's `meta`), which onnxruntime runs as the reference executor, and its
 fields: the calibration file `calib` (None: RANDOM_TOKENS random tokens), `calib_tokens` (a cap; None: every
 token of `calib`), `calib_samples` (sequences sampled from the model itself and profiled too; None: enough to
-bring a short `calib` to MIN_TOKENS_PER_NEURON tokens per FFN neuron), `max_context` (sequences are cut to
-min(max_context, SEQUENCE_TOKENS) tokens), `seed` and `wanted_tokens` (what the passes after it want, where
-that is not MIN_TOKENS_PER_NEURON per FFN neuron: a dense build profiles for the awq pass alone).
+bring a short `calib` to MIN_TOKENS_PER_NEURON tokens per FFN neuron), `seed` and `wanted_tokens` (what the
+passes after it want, where that is not MIN_TOKENS_PER_NEURON per FFN neuron: a dense build profiles for the awq
+pass alone); the build's `max_context` (`ctx.build`: sequences are cut to min(max_context, SEQUENCE_TOKENS) tokens).
 Adds per FFN layer: an initializer `layers.{i}.ffn.frequency` (float32 [ffn]: fraction of calibration
 tokens on which each neuron was active) and float attributes `sparsity`, `skewness` (of the frequency
 distribution) and `hot80_share` (the share of neurons that carry 80% of all activations); on the model,
@@ -25,6 +25,7 @@ import math
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .errors import UserError
+from .facts import MemoryFact
 from .pipeline import Context, Options
 from .reference import OrtDecoder
 from .tokenizer import TokenizerFiles
@@ -79,20 +81,12 @@ class LayerActivations:
 
 
 @dataclass
-class ProfiledActivations:
+class ProfiledActivations(MemoryFact):
     """What the profile pass saw, per layer, for the passes that fit to it (predict, threshold)."""
 
+    META_KEY: ClassVar[str] = PROFILED
+    MISSING: ClassVar[str] = "the IR carries no profiled activations (run the profile pass first)"
     layers: dict[int, LayerActivations]
-
-    def attach(self, model: ir.Model) -> None:
-        model.meta[PROFILED] = self
-
-    @classmethod
-    def of(cls, model: ir.Model) -> "ProfiledActivations":
-        profiled = model.meta.get(PROFILED)
-        if profiled is None:
-            raise ValueError("the IR carries no profiled activations (run the profile pass first)")
-        return profiled
 
     def layer(self, index: int) -> LayerActivations:
         if index not in self.layers:
@@ -116,21 +110,13 @@ class ProfiledActivations:
 
 
 @dataclass
-class CalibrationSequences:
+class CalibrationSequences(MemoryFact):
     """The token sequences the profile pass ran, in its order (sampled ones first, the user's text last): the
     quality pass fits on the first and measures on the last, the predictors' split (`predict.HOLDOUT`)."""
 
+    META_KEY: ClassVar[str] = SEQUENCES
+    MISSING: ClassVar[str] = "the IR carries no calibration sequences (run the profile pass first)"
     sequences: list[np.ndarray]
-
-    def attach(self, model: ir.Model) -> None:
-        model.meta[SEQUENCES] = self
-
-    @classmethod
-    def of(cls, model: ir.Model) -> "CalibrationSequences":
-        found = model.meta.get(SEQUENCES)
-        if found is None:
-            raise ValueError("the IR carries no calibration sequences (run the profile pass first)")
-        return found
 
 
 @dataclass
@@ -303,7 +289,6 @@ class Profile:
     calib_tokens: int | None = Options.calib_tokens
     calib_samples: int | None = Options.calib_samples
     tokenizer: TokenizerFiles | None = Options.tokenizer  # reads a text --calib
-    max_context: int = Options.max_context
     seed: int = Options.seed
     wanted_tokens: int | None = None  # the tokens the fits after it want (None: MIN_TOKENS_PER_NEURON per neuron)
     layered: bool | None = None  # run the source one layer at a time (passes.layer_reference); None: when needed
@@ -315,7 +300,7 @@ class Profile:
         source = source_model(model)
         ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
         vocab_size = pir.const_array(model.graph.initializers["embed.tokens"]).shape[0]
-        length = min(self.max_context, SEQUENCE_TOKENS)
+        length = min(ctx.build.max_context, SEQUENCE_TOKENS)
         given = calibration_tokens(self.calib, self.calib_tokens, length, self.seed, vocab_size, ctx.log,
                                    self.tokenizer)
         wanted = [name for node in ffns for name in (node.metadata_props["source.input"], node.metadata_props["source.activation"])]

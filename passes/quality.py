@@ -36,6 +36,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -44,10 +45,11 @@ from onnx_ir.passes import PassResult
 
 from . import costmodel
 from . import ir as pir
-from .budget import DEFAULT_BUDGET, QualityBudget
+from .budget import QualityBudget
+from .facts import ModelFact
 from .pipeline import Context, Options
-from .sizes import predictor_format
-from .targets import CpuIsa, get_cpu_isa
+from .sizes import PREDICTOR_FORMAT
+from .targets import CpuIsa
 from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
 
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant
@@ -81,17 +83,23 @@ def allowed_formats(weight_dtype: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class WeightPlan:
+class WeightPlan(ModelFact):
     """Per matrix (its initializer's name), the format the quantize pass stores it in where it is not the build's."""
 
+    KEY: ClassVar[str] = WEIGHT_PLAN_KEY
+    SORT_KEYS: ClassVar[bool] = True
     formats: dict[str, str]
 
-    def attach(self, model: ir.Model) -> None:
-        model.metadata_props[WEIGHT_PLAN_KEY] = json.dumps(self.formats, sort_keys=True)
+    def to_json(self) -> dict:
+        return self.formats
 
     @classmethod
-    def of(cls, model: ir.Model) -> "WeightPlan":
-        return cls(json.loads(model.metadata_props.get(WEIGHT_PLAN_KEY, "{}")))
+    def from_json(cls, data: dict) -> "WeightPlan":
+        return cls(data)
+
+    @classmethod
+    def missing(cls) -> "WeightPlan":
+        return cls({})
 
 
 @dataclass(frozen=True)
@@ -191,23 +199,23 @@ class _Planned(dict):
 @dataclass
 class QualityPlan:
     name = "quality"
-    budget: QualityBudget = DEFAULT_BUDGET
-    weight_dtype: str = Options.weight_dtype
     method: str = Options.quant_method
     fixed_formats: bool = False  # a model that came quantized keeps its blocks: formats are not the plan's
     mode: str = "threshold"  # threshold: a level per linear input; predictor: a recall per FFN (formats fixed)
     lowest_recall: float = Options.target_recall  # predictor mode: the recall predict fitted to, the lowest level
-    cpu_isa: str = "avx2"  # targets.CPU_ISAS: with int8_activations, which quantized GEMVs round their input to int8
     int8_activations: bool = Options.int8_activations
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         started = time.perf_counter()
+        # the build's format, budget and instruction set (with int8_activations: which quantized GEMVs round their
+        # input to int8)
+        weight_dtype, budget, cpu_isa = ctx.build.weight_dtype, ctx.build.quality_budget, ctx.build.cpu_isa
         sequences = _equal_length(CalibrationSequences.of(model).sequences)
         fit, held_out = _split(sequences)
         interpreter = Interpreter(model)
         fixed_level = _fixed_levels(model)  # --sparsity: the threshold pass's levels, kept as they are (measured)
         planned = self.mode == "threshold" and not fixed_level
-        formats = allowed_formats(self.weight_dtype) if planned and not self.fixed_formats else (self.weight_dtype,)
+        formats = allowed_formats(weight_dtype) if planned and not self.fixed_formats else (weight_dtype,)
         sites = MODE_SITES[self.mode] if not fixed_level else {"FFN": ("in", "down")}
         stored = StoredWeights(model, self.method)
         nodes = [n for n in model.graph if n.op_type in sites and n.domain == pir.DOMAIN]
@@ -216,36 +224,36 @@ class QualityPlan:
                                                  self.lowest_recall, advance)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
-        isa = get_cpu_isa(self.cpu_isa) if self.int8_activations else None
+        isa = cpu_isa if self.int8_activations else None
         int8_dot = isa.int8_dot if isa is not None else None
         for knob in knobs:
             knob.cost = _costs(knob, model, formats, bandwidth, int8_dot)
-        head, embed = _head_and_embed(model, formats, head_error, self.budget)
+        head, embed = _head_and_embed(model, formats, head_error, budget)
         start = _start(knobs, fixed_level)
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
         state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
-        unplanned = _build_matrices(model, self.weight_dtype) if len(formats) == 1 and not self.fixed_formats else {}
+        unplanned = _build_matrices(model, weight_dtype) if len(formats) == 1 and not self.fixed_formats else {}
         variant = lambda state: _variant(knobs, state, formats, stored, head, embed, isa, unplanned)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
-            steps, found = _furthest_within(self.budget, local_error, evaluate)
-            if not self.budget.met_by(found.ppl_change, found.kl) and (head or embed):
+            steps, found = _furthest_within(budget, local_error, evaluate)
+            if not budget.met_by(found.ppl_change, found.kl) and (head or embed):
                 head = embed = None  # the widest output layer and embedding, and dense
-                steps, found = _furthest_within(self.budget, local_error, evaluate)
+                steps, found = _furthest_within(budget, local_error, evaluate)
             state = state_at(steps)
             # (levels --sparsity fixed are the user's: measured and said, not given up)
-            if not self.budget.met_by(found.ppl_change, found.kl) and not fixed_level and any(l for l, _ in state):
+            if not budget.met_by(found.ppl_change, found.kl) and not fixed_level and any(l for l, _ in state):
                 state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
                 found = measure.quality(variant(state))
         _write_thresholds(knobs, state)
-        plan = WeightPlan({**{k.matrix: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != self.weight_dtype},
-                           **({head[0]: head[1]} if head and head[1] != self.weight_dtype else {}),
-                           **({embed[0]: embed[1]} if embed and embed[1] != self.weight_dtype else {})})
+        plan = WeightPlan({**{k.matrix: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != weight_dtype},
+                           **({head[0]: head[1]} if head and head[1] != weight_dtype else {}),
+                           **({embed[0]: embed[1]} if embed and embed[1] != weight_dtype else {})})
         plan.attach(model)
-        met = self.budget.met_by(found.ppl_change, found.kl)
-        gave_up = _gave_up(knobs, state, start, moves, steps, met, self.budget)
-        expected = ExpectedQuality(self.budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
+        met = budget.met_by(found.ppl_change, found.kl)
+        gave_up = _gave_up(knobs, state, start, moves, steps, met, budget)
+        expected = ExpectedQuality(budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
                                    _describe_plan(knobs, state, plan), gave_up,
                                    round(time.perf_counter() - started, 2))
         expected.attach(model)
@@ -407,7 +415,7 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
     weights = size(model.graph.initializers[knob.matrix])
     if knob.predictor is not None:
         weights += size(knob.node.inputs[3])  # w_down
-        predictor = sum(w.numel() for w in knob.predictor) * predictor_format(formats[0]).bytes_per_weight
+        predictor = sum(w.numel() for w in knob.predictor) * PREDICTOR_FORMAT.bytes_per_weight
     cost = np.empty((len(knob.thresholds), len(formats)))
     for f, name in enumerate(formats):
         stored = weights * WEIGHT_FORMATS[name].bytes_per_weight

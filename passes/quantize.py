@@ -1,7 +1,7 @@
 """quantize: store the CPU's weight matrices in blocks of int8, int4 or int4a (--weight-dtype int8|int4|int4a),
-and in every build the CPU's predictors in blocks of int8 (`sizes.predictor_format`).
+and in every build the CPU's predictors in blocks of int8 (`sizes.PREDICTOR_FORMAT`).
 
-Reads: the block IR after place (each node's device), `weight_dtype`, `method` and the awq pass's report
+Reads: the block IR after place (each node's device), the build's weight format (`ctx.build`), `method` and the awq pass's report
 (`picompile.awq`, repeated in the summary for inspect). Rewrites each weight matrix
 of a CPU block into a standard ONNX `DequantizeLinear` of its block-quantized values (INT8 or INT4, one scale
 per `runtime.dtypes.QUANT_BLOCK` weights along `axis`, `block_size` set; no zero point: the formats are
@@ -17,7 +17,7 @@ per neuron; the embedding table), and in threshold mode the row of a matrix whos
 (`THRESHOLDED`: ThresholdFFN's and attention's, threshold >= 0; the column-sparse kernels read one row per kept
 input channel). The quality pass's `WeightPlan` (by initializer name, read through `format_for`) stores a matrix
 in another format than `weight_dtype`, or keeps it in floats (fp16). A matrix whose axis is not a whole number of blocks stays in floats (as
-`sizes.float_format` says: fp16). Predictors are stored in `sizes.predictor_format` (int8: predict fitted their thresholds to those values), biases and norms fp32,
+`sizes.float_format` says: fp16). Predictors are stored in `sizes.PREDICTOR_FORMAT` (int8: predict fitted their thresholds to those values), biases and norms fp32,
 and GPU blocks keep the GPU's format (`sizes.GPU_WEIGHT_FORMAT`: fp16).
 
 `method` "rtn" rounds each weight to the nearest step of its block's scale, the largest weight of a block
@@ -50,10 +50,10 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .pipeline import Context, Options
-from .sizes import predictor_format, weight_format
+from .sizes import PREDICTOR_FORMAT
 from runtime.dtypes import QUANT_BLOCK, QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 
-from .awq import AWQ_KEY
+from .awq import AwqReport
 from .quality import WeightPlan
 from .import_gguf import GGUFSource
 from .import_onnx import SourceQuantization
@@ -77,7 +77,7 @@ THRESHOLDED: dict[str, tuple[tuple[int, str], ...]] = {
     "ThresholdFFN": ((1, "threshold_in"), (3, "threshold_down")),  # w_up [D, 2F or F], w_down [F, D]
     "Attention": ((4, "threshold_qkv"), (6, "threshold_o")),  # w_qkv, w_o: [K, N]; absent attributes: dense
 }
-PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in predictor_format
+PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in PREDICTOR_FORMAT
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored, for inspect and -v
 _ONNX_TYPES = {(8, False): (ir.DataType.INT8, np.int8), (4, False): (ir.DataType.INT4, ml_dtypes.int4),
                (4, True): (ir.DataType.UINT4, ml_dtypes.uint4)}  # (bits, has_min) -> the values' types
@@ -132,16 +132,16 @@ class QuantizedMatrix:
 @dataclass
 class Quantize:
     name = "quantize"
-    weight_dtype: str = Options.weight_dtype  # --weight-dtype: int8 / int4 block every matrix, float formats the predictors
     method: str = Options.quant_method  # --quant-method: "awq" fits each block's scale (`quant.quantize`'s fit_scales)
-    keep_source_blocks: bool = False  # matrices a quantized model stores in other blocks keep them (auto's build)
 
     def __post_init__(self):
         if self.method not in QUANT_METHODS:
             raise ValueError(f"unknown quantization method {self.method!r}; known: {', '.join(QUANT_METHODS)}")
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        fmt = weight_format("cpu", self.weight_dtype)
+        # the build's format (int8 / int4 block every matrix, float formats the predictors); `keep_source_blocks`
+        # (auto's build of a quantized model): matrices it stores in other blocks keep them
+        fmt, keep = ctx.build.weight_format, ctx.build.keep_source_blocks
         source = SourceQuantization.of(model) if fmt.quantized else None
         fmt = _source_format(source, fmt)
         # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not;
@@ -162,7 +162,7 @@ class Quantize:
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
-            for index, axis, matrix_format, fit in _matrices(node, fmt, self.weight_dtype, fit_scales):
+            for index, axis, matrix_format, fit in _matrices(node, fmt, fit_scales):
                 value = node.inputs[index]
                 key = (id(value), axis)
                 if node.op_type != "Predict":
@@ -178,7 +178,7 @@ class Quantize:
                         continue
                     array = np.asarray(array, np.float32)  # a half model's matrix, widened one at a time
                     blocks, used, missed = self._blocks(array, matrix_format, axis, fit,
-                                                        exact and node.op_type != "Predict", group if axis == 0 else 1)
+                                                        exact and node.op_type != "Predict", group if axis == 0 else 1, keep)
                     if blocks is None:  # a matrix the model stores in floats (or in other blocks): not re-rounded
                         foreign.append(value.name)
                         continue
@@ -199,7 +199,7 @@ class Quantize:
         if not done and not fmt.quantized:
             return PassResult(model, modified=False)
         method = "rtn" if source is not None or not fmt.quantized else self.method
-        blocked = fmt if fmt.quantized else predictor_format(self.weight_dtype)
+        blocked = fmt if fmt.quantized else PREDICTOR_FORMAT
         summary = {"format": blocked.name, "method": method, "block": blocked.block,
                    "scale_dtype": blocked.scale_dtype, "matrices": len(done),
                    "scope": "weights" if fmt.quantized else "predictors",
@@ -208,7 +208,7 @@ class Quantize:
                    "exact_matrices": exact_matrices, "planned_floats": planned_floats,
                    "planned_formats": planned_formats, "source_blocks_rerounded": rerounded,
                    "source_floats_kept": foreign, "source_formats_kept": moved,
-                   "channel_scales": json.loads(model.metadata_props.get(AWQ_KEY, "{}"))}
+                   "channel_scales": channel_scales.to_json() if (channel_scales := AwqReport.of(model)) else {}}
         model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
         ctx.log(f"quantize: {len(done)} {summary['scope'][:-1]} matrices to {blocked.name} ({method}, blocks of "
                 f"{blocked.block}, {blocked.scale_dtype} scales): "
@@ -223,10 +223,11 @@ class Quantize:
                 f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")
         return PassResult(model, modified=True)
 
-    def _blocks(self, array: np.ndarray, fmt: WeightFormat, axis: int, fit: bool, exact: bool, group: int):
+    @staticmethod
+    def _blocks(array: np.ndarray, fmt: WeightFormat, axis: int, fit: bool, exact: bool, group: int, keep: bool):
         """(blocks, the format they are in, blocks re-rounded) of a matrix; blocks None where an int4a build keeps
         a matrix that is in no 4-bit blocks in floats. `exact` (a model that came quantized): its own blocks are
-        kept where `fmt` holds them; where it does not and `keep_source_blocks`, the first of SOURCE_FORMATS that
+        kept where `fmt` holds them; where it does not and `keep` (the build's keep_source_blocks), the first of SOURCE_FORMATS that
         holds every block exactly stores them."""
         if fmt.has_min:
             q, scales, mins, missed, unlike = quant.quantize_asymmetric(array, fmt, axis, exact=exact, group=group)
@@ -235,7 +236,7 @@ class Quantize:
             blocks = quant.quantize(array, fmt, axis, fit_scales=fit, keep_grid=exact)
             missed = 0
             holds = not exact or _relative_error(array, quant.dequantize(*blocks, axis)) == 0.0
-        if exact and not holds and self.keep_source_blocks:
+        if exact and not holds and keep:
             for other in SOURCE_FORMATS:
                 if other.name == fmt.name or not quant.quantizable(array.shape, axis, other.block):
                     continue
@@ -271,7 +272,7 @@ def format_for(planned: dict[str, str], name: str, default: WeightFormat) -> Wei
     build's, with its scale type). The one place a per-matrix choice enters the pass."""
     if name not in planned:
         return default
-    fmt = weight_format("cpu", planned[name])
+    fmt = WEIGHT_FORMATS[planned[name]]
     return replace(fmt, scale_dtype=default.scale_dtype) if fmt.quantized and default.quantized else fmt
 
 
@@ -308,13 +309,12 @@ def _with_mins(graph: ir.Graph, before: ir.Node, name: str, scaled: ir.Value, mi
     return out
 
 
-def _matrices(node: ir.Node, fmt: WeightFormat, weight_dtype: str,
-              fit_scales: bool) -> list[tuple[int, int, WeightFormat, bool]]:
+def _matrices(node: ir.Node, fmt: WeightFormat, fit_scales: bool) -> list[tuple[int, int, WeightFormat, bool]]:
     """(input index, block axis, format, whether to fit the block scales) of each weight matrix of `node` the
     pass blocks: in a float build (`fmt` not quantized) the predictors' alone. Predictors round to nearest:
     predict fitted their thresholds to those values (`as_stored`)."""
     if node.op_type == "Predict":
-        return [(index, PREDICTOR_AXIS, predictor_format(weight_dtype), False) for index in range(1, len(node.inputs))]
+        return [(index, PREDICTOR_AXIS, PREDICTOR_FORMAT, False) for index in range(1, len(node.inputs))]
     if not fmt.quantized:
         return []
     return [(index, axis, fmt, fit_scales) for index, axis in blocked_axes(node)]

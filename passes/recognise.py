@@ -14,7 +14,7 @@ initializers (`layers.3.ffn.w_up`, ...). Partial rotary embeddings become full-w
 frequencies on the pass-through dimensions (query and key columns permuted alike, so the scores are
 unchanged). The source model rides on the new IR's `meta` (`source_model`), for the profile pass to run as
 its reference executor. Refuses what it cannot recognise with a message naming it, and a `max_context`
-(its field) that the model's learned positions or the machine's memory cannot hold.
+(the build's, `ctx.build`) that the model's learned positions or the machine's memory cannot hold.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from passes.import_gguf import GGUF_KEY
-from passes.import_onnx import SOURCE_QUANTIZATION, available_memory_bytes
+from passes.import_gguf import GGUFSource
+from passes.import_onnx import SourceQuantization, available_memory_bytes
 from . import ir as pir
 from .errors import UserError
-from .pipeline import Context, Options
+from .pipeline import Context
 from .sizes import kv_cache_bytes
 from .targets import format_size
 from runtime.artifact import first_line
@@ -851,17 +851,17 @@ def source_model(lifted: ir.Model) -> ir.Model:
 @dataclass
 class Recognise:
     name = "recognise"
-    max_context: int = Options.max_context
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)
-        _check_context(decoder, self.max_context)
+        _check_context(decoder, ctx.build.max_context)
         # the concatenated weights are copies: the source pages they were read from need not stay resident
         lifted = build_graph(decoder, after_layer=lambda: pir.release_mapped_pages(model))
         lifted.meta[SOURCE] = model
-        for key in (SOURCE_QUANTIZATION, GGUF_KEY):  # facts about the weights, which the lifted graph keeps
-            if key in model.metadata_props:
-                lifted.metadata_props[key] = model.metadata_props[key]
+        for fact in (SourceQuantization, GGUFSource):  # facts about the weights, which the lifted graph keeps
+            found = fact.of(model)
+            if found is not None:
+                found.attach(lifted)
         ctx.log(f"recognised {len(decoder.attentions)} layers: "
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "

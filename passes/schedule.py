@@ -1,7 +1,8 @@
 """schedule: order the kernel calls as a networkx DAG, with a device per call.
 
 Reads: the kernel-call IR (`passes.kernel_ir`: each call's facts say which buffers it reads and writes).
-Adds: a `picompile.schedule` graph-level metadata entry holding the DAG as networkx node-link JSON: one node
+Adds: a `picompile.schedule` graph-level metadata entry (`CallSchedule`) holding the DAG as networkx node-link
+JSON, the artifact's schedule.json: one node
 per call (its facts, `runtime.calls.Call`, under `call`, and its `order`), edges for every dependency:
 read-after-write, and write-after-read / write-after-write on shared buffers (a buffer reused across layers
 must not be overwritten while an earlier call still reads it). The order is a topological order of that
@@ -10,13 +11,14 @@ graph (stable with respect to program order) and the critical path is reported.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from typing import ClassVar
 
 import networkx as nx
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from .facts import ModelFact
 from .pipeline import Context
 from runtime.calls import PHASES
 
@@ -68,6 +70,21 @@ def build_dag(program: KernelProgram) -> nx.DiGraph:
     return dag
 
 
+@dataclass(frozen=True)
+class CallSchedule(ModelFact):
+    """The ordered call DAG as networkx node-link JSON (`runtime.calls.schedule_calls` reads its calls)."""
+
+    KEY: ClassVar[str] = "picompile.schedule"
+    node_link: dict
+
+    def to_json(self) -> dict:
+        return self.node_link
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CallSchedule":
+        return cls(data)
+
+
 @dataclass
 class Schedule:
     name = "schedule"
@@ -75,7 +92,7 @@ class Schedule:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         dag = build_dag(KernelProgram.from_model(model))
         critical = nx.dag_longest_path(dag)
-        model.metadata_props["picompile.schedule"] = json.dumps(nx.node_link_data(dag, edges="edges"))
+        CallSchedule(nx.node_link_data(dag, edges="edges")).attach(model)
         devices = sorted({data["call"]["device"] for _, data in dag.nodes(data=True)})
         ctx.log(f"schedule: {dag.number_of_nodes()} calls, {dag.number_of_edges()} dependencies, "
                 f"devices {', '.join(devices)}, critical path {len(critical)} calls")

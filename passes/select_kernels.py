@@ -8,7 +8,7 @@ projection lowered by `_Walker.thresholded_linear`), each node's `device` (from 
 Adds: the kernel-call IR (`passes.kernel_ir`): one `runtime.calls.Call` per kernel call, saying what it
 reads and how (whole, one row per token, the cached positions, only the selected rows), the buffers it
 uses, the weights in the layout and precision their device reads (the CPU's matrices panel-packed and in
-`weight_dtype`; the GPU's fp32 [K, N]) and, per kernel name, the spec the compile pass makes it from
+the build's weight format, `ctx.build`; the GPU's fp32 [K, N]) and, per kernel name, the spec the compile pass makes it from
 (`decode` kernels for one token, `prefill` for a symbolic number of rows, `batch` for one token of each of
 several sequences: the prefill kernel of a row-wise call, the decode kernel of a call run per sequence, a
 kernel of its own for the predictor, select (the union of the sequences' neurons) and the CPU's fused sparse
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -28,11 +29,11 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .errors import UserError
+from .facts import ModelFact
 from .pipeline import Context, Options
 from .sizes import KV_CACHE_DTYPE, float_format, weight_format
-from .targets import get_cpu_isa
 from runtime.calls import START, Access, Arg, Call, Role, Selection
-from runtime.dtypes import itemsize
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
 
 from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
 from .kernels import cpu, neuron, ops, quant
@@ -41,7 +42,23 @@ from .quantize import QuantizedMatrix, dequantizes_weight
 from .threshold import KEEP_ALL
 
 
-MAX_BATCH_KEY = "picompile.max_batch"  # the model's metadata entry: the batch phase's sequences (0: none)
+@dataclass(frozen=True)
+class BatchPhase(ModelFact):
+    """How many sequences the program's batch step holds (0: it has no batch phase), for the manifest."""
+
+    KEY: ClassVar[str] = "picompile.max_batch"
+    max_batch: int
+
+    def to_json(self) -> int:
+        return self.max_batch
+
+    @classmethod
+    def from_json(cls, data: int) -> "BatchPhase":
+        return cls(int(data))
+
+    @classmethod
+    def missing(cls) -> "BatchPhase":
+        return cls(0)
 
 
 def read(buffer: str) -> Arg:
@@ -57,7 +74,7 @@ class Lowering:
     """Collects kernels (deduplicated by name), calls, weights and buffers while walking the block IR."""
 
     max_context: int
-    weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's large weights (matrices, embeddings)
+    cpu_format: WeightFormat = WEIGHT_FORMATS["fp32"]  # --weight-dtype: storage of the CPU's large weights
     gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
     int8_dot: str | None = None  # quantized decode GEMVs: the ISA's integer dot product over int8 activations, or None
     program: KernelProgram = field(default_factory=KernelProgram)
@@ -127,7 +144,7 @@ class Lowering:
         weight format's, or for a quantized build's matrices the quantize pass left in floats, fp16."""
         if name in self.quantized:
             return name
-        dtype = float_format(weight_format(device, self.weight_dtype)).storage
+        dtype = float_format(weight_format(device, self.cpu_format)).storage
         if self.buffers[name]["dtype"] != dtype:
             self.weight(name, self.weights[name], dtype, self.buffers[name].get("layout", ""))
         return name
@@ -688,17 +705,16 @@ class _Walker:
 @dataclass
 class SelectKernels:
     name = "select-kernels"
-    max_context: int = 256
-    weight_dtype: str = "fp32"  # --weight-dtype: storage of the CPU's weight matrices
-    cpu_isa: str = "avx2"  # targets.CPU_ISAS: decides the prefill GEMM's register tile
     int8_activations: bool = Options.int8_activations  # int4 decode GEMVs over int8-quantized inputs
     max_batch: int = Options.max_batch  # --max-batch: sequences one batch step may hold (CPU artifacts)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        isa = get_cpu_isa(self.cpu_isa)
-        lowering = Lowering(max_context=self.max_context, weight_dtype=self.weight_dtype, gemm_panels=isa.gemm_panels,
+        # the build's context, CPU format and instruction set (its register tile and integer dot product)
+        build = ctx.build
+        isa = build.cpu_isa
+        lowering = Lowering(max_context=build.max_context, cpu_format=build.weight_format, gemm_panels=isa.gemm_panels,
                             int8_dot=isa.int8_dot if self.int8_activations else None,
-                            max_batch=min(self.max_batch, self.max_context))
+                            max_batch=min(self.max_batch, build.max_context))
         lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
         walker = _Walker(lowering)
         nodes, layers = list(model.graph), pir.node_layers(model.graph)
@@ -712,5 +728,6 @@ class SelectKernels:
         program = lowering.program
         ctx.log(f"select-kernels: {len(program.kernels)} kernels, {len(program.calls)} calls, "
                 + (f"batch steps of up to {lowering.max_batch} sequences" if lowering.max_batch else "no batch phase"))
-        result = program.to_model({**carried_metadata(model), MAX_BATCH_KEY: str(lowering.max_batch)})
+        result = program.to_model(carried_metadata(model))
+        BatchPhase(lowering.max_batch).attach(result)
         return PassResult(result, modified=True)

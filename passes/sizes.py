@@ -34,11 +34,11 @@ def kv_cache_bytes(attentions: Iterable[tuple[int, int]], max_context: int) -> i
     return sum(2 * heads * head_dim for heads, head_dim in attentions) * max_context * itemsize(KV_CACHE_DTYPE)
 
 
-def weight_format(device: str, weight_dtype: str) -> WeightFormat:
-    """The format a device stores its weight matrices in, for `--weight-dtype` (fp32, fp16, int8, int4, int4a): the
-    CPU's follow it, the GPU's are GPU_WEIGHT_FORMAT. The quantize pass and select-kernels store them so;
-    predict, partition and lower price them so (`WeightFormat.bytes_per_weight`)."""
-    return WEIGHT_FORMATS[weight_dtype] if device == "cpu" else GPU_WEIGHT_FORMAT
+def weight_format(device: str, cpu_format: WeightFormat) -> WeightFormat:
+    """The format a device stores its weight matrices in, where the CPU's is `cpu_format` (the build's --weight-dtype,
+    `BuildTarget.weight_format`): the GPU's are GPU_WEIGHT_FORMAT. The quantize pass and select-kernels store them
+    so; predict, partition and lower price them so (`WeightFormat.bytes_per_weight`)."""
+    return cpu_format if device == "cpu" else GPU_WEIGHT_FORMAT
 
 
 def gpu_bytes(shape) -> int:
@@ -49,11 +49,11 @@ def gpu_bytes(shape) -> int:
     return nbytes(shape, "float32")
 
 
-def cpu_bytes(shape, weight_dtype: str) -> int:
-    """Bytes of a constant of `shape` on the CPU: a matrix (2-D or more) in --weight-dtype's format (`weight_format`),
-    a vector in fp32."""
+def cpu_bytes(shape, cpu_format: WeightFormat) -> int:
+    """Bytes of a constant of `shape` on the CPU: a matrix (2-D or more) in the build's `cpu_format`, a vector in
+    fp32."""
     if len(shape) >= 2:
-        return math.ceil(math.prod(int(d) for d in shape) * weight_format("cpu", weight_dtype).bytes_per_weight)
+        return math.ceil(math.prod(int(d) for d in shape) * cpu_format.bytes_per_weight)
     return nbytes(shape, "float32")
 
 
@@ -63,17 +63,16 @@ def float_format(fmt: WeightFormat) -> WeightFormat:
     return WEIGHT_FORMATS["fp16"] if fmt.quantized else fmt
 
 
-def predictor_format(weight_dtype: str) -> WeightFormat:
-    """What the CPU stores predictors in, whatever `weight_dtype`: int8 blocks, which the quantize pass makes.
-    int4 ones lose too much of a score's margin (their precision at recall 0.99 fell to a third); a
-    predictor is read whole every decode step, so its bytes are what it costs: int8 ones cost a quarter of
-    fp32's, predicted as precisely (measurements: BENCHMARKS.md#measurements-behind-the-codes-constants). Predict fits the thresholds
-    to the predictors as stored; predict and lower price them so."""
-    return WEIGHT_FORMATS["int8"]
+PREDICTOR_FORMAT = WEIGHT_FORMATS["int8"]
+"""What the CPU stores predictors in, whatever --weight-dtype: int8 blocks, which the quantize pass makes.
+int4 ones lose too much of a score's margin (their precision at recall 0.99 fell to a third); a predictor is
+read whole every decode step, so its bytes are what it costs: int8 ones cost a quarter of fp32's, predicted as
+precisely (measurements: BENCHMARKS.md#measurements-behind-the-codes-constants). Predict fits the thresholds
+to the predictors as stored; predict and lower price them so."""
 
 
 def stored_predictor_format(shape: tuple[int, ...], fmt: WeightFormat) -> WeightFormat:
     """What a predictor matrix of `shape` (w1 [d_model, r], w2 [r, ffn], blocked along their first axis) is stored
-    in, given `predictor_format`'s `fmt`: `fmt` where that axis is whole blocks, else `float_format(fmt)` (the
+    in, given PREDICTOR_FORMAT `fmt`: `fmt` where that axis is whole blocks, else `float_format(fmt)` (the
     quantize pass keeps such a matrix in floats: w2 of a rank that is part of a block, twice int8's bytes)."""
     return float_format(fmt) if fmt.quantized and shape[0] % fmt.block else fmt

@@ -125,6 +125,34 @@ def cuda_target(arch: str) -> dict:
     return {"kind": "cuda", "arch": arch, "host": CUDA_HOST_ISA.llvm_target()}
 
 
+# Share of the GPU memory kept free for activations, kernel workspace and the allocator's slack.
+RESERVE_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """The GPU memory a build may fill: --vram-budget, else the target's memory (0 without a GPU), less a
+    reserve (`reserve_fraction` of it) for activations, kernel workspace and the allocator's slack."""
+
+    total_bytes: int
+    reserve_fraction: float = RESERVE_FRACTION
+
+    @classmethod
+    def resolve(cls, target: Target, budget_bytes: int | None) -> "GpuBudget":
+        """The budget for `target`; a --vram-budget the card cannot hold is refused (`check_vram_budget`)."""
+        check_vram_budget(target, budget_bytes)
+        return cls(budget_bytes if budget_bytes is not None else target.gpu_memory_bytes)
+
+    @property
+    def reserve_bytes(self) -> int:
+        return int(self.total_bytes * self.reserve_fraction)
+
+    @property
+    def usable_bytes(self) -> int:
+        """What placement may fill: the total less the reserve."""
+        return self.total_bytes - self.reserve_bytes
+
+
 def check_vram_budget(target: Target, budget_bytes: int | None) -> None:
     """--vram-budget must fit the target's GPU: refuse, with both numbers, a budget the card cannot hold."""
     if budget_bytes is None or budget_bytes <= target.gpu_memory_bytes:

@@ -30,7 +30,10 @@ import numpy as np
 from passes import costmodel
 from passes import ir as pir
 from passes.errors import UserError
+from passes.kernel_ir import Buffers
 from passes.pipeline import Context, Options
+from passes.schedule import CallSchedule
+from passes.select_kernels import BatchPhase
 from runtime import dtypes
 from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
 from runtime.calls import schedule_calls
@@ -95,9 +98,8 @@ def check_output(output: Path) -> None:
 
 def write(model: ir.Model, ctx: Context, output: Path, options: Options, source: Path | None = None) -> Path:
     check_output(output)
-    cpu_isa = options.cpu_isa_for(ctx.target)
-    buffers = json.loads(model.metadata_props["picompile.buffers"])
-    schedule = json.loads(model.metadata_props["picompile.schedule"])
+    cpu_isa = ctx.build.cpu_isa
+    buffers, schedule = Buffers.of(model).entries, CallSchedule.of(model).node_link
     output = Path(output)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +127,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             "picompile_version": __version__,
             "target": {"name": ctx.target.name, "cpu_isa": cpu_isa.name, "cpu_features": list(cpu_isa.features),
                        "cuda_arch": ctx.target.cuda_arch},
-            "model": {**_model_facts(buffers, schedule, int(model.metadata_props.get("picompile.max_batch", "0"))),
+            "model": {**_model_facts(buffers, schedule, BatchPhase.of(model).max_batch),
                       "source": str(source) if source else None},
             "options": {"dense": options.dense, "max_context": options.max_context, "weight_dtype": options.weight_dtype},
             "sparsity": json.loads(model.metadata_props.get("picompile.sparsity", "{}")),

@@ -24,7 +24,8 @@ from passes.import_onnx import Import, SourceQuantization, stored_weight_dtype
 from passes.front_end import load
 from passes.lower import LowerPredicted, LowerThresholded
 from passes.partition import Partition
-from passes.pipeline import Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes, verify_onnx
+from passes.pipeline import (BuildTarget, Context, DumpIR, Hook, LogTiming, Options, Pass, ProgressBars, run_passes,
+                             verify_onnx)
 from passes.place import Place
 from passes.plan_buffers import PlanBuffers
 from passes.predict import Predict
@@ -35,9 +36,9 @@ from passes.recognise import Recognise
 from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
 from passes.sparsity_mode import Sparsity, SparsityMode
-from passes.targets import TARGETS, Target, check_vram_budget, format_size
+from passes.targets import TARGETS, GpuBudget, Target, format_size
 from passes.threshold import Threshold
-from runtime.dtypes import AUTO_WEIGHT_DTYPE, WEIGHT_FORMATS
+from runtime.dtypes import AUTO_WEIGHT_DTYPE
 
 from . import artifact
 
@@ -47,82 +48,74 @@ MODES = ("dense", "predictor", "threshold")
 def front(options: Options, gguf: bool = False) -> list[Pass]:
     """What every build runs first: import (of a GGUF file's conversion where `gguf`), recognise and, unless
     --dense, the sparsity mode's choice."""
-    passes = [ImportGGUF() if gguf else Import(), Recognise(max_context=options.max_context)]
+    passes = [ImportGGUF() if gguf else Import(), Recognise()]
     if not options.dense:
         passes.append(SparsityMode(requested=options.sparsity_mode, sparsity=options.sparsity))
     return passes
 
 
-def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[Pass]:
+def rest(options: Options, mode: str, build: BuildTarget) -> list[Pass]:
     """What follows the front for `mode`: dense lowers every block as it is (an int8 / int4 one with awq
     profiles and scales channels first); predictor mode profiles, (awq) scales channels, trains predictors,
     places neurons and splits each FFN; threshold mode profiles, calibrates thresholds and
     lowers each FFN to thresholded ops (on the CPU: no placement); its levels (per linear input) and formats (per
-    matrix) are the quality pass's, within --max-quality-loss."""
+    matrix) are the quality pass's, within --max-quality-loss. What the build is for (weight format, instruction
+    set, GPU budget, context, quality budget) the passes read from `build` (`Context.build`), not their fields."""
     if (mode == "dense") != options.dense:
         raise ValueError(f"mode {mode!r} does not fit options.dense={options.dense}")
-    if options.weight_dtype == AUTO_WEIGHT_DTYPE:
-        raise ValueError("weight_dtype 'auto' is resolved from the model first (resolve_weight_dtype)")
     profile = Profile(calib=options.calib, calib_tokens=options.calib_tokens, calib_samples=options.calib_samples,
-                      tokenizer=options.tokenizer, max_context=options.max_context, seed=options.seed)
-    awq = [AWQ(weight_dtype=options.weight_dtype, seed=options.seed)] if _activation_aware(options) else []
+                      tokenizer=options.tokenizer, seed=options.seed)
+    awq = [AWQ(seed=options.seed)] if _activation_aware(options, build) else []
     # awq scales FFN inputs by their profiled magnitudes, so a dense build profiles for it alone: few tokens do
     # (no sampling unless asked, a warning only below AWQ_MIN_TOKENS)
     dense_profile = [Profile(calib=options.calib, calib_tokens=options.calib_tokens or AWQ_TOKENS,
                              calib_samples=options.calib_samples or 0, tokenizer=options.tokenizer,
-                             max_context=options.max_context,
                              seed=options.seed, wanted_tokens=AWQ_MIN_TOKENS)] if awq else []
     # one placement of every block: a dense build's layers run dense, a sparse build's may (not with --all-neurons,
     # which checks the split, or --no-dense-fallback)
-    partition = Partition(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context,
-                          placement_batch=options.placement_batch, time_limit_s=options.placement_time_limit_s,
-                          weight_dtype=options.weight_dtype,
+    partition = Partition(placement_batch=options.placement_batch, time_limit_s=options.placement_time_limit_s,
                           dense_ffns=options.dense_fallback and not options.all_neurons)
     sparse = {
         "dense": dense_profile + awq + [partition],
         "predictor": [profile, *awq,
                       Predict(target_recall=options.target_recall, param_share=options.predictor_param_share,
-                              weight_dtype=options.weight_dtype, seed=options.seed,
-                              cpu_isa=options.cpu_isa_for(target).name, int8_activations=options.int8_activations),
-                      QualityPlan(budget=options.quality_budget, weight_dtype=options.weight_dtype, mode="predictor",
-                                  lowest_recall=options.target_recall),
+                              seed=options.seed, int8_activations=options.int8_activations),
+                      QualityPlan(mode="predictor", lowest_recall=options.target_recall),
                       partition, LowerPredicted(all_neurons=options.all_neurons)],
         # --sparsity: one level for every FFN input (the threshold pass), measured; else a plan within the budget
         "threshold": [dataclasses.replace(profile, activations=options.sparsity is not None),
                       *([Threshold()] if options.sparsity is not None else []),
-                      QualityPlan(budget=options.quality_budget, weight_dtype=options.weight_dtype,
-                                  method=options.quant_method, fixed_formats=options.keep_source_blocks,
-                                  cpu_isa=options.cpu_isa_for(target).name, int8_activations=options.int8_activations),
+                      QualityPlan(method=options.quant_method, fixed_formats=build.keep_source_blocks,
+                                  int8_activations=options.int8_activations),
                       LowerThresholded()],
     }[mode]
-    return sparse + back(options, target, predictors=mode == "predictor")
+    return sparse + back(options, build, predictors=mode == "predictor")
 
 
-def _activation_aware(options: Options) -> bool:
+def _activation_aware(options: Options, build: BuildTarget) -> bool:
     """Whether a build scales channels by their activations before it quantizes (--quant-method awq, int8 /
     int4 builds; the quantize pass refuses a method it does not know). Threshold mode never runs it: its kernels
     skip input channels by their magnitude, which a channel scale would change."""
-    return options.quant_method == "awq" and WEIGHT_FORMATS[options.weight_dtype].quantized
+    return options.quant_method == "awq" and build.weight_format.quantized
 
 
-def back(options: Options, target: Target, predictors: bool = False) -> list[Pass]:
+def back(options: Options, build: BuildTarget, predictors: bool = False) -> list[Pass]:
     """The back end, the same in every mode: fold the residuals, place each block on its device, quantize the
     CPU's matrices (int8 / int4 weights; the `predictors` of a float build), select its kernels, give each
     device its buffers, compile the kernels, order the calls."""
-    cpu_isa = options.cpu_isa_for(target).name
-    quantized = WEIGHT_FORMATS[options.weight_dtype].quantized or predictors
-    quantize = [Quantize(weight_dtype=options.weight_dtype, method=options.quant_method,
-                         keep_source_blocks=options.keep_source_blocks)] if quantized else []
-    return [Fuse(), Place(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context), *quantize,
-            SelectKernels(max_context=options.max_context, weight_dtype=options.weight_dtype, cpu_isa=cpu_isa,
-                          int8_activations=options.int8_activations, max_batch=options.max_batch),
-            PlanBuffers(), Compile(cpu_isa=cpu_isa), Schedule()]
+    quantized = build.weight_format.quantized or predictors
+    quantize = [Quantize(method=options.quant_method)] if quantized else []
+    return [Fuse(), Place(), *quantize,
+            SelectKernels(int8_activations=options.int8_activations, max_batch=options.max_batch),
+            PlanBuffers(), Compile(), Schedule()]
 
 
 def pipeline(options: Options, mode: str, target: Target = TARGETS["cpu"], gguf: bool = False) -> list[Pass]:
     """The whole compilation in `mode` ("dense", "predictor" or "threshold") for `target`: exactly the
-    passes it runs (`gguf`: for a model loaded from a GGUF file)."""
-    return front(options, gguf) + rest(options, mode, target)
+    passes it runs (`gguf`: for a model loaded from a GGUF file), with `options`' weight dtype (not "auto").
+    Which passes run does not depend on the GPU budget: `build` checks --vram-budget against the target it builds
+    for, not here."""
+    return front(options, gguf) + rest(options, mode, BuildTarget.resolve(options, target, gpu=GpuBudget(0)))
 
 
 def mode_of(model: ir.Model, options: Options) -> str:
@@ -130,13 +123,13 @@ def mode_of(model: ir.Model, options: Options) -> str:
     return "dense" if options.dense else Sparsity.of(model).mode
 
 
-def _warn_if_dequantized(model: ir.Model, options: Options, ctx: Context) -> None:
+def _warn_if_dequantized(model: ir.Model, ctx: Context) -> None:
     """A model that came block-quantized, built in a float format, keeps its values but not its size; built in a
     quantized format that cannot hold its blocks (asymmetric 4-bit ones in int4 or int8), it loses its values:
     say so. A GGUF file's: which of its matrices the build's format re-rounds, if any."""
     gguf = GGUFSource.of(model)
     if gguf is not None:
-        line = rerounding_warning(gguf, options.weight_dtype, ctx.target.has_gpu, options.keep_source_blocks)
+        line = rerounding_warning(gguf, ctx.build.weight_dtype, ctx.target.has_gpu, ctx.build.keep_source_blocks)
         if line is not None:
             ctx.warn(line)
         return
@@ -146,14 +139,14 @@ def _warn_if_dequantized(model: ir.Model, options: Options, ctx: Context) -> Non
     bits = sorted({w.bits for w in source.weights})
     asymmetric = [w for w in source.weights if w.bits == 4 and not w.symmetric]
     keeps = "int4a" if asymmetric else f"int{bits[0]}"
-    fmt = WEIGHT_FORMATS[options.weight_dtype]
+    fmt = ctx.build.weight_format
     if not fmt.quantized:
         ctx.warn(f"the model's weights came {'/'.join(map(str, bits))}-bit quantized ({source.op}); this "
-                 f"{options.weight_dtype} build stores them dequantized, "
+                 f"{fmt.name} build stores them dequantized, "
                  f"{'--weight-dtype ' + keeps + ' keeps their values' if len(bits) == 1 else ''}".rstrip(", "))
     elif asymmetric and not fmt.has_min:
         ctx.warn(f"{len(asymmetric)} of the model's 4-bit weights have zero points (a scale and a minimum per "
-                 f"block); this {options.weight_dtype} build re-rounds them to its own blocks (the quantize line "
+                 f"block); this {fmt.name} build re-rounds them to its own blocks (the quantize line "
                  "says by how much), --weight-dtype int4a keeps their values")
 
 
@@ -189,17 +182,20 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
     artifact already there stays whole until the new one replaces it. `progress` draws bars on stderr.
     `log` gets the passes' lines, `warn` (default: `log`) those the user should see anyway (`Context.warn`).
     `passes` replaces the pipeline (run as given, in one stage)."""
-    check_vram_budget(target, options.vram_budget_bytes)  # refused before any work, not passes later
+    gpu = GpuBudget.resolve(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
     model = load(model_path)
     options = resolve_weight_dtype(options, model, log)
+    build_target = BuildTarget.resolve(options, target, gpu)  # what every pass reads: resolved once, here
+    log(build_target.describe())
     hooks: list[Hook] = [ReleaseMappedPages(model), LogTiming()]  # released before -v reports what stayed
     if dump_dir is not None:
         hooks.append(DumpIR(dump_dir))
     if verify:
         hooks.append(verify_onnx)
     with tempfile.TemporaryDirectory(prefix="picompile-build-") as workdir, ProgressBars(progress) as bars:
-        ctx = Context(target=target, workdir=Path(workdir), log=log, warnings=warn, progress_bars=bars)
+        ctx = Context(target=target, build=build_target, workdir=Path(workdir), log=log, warnings=warn,
+                      progress_bars=bars)
         hooks.append(bars)
         if passes is not None:
             lowered = run_passes(model, passes, ctx, hooks)
@@ -210,8 +206,8 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
                 from passes.tokenizer import check_vocabulary
 
                 check_vocabulary(options.tokenizer, lifted.graph.initializers["embed.tokens"].shape[0])
-            _warn_if_dequantized(lifted, options, ctx)
-            lowered = run_passes(lifted, rest(options, mode_of(lifted, options), target), ctx, hooks,
+            _warn_if_dequantized(lifted, ctx)
+            lowered = run_passes(lifted, rest(options, mode_of(lifted, options), build_target), ctx, hooks,
                                  first=len(first))
         written = artifact.write(lowered, ctx, output, options, source=model_path)
     peak = memory.process_peak_bytes()

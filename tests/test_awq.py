@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from passes.awq import AWQ_KEY, mean_magnitude, search_scales
+from passes.awq import AwqReport, mean_magnitude, search_scales
 from passes.kernels import quant
 from passes.front_end import load
 from passes.profile import ProfiledActivations
@@ -81,9 +81,9 @@ def _passes(files, quant_method: str, dense: bool = False):
 
 
 def test_the_scales_fold_into_the_norm_the_up_rows_and_the_profile_exactly(outlier_opt, tmp_path):
-    _, passes = _passes(outlier_opt, "awq")
+    options, passes = _passes(outlier_opt, "awq")
     index = next(i for i, p in enumerate(passes) if p.name == "awq")
-    ctx = Context(get_target("cpu"), workdir=tmp_path)
+    ctx = Context(get_target("cpu"), workdir=tmp_path, options=options)
     model = run_passes(load(outlier_opt.onnx), passes[:index], ctx)
     ffns = pir.nodes_in_domain(model, "FFN")
     before = {}
@@ -94,10 +94,10 @@ def test_the_scales_fold_into_the_norm_the_up_rows_and_the_profile_exactly(outli
         before[layer] = ([pir.const_array(v).copy() for v in norm.inputs[1:]], pir.const_array(node.inputs[1]).copy(),
                          np.array(profiled.layer(layer).inputs[:64]))
     passes[index].apply(model, ctx)
-    report = json.loads(model.metadata_props[AWQ_KEY])
-    assert {r["layer"] for r in report["layers"]} == set(before) and not report["unscaled"]
-    alphas = {entry["layer"]: entry["alpha"] for entry in report["layers"]}
-    assert all(entry["error"] <= entry["unscaled_error"] for entry in report["layers"])
+    report = AwqReport.of(model)
+    assert {r.layer for r in report.layers} == set(before) and not report.unscaled
+    alphas = {entry.layer: entry.alpha for entry in report.layers}
+    assert all(entry.error <= entry.unscaled_error for entry in report.layers)
     assert any(alpha > 0 for alpha in alphas.values())  # outliers: some layer must gain from scales
     for node in ffns:
         layer = pir.attr(node, "layer")

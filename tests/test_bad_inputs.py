@@ -244,7 +244,7 @@ def test_placement_stopped_by_its_time_limit_is_reported_as_such():
 
     from passes.partition import Partition
     from passes import ir as pir
-    from passes.pipeline import Context
+    from passes.pipeline import Context, Options
     from test_powerinfer_placement import power_law
     from tiny_targets import SLOW_CPU_RTX4090
 
@@ -266,9 +266,10 @@ def test_placement_stopped_by_its_time_limit_is_reported_as_such():
     reports = {}
     for limit in (0.0, 30.0):
         lines = []
-        partition = Partition(vram_budget_bytes=int(layers * width * 2 * d_model * 2 * 0.3), placement_batch=16,
-                              time_limit_s=limit)
-        model = partition.apply(ir.Model(graph, ir_version=10), Context(SLOW_CPU_RTX4090, log=lines.append)).model
+        partition = Partition(placement_batch=16, time_limit_s=limit)
+        ctx = Context(SLOW_CPU_RTX4090, log=lines.append,
+                      options=Options(vram_budget_bytes=int(layers * width * 2 * d_model * 2 * 0.3)))
+        model = partition.apply(ir.Model(graph, ir_version=10), ctx).model
         reports[limit] = json.loads(model.metadata_props["picompile.placement"])
         assert f"{reports[limit]['status']}, gap" in lines[0]
     assert reports[0.0]["status"] == "Time limit reached" and (reports[0.0]["gap"] is None or reports[0.0]["gap"] > 0)

@@ -76,10 +76,10 @@ def test_progress_bars_when_forced_and_silence_otherwise(forced_build, sparse_fi
 
 def test_placement_ilp_shows_a_spinner(sparse_files, tmp_path):
     bars_out = io.StringIO()
-    passes = [Import(), Recognise(max_context=64), Profile(calib=sparse_files.calib, max_context=64),
-              Partition(vram_budget_bytes=600_000, max_context=64, placement_batch=32)]
+    passes = [Import(), Recognise(), Profile(calib=sparse_files.calib), Partition(placement_batch=32)]
     with ProgressBars(True, passes=len(passes), file=bars_out) as bars:
-        ctx = Context(get_target("rtx4090"), workdir=tmp_path, progress_bars=bars)
+        ctx = Context(get_target("rtx4090"), workdir=tmp_path, progress_bars=bars,
+                      options=Options(max_context=64, vram_budget_bytes=600_000))
         model = run_passes(load(sparse_files.onnx), passes, ctx, [bars])
     assert "partition: HiGHS placement ILP (2 layers)" in bars_out.getvalue()
     assert "picompile.placement" in model.metadata_props  # the solve ran under the spinner

@@ -17,7 +17,7 @@ from passes.predict import Predict
 from passes.profile import MIN_TOKENS_PER_NEURON, Profile, ProfiledActivations, sample_sequences
 from passes.recognise import Recognise
 from picompile.cli import main
-from passes.pipeline import Context, run_passes
+from passes.pipeline import Context, Options, run_passes
 from passes.reference import OrtDecoder
 from passes.targets import get_target
 
@@ -33,9 +33,9 @@ def profile(files, workdir, **fields):
     """The profile pass alone: (its ProfiledActivations, the model, warning lines, log lines)."""
     warnings, logs = [], []
     workdir.mkdir(exist_ok=True)
-    ctx = Context(get_target("cpu"), workdir=workdir, log=logs.append, warnings=warnings.append)
-    model = run_passes(load(files.onnx), [Import(), Recognise(max_context=CONTEXT),
-                                          Profile(max_context=CONTEXT, **fields)], ctx)
+    ctx = Context(get_target("cpu"), workdir=workdir, log=logs.append, warnings=warnings.append,
+                  options=Options(max_context=CONTEXT))
+    model = run_passes(load(files.onnx), [Import(), Recognise(), Profile(**fields)], ctx)
     return ProfiledActivations.of(model), model, warnings, logs
 
 
@@ -152,9 +152,8 @@ def test_sampled_tokens_are_the_models_draws(files):
 
 def test_predict_logs_predicted_and_true_active_shares(files, tmp_path):
     logs = []
-    ctx = Context(get_target("cpu"), workdir=tmp_path, log=logs.append)
-    model = run_passes(load(files.onnx), [Import(), Recognise(max_context=CONTEXT),
-                                          Profile(calib=files.calib, max_context=CONTEXT), Predict()], ctx)
+    ctx = Context(get_target("cpu"), workdir=tmp_path, log=logs.append, options=Options(max_context=CONTEXT))
+    model = run_passes(load(files.onnx), [Import(), Recognise(), Profile(calib=files.calib), Predict()], ctx)
     profiled = ProfiledActivations.of(model)
     lines = [line for line in logs if re.match(r"predict: layer \d+ rank", line)]
     assert len(lines) == 2
@@ -221,9 +220,8 @@ def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, monke
     for layered in (False, True):
         workdir = tmp_path / f"layered-{layered}"
         workdir.mkdir()
-        ctx = Context(get_target("cpu"), workdir=workdir)
-        passes = [Import(), Recognise(max_context=CONTEXT),
-                  Profile(calib=model_files.calib, calib_samples=0, max_context=CONTEXT, layered=layered)]
+        ctx = Context(get_target("cpu"), workdir=workdir, options=Options(max_context=CONTEXT))
+        passes = [Import(), Recognise(), Profile(calib=model_files.calib, calib_samples=0, layered=layered)]
         lifted = run_passes(load(onnx_path), passes, ctx)
         results[layered] = ProfiledActivations.of(lifted)
     for layer in results[False].layers:
@@ -254,7 +252,8 @@ def test_profile_goes_layer_by_layer_where_onnxruntime_could_not_hold_the_model(
     from passes import layer_reference
     from passes.recognise import source_model
 
-    lifted = run_passes(load(files.onnx), [Import(), Recognise(max_context=CONTEXT)], Context(get_target("cpu")))
+    lifted = run_passes(load(files.onnx), [Import(), Recognise()],
+                        Context(get_target("cpu"), options=Options(max_context=CONTEXT)))
     fp32_bytes = sum(4 * v.const_value.size for v in source_model(lifted).graph.initializers.values())
     monkeypatch.setattr(layer_reference, "available_memory_bytes", lambda: 3 * fp32_bytes)
     assert not layer_reference.needs_layers(source_model(lifted))

@@ -144,7 +144,7 @@ def test_half_precision_weights_stay_half_until_lowering(half_exports, precision
     casts = [n for n in imported.graph if n.op_type == "Cast" and n.inputs[0].is_initializer()]
     assert casts and {n.inputs[0].const_value.dtype.numpy() for n in casts} == {expected}
     assert all(pir.const_array(n.outputs[0]).dtype == expected for n in casts)  # read through the Cast
-    lifted = run_passes(imported, [Recognise(max_context=32)], Context(get_target("cpu")))
+    lifted = run_passes(imported, [Recognise()], Context(get_target("cpu"), options=Options(max_context=32)))
     ffn = pir.nodes_in_domain(lifted, "FFN")[0]
     assert pir.const_array(ffn.inputs[1]).dtype == pir.const_array(ffn.inputs[3]).dtype == expected
     assert pir.const_array(lifted.graph.initializers["embed.tokens"]).dtype == expected
@@ -183,7 +183,7 @@ def test_a_half_models_sparse_rows_stay_half_through_lowering(half_exports, tmp_
     options = Options(max_context=32, calib=calib, calib_samples=0, all_neurons=True)  # every layer split
     passes = compiler.pipeline(options, "predictor")
     through_lower = passes[: [p.name for p in passes].index("lower") + 1]
-    lowered = run_passes(load(half), through_lower, Context(get_target("cpu"), workdir=tmp_path))
+    lowered = run_passes(load(half), through_lower, Context(get_target("cpu"), workdir=tmp_path, options=options))
     sparse = pir.nodes_in_domain(lowered, "SparseFFN")
     assert sparse
     for node in sparse:

@@ -12,7 +12,7 @@ import pytest
 from passes.partition import Partition
 from passes import ir as pir
 from passes.errors import UserError
-from passes.pipeline import Context, run_passes
+from passes.pipeline import Context, Options, run_passes
 from passes.targets import GiB, get_target
 from test_powerinfer_placement import power_law
 from tiny_targets import SLOW_CPU_RTX4090
@@ -47,8 +47,11 @@ def with_profile(model: ir.Model, seed: int = 0, rank: int = 8) -> ir.Model:
 
 
 def partition(model: ir.Model, target=SLOW_CPU_RTX4090, **fields) -> tuple[ir.Model, dict, list[str]]:
+    """Partition alone; `fields` are the pass's fields and the options of the build target it reads."""
     lines = []
-    ctx = Context(get_target(target) if isinstance(target, str) else target, log=lines.append)
+    built = {name: fields.pop(name) for name in ("vram_budget_bytes", "weight_dtype", "max_context") if name in fields}
+    ctx = Context(get_target(target) if isinstance(target, str) else target, log=lines.append,
+                  options=Options(**built))
     result = Partition(**fields).apply(model, ctx)
     assert result.modified
     return result.model, json.loads(result.model.metadata_props["picompile.placement"]), lines
@@ -171,8 +174,8 @@ def test_layers_are_matched_by_number_not_by_name_order():
     model = synthetic_ir(layers=12, width=64, d_model=16, hot_layer=10)
     per_layer = 64 * 2 * 16 * 2  # fp16 on the GPU
     budget = int((per_layer + 200) / 0.95) + 1  # room for one layer's neurons
-    partition = Partition(vram_budget_bytes=budget, placement_batch=16, dense_ffns=False)
-    model = partition.apply(model, Context(SLOW_CPU_RTX4090)).model
+    partition = Partition(placement_batch=16, dense_ffns=False)
+    model = partition.apply(model, Context(SLOW_CPU_RTX4090, options=Options(vram_budget_bytes=budget))).model
     placed = {pir.attr(n, "layer"): pir.attr(n, "gpu_neurons") for n in pir.nodes_in_domain(model, "FFN")}
     assert placed[10] == 64 and sum(placed.values()) == 64
     report = json.loads(model.metadata_props["picompile.placement"])

@@ -40,14 +40,14 @@ def test_the_interpreter_computes_what_onnxruntime_computes(tiny_models):
     from passes.front_end import load
     from passes.ir_reference import Interpreter
     from passes.recognise import Recognise
-    from passes.pipeline import Context
+    from passes.pipeline import Context, Options
     from passes.reference import OrtDecoder
     from passes.targets import get_target
 
     for family, kwargs in (("llama", {"hidden_act": "silu"}), ("gpt2", {})):
         files = tiny_models(family, **kwargs)
-        ctx = Context(get_target("cpu"))
-        lifted = Recognise(max_context=64).apply(Import().apply(load(files.onnx), ctx).model, ctx).model
+        ctx = Context(get_target("cpu"), options=Options(max_context=64))
+        lifted = Recognise().apply(Import().apply(load(files.onnx), ctx).model, ctx).model
         sequences = np.load(files.calib).reshape(-1)[:60].reshape(3, 20)
         got = Interpreter(lifted).logits(sequences).numpy()
         decoder = OrtDecoder(files.onnx)

@@ -109,7 +109,7 @@ def _placed(files, weight_dtype: str, dense: bool, workdir):
     options = Options(max_context=64, calib=files.calib, dense=dense, weight_dtype=weight_dtype, all_neurons=True)
     passes = pipeline(options, "dense" if dense else "predictor")
     index = next(i for i, p in enumerate(passes) if p.name == "quantize")
-    ctx = Context(get_target("cpu"), workdir=workdir)
+    ctx = Context(get_target("cpu"), workdir=workdir, options=options)
     before = run_passes(load(files.onnx), passes[:index], ctx)
     floats = {node.name: [pir.const_array(node.inputs[i]).copy() for i, _ in BLOCKED.get(node.op_type, ())]
               for node in before.graph if node.domain == pir.DOMAIN}
@@ -165,7 +165,8 @@ def test_float_builds_block_their_predictors_alone(sparse_opt, tmp_path, weight_
     assert summary["matrices"] == len(int8)
     # a dense float build has no predictor: the pass leaves its IR alone
     empty = ir.Model(ir.Graph([], [], nodes=[]), ir_version=10)
-    assert Quantize(weight_dtype=weight_dtype).apply(empty, Context(get_target("cpu"))).modified is False
+    ctx = Context(get_target("cpu"), options=Options(weight_dtype=weight_dtype))
+    assert Quantize().apply(empty, ctx).modified is False
     assert "picompile.quantized" not in empty.metadata_props
 
 

@@ -17,7 +17,7 @@ from passes.front_end import load
 from passes.kernels import quant
 from passes import ir as pir
 from picompile.cli import main
-from passes.pipeline import Context
+from passes.pipeline import Context, Options
 from passes.reference import OrtDecoder
 from passes.targets import get_target
 from runtime import Engine
@@ -154,7 +154,7 @@ def test_recognise_keeps_the_fact(quantized):
     from passes.recognise import Recognise
 
     model = imported(quantized())
-    lifted = Recognise(max_context=64).apply(model, Context(get_target("cpu"))).model
+    lifted = Recognise().apply(model, Context(get_target("cpu"), options=Options(max_context=64))).model
     assert lifted.metadata_props[SOURCE_QUANTIZATION] == model.metadata_props[SOURCE_QUANTIZATION]
 
 

@@ -1,0 +1,62 @@
+"""The two ways a fact rides on the IR, each a typed object with its accessor beside the pass that adds it.
+
+- `ModelFact`: a dataclass saved as JSON in the model's `metadata_props[KEY]` (it survives `--dump-ir` and
+  reaches the artifact writer). `attach(model)` writes it, `of(model)` reads it back typed; `to_json` /
+  `from_json` say how where `asdict` / `cls(**data)` do not fit. Nothing else reads its JSON by keys
+  (tests/test_facts.py checks it).
+- `MemoryFact`: an object too large to serialise (profiled activations, calibration sequences), held on the
+  in-memory IR's `meta[META_KEY]`, never saved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any, ClassVar
+
+import onnx_ir as ir
+
+
+class ModelFact:
+    """Base of a dataclass saved as JSON in `model.metadata_props[KEY]`."""
+
+    KEY: ClassVar[str]
+    SORT_KEYS: ClassVar[bool] = False  # json.dumps(sort_keys=...): as the entry has always been written
+
+    def to_json(self) -> Any:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any):
+        return cls(**data)
+
+    def attach(self, model: ir.Model) -> None:
+        model.metadata_props[self.KEY] = json.dumps(self.to_json(), sort_keys=self.SORT_KEYS)
+
+    @classmethod
+    def of(cls, model: ir.Model):
+        """The model's fact; where no pass attached one, `missing()` (None unless the fact says otherwise)."""
+        text = model.metadata_props.get(cls.KEY)
+        return cls.missing() if text is None else cls.from_json(json.loads(text))
+
+    @classmethod
+    def missing(cls):
+        return None
+
+
+class MemoryFact:
+    """Base of an object held on the in-memory IR's `meta[META_KEY]` (never saved); `of` raises `MISSING`
+    where the pass that adds it has not run."""
+
+    META_KEY: ClassVar[str]
+    MISSING: ClassVar[str]
+
+    def attach(self, model: ir.Model) -> None:
+        model.meta[self.META_KEY] = self
+
+    @classmethod
+    def of(cls, model: ir.Model):
+        found = model.meta.get(cls.META_KEY)
+        if found is None:
+            raise ValueError(cls.MISSING)
+        return found
