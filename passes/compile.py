@@ -21,7 +21,7 @@ from .pipeline import Context
 from .targets import get_cpu_isa
 from runtime.calls import Role
 
-from .kernel_ir import KernelProgram, KernelSpec
+from .kernel_ir import KERNEL_CALLS, KernelProgram, KernelSpec
 from .kernels import cpu, ops
 
 
@@ -86,6 +86,7 @@ def make_kernels(program: KernelProgram, names: list[str], device: str, ctx: Con
 @dataclass
 class Compile:
     name = "compile"
+    requires = (KERNEL_CALLS,)
     cpu_isa: str = "avx2"  # targets.CPU_ISAS: the instruction set the CPU kernels are compiled for
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:

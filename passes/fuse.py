@@ -20,9 +20,12 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
-from .pipeline import Context
+from . import ops
+from .pipeline import Context, Fact
+from .recognise import BLOCKS
 
-RESIDUAL_BLOCKS = ("Attention", "FFN", "ThresholdFFN", "MergePartial", "Linear")
+# the ops declared to take a folded residual (`ops.Folds`): Attention, FFN, ThresholdFFN, MergePartial, Linear
+RESIDUAL_BLOCKS = tuple(name for name, op in ops.OPS.items() if issubclass(op, ops.Folds))
 
 
 def _only_add_user(node: ir.Node) -> ir.Node | None:
@@ -42,7 +45,7 @@ class Rule:
 
 
 def _match_residual(node: ir.Node):
-    if node.domain != pir.DOMAIN or node.op_type not in RESIDUAL_BLOCKS or pir.attr(node, "residual", 0):
+    if node.domain != pir.DOMAIN or node.op_type not in RESIDUAL_BLOCKS or ops.view(node).residual:
         return None
     add = _only_add_user(node)
     if add is None:
@@ -90,9 +93,24 @@ def _to_linear(graph: ir.Graph, node: ir.Node, match) -> None:
 RULES = (Rule("head-bias", _match_head, _to_linear), Rule("residual", _match_residual, _fold_residual))
 
 
+def _fused(model: ir.Model) -> bool:
+    """No MatMul left, and no Add of a block's output: select-kernels has kernels for the blocks alone."""
+    for node in model.graph:
+        if node.domain == "" and (node.op_type == "MatMul" or node.op_type == "Add" and any(
+                value is not None and value.producer() is not None and value.producer().domain == pir.DOMAIN
+                for value in node.inputs)):
+            return False
+    return True
+
+
+FUSED = Fact("residual Adds and the output layer folded into the blocks", "fuse", _fused)
+
+
 @dataclass
 class Fuse:
     name = "fuse"
+    requires = (BLOCKS,)
+    adds = (FUSED,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         applied: Counter = Counter()

@@ -41,13 +41,14 @@ import torch
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
-from .pipeline import Context, Options
+from .ops import FFN
+from .pipeline import Context, Fact, Options
 from .sizes import float_format, parameter_count, predictor_format, stored_predictor_format, weight_format
 from .targets import BASELINE_CPU_ISA, get_cpu_isa
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
 from .kernels import quant
-from .profile import ProfiledActivations
+from .profile import PROFILED_ACTIVATIONS, ProfiledActivations
 
 __all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "predictor_step_reads", "price_ranks",
            "choose_ranks", "probe_active", "train_predictor", "predict_active"]
@@ -568,14 +569,25 @@ def _pre_activations(node: ir.Node, inputs: np.ndarray,
     pre = inputs @ weight
     if b_up is not None:
         pre += np.asarray(b_up, np.float32).reshape(-1)[:ffn]
-    if pir.attr(node, "activation") == "relu" and ((pre > 0) == active).mean() < 0.99:
+    if FFN(node).activation == "relu" and ((pre > 0) == active).mean() < 0.99:
         return None, None
     return pre, weight
+
+
+def _has_predictors(model: ir.Model) -> bool:
+    return all(FFN(node).predictor_threshold is not None and f"layers.{FFN(node).layer}.ffn.predictor.w1" in
+               model.graph.initializers for node in FFN.nodes(model))
+
+
+# each FFN's predictor: its weights (`layers.{i}.ffn.predictor.w1` / `w2`) and its threshold, recall and active share
+PREDICTORS = Fact("a predictor per FFN", "predict", _has_predictors)
 
 
 @dataclass
 class Predict:
     name = "predict"
+    requires = (PROFILED_ACTIVATIONS,)
+    adds = (PREDICTORS,)
     target_recall: float = Options.target_recall
     param_share: float = Options.predictor_param_share  # cap on all predictors together, of the model's parameters
     weight_dtype: str = Options.weight_dtype  # --weight-dtype: the CPU's FFN rows are priced as stored
@@ -585,12 +597,12 @@ class Predict:
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         profiled = ProfiledActivations.of(model)
-        nodes = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
-        layers = [int(pir.attr(n, "layer")) for n in nodes]
+        nodes = sorted(FFN.nodes(model), key=lambda n: FFN(n).layer)
+        layers = [FFN(n).layer for n in nodes]
         data = [profiled.layer(i) for i in layers]  # memory maps: each worker reads only its layer
         d_model = data[0].inputs.shape[1]
         widths = [d_model + layer.ffn for layer in data]
-        gated = [bool(pir.attr(node, "gated", 0)) for node in nodes]
+        gated = [bool(FFN(node).gated) for node in nodes]
         params = parameter_count(model.graph)
         budget = int(self.param_share * params)
         # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.

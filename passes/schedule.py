@@ -20,7 +20,7 @@ from onnx_ir.passes import PassResult
 from .pipeline import Context
 from runtime.calls import PHASES
 
-from .kernel_ir import KernelProgram
+from .kernel_ir import KERNEL_CALLS, KernelProgram
 
 
 def build_dag(program: KernelProgram) -> nx.DiGraph:
@@ -71,6 +71,7 @@ def build_dag(program: KernelProgram) -> nx.DiGraph:
 @dataclass
 class Schedule:
     name = "schedule"
+    requires = (KERNEL_CALLS,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         dag = build_dag(KernelProgram.from_model(model))
