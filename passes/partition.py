@@ -45,9 +45,6 @@ from runtime.dtypes import WeightFormat, nbytes
 RESERVE_FRACTION = 0.05
 PREDICTOR_CALLS = 2  # its two GEMVs
 DENSE_FFN_CALLS = 2  # up (and gate), down
-# each FFN's place in the plan (`placed`, `gpu_neurons`, its neuron order) and the plan itself (`picompile.placement`)
-PARTITIONED = Fact("the placement plan", "partition",
-                   lambda model: all(FFN(node).placed is not None for node in FFN.nodes(model)))
 
 
 def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: WeightFormat) -> int:
@@ -55,6 +52,11 @@ def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: 
     its up bias (select-kernels keeps biases in fp32)."""
     rows = math.ceil(d_model * (up_per_neuron + 1) * matrix_format.bytes_per_weight)
     return rows + nbytes([up_per_neuron if biased else 0], "float32")
+
+
+# each FFN's place in the plan (`placed`, `gpu_neurons`, its neuron order) and the plan itself (`picompile.placement`)
+PARTITIONED = Fact("the placement plan", "partition",
+                   lambda model: all(FFN(node).placed is not None for node in FFN.nodes(model)))
 
 
 @dataclass

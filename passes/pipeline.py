@@ -4,7 +4,9 @@ A pass is a small dataclass with a `name`, the options it reads as its fields, a
 `apply(model, ctx) -> PassResult` method. Printing (`--dump-ir`, with its index of node counts), the pass
 list and timing (`-v`), verification and progress bars all hang off the one hook mechanism,
 `Hook.before_passes` / `before_pass` / `after_pass`. An exception escaping a pass comes out as a
-`PassError` that names the pass and the layer (`ctx.layer`).
+`PassError` that names the pass and the layer (`ctx.layer`). A pass states what it needs of the IR and what it
+makes hold (`requires` / `adds`: `Fact`s), and `run_passes` checks both, and every graph against the declared
+ops (`passes.ops`), in every build.
 The pass lists themselves live in `picompile.compiler`, one screen to read the whole compilation.
 """
 

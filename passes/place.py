@@ -36,13 +36,15 @@ from .targets import format_size
 from .partition import RESERVE_FRACTION
 
 DEVICE_KEY = "picompile.device"
-PLACED = Fact("a device for every node", "place",
-              lambda model: all(DEVICE_KEY in node.metadata_props for node in model.graph))
 
 
 def device_of(node: ir.Node) -> str:
     """The device place chose for a node."""
     return node.metadata_props[DEVICE_KEY]
+
+
+PLACED = Fact("a device for every node", "place",
+              lambda model: all(DEVICE_KEY in node.metadata_props for node in model.graph))
 
 
 def _gpu_bytes(node: ir.Node, max_context: int) -> int:

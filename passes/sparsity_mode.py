@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from .errors import UserError
 from .ops import FFN
-from .pipeline import Context, Fact, Options
+from .pipeline import Fact
 from .recognise import BLOCKS
+from .errors import UserError
+from .pipeline import Context, Options
 
 MODES = ("auto", "predictor", "threshold")
 PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn

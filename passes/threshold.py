@@ -30,10 +30,12 @@ from . import ir as pir
 from .pipeline import Context
 
 from .predict import HOLDOUT, _training_tokens  # the predictors' split of the profiled tokens
-from .profile import PROFILED_ACTIVATIONS, ProfiledActivations
-from .sparsity_mode import SPARSITY_MODE, Sparsity
+from .profile import ProfiledActivations
+from .sparsity_mode import Sparsity
 
 from .ops import FFN, KEEP_ALL  # KEEP_ALL: a threshold every magnitude passes (|v| > -1)
+from .profile import PROFILED_ACTIVATIONS
+from .sparsity_mode import SPARSITY_MODE
 _ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
 
 
