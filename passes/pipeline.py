@@ -211,7 +211,9 @@ def _check_result(compiler_pass: Pass, model: ir.Model) -> None:
         raise PassError(compiler_pass.name, None, FactError(
             f"declares it adds {', '.join(unmet)}, which the IR it returned does not hold"))
     for node, problems in ops.bad_nodes(model):
-        raise PassError(compiler_pass.name, None, ops.OpError(node, problems))
+        layer = node.attributes.get("layer")
+        layer = layer.value if layer is not None and layer.type == ir.AttributeType.INT else None
+        raise PassError(compiler_pass.name, layer, ops.OpError(node, problems))
 
 
 def op_counts(model: ir.Model) -> Counter:

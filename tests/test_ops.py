@@ -80,7 +80,7 @@ def test_the_pass_manager_refuses_a_malformed_op_naming_pass_node_and_attribute(
     with pytest.raises(PassError) as raised:
         run_passes(_graph(node), [_Returns()], Context(get_target("cpu")))
     message = str(raised.value)
-    assert message.startswith("pass returns: OpError: ")
+    assert message.startswith(f"pass returns{', layer 0' if 'layer' in node.attributes else ''}: OpError: ")
     assert f"node {node.name} (picompile.{node.op_type})" in message and wanted in message
 
 
