@@ -48,6 +48,10 @@ class Attr(Generic[T]):
         found = view.node.attributes.get(self.name)
         return self.default if found is None else found.value
 
+    def __set__(self, view: "OpView", value: T) -> None:
+        """Write the attribute with its declared type (`FFN(node).gpu_neurons = 12`)."""
+        view.node.attributes[self.name] = ir.Attr(self.name, self.type, value)
+
     def problem(self, node: ir.Node) -> str | None:
         """What is wrong with this attribute on `node`, or None."""
         found = node.attributes.get(self.name)
@@ -114,10 +118,17 @@ class OpView:
 
     def value(self, name: str):
         """A declared attribute read by a name the caller computes (`threshold_{site}`)."""
+        return self._declared(name).__get__(self, type(self))
+
+    def set(self, name: str, value) -> None:
+        """A declared attribute written by a name the caller computes."""
+        self._declared(name).__set__(self, value)
+
+    def _declared(self, name: str) -> Attr:
         declared = self.attributes().get(name)
         if declared is None:
             raise KeyError(f"{DOMAIN}.{self.op_type} declares no attribute {name!r}")
-        return declared.__get__(self, type(self))
+        return declared
 
 
 def view(node: ir.Node) -> OpView:

@@ -94,10 +94,10 @@ class Partition:
 
         for node, layer, frequency, mode, n, priced in zip(ffns, layers, frequencies, plan.ffn, plan.gpu_neurons,
                                                            problem.layers):
-            node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", int(n) if mode == "sparse" else 0)
-            node.attributes["placed"] = ir.AttrString("placed", mode)
+            FFN(node).gpu_neurons = int(n) if mode == "sparse" else 0
+            FFN(node).placed = mode
             if mode != "sparse":
-                node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode))
+                FFN(node).placed_reason = self._dense_reason(node, priced.ffn, mode)
             name = f"layers.{layer}.ffn.neuron_order"
             if name in graph.initializers:
                 del graph.initializers[name]

@@ -676,11 +676,10 @@ class Predict:
             prefix = f"layers.{layer}.ffn.predictor"
             pir.initializer(model.graph, f"{prefix}.w1", predictor.w1)
             pir.initializer(model.graph, f"{prefix}.w2", predictor.w2)
-            node.attributes["predictor_rank"] = ir.AttrInt64("predictor_rank", rank)
-            for key, value in (("predictor_threshold", predictor.threshold), ("predictor_recall", predictor.recall),
-                               ("predictor_precision", predictor.precision),
-                               ("predictor_active", predictor.predicted_active)):
-                node.attributes[key] = ir.AttrFloat32(key, float(value))
+            ffn = FFN(node)
+            ffn.predictor_rank = rank
+            ffn.predictor_threshold, ffn.predictor_recall = float(predictor.threshold), float(predictor.recall)
+            ffn.predictor_precision, ffn.predictor_active = float(predictor.precision), float(predictor.predicted_active)
             true_active = profile.active_share  # over every profiled token; predicted: on the held-out ones
             ratio = f"{predictor.predicted_active / true_active:.2f}x" if true_active else "-"
             ctx.log(f"predict: layer {layer} rank {rank}: recall {predictor.recall:.4f} precision "

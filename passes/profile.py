@@ -399,7 +399,7 @@ class Profile:
             s = stats[layer] = layer_stats(spill.counts[layer] / max(tokens, 1))
             pir.initializer(model.graph, f"layers.{layer}.ffn.frequency", s.frequency)
             for key in ("sparsity", "skewness", "hot80_share"):
-                node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
+                FFN(node).set(key, getattr(s, key))
         profiled.attach(model)
         plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
         plot_cdf(stats, plot)

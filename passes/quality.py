@@ -619,15 +619,14 @@ def _write_thresholds(knobs: list[Knob], state: list[tuple[int, int]]) -> None:
     for knob, (level, _) in zip(knobs, state):
         if knob.predictor is not None:
             threshold = float(knob.thresholds[level]) if level else ALL_NEURONS
-            for key, value in (("predictor_threshold", threshold), ("predictor_recall", knob.held_out_recall[level]),
-                               ("predictor_precision", knob.held_out_precision[level]),
-                               ("predictor_active", 1.0 - knob.held_out_dropped[level])):
-                knob.node.attributes[key] = ir.AttrFloat32(key, float(value))
+            ffn = FFN(knob.node)
+            ffn.predictor_threshold, ffn.predictor_recall = threshold, float(knob.held_out_recall[level])
+            ffn.predictor_precision, ffn.predictor_active = (float(knob.held_out_precision[level]),
+                                                             float(1.0 - knob.held_out_dropped[level]))
             continue
-        knob.node.attributes[f"threshold_{knob.site}"] = ir.AttrFloat32(f"threshold_{knob.site}",
-                                                                         float(knob.thresholds[level]))
-        knob.node.attributes[f"sparsity_{knob.site}"] = ir.AttrFloat32(f"sparsity_{knob.site}",
-                                                                        float(knob.held_out_dropped[level]))
+        block = op_view(knob.node)
+        block.set(f"threshold_{knob.site}", float(knob.thresholds[level]))
+        block.set(f"sparsity_{knob.site}", float(knob.held_out_dropped[level]))
 
 
 def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], plan: WeightPlan) -> str:

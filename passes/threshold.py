@@ -100,7 +100,7 @@ class Threshold:
             c = calibrate(x, w_up, pir.const_array(node.inputs[2]),
                           ffn.activation, bool(ffn.gated), sparsity)
             for key in ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down"):
-                node.attributes[key] = ir.AttrFloat32(key, getattr(c, key))
+                ffn.set(key, getattr(c, key))
             found.append(c)
         ctx.log(f"threshold: {len(found)} layers at sparsity {sparsity:.2f}; held-out sparsity of the gate/up "
                 f"inputs {np.mean([c.sparsity_in for c in found]):.3f}, of the down inputs "

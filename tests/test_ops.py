@@ -65,6 +65,12 @@ def test_a_well_formed_op_reads_through_its_typed_view():
         ops.FFN(node)
     ffn = ir.node("FFN", [None] * 5, {"layer": 1, "activation": "silu", "gated": 1}, domain=pir.DOMAIN)
     assert (ops.FFN(ffn).placed, ops.FFN(ffn).threshold_in, ops.FFN(ffn).residual) == (None, ops.KEEP_ALL, 0)
+    ops.FFN(ffn).gpu_neurons = 3  # written with the declared type
+    ops.view(ffn).set("threshold_in", 0.5)
+    assert [(a.name, a.type, a.value) for a in list(ffn.attributes.values())[3:]] == [
+        ("gpu_neurons", ir.AttributeType.INT, 3), ("threshold_in", ir.AttributeType.FLOAT, 0.5)]
+    with pytest.raises(KeyError, match="picompile.FFN declares no attribute 'colour'"):
+        ops.view(ffn).set("colour", "red")
 
 
 @pytest.mark.parametrize("node,wanted", [
