@@ -97,7 +97,7 @@ class Partition:
             FFN(node).gpu_neurons = int(n) if mode == "sparse" else 0
             FFN(node).placed = mode
             if mode != "sparse":
-                FFN(node).placed_reason = self._dense_reason(node, priced.ffn, mode)
+                node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode))
             name = f"layers.{layer}.ffn.neuron_order"
             if name in graph.initializers:
                 del graph.initializers[name]
