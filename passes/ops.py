@@ -2,8 +2,8 @@
 
 Each op is a view class over an `ir.Node`: its attributes are typed properties (`FFN(node).layer` is an int,
 `SparseFFN(node).part` a str; an optional attribute reads as its declared default, else None when absent), and
-the declaration is data the verify hook checks every graph against after every pass (`check_model`): an op not
-declared here, a wrong number of inputs or outputs, a required attribute missing, one of the wrong type or one
+the declaration is data the pass manager checks every graph against after every pass (`bad_nodes`, in
+`pipeline.run_passes`, so in every build): an op not declared here, a wrong number of inputs or outputs, a required attribute missing, one of the wrong type or one
 not declared. Standard ONNX ops are onnx's checker's business, not this module's.
 """
 
@@ -302,8 +302,3 @@ def bad_nodes(model: ir.Model) -> Iterator[tuple[ir.Node, list[str]]]:
         if problems:
             yield node, problems
 
-
-def check_model(model: ir.Model) -> None:
-    """Raise `OpError` for the first picompile op that does not fit its declaration."""
-    for node, problems in bad_nodes(model):
-        raise OpError(node, problems)
