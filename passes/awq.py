@@ -31,11 +31,12 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .facts import ModelFact
+from .ops import FFN
 from .pipeline import Context, Options
 
 from .import_onnx import SourceQuantization
 from .kernels import quant
-from .profile import ProfiledActivations
+from .profile import PROFILED_ACTIVATIONS, ProfiledActivations
 
 ALPHAS = tuple(round(a, 2) for a in np.linspace(0.0, 1.0, 11))  # AWQ's grid: s = mean|x|^alpha
 AWQ_TOKENS = 2048  # calibration tokens a dense build profiles for the channel magnitudes (at most)
@@ -133,6 +134,7 @@ def _foldable_norm(node: ir.Node) -> ir.Node | None:
 @dataclass
 class AWQ:
     name = "awq"
+    requires = (PROFILED_ACTIVATIONS,)
     seed: int = Options.seed
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
@@ -145,10 +147,10 @@ class AWQ:
         profiled = ProfiledActivations.of(model)
         rng = np.random.default_rng([self.seed, 2])
         report, kept = [], []
-        ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
+        ffns = sorted(FFN.nodes(model), key=lambda n: FFN(n).layer)
         with ctx.progress("awq: searching channel scales", len(ffns)) as advance:
             for node in ffns:
-                layer = int(pir.attr(node, "layer"))
+                layer = FFN(node).layer
                 with ctx.layer(layer):
                     norm = _foldable_norm(node)
                     w_up, b_up = pir.const_array(node.inputs[1]), pir.const_array(node.inputs[2])
@@ -159,7 +161,7 @@ class AWQ:
                     activations = profiled.layer(layer)
                     rows = np.unique(np.linspace(0, activations.tokens - 1, SAMPLE_TOKENS).astype(np.int64))
                     columns = np.sort(rng.choice(w_up.shape[1], min(SAMPLE_COLUMNS, w_up.shape[1]), replace=False))
-                    relu = pir.attr(node, "activation") == "relu" and not pir.attr(node, "gated")
+                    relu = FFN(node).activation == "relu" and not FFN(node).gated
                     found = search_scales(activations.inputs[rows], np.asarray(w_up[:, columns], np.float32),
                                           None if b_up is None else b_up[columns],
                                           mean_magnitude(activations.inputs), fmt, relu)

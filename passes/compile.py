@@ -20,7 +20,7 @@ from .errors import UserError
 from .pipeline import Context
 from runtime.calls import Role
 
-from .kernel_ir import KernelProgram, KernelSpec
+from .kernel_ir import KERNEL_CALLS, KernelProgram, KernelSpec
 from .kernels import cpu, ops
 
 
@@ -85,6 +85,7 @@ def make_kernels(program: KernelProgram, names: list[str], device: str, ctx: Con
 @dataclass
 class Compile:
     name = "compile"
+    requires = (KERNEL_CALLS,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         program = KernelProgram.from_model(model)

@@ -18,6 +18,7 @@ import onnx_ir as ir
 import torch
 
 from . import ir as pir
+from .ops import FFN, Attention, view as op_view
 
 # Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies
 SITES = {("Attention", "qkv"): 4, ("Attention", "o"): 6, ("FFN", "in"): 1, ("FFN", "down"): 3}
@@ -120,7 +121,7 @@ class Interpreter:
         from the `prefill`-th row on (prompt rows run dense). `taps` (where given) keeps the dense `v`."""
         if taps is not None:
             taps[site] = v
-        t = variant.thresholds.get((int(pir.attr(node, "layer")), site))
+        t = variant.thresholds.get((op_view(node).layer, site))
         if t is None or t < 0:
             return v
         kept = v.clone()
@@ -133,13 +134,14 @@ class Interpreter:
         pre = self.product(self.linear_input(node, "in", x, variant, taps), node.inputs[1], variant)
         if b_up is not None:
             pre = pre + b_up
-        act = _ACTIVATIONS[str(pir.attr(node, "activation"))]
-        if pir.attr(node, "gated"):
+        ffn = FFN(node)
+        act = _ACTIVATIONS[ffn.activation]
+        if ffn.gated:
             half = pre.shape[-1] // 2
             hidden = act(pre[..., :half]) * pre[..., half:]
         else:
             hidden = act(pre)
-        predictor = variant.predictors.get(int(pir.attr(node, "layer")))
+        predictor = variant.predictors.get(ffn.layer)
         if predictor is not None:
             w1, w2, threshold = predictor
             selected = (torch.relu(x @ w1) @ w2) > threshold
@@ -150,7 +152,8 @@ class Interpreter:
 
     def attention(self, node: ir.Node, x: torch.Tensor, variant: Variant = DENSE,
                   taps: dict | None = None) -> torch.Tensor:
-        heads, kv_heads, hd = (int(pir.attr(node, a)) for a in ("num_heads", "num_kv_heads", "head_dim"))
+        block = Attention(node)
+        heads, kv_heads, hd = block.num_heads, block.num_kv_heads, block.head_dim
         batch, tokens, _ = x.shape
         qkv = self.product(self.linear_input(node, "qkv", x, variant, taps), node.inputs[4], variant)
         if node.inputs[5] is not None:
@@ -164,7 +167,7 @@ class Interpreter:
         group = heads // kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                    scale=float(pir.attr(node, "scale")))
+                                                                    scale=float(block.scale))
         attended = attended.transpose(1, 2).reshape(batch, tokens, heads * hd)
         out = self.product(self.linear_input(node, "o", attended, variant, taps), node.inputs[6], variant)
         return out if node.inputs[7] is None else out + self.weight(node.inputs[7])

@@ -19,11 +19,16 @@ import onnx_ir as ir
 
 from . import ir as pir
 from .facts import ModelFact
+from .ops import Call as CallOp
+from .pipeline import Fact
 from runtime.calls import START, Call
 
 _DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "int32": ir.DataType.INT32,
            "int64": ir.DataType.INT64}
 PER_TOKEN_KINDS = ("activation", "input")  # buffers with one row per token of the step
+KERNEL_CALLS = Fact("the kernel-call IR", "select-kernels",
+                    lambda model: "picompile.buffers" in model.metadata_props
+                    and all(CallOp.matches(node) for node in model.graph))
 
 
 @dataclass(frozen=True)
@@ -140,9 +145,9 @@ class KernelProgram:
     def from_model(cls, model: ir.Model) -> "KernelProgram":
         calls = []
         for node in model.graph:
-            if node.domain != pir.DOMAIN or node.op_type != "Call":
+            if not CallOp.matches(node):
                 raise ValueError(f"the kernel-call IR holds only picompile.Call nodes, found {node.op_type} ({node.name})")
-            calls.append(Call.from_json(json.loads(pir.attr(node, "call"))))
+            calls.append(Call.from_json(json.loads(CallOp(node).call)))
         weights = {name: value.const_value.numpy() for name, value in model.graph.initializers.items()
                    if value.const_value is not None}
         buffers = Buffers.of(model)

@@ -22,6 +22,7 @@ import onnx_ir as ir
 from . import ir as pir
 from . import memory
 from .errors import UserError
+from .ops import Attention
 from .reference import OrtDecoder
 from runtime import dtypes
 from runtime.artifact import available_memory_bytes, first_line
@@ -57,8 +58,7 @@ def needs_layers(source: ir.Model) -> bool:
 
 def lifted_layer_inputs(lifted: ir.Model) -> dict[int, str]:
     """Each layer's residual stream in the source graph, as recognise recorded it on the lifted IR."""
-    return {int(pir.attr(node, "layer")): node.metadata_props["source.layer_input"]
-            for node in pir.nodes_in_domain(lifted, "Attention")}
+    return {Attention(node).layer: node.metadata_props["source.layer_input"] for node in Attention.nodes(lifted)}
 
 
 def layer_cuts(inputs: dict[int, str], wanted: dict[int, tuple[str, ...]]) -> list[LayerCut]:

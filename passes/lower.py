@@ -43,6 +43,10 @@ from onnx_ir.passes import PassResult
 from . import ir as pir
 from .pipeline import Context, Options
 
+from .ops import FFN, Attention, view as op_view
+from .partition import PARTITIONED
+from .predict import PREDICTORS
+from .recognise import BLOCKS
 from .threshold import KEEP_ALL
 
 ALL_NEURONS = -3.0e38  # a threshold every score passes
@@ -59,12 +63,12 @@ def _rows(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
 @dataclass
 class LowerThresholded:
     name = "lower"
+    requires = (BLOCKS,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
-        attention = {pir.attr(node, "layer"): node for node in pir.nodes_in_domain(model, "Attention")}
-        report = [self._lower_one(graph, node, attention.get(pir.attr(node, "layer")))
-                  for node in pir.nodes_in_domain(model, "FFN")]
+        attention = {Attention(node).layer: node for node in Attention.nodes(model)}
+        report = [self._lower_one(graph, node, attention.get(FFN(node).layer)) for node in FFN.nodes(model)]
         pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
         model.metadata_props["picompile.layers"] = json.dumps(report)
         dense = [r["layer"] for r in report if r.get("ffn") == "dense"]
@@ -76,13 +80,14 @@ class LowerThresholded:
         """The layer's FFN as ThresholdFFN + MergePartial, or left a dense FFN where both its thresholds are
         < 0 (KEEP_ALL: the plan runs it dense); its report: each projection input's threshold and held-out
         dropped share (attention's too: absent, or < 0, means dense, a share of 0)."""
-        layer = pir.attr(node, "layer")
+        ffn = FFN(node)
+        layer = ffn.layer
         prefix = f"layers.{layer}.ffn"
         report = {"layer": layer, "mode": "threshold", **_thresholds(node, FFN_INPUTS), **_thresholds(attention, ATTENTION_INPUTS)}
         if report["threshold_in"] < 0 and report["threshold_down"] < 0:
             return {**report, "ffn": "dense"}
         thresholded = ir.node("ThresholdFFN", list(node.inputs[:4]), {
-            "layer": layer, "activation": pir.attr(node, "activation"), "gated": pir.attr(node, "gated"),
+            "layer": layer, "activation": ffn.activation, "gated": ffn.gated,
             "threshold_in": report["threshold_in"], "threshold_down": report["threshold_down"],
         }, domain=pir.DOMAIN, name=f"{prefix}.threshold")
         graph.insert_before(node, thresholded)
@@ -106,22 +111,29 @@ def _thresholds(node: ir.Node | None, inputs) -> dict:
     """A block's thresholds and their held-out sparsities, KEEP_ALL and 0.0 where absent or dense."""
     found = {}
     for threshold, sparsity in inputs:
-        t = float(pir.attr(node, threshold, KEEP_ALL)) if node is not None else KEEP_ALL
+        t = float(op_view(node).value(threshold)) if node is not None else KEEP_ALL
         found[threshold] = t
-        found[sparsity] = float(pir.attr(node, sparsity, 0.0)) if t >= 0 else 0.0
+        found[sparsity] = float(op_view(node).value(sparsity)) if t >= 0 else 0.0
     return found
+
+
+def _stats(node: ir.Node) -> dict:
+    """The FFN's profile and predictor figures its layer report carries, those it has."""
+    ffn = FFN(node)
+    return {key: ffn.value(key) for key in STATS if ffn.value(key) is not None}
 
 
 @dataclass
 class LowerPredicted:
     name = "lower"
+    requires = (PREDICTORS, PARTITIONED)
     all_neurons: bool = Options.all_neurons  # every neuron passes the predictor (checks the split)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
         report = []
-        for node in pir.nodes_in_domain(model, "FFN"):
-            with ctx.layer(pir.attr(node, "layer")):
+        for node in FFN.nodes(model):
+            with ctx.layer(FFN(node).layer):
                 dense = self._dense_reason(node)
                 if dense is None:
                     report.append(self._lower_one(graph, node))
@@ -141,33 +153,35 @@ class LowerPredicted:
     def _dense_reason(self, node: ir.Node) -> str | None:
         """Why this layer's FFN stays dense (partition's plan runs it dense on one device: `placed`), or None to
         lower it sparse; never with --all-neurons (which checks the split)."""
-        if self.all_neurons or pir.attr(node, "placed", "sparse") == "sparse":
+        ffn = FFN(node)
+        if self.all_neurons or ffn.placed in (None, "sparse"):
             return None
-        return f"placed dense on the {pir.attr(node, 'placed').upper()}: {pir.attr(node, 'placed_reason')}"
+        return f"placed dense on the {ffn.placed.upper()}: {ffn.placed_reason}"
 
     @staticmethod
     def _keep_dense(node: ir.Node, reason: str) -> dict:
         """The FFN stays as it is (select-kernels lowers it as a --dense build does; its predictor's initializers
         go unused and are dropped); the report says so, and why."""
-        stats = {key: pir.attr(node, key) for key in STATS if key in node.attributes}
+        stats = _stats(node)
         ffn = pir.const_array(node.inputs[3]).shape[0]
-        return {"layer": pir.attr(node, "layer"), "gpu_neurons": 0, "cpu_neurons": ffn, "gpu_activation_share": 0.0,
+        return {"layer": FFN(node).layer, "gpu_neurons": 0, "cpu_neurons": ffn, "gpu_activation_share": 0.0,
                 **stats, "ffn": "dense", "dense_reason": reason}
 
     def _lower_one(self, graph: ir.Graph, node: ir.Node) -> dict:
-        layer = pir.attr(node, "layer")
-        gated = bool(pir.attr(node, "gated"))
+        block = FFN(node)
+        layer = block.layer
+        gated = bool(block.gated)
         prefix = f"layers.{layer}.ffn"
         x = node.inputs[0]
         w_up, b_up = pir.const_array(node.inputs[1]), pir.const_array(node.inputs[2])
         w_down, b_down = pir.const_array(node.inputs[3]), pir.const_array(node.inputs[4])
         order = pir.const_array(graph.initializers[f"{prefix}.neuron_order"])
         ffn = w_down.shape[0]
-        n_gpu = int(pir.attr(node, "gpu_neurons", 0))
+        n_gpu = int(block.gpu_neurons)
         parts = [(part, begin, end) for part, begin, end in (("gpu", 0, n_gpu), ("cpu", n_gpu, ffn)) if end > begin]
         w1 = graph.initializers[f"{prefix}.predictor.w1"]
         w2 = pir.const_array(graph.initializers[f"{prefix}.predictor.w2"])[:, order]
-        threshold = ALL_NEURONS if self.all_neurons else float(pir.attr(node, "predictor_threshold"))
+        threshold = ALL_NEURONS if self.all_neurons else float(block.predictor_threshold)
         predict = ir.node("Predict", [x, w1, *(_rows(graph, f"{prefix}.predictor.w2.{part}", w2[:, b:e]) for part, b, e in parts)],
                           {"layer": layer}, domain=pir.DOMAIN, num_outputs=len(parts),
                           name=f"{prefix}.predict")
@@ -188,7 +202,7 @@ class LowerPredicted:
                       _rows(graph, f"{prefix}.down_rows.{part}", w_down[neurons])]
             sparse = ir.node("SparseFFN", inputs, {
                 "layer": layer, "part": part, "neurons": int(end - begin), "threshold": threshold,
-                "activation": pir.attr(node, "activation"), "gated": int(gated),
+                "activation": block.activation, "gated": int(gated),
             }, domain=pir.DOMAIN, name=f"{prefix}.sparse.{part}")
             sparse.outputs[0].name = f"{prefix}.partial.{part}"
             graph.insert_before(node, sparse)
@@ -207,7 +221,7 @@ class LowerPredicted:
         for value in dense_weights:  # now in the parts' rows: freed layer by layer, not at the end of the pass
             if value is not None and value.is_initializer() and not value.uses():
                 graph.initializers.pop(value.name)
-        stats = {key: pir.attr(node, key) for key in STATS if key in node.attributes}
+        stats = _stats(node)
         frequency = pir.const_array(graph.initializers[f"{prefix}.frequency"])
         hot_share = float(frequency[order[:n_gpu]].sum() / max(frequency.sum(), 1e-12))
         return {"layer": layer, "gpu_neurons": n_gpu, "cpu_neurons": ffn - n_gpu, "gpu_activation_share": hot_share, **stats}

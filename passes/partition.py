@@ -33,7 +33,9 @@ from onnx_ir.passes import PassResult
 from . import costmodel, placement
 from . import ir as pir
 from .costmodel import CONTEXT, BlockBytes, FfnBytes
-from .pipeline import Context, Options
+from .ops import FFN, Attention
+from .recognise import BLOCKS
+from .pipeline import Context, Fact, Options
 from .sizes import (GPU_WEIGHT_FORMAT, PREDICTOR_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes,
                              stored_predictor_format)
 from .targets import format_size
@@ -49,17 +51,24 @@ def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: 
     return rows + nbytes([up_per_neuron if biased else 0], "float32")
 
 
+# each FFN's place in the plan (`placed`, `gpu_neurons`, its neuron order) and the plan itself (`picompile.placement`)
+PARTITIONED = Fact("the placement plan", "partition",
+                   lambda model: all(FFN(node).placed is not None for node in FFN.nodes(model)))
+
+
 @dataclass
 class Partition:
     name = "partition"
+    requires = (BLOCKS,)
+    adds = (PARTITIONED,)
     placement_batch: int | None = Options.placement_batch  # neurons per ILP column; None: placement.default_batch
     time_limit_s: float = Options.placement_time_limit_s
     dense_ffns: bool = Options.dense_fallback  # a layer with a predictor may still run dense (else always sparse)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph, target, gpu = model.graph, ctx.target, ctx.build.gpu
-        ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
-        layers = [int(pir.attr(node, "layer")) for node in ffns]
+        ffns = sorted(FFN.nodes(model), key=lambda n: FFN(n).layer)
+        layers = [FFN(node).layer for node in ffns]
         frequencies = [self._frequency(graph, node) for node in ffns]
         problem = self._problem(model, ctx, ffns, frequencies, gpu.usable_bytes)
         batch = self.placement_batch or placement.default_batch(layer.ffn.width for layer in problem.layers)
@@ -75,8 +84,8 @@ class Partition:
 
         for node, layer, frequency, mode, n, priced in zip(ffns, layers, frequencies, plan.ffn, plan.gpu_neurons,
                                                            problem.layers):
-            node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", int(n) if mode == "sparse" else 0)
-            node.attributes["placed"] = ir.AttrString("placed", mode)
+            FFN(node).gpu_neurons = int(n) if mode == "sparse" else 0
+            FFN(node).placed = mode
             if mode != "sparse":
                 node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode))
             name = f"layers.{layer}.ffn.neuron_order"
@@ -119,7 +128,7 @@ class Partition:
         if not ffn.sparse:
             return "no predictor"
         sparse, dense = placement.whole_ffn_seconds(ffn, device)
-        share = float(pir.attr(node, "predictor_active"))
+        share = float(FFN(node).predictor_active)
         return (f"expected {share:.1%} of the neurons predicted active: sparse {sparse * 1e3:.3f} ms/token, dense "
                 f"{dense * 1e3:.3f} ms/token on the {device.upper()} (sparse rows at "
                 f"{costmodel.SPARSE_ROW_EFFICIENCY:.0%} of dense bandwidth)")
@@ -127,13 +136,13 @@ class Partition:
     @staticmethod
     def _frequency(graph: ir.Graph, node: ir.Node) -> np.ndarray | None:
         """The layer's profiled activation frequencies (None without a profile: the layer can only run dense)."""
-        name = f"layers.{pir.attr(node, 'layer')}.ffn.frequency"
+        name = f"layers.{FFN(node).layer}.ffn.frequency"
         if name not in graph.initializers:
             return None
         frequency = np.asarray(pir.const_array(graph.initializers[name]), np.float64).reshape(-1)
         width = node.inputs[3].const_value.shape[0]
         if frequency.size != width:
-            raise ValueError(f"{name} has {frequency.size} entries but layer {pir.attr(node, 'layer')} has {width} neurons")
+            raise ValueError(f"{name} has {frequency.size} entries but layer {FFN(node).layer} has {width} neurons")
         return frequency
 
     @staticmethod
@@ -149,15 +158,15 @@ class Partition:
         blocks = pir.node_blocks(graph)
         members: dict = {}
         for node in graph:
-            if node.domain == pir.DOMAIN and node.op_type == "FFN":
+            if FFN.matches(node):
                 continue
             members.setdefault(blocks[node], []).append(node)
         constants = lambda nodes: {id(v): v for n in nodes for v in n.inputs if v is not None and v.const_value is not None}
 
         def block_bytes(nodes: list[ir.Node]) -> BlockBytes:
             b = self._bytes(constants(nodes).values(), cpu_format)
-            kv = sum(kv_cache_bytes([(int(pir.attr(n, "num_kv_heads")), int(pir.attr(n, "head_dim")))], 1)
-                     for n in nodes if n.op_type == "Attention")  # per token
+            kv = sum(kv_cache_bytes([(Attention(n).num_kv_heads, Attention(n).head_dim)], 1)
+                     for n in nodes if Attention.matches(n))  # per token
             read = kv * min(CONTEXT, max_context)
             return BlockBytes(b.gpu_bytes + kv * max_context, b.cpu_read + read, b.gpu_read + read, len(nodes))
 
@@ -177,20 +186,20 @@ class Partition:
 
         built = []
         for node, frequency in zip(ffns, frequencies):
-            layer = int(pir.attr(node, "layer"))
+            layer = FFN(node).layer
             w_up, b_up, w_down, b_down = node.inputs[1:5]
             width, d_model = w_down.const_value.shape
-            up = 2 if int(pir.attr(node, "gated", 0)) else 1
+            up = 2 if FFN(node).gated else 1
             dense = self._bytes([w_up, b_up, w_down, b_down], cpu_format)
             ffn = FfnBytes(dense=BlockBytes(dense.gpu_bytes, dense.cpu_read, dense.gpu_read, DENSE_FFN_CALLS),
                            width=int(width), activation_bytes=nbytes([d_model], "float32"))
             predictor = [graph.initializers.get(f"layers.{layer}.ffn.predictor.{w}") for w in ("w1", "w2")]
-            if frequency is not None and all(p is not None for p in predictor) and "predictor_active" in node.attributes:
+            if frequency is not None and all(p is not None for p in predictor) and FFN(node).predictor_active is not None:
                 shapes = [p.const_value.shape for p in predictor]
                 cpu_predictor = sum(math.ceil(math.prod(s) * stored_predictor_format(s, PREDICTOR_FORMAT).bytes_per_weight)
                                     for s in shapes)
                 gpu_predictor = sum(gpu_bytes(s) for s in shapes)
-                active = float(pir.attr(node, "predictor_active"))
+                active = float(FFN(node).predictor_active)
                 ffn = dataclasses.replace(
                     ffn, gpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, GPU_WEIGHT_FORMAT),
                     cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, cpu_format),

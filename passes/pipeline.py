@@ -4,7 +4,9 @@ A pass is a small dataclass with a `name`, the options it reads as its fields, a
 `apply(model, ctx) -> PassResult` method. Printing (`--dump-ir`, with its index of node counts), the pass
 list and timing (`-v`), verification and progress bars all hang off the one hook mechanism,
 `Hook.before_passes` / `before_pass` / `after_pass`. An exception escaping a pass comes out as a
-`PassError` that names the pass and the layer (`ctx.layer`).
+`PassError` that names the pass and the layer (`ctx.layer`). A pass states what it needs of the IR and what it
+makes hold (`requires` / `adds`: `Fact`s), and `run_passes` checks both, and every graph against the declared
+ops (`passes.ops`), in every build.
 The pass lists themselves live in `picompile.compiler`, one screen to read the whole compilation.
 """
 
@@ -24,14 +26,15 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from . import memory
+from . import ops
 from .budget import DEFAULT_BUDGET, QualityBudget
 from .errors import PassError, UserError
 from .targets import CpuIsa, GpuBudget, Target, format_size, get_cpu_isa, host_cpu_isa
 from .tokenizer import TokenizerFiles
 from runtime.dtypes import AUTO_WEIGHT_DTYPE, WEIGHT_FORMATS, WeightFormat
 
-__all__ = ["Options", "BuildTarget", "Context", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes", "DumpIR", "LogTiming",
-           "verify_onnx", "describe_pass", "op_counts", "describe_change"]
+__all__ = ["Options", "BuildTarget", "Context", "Fact", "Hook", "Pass", "PassResult", "ProgressBars", "run_passes",
+           "DumpIR", "LogTiming", "verify_onnx", "describe_pass", "op_counts", "describe_change"]
 
 
 @dataclass
@@ -175,8 +178,26 @@ class Context:
             raise
 
 
+@dataclass(frozen=True)
+class Fact:
+    """What a pass needs of the IR before it runs (its `requires`) or makes hold of it (its `adds`), as a check
+    of the IR itself, so a pipeline built by hand (tests, `build(passes=...)`) is checked as the compiler's is.
+    Each fact lives beside the pass that adds it (`added_by`)."""
+
+    name: str
+    added_by: str
+    holds: Callable[[ir.Model], bool] = field(compare=False)
+
+
+class FactError(ValueError):
+    """A pass ran without a fact it requires, or did not make hold one it declares it adds."""
+
+
 class Pass(Protocol):
     name: str
+    # what the pass needs of the IR before it runs, and makes hold (class attributes; run_passes checks both)
+    requires: tuple[Fact, ...] = ()
+    adds: tuple[Fact, ...] = ()
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult: ...
 
@@ -206,10 +227,17 @@ def run_passes(model: ir.Model, passes: list[Pass], ctx: Context, hooks: list[Ho
     """Run `passes` in order, numbered from `first` (a build runs its pipeline in two stages, see
     `picompile.compiler.build`). An exception escaping a pass (TVM's, HiGHS's, torch's, a bug) comes out as a
     `PassError` naming the pass and, where the pass said which one it was in (`ctx.layer`), the layer;
-    a `UserError` (bad input) passes through as it is."""
+    a `UserError` (bad input) passes through as it is. Each pass's `requires` are checked before it runs, its
+    `adds` after, and the IR it returns against the declared ops (`passes.ops`): a `PassError` naming the
+    pass and what is missing or wrong."""
     for hook in hooks:
         hook.before_passes(first, passes, ctx)
     for index, compiler_pass in enumerate(passes, first):
+        missing = [fact for fact in getattr(compiler_pass, "requires", ()) if not fact.holds(model)]
+        if missing:
+            raise PassError(compiler_pass.name, None, FactError(
+                "requires " + ", ".join(f"{fact.name} (added by {fact.added_by})" for fact in missing)
+                + ", which the IR does not hold: a pass it needs did not run before it"))
         for hook in hooks:
             hook.before_pass(index, compiler_pass, model, ctx)
         started = time.perf_counter()
@@ -221,9 +249,23 @@ def run_passes(model: ir.Model, passes: list[Pass], ctx: Context, hooks: list[Ho
             raise PassError(compiler_pass.name, getattr(error, "picompile_layer", None), error) from error
         seconds = time.perf_counter() - started
         model = result.model
+        _check_result(compiler_pass, model)
         for hook in hooks:
             hook.after_pass(index, compiler_pass, result, seconds, ctx)
     return model
+
+
+def _check_result(compiler_pass: Pass, model: ir.Model) -> None:
+    """The IR a pass returned holds what the pass declares it adds, and every picompile op in it fits its
+    declaration (a walk over the nodes: cheap enough for every build)."""
+    unmet = [fact.name for fact in getattr(compiler_pass, "adds", ()) if not fact.holds(model)]
+    if unmet:
+        raise PassError(compiler_pass.name, None, FactError(
+            f"declares it adds {', '.join(unmet)}, which the IR it returned does not hold"))
+    for node, problems in ops.bad_nodes(model):
+        layer = node.attributes.get("layer")
+        layer = layer.value if layer is not None and layer.type == ir.AttributeType.INT else None
+        raise PassError(compiler_pass.name, layer, ops.OpError(node, problems))
 
 
 def op_counts(model: ir.Model) -> Counter:

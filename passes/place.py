@@ -27,7 +27,9 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
-from .pipeline import Context
+from .ops import FFN, Attention, SparseFFN
+from .pipeline import Context, Fact
+from .recognise import BLOCKS
 from .sizes import gpu_bytes, kv_cache_bytes
 from .targets import format_size
 
@@ -39,18 +41,24 @@ def device_of(node: ir.Node) -> str:
     return node.metadata_props[DEVICE_KEY]
 
 
+PLACED = Fact("a device for every node", "place",
+              lambda model: all(DEVICE_KEY in node.metadata_props for node in model.graph))
+
+
 def _gpu_bytes(node: ir.Node, max_context: int) -> int:
     """What the node keeps on the GPU: its weights (at the GPU's precision) and, for attention, its KV cache."""
     total = sum(gpu_bytes(value.const_value.shape) for value in node.inputs
                 if value is not None and value.const_value is not None)
-    if node.op_type == "Attention":
-        total += kv_cache_bytes([(pir.attr(node, "num_kv_heads"), pir.attr(node, "head_dim"))], max_context)
+    if Attention.matches(node):
+        total += kv_cache_bytes([(Attention(node).num_kv_heads, Attention(node).head_dim)], max_context)
     return total
 
 
 @dataclass
 class Place:
     name = "place"
+    requires = (BLOCKS,)
+    adds = (PLACED,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         nodes = list(model.graph)
@@ -75,10 +83,10 @@ class Place:
         devices = {}
         for node in nodes:
             block = blocks[node]
-            if node.op_type == "SparseFFN":
-                devices[node] = pir.attr(node, "part")
-            elif node.op_type == "FFN" and node.domain == pir.DOMAIN:
-                devices[node] = pir.attr(node, "placed")
+            if SparseFFN.matches(node):
+                devices[node] = SparseFFN(node).part
+            elif FFN.matches(node):
+                devices[node] = FFN(node).placed
             elif block == pir.EMBED:
                 devices[node] = plan["embed"]
             elif block == pir.HEAD:

@@ -18,7 +18,7 @@ from onnx_ir.passes import PassResult
 from .pipeline import Context
 from runtime.calls import PHASES, Access, Arg, Call, Role
 
-from .kernel_ir import KernelProgram, carried_metadata
+from .kernel_ir import KERNEL_CALLS, KernelProgram, carried_metadata
 
 COPY = "copy"  # the runtime's own transfer op (host<->device memcpy), not a TVM kernel
 RESIDENT_KINDS = ("activation", "input", "cache")  # buffers that live on one device at a time
@@ -102,6 +102,7 @@ def plan(program: KernelProgram) -> KernelProgram:
 @dataclass
 class PlanBuffers:
     name = "plan-buffers"
+    requires = (KERNEL_CALLS,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         program = KernelProgram.from_model(model)

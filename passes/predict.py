@@ -41,12 +41,13 @@ import torch
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
-from .pipeline import Context, Options
+from .ops import FFN
+from .pipeline import Context, Fact, Options
 from .sizes import PREDICTOR_FORMAT, float_format, parameter_count, stored_predictor_format
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
 from .kernels import quant
-from .profile import ProfiledActivations
+from .profile import PROFILED_ACTIVATIONS, ProfiledActivations
 
 __all__ = ["Predictor", "Predict", "candidate_ranks", "step_reads", "predictor_step_reads", "price_ranks",
            "choose_ranks", "probe_active", "train_predictor", "predict_active"]
@@ -567,14 +568,25 @@ def _pre_activations(node: ir.Node, inputs: np.ndarray,
     pre = inputs @ weight
     if b_up is not None:
         pre += np.asarray(b_up, np.float32).reshape(-1)[:ffn]
-    if pir.attr(node, "activation") == "relu" and ((pre > 0) == active).mean() < 0.99:
+    if FFN(node).activation == "relu" and ((pre > 0) == active).mean() < 0.99:
         return None, None
     return pre, weight
+
+
+def _has_predictors(model: ir.Model) -> bool:
+    return all(FFN(node).predictor_threshold is not None and f"layers.{FFN(node).layer}.ffn.predictor.w1" in
+               model.graph.initializers for node in FFN.nodes(model))
+
+
+# each FFN's predictor: its weights (`layers.{i}.ffn.predictor.w1` / `w2`) and its threshold, recall and active share
+PREDICTORS = Fact("a predictor per FFN", "predict", _has_predictors)
 
 
 @dataclass
 class Predict:
     name = "predict"
+    requires = (PROFILED_ACTIVATIONS,)
+    adds = (PREDICTORS,)
     target_recall: float = Options.target_recall
     param_share: float = Options.predictor_param_share  # cap on all predictors together, of the model's parameters
     seed: int = Options.seed
@@ -582,12 +594,12 @@ class Predict:
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         profiled = ProfiledActivations.of(model)
-        nodes = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
-        layers = [int(pir.attr(n, "layer")) for n in nodes]
+        nodes = sorted(FFN.nodes(model), key=lambda n: FFN(n).layer)
+        layers = [FFN(n).layer for n in nodes]
         data = [profiled.layer(i) for i in layers]  # memory maps: each worker reads only its layer
         d_model = data[0].inputs.shape[1]
         widths = [d_model + layer.ffn for layer in data]
-        gated = [bool(pir.attr(node, "gated", 0)) for node in nodes]
+        gated = [bool(FFN(node).gated) for node in nodes]
         params = parameter_count(model.graph)
         budget = int(self.param_share * params)
         # Predict runs before placement: rows are priced as the CPU stores them, where decode waits for them.
@@ -661,11 +673,10 @@ class Predict:
             prefix = f"layers.{layer}.ffn.predictor"
             pir.initializer(model.graph, f"{prefix}.w1", predictor.w1)
             pir.initializer(model.graph, f"{prefix}.w2", predictor.w2)
-            node.attributes["predictor_rank"] = ir.AttrInt64("predictor_rank", rank)
-            for key, value in (("predictor_threshold", predictor.threshold), ("predictor_recall", predictor.recall),
-                               ("predictor_precision", predictor.precision),
-                               ("predictor_active", predictor.predicted_active)):
-                node.attributes[key] = ir.AttrFloat32(key, float(value))
+            ffn = FFN(node)
+            ffn.predictor_rank = rank
+            ffn.predictor_threshold, ffn.predictor_recall = float(predictor.threshold), float(predictor.recall)
+            ffn.predictor_precision, ffn.predictor_active = float(predictor.precision), float(predictor.predicted_active)
             true_active = profile.active_share  # over every profiled token; predicted: on the held-out ones
             ratio = f"{predictor.predicted_active / true_active:.2f}x" if true_active else "-"
             ctx.log(f"predict: layer {layer} rank {rank}: recall {predictor.recall:.4f} precision "

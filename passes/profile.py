@@ -35,7 +35,8 @@ from onnx_ir.passes import PassResult
 from . import ir as pir
 from .errors import UserError
 from .facts import MemoryFact
-from .pipeline import Context, Options
+from .ops import FFN
+from .pipeline import Context, Fact, Options
 from .reference import OrtDecoder
 from .tokenizer import TokenizerFiles
 from .tokens import read_calibration
@@ -43,7 +44,7 @@ from runtime.artifact import first_line
 
 from .import_onnx import source_file
 from .layer_reference import layer_cuts, lifted_layer_inputs, needs_layers, run_layers
-from .recognise import source_model
+from .recognise import BLOCKS, source_model
 
 PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
 SEQUENCES = "picompile.calibration_sequences"  # the IR's `meta` entry
@@ -282,9 +283,15 @@ SEQUENCE_TOKENS = 128  # the longest calibration sequence (long prompts add litt
 MIN_TOKENS_PER_NEURON = 2
 
 
+# the calibration sequences (`CalibrationSequences`), and the FFNs' inputs and activity (`ProfiledActivations`)
+CALIBRATION_SEQUENCES = Fact("calibration sequences", "profile", lambda model: SEQUENCES in model.meta)
+PROFILED_ACTIVATIONS = Fact("profiled FFN activations", "profile", lambda model: PROFILED in model.meta)
+
+
 @dataclass
 class Profile:
     name = "profile"
+    requires = (BLOCKS,)
     calib: Path | None = Options.calib
     calib_tokens: int | None = Options.calib_tokens
     calib_samples: int | None = Options.calib_samples
@@ -296,9 +303,13 @@ class Profile:
     # the quality pass, which runs the model itself)
     activations: bool = True
 
+    @property
+    def adds(self) -> tuple[Fact, ...]:
+        return (CALIBRATION_SEQUENCES, PROFILED_ACTIVATIONS) if self.activations else (CALIBRATION_SEQUENCES,)
+
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         source = source_model(model)
-        ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer")))
+        ffns = sorted(FFN.nodes(model), key=lambda n: FFN(n).layer)
         vocab_size = pir.const_array(model.graph.initializers["embed.tokens"]).shape[0]
         length = min(ctx.build.max_context, SEQUENCE_TOKENS)
         given = calibration_tokens(self.calib, self.calib_tokens, length, self.seed, vocab_size, ctx.log,
@@ -345,7 +356,7 @@ class Profile:
 
         # a directory of its own: an earlier profile's memory maps (say, in the same workdir) keep their files
         spill = _Spill(Path(tempfile.mkdtemp(prefix="activations-", dir=ctx.workdir)), tokens)
-        layers = {int(pir.attr(node, "layer")): (node.metadata_props["source.input"],
+        layers = {FFN(node).layer: (node.metadata_props["source.input"],
                                                   node.metadata_props["source.activation"]) for node in ffns}
         starts = np.cumsum([0] + [len(s) for s in sequences])  # each sequence's first row
         layered = self.layered if self.layered is not None else too_big
@@ -369,11 +380,11 @@ class Profile:
         profiled = spill.close()
         stats = {}
         for node in ffns:
-            layer = pir.attr(node, "layer")
+            layer = FFN(node).layer
             s = stats[layer] = layer_stats(spill.counts[layer] / max(tokens, 1))
             pir.initializer(model.graph, f"layers.{layer}.ffn.frequency", s.frequency)
             for key in ("sparsity", "skewness", "hot80_share"):
-                node.attributes[key] = ir.AttrFloat32(key, getattr(s, key))
+                FFN(node).set(key, getattr(s, key))
         profiled.attach(model)
         plot = Path(ctx.workdir) / "plots" / "activation_cdf.png"
         plot_cdf(stats, plot)

@@ -47,6 +47,7 @@ from . import costmodel
 from . import ir as pir
 from .budget import QualityBudget
 from .facts import ModelFact
+from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
 from .targets import CpuIsa
@@ -56,7 +57,7 @@ from .ir_reference import SITES, Block, Interpreter, Quality, Variant
 from .kernels import quant
 from .lower import ALL_NEURONS
 from .predict import HOLDOUT, _threshold_for_recall
-from .profile import CalibrationSequences
+from .profile import CALIBRATION_SEQUENCES, CalibrationSequences
 from .threshold import KEEP_ALL
 
 LEVELS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # shares of a linear input a plan may drop
@@ -152,7 +153,7 @@ class Knob:
 
     @property
     def layer(self) -> int:
-        return int(pir.attr(self.node, "layer"))
+        return op_view(self.node).layer
 
     def error(self, level: int, fmt: int) -> float:
         return float(self.sparse_error[level] + self.format_error[fmt])
@@ -199,6 +200,7 @@ class _Planned(dict):
 @dataclass
 class QualityPlan:
     name = "quality"
+    requires = (CALIBRATION_SEQUENCES,)
     method: str = Options.quant_method
     fixed_formats: bool = False  # a model that came quantized keeps its blocks: formats are not the plan's
     mode: str = "threshold"  # threshold: a level per linear input; predictor: a recall per FFN (formats fixed)
@@ -218,7 +220,7 @@ class QualityPlan:
         formats = allowed_formats(weight_dtype) if planned and not self.fixed_formats else (weight_dtype,)
         sites = MODE_SITES[self.mode] if not fixed_level else {"FFN": ("in", "down")}
         stored = StoredWeights(model, self.method)
-        nodes = [n for n in model.graph if n.op_type in sites and n.domain == pir.DOMAIN]
+        nodes = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
         with ctx.progress("quality: local effects", len(nodes)) as advance:
             knobs, head_error = _measure_locally(interpreter, fit, sites, formats, stored, fixed_level,
                                                  self.lowest_recall, advance)
@@ -282,7 +284,7 @@ def _split(sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _fixed_levels(model: ir.Model) -> dict[str, bool]:
     """With --sparsity the threshold pass set the FFN inputs' thresholds: {site: True} for the FFN's two."""
-    ffn = next(iter(pir.nodes_in_domain(model, "FFN")), None)
+    ffn = next(iter(FFN.nodes(model)), None)
     return {"in": True, "down": True} if ffn is not None and "threshold_in" in ffn.attributes else {}
 
 
@@ -323,7 +325,7 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, sites: dict, for
         scale = float((target * target).sum(-1).mean()) or 1.0
         taps: dict[str, torch.Tensor] = {}
         interpreter.block(node, block.x, taps=taps)
-        layer = int(pir.attr(node, "layer"))
+        layer = op_view(node).layer
 
         def error(delta: torch.Tensor) -> float:
             return float((delta * delta).sum(-1).mean()) / scale
@@ -339,7 +341,7 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, sites: dict, for
             v, weight = taps[site], interpreter.weight(matrix)
             last = site in ("o", "down")  # its product is the block's output: the change is what it drops, times W
             if site in fixed_level:
-                thresholds = np.array([KEEP_ALL, float(pir.attr(node, f"threshold_{site}"))], np.float32)
+                thresholds = np.array([KEEP_ALL, float(op_view(node).value(f"threshold_{site}"))], np.float32)
             elif fixed_level:
                 thresholds = np.array([KEEP_ALL], np.float32)
             else:
@@ -369,13 +371,13 @@ def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hi
     """Predictor mode's knob of one FFN: dense, or its predictor at the threshold reaching each of RECALLS above
     `lowest_recall` of the truly active neurons (those with a non-zero hidden value) on the fitting tokens, then at
     predict's own threshold (fitted to `lowest_recall` on held-out profiled tokens)."""
-    layer = int(pir.attr(node, "layer"))
+    layer = FFN(node).layer
     graph = interpreter.model.graph
     w1, w2 = (interpreter.weight(graph.initializers[f"layers.{layer}.ffn.predictor.{w}"]) for w in ("w1", "w2"))
     logits = (torch.relu(x @ w1) @ w2).flatten().numpy()
     active = (hidden != 0).flatten().numpy()
     thresholds = np.array([KEEP_ALL] + [_threshold_for_recall(logits, active, r) for r in RECALLS if r > lowest_recall]
-                          + [float(pir.attr(node, "predictor_threshold"))], np.float32)
+                          + [float(FFN(node).predictor_threshold)], np.float32)
     errors = [0.0] + [error(rerun(Variant(prefill=0, predictors={layer: (w1, w2, float(t))}))) for t in thresholds[1:]]
     matrix = node.inputs[1].name
     return Knob(node, "neurons", matrix, thresholds, np.maximum.accumulate(errors), np.zeros(1),
@@ -400,7 +402,7 @@ def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.nd
     if head_node is not None:
         fits = [i for i in range(len(formats)) if head_error[i] <= HEAD_SHARE * budget.value]
         head = (head_node.inputs[1].name, formats[max(fits)])
-    embed_node = next(iter(pir.nodes_in_domain(model, "Embed")), None)
+    embed_node = next(iter(Embed.nodes(model)), None)
     embed = None
     if embed_node is not None:
         embed = (embed_node.inputs[2].name, "int8" if "int8" in formats else formats[-1])
@@ -493,7 +495,7 @@ def _build_matrices(model: ir.Model, weight_dtype: str) -> dict[str, tuple[str, 
         return {}
     matrices = {}
     for node in model.graph:
-        if node.op_type in ("Attention", "FFN") and node.domain == pir.DOMAIN:
+        if Attention.matches(node) or FFN.matches(node):
             for (op, site), index in SITES.items():
                 if op == node.op_type and node.inputs[index] is not None:
                     matrices[node.inputs[index].name] = (weight_dtype, 1 if site == "down" else 0)
@@ -625,15 +627,14 @@ def _write_thresholds(knobs: list[Knob], state: list[tuple[int, int]]) -> None:
     for knob, (level, _) in zip(knobs, state):
         if knob.predictor is not None:
             threshold = float(knob.thresholds[level]) if level else ALL_NEURONS
-            for key, value in (("predictor_threshold", threshold), ("predictor_recall", knob.held_out_recall[level]),
-                               ("predictor_precision", knob.held_out_precision[level]),
-                               ("predictor_active", 1.0 - knob.held_out_dropped[level])):
-                knob.node.attributes[key] = ir.AttrFloat32(key, float(value))
+            ffn = FFN(knob.node)
+            ffn.predictor_threshold, ffn.predictor_recall = threshold, float(knob.held_out_recall[level])
+            ffn.predictor_precision, ffn.predictor_active = (float(knob.held_out_precision[level]),
+                                                             float(1.0 - knob.held_out_dropped[level]))
             continue
-        knob.node.attributes[f"threshold_{knob.site}"] = ir.AttrFloat32(f"threshold_{knob.site}",
-                                                                         float(knob.thresholds[level]))
-        knob.node.attributes[f"sparsity_{knob.site}"] = ir.AttrFloat32(f"sparsity_{knob.site}",
-                                                                        float(knob.held_out_dropped[level]))
+        block = op_view(knob.node)
+        block.set(f"threshold_{knob.site}", float(knob.thresholds[level]))
+        block.set(f"sparsity_{knob.site}", float(knob.held_out_dropped[level]))
 
 
 def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], plan: WeightPlan) -> str:

@@ -58,8 +58,8 @@ from .quality import WeightPlan
 from .import_gguf import GGUFSource
 from .import_onnx import SourceQuantization
 from .kernels import quant
-from .place import DEVICE_KEY, device_of
-from .threshold import KEEP_ALL
+from .place import DEVICE_KEY, PLACED, device_of
+from . import ops
 
 # op type -> (input index, block axis) of each weight matrix a quantized build stores in blocks
 BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
@@ -132,6 +132,7 @@ class QuantizedMatrix:
 @dataclass
 class Quantize:
     name = "quantize"
+    requires = (PLACED,)
     method: str = Options.quant_method  # --quant-method: "awq" fits each block's scale (`quant.quantize`'s fit_scales)
 
     def __post_init__(self):
@@ -323,7 +324,7 @@ def _matrices(node: ir.Node, fmt: WeightFormat, fit_scales: bool) -> list[tuple[
 def blocked_axes(node: ir.Node) -> list[tuple[int, int]]:
     """(input index, block axis) of each weight matrix of `node` a quantized build stores in blocks: `BLOCKED`'s,
     the matrices a threshold thins blocked along their rows instead (`THRESHOLDED`)."""
-    rows = {index for index, key in THRESHOLDED.get(node.op_type, ()) if float(pir.attr(node, key, KEEP_ALL)) >= 0}
+    rows = {index for index, key in THRESHOLDED.get(node.op_type, ()) if float(ops.view(node).value(key)) >= 0}
     return [(index, 1 if index in rows else axis) for index, axis in BLOCKED.get(node.op_type, ())]
 
 

@@ -30,7 +30,8 @@ from passes.import_gguf import GGUFSource
 from passes.import_onnx import SourceQuantization, available_memory_bytes
 from . import ir as pir
 from .errors import UserError
-from .pipeline import Context
+from .ops import Embed
+from .pipeline import Context, Fact
 from .sizes import kv_cache_bytes
 from .targets import format_size
 from runtime.artifact import first_line
@@ -838,6 +839,8 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
 
 
 SOURCE = "picompile.source"  # the lifted model's `meta` entry: the imported model it was lifted from
+# the block IR: picompile's block ops (ops.Embed, Attention, FFN) in place of the exporter's graph, up to select-kernels
+BLOCKS = Fact("the block IR", "recognise", lambda model: any(Embed.matches(node) for node in model.graph))
 
 
 def source_model(lifted: ir.Model) -> ir.Model:
@@ -851,6 +854,7 @@ def source_model(lifted: ir.Model) -> ir.Model:
 @dataclass
 class Recognise:
     name = "recognise"
+    adds = (BLOCKS,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         decoder = analyse(model)

@@ -22,7 +22,7 @@ from .facts import ModelFact
 from .pipeline import Context
 from runtime.calls import PHASES
 
-from .kernel_ir import KernelProgram
+from .kernel_ir import KERNEL_CALLS, KernelProgram
 
 
 def build_dag(program: KernelProgram) -> nx.DiGraph:
@@ -88,6 +88,7 @@ class CallSchedule(ModelFact):
 @dataclass
 class Schedule:
     name = "schedule"
+    requires = (KERNEL_CALLS,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         dag = build_dag(KernelProgram.from_model(model))

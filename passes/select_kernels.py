@@ -35,11 +35,12 @@ from .sizes import KV_CACHE_DTYPE, float_format, weight_format
 from runtime.calls import START, Access, Arg, Call, Role, Selection
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
 
-from .kernel_ir import KernelProgram, KernelSpec, carried_metadata
+from .fuse import FUSED
+from .kernel_ir import KERNEL_CALLS, KernelProgram, KernelSpec, carried_metadata
 from .kernels import cpu, neuron, ops, quant
-from .place import device_of
+from .place import PLACED, device_of
 from .quantize import QuantizedMatrix, dequantizes_weight
-from .threshold import KEEP_ALL
+from .ops import Attention, FFN, SparseFFN, ThresholdFFN, view as op_view
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,7 @@ class Lowering:
 
 def _residual(node: ir.Node) -> ir.Value | None:
     """The skip connection fuse folded into the block (its last input), or None."""
-    return node.inputs[-1] if pir.attr(node, "residual", 0) else None
+    return node.inputs[-1] if op_view(node).residual else None
 
 
 class _Walker:
@@ -414,9 +415,10 @@ class _Walker:
         self._norm(node, "rms")
 
     def lower_Attention(self, node: ir.Node) -> None:
-        layer = pir.attr(node, "layer")
-        heads, kv_heads, head_dim = (pir.attr(node, a) for a in ("num_heads", "num_kv_heads", "head_dim"))
-        scale = pir.attr(node, "scale")
+        attention = Attention(node)
+        layer = attention.layer
+        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        scale = attention.scale
         x = self.location[node.inputs[0].name]
         w_qkv, b_qkv = self.weight_of(node.inputs[4]), self.weight_of(node.inputs[5])
         w_o, b_o = self.weight_of(node.inputs[6]), self.weight_of(node.inputs[7])
@@ -429,7 +431,7 @@ class _Walker:
         for name in (key_cache, value_cache):
             self.low.buffers[name] = {"kind": "cache", "shape": [kv_heads, ctx, head_dim], "dtype": KV_CACHE_DTYPE}
         p = node.name
-        t_qkv, t_o = (float(pir.attr(node, key, KEEP_ALL)) for key in ("threshold_qkv", "threshold_o"))
+        t_qkv, t_o = float(attention.threshold_qkv), float(attention.threshold_o)
         if t_qkv >= 0:  # decode reads only the rows of the normed x's kept channels
             self.thresholded_linear(p, "qkv", x, w_qkv, b_qkv, qkv, t_qkv, Role.ATTENTION)
         else:
@@ -466,7 +468,8 @@ class _Walker:
         return self.low.weight(name, table)
 
     def lower_FFN(self, node: ir.Node) -> None:
-        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        ffn = FFN(node)
+        activation, gated = ffn.activation, bool(ffn.gated)
         x = self.location[node.inputs[0].name]
         w_up, b_up = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2])
         w_down, b_down = self.weight_of(node.inputs[3]), self.weight_of(node.inputs[4])
@@ -501,9 +504,10 @@ class _Walker:
             self.location[scores.name] = out
 
     def lower_SparseFFN(self, node: ir.Node) -> None:
-        part, neurons = pir.attr(node, "part"), pir.attr(node, "neurons")
+        sparse = SparseFFN(node)
+        part, neurons = sparse.part, sparse.neurons
         device = self.low.device
-        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        activation, gated = sparse.activation, bool(sparse.gated)
         x, scores = self.location[node.inputs[0].name], self.location[node.inputs[1].name]
         up_rows, up_bias = self.weight_of(node.inputs[2]), self.weight_of(node.inputs[3])
         down_rows = self.weight_of(node.inputs[4])
@@ -512,7 +516,7 @@ class _Walker:
         p, tag = node.name, f"{part}.n{neurons}"
         partial = self.low.activation(f"act.partial.{part}", width)
         # one-token steps: predicted neurons only
-        threshold = self.low.weight(f"{p}.threshold", np.array([pir.attr(node, "threshold")], np.float32))
+        threshold = self.low.weight(f"{p}.threshold", np.array([sparse.threshold], np.float32))
         index = self.low.activation(f"act.ffn_index.{tag}", neurons, dtype="int32", rows=1)
         count = self.low.activation(f"act.ffn_count.{part}", 1, dtype="int32", rows=1)
         hidden = self.low.step_rows(f"act.ffn_sparse_hidden.{tag}", neurons)  # a row per sequence of a batch
@@ -610,7 +614,8 @@ class _Walker:
         channels' rows of its [K, N] weight; gate and up in one column-sparse GEMV over w_up [D, 2F], the GLU on
         its sums); one whose threshold is < 0 (KEEP_ALL: the plan runs it dense) is a dense panel linear (the
         gated up's GLU after it) in both phases."""
-        activation, gated = pir.attr(node, "activation"), bool(pir.attr(node, "gated"))
+        thresholded = ThresholdFFN(node)
+        activation, gated = thresholded.activation, bool(thresholded.gated)
         x = self.location[node.inputs[0].name]
         w_up, b_up, w_down = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2]), self.weight_of(node.inputs[3])
         up_width = self.low.shape(w_up)[1]
@@ -618,7 +623,7 @@ class _Walker:
         p = node.name
         partial = self.low.activation("act.partial.cpu", width)
         hidden = self.low.activation(f"act.ffn_hidden.f{neurons}", neurons)
-        t_in, t_down = (float(pir.attr(node, key)) for key in ("threshold_in", "threshold_down"))
+        t_in, t_down = float(thresholded.threshold_in), float(thresholded.threshold_down)
         if t_in >= 0:
             self.thresholded_linear(p, "up", x, w_up, b_up, hidden, t_in, Role.FFN_UP, glu=gated, act=activation)
         elif gated:
@@ -705,6 +710,8 @@ class _Walker:
 @dataclass
 class SelectKernels:
     name = "select-kernels"
+    requires = (FUSED, PLACED)
+    adds = (KERNEL_CALLS,)
     int8_activations: bool = Options.int8_activations  # int4 decode GEMVs over int8-quantized inputs
     max_batch: int = Options.max_batch  # --max-batch: sequences one batch step may hold (CPU artifacts)
 

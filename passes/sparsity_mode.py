@@ -21,7 +21,9 @@ from dataclasses import asdict, dataclass
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from . import ir as pir
+from .ops import FFN
+from .pipeline import Fact
+from .recognise import BLOCKS
 from .errors import UserError
 from .pipeline import Context, Options
 
@@ -29,6 +31,7 @@ MODES = ("auto", "predictor", "threshold")
 PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn
 SPELLING = {"relu": "ReLU", "silu": "SiLU", "gelu": "GELU"}
 KEY = "picompile.sparsity"  # the metadata_props entry
+SPARSITY_MODE = Fact("the sparsity mode", "sparsity", lambda model: KEY in model.metadata_props)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class Sparsity:
 @dataclass
 class SparsityMode:
     name = "sparsity"
+    requires = (BLOCKS,)
+    adds = (SPARSITY_MODE,)
     requested: str = Options.sparsity_mode  # "auto", "predictor" or "threshold"
     sparsity: float | None = Options.sparsity  # threshold mode's share dropped (None: per input, passes.quality)
 
@@ -66,7 +71,7 @@ class SparsityMode:
             raise UserError(f"--sparsity-mode must be one of {', '.join(MODES)}, got {self.requested!r}")
         if self.sparsity is not None and not 0.0 <= self.sparsity < 1.0:
             raise UserError(f"--sparsity must be in [0, 1), got {self.sparsity}")
-        activations = sorted({str(pir.attr(n, "activation")) for n in pir.nodes_in_domain(model, "FFN")})
+        activations = sorted({FFN(n).activation for n in FFN.nodes(model)})
         names = "/".join(SPELLING.get(a, a) for a in activations)
         predictable = all(a in PREDICTABLE for a in activations)
         mode = self.requested
@@ -76,10 +81,10 @@ class SparsityMode:
                    if predictable else
                    f"layer FFNs use {names}: neurons are rarely exactly zero, so a predictor has nothing to predict")
         elif mode == "predictor" and not predictable:
-            ffn = next(n for n in pir.nodes_in_domain(model, "FFN") if pir.attr(n, "activation") not in PREDICTABLE)
-            raise UserError(f"--sparsity-mode predictor needs ReLU FFNs, but layer {pir.attr(ffn, 'layer')}'s FFN uses "
-                            f"{SPELLING.get(pir.attr(ffn, 'activation'), pir.attr(ffn, 'activation'))} (its output "
-                            f"{ffn.metadata_props.get('source.activation', ffn.name)}), which is rarely exactly zero, "
+            ffn = next(FFN(n) for n in FFN.nodes(model) if FFN(n).activation not in PREDICTABLE)
+            raise UserError(f"--sparsity-mode predictor needs ReLU FFNs, but layer {ffn.layer}'s FFN uses "
+                            f"{SPELLING.get(ffn.activation, ffn.activation)} (its output "
+                            f"{ffn.node.metadata_props.get('source.activation', ffn.node.name)}), which is rarely exactly zero, "
                             "so every neuron would be predicted active: use --sparsity-mode threshold, or --dense")
         else:
             why = "asked for with --sparsity-mode"

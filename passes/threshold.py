@@ -33,7 +33,9 @@ from .predict import HOLDOUT, _training_tokens  # the predictors' split of the p
 from .profile import ProfiledActivations
 from .sparsity_mode import Sparsity
 
-KEEP_ALL = -1.0  # a threshold every magnitude passes (|v| > -1)
+from .ops import FFN, KEEP_ALL  # KEEP_ALL: a threshold every magnitude passes (|v| > -1)
+from .profile import PROFILED_ACTIVATIONS
+from .sparsity_mode import SPARSITY_MODE
 _ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
 
 
@@ -84,19 +86,21 @@ def calibrate(x: np.ndarray, w_up: np.ndarray, b_up: np.ndarray | None, activati
 @dataclass
 class Threshold:
     name = "threshold"
+    requires = (SPARSITY_MODE, PROFILED_ACTIVATIONS)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         sparsity = float(Sparsity.of(model).sparsity)
         profiled = ProfiledActivations.of(model)
         found = []
-        for node in sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: int(pir.attr(n, "layer"))):
-            layer = int(pir.attr(node, "layer"))
+        for node in sorted(FFN.nodes(model), key=lambda n: FFN(n).layer):
+            ffn = FFN(node)
+            layer = ffn.layer
             x = np.asarray(profiled.layer(layer).inputs, np.float32)  # a memory map: one layer in memory at a time
             w_up = np.asarray(pir.const_array(node.inputs[1]), np.float32)  # (a half model's, widened per layer)
             c = calibrate(x, w_up, pir.const_array(node.inputs[2]),
-                          str(pir.attr(node, "activation")), bool(pir.attr(node, "gated")), sparsity)
+                          ffn.activation, bool(ffn.gated), sparsity)
             for key in ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down"):
-                node.attributes[key] = ir.AttrFloat32(key, getattr(c, key))
+                ffn.set(key, getattr(c, key))
             found.append(c)
         ctx.log(f"threshold: {len(found)} layers at sparsity {sparsity:.2f}; held-out sparsity of the gate/up "
                 f"inputs {np.mean([c.sparsity_in for c in found]):.3f}, of the down inputs "
