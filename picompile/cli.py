@@ -188,10 +188,10 @@ def _sampling_arguments(command, default_tokens: int = 32) -> None:
 
 
 def _quality_budget(text: str):
-    from passes.budget import QualityBudget
+    from passes.budget import parse_budget
 
     try:
-        return QualityBudget.parse(text)
+        return parse_budget(text)
     except UserError as error:
         raise argparse.ArgumentTypeError(str(error).removeprefix("--max-quality-loss ")) from None
 

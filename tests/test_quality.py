@@ -8,20 +8,21 @@ import json
 import numpy as np
 import pytest
 
-from passes.budget import QualityBudget
+from passes.budget import parse_budget
+from runtime.manifest import QualityBudget
 from passes.errors import UserError
 
 
 @pytest.mark.parametrize("text, kind, value", [("1%", "ppl", 0.01), ("0.03", "ppl", 0.03), ("kl=0.005", "kl", 0.005),
                                                ("KL=0", "kl", 0.0), (" 10% ", "ppl", 0.1)])
 def test_budget_spellings(text, kind, value):
-    assert QualityBudget.parse(text) == QualityBudget(kind, pytest.approx(value))
+    assert parse_budget(text) == QualityBudget(kind, pytest.approx(value))
 
 
 @pytest.mark.parametrize("text", ["", "abc", "-1%", "kl=1%", "ppl:1", "inf", "nan", "top1=0.9"])
 def test_bad_budgets_are_refused(text):
     with pytest.raises(UserError, match="--max-quality-loss must be"):
-        QualityBudget.parse(text)
+        parse_budget(text)
 
 
 def test_bad_budget_on_the_command_line_is_one_error_line(tiny_models, tmp_path, capsys):
