@@ -44,10 +44,21 @@ from . import ir as pir
 from .pipeline import Context, Options
 
 from .threshold import KEEP_ALL
+from runtime.manifest import LayerReport
 
 ALL_NEURONS = -3.0e38  # a threshold every score passes
+LAYERS_KEY = "picompile.layers"  # metadata: the per-layer report (runtime.manifest.LayerReport, one per layer)
 STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
          "predictor_precision", "predictor_active")
+
+
+def attach_layers(model: ir.Model, layers: list[LayerReport]) -> None:
+    model.metadata_props[LAYERS_KEY] = json.dumps([layer.to_json() for layer in layers])
+
+
+def layers_of(model: ir.Model) -> list[LayerReport]:
+    """The lower pass's per-layer report ([] where it did not run: a dense build)."""
+    return [LayerReport.from_json(layer) for layer in json.loads(model.metadata_props.get(LAYERS_KEY, "[]"))]
 
 
 def _rows(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
@@ -66,7 +77,7 @@ class LowerThresholded:
         report = [self._lower_one(graph, node, attention.get(pir.attr(node, "layer")))
                   for node in pir.nodes_in_domain(model, "FFN")]
         pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
-        model.metadata_props["picompile.layers"] = json.dumps(report)
+        attach_layers(model, [LayerReport(**r) for r in report])
         dense = [r["layer"] for r in report if r.get("ffn") == "dense"]
         ctx.log(f"lower: {len(report) - len(dense)} threshold FFNs"
                 f"{f'; {len(dense)} dense (layers {dense})' if dense else ''}")
@@ -129,7 +140,7 @@ class LowerPredicted:
                     report.append(self._keep_dense(node, dense))
                     ctx.log(f"lower: layer {report[-1]['layer']} FFN stays dense: {dense}")
         pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
-        model.metadata_props["picompile.layers"] = json.dumps(report)
+        attach_layers(model, [LayerReport(**r) for r in report])
         gpu = sum(r["gpu_neurons"] for r in report)
         total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)
         dense = [r["layer"] for r in report if r.get("ffn") == "dense"]

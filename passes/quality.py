@@ -95,6 +95,12 @@ class WeightPlan:
         return cls(json.loads(model.metadata_props.get(WEIGHT_PLAN_KEY, "{}")))
 
 
+def quality_of(model: ir.Model) -> ExpectedQuality | None:
+    """What the quality pass expects eval to measure (None where it did not run)."""
+    text = model.metadata_props.get(QUALITY_KEY)
+    return None if text is None else ExpectedQuality.from_json(json.loads(text))
+
+
 @dataclass
 class Knob:
     """One linear input of one block and the matrix it multiplies: its levels' thresholds and local errors, its

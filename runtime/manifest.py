@@ -232,14 +232,46 @@ class Buffer(_Section):
     kind: str | None = None  # weight, activation, input, cache, scratch
     layout: str | None = _optional()
     logical_columns: int | None = _optional()
-    matrix: str | None = _optional()
+    matrix: list[int] | None = _optional()  # a quantized weight's logical matrix shape
     shape: list[int] | None = None
 
 
 @dataclass(frozen=True)
-class TokenizerFiles(_Section):
+class TokenizerListing(_Section):
     source: str  # the directory the build copied them from
     files: list[str]  # relative to the artifact
+
+
+def structure_problem(data: dict) -> str | None:
+    """What is wrong with the shape of the sections the runtime reads (None where nothing): a hand-edited manifest
+    fails here, not deep in the engine. (`load_manifest` has checked the format, its version and the digest.)"""
+    expected = {"files": dict, "model": dict, "buffers": dict, "target": dict}
+    for key, kind in expected.items():
+        if not isinstance(data.get(key), kind):
+            return f"{key!r} is missing or not a {kind.__name__}"
+    for key in ("max_context", "vocab_size"):
+        if not isinstance(data["model"].get(key), int):
+            return f"model.{key} is missing or not an integer"
+    for relative, digest in data["files"].items():
+        if not (isinstance(digest, str) and len(digest) == 64):
+            return f"the sha256 of {relative} is malformed"
+    return None
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a reader checks first, whatever the rest holds: the format, its version and the digest."""
+
+    format: Any
+    format_version: Any
+    manifest_sha256: Any
+
+    @classmethod
+    def of(cls, data) -> "Header | None":
+        """None where `data` is not a JSON object."""
+        if not isinstance(data, dict):
+            return None
+        return cls(data.get("format"), data.get("format_version"), data.get("manifest_sha256"))
 
 
 @dataclass
@@ -263,7 +295,7 @@ class Manifest:
     quality: ExpectedQuality | None = None
     placement: dict[str, Any] = field(default_factory=dict)  # the partition pass's report, as it wrote it
     devices: Devices | None = None
-    tokenizer: TokenizerFiles | None = None
+    tokenizer: TokenizerListing | None = None
     estimate: dict[str, Any] | None = None  # passes.costmodel.Estimate, as asdict wrote it
     manifest_sha256: str | None = None  # the digest of the rest (runtime.artifact.seal_manifest)
 
@@ -323,7 +355,7 @@ class Manifest:
             quality=section(ExpectedQuality, "quality"),
             placement=dict(data.get("placement") or {}),
             devices=section(Devices, "devices"),
-            tokenizer=section(TokenizerFiles, "tokenizer"),
+            tokenizer=section(TokenizerListing, "tokenizer"),
             estimate=data.get("estimate"),
             manifest_sha256=data.get("manifest_sha256"),
         )
