@@ -117,8 +117,10 @@ def engine_name(kind: str, dtype: str, member: str = "") -> str:
 
 def weight_dtypes(artifact: Path) -> list[str]:
     """The element types of an artifact's weight buffers (quantized weights: their integers and scales)."""
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    return sorted({b["dtype"] for b in manifest["buffers"].values() if b["kind"] == "weight"})
+    from runtime import load_manifest
+
+    manifest = load_manifest(artifact, check_hashes=False)
+    return sorted({b.dtype for b in manifest.buffers.values() if b.kind == "weight"})
 
 
 def ort_int4_model(files, log=print) -> Path:

@@ -328,7 +328,9 @@ class Manifest:
     @classmethod
     def from_json(cls, data: dict) -> "Manifest":
         """The manifest a file holds (ValueError, TypeError, KeyError or AttributeError where a section is not the
-        shape it must have: `load_manifest` says the file is damaged)."""
+        shape it must have: `load_manifest` says the file is damaged). A section the file lacks is None, even
+        target and model: `load_manifest` refuses such a file first; tools reading old artifacts (benchmarks)
+        get what there is."""
         def section(kind, key):
             value = data.get(key)
             return kind.from_json(value) if value else None  # {} and null: no such section
@@ -342,10 +344,10 @@ class Manifest:
             format=data.get("format"),
             format_version=data.get("format_version"),
             picompile_version=data.get("picompile_version"),
-            target=TargetFacts.from_json(data.get("target")),
-            model=ModelFacts.from_json(data.get("model")),
+            target=section(TargetFacts, "target"),
+            model=section(ModelFacts, "model"),
             options=BuildOptions.from_json(options) if isinstance(options, dict) else None,
-            io=IO.from_json(data.get("io") or {}),
+            io=section(IO, "io"),
             buffers={name: Buffer.from_json(info) for name, info in buffers.items()},
             files=dict(data.get("files") or {}),
             sparsity=section(Sparsity, "sparsity"),
