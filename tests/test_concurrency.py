@@ -126,7 +126,7 @@ def cuda_gpu_present() -> bool:
 
 def gpu_kernel_buffers(engine: Engine) -> set[str]:
     return {name for call in engine._calls if call.device == "gpu" and call.role is not Role.COPY
-            for name in call.buffers() if name in engine.manifest["buffers"]}
+            for name in call.buffers() if name in engine.manifest.buffers}
 
 
 def test_emulated_gpu_buffers_are_device_tensors_and_weights_upload_once(hybrid):
@@ -140,14 +140,14 @@ def test_emulated_gpu_buffers_are_device_tensors_and_weights_upload_once(hybrid)
     engine = Engine(hybrid, emulate_gpu=True)
     executor = engine.gpu
     assert isinstance(executor, DeviceExecutor) and executor.device == tvm.runtime.cpu(0)
-    buffers = engine.manifest["buffers"]
+    buffers = engine.manifest.buffers
     on_gpu = gpu_kernel_buffers(engine)
-    assert any(buffers[name]["kind"] == "cache" for name in on_gpu)  # the GPU layers' KV cache lives there
+    assert any(buffers[name].kind == "cache" for name in on_gpu)  # the GPU layers' KV cache lives there
     host_arrays = list(engine.buffers.values())
     for name in on_gpu:
         tensor = executor.tensors[name]
         assert isinstance(tensor, tvm.runtime.Tensor) and tensor.device == executor.device, name
-        assert list(tensor.shape) == buffers[name]["shape"], name
+        assert list(tensor.shape) == buffers[name].shape, name
         assert not any(np.shares_memory(np.from_dlpack(tensor), array) for array in host_arrays), name
     cpu_reads = {name for call in engine._calls if call.device == "cpu" for name in call.buffers()}
     gpu_weights = {name for name in on_gpu if buffers[name]["kind"] == "weight"}

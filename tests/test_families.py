@@ -23,6 +23,7 @@ from picompile.cli import main
 from picompile.compiler import build
 from passes.pipeline import Options
 from passes.targets import get_target
+from runtime.artifact import load_manifest
 from runtime.calls import Role, schedule_calls
 from test_sparse import assert_matches_onnxruntime  # the same check, prompt and tolerance
 
@@ -162,9 +163,9 @@ def test_the_default_weight_dtype_is_the_files_own(half_exports, tmp_path):
     assert stored_weight_dtype(load(rounded)) == "fp32"
     assert resolve_weight_dtype(Options(weight_dtype="fp32"), load(half)).weight_dtype == "fp32"
     assert main(["build", str(half), "-o", str(tmp_path / "a.pic"), "--dense", "--max-context", "32", "-q"]) == 0
-    manifest = json.loads((tmp_path / "a.pic" / "manifest.json").read_text())
-    assert manifest["options"]["weight_dtype"] == "fp16"
-    stored = {info["dtype"] for info in manifest["buffers"].values() if info["kind"] == "weight" and len(info["shape"]) == 2}
+    manifest = load_manifest(tmp_path / "a.pic")
+    assert manifest.options.weight_dtype == "fp16"
+    stored = {info.dtype for info in manifest.buffers.values() if info.kind == "weight" and len(info.shape) == 2}
     assert "float16" in stored
 
 

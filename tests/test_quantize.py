@@ -19,7 +19,7 @@ from passes.pipeline import Context, Options, run_passes
 from passes.reference import OrtDecoder
 from passes.targets import get_cpu_isa, get_target
 from runtime.artifact import missing_cpu_features
-from runtime import Engine
+from runtime import Engine, load_manifest
 from runtime.dtypes import WEIGHT_FORMATS
 
 QUANTIZED = ("int8", "int4")
@@ -224,8 +224,7 @@ def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dty
     """The artifact's int8 / int4 kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the logits of
     the same quantized values run through fp32 kernels, within fp32 rounding."""
     quantized, folded = built(weight_dtype, dense), built(weight_dtype, dense, fold=True)
-    manifest = json.loads((quantized / "manifest.json").read_text())
-    layouts = {info.get("layout") for info in manifest["buffers"].values() if info["kind"] == "weight"}
+    layouts = {info.layout for info in load_manifest(quantized).buffers.values() if info.kind == "weight"}
     assert {"quant_panels", "quant_rows"} <= layouts
     ours, reference = Engine(quantized), Engine(folded)
     tokens = [11, 22, 33, 44, 55]
