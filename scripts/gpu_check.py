@@ -53,7 +53,9 @@ def devices(artifact: str) -> str:
 def budgets(artifact: str) -> str:
     """The --vram-budget (bytes) that leaves each card's FFN share after the dense part, KV cache and reserve,
     as partition computes them (budget = vram - dense - kv - reserve_fraction x vram)."""
-    placement = json.loads((Path(artifact) / "manifest.json").read_text())["placement"]
+    from runtime import load_manifest
+
+    placement = load_manifest(artifact, check_hashes=False).placement
     fixed = placement["dense_gpu_bytes"] + placement["kv_cache_bytes"]
     reserve_fraction = placement["reserve_bytes"] / placement["vram_bytes"]
     return " ".join(str(math.ceil((fixed + share * placement["ffn_bytes"]) / (1 - reserve_fraction)))
