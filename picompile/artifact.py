@@ -33,13 +33,6 @@ from passes.errors import UserError
 from passes.pipeline import Context, Options
 from runtime import dtypes
 from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
-from passes.lower import layers_of
-from passes.place import devices_of
-from passes.profile import calibration_of
-from passes.quality import quality_of
-from passes.quantize import quantization_of
-from passes.select_kernels import MAX_BATCH_KEY
-from passes.sparsity_mode import KEY as SPARSITY_KEY, sparsity_of
 from runtime.calls import schedule_calls
 from runtime.manifest import IO, Buffer, BuildOptions, Manifest, ModelFacts, TargetFacts, TokenizerListing
 from runtime.text import TOKENIZER_DIR
@@ -109,6 +102,16 @@ def check_output(output: Path) -> None:
 
 
 def write(model: ir.Model, ctx: Context, output: Path, options: Options, source: Path | None = None) -> Path:
+    # the passes' facts the manifest carries (imported here: `inspect --report` imports this module for
+    # current_umask, and must not load torch with the quality pass)
+    from passes.lower import layers_of
+    from passes.place import devices_of
+    from passes.profile import calibration_of
+    from passes.quality import quality_of
+    from passes.quantize import quantization_of
+    from passes.select_kernels import MAX_BATCH_KEY
+    from passes.sparsity_mode import KEY as SPARSITY_KEY, sparsity_of
+
     check_output(output)
     cpu_isa = options.cpu_isa_for(ctx.target)
     buffers = json.loads(model.metadata_props["picompile.buffers"])
