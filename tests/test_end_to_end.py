@@ -180,7 +180,7 @@ def test_run_refuses_an_artifact_larger_than_available_memory(artifacts, capsys,
     import runtime.engine
 
     _, artifact = artifacts("opt")
-    needed = runtime.artifact.host_bytes(json.loads((artifact / "manifest.json").read_text()))
+    needed = runtime.artifact.host_bytes(load_manifest(artifact))
     weights = sum(p.stat().st_size for p in (artifact / "weights").glob("*.safetensors"))
     assert needed >= weights  # every weight is a buffer the engine holds
     monkeypatch.setattr(runtime.engine, "available_memory_bytes", lambda: needed - 1)

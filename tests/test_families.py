@@ -121,8 +121,7 @@ def test_half_precision_models_compile_in_fp32(half_exports, tmp_path, precision
     if precision == "fp16":  # --weight-dtype fp16 stores the CPU's matrices in fp16: exactly the file's values
         stored = build(half, tmp_path / "f16.pic", get_target("cpu"),
                        Options(dense=True, max_context=32, weight_dtype="fp16"))
-        buffers = json.loads((stored / "manifest.json").read_text())["buffers"]
-        assert buffers["layers.0.ffn.w_up"]["dtype"] == "float16"
+        assert load_manifest(stored).buffers["layers.0.ffn.w_up"].dtype == "float16"
         assert_matches_onnxruntime(stored, rounded, decode_steps=3)
 
 

@@ -296,9 +296,9 @@ def test_avx512_kernels_run_where_the_cpu_has_them(sparse_models, tmp_path):
 
     files = sparse_models["opt"]
     artifact = sparse_build(files, tmp_path / "w.pic", all_neurons=True, cpu_isa="avx512")
-    target = json.loads((artifact / "manifest.json").read_text())["target"]
-    assert target["cpu_isa"] == "avx512" and "avx512f" in target["cpu_features"]
-    missing = missing_cpu_features(target["cpu_features"])
+    target = load_manifest(artifact).target
+    assert target.cpu_isa == "avx512" and "avx512f" in target.cpu_features
+    missing = missing_cpu_features(target.cpu_features)
     if missing:
         with pytest.raises(ArtifactError, match=missing[0]):
             Engine(artifact)
@@ -316,8 +316,8 @@ def test_default_kernels_are_the_build_machines_widest_and_avx2_is_portable(spar
     default = dense_opt_artifact  # built without --cpu-isa
     assert load_manifest(default).target.cpu_isa == host_cpu_isa().name
     portable = sparse_build(files, tmp_path / "p.pic", all_neurons=True, cpu_isa="avx2")
-    target = json.loads((portable / "manifest.json").read_text())["target"]
-    assert target["cpu_isa"] == "avx2" and not any(flag.startswith("avx512") for flag in target["cpu_features"])
+    target = load_manifest(portable).target
+    assert target.cpu_isa == "avx2" and not any(flag.startswith("avx512") for flag in target.cpu_features)
     assert_matches_onnxruntime(portable, files.onnx, decode_steps=3)
 
 

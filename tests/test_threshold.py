@@ -304,18 +304,17 @@ def test_report_of_a_threshold_build_tabulates_its_thresholds(threshold_builds, 
     """`inspect --report`: a threshold build's table holds each layer's thresholds and dropped shares (no
     GPU/CPU split or predictor columns, nothing of them to draw)."""
     import html
-    import json
 
     from picompile.cli import main
 
     artifact = threshold_builds[0.5]
-    layers = json.loads((artifact / "manifest.json").read_text())["layers"]
+    layers = load_manifest(artifact).layers
     report = tmp_path / "report.html"
     assert main(["inspect", str(artifact), "--report", str(report)]) == 0
     page = html.unescape(report.read_text())
     assert "gate/up threshold" in page and "predictor rank" not in page and "GPU neurons" not in page
     for layer in layers:
-        assert f"<td>{layer['threshold_in']:.4g}</td><td>{layer['sparsity_in']:.3f}</td>" in page
+        assert f"<td>{layer.threshold_in:.4g}</td><td>{layer.sparsity_in:.3f}</td>" in page
     assert page.count("<figure>") == 1  # the activation CDF only
 
 

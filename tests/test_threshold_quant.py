@@ -212,10 +212,10 @@ def test_int4_threshold_build_quantizes_every_matrix_and_thresholds_attention(sw
     plan = lambda op, layer, model: ({key[1]: t for key, t in attention_quantiles(model).items() if key[0] == layer}
                                      if op == "Attention" else {})  # noqa: E731
     artifact, model, stored = threshold_build(swiglu, tmp_path / "int4.pic", "int4", plan)
-    buffers = json.loads((artifact / "manifest.json").read_text())["buffers"]
+    buffers = load_manifest(artifact).buffers
     for name in MATRICES:
-        assert buffers[f"{name}.q"]["format"] == "int4", name
-        assert buffers[f"{name}.q"]["layout"] == ("quant_rows" if "layers" in name or "embed" in name else "quant_panels")
+        assert buffers[f"{name}.q"].format == "int4", name
+        assert buffers[f"{name}.q"].layout == ("quant_rows" if "layers" in name or "embed" in name else "quant_panels")
     calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
     assert {c.selection.part for c in calls if c.selection is not None} == {"up", "down", "qkv", "o"}
     assert set(stored.weights) == set(MATRICES)
