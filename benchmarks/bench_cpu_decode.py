@@ -117,8 +117,10 @@ def engine_name(kind: str, dtype: str, member: str = "") -> str:
 
 def weight_dtypes(artifact: Path) -> list[str]:
     """The element types of an artifact's weight buffers (quantized weights: their integers and scales)."""
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    return sorted({b["dtype"] for b in manifest["buffers"].values() if b["kind"] == "weight"})
+    from runtime import load_manifest
+
+    manifest = load_manifest(artifact, check_hashes=False)
+    return sorted({b.dtype for b in manifest.buffers.values() if b.kind == "weight"})
 
 
 def ort_int4_model(files, log=print) -> Path:
@@ -245,9 +247,11 @@ def placement_check(summary: dict, artifacts: dict[str, Path]) -> str:
     """Placement's own price of each artifact's decode step (the manifest's `placement.expected_step_s`, from the
     target's bandwidths and the calls' fixed costs) beside the measured speed: how far the cost model that chooses
     the plan is from the machine."""
+    from runtime import load_manifest
+
     parts = []
     for name, path in artifacts.items():
-        expected = json.loads((path / "manifest.json").read_text()).get("placement", {}).get("expected_step_s")
+        expected = load_manifest(path, check_hashes=False).placement.get("expected_step_s")
         if expected and name in summary:
             measured = summary[name]["decode_tokens_per_s"]
             parts.append(f"{name} expected {1 / expected:.1f} tok/s, measured {measured:.1f} ({measured * expected:.2f}x)")

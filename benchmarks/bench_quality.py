@@ -127,12 +127,14 @@ class Expected:
 
 def expected_quality(artifact: Path) -> Expected | None:
     """The artifact's manifest "quality" entry, None when it states none (every build made before issue 33)."""
-    quality = json.loads((Path(artifact) / "manifest.json").read_text()).get("quality")
-    if not quality:
+    from runtime.manifest import Manifest
+
+    # read as it is, not through load_manifest: older artifacts (format 1) are compared too
+    quality = Manifest.from_json(json.loads((Path(artifact) / "manifest.json").read_text())).quality
+    if quality is None:
         return None
-    budget = quality.get("budget") or {}
-    return Expected(budget.get("kind"), budget.get("value"), quality.get("ppl_change"), quality.get("kl"),
-                    quality.get("top1"), quality.get("tokens"))
+    return Expected(quality.budget.kind, quality.budget.value, quality.ppl_change, quality.kl, quality.top1,
+                    quality.tokens)
 
 
 # ------------------------------------------------------------------------------------------------ the model

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
 
     from examples.bench_decode import ensure_artifact, quality
     from passes.reference import OrtDecoder
+    from runtime import load_manifest
 
     files = model_files(args)
     reference = OrtDecoder(files.onnx)
@@ -61,9 +62,9 @@ def main(argv=None) -> int:
                 artifact = ensure_artifact(files, name, args.max_context, dense=dense, weight_dtype=dtype,
                                            quant_method=method)
                 q = quality(files, artifact, sequences=args.sequences, reference=reference)
-                manifest = json.loads((artifact / "manifest.json").read_text())
+                manifest = load_manifest(artifact, check_hashes=False)
                 rows.append({"build": "dense" if dense else "sparse", "dtype": dtype, "method": method,
-                             "weight_error": manifest["quantization"]["mean_relative_error"], **q})
+                             "weight_error": manifest.quantization.mean_relative_error, **q})
                 print(f"{name}: KL {q['kl_mean']:.3e}, top-1 {q['top1_agreement']:.3f}, "
                       f"ppl {q['ppl_compiled']:.3f} (reference {q['ppl_reference']:.3f})", flush=True)
     print(f"\n{files.dir.name}, {rows[0]['positions']} positions of {args.sequences} held-out sequences")

@@ -110,6 +110,7 @@ def main(argv=None) -> int:
     from examples.bench_decode import ensure_artifact, machine, quality, record
     from examples.models import cached_model
     from passes.reference import OrtDecoder
+    from runtime import load_manifest
 
     files = cached_model("llama", preset=args.preset, hidden_act="silu", log=print)
     params = json.loads(files.config.read_text())["num_params"]
@@ -121,10 +122,10 @@ def main(argv=None) -> int:
                                                 weight_dtype=args.weight_dtype, rebuild=args.rebuild)
     builds = {}
     for name, path in artifacts.items():
-        layers = json.loads((path / "manifest.json").read_text()).get("layers", [])
+        layers = load_manifest(path, check_hashes=False).layers
         if layers:
-            mean = lambda key: sum(layer[key] for layer in layers) / len(layers)  # noqa: E731
-            builds[name] = f"{mean('sparsity_in'):.3f}, {mean('sparsity_down'):.3f}"
+            builds[name] = (f"{sum(layer.sparsity_in for layer in layers) / len(layers):.3f}, "
+                            f"{sum(layer.sparsity_down for layer in layers) / len(layers):.3f}")
     print(f"evaluating {len(artifacts)} artifacts against onnxruntime on {args.sequences} held-out sequences")
     reference = OrtDecoder(files.onnx)
     qualities = {name: quality(files, path, args.sequences, reference=reference) for name, path in artifacts.items()}

@@ -173,15 +173,15 @@ def quality(files, artifact: Path, sequences: int = 4, reference=None) -> dict:
     engine = Engine(artifact)
     report = evaluate(engine, reference or OrtDecoder(files.onnx), read_tokens(files.heldout)[:sequences])
     report["ppl_change"] = report["ppl_compiled"] / report["ppl_reference"] - 1.0
-    expected = engine.manifest.get("quality")
-    if expected:  # what the build's quality pass expected on its held-out calibration tokens
-        report.update(expected_ppl_change=expected["ppl_change"], expected_kl=expected["kl"])
-    layers = engine.manifest.get("layers", [])
-    if layers and "predictor_recall" in layers[0]:
-        report["recall_min"] = min(layer["predictor_recall"] for layer in layers)
-        report["recall_mean"] = sum(layer["predictor_recall"] for layer in layers) / len(layers)
-        report["precision_mean"] = sum(layer.get("predictor_precision", 0.0) for layer in layers) / len(layers)
-        report["predicted_active_mean"] = sum(layer["predictor_active"] for layer in layers) / len(layers)
+    expected = engine.manifest.quality
+    if expected is not None:  # what the build's quality pass expected on its held-out calibration tokens
+        report.update(expected_ppl_change=expected.ppl_change, expected_kl=expected.kl)
+    layers = engine.manifest.layers
+    if layers and layers[0].predictor_recall is not None:
+        report["recall_min"] = min(layer.predictor_recall for layer in layers)
+        report["recall_mean"] = sum(layer.predictor_recall for layer in layers) / len(layers)
+        report["precision_mean"] = sum(layer.predictor_precision or 0.0 for layer in layers) / len(layers)
+        report["predicted_active_mean"] = sum(layer.predictor_active for layer in layers) / len(layers)
     del engine
     gc.collect()  # a 1B engine holds GBs: free it before the next one loads
     return report

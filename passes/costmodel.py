@@ -18,6 +18,7 @@ import numpy as np
 
 from runtime.calls import Access, Call, Role, decode_weight_reads, schedule_calls
 from runtime.dtypes import itemsize, nbytes
+from runtime.manifest import Buffer, LayerReport, Manifest
 
 from .placement import Block, Ffn
 from .targets import Target
@@ -150,10 +151,11 @@ class Estimate:
 
 
 # a threshold call's part -> the layer report's held-out share of its inputs dropped (lower's report)
-THRESHOLD_SPARSITY = {"up": "sparsity_in", "down": "sparsity_down", "qkv": "sparsity_qkv", "o": "sparsity_o"}
+THRESHOLD_SPARSITY = {"up": lambda layer: layer.sparsity_in, "down": lambda layer: layer.sparsity_down,
+                      "qkv": lambda layer: layer.sparsity_qkv, "o": lambda layer: layer.sparsity_o}
 
 
-def expected_share(call: Call, layers: dict[int, dict]) -> float:
+def expected_share(call: Call, layers: dict[int, LayerReport]) -> float:
     """The expected share of a sparse call's selectable entries its decode step reads: the inputs a
     threshold keeps on held-out tokens, or the predicted-active neurons divided between the parts by their
     share of the profiled activations."""
@@ -161,35 +163,37 @@ def expected_share(call: Call, layers: dict[int, dict]) -> float:
     if selection is None or layer is None:
         return 1.0
     if selection.by == "threshold":
-        return 1.0 - layer.get(THRESHOLD_SPARSITY[selection.part], 0.0)
-    if "predictor_active" not in layer:
+        dropped = THRESHOLD_SPARSITY[selection.part](layer)
+        return 1.0 - (0.0 if dropped is None else dropped)
+    if layer.predictor_active is None:
         return 1.0
-    total = layer["gpu_neurons"] + layer["cpu_neurons"]
+    total = layer.gpu_neurons + layer.cpu_neurons
     hot = selection.part == "gpu"
-    rows = layer["gpu_neurons"] if hot else layer["cpu_neurons"]
-    share = layer.get("gpu_activation_share", 0.0) if hot else 1.0 - layer.get("gpu_activation_share", 0.0)
-    return min(1.0, layer["predictor_active"] * total * share / max(rows, 1))
+    rows = layer.gpu_neurons if hot else layer.cpu_neurons
+    hot_share = 0.0 if layer.gpu_activation_share is None else layer.gpu_activation_share
+    share = hot_share if hot else 1.0 - hot_share
+    return min(1.0, layer.predictor_active * total * share / max(rows, 1))
 
 
-def weight_bytes(call: Call, buffers: dict, selected: float = 0.0, nonzero: float = 0.0) -> float:
+def weight_bytes(call: Call, buffers: dict[str, Buffer], selected: float = 0.0, nonzero: float = 0.0) -> float:
     """The weight bytes a decode call reads when its selection lets `selected` entries through, `nonzero` of
     them with a non-zero hidden value: the same facts the runtime counts with."""
     reads = decode_weight_reads(call, buffers)
     return reads.fixed + selected * reads.per_selected + nonzero * reads.per_nonzero
 
 
-def _context_bytes(call: Call, buffers: dict) -> float:
+def _context_bytes(call: Call, buffers: dict[str, Buffer]) -> float:
     """The KV cache an attention call reads: its cached positions, up to CONTEXT."""
     total = 0.0
     for arg in call.args:
         if arg.access is Access.CONTEXT:
             info = buffers[arg.buffer]
-            max_context = info["shape"][1]
-            total += nbytes(info["shape"], info["dtype"]) * min(CONTEXT, max_context) / max_context
+            max_context = info.shape[1]
+            total += nbytes(info.shape, info.dtype) * min(CONTEXT, max_context) / max_context
     return total
 
 
-def call_seconds(call: Call, buffers: dict, layers: dict[int, dict], target: Target) -> float:
+def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, LayerReport], target: Target) -> float:
     """One decode call: the bytes it reads over its device's bandwidth, plus its fixed cost."""
     if call.role is Role.COPY:
         return copy_seconds(target, _row_bytes(buffers, call.reads()[0]))
@@ -199,9 +203,9 @@ def call_seconds(call: Call, buffers: dict, layers: dict[int, dict], target: Tar
     return read / bandwidth + launch_seconds(call.device)
 
 
-def _row_bytes(buffers: dict, name: str) -> int:
+def _row_bytes(buffers: dict[str, Buffer], name: str) -> int:
     info = buffers[name]
-    return itemsize(info["dtype"]) * info["shape"][-1]
+    return itemsize(info.dtype) * info.shape[-1]
 
 
 def step_seconds(calls: list[Call], edges: list[dict], seconds: dict[str, float]) -> float:
@@ -226,7 +230,7 @@ def step_seconds(calls: list[Call], edges: list[dict], seconds: dict[str, float]
     return sum(dag.nodes[n]["seconds"] for n in path)
 
 
-def _dense_layer_bytes(calls: list[Call], buffers: dict) -> tuple[dict[int, int], int]:
+def _dense_layer_bytes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[dict[int, int], int]:
     """Bytes of every weight a dense build would stream per token: per layer, and outside layers.
     Predictors do not exist in a dense build; sparse parts count in full; the embedding's gather is free."""
     per_layer: dict[int, int] = {}
@@ -237,10 +241,10 @@ def _dense_layer_bytes(calls: list[Call], buffers: dict) -> tuple[dict[int, int]
             continue
         for name in call.buffers():
             info = buffers.get(name)
-            if name in seen or info is None or info["kind"] != "weight":
+            if name in seen or info is None or info.kind != "weight":
                 continue
             seen.add(name)
-            size = nbytes(info["shape"], info["dtype"])
+            size = nbytes(info.shape, info.dtype)
             if call.layer is None:
                 outside += size
             else:
@@ -248,12 +252,12 @@ def _dense_layer_bytes(calls: list[Call], buffers: dict) -> tuple[dict[int, int]
     return per_layer, outside
 
 
-def estimate(manifest: dict, schedule: dict, target: Target) -> Estimate:
+def estimate(manifest: Manifest, schedule: dict, target: Target) -> Estimate:
     """The artifact's expected decode: its schedule's critical path, and the CPU-only dense baseline from the same
     byte counts. Layer offload's is the placement report's (partition priced it with the program's own costs: the
     one like-for-like comparison); None where the build placed nothing (CPU targets, threshold mode)."""
-    buffers = manifest["buffers"]
-    by_layer = {layer["layer"]: layer for layer in manifest.get("layers", [])}
+    buffers = manifest.buffers
+    by_layer = {layer.layer: layer for layer in manifest.layers}
     calls = schedule_calls(schedule)
     decode = [call for call in calls if call.decode]
     seconds = {call.id: call_seconds(call, buffers, by_layer, target) for call in decode}
@@ -266,7 +270,7 @@ def estimate(manifest: dict, schedule: dict, target: Target) -> Estimate:
     per_layer, outside = _dense_layer_bytes(calls, buffers)
     overhead = sum(1 for call in decode if call.role not in (Role.PREDICTOR, Role.COPY)) * launch_seconds("cpu")
     cpu_only = (sum(per_layer.values()) + outside) / (target.cpu_bandwidth_gbs * 1e9) + overhead
-    placement = manifest.get("placement", {})
+    placement = manifest.placement
     offload, offloaded = None, 0
     if target.has_gpu and placement.get("layer_offload_step_s"):
         offload, offloaded = 1.0 / placement["layer_offload_step_s"], placement["layer_offload_layers"]
@@ -278,7 +282,7 @@ def byte_disagreements(engine) -> list[str]:
     bound steps read the count and hidden buffers the kernels wrote), differ from this model's for the same
     selections: the check that both read the calls' facts alike. Call it right after a one-token forward."""
     calls = {call.id: call for call in engine.calls}
-    buffers = engine.manifest["buffers"]
+    buffers = engine.manifest.buffers
     wrong = []
     for step in engine.decode_steps:
         call = calls[step.name]

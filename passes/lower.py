@@ -48,10 +48,21 @@ from .partition import PARTITIONED
 from .predict import PREDICTORS
 from .recognise import BLOCKS
 from .threshold import KEEP_ALL
+from runtime.manifest import LayerReport
 
 ALL_NEURONS = -3.0e38  # a threshold every score passes
+LAYERS_KEY = "picompile.layers"  # metadata: the per-layer report (runtime.manifest.LayerReport, one per layer)
 STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
          "predictor_precision", "predictor_active")
+
+
+def attach_layers(model: ir.Model, layers: list[LayerReport]) -> None:
+    model.metadata_props[LAYERS_KEY] = json.dumps([layer.to_json() for layer in layers])
+
+
+def layers_of(model: ir.Model) -> list[LayerReport]:
+    """The lower pass's per-layer report ([] where it did not run: a dense build)."""
+    return [LayerReport.from_json(layer) for layer in json.loads(model.metadata_props.get(LAYERS_KEY, "[]"))]
 
 
 def _rows(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
@@ -70,7 +81,7 @@ class LowerThresholded:
         attention = {Attention(node).layer: node for node in Attention.nodes(model)}
         report = [self._lower_one(graph, node, attention.get(FFN(node).layer)) for node in FFN.nodes(model)]
         pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
-        model.metadata_props["picompile.layers"] = json.dumps(report)
+        attach_layers(model, [LayerReport(**r) for r in report])
         dense = [r["layer"] for r in report if r.get("ffn") == "dense"]
         ctx.log(f"lower: {len(report) - len(dense)} threshold FFNs"
                 f"{f'; {len(dense)} dense (layers {dense})' if dense else ''}")
@@ -141,7 +152,7 @@ class LowerPredicted:
                     report.append(self._keep_dense(node, dense))
                     ctx.log(f"lower: layer {report[-1]['layer']} FFN stays dense: {dense}")
         pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
-        model.metadata_props["picompile.layers"] = json.dumps(report)
+        attach_layers(model, [LayerReport(**r) for r in report])
         gpu = sum(r["gpu_neurons"] for r in report)
         total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)
         dense = [r["layer"] for r in report if r.get("ffn") == "dense"]

@@ -4,7 +4,7 @@ Reads: the block IR (after fuse; in predictor mode after lower: `picompile.Spars
 "gpu"/"cpu"), partition's plan (`picompile.placement` metadata's `plan`: the embedding's, each layer's attention block's
 and the output layer's device, each FFN's `placed`), the target and the budget.
 Adds: the device ("cpu" or "gpu") of every node, in its `picompile.device` metadata (standard ONNX ops
-may not carry foreign attributes; `device_of` reads it), and `picompile.devices` (a JSON summary: the rule, the
+may not carry foreign attributes; `device_of` reads it), and `picompile.devices` (a `Devices`: the rule, the
 layers with a block on the GPU and, for layer offload, the model's and the budget's bytes) that `inspect` and
 `-v` show.
 
@@ -33,7 +33,16 @@ from .recognise import BLOCKS
 from .sizes import gpu_bytes, kv_cache_bytes
 from .targets import format_size
 
+from runtime.manifest import Devices
+
 DEVICE_KEY = "picompile.device"
+DEVICES_KEY = "picompile.devices"  # metadata: the rule (runtime.manifest.Devices)
+
+
+def devices_of(model: ir.Model) -> Devices | None:
+    """The place pass's rule (None where it did not run)."""
+    text = model.metadata_props.get(DEVICES_KEY)
+    return None if text is None else Devices.from_json(json.loads(text))
 
 
 def device_of(node: ir.Node) -> str:
@@ -72,7 +81,7 @@ class Place:
             devices, summary = self._layer_offload(model.graph, nodes, ctx)
         for node, device in devices.items():
             node.metadata_props[DEVICE_KEY] = device
-        model.metadata_props["picompile.devices"] = json.dumps(summary, sort_keys=True)
+        model.metadata_props[DEVICES_KEY] = json.dumps(Devices(**summary).to_json())
         on_gpu = sum(1 for device in devices.values() if device == "gpu")
         ctx.log(f"place: {on_gpu} of {len(nodes)} blocks on the GPU ({summary['rule']})")
         return PassResult(model, modified=True)

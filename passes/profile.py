@@ -11,7 +11,7 @@ pass alone); the build's `max_context` (`ctx.build`: sequences are cut to min(ma
 Adds per FFN layer: an initializer `layers.{i}.ffn.frequency` (float32 [ffn]: fraction of calibration
 tokens on which each neuron was active) and float attributes `sparsity`, `skewness` (of the frequency
 distribution) and `hot80_share` (the share of neurons that carry 80% of all activations); on the model,
-`metadata_props["picompile.calibration"]` (JSON: tokens profiled, given, sampled, wanted). The FFN inputs and
+`metadata_props["picompile.calibration"]` (a `Calibration`: tokens profiled, given, sampled, wanted). The FFN inputs and
 activity masks, too large to hold (every calibration token is profiled), are spilled per layer into files
 in the workdir as they come out of onnxruntime and ride on the IR's `meta` as one `ProfiledActivations` of
 memory maps, for the predict and threshold passes. The activation CDF per layer is plotted into the
@@ -41,6 +41,7 @@ from .reference import OrtDecoder
 from .tokenizer import TokenizerFiles
 from .tokens import read_calibration
 from runtime.artifact import first_line
+from runtime.manifest import Calibration
 
 from .import_onnx import source_file
 from .layer_reference import layer_cuts, lifted_layer_inputs, needs_layers, run_layers
@@ -48,6 +49,13 @@ from .recognise import BLOCKS, source_model
 
 PROFILED = "picompile.profiled_activations"  # the IR's `meta` entry
 SEQUENCES = "picompile.calibration_sequences"  # the IR's `meta` entry
+CALIBRATION_KEY = "picompile.calibration"  # metadata: what was profiled (runtime.manifest.Calibration)
+
+
+def calibration_of(model: ir.Model) -> Calibration | None:
+    """What the profile pass ran (None where it did not run: a dense build)."""
+    text = model.metadata_props.get(CALIBRATION_KEY)
+    return None if text is None else Calibration.from_json(json.loads(text))
 
 
 @dataclass
@@ -346,10 +354,10 @@ class Profile:
         CalibrationSequences(sequences).attach(model)
         tokens = sum(len(s) for s in sequences)
         self._report(ctx, given_tokens, tokens, samples, length, seconds, width, needed)
-        calibration = {"tokens": tokens, "given_tokens": given_tokens,  # inspect shows what the fits had
-                       "source": str(self.calib) if self.calib else "random tokens", "sampled_sequences": samples,
-                       "sequence_tokens": length, "sample_seconds": round(seconds, 3), "wanted_tokens": needed}
-        model.metadata_props["picompile.calibration"] = json.dumps(calibration)
+        calibration = Calibration(tokens=tokens, given_tokens=given_tokens,  # inspect shows what the fits had
+                                  source=str(self.calib) if self.calib else "random tokens", sampled_sequences=samples,
+                                  sequence_tokens=length, wanted_tokens=needed)
+        model.metadata_props[CALIBRATION_KEY] = json.dumps(calibration.to_json())
         if not self.activations:
             ctx.log(f"profile: {tokens} tokens, {len(sequences)} sequences (the model is run by the passes after)")
             return PassResult(model, modified=True)

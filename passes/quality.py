@@ -7,7 +7,7 @@ weights), the calibration sequences the profile pass ran (`CalibrationSequences`
 Adds: on each FFN `threshold_in` / `threshold_down` and on each Attention `threshold_qkv` / `threshold_o`
 (`KEEP_ALL` where the input stays dense), with `sparsity_*`, the share each drops on held-out tokens; the
 per-matrix formats (`WeightPlan`, which the quantize pass stores) and what the build expects eval to measure
-(`ExpectedQuality`, carried into the manifest and printed by `build`).
+(`ExpectedQuality`, the manifest's type, carried into it and printed by `build`).
 
 How (TEAL's greedy allocation, priced by the cost model, checked end to end):
 1. Knobs. Every linear input of every block (qkv, o, the FFN's gate/up and down) may drop its inputs below a
@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -52,6 +52,7 @@ from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
 from .targets import CpuIsa
 from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
+from runtime.manifest import ExpectedQuality
 
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant
 from .kernels import quant
@@ -103,35 +104,10 @@ class WeightPlan(ModelFact):
         return cls({})
 
 
-@dataclass(frozen=True)
-class ExpectedQuality:
-    """What the build expects `eval` to measure against the source model, on held-out calibration tokens."""
-
-    budget: QualityBudget
-    ppl_change: float
-    kl: float
-    top1: float
-    tokens: int
-    met: bool
-    plan: str  # what was chosen, one line
-    gave_up: str  # what the budget cost, one line ("" where nothing)
-    seconds: float  # the measuring's share of the build
-
-    def attach(self, model: ir.Model) -> None:
-        model.metadata_props[QUALITY_KEY] = json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ExpectedQuality":
-        return cls(**{**data, "budget": QualityBudget(**data["budget"])})
-
-    @classmethod
-    def of(cls, model: ir.Model) -> "ExpectedQuality | None":
-        text = model.metadata_props.get(QUALITY_KEY)
-        return None if text is None else cls.from_json(json.loads(text))
-
-    def line(self) -> str:
-        return (f"expected quality: ppl {self.ppl_change * 100:+.1f}% (budget {self.budget.describe()}), KL "
-                f"{self.kl:.4f}, top-1 {self.top1:.2f} on {self.tokens:,} held-out calibration tokens")
+def quality_of(model: ir.Model) -> ExpectedQuality | None:
+    """What the quality pass expects eval to measure (None where it did not run)."""
+    text = model.metadata_props.get(QUALITY_KEY)
+    return None if text is None else ExpectedQuality.from_json(json.loads(text))
 
 
 @dataclass
@@ -256,11 +232,10 @@ class QualityPlan:
         met = budget.met_by(found.ppl_change, found.kl)
         gave_up = _gave_up(knobs, state, start, moves, steps, met, budget)
         expected = ExpectedQuality(budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
-                                   _describe_plan(knobs, state, plan), gave_up,
-                                   round(time.perf_counter() - started, 2))
-        expected.attach(model)
+                                   _describe_plan(knobs, state, plan), gave_up)
+        model.metadata_props[QUALITY_KEY] = json.dumps(expected.to_json())
         ctx.log(f"quality: {expected.plan}")
-        ctx.log(f"quality: {expected.line()}; measured in {expected.seconds:.1f}s")
+        ctx.log(f"quality: {expected.line()}; measured in {round(time.perf_counter() - started, 2):.1f}s")
         if expected.gave_up:
             (ctx.log if met else ctx.warn)(f"quality: {expected.gave_up}")
         return PassResult(model, modified=True)

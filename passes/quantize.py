@@ -52,6 +52,7 @@ from . import ir as pir
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
 from runtime.dtypes import QUANT_BLOCK, QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
+from runtime.manifest import Quantization
 
 from .awq import AwqReport
 from .quality import WeightPlan
@@ -78,7 +79,7 @@ THRESHOLDED: dict[str, tuple[tuple[int, str], ...]] = {
     "Attention": ((4, "threshold_qkv"), (6, "threshold_o")),  # w_qkv, w_o: [K, N]; absent attributes: dense
 }
 PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in PREDICTOR_FORMAT
-QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored, for inspect and -v
+QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored (runtime.manifest.Quantization)
 _ONNX_TYPES = {(8, False): (ir.DataType.INT8, np.int8), (4, False): (ir.DataType.INT4, ml_dtypes.int4),
                (4, True): (ir.DataType.UINT4, ml_dtypes.uint4)}  # (bits, has_min) -> the values' types
 
@@ -201,20 +202,20 @@ class Quantize:
             return PassResult(model, modified=False)
         method = "rtn" if source is not None or not fmt.quantized else self.method
         blocked = fmt if fmt.quantized else PREDICTOR_FORMAT
-        summary = {"format": blocked.name, "method": method, "block": blocked.block,
-                   "scale_dtype": blocked.scale_dtype, "matrices": len(done),
-                   "scope": "weights" if fmt.quantized else "predictors",
-                   "weights": stored, "float32_bytes": floats, "bytes": int(quantized_bytes),
-                   "mean_relative_error": float(np.mean(errors)) if errors else 0.0, "kept_in_floats": kept,
-                   "exact_matrices": exact_matrices, "planned_floats": planned_floats,
-                   "planned_formats": planned_formats, "source_blocks_rerounded": rerounded,
-                   "source_floats_kept": foreign, "source_formats_kept": moved,
-                   "channel_scales": channel_scales.to_json() if (channel_scales := AwqReport.of(model)) else {}}
-        model.metadata_props[QUANTIZED_KEY] = json.dumps(summary)
-        ctx.log(f"quantize: {len(done)} {summary['scope'][:-1]} matrices to {blocked.name} ({method}, blocks of "
+        summary = Quantization(format=blocked.name, method=method, block=blocked.block,
+                               scale_dtype=blocked.scale_dtype, matrices=len(done),
+                               scope="weights" if fmt.quantized else "predictors",
+                               weights=stored, float32_bytes=floats, bytes=int(quantized_bytes),
+                               mean_relative_error=float(np.mean(errors)) if errors else 0.0, kept_in_floats=kept,
+                               exact_matrices=exact_matrices, planned_floats=planned_floats,
+                               planned_formats=planned_formats, source_blocks_rerounded=rerounded,
+                               source_floats_kept=foreign, source_formats_kept=moved,
+                               channel_scales=channel_scales.to_json() if (channel_scales := AwqReport.of(model)) else {})
+        model.metadata_props[QUANTIZED_KEY] = json.dumps(summary.to_json())
+        ctx.log(f"quantize: {len(done)} {summary.scope[:-1]} matrices to {blocked.name} ({method}, blocks of "
                 f"{blocked.block}, {blocked.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
-                f"{summary['mean_relative_error']:.4f}"
+                f"{summary.mean_relative_error:.4f}"
                 f"{(f'; the model{chr(39)}s own blocks kept exactly in {exact_matrices}' if exact_matrices else '') if exact else ''}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}"
                 f"{''.join(f'; {n} in {name} by the quality plan' for name, n in planned_formats.items())}"
@@ -360,6 +361,12 @@ def _source_group(source: SourceQuantization) -> int:
 
 def _names(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def quantization_of(model: ir.Model) -> Quantization | None:
+    """What the quantize pass stored (None where it stored nothing)."""
+    text = model.metadata_props.get(QUANTIZED_KEY)
+    return None if text is None else Quantization.from_json(json.loads(text))
 
 
 def _relative_error(w: np.ndarray, approx: np.ndarray) -> float:

@@ -3,7 +3,7 @@
 Reads: the `picompile.FFN` nodes' `activation` attribute, its fields `requested` (--sparsity-mode: "auto",
 "predictor", "threshold") and `sparsity` (--sparsity), and whether the target has a GPU. Adds: a `Sparsity`
 (mode, sparsity, reason) as JSON in the graph's `metadata_props["picompile.sparsity"]`, a fact about the
-model: `picompile.compiler` reads the mode there (`Sparsity.of`) to choose the passes that follow, the
+model: `picompile.compiler` reads the mode there (`sparsity_of`) to choose the passes that follow, the
 threshold pass its sparsity, and the artifact's manifest carries it (`build` prints the reason).
 
 The rule of "auto": a ReLU FFN outputs exact zeros for most neurons, so a predictor can skip whole neurons
@@ -16,7 +16,7 @@ its predictors would let every neuron through.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
@@ -26,6 +26,7 @@ from .pipeline import Fact
 from .recognise import BLOCKS
 from .errors import UserError
 from .pipeline import Context, Options
+from runtime.manifest import Sparsity
 
 MODES = ("auto", "predictor", "threshold")
 PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn
@@ -34,28 +35,15 @@ KEY = "picompile.sparsity"  # the metadata_props entry
 SPARSITY_MODE = Fact("the sparsity mode", "sparsity", lambda model: KEY in model.metadata_props)
 
 
-@dataclass(frozen=True)
-class Sparsity:
-    """How decode skips FFN work in this model."""
+def attach(model: ir.Model, sparsity: Sparsity) -> None:
+    model.metadata_props[KEY] = json.dumps(sparsity.to_json())
 
-    mode: str  # "predictor" or "threshold"
-    sparsity: float | None  # threshold mode with --sparsity: the share of each FFN input dropped; else None
-    reason: str  # why this mode (what `build` prints)
 
-    def attach(self, model: ir.Model) -> None:
-        model.metadata_props[KEY] = json.dumps(asdict(self))
-
-    @classmethod
-    def of(cls, model: ir.Model) -> "Sparsity":
-        if KEY not in model.metadata_props:
-            raise ValueError("the IR has no sparsity mode (run the sparsity pass first)")
-        return cls(**json.loads(model.metadata_props[KEY]))
-
-    def describe(self) -> str:
-        """One line: the mode, its sparsity (threshold mode) and why."""
-        level = (f" at {self.sparsity:.2f}" if self.sparsity is not None else
-                 " (a level per linear input, within the quality budget)" if self.mode == "threshold" else "")
-        return f"{self.mode} mode{level} ({self.reason})"
+def sparsity_of(model: ir.Model) -> Sparsity:
+    """The mode the sparsity pass decided (the type is the manifest's: runtime.manifest.Sparsity)."""
+    if KEY not in model.metadata_props:
+        raise ValueError("the IR has no sparsity mode (run the sparsity pass first)")
+    return Sparsity.from_json(json.loads(model.metadata_props[KEY]))
 
 
 @dataclass
@@ -96,6 +84,6 @@ class SparsityMode:
                             f"{ctx.target.name} has a GPU: build with --target cpu, or --dense")
         sparsity = None if self.sparsity is None else float(self.sparsity)
         decided = Sparsity(mode, sparsity, why)
-        decided.attach(model)
+        attach(model, decided)
         ctx.log(f"sparsity: {decided.describe()}")
         return PassResult(model, modified=True)

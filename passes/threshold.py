@@ -1,6 +1,6 @@
 """threshold: calibrate TEAL-style magnitude thresholds on the inputs of each FFN's projections.
 
-Runs in threshold mode. Reads: the sparsity s the sparsity pass recorded on the IR (`Sparsity.of`), the
+Runs in threshold mode. Reads: the sparsity s the sparsity pass recorded on the IR (`sparsity_of`), the
 profiled FFN inputs (`ProfiledActivations`: per layer [tokens, d_model], the normed x the gate and up
 projections read) and the `picompile.FFN` nodes' weights (w_up [D, F] or [D, 2F] gate then up, b_up),
 `activation` and `gated`. It has no fields: s is recorded once, on the IR, by the sparsity pass.
@@ -31,7 +31,7 @@ from .pipeline import Context
 
 from .predict import HOLDOUT, _training_tokens  # the predictors' split of the profiled tokens
 from .profile import ProfiledActivations
-from .sparsity_mode import Sparsity
+from .sparsity_mode import sparsity_of
 
 from .ops import FFN, KEEP_ALL  # KEEP_ALL: a threshold every magnitude passes (|v| > -1)
 from .profile import PROFILED_ACTIVATIONS
@@ -89,7 +89,7 @@ class Threshold:
     requires = (SPARSITY_MODE, PROFILED_ACTIVATIONS)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        sparsity = float(Sparsity.of(model).sparsity)
+        sparsity = float(sparsity_of(model).sparsity)
         profiled = ProfiledActivations.of(model)
         found = []
         for node in sorted(FFN.nodes(model), key=lambda n: FFN(n).layer):

@@ -37,6 +37,7 @@ from passes.select_kernels import BatchPhase
 from runtime import dtypes
 from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
 from runtime.calls import schedule_calls
+from runtime.manifest import IO, Buffer, BuildOptions, Manifest, ModelFacts, TargetFacts, TokenizerListing
 from runtime.text import TOKENIZER_DIR
 
 from . import __version__
@@ -60,11 +61,18 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
             f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
 
 
-def _model_facts(buffers: dict, schedule: dict, max_batch: int) -> dict:
+def _model_facts(buffers: dict, schedule: dict, max_batch: int, source: Path | None) -> ModelFacts:
     logits = buffers["logits"]["shape"]
     caches = sorted(b for b in buffers if buffers[b]["kind"] == "cache")
-    return {"vocab_size": logits[1], "max_context": logits[0], "num_layers": len(caches) // 2,
-            "num_calls": len(schedule["nodes"]), "max_batch": max_batch}
+    return ModelFacts(vocab_size=logits[1], max_context=logits[0], num_layers=len(caches) // 2,
+                      num_calls=len(schedule["nodes"]), max_batch=max_batch, source=str(source) if source else None)
+
+
+def _placement(model: ir.Model) -> dict:
+    """The partition pass's report, less its wall time (the same build gives the same manifest; -v prints it)."""
+    report = json.loads(model.metadata_props.get("picompile.placement", "{}"))
+    report.pop("solve_time_s", None)
+    return report
 
 
 def _weights_by_device(schedule: dict, buffers: dict) -> dict[str, list[str]]:
@@ -97,6 +105,15 @@ def check_output(output: Path) -> None:
 
 
 def write(model: ir.Model, ctx: Context, output: Path, options: Options, source: Path | None = None) -> Path:
+    # the passes' facts the manifest carries (imported here: `inspect --report` imports this module for
+    # current_umask, and must not load torch with the quality pass)
+    from passes.lower import layers_of
+    from passes.place import devices_of
+    from passes.profile import calibration_of
+    from passes.quality import quality_of
+    from passes.quantize import quantization_of
+    from passes.sparsity_mode import KEY as SPARSITY_KEY, sparsity_of
+
     check_output(output)
     cpu_isa = ctx.build.cpu_isa
     buffers, schedule = Buffers.of(model).entries, CallSchedule.of(model).node_link
@@ -121,31 +138,30 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             for name in options.tokenizer.names:
                 shutil.copyfile(options.tokenizer.directory / name, staging / TOKENIZER_DIR / name)
         files = {str(p.relative_to(staging)): sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "picompile_version": __version__,
-            "target": {"name": ctx.target.name, "cpu_isa": cpu_isa.name, "cpu_features": list(cpu_isa.features),
-                       "cuda_arch": ctx.target.cuda_arch},
-            "model": {**_model_facts(buffers, schedule, BatchPhase.of(model).max_batch),
-                      "source": str(source) if source else None},
-            "options": {"dense": options.dense, "max_context": options.max_context, "weight_dtype": options.weight_dtype},
-            "sparsity": json.loads(model.metadata_props.get("picompile.sparsity", "{}")),
-            "io": {"inputs": ["input_ids", "start"], "outputs": ["logits"]},
-            "buffers": buffers,
-            "layers": json.loads(model.metadata_props.get("picompile.layers", "[]")),
-            "calibration": json.loads(model.metadata_props.get("picompile.calibration", "{}")),
-            "quantization": json.loads(model.metadata_props.get("picompile.quantized", "{}")),
-            "quality": json.loads(model.metadata_props.get("picompile.quality", "null")),
-            "placement": json.loads(model.metadata_props.get("picompile.placement", "{}")),
-            "devices": json.loads(model.metadata_props.get("picompile.devices", "{}")),
-            "tokenizer": ({"source": str(options.tokenizer.directory),
-                           "files": [f"{TOKENIZER_DIR}/{name}" for name in options.tokenizer.names]}
-                          if options.tokenizer is not None else None),
-            "files": files,
-        }
-        manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target))
-        (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest), indent=1))
+        manifest = Manifest(
+            format=FORMAT,
+            format_version=FORMAT_VERSION,
+            picompile_version=__version__,
+            target=TargetFacts(name=ctx.target.name, cpu_isa=cpu_isa.name, cpu_features=list(cpu_isa.features),
+                               cuda_arch=ctx.target.cuda_arch),
+            model=_model_facts(buffers, schedule, BatchPhase.of(model).max_batch, source),
+            options=BuildOptions(dense=options.dense, max_context=options.max_context, weight_dtype=options.weight_dtype),
+            sparsity=sparsity_of(model) if SPARSITY_KEY in model.metadata_props else None,
+            io=IO(inputs=["input_ids", "start"], outputs=["logits"]),
+            buffers={name: Buffer.from_json(info) for name, info in buffers.items()},
+            layers=layers_of(model),
+            calibration=calibration_of(model),
+            quantization=quantization_of(model),
+            quality=quality_of(model),
+            placement=_placement(model),
+            devices=devices_of(model),
+            tokenizer=(TokenizerListing(source=str(options.tokenizer.directory),
+                                        files=[f"{TOKENIZER_DIR}/{name}" for name in options.tokenizer.names])
+                       if options.tokenizer is not None else None),
+            files=files,
+        )
+        manifest.estimate = asdict(costmodel.estimate(manifest, schedule, ctx.target))
+        (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest.to_json()), indent=1))
         _replace_dir(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

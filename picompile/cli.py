@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from passes.errors import PassError, UserError
+from runtime.manifest import Manifest
 from passes.targets import CPU_ISAS
 from runtime.dtypes import AUTO_WEIGHT_DTYPE, QUANT_METHODS, WEIGHT_FORMATS
 
@@ -188,10 +189,10 @@ def _sampling_arguments(command, default_tokens: int = 32) -> None:
 
 
 def _quality_budget(text: str):
-    from passes.budget import QualityBudget
+    from passes.budget import parse_budget
 
     try:
-        return QualityBudget.parse(text)
+        return parse_budget(text)
     except UserError as error:
         raise argparse.ArgumentTypeError(str(error).removeprefix("--max-quality-loss ")) from None
 
@@ -234,17 +235,15 @@ def _build(args) -> int:
         return 0
     from passes.costmodel import Estimate
 
-    manifest = json.loads((output / "manifest.json").read_text())
-    if manifest.get("sparsity"):
-        from passes.sparsity_mode import Sparsity
+    from runtime import load_manifest
 
-        print(f"sparsity: {Sparsity(**manifest['sparsity']).describe()}")
-    for line in Estimate(**manifest["estimate"]).lines(target):
+    manifest = load_manifest(output, check_hashes=False)  # just written
+    if manifest.sparsity is not None:
+        print(f"sparsity: {manifest.sparsity.describe()}")
+    for line in Estimate(**manifest.estimate).lines(target):
         print(line)
-    if manifest.get("quality"):
-        from passes.quality import ExpectedQuality
-
-        print(ExpectedQuality.from_json(manifest["quality"]).line())
+    if manifest.quality is not None:
+        print(manifest.quality.line())
     return 0
 
 
@@ -447,20 +446,19 @@ def _eval(args) -> int:
                 report.update({f"{name}.{key}": value for key, value in found.items()
                                if key in ("kl_mean", "top1_agreement", "max_abs_logit_diff", "ppl_compiled")})
     report["ppl_change"] = report["ppl_compiled"] / report["ppl_reference"] - 1.0
-    expected = engine.manifest.get("quality")
-    if expected:  # what the build measured on its held-out calibration tokens, to set beside what eval measures
-        report.update(expected_ppl_change=expected["ppl_change"], expected_kl=expected["kl"],
-                      expected_top1=expected["top1"])
-    sparsity = engine.manifest.get("sparsity", {})
-    if sparsity:
-        report["sparsity_mode"] = sparsity["mode"]
-        if sparsity.get("sparsity") is not None:
-            report["sparsity"] = float(sparsity["sparsity"])
-    threshold = sparsity.get("mode") == "threshold"
+    expected = engine.manifest.quality
+    if expected is not None:  # what the build measured on its held-out calibration tokens, beside what eval measures
+        report.update(expected_ppl_change=expected.ppl_change, expected_kl=expected.kl, expected_top1=expected.top1)
+    sparsity = engine.manifest.sparsity
+    if sparsity is not None:
+        report["sparsity_mode"] = sparsity.mode
+        if sparsity.sparsity is not None:
+            report["sparsity"] = float(sparsity.sparsity)
+    threshold = sparsity is not None and sparsity.mode == "threshold"
     keys = ({key: key for key in ("threshold_in", "threshold_down", "sparsity_in", "sparsity_down")} if threshold else
             {"recall": "predictor_recall", "precision": "predictor_precision", "active": "predictor_active"})
-    report["layers"] = [{"layer": layer["layer"], **{key: layer.get(source) for key, source in keys.items()}}
-                        for layer in engine.manifest.get("layers", [])]
+    report["layers"] = [{"layer": layer.layer, **{key: getattr(layer, source) for key, source in keys.items()}}
+                        for layer in engine.manifest.layers]
     if args.json:
         print(json.dumps(report))
         return 0
@@ -500,35 +498,36 @@ def _inspect(args) -> int:
         calls[call.role.value] = calls.get(call.role.value, 0) + 1
         devices[call.device] = devices.get(call.device, 0) + 1
         if call.decode and call.role is not Role.COPY:
-            reads = decode_weight_reads(call, manifest["buffers"])
+            reads = decode_weight_reads(call, manifest.buffers)
             entry = decode_reads.setdefault(call.role.value, {"fixed_bytes": 0, "bytes_per_selected": 0})
             entry["fixed_bytes"] += reads.fixed
             entry["bytes_per_selected"] += reads.per_selected + reads.per_nonzero
     kernels = sorted({name for call in scheduled if call.role is not Role.COPY
                       for name in (call.decode, call.prefill, call.batch) if name})
 
-    weight_bytes = sum(nbytes(b["shape"], b["dtype"])
-                       for b in manifest["buffers"].values() if b["kind"] == "weight")
-    info = {"target": manifest["target"], "model": manifest["model"], "options": manifest["options"],
+    weight_bytes = sum(nbytes(b.shape, b.dtype) for b in manifest.buffers.values() if b.kind == "weight")
+    # --json: the manifest's sections as the file spells them, with inspect's own figures
+    shown = manifest.to_json()
+    info = {"target": shown["target"], "model": shown["model"], "options": shown["options"],
             "calls_per_token": calls, "calls_per_device": devices, "decode_weight_reads": decode_reads,
-            "kernels": kernels, "weight_bytes": weight_bytes, "devices": manifest.get("devices", {}),
-            "layers": [with_shares(layer) for layer in manifest.get("layers", [])],
-            "placement": manifest.get("placement", {}),
-            "estimate": manifest.get("estimate"), "calibration": manifest.get("calibration", {}),
-            "quantization": manifest.get("quantization", {}),
+            "kernels": kernels, "weight_bytes": weight_bytes, "devices": shown["devices"],
+            "layers": [with_shares(layer) for layer in manifest.layers],
+            "placement": shown["placement"],
+            "estimate": manifest.estimate, "calibration": shown["calibration"],
+            "quantization": shown["quantization"],
             "tokenizer": _tokenizer_facts(args.artifact, manifest)}
     if args.json:
         print(json.dumps(info))
         return _write_report(args, manifest, [])
     lines: list[str] = []
     say = lines.append  # the text goes to stdout and into the report
-    say(f"target      {manifest['target']['name']}")
-    for key, value in manifest["model"].items():
+    say(f"target      {manifest.target.name}")
+    for key, value in shown["model"].items():
         say(f"{key:<12}{value}")
     say(f"weights     {weight_bytes / 2**20:.1f} MiB")
     say("calls/token " + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())))
     say("devices     " + ", ".join(f"{k} {v} calls" for k, v in sorted(devices.items()))
-        + (f" ({info['devices']['rule']})" if info["devices"].get("rule") else ""))
+        + (f" ({manifest.devices.rule})" if manifest.devices is not None and manifest.devices.rule else ""))
     say("decode reads " + ", ".join(
         f"{role} {format_size(entry['fixed_bytes'])}"
         + (f" + {format_size(entry['bytes_per_selected'])}/selected" if entry["bytes_per_selected"] else "")
@@ -540,53 +539,48 @@ def _inspect(args) -> int:
         f"{', '.join(map(str, found['eos_ids'])) or 'none'}, "
         f"{'a chat template' if found['chat_template'] else 'no chat template (plain turns)'}; "
         + ", ".join(found["files"]))
-    if info["estimate"]:
+    if manifest.estimate:
         from passes.costmodel import Estimate
         from passes.targets import get_target
 
-        for line in Estimate(**info["estimate"]).lines(get_target(manifest["target"]["name"])):
+        for line in Estimate(**manifest.estimate).lines(get_target(manifest.target.name)):
             say(line)
-    placement = info["placement"]
+    placement = manifest.placement  # (the partition pass's report: typed by its own module)
     if placement:
         plan = placement.get("plan", {})
         gap = "unknown" if placement.get("gap") is None else f"{placement['gap'] * 100:.3f}%"
-        say(f"placement   {placement.get('status')}, gap {gap}, "
-            f"solved in {placement.get('solve_time_s', 0):.2f} s; GPU {placement.get('used_bytes', 0) / 2**20:.1f} of "
+        say(f"placement   {placement.get('status')}, gap {gap}; GPU {placement.get('used_bytes', 0) / 2**20:.1f} of "
             f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB: {plan.get('attention', []).count('gpu')} attention "
             f"blocks, {sum(placement.get('gpu_neurons', []))} sparse FFN neurons, {plan.get('ffn', []).count('gpu')} "
             f"dense FFNs, embedding {plan.get('embed', 'cpu').upper()}, output layer {plan.get('head', 'cpu').upper()}")
         if placement.get("expected_step_s"):
             say(f"            expected {1 / placement['expected_step_s']:.1f} tok/s, layer offload "
                 f"({placement.get('layer_offload_layers', 0)} layers) {1 / placement['layer_offload_step_s']:.1f}")
-    if manifest.get("sparsity"):
-        from passes.sparsity_mode import Sparsity
-
-        say(f"sparsity    {Sparsity(**manifest['sparsity']).describe()}")
-    calibration = info["calibration"]
-    if calibration:
-        sampled = calibration["sampled_sequences"]
-        say(f"calibration {calibration['tokens']} tokens: {calibration['given_tokens']} from {calibration['source']}"
-            + (f", {sampled} sequences of {calibration['sequence_tokens']} sampled from the model" if sampled else "")
-            + ("" if calibration["tokens"] >= calibration["wanted_tokens"] else
-               f" (small: {calibration['wanted_tokens']} wanted)"))
-    quantized = info["quantization"]
-    if quantized:
-        say(f"{quantized.get('scope', 'weights'):<10} {quantized['matrices']} matrices in {quantized['format']} ({quantized['method']}, blocks of "
-            f"{quantized['block']}): {format_size(quantized['bytes'])} from {format_size(quantized['float32_bytes'])} "
-            f"fp32, mean relative error {quantized['mean_relative_error']:.4f}"
-            + (f"; {len(quantized['kept_in_floats'])} kept in fp16 (not whole blocks)" if quantized["kept_in_floats"] else "")
-            + "".join(f"; {n} in {name} by the quality plan" for name, n in quantized.get("planned_formats", {}).items())
-            + (f"; {len(quantized['planned_floats'])} in fp16 by the quality plan" if quantized.get("planned_floats")
+    if manifest.sparsity is not None:
+        say(f"sparsity    {manifest.sparsity.describe()}")
+    calibration = manifest.calibration
+    if calibration is not None:
+        sampled = calibration.sampled_sequences
+        say(f"calibration {calibration.tokens} tokens: {calibration.given_tokens} from {calibration.source}"
+            + (f", {sampled} sequences of {calibration.sequence_tokens} sampled from the model" if sampled else "")
+            + ("" if calibration.tokens >= calibration.wanted_tokens else
+               f" (small: {calibration.wanted_tokens} wanted)"))
+    quantized = manifest.quantization
+    if quantized is not None:
+        say(f"{quantized.scope or 'weights':<10} {quantized.matrices} matrices in {quantized.format} ({quantized.method}, blocks of "
+            f"{quantized.block}): {format_size(quantized.bytes)} from {format_size(quantized.float32_bytes)} "
+            f"fp32, mean relative error {quantized.mean_relative_error:.4f}"
+            + (f"; {len(quantized.kept_in_floats)} kept in fp16 (not whole blocks)" if quantized.kept_in_floats else "")
+            + "".join(f"; {n} in {name} by the quality plan" for name, n in (quantized.planned_formats or {}).items())
+            + (f"; {len(quantized.planned_floats)} in fp16 by the quality plan" if quantized.planned_floats
                else ""))
-        channels = quantized.get("channel_scales") or {}
+        channels = quantized.channel_scales or {}  # (the AWQ pass's report, as it wrote it)
         scaled = [layer for layer in channels.get("layers", []) if layer["alpha"] > 0]
         if scaled:
             say(f"           awq channel scales on {len(scaled)} of {len(channels['layers'])} FFN inputs: "
                 f"up-projection error {channels['error_ratio']:.3f}x the unscaled one's")
-    if manifest.get("quality"):
-        from passes.quality import ExpectedQuality
-
-        expected = ExpectedQuality.from_json(manifest["quality"])
+    if manifest.quality is not None:
+        expected = manifest.quality
         say(f"quality     {expected.line().removeprefix('expected quality: ')}{'' if expected.met else ' (MISSED)'}")
         say(f"            plan: {expected.plan}")
         if expected.gave_up:
@@ -620,7 +614,7 @@ def _inspect(args) -> int:
     return _write_report(args, manifest, lines)
 
 
-def _matrix_formats(manifest: dict, layer: int) -> list[str]:
+def _matrix_formats(manifest: Manifest, layer: int) -> list[str]:
     """The stored formats of a layer's qkv, o, gate/up and down matrices, as the artifact's buffers say."""
     from runtime.dtypes import WEIGHT_FORMATS
 
@@ -628,25 +622,25 @@ def _matrix_formats(manifest: dict, layer: int) -> list[str]:
     found = []
     for name in (f"layers.{layer}.attn.w_qkv", f"layers.{layer}.attn.w_o", f"layers.{layer}.ffn.w_up",
                  f"layers.{layer}.ffn.w_down"):
-        info = manifest["buffers"].get(f"{name}.q") or manifest["buffers"].get(name)  # (quantized values: NAME.q)
-        found.append("?" if info is None else info.get("format") or spelled.get(info["dtype"], info["dtype"]))
+        info = manifest.buffers.get(f"{name}.q") or manifest.buffers.get(name)  # (quantized values: NAME.q)
+        found.append("?" if info is None else info.format or spelled.get(info.dtype, info.dtype))
     return found
 
 
-def _tokenizer_facts(artifact: Path, manifest: dict) -> dict | None:
+def _tokenizer_facts(artifact: Path, manifest: Manifest) -> dict | None:
     """What inspect shows of the artifact's tokenizer, read from its files (None: it has none)."""
     tokenizer = _text_tokenizer(artifact, None)
     if tokenizer is None:
         return None
     from runtime.text import TOKENIZER_DIR
 
-    return {"files": sorted(f for f in manifest["files"] if f.startswith(TOKENIZER_DIR + "/")),
+    return {"files": sorted(f for f in manifest.files if f.startswith(TOKENIZER_DIR + "/")),
             "vocab_size": tokenizer.vocab_size,
             "bos_id": tokenizer.bos_id, "eos_ids": sorted(tokenizer.eos_ids),
             "chat_template": tokenizer.chat_template is not None}
 
 
-def _write_report(args, manifest: dict, lines: list[str]) -> int:
+def _write_report(args, manifest: Manifest, lines: list[str]) -> int:
     if args.report is not None:
         from .report import write_report
 

@@ -35,7 +35,7 @@ from passes.quantize import Quantize
 from passes.recognise import Recognise
 from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
-from passes.sparsity_mode import Sparsity, SparsityMode
+from passes.sparsity_mode import SparsityMode, sparsity_of
 from passes.targets import TARGETS, GpuBudget, Target, format_size
 from passes.threshold import Threshold
 from runtime.dtypes import AUTO_WEIGHT_DTYPE
@@ -120,7 +120,7 @@ def pipeline(options: Options, mode: str, target: Target = TARGETS["cpu"], gguf:
 
 def mode_of(model: ir.Model, options: Options) -> str:
     """The mode of a model the front passes ran on: --dense, else what the sparsity pass recorded."""
-    return "dense" if options.dense else Sparsity.of(model).mode
+    return "dense" if options.dense else sparsity_of(model).mode
 
 
 def _warn_if_dequantized(model: ir.Model, ctx: Context) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from passes.errors import UserError
+from runtime.manifest import LayerReport, Manifest
 
 from .artifact import current_umask
 
@@ -39,14 +40,15 @@ THRESHOLD_COLUMNS = [
 ]
 
 
-def with_shares(layer: dict) -> dict:
-    """A predictor build's manifest entry for a layer plus `true_active`, the share of neurons that fired on
-    the profiled tokens (1 - sparsity), and `active_ratio`, the predicted-active share over it (what the
+def with_shares(report: LayerReport) -> dict:
+    """A layer's report as the manifest spells it, plus (predictor builds) `true_active`, the share of neurons that
+    fired on the profiled tokens (1 - sparsity), and `active_ratio`, the predicted-active share over it (what the
     predictor makes decode compute beyond the truly active neurons): inspect and the report show both."""
-    if "sparsity" not in layer or "threshold_in" in layer:
+    layer = report.to_json()
+    if report.sparsity is None or report.threshold_in is not None:
         return layer
-    true = 1.0 - float(layer["sparsity"])
-    predicted = layer.get("predictor_active")
+    true = 1.0 - float(report.sparsity)
+    predicted = report.predictor_active
     return {**layer, "true_active": true,
             "active_ratio": None if predicted is None or true <= 0 else float(predicted) / true}
 
@@ -104,14 +106,14 @@ def _plot_recall(axes, layers: list[dict]) -> None:
     axes.legend(fontsize=7, loc="lower right")
 
 
-def charts(directory: Path, manifest: dict) -> dict[str, bytes]:
+def charts(directory: Path, manifest: Manifest) -> dict[str, bytes]:
     """title -> PNG bytes: the activation CDF (from the artifact), the GPU/CPU split and predictor recall."""
     plt = _pyplot()
     images = {}
     cdf = Path(directory) / "plots" / "activation_cdf.png"
-    if "plots/activation_cdf.png" in manifest.get("files", {}):  # listed, so load_manifest checked its hash
+    if "plots/activation_cdf.png" in manifest.files:  # listed, so load_manifest checked its hash
         images["FFN activation CDF per layer"] = cdf.read_bytes()
-    layers = manifest.get("layers", [])
+    layers = [layer.to_json() for layer in manifest.layers]
     if _predictor_layers(layers):  # threshold builds have no split or predictors to draw
         figure, axes = plt.subplots(figsize=(6, 3.6), dpi=100)
         _plot_split(axes, layers)
@@ -122,8 +124,8 @@ def charts(directory: Path, manifest: dict) -> dict[str, bytes]:
     return images
 
 
-def html_report(directory: Path, manifest: dict, summary: list[str]) -> str:
-    layers = [with_shares(layer) for layer in manifest.get("layers", [])]
+def html_report(directory: Path, manifest: Manifest, summary: list[str]) -> str:
+    layers = [with_shares(layer) for layer in manifest.layers]
     columns = LAYER_COLUMNS if _predictor_layers(layers) else THRESHOLD_COLUMNS
     escape = html.escape
     rows = "".join("<tr>" + "".join(f"<td>{escape(_cell(layer, key, fmt))}</td>" for _, key, fmt in columns)
@@ -143,7 +145,7 @@ def html_report(directory: Path, manifest: dict, summary: list[str]) -> str:
             "</body></html>\n")
 
 
-def png_report(directory: Path, manifest: dict) -> bytes:
+def png_report(directory: Path, manifest: Manifest) -> bytes:
     """The charts side by side in one PNG."""
     images = charts(directory, manifest)
     if not images:
@@ -156,7 +158,7 @@ def png_report(directory: Path, manifest: dict) -> bytes:
     return _figure_png(figure)
 
 
-def write_report(directory: Path, manifest: dict, path: Path, summary: list[str]) -> Path:
+def write_report(directory: Path, manifest: Manifest, path: Path, summary: list[str]) -> Path:
     """Write the report for `path`'s suffix (.html or .png) under a temporary name, then rename it."""
     path = Path(path)
     suffix = path.suffix.lower()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import dtypes
+from .manifest import Header, Manifest, structure_problem
 
 FORMAT = "picompile-artifact"
 # 2: the manifest carries its own digest (`manifest_sha256`) and kernels/signatures.json lists each kernel's
@@ -99,10 +100,10 @@ def format_size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def host_bytes(manifest: dict, slots: int = 1) -> int:
+def host_bytes(manifest: Manifest, slots: int = 1) -> int:
     """Host memory an engine allocates for the artifact: every buffer of the manifest, weights included, with
     the KV cache (buffers of kind "cache") once per slot."""
-    sizes = [(info["kind"], dtypes.nbytes(info["shape"], info["dtype"])) for info in manifest["buffers"].values()]
+    sizes = [(info.kind, dtypes.nbytes(info.shape, info.dtype)) for info in manifest.buffers.values()]
     return sum(size * (slots if kind == "cache" else 1) for kind, size in sizes)
 
 
@@ -131,7 +132,7 @@ def seal_manifest(manifest: dict) -> dict:
 REQUIRED_FILES = ("schedule.json", "kernels/cpu.so", "kernels/signatures.json")
 
 
-def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
+def load_manifest(directory: Path, check_hashes: bool = True) -> Manifest:
     """The artifact's manifest, after checking that it is one this runtime reads and that every file it
     lists is present, a plain file inside the artifact, and (unless `check_hashes` is off) has its sha256.
     Callers load only listed files, and only after this returns: a damaged kernel library is refused
@@ -141,12 +142,13 @@ def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
     if not path.is_file():
         raise ArtifactError(f"{directory} is not a picompile artifact (no manifest.json)")
     try:
-        manifest = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ArtifactError(f"{path} is damaged (not valid JSON: {error})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    header = Header.of(data)
+    if header is None or header.format != FORMAT:
         raise ArtifactError(f"{path} is not a picompile manifest")
-    version = manifest.get("format_version")
+    version = header.format_version
     if not isinstance(version, int) or isinstance(version, bool):
         raise ArtifactError(f"{path} is damaged (format_version {version!r} is not an integer)")
     if version > FORMAT_VERSION:
@@ -156,13 +158,19 @@ def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
         raise ArtifactError(f"artifact format version {version} is older than this runtime reads "
                             f"({FORMAT_VERSION}): rebuild it")
     try:
-        intact = manifest.get(DIGEST_KEY) == manifest_digest(manifest)
+        intact = header.manifest_sha256 == manifest_digest(data)
     except (TypeError, ValueError):  # not JSON-serialisable back (NaN, ...): edited
         intact = False
     if not intact:  # edited by hand (or damaged in a way that still parses); the consistency checks come later
         raise ArtifactError("manifest.json was edited or damaged (sha256 mismatch): rebuild the artifact")
-    _check_structure(manifest, path)
-    files = manifest["files"]
+    problem = structure_problem(data)
+    if problem is not None:
+        raise ArtifactError(f"{path} is damaged: {problem}")
+    try:
+        manifest = Manifest.from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ArtifactError(f"{path} is damaged: {first_line(error, type(error).__name__)}") from None
+    files = manifest.files
     for relative in REQUIRED_FILES:
         if relative not in files:
             raise ArtifactError(f"{path} is damaged: it does not list {relative}")
@@ -180,20 +188,6 @@ def load_manifest(directory: Path, check_hashes: bool = True) -> dict:
     return manifest
 
 
-def _check_structure(manifest: dict, path: Path) -> None:
-    """The fields the runtime reads, with their types: a hand-edited manifest fails here, not deep in the engine."""
-    expected = {"files": dict, "model": dict, "buffers": dict, "target": dict}
-    for key, kind in expected.items():
-        if not isinstance(manifest.get(key), kind):
-            raise ArtifactError(f"{path} is damaged: {key!r} is missing or not a {kind.__name__}")
-    for key in ("max_context", "vocab_size"):
-        if not isinstance(manifest["model"].get(key), int):
-            raise ArtifactError(f"{path} is damaged: model.{key} is missing or not an integer")
-    for relative, digest in manifest["files"].items():
-        if not (isinstance(digest, str) and len(digest) == 64):
-            raise ArtifactError(f"{path} is damaged: the sha256 of {relative} is malformed")
-
-
 def read_json(directory: Path, relative: str):
     """A JSON file of the artifact (one `load_manifest` has checked): damaged content is an ArtifactError."""
     try:
@@ -203,9 +197,9 @@ def read_json(directory: Path, relative: str):
                             "rebuild the artifact") from None
 
 
-def weight_files(directory: Path, manifest: dict) -> list[Path]:
+def weight_files(directory: Path, manifest: Manifest) -> list[Path]:
     """The weight files the manifest lists (and `load_manifest` checked); stray files are never read."""
-    return [Path(directory) / relative for relative in sorted(manifest["files"])
+    return [Path(directory) / relative for relative in sorted(manifest.files)
             if relative.startswith("weights/") and relative.endswith(".safetensors")]
 
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 from .dtypes import nbytes
+from .manifest import Buffer
 
 START = "start"  # the scalar argument: how many tokens the KV cache already holds
 # decode: one token of one sequence; prefill: many tokens of one sequence; batch: one token of each of up to
@@ -150,14 +151,14 @@ class DecodeReads:
     per_nonzero: int = 0
 
 
-def decode_weight_reads(call: Call, buffers: dict, tokens: int = 1) -> DecodeReads:
+def decode_weight_reads(call: Call, buffers: dict[str, Buffer], tokens: int = 1) -> DecodeReads:
     """What `call` reads of the weights in `buffers` (manifest entries) in one decode step, or in a batch step
     of `tokens` sequences (a gathered row per token; everything else once). The runtime's byte count and the
     cost model both start from this."""
     reads = DecodeReads()
     for arg in call.args:
         info = buffers.get(arg.buffer)
-        if info is None or info["kind"] != "weight" or not arg.reads:
+        if info is None or info.kind != "weight" or not arg.reads:
             continue
         if arg.access is Access.GATHER:
             reads.fixed += tokens * arg.row_bytes
@@ -165,7 +166,7 @@ def decode_weight_reads(call: Call, buffers: dict, tokens: int = 1) -> DecodeRea
             reads.per_selected += arg.row_bytes
             reads.per_nonzero += arg.nonzero_row_bytes
         else:
-            reads.fixed += nbytes(info["shape"], info["dtype"])
+            reads.fixed += nbytes(info.shape, info.dtype)
     return reads
 
 

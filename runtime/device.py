@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .artifact import ArtifactError, first_line
+from .manifest import Buffer, TargetFacts
 
 EMULATE_HINT = ("pass --emulate-gpu to run its GPU part on a second CPU executor (checks the split, not the speed), "
                 "or rebuild it with --target cpu")
@@ -69,9 +70,9 @@ def arch_problem(arch: str, compute_version: str, device_name: str) -> str | Non
             f"{compute_version}) cannot run: rebuild it for a target whose cuda arch is at most sm_{have[0]}{have[1]}")
 
 
-def cuda_device(target: dict, tvm_runtime):
+def cuda_device(target: TargetFacts, tvm_runtime):
     """tvm.cuda(0) for an artifact built for `target` (its manifest entry), or an ArtifactError saying why not."""
-    what = (f"artifact was built for GPU target {target.get('name')} ({target.get('cuda_arch')}) and runs part of "
+    what = (f"artifact was built for GPU target {target.name} ({target.cuda_arch}) and runs part of "
             "the model on the GPU")
     try:
         load_cuda_runtime()
@@ -82,7 +83,7 @@ def cuda_device(target: dict, tvm_runtime):
     device = tvm_runtime.cuda(0)
     if not device.exist:
         raise ArtifactError(f"{what}, but this machine has no CUDA GPU (tvm.cuda(0) does not exist); {EMULATE_HINT}")
-    problem = arch_problem(target["cuda_arch"], device.compute_version, device.device_name)
+    problem = arch_problem(target.cuda_arch, device.compute_version, device.device_name)
     if problem:
         raise ArtifactError(f"{what}, but {problem}")
     return device
@@ -100,7 +101,7 @@ class DeviceExecutor:
     weights: name -> numpy array of the weights among them (uploaded here, once);
     row_buffers: the names holding one row per token (a step of `rows` tokens uses their first rows)."""
 
-    def __init__(self, tvm_runtime, device, library, buffers: dict[str, dict], weights: dict[str, np.ndarray],
+    def __init__(self, tvm_runtime, device, library, buffers: dict[str, Buffer], weights: dict[str, np.ndarray],
                  row_buffers: set[str]):
         self.device, self.library = device, library
         self._runtime = tvm_runtime
@@ -110,11 +111,11 @@ class DeviceExecutor:
         self.uploaded_bytes = 0
         self.copied_bytes = {"to_device": 0, "to_host": 0}  # by COPY calls
         for name, info in buffers.items():
-            if info["kind"] == "weight":
+            if info.kind == "weight":
                 self.tensors[name] = self._upload(weights[name])
             else:  # zeroed like the host's buffers, so no step ever reads stale device memory
-                tensor = tvm_runtime.empty(info["shape"], info["dtype"], device)
-                tensor.copyfrom(np.zeros(info["shape"], info["dtype"]))
+                tensor = tvm_runtime.empty(info.shape, info.dtype, device)
+                tensor.copyfrom(np.zeros(info.shape, info.dtype))
                 self.tensors[name] = tensor
         self._kernels: dict[str, object] = {}
         self._jobs = _device_jobs()

@@ -35,6 +35,7 @@ import numpy as np
 from .artifact import (ArtifactError, aligned_zeros, available_memory_bytes, format_size, host_bytes, load_manifest,
                        missing_cpu_features, read_safetensors)
 from .calls import PHASES, START, Call, Role, decode_weight_reads
+from .manifest import Buffer
 from .device import DeviceExecutor, _host, cuda_device, device_library
 from .dtypes import get_dtype
 from .threads import ThreadGovernor, prepare_pool_environment, step_kind, thread_pool
@@ -97,10 +98,10 @@ class Engine:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
         self.directory = Path(directory)
         self.manifest = load_manifest(self.directory, check_hashes=check_hashes)
-        target = self.manifest.get("target", {})
-        missing = missing_cpu_features(target.get("cpu_features", []))
+        target = self.manifest.target
+        missing = missing_cpu_features(target.cpu_features or [])
         if missing:  # loading would work; the first kernel call would die of an illegal instruction
-            raise ArtifactError(f"this artifact's CPU kernels were built for {target.get('cpu_isa')} and need "
+            raise ArtifactError(f"this artifact's CPU kernels were built for {target.cpu_isa} and need "
                                 f"{', '.join(missing)}, which this CPU lacks; rebuild it with --cpu-isa avx2")
         # The manifest's claims against the verified files, before any buffer is sized from it: weight shapes
         # and types from the weight files' headers, the vocabulary from the embedding table, buffer shapes
@@ -129,17 +130,17 @@ class Engine:
         weights = {}
         for path, header in headers.items():
             weights.update(read_safetensors(path, header))
-        buffers = self.manifest["buffers"]
-        self._row_buffers = {n for n, info in buffers.items() if info["kind"] in ("activation", "input")}
+        buffers = self.manifest.buffers
+        self._row_buffers = {n for n, info in buffers.items() if info.kind in ("activation", "input")}
         self._gpu_buffers, host_buffers = _buffer_homes(self._calls, buffers)
         # the host's buffers: numpy, used by the CPU calls and the host side of copies
         self.buffers: dict[str, np.ndarray] = {
-            name: weights[name] if info["kind"] == "weight" else aligned_zeros(info["shape"], get_dtype(info["dtype"]).numpy)
+            name: weights[name] if info.kind == "weight" else aligned_zeros(info.shape, get_dtype(info.dtype).numpy)
             for name, info in buffers.items() if name in host_buffers}
         # each slot's view of the host buffers: slot 0's are self.buffers; later slots get their own caches
         self._slot_buffers = [self.buffers] + [
-            {**self.buffers, **{name: aligned_zeros(info["shape"], get_dtype(info["dtype"]).numpy)
-                                for name, info in buffers.items() if info["kind"] == "cache" and name in host_buffers}}
+            {**self.buffers, **{name: aligned_zeros(info.shape, get_dtype(info.dtype).numpy)
+                                for name, info in buffers.items() if info.kind == "cache" and name in host_buffers}}
             for _ in range(slots - 1)]
         # the GPU's: tensors on its device (tvm.cuda(0), or tvm.cpu(0) when emulating)
         self.gpu: DeviceExecutor | None = None
@@ -159,7 +160,7 @@ class Engine:
             kernel.release_gil = True  # the two executors overlap only if calls release the GIL
         self.slots = slots
         # sequences one batch step holds (0: the artifact has no batch phase; absent from older artifacts)
-        self.max_batch = int(self.manifest["model"].get("max_batch", 0)) if self.gpu is None else 0
+        self.max_batch = int(self.manifest.model.max_batch) if self.gpu is None else 0
         self._batches: dict[tuple[int, ...], list[Step]] = {}  # bound batch programs, by their slots
         self._decodes = [self._program("decode", rows=1, slot=slot) for slot in range(slots)]
         self._decode = self._decodes[0]
@@ -233,7 +234,7 @@ class Engine:
         """The weight bytes a decode call (or a batch step's, of `rows` sequences) reads, from its facts: fixed
         bytes, plus per selected entry (read from its selection's count buffer after the call) and per selected
         entry whose hidden value is not 0 (in any of the rows)."""
-        reads = decode_weight_reads(call, self.manifest["buffers"], rows)
+        reads = decode_weight_reads(call, self.manifest.buffers, rows)
         if call.selection is None:
             return {"weight_bytes": reads.fixed}
         selection = call.selection
@@ -425,7 +426,7 @@ class Engine:
             record(step.role, clock() - began, step.bytes_read())
 
 
-def _buffer_homes(calls: list[Call], buffers: dict) -> tuple[set[str], set[str]]:
+def _buffer_homes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[set[str], set[str]]:
     """(the GPU's buffers, the host's): a GPU call's arguments live on the GPU; a copy's are one on each side
     (each instance's manifest entry names its device); everything else, input_ids and logits included,
     lives on the host. A weight read on both sides has a copy on each; any other buffer on both sides would
@@ -435,10 +436,10 @@ def _buffer_homes(calls: list[Call], buffers: dict) -> tuple[set[str], set[str]]
         names = [name for name in call.buffers() if name in buffers]
         if call.role is Role.COPY:
             for name in names:
-                (gpu if buffers[name].get("device") == "gpu" else cpu).add(name)
+                (gpu if buffers[name].device == "gpu" else cpu).add(name)
         else:
             (gpu if call.device == "gpu" else cpu).update(names)
-    shared = {name for name in gpu & cpu if buffers[name]["kind"] != "weight"}
+    shared = {name for name in gpu & cpu if buffers[name].kind != "weight"}
     if shared:
         raise ArtifactError(f"buffers used on both devices without a copy: {', '.join(sorted(shared))}")
     return gpu, (set(buffers) - gpu) | cpu

@@ -157,7 +157,7 @@ def load_tokenizer(artifact_dir) -> TextTokenizer | None:
     (only theirs: the weights' are the engine's to check)."""
     directory = Path(artifact_dir)
     manifest = load_manifest(directory, check_hashes=False)
-    listed = {relative: digest for relative, digest in manifest["files"].items()
+    listed = {relative: digest for relative, digest in manifest.files.items()
               if relative.startswith(TOKENIZER_DIR + "/")}
     if not listed:
         return None

@@ -19,6 +19,7 @@ from pathlib import Path
 from . import dtypes
 from .artifact import ArtifactError, read_json, read_safetensors_header, weight_files
 from .calls import PHASES, START, Access, Call, Role, schedule_calls
+from .manifest import Buffer, Manifest
 
 KINDS = ("weight", "activation", "input", "cache", "scratch")
 ROW_KINDS = ("activation", "input")  # one row per token: a step of `rows` tokens uses their first rows
@@ -42,7 +43,7 @@ class Checked:
     headers: dict[Path, dict[str, dict]]  # each weight file -> its tensors (read_safetensors_header)
 
 
-def check_files(directory: Path, manifest: dict) -> Checked:
+def check_files(directory: Path, manifest: Manifest) -> Checked:
     """Read what the checks need from an artifact `load_manifest` accepted (the schedule, the kernel
     signatures, the weight files' headers: no weights, no library) and check the manifest against it."""
     directory = Path(directory)
@@ -58,16 +59,16 @@ def disagrees(message: str) -> ArtifactError:
     return ArtifactError(f"manifest.json disagrees with its files: {message}")
 
 
-def check_artifact(manifest: dict, nodes: list[Call], headers: dict[str, dict[str, dict]],
+def check_artifact(manifest: Manifest, nodes: list[Call], headers: dict[str, dict[str, dict]],
                    signatures: dict) -> Facts:
     """Check the manifest (already structure-checked by `load_manifest`) against the weight files' headers
     (`headers`: relative path -> `read_safetensors_header`), the schedule's calls and the kernel signatures;
     return the facts the engine uses. Raises ArtifactError naming the first disagreement."""
-    buffers = manifest["buffers"]
+    buffers = manifest.buffers
     _check_entries(buffers)
     files_of = _check_weights(buffers, headers)
     _check_call_buffers(nodes, buffers)
-    max_context = manifest["model"]["max_context"]
+    max_context = manifest.model.max_context
     max_batch = _check_max_batch(manifest, nodes)
     vocab, tables = _check_vocabulary(manifest, buffers, nodes, headers, files_of)
     _check_context(manifest, buffers, nodes, headers, files_of)
@@ -76,25 +77,23 @@ def check_artifact(manifest: dict, nodes: list[Call], headers: dict[str, dict[st
     return Facts(vocab_size=vocab, max_context=max_context, num_layers=layers, token_tables=tables)
 
 
-def _shape(info: dict) -> list[int]:
-    return list(info["shape"])
+def _shape(info: Buffer) -> list[int]:
+    return list(info.shape)
 
 
-def _check_entries(buffers: dict) -> None:
+def _check_entries(buffers: dict[str, Buffer]) -> None:
     for name, info in buffers.items():
-        if not isinstance(info, dict):
-            raise disagrees(f"buffers.{name} is not a buffer entry")
-        if info.get("kind") not in KINDS:
-            raise disagrees(f"buffers.{name}.kind is {info.get('kind')!r}, not one of {', '.join(KINDS)}")
-        if info.get("dtype") not in dtypes.DTYPES:
-            raise disagrees(f"buffers.{name}.dtype is {info.get('dtype')!r}, not one of {', '.join(dtypes.DTYPES)}")
-        shape = info.get("shape")
+        if info.kind not in KINDS:
+            raise disagrees(f"buffers.{name}.kind is {info.kind!r}, not one of {', '.join(KINDS)}")
+        if info.dtype not in dtypes.DTYPES:
+            raise disagrees(f"buffers.{name}.dtype is {info.dtype!r}, not one of {', '.join(dtypes.DTYPES)}")
+        shape = info.shape
         if not (isinstance(shape, list) and shape and all(isinstance(d, int) and not isinstance(d, bool) and d > 0
                                                           for d in shape)):
             raise disagrees(f"buffers.{name}.shape is {shape!r}, not a list of positive integers")
 
 
-def _check_weights(buffers: dict, headers: dict[str, dict[str, dict]]) -> dict[str, list[str]]:
+def _check_weights(buffers: dict[str, Buffer], headers: dict[str, dict[str, dict]]) -> dict[str, list[str]]:
     """Every weight buffer is held by a weight file with the same shape and type, and every tensor of the
     weight files is a weight buffer. Returns weight name -> the files holding it."""
     files_of: dict[str, list[str]] = {}
@@ -103,15 +102,15 @@ def _check_weights(buffers: dict, headers: dict[str, dict[str, dict]]) -> dict[s
             info = buffers.get(name)
             if info is None:
                 raise disagrees(f"{relative} holds {name}, which buffers does not list")
-            if info["kind"] != "weight":
-                raise disagrees(f"buffers.{name}.kind is {info['kind']!r} but {relative} holds it as a weight")
+            if info.kind != "weight":
+                raise disagrees(f"buffers.{name}.kind is {info.kind!r} but {relative} holds it as a weight")
             if _shape(info) != tensor["shape"]:
-                raise disagrees(f"buffers.{name}.shape is {info['shape']} but {relative} holds it as {tensor['shape']}")
-            if info["dtype"] != tensor["dtype"]:
-                raise disagrees(f"buffers.{name}.dtype is {info['dtype']} but {relative} holds it as {tensor['dtype']}")
+                raise disagrees(f"buffers.{name}.shape is {info.shape} but {relative} holds it as {tensor['shape']}")
+            if info.dtype != tensor["dtype"]:
+                raise disagrees(f"buffers.{name}.dtype is {info.dtype} but {relative} holds it as {tensor['dtype']}")
             files_of.setdefault(name, []).append(relative)
     for name, info in buffers.items():
-        if info["kind"] == "weight" and name not in files_of:
+        if info.kind == "weight" and name not in files_of:
             raise disagrees(f"buffers.{name} is a weight, but no weight file holds it")
     return files_of
 
@@ -129,7 +128,7 @@ def _check_schedule(schedule: dict) -> list[Call]:
     return calls
 
 
-def _check_call_buffers(calls: list[Call], buffers: dict) -> None:
+def _check_call_buffers(calls: list[Call], buffers: dict[str, Buffer]) -> None:
     """Every buffer a call passes (or counts with) has a manifest entry."""
     for call in calls:
         for name in call.buffers() + ([] if call.selection is None else
@@ -156,7 +155,7 @@ def _check_vocabulary(manifest, buffers, nodes, headers, files_of) -> tuple[int,
     for node in nodes:
         if node.role is Role.EMBED:
             table = (_gathered(node) or [None])[0]
-            if table not in buffers or buffers[table]["kind"] != "weight" or len(buffers[table]["shape"]) != 2:
+            if table not in buffers or buffers[table].kind != "weight" or len(buffers[table].shape) != 2:
                 raise ArtifactError(f"schedule.json is damaged: embedding call {node.id} reads no 2-D table; "
                                     "rebuild the artifact")
             tables.append(table)
@@ -168,14 +167,14 @@ def _check_vocabulary(manifest, buffers, nodes, headers, files_of) -> tuple[int,
         if count != vocab:
             raise disagrees(f"the embedding tables {_where(tables[0], files_of)} and {_where(table, files_of)} have "
                             f"{vocab} and {count} rows")
-    claimed = manifest["model"]["vocab_size"]
+    claimed = manifest.model.vocab_size
     if claimed != vocab:
         raise disagrees(f"model.vocab_size is {claimed} but the embedding table {_where(tables[0], files_of)} has "
                         f"{vocab} rows")
     logits = buffers["logits"]
-    if logits["kind"] != "activation" or logits["dtype"] != "float32" or len(logits["shape"]) != 2 \
-            or logits["shape"][1] != vocab:
-        raise disagrees(f"buffers.logits is {logits['kind']} {logits['dtype']} {logits['shape']} but the logits are "
+    if logits.kind != "activation" or logits.dtype != "float32" or len(logits.shape) != 2 \
+            or logits.shape[1] != vocab:
+        raise disagrees(f"buffers.logits is {logits.kind} {logits.dtype} {logits.shape} but the logits are "
                         f"float32 [max_context, {vocab}], {vocab} being the vocabulary: the rows of the embedding "
                         f"table {_where(tables[0], files_of)}")
     return vocab, tuple(dict.fromkeys(tables))
@@ -184,11 +183,11 @@ def _check_vocabulary(manifest, buffers, nodes, headers, files_of) -> tuple[int,
 def _check_max_batch(manifest, nodes) -> int:
     """model.max_batch (0 where absent: an artifact without a batch phase) is an integer, at least 2 and at most
     model.max_context where a call has a batch kernel, and every decode call then has one."""
-    max_batch = manifest["model"].get("max_batch", 0)
+    max_batch = manifest.model.max_batch
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 0:
         raise disagrees(f"model.max_batch is {max_batch!r}, not a non-negative integer")
     batched = [node for node in nodes if node.batch]
-    if batched and not 2 <= max_batch <= manifest["model"]["max_context"]:
+    if batched and not 2 <= max_batch <= manifest.model.max_context:
         raise disagrees(f"model.max_batch is {max_batch} but call {batched[0].id} has a batch kernel: a batch phase "
                         "holds 2 to model.max_context sequences")
     missing = [node.id for node in nodes if node.decode and not node.batch]
@@ -202,36 +201,36 @@ def _check_context(manifest, buffers, nodes, headers, files_of) -> None:
     """Every row buffer holds model.max_context rows (or 1, or model.max_batch: one-token steps only), input_ids
     is int64 [max_context], each
     KV cache is [heads, max_context, head_dim], and learned position tables have a row for every position."""
-    max_context = manifest["model"]["max_context"]
+    max_context = manifest.model.max_context
     if max_context <= 0:
         raise disagrees(f"model.max_context is {max_context}, not a positive integer")
     ids = buffers["input_ids"]
-    if ids["kind"] != "input" or ids["dtype"] != "int64" or len(ids["shape"]) != 1:
-        raise disagrees(f"buffers.input_ids is {ids['kind']} {ids['dtype']} {ids['shape']} but the token ids are "
+    if ids.kind != "input" or ids.dtype != "int64" or len(ids.shape) != 1:
+        raise disagrees(f"buffers.input_ids is {ids.kind} {ids.dtype} {ids.shape} but the token ids are "
                         "input int64 [max_context]")
     for name in ("input_ids", "logits"):
-        if buffers[name]["shape"][0] != max_context:
-            raise disagrees(f"model.max_context is {max_context} but buffers.{name} has {buffers[name]['shape'][0]} rows")
-    step_rows = {1, manifest["model"].get("max_batch", 0) or 1}
+        if buffers[name].shape[0] != max_context:
+            raise disagrees(f"model.max_context is {max_context} but buffers.{name} has {buffers[name].shape[0]} rows")
+    step_rows = {1, manifest.model.max_batch or 1}
     for name, info in buffers.items():
-        shape = info["shape"]
-        if info["kind"] in ROW_KINDS and shape[0] != max_context and shape[0] not in step_rows:
+        shape = info.shape
+        if info.kind in ROW_KINDS and shape[0] != max_context and shape[0] not in step_rows:
             raise disagrees(f"buffers.{name}.shape is {shape}: a row buffer holds model.max_context ({max_context}) "
                             "rows (or 1, or model.max_batch: one-token steps only)")
-        if info["kind"] == "cache" and (len(shape) != 3 or shape[1] != max_context):
+        if info.kind == "cache" and (len(shape) != 3 or shape[1] != max_context):
             raise disagrees(f"buffers.{name}.shape is {shape} but a KV cache is [heads, model.max_context "
                             f"({max_context}), head_dim]")
     for node in nodes:
         if node.role is Role.EMBED and len(_gathered(node)) > 1:  # learned positions
             table = _gathered(node)[1]
-            if buffers[table]["kind"] != "weight":
+            if buffers[table].kind != "weight":
                 raise ArtifactError(f"schedule.json is damaged: embedding call {node.id} reads positions from "
                                     f"{table}, not a weight; rebuild the artifact")
             rows = headers[files_of[table][0]][table]["shape"][0]
             if rows < max_context:
                 raise disagrees(f"model.max_context is {max_context} but the position table {_where(table, files_of)} "
                                 f"has {rows} rows")
-    options = manifest.get("options", {}).get("max_context") if isinstance(manifest.get("options"), dict) else None
+    options = manifest.options.max_context if manifest.options is not None else None
     if options is not None and options != max_context:
         raise disagrees(f"model.max_context is {max_context} but options.max_context is {options}")
 
@@ -243,7 +242,7 @@ def _check_layers(manifest, buffers, nodes) -> int:
     written: dict[int, set[str]] = {}
     for node in nodes:
         for arg in node.args:
-            if arg.access is Access.UPDATE and buffers[arg.buffer]["kind"] == "cache":
+            if arg.access is Access.UPDATE and buffers[arg.buffer].kind == "cache":
                 if node.layer is None:
                     raise ArtifactError(f"schedule.json is damaged: call {node.id} writes a KV cache outside the "
                                         "layers; rebuild the artifact")
@@ -256,19 +255,19 @@ def _check_layers(manifest, buffers, nodes) -> int:
     for layer, caches in written.items():
         if len(caches) % 2:
             raise disagrees(f"layer {layer} writes {len(caches)} KV cache buffers: a key and a value are expected")
-    unwritten = {name for name, info in buffers.items() if info["kind"] == "cache"} - set().union(*written.values())
+    unwritten = {name for name, info in buffers.items() if info.kind == "cache"} - set().union(*written.values())
     if unwritten:
         raise disagrees(f"buffers lists KV caches no call writes: {', '.join(sorted(unwritten))}")
-    claimed = manifest["model"].get("num_layers")
+    claimed = manifest.model.num_layers
     if claimed != layers:
         raise disagrees(f"model.num_layers is {claimed} but the schedule and the KV caches have {layers} layers")
-    report = manifest.get("layers")
+    report = manifest.layers
     if report:  # the per-layer build report (sparse builds)
-        numbers = [entry.get("layer") if isinstance(entry, dict) else None for entry in report]
+        numbers = [entry.layer for entry in report]
         if numbers != list(range(layers)):
             raise disagrees(f"layers (the per-layer report) has {len(report)} entries but the schedule and the KV "
                             f"caches have {layers} layers")
-    claimed_calls = manifest["model"].get("num_calls")
+    claimed_calls = manifest.model.num_calls
     if claimed_calls is not None and claimed_calls != len(nodes):
         raise disagrees(f"model.num_calls is {claimed_calls} but schedule.json has {len(nodes)} calls")
     return layers
@@ -278,7 +277,7 @@ def _dims(dims: list) -> str:
     return "[" + ", ".join(str(d) if isinstance(d, int) else "rows" for d in dims) + "]"
 
 
-def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_context: int, max_batch: int = 0) -> None:
+def _check_signatures(buffers: dict[str, Buffer], nodes: list[dict], signatures: dict, max_context: int, max_batch: int = 0) -> None:
     """Each call's buffers have the shape and type its kernels take (TVM's code checks them at call time: a
     mismatch would be an internal error mid-generation). A kernel's size variable is the step's row count:
     1 for decode, up to max_context for prefill, up to max_batch for a batch step (1 for a call a batch step
@@ -296,10 +295,10 @@ def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_co
                     raise ArtifactError(f"schedule.json is damaged: copy {call} does not have a source and a target; "
                                         "rebuild the artifact")
                 source, target = buffers[sources[0]], buffers[targets[0]]
-                if (source["shape"], source["dtype"]) != (target["shape"], target["dtype"]):
-                    raise disagrees(f"buffers.{sources[0]} is {source['dtype']} {source['shape']} but "
-                                    f"buffers.{targets[0]}, which copy {call} copies it to, is {target['dtype']} "
-                                    f"{target['shape']}")
+                if (source.shape, source.dtype) != (target.shape, target.dtype):
+                    raise disagrees(f"buffers.{sources[0]} is {source.dtype} {source.shape} but "
+                                    f"buffers.{targets[0]}, which copy {call} copies it to, is {target.dtype} "
+                                    f"{target.shape}")
                 continue
             if not kernel:
                 continue
@@ -326,14 +325,14 @@ def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_co
                     if param is None:
                         continue
                     info = buffers[arg]
-                    if info["dtype"] != param.get("dtype"):
-                        raise disagrees(f"buffers.{arg}.dtype is {info['dtype']} but kernel {kernel} (call {call}) "
+                    if info.dtype != param.get("dtype"):
+                        raise disagrees(f"buffers.{arg}.dtype is {info.dtype} but kernel {kernel} (call {call}) "
                                         f"takes {param.get('dtype')}")
                     shape = _shape(info)
                     dims = param.get("shape")
                     # a batch step's one-row buffers where its kernel takes one row (select's union: one list)
                     whole = phase == "batch" and shape[0] == 1 and isinstance(dims, list) and dims[:1] == [1]
-                    if info["kind"] in ROW_KINDS and not whole:
+                    if info.kind in ROW_KINDS and not whole:
                         if phase == "batch" and node.per_sequence and shape[0] < max_batch:  # row b: the b-th sequence's
                             raise disagrees(f"buffers.{arg}.shape is {shape} but call {call} runs once per sequence "
                                             f"of batch steps of up to {max_batch} rows (model.max_batch)")
@@ -349,5 +348,5 @@ def _check_signatures(buffers: dict, nodes: list[dict], signatures: dict, max_co
                         elif re.fullmatch(r"[A-Za-z_]\w*", str(want)):  # a size variable: one value per call
                             fits = fits and bound.setdefault(str(want), have) == have
                     if not fits:
-                        raise disagrees(f"buffers.{arg}.shape is {info['shape']} but kernel {kernel} (call {call}) "
+                        raise disagrees(f"buffers.{arg}.shape is {info.shape} but kernel {kernel} (call {call}) "
                                         f"takes {_dims(dims) if isinstance(dims, list) else dims} there")

@@ -53,7 +53,9 @@ def devices(artifact: str) -> str:
 def budgets(artifact: str) -> str:
     """The --vram-budget (bytes) that leaves each card's FFN share after the dense part, KV cache and reserve,
     as partition computes them (budget = vram - dense - kv - reserve_fraction x vram)."""
-    placement = json.loads((Path(artifact) / "manifest.json").read_text())["placement"]
+    from runtime import load_manifest
+
+    placement = load_manifest(artifact, check_hashes=False).placement
     fixed = placement["dense_gpu_bytes"] + placement["kv_cache_bytes"]
     reserve_fraction = placement["reserve_bytes"] / placement["vram_bytes"]
     return " ".join(str(math.ceil((fixed + share * placement["ffn_bytes"]) / (1 - reserve_fraction)))
@@ -73,22 +75,23 @@ def table(workdir: str, labels: list[str]) -> str:
     """One row per build: its placement, decode tokens/s measured (best of the runs) and estimated, quality."""
     rows = [("build", "target", "VRAM budget", "GPU weights", "FFN activity on GPU", "devices", "decode tok/s",
              "estimate", "top-1", "KL")]
+    from runtime import load_manifest
     from runtime.artifact import format_size
     from runtime.calls import schedule_calls
     from runtime.dtypes import nbytes
 
     for label in labels:
         base = Path(workdir) / label
-        manifest = json.loads((base.with_suffix(".pic") / "manifest.json").read_text())
+        manifest = load_manifest(base.with_suffix(".pic"), check_hashes=False)
         schedule = json.loads((base.with_suffix(".pic") / "schedule.json").read_text())
         gpu_args = {name for call in schedule_calls(schedule) if call.device == "gpu" for name in call.buffers()}
         runs = [json.loads(line) for line in base.with_suffix(".run.json").read_text().splitlines() if line.strip()]
         quality = json.loads(base.with_suffix(".eval.json").read_text())
-        placement, estimate = manifest.get("placement", {}), manifest.get("estimate", {})
-        gpu_bytes = sum(nbytes(info["shape"], info["dtype"]) for name, info in manifest["buffers"].items()
-                        if info["kind"] == "weight" and name in gpu_args)
-        rows.append((label, manifest["target"]["name"],
-                     format_size(placement["vram_bytes"]) if manifest["target"]["cuda_arch"] else "-", format_size(gpu_bytes),
+        placement, estimate = manifest.placement, manifest.estimate or {}
+        gpu_bytes = sum(nbytes(info.shape, info.dtype) for name, info in manifest.buffers.items()
+                        if info.kind == "weight" and name in gpu_args)
+        rows.append((label, manifest.target.name,
+                     format_size(placement["vram_bytes"]) if manifest.target.cuda_arch else "-", format_size(gpu_bytes),
                      f"{placement.get('activation_share', 0):.1%}", devices(str(base.with_suffix(".pic"))),
                      f"{max(run['decode_tokens_per_s'] for run in runs):.1f}",
                      f"{estimate.get('picompile_tokens_per_s', 0):.1f}",

@@ -372,10 +372,10 @@ def test_a_build_killed_at_any_moment_leaves_the_old_artifact_or_none(tiny_model
         if target == fresh and not fresh.exists():
             continue
         manifest = load_manifest(target)  # every listed file present with its hash
-        if target == output and manifest["model"]["max_context"] == 32:
+        if target == output and manifest.model.max_context == 32:
             assert _tree(output) == previous
         else:  # the build finished before the kill: the new artifact, complete
-            assert manifest["model"]["max_context"] == 40
+            assert manifest.model.max_context == 40
         visible = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
         assert set(visible) <= {"m.pic", "fresh.pic"}
         for hidden in tmp_path.glob(".*"):  # leftovers are only ever staging directories
@@ -384,7 +384,7 @@ def test_a_build_killed_at_any_moment_leaves_the_old_artifact_or_none(tiny_model
     # The next build replaces the artifact and clears what the killed ones left (in this process: the same build
     # without starting Python and TVM again)
     assert main(_build_command(files.onnx, output, 48)[3:]) == 0
-    assert load_manifest(output)["model"]["max_context"] == 48
+    assert load_manifest(output).model.max_context == 48
     assert not list(tmp_path.glob(".m.pic.*"))
 
 

@@ -4,7 +4,6 @@ show it.)"""
 
 from __future__ import annotations
 
-import json
 
 from types import SimpleNamespace
 
@@ -22,6 +21,7 @@ from picompile.cli import main
 from picompile.compiler import build, pipeline
 from passes.pipeline import Context, Options, run_passes
 from passes.targets import get_target
+from runtime.artifact import load_manifest
 from runtime.dtypes import WEIGHT_FORMATS
 
 INT4 = WEIGHT_FORMATS["int4"]
@@ -154,8 +154,8 @@ def test_a_dense_awq_build_profiles_for_its_scales_and_says_which_method_it_used
         options, passes = _passes(outlier_opt, method, dense=True)
         assert ("profile" in [p.name for p in passes]) == (method == "awq")
         artifact = build(outlier_opt.onnx, tmp_path / f"{method}.pic", get_target("cpu"), options, passes=passes)
-        summaries[method] = json.loads((artifact / "manifest.json").read_text())["quantization"]
-        assert summaries[method]["method"] == method
+        summaries[method] = load_manifest(artifact).quantization
+        assert summaries[method].method == method
         assert main(["inspect", str(artifact)]) == 0
         assert ("awq channel scales on" in capsys.readouterr().out) == (method == "awq")
-    assert summaries["awq"]["mean_relative_error"] < summaries["rtn"]["mean_relative_error"]
+    assert summaries["awq"].mean_relative_error < summaries["rtn"].mean_relative_error

@@ -239,7 +239,7 @@ def test_batch_steps_read_the_union_of_the_rows_neurons(tiny_sparse_artifact):
     engine = Engine(tiny_sparse_artifact, slots=3)
     tokens = _prefill(engine, PROMPTS[:3])
     slots = [2, 0, 1]
-    calls, buffers = {call.id: call for call in engine.calls}, engine.manifest["buffers"]
+    calls, buffers = {call.id: call for call in engine.calls}, engine.manifest.buffers
     engine.buffers["input_ids"][:3] = [tokens[s] for s in slots]
     positions = [engine.positions[s] for s in slots]
     counts = {call.selection.count for call in engine.calls if call.selection is not None}
@@ -249,12 +249,12 @@ def test_batch_steps_read_the_union_of_the_rows_neurons(tiny_sparse_artifact):
         call = calls[step.name]
         written = set(call.writes()) & counts
         if call.selection is None and written:  # a select: its scores, a row per sequence, against its threshold
-            scores = next(b for b in call.reads() if buffers[b]["kind"] == "activation")
-            threshold = next(b for b in call.reads() if buffers[b]["kind"] == "weight")
+            scores = next(b for b in call.reads() if buffers[b].kind == "activation")
+            threshold = next(b for b in call.reads() if buffers[b].kind == "weight")
             rows = engine.buffers[scores][:3] > engine.buffers[threshold][0]
             own[written.pop()] = [set(np.nonzero(row)[0]) for row in rows]
         elif call.selection is not None:
-            selection, index = call.selection, next(b for b in call.reads() if buffers[b]["dtype"] == "int32"
+            selection, index = call.selection, next(b for b in call.reads() if buffers[b].dtype == "int32"
                                                     and b != call.selection.count)
             count = int(engine.buffers[selection.count][0, 0])
             rows = own[selection.count]
@@ -265,7 +265,7 @@ def test_batch_steps_read_the_union_of_the_rows_neurons(tiny_sparse_artifact):
             assert max(np.count_nonzero(hidden, axis=1)) <= fired <= np.count_nonzero(hidden)
             assert step.bytes_read() == weight_bytes(call, buffers, count, fired)
             checked += 1
-    assert checked == engine.manifest["model"]["num_layers"]
+    assert checked == engine.manifest.model.num_layers
 
 
 def test_sparse_batch_rows_are_as_close_to_the_dense_model_as_alone(tiny_sparse_artifact,

@@ -20,6 +20,7 @@ from picompile.cli import main
 from passes.pipeline import Context, Options, run_passes
 from passes.reference import OrtDecoder
 from passes.targets import get_target
+from runtime.artifact import load_manifest
 
 CONTEXT = 64  # calibration sequences are cut to min(max_context, 128) tokens: 64 here
 
@@ -181,18 +182,18 @@ def test_cli_build_warns_once_and_inspect_shows_both_shares(files, tmp_path, cap
     assert f"calibration 192 tokens: 192 from {small} (small: 512 wanted)" in text
     header = next(line for line in text.splitlines() if line.split()[:1] == ["layer"])
     assert "true active" in header and "predicted" in header and "pred/true" in header
-    layers = json.loads((out / "manifest.json").read_text())["layers"]
+    layers = load_manifest(out).layers
     for layer in layers:
-        row = next(line.split() for line in text.splitlines() if line.split()[:1] == [str(layer["layer"])])
+        row = next(line.split() for line in text.splitlines() if line.split()[:1] == [str(layer.layer)])
         true, predicted, ratio = float(row[-4]), float(row[-3]), float(row[-2].rstrip("x"))
-        assert row[-1] == layer.get("ffn", "sparse")  # the layer's FFN lowering, last
-        assert true == pytest.approx(1 - layer["sparsity"], abs=1e-3)
-        assert predicted == pytest.approx(layer["predictor_active"], abs=1e-3)
-        assert ratio == pytest.approx(layer["predictor_active"] / (1 - layer["sparsity"]), abs=0.01)
+        assert row[-1] == (layer.ffn or "sparse")  # the layer's FFN lowering, last
+        assert true == pytest.approx(1 - layer.sparsity, abs=1e-3)
+        assert predicted == pytest.approx(layer.predictor_active, abs=1e-3)
+        assert ratio == pytest.approx(layer.predictor_active / (1 - layer.sparsity), abs=0.01)
     assert main(["inspect", str(out), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["layers"]
     assert [layer["active_ratio"] for layer in shown] == pytest.approx(
-        [layer["predictor_active"] / (1 - layer["sparsity"]) for layer in layers])
+        [layer.predictor_active / (1 - layer.sparsity) for layer in layers])
 
 
 @pytest.mark.parametrize("family, exporter, external", [("opt", "dynamo", True), ("llama", "legacy", False),

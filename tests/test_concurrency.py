@@ -126,7 +126,7 @@ def cuda_gpu_present() -> bool:
 
 def gpu_kernel_buffers(engine: Engine) -> set[str]:
     return {name for call in engine._calls if call.device == "gpu" and call.role is not Role.COPY
-            for name in call.buffers() if name in engine.manifest["buffers"]}
+            for name in call.buffers() if name in engine.manifest.buffers}
 
 
 def test_emulated_gpu_buffers_are_device_tensors_and_weights_upload_once(hybrid):
@@ -140,20 +140,20 @@ def test_emulated_gpu_buffers_are_device_tensors_and_weights_upload_once(hybrid)
     engine = Engine(hybrid, emulate_gpu=True)
     executor = engine.gpu
     assert isinstance(executor, DeviceExecutor) and executor.device == tvm.runtime.cpu(0)
-    buffers = engine.manifest["buffers"]
+    buffers = engine.manifest.buffers
     on_gpu = gpu_kernel_buffers(engine)
-    assert any(buffers[name]["kind"] == "cache" for name in on_gpu)  # the GPU layers' KV cache lives there
+    assert any(buffers[name].kind == "cache" for name in on_gpu)  # the GPU layers' KV cache lives there
     host_arrays = list(engine.buffers.values())
     for name in on_gpu:
         tensor = executor.tensors[name]
         assert isinstance(tensor, tvm.runtime.Tensor) and tensor.device == executor.device, name
-        assert list(tensor.shape) == buffers[name]["shape"], name
+        assert list(tensor.shape) == buffers[name].shape, name
         assert not any(np.shares_memory(np.from_dlpack(tensor), array) for array in host_arrays), name
     cpu_reads = {name for call in engine._calls if call.device == "cpu" for name in call.buffers()}
-    gpu_weights = {name for name in on_gpu if buffers[name]["kind"] == "weight"}
+    gpu_weights = {name for name in on_gpu if buffers[name].kind == "weight"}
     assert gpu_weights - cpu_reads and not (gpu_weights - cpu_reads) & set(engine.buffers)  # not kept on the host
     assert executor.uploads == len(gpu_weights)
-    weight_bytes = sum(int(np.prod(buffers[n]["shape"])) * np.dtype(buffers[n]["dtype"]).itemsize for n in gpu_weights)
+    weight_bytes = sum(int(np.prod(buffers[n].shape)) * np.dtype(buffers[n].dtype).itemsize for n in gpu_weights)
     assert executor.uploaded_bytes == weight_bytes
     engine.forward(PROMPT)
     before = dict(executor.copied_bytes)
@@ -162,7 +162,7 @@ def test_emulated_gpu_buffers_are_device_tensors_and_weights_upload_once(hybrid)
         engine.forward([token + 1])
     assert executor.uploads == len(gpu_weights)  # no weight went up again
     # per decode step: one row of each buffer a decode copy moves, each way
-    row = lambda name: int(np.prod(buffers[name]["shape"][1:])) * np.dtype(buffers[name]["dtype"]).itemsize  # noqa: E731
+    row = lambda name: int(np.prod(buffers[name].shape[1:])) * np.dtype(buffers[name].dtype).itemsize  # noqa: E731
     expected = {"to_device": 0, "to_host": 0}
     for call in engine._calls:
         if call.role is Role.COPY and call.decode:

@@ -11,7 +11,7 @@ import pytest
 from passes import costmodel
 from picompile.compiler import build
 from passes.pipeline import Options
-from runtime import Engine
+from runtime import Engine, load_manifest
 from runtime.calls import Access, Arg, Call, Role, Selection, schedule_calls
 from runtime.dtypes import itemsize
 from test_sparse import assert_matches_onnxruntime, sparse_build
@@ -60,20 +60,20 @@ def test_dense_gpu_build_honours_the_vram_budget(tiny_models, tmp_path):
     def dense(budget, name):
         artifact = build(files.onnx, tmp_path / name, SLOW_CPU_RTX4090,
                          Options(dense=True, max_context=64, vram_budget_bytes=budget))
-        manifest = json.loads((artifact / "manifest.json").read_text())
+        manifest = load_manifest(artifact)
         calls = [call for call in schedule_calls(json.loads((artifact / "schedule.json").read_text()))
                  if call.role is not Role.COPY]
         return artifact, manifest, calls
 
     def gpu_weight_bytes(manifest, calls):
         names = {name for call in calls if call.device == "gpu" for name in call.buffers()
-                 if manifest["buffers"][name]["kind"] == "weight"}
-        return sum(np.prod(manifest["buffers"][n]["shape"]) * itemsize(manifest["buffers"][n]["dtype"]) for n in names)
+                 if manifest.buffers[name].kind == "weight"}
+        return sum(np.prod(manifest.buffers[n].shape) * itemsize(manifest.buffers[n].dtype) for n in names)
 
     _, manifest, calls = dense(None, "all.pic")
-    layers = manifest["model"]["num_layers"]
+    layers = manifest.model.num_layers
     assert {call.layer for call in calls if call.device == "gpu"} >= set(range(layers))
-    model_bytes = manifest["placement"]["used_bytes"]
+    model_bytes = manifest.placement["used_bytes"]  # (the placement report: typed by its own pass)
 
     _, manifest, calls = dense(0, "none.pic")
     assert {call.device for call in calls} == {"cpu"}
@@ -81,7 +81,7 @@ def test_dense_gpu_build_honours_the_vram_budget(tiny_models, tmp_path):
     budget = int(0.4 * model_bytes)
     artifact, manifest, calls = dense(budget, "some.pic")
     on_gpu = {call.layer for call in calls if call.device == "gpu"} - {None}
-    assert on_gpu == set(manifest["devices"]["gpu_layers"]) and 0 < len(on_gpu)
+    assert on_gpu == set(manifest.devices.gpu_layers) and 0 < len(on_gpu)
     assert {call.device for call in calls} == {"cpu", "gpu"}
-    assert gpu_weight_bytes(manifest, calls) <= manifest["placement"]["used_bytes"] <= budget
+    assert gpu_weight_bytes(manifest, calls) <= manifest.placement["used_bytes"] <= budget
     assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True, decode_steps=3)

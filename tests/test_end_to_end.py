@@ -14,7 +14,7 @@ from picompile.compiler import build
 from passes.pipeline import Options
 from passes.reference import OrtDecoder
 from passes.targets import get_target
-from runtime import Engine, generate
+from runtime import Engine, generate, load_manifest
 from test_runtime_thin import run_without_compiler_stack
 
 CASES = [(family, exporter) for family in ("opt", "llama") for exporter in ("dynamo", "legacy")]
@@ -147,13 +147,13 @@ def test_rebuild_replaces_the_artifact_and_a_failed_build_keeps_it(tiny_models, 
     files = tiny_models("opt")
     out = tmp_path / "m.pic"
     assert main(["build", str(files.onnx), "-o", str(out), "--dense", "--max-context", "32"]) == 0
-    assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 32
+    assert load_manifest(out).model.max_context == 32
     assert main(["build", str(files.onnx), "-o", str(out), "--dense", "--max-context", "40"]) == 0
-    assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 40
+    assert load_manifest(out).model.max_context == 40
     # OPT's learned positions end at 256: a longer context is refused and the old artifact stays
     assert main(["build", str(files.onnx), "-o", str(out), "--dense", "--max-context", "100000"]) == 2
     assert "learned positions" in capsys.readouterr().err
-    assert json.loads((out / "manifest.json").read_text())["model"]["max_context"] == 40
+    assert load_manifest(out).model.max_context == 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pic"]
 
 
@@ -180,7 +180,7 @@ def test_run_refuses_an_artifact_larger_than_available_memory(artifacts, capsys,
     import runtime.engine
 
     _, artifact = artifacts("opt")
-    needed = runtime.artifact.host_bytes(json.loads((artifact / "manifest.json").read_text()))
+    needed = runtime.artifact.host_bytes(load_manifest(artifact))
     weights = sum(p.stat().st_size for p in (artifact / "weights").glob("*.safetensors"))
     assert needed >= weights  # every weight is a buffer the engine holds
     monkeypatch.setattr(runtime.engine, "available_memory_bytes", lambda: needed - 1)

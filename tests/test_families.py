@@ -23,6 +23,7 @@ from picompile.cli import main
 from picompile.compiler import build
 from passes.pipeline import Options
 from passes.targets import get_target
+from runtime.artifact import load_manifest
 from runtime.calls import Role, schedule_calls
 from test_sparse import assert_matches_onnxruntime  # the same check, prompt and tolerance
 
@@ -120,8 +121,7 @@ def test_half_precision_models_compile_in_fp32(half_exports, tmp_path, precision
     if precision == "fp16":  # --weight-dtype fp16 stores the CPU's matrices in fp16: exactly the file's values
         stored = build(half, tmp_path / "f16.pic", get_target("cpu"),
                        Options(dense=True, max_context=32, weight_dtype="fp16"))
-        buffers = json.loads((stored / "manifest.json").read_text())["buffers"]
-        assert buffers["layers.0.ffn.w_up"]["dtype"] == "float16"
+        assert load_manifest(stored).buffers["layers.0.ffn.w_up"].dtype == "float16"
         assert_matches_onnxruntime(stored, rounded, decode_steps=3)
 
 
@@ -162,9 +162,9 @@ def test_the_default_weight_dtype_is_the_files_own(half_exports, tmp_path):
     assert stored_weight_dtype(load(rounded)) == "fp32"
     assert resolve_weight_dtype(Options(weight_dtype="fp32"), load(half)).weight_dtype == "fp32"
     assert main(["build", str(half), "-o", str(tmp_path / "a.pic"), "--dense", "--max-context", "32", "-q"]) == 0
-    manifest = json.loads((tmp_path / "a.pic" / "manifest.json").read_text())
-    assert manifest["options"]["weight_dtype"] == "fp16"
-    stored = {info["dtype"] for info in manifest["buffers"].values() if info["kind"] == "weight" and len(info["shape"]) == 2}
+    manifest = load_manifest(tmp_path / "a.pic")
+    assert manifest.options.weight_dtype == "fp16"
+    stored = {info.dtype for info in manifest.buffers.values() if info.kind == "weight" and len(info.shape) == 2}
     assert "float16" in stored
 
 

@@ -8,20 +8,22 @@ import json
 import numpy as np
 import pytest
 
-from passes.budget import QualityBudget
+from passes.budget import parse_budget
+from runtime import load_manifest
+from runtime.manifest import QualityBudget
 from passes.errors import UserError
 
 
 @pytest.mark.parametrize("text, kind, value", [("1%", "ppl", 0.01), ("0.03", "ppl", 0.03), ("kl=0.005", "kl", 0.005),
                                                ("KL=0", "kl", 0.0), (" 10% ", "ppl", 0.1)])
 def test_budget_spellings(text, kind, value):
-    assert QualityBudget.parse(text) == QualityBudget(kind, pytest.approx(value))
+    assert parse_budget(text) == QualityBudget(kind, pytest.approx(value))
 
 
 @pytest.mark.parametrize("text", ["", "abc", "-1%", "kl=1%", "ppl:1", "inf", "nan", "top1=0.9"])
 def test_bad_budgets_are_refused(text):
     with pytest.raises(UserError, match="--max-quality-loss must be"):
-        QualityBudget.parse(text)
+        parse_budget(text)
 
 
 def test_bad_budget_on_the_command_line_is_one_error_line(tiny_models, tmp_path, capsys):
@@ -71,7 +73,7 @@ def _build(files, out, *args):
 
     assert main(["build", str(files.onnx), "-o", str(out), "--calib", str(files.calib), "--max-context", "64",
                  *args]) == 0
-    return json.loads((out / "manifest.json").read_text())
+    return load_manifest(out)
 
 
 def _eval(files, out, capsys) -> dict:
@@ -87,18 +89,18 @@ def test_trained_relu_model_meets_its_budget_and_eval_confirms_it(trained_text, 
     """Predictor mode: the recall per layer is chosen within the budget (--target-recall its floor); the build
     prints what it expects and eval, on held-out text the build never saw, measures about that."""
     manifest = _build(trained_text, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.05", "--target-recall", "0.9")
-    quality = manifest["quality"]
-    assert quality["met"] and quality["kl"] <= 0.05 and quality["budget"] == {"kind": "kl", "value": 0.05}
+    quality = manifest.quality
+    assert quality.met and quality.kl <= 0.05 and quality.budget == QualityBudget("kl", 0.05)
     assert "expected quality:" in capsys.readouterr().out
     report = _eval(trained_text, tmp_path / "loose.pic", capsys)
-    assert report["expected_kl"] == pytest.approx(quality["kl"])
+    assert report["expected_kl"] == pytest.approx(quality.kl)
     assert report["kl_mean"] < 2 * 0.05, report
-    recalls = [layer["predictor_recall"] for layer in manifest["layers"] if "predictor_recall" in layer]
+    recalls = [layer.predictor_recall for layer in manifest.layers if layer.predictor_recall is not None]
     assert recalls and min(recalls) >= 0.85, recalls
     # a tighter budget: never a lower recall in any layer, and the expectation within it
     tight = _build(trained_text, tmp_path / "tight.pic", "--max-quality-loss", "kl=0.0005", "--target-recall", "0.9")
-    assert tight["quality"]["kl"] <= 0.0005 or not tight["quality"]["met"]
-    tight_recalls = [layer["predictor_recall"] for layer in tight["layers"] if "predictor_recall" in layer]
+    assert tight.quality.kl <= 0.0005 or not tight.quality.met
+    tight_recalls = [layer.predictor_recall for layer in tight.layers if layer.predictor_recall is not None]
     assert sum(tight_recalls) >= sum(recalls) - 1e-6, (tight_recalls, recalls)
 
 
@@ -109,10 +111,10 @@ def test_threshold_plan_spends_the_budget_on_more_sparsity(tiny_models, tmp_path
     plans = {}
     for budget in ("kl=0.00005", "kl=0.01"):
         manifest = _build(files, tmp_path / f"{budget}.pic", "--max-quality-loss", budget)
-        quality = manifest["quality"]
-        assert quality["met"] and quality["kl"] <= float(budget.split("=")[1]), quality
+        quality = manifest.quality
+        assert quality.met and quality.kl <= float(budget.split("=")[1]), quality
         plans[budget] = quality
-    dropped = {b: float(q["plan"].split("dropping ")[1].split(" ")[0]) * int(q["plan"].split(" of ")[0])
+    dropped = {b: float(q.plan.split("dropping ")[1].split(" ")[0]) * int(q.plan.split(" of ")[0])
                for b, q in plans.items()}
     assert dropped["kl=0.01"] > dropped["kl=0.00005"], plans
 
@@ -124,8 +126,8 @@ def test_a_budget_no_plan_meets_falls_back_and_says_so(tiny_models, tmp_path, ca
     manifest = _build(files, tmp_path / "zero.pic", "--weight-dtype", "int8", "--max-quality-loss", "kl=0")
     err = capsys.readouterr().err
     assert "misses the budget (KL 0)" in err, err
-    assert not manifest["quality"]["met"]
-    assert "0 of 8 linear inputs sparse" in manifest["quality"]["plan"]
+    assert not manifest.quality.met
+    assert "0 of 8 linear inputs sparse" in manifest.quality.plan
 
 
 def test_a_fixed_sparsity_over_the_budget_is_built_as_asked_and_said(tiny_models, tmp_path, capsys):
@@ -133,5 +135,5 @@ def test_a_fixed_sparsity_over_the_budget_is_built_as_asked_and_said(tiny_models
     files = tiny_models("llama", hidden_act="silu")
     manifest = _build(files, tmp_path / "fixed.pic", "--sparsity", "0.5", "--max-quality-loss", "kl=0")
     assert "the --sparsity level misses the budget (KL 0)" in capsys.readouterr().err
-    assert not manifest["quality"]["met"] and manifest["quality"]["kl"] > 0
-    assert all(layer["threshold_in"] >= 0 and layer["sparsity_in"] > 0.3 for layer in manifest["layers"])
+    assert not manifest.quality.met and manifest.quality.kl > 0
+    assert all(layer.threshold_in >= 0 and layer.sparsity_in > 0.3 for layer in manifest.layers)

@@ -19,7 +19,7 @@ from passes.pipeline import Context, Options, run_passes
 from passes.reference import OrtDecoder
 from passes.targets import get_cpu_isa, get_target
 from runtime.artifact import missing_cpu_features
-from runtime import Engine
+from runtime import Engine, load_manifest
 from runtime.dtypes import WEIGHT_FORMATS
 
 QUANTIZED = ("int8", "int4")
@@ -225,8 +225,7 @@ def test_quantized_kernels_compute_exactly_the_quantized_model(built, weight_dty
     """The artifact's int8 / int4 kernels (GEMV, prefill GEMMs, fused sparse FFN, embedding) give the logits of
     the same quantized values run through fp32 kernels, within fp32 rounding."""
     quantized, folded = built(weight_dtype, dense), built(weight_dtype, dense, fold=True)
-    manifest = json.loads((quantized / "manifest.json").read_text())
-    layouts = {info.get("layout") for info in manifest["buffers"].values() if info["kind"] == "weight"}
+    layouts = {info.layout for info in load_manifest(quantized).buffers.values() if info.kind == "weight"}
     assert {"quant_panels", "quant_rows"} <= layouts
     ours, reference = Engine(quantized), Engine(folded)
     tokens = [11, 22, 33, 44, 55]
@@ -255,7 +254,7 @@ def test_int8_activations_move_quantized_logits_by_their_rounding_only(built, we
     engine, folded = Engine(ours), Engine(reference)
     prompt = [11, 22, 33, 44, 55]
     expected, got = folded.forward(prompt), engine.forward(prompt)
-    if get_cpu_isa(json.loads((ours / "manifest.json").read_text())["target"]["cpu_isa"]).gemm_panels > 1:
+    if get_cpu_isa(load_manifest(ours).target.cpu_isa).gemm_panels > 1:
         assert 1e-6 < np.abs(got - expected).max() / expected.std() < 5e-2
     else:
         np.testing.assert_allclose(got, expected, atol=2e-4, rtol=0)

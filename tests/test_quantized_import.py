@@ -4,7 +4,6 @@ and records that they came quantized; what it cannot honour is refused in one li
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import onnx
@@ -20,7 +19,7 @@ from picompile.cli import main
 from passes.pipeline import Context, Options
 from passes.reference import OrtDecoder
 from passes.targets import get_target
-from runtime import Engine
+from runtime import Engine, load_manifest
 from runtime.dtypes import WEIGHT_FORMATS
 from test_cli_errors import assert_user_error
 
@@ -314,8 +313,8 @@ def test_an_ort_model_with_zero_points_builds_in_int4a_and_matches_onnxruntime(q
                  "-v"]) == 0
     log = capsys.readouterr().err
     assert "weight dtype int4a" in log and "the model's own blocks kept exactly" in log
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["quantization"]["format"] == "int4a" and manifest["quantization"]["source_blocks_rerounded"] == 0
+    quantization = load_manifest(out).quantization
+    assert quantization.format == "int4a" and quantization.source_blocks_rerounded == 0
     ours, reference = logits_steps(Engine(out)), logits_steps(OrtDecoder(source))
     for got, expected in zip(ours, reference):
         assert np.abs(got - expected).max() < 5e-2 * expected.std()

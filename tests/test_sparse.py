@@ -17,7 +17,7 @@ from passes.errors import UserError
 from passes.pipeline import Options
 from passes.reference import OrtDecoder
 from passes.targets import get_target
-from runtime import Engine, generate
+from runtime import Engine, generate, load_manifest
 from runtime.artifact import seal_manifest
 from runtime.calls import Role, schedule_calls
 from tiny_targets import SLOW_CPU_RTX4090
@@ -94,9 +94,9 @@ def test_fp16_weights_stay_close_to_onnxruntime(sparse_models, all_neurons_artif
     files = sparse_models[family]
     fp32 = all_neurons_artifacts(family)
     fp16 = sparse_build(files, tmp_path / "f16.pic", all_neurons=True, weight_dtype="fp16")
-    manifest = json.loads((fp16 / "manifest.json").read_text())
-    kept = {name for name, info in manifest["buffers"].items()  # position tables are read a row per token
-            if info["kind"] == "weight" and len(info["shape"]) > 1 and info["dtype"] == "float32"}
+    manifest = load_manifest(fp16)
+    kept = {name for name, info in manifest.buffers.items()  # position tables are read a row per token
+            if info.kind == "weight" and len(info.shape) > 1 and info.dtype == "float32"}
     assert all("pos" in name or "rope" in name for name in kept), kept
     size = lambda a: sum(f.stat().st_size for f in (a / "weights").iterdir())  # noqa: E731
     assert size(fp16) < 0.6 * size(fp32)
@@ -172,8 +172,8 @@ def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path_fa
     device, so a missing copy or a wrong merge changes the logits."""
     files = sparse_models[family]
     artifact = hybrid_build(files, tmp_path_factory)
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    split = [(layer["gpu_neurons"], layer["cpu_neurons"]) for layer in manifest["layers"]]
+    manifest = load_manifest(artifact)
+    split = [(layer.gpu_neurons, layer.cpu_neurons) for layer in manifest.layers]
     assert any(gpu and cpu for gpu, cpu in split), split
     schedule = json.loads((artifact / "schedule.json").read_text())
     calls = schedule_calls(schedule)
@@ -183,7 +183,7 @@ def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path_fa
     assert (artifact / "kernels" / "cuda_sm_89.so").stat().st_size > 0
     assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True)
     # the build's speed estimate splits the bytes between the devices and prices the baselines
-    estimate = manifest["estimate"]
+    estimate = manifest.estimate  # (passes.costmodel.Estimate, as the writer stored it)
     assert estimate["gpu_bytes_per_token"] > 0 and estimate["cpu_bytes_per_token"] > 0
     assert estimate["layer_offload_tokens_per_s"] > 0 and estimate["picompile_tokens_per_s"] > 0
     faster_cpu = dataclasses.replace(get_target("rtx4090"), cpu_bandwidth_gbs=600.0)
@@ -209,11 +209,11 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     # predictor mode's passes: no threshold; quantize blocks the predictors of this fp32 build
     for name in names:
         onnx.checker.check_model(onnx.load(str(dumps / name)))
-    manifest = json.loads((out / "manifest.json").read_text())
-    for layer in manifest["layers"]:
-        assert layer["predictor_recall"] >= 0.95, layer
-        assert layer["predictor_active"] < 0.5, layer  # a predictor that keeps everything saves nothing
-        assert 0.85 < layer["sparsity"] < 0.95
+    manifest = load_manifest(out)
+    for layer in manifest.layers:
+        assert layer.predictor_recall >= 0.95, layer
+        assert layer.predictor_active < 0.5, layer  # a predictor that keeps everything saves nothing
+        assert 0.85 < layer.sparsity < 0.95
     assert (out / "plots" / "activation_cdf.png").read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     assert main(["eval", str(out), "--reference", str(files.onnx), "--tokens", str(files.heldout),
@@ -221,7 +221,7 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     report = json.loads(capsys.readouterr().out)
     assert report["top1_agreement"] >= 0.9, report
     assert report["kl_mean"] < 0.05, report
-    assert [r["recall"] for r in report["layers"]] == [layer["predictor_recall"] for layer in manifest["layers"]]
+    assert [r["recall"] for r in report["layers"]] == [layer.predictor_recall for layer in manifest.layers]
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "recall" in text and "layer" in text
@@ -269,7 +269,7 @@ def test_profile_counts_the_weight_bytes_each_decode_step_reads(sparse_models, a
         for call in schedule_calls(json.loads((engine.directory / "schedule.json").read_text())):
             if call.decode and call.role.value in roles:
                 for name in call.buffers():
-                    if engine.manifest["buffers"].get(name, {}).get("kind") == "weight":
+                    if name in engine.manifest.buffers and engine.manifest.buffers[name].kind == "weight":
                         array = engine.buffers[name]
                         total += array[0].nbytes if call.role is Role.EMBED else array.nbytes
         return total
@@ -296,9 +296,9 @@ def test_avx512_kernels_run_where_the_cpu_has_them(sparse_models, tmp_path):
 
     files = sparse_models["opt"]
     artifact = sparse_build(files, tmp_path / "w.pic", all_neurons=True, cpu_isa="avx512")
-    target = json.loads((artifact / "manifest.json").read_text())["target"]
-    assert target["cpu_isa"] == "avx512" and "avx512f" in target["cpu_features"]
-    missing = missing_cpu_features(target["cpu_features"])
+    target = load_manifest(artifact).target
+    assert target.cpu_isa == "avx512" and "avx512f" in target.cpu_features
+    missing = missing_cpu_features(target.cpu_features)
     if missing:
         with pytest.raises(ArtifactError, match=missing[0]):
             Engine(artifact)
@@ -314,10 +314,10 @@ def test_default_kernels_are_the_build_machines_widest_and_avx2_is_portable(spar
 
     files = sparse_models["opt"]
     default = dense_opt_artifact  # built without --cpu-isa
-    assert json.loads((default / "manifest.json").read_text())["target"]["cpu_isa"] == host_cpu_isa().name
+    assert load_manifest(default).target.cpu_isa == host_cpu_isa().name
     portable = sparse_build(files, tmp_path / "p.pic", all_neurons=True, cpu_isa="avx2")
-    target = json.loads((portable / "manifest.json").read_text())["target"]
-    assert target["cpu_isa"] == "avx2" and not any(flag.startswith("avx512") for flag in target["cpu_features"])
+    target = load_manifest(portable).target
+    assert target.cpu_isa == "avx2" and not any(flag.startswith("avx512") for flag in target.cpu_features)
     assert_matches_onnxruntime(portable, files.onnx, decode_steps=3)
 
 
@@ -377,10 +377,9 @@ def test_a_layer_whose_sparse_path_costs_more_is_lowered_dense(sparse_models, tm
     at = next(i for i, p in enumerate(passes) if p.name == "partition")
     artifact = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), opts,
                      passes=passes[:at] + [_ExpectedShares()] + passes[at:])
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    layers = {layer["layer"]: layer for layer in manifest["layers"]}
-    assert layers[0]["ffn"] == "dense" and "95.0%" in layers[0]["dense_reason"], layers[0]
-    assert all(layer.get("ffn", "sparse") == "sparse" for number, layer in layers.items() if number != 0)
+    layers = {layer.layer: layer for layer in load_manifest(artifact).layers}
+    assert layers[0].dense and "95.0%" in layers[0].dense_reason, layers[0]
+    assert all(not layer.dense for number, layer in layers.items() if number != 0)
     calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
     dense = [call for call in calls if call.layer == 0 and call.role in (Role.FFN, Role.FFN_UP, Role.FFN_DOWN)]
     assert dense and all(call.selection is None and call.decode for call in dense)  # dense GEMVs in decode too

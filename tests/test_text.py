@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from picompile.cli import main
 from passes.tokens import read_calibration
-from runtime import Engine, GenerationStats, generate, generate_stream
+from runtime import Engine, GenerationStats, generate, generate_stream, load_manifest
 from runtime.artifact import ArtifactError
 from runtime.text import TextTokenizer, load_tokenizer
 from test_cli_errors import assert_user_error
@@ -71,14 +71,14 @@ def run_json(capsys, *args) -> dict:
 
 
 def test_the_artifact_lists_its_tokenizer_files_with_their_sha256(artifact, tokenizer_dir, capsys):
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    listed = {name: digest for name, digest in manifest["files"].items() if name.startswith("tokenizer/")}
+    manifest = load_manifest(artifact)
+    listed = {name: digest for name, digest in manifest.files.items() if name.startswith("tokenizer/")}
     assert sorted(listed) == ["tokenizer/generation_config.json", "tokenizer/tokenizer.json",
                               "tokenizer/tokenizer_config.json"]
     for name, digest in listed.items():
         assert digest == hashlib.sha256((tokenizer_dir / name.split("/", 1)[1]).read_bytes()).hexdigest()
-    assert manifest["tokenizer"]["files"][0] == "tokenizer/tokenizer.json"
-    assert sorted(manifest["tokenizer"]["files"]) == sorted(listed)
+    assert manifest.tokenizer.files[0] == "tokenizer/tokenizer.json"
+    assert sorted(manifest.tokenizer.files) == sorted(listed)
     assert main(["inspect", str(artifact), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["tokenizer"]
     assert shown == {"files": sorted(listed), "vocab_size": 258, "bos_id": BOS, "eos_ids": [BOS], "chat_template": True}
@@ -98,11 +98,11 @@ def test_a_tampered_tokenizer_file_is_refused(artifact, tmp_path, capsys):
 
 
 def test_text_calibration_is_what_the_build_profiled(artifact, tokenizer, calib_dir):
-    manifest = json.loads((artifact / "manifest.json").read_text())
+    calibration = load_manifest(artifact).calibration
     # one sequence per .txt/.md/.py file (BOS first), cut at 128 tokens (the profile pass's sequence length)
     expected = sum(1 + len(CALIB_FILES[name].encode()) for name in ("a.txt", "notes/b.md", "c.py"))
-    assert manifest["calibration"]["given_tokens"] == expected
-    assert manifest["calibration"]["source"] == str(calib_dir)
+    assert calibration.given_tokens == expected
+    assert calibration.source == str(calib_dir)
     sequences = read_calibration(calib_dir, tokenizer, max_length=16)
     assert sum(map(len, sequences)) == expected and max(map(len, sequences)) == 16
     assert sequences[0][0] == BOS and bytes(sequences[0][1:].tolist()) == CALIB_FILES["a.txt"].encode()[:15]

@@ -16,6 +16,7 @@ from passes.kernels import cpu, neuron
 from passes.threshold import calibrate, hidden_of
 from passes.targets import CPU_ISAS
 from kernel_reference import aligned
+from runtime.artifact import load_manifest
 from runtime.calls import Access, schedule_calls
 
 
@@ -128,8 +129,7 @@ def test_sparsity_zero_matches_onnxruntime(threshold_builds, swiglu):
     from passes.reference import OrtDecoder
     from runtime import Engine
 
-    manifest = json.loads((threshold_builds[0.0] / "manifest.json").read_text())
-    assert manifest["sparsity"]["mode"] == "threshold"
+    assert load_manifest(threshold_builds[0.0]).sparsity.mode == "threshold"
     assert threshold_calls(threshold_builds[0.0]) == []
     assert {call.selection.part for call in threshold_calls(threshold_builds[0.5])} == {"up", "down"}
     engine, reference = Engine(threshold_builds[0.0]), OrtDecoder(swiglu.onnx)
@@ -154,10 +154,10 @@ def test_fp16_threshold_build_stays_close_to_onnxruntime(swiglu, tmp_path):
     zero = SetThresholds(lambda op, layer, model: {"threshold_in": 0.0, "threshold_down": 0.0} if op == "FFN" else {})
     artifact = build(swiglu.onnx, tmp_path / "f16.pic", get_target("cpu"), options,
                      passes=insert_after(pipeline(options, "threshold"), "threshold", zero))
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    assert threshold_calls(artifact) and all(manifest["buffers"][arg.buffer]["dtype"] == "float16" for call in threshold_calls(artifact)
+    buffers = load_manifest(artifact).buffers
+    assert threshold_calls(artifact) and all(buffers[arg.buffer].dtype == "float16" for call in threshold_calls(artifact)
                for arg in call.args if arg.access is Access.SELECTED_ROWS)
-    assert manifest["buffers"]["layers.0.ffn.w_up"]["dtype"] == "float16"
+    assert buffers["layers.0.ffn.w_up"].dtype == "float16"
     engine, reference = Engine(artifact), OrtDecoder(swiglu.onnx)
     expected = greedy_steps(reference.forward, steps=4)
     got = [engine.forward(PROMPT)] + [engine.forward([int(np.argmax(r[-1]))]) for r in expected[:-1]]
@@ -180,10 +180,10 @@ def test_threshold_mode_on_an_ungated_biased_relu_ffn(tiny_models, tmp_path):
     zero = SetThresholds(lambda op, layer, model: {"threshold_in": 0.0, "threshold_down": 0.0} if op == "FFN" else {})
     artifact = build(files.onnx, tmp_path / "opt.pic", get_target("cpu"), options,
                      passes=insert_after(pipeline(options, "threshold"), "threshold", zero))
-    manifest = json.loads((artifact / "manifest.json").read_text())
+    buffers = load_manifest(artifact).buffers
     up = [call for call in threshold_calls(artifact) if call.selection.part == "up"]
     # OPT's up projection has a bias: read whole beside the kept rows
-    assert up and all(any(arg.access is Access.WHOLE and manifest["buffers"][arg.buffer]["kind"] == "weight"
+    assert up and all(any(arg.access is Access.WHOLE and buffers[arg.buffer].kind == "weight"
                           for arg in call.args) for call in up)
     engine, reference = Engine(artifact), OrtDecoder(files.onnx)
     for got, expected in zip(greedy_steps(engine.forward, steps=4), greedy_steps(reference.forward, steps=4)):
@@ -199,8 +199,7 @@ def test_half_sparsity_matches_the_thresholded_model_and_reads_fewer_rows(thresh
     from examples.models import build_model
     from runtime import Engine
 
-    manifest = json.loads((threshold_builds[0.5] / "manifest.json").read_text())
-    layers = {layer["layer"]: layer for layer in manifest["layers"]}
+    layers = {layer.layer: layer for layer in load_manifest(threshold_builds[0.5]).layers}
     model, _ = build_model("llama", "tiny", None, hidden_act="silu")  # the weights tiny_models exported
     config = model.config
     d, f = config.hidden_size, config.intermediate_size
@@ -211,7 +210,7 @@ def test_half_sparsity_matches_the_thresholded_model_and_reads_fewer_rows(thresh
             if not state["sparse"]:
                 return None
             (v,) = args
-            keep = v.abs() > layer[key]
+            keep = v.abs() > getattr(layer, key)
             state["dropped_bytes"] += int((~keep).sum()) * row_bytes
             return (v * keep,)
         return hook
@@ -305,18 +304,17 @@ def test_report_of_a_threshold_build_tabulates_its_thresholds(threshold_builds, 
     """`inspect --report`: a threshold build's table holds each layer's thresholds and dropped shares (no
     GPU/CPU split or predictor columns, nothing of them to draw)."""
     import html
-    import json
 
     from picompile.cli import main
 
     artifact = threshold_builds[0.5]
-    layers = json.loads((artifact / "manifest.json").read_text())["layers"]
+    layers = load_manifest(artifact).layers
     report = tmp_path / "report.html"
     assert main(["inspect", str(artifact), "--report", str(report)]) == 0
     page = html.unescape(report.read_text())
     assert "gate/up threshold" in page and "predictor rank" not in page and "GPU neurons" not in page
     for layer in layers:
-        assert f"<td>{layer['threshold_in']:.4g}</td><td>{layer['sparsity_in']:.3f}</td>" in page
+        assert f"<td>{layer.threshold_in:.4g}</td><td>{layer.sparsity_in:.3f}</td>" in page
     assert page.count("<figure>") == 1  # the activation CDF only
 
 

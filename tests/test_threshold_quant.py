@@ -14,6 +14,7 @@ import tvm_ffi
 
 from passes.kernels import cpu, neuron, quant
 from passes.targets import CPU_ISAS
+from runtime.artifact import load_manifest
 from runtime.dtypes import WEIGHT_FORMATS
 from kernel_reference import aligned
 
@@ -195,7 +196,7 @@ def dense_bytes(engine) -> int:
     """The weight bytes one decode step of the same artifact would read with every input channel kept."""
     from passes import costmodel
 
-    return sum(costmodel.weight_bytes(call, engine.manifest["buffers"], call.selection.capacity if call.selection else 0)
+    return sum(costmodel.weight_bytes(call, engine.manifest.buffers, call.selection.capacity if call.selection else 0)
                for call in engine.calls if call.decode)
 
 
@@ -211,10 +212,10 @@ def test_int4_threshold_build_quantizes_every_matrix_and_thresholds_attention(sw
     plan = lambda op, layer, model: ({key[1]: t for key, t in attention_quantiles(model).items() if key[0] == layer}
                                      if op == "Attention" else {})  # noqa: E731
     artifact, model, stored = threshold_build(swiglu, tmp_path / "int4.pic", "int4", plan)
-    buffers = json.loads((artifact / "manifest.json").read_text())["buffers"]
+    buffers = load_manifest(artifact).buffers
     for name in MATRICES:
-        assert buffers[f"{name}.q"]["format"] == "int4", name
-        assert buffers[f"{name}.q"]["layout"] == ("quant_rows" if "layers" in name or "embed" in name else "quant_panels")
+        assert buffers[f"{name}.q"].format == "int4", name
+        assert buffers[f"{name}.q"].layout == ("quant_rows" if "layers" in name or "embed" in name else "quant_panels")
     calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
     assert {c.selection.part for c in calls if c.selection is not None} == {"up", "down", "qkv", "o"}
     assert set(stored.weights) == set(MATRICES)
@@ -236,8 +237,6 @@ def test_mixed_formats_and_dense_projections(swiglu, tmp_path):
     """int8 with per-matrix formats (one FFN's up in int4, one qkv in fp16), the FFN's gate/up input dense
     (threshold_in < 0) and its down thresholded, attention's qkv thresholded and o dense: the reference's logits;
     an FFN whose two thresholds are < 0 stays a plain dense FFN."""
-    import json
-
     from passes.threshold import KEEP_ALL
 
     def plan(op, layer, model):
@@ -248,15 +247,15 @@ def test_mixed_formats_and_dense_projections(swiglu, tmp_path):
 
     formats = {"layers.0.ffn.w_up": "int4", "layers.1.attn.w_qkv": "fp16"}
     artifact, model, stored = threshold_build(swiglu, tmp_path / "mixed.pic", "int8", plan, formats)
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    buffers = manifest["buffers"]
-    assert buffers["layers.0.ffn.w_up.q"]["format"] == "int4" and buffers["layers.0.ffn.w_up.q"]["layout"] == "quant_panels"
-    assert buffers["layers.0.ffn.w_down.q"]["format"] == "int8" and buffers["layers.0.ffn.w_down.q"]["layout"] == "quant_rows"
-    assert buffers["layers.1.attn.w_qkv"]["dtype"] == "float16" and "layers.1.attn.w_qkv.q" not in buffers
-    assert buffers["layers.1.ffn.w_up.q"]["layout"] == "quant_panels"
-    layers = {layer["layer"]: layer for layer in manifest["layers"]}
-    assert layers[1]["ffn"] == "dense" and layers[0]["sparsity_in"] == 0.0 and layers[0]["sparsity_down"] > 0.4
-    assert layers[0]["sparsity_qkv"] == 0.5 and layers[0]["sparsity_o"] == 0.0
+    manifest = load_manifest(artifact)
+    buffers = manifest.buffers
+    assert buffers["layers.0.ffn.w_up.q"].format == "int4" and buffers["layers.0.ffn.w_up.q"].layout == "quant_panels"
+    assert buffers["layers.0.ffn.w_down.q"].format == "int8" and buffers["layers.0.ffn.w_down.q"].layout == "quant_rows"
+    assert buffers["layers.1.attn.w_qkv"].dtype == "float16" and "layers.1.attn.w_qkv.q" not in buffers
+    assert buffers["layers.1.ffn.w_up.q"].layout == "quant_panels"
+    layers = {layer.layer: layer for layer in manifest.layers}
+    assert layers[1].dense and layers[0].sparsity_in == 0.0 and layers[0].sparsity_down > 0.4
+    assert layers[0].sparsity_qkv == 0.5 and layers[0].sparsity_o == 0.0
     weights = dict(stored.weights)
     weights["layers.1.attn.w_qkv"] = model.graph.initializers["layers.1.attn.w_qkv"].const_value.numpy().astype(
         np.float16).astype(np.float32)  # (planned fp16: stored so)
