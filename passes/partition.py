@@ -43,6 +43,60 @@ from runtime.dtypes import WeightFormat, nbytes
 RESERVE_FRACTION = 0.05
 PREDICTOR_CALLS = 2  # its two GEMVs
 DENSE_FFN_CALLS = 2  # up (and gate), down
+METADATA_KEY = "picompile.placement"
+
+
+@dataclass
+class PlacementReport:
+    """The solve's report, `metadata_props["picompile.placement"]`: the plan place applies, and its price and the
+    baselines' by the one cost model (`costmodel.step_seconds`), which the artifact's estimate and `inspect` show.
+    No wall time: the artifact's manifest carries it, and two builds of one plan must be byte for byte the same."""
+
+    status: str  # HiGHS's model status, or why there was nothing to solve
+    gap: float | None  # HiGHS's relative MIP gap (None: unknown)
+    num_variables: int
+    batch: int  # neurons per program column
+    vram_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+    used_bytes: int
+    expected_step_s: float  # the plan's
+    layer_offload_step_s: float
+    layer_offload_layers: int
+    activation_share: float  # of the sparse layers' profiled activity, the share on the GPU
+    gpu_weight_format: str
+    cpu_weight_format: str
+    layers: list[int]  # the FFNs' layer numbers, in the plan's order
+    plan: placement.Plan
+    gpu_neurons: list[int]  # per layer, its sparse part's neurons on the GPU (0 for a dense FFN)
+    cpu_only_step_s: float | None = None  # the CPU alone, every FFN dense (None: an artifact older than the field)
+    chosen: str = "solve"  # whose plan it is: the solve's, or the baseline (`placement.baselines`) it did not beat
+
+    def prices(self) -> costmodel.PlanPrices:
+        return costmodel.PlanPrices(self.expected_step_s, self.cpu_only_step_s, self.layer_offload_step_s,
+                                    self.layer_offload_layers)
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["plan"] = self.plan.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PlacementReport":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in data.items() if k in known}, "plan": placement.Plan.from_json(data["plan"])})
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "PlacementReport | None":
+        """The model's report, None before partition ran (or where it does not: threshold builds)."""
+        text = model.metadata_props.get(METADATA_KEY)
+        return None if text is None else cls.from_json(json.loads(text))
+
+    def choice(self) -> str:
+        """Whose plan the build takes, after comparing the solve's with the baselines by the same prices."""
+        if self.chosen == "solve":
+            return "the solve's plan, none of the baselines faster"
+        return f"the {self.chosen} plan: the solve found none faster"
 
 
 def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: WeightFormat) -> int:
@@ -62,6 +116,8 @@ class Partition:
     weight_dtype: str = Options.weight_dtype  # --weight-dtype: how the CPU stores its blocks
     reserve_fraction: float = RESERVE_FRACTION
     dense_ffns: bool = Options.dense_fallback  # a layer with a predictor may still run dense (else always sparse)
+    # the CPU's int8-activation dot product (None: float activations): a 4-bit row's price (sparse_row_efficiency)
+    int8_dot: str | None = None
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph, target = model.graph, ctx.target
@@ -75,8 +131,8 @@ class Partition:
         batch = self.placement_batch or placement.default_batch(layer.ffn.width for layer in problem.layers)
         if not target.has_gpu:
             plan = placement.cpu_only(problem, self.dense_ffns)
-            solution = placement.Solution(plan, placement.step_seconds(problem, plan), 0,
-                                          f"no GPU on target {target.name}", 0.0, 0.0, 0)
+            solution = placement.Solution(plan, costmodel.step_seconds(problem, plan), 0,
+                                          f"no GPU on target {target.name}", 0.0, 0.0, 0, chosen="CPU only")
         else:
             with ctx.progress(f"partition: HiGHS placement ILP ({len(ffns)} layers)"):
                 solution = placement.solve(problem, batch=batch, time_limit_s=self.time_limit_s,
@@ -88,7 +144,8 @@ class Partition:
             node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", int(n) if mode == "sparse" else 0)
             node.attributes["placed"] = ir.AttrString("placed", mode)
             if mode != "sparse":
-                node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode))
+                node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode,
+                                                                                       self._row_efficiency()))
             name = f"layers.{layer}.ffn.neuron_order"
             if name in graph.initializers:
                 del graph.initializers[name]
@@ -99,32 +156,33 @@ class Partition:
         sparse = [i for i, f in enumerate(frequencies) if f is not None and plan.ffn[i] == "sparse"]
         placed = sum(float(np.sort(frequencies[i])[::-1][:plan.gpu_neurons[i]].sum()) for i in sparse)
         total_activity = sum(float(frequencies[i].sum()) for i in sparse)
-        report = {
-            "status": solution.status,
-            "gap": solution.gap if math.isfinite(solution.gap) else None,
-            "solve_time_s": solution.solve_time_s,
-            "num_variables": solution.num_variables,
-            "batch": batch,
-            "vram_bytes": int(vram),
-            "reserve_bytes": reserve,
-            "budget_bytes": problem.budget_bytes,
-            "used_bytes": solution.used_bytes,
-            "expected_step_s": solution.seconds,
-            "layer_offload_step_s": placement.step_seconds(problem, offload),
-            "layer_offload_layers": offload.attention.count("gpu") if target.has_gpu else 0,
-            "activation_share": placed / total_activity if total_activity > 0 else 0.0,
-            "gpu_weight_format": GPU_WEIGHT_FORMAT.name,
-            "cpu_weight_format": weight_format("cpu", self.weight_dtype).name,
-            "layers": layers,
-            "plan": plan.to_json(),
-            "gpu_neurons": [int(n) if m == "sparse" else 0 for n, m in zip(plan.gpu_neurons, plan.ffn)],
-        }
-        model.metadata_props["picompile.placement"] = json.dumps(report)
-        ctx.log(self._summary(report, problem))
+        report = PlacementReport(
+            status=solution.status,
+            gap=solution.gap if math.isfinite(solution.gap) else None,
+            num_variables=solution.num_variables,
+            batch=batch,
+            vram_bytes=int(vram),
+            reserve_bytes=reserve,
+            budget_bytes=problem.budget_bytes,
+            used_bytes=solution.used_bytes,
+            expected_step_s=solution.seconds,
+            layer_offload_step_s=costmodel.step_seconds(problem, offload),
+            layer_offload_layers=offload.attention.count("gpu") if target.has_gpu else 0,
+            activation_share=placed / total_activity if total_activity > 0 else 0.0,
+            gpu_weight_format=GPU_WEIGHT_FORMAT.name,
+            cpu_weight_format=weight_format("cpu", self.weight_dtype).name,
+            layers=layers,
+            plan=plan,
+            gpu_neurons=[int(n) if m == "sparse" else 0 for n, m in zip(plan.gpu_neurons, plan.ffn)],
+            cpu_only_step_s=costmodel.step_seconds(problem, placement.cpu_dense(problem)),
+            chosen=solution.chosen,
+        )
+        model.metadata_props[METADATA_KEY] = json.dumps(report.to_json())
+        ctx.log(self._summary(report, problem, solution.solve_time_s))
         return PassResult(model, modified=True)
 
     @staticmethod
-    def _dense_reason(node: ir.Node, ffn: placement.Ffn, device: str) -> str:
+    def _dense_reason(node: ir.Node, ffn: placement.Ffn, device: str, efficiency: float) -> str:
         """Why the plan runs this FFN dense on `device`, in the cost model's figures."""
         if not ffn.sparse:
             return "no predictor"
@@ -132,7 +190,11 @@ class Partition:
         share = float(pir.attr(node, "predictor_active"))
         return (f"expected {share:.1%} of the neurons predicted active: sparse {sparse * 1e3:.3f} ms/token, dense "
                 f"{dense * 1e3:.3f} ms/token on the {device.upper()} (sparse rows at "
-                f"{costmodel.SPARSE_ROW_EFFICIENCY:.0%} of dense bandwidth)")
+                f"{efficiency:.0%} of dense bandwidth)")
+
+    def _row_efficiency(self) -> float:
+        """The share of the CPU's bandwidth its sparse kernels read selected rows at, in this build's format."""
+        return costmodel.sparse_row_efficiency(weight_format("cpu", self.weight_dtype).bits, self.int8_dot)
 
     @staticmethod
     def _frequency(graph: ir.Graph, node: ir.Node) -> np.ndarray | None:
@@ -204,7 +266,8 @@ class Partition:
                     ffn, gpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, GPU_WEIGHT_FORMAT),
                     cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, weight_format("cpu", self.weight_dtype)),
                     frequencies=frequency, predictor=BlockBytes(gpu_predictor, cpu_predictor, gpu_predictor, PREDICTOR_CALLS),
-                    rows_per_active=max(1.0, active * width / max(float(frequency.sum()), 1e-12)))
+                    rows_per_active=max(1.0, active * width / max(float(frequency.sum()), 1e-12)),
+                    cpu_row_efficiency=self._row_efficiency())
             built.append(placement.Layer(costmodel.price(target, block_bytes(members.get(layer, []))),
                                          costmodel.price_ffn(target, ffn)))
         return placement.Problem(costmodel.price(target, embed), tuple(built), head,
@@ -215,19 +278,20 @@ class Partition:
         return int(ffns[0].inputs[3].const_value.shape[1]) if ffns else 0
 
     @staticmethod
-    def _summary(report: dict, problem: placement.Problem) -> str:
-        plan = report["plan"]
-        sparse = [i for i, m in enumerate(plan["ffn"]) if m == "sparse"]
+    def _summary(report: PlacementReport, problem: placement.Problem, solve_time_s: float) -> str:
+        plan = report.plan
+        sparse = [i for i, m in enumerate(plan.ffn) if m == "sparse"]
         neurons = sum(problem.layers[i].ffn.width for i in sparse)
-        dense_gpu = plan["ffn"].count("gpu")
-        speedup = report["layer_offload_step_s"] / report["expected_step_s"] if report["expected_step_s"] else 1.0
-        gap = "unknown" if report["gap"] is None else f"{report['gap'] * 100:.3f}%"
-        return (f"partition: {plan['attention'].count('gpu')}/{len(plan['attention'])} attention blocks, "
-                f"{sum(report['gpu_neurons'])}/{neurons} sparse FFN neurons "
-                f"({report['activation_share'] * 100:.1f}% of activations), {dense_gpu} dense FFNs, embedding "
-                f"{'on the GPU' if plan['embed'] == 'gpu' else 'on the CPU'}, output layer "
-                f"{'on the GPU' if plan['head'] == 'gpu' else 'on the CPU'}: {format_size(report['used_bytes'])} of "
-                f"{format_size(report['budget_bytes'])} (GPU {format_size(report['vram_bytes'])} - reserve "
-                f"{format_size(report['reserve_bytes'])}); expected {1 / report['expected_step_s']:.1f} tok/s, "
-                f"{speedup:.2f}x layer offload's ({report['layer_offload_layers']} layers); {report['status']}, "
-                f"gap {gap}, {report['solve_time_s']:.2f} s")
+        dense_gpu = plan.ffn.count("gpu")
+        speedup = report.layer_offload_step_s / report.expected_step_s if report.expected_step_s else 1.0
+        gap = "unknown" if report.gap is None else f"{report.gap * 100:.3f}%"
+        return (f"partition: {plan.attention.count('gpu')}/{len(plan.attention)} attention blocks, "
+                f"{sum(report.gpu_neurons)}/{neurons} sparse FFN neurons "
+                f"({report.activation_share * 100:.1f}% of activations), {dense_gpu} dense FFNs, embedding "
+                f"{'on the GPU' if plan.embed == 'gpu' else 'on the CPU'}, output layer "
+                f"{'on the GPU' if plan.head == 'gpu' else 'on the CPU'}: {format_size(report.used_bytes)} of "
+                f"{format_size(report.budget_bytes)} (GPU {format_size(report.vram_bytes)} - reserve "
+                f"{format_size(report.reserve_bytes)}); expected {1 / report.expected_step_s:.1f} tok/s, "
+                f"{speedup:.2f}x layer offload's ({report.layer_offload_layers} layers), CPU only "
+                f"{1 / report.cpu_only_step_s:.1f}: {report.choice()}; {report.status}, "
+                f"gap {gap}, {solve_time_s:.2f} s")

@@ -30,6 +30,7 @@ import numpy as np
 from passes import costmodel
 from passes import ir as pir
 from passes.errors import UserError
+from passes.partition import PlacementReport
 from passes.pipeline import Context, Options
 from runtime import dtypes
 from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
@@ -97,6 +98,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
     check_output(output)
     cpu_isa = options.cpu_isa_for(ctx.target)
     buffers = json.loads(model.metadata_props["picompile.buffers"])
+    placed = PlacementReport.of(model)
     schedule = json.loads(model.metadata_props["picompile.schedule"])
     output = Path(output)
     try:
@@ -135,14 +137,15 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             "calibration": json.loads(model.metadata_props.get("picompile.calibration", "{}")),
             "quantization": json.loads(model.metadata_props.get("picompile.quantized", "{}")),
             "quality": json.loads(model.metadata_props.get("picompile.quality", "null")),
-            "placement": json.loads(model.metadata_props.get("picompile.placement", "{}")),
+            "placement": placed.to_json() if placed is not None else {},
             "devices": json.loads(model.metadata_props.get("picompile.devices", "{}")),
             "tokenizer": ({"source": str(options.tokenizer.directory),
                            "files": [f"{TOKENIZER_DIR}/{name}" for name in options.tokenizer.names]}
                           if options.tokenizer is not None else None),
             "files": files,
         }
-        manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target))
+        manifest["estimate"] = asdict(costmodel.estimate(manifest, schedule, ctx.target,
+                                                         placed.prices() if placed is not None else None))
         (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest), indent=1))
         _replace_dir(staging, output)
     except BaseException:

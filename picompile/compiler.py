@@ -77,7 +77,8 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
     partition = Partition(vram_budget_bytes=options.vram_budget_bytes, max_context=options.max_context,
                           placement_batch=options.placement_batch, time_limit_s=options.placement_time_limit_s,
                           weight_dtype=options.weight_dtype,
-                          dense_ffns=options.dense_fallback and not options.all_neurons)
+                          dense_ffns=options.dense_fallback and not options.all_neurons,
+                          int8_dot=options.cpu_isa_for(target).int8_dot if options.int8_activations else None)
     sparse = {
         "dense": dense_profile + awq + [partition],
         "predictor": [profile, *awq,
