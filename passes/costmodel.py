@@ -2,11 +2,14 @@
 baselines users compare with.
 
 Decoding is bound by memory traffic, so each decode call costs the bytes it reads over its device's
-bandwidth plus a fixed launch cost; a sparse part reads only the rows its predictor is expected to
-select. Placement prices each block so (`price`, `price_ffn`: `passes.placement` solves with those costs and
-prices llama.cpp-style layer offload with the same ones). An artifact's step is its schedule's DAG, with each
-device's calls chained in program order (a device runs one call at a time), and its critical path; the
-CPU-only baseline comes from the same byte counts (every weight streamed by the CPU).
+bandwidth plus a fixed launch cost (`read_seconds`, the one formula); a sparse part reads only the rows its
+predictor is expected to select, at `sparse_row_efficiency` of the bandwidth. Each block is priced so (`price`,
+`price_ffn`) into a `Problem`, and `step_seconds(problem, plan)` is the one price of a plan: the placement's
+objective (`passes.placement` solves its linear form and checks the answer with it), the dense-fallback choice
+(`whole_ffn_seconds`), the baselines (CPU alone, llama.cpp-style layer offload), and through partition's report the
+artifact's estimate and `inspect`. The quality pass prices a matrix's levels with the same formula
+(`linear_seconds`). A build without a placement (threshold mode) is estimated from its schedule's DAG, each device's
+calls chained in program order, and its critical path; its CPU-only baseline from the same byte counts.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ memory and bandwidths; the fields `vram_budget_bytes`, `max_context`, `placement
 `weight_dtype` and `dense_ffns`.
 Adds per FFN node: `gpu_neurons` (int), `placed` ("sparse", or "gpu" / "cpu": dense on that device) and, where it
 has a frequency table, `layers.{i}.ffn.neuron_order` (int64 [F]: neuron ids, hottest first; the first gpu_neurons
-on the GPU); and `metadata_props["picompile.placement"]`: the solve's report (status, gap, times, the plan: every
-block's device, its expected step against layer offload's, the GPU bytes) that place applies and `inspect` shows.
+on the GPU); and `metadata_props["picompile.placement"]`: the solve's report (`PlacementReport`: status, gap, the
+plan: every block's device, its expected step against layer offload's and the CPU alone's, the GPU bytes) that place
+applies, the artifact's estimate shows and `inspect` prints. The solve's plan is compared with those baselines by the
+same price (`costmodel.step_seconds`) and the faster taken (`placement.solve`), so no build expects less than either.
 
 Every block is priced as its device stores it (`sizes.gpu_bytes`: fp16 matrices on the GPU; `sizes.cpu_bytes`:
 --weight-dtype on the CPU; predictors as `sizes.predictor_format`) with the cost model's `price` and `price_ffn`.

@@ -10,10 +10,12 @@ of three ways:
 Moving the residual stream between devices costs one copy; an FFN whose neurons are not all on the residual's
 device costs one synchronisation (its input there, the selection, its partial output back).
 
-`solve` minimises the step's expected seconds subject to the GPU memory budget, with HiGHS; `layer_offload`
-is the baseline (the last k whole layers on the GPU, dense, as many as fit, then the output layer);
-`step_seconds` prices any plan with the same costs, so the two are compared like for like. The baseline is
-one of the program's feasible plans and its start, so the solve is never worse than it.
+`solve` minimises the step's expected seconds subject to the GPU memory budget, with HiGHS; the baselines
+(`baselines`) are the CPU alone and `layer_offload` (the last k whole layers on the GPU, dense, as many as fit, then
+the output layer); the cost model's `step_seconds` prices any plan (the program is its linear form), so they are
+compared like for like. The best baseline is one of the program's feasible plans and its start, and the solve's
+answer is checked against it after, so the plan is never slower than either (`Solution.chosen` says whose it is).
+The problem's types (`Block`, `Ffn`, `Layer`, `Problem`, `Plan`) are the cost model's, importable from here.
 
 Formulation (per layer l; x[l,g] = "neuron group g on the GPU", groups are the frequency-sorted batches):
   binaries a[l] (attention on the GPU), dg[l] / dc[l] (dense FFN on the GPU / CPU), w[l] (predictor on the

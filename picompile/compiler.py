@@ -86,7 +86,8 @@ def rest(options: Options, mode: str, target: Target = TARGETS["cpu"]) -> list[P
                               weight_dtype=options.weight_dtype, seed=options.seed,
                               cpu_isa=options.cpu_isa_for(target).name, int8_activations=options.int8_activations),
                       QualityPlan(budget=options.quality_budget, weight_dtype=options.weight_dtype, mode="predictor",
-                                  lowest_recall=options.target_recall),
+                                  lowest_recall=options.target_recall, cpu_isa=options.cpu_isa_for(target).name,
+                                  int8_activations=options.int8_activations),
                       partition, LowerPredicted(all_neurons=options.all_neurons)],
         # --sparsity: one level for every FFN input (the threshold pass), measured; else a plan within the budget
         "threshold": [dataclasses.replace(profile, activations=options.sparsity is not None),
