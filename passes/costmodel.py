@@ -127,7 +127,6 @@ class Ffn:
         return self.frequencies is not None and self.predictor is not None
 
 
-
 @dataclass(frozen=True)
 class Layer:
     attention: Block
@@ -196,7 +195,8 @@ def gpu_bytes_used(problem: Problem, plan: Plan) -> int:
 
 
 def step_seconds(problem: Problem, plan: Plan) -> float:
-    """The plan's expected decode step: every block on its device, each split's sync, each residual move."""
+    """The plan's expected decode step: every block on its device, each split's sync, each residual move. The one
+    price of a plan: the placement minimises it, the baselines are compared by it, the build's estimate is it."""
     total = problem.embed.seconds(plan.embed) + problem.head.seconds(plan.head)
     residual = [plan.embed, *plan.attention, plan.head]
     total += problem.copy_s * sum(a != b for a, b in zip(residual, residual[1:]))

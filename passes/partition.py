@@ -52,7 +52,8 @@ METADATA_KEY = "picompile.placement"
 class PlacementReport:
     """The solve's report, `metadata_props["picompile.placement"]`: the plan place applies, and its price and the
     baselines' by the one cost model (`costmodel.step_seconds`), which the artifact's estimate and `inspect` show.
-    No wall time: the artifact's manifest carries it, and two builds of one plan must be byte for byte the same."""
+    No wall time (partition's log line has it): the artifact's manifest carries this report, and two builds of one
+    plan must be the same byte for byte."""
 
     status: str  # HiGHS's model status, or why there was nothing to solve
     gap: float | None  # HiGHS's relative MIP gap (None: unknown)
@@ -98,6 +99,8 @@ class PlacementReport:
         """Whose plan the build takes, after comparing the solve's with the baselines by the same prices."""
         if self.chosen == "solve":
             return "the solve's plan, none of the baselines faster"
+        if not self.num_variables:
+            return f"the {self.chosen} plan ({self.status}: nothing to solve)"
         return f"the {self.chosen} plan: the solve found none faster"
 
 

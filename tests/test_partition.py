@@ -49,7 +49,11 @@ def partition(model: ir.Model, target=SLOW_CPU_RTX4090, **fields) -> tuple[ir.Mo
     ctx = Context(get_target(target) if isinstance(target, str) else target, log=lines.append)
     result = Partition(**fields).apply(model, ctx)
     assert result.modified
-    return result.model, PlacementReport.of(result.model), lines
+    report = PlacementReport.of(result.model)
+    # at every budget: the plan the estimate will show is never behind whole-layer offload or the CPU alone, by the
+    # one price all three have (costmodel.step_seconds)
+    assert report.expected_step_s <= min(report.layer_offload_step_s, report.cpu_only_step_s) * (1 + 1e-9)
+    return result.model, report, lines
 
 
 def ffn_nodes(model: ir.Model) -> list[ir.Node]:
@@ -66,7 +70,6 @@ def test_more_budget_is_never_slower_and_never_behind_layer_offload(lifted):
         assert len(lines) == 1 and lines[0].startswith("partition:")
         assert report.used_bytes <= report.budget_bytes
         assert report.expected_step_s <= report.layer_offload_step_s * (1 + 1e-9)
-        assert report.expected_step_s <= report.cpu_only_step_s * (1 + 1e-9)
         nodes = ffn_nodes(model)
         assert [pir.attr(n, "gpu_neurons") for n in nodes] == report.gpu_neurons
         assert [pir.attr(n, "placed") for n in nodes] == report.plan.ffn
