@@ -247,11 +247,13 @@ def placement_check(summary: dict, artifacts: dict[str, Path]) -> str:
     """Placement's own price of each artifact's decode step (the manifest's `placement.expected_step_s`, from the
     target's bandwidths and the calls' fixed costs) beside the measured speed: how far the cost model that chooses
     the plan is from the machine."""
+    from passes.partition import PlacementReport
     from runtime import load_manifest
 
     parts = []
     for name, path in artifacts.items():
-        expected = load_manifest(path, check_hashes=False).placement.get("expected_step_s")
+        placed = load_manifest(path, check_hashes=False).placement
+        expected = PlacementReport.from_json(placed).expected_step_s if placed else None
         if expected and name in summary:
             measured = summary[name]["decode_tokens_per_s"]
             parts.append(f"{name} expected {1 / expected:.1f} tok/s, measured {measured:.1f} ({measured * expected:.2f}x)")

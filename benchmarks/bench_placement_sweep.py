@@ -1,7 +1,7 @@
 """The placement sweep: expected decode tok/s of picompile's placement (picompile/placement.py: one integer program
 over every block) against llama.cpp-style layer offload and PowerInfer's policy (`powerinfer_plan`), from no GPU
 memory to the whole model, at 7B, 13B, 40B and 70B shapes. No GPU is needed: all three are priced by the same cost
-model (picompile/costmodel.py `price`, `price_ffn`; placement.step_seconds) for a target's bandwidths.
+model (passes/costmodel.py `price`, `price_ffn`, `step_seconds`) for a target's bandwidths.
 
 Shapes: LLaMA-2 7B/13B/70B (ReGLU: gated FFN; 70B with 8 KV heads), ReluFalcon-40B (plain ReLU FFN, 8 KV heads).
 Weights: the GPU stores matrices in fp16 (`sizes.GPU_WEIGHT_FORMAT`), the CPU in --weight-dtype (fp16 or int4 here).
@@ -24,9 +24,10 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_placement import zipf_frequencies  # noqa: E402  (the same synthetic activity as PowerInfer's ILP benchmark)
-from picompile import placement  # noqa: E402
+from passes import placement  # noqa: E402
 from benchmarks.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
-from passes.costmodel import CONTEXT, BlockBytes, FfnBytes, copy_seconds, price, price_ffn, sync_seconds  # noqa: E402
+from passes.costmodel import (CONTEXT, BlockBytes, FfnBytes, copy_seconds, price, price_ffn, step_seconds,  # noqa: E402
+                              sync_seconds)
 from passes.sizes import GPU_WEIGHT_FORMAT, KV_CACHE_DTYPE, PREDICTOR_FORMAT  # noqa: E402
 from passes.targets import GiB, get_target  # noqa: E402
 from runtime.dtypes import WEIGHT_FORMATS, itemsize  # noqa: E402
@@ -130,10 +131,10 @@ def main() -> None:
                         args.max_context)
             solved = placement.solve(p, batch=args.batch, time_limit_s=args.time_limit)
             offload = placement.layer_offload(p)
-            ours, theirs = 1 / solved.seconds, 1 / placement.step_seconds(p, offload)
+            ours, theirs = 1 / solved.seconds, 1 / step_seconds(p, offload)
             theirs_powerinfer = powerinfer_plan(p, shape, target, args.weight_dtype)
             assert placement.gpu_bytes_used(p, theirs_powerinfer) <= budget
-            powerinfer = 1 / placement.step_seconds(p, theirs_powerinfer)
+            powerinfer = 1 / step_seconds(p, theirs_powerinfer)
             plan = solved.plan
             ffn_share = sum(plan.gpu_neurons) / sum(layer.ffn.width for layer in p.layers)
             row = {"model": shape, "budget_bytes": budget, "model_bytes": whole, "picompile_tok_s": ours,

@@ -2,15 +2,19 @@
 baselines users compare with.
 
 Decoding is bound by memory traffic, so each decode call costs the bytes it reads over its device's
-bandwidth plus a fixed launch cost; a sparse part reads only the rows its predictor is expected to
-select. Placement prices each block so (`price`, `price_ffn`: `passes.placement` solves with those costs and
-prices llama.cpp-style layer offload with the same ones). An artifact's step is its schedule's DAG, with each
-device's calls chained in program order (a device runs one call at a time), and its critical path; the
-CPU-only baseline comes from the same byte counts (every weight streamed by the CPU).
+bandwidth plus a fixed launch cost (`read_seconds`, the one formula); a sparse part reads only the rows its
+predictor is expected to select, at `sparse_row_efficiency` of the bandwidth. Each block is priced so (`price`,
+`price_ffn`) into a `Problem`, and `step_seconds(problem, plan)` is the one price of a plan: the placement's
+objective (`passes.placement` solves its linear form and checks the answer with it), the dense-fallback choice
+(`whole_ffn_seconds`), the baselines (CPU alone, llama.cpp-style layer offload), and through partition's report the
+artifact's estimate and `inspect`. The quality pass prices a matrix's levels with the same formula
+(`linear_seconds`). A build without a placement (threshold mode) is estimated from its schedule's DAG, each device's
+calls chained in program order, and its critical path; its CPU-only baseline from the same byte counts.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import networkx as nx
@@ -20,7 +24,6 @@ from runtime.calls import Access, Call, Role, decode_weight_reads, schedule_call
 from runtime.dtypes import itemsize, nbytes
 from runtime.manifest import Buffer, LayerReport, Manifest
 
-from .placement import Block, Ffn
 from .targets import Target
 
 CALL_OVERHEAD_S = {"cpu": 2e-6, "gpu": 5e-6}  # Python dispatch + thread-pool wake-up; kernel launch
@@ -71,14 +74,155 @@ def sparse_row_efficiency(bits: int, int8_dot: str | None) -> float:
     return QUANT_SPARSE_ROW_EFFICIENCY if bits == 4 and int8_dot == "vnni" else SPARSE_ROW_EFFICIENCY
 
 
+def read_seconds(read_bytes: float, bandwidth: float, device: str, calls: int, efficiency: float = 1.0) -> float:
+    """The one price of decode work on a device: the bytes it reads over `bandwidth` (bytes/s; 0: the device is
+    absent, infinitely slow) at `efficiency` of it (rows gathered: `sparse_row_efficiency`), plus its calls' fixed
+    cost. Blocks (`price`), selected rows (`price_ffn`) and the quality pass's matrices (`linear_seconds`) are
+    priced by it."""
+    if bandwidth <= 0:
+        return math.inf
+    return read_bytes / (bandwidth * efficiency) + calls * launch_seconds(device)
+
+
 def linear_seconds(stored_bytes: float, bandwidth: float, kept: float | None = None,
                    efficiency: float = SPARSE_ROW_EFFICIENCY) -> float:
     """One CPU linear layer's decode seconds for a matrix of `stored_bytes`: dense (`kept` None) the matrix over
     the bandwidth and one call; thresholded, the `kept` share of its rows (one per input channel) at `efficiency`
     of the bandwidth (`sparse_row_efficiency`), plus the select call before it. The quality pass prices its plans so."""
     if kept is None:
-        return stored_bytes / bandwidth + launch_seconds("cpu")
-    return kept * stored_bytes / (bandwidth * efficiency) + 2 * launch_seconds("cpu")
+        return read_seconds(stored_bytes, bandwidth, "cpu", 1)
+    return read_seconds(kept * stored_bytes, bandwidth, "cpu", 2, efficiency)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block that runs whole on one device: the GPU memory it takes there, its decode seconds on each."""
+
+    gpu_bytes: int
+    cpu_s: float
+    gpu_s: float
+
+    def seconds(self, device: str) -> float:
+        return self.gpu_s if device == "gpu" else self.cpu_s
+
+
+@dataclass(frozen=True)
+class Ffn:
+    """One layer's FFN. `dense`: the whole FFN as dense GEMVs (gpu_bytes: every neuron). Sparse, when it has a
+    predictor: `frequencies` (expected activity per neuron), a neuron's GPU bytes, each device's seconds per
+    selected neuron, and its parts' fixed cost (`part_launch`: cpu_s and gpu_s, no memory)."""
+
+    dense: Block
+    width: int  # neurons
+    gpu_bytes_per_neuron: int = 0
+    frequencies: np.ndarray | None = None  # None: no predictor, dense only
+    predictor: Block | None = None
+    rows_per_active: float = 1.0  # selected rows per truly active neuron (the predictor's false positives)
+    cpu_s_per_row: float = 0.0
+    gpu_s_per_row: float = 0.0
+    part_launch: Block = Block(0, 0.0, 0.0)
+    sync_s: float = 0.0  # one split's copies: input to the other device, the selection, partial output back
+
+    @property
+    def sparse(self) -> bool:
+        return self.frequencies is not None and self.predictor is not None
+
+
+@dataclass(frozen=True)
+class Layer:
+    attention: Block
+    ffn: Ffn
+
+
+@dataclass(frozen=True)
+class Problem:
+    embed: Block
+    layers: tuple[Layer, ...]
+    head: Block  # its gpu_s includes copying the logits back to the host
+    copy_s: float  # one move of the residual stream between devices
+    budget_bytes: int
+
+
+@dataclass
+class Plan:
+    """Where each block runs. ffn[l]: "sparse", "gpu" or "cpu" (dense there); gpu_neurons[l]: the sparse layer's
+    hottest neurons on the GPU (all of them for "gpu", none for "cpu")."""
+
+    embed: str
+    attention: list[str]
+    ffn: list[str]
+    gpu_neurons: list[int]
+    head: str
+
+    def predictor_device(self, layer: int) -> str | None:
+        return self.attention[layer] if self.ffn[layer] == "sparse" else None
+
+    def to_json(self) -> dict:
+        return {"embed": self.embed, "attention": self.attention, "ffn": self.ffn,
+                "gpu_neurons": [int(n) for n in self.gpu_neurons], "head": self.head}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        return cls(data["embed"], list(data["attention"]), list(data["ffn"]), [int(n) for n in data["gpu_neurons"]],
+                   data["head"])
+
+
+def hottest_first(frequencies) -> np.ndarray:
+    """The frequencies, hottest first (a sparse part takes a prefix of them)."""
+    f = np.asarray(frequencies, np.float64).reshape(-1)
+    if not np.all(np.isfinite(f)) or (f.size and f.min() < 0):
+        raise ValueError("frequencies must be finite and non-negative")
+    return -np.sort(-f)
+
+
+def part_seconds(ffn: Ffn, gpu_neurons: int) -> tuple[float, float]:
+    """A sparse FFN's GPU and CPU part times when its hottest `gpu_neurons` are on the GPU (0 for an empty part)."""
+    f = hottest_first(ffn.frequencies)
+    hot, cold = float(f[:gpu_neurons].sum()), float(f[gpu_neurons:].sum())
+    gpu = ffn.part_launch.gpu_s + ffn.rows_per_active * hot * ffn.gpu_s_per_row if gpu_neurons > 0 else 0.0
+    cpu = ffn.part_launch.cpu_s + ffn.rows_per_active * cold * ffn.cpu_s_per_row if gpu_neurons < f.size else 0.0
+    return gpu, cpu
+
+
+def gpu_bytes_used(problem: Problem, plan: Plan) -> int:
+    total = problem.embed.gpu_bytes * (plan.embed == "gpu") + problem.head.gpu_bytes * (plan.head == "gpu")
+    for layer, attention, mode, n in zip(problem.layers, plan.attention, plan.ffn, plan.gpu_neurons):
+        total += layer.attention.gpu_bytes * (attention == "gpu")
+        if mode == "gpu":
+            total += layer.ffn.dense.gpu_bytes
+        elif mode == "sparse":
+            total += n * layer.ffn.gpu_bytes_per_neuron + layer.ffn.predictor.gpu_bytes * (attention == "gpu")
+    return int(total)
+
+
+def step_seconds(problem: Problem, plan: Plan) -> float:
+    """The plan's expected decode step: every block on its device, each split's sync, each residual move. The one
+    price of a plan: the placement minimises it, the baselines are compared by it, the build's estimate is it."""
+    total = problem.embed.seconds(plan.embed) + problem.head.seconds(plan.head)
+    residual = [plan.embed, *plan.attention, plan.head]
+    total += problem.copy_s * sum(a != b for a, b in zip(residual, residual[1:]))
+    for layer, attention, mode, n in zip(problem.layers, plan.attention, plan.ffn, plan.gpu_neurons):
+        ffn = layer.ffn
+        total += layer.attention.seconds(attention)
+        if mode == "sparse":
+            gpu, cpu = part_seconds(ffn, n)
+            total += ffn.predictor.seconds(attention) + max(gpu, cpu)
+            on_gpu = n > 0
+            on_cpu = n < ffn.width
+        else:
+            total += ffn.dense.seconds(mode)
+            on_gpu, on_cpu = mode == "gpu", mode == "cpu"
+        if (attention == "gpu" and on_cpu) or (attention == "cpu" and on_gpu):
+            total += ffn.sync_s
+    return total
+
+
+def whole_ffn_seconds(ffn: Ffn, device: str) -> tuple[float, float]:
+    """The FFN all on `device`: sparse (its predictor, every neuron's selected rows) and dense seconds."""
+    sparse = math.inf
+    if ffn.sparse:
+        sparse = ffn.predictor.seconds(device) + max(part_seconds(ffn, ffn.width if device == "gpu" else 0))
+    return sparse, ffn.dense.seconds(device)
 
 
 @dataclass(frozen=True)
@@ -94,10 +238,8 @@ class BlockBytes:
 
 def price(target: Target, block: BlockBytes) -> Block:
     """A block's decode seconds on each device: its bytes over the device's bandwidth, plus its calls' fixed cost."""
-    cpu = block.cpu_read / (target.cpu_bandwidth_gbs * 1e9) + block.calls * launch_seconds("cpu")
-    gpu = (block.gpu_read / (target.gpu_bandwidth_gbs * 1e9) if target.gpu_bandwidth_gbs > 0 else float("inf")) \
-        + block.calls * launch_seconds("gpu")
-    return Block(int(block.gpu_bytes), cpu, gpu)
+    return Block(int(block.gpu_bytes), read_seconds(block.cpu_read, target.cpu_bandwidth_gbs * 1e9, "cpu", block.calls),
+                 read_seconds(block.gpu_read, target.gpu_bandwidth_gbs * 1e9, "gpu", block.calls))
 
 
 @dataclass(frozen=True)
@@ -113,20 +255,21 @@ class FfnBytes:
     frequencies: np.ndarray | None = None
     predictor: BlockBytes | None = None
     rows_per_active: float = 1.0
+    cpu_row_efficiency: float = SPARSE_ROW_EFFICIENCY  # the CPU's selected rows' share of its bandwidth
 
 
 def price_ffn(target: Target, ffn: FfnBytes) -> Ffn:
     """An FFN's costs: the dense GEMVs as `price`s them; a selected row at the neuron's bytes over the GPU's
-    bandwidth, or over SPARSE_ROW_EFFICIENCY of the CPU's; one call per part; a split's copies (`sync_seconds`,
+    bandwidth, or over `cpu_row_efficiency` of the CPU's; one call per part; a split's copies (`sync_seconds`,
     plus the other part's selection scores)."""
     sparse = ffn.frequencies is not None and ffn.predictor is not None
-    gpu_bw = target.gpu_bandwidth_gbs * 1e9
     return Ffn(
         dense=price(target, ffn.dense), width=ffn.width, gpu_bytes_per_neuron=ffn.gpu_bytes_per_neuron,
         frequencies=ffn.frequencies if sparse else None,
         predictor=price(target, ffn.predictor) if sparse else None, rows_per_active=ffn.rows_per_active,
-        cpu_s_per_row=ffn.cpu_bytes_per_neuron / (target.cpu_bandwidth_gbs * 1e9 * SPARSE_ROW_EFFICIENCY),
-        gpu_s_per_row=ffn.gpu_bytes_per_neuron / gpu_bw if gpu_bw > 0 else float("inf"),
+        cpu_s_per_row=read_seconds(ffn.cpu_bytes_per_neuron, target.cpu_bandwidth_gbs * 1e9, "cpu", 0,
+                                   ffn.cpu_row_efficiency),
+        gpu_s_per_row=read_seconds(ffn.gpu_bytes_per_neuron, target.gpu_bandwidth_gbs * 1e9, "gpu", 0),
         part_launch=Block(0, launch_seconds("cpu"), launch_seconds("gpu")),
         sync_s=sync_seconds(target, ffn.activation_bytes) + copy_seconds(target, nbytes([ffn.width], "float32")))
 
@@ -148,6 +291,17 @@ class Estimate:
                          f"{self.layer_offload_tokens_per_s:.1f} tok/s")
         lines.append(f"  CPU only, dense: {self.cpu_only_tokens_per_s:.1f} tok/s")
         return lines
+
+
+@dataclass(frozen=True)
+class PlanPrices:
+    """A placed build's expected decode step and its baselines', each `step_seconds` of the placement's problem
+    (partition's report carries them): what the estimate shows for a build with a placement."""
+
+    step_s: float
+    cpu_only_step_s: float | None  # the CPU alone, every FFN dense (None: not priced)
+    layer_offload_step_s: float
+    layer_offload_layers: int
 
 
 # a threshold call's part -> the layer report's held-out share of its inputs dropped (lower's report)
@@ -208,7 +362,7 @@ def _row_bytes(buffers: dict[str, Buffer], name: str) -> int:
     return itemsize(info.dtype) * info.shape[-1]
 
 
-def step_seconds(calls: list[Call], edges: list[dict], seconds: dict[str, float]) -> float:
+def critical_path_seconds(calls: list[Call], edges: list[dict], seconds: dict[str, float]) -> float:
     """The decode step's critical path through the DAG (each call costing `seconds[id]`), each
     device's calls chained in program order."""
     dag = nx.DiGraph()
@@ -252,16 +406,17 @@ def _dense_layer_bytes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[d
     return per_layer, outside
 
 
-def estimate(manifest: Manifest, schedule: dict, target: Target) -> Estimate:
-    """The artifact's expected decode: its schedule's critical path, and the CPU-only dense baseline from the same
-    byte counts. Layer offload's is the placement report's (partition priced it with the program's own costs: the
-    one like-for-like comparison); None where the build placed nothing (CPU targets, threshold mode)."""
+def estimate(manifest: Manifest, schedule: dict, target: Target, placed: PlanPrices | None = None) -> Estimate:
+    """The artifact's expected decode. A build with a placement (`placed`): its plan's price and the baselines',
+    by `step_seconds` as placement compared them, so the estimate is the placement's own expectation. Without one
+    (threshold builds): the schedule's critical path, and the CPU-only dense baseline from the same byte counts.
+    The bytes per token are the schedule's either way. Layer offload: None on CPU targets and without a placement."""
     buffers = manifest.buffers
     by_layer = {layer.layer: layer for layer in manifest.layers}
     calls = schedule_calls(schedule)
     decode = [call for call in calls if call.decode]
     seconds = {call.id: call_seconds(call, buffers, by_layer, target) for call in decode}
-    step = step_seconds(calls, schedule["edges"], seconds)
+    step = critical_path_seconds(calls, schedule["edges"], seconds)
     device_bytes = {"cpu": 0.0, "gpu": 0.0}
     for call in decode:
         if call.role is not Role.COPY:
@@ -270,10 +425,12 @@ def estimate(manifest: Manifest, schedule: dict, target: Target) -> Estimate:
     per_layer, outside = _dense_layer_bytes(calls, buffers)
     overhead = sum(1 for call in decode if call.role not in (Role.PREDICTOR, Role.COPY)) * launch_seconds("cpu")
     cpu_only = (sum(per_layer.values()) + outside) / (target.cpu_bandwidth_gbs * 1e9) + overhead
-    placement = manifest.placement
     offload, offloaded = None, 0
-    if target.has_gpu and placement.get("layer_offload_step_s"):
-        offload, offloaded = 1.0 / placement["layer_offload_step_s"], placement["layer_offload_layers"]
+    if placed is not None:
+        step = placed.step_s
+        cpu_only = placed.cpu_only_step_s or cpu_only
+        if target.has_gpu and placed.layer_offload_step_s:
+            offload, offloaded = 1.0 / placed.layer_offload_step_s, placed.layer_offload_layers
     return Estimate(1.0 / step, 1.0 / cpu_only, offload, offloaded, int(device_bytes["gpu"]), int(device_bytes["cpu"]))
 
 

@@ -9,8 +9,10 @@ memory and bandwidths; the build target (`ctx.build`: the GPU budget, the contex
 the fields `placement_batch`, `time_limit_s` and `dense_ffns`.
 Adds per FFN node: `gpu_neurons` (int), `placed` ("sparse", or "gpu" / "cpu": dense on that device) and, where it
 has a frequency table, `layers.{i}.ffn.neuron_order` (int64 [F]: neuron ids, hottest first; the first gpu_neurons
-on the GPU); and `metadata_props["picompile.placement"]`: the solve's report (status, gap, times, the plan: every
-block's device, its expected step against layer offload's, the GPU bytes) that place applies and `inspect` shows.
+on the GPU); and `metadata_props["picompile.placement"]`: the solve's report (`PlacementReport`: status, gap, the
+plan: every block's device, its expected step against layer offload's and the CPU alone's, the GPU bytes) that place
+applies, the artifact's estimate shows and `inspect` prints. The solve's plan is compared with those baselines by the
+same price (`costmodel.step_seconds`) and the faster taken (`placement.solve`), so no build expects less than either.
 
 Every block is priced as its device stores it (`sizes.gpu_bytes`: fp16 matrices on the GPU; `sizes.cpu_bytes`:
 --weight-dtype on the CPU; predictors as `sizes.PREDICTOR_FORMAT`) with the cost model's `price` and `price_ffn`.
@@ -42,6 +44,63 @@ from .targets import format_size
 from runtime.dtypes import WeightFormat, nbytes
 PREDICTOR_CALLS = 2  # its two GEMVs
 DENSE_FFN_CALLS = 2  # up (and gate), down
+METADATA_KEY = "picompile.placement"
+
+
+@dataclass
+class PlacementReport:
+    """The solve's report, `metadata_props["picompile.placement"]`: the plan place applies, and its price and the
+    baselines' by the one cost model (`costmodel.step_seconds`), which the artifact's estimate and `inspect` show.
+    No wall time (partition's log line has it): the artifact's manifest carries this report, and two builds of one
+    plan must be the same byte for byte."""
+
+    status: str  # HiGHS's model status, or why there was nothing to solve
+    gap: float | None  # HiGHS's relative MIP gap (None: unknown)
+    num_variables: int
+    batch: int  # neurons per program column
+    vram_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+    used_bytes: int
+    expected_step_s: float  # the plan's
+    layer_offload_step_s: float
+    layer_offload_layers: int
+    activation_share: float  # of the sparse layers' profiled activity, the share on the GPU
+    gpu_weight_format: str
+    cpu_weight_format: str
+    layers: list[int]  # the FFNs' layer numbers, in the plan's order
+    plan: placement.Plan
+    gpu_neurons: list[int]  # per layer, its sparse part's neurons on the GPU (0 for a dense FFN)
+    cpu_only_step_s: float | None = None  # the CPU alone, every FFN dense (None: an artifact older than the field)
+    chosen: str = "solve"  # whose plan it is: the solve's, or the baseline (`placement.baselines`) it did not beat
+
+    def prices(self) -> costmodel.PlanPrices:
+        return costmodel.PlanPrices(self.expected_step_s, self.cpu_only_step_s, self.layer_offload_step_s,
+                                    self.layer_offload_layers)
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["plan"] = self.plan.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PlacementReport":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in data.items() if k in known}, "plan": placement.Plan.from_json(data["plan"])})
+
+    @classmethod
+    def of(cls, model: ir.Model) -> "PlacementReport | None":
+        """The model's report, None before partition ran (or where it does not: threshold builds)."""
+        text = model.metadata_props.get(METADATA_KEY)
+        return None if text is None else cls.from_json(json.loads(text))
+
+    def choice(self) -> str:
+        """Whose plan the build takes, after comparing the solve's with the baselines by the same prices."""
+        if self.chosen == "solve":
+            return "the solve's plan, none of the baselines faster"
+        if not self.num_variables:
+            return f"the {self.chosen} plan ({self.status}: nothing to solve)"
+        return f"the {self.chosen} plan: the solve found none faster"
 
 
 def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: WeightFormat) -> int:
@@ -64,6 +123,8 @@ class Partition:
     placement_batch: int | None = Options.placement_batch  # neurons per ILP column; None: placement.default_batch
     time_limit_s: float = Options.placement_time_limit_s
     dense_ffns: bool = Options.dense_fallback  # a layer with a predictor may still run dense (else always sparse)
+    # the CPU's int8-activation dot product (None: float activations): a 4-bit row's price (sparse_row_efficiency)
+    int8_dot: str | None = None
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph, target, gpu = model.graph, ctx.target, ctx.build.gpu
@@ -74,8 +135,8 @@ class Partition:
         batch = self.placement_batch or placement.default_batch(layer.ffn.width for layer in problem.layers)
         if not target.has_gpu:
             plan = placement.cpu_only(problem, self.dense_ffns)
-            solution = placement.Solution(plan, placement.step_seconds(problem, plan), 0,
-                                          f"no GPU on target {target.name}", 0.0, 0.0, 0)
+            solution = placement.Solution(plan, costmodel.step_seconds(problem, plan), 0,
+                                          f"no GPU on target {target.name}", 0.0, 0.0, 0, chosen="CPU only")
         else:
             with ctx.progress(f"partition: HiGHS placement ILP ({len(ffns)} layers)"):
                 solution = placement.solve(problem, batch=batch, time_limit_s=self.time_limit_s,
@@ -87,7 +148,8 @@ class Partition:
             FFN(node).gpu_neurons = int(n) if mode == "sparse" else 0
             FFN(node).placed = mode
             if mode != "sparse":
-                node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode))
+                node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode,
+                                                                                       self._row_efficiency(ctx.build.weight_format)))
             name = f"layers.{layer}.ffn.neuron_order"
             if name in graph.initializers:
                 del graph.initializers[name]
@@ -98,32 +160,33 @@ class Partition:
         sparse = [i for i, f in enumerate(frequencies) if f is not None and plan.ffn[i] == "sparse"]
         placed = sum(float(np.sort(frequencies[i])[::-1][:plan.gpu_neurons[i]].sum()) for i in sparse)
         total_activity = sum(float(frequencies[i].sum()) for i in sparse)
-        report = {
-            "status": solution.status,
-            "gap": solution.gap if math.isfinite(solution.gap) else None,
-            "solve_time_s": solution.solve_time_s,
-            "num_variables": solution.num_variables,
-            "batch": batch,
-            "vram_bytes": gpu.total_bytes,
-            "reserve_bytes": gpu.reserve_bytes,
-            "budget_bytes": problem.budget_bytes,
-            "used_bytes": solution.used_bytes,
-            "expected_step_s": solution.seconds,
-            "layer_offload_step_s": placement.step_seconds(problem, offload),
-            "layer_offload_layers": offload.attention.count("gpu") if target.has_gpu else 0,
-            "activation_share": placed / total_activity if total_activity > 0 else 0.0,
-            "gpu_weight_format": GPU_WEIGHT_FORMAT.name,
-            "cpu_weight_format": ctx.build.weight_format.name,
-            "layers": layers,
-            "plan": plan.to_json(),
-            "gpu_neurons": [int(n) if m == "sparse" else 0 for n, m in zip(plan.gpu_neurons, plan.ffn)],
-        }
-        model.metadata_props["picompile.placement"] = json.dumps(report)
-        ctx.log(self._summary(report, problem))
+        report = PlacementReport(
+            status=solution.status,
+            gap=solution.gap if math.isfinite(solution.gap) else None,
+            num_variables=solution.num_variables,
+            batch=batch,
+            vram_bytes=gpu.total_bytes,
+            reserve_bytes=gpu.reserve_bytes,
+            budget_bytes=problem.budget_bytes,
+            used_bytes=solution.used_bytes,
+            expected_step_s=solution.seconds,
+            layer_offload_step_s=costmodel.step_seconds(problem, offload),
+            layer_offload_layers=offload.attention.count("gpu") if target.has_gpu else 0,
+            activation_share=placed / total_activity if total_activity > 0 else 0.0,
+            gpu_weight_format=GPU_WEIGHT_FORMAT.name,
+            cpu_weight_format=ctx.build.weight_format.name,
+            layers=layers,
+            plan=plan,
+            gpu_neurons=[int(n) if m == "sparse" else 0 for n, m in zip(plan.gpu_neurons, plan.ffn)],
+            cpu_only_step_s=costmodel.step_seconds(problem, placement.cpu_dense(problem)),
+            chosen=solution.chosen,
+        )
+        model.metadata_props[METADATA_KEY] = json.dumps(report.to_json())
+        ctx.log(self._summary(report, problem, solution.solve_time_s))
         return PassResult(model, modified=True)
 
     @staticmethod
-    def _dense_reason(node: ir.Node, ffn: placement.Ffn, device: str) -> str:
+    def _dense_reason(node: ir.Node, ffn: placement.Ffn, device: str, efficiency: float) -> str:
         """Why the plan runs this FFN dense on `device`, in the cost model's figures."""
         if not ffn.sparse:
             return "no predictor"
@@ -131,7 +194,11 @@ class Partition:
         share = float(FFN(node).predictor_active)
         return (f"expected {share:.1%} of the neurons predicted active: sparse {sparse * 1e3:.3f} ms/token, dense "
                 f"{dense * 1e3:.3f} ms/token on the {device.upper()} (sparse rows at "
-                f"{costmodel.SPARSE_ROW_EFFICIENCY:.0%} of dense bandwidth)")
+                f"{efficiency:.0%} of dense bandwidth)")
+
+    def _row_efficiency(self, fmt: WeightFormat) -> float:
+        """The share of the CPU's bandwidth its sparse kernels read selected rows at, in this build's format."""
+        return costmodel.sparse_row_efficiency(fmt.bits, self.int8_dot)
 
     @staticmethod
     def _frequency(graph: ir.Graph, node: ir.Node) -> np.ndarray | None:
@@ -204,7 +271,8 @@ class Partition:
                     ffn, gpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, GPU_WEIGHT_FORMAT),
                     cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, cpu_format),
                     frequencies=frequency, predictor=BlockBytes(gpu_predictor, cpu_predictor, gpu_predictor, PREDICTOR_CALLS),
-                    rows_per_active=max(1.0, active * width / max(float(frequency.sum()), 1e-12)))
+                    rows_per_active=max(1.0, active * width / max(float(frequency.sum()), 1e-12)),
+                    cpu_row_efficiency=self._row_efficiency(ctx.build.weight_format))
             built.append(placement.Layer(costmodel.price(target, block_bytes(members.get(layer, []))),
                                          costmodel.price_ffn(target, ffn)))
         return placement.Problem(costmodel.price(target, embed), tuple(built), head,
@@ -215,19 +283,20 @@ class Partition:
         return int(ffns[0].inputs[3].const_value.shape[1]) if ffns else 0
 
     @staticmethod
-    def _summary(report: dict, problem: placement.Problem) -> str:
-        plan = report["plan"]
-        sparse = [i for i, m in enumerate(plan["ffn"]) if m == "sparse"]
+    def _summary(report: PlacementReport, problem: placement.Problem, solve_time_s: float) -> str:
+        plan = report.plan
+        sparse = [i for i, m in enumerate(plan.ffn) if m == "sparse"]
         neurons = sum(problem.layers[i].ffn.width for i in sparse)
-        dense_gpu = plan["ffn"].count("gpu")
-        speedup = report["layer_offload_step_s"] / report["expected_step_s"] if report["expected_step_s"] else 1.0
-        gap = "unknown" if report["gap"] is None else f"{report['gap'] * 100:.3f}%"
-        return (f"partition: {plan['attention'].count('gpu')}/{len(plan['attention'])} attention blocks, "
-                f"{sum(report['gpu_neurons'])}/{neurons} sparse FFN neurons "
-                f"({report['activation_share'] * 100:.1f}% of activations), {dense_gpu} dense FFNs, embedding "
-                f"{'on the GPU' if plan['embed'] == 'gpu' else 'on the CPU'}, output layer "
-                f"{'on the GPU' if plan['head'] == 'gpu' else 'on the CPU'}: {format_size(report['used_bytes'])} of "
-                f"{format_size(report['budget_bytes'])} (GPU {format_size(report['vram_bytes'])} - reserve "
-                f"{format_size(report['reserve_bytes'])}); expected {1 / report['expected_step_s']:.1f} tok/s, "
-                f"{speedup:.2f}x layer offload's ({report['layer_offload_layers']} layers); {report['status']}, "
-                f"gap {gap}, {report['solve_time_s']:.2f} s")
+        dense_gpu = plan.ffn.count("gpu")
+        speedup = report.layer_offload_step_s / report.expected_step_s if report.expected_step_s else 1.0
+        gap = "unknown" if report.gap is None else f"{report.gap * 100:.3f}%"
+        return (f"partition: {plan.attention.count('gpu')}/{len(plan.attention)} attention blocks, "
+                f"{sum(report.gpu_neurons)}/{neurons} sparse FFN neurons "
+                f"({report.activation_share * 100:.1f}% of activations), {dense_gpu} dense FFNs, embedding "
+                f"{'on the GPU' if plan.embed == 'gpu' else 'on the CPU'}, output layer "
+                f"{'on the GPU' if plan.head == 'gpu' else 'on the CPU'}: {format_size(report.used_bytes)} of "
+                f"{format_size(report.budget_bytes)} (GPU {format_size(report.vram_bytes)} - reserve "
+                f"{format_size(report.reserve_bytes)}); expected {1 / report.expected_step_s:.1f} tok/s, "
+                f"{speedup:.2f}x layer offload's ({report.layer_offload_layers} layers), CPU only "
+                f"{1 / report.cpu_only_step_s:.1f}: {report.choice()}; {report.status}, "
+                f"gap {gap}, {solve_time_s:.2f} s")

@@ -1,7 +1,7 @@
 """place: decide the device of every block of the IR. The one pass that does; kernel selection reads it.
 
 Reads: the block IR (after fuse; in predictor mode after lower: `picompile.SparseFFN` parts carry `part`
-"gpu"/"cpu"), partition's plan (`picompile.placement` metadata's `plan`: the embedding's, each layer's attention block's
+"gpu"/"cpu"), partition's plan (`PlacementReport.of(model).plan`: the embedding's, each layer's attention block's
 and the output layer's device, each FFN's `placed`), the target and the budget.
 Adds: the device ("cpu" or "gpu") of every node, in its `picompile.device` metadata (standard ONNX ops
 may not carry foreign attributes; `device_of` reads it), and `picompile.devices` (a `Devices`: the rule, the
@@ -34,6 +34,8 @@ from .sizes import gpu_bytes, kv_cache_bytes
 from .targets import format_size
 
 from runtime.manifest import Devices
+from .costmodel import Plan
+from .partition import PlacementReport
 
 DEVICE_KEY = "picompile.device"
 DEVICES_KEY = "picompile.devices"  # metadata: the rule (runtime.manifest.Devices)
@@ -74,9 +76,8 @@ class Place:
         if not ctx.target.has_gpu:
             devices = {node: "cpu" for node in nodes}
             summary = {"rule": "no GPU on the target"}
-        elif "plan" in json.loads(model.metadata_props.get("picompile.placement", "{}")):
-            plan = json.loads(model.metadata_props["picompile.placement"])["plan"]
-            devices, summary = self._planned(model, nodes, plan)
+        elif (report := PlacementReport.of(model)) is not None:
+            devices, summary = self._planned(model, nodes, report.plan)
         else:
             devices, summary = self._layer_offload(model.graph, nodes, ctx)
         for node, device in devices.items():
@@ -87,7 +88,7 @@ class Place:
         return PassResult(model, modified=True)
 
     @staticmethod
-    def _planned(model: ir.Model, nodes: list[ir.Node], plan: dict) -> tuple[dict, dict]:
+    def _planned(model: ir.Model, nodes: list[ir.Node], plan: Plan) -> tuple[dict, dict]:
         blocks = pir.node_blocks(model.graph)
         devices = {}
         for node in nodes:
@@ -97,13 +98,13 @@ class Place:
             elif FFN.matches(node):
                 devices[node] = FFN(node).placed
             elif block == pir.EMBED:
-                devices[node] = plan["embed"]
+                devices[node] = plan.embed
             elif block == pir.HEAD:
-                devices[node] = plan["head"]
+                devices[node] = plan.head
             else:
-                devices[node] = plan["attention"][block]
+                devices[node] = plan.attention[block]
         gpu_layers = sorted({blocks[n] for n, d in devices.items() if d == "gpu" and isinstance(blocks[n], int)})
-        on_gpu = [name for name, device in (("embedding", plan["embed"]), ("output layer", plan["head"]))
+        on_gpu = [name for name, device in (("embedding", plan.embed), ("output layer", plan.head))
                   if device == "gpu"]
         rule = (f"partition's plan: {len(gpu_layers)} layers with blocks on the GPU"
                 + (f", the {' and '.join(on_gpu)}" if on_gpu else ""))

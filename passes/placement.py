@@ -10,10 +10,12 @@ of three ways:
 Moving the residual stream between devices costs one copy; an FFN whose neurons are not all on the residual's
 device costs one synchronisation (its input there, the selection, its partial output back).
 
-`solve` minimises the step's expected seconds subject to the GPU memory budget, with HiGHS; `layer_offload`
-is the baseline (the last k whole layers on the GPU, dense, as many as fit, then the output layer);
-`step_seconds` prices any plan with the same costs, so the two are compared like for like. The baseline is
-one of the program's feasible plans and its start, so the solve is never worse than it.
+`solve` minimises the step's expected seconds subject to the GPU memory budget, with HiGHS; the baselines
+(`baselines`) are the CPU alone and `layer_offload` (the last k whole layers on the GPU, dense, as many as fit, then
+the output layer); the cost model's `step_seconds` prices any plan (the program is its linear form), so they are
+compared like for like. The best baseline is one of the program's feasible plans and its start, and the solve's
+answer is checked against it after, so the plan is never slower than either (`Solution.chosen` says whose it is).
+The problem's types (`Block`, `Ffn`, `Layer`, `Problem`, `Plan`) are the cost model's, importable from here.
 
 Formulation (per layer l; x[l,g] = "neuron group g on the GPU", groups are the frequency-sorted batches):
   binaries a[l] (attention on the GPU), dg[l] / dc[l] (dense FFN on the GPU / CPU), w[l] (predictor on the
@@ -42,77 +44,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# a plan and its price are the cost model's (one function prices every plan: `costmodel.step_seconds`); the
+# names stay importable from here, where the program that chooses the plan lives
+from .costmodel import (Block, Ffn, Layer, Plan, Problem, gpu_bytes_used, hottest_first, part_seconds,  # noqa: F401 (re-exported)
+                        step_seconds, whole_ffn_seconds)
+
 DEVICES = ("cpu", "gpu")
 TIME_UNIT_S = 1e-3  # the program's unit of time
-
-
-@dataclass(frozen=True)
-class Block:
-    """A block that runs whole on one device: the GPU memory it takes there, its decode seconds on each."""
-
-    gpu_bytes: int
-    cpu_s: float
-    gpu_s: float
-
-    def seconds(self, device: str) -> float:
-        return self.gpu_s if device == "gpu" else self.cpu_s
-
-
-@dataclass(frozen=True)
-class Ffn:
-    """One layer's FFN. `dense`: the whole FFN as dense GEMVs (gpu_bytes: every neuron). Sparse, when it has a
-    predictor: `frequencies` (expected activity per neuron), a neuron's GPU bytes, each device's seconds per
-    selected neuron, and its parts' fixed cost (`part_launch`: cpu_s and gpu_s, no memory)."""
-
-    dense: Block
-    width: int  # neurons
-    gpu_bytes_per_neuron: int = 0
-    frequencies: np.ndarray | None = None  # None: no predictor, dense only
-    predictor: Block | None = None
-    rows_per_active: float = 1.0  # selected rows per truly active neuron (the predictor's false positives)
-    cpu_s_per_row: float = 0.0
-    gpu_s_per_row: float = 0.0
-    part_launch: Block = Block(0, 0.0, 0.0)
-    sync_s: float = 0.0  # one split's copies: input to the other device, the selection, partial output back
-
-    @property
-    def sparse(self) -> bool:
-        return self.frequencies is not None and self.predictor is not None
-
-
-
-@dataclass(frozen=True)
-class Layer:
-    attention: Block
-    ffn: Ffn
-
-
-@dataclass(frozen=True)
-class Problem:
-    embed: Block
-    layers: tuple[Layer, ...]
-    head: Block  # its gpu_s includes copying the logits back to the host
-    copy_s: float  # one move of the residual stream between devices
-    budget_bytes: int
-
-
-@dataclass
-class Plan:
-    """Where each block runs. ffn[l]: "sparse", "gpu" or "cpu" (dense there); gpu_neurons[l]: the sparse layer's
-    hottest neurons on the GPU (all of them for "gpu", none for "cpu")."""
-
-    embed: str
-    attention: list[str]
-    ffn: list[str]
-    gpu_neurons: list[int]
-    head: str
-
-    def predictor_device(self, layer: int) -> str | None:
-        return self.attention[layer] if self.ffn[layer] == "sparse" else None
-
-    def to_json(self) -> dict:
-        return {"embed": self.embed, "attention": self.attention, "ffn": self.ffn,
-                "gpu_neurons": [int(n) for n in self.gpu_neurons], "head": self.head}
 
 
 @dataclass
@@ -125,62 +63,8 @@ class Solution:
     solve_time_s: float
     num_variables: int
     program_seconds: float | None = None  # the program's own price of the plan (None: nothing was solved)
+    chosen: str = "solve"  # whose plan it is: the solve's, or the baseline it did not beat (`BASELINES`)
 
-
-def _sorted(frequencies) -> np.ndarray:
-    f = np.asarray(frequencies, np.float64).reshape(-1)
-    if not np.all(np.isfinite(f)) or (f.size and f.min() < 0):
-        raise ValueError("frequencies must be finite and non-negative")
-    return -np.sort(-f)
-
-
-def part_seconds(ffn: Ffn, gpu_neurons: int) -> tuple[float, float]:
-    """A sparse FFN's GPU and CPU part times when its hottest `gpu_neurons` are on the GPU (0 for an empty part)."""
-    f = _sorted(ffn.frequencies)
-    hot, cold = float(f[:gpu_neurons].sum()), float(f[gpu_neurons:].sum())
-    gpu = ffn.part_launch.gpu_s + ffn.rows_per_active * hot * ffn.gpu_s_per_row if gpu_neurons > 0 else 0.0
-    cpu = ffn.part_launch.cpu_s + ffn.rows_per_active * cold * ffn.cpu_s_per_row if gpu_neurons < f.size else 0.0
-    return gpu, cpu
-
-
-def gpu_bytes_used(problem: Problem, plan: Plan) -> int:
-    total = problem.embed.gpu_bytes * (plan.embed == "gpu") + problem.head.gpu_bytes * (plan.head == "gpu")
-    for layer, attention, mode, n in zip(problem.layers, plan.attention, plan.ffn, plan.gpu_neurons):
-        total += layer.attention.gpu_bytes * (attention == "gpu")
-        if mode == "gpu":
-            total += layer.ffn.dense.gpu_bytes
-        elif mode == "sparse":
-            total += n * layer.ffn.gpu_bytes_per_neuron + layer.ffn.predictor.gpu_bytes * (attention == "gpu")
-    return int(total)
-
-
-def step_seconds(problem: Problem, plan: Plan) -> float:
-    """The plan's expected decode step: every block on its device, each split's sync, each residual move."""
-    total = problem.embed.seconds(plan.embed) + problem.head.seconds(plan.head)
-    residual = [plan.embed, *plan.attention, plan.head]
-    total += problem.copy_s * sum(a != b for a, b in zip(residual, residual[1:]))
-    for layer, attention, mode, n in zip(problem.layers, plan.attention, plan.ffn, plan.gpu_neurons):
-        ffn = layer.ffn
-        total += layer.attention.seconds(attention)
-        if mode == "sparse":
-            gpu, cpu = part_seconds(ffn, n)
-            total += ffn.predictor.seconds(attention) + max(gpu, cpu)
-            on_gpu = n > 0
-            on_cpu = n < ffn.width
-        else:
-            total += ffn.dense.seconds(mode)
-            on_gpu, on_cpu = mode == "gpu", mode == "cpu"
-        if (attention == "gpu" and on_cpu) or (attention == "cpu" and on_gpu):
-            total += ffn.sync_s
-    return total
-
-
-def whole_ffn_seconds(ffn: Ffn, device: str) -> tuple[float, float]:
-    """The FFN all on `device`: sparse (its predictor, every neuron's selected rows) and dense seconds."""
-    sparse = math.inf
-    if ffn.sparse:
-        sparse = ffn.predictor.seconds(device) + max(part_seconds(ffn, ffn.width if device == "gpu" else 0))
-    return sparse, ffn.dense.seconds(device)
 
 
 def cpu_only(problem: Problem, dense_ffns: bool = True) -> Plan:
@@ -191,6 +75,18 @@ def cpu_only(problem: Problem, dense_ffns: bool = True) -> Plan:
         modes.append("sparse" if layer.ffn.sparse and (sparse < dense or not dense_ffns) else "cpu")
     n = len(problem.layers)
     return Plan("cpu", ["cpu"] * n, modes, [0] * n, "cpu")
+
+
+def cpu_dense(problem: Problem) -> Plan:
+    """The CPU alone, every FFN dense: what the estimate calls "CPU only"."""
+    n = len(problem.layers)
+    return Plan("cpu", ["cpu"] * n, ["cpu"] * n, [0] * n, "cpu")
+
+
+def baselines(problem: Problem, dense_ffns: bool = True) -> dict[str, Plan]:
+    """The plans a solve must beat, by name: the CPU alone (sparse FFNs where cheaper) and, where FFNs may run
+    dense, llama.cpp-style layer offload."""
+    return {"CPU only": cpu_only(problem, dense_ffns), **({"layer offload": layer_offload(problem)} if dense_ffns else {})}
 
 
 def layer_offload(problem: Problem) -> Plan:
@@ -223,7 +119,7 @@ class _Groups:
 def _groups(ffn: Ffn, batch: int) -> _Groups:
     if not ffn.sparse:
         return _Groups(np.array([ffn.width]), np.zeros(1), np.zeros(1))
-    f = _sorted(ffn.frequencies)
+    f = hottest_first(ffn.frequencies)
     starts = np.arange(0, f.size, batch)
     ends = np.append(starts[1:], f.size)
     value = np.add.reduceat(f, starts) * ffn.rows_per_active
@@ -349,10 +245,11 @@ def solve(problem: Problem, *, batch: int | None = None, time_limit_s: float = 3
     batch = default_batch(layer.ffn.width for layer in problem.layers) if batch is None else batch
     if batch < 1:
         raise ValueError(f"batch must be >= 1, not {batch}")
-    starts = [cpu_only(problem, dense_ffns)] + ([layer_offload(problem)] if dense_ffns else [])
-    baseline = min(starts, key=lambda plan: step_seconds(problem, plan))
+    starts = baselines(problem, dense_ffns)
+    best = min(starts, key=lambda name: step_seconds(problem, starts[name]))
+    baseline = starts[best]
     if problem.budget_bytes <= 0:
-        return _solution(problem, starts[0], "no GPU budget", 0.0, started, 0)
+        return _solution(problem, starts["CPU only"], "no GPU budget", 0.0, started, 0, chosen="CPU only")
 
     p = _Program()
     ms = lambda seconds: seconds / TIME_UNIT_S  # the program's times: well scaled for HiGHS's tolerances
@@ -429,10 +326,12 @@ def solve(problem: Problem, *, batch: int | None = None, time_limit_s: float = 3
 
     start = p.complete(_columns_of(baseline, problem, layers, chain, moves, len(p.cost)))
     status, gap, values = p.solve(start, time_limit_s, mip_rel_gap, threads, offset=constant)
-    plan = _plan_of(values, problem, layers, e, h)
+    plan, chosen = _plan_of(values, problem, layers, e, h), "solve"
+    # never behind a baseline by the cost model's own price (the start is the best of them, so only HiGHS's
+    # tolerances could put the answer behind it)
     if step_seconds(problem, plan) > step_seconds(problem, baseline) or gpu_bytes_used(problem, plan) > problem.budget_bytes:
-        plan = baseline  # HiGHS's tolerances only; the start is feasible and priced the same way
-    solution = _solution(problem, plan, status, gap, started, len(p.cost))
+        plan, chosen = baseline, best
+    solution = _solution(problem, plan, status, gap, started, len(p.cost), chosen)
     # the program's own price of its answer: step_seconds of the plan, up to HiGHS's tolerances
     solution.program_seconds = (constant + float(np.dot(p.cost, values))) * TIME_UNIT_S
     return solution
@@ -479,6 +378,7 @@ def _plan_of(values: np.ndarray, problem: Problem, layers: list[_Columns], e: in
     return Plan("gpu" if on(e) else "cpu", attention, modes, counts, "gpu" if on(h) else "cpu")
 
 
-def _solution(problem: Problem, plan: Plan, status: str, gap: float, started: float, variables: int) -> Solution:
+def _solution(problem: Problem, plan: Plan, status: str, gap: float, started: float, variables: int,
+              chosen: str = "solve") -> Solution:
     return Solution(plan, step_seconds(problem, plan), gpu_bytes_used(problem, plan), status, gap,
-                    time.perf_counter() - started, variables)
+                    time.perf_counter() - started, variables, chosen=chosen)

@@ -31,6 +31,7 @@ from passes import costmodel
 from passes import ir as pir
 from passes.errors import UserError
 from passes.kernel_ir import Buffers
+from passes.partition import PlacementReport
 from passes.pipeline import Context, Options
 from passes.schedule import CallSchedule
 from passes.select_kernels import BatchPhase
@@ -117,6 +118,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
     check_output(output)
     cpu_isa = ctx.build.cpu_isa
     buffers, schedule = Buffers.of(model).entries, CallSchedule.of(model).node_link
+    placed = PlacementReport.of(model)
     output = Path(output)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -153,14 +155,15 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
             calibration=calibration_of(model),
             quantization=quantization_of(model),
             quality=quality_of(model),
-            placement=_placement(model),
+            placement=placed.to_json() if placed is not None else {},
             devices=devices_of(model),
             tokenizer=(TokenizerListing(source=str(options.tokenizer.directory),
                                         files=[f"{TOKENIZER_DIR}/{name}" for name in options.tokenizer.names])
                        if options.tokenizer is not None else None),
             files=files,
         )
-        manifest.estimate = asdict(costmodel.estimate(manifest, schedule, ctx.target))
+        manifest.estimate = asdict(costmodel.estimate(manifest, schedule, ctx.target,
+                                                      placed.prices() if placed is not None else None))
         (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest.to_json()), indent=1))
         _replace_dir(staging, output)
     except BaseException:

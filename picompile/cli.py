@@ -242,6 +242,10 @@ def _build(args) -> int:
         print(f"sparsity: {manifest.sparsity.describe()}")
     for line in Estimate(**manifest.estimate).lines(target):
         print(line)
+    if manifest.placement and target.has_gpu:
+        from passes.partition import PlacementReport
+
+        print(f"  placement: {PlacementReport.from_json(manifest.placement).choice()}")
     if manifest.quality is not None:
         print(manifest.quality.line())
     return 0
@@ -545,17 +549,19 @@ def _inspect(args) -> int:
 
         for line in Estimate(**manifest.estimate).lines(get_target(manifest.target.name)):
             say(line)
-    placement = manifest.placement  # (the partition pass's report: typed by its own module)
-    if placement:
-        plan = placement.get("plan", {})
-        gap = "unknown" if placement.get("gap") is None else f"{placement['gap'] * 100:.3f}%"
-        say(f"placement   {placement.get('status')}, gap {gap}; GPU {placement.get('used_bytes', 0) / 2**20:.1f} of "
-            f"{placement.get('budget_bytes', 0) / 2**20:.1f} MiB: {plan.get('attention', []).count('gpu')} attention "
-            f"blocks, {sum(placement.get('gpu_neurons', []))} sparse FFN neurons, {plan.get('ffn', []).count('gpu')} "
-            f"dense FFNs, embedding {plan.get('embed', 'cpu').upper()}, output layer {plan.get('head', 'cpu').upper()}")
-        if placement.get("expected_step_s"):
-            say(f"            expected {1 / placement['expected_step_s']:.1f} tok/s, layer offload "
-                f"({placement.get('layer_offload_layers', 0)} layers) {1 / placement['layer_offload_step_s']:.1f}")
+    if manifest.placement:
+        from passes.partition import PlacementReport
+
+        placement = PlacementReport.from_json(manifest.placement)
+        plan = placement.plan
+        gap = "unknown" if placement.gap is None else f"{placement.gap * 100:.3f}%"
+        say(f"placement   {placement.status}, gap {gap}; GPU {placement.used_bytes / 2**20:.1f} of "
+            f"{placement.budget_bytes / 2**20:.1f} MiB: {plan.attention.count('gpu')} attention "
+            f"blocks, {sum(placement.gpu_neurons)} sparse FFN neurons, {plan.ffn.count('gpu')} "
+            f"dense FFNs, embedding {plan.embed.upper()}, output layer {plan.head.upper()}")
+        say(f"            expected {1 / placement.expected_step_s:.1f} tok/s, layer offload "
+            f"({placement.layer_offload_layers} layers) {1 / placement.layer_offload_step_s:.1f}: "
+            f"{placement.choice()}")
     if manifest.sparsity is not None:
         say(f"sparsity    {manifest.sparsity.describe()}")
     calibration = manifest.calibration

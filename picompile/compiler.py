@@ -74,7 +74,8 @@ def rest(options: Options, mode: str, build: BuildTarget) -> list[Pass]:
     # one placement of every block: a dense build's layers run dense, a sparse build's may (not with --all-neurons,
     # which checks the split, or --no-dense-fallback)
     partition = Partition(placement_batch=options.placement_batch, time_limit_s=options.placement_time_limit_s,
-                          dense_ffns=options.dense_fallback and not options.all_neurons)
+                          dense_ffns=options.dense_fallback and not options.all_neurons,
+                          int8_dot=build.cpu_isa.int8_dot if options.int8_activations else None)
     sparse = {
         "dense": dense_profile + awq + [partition],
         "predictor": [profile, *awq,

@@ -75,6 +75,7 @@ def table(workdir: str, labels: list[str]) -> str:
     """One row per build: its placement, decode tokens/s measured (best of the runs) and estimated, quality."""
     rows = [("build", "target", "VRAM budget", "GPU weights", "FFN activity on GPU", "devices", "decode tok/s",
              "estimate", "top-1", "KL")]
+    from passes.partition import PlacementReport
     from runtime import load_manifest
     from runtime.artifact import format_size
     from runtime.calls import schedule_calls
@@ -87,12 +88,14 @@ def table(workdir: str, labels: list[str]) -> str:
         gpu_args = {name for call in schedule_calls(schedule) if call.device == "gpu" for name in call.buffers()}
         runs = [json.loads(line) for line in base.with_suffix(".run.json").read_text().splitlines() if line.strip()]
         quality = json.loads(base.with_suffix(".eval.json").read_text())
-        placement, estimate = manifest.placement, manifest.estimate or {}
+        placement = PlacementReport.from_json(manifest.placement) if manifest.placement else None
+        estimate = manifest.estimate or {}
         gpu_bytes = sum(nbytes(info.shape, info.dtype) for name, info in manifest.buffers.items()
                         if info.kind == "weight" and name in gpu_args)
         rows.append((label, manifest.target.name,
-                     format_size(placement["vram_bytes"]) if manifest.target.cuda_arch else "-", format_size(gpu_bytes),
-                     f"{placement.get('activation_share', 0):.1%}", devices(str(base.with_suffix(".pic"))),
+                     format_size(placement.vram_bytes) if placement and manifest.target.cuda_arch else "-",
+                     format_size(gpu_bytes), f"{placement.activation_share if placement else 0:.1%}",
+                     devices(str(base.with_suffix(".pic"))),
                      f"{max(run['decode_tokens_per_s'] for run in runs):.1f}",
                      f"{estimate.get('picompile_tokens_per_s', 0):.1f}",
                      f"{quality['top1_agreement']:.4f}", f"{quality['kl_mean']:.2e}"))

@@ -76,9 +76,15 @@ def test_never_slower_than_layer_offload_or_the_cpu_alone(seed):
     for share in (0.0, 0.1, 0.3, 0.6, 0.9, 1.2):
         problem = random_problem(100 + seed, budget_share=share)
         solved = placement.solve(problem, batch=1)
-        for baseline in (placement.layer_offload(problem), placement.cpu_only(problem)):
+        for baseline in (placement.layer_offload(problem), placement.cpu_only(problem), placement.cpu_dense(problem)):
             assert placement.gpu_bytes_used(problem, baseline) <= max(problem.budget_bytes, 0)
             assert solved.seconds <= placement.step_seconds(problem, baseline) + 1e-12
+        # whose plan it took: the solve's, or the baseline it did not beat (the same plan, the same price)
+        if solved.chosen != "solve":
+            chosen = placement.baselines(problem)[solved.chosen]
+            assert solved.plan == chosen and solved.seconds == placement.step_seconds(problem, chosen)
+        assert Plan.from_json(solved.plan.to_json()) == solved.plan
+    assert placement.solve(random_problem(100 + seed, budget_share=0.0), batch=1).chosen == "CPU only"
 
 
 def test_more_budget_is_never_slower():

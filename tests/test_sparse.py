@@ -11,6 +11,7 @@ import onnx
 import pytest
 
 from passes import costmodel, placement
+from passes.partition import METADATA_KEY, PlacementReport
 from picompile.cli import main
 from picompile.compiler import build, pipeline
 from passes.errors import UserError
@@ -28,7 +29,24 @@ def sparse_build(files, out, target="cpu", pass_fields=None, **options):
     pass name."""
     opts = Options(max_context=64, calib=files.calib, **options)
     passes = [dataclasses.replace(p, **(pass_fields or {}).get(p.name, {})) for p in pipeline(opts, "predictor")]
-    return build(files.onnx, out, get_target(target) if isinstance(target, str) else target, opts, passes=passes)
+    artifact = build(files.onnx, out, get_target(target) if isinstance(target, str) else target, opts, passes=passes)
+    assert_estimate_is_the_placements(artifact, baselines_allowed=not opts.all_neurons)
+    return artifact
+
+
+def assert_estimate_is_the_placements(artifact, baselines_allowed: bool = True) -> None:
+    """The estimate the artifact carries (and the build prints) is the placement's own price of its plan and of
+    the baselines, one cost model for both; the plan is never behind whole-layer offload or the CPU alone unless the
+    build ruled those plans out (--all-neurons, --no-dense-fallback: every FFN with a predictor runs sparse)."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    report, estimate = PlacementReport.from_json(manifest["placement"]), manifest["estimate"]
+    assert "solve_time_s" not in manifest["placement"]  # no wall time: the same plan, the same bytes
+    assert estimate["picompile_tokens_per_s"] == 1 / report.expected_step_s
+    assert estimate["cpu_only_tokens_per_s"] == 1 / report.cpu_only_step_s
+    if estimate["layer_offload_tokens_per_s"] is not None:
+        assert estimate["layer_offload_tokens_per_s"] == 1 / report.layer_offload_step_s
+    if baselines_allowed:
+        assert report.expected_step_s <= min(report.cpu_only_step_s, report.layer_offload_step_s)
 
 
 def assert_matches_onnxruntime(artifact, onnx_path, emulate_gpu=False, decode_steps=8):
@@ -74,8 +92,10 @@ def all_neurons_artifacts(sparse_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dense_opt_artifact(sparse_models, tmp_path_factory):
     """The tiny sparse OPT's dense build (default ISA, max context 64), shared by the tests that only read it."""
-    return build(sparse_models["opt"].onnx, tmp_path_factory.mktemp("dense-opt") / "d.pic", get_target("cpu"),
-                 Options(dense=True, max_context=64))
+    artifact = build(sparse_models["opt"].onnx, tmp_path_factory.mktemp("dense-opt") / "d.pic", get_target("cpu"),
+                     Options(dense=True, max_context=64))
+    assert_estimate_is_the_placements(artifact)
+    return artifact
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
@@ -124,16 +144,14 @@ class _ForcedPlan:
 
         from passes import ir as pir
 
-        report = json.loads(model.metadata_props["picompile.placement"])
         ffns = sorted(pir.nodes_in_domain(model, "FFN"), key=lambda n: pir.attr(n, "layer"))
         counts = [64, 0]
-        report["plan"] = {"embed": "gpu", "attention": ["cpu", "gpu"], "ffn": ["sparse", "sparse"],
-                          "gpu_neurons": counts, "head": "cpu"}
-        report["gpu_neurons"] = counts
+        plan = placement.Plan("gpu", ["cpu", "gpu"], ["sparse", "sparse"], counts, "cpu")
+        report = dataclasses.replace(PlacementReport.of(model), plan=plan, gpu_neurons=counts)
         for node, n in zip(ffns, counts):
             node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", n)
             node.attributes["placed"] = ir.AttrString("placed", "sparse")
-        model.metadata_props["picompile.placement"] = json.dumps(report)
+        model.metadata_props[METADATA_KEY] = json.dumps(report.to_json())
         return PassResult(model, modified=True)
 
 
@@ -186,10 +204,11 @@ def test_hybrid_split_with_copies_matches_onnxruntime(sparse_models, tmp_path_fa
     estimate = manifest.estimate  # (passes.costmodel.Estimate, as the writer stored it)
     assert estimate["gpu_bytes_per_token"] > 0 and estimate["cpu_bytes_per_token"] > 0
     assert estimate["layer_offload_tokens_per_s"] > 0 and estimate["picompile_tokens_per_s"] > 0
+    # the schedule priced on another target (no placement's prices: those are for the build's target)
     faster_cpu = dataclasses.replace(get_target("rtx4090"), cpu_bandwidth_gbs=600.0)
-    again = costmodel.estimate(manifest, schedule, faster_cpu)
-    assert again.cpu_only_tokens_per_s > estimate["cpu_only_tokens_per_s"]
-    assert again.picompile_tokens_per_s > estimate["picompile_tokens_per_s"]  # the CPU part got cheaper
+    here, again = (costmodel.estimate(manifest, schedule, t) for t in (SLOW_CPU_RTX4090, faster_cpu))
+    assert again.cpu_only_tokens_per_s > here.cpu_only_tokens_per_s
+    assert again.picompile_tokens_per_s > here.picompile_tokens_per_s  # the CPU part got cheaper
     # without the flag a GPU artifact is refused, with a message that says what to do
     assert main(["run", str(artifact), "--prompt-ids", "1,2"]) == 2
 
@@ -200,7 +219,13 @@ def test_predictors_reach_recall_and_quality_is_reported(sparse_models, tmp_path
     assert main(["build", str(files.onnx), "-o", str(out), "--calib", str(files.calib), "--max-context", "64",
                  "--dump-ir", str(dumps)]) == 0
     # a ReLU model gets predictor mode without being told, and the build says why
-    assert "sparsity: predictor mode (layer FFNs use ReLU: most neurons output exactly zero" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "sparsity: predictor mode (layer FFNs use ReLU: most neurons output exactly zero" in printed
+    # the estimate it prints is the placement's expectation, beside the CPU alone's by the same cost model
+    assert_estimate_is_the_placements(out)
+    report = PlacementReport.from_json(json.loads((out / "manifest.json").read_text())["placement"])
+    assert (f"picompile {1 / report.expected_step_s:.1f} tok/s" in printed
+            and f"CPU only, dense: {1 / report.cpu_only_step_s:.1f} tok/s" in printed), printed
     names = sorted(p.name for p in dumps.glob("*.onnx"))
     assert [n.split("-", 1)[1] for n in names] == ["import.onnx", "recognise.onnx", "sparsity.onnx", "profile.onnx",
                                                   "predict.onnx", "quality.onnx", "partition.onnx", "lower.onnx", "fuse.onnx",
@@ -377,6 +402,7 @@ def test_a_layer_whose_sparse_path_costs_more_is_lowered_dense(sparse_models, tm
     at = next(i for i, p in enumerate(passes) if p.name == "partition")
     artifact = build(files.onnx, tmp_path / "d.pic", get_target("cpu"), opts,
                      passes=passes[:at] + [_ExpectedShares()] + passes[at:])
+    assert_estimate_is_the_placements(artifact)
     layers = {layer.layer: layer for layer in load_manifest(artifact).layers}
     assert layers[0].dense and "95.0%" in layers[0].dense_reason, layers[0]
     assert all(not layer.dense for number, layer in layers.items() if number != 0)
