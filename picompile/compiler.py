@@ -81,7 +81,8 @@ def rest(options: Options, mode: str, build: BuildTarget) -> list[Pass]:
         "predictor": [profile, *awq,
                       Predict(target_recall=options.target_recall, param_share=options.predictor_param_share,
                               seed=options.seed, int8_activations=options.int8_activations),
-                      QualityPlan(mode="predictor", lowest_recall=options.target_recall),
+                      QualityPlan(mode="predictor", lowest_recall=options.target_recall,
+                                  int8_activations=options.int8_activations),
                       partition, LowerPredicted(all_neurons=options.all_neurons)],
         # --sparsity: one level for every FFN input (the threshold pass), measured; else a plan within the budget
         "threshold": [dataclasses.replace(profile, activations=options.sparsity is not None),
