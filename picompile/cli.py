@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="autoscale: at least A replicas (default 1), more as ongoing requests per replica pass --parallel")
     ray.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B", help="autoscale: at most B replicas")
     ray.add_argument("--address", default=None, metavar="ADDR",
-                     help="a running Ray cluster (ray start --head's address, or ray://host:10001); default: a Ray "
+                     help="a running Ray cluster (its head's host:6379, or auto on one of its nodes); default: a Ray "
                           "instance of this process on this machine only")
 
     evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX (or GGUF file)")

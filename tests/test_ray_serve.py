@@ -52,6 +52,42 @@ def test_importing_the_runtime_does_not_import_ray():
     assert result.stdout.strip() == "[]", result.stderr
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--replicas", "2"], "error: --replicas needs --ray"),
+    (["--ray", "--replicas", "2", "--max-replicas", "3"], "error: --replicas fixes the count; --min-replicas/--max-replicas "
+                                                          "autoscale: give one or the other"),
+    (["--ray", "--min-replicas", "2"], "error: --min-replicas needs --max-replicas (autoscaling's upper bound)"),
+    (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "error: --max-replicas 2 is below --min-replicas 3"),
+    (["--ray", "--port", "0"], "error: --ray needs a fixed --port: Ray Serve's HTTP proxy binds it"),
+])
+def test_replica_options_are_checked_before_ray_starts(tmp_path, capsys, options, message):
+    from picompile.cli import main
+
+    assert main(["serve", str(tmp_path / "model.pic"), *options]) == 2
+    assert capsys.readouterr().err.splitlines() == [message]
+
+
+def test_the_example_serve_config_and_rayservice_are_valid_and_build_the_deployment():
+    """examples/deploy: the config file (and the RayService's copy of it) pass Serve's schema, and their args make
+    the autoscaled deployment, aiming at `parallel` ongoing requests per replica."""
+    pytest.importorskip("ray.serve")
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from runtime import ray_serve
+
+    config = yaml.safe_load((ROOT / "examples" / "deploy" / "serve_config.yaml").read_text())
+    service = yaml.safe_load((ROOT / "examples" / "deploy" / "rayservice.yaml").read_text())
+    for found in (config, yaml.safe_load(service["spec"]["serveConfigV2"])):
+        (app,) = ServeDeploySchema.model_validate(found).applications
+        assert app.import_path == "runtime.ray_serve:build"
+        options = ray_serve.Deployment(**app.args).options()
+        assert options["autoscaling_config"]["target_ongoing_requests"] == app.args["parallel"]
+        ray_serve.build(app.args)  # Serve's own checks of the options, no cluster needed
+    with pytest.raises(ValueError, match="unknown picompile deployment argument"):
+        ray_serve.build({"artifact": "x.pic", "slots": 4})
+
+
 @pytest.fixture(scope="module")
 def ray_url(tiny_sparse_artifact):
     """The deployment's URL: 2 replicas of 2 slots each, the byte tokenizer, on a Ray instance of this process."""
@@ -171,9 +207,18 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference)
     before = set()
     wait_until(lambda: before.add(health(ray_url)["replica"]) or len(before) == REPLICAS, "both replicas to answer")
     prompt, max_tokens = [1, 2, 3], 40  # ~2 s of the slow engine's steps: still running when the replica dies
-    streams = [{} for _ in range(3)]
-    threads = [threading.Thread(target=_stream, args=(ray_url, prompt, max_tokens, into), daemon=True)
-               for into in streams]
+    streams, wholes = [{} for _ in range(3)], [{} for _ in range(2)]
+
+    def ask_whole(into):  # a whole answer: the right one, or Serve's 500 if its replica was the one killed
+        try:
+            into["ids"] = client(ray_url).completions.create(model="any", prompt=prompt, max_tokens=max_tokens,
+                                                             temperature=0).choices[0].model_extra["token_ids"]
+        except openai.APIStatusError as error:
+            into["status"] = error.status_code
+
+    threads = [*(threading.Thread(target=_stream, args=(ray_url, prompt, max_tokens, into), daemon=True)
+                 for into in streams),
+               *(threading.Thread(target=ask_whole, args=(into,), daemon=True) for into in wholes)]
     for thread in threads:
         thread.start()
     wait_until(lambda: all("replica" in s for s in streams), "the streams to start")  # each has its header
@@ -191,6 +236,8 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference)
             assert into["error"] is not None and not into["done"], into
         else:
             assert into["done"] and into["error"] is None and into["ids"] == reference(prompt, max_tokens), into
+    for into in wholes:
+        assert into in ({"ids": reference(prompt, max_tokens)}, {"status": 500})
 
     seen = set()
 
