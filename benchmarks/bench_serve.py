@@ -21,8 +21,16 @@ build of the same model) at every level, alternately with the first, and prints 
 BusyLoad, bounded in time), and prints the loaded total over the unloaded one; every table is followed by the
 host's state (load, busy and stolen CPU, read bandwidth) while it was measured.
 
+`--ray` then serves the first artifact through Ray Serve (runtime/ray_serve.py, the `ray` extra) on a local Ray
+instance: for each replica count of `--ray-replicas` (default 1,2), replicas of `--threads` threads (default 1)
+and ceil(max level / replicas) slots each, the same levels, beside the plain server's rows above; and the Ray
+overhead per token at 1 request (1 replica against the plain server; like for like with `--threads 1`, which
+the plain server's engine then uses too), taken over whole requests: Serve's proxy may pass a stream's chunks on
+in bursts, so per-request tok/s after the first token reads high through Ray.
+
     python benchmarks/bench_serve.py model.pic [--baseline dense.pic] [--levels 1,2,4,8] [--requests 4]
-        [--prompt 16] [--tokens 32] [--engine-steps 16] [--no-server] [--load N]
+        [--prompt 16] [--tokens 32] [--engine-steps 16] [--no-server] [--load N] [--threads N]
+        [--ray [--ray-replicas 1,2] [--ray-port 8000]]
 """
 
 from __future__ import annotations
@@ -73,8 +81,7 @@ def distinct_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list
 
 
 def run_level(engine, parallel: int, requests: int, prompts: list[list[int]], tokens: int) -> dict:
-    """P clients (`parallel`), each sending `requests` streamed completions back to back, client c's r-th of
-    prompts[c * requests + r]."""
+    """P clients (`parallel`) of an in-process server of `engine` with P slots: drive()."""
     sock = bind("127.0.0.1", 0)
     server = make_server(create_app(engine, tokenizer=None, parallel=parallel, queue=parallel * requests),
                          log_level="warning")
@@ -82,28 +89,34 @@ def run_level(engine, parallel: int, requests: int, prompts: list[list[int]], to
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        with httpx.Client() as http:
-            streamed_request(http, url, prompts[-1], 2)  # warm: the first request pays for the first prefill
-
-        def client(c):  # a client keeps its connection, as real ones do
-            with httpx.Client() as http:
-                return [streamed_request(http, url, prompts[c * requests + r], tokens) for r in range(requests)]
-
-        began = time.perf_counter()
-        with ThreadPoolExecutor(parallel) as pool:
-            results = [r for rs in pool.map(client, range(parallel)) for r in rs]
-        wall = time.perf_counter() - began
+        return drive(f"http://127.0.0.1:{sock.getsockname()[1]}", parallel, requests, prompts, tokens)
     finally:
         server.should_exit = True
         thread.join()
         sock.close()
+
+
+def drive(url: str, parallel: int, requests: int, prompts: list[list[int]], tokens: int) -> dict:
+    """P clients (`parallel`), each sending `requests` streamed completions back to back, client c's r-th of
+    prompts[c * requests + r]."""
+    with httpx.Client() as http:
+        streamed_request(http, url, prompts[-1], 2)  # warm: the first request pays for the first prefill
+
+    def client(c):  # a client keeps its connection, as real ones do
+        with httpx.Client() as http:
+            return [streamed_request(http, url, prompts[c * requests + r], tokens) for r in range(requests)]
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(parallel) as pool:
+        results = [r for rs in pool.map(client, range(parallel)) for r in rs]
+    wall = time.perf_counter() - began
     per_request = [(r["tokens"] - 1) / r["decode_s"] for r in results if r["tokens"] > 1 and r["decode_s"] > 0]
     ttft = sorted(r["ttft_s"] for r in results)
     return {"parallel": parallel, "requests": len(results), "total_tokens_per_s": sum(r["tokens"] for r in results) / wall,
             "per_request_tokens_per_s": statistics.median(per_request) if per_request else 0.0,
-            "ttft_median_ms": statistics.median(ttft) * 1000, "ttft_p90_ms": ttft[math.ceil(0.9 * len(ttft)) - 1] * 1000}  # nearest rank
+            "ttft_median_ms": statistics.median(ttft) * 1000, "ttft_p90_ms": ttft[math.ceil(0.9 * len(ttft)) - 1] * 1000,  # nearest rank
+            "request_ms_per_token": statistics.median(r["total_s"] / r["tokens"] for r in results) * 1000}
 
 
 def engine_level(engine, batch: int, steps: int, prompts: list[list[int]]) -> dict:
@@ -165,10 +178,15 @@ def main() -> None:
     parser.add_argument("--engine-steps", type=int, default=16, help="decode steps per batch size, without the server")
     parser.add_argument("--no-server", action="store_true", help="only the engine's figures")
     parser.add_argument("--load", type=int, default=0, help="also run each server level beside N busy processes")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="kernel threads of every engine (default: measured as it runs; Ray replicas: 1)")
+    parser.add_argument("--ray", action="store_true", help="also serve the first artifact through Ray Serve replicas")
+    parser.add_argument("--ray-replicas", default="1,2", help="replica counts for --ray, comma-separated")
+    parser.add_argument("--ray-port", type=int, default=8000, help="Ray Serve's HTTP port on 127.0.0.1")
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
     names = [args.artifact] + ([args.baseline] if args.baseline else [])
-    engines = {name: Engine(name, slots=max(levels)) for name in names}
+    engines = {name: Engine(name, slots=max(levels), threads=args.threads) for name in names}
     first = engines[args.artifact]
     if any(engine.vocab_size != first.vocab_size for engine in engines.values()):
         parser.error("--baseline must be an artifact of a model with the same vocabulary")
@@ -188,9 +206,12 @@ def main() -> None:
     serve = lambda name, parallel: run_level(engines[name], parallel, args.requests, prompts, args.tokens)  # noqa: E731
     if not args.load:
         state = HostState.before()
-        measure(names, levels, serve, SERVER_COLUMNS, server_cells, "total_tokens_per_s",
-                "total tok/s through the server per parallel requests")
+        rows = measure(names, levels, serve, SERVER_COLUMNS, server_cells, "total_tokens_per_s",
+                       "total tok/s through the server per parallel requests")
         print(state.after().summary())
+        if args.ray:
+            engines.clear()  # the replicas load their own
+            ray_levels(args, levels, prompts, rows[args.artifact])
         return
     loaded = {}
 
@@ -214,6 +235,46 @@ def main() -> None:
             unloaded = next(r for r in rows[name] if r["parallel"] == level)
             print(f"- {level} parallel: loaded total / unloaded total **{row['total_tokens_per_s'] / unloaded['total_tokens_per_s']:.2f}x**"
                   f" (target >= 0.45 at 4); {row['host'].summary()}")
+
+
+def ray_levels(args, levels: list[int], prompts: list[list[int]], plain: list[dict]) -> None:
+    """The levels through Ray Serve, per replica count; then the Ray overhead per token at 1 request."""
+    from runtime import ray_serve
+
+    threads = args.threads or 1
+    counts = [int(count) for count in args.ray_replicas.split(",")]
+    ray_serve.start_local("127.0.0.1", args.ray_port, cpus=max(os.cpu_count() or 1, max(counts) * threads))
+    url = f"http://127.0.0.1:{args.ray_port}"
+    rows = {}
+    try:
+        for count in counts:
+            deployment = ray_serve.Deployment(
+                os.path.abspath(args.artifact), parallel=math.ceil(max(levels) / count),
+                queue=max(levels) * args.requests, threads=threads, replicas=count, replica_cpus=float(threads),
+                code_path=os.path.join(HERE, ".."))
+            ray_serve.deploy(deployment, tokenizer=None)
+            state = HostState.before()
+            rows[count] = [drive(url, level, args.requests, prompts, args.tokens) for level in levels]
+            print(f"\n{args.artifact} through Ray Serve: {count} replica(s) of {threads} thread(s) and "
+                  f"{deployment.parallel} slots\n" + table(SERVER_COLUMNS, [[str(level), *server_cells(row)]
+                                                                       for level, row in zip(levels, rows[count])]))
+            print(state.after().summary())
+    finally:
+        ray_serve.stop(local=True)
+    if 1 in rows and 1 in levels:
+        # over whole requests: Serve's proxy may pass a stream's chunks on in bursts, which per-request tok/s after
+        # the first token would count as speed
+        ray, base = rows[1][levels.index(1)], plain[levels.index(1)]
+        overhead = ray["request_ms_per_token"] - base["request_ms_per_token"]
+        print(f"\nRay overhead at 1 request (1 replica against the plain server): {overhead:+.2f} ms per token "
+              f"(a whole request's time over its tokens: {ray['request_ms_per_token']:.2f} against "
+              f"{base['request_ms_per_token']:.2f}), time to first token {ray['ttft_median_ms'] - base['ttft_median_ms']:+.0f} ms"
+              + ("" if args.threads else " (engines of different threads: give --threads 1 for like with like)"))
+    for count in counts[1:]:
+        if counts[0] in rows:
+            print(f"{count} replicas over {counts[0]}, total tok/s: " + ", ".join(
+                f"{level}: {row['total_tokens_per_s'] / first['total_tokens_per_s']:.2f}x"
+                for level, row, first in zip(levels, rows[count], rows[counts[0]])))
 
 
 def measure(names: list[str], levels: list[int], run, columns, cells, speed: str, what: str) -> dict[str, list[dict]]:

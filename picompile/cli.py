@@ -158,6 +158,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue", type=_non_negative(int), default=16,
                        help="requests that may wait for a slot; past that the server answers 503 with Retry-After")
     _threads_argument(serve)
+    ray = serve.add_argument_group("replicas on Ray Serve (the ray extra; docs/serving.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve: replicas of this server (each its own engine, --parallel slots "
+                          "and --queue; --threads threads and CPUs, default 1) behind one address, replaced if they die")
+    ray.add_argument("--replicas", type=_positive_int, default=None, metavar="N", help="a fixed count (default 1)")
+    ray.add_argument("--min-replicas", type=_positive_int, default=None, metavar="A",
+                     help="autoscale: at least A replicas (default 1), more as ongoing requests per replica pass --parallel")
+    ray.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B", help="autoscale: at most B replicas")
+    ray.add_argument("--address", default=None, metavar="ADDR",
+                     help="a running Ray cluster (its head's host:6379, or auto on one of its nodes); default: a Ray "
+                          "instance of this process on this machine only")
 
     evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX (or GGUF file)")
     evaluate.add_argument("artifact", type=Path)
@@ -397,6 +408,13 @@ def _lines(stream, prompt: str | None):
 
 
 def _serve(args) -> int:
+    if args.ray:
+        return _serve_ray(args)
+    ray_options = [option for option, value in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
+                                                ("--max-replicas", args.max_replicas), ("--address", args.address))
+                   if value is not None]
+    if ray_options:
+        raise UserError(f"{ray_options[0]} needs --ray")
     try:
         from runtime import serve
     except ModuleNotFoundError as error:
@@ -418,6 +436,77 @@ def _serve(args) -> int:
         serve.make_server(app).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down for: the normal way to stop
         pass
+    return 0
+
+
+def _serve_ray(args) -> int:
+    """`serve --ray`: runtime/ray_serve.py's replicas on a local Ray instance (or the cluster at --address) until
+    Ctrl-C or SIGTERM, which remove them (and stop a local instance)."""
+    import signal
+    import time
+
+    if args.replicas is not None and (args.min_replicas is not None or args.max_replicas is not None):
+        raise UserError("--replicas fixes the count; --min-replicas/--max-replicas autoscale: give one or the other")
+    if args.min_replicas is not None and args.max_replicas is None:
+        raise UserError("--min-replicas needs --max-replicas (autoscaling's upper bound)")
+    if args.max_replicas is not None and args.max_replicas < (args.min_replicas or 1):
+        raise UserError(f"--max-replicas {args.max_replicas} is below --min-replicas {args.min_replicas or 1}")
+    if args.port == 0:
+        raise UserError("--ray needs a fixed --port: Ray Serve's HTTP proxy binds it")
+    try:
+        from runtime import ray_serve
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if missing not in ("ray", "starlette", "uvicorn"):
+            raise
+        raise UserError(f"picompile serve --ray needs the ray extra ({missing} is not installed): "
+                        "pip install 'picompile[ray]'") from None
+    from runtime import ArtifactError
+    from runtime.artifact import load_manifest
+    from runtime.serve import bind
+
+    artifact = args.artifact.resolve()
+    try:  # the replicas load it; a bad path fails here, before Ray starts
+        load_manifest(artifact, check_hashes=False)
+    except ArtifactError as error:
+        raise UserError(str(error)) from None
+    local = args.address is None
+    if local:  # Serve's proxy binds the port later, in another process: a port in use is refused here
+        try:
+            bind(args.host, args.port).close()
+        except OSError as error:
+            raise UserError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
+    threads = args.threads or 1
+    autoscale = args.max_replicas is not None
+    deployment = ray_serve.Deployment(
+        str(artifact), parallel=args.parallel, queue=args.queue, threads=threads,
+        replicas=None if autoscale else (args.replicas or 1), min_replicas=args.min_replicas or 1,
+        max_replicas=args.max_replicas, replica_cpus=float(threads),
+        code_path=str(Path(ray_serve.__file__).resolve().parents[1]) if local else None)
+    replicas = f"{deployment.min_replicas}-{deployment.max_replicas}" if autoscale else str(deployment.replicas)
+    started = False
+    try:
+        try:
+            if local:
+                most = deployment.max_replicas if autoscale else deployment.replicas
+                ray_serve.start_local(args.host, args.port, cpus=max(os.cpu_count() or 1, most * threads))
+            else:
+                ray_serve.connect(args.address, args.host, args.port)
+            started = True
+            signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C (after ray.init, which sets its own)
+            ray_serve.deploy(deployment)
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            raise UserError(f"Ray Serve could not start the replicas: {error}") from None
+        print(f"serving {args.artifact} on http://{args.host}:{args.port} through Ray Serve ({replicas} replicas of "
+              f"{args.parallel} slots, queue {args.queue}, {threads} threads each); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if started:
+            ray_serve.stop(local)
     return 0
 
 

@@ -158,6 +158,11 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def stepping(self) -> bool:
+        """Whether the scheduler's thread runs (started, not closed, not died): a replica's health check."""
+        return self._thread.is_alive() and not self._closed
+
     def stats(self) -> SchedulerStats:
         with self._changed:
             counters = self._counters

@@ -31,6 +31,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -279,6 +280,18 @@ class Output:
 
 # ---------------------------------------------------------------- the app
 
+@dataclass(frozen=True)
+class ReplicaSet:
+    """Where this server is one replica of several (`serve --ray`): which one answers, and the deployment's
+    replicas as Ray Serve's controller sees them, so that /health and /metrics show a replica lost or
+    being replaced."""
+
+    replica: str  # the answering replica's id
+    status: str  # the deployment's status (Serve's: HEALTHY, UPSCALING, UNHEALTHY, ...)
+    replicas: dict[str, int]  # replicas by state (RUNNING, STARTING, ...)
+
+
+
 def _error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
            headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
@@ -292,8 +305,9 @@ class Endpoints:
     """The HTTP endpoints over one scheduler (and its engine), with the counters /metrics reports."""
 
     def __init__(self, engine, tokenizer: TextTokenizer | None, parallel: int | None, queue: int,
-                 model_id: str):
+                 model_id: str, replica_set: Callable[[], Awaitable[ReplicaSet]] | None = None):
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
+        self.replica_set = replica_set
         self.scheduler = Scheduler(engine, parallel=parallel, queue_size=queue)
         self.created = int(time.time())
         self.rejected = {"invalid": 0, "queue_full": 0}  # the event loop's only: no lock
@@ -314,8 +328,12 @@ class Endpoints:
 
     async def health(self, request: Request):
         stats = self.scheduler.stats()
-        return JSONResponse({"status": "ok", "slots_idle": stats.slots - stats.slots_busy,
-                             "slots_processing": stats.slots_busy, "queue_depth": stats.queue_depth})
+        body = {"status": "ok", "slots_idle": stats.slots - stats.slots_busy,
+                "slots_processing": stats.slots_busy, "queue_depth": stats.queue_depth}
+        if self.replica_set is not None:
+            replicas = await self.replica_set()
+            body.update(replica=replicas.replica, deployment={"status": replicas.status, "replicas": replicas.replicas})
+        return JSONResponse(body)
 
     async def metrics(self, request: Request):
         stats = self.scheduler.stats()
@@ -338,6 +356,12 @@ class Endpoints:
         metric("slots_total", "gauge", "Slots (--parallel).", [("", stats.slots)])
         metric("tokens_per_second", "gauge", "Tokens sampled per second of stepping, all slots together.",
                [("", f"{stats.tokens_per_s:.6g}")])
+        if self.replica_set is not None:  # the counters above are the answering replica's
+            replicas = await self.replica_set()
+            metric("replica_info", "gauge", "The replica that answered (its counters above are its own).",
+                   [(f'{{replica="{replicas.replica}",deployment_status="{replicas.status}"}}', 1)])
+            metric("replicas", "gauge", "The deployment's replicas, by state.",
+                   [(f'{{state="{state}"}}', count) for state, count in sorted(replicas.replicas.items())])
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     # -------------------------------------------------- generation
@@ -505,9 +529,11 @@ class _Answer:
 
 
 def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, queue: int = 16,
-               model_id: str | None = None) -> Starlette:
+               model_id: str | None = None, replica_set: Callable[[], Awaitable[ReplicaSet]] | None = None
+               ) -> Starlette:
     """The ASGI app. `engine`: an Engine (its slots bound `parallel`), or an artifact path (then loaded with
     `parallel` slots, default 1). `tokenizer`: a TextTokenizer, None (ids only), or by default the artifact's.
+    `replica_set`: where the app is one replica of several, what /health and /metrics add about them.
     The scheduler starts with the app (ASGI lifespan) and its shutdown cancels what is still running."""
     if isinstance(engine, (str, Path)):
         from .engine import Engine
@@ -515,7 +541,7 @@ def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, 
         engine = Engine(engine, slots=parallel or 1)
     if tokenizer is FROM_ARTIFACT:
         tokenizer = artifact_tokenizer(engine.directory)
-    endpoints = Endpoints(engine, tokenizer, parallel, queue, model_id or Path(engine.directory).name)
+    endpoints = Endpoints(engine, tokenizer, parallel, queue, model_id or Path(engine.directory).name, replica_set)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -1,0 +1,168 @@
+"""`picompile serve --ray`: runtime/serve.py's server as the replicas of a Ray Serve application.
+
+Each replica loads the artifact and runs `create_app`'s app as Serve's ASGI ingress: its own engine, slots,
+batching and scheduler, and the same routes, fields, errors, streaming and metrics as `picompile serve`.
+Serve's HTTP proxy spreads the requests over the replicas, adds and removes replicas as the ongoing requests
+per replica pass `parallel` (the slots of one), and replaces a replica that dies or whose scheduler stopped
+(`check_health`). A request on a replica that dies ends with the proxy's error (a 500, or a stream cut short:
+never a hang); the others' requests go on. /health and /metrics answer from one replica and add the
+deployment's replicas by state (serve.ReplicaSet).
+
+Ray (`ray[serve]`) is the optional `ray` extra; only `picompile serve --ray` (and a Serve config file's
+`import_path: runtime.ray_serve:build`) import this module, so `import runtime` never imports ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from .serve import ReplicaSet, create_app
+
+APP_NAME = "picompile"  # the Serve application, and its one deployment
+ARTIFACT_TOKENIZER = "artifact"  # Replica's default tokenizer: the artifact's own (a string: it crosses pickling)
+OBJECT_STORE_BYTES = 100 * 2**20  # a local instance's object store: requests and answers are small
+HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a replica whose scheduler stopped
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What `serve --ray` deploys: the artifact as `picompile serve` serves it, times the replicas.
+    `replicas` fixes their count; otherwise Serve autoscales between `min_replicas` and `max_replicas`,
+    aiming at `parallel` ongoing requests per replica (its slots full)."""
+
+    artifact: str  # a path every node of the cluster can read
+    parallel: int = 1
+    queue: int = 16
+    threads: int | None = None  # kernel threads per replica (None: the replica's CPUs)
+    replicas: int | None = 1
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    replica_cpus: float = 1.0  # the CPUs Ray reserves for each replica
+    model_id: str | None = None
+    code_path: str | None = None  # a directory holding this `runtime` package, put on the replicas' PYTHONPATH
+
+    def options(self) -> dict:
+        """serve.deployment options."""
+        scaling = ({"num_replicas": self.replicas} if self.replicas is not None else {"autoscaling_config": {
+            "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.parallel}})
+        actor = {"num_cpus": self.replica_cpus}
+        if self.code_path is not None:
+            path = os.pathsep.join(p for p in (self.code_path, os.environ.get("PYTHONPATH")) if p)
+            actor["runtime_env"] = {"env_vars": {"PYTHONPATH": path}}
+        # a replica admits its slots and its queue (answering 503 past them, as `picompile serve`), and a few
+        # more for /health and /metrics while it is full
+        return {**scaling, "ray_actor_options": actor, "max_ongoing_requests": self.parallel + self.queue + 4,
+                "health_check_period_s": HEALTH_CHECK_PERIOD_S, "max_constructor_retry_count": 2}
+
+
+@serve.deployment(name=APP_NAME)
+@serve.ingress()
+class Replica:
+    """One replica: the artifact's engine behind runtime/serve.py's app, built when Serve starts it."""
+
+    def __init__(self, artifact: str, parallel: int = 1, queue: int = 16, threads: int | None = None,
+                 model_id: str | None = None, tokenizer=ARTIFACT_TOKENIZER):
+        self._artifact, self._parallel, self._queue, self._threads = artifact, parallel, queue, threads
+        self._model_id, self._tokenizer = model_id or Path(artifact).name, tokenizer
+        self._app = None
+
+    def load_engine(self):
+        from .engine import Engine
+
+        return Engine(self._artifact, slots=self._parallel, threads=self._threads)
+
+    def __serve_build_asgi_app__(self):
+        from . import serve as http
+
+        tokenizer = http.FROM_ARTIFACT if self._tokenizer == ARTIFACT_TOKENIZER else self._tokenizer
+        self._app = create_app(self.load_engine(), tokenizer=tokenizer, parallel=self._parallel, queue=self._queue,
+                               model_id=self._model_id, replica_set=self._replica_set)
+        return _NamingReplica(self._app, serve.get_replica_context().replica_id.unique_id)
+
+    async def _replica_set(self) -> ReplicaSet:
+        context = serve.get_replica_context()
+        status = await asyncio.to_thread(serve.status)  # a call to Serve's controller
+        deployment = status.applications[context.app_name].deployments[context.deployment]
+        return ReplicaSet(context.replica_id.unique_id, str(deployment.status.value),
+                          {str(getattr(state, "value", state)): count
+                           for state, count in deployment.replica_states.items()})
+
+    def check_health(self):
+        """Serve's periodic check: a replica whose scheduler thread stopped is replaced."""
+        if self._app is not None and not self._app.state.endpoints.scheduler.stepping:
+            raise RuntimeError("the replica's scheduler stopped")
+
+
+class _NamingReplica:
+    """The app, its answers naming the replica that gave them (header x-picompile-replica): which one held
+    a request that failed."""
+
+    def __init__(self, app, replica: str):
+        self.app, self.state, self._header = app, app.state, (b"x-picompile-replica", replica.encode())
+
+    async def __call__(self, scope, receive, send):
+        async def named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self._header]}
+            await send(message)
+
+        await self.app(scope, receive, named if scope["type"] == "http" else send)
+
+
+def application(deployment: Deployment, tokenizer=ARTIFACT_TOKENIZER, replica=None):
+    """The Serve application: `deployment`'s replicas. `tokenizer`: the artifact's (default), None (token ids
+    only) or an object with runtime.text.TextTokenizer's interface (pickled to each replica). `replica`: the
+    deployment class, Replica's or a subclass of `Replica.func_or_class` (say, one whose load_engine wraps
+    the engine)."""
+    replica = Replica if replica is None else serve.deployment(replica, name=APP_NAME)
+    return replica.options(**deployment.options()).bind(
+        deployment.artifact, deployment.parallel, deployment.queue, deployment.threads, deployment.model_id,
+        tokenizer)
+
+
+def build(args: dict):
+    """A Serve config file's application builder (`import_path: runtime.ray_serve:build`): `args` are
+    Deployment's fields (artifact, parallel, queue, threads, replicas, min_replicas, max_replicas,
+    replica_cpus, model_id); the config file's `deployments:` entry may override the scaling."""
+    known = set(asdict(Deployment(artifact="")))
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown picompile deployment argument(s) {', '.join(unknown)}; known: {sorted(known)}")
+    return application(Deployment(**args))
+
+
+def start_local(host: str, port: int, cpus: float) -> None:
+    """A Ray instance of this process on the loopback (no dashboard, a small object store, `cpus` CPUs) and
+    Serve's HTTP proxy on host:port."""
+    ray.init(address="local", include_dashboard=False, num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES,
+             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": host, "port": port})
+
+
+def connect(address: str, host: str, port: int) -> None:
+    """An existing Ray cluster (a `ray start --head` address, or ray://), Serve's proxies on host:port
+    where Serve is not running there yet."""
+    ray.init(address=address, log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": host, "port": port})
+
+
+def deploy(deployment: Deployment, tokenizer=ARTIFACT_TOKENIZER, replica=None) -> None:
+    """Run the application at route / (replacing an earlier picompile application); returns once its replicas
+    are up, or raises RuntimeError with Serve's reason."""
+    serve.run(application(deployment, tokenizer, replica), name=APP_NAME, route_prefix="/")
+
+
+def stop(local: bool) -> None:
+    """Remove the application; with a local instance, Serve and Ray too."""
+    if local:
+        serve.shutdown()
+        ray.shutdown()
+    else:
+        serve.delete(APP_NAME)
