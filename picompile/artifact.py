@@ -69,13 +69,6 @@ def _model_facts(buffers: dict, schedule: dict, max_batch: int, source: Path | N
                       num_calls=len(schedule["nodes"]), max_batch=max_batch, source=str(source) if source else None)
 
 
-def _placement(model: ir.Model) -> dict:
-    """The partition pass's report, less its wall time (the same build gives the same manifest; -v prints it)."""
-    report = json.loads(model.metadata_props.get("picompile.placement", "{}"))
-    report.pop("solve_time_s", None)
-    return report
-
-
 def _weights_by_device(schedule: dict, buffers: dict) -> dict[str, list[str]]:
     """Each weight goes to the file of every device whose calls read it (the CPU's when unused)."""
     devices: dict[str, set[str]] = {}

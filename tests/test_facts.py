@@ -40,12 +40,7 @@ HOMES = {
     "picompile.placement": "passes/partition.py",
     "picompile.devices": "passes/place.py",
 }
-# Reads by key still outside the home, of entries other changes of issue 34 type (the manifest's sections, the
-# placement plan): each pair leaves this list when its entry gets its type.
-PENDING = {(key, "picompile/artifact.py") for key in ("picompile.sparsity", "picompile.layers", "picompile.calibration",
-                                                      "picompile.quantized", "picompile.quality",
-                                                      "picompile.placement", "picompile.devices")}
-PENDING |= {("picompile.placement", "passes/place.py")}
+PENDING: set[tuple[str, str]] = set()  # reads by key outside the home that are allowed: none
 GENERIC = "passes/facts.py"  # ModelFact's attach / of: the key is the fact's own
 
 FACTS = [AwqReport, GGUFSource, SourceQuantization, Buffers, Kernels, BatchPhase, CallSchedule, WeightPlan]
