@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,17 +20,14 @@ import pytest
 from byte_tokenizer import ByteTokenizer
 from test_runtime_thin import ROOT
 from test_serve import TOKENIZER, WAIT_S, client, health, metrics, reference  # noqa: F401 (a fixture)
+from test_serve import wait_until as serve_wait_until
 
 REPLICAS = 2
 
 
 def wait_until(condition, what: str):
     """test_serve's, polling every 0.1 s: each poll here is a request through Ray."""
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
+    serve_wait_until(condition, what, poll_s=0.1)
 
 
 def test_serve_ray_without_ray_is_one_error_line_naming_the_extra(tmp_path):

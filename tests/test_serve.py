@@ -25,12 +25,12 @@ from test_runtime_thin import ROOT, run_without_compiler_stack
 WAIT_S = 60  # how long a test waits for a server to reach a state before it fails (never a measured time)
 
 
-def wait_until(condition, what: str):
+def wait_until(condition, what: str, poll_s: float = 0.01):
     deadline = time.monotonic() + WAIT_S
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.01)
+        time.sleep(poll_s)
 
 
 @contextmanager
