@@ -407,8 +407,10 @@ def gemm(name, K, N, *, layout: str | GemmWeight, wdtype="float32", bias: bool, 
 
 NT_TILE = {1: (8, 3, 4), 2: (16, 4, 6)}
 """gemm_nt's register tile per `tile_panels` (the ISA's, see gemm): (fp32 lanes per vector, tokens, neurons),
-tokens x neurons vector accumulators: 12 ymm (AVX2) or 24 zmm (AVX-512), the tile that read fastest
-(measurements: BENCHMARKS.md#measurements-behind-the-codes-constants)."""
+tokens x neurons vector accumulators: 12 ymm (AVX2) or 24 zmm (AVX-512). Measured 2026-12-01 on the Zen 4
+(benchmarks/bench_prefill_gemm.py, up 2048 -> 8192 at m = 16, 2 threads, alternated): with AVX-512, 4 x 6 read
+the rows 10-25% faster than 4 x 4, 6 x 4, 3 x 8, 2 x 8 and 4 x 5 (2 x 12 and 8 x 2 far slower); the tree of
+halvings before the horizontal sum ~3% over a scalar sum of each accumulator's lanes."""
 
 
 @dataclass(frozen=True)
@@ -509,9 +511,16 @@ def gemm_nt(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=Fa
 
 KN_COLUMNS = 1024  # gemm_kn: columns per parallel task (4 KiB of each fp32 row)
 KN_KB = 12  # gemm_kn: rows of w per k block, reused from L1 by a task's row tiles
-"""Long contiguous row segments for each thread, and k blocks shallow enough that rows 8 KiB apart (which
-share L1 sets) are still in L1 when the next row tile reads them; `linear` uses gemm_kn only with
-skip_zero_rows, where it matched the panel GEMM (measurements: BENCHMARKS.md#measurements-behind-the-codes-constants)."""
+"""Measured 2026-12-01 on the Zen 4 (benchmarks/bench_prefill_gemm.py, down 8192 -> 2048 at m = 16, alternated):
+with 2 threads, tasks of 1024 columns took 25-45% less time than tasks of 256 or 512 (the two threads then read
+long contiguous row segments); k blocks of 12 rows beat 4, 8, 16, 24, 32 and 64 (rows 8 KiB apart share L1
+sets: a block much deeper than the L1's ways falls out before the next row tile reads it); software prefetches
+of the next k block, per-call packing of each k block into a contiguous buffer and 8- or 16-row register tiles
+gained nothing or lost. Against `gemm`'s "kn" layout (a panel packed per call) over a dense x, gemm_kn was faster
+at m = 16 in fp32 (20.5 against 25.8 ms, medians) but slower in fp16 (17.0 against 14.7) and at m = 64 (fp32
+61.6 against 31.4, fp16 36.4 against 30.7; heavily loaded machine): `linear` uses it only with skip_zero_rows,
+where, over ReLU hidden values of which 35% of the columns hold a nonzero, it took 11.7 (fp32) and 7.4 ms (fp16)
+at m = 16, about the panel GEMM's 12.0 and 7.5 over the whole matrix."""
 
 
 def gemm_kn(name, K, N, *, wdtype="float32", bias: bool, act="none", residual=False, tile_panels=1,
