@@ -221,12 +221,17 @@ def _check_context(manifest, buffers, nodes, headers, files_of) -> None:
             raise disagrees(f"buffers.{name}.shape is {shape} but a KV cache is [heads, model.max_context "
                             f"({max_context}), head_dim]")
     for node in nodes:
-        if node.role is Role.EMBED and len(_gathered(node)) > 1:  # learned positions
-            table = _gathered(node)[1]
+        if node.role is not Role.EMBED:
+            continue
+        gathered = _gathered(node)
+        for table in gathered[1:]:
             if buffers[table].kind != "weight":
-                raise ArtifactError(f"schedule.json is damaged: embedding call {node.id} reads positions from "
+                raise ArtifactError(f"schedule.json is damaged: embedding call {node.id} gathers rows of "
                                     f"{table}, not a weight; rebuild the artifact")
-            rows = headers[files_of[table][0]][table]["shape"][0]
+        rows_of = {table: headers[files_of[table][0]][table]["shape"][0] for table in gathered}
+        # the token table's block scales have its rows; a gathered table of other rows is a learned position table
+        for table in (t for t in gathered[1:] if rows_of[t] != rows_of[gathered[0]]):
+            rows = rows_of[table]
             if rows < max_context:
                 raise disagrees(f"model.max_context is {max_context} but the position table {_where(table, files_of)} "
                                 f"has {rows} rows")

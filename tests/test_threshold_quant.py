@@ -208,11 +208,14 @@ def test_int4_threshold_build_quantizes_every_matrix_and_thresholds_attention(sw
 
     from runtime import Engine
     from runtime.calls import schedule_calls
+    from runtime.verify import check_files
 
     plan = lambda op, layer, model: ({key[1]: t for key, t in attention_quantiles(model).items() if key[0] == layer}
                                      if op == "Attention" else {})  # noqa: E731
     artifact, model, stored = threshold_build(swiglu, tmp_path / "int4.pic", "int4", plan)
-    buffers = load_manifest(artifact).buffers
+    manifest = load_manifest(artifact)
+    check_files(artifact, manifest)  # inspect's and run's check: the embedding's block scales are no position table
+    buffers = manifest.buffers
     for name in MATRICES:
         assert buffers[f"{name}.q"].format == "int4", name
         assert buffers[f"{name}.q"].layout == ("quant_rows" if "layers" in name or "embed" in name else "quant_panels")
