@@ -20,7 +20,7 @@ import pytest
 from byte_tokenizer import ByteTokenizer
 from test_runtime_thin import ROOT
 from test_serve import TOKENIZER, WAIT_S, client, health, metrics, reference  # noqa: F401 (a fixture)
-from test_serve import wait_until as serve_wait_until
+from test_serve import stream_and_whole, wait_until as serve_wait_until
 
 REPLICAS = 2
 
@@ -129,12 +129,7 @@ def test_completions_and_chat_equal_one_engine(ray_url, reference):
 def test_streaming_gives_the_same_tokens_as_a_whole_answer(ray_url):
     api = client(ray_url)
     sampling = dict(model="any", max_tokens=8, temperature=1.0, top_p=0.9, seed=5)
-    whole = api.completions.create(prompt=[7, 8, 9], **sampling).choices[0]
-    chunks = list(api.completions.create(prompt=[7, 8, 9], stream=True, stream_options={"include_usage": True},
-                                         **sampling))
-    streamed = [c for c in chunks if c.choices]
-    assert [i for c in streamed for i in c.choices[0].model_extra["token_ids"]] == whole.model_extra["token_ids"]
-    assert "".join(c.choices[0].text for c in streamed) == whole.text
+    chunks, streamed = stream_and_whole(api, sampling)
     assert (streamed[-1].choices[0].finish_reason, chunks[-1].usage.completion_tokens) == ("length", 8)
     messages = [{"role": "user", "content": "stream"}]
     chat_whole = api.chat.completions.create(messages=messages, **sampling).choices[0].message.content

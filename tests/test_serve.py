@@ -168,15 +168,22 @@ def test_string_prompt_and_chat_are_encoded_by_the_tokenizer(text_server, refere
     assert chat.usage.prompt_tokens == len("system: be brief\nuser: hi\nassistant:")
 
 
-def test_streaming_gives_the_same_tokens_as_a_whole_answer(text_server):
-    api = client(text_server)
-    sampling = dict(model="any", max_tokens=10, temperature=1.0, top_p=0.9, seed=5)
+def stream_and_whole(api, sampling: dict) -> tuple[list, list]:
+    """The same sampled completion streamed (its chunks, and those with a choice) and whole, checked equal in
+    text and tokens: what every server of the API (plain, Ray Serve) must give."""
     whole = api.completions.create(prompt=[7, 8, 9], **sampling).choices[0]
     chunks = list(api.completions.create(prompt=[7, 8, 9], stream=True, stream_options={"include_usage": True},
                                          **sampling))
     streamed = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in streamed) == whole.text
     assert [i for c in streamed for i in c.choices[0].model_extra["token_ids"]] == whole.model_extra["token_ids"]
+    return chunks, streamed
+
+
+def test_streaming_gives_the_same_tokens_as_a_whole_answer(text_server):
+    api = client(text_server)
+    sampling = dict(model="any", max_tokens=10, temperature=1.0, top_p=0.9, seed=5)
+    chunks, streamed = stream_and_whole(api, sampling)
     assert streamed[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 10  # the usage chunk comes last
 
