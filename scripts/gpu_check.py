@@ -52,13 +52,28 @@ def devices(artifact: str) -> str:
 
 def budgets(artifact: str) -> str:
     """The --vram-budget (bytes) that leaves each card's FFN share after the dense part, KV cache and reserve,
-    as partition computes them (budget = vram - dense - kv - reserve_fraction x vram)."""
+    as partition computes them (budget = vram - dense - kv - reserve_fraction x vram), from a build that holds
+    the whole model on the GPU: its GPU weights read by FFN calls are the FFN's bytes, the others and the KV
+    caches the fixed part."""
+    from passes.partition import PlacementReport
     from runtime import load_manifest
+    from runtime.calls import Role, schedule_calls
+    from runtime.dtypes import nbytes
 
-    placement = load_manifest(artifact, check_hashes=False).placement
-    fixed = placement["dense_gpu_bytes"] + placement["kv_cache_bytes"]
-    reserve_fraction = placement["reserve_bytes"] / placement["vram_bytes"]
-    return " ".join(str(math.ceil((fixed + share * placement["ffn_bytes"]) / (1 - reserve_fraction)))
+    directory = Path(artifact)
+    manifest = load_manifest(directory, check_hashes=False)
+    calls = [call for call in schedule_calls(json.loads((directory / "schedule.json").read_text()))
+             if call.device == "gpu"]
+    size = lambda name: nbytes(manifest.buffers[name].shape, manifest.buffers[name].dtype)  # noqa: E731
+    weights = lambda roles: {name for call in calls if call.role in roles for name in call.buffers()  # noqa: E731
+                             if manifest.buffers[name].kind == "weight"}
+    ffn_roles = {Role.FFN, Role.FFN_UP, Role.FFN_DOWN}  # the neurons' rows; predictors stay with the fixed part
+    ffn = weights(ffn_roles)
+    fixed = (sum(size(name) for name in weights(set(Role) - ffn_roles) - ffn)
+             + sum(size(name) for name, info in manifest.buffers.items() if info.kind == "cache"))
+    report = PlacementReport.from_json(manifest.placement)
+    reserve_fraction = report.reserve_bytes / report.vram_bytes
+    return " ".join(str(math.ceil((fixed + share * sum(size(name) for name in ffn)) / (1 - reserve_fraction)))
                     for share in CARD_FFN_SHARES.values())
 
 
