@@ -1,4 +1,4 @@
-"""Benchmark of PowerInfer's placement ILP (picompile/powerinfer_placement.py, solve_placement) at real model shapes;
+"""Benchmark of PowerInfer's placement ILP (benchmarks/powerinfer_placement.py, solve_placement) at real model shapes;
 picompile's own placement of every block is `bench_placement_sweep.py`'s.
 
 Shapes (LLaMA-2, gated FFN, fp16 weights: bytes per neuron = 3 * d_model * 2):

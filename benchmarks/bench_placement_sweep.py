@@ -1,4 +1,4 @@
-"""The placement sweep: expected decode tok/s of picompile's placement (picompile/placement.py: one integer program
+"""The placement sweep: expected decode tok/s of picompile's placement (passes/placement.py: one integer program
 over every block) against llama.cpp-style layer offload and PowerInfer's policy (`powerinfer_plan`), from no GPU
 memory to the whole model, at 7B, 13B, 40B and 70B shapes. No GPU is needed: all three are priced by the same cost
 model (passes/costmodel.py `price`, `price_ffn`, `step_seconds`) for a target's bandwidths.
@@ -76,7 +76,7 @@ def problem(shape: str, target, weight_dtype: str, budget: int, frequencies, ran
 
 def powerinfer_plan(p: placement.Problem, shape: str, target, weight_dtype: str, batch: int = 64) -> placement.Plan:
     """PowerInfer's policy, priced by the same costs: every dense block (attention, output layer) and predictor on
-    the GPU if they all fit, then FFN neurons by its ILP (picompile/powerinfer_placement.py, with its
+    the GPU if they all fit, then FFN neurons by its ILP (benchmarks/powerinfer_placement.py, with its
     minimum-or-nothing and balance rules) in what is left; else everything on the CPU. FFNs always sparse."""
     n = len(p.layers)
     dense = p.head.gpu_bytes + sum(layer.attention.gpu_bytes + layer.ffn.predictor.gpu_bytes for layer in p.layers)

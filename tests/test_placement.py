@@ -1,4 +1,4 @@
-"""picompile's placement program (picompile/placement.py): exact against every plan on small problems, never worse
+"""picompile's placement program (passes/placement.py): exact against every plan on small problems, never worse
 than layer offload, within the budget, and its own price of a plan is step_seconds'."""
 
 from __future__ import annotations
