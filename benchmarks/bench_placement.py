@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from passes.partition import RESERVE_FRACTION  # noqa: E402
+from passes.targets import RESERVE_FRACTION  # noqa: E402
 from benchmarks.powerinfer_placement import min_neurons_for, solve_placement  # noqa: E402
 from passes.costmodel import sync_seconds  # noqa: E402
 from passes.targets import GiB, get_target  # noqa: E402
