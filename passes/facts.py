@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any, ClassVar
 
 import onnx_ir as ir
@@ -42,6 +42,18 @@ class ModelFact:
     @classmethod
     def missing(cls):
         return None
+
+
+class ValueFact(ModelFact):
+    """A `ModelFact` of one field whose JSON is that field's value itself (a number, a mapping), as the entry has
+    always been written, not an object of fields."""
+
+    def to_json(self) -> Any:
+        return getattr(self, fields(self)[0].name)
+
+    @classmethod
+    def from_json(cls, data: Any):
+        return cls(data)
 
 
 class MemoryFact:

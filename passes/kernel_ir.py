@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from . import ir as pir
-from .facts import ModelFact
+from .facts import ModelFact, ValueFact
 from .ops import Call as CallOp
 from .pipeline import Fact
 from runtime.calls import START, Call
@@ -50,20 +50,13 @@ class KernelSpec:
 
 
 @dataclass(frozen=True)
-class Buffers(ModelFact):
+class Buffers(ValueFact):
     """The program's buffers: name -> its manifest entry (kind, shape, dtype, layout, device), as the artifact's
     manifest lists them."""
 
     KEY: ClassVar[str] = "picompile.buffers"
     SORT_KEYS: ClassVar[bool] = True
     entries: dict[str, dict]
-
-    def to_json(self) -> dict:
-        return self.entries
-
-    @classmethod
-    def from_json(cls, data: dict) -> "Buffers":
-        return cls(data)
 
 
 @dataclass(frozen=True)

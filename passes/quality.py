@@ -46,7 +46,7 @@ from onnx_ir.passes import PassResult
 from . import costmodel
 from . import ir as pir
 from .budget import QualityBudget
-from .facts import ModelFact
+from .facts import ValueFact
 from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
@@ -85,19 +85,12 @@ def allowed_formats(weight_dtype: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class WeightPlan(ModelFact):
+class WeightPlan(ValueFact):
     """Per matrix (its initializer's name), the format the quantize pass stores it in where it is not the build's."""
 
     KEY: ClassVar[str] = WEIGHT_PLAN_KEY
     SORT_KEYS: ClassVar[bool] = True
     formats: dict[str, str]
-
-    def to_json(self) -> dict:
-        return self.formats
-
-    @classmethod
-    def from_json(cls, data: dict) -> "WeightPlan":
-        return cls(data)
 
     @classmethod
     def missing(cls) -> "WeightPlan":

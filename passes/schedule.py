@@ -18,7 +18,7 @@ import networkx as nx
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
-from .facts import ModelFact
+from .facts import ValueFact
 from .pipeline import Context
 from runtime.calls import PHASES
 
@@ -71,18 +71,11 @@ def build_dag(program: KernelProgram) -> nx.DiGraph:
 
 
 @dataclass(frozen=True)
-class CallSchedule(ModelFact):
+class CallSchedule(ValueFact):
     """The ordered call DAG as networkx node-link JSON (`runtime.calls.schedule_calls` reads its calls)."""
 
     KEY: ClassVar[str] = "picompile.schedule"
     node_link: dict
-
-    def to_json(self) -> dict:
-        return self.node_link
-
-    @classmethod
-    def from_json(cls, data: dict) -> "CallSchedule":
-        return cls(data)
 
 
 @dataclass

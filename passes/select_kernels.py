@@ -29,7 +29,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .errors import UserError
-from .facts import ModelFact
+from .facts import ValueFact
 from .pipeline import Context, Options
 from .sizes import KV_CACHE_DTYPE, float_format, weight_format
 from runtime.calls import START, Access, Arg, Call, Role, Selection
@@ -44,18 +44,11 @@ from .ops import Attention, FFN, SparseFFN, ThresholdFFN, view as op_view
 
 
 @dataclass(frozen=True)
-class BatchPhase(ModelFact):
+class BatchPhase(ValueFact):
     """How many sequences the program's batch step holds (0: it has no batch phase), for the manifest."""
 
     KEY: ClassVar[str] = "picompile.max_batch"
     max_batch: int
-
-    def to_json(self) -> int:
-        return self.max_batch
-
-    @classmethod
-    def from_json(cls, data: int) -> "BatchPhase":
-        return cls(int(data))
 
     @classmethod
     def missing(cls) -> "BatchPhase":
