@@ -4,6 +4,8 @@
   reaches the artifact writer). `attach(model)` writes it, `of(model)` reads it back typed; `to_json` /
   `from_json` say how where `asdict` / `cls(**data)` do not fit. Nothing else reads its JSON by keys
   (tests/test_facts.py checks it).
+- `write_entry` / `read_entry`: the same for a fact whose type is not a ModelFact (the manifest's sections, defined
+  in the runtime, which cannot import this module).
 - `MemoryFact`: an object too large to serialise (profiled activations, calibration sequences), held on the
   in-memory IR's `meta[META_KEY]`, never saved.
 """
@@ -15,6 +17,17 @@ from dataclasses import asdict, fields
 from typing import Any, ClassVar
 
 import onnx_ir as ir
+
+
+def write_entry(model: ir.Model, key: str, fact: Any, sort_keys: bool = False) -> None:
+    """Save `fact` (anything with `to_json`) as the JSON of `model.metadata_props[key]`."""
+    model.metadata_props[key] = json.dumps(fact.to_json(), sort_keys=sort_keys)
+
+
+def read_entry(model: ir.Model, key: str, kind: Any) -> Any:
+    """`model.metadata_props[key]` read back as `kind` (its `from_json`); None where no pass wrote it."""
+    text = model.metadata_props.get(key)
+    return None if text is None else kind.from_json(json.loads(text))
 
 
 class ModelFact:
@@ -31,13 +44,13 @@ class ModelFact:
         return cls(**data)
 
     def attach(self, model: ir.Model) -> None:
-        model.metadata_props[self.KEY] = json.dumps(self.to_json(), sort_keys=self.SORT_KEYS)
+        write_entry(model, self.KEY, self, self.SORT_KEYS)
 
     @classmethod
     def of(cls, model: ir.Model):
         """The model's fact; where no pass attached one, `missing()` (None unless the fact says otherwise)."""
-        text = model.metadata_props.get(cls.KEY)
-        return cls.missing() if text is None else cls.from_json(json.loads(text))
+        found = read_entry(model, cls.KEY, cls)
+        return cls.missing() if found is None else found
 
     @classmethod
     def missing(cls):

@@ -24,9 +24,9 @@ runs dense on one device. CPU targets: everything on the CPU, no solve.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -35,6 +35,7 @@ from onnx_ir.passes import PassResult
 from . import costmodel, placement
 from . import ir as pir
 from .costmodel import CONTEXT, BlockBytes, FfnBytes
+from .facts import ModelFact
 from .ops import FFN, Attention
 from .recognise import BLOCKS
 from .pipeline import Context, Fact, Options
@@ -42,18 +43,20 @@ from .sizes import (GPU_WEIGHT_FORMAT, PREDICTOR_FORMAT, cpu_bytes, gpu_bytes, k
                              stored_predictor_format)
 from .targets import format_size
 from runtime.dtypes import WeightFormat, nbytes
+
 PREDICTOR_CALLS = 2  # its two GEMVs
 DENSE_FFN_CALLS = 2  # up (and gate), down
 METADATA_KEY = "picompile.placement"
 
 
 @dataclass
-class PlacementReport:
+class PlacementReport(ModelFact):
     """The solve's report, `metadata_props["picompile.placement"]`: the plan place applies, and its price and the
     baselines' by the one cost model (`costmodel.step_seconds`), which the artifact's estimate and `inspect` show.
     No wall time (partition's log line has it): the artifact's manifest carries this report, and two builds of one
     plan must be the same byte for byte."""
 
+    KEY: ClassVar[str] = METADATA_KEY
     status: str  # HiGHS's model status, or why there was nothing to solve
     gap: float | None  # HiGHS's relative MIP gap (None: unknown)
     num_variables: int
@@ -87,12 +90,6 @@ class PlacementReport:
     def from_json(cls, data: dict) -> "PlacementReport":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{**{k: v for k, v in data.items() if k in known}, "plan": placement.Plan.from_json(data["plan"])})
-
-    @classmethod
-    def of(cls, model: ir.Model) -> "PlacementReport | None":
-        """The model's report, None before partition ran (or where it does not: threshold builds)."""
-        text = model.metadata_props.get(METADATA_KEY)
-        return None if text is None else cls.from_json(json.loads(text))
 
     def choice(self) -> str:
         """Whose plan the build takes, after comparing the solve's with the baselines by the same prices."""
@@ -181,7 +178,7 @@ class Partition:
             cpu_only_step_s=costmodel.step_seconds(problem, placement.cpu_dense(problem)),
             chosen=solution.chosen,
         )
-        model.metadata_props[METADATA_KEY] = json.dumps(report.to_json())
+        report.attach(model)
         ctx.log(self._summary(report, problem, solution.solve_time_s))
         return PassResult(model, modified=True)
 

@@ -20,12 +20,12 @@ layers with a block on the GPU and, for layer offload, the model's and the budge
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from .facts import read_entry, write_entry
 from . import ir as pir
 from .ops import FFN, Attention, SparseFFN
 from .pipeline import Context, Fact
@@ -43,8 +43,7 @@ DEVICES_KEY = "picompile.devices"  # metadata: the rule (runtime.manifest.Device
 
 def devices_of(model: ir.Model) -> Devices | None:
     """The place pass's rule (None where it did not run)."""
-    text = model.metadata_props.get(DEVICES_KEY)
-    return None if text is None else Devices.from_json(json.loads(text))
+    return read_entry(model, DEVICES_KEY, Devices)
 
 
 def device_of(node: ir.Node) -> str:
@@ -82,7 +81,7 @@ class Place:
             devices, summary = self._layer_offload(model.graph, nodes, ctx)
         for node, device in devices.items():
             node.metadata_props[DEVICE_KEY] = device
-        model.metadata_props[DEVICES_KEY] = json.dumps(Devices(**summary).to_json())
+        write_entry(model, DEVICES_KEY, Devices(**summary))
         on_gpu = sum(1 for device in devices.values() if device == "gpu")
         ctx.log(f"place: {on_gpu} of {len(nodes)} blocks on the GPU ({summary['rule']})")
         return PassResult(model, modified=True)

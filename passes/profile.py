@@ -20,7 +20,6 @@ artifact (`plots/activation_cdf.png`). A calibration set below MIN_TOKENS_PER_NE
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 import time
@@ -34,7 +33,7 @@ from onnx_ir.passes import PassResult
 
 from . import ir as pir
 from .errors import UserError
-from .facts import MemoryFact
+from .facts import MemoryFact, read_entry, write_entry
 from .ops import FFN
 from .pipeline import Context, Fact, Options
 from .reference import OrtDecoder
@@ -54,8 +53,7 @@ CALIBRATION_KEY = "picompile.calibration"  # metadata: what was profiled (runtim
 
 def calibration_of(model: ir.Model) -> Calibration | None:
     """What the profile pass ran (None where it did not run: a dense build)."""
-    text = model.metadata_props.get(CALIBRATION_KEY)
-    return None if text is None else Calibration.from_json(json.loads(text))
+    return read_entry(model, CALIBRATION_KEY, Calibration)
 
 
 @dataclass
@@ -357,7 +355,7 @@ class Profile:
         calibration = Calibration(tokens=tokens, given_tokens=given_tokens,  # inspect shows what the fits had
                                   source=str(self.calib) if self.calib else "random tokens", sampled_sequences=samples,
                                   sequence_tokens=length, wanted_tokens=needed)
-        model.metadata_props[CALIBRATION_KEY] = json.dumps(calibration.to_json())
+        write_entry(model, CALIBRATION_KEY, calibration)
         if not self.activations:
             ctx.log(f"profile: {tokens} tokens, {len(sequences)} sequences (the model is run by the passes after)")
             return PassResult(model, modified=True)

@@ -32,7 +32,6 @@ time) takes int8 where the build allows it.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from onnx_ir.passes import PassResult
 from . import costmodel
 from . import ir as pir
 from .budget import QualityBudget
-from .facts import ValueFact
+from .facts import ValueFact, read_entry, write_entry
 from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
@@ -99,8 +98,7 @@ class WeightPlan(ValueFact):
 
 def quality_of(model: ir.Model) -> ExpectedQuality | None:
     """What the quality pass expects eval to measure (None where it did not run)."""
-    text = model.metadata_props.get(QUALITY_KEY)
-    return None if text is None else ExpectedQuality.from_json(json.loads(text))
+    return read_entry(model, QUALITY_KEY, ExpectedQuality)
 
 
 @dataclass
@@ -226,7 +224,7 @@ class QualityPlan:
         gave_up = _gave_up(knobs, state, start, moves, steps, met, budget)
         expected = ExpectedQuality(budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
                                    _describe_plan(knobs, state, plan), gave_up)
-        model.metadata_props[QUALITY_KEY] = json.dumps(expected.to_json())
+        write_entry(model, QUALITY_KEY, expected)
         ctx.log(f"quality: {expected.plan}")
         ctx.log(f"quality: {expected.line()}; measured in {round(time.perf_counter() - started, 2):.1f}s")
         if expected.gave_up:

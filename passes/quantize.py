@@ -40,7 +40,6 @@ declared format that holds it exactly (`SOURCE_FORMATS`), not re-rounded.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 
 import ml_dtypes
@@ -48,6 +47,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from .facts import read_entry, write_entry
 from . import ir as pir
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
@@ -211,7 +211,7 @@ class Quantize:
                                planned_formats=planned_formats, source_blocks_rerounded=rerounded,
                                source_floats_kept=foreign, source_formats_kept=moved,
                                channel_scales=channel_scales.to_json() if (channel_scales := AwqReport.of(model)) else {})
-        model.metadata_props[QUANTIZED_KEY] = json.dumps(summary.to_json())
+        write_entry(model, QUANTIZED_KEY, summary)
         ctx.log(f"quantize: {len(done)} {summary.scope[:-1]} matrices to {blocked.name} ({method}, blocks of "
                 f"{blocked.block}, {blocked.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
@@ -365,8 +365,7 @@ def _names(names: list[str], shown: int = 3) -> str:
 
 def quantization_of(model: ir.Model) -> Quantization | None:
     """What the quantize pass stored (None where it stored nothing)."""
-    text = model.metadata_props.get(QUANTIZED_KEY)
-    return None if text is None else Quantization.from_json(json.loads(text))
+    return read_entry(model, QUANTIZED_KEY, Quantization)
 
 
 def _relative_error(w: np.ndarray, approx: np.ndarray) -> float:

@@ -15,12 +15,12 @@ its predictors would let every neuron through.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from .facts import read_entry, write_entry
 from .ops import FFN
 from .pipeline import Fact
 from .recognise import BLOCKS
@@ -36,14 +36,15 @@ SPARSITY_MODE = Fact("the sparsity mode", "sparsity", lambda model: KEY in model
 
 
 def attach(model: ir.Model, sparsity: Sparsity) -> None:
-    model.metadata_props[KEY] = json.dumps(sparsity.to_json())
+    write_entry(model, KEY, sparsity)
 
 
 def sparsity_of(model: ir.Model) -> Sparsity:
     """The mode the sparsity pass decided (the type is the manifest's: runtime.manifest.Sparsity)."""
-    if KEY not in model.metadata_props:
+    found = read_entry(model, KEY, Sparsity)
+    if found is None:
         raise ValueError("the IR has no sparsity mode (run the sparsity pass first)")
-    return Sparsity.from_json(json.loads(model.metadata_props[KEY]))
+    return found
 
 
 @dataclass

@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from passes import costmodel, placement
-from passes.partition import METADATA_KEY, PlacementReport
+from passes.partition import PlacementReport
 from picompile.cli import main
 from picompile.compiler import build, pipeline
 from passes.errors import UserError
@@ -151,7 +151,7 @@ class _ForcedPlan:
         for node, n in zip(ffns, counts):
             node.attributes["gpu_neurons"] = ir.AttrInt64("gpu_neurons", n)
             node.attributes["placed"] = ir.AttrString("placed", "sparse")
-        model.metadata_props[METADATA_KEY] = json.dumps(report.to_json())
+        report.attach(model)
         return PassResult(model, modified=True)
 
 
