@@ -37,15 +37,14 @@ def find_tokenizer(model: Path, directory: Path | None = None) -> TokenizerFiles
         if not (directory / TOKENIZER_FILE).is_file():
             raise UserError(f"--tokenizer {directory} holds no {TOKENIZER_FILE} (the file save_pretrained and "
                             "optimum write beside the model)")
+    elif import_gguf.is_gguf(model):  # the tokenizer its metadata describes, written beside the file's conversion
+        directory = import_gguf.converted(model).tokenizer
+        if directory is None:
+            return None
     else:
-        if import_gguf.is_gguf(model):  # the tokenizer its metadata describes, written beside the file's conversion
-            directory = import_gguf.converted(model).tokenizer
-            if directory is None:
-                return None
-        else:
-            directory = Path(model).parent
-            if not (directory / TOKENIZER_FILE).is_file():
-                return None
+        directory = Path(model).parent
+        if not (directory / TOKENIZER_FILE).is_file():
+            return None
     found = TokenizerFiles(directory, (TOKENIZER_FILE, *(name for name in OPTIONAL_FILES
                                                          if (directory / name).is_file())))
     try:
