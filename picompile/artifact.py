@@ -107,6 +107,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
     from passes.quality import quality_of
     from passes.quantize import quantization_of
     from passes.sparsity_mode import KEY as SPARSITY_KEY, sparsity_of
+    from passes.split_nodes import NodeSplit
 
     check_output(output)
     cpu_isa = ctx.build.cpu_isa
@@ -155,6 +156,8 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
                        if options.tokenizer is not None else None),
             files=files,
         )
+        split = NodeSplit.of(model)
+        manifest.stages = split.stages if split is not None else []
         manifest.estimate = asdict(costmodel.estimate(manifest, schedule, ctx.target,
                                                       placed.prices() if placed is not None else None))
         (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest.to_json()), indent=1))
