@@ -367,8 +367,10 @@ class Profile:
             if model_file is None:
                 raise ValueError("the source model was not loaded from a file: nothing to sample calibration from")
             with ctx.progress("profile: sampling calibration sequences from the model"):
-                sampled = sample_sequences(model_file, samples, length, given if self.calib else [], self.seed,
-                                           vocab_size)
+                # from the fitted sequences' first tokens only: a measured sequence's first token would reach the
+                # fits through the samples (a model's states hang on it; a predictor learns them)
+                sampled = sample_sequences(model_file, samples, length,
+                                           given[: len(given) - measured] if self.calib else [], self.seed, vocab_size)
             seconds = time.perf_counter() - started
         # The given tokens go last: the predictors' held-out tokens (the last ones) are then the user's text
         sequences = sampled + given

@@ -86,6 +86,12 @@ def test_the_users_last_tokens_are_kept_out_of_the_fits(files, tmp_path):
     assert MEASURED_TOKENS <= kept_tokens <= MEASURED_SHARE * 5500
     assert np.array_equal(np.concatenate(kept), np.load(calib).reshape(-1)[-kept_tokens:])
     assert all(layer.tokens == 5500 - kept_tokens for layer in profiled.layers.values())
+    # the samples a short set is topped up with start from the fitted sequences' first tokens, never a kept one's
+    small = np.load(files.calib)[:3]
+    _, model, _, _ = profile(files, tmp_path / "w3", calib=write(tmp_path / "small.npy", small), hold_out=True)
+    calibration = CalibrationSequences.of(model)
+    assert calibration.measured == 1 and len(calibration.sequences) == 6 + 3  # 128 fitted + 6 x 64 reach 512
+    assert [int(s[0]) for s in calibration.sequences[:6]] == [small[i % 2, 0] for i in range(6)]
     # a single sequence: nothing kept out (the quality pass then measures on the fits' tokens)
     _, model, _, _ = profile(files, tmp_path / "w2", calib=write(tmp_path / "one.npy", np.arange(60)[None]),
                              calib_samples=0, hold_out=True)
