@@ -55,10 +55,13 @@ class Block:
 
 
 class Interpreter:
-    """The block IR of `model` in torch, weights fp32 (read from the IR's constants on first use)."""
+    """The block IR of `model` in torch, weights fp32 (read from the IR's constants on first use).
+    `int8_predictor_inputs`: the predictors' decode GEMVs read their inputs as int8 blocks (the build's x8
+    kernels, `predict.predictor_reads_int8`)."""
 
-    def __init__(self, model: ir.Model):
+    def __init__(self, model: ir.Model, int8_predictor_inputs: bool = False):
         self.model = model
+        self.int8_predictor_inputs = int8_predictor_inputs
         self._weights: dict[str, torch.Tensor] = {}
         self._residual_of = _residual_partners(model.graph)
         self._rotations: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -115,6 +118,14 @@ class Interpreter:
             v = torch.cat([v[:, : variant.prefill], int8_blocks(v[:, variant.prefill:])], dim=1)
         return v @ self.weight(matrix, variant)
 
+    def predictor_scores(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """A predictor's scores relu(x @ w1) @ w2 of rows `x`, each GEMV's input as its kernel reads it (int8
+        blocks where the build's predictors read int8 and the input is whole blocks of 32)."""
+        def seen(v: torch.Tensor) -> torch.Tensor:
+            return int8_blocks(v) if self.int8_predictor_inputs and v.shape[-1] % 32 == 0 else v
+
+        return seen(torch.relu(seen(x) @ w1)) @ w2
+
     @staticmethod
     def linear_input(node: ir.Node, site: str, v: torch.Tensor, variant: Variant, taps: dict | None) -> torch.Tensor:
         """`v` as a decode step's sparse kernel reads it: the channels at or below the site's threshold zeroed
@@ -144,7 +155,7 @@ class Interpreter:
         predictor = variant.predictors.get(ffn.layer)
         if predictor is not None:
             w1, w2, threshold = predictor
-            selected = (torch.relu(x @ w1) @ w2) > threshold
+            selected = self.predictor_scores(x, w1, w2) > threshold
             selected[:, : variant.prefill] = True
             hidden = hidden * selected
         out = self.product(self.linear_input(node, "down", hidden, variant, taps), node.inputs[3], variant)

@@ -578,6 +578,13 @@ def _has_predictors(model: ir.Model) -> bool:
                model.graph.initializers for node in FFN.nodes(model))
 
 
+def predictor_reads_int8(int8_activations: bool, isa) -> bool:
+    """Whether the predictors' decode GEMVs quantize their inputs to int8 blocks (with --int8-activations, where
+    select-kernels picks the x8 GEMV for PREDICTOR_FORMAT on the build's instruction set `isa`)."""
+    return (int8_activations and PREDICTOR_FORMAT.quantized
+            and quant.gemv_int8_dot_fits(PREDICTOR_FORMAT.bits, isa.int8_dot, isa.gemm_panels))
+
+
 # each FFN's predictor: its weights (`layers.{i}.ffn.predictor.w1` / `w2`) and its threshold, recall and active share
 PREDICTORS = Fact("a predictor per FFN", "predict", _has_predictors)
 
@@ -609,9 +616,7 @@ class Predict:
         def as_stored(w: np.ndarray) -> np.ndarray:  # w1 [d, r] and w2 [r, ffn]: blocked along their first axis
             return quant.as_stored(w, predictor_fmt, axis=0)
 
-        isa = ctx.build.cpu_isa  # with int8_activations, whether the predictor GEMVs quantize x
-        int8_inputs = (self.int8_activations and predictor_fmt.quantized
-                       and quant.gemv_int8_dot_fits(predictor_fmt.bits, isa.int8_dot, isa.gemm_panels))
+        int8_inputs = predictor_reads_int8(self.int8_activations, ctx.build.cpu_isa)
 
         def seen(v: np.ndarray, w: np.ndarray) -> np.ndarray:  # select-kernels' rule: a quantized GEMV's x8 form
             return quant.int8_blocks(v) if quant.quantizable(w.shape, 0, predictor_fmt.block) else v

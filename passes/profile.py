@@ -16,6 +16,8 @@ activity masks, too large to hold (every calibration token is profiled), are spi
 in the workdir as they come out of onnxruntime and ride on the IR's `meta` as one `ProfiledActivations` of
 memory maps, for the predict and threshold passes. The activation CDF per layer is plotted into the
 artifact (`plots/activation_cdf.png`). A calibration set below MIN_TOKENS_PER_NEURON gets one warning line.
+The user's last sequences (`measured_sequences`; not with `hold_out=False`) are not profiled: they ride with the
+rest in `CalibrationSequences`, for the quality pass to measure plans on tokens no fit saw.
 """
 
 from __future__ import annotations
@@ -118,12 +120,14 @@ class ProfiledActivations(MemoryFact):
 
 @dataclass
 class CalibrationSequences(MemoryFact):
-    """The token sequences the profile pass ran, in its order (sampled ones first, the user's text last): the
-    quality pass fits on the first and measures on the last, the predictors' split (`predict.HOLDOUT`)."""
+    """The calibration sequences in the profile pass's order (sampled ones first, the user's text last); the last
+    `measured` of them (the user's, `measured_sequences`) were not profiled: no fit saw them, and the quality pass
+    measures plans on them, on text like the user's."""
 
     META_KEY: ClassVar[str] = SEQUENCES
     MISSING: ClassVar[str] = "the IR carries no calibration sequences (run the profile pass first)"
     sequences: list[np.ndarray]
+    measured: int = 0
 
 
 @dataclass
@@ -287,6 +291,22 @@ SEQUENCE_TOKENS = 128  # the longest calibration sequence (long prompts add litt
 # tokens (the rest set its threshold). 2 per neuron is 8 d_model tokens at the usual ffn = 4 d_model, about
 # the least at which those fits stay well determined: a rule of thumb, not a measured knee.
 MIN_TOKENS_PER_NEURON = 2
+# The user's last calibration tokens kept out of every fit (predictors, their thresholds and checkpoints, awq,
+# thresholds), for the quality pass to measure a plan on: about MEASURED_TOKENS of them, at most MEASURED_SHARE
+# of the user's tokens (the fits keep the rest: their held-out tokens are the user's text too).
+MEASURED_TOKENS = 1024
+MEASURED_SHARE = 0.5
+
+
+def measured_sequences(given: list[np.ndarray]) -> int:
+    """How many of the user's calibration sequences (the last ones) the fits do not see (MEASURED_TOKENS); none
+    of a single one."""
+    total, count, tokens = sum(len(s) for s in given), 0, 0
+    for sequence in reversed(given):
+        if tokens >= MEASURED_TOKENS or tokens + len(sequence) > MEASURED_SHARE * total:
+            break
+        count, tokens = count + 1, tokens + len(sequence)
+    return count
 
 
 # the calibration sequences (`CalibrationSequences`), and the FFNs' inputs and activity (`ProfiledActivations`)
@@ -308,6 +328,7 @@ class Profile:
     # run the source over the sequences and record the FFNs' inputs and activity (False: the sequences alone, for
     # the quality pass, which runs the model itself)
     activations: bool = True
+    hold_out: bool = True  # keep the user's last sequences out of the profiled ones, for the quality pass
 
     @property
     def adds(self) -> tuple[Fact, ...]:
@@ -325,11 +346,13 @@ class Profile:
         width = max(node.inputs[3].const_value.shape[0] for node in ffns)  # w_down [ffn, d_model]
         needed = MIN_TOKENS_PER_NEURON * width if self.wanted_tokens is None else self.wanted_tokens
         given_tokens = sum(len(s) for s in given)
+        measured = measured_sequences(given) if self.hold_out else 0
+        fitted_given = sum(len(s) for s in given[: len(given) - measured])
         samples = self.calib_samples
         too_big = needs_layers(source)  # sampling runs the whole model in onnxruntime
         if samples is None:  # auto: make up a --calib file that falls short, unless --calib-tokens cut it short
             short = self.calib is not None and given_tokens < needed and given_tokens != self.calib_tokens
-            samples = math.ceil((needed - given_tokens) / length) if short and not too_big else 0
+            samples = math.ceil((needed - fitted_given) / length) if short and not too_big else 0
             if short and too_big:
                 ctx.warn(f"profile: {given_tokens} calibration tokens, fewer than the {needed} wanted, and the model is "
                          "too big for onnxruntime to sample more from it here: give more calibration text")
@@ -344,21 +367,28 @@ class Profile:
             if model_file is None:
                 raise ValueError("the source model was not loaded from a file: nothing to sample calibration from")
             with ctx.progress("profile: sampling calibration sequences from the model"):
-                sampled = sample_sequences(model_file, samples, length, given if self.calib else [], self.seed,
-                                           vocab_size)
+                # from the fitted sequences' first tokens only: a measured sequence's first token would reach the
+                # fits through the samples (a model's states hang on it; a predictor learns them)
+                sampled = sample_sequences(model_file, samples, length,
+                                           given[: len(given) - measured] if self.calib else [], self.seed, vocab_size)
             seconds = time.perf_counter() - started
         # The given tokens go last: the predictors' held-out tokens (the last ones) are then the user's text
         sequences = sampled + given
-        CalibrationSequences(sequences).attach(model)
+        CalibrationSequences(sequences, measured).attach(model)
         tokens = sum(len(s) for s in sequences)
-        self._report(ctx, given_tokens, tokens, samples, length, seconds, width, needed)
+        profiled_sequences = sequences[: len(sequences) - measured]  # what the fits see
+        profiled_tokens = sum(len(s) for s in profiled_sequences)
+        self._report(ctx, given_tokens, profiled_tokens, samples, length, seconds, width, needed)
         calibration = Calibration(tokens=tokens, given_tokens=given_tokens,  # inspect shows what the fits had
                                   source=str(self.calib) if self.calib else "random tokens", sampled_sequences=samples,
                                   sequence_tokens=length, wanted_tokens=needed)
         write_entry(model, CALIBRATION_KEY, calibration)
+        kept = f"; the last {tokens - profiled_tokens} (the user's) kept out of the fits" if measured else ""
         if not self.activations:
-            ctx.log(f"profile: {tokens} tokens, {len(sequences)} sequences (the model is run by the passes after)")
+            ctx.log(f"profile: {tokens} tokens, {len(sequences)} sequences (the model is run by the passes after)"
+                    + kept)
             return PassResult(model, modified=True)
+        sequences, tokens = profiled_sequences, profiled_tokens
 
         # a directory of its own: an earlier profile's memory maps (say, in the same workdir) keep their files
         spill = _Spill(Path(tempfile.mkdtemp(prefix="activations-", dir=ctx.workdir)), tokens)
@@ -397,7 +427,7 @@ class Profile:
         ctx.artifact_files["plots/activation_cdf.png"] = plot
         mean_sparsity = float(np.mean([s.sparsity for s in stats.values()]))
         ctx.log(f"profile: {tokens} tokens, mean sparsity {mean_sparsity:.3f}, "
-                f"hot 80% carried by {np.mean([s.hot80_share for s in stats.values()]) * 100:.1f}% of neurons")
+                f"hot 80% carried by {np.mean([s.hot80_share for s in stats.values()]) * 100:.1f}% of neurons{kept}")
         return PassResult(model, modified=True)
 
     def _report(self, ctx: Context, given: int, tokens: int, samples: int, length: int, seconds: float,

@@ -21,9 +21,11 @@ How (TEAL's greedy allocation, priced by the cost model, checked end to end):
 3. Greedy path. From dense at the widest formats, repeatedly take the move (one knob to a sparser level and/or
    a narrower format) with the least added local error per second saved. Every move saves time, so every plan
    on the path is expected faster than the dense build of its formats.
-4. Budget, measured. On the held-out sequences (the last calibration sequences), the model's logits under a plan,
-   computed with the kernels' arithmetic (thresholded decode rows after a 4-token prompt, weights as stored),
-   against the dense source model's: a binary search along the path for the furthest plan within the budget.
+4. Budget, measured. On the held-out sequences (the user's last ones, which the profile kept out of every fit:
+   `CalibrationSequences.measured`), the model's logits under a plan, computed with the kernels' arithmetic
+   (thresholded decode rows after a 4-token prompt, weights as stored, predictors over int8 inputs where their
+   GEMVs read int8), against the dense source model's: a binary search along the path for the furthest plan
+   within the budget.
    That plan's perplexity change, KL and top-1 are what the build prints and eval should confirm.
 The output layer is not sparse; it takes the narrowest allowed format whose own KL on the fitting tokens stays
 under HEAD_SHARE of the budget. The embedding table (one row gathered per token: its format costs memory, not
@@ -56,7 +58,7 @@ from runtime.manifest import ExpectedQuality
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant
 from .kernels import quant
 from .lower import ALL_NEURONS
-from .predict import HOLDOUT, _threshold_for_recall
+from .predict import HOLDOUT, _threshold_for_recall, predictor_reads_int8
 from .profile import CALIBRATION_SEQUENCES, CalibrationSequences
 from .threshold import KEEP_ALL
 
@@ -179,9 +181,8 @@ class QualityPlan:
         # the build's format, budget and instruction set (with int8_activations: which quantized GEMVs round their
         # input to int8)
         weight_dtype, budget, cpu_isa = ctx.build.weight_dtype, ctx.build.quality_budget, ctx.build.cpu_isa
-        sequences = _equal_length(CalibrationSequences.of(model).sequences)
-        fit, held_out = _split(sequences)
-        interpreter = Interpreter(model)
+        fit, held_out = _split(CalibrationSequences.of(model))
+        interpreter = Interpreter(model, int8_predictor_inputs=predictor_reads_int8(self.int8_activations, cpu_isa))
         fixed_level = _fixed_levels(model)  # --sparsity: the threshold pass's levels, kept as they are (measured)
         planned = self.mode == "threshold" and not fixed_level
         formats = allowed_formats(weight_dtype) if planned and not self.fixed_formats else (weight_dtype,)
@@ -239,13 +240,21 @@ def _equal_length(sequences: list[np.ndarray]) -> np.ndarray:
     return np.stack([s for s in sequences if len(s) == length])
 
 
-def _split(sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(fitting, held-out) sequences: the last HOLDOUT of them (at most HELD_OUT_TOKENS) measure the budget, the
-    first (at most FIT_TOKENS) measure local effects; a single sequence serves both."""
+def _split(calibration: CalibrationSequences) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(fitting, held-out) sequences. Held out: the user's last sequences the profile kept out of every fit
+    (`measured`, any lengths); failing those (a single sequence), the last HOLDOUT of the sequences of the most
+    common length (at most HELD_OUT_TOKENS). Fitting: the first (at most FIT_TOKENS) of the others of the most common
+    length; a single sequence serves both."""
+    measured = calibration.measured
+    if measured:
+        rest, held = calibration.sequences[:-measured], list(calibration.sequences[-measured:])
+        fit = _equal_length(rest) if rest else _equal_length(held)
+        return fit[: max(1, FIT_TOKENS // fit.shape[1])], held
+    sequences = _equal_length(calibration.sequences)
     count, length = sequences.shape
     held = max(1, min(int(round(HOLDOUT * count)), HELD_OUT_TOKENS // length or 1))
     fit = max(1, min(count - held, FIT_TOKENS // length or 1))
-    return sequences[:fit] if count > 1 else sequences, sequences[count - held:]
+    return sequences[:fit] if count > 1 else sequences, list(sequences[count - held:])
 
 
 def _fixed_levels(model: ir.Model) -> dict[str, bool]:
@@ -340,7 +349,7 @@ def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hi
     layer = FFN(node).layer
     graph = interpreter.model.graph
     w1, w2 = (interpreter.weight(graph.initializers[f"layers.{layer}.ffn.predictor.{w}"]) for w in ("w1", "w2"))
-    logits = (torch.relu(x @ w1) @ w2).flatten().numpy()
+    logits = interpreter.predictor_scores(x, w1, w2).flatten().numpy()
     active = (hidden != 0).flatten().numpy()
     thresholds = np.array([KEEP_ALL] + [_threshold_for_recall(logits, active, r) for r in RECALLS if r > lowest_recall]
                           + [float(FFN(node).predictor_threshold)], np.float32)
@@ -499,29 +508,40 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
                    int8_inputs=int8_inputs)
 
 
-def _held_out_predictions(knob: Knob, x: torch.Tensor, active: torch.Tensor) -> None:
-    """A predictor knob's share of neurons not computed, recall and precision per level on held-out decode rows."""
-    w1, w2 = knob.predictor
-    logits = torch.relu(x @ w1) @ w2
-    dropped, recall, precision = [0.0], [1.0], [float(active.double().mean())]
-    for t in knob.thresholds[1:]:
-        selected = logits > float(t)
-        hits = float((selected & active).sum())
-        dropped.append(1.0 - float(selected.double().mean()))
-        recall.append(hits / max(float(active.sum()), 1.0))
-        precision.append(hits / max(float(selected.sum()), 1.0))
-    knob.held_out_dropped, knob.held_out_recall, knob.held_out_precision = map(np.array, (dropped, recall, precision))
+def _held_out_predictions(knob: Knob, logits: torch.Tensor, active: torch.Tensor, counts: np.ndarray) -> None:
+    """Add a predictor knob's held-out decode rows (its scores `logits`) to `counts` [level, (kept, hits, rows,
+    active)]: the neurons it computes, the truly active among them, the rows' neurons and truly active ones
+    (level 0: every neuron)."""
+    for level, t in enumerate(knob.thresholds):
+        selected = logits > float(t) if level else torch.ones_like(active)
+        counts[level] += (float(selected.sum()), float((selected & active).sum()), float(active.numel()),
+                          float(active.sum()))
+
+
+def _chunks(sequences: list[np.ndarray]) -> list[np.ndarray]:
+    """The sequences in batches of at most CHUNK of one length, in order (the held-out ones may differ in length)."""
+    chunks: list[list[np.ndarray]] = []
+    for sequence in sequences:
+        if chunks and len(chunks[-1]) < CHUNK and len(chunks[-1][0]) == len(sequence):
+            chunks[-1].append(sequence)
+        else:
+            chunks.append([sequence])
+    return [np.stack(chunk) for chunk in chunks]
 
 
 class _HeldOut:
     """The dense model's log-probabilities on the held-out sequences (computed once), and a plan's quality
-    against them; also each knob's held-out dropped share per level (from the same dense pass)."""
+    against them; also each knob's held-out dropped share per level (from the same dense pass, over every
+    held-out decode row)."""
 
-    def __init__(self, interpreter: Interpreter, sequences: np.ndarray, knobs: list[Knob]):
-        self.interpreter, self.sequences = interpreter, sequences
+    def __init__(self, interpreter: Interpreter, sequences: list[np.ndarray], knobs: list[Knob]):
+        self.interpreter, self.chunks = interpreter, _chunks(sequences)
         by_block = {}
         for knob in knobs:
             by_block.setdefault(knob.node.name, []).append(knob)
+        # per knob and level: predictor knobs (kept, hits, rows, active), linear inputs (dropped, inputs)
+        counts = {id(knob): np.zeros((len(knob.thresholds), 4 if knob.predictor is not None else 2))
+                  for knob in knobs}
 
         def probe(block: Block) -> None:
             if block.node.name not in by_block:
@@ -530,21 +550,28 @@ class _HeldOut:
             interpreter.block(block.node, block.x, taps=taps)
             for knob in by_block[block.node.name]:
                 if knob.predictor is not None:
-                    _held_out_predictions(knob, block.x[:, PREFILL:], taps["down"][:, PREFILL:] != 0)
+                    _held_out_predictions(knob, interpreter.predictor_scores(block.x[:, PREFILL:], *knob.predictor),
+                                          taps["down"][:, PREFILL:] != 0, counts[id(knob)])
                     continue
                 decode = taps[knob.site][:, PREFILL:].abs()
-                knob.held_out_dropped = np.array([float((decode <= t).double().mean()) if t >= 0 else 0.0
-                                                  for t in knob.thresholds])
+                counts[id(knob)] += [(float((decode <= t).sum()) if t >= 0 else 0.0, float(decode.numel()))
+                                     for t in knob.thresholds]
 
-        self.reference = [torch.log_softmax(interpreter.logits(chunk, probe=probe), -1) for chunk in self._chunks()]
-
-    def _chunks(self):
-        return [self.sequences[i: i + CHUNK] for i in range(0, len(self.sequences), CHUNK)]
+        self.reference = [torch.log_softmax(interpreter.logits(chunk, probe=probe), -1) for chunk in self.chunks]
+        for knob in knobs:
+            c = counts[id(knob)]
+            if knob.predictor is None:
+                knob.held_out_dropped = c[:, 0] / np.maximum(c[:, 1], 1.0)
+                continue
+            kept, hits, rows, active = c.T
+            knob.held_out_dropped = 1.0 - kept / np.maximum(rows, 1.0)
+            knob.held_out_recall = hits / np.maximum(active, 1.0)
+            knob.held_out_precision = hits / np.maximum(kept, 1.0)
 
     def quality(self, variant: Variant) -> Quality:
         nll_ref = nll_got = kl = agree = 0.0
         count = 0
-        for chunk, reference in zip(self._chunks(), self.reference):
+        for chunk, reference in zip(self.chunks, self.reference):
             got = torch.log_softmax(self.interpreter.logits(chunk, variant), -1)[:, :-1]
             ref = reference[:, :-1]
             targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, 1:, None]

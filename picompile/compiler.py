@@ -71,7 +71,7 @@ def rest(options: Options, mode: str, build: BuildTarget) -> list[Pass]:
     # (no sampling unless asked, a warning only below AWQ_MIN_TOKENS)
     dense_profile = [Profile(calib=options.calib, calib_tokens=options.calib_tokens or AWQ_TOKENS,
                              calib_samples=options.calib_samples or 0, tokenizer=options.tokenizer,
-                             seed=options.seed, wanted_tokens=AWQ_MIN_TOKENS)] if awq else []
+                             seed=options.seed, wanted_tokens=AWQ_MIN_TOKENS, hold_out=False)] if awq else []
     # one placement of every block: a dense build's layers run dense, a sparse build's may (not with --all-neurons,
     # which checks the split, or --no-dense-fallback)
     partition = Partition(placement_batch=options.placement_batch, time_limit_s=options.placement_time_limit_s,

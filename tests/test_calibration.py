@@ -14,7 +14,8 @@ import pytest
 from passes.import_onnx import Import
 from passes.front_end import load
 from passes.predict import Predict
-from passes.profile import MIN_TOKENS_PER_NEURON, Profile, ProfiledActivations, sample_sequences
+from passes.profile import (MEASURED_SHARE, MEASURED_TOKENS, MIN_TOKENS_PER_NEURON, CalibrationSequences, Profile,
+                            ProfiledActivations, sample_sequences)
 from passes.recognise import Recognise
 from picompile.cli import main
 from passes.pipeline import Context, Options, run_passes
@@ -31,7 +32,9 @@ def files(tiny_models):
 
 
 def profile(files, workdir, **fields):
-    """The profile pass alone: (its ProfiledActivations, the model, warning lines, log lines)."""
+    """The profile pass alone: (its ProfiledActivations, the model, warning lines, log lines); every given token
+    profiled unless `hold_out=True` (the quality pass's tokens kept out)."""
+    fields = {"hold_out": False, **fields}
     warnings, logs = [], []
     workdir.mkdir(exist_ok=True)
     ctx = Context(get_target("cpu"), workdir=workdir, log=logs.append, warnings=warnings.append,
@@ -70,6 +73,29 @@ def test_every_given_token_is_profiled_into_files(files, tmp_path):
         whole, single = profiled.layer(layer), alone.layer(layer)
         np.testing.assert_allclose(whole.inputs[begin:begin + 12], single.inputs, rtol=1e-5, atol=1e-5)
         assert np.array_equal(whole.active[begin:begin + 12], single.active)
+
+
+def test_the_users_last_tokens_are_kept_out_of_the_fits(files, tmp_path):
+    """The last of the user's sequences (about MEASURED_TOKENS, at most half of the user's tokens) are not
+    profiled: no fit sees them, and they ride last in CalibrationSequences for the quality pass to measure on."""
+    calib = write(tmp_path / "big.npy", np.random.default_rng(7).integers(0, 128, size=(5, 1100)))
+    profiled, model, _, _ = profile(files, tmp_path / "w1", calib=calib, hold_out=True)
+    calibration = CalibrationSequences.of(model)
+    kept = calibration.sequences[-calibration.measured:]
+    kept_tokens = sum(len(s) for s in kept)
+    assert MEASURED_TOKENS <= kept_tokens <= MEASURED_SHARE * 5500
+    assert np.array_equal(np.concatenate(kept), np.load(calib).reshape(-1)[-kept_tokens:])
+    assert all(layer.tokens == 5500 - kept_tokens for layer in profiled.layers.values())
+    # the samples a short set is topped up with start from the fitted sequences' first tokens, never a kept one's
+    small = np.load(files.calib)[:3]
+    _, model, _, _ = profile(files, tmp_path / "w3", calib=write(tmp_path / "small.npy", small), hold_out=True)
+    calibration = CalibrationSequences.of(model)
+    assert calibration.measured == 1 and len(calibration.sequences) == 6 + 3  # 128 fitted + 6 x 64 reach 512
+    assert [int(s[0]) for s in calibration.sequences[:6]] == [small[i % 2, 0] for i in range(6)]
+    # a single sequence: nothing kept out (the quality pass then measures on the fits' tokens)
+    _, model, _, _ = profile(files, tmp_path / "w2", calib=write(tmp_path / "one.npy", np.arange(60)[None]),
+                             calib_samples=0, hold_out=True)
+    assert CalibrationSequences.of(model).measured == 0
 
 
 def test_profile_memory_does_not_grow_with_the_tokens(files, tmp_path):
@@ -175,7 +201,8 @@ def test_cli_build_warns_once_and_inspect_shows_both_shares(files, tmp_path, cap
                  "--calib-samples", "0"]) == 0
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "--calib-samples 5" in warnings[0], err
+    # (the last of the 3 sequences is kept out of the fits for the quality pass: 128 profiled, 6 samples to reach 512)
+    assert len(warnings) == 1 and "--calib-samples 6" in warnings[0], err
 
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
@@ -222,7 +249,8 @@ def test_layer_by_layer_profile_is_the_whole_models(tiny_models, tmp_path, monke
         workdir = tmp_path / f"layered-{layered}"
         workdir.mkdir()
         ctx = Context(get_target("cpu"), workdir=workdir, options=Options(max_context=CONTEXT))
-        passes = [Import(), Recognise(), Profile(calib=model_files.calib, calib_samples=0, layered=layered)]
+        passes = [Import(), Recognise(), Profile(calib=model_files.calib, calib_samples=0, layered=layered,
+                                                 hold_out=False)]
         lifted = run_passes(load(onnx_path), passes, ctx)
         results[layered] = ProfiledActivations.of(lifted)
     for layer in results[False].layers:
