@@ -82,6 +82,7 @@ class Options:
     # sequences one batch step decodes together (CPU artifacts: runtime Engine.forward_batch); below 2: no batch phase
     max_batch: int = 8
     seed: int = 0
+    nodes: str | None = None  # STAND-IN (the lead's): --nodes SPEC, a model split across machines
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,21 @@ class Buffer(_Section):
 
 
 @dataclass(frozen=True)
+class Stage(_Section):
+    """STAND-IN (the lead's interface, replaced at merge): one machine's part of a model split across machines."""
+
+    name: str
+    first_layer: int
+    stop_layer: int
+    memory_bytes: int
+    target: str
+    resources: dict
+    weight_bytes: int
+    expected_step_s: float
+    handover_bytes: int
+
+
+@dataclass(frozen=True)
 class TokenizerListing(_Section):
     source: str  # the directory the build copied them from
     files: list[str]  # relative to the artifact
@@ -297,6 +312,7 @@ class Manifest:
     devices: Devices | None = None
     tokenizer: TokenizerListing | None = None
     estimate: dict[str, Any] | None = None  # passes.costmodel.Estimate, as asdict wrote it
+    stages: list[Stage] = field(default_factory=list)  # STAND-IN
     manifest_sha256: str | None = None  # the digest of the rest (runtime.artifact.seal_manifest)
 
     def to_json(self) -> dict:
@@ -321,6 +337,8 @@ class Manifest:
         }
         if self.estimate is not None:
             out["estimate"] = self.estimate
+        if self.stages:
+            out["stages"] = [stage.to_json() for stage in self.stages]
         if self.manifest_sha256 is not None:
             out["manifest_sha256"] = self.manifest_sha256
         return out
@@ -359,5 +377,6 @@ class Manifest:
             devices=section(Devices, "devices"),
             tokenizer=section(TokenizerListing, "tokenizer"),
             estimate=data.get("estimate"),
+            stages=[Stage.from_json(stage) for stage in data.get("stages") or []],
             manifest_sha256=data.get("manifest_sha256"),
         )
