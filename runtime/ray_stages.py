@@ -44,6 +44,11 @@ class StageFailed(RuntimeError):
     """A stage died or did not answer in time: the step in flight failed, and the slots' contexts are lost."""
 
 
+class ContextLost(RuntimeError):
+    """A stage was asked to go on from a position its caches do not hold: Ray restarted it (empty caches) between
+    two steps of a request."""
+
+
 @ray.remote(max_restarts=MAX_RESTARTS, max_task_retries=0)
 class StageActor:
     """One stage of a split artifact: `Engine(directory, stage=k)`."""
@@ -57,11 +62,19 @@ class StageActor:
         """Where the stage runs (its process and Ray node), once its engine has loaded."""
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
-    def forward(self, inputs, slot: int):
+    def forward(self, inputs, slot: int, position: int):
+        self._check(slot, position)
         return self.engine.forward_stage(inputs, slot)
 
-    def forward_batch(self, inputs, slots: list[int]):
+    def forward_batch(self, inputs, slots: list[int], positions: list[int]):
+        for slot, position in zip(slots, positions):
+            self._check(slot, position)
         return self.engine.forward_stage_batch(inputs, slots)
+
+    def _check(self, slot: int, position: int) -> None:
+        if self.engine.positions[slot] != position:
+            raise ContextLost(f"slot {slot} holds {self.engine.positions[slot]} tokens here, the pipeline {position}: "
+                              "this stage was restarted")
 
     def reset(self, slot: int) -> None:
         self.engine.reset(slot)
@@ -139,8 +152,9 @@ class Pipeline:
     def _chain(self, ids: np.ndarray, slot):
         """The stages' calls for one step, each taking the one before's result (an ObjectRef): the last's ref."""
         ref = ids
+        positions = [self.positions[s] for s in slot] if isinstance(slot, list) else self.positions[slot]
         for actor in self.actors:
-            ref = (actor.forward_batch if isinstance(slot, list) else actor.forward).remote(ref, slot)
+            ref = (actor.forward_batch if isinstance(slot, list) else actor.forward).remote(ref, slot, positions)
         return ref
 
     def _wait(self, refs, timeout_s: float, what: str):
@@ -153,6 +167,9 @@ class Pipeline:
             if isinstance(cause, (ValueError, ArtifactError)):
                 raise type(cause)(str(cause)) from None
             self._lose_all()
+            if isinstance(cause, ContextLost):
+                raise StageFailed(f"a stage of the split model was restarted and lost its caches ({cause}): the "
+                                  "requests of this step fail") from None
             raise StageFailed(f"a stage failed the {what}: {_first_line(error)}") from None
         except (ray_errors.RayActorError, ray_errors.GetTimeoutError, ray_errors.ObjectLostError) as error:
             self._lose_all()
