@@ -17,9 +17,8 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
-from .ops import Handover as HandoverOp
 from .pipeline import Context, Fact
-from .place import DEVICE_KEY, PLACED
+from .place import PLACED, set_device
 from .split_nodes import NodeSplit, stage_of
 
 STAGE_KEY = "picompile.stage"
@@ -29,6 +28,10 @@ HANDOVER = "handover"  # a hand-over call's kernel name in every phase: the runt
 def stage_of_node(node: ir.Node) -> int:
     """The stage handover gave a node (0 where no split: the one stage)."""
     return int(node.metadata_props.get(STAGE_KEY, 0))
+
+
+def _set_stage(node: ir.Node, stage: int) -> None:
+    node.metadata_props[STAGE_KEY] = str(stage)
 
 
 HANDED_OVER = Fact("a stage for every node", "handover",
@@ -52,7 +55,7 @@ class Handover:
         staged = {node: stage_of(stages, layers[node]) if layers[node] is not None else
                   0 if blocks[node] == pir.EMBED else last for node in nodes}
         for node, stage in staged.items():
-            node.metadata_props[STAGE_KEY] = str(stage)
+            _set_stage(node, stage)
         handovers = 0
         for node in nodes:
             for value in node.outputs:
@@ -68,8 +71,8 @@ class Handover:
                                    domain=pir.DOMAIN, name=f"handover.stage{staged[node]}_to_{to_stage}")
                 handover.outputs[0].name = f"{value.name}.stage{to_stage}"
                 handover.outputs[0].dtype, handover.outputs[0].shape = value.dtype, value.shape
-                handover.metadata_props[DEVICE_KEY] = "cpu"  # the network leaves from and arrives in host memory
-                handover.metadata_props[STAGE_KEY] = str(staged[node])
+                set_device(handover, "cpu")  # the network leaves from and arrives in host memory
+                _set_stage(handover, staged[node])
                 model.graph.insert_after(node, handover)
                 for user in readers:
                     for index, read in enumerate(user.inputs):

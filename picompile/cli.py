@@ -649,6 +649,27 @@ def _eval(args) -> int:
     return 0
 
 
+def _stage_facts(manifest, calls) -> list[dict]:
+    """`inspect`'s stages of a split model: each stage's manifest entry, its calls, the weight bytes its calls read
+    (its own file's) and its hand-overs to the next stage (the call and the bytes a token sends)."""
+    from runtime.calls import Role
+    from runtime.dtypes import nbytes
+
+    facts = []
+    for index, stage in enumerate(manifest.stages):
+        mine = [call for call in calls if call.stage == index]
+        weights = {name for call in mine for name in call.buffers()
+                   if manifest.buffers.get(name) is not None and manifest.buffers[name].kind == "weight"}
+        handovers = []
+        for call in (call for call in mine if call.role is Role.HANDOVER):
+            source = manifest.buffers[call.reads()[0]]
+            handovers.append({"call": call.id, "bytes_per_token": nbytes([1, *source.shape[1:]], source.dtype)})
+        facts.append({"index": index, **stage.to_json(), "calls": len(mine), "handovers": handovers,
+                      "weight_bytes_read": sum(nbytes(manifest.buffers[n].shape, manifest.buffers[n].dtype)
+                                               for n in weights)})
+    return facts
+
+
 def _inspect(args) -> int:
     from runtime import ArtifactError, load_manifest
     from runtime.verify import check_files
@@ -659,7 +680,7 @@ def _inspect(args) -> int:
     except ArtifactError as error:
         raise UserError(str(error)) from None
     from runtime.artifact import format_size
-    from runtime.calls import Role, decode_weight_reads
+    from runtime.calls import decode_weight_reads
     from runtime.dtypes import nbytes
 
     from .report import with_shares
@@ -670,12 +691,12 @@ def _inspect(args) -> int:
     for call in scheduled:
         calls[call.role.value] = calls.get(call.role.value, 0) + 1
         devices[call.device] = devices.get(call.device, 0) + 1
-        if call.decode and call.role is not Role.COPY:
+        if call.decode and not call.runtime_own:
             reads = decode_weight_reads(call, manifest.buffers)
             entry = decode_reads.setdefault(call.role.value, {"fixed_bytes": 0, "bytes_per_selected": 0})
             entry["fixed_bytes"] += reads.fixed
             entry["bytes_per_selected"] += reads.per_selected + reads.per_nonzero
-    kernels = sorted({name for call in scheduled if call.role is not Role.COPY
+    kernels = sorted({name for call in scheduled if not call.runtime_own
                       for name in (call.decode, call.prefill, call.batch) if name})
 
     weight_bytes = sum(nbytes(b.shape, b.dtype) for b in manifest.buffers.values() if b.kind == "weight")
@@ -689,6 +710,8 @@ def _inspect(args) -> int:
             "estimate": manifest.estimate, "calibration": shown["calibration"],
             "quantization": shown["quantization"],
             "tokenizer": _tokenizer_facts(args.artifact, manifest)}
+    if manifest.stages:  # a model split across machines: each stage's calls, and the hand-overs between them
+        info["stages"] = _stage_facts(manifest, scheduled)
     if args.json:
         print(json.dumps(info))
         return _write_report(args, manifest, [])
@@ -706,6 +729,11 @@ def _inspect(args) -> int:
         + (f" + {format_size(entry['bytes_per_selected'])}/selected" if entry["bytes_per_selected"] else "")
         for role, entry in sorted(decode_reads.items())))
     say(f"kernels     {len(kernels)}: " + ", ".join(kernels))
+    for stage in info.get("stages", []):
+        say(f"stage {stage['index']}     {stage['name']}: layers {stage['first_layer']}-{stage['stop_layer'] - 1}, "
+            f"target {stage['target']}, resources {stage['resources'] or 'none'}, {stage['calls']} calls, weights "
+            f"{format_size(stage['weight_bytes_read'])}"
+            + "".join(f"; hands over {h['bytes_per_token']} B/token ({h['call']})" for h in stage["handovers"]))
     found = info["tokenizer"]
     say("tokenizer   none: run and chat take token ids only (--prompt-ids)" if found is None else
         f"tokenizer   {found['vocab_size']} tokens, BOS {found['bos_id']}, EOS "

@@ -142,12 +142,12 @@ class _QuickPredictors(Predict):
 
 def test_declarations_cover_every_op_the_pipelines_emit(tiny_models, tmp_path):
     """Two builds up to the kernels' compilation, a threshold-mode int4 one and a predictor-mode one for a GPU
-    (each FFN split in a GPU and a CPU part): every pass's graph fits the declarations (run_passes checks them),
+    (each FFN split in a GPU and a CPU part, the model split across two machines): every pass's graph fits the declarations (run_passes checks them),
     and every declared op is emitted by one of them."""
     seen = _SeenOps()
     threshold = Options(max_context=32, sparsity_mode="threshold", sparsity=0.5, calib_tokens=128,
                         weight_dtype="int4", quant_method="rtn")
-    predictor = Options(max_context=32, calib_tokens=64, all_neurons=True)
+    predictor = Options(max_context=32, calib_tokens=64, all_neurons=True, nodes="2x24GiB")  # split: Handover
     gpu = get_target("rtx4090")
     builds = [(tiny_models("llama"), pipeline(threshold, "threshold"), get_target("cpu")),
               (tiny_models("opt", sparsity=0.9),

@@ -77,6 +77,19 @@ def test_the_hand_over_is_a_call_of_the_schedule_and_an_unsplit_schedule_has_no_
                                                                               "stage1.cpu.safetensors"]
 
 
+def test_inspect_shows_the_stages_and_their_hand_over(split_artifact, capsys):
+    from picompile.cli import main
+
+    assert main(["inspect", str(split_artifact), "--json"]) == 0
+    first, last = json.loads(capsys.readouterr().out)["stages"]
+    assert (first["first_layer"], first["stop_layer"], last["first_layer"], last["stop_layer"]) == (0, 1, 1, 2)
+    assert first["handovers"] == [{"call": "handover.stage0_to_1", "bytes_per_token": 64 * 4}] and not last["handovers"]
+    assert last["resources"] == STAGE1 and first["calls"] + last["calls"] == len(_schedule(split_artifact))
+    assert main(["inspect", str(split_artifact)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage ")]
+    assert len(lines) == 2 and "hands over 256 B/token" in lines[0] and "picompile_stage1" in lines[1]
+
+
 def test_one_process_and_stage_by_stage_equal_the_unsplit_artifact(split_artifact, tiny_sparse_artifact):
     """Exactly: prefill, decode and batch steps of the split artifact in one process (the hand-over a copy), and
     prefill and decode stage by stage, each stage engine feeding the next."""
