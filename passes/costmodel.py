@@ -24,15 +24,11 @@ from runtime.calls import Access, Call, Role, decode_weight_reads, schedule_call
 from runtime.dtypes import itemsize, nbytes
 from runtime.manifest import Buffer, LayerReport, Manifest
 
+from .nodes import handover_seconds
 from .targets import Target
 
 CALL_OVERHEAD_S = {"cpu": 2e-6, "gpu": 5e-6}  # Python dispatch + thread-pool wake-up; kernel launch
 COPY_LATENCY_S = 10e-6  # one host<->device copy's fixed cost (launch, wait), whatever its size
-# A hand-over of a token's hidden state between the machines of a split model (--nodes) is priced as a 10 GbE
-# link: 1.25 GB/s, and 50 us per hand-over (the two hosts' network stacks plus Ray's task dispatch); a model of
-# the link, not a measurement (BENCHMARKS.md has the measured cost on one host's loopback)
-NETWORK_BANDWIDTH_GBS = 1.25
-NETWORK_LATENCY_S = 50e-6
 CONTEXT = 128  # the KV cache length the estimate reads at (mid-way through a typical generation)
 SPARSE_ROW_EFFICIENCY = 0.9
 """The CPU's fused sparse FFN kernel (passes/kernels/neuron.py sparse_ffn) streams the rows it gathers at this
@@ -57,11 +53,6 @@ def launch_seconds(device: str) -> float:
 def copy_seconds(target: Target, nbytes: int) -> float:
     """One host<->device copy of `nbytes`: its fixed cost plus the bytes over PCIe."""
     return COPY_LATENCY_S + (nbytes / (target.pcie_bandwidth_gbs * 1e9) if target.pcie_bandwidth_gbs > 0 else 0.0)
-
-
-def handover_seconds(nbytes: int) -> float:
-    """One hand-over of `nbytes` of hidden state from one machine to the next."""
-    return NETWORK_LATENCY_S + nbytes / (NETWORK_BANDWIDTH_GBS * 1e9)
 
 
 def sync_seconds(target: Target, activation_bytes: int) -> float:
@@ -361,7 +352,7 @@ def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, Layer
     """One decode call: the bytes it reads over its device's bandwidth, plus its fixed cost."""
     if call.role is Role.COPY:
         return copy_seconds(target, _row_bytes(buffers, call.reads()[0]))
-    if call.role is Role.HANDOVER:  # one token's row over the network
+    if call.role is Role.HANDOVER:  # one token's row over the link between two machines (passes/nodes.py's price)
         return handover_seconds(_row_bytes(buffers, call.reads()[0]))
     bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
     selected = 0.0 if call.selection is None else expected_share(call, layers) * call.selection.capacity

@@ -82,7 +82,7 @@ class Options:
     # sequences one batch step decodes together (CPU artifacts: runtime Engine.forward_batch); below 2: no batch phase
     max_batch: int = 8
     seed: int = 0
-    nodes: str | None = None  # STAND-IN (the lead's): --nodes SPEC, a model split across machines
+    nodes: tuple = ()  # --nodes: the machines the model is split across (passes.nodes.Node); () one machine
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ class BuildTarget:
     gpu: GpuBudget  # what placement may fill (total 0 without a GPU)
     max_context: int  # the KV cache's length, and of the sequences the build profiles
     quality_budget: QualityBudget  # --max-quality-loss
+    nodes: tuple = ()  # --nodes (passes.nodes.Node, in pipeline order); (): one machine
 
     @classmethod
     def resolve(cls, options: Options, target: Target, gpu: GpuBudget | None = None) -> "BuildTarget":
@@ -108,13 +109,23 @@ class BuildTarget:
         return cls(target, WEIGHT_FORMATS[options.weight_dtype], options.keep_source_blocks,
                    cls.cpu_isa_of(options, target),
                    gpu if gpu is not None else GpuBudget.resolve(target, options.vram_budget_bytes),
-                   options.max_context, options.quality_budget)
+                   options.max_context, options.quality_budget, cls.nodes_of(options, target))
 
     @staticmethod
     def cpu_isa_of(options: Options, target: Target) -> CpuIsa:
         """The CPU kernels' instruction set: --cpu-isa, else the target's, else the build machine's widest."""
         name = options.cpu_isa or target.cpu_isa
         return get_cpu_isa(name) if name else host_cpu_isa()
+
+    @staticmethod
+    def nodes_of(options: Options, target: Target) -> tuple:
+        """--nodes, each node checked against the target: a split build's nodes run its CPU kernels (a node's
+        GPU is the cost model's for now: placement does not yet split each node's layers across its card)."""
+        for node in options.nodes:
+            if node.target != "cpu" or target.has_gpu:
+                raise UserError(f"--nodes: node {node.name} has target {node.target} and the build {target.name}; "
+                                "a split build runs on the nodes' CPUs for now (--target cpu, nodes without a card)")
+        return tuple(options.nodes)
 
     def describe(self) -> str:
         """One line for -v: 'build for rtx4090: int4 weights, avx512 CPU kernels, GPU budget 1.0 MiB (5% reserve),
@@ -123,7 +134,8 @@ class BuildTarget:
                if self.target.has_gpu else "")
         return (f"build for {self.target.name}: {self.weight_dtype} weights"
                 f"{' (keeping the source blocks)' if self.keep_source_blocks else ''}, {self.cpu_isa.name} CPU kernels"
-                f"{gpu}, context {self.max_context}, quality budget {self.quality_budget.describe()}")
+                f"{gpu}, context {self.max_context}, quality budget {self.quality_budget.describe()}"
+                + (f", split across {len(self.nodes)} nodes" if self.nodes else ""))
 
     @property
     def weight_dtype(self) -> str:

@@ -35,7 +35,6 @@ from passes.partition import PlacementReport
 from passes.pipeline import Context, Options
 from passes.schedule import CallSchedule
 from passes.select_kernels import BatchPhase
-from passes.split_nodes import NodeSplit
 from runtime import dtypes
 from runtime.artifact import FORMAT, FORMAT_VERSION, seal_manifest, sha256  # the reader defines the format
 from runtime.calls import schedule_calls
@@ -111,6 +110,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
     from passes.quality import quality_of
     from passes.quantize import quantization_of
     from passes.sparsity_mode import KEY as SPARSITY_KEY, sparsity_of
+    from passes.split_nodes import NodeSplit
 
     check_output(output)
     cpu_isa = ctx.build.cpu_isa
@@ -159,8 +159,8 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
                                         files=[f"{TOKENIZER_DIR}/{name}" for name in options.tokenizer.names])
                        if options.tokenizer is not None else None),
             files=files,
-            stages=[] if split is None else list(split.stages),
         )
+        manifest.stages = split.stages if split is not None else []
         manifest.estimate = asdict(costmodel.estimate(manifest, schedule, ctx.target,
                                                       placed.prices() if placed is not None else None))
         (staging / "manifest.json").write_text(json.dumps(seal_manifest(manifest.to_json()), indent=1))

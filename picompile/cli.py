@@ -121,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                             "token (kl=0.01). Threshold mode picks its levels per linear input and, for "
                             "--weight-dtype int8/int4/int4a, a format per matrix within it: --weight-dtype int4 means "
                             "at most 4 bits, a matrix whose rounding costs too much stays int8 or fp16")
+    build.add_argument("--nodes", type=_nodes, default=(), metavar="SPEC",
+                       help="split the model across machines, a contiguous range of layers each, by their memory "
+                            "and speed: 2x24GiB, 24GiB,16GiB, or a JSON file naming each node's memory, target "
+                            "and Ray resources (docs/nodes.md); `run` / `serve` start one Ray actor per stage")
     chatter = build.add_mutually_exclusive_group()
     chatter.add_argument("-v", "--verbose", action="store_true",
                          help="print each pass with its time and node counts, and a failing pass's traceback")
@@ -213,6 +217,15 @@ def _quality_budget(text: str):
         raise argparse.ArgumentTypeError(str(error).removeprefix("--max-quality-loss ")) from None
 
 
+def _nodes(text: str):
+    from passes.nodes import parse_nodes
+
+    try:
+        return parse_nodes(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--nodes: ").removeprefix("--nodes ")) from None
+
+
 def _build(args) -> int:
     from .compiler import build
     from passes.pipeline import Options
@@ -237,7 +250,7 @@ def _build(args) -> int:
                       max_batch=args.max_batch,
                       quant_method=args.quant_method,
                       target_recall=args.target_recall, cpu_isa=args.cpu_isa,
-                      sparsity_mode=args.sparsity_mode, sparsity=args.sparsity,
+                      sparsity_mode=args.sparsity_mode, sparsity=args.sparsity, nodes=args.nodes,
                       **({"quality_budget": args.max_quality_loss} if args.max_quality_loss else {}))
     log = (lambda message: print(message, file=sys.stderr)) if args.verbose else (lambda message: None)
     from passes.pipeline import ProgressBars

@@ -20,7 +20,6 @@ from passes.awq import AWQ, AWQ_MIN_TOKENS, AWQ_TOKENS
 from passes.compile import Compile
 from passes.fuse import Fuse
 from passes.handover import Handover
-from passes.split_nodes import SplitNodes
 from passes.import_gguf import GGUFSource, ImportGGUF, rerounding_warning
 from passes.import_onnx import Import, SourceQuantization, stored_weight_dtype
 from passes.front_end import load
@@ -38,6 +37,7 @@ from passes.recognise import Recognise
 from passes.schedule import Schedule
 from passes.select_kernels import SelectKernels
 from passes.sparsity_mode import SparsityMode, sparsity_of
+from passes.split_nodes import SplitNodes
 from passes.targets import TARGETS, GpuBudget, Target, format_size
 from passes.threshold import Threshold
 from runtime.dtypes import AUTO_WEIGHT_DTYPE
@@ -50,11 +50,9 @@ MODES = ("dense", "predictor", "threshold")
 def front(options: Options, gguf: bool = False) -> list[Pass]:
     """What every build runs first: import (of a GGUF file's conversion where `gguf`), recognise and, unless
     --dense, the sparsity mode's choice."""
-    passes = [ImportGGUF() if gguf else Import(), Recognise()]
+    passes = [ImportGGUF() if gguf else Import(), Recognise(), *([SplitNodes()] if options.nodes else [])]
     if not options.dense:
         passes.append(SparsityMode(requested=options.sparsity_mode, sparsity=options.sparsity))
-    if options.nodes:  # STAND-IN
-        passes.append(SplitNodes(nodes=options.nodes))
     return passes
 
 

@@ -190,6 +190,24 @@ class Devices(_Section):
 
 
 @dataclass(frozen=True)
+class Stage(_Section):
+    """One node of a model split across machines (`build --nodes`): the decoder layers it runs, [first_layer,
+    stop_layer), contiguous, stage 0 first (it also runs the embedding; the last stage the final norm and the
+    output layer). The split pass (passes.split_nodes) writes the stages; each call of the schedule names its
+    stage (`Call.stage`), and a token's hidden state crosses from one stage to the next in a hand-over call."""
+
+    name: str
+    first_layer: int
+    stop_layer: int
+    memory_bytes: int  # what the node offers the model (weights and KV caches)
+    target: str  # "cpu", or the GPU target (passes.targets.TARGETS) the node's card is
+    resources: dict  # Ray custom resources the stage's actor asks for ({}: none; it is then placed by memory)
+    weight_bytes: int  # the stage's weights and KV caches, as the split priced them
+    expected_step_s: float  # the cost model's seconds of the stage's part of one decode step
+    handover_bytes: int  # the hidden-state bytes one token sends to the next stage (0 for the last)
+
+
+@dataclass(frozen=True)
 class TargetFacts(_Section):
     """The hardware the artifact was built for."""
 
@@ -234,21 +252,6 @@ class Buffer(_Section):
     logical_columns: int | None = _optional()
     matrix: list[int] | None = _optional()  # a quantized weight's logical matrix shape
     shape: list[int] | None = None
-
-
-@dataclass(frozen=True)
-class Stage(_Section):
-    """STAND-IN (the lead's interface, replaced at merge): one machine's part of a model split across machines."""
-
-    name: str
-    first_layer: int
-    stop_layer: int
-    memory_bytes: int
-    target: str
-    resources: dict
-    weight_bytes: int
-    expected_step_s: float
-    handover_bytes: int
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,7 @@ class Manifest:
     devices: Devices | None = None
     tokenizer: TokenizerListing | None = None
     estimate: dict[str, Any] | None = None  # passes.costmodel.Estimate, as asdict wrote it
-    stages: list[Stage] = field(default_factory=list)  # STAND-IN
+    stages: list[Stage] = field(default_factory=list)  # a model split across machines; [] on one machine
     manifest_sha256: str | None = None  # the digest of the rest (runtime.artifact.seal_manifest)
 
     def to_json(self) -> dict:
@@ -337,7 +340,7 @@ class Manifest:
         }
         if self.estimate is not None:
             out["estimate"] = self.estimate
-        if self.stages:
+        if self.stages:  # (absent on one machine: an unsplit artifact's manifest is what it always was)
             out["stages"] = [stage.to_json() for stage in self.stages]
         if self.manifest_sha256 is not None:
             out["manifest_sha256"] = self.manifest_sha256

@@ -32,13 +32,17 @@ PROMPT, DECODED = [3, 14, 15, 92, 65], [5, 7, 9, 11, 13, 2]
 
 @pytest.fixture(scope="module")
 def split_artifact(tiny_models, tmp_path_factory):
-    """The tiny OPT built as `tiny_sparse_artifact` is, split in two stages."""
-    from picompile.compiler import build
-    from passes.pipeline import Options
-    from passes.targets import get_target
+    """The tiny OPT built as `tiny_sparse_artifact` is, by the CLI, split in two stages by a nodes file naming the
+    second node's Ray resource."""
+    from picompile.cli import main
 
-    out = tmp_path_factory.mktemp("stages") / "opt-tiny-split.pic"
-    build(tiny_models("opt", sparsity=0.9).onnx, out, get_target("cpu"), Options(max_context=64, nodes="2x24GiB"))
+    work = tmp_path_factory.mktemp("stages")
+    spec = work / "nodes.json"
+    spec.write_text(json.dumps({"nodes": [{"name": "head", "memory": "1GiB"},
+                                          {"name": "second", "memory": "1GiB", "resources": STAGE1}]}))
+    out = work / "opt-tiny-split.pic"
+    assert main(["build", str(tiny_models("opt", sparsity=0.9).onnx), "--target", "cpu", "--max-context", "64",
+                 "--weight-dtype", "fp32", "--nodes", str(spec), "-o", str(out), "-q"]) == 0
     return out
 
 
