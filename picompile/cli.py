@@ -414,6 +414,9 @@ def _run(args) -> int:
     prompt = tokenizer.encode(args.prompt) if text else ids
     if not prompt:
         raise UserError("-p: the prompt is empty (the tokenizer makes no tokens of it)")
+    if args.profile and args.stages != "local" and _split_stages(args.artifact):
+        raise UserError("--profile times the kernels of this process; a split artifact's stages run as Ray actors: "
+                        "add --stages local to profile them in one process")
     engine, stop = _stages_engine(args)
     try:
         _check_prompt(prompt, args.max_new_tokens, engine, "-p" if text else "--prompt-ids")

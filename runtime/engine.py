@@ -20,6 +20,12 @@ that row and that slot's cache. Batches larger than the artifact's `max_batch` r
 without a batch phase (GPU calls, --max-batch < 2, or built before the batch phase existed)
 runs `forward_batch` as one decode step per slot. (Where decode's quantized kernels take int8 dot products
 over a quantized x, a batch step's take fp32 ones, as prefill's do: its logits differ from decode's by that.)
+
+Stages: an artifact split across machines (`build --nodes`) runs whole here, every stage in order, each hand-over
+call a copy of the step's rows from the sending stage's buffer to the receiving stage's. `Engine(directory,
+stage=k)` is one stage alone (runtime/ray_stages.py runs one per Ray actor): its calls, the buffers they use, its
+caches, and only the weights its calls read, from its own weight file; `forward_stage` / `forward_stage_batch`
+take token ids (stage 0) or the hidden rows the stage before returned, and return hidden rows or the logits.
 """
 
 from __future__ import annotations
