@@ -151,6 +151,12 @@ def test_run_local_equals_the_unsplit_run_and_without_ray_is_one_error_line(spli
     assert main(["run", str(tiny_sparse_artifact), "--prompt-ids", "1", "--stages", "local"]) == 2
     assert capsys.readouterr().err.splitlines() == [f"error: --stages: {tiny_sparse_artifact} is not split across "
                                                     "machines (built without --nodes)"]
+    assert main(["run", str(tiny_sparse_artifact), "--prompt-ids", "1", "--address", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --address starts the stages of a model split across "
+                                                    f"machines (build --nodes) on a Ray cluster; {tiny_sparse_artifact} "
+                                                    "is not split"]
+    assert main(["run", str(split_artifact), "--prompt-ids", "1", "--profile"]) == 2  # refused before Ray starts
+    assert "add --stages local" in capsys.readouterr().err
     code = ("import sys\nsys.modules['ray'] = None  # as on a machine without it\n"
             "from picompile.cli import main\n"
             f"sys.exit(main(['run', {str(split_artifact)!r}, '--prompt-ids', '1,2']))")
