@@ -24,6 +24,7 @@ from runtime.calls import Access, Call, Role, decode_weight_reads, schedule_call
 from runtime.dtypes import itemsize, nbytes
 from runtime.manifest import Buffer, LayerReport, Manifest
 
+from .nodes import handover_seconds
 from .targets import Target
 
 CALL_OVERHEAD_S = {"cpu": 2e-6, "gpu": 5e-6}  # Python dispatch + thread-pool wake-up; kernel launch
@@ -351,6 +352,8 @@ def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, Layer
     """One decode call: the bytes it reads over its device's bandwidth, plus its fixed cost."""
     if call.role is Role.COPY:
         return copy_seconds(target, _row_bytes(buffers, call.reads()[0]))
+    if call.role is Role.HANDOVER:  # one token's row over the link between two machines (passes/nodes.py's price)
+        return handover_seconds(_row_bytes(buffers, call.reads()[0]))
     bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
     selected = 0.0 if call.selection is None else expected_share(call, layers) * call.selection.capacity
     read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
@@ -419,15 +422,15 @@ def estimate(manifest: Manifest, schedule: dict, target: Target, placed: PlanPri
     step = critical_path_seconds(calls, schedule["edges"], seconds)
     device_bytes = {"cpu": 0.0, "gpu": 0.0}
     for call in decode:
-        if call.role is not Role.COPY:
+        if not call.runtime_own:
             bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
             device_bytes[call.device] += (seconds[call.id] - launch_seconds(call.device)) * bandwidth
     per_layer, outside = _dense_layer_bytes(calls, buffers)
-    overhead = sum(1 for call in decode if call.role not in (Role.PREDICTOR, Role.COPY)) * launch_seconds("cpu")
+    overhead = sum(1 for call in decode if call.role not in (Role.PREDICTOR, Role.COPY, Role.HANDOVER)) * launch_seconds("cpu")
     cpu_only = (sum(per_layer.values()) + outside) / (target.cpu_bandwidth_gbs * 1e9) + overhead
     offload, offloaded = None, 0
-    if placed is not None:
-        step = placed.step_s
+    if placed is not None:  # the placement's price of the plan, plus the hand-overs between machines it leaves out
+        step = placed.step_s + sum(seconds[call.id] for call in decode if call.role is Role.HANDOVER)
         cpu_only = placed.cpu_only_step_s or cpu_only
         if target.has_gpu and placed.layer_offload_step_s:
             offload, offloaded = 1.0 / placed.layer_offload_step_s, placed.layer_offload_layers

@@ -242,6 +242,15 @@ class Linear(Folds):
     inputs = (Port("x"), Port("weight"), Port("bias", optional=True))
 
 
+class Handover(OpView):
+    """handover: a token's hidden state (the residual stream) sent from one stage of a model split across machines
+    to the next, at the layer boundary where the stage changes (passes/handover.py)."""
+
+    inputs = (Port("x"),)
+    from_stage = Int()
+    to_stage = Int()
+
+
 class Call(OpView):
     """select-kernels: one kernel call of the kernel-call IR (`passes.kernel_ir`), its facts in `call`."""
 

@@ -51,6 +51,11 @@ def device_of(node: ir.Node) -> str:
     return node.metadata_props[DEVICE_KEY]
 
 
+def set_device(node: ir.Node, device: str) -> None:
+    """Place a node a later pass adds (a hand-over between machines) on `device`."""
+    node.metadata_props[DEVICE_KEY] = device
+
+
 PLACED = Fact("a device for every node", "place",
               lambda model: all(DEVICE_KEY in node.metadata_props for node in model.graph))
 

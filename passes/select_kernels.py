@@ -40,7 +40,8 @@ from .kernel_ir import KERNEL_CALLS, KernelProgram, KernelSpec, carried_metadata
 from .kernels import cpu, neuron, ops, quant
 from .place import PLACED, device_of
 from .quantize import QuantizedMatrix, dequantizes_weight
-from .ops import Attention, FFN, SparseFFN, ThresholdFFN, view as op_view
+from .handover import HANDOVER, stage_of_node
+from .ops import Attention, FFN, Handover as HandoverOp, SparseFFN, ThresholdFFN, view as op_view
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Lowering:
     quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)
     device: str = "cpu"  # the device of the block being lowered
     layer: int | None = None  # ... and its layer
+    stage: int = 0  # ... and its stage (a model split across machines: passes/handover.py)
     max_batch: int = 0  # sequences a batch step may hold (0: no batch phase)
     batch_rows: set[str] = field(default_factory=set)  # buffers of `max_batch` rows (step_rows)
     batch_widths: dict[str, int] = field(default_factory=dict)  # scratch sized per sequence (batch_scratch)
@@ -198,7 +200,7 @@ class Lowering:
     def call(self, label: str, kernels: tuple[str, str, str], args: list[Arg], role: Role, device: str | None = None,
              selection: Selection | None = None) -> None:
         call = Call(label, device or self.device, role, kernels[0], kernels[1], tuple(args), self.layer, selection,
-                    kernels[2])
+                    kernels[2], self.stage)
         if call.per_sequence and call.decode:  # a batch step runs it per sequence: its decode kernel per row
             call = replace(call, batch=call.decode)
         self.program.calls.append(call)
@@ -363,6 +365,7 @@ class _Walker:
             raise UserError(f"select-kernels: no kernel for {node.domain or 'onnx'}.{node.op_type} ({node.name})")
         self.low.device = device_of(node)
         self.low.layer = layer
+        self.low.stage = stage_of_node(node)
         handler(node)
 
     def lower_Embed(self, node: ir.Node) -> None:
@@ -695,6 +698,16 @@ class _Walker:
         out = self.low.activation("logits", self.low.shape(weight)[1])
         self.low.linear(self.location[node.inputs[0].name], weight, bias, out, node.name, Role.HEAD)
         self.location[node.outputs[0].name] = out
+
+    def lower_Handover(self, node: ir.Node) -> None:
+        """The runtime's own transfer of the hidden rows from the sending stage's buffer to a buffer of the
+        receiving stage's (distinct, so the DAG orders it): no kernel, a step in every phase (row-wise)."""
+        handover = HandoverOp(node)
+        source = self.location[node.inputs[0].name]
+        target = self.low.activation(f"act.stage{handover.to_stage}.in", self.low.buffers[source]["shape"][1])
+        self.low.layer = None  # between the layers
+        self.low.call(node.name, (HANDOVER, HANDOVER, HANDOVER), [read(source), write(target)], Role.HANDOVER)
+        self.location[node.outputs[0].name] = target
 
     def lower_Add(self, node: ir.Node) -> None:
         raise UserError(f"select-kernels: residual add {node.name} does not follow a block fuse folds it into")

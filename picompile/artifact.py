@@ -69,17 +69,20 @@ def _model_facts(buffers: dict, schedule: dict, max_batch: int, source: Path | N
                       num_calls=len(schedule["nodes"]), max_batch=max_batch, source=str(source) if source else None)
 
 
-def _weights_by_device(schedule: dict, buffers: dict) -> dict[str, list[str]]:
-    """Each weight goes to the file of every device whose calls read it (the CPU's when unused)."""
+def _weights_by_device(schedule: dict, buffers: dict, split: bool = False) -> dict[str, list[str]]:
+    """Each weight goes to the file of every device whose calls read it (the CPU's when unused): file name (without
+    .safetensors) -> its weights. A model split across machines (`split`) has a file per stage and device,
+    `stage{k}.{device}`, so that each machine reads (and checks) only its own weights; a weight two stages read (a
+    tied embedding and output layer) is in both."""
     devices: dict[str, set[str]] = {}
     for call in schedule_calls(schedule):
         for name in call.buffers():
             if buffers.get(name, {}).get("kind") == "weight":
-                devices.setdefault(name, set()).add(call.device)
+                devices.setdefault(name, set()).add(f"stage{call.stage}.{call.device}" if split else call.device)
     by_device: dict[str, list[str]] = {}
     for name, info in buffers.items():
         if info["kind"] == "weight":
-            for device in sorted(devices.get(name, {"cpu"})):
+            for device in sorted(devices.get(name, {"stage0.cpu" if split else "cpu"})):
                 by_device.setdefault(device, []).append(name)
     return by_device
 
@@ -113,6 +116,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
     cpu_isa = ctx.build.cpu_isa
     buffers, schedule = Buffers.of(model).entries, CallSchedule.of(model).node_link
     placed = PlacementReport.of(model)
+    split = NodeSplit.of(model)  # a model split across machines (--nodes), else None
     output = Path(output)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +126,7 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
     staging = _staging_dir(output)
     try:
         (staging / "weights").mkdir()
-        for device, names in _weights_by_device(schedule, buffers).items():
+        for device, names in _weights_by_device(schedule, buffers, split=split is not None).items():
             weights = {name: pir.const_array(model.graph.initializers[name]) for name in names}
             write_safetensors(weights, staging / "weights" / f"{device}.safetensors")
         for relative, path in ctx.artifact_files.items():
@@ -156,7 +160,6 @@ def write(model: ir.Model, ctx: Context, output: Path, options: Options, source:
                        if options.tokenizer is not None else None),
             files=files,
         )
-        split = NodeSplit.of(model)
         manifest.stages = split.stages if split is not None else []
         manifest.estimate = asdict(costmodel.estimate(manifest, schedule, ctx.target,
                                                       placed.prices() if placed is not None else None))

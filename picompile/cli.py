@@ -143,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--emulate-gpu", action="store_true", help="run a GPU artifact's GPU part on a second CPU executor")
     _threads_argument(run)
     run.add_argument("--json", action="store_true")
+    _stages_arguments(run)
 
     chat = commands.add_parser("chat", help="talk with an artifact's model: a user turn per line of stdin")
     chat.add_argument("artifact", type=Path)
@@ -172,7 +173,11 @@ def _parser() -> argparse.ArgumentParser:
     ray.add_argument("--max-replicas", type=_positive_int, default=None, metavar="B", help="autoscale: at most B replicas")
     ray.add_argument("--address", default=None, metavar="ADDR",
                      help="a running Ray cluster (its head's host:6379, or auto on one of its nodes); default: a Ray "
-                          "instance of this process on this machine only")
+                          "instance of this process on this machine only. A model split across machines (build "
+                          "--nodes) starts its stages there, with or without --ray")
+    serve.add_argument("--stages", choices=("ray", "local"), default=None,
+                       help="a model split across machines (build --nodes): its stages as Ray actors (ray, the "
+                            "default) or all in this process (local)")
 
     evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX (or GGUF file)")
     evaluate.add_argument("artifact", type=Path)
@@ -281,6 +286,66 @@ def _threads_argument(parser: argparse.ArgumentParser) -> None:
                              "among the cores this process may use (fewer where other work keeps cores busy)")
 
 
+def _stages_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stages", choices=("ray", "local"), default=None,
+                        help="a model split across machines (build --nodes): its stages as Ray actors (ray, the "
+                             "default) or all in this process (local)")
+    parser.add_argument("--address", default=None, metavar="ADDR",
+                        help="with --stages ray: the Ray cluster whose nodes offer the stages' resources (its head's "
+                             "host:6379); default: a Ray instance of this process on this machine only")
+
+
+def _split_stages(path: Path) -> list:
+    """The stages of a model split across machines (build --nodes); [] for an unsplit artifact (or none at `path`:
+    loading it says what is wrong)."""
+    from runtime import ArtifactError, load_manifest
+
+    try:
+        return load_manifest(path, check_hashes=False).stages
+    except ArtifactError:
+        return []
+
+
+def _stages_engine(args, slots: int = 1):
+    """`run` / `serve`: a split artifact's stages as Ray actors on a local Ray instance or the cluster at --address
+    (runtime/ray_stages.py), or with --stages local all in this process; an unsplit artifact's engine. Returns the
+    engine and what stops it (None: nothing to stop)."""
+    stages = _split_stages(args.artifact)
+    if args.stages is not None and not stages:
+        raise UserError(f"--stages: {args.artifact} is not split across machines (built without --nodes)")
+    if not stages or args.stages == "local":
+        if args.address is not None and not getattr(args, "ray", False):
+            raise UserError("--address starts the stages of a model split across machines (build --nodes) on a Ray "
+                            "cluster" + ("" if stages else f"; {args.artifact} is not split") +
+                            ("" if not stages else "; --stages local runs them in this process"))
+        return _engine(args.artifact, getattr(args, "emulate_gpu", False), slots, args.threads), None
+    try:
+        from runtime import ray_stages
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "ray":
+            raise
+        raise UserError(f"{args.artifact} is split across machines (build --nodes): running its stages needs the ray "
+                        "extra (ray is not installed): pip install -e '.[ray]' (or --stages local: all in this process)"
+                        ) from None
+    from runtime import ArtifactError
+
+    local = args.address is None
+    try:
+        if local:
+            ray_stages.start_local(stages)
+        else:
+            ray_stages.connect(args.address)
+        pipeline = ray_stages.Pipeline(args.artifact, slots=slots, threads=args.threads or 1,
+                                       code_path=str(Path(ray_stages.__file__).resolve().parents[1]) if local else None)
+    except (ArtifactError, ray_stages.StageFailed, ConnectionError, RuntimeError, ValueError) as error:
+        ray_stages.stop()
+        raise UserError(f"the stages of {args.artifact} could not start on Ray: {error}") from None
+    print(f"{len(stages)} stages on Ray ({'this machine' if local else args.address}): "
+          + ", ".join(f"{stage.name} layers {stage.first_layer}-{stage.stop_layer - 1}" for stage in stages),
+          file=sys.stderr, flush=True)
+    return pipeline, ray_stages.stop
+
+
 def _engine(path: Path, emulate_gpu: bool = False, slots: int = 1, threads: int | None = None):
     from runtime import ArtifactError, Engine
 
@@ -349,12 +414,19 @@ def _run(args) -> int:
     prompt = tokenizer.encode(args.prompt) if text else ids
     if not prompt:
         raise UserError("-p: the prompt is empty (the tokenizer makes no tokens of it)")
-    engine = _engine(args.artifact, args.emulate_gpu, threads=args.threads)
-    _check_prompt(prompt, args.max_new_tokens, engine, "-p" if text else "--prompt-ids")
-    stats = GenerationStats()
-    tokens = generate_stream(engine, prompt, args.max_new_tokens, **_sampling(args), profile=args.profile,
-                             stats=stats, stop_ids=tokenizer.eos_ids if tokenizer else ())
-    generated = _stream_text(tokens, tokenizer) if text and not args.json else list(tokens)
+    if args.profile and args.stages != "local" and _split_stages(args.artifact):
+        raise UserError("--profile times the kernels of this process; a split artifact's stages run as Ray actors: "
+                        "add --stages local to profile them in one process")
+    engine, stop = _stages_engine(args)
+    try:
+        _check_prompt(prompt, args.max_new_tokens, engine, "-p" if text else "--prompt-ids")
+        stats = GenerationStats()
+        tokens = generate_stream(engine, prompt, args.max_new_tokens, **_sampling(args), profile=args.profile,
+                                 stats=stats, stop_ids=tokenizer.eos_ids if tokenizer else ())
+        generated = _stream_text(tokens, tokenizer) if text and not args.json else list(tokens)
+    finally:
+        if stop is not None:
+            stop()
     result = {"prompt_ids": prompt, "generated_ids": generated, **timings(stats)}
     if text:
         result.update(prompt=args.prompt, text=tokenizer.decode(generated))
@@ -425,7 +497,7 @@ def _serve(args) -> int:
         return _serve_ray(args)
     ray_options = [option for option, value in (("--replicas", args.replicas), ("--min-replicas", args.min_replicas),
                                                 ("--max-replicas", args.max_replicas), ("--address", args.address))
-                   if value is not None]
+                   if value is not None and not (option == "--address" and _split_stages(args.artifact))]
     if ray_options:
         raise UserError(f"{ray_options[0]} needs --ray")
     try:
@@ -436,7 +508,15 @@ def _serve(args) -> int:
             raise
         raise UserError(f"picompile serve needs the serve extra ({missing} is not installed): "
                         "pip install 'picompile[serve]'") from None
-    engine = _engine(args.artifact, slots=args.parallel, threads=args.threads)
+    engine, stop = _stages_engine(args, slots=args.parallel)
+    try:
+        return _serve_engine(args, serve, engine)
+    finally:
+        if stop is not None:
+            stop()
+
+
+def _serve_engine(args, serve, engine) -> int:
     app = serve.create_app(engine, parallel=args.parallel, queue=args.queue)
     try:
         sock = serve.bind(args.host, args.port)
@@ -466,6 +546,9 @@ def _serve_ray(args) -> int:
         raise UserError(f"--max-replicas {args.max_replicas} is below --min-replicas {args.min_replicas or 1}")
     if args.port == 0:
         raise UserError("--ray needs a fixed --port: Ray Serve's HTTP proxy binds it")
+    if _split_stages(args.artifact):
+        raise UserError(f"{args.artifact} is split across machines (build --nodes): serve it without --ray; its stages "
+                        "run as Ray actors (--address joins a cluster)")
     try:
         from runtime import ray_serve
     except ModuleNotFoundError as error:
@@ -582,6 +665,27 @@ def _eval(args) -> int:
     return 0
 
 
+def _stage_facts(manifest, calls) -> list[dict]:
+    """`inspect`'s stages of a split model: each stage's manifest entry, its calls, the weight bytes its calls read
+    (its own file's) and its hand-overs to the next stage (the call and the bytes a token sends)."""
+    from runtime.calls import Role
+    from runtime.dtypes import nbytes
+
+    facts = []
+    for index, stage in enumerate(manifest.stages):
+        mine = [call for call in calls if call.stage == index]
+        weights = {name for call in mine for name in call.buffers()
+                   if manifest.buffers.get(name) is not None and manifest.buffers[name].kind == "weight"}
+        handovers = []
+        for call in (call for call in mine if call.role is Role.HANDOVER):
+            source = manifest.buffers[call.reads()[0]]
+            handovers.append({"call": call.id, "bytes_per_token": nbytes([1, *source.shape[1:]], source.dtype)})
+        facts.append({"index": index, **stage.to_json(), "calls": len(mine), "handovers": handovers,
+                      "weight_bytes_read": sum(nbytes(manifest.buffers[n].shape, manifest.buffers[n].dtype)
+                                               for n in weights)})
+    return facts
+
+
 def _inspect(args) -> int:
     from runtime import ArtifactError, load_manifest
     from runtime.verify import check_files
@@ -592,7 +696,7 @@ def _inspect(args) -> int:
     except ArtifactError as error:
         raise UserError(str(error)) from None
     from runtime.artifact import format_size
-    from runtime.calls import Role, decode_weight_reads
+    from runtime.calls import decode_weight_reads
     from runtime.dtypes import nbytes
 
     from .report import with_shares
@@ -603,12 +707,12 @@ def _inspect(args) -> int:
     for call in scheduled:
         calls[call.role.value] = calls.get(call.role.value, 0) + 1
         devices[call.device] = devices.get(call.device, 0) + 1
-        if call.decode and call.role is not Role.COPY:
+        if call.decode and not call.runtime_own:
             reads = decode_weight_reads(call, manifest.buffers)
             entry = decode_reads.setdefault(call.role.value, {"fixed_bytes": 0, "bytes_per_selected": 0})
             entry["fixed_bytes"] += reads.fixed
             entry["bytes_per_selected"] += reads.per_selected + reads.per_nonzero
-    kernels = sorted({name for call in scheduled if call.role is not Role.COPY
+    kernels = sorted({name for call in scheduled if not call.runtime_own
                       for name in (call.decode, call.prefill, call.batch) if name})
 
     weight_bytes = sum(nbytes(b.shape, b.dtype) for b in manifest.buffers.values() if b.kind == "weight")
@@ -622,6 +726,8 @@ def _inspect(args) -> int:
             "estimate": manifest.estimate, "calibration": shown["calibration"],
             "quantization": shown["quantization"],
             "tokenizer": _tokenizer_facts(args.artifact, manifest)}
+    if manifest.stages:  # a model split across machines: each stage's calls, and the hand-overs between them
+        info["stages"] = _stage_facts(manifest, scheduled)
     if args.json:
         print(json.dumps(info))
         return _write_report(args, manifest, [])
@@ -639,6 +745,11 @@ def _inspect(args) -> int:
         + (f" + {format_size(entry['bytes_per_selected'])}/selected" if entry["bytes_per_selected"] else "")
         for role, entry in sorted(decode_reads.items())))
     say(f"kernels     {len(kernels)}: " + ", ".join(kernels))
+    for stage in info.get("stages", []):
+        say(f"stage {stage['index']}     {stage['name']}: layers {stage['first_layer']}-{stage['stop_layer'] - 1}, "
+            f"target {stage['target']}, resources {stage['resources'] or 'none'}, {stage['calls']} calls, weights "
+            f"{format_size(stage['weight_bytes_read'])}"
+            + "".join(f"; hands over {h['bytes_per_token']} B/token ({h['call']})" for h in stage["handovers"]))
     found = info["tokenizer"]
     say("tokenizer   none: run and chat take token ids only (--prompt-ids)" if found is None else
         f"tokenizer   {found['vocab_size']} tokens, BOS {found['bos_id']}, EOS "

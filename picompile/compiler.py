@@ -19,6 +19,7 @@ from passes import memory
 from passes.awq import AWQ, AWQ_MIN_TOKENS, AWQ_TOKENS
 from passes.compile import Compile
 from passes.fuse import Fuse
+from passes.handover import Handover
 from passes.import_gguf import GGUFSource, ImportGGUF, rerounding_warning
 from passes.import_onnx import Import, SourceQuantization, stored_weight_dtype
 from passes.front_end import load
@@ -108,7 +109,9 @@ def back(options: Options, build: BuildTarget, predictors: bool = False) -> list
     device its buffers, compile the kernels, order the calls."""
     quantized = build.weight_format.quantized or predictors
     quantize = [Quantize(method=options.quant_method)] if quantized else []
-    return [Fuse(), Place(), *quantize,
+    # a model split across machines: the hand-over between stages, an op of the IR (passes/handover.py)
+    handover = [Handover()] if options.nodes else []
+    return [Fuse(), Place(), *handover, *quantize,
             SelectKernels(int8_activations=options.int8_activations, max_batch=options.max_batch),
             PlanBuffers(), Compile(), Schedule()]
 

@@ -100,10 +100,11 @@ def format_size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def host_bytes(manifest: Manifest, slots: int = 1) -> int:
-    """Host memory an engine allocates for the artifact: every buffer of the manifest, weights included, with
-    the KV cache (buffers of kind "cache") once per slot."""
-    sizes = [(info.kind, dtypes.nbytes(info.shape, info.dtype)) for info in manifest.buffers.values()]
+def host_bytes(manifest: Manifest, slots: int = 1, used=None) -> int:
+    """Host memory an engine allocates for the artifact: every buffer of the manifest (or of `used`, one stage's),
+    weights included, with the KV cache (buffers of kind "cache") once per slot."""
+    sizes = [(info.kind, dtypes.nbytes(info.shape, info.dtype)) for name, info in manifest.buffers.items()
+             if used is None or name in used]
     return sum(size * (slots if kind == "cache" else 1) for kind, size in sizes)
 
 
@@ -132,11 +133,12 @@ def seal_manifest(manifest: dict) -> dict:
 REQUIRED_FILES = ("schedule.json", "kernels/cpu.so", "kernels/signatures.json")
 
 
-def load_manifest(directory: Path, check_hashes: bool = True) -> Manifest:
+def load_manifest(directory: Path, check_hashes: bool = True, weights_later: bool = False) -> Manifest:
     """The artifact's manifest, after checking that it is one this runtime reads and that every file it
     lists is present, a plain file inside the artifact, and (unless `check_hashes` is off) has its sha256.
     Callers load only listed files, and only after this returns: a damaged kernel library is refused
-    here, before anything dlopens it."""
+    here, before anything dlopens it. `weights_later`: the weight files' hashes are left to the caller, who reads
+    some of them only (one stage of a split model: `check_hash` each file it reads, before reading it)."""
     directory = Path(directory)
     path = directory / "manifest.json"
     if not path.is_file():
@@ -183,9 +185,19 @@ def load_manifest(directory: Path, check_hashes: bool = True) -> Manifest:
             raise ArtifactError(f"artifact file {relative} is a link; an artifact holds plain files only")
         if not file.is_file() or root not in file.resolve().parents:
             raise ArtifactError(f"artifact {directory} is incomplete: {relative} is missing")
-        if check_hashes and sha256(file) != expected:
-            raise ArtifactError(f"artifact file {relative} is damaged (sha256 mismatch): rebuild the artifact")
+        if check_hashes and not (weights_later and _is_weight_file(relative)):
+            check_hash(directory, relative, expected)
     return manifest
+
+
+def check_hash(directory: Path, relative: str, expected: str) -> None:
+    """The artifact file has the sha256 its manifest lists, else an ArtifactError."""
+    if sha256(Path(directory) / relative) != expected:
+        raise ArtifactError(f"artifact file {relative} is damaged (sha256 mismatch): rebuild the artifact")
+
+
+def _is_weight_file(relative: str) -> bool:
+    return relative.startswith("weights/") and relative.endswith(".safetensors")
 
 
 def read_json(directory: Path, relative: str):
@@ -199,8 +211,7 @@ def read_json(directory: Path, relative: str):
 
 def weight_files(directory: Path, manifest: Manifest) -> list[Path]:
     """The weight files the manifest lists (and `load_manifest` checked); stray files are never read."""
-    return [Path(directory) / relative for relative in sorted(manifest.files)
-            if relative.startswith("weights/") and relative.endswith(".safetensors")]
+    return [Path(directory) / relative for relative in sorted(manifest.files) if _is_weight_file(relative)]
 
 
 def cpu_flags() -> frozenset[str] | None:
@@ -266,10 +277,11 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     return tensors
 
 
-def read_safetensors(path: Path, header: dict[str, dict] | None = None) -> dict[str, np.ndarray]:
-    """Read every tensor of a safetensors file into its own 64-byte aligned array (shapes and types from
-    its header, checked by `read_safetensors_header` unless the caller passes what that returned); the large
-    ones on transparent huge pages where the system grants them (`aligned_empty(huge=True)`)."""
+def read_safetensors(path: Path, header: dict[str, dict] | None = None, names=None) -> dict[str, np.ndarray]:
+    """Read every tensor of a safetensors file (or those of `names` only: the rest of the file is never read) into
+    its own 64-byte aligned array (shapes and types from its header, checked by `read_safetensors_header` unless the
+    caller passes what that returned); the large ones on transparent huge pages where the system grants them
+    (`aligned_empty(huge=True)`)."""
     path = Path(path)
     header = read_safetensors_header(path) if header is None else header
     with open(path, "rb") as f:
@@ -277,6 +289,8 @@ def read_safetensors(path: Path, header: dict[str, dict] | None = None) -> dict[
         base = 8 + header_size
         tensors = {}
         for name, info in header.items():
+            if names is not None and name not in names:
+                continue
             begin, end = info["data_offsets"]
             array = aligned_empty(info["shape"], dtypes.get_dtype(info["dtype"]).numpy, huge=True)
             f.seek(base + begin)

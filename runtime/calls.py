@@ -39,6 +39,9 @@ class Role(str, Enum):
     MERGE = "merge"
     HEAD = "head"  # the output layer
     COPY = "copy"  # a host<->device transfer: the runtime's own, not a kernel
+    # a token's hidden state sent from one stage (machine) of a split model to the next: the runtime's own, no
+    # kernel; it reads the sending stage's buffer and writes the receiving stage's (passes/handover.py)
+    HANDOVER = "handover"
 
 
 class Access(str, Enum):
@@ -103,6 +106,12 @@ class Call:
     layer: int | None = None  # the decoder layer, None outside the layers
     selection: Selection | None = None  # sparse decode calls only
     batch: str = ""  # kernel for batch steps ("" if the artifact has no batch phase); see `per_sequence`
+    stage: int = 0  # the stage (machine) of a split model that runs it; a hand-over's: the sending stage
+
+    @property
+    def runtime_own(self) -> bool:
+        """A copy or a hand-over: done by the runtime itself, no kernel of the library."""
+        return self.role in (Role.COPY, Role.HANDOVER)
 
     def kernel(self, phase: str) -> str:
         return {"decode": self.decode, "prefill": self.prefill, "batch": self.batch}[phase]
@@ -127,6 +136,8 @@ class Call:
         data = asdict(self)
         data["role"] = self.role.value
         data["args"] = [{**asdict(arg), "access": arg.access.value} for arg in self.args]
+        if not self.stage:  # an unsplit artifact's schedule stays as it was
+            del data["stage"]
         return data
 
     @classmethod
@@ -138,7 +149,8 @@ class Call:
                    args=tuple(Arg(**{**arg, "access": Access(arg["access"])}) for arg in data["args"]),
                    layer=None if data.get("layer") is None else int(data["layer"]),
                    selection=None if selection is None else Selection(**selection),
-                   batch=str(data.get("batch", "")))  # (absent in artifacts made before the batch phase)
+                   batch=str(data.get("batch", "")),  # (absent in artifacts made before the batch phase)
+                   stage=int(data.get("stage", 0)))  # (absent: stage 0, the one stage of an unsplit model)
 
 
 @dataclass

@@ -20,6 +20,12 @@ that row and that slot's cache. Batches larger than the artifact's `max_batch` r
 without a batch phase (GPU calls, --max-batch < 2, or built before the batch phase existed)
 runs `forward_batch` as one decode step per slot. (Where decode's quantized kernels take int8 dot products
 over a quantized x, a batch step's take fp32 ones, as prefill's do: its logits differ from decode's by that.)
+
+Stages: an artifact split across machines (`build --nodes`) runs whole here, every stage in order, each hand-over
+call a copy of the step's rows from the sending stage's buffer to the receiving stage's. `Engine(directory,
+stage=k)` is one stage alone (runtime/ray_stages.py runs one per Ray actor): its calls, the buffers they use, its
+caches, and only the weights its calls read, from its own weight file; `forward_stage` / `forward_stage_batch`
+take token ids (stage 0) or the hidden rows the stage before returned, and return hidden rows or the logits.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .artifact import (ArtifactError, aligned_zeros, available_memory_bytes, format_size, host_bytes, load_manifest,
-                       missing_cpu_features, read_safetensors)
+from .artifact import (ArtifactError, aligned_zeros, available_memory_bytes, check_hash, format_size, host_bytes,
+                       load_manifest, missing_cpu_features, read_safetensors)
 from .calls import PHASES, START, Call, Role, decode_weight_reads
 from .manifest import Buffer
 from .device import DeviceExecutor, _host, cuda_device, device_library
@@ -93,11 +99,12 @@ class Step:
 
 class Engine:
     def __init__(self, directory: str | Path, *, check_hashes: bool = True, emulate_gpu: bool = False,
-                 slots: int = 1, threads: int | None = None):
+                 slots: int = 1, threads: int | None = None, stage: int | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
         self.directory = Path(directory)
-        self.manifest = load_manifest(self.directory, check_hashes=check_hashes)
+        # one stage of a split model reads (and hashes) only the weight files it needs, below
+        self.manifest = load_manifest(self.directory, check_hashes=check_hashes, weights_later=stage is not None)
         target = self.manifest.target
         missing = missing_cpu_features(target.cpu_features or [])
         if missing:  # loading would work; the first kernel call would die of an illegal instruction
@@ -109,11 +116,18 @@ class Engine:
         checked = check_files(self.directory, self.manifest)
         facts, schedule, headers = checked.facts, checked.schedule, checked.headers
         self._calls = checked.calls
+        self.stage, self.stage_input, self.stage_output = stage, None, "logits"
+        if stage is not None:
+            self._calls, self.stage_input, self.stage_output = _stage_calls(self._calls, self.manifest, stage)
+            headers = _stage_weight_files(self.directory, self.manifest, headers, self._calls, check_hashes)
         self.devices = sorted({call.device for call in self._calls})
         if slots > 1 and "gpu" in self.devices:  # the device executor holds one set of GPU caches
             raise ArtifactError(f"this artifact runs calls on the GPU, whose executor holds one sequence: slots={slots} "
                                 "is supported for CPU artifacts only (build with --target cpu, or use one slot)")
-        needed, available = host_bytes(self.manifest, slots), available_memory_bytes()
+        # the buffers this engine allocates: the manifest's, or one stage's (its calls', its input and output)
+        used = (set(self.manifest.buffers) if stage is None else
+                _used_buffers(self._calls, self.manifest.buffers, self.stage_input, self.stage_output))
+        needed, available = host_bytes(self.manifest, slots, used), available_memory_bytes()
         if available is not None and needed > available:  # refused now, rather than swapping or being killed
             raise ArtifactError(f"this artifact needs {format_size(needed)} of memory (its weights, KV cache"
                                 f"{f' for each of {slots} slots' if slots > 1 else ''} and buffers) but only {format_size(available)} is available; free memory, or rebuild "
@@ -129,18 +143,19 @@ class Engine:
         library = tvm_runtime.load_module(str(self.directory / "kernels" / "cpu.so"))
         weights = {}
         for path, header in headers.items():
-            weights.update(read_safetensors(path, header))
+            weights.update(read_safetensors(path, header, used))
         buffers = self.manifest.buffers
         self._row_buffers = {n for n, info in buffers.items() if info.kind in ("activation", "input")}
         self._gpu_buffers, host_buffers = _buffer_homes(self._calls, buffers)
         # the host's buffers: numpy, used by the CPU calls and the host side of copies
         self.buffers: dict[str, np.ndarray] = {
             name: weights[name] if info.kind == "weight" else aligned_zeros(info.shape, get_dtype(info.dtype).numpy)
-            for name, info in buffers.items() if name in host_buffers}
+            for name, info in buffers.items() if name in host_buffers and name in used}
         # each slot's view of the host buffers: slot 0's are self.buffers; later slots get their own caches
         self._slot_buffers = [self.buffers] + [
             {**self.buffers, **{name: aligned_zeros(info.shape, get_dtype(info.dtype).numpy)
-                                for name, info in buffers.items() if info.kind == "cache" and name in host_buffers}}
+                                for name, info in buffers.items()
+                                if info.kind == "cache" and name in host_buffers and name in used}}
             for _ in range(slots - 1)]
         # the GPU's: tensors on its device (tvm.cuda(0), or tvm.cpu(0) when emulating)
         self.gpu: DeviceExecutor | None = None
@@ -152,7 +167,7 @@ class Engine:
         self._edges = schedule.get("edges", [])
         try:
             self._kernels = {name: library[name] for call in self._calls
-                             if call.device == "cpu" and call.role is not Role.COPY
+                             if call.device == "cpu" and not call.runtime_own
                              for name in (call.decode, call.prefill, call.batch) if name}
         except Exception as error:
             raise ArtifactError(f"kernel library does not provide a scheduled kernel: {error}") from None
@@ -206,6 +221,11 @@ class Engine:
 
     def _bind(self, call: Call, phase: str, rows: int, slot: int = 0, first: int = 0):
         args = [arg.buffer for arg in call.args]
+        if call.role is Role.HANDOVER:  # one process runs every stage: the hand-over is a copy of the step's rows
+            source = next(arg.buffer for arg in call.args if not arg.writes)
+            target = next(arg.buffer for arg in call.args if arg.writes)
+            source_rows, target_rows = self._view(source, rows, slot, first), self._view(target, rows, slot, first)
+            return lambda position: np.copyto(target_rows, source_rows)
         if call.role is Role.COPY:  # one argument read on one side, one written on the other
             if call.device != "gpu":
                 raise ArtifactError(f"copy {call.id} is scheduled on the CPU; copies belong to the GPU's executor")
@@ -323,18 +343,42 @@ class Engine:
         if ids.min() < 0 or ids.max() >= self._token_rows:
             raise ValueError(f"token ids must be in [0, {self._token_rows}); got {ids.min()}..{ids.max()}")
 
+    def _inputs(self, inputs) -> np.ndarray:
+        """A step's inputs as the stage takes them: token ids (the first stage, or a whole model) or hidden rows
+        [rows, width] (a later stage of a split model: what the stage before sent), checked."""
+        if self.stage_input is None:
+            ids = np.asarray(inputs, dtype=np.int64).reshape(-1)
+            if ids.size:
+                self._check_token_ids(ids)
+            return ids
+        width = self.manifest.buffers[self.stage_input].shape[1]
+        hidden = np.asarray(inputs, dtype=np.float32)
+        if hidden.ndim != 2 or hidden.shape[1] != width:
+            raise ValueError(f"stage {self.stage} takes hidden rows [rows, {width}]; got shape {list(hidden.shape)}")
+        return hidden
+
+    def _write_inputs(self, inputs: np.ndarray) -> None:
+        self.buffers["input_ids" if self.stage_input is None else self.stage_input][:len(inputs)] = inputs
+
     def forward(self, token_ids, slot: int = 0) -> np.ndarray:
         """Run the model on new tokens after the ones cached in `slot`; returns their logits [len, vocab]."""
+        if self.stage_input is not None or self.stage_output != "logits":
+            raise ValueError(f"this engine runs stage {self.stage} of a split model only: use forward_stage")
+        return self.forward_stage(token_ids, slot)
+
+    def forward_stage(self, inputs, slot: int = 0) -> np.ndarray:
+        """One stage of a split model (`Engine(directory, stage=k)`) on new rows after those cached in `slot`:
+        token ids (stage 0) or the hidden rows the stage before returned; returns the hidden rows to send to the
+        next stage [len, width], or the last stage's logits [len, vocab]. An engine of the whole model: forward."""
         slot = self._slot(slot)
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        rows = ids.size
+        inputs = self._inputs(inputs)
+        rows = len(inputs)
         if rows == 0:
             raise ValueError("forward needs at least one token")
         position = self.positions[slot]
         if position + rows > self.max_context:
             raise ValueError(f"context full: {position} cached + {rows} new > max context {self.max_context}")
-        self._check_token_ids(ids)
-        self.buffers["input_ids"][:rows] = ids
+        self._write_inputs(inputs)
         program = self._decodes[slot] if rows == 1 else self._program("prefill", rows, slot)
         kind = step_kind("decode" if rows == 1 else "prefill", rows)
         threads = self.governor.threads_for(kind)
@@ -349,16 +393,23 @@ class Engine:
             if rows == 1:
                 self.profile["decode_steps"] = self.profile.get("decode_steps", 0) + 1
         self.positions[slot] = position + rows
-        return self.buffers["logits"][:rows].copy()
+        return self.buffers[self.stage_output][:rows].copy()
 
     def forward_batch(self, token_ids, slots) -> np.ndarray:
         """One new token for each of `slots` (distinct), after the tokens each has cached: their logits
         [len(slots), vocab], row b slots[b]'s. Each slot's position advances by one. Batch steps of up to
         `max_batch` sequences where the artifact has them (`batched`), else one decode step per slot."""
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if self.stage_input is not None or self.stage_output != "logits":
+            raise ValueError(f"this engine runs stage {self.stage} of a split model only: use forward_stage_batch")
+        return self.forward_stage_batch(token_ids, slots)
+
+    def forward_stage_batch(self, inputs, slots) -> np.ndarray:
+        """`forward_batch` of one stage of a split model: a token id (stage 0) or a hidden row (later stages) per
+        slot; returns a hidden row per slot to send on, or the last stage's logits."""
+        ids = self._inputs(inputs)
         slots = [self._slot(slot) for slot in slots]
-        if ids.size != len(slots):
-            raise ValueError(f"forward_batch takes one token id per slot: {ids.size} ids for {len(slots)} slots")
+        if len(ids) != len(slots):
+            raise ValueError(f"forward_batch takes one token id per slot: {len(ids)} ids for {len(slots)} slots")
         if not slots:
             raise ValueError("forward_batch needs at least one slot")
         if len(set(slots)) != len(slots):
@@ -367,9 +418,8 @@ class Engine:
         if full:
             raise ValueError(f"context full: slot {full[0]} holds {self.positions[full[0]]} tokens, the max context "
                              f"{self.max_context}")
-        self._check_token_ids(ids)
         if not self.batched or len(slots) == 1:
-            return np.concatenate([self.forward([int(token)], slot) for token, slot in zip(ids, slots)])
+            return np.concatenate([self.forward_stage(ids[i:i + 1], slot) for i, slot in enumerate(slots)])
         chunks = [self._forward_chunk(ids[i:i + self.max_batch], tuple(slots[i:i + self.max_batch]))
                   for i in range(0, len(slots), self.max_batch)]
         return np.concatenate(chunks)
@@ -377,9 +427,9 @@ class Engine:
     def _forward_chunk(self, ids: np.ndarray, slots: tuple[int, ...]) -> np.ndarray:
         rows = len(slots)
         if rows == 1:
-            return self.forward(ids, slots[0])
+            return self.forward_stage(ids, slots[0])
         program = self._batch_program(slots)
-        self.buffers["input_ids"][:rows] = ids
+        self._write_inputs(ids)
         kind = step_kind("batch", rows)
         threads = self.governor.threads_for(kind)
         began = time.perf_counter()
@@ -391,7 +441,7 @@ class Engine:
             self.profile["batch_tokens"] = self.profile.get("batch_tokens", 0) + rows
         for slot in slots:
             self.positions[slot] += 1
-        return self.buffers["logits"][:rows].copy()
+        return self.buffers[self.stage_output][:rows].copy()
 
     def _profile_wall(self, began: float) -> None:
         """Wall time not spent inside a kernel or copy: the runtime's own cost."""
@@ -424,6 +474,54 @@ class Engine:
             began = clock()
             step.run(position if step.sequence is None else position[step.sequence])
             record(step.role, clock() - began, step.bytes_read())
+
+
+def _stage_calls(calls: list[Call], manifest, stage: int) -> tuple[list[Call], str | None, str]:
+    """Stage `stage`'s calls of a split model, the buffer its hand-over in writes (None for the first stage: it
+    takes token ids) and the buffer it sends on (the logits for the last)."""
+    count = len(manifest.stages)
+    if not count:
+        raise ArtifactError(f"stage {stage} was asked of an artifact that is not split across machines (built "
+                            "without --nodes): load it whole")
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < count:
+        raise ValueError(f"stage must be in [0, {count}) (the artifact's stages); got {stage!r}")
+    handovers = {call.stage: call for call in calls if call.role is Role.HANDOVER}
+    if sorted(handovers) != list(range(count - 1)):
+        raise ArtifactError(f"schedule.json is damaged: its hand-overs leave stages {sorted(handovers)} of "
+                            f"{count}; rebuild the artifact")
+
+    def one(call: Call, writes: bool) -> str:
+        return next(arg.buffer for arg in call.args if arg.writes == writes)
+
+    incoming = None if stage == 0 else one(handovers[stage - 1], True)
+    outgoing = "logits" if stage == count - 1 else one(handovers[stage], False)
+    return [call for call in calls if call.stage == stage and call.role is not Role.HANDOVER], incoming, outgoing
+
+
+def _used_buffers(calls: list[Call], buffers: dict[str, Buffer], *extra: str | None) -> set[str]:
+    """The buffers `calls` pass or count with, input_ids and logits, and `extra` (a stage's in and out)."""
+    used = {"input_ids", "logits", *(name for name in extra if name)}
+    for call in calls:
+        used.update(call.buffers())
+        if call.selection is not None:
+            used.update(name for name in (call.selection.count, call.selection.hidden) if name)
+    return used & set(buffers)
+
+
+def _stage_weight_files(directory: Path, manifest, headers: dict, calls: list[Call], check_hashes: bool) -> dict:
+    """The weight files one stage reads (each weight from the file holding the most of the stage's weights: its
+    own stage's file, never another stage's), each checked against its sha256 first; {path: header}."""
+    needed = _used_buffers(calls, manifest.buffers) - {"input_ids", "logits"}
+    chosen: dict = {}
+    for path, header in sorted(headers.items(), key=lambda item: -len(needed & set(item[1]))):
+        if needed & set(header):
+            chosen[path] = header
+            needed -= set(header)
+    for path in chosen:
+        relative = str(path.relative_to(directory))
+        if check_hashes:
+            check_hash(directory, relative, manifest.files[relative])
+    return chosen
 
 
 def _buffer_homes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[set[str], set[str]]:

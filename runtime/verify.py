@@ -293,12 +293,12 @@ def _check_signatures(buffers: dict[str, Buffer], nodes: list[dict], signatures:
         call, args = node.id, [arg.buffer for arg in node.args]
         for phase in PHASES:
             kernel = node.kernel(phase)
-            if kernel and node.role is Role.COPY:  # the runtime's own transfer: the same rows on both sides
+            if kernel and node.runtime_own:  # a copy or hand-over, the runtime's own: the same rows on both sides
                 sources = [arg.buffer for arg in node.args if not arg.writes]
                 targets = [arg.buffer for arg in node.args if arg.writes]
                 if len(sources) != 1 or len(targets) != 1 or START in args:
-                    raise ArtifactError(f"schedule.json is damaged: copy {call} does not have a source and a target; "
-                                        "rebuild the artifact")
+                    raise ArtifactError(f"schedule.json is damaged: {node.role.value} {call} does not have a source "
+                                        "and a target; rebuild the artifact")
                 source, target = buffers[sources[0]], buffers[targets[0]]
                 if (source.shape, source.dtype) != (target.shape, target.dtype):
                     raise disagrees(f"buffers.{sources[0]} is {source.dtype} {source.shape} but "

@@ -1,0 +1,280 @@
+"""A model split across machines (`build --nodes`): the hand-over in the schedule, each stage's engine, the stages as
+Ray actors on a two-node Ray cluster of this machine (127.0.0.1), and the CLI around them.
+
+The tiny OPT of the server tests, built whole (`tiny_sparse_artifact`) and split in two stages (stage 1 asking for
+the Ray resource `picompile_stage1`, which only the cluster's second node offers). Prefill and decode logits of the
+split artifact equal the whole one's exactly (the same kernels on the same rows; the hand-over copies the rows
+unchanged), in one process, stage by stage, and through Ray. A batch step of the pipeline runs a micro-batch per
+stage: its logits equal one engine's batch steps of the same micro-batches exactly (a sparse batch step computes
+the union of its sequences' predicted neurons, so another grouping gives other logits, as one engine's batch steps
+differ from its decode steps), and concurrent requests' greedy answers equal one engine's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+from runtime import ArtifactError
+from runtime.engine import Engine
+from runtime.sampling import generate
+from test_runtime_thin import ROOT
+from test_serve import WAIT_S, GatedEngine, client, live_server, wait_until
+
+STAGE1 = {"picompile_stage1": 1}
+PROMPT, DECODED = [3, 14, 15, 92, 65], [5, 7, 9, 11, 13, 2]
+
+
+@pytest.fixture(scope="module")
+def split_artifact(tiny_models, tmp_path_factory):
+    """The tiny OPT built as `tiny_sparse_artifact` is, by the CLI, split in two stages by a nodes file naming the
+    second node's Ray resource."""
+    from picompile.cli import main
+
+    work = tmp_path_factory.mktemp("stages")
+    spec = work / "nodes.json"
+    spec.write_text(json.dumps({"nodes": [{"name": "head", "memory": "1GiB"},
+                                          {"name": "second", "memory": "1GiB", "resources": STAGE1}]}))
+    out = work / "opt-tiny-split.pic"
+    assert main(["build", str(tiny_models("opt", sparsity=0.9).onnx), "--target", "cpu", "--max-context", "64",
+                 "--weight-dtype", "fp32", "--nodes", str(spec), "-o", str(out), "-q"]) == 0
+    return out
+
+
+def _steps(forward, forward_batch=None) -> list[np.ndarray]:
+    """The logits of a prefill, decode steps, and (with `forward_batch`) batch steps of slots 0-2."""
+    found = [forward(PROMPT, 0)] + [forward([token], 0) for token in DECODED]
+    if forward_batch is not None:
+        for slot in (1, 2):
+            found.append(forward([slot, 40 + slot], slot))
+        found += [forward_batch([4 + step, 6, 8], [0, 1, 2]) for step in range(3)]
+    return found
+
+
+def _schedule(artifact) -> list[dict]:
+    return sorted(json.loads((artifact / "schedule.json").read_text())["nodes"], key=lambda node: node["order"])
+
+
+def test_the_hand_over_is_a_call_of_the_schedule_and_an_unsplit_schedule_has_no_stages(split_artifact,
+                                                                                        tiny_sparse_artifact):
+    assert not any("stage" in node["call"] for node in _schedule(tiny_sparse_artifact))
+    schedule = json.loads((split_artifact / "schedule.json").read_text())
+    calls = [node["call"] for node in sorted(schedule["nodes"], key=lambda node: node["order"])]
+    (handover,) = [call for call in calls if call["role"] == "handover"]
+    stages = [call.get("stage", 0) for call in calls]
+    at = calls.index(handover)
+    assert stages == [0] * (at + 1) + [1] * (len(calls) - at - 1) and handover["layer"] is None
+    source, target = (arg["buffer"] for arg in handover["args"])
+    assert source != target
+    # the DAG orders it after the stage-0 call that wrote its source and before the stage-1 calls that read its target
+    edges = {(edge["source"], edge["target"]) for edge in schedule["edges"]}
+    assert any((call["id"], handover["id"]) in edges for call in calls[:at]
+               if any(arg["buffer"] == source and arg["access"] == "write" for arg in call["args"]))
+    assert any((handover["id"], call["id"]) in edges for call in calls[at + 1:]
+               if any(arg["buffer"] == target for arg in call["args"]))
+    assert sorted(p.name for p in (split_artifact / "weights").iterdir()) == ["stage0.cpu.safetensors",
+                                                                              "stage1.cpu.safetensors"]
+
+
+def test_inspect_shows_the_stages_and_their_hand_over(split_artifact, capsys):
+    from picompile.cli import main
+
+    assert main(["inspect", str(split_artifact), "--json"]) == 0
+    first, last = json.loads(capsys.readouterr().out)["stages"]
+    assert (first["first_layer"], first["stop_layer"], last["first_layer"], last["stop_layer"]) == (0, 1, 1, 2)
+    assert first["handovers"] == [{"call": "handover.stage0_to_1", "bytes_per_token": 64 * 4}] and not last["handovers"]
+    assert last["resources"] == STAGE1 and first["calls"] + last["calls"] == len(_schedule(split_artifact))
+    assert main(["inspect", str(split_artifact)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage ")]
+    assert len(lines) == 2 and "hands over 256 B/token" in lines[0] and "picompile_stage1" in lines[1]
+
+
+def test_one_process_and_stage_by_stage_equal_the_unsplit_artifact(split_artifact, tiny_sparse_artifact):
+    """Exactly: prefill, decode and batch steps of the split artifact in one process (the hand-over a copy), and
+    prefill and decode stage by stage, each stage engine feeding the next."""
+    whole, split = Engine(tiny_sparse_artifact, slots=3), Engine(split_artifact, slots=3)
+    expected = _steps(whole.forward, whole.forward_batch)
+    for found, wanted in zip(_steps(split.forward, split.forward_batch), expected, strict=True):
+        np.testing.assert_array_equal(found, wanted)
+    first, last = Engine(split_artifact, stage=0), Engine(split_artifact, stage=1)
+    assert (first.stage_input, first.stage_output, last.stage_input, last.stage_output) == (
+        None, "act.residual1", "act.stage1.in", "logits")  # the hand-over: from a buffer of stage 0 to one of stage 1
+    with pytest.raises(ValueError, match="forward_stage"):
+        first.forward(PROMPT)
+    found = _steps(lambda ids, slot: last.forward_stage(first.forward_stage(ids, slot), slot))
+    for found_step, wanted in zip(found, expected):
+        np.testing.assert_array_equal(found_step, wanted)
+    with pytest.raises(ValueError, match=r"hidden rows \[rows, 64\]"):
+        last.forward_stage(np.zeros((1, 3), np.float32))
+
+
+def test_a_stage_never_reads_another_stages_weights(split_artifact, tmp_path):
+    """Stage 0's weight file with its data overwritten (its header kept): stage 1 loads and computes as before,
+    so it neither hashed nor read that data; stage 0 refuses the file."""
+    import shutil
+
+    from runtime.artifact import read_safetensors_header
+
+    copy = tmp_path / "split.pic"
+    shutil.copytree(split_artifact, copy)
+    path = copy / "weights" / "stage0.cpu.safetensors"
+    data = bytearray(path.read_bytes())
+    start = len(data) - max(tensor["data_offsets"][1] for tensor in read_safetensors_header(path).values())
+    data[start:] = bytes(len(data) - start)
+    path.write_bytes(bytes(data))
+    hidden = Engine(split_artifact, stage=0).forward_stage(PROMPT)
+    np.testing.assert_array_equal(Engine(copy, stage=1).forward_stage(hidden),
+                                  Engine(split_artifact, stage=1).forward_stage(hidden))
+    with pytest.raises(ArtifactError, match="stage0.cpu.safetensors is damaged"):
+        Engine(copy, stage=0)
+
+
+def test_stage_of_an_unsplit_artifact_is_refused(tiny_sparse_artifact):
+    with pytest.raises(ArtifactError, match="not split across machines"):
+        Engine(tiny_sparse_artifact, stage=0)
+
+
+def test_run_local_equals_the_unsplit_run_and_without_ray_is_one_error_line(split_artifact, tiny_sparse_artifact,
+                                                                             capsys):
+    from picompile.cli import main
+
+    def run(artifact, *options):
+        assert main(["run", str(artifact), "--prompt-ids", "3,14,15", "-n", "6", "--json", *options]) == 0
+        return json.loads(capsys.readouterr().out)["generated_ids"]
+
+    assert run(split_artifact, "--stages", "local") == run(tiny_sparse_artifact)
+    assert main(["run", str(tiny_sparse_artifact), "--prompt-ids", "1", "--stages", "local"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: --stages: {tiny_sparse_artifact} is not split across "
+                                                    "machines (built without --nodes)"]
+    assert main(["run", str(tiny_sparse_artifact), "--prompt-ids", "1", "--address", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --address starts the stages of a model split across "
+                                                    f"machines (build --nodes) on a Ray cluster; {tiny_sparse_artifact} "
+                                                    "is not split"]
+    assert main(["run", str(split_artifact), "--prompt-ids", "1", "--profile"]) == 2  # refused before Ray starts
+    assert "add --stages local" in capsys.readouterr().err
+    code = ("import sys\nsys.modules['ray'] = None  # as on a machine without it\n"
+            "from picompile.cli import main\n"
+            f"sys.exit(main(['run', {str(split_artifact)!r}, '--prompt-ids', '1,2']))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [f"error: {split_artifact} is split across machines (build --nodes): running "
+                                          "its stages needs the ray extra (ray is not installed): pip install -e "
+                                          "'.[ray]' (or --stages local: all in this process)"]
+
+
+# ---------------------------------------------------------------- on Ray: a head node and a second node
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Ray cluster of two node processes on 127.0.0.1, the second offering `picompile_stage1`; this process its
+    driver. Shut down at the module's end."""
+    pytest.importorskip("ray")
+    import ray
+    import ray._private.ray_constants as constants
+    from ray.cluster_utils import Cluster
+
+    # Ray turns a loopback address into the machine's own (for other machines to reach): keep everything on 127.0.0.1
+    constants.ENABLE_RAY_CLUSTER, was = False, constants.ENABLE_RAY_CLUSTER
+    node = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 * 2**20}
+    made = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    try:
+        second = made.add_node(**node, resources=STAGE1)
+        ray.init(address=made.address, log_to_driver=False, configure_logging=False)
+        yield second.node_id
+    finally:
+        ray.shutdown()
+        made.shutdown()
+        constants.ENABLE_RAY_CLUSTER = was
+
+
+@pytest.fixture(scope="module")
+def pipeline(cluster, split_artifact):
+    from runtime.ray_stages import Pipeline
+
+    stages = Pipeline(split_artifact, slots=4, code_path=str(ROOT), step_timeout_s=WAIT_S, start_timeout_s=WAIT_S)
+    yield stages
+    stages.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sparse_artifact):
+    engine = Engine(tiny_sparse_artifact)  # a single-slot engine of the unsplit artifact
+    return lambda prompt, tokens: generate(engine, prompt, tokens)["generated_ids"]
+
+
+def test_two_stages_on_two_ray_nodes_give_the_unsplit_logits(pipeline, cluster, tiny_sparse_artifact):
+    assert pipeline.where[1]["node"] == cluster and pipeline.where[0]["node"] != cluster
+    whole = Engine(tiny_sparse_artifact, slots=3)
+
+    def micro_batches(ids, slots):  # the pipeline's batch step of 3 slots over 2 stages: slots 0-1, then slot 2
+        return np.concatenate([whole.forward_batch(ids[:2], slots[:2]), whole.forward_batch(ids[2:], slots[2:])])
+
+    expected = _steps(whole.forward, micro_batches)
+    for slot in range(3):
+        pipeline.reset(slot)
+    found = _steps(pipeline.forward, pipeline.forward_batch)
+    for found_step, wanted in zip(found, expected, strict=True):
+        np.testing.assert_array_equal(found_step, wanted)
+    assert pipeline.positions[:3] == [len(PROMPT) + len(DECODED) + 3, 5, 5]
+
+
+@pytest.fixture(scope="module")
+def server(pipeline):
+    gated = GatedEngine(pipeline)
+    with live_server(gated, tokenizer=None, parallel=4, queue=8) as url:
+        yield url, gated
+
+
+def test_concurrent_requests_through_the_stages_equal_one_engine(server, reference):
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, _ = server
+    prompts = [[1, 2, 3], [50, 60, 70, 80], [100, 5], [9] * 7, [33, 44]]
+
+    def ask(prompt):
+        return client(url).completions.create(model="any", prompt=prompt, max_tokens=8, temperature=0).choices[0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert [answer.model_extra["token_ids"] for answer in answers] == [reference(p, 8) for p in prompts]
+
+
+def test_a_killed_stage_fails_its_request_and_the_next_request_works(server, pipeline, reference):
+    """A streamed request held between steps; its stage 1 actor killed: the request ends with an error chunk (never
+    a hang), Ray restarts the stage, and the next request gets the unsplit artifact's answer."""
+    import ray
+
+    url, gated = server
+    into = {"ids": [], "error": None, "done": False}
+
+    def stream():
+        body = {"prompt": [1, 2, 3], "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=WAIT_S) as response:
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    into["done"] = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        into["error"] = chunk["error"]["message"]
+                    else:
+                        into["ids"] += chunk["choices"][0]["token_ids"]
+
+    gated.hold()
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    gated.step(3)  # the prefill and two decode steps
+    wait_until(lambda: len(into["ids"]) == 3, "three tokens")
+    ray.kill(pipeline.actors[1], no_restart=False)
+    gated.open()
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "the request hung"
+    assert into["error"] is not None and "stage" in into["error"] and into["ids"] == reference([1, 2, 3], 3), into
+    answer = client(url).completions.create(model="any", prompt=[5, 6], max_tokens=6, temperature=0)
+    assert answer.choices[0].model_extra["token_ids"] == reference([5, 6], 6)
