@@ -7,7 +7,6 @@ is killed."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -20,9 +19,10 @@ import pytest
 from byte_tokenizer import ByteTokenizer
 from test_runtime_thin import ROOT
 from test_serve import TOKENIZER, WAIT_S, client, health, metrics, reference  # noqa: F401 (a fixture)
-from test_serve import stream_and_whole, wait_until as serve_wait_until
+from test_serve import stream_and_whole, stream_completion, wait_until as serve_wait_until
 
 REPLICAS = 2
+REPLICA_HEADER = "x-picompile-replica"  # the replica that gave an answer (runtime/ray_serve.py)
 
 
 def wait_until(condition, what: str):
@@ -167,28 +167,6 @@ def test_health_and_metrics_name_the_replica_and_count_the_replicas(ray_url):
     assert values['picompile_replicas{state="RUNNING"}'] == REPLICAS and values["picompile_slots_total"] == 2
 
 
-def _stream(url: str, prompt: list[int], max_tokens: int, into: dict) -> None:
-    """A streamed completion read raw: the replica that answers (header), its token ids, and how it ended."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    into.update(ids=[], done=False, error=None)
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=WAIT_S) as response:
-            into["replica"] = response.headers["x-picompile-replica"]
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    into["done"] = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        into["error"] = chunk["error"]["message"]
-                    else:
-                        into["ids"] += chunk["choices"][0]["token_ids"]
-    except httpx.HTTPError as error:  # the connection cut short: what a client sees of a replica that died
-        into["error"] = repr(error)
-    finally:
-        into.setdefault("replica", None)
-
-
 def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference):
     """3 streamed requests running; the replica of the first is killed: its requests end with an error (never a
     hang), the other replica's finish with the right tokens, Serve starts a replacement and later requests
@@ -207,13 +185,13 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference)
         except openai.APIStatusError as error:
             into["status"] = error.status_code
 
-    threads = [*(threading.Thread(target=_stream, args=(ray_url, prompt, max_tokens, into), daemon=True)
+    threads = [*(threading.Thread(target=stream_completion, args=(ray_url, prompt, max_tokens, into), daemon=True)
                  for into in streams),
                *(threading.Thread(target=ask_whole, args=(into,), daemon=True) for into in wholes)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: all("replica" in s for s in streams), "the streams to start")  # each has its header
-    victim = streams[0]["replica"]
+    wait_until(lambda: all("headers" in s for s in streams), "the streams to start")  # each names its replica
+    victim = streams[0]["headers"][REPLICA_HEADER]
     assert victim in before
     names = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
              if actor["name"].startswith("SERVE_REPLICA::") and actor["name"].endswith(f"#{victim}")]
@@ -223,7 +201,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference)
         thread.join(WAIT_S)
         assert not thread.is_alive(), "a request hung"
     for into in streams:
-        if into["replica"] == victim:
+        if into["headers"].get(REPLICA_HEADER) == victim:
             assert into["error"] is not None and not into["done"], into
         else:
             assert into["done"] and into["error"] is None and into["ids"] == reference(prompt, max_tokens), into

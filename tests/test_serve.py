@@ -168,6 +168,29 @@ def test_string_prompt_and_chat_are_encoded_by_the_tokenizer(text_server, refere
     assert chat.usage.prompt_tokens == len("system: be brief\nuser: hi\nassistant:")
 
 
+def stream_completion(url: str, prompt: list[int], max_tokens: int, into: dict) -> None:
+    """A greedy streamed completion read raw into `into`: the answer's `headers` (once it started), its token `ids`,
+    the `error` chunk's message (or the cut connection's), and whether it ended with [DONE] (`done`)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    into.update(ids=[], done=False, error=None)
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=WAIT_S) as response:
+            into["headers"] = dict(response.headers)
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    into["done"] = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        into["error"] = chunk["error"]["message"]
+                    else:
+                        into["ids"] += chunk["choices"][0]["token_ids"]
+    except httpx.HTTPError as error:  # the connection cut short (a server process that died)
+        into["error"] = repr(error)
+    finally:
+        into.setdefault("headers", {})
+
+
 def stream_and_whole(api, sampling: dict) -> tuple[list, list]:
     """The same sampled completion streamed (its chunks, and those with a choice) and whole, checked equal in
     text and tokens: what every server of the API (plain, Ray Serve) must give."""
