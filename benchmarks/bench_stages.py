@@ -5,7 +5,7 @@ Builds (or reuses) `--out`/split.pic from MODEL with `--nodes` (two nodes, the s
 `picompile_stage1`) and the same build options as the one-node artifact `--whole` (default: built beside it,
 `--dense` unless `--sparse`). Then, alternated `--runs` times, a prompt of `--prompt-len` tokens and `--tokens`
 decode steps of:
-- `whole`: `Engine(whole)` at 1 thread and at 2 (this host's cores);
+- `whole`: `Engine(whole)` at 1 thread and at 2 (this host's cores), each engine loaded for its turn;
 - `one process`: `Engine(split)`, every stage in this process, the hand-over a row copy (1 thread);
 - `ray`: `runtime.ray_stages.Pipeline` on a Ray cluster of two node processes on 127.0.0.1 (one CPU each, the
   second offering `picompile_stage1`), one kernel thread per stage: one request, and `--concurrent` requests
@@ -122,12 +122,16 @@ def main() -> None:
     try:
         pipeline = ray_stages.Pipeline(split_path, slots=max(args.concurrent, 1), threads=1, code_path=str(ROOT))
         assert pipeline.where[1]["node"] == second and pipeline.where[0]["node"] != second, pipeline.where
-        engines = {"whole, 1 thread": Engine(whole_path, threads=1), "whole, 2 threads": Engine(whole_path, threads=2),
-                   "one process": Engine(split_path, threads=1)}
+        # loaded one at a time, each run (a 1B model's weights thrice would not fit beside the stages)
+        engines = {"whole, 1 thread": lambda: Engine(whole_path, threads=1),
+                   "whole, 2 threads": lambda: Engine(whole_path, threads=2),
+                   "one process": lambda: Engine(split_path, threads=1)}
         for run in range(args.runs):
             reference = None
-            for name, engine in engines.items():
+            for name, load in engines.items():
+                engine = load()
                 seconds, rows = decode(engine.forward, engine.reset, prompts[0], args.tokens)
+                del engine
                 results.setdefault(name, []).append(seconds)
                 if reference is None:
                     reference = rows
