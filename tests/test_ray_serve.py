@@ -18,16 +18,16 @@ import pytest
 
 from byte_tokenizer import ByteTokenizer
 from test_runtime_thin import ROOT
-from test_serve import TOKENIZER, WAIT_S, client, health, metrics, reference  # noqa: F401 (a fixture)
+from test_serve import START_WAIT_S, TOKENIZER, WAIT_S, client, health, metrics, reference  # noqa: F401 (a fixture)
 from test_serve import stream_and_whole, stream_completion, wait_until as serve_wait_until
 
 REPLICAS = 2
 REPLICA_HEADER = "x-picompile-replica"  # the replica that gave an answer (runtime/ray_serve.py)
 
 
-def wait_until(condition, what: str):
+def wait_until(condition, what: str, timeout_s: float = WAIT_S):
     """test_serve's, polling every 0.1 s: each poll here is a request through Ray."""
-    serve_wait_until(condition, what, poll_s=0.1)
+    serve_wait_until(condition, what, poll_s=0.1, timeout_s=timeout_s)
 
 
 def test_serve_ray_without_ray_is_one_error_line_naming_the_extra(tmp_path):
@@ -215,7 +215,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference)
         seen.add(answer["replica"])
         return answer["deployment"]["replicas"] == {"RUNNING": REPLICAS} and seen - before
 
-    wait_until(replaced, "a replacement replica")
+    wait_until(replaced, "a replacement replica", timeout_s=START_WAIT_S)
     api = client(ray_url)
     for _ in range(4):
         answer = api.completions.create(model="any", prompt=[5, 6], max_tokens=4, temperature=0)

@@ -23,10 +23,13 @@ from runtime.serve import StopMatcher, bind, create_app, make_server
 from test_runtime_thin import ROOT, run_without_compiler_stack
 
 WAIT_S = 60  # how long a test waits for a server to reach a state before it fails (never a measured time)
+# ... for a new worker process (a Ray Serve replica, a stage actor) to load TVM and an artifact: 60 s was too short
+# beside a build's torch threads (a bound, not a measured time)
+START_WAIT_S = 240
 
 
-def wait_until(condition, what: str, poll_s: float = 0.01):
-    deadline = time.monotonic() + WAIT_S
+def wait_until(condition, what: str, poll_s: float = 0.01, timeout_s: float = WAIT_S):
+    deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what}")

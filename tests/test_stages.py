@@ -23,11 +23,7 @@ from runtime import ArtifactError
 from runtime.engine import Engine
 from runtime.sampling import generate
 from test_runtime_thin import ROOT
-from test_serve import WAIT_S, GatedEngine, client, live_server, stream_completion, wait_until
-
-# how long the stages may take to start: two worker processes load TVM and the artifact (a bound, not a measured
-# time: 60 s was too short beside a build's torch threads)
-START_WAIT_S = 240
+from test_serve import START_WAIT_S, WAIT_S, GatedEngine, client, live_server, stream_completion, wait_until
 
 STAGE1 = {"picompile_stage1": 1}
 PROMPT, DECODED = [3, 14, 15, 92, 65], [5, 7, 9, 11, 13, 2]
