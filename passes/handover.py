@@ -80,5 +80,5 @@ class Handover:
                             user.replace_input_with(index, handover.outputs[0])
                 handovers += 1
         ctx.log(f"handover: {len(stages)} stages, {handovers} hand-overs ("
-                + ", ".join(f"{s.name} layers {s.first_layer}-{s.stop_layer - 1}" for s in stages) + ")")
+                + ", ".join(f"{s.name} {s.layers_text()}" for s in stages) + ")")
         return PassResult(model, modified=True)

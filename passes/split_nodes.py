@@ -22,10 +22,10 @@ from .facts import ModelFact
 from .nodes import Part, handover_seconds, split_layers
 from .ops import FFN, Attention, Embed
 from .pipeline import Context
-from .sizes import KV_CACHE_DTYPE, cpu_bytes, kv_cache_bytes
+from .sizes import cpu_bytes, kv_cache_bytes
 from .targets import format_size
 from runtime.calls import Role
-from runtime.dtypes import itemsize
+from runtime.dtypes import nbytes
 from runtime.manifest import Stage
 
 
@@ -80,7 +80,7 @@ class SplitNodes:
         head = _matrix_bytes(list(model.graph.initializers.values()), fmt, counted)  # the rest: the output layer
         parts = [Part(weights + cache, weights + cache / 2) for _, (weights, cache) in sorted(layers.items())]
         plans = split_layers(parts, Part(embed, 0.0), Part(head, float(head)), nodes)
-        handover = hidden * itemsize(KV_CACHE_DTYPE)  # one fp32 row of the residual stream
+        handover = nbytes([hidden], "float32")  # one row of the residual stream (select-kernels' activations)
         stages = [Stage(name=plan.node.name, first_layer=plan.first_layer, stop_layer=plan.stop_layer,
                         memory_bytes=plan.node.memory_bytes, target=plan.node.target,
                         resources=dict(plan.node.resources), weight_bytes=plan.stored_bytes,
@@ -88,9 +88,7 @@ class SplitNodes:
                   for i, plan in enumerate(plans)]
         NodeSplit(stages).attach(model)
         for stage in stages:
-            layers = (f"layer {stage.first_layer}" if stage.stop_layer - stage.first_layer == 1
-                      else f"layers {stage.first_layer}-{stage.stop_layer - 1}")
-            ctx.log(f"split-nodes: {stage.name} runs {layers}: "
+            ctx.log(f"split-nodes: {stage.name} runs {stage.layers_text()}: "
                     f"{format_size(stage.weight_bytes)} of {format_size(stage.memory_bytes)}, "
                     f"{stage.expected_step_s * 1e3:.2f} ms a token")
         slowest = max(stage.expected_step_s for stage in stages)

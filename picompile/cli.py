@@ -175,9 +175,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="a running Ray cluster (its head's host:6379, or auto on one of its nodes); default: a Ray "
                           "instance of this process on this machine only. A model split across machines (build "
                           "--nodes) starts its stages there, with or without --ray")
-    serve.add_argument("--stages", choices=("ray", "local"), default=None,
-                       help="a model split across machines (build --nodes): its stages as Ray actors (ray, the "
-                            "default) or all in this process (local)")
+    _stages_argument(serve)  # (serve's --address is the Ray group's)
 
     evaluate = commands.add_parser("eval", help="compare an artifact with onnxruntime on the source ONNX (or GGUF file)")
     evaluate.add_argument("artifact", type=Path)
@@ -286,10 +284,15 @@ def _threads_argument(parser: argparse.ArgumentParser) -> None:
                              "among the cores this process may use (fewer where other work keeps cores busy)")
 
 
-def _stages_arguments(parser: argparse.ArgumentParser) -> None:
+def _stages_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", choices=("ray", "local"), default=None,
                         help="a model split across machines (build --nodes): its stages as Ray actors (ray, the "
                              "default) or all in this process (local)")
+
+
+def _stages_arguments(parser: argparse.ArgumentParser) -> None:
+    """`run`'s --stages and --address."""
+    _stages_argument(parser)
     parser.add_argument("--address", default=None, metavar="ADDR",
                         help="with --stages ray: the Ray cluster whose nodes offer the stages' resources (its head's "
                              "host:6379); default: a Ray instance of this process on this machine only")
@@ -341,7 +344,7 @@ def _stages_engine(args, slots: int = 1):
         ray_stages.stop()
         raise UserError(f"the stages of {args.artifact} could not start on Ray: {error}") from None
     print(f"{len(stages)} stages on Ray ({'this machine' if local else args.address}): "
-          + ", ".join(f"{stage.name} layers {stage.first_layer}-{stage.stop_layer - 1}" for stage in stages),
+          + ", ".join(f"{stage.name} {stage.layers_text()}" for stage in stages),
           file=sys.stderr, flush=True)
     return pipeline, ray_stages.stop
 
@@ -746,7 +749,7 @@ def _inspect(args) -> int:
         for role, entry in sorted(decode_reads.items())))
     say(f"kernels     {len(kernels)}: " + ", ".join(kernels))
     for stage in info.get("stages", []):
-        say(f"stage {stage['index']}     {stage['name']}: layers {stage['first_layer']}-{stage['stop_layer'] - 1}, "
+        say(f"stage {stage['index']}     {stage['name']}: {manifest.stages[stage['index']].layers_text()}, "
             f"target {stage['target']}, resources {stage['resources'] or 'none'}, {stage['calls']} calls, weights "
             f"{format_size(stage['weight_bytes_read'])}"
             + "".join(f"; hands over {h['bytes_per_token']} B/token ({h['call']})" for h in stage["handovers"]))

@@ -113,6 +113,12 @@ class Call:
         """A copy or a hand-over: done by the runtime itself, no kernel of the library."""
         return self.role in (Role.COPY, Role.HANDOVER)
 
+    @property
+    def transfer(self) -> tuple[str, str]:
+        """A copy's or hand-over's (source, target): the buffer it reads and the one it writes."""
+        return (next(arg.buffer for arg in self.args if not arg.writes),
+                next(arg.buffer for arg in self.args if arg.writes))
+
     def kernel(self, phase: str) -> str:
         return {"decode": self.decode, "prefill": self.prefill, "batch": self.batch}[phase]
 

@@ -222,15 +222,13 @@ class Engine:
     def _bind(self, call: Call, phase: str, rows: int, slot: int = 0, first: int = 0):
         args = [arg.buffer for arg in call.args]
         if call.role is Role.HANDOVER:  # one process runs every stage: the hand-over is a copy of the step's rows
-            source = next(arg.buffer for arg in call.args if not arg.writes)
-            target = next(arg.buffer for arg in call.args if arg.writes)
+            source, target = call.transfer
             source_rows, target_rows = self._view(source, rows, slot, first), self._view(target, rows, slot, first)
             return lambda position: np.copyto(target_rows, source_rows)
         if call.role is Role.COPY:  # one argument read on one side, one written on the other
             if call.device != "gpu":
                 raise ArtifactError(f"copy {call.id} is scheduled on the CPU; copies belong to the GPU's executor")
-            source = next(arg.buffer for arg in call.args if not arg.writes)
-            target = next(arg.buffer for arg in call.args if arg.writes)
+            source, target = call.transfer
             to_device = target in self._gpu_buffers
             host, device_side = (source, target) if to_device else (target, source)
             return self.gpu.bind_copy(self._view(host, rows), device_side, rows, to_device)
@@ -490,11 +488,8 @@ def _stage_calls(calls: list[Call], manifest, stage: int) -> tuple[list[Call], s
         raise ArtifactError(f"schedule.json is damaged: its hand-overs leave stages {sorted(handovers)} of "
                             f"{count}; rebuild the artifact")
 
-    def one(call: Call, writes: bool) -> str:
-        return next(arg.buffer for arg in call.args if arg.writes == writes)
-
-    incoming = None if stage == 0 else one(handovers[stage - 1], True)
-    outgoing = "logits" if stage == count - 1 else one(handovers[stage], False)
+    incoming = None if stage == 0 else handovers[stage - 1].transfer[1]
+    outgoing = "logits" if stage == count - 1 else handovers[stage].transfer[0]
     return [call for call in calls if call.stage == stage and call.role is not Role.HANDOVER], incoming, outgoing
 
 

@@ -206,6 +206,11 @@ class Stage(_Section):
     expected_step_s: float  # the cost model's seconds of the stage's part of one decode step
     handover_bytes: int  # the hidden-state bytes one token sends to the next stage (0 for the last)
 
+    def layers_text(self) -> str:
+        """'layer 3' or 'layers 0-8': what the logs and `inspect` call its range."""
+        last = self.stop_layer - 1
+        return f"layer {last}" if last == self.first_layer else f"layers {self.first_layer}-{last}"
+
 
 @dataclass(frozen=True)
 class TargetFacts(_Section):

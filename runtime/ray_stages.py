@@ -32,7 +32,7 @@ import numpy as np
 import ray
 from ray import exceptions as ray_errors
 
-from .artifact import ArtifactError, load_manifest
+from .artifact import ArtifactError, first_line, load_manifest
 
 STEP_TIMEOUT_S = 300.0  # the longest a step may wait for the stages (a long prompt's prefill on a slow node)
 START_TIMEOUT_S = 300.0  # ... and for every stage to load its part at start (Ray placing it, reading its weights)
@@ -170,11 +170,12 @@ class Pipeline:
             if isinstance(cause, ContextLost):
                 raise StageFailed(f"a stage of the split model was restarted and lost its caches ({cause}): the "
                                   "requests of this step fail") from None
-            raise StageFailed(f"a stage failed the {what}: {_first_line(error)}") from None
+            raise StageFailed(f"a stage failed the {what}: {first_line(error, type(error).__name__)}") from None
         except (ray_errors.RayActorError, ray_errors.GetTimeoutError, ray_errors.ObjectLostError) as error:
             self._lose_all()
             if what == "start":
-                raise StageFailed(f"the stages did not all start within {timeout_s:g} s ({_first_line(error)}); "
+                raise StageFailed(f"the stages did not all start within {timeout_s:g} s "
+                                  f"({first_line(error, type(error).__name__)}); "
                                   f"each needs a Ray node with 1 CPU and its resources: "
                                   f"{[stage.resources for stage in self.stages]}") from None
             what = (f"did not answer within {timeout_s:g} s" if isinstance(error, ray_errors.GetTimeoutError) else
@@ -205,7 +206,7 @@ class Pipeline:
                     time.sleep(0.05)
                 except ray_errors.RayActorError as error:  # dead for good (its restarts used up)
                     raise StageFailed(f"stage {index} ({self.stages[index].name}) is dead and Ray will not restart "
-                                      f"it again ({_first_line(error)})") from None
+                                      f"it again ({first_line(error, type(error).__name__)})") from None
                 except ray_errors.GetTimeoutError:
                     continue
         self._failed = False
@@ -233,10 +234,6 @@ class Pipeline:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
-
-
-def _first_line(error: BaseException) -> str:
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def start_local(stages, cpus: int | None = None) -> None:
