@@ -123,6 +123,8 @@ class Expected:
     kl: float | None
     top1: float | None
     tokens: int | None
+    ppl_low: float | None = None   # ppl_change's 95% interval over the held-out sequences (None: built before it)
+    ppl_high: float | None = None
 
 
 def expected_quality(artifact: Path) -> Expected | None:
@@ -134,7 +136,7 @@ def expected_quality(artifact: Path) -> Expected | None:
     if quality is None:
         return None
     return Expected(quality.budget.kind, quality.budget.value, quality.ppl_change, quality.kl, quality.top1,
-                    quality.tokens)
+                    quality.tokens, quality.ppl_low, quality.ppl_high)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -266,6 +268,7 @@ def measured_quality(report: dict) -> dict:
     """ppl change against the source, KL per position and top-1 agreement of an evaluate() report."""
     return {"ppl": report["ppl_compiled"], "ppl_source": report["ppl_reference"],
             "ppl_change": report["ppl_compiled"] / report["ppl_reference"] - 1,
+            "ppl_low": report.get("ppl_change_low"), "ppl_high": report.get("ppl_change_high"),
             "kl": report["kl_mean"], "top1": report["top1_agreement"]}
 
 
@@ -301,6 +304,12 @@ def expected_over_measured(expected: float | None, measured: float | None) -> fl
     return expected / measured
 
 
+def within_expected(expected: dict, measured: dict) -> bool | None:
+    """Whether eval's ppl change lies in the build's 95% interval (None: no interval, or no measure)."""
+    low, high, got = expected.get("ppl_low"), expected.get("ppl_high"), measured.get("ppl_change")
+    return None if low is None or high is None or got is None else low <= got <= high
+
+
 def budget_met(expected: dict, measured: dict) -> bool | None:
     """Whether the measured quality is within the budget the build states (None: it states none, or the
     measure is missing)."""
@@ -321,6 +330,7 @@ def finish_rows(rows: list[dict]) -> list[dict]:
         expected, measured = r.get("expected") or {}, r.get("measured") or {}
         r["expected_over_measured"] = expected_over_measured(expected.get("ppl_change"), measured.get("ppl_change"))
         r["budget_met"] = budget_met(expected, measured)
+        r["within_expected"] = within_expected(expected, measured)
     return rows
 
 
@@ -343,6 +353,17 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _pct_interval(figures: dict) -> str:
+    """'+8.9% (+5.6..+12.3)': a ppl change and its 95% interval where there is one."""
+    low, high = figures.get("ppl_low"), figures.get("ppl_high")
+    interval = "" if low is None or high is None else f" ({low * 100:+.1f}..{high * 100:+.1f})"
+    return _pct(figures.get("ppl_change")) + interval
+
+
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "**no**"
+
+
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -357,8 +378,8 @@ def _budget(expected: dict, met: bool | None) -> str:
 
 def table(rows: list[dict]) -> str:
     columns = ("build", "build s", "budget (met)", "expected ppl", "expected KL", "expected top-1", "measured ppl",
-               "measured KL", "measured top-1", "expected / measured ppl change", "decode tok/s", "vs dense fp32",
-               "vs onnxruntime fp32")
+               "measured KL", "measured top-1", "expected / measured ppl change", "measured in expected 95%",
+               "decode tok/s", "vs dense fp32", "vs onnxruntime fp32")
     out = [f"| {' | '.join(columns)} |", "| --- " * len(columns) + "|"]
     for r in rows:
         if r.get("error"):
@@ -368,11 +389,11 @@ def table(rows: list[dict]) -> str:
         e, m = r.get("expected") or {}, r.get("measured") or {}
         threads = r.get("ort_threads")  # onnxruntime's faster thread count
         label = r["build"] + (f" ({threads} thread{'s' if threads > 1 else ''})" if threads else "")
-        measured_ppl = f"eval failed: {r['eval_error']}" if r.get("eval_error") else _pct(m.get("ppl_change"))
+        measured_ppl = f"eval failed: {r['eval_error']}" if r.get("eval_error") else _pct_interval(m)
         out.append(" | ".join([
-            f"| {label}", _num(r.get("build_s"), ".0f"), _budget(e, r.get("budget_met")), _pct(e.get("ppl_change")),
+            f"| {label}", _num(r.get("build_s"), ".0f"), _budget(e, r.get("budget_met")), _pct_interval(e),
             _num(e.get("kl"), ".4f"), _num(e.get("top1"), ".3f"), measured_ppl, _num(m.get("kl"), ".4f"),
-            _num(m.get("top1"), ".3f"), _num(r.get("expected_over_measured"), ".2f"),
+            _num(m.get("top1"), ".3f"), _num(r.get("expected_over_measured"), ".2f"), _yes(r.get("within_expected")),
             _num(r.get("decode_tokens_per_s"), ".1f"), _x(r.get("vs_dense_fp32")), _x(r.get("vs_ort_fp32")) + " |"]))
     return "\n".join(out)
 

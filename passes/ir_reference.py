@@ -233,13 +233,16 @@ def _residual_partners(graph: ir.Graph) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Quality:
-    """A plan's quality against the dense model on the same tokens: perplexity change (ppl ratio - 1), mean KL
-    per predicted position, and top-1 agreement."""
+    """A plan's quality against the dense model on the same tokens: perplexity change (ppl ratio - 1) with its
+    95% interval (`budget.ppl_change_interval`), mean KL per predicted position, and top-1 agreement."""
 
     ppl_change: float
     kl: float
     top1: float
     tokens: int
+    ppl_low: float
+    ppl_high: float
 
     def describe(self) -> str:
-        return f"ppl {self.ppl_change * 100:+.1f}%, KL {self.kl:.4f}, top-1 {self.top1:.2f}"
+        return (f"ppl {self.ppl_change * 100:+.1f}% ({self.ppl_low * 100:+.1f}..{self.ppl_high * 100:+.1f}%), "
+                f"KL {self.kl:.4f}, top-1 {self.top1:.2f}")

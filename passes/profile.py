@@ -16,8 +16,8 @@ activity masks, too large to hold (every calibration token is profiled), are spi
 in the workdir as they come out of onnxruntime and ride on the IR's `meta` as one `ProfiledActivations` of
 memory maps, for the predict and threshold passes. The activation CDF per layer is plotted into the
 artifact (`plots/activation_cdf.png`). A calibration set below MIN_TOKENS_PER_NEURON gets one warning line.
-The user's last sequences (`measured_sequences`; not with `hold_out=False`) are not profiled: they ride with the
-rest in `CalibrationSequences`, for the quality pass to measure plans on tokens no fit saw.
+Some of the user's sequences, spread over the file (`measured_sequences`; none with `hold_out=False`), are not
+profiled: they ride last in `CalibrationSequences`, for the quality pass to measure plans on tokens no fit saw.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ class ProfiledActivations(MemoryFact):
 @dataclass
 class CalibrationSequences(MemoryFact):
     """The calibration sequences in the profile pass's order (sampled ones first, the user's text last); the last
-    `measured` of them (the user's, `measured_sequences`) were not profiled: no fit saw them, and the quality pass
-    measures plans on them, on text like the user's."""
+    `measured` of them (the user's, taken across the file by `measured_sequences`) were not profiled: no fit saw
+    them, and the quality pass measures plans on them, on text like the user's."""
 
     META_KEY: ClassVar[str] = SEQUENCES
     MISSING: ClassVar[str] = "the IR carries no calibration sequences (run the profile pass first)"
@@ -291,22 +291,26 @@ SEQUENCE_TOKENS = 128  # the longest calibration sequence (long prompts add litt
 # tokens (the rest set its threshold). 2 per neuron is 8 d_model tokens at the usual ffn = 4 d_model, about
 # the least at which those fits stay well determined: a rule of thumb, not a measured knee.
 MIN_TOKENS_PER_NEURON = 2
-# The user's last calibration tokens kept out of every fit (predictors, their thresholds and checkpoints, awq,
+# The user's calibration tokens kept out of every fit (predictors, their thresholds and checkpoints, awq,
 # thresholds), for the quality pass to measure a plan on: about MEASURED_TOKENS of them, at most MEASURED_SHARE
 # of the user's tokens (the fits keep the rest: their held-out tokens are the user's text too).
 MEASURED_TOKENS = 1024
 MEASURED_SHARE = 0.5
 
 
-def measured_sequences(given: list[np.ndarray]) -> int:
-    """How many of the user's calibration sequences (the last ones) the fits do not see (MEASURED_TOKENS); none
-    of a single one."""
-    total, count, tokens = sum(len(s) for s in given), 0, 0
-    for sequence in reversed(given):
-        if tokens >= MEASURED_TOKENS or tokens + len(sequence) > MEASURED_SHARE * total:
-            break
-        count, tokens = count + 1, tokens + len(sequence)
-    return count
+def measured_sequences(given: list[np.ndarray]) -> list[int]:
+    """Which of the user's calibration sequences the fits do not see (about MEASURED_TOKENS, at most
+    MEASURED_SHARE of the user's tokens; none of a single one), spread evenly over the file: a file's passages
+    differ (a 10% plan's ppl change over 1,024-token stretches of one text spanned +4.5..+8.1%), and sequences
+    taken across it measure the file, not its last passage."""
+    total = sum(len(s) for s in given)
+    mean = total / max(len(given), 1)
+    mean = max(mean, 1.0)
+    count = min(math.ceil(MEASURED_TOKENS / mean), int(MEASURED_SHARE * total / mean), len(given) - 1)
+    if count <= 0:
+        return []
+    stride = len(given) / count
+    return sorted({min(int((k + 0.5) * stride), len(given) - 1) for k in range(count)})
 
 
 # the calibration sequences (`CalibrationSequences`), and the FFNs' inputs and activity (`ProfiledActivations`)
@@ -328,7 +332,7 @@ class Profile:
     # run the source over the sequences and record the FFNs' inputs and activity (False: the sequences alone, for
     # the quality pass, which runs the model itself)
     activations: bool = True
-    hold_out: bool = True  # keep the user's last sequences out of the profiled ones, for the quality pass
+    hold_out: bool = True  # keep some of the user's sequences out of the profiled ones, for the quality pass
 
     @property
     def adds(self) -> tuple[Fact, ...]:
@@ -346,7 +350,10 @@ class Profile:
         width = max(node.inputs[3].const_value.shape[0] for node in ffns)  # w_down [ffn, d_model]
         needed = MIN_TOKENS_PER_NEURON * width if self.wanted_tokens is None else self.wanted_tokens
         given_tokens = sum(len(s) for s in given)
-        measured = measured_sequences(given) if self.hold_out else 0
+        kept_out = measured_sequences(given) if self.hold_out else []
+        # the kept-out sequences go last (CalibrationSequences.measured counts them from the end)
+        given = [s for i, s in enumerate(given) if i not in set(kept_out)] + [given[i] for i in kept_out]
+        measured = len(kept_out)
         fitted_given = sum(len(s) for s in given[: len(given) - measured])
         samples = self.calib_samples
         too_big = needs_layers(source)  # sampling runs the whole model in onnxruntime
@@ -383,7 +390,8 @@ class Profile:
                                   source=str(self.calib) if self.calib else "random tokens", sampled_sequences=samples,
                                   sequence_tokens=length, wanted_tokens=needed)
         write_entry(model, CALIBRATION_KEY, calibration)
-        kept = f"; the last {tokens - profiled_tokens} (the user's) kept out of the fits" if measured else ""
+        kept = (f"; {tokens - profiled_tokens} of the user's, across the file, kept out of the fits" if measured
+                else "")
         if not self.activations:
             ctx.log(f"profile: {tokens} tokens, {len(sequences)} sequences (the model is run by the passes after)"
                     + kept)

@@ -21,12 +21,13 @@ How (TEAL's greedy allocation, priced by the cost model, checked end to end):
 3. Greedy path. From dense at the widest formats, repeatedly take the move (one knob to a sparser level and/or
    a narrower format) with the least added local error per second saved. Every move saves time, so every plan
    on the path is expected faster than the dense build of its formats.
-4. Budget, measured. On the held-out sequences (the user's last ones, which the profile kept out of every fit:
+4. Budget, measured. On the held-out sequences (the user's, across the file, which the profile kept out of every fit:
    `CalibrationSequences.measured`), the model's logits under a plan, computed with the kernels' arithmetic
    (thresholded decode rows after a 4-token prompt, weights as stored, predictors over int8 inputs where their
    GEMVs read int8), against the dense source model's: a binary search along the path for the furthest plan
    within the budget.
-   That plan's perplexity change, KL and top-1 are what the build prints and eval should confirm.
+   That plan's perplexity change (with its 95% interval over the held-out sequences: `budget.ppl_change_interval`),
+   KL and top-1 are what the build prints and eval should confirm.
 The output layer is not sparse; it takes the narrowest allowed format whose own KL on the fitting tokens stays
 under HEAD_SHARE of the budget. The embedding table (one row gathered per token: its format costs memory, not
 time) takes int8 where the build allows it.
@@ -46,7 +47,7 @@ from onnx_ir.passes import PassResult
 
 from . import costmodel
 from . import ir as pir
-from .budget import QualityBudget
+from .budget import QualityBudget, ppl_change_interval
 from .facts import ValueFact, read_entry, write_entry
 from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
@@ -224,7 +225,7 @@ class QualityPlan:
         met = budget.met_by(found.ppl_change, found.kl)
         gave_up = _gave_up(knobs, state, start, moves, steps, met, budget)
         expected = ExpectedQuality(budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
-                                   _describe_plan(knobs, state, plan), gave_up)
+                                   _describe_plan(knobs, state, plan), gave_up, found.ppl_low, found.ppl_high)
         write_entry(model, QUALITY_KEY, expected)
         ctx.log(f"quality: {expected.plan}")
         ctx.log(f"quality: {expected.line()}; measured in {round(time.perf_counter() - started, 2):.1f}s")
@@ -241,7 +242,7 @@ def _equal_length(sequences: list[np.ndarray]) -> np.ndarray:
 
 
 def _split(calibration: CalibrationSequences) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(fitting, held-out) sequences. Held out: the user's last sequences the profile kept out of every fit
+    """(fitting, held-out) sequences. Held out: the user's sequences the profile kept out of every fit
     (`measured`, any lengths); failing those (a single sequence), the last HOLDOUT of the sequences of the most
     common length (at most HELD_OUT_TOKENS). Fitting: the first (at most FIT_TOKENS) of the others of the most common
     length; a single sequence serves both."""
@@ -557,7 +558,9 @@ class _HeldOut:
                 counts[id(knob)] += [(float((decode <= t).sum()) if t >= 0 else 0.0, float(decode.numel()))
                                      for t in knob.thresholds]
 
-        self.reference = [torch.log_softmax(interpreter.logits(chunk, probe=probe), -1) for chunk in self.chunks]
+        # float64 log-probabilities: a KL of fp16 rounding (1e-8) is below float32's sum of its terms' errors
+        self.reference = [torch.log_softmax(interpreter.logits(chunk, probe=probe).to(torch.float64), -1)
+                          for chunk in self.chunks]
         for knob in knobs:
             c = counts[id(knob)]
             if knob.predictor is None:
@@ -569,18 +572,20 @@ class _HeldOut:
             knob.held_out_precision = hits / np.maximum(kept, 1.0)
 
     def quality(self, variant: Variant) -> Quality:
-        nll_ref = nll_got = kl = agree = 0.0
-        count = 0
+        nll_ref, nll_got, predicted = [], [], []  # per sequence
+        kl = agree = 0.0
         for chunk, reference in zip(self.chunks, self.reference):
-            got = torch.log_softmax(self.interpreter.logits(chunk, variant), -1)[:, :-1]
+            got = torch.log_softmax(self.interpreter.logits(chunk, variant).to(torch.float64), -1)[:, :-1]
             ref = reference[:, :-1]
             targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, 1:, None]
-            nll_ref += float(-ref.gather(-1, targets).sum())
-            nll_got += float(-got.gather(-1, targets).sum())
+            nll_ref += (-ref.gather(-1, targets)).sum((1, 2)).tolist()
+            nll_got += (-got.gather(-1, targets)).sum((1, 2)).tolist()
+            predicted += [targets.shape[1]] * targets.shape[0]
             kl += float((ref.exp() * (ref - got)).sum())
             agree += float((ref.argmax(-1) == got.argmax(-1)).sum())
-            count += targets.numel()
-        return Quality(float(np.exp((nll_got - nll_ref) / count) - 1.0), kl / count, agree / count, count)
+        count = sum(predicted)
+        change, low, high = ppl_change_interval(np.array(nll_got), np.array(nll_ref), np.array(predicted))
+        return Quality(change, kl / count, agree / count, count, low, high)
 
 
 MAX_EVALUATIONS = 5  # plans measured on the held-out tokens while searching the path

@@ -641,6 +641,8 @@ def _eval(args) -> int:
     expected = engine.manifest.quality
     if expected is not None:  # what the build measured on its held-out calibration tokens, beside what eval measures
         report.update(expected_ppl_change=expected.ppl_change, expected_kl=expected.kl, expected_top1=expected.top1)
+        if expected.ppl_low is not None:
+            report.update(expected_ppl_low=expected.ppl_low, expected_ppl_high=expected.ppl_high)
     sparsity = engine.manifest.sparsity
     if sparsity is not None:
         report["sparsity_mode"] = sparsity.mode

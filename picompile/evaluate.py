@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from passes import ir as pir
+from passes.budget import ppl_change_interval
 from passes.errors import UserError
 from passes.import_onnx import Import, source_file
 from passes.front_end import load
@@ -64,22 +65,23 @@ class ArtifactReference:
 
 
 def evaluate(engine, reference, sequences) -> dict:
-    totals = None
+    parts = []
     for sequence in sequences:
         sequence = sequence[: engine.max_context]
         reference.reset()
-        part = compare(reference.forward(sequence), compiled_logits(engine, sequence), sequence)
-        if totals is None:
-            totals = part
-        else:
-            for key, value in part.items():
-                totals[key] = max(totals[key], value) if key == "max_abs_logit_diff" else totals[key] + value
+        parts.append(compare(reference.forward(sequence), compiled_logits(engine, sequence), sequence))
+    totals = {key: max(p[key] for p in parts) if key == "max_abs_logit_diff" else sum(p[key] for p in parts)
+              for key in parts[0]}
     predicted = max(totals["predicted"], 1)
+    _, low, high = ppl_change_interval(*(np.array([p[key] for p in parts])
+                                         for key in ("nll_compiled", "nll_reference", "predicted")))
     return {
         "max_abs_logit_diff": totals["max_abs_logit_diff"],
         "top1_agreement": totals["top1_agree"] / totals["positions"],
         "ppl_reference": float(np.exp(totals["nll_reference"] / predicted)),
         "ppl_compiled": float(np.exp(totals["nll_compiled"] / predicted)),
+        "ppl_change_low": low,  # the 95% interval of ppl_compiled / ppl_reference - 1 over these sequences
+        "ppl_change_high": high,
         "kl_mean": totals["kl_sum"] / totals["positions"],
         "sequences": len(sequences),
         "positions": totals["positions"],

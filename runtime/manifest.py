@@ -81,6 +81,9 @@ class ExpectedQuality(_Section):
     met: bool
     plan: str  # what was chosen, one line
     gave_up: str  # what the budget cost, one line ("" where nothing)
+    # ppl_change's 95% interval over the held-out sequences (how much of it is which tokens they were)
+    ppl_low: float | None = _optional()
+    ppl_high: float | None = _optional()
 
     @classmethod
     def from_json(cls, data: dict) -> "ExpectedQuality":
@@ -88,7 +91,9 @@ class ExpectedQuality(_Section):
         return cls(**{**quality.__dict__, "budget": QualityBudget.from_json(data["budget"])})
 
     def line(self) -> str:
-        return (f"expected quality: ppl {self.ppl_change * 100:+.1f}% (budget {self.budget.describe()}), KL "
+        interval = (f"95%: {self.ppl_low * 100:+.1f}..{self.ppl_high * 100:+.1f}%, "
+                    if self.ppl_low is not None and self.ppl_high is not None else "")
+        return (f"expected quality: ppl {self.ppl_change * 100:+.1f}% ({interval}budget {self.budget.describe()}), KL "
                 f"{self.kl:.4f}, top-1 {self.top1:.2f} on {self.tokens:,} held-out calibration tokens")
 
 

@@ -75,19 +75,19 @@ def test_expected_quality_reads_the_manifest(tmp_path):
     assert bench.expected_quality(artifact) == bench.Expected("kl", 0.01, None, 0.006, None, None)
 
 
-def _row(build, speed, change, expected=None):
+def _row(build, speed, change, expected=None, interval=(None, None)):
     return {"build": build, "error": None, "build_s": 60.0, "decode_tokens_per_s": speed,
             "measured": {"ppl_change": change, "kl": 0.01, "top1": 0.9},
             "expected": expected and {"budget_kind": "ppl", "budget_value": 0.03, "ppl_change": expected, "kl": 0.01,
-                                      "top1": 0.9}}
+                                      "top1": 0.9, "ppl_low": interval[0], "ppl_high": interval[1]}}
 
 
 def test_ratios_table_and_curves():
     rows = bench.finish_rows([
         _row(bench.ORT_FP32, 80.0, 0.0), _row(bench.ORT_INT4, 100.0, 0.25),
         _row("dense-fp32", 100.0, 0.0), _row("thr-0.2", 120.0, 0.02), _row("thr-0.4", 140.0, 0.10),
-        _row("budget-fp32-3%", 150.0, 0.03, expected=0.025), _row("dense-int4", 200.0, 0.3),
-        _row("budget-int4-10%", 250.0, 0.12, expected=0.3)])
+        _row("budget-fp32-3%", 150.0, 0.03, expected=0.025, interval=(0.01, 0.04)), _row("dense-int4", 200.0, 0.3),
+        _row("budget-int4-10%", 250.0, 0.12, expected=0.3, interval=(0.2, 0.4))])
     by = {r["build"]: r for r in rows}
     assert by["thr-0.4"]["vs_dense_fp32"] == pytest.approx(1.4)
     assert by["thr-0.4"]["vs_ort_fp32"] == pytest.approx(1.75)
@@ -97,7 +97,11 @@ def test_ratios_table_and_curves():
     assert by["budget-fp32-3%"]["budget_met"] is True and by["budget-int4-10%"]["budget_met"] is False
     assert by["dense-fp32"]["budget_met"] is None
     text = bench.table(rows)
-    assert "| budget-fp32-3% | 60 | ppl +3% (yes) | +2.5% |" in text and "| 0.83 | 150.0 | 1.50x | 1.88x |" in text
+    # eval's +3.0% lies in the build's interval (+1..+4%); +12% is outside +20..+40%; no interval, no verdict
+    assert by["budget-fp32-3%"]["within_expected"] is True and by["budget-int4-10%"]["within_expected"] is False
+    assert by["dense-fp32"]["within_expected"] is None
+    assert "| budget-fp32-3% | 60 | ppl +3% (yes) | +2.5% (+1.0..+4.0) |" in text
+    assert "| 0.83 | yes | 150.0 | 1.50x | 1.88x |" in text and "| 2.50 | **no** | 250.0 |" in text
     curve = bench.curves(rows)
     # today's speed at +3%: a quarter of the way from (+2%, 120) to (+10%, 140)
     assert "| budget-fp32-3% | +3.0% | 150.0 | 122.5 | 1.22x |" in curve

@@ -75,23 +75,33 @@ def test_every_given_token_is_profiled_into_files(files, tmp_path):
         assert np.array_equal(whole.active[begin:begin + 12], single.active)
 
 
-def test_the_users_last_tokens_are_kept_out_of_the_fits(files, tmp_path):
-    """The last of the user's sequences (about MEASURED_TOKENS, at most half of the user's tokens) are not
-    profiled: no fit sees them, and they ride last in CalibrationSequences for the quality pass to measure on."""
+def test_the_users_tokens_kept_out_of_the_fits_come_from_across_the_file(files, tmp_path):
+    """Some of the user's sequences (about MEASURED_TOKENS, at most half of the user's tokens), taken across
+    the file, are not profiled: no fit sees them, and they ride last in CalibrationSequences for the quality
+    pass to measure on."""
     calib = write(tmp_path / "big.npy", np.random.default_rng(7).integers(0, 128, size=(5, 1100)))
     profiled, model, _, _ = profile(files, tmp_path / "w1", calib=calib, hold_out=True)
     calibration = CalibrationSequences.of(model)
     kept = calibration.sequences[-calibration.measured:]
     kept_tokens = sum(len(s) for s in kept)
-    assert MEASURED_TOKENS <= kept_tokens <= MEASURED_SHARE * 5500
-    assert np.array_equal(np.concatenate(kept), np.load(calib).reshape(-1)[-kept_tokens:])
+    assert calibration.measured > 1 and MEASURED_TOKENS <= kept_tokens <= MEASURED_SHARE * 5500
+    rows = np.load(calib)
+    # where each kept sequence sits in the file: (row, offset), in file order, spread over it
+    places = [next((r, o) for r in range(5) for o in range(1100 - len(s) + 1)
+                   if np.array_equal(rows[r, o:o + len(s)], s)) for s in kept]
+    assert places == sorted(places) and places[0][0] <= 1 and places[-1][0] >= 3
     assert all(layer.tokens == 5500 - kept_tokens for layer in profiled.layers.values())
+    fitted = np.concatenate(calibration.sequences[:-calibration.measured])
+    assert len(fitted) == 5500 - kept_tokens and sorted(np.concatenate([fitted, *kept])) == sorted(rows.ravel())
     # the samples a short set is topped up with start from the fitted sequences' first tokens, never a kept one's
     small = np.load(files.calib)[:3]
     _, model, _, _ = profile(files, tmp_path / "w3", calib=write(tmp_path / "small.npy", small), hold_out=True)
     calibration = CalibrationSequences.of(model)
     assert calibration.measured == 1 and len(calibration.sequences) == 6 + 3  # 128 fitted + 6 x 64 reach 512
-    assert [int(s[0]) for s in calibration.sequences[:6]] == [small[i % 2, 0] for i in range(6)]
+    fitted = calibration.sequences[6:-1]
+    assert len(fitted) == 2 and not any(np.array_equal(f, calibration.sequences[-1]) for f in fitted)
+    assert [int(s[0]) for s in calibration.sequences[:6]] == [int(fitted[i % 2][0]) for i in range(6)]
+    assert int(calibration.sequences[-1][0]) not in {int(f[0]) for f in fitted}
     # a single sequence: nothing kept out (the quality pass then measures on the fits' tokens)
     _, model, _, _ = profile(files, tmp_path / "w2", calib=write(tmp_path / "one.npy", np.arange(60)[None]),
                              calib_samples=0, hold_out=True)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from passes.budget import parse_budget
+from passes.budget import parse_budget, ppl_change_interval
 from runtime import load_manifest
 from runtime.manifest import QualityBudget
 from passes.errors import UserError
@@ -99,15 +99,44 @@ def _eval(files, out, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def test_the_ppl_change_interval_covers_the_true_change_about_19_times_in_20():
+    """Sequences whose per-token log-likelihood change has a known mean, drawn many times: the 95% interval
+    (standard error over whole sequences) holds the true change about 95% of the time; tokens of a sequence
+    share a common part, which an interval over tokens would miss. One sequence: the point, no spread."""
+    rng = np.random.default_rng(0)
+    true, covered, token_wise = 0.03, 0, 0
+    for _ in range(400):
+        counts = rng.integers(100, 140, size=8)
+        # per sequence: a shared shift (the passage) plus independent per-token noise
+        per_token = [true + rng.normal(0, 0.05) + rng.normal(0, 0.3, size=n) for n in counts]
+        got = np.array([d.sum() for d in per_token])
+        change, low, high = ppl_change_interval(got, np.zeros(8), counts)
+        assert low <= change <= high
+        covered += low <= np.expm1(true) <= high
+        flat = np.concatenate(per_token)
+        half = 1.96 * flat.std(ddof=1) / np.sqrt(len(flat))  # the naive interval, every token independent
+        token_wise += np.expm1(flat.mean() - half) <= np.expm1(true) <= np.expm1(flat.mean() + half)
+    assert 0.92 <= covered / 400 <= 0.98, covered
+    assert token_wise / 400 < 0.85, token_wise  # why the interval is taken over sequences
+    change, low, high = ppl_change_interval(np.array([5.0]), np.array([4.0]), np.array([100]))
+    assert low == change == high == pytest.approx(np.expm1(0.01))
+
+
 def test_trained_relu_model_meets_its_budget_and_eval_confirms_it(trained_text, tmp_path, capsys):
     """Predictor mode: the recall per layer is chosen within the budget (--target-recall its floor); the build
     prints what it expects and eval, on held-out text the build never saw, measures about that."""
     manifest = _build(trained_text, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.05", "--target-recall", "0.9")
     quality = manifest.quality
     assert quality.met and quality.kl <= 0.05 and quality.budget == QualityBudget("kl", 0.05)
-    assert "expected quality:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "expected quality:" in printed
+    # the expected ppl change with its 95% interval over the held-out sequences, printed and carried to eval
+    assert quality.ppl_low <= quality.ppl_change <= quality.ppl_high and quality.ppl_high > quality.ppl_low
+    assert f"95%: {quality.ppl_low * 100:+.1f}..{quality.ppl_high * 100:+.1f}%" in printed
     report = _eval(trained_text, tmp_path / "loose.pic", capsys)
     assert report["expected_kl"] == pytest.approx(quality.kl)
+    assert (report["expected_ppl_low"], report["expected_ppl_high"]) == pytest.approx((quality.ppl_low, quality.ppl_high))
+    assert report["ppl_change_low"] <= report["ppl_change"] <= report["ppl_change_high"], report
     assert report["kl_mean"] < 2 * 0.05, report
     recalls = [layer.predictor_recall for layer in manifest.layers if layer.predictor_recall is not None]
     assert recalls and min(recalls) >= 0.85, recalls
