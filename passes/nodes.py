@@ -37,6 +37,7 @@ class Node:
     target: str = "cpu"  # "cpu", or the GPU target (passes.targets.TARGETS) of the node's card
     resources: dict = field(default_factory=dict)  # Ray custom resources the stage's actor asks for
     cpu_bandwidth_gbs: float | None = None  # None: the target's
+    gpu_memory_bytes: int | None = None  # what its card offers the model (None: the target card's whole memory)
 
     @property
     def profile(self) -> Target:
@@ -50,7 +51,9 @@ class Node:
     @property
     def gpu_bytes(self) -> int:
         """What its card may hold of the model (its memory less the reserve; 0 without one)."""
-        return int(self.profile.gpu_memory_bytes * (1 - RESERVE_FRACTION))
+        if not self.profile.has_gpu:
+            return 0
+        return int((self.gpu_memory_bytes or self.profile.gpu_memory_bytes) * (1 - RESERVE_FRACTION))
 
     def describe(self) -> str:
         card = f", {self.target}" if self.target != "cpu" else ""
@@ -70,7 +73,8 @@ _SPEC_HELP = ("--nodes takes COUNTxMEMORY (2x24GiB), a comma-separated list of M
 
 def parse_nodes(spec: str) -> tuple[Node, ...]:
     """The nodes of `spec`: `2x24GiB`, `24GiB,16GiB:rtx4090`, or a JSON file ({"nodes": [{"name", "memory",
-    "target", "resources", "cpu_bandwidth_gbs"}, ...]}, or the list alone). At least two: one node is no split."""
+    "target", "resources", "cpu_bandwidth_gbs", "gpu_memory"}, ...]}, or the list alone). At least two: one node
+    is no split."""
     text = spec.strip()
     path = Path(text)
     if text.endswith(".json") or path.is_file():
@@ -112,7 +116,7 @@ def _nodes_from_file(path: Path) -> list[Node]:
         raise UserError(f"--nodes {path}: expected {{\"nodes\": [{{\"memory\": \"24GiB\", ...}}, ...]}}")
     nodes = []
     for index, entry in enumerate(entries):
-        unknown = set(entry) - {"name", "memory", "target", "resources", "cpu_bandwidth_gbs"}
+        unknown = set(entry) - {"name", "memory", "target", "resources", "cpu_bandwidth_gbs", "gpu_memory"}
         if unknown:
             raise UserError(f"--nodes {path}: node {index} has unknown field(s) {', '.join(sorted(unknown))}")
         if "memory" not in entry:
@@ -133,7 +137,13 @@ def _nodes_from_file(path: Path) -> list[Node]:
         name = entry.get("name", f"node{index}")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise UserError(f"--nodes {path}: node {index}'s name must be letters, digits, '_', '.' or '-'")
-        nodes.append(_node(name, memory_bytes, entry.get("target", "cpu"), dict(resources), bandwidth))
+        gpu_memory = entry.get("gpu_memory")
+        gpu_bytes = _size(gpu_memory, index) if isinstance(gpu_memory, str) else gpu_memory
+        if gpu_memory is not None and (not isinstance(gpu_bytes, int) or isinstance(gpu_bytes, bool) or gpu_bytes <= 0
+                                       or entry.get("target", "cpu") == "cpu"):
+            raise UserError(f"--nodes {path}: node {index}'s gpu_memory must be a size like \"16GiB\" of its card "
+                            "(a node with a GPU target)")
+        nodes.append(_node(name, memory_bytes, entry.get("target", "cpu"), dict(resources), bandwidth, gpu_bytes))
     return nodes
 
 
@@ -145,12 +155,12 @@ def _size(text: str, index: int) -> int:
                         f"{_SPEC_HELP}") from None
 
 
-def _node(name: str, memory_bytes: int, target, resources: dict, bandwidth) -> Node:
+def _node(name: str, memory_bytes: int, target, resources: dict, bandwidth, gpu_bytes: int | None = None) -> Node:
     if not isinstance(target, str) or target not in TARGETS:
         raise UserError(f"--nodes: node {name}'s target {target!r} is unknown; choose one of {', '.join(TARGETS)}")
     if memory_bytes <= 0:
         raise UserError(f"--nodes: node {name}'s memory must be positive")
-    return Node(name, memory_bytes, target, resources, bandwidth)
+    return Node(name, memory_bytes, target, resources, bandwidth, gpu_bytes)
 
 
 # ---------------------------------------------------------------------------------------------- the split

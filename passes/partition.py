@@ -19,6 +19,11 @@ Every block is priced as its device stores it (`sizes.gpu_bytes`: fp16 matrices 
 The budget is `ctx.build.gpu` (`--vram-budget`, else the target's memory, less its reserve); each attention
 block carries its KV cache for `max_context` tokens. A layer without a predictor (a dense build, or no profile)
 runs dense on one device. CPU targets: everything on the CPU, no solve.
+
+A build split across machines (`--nodes`, split-nodes' `NodeSplit`) solves one program per stage
+(`stage_problems`): its layers within its own node's card (`Stage.gpu_bytes`; a node without one keeps its layers
+on its CPU), the hidden state arriving and leaving in host memory; the plans join into one (`joined`), and the
+report carries each stage's budget, use and seconds (`StagePlacement`).
 """
 
 from __future__ import annotations
@@ -39,14 +44,28 @@ from .facts import ModelFact
 from .ops import FFN, Attention
 from .recognise import BLOCKS
 from .pipeline import Context, Fact, Options
+from .split_nodes import NodeSplit
 from .sizes import (GPU_WEIGHT_FORMAT, PREDICTOR_FORMAT, cpu_bytes, gpu_bytes, kv_cache_bytes,
                              stored_predictor_format)
-from .targets import format_size
+from .targets import RESERVE_FRACTION, format_size
 from runtime.dtypes import WeightFormat, nbytes
+from runtime.manifest import Stage
 
 PREDICTOR_CALLS = 2  # its two GEMVs
 DENSE_FFN_CALLS = 2  # up (and gate), down
 METADATA_KEY = "picompile.placement"
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """One stage of a split build, placed within its own node: its card's budget and use, its part of a decode
+    step by the cost model, and whose plan it took."""
+
+    name: str
+    budget_bytes: int
+    used_bytes: int
+    expected_step_s: float
+    chosen: str
 
 
 @dataclass
@@ -76,6 +95,7 @@ class PlacementReport(ModelFact):
     gpu_neurons: list[int]  # per layer, its sparse part's neurons on the GPU (0 for a dense FFN)
     cpu_only_step_s: float | None = None  # the CPU alone, every FFN dense (None: an artifact older than the field)
     chosen: str = "solve"  # whose plan it is: the solve's, or the baseline (`placement.baselines`) it did not beat
+    stages: list[StagePlacement] | None = None  # a split build: each node's own placement (None: one machine)
 
     def prices(self) -> costmodel.PlanPrices:
         return costmodel.PlanPrices(self.expected_step_s, self.cpu_only_step_s, self.layer_offload_step_s,
@@ -84,12 +104,16 @@ class PlacementReport(ModelFact):
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
         data["plan"] = self.plan.to_json()
+        if self.stages is None:  # one machine: the report as it always was
+            del data["stages"]
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> "PlacementReport":
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{**{k: v for k, v in data.items() if k in known}, "plan": placement.Plan.from_json(data["plan"])})
+        stages = data.get("stages")
+        return cls(**{**{k: v for k, v in data.items() if k in known}, "plan": placement.Plan.from_json(data["plan"]),
+                      "stages": None if stages is None else [StagePlacement(**stage) for stage in stages]})
 
     def choice(self) -> str:
         """Whose plan the build takes, after comparing the solve's with the baselines by the same prices."""
@@ -105,6 +129,37 @@ def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: 
     its up bias (select-kernels keeps biases in fp32)."""
     rows = math.ceil(d_model * (up_per_neuron + 1) * matrix_format.bytes_per_weight)
     return rows + nbytes([up_per_neuron if biased else 0], "float32")
+
+
+def stage_problems(problem: placement.Problem, layers: list[int], stages: list[Stage]) -> list[placement.Problem]:
+    """A split build's placement, one program per node: the stage's layers (stage 0 with the embedding, the last
+    with the output layer) within its own card's budget (`Stage.gpu_bytes`; none without a card). The hidden
+    state arrives and leaves in host memory (the hand-over): a stage's ends are blocks pinned to the CPU (no
+    card holds them), so a residual stream on the card pays its copies in and out, as the schedule will."""
+    problems = []
+    for k, stage in enumerate(stages):
+        budget = stage.gpu_bytes or 0
+        host = placement.Block(budget + 1, 0.0, 0.0)  # too big for the card: on the CPU, free
+        members = tuple(priced for layer, priced in zip(layers, problem.layers)
+                        if stage.first_layer <= layer < stage.stop_layer)
+        problems.append(placement.Problem(problem.embed if k == 0 else host, members,
+                                          problem.head if k == len(stages) - 1 else host, problem.copy_s, budget))
+    return problems
+
+
+def joined(solutions: list[placement.Solution]) -> placement.Solution:
+    """The stages' plans as one plan of the model (the embedding's from the first, the output layer's from the
+    last), their seconds and GPU bytes added up (each card holds its own stage's)."""
+    plans = [solution.plan for solution in solutions]
+    plan = placement.Plan(plans[0].embed, [a for p in plans for a in p.attention], [f for p in plans for f in p.ffn],
+                          [n for p in plans for n in p.gpu_neurons], plans[-1].head)
+    statuses = sorted({solution.status for solution in solutions})
+    gaps = [solution.gap for solution in solutions if math.isfinite(solution.gap)]
+    chosen = {solution.chosen for solution in solutions}
+    return placement.Solution(plan, sum(s.seconds for s in solutions), sum(s.used_bytes for s in solutions),
+                              "; ".join(statuses), max(gaps) if gaps else math.inf,
+                              sum(s.solve_time_s for s in solutions), sum(s.num_variables for s in solutions),
+                              chosen=chosen.pop() if len(chosen) == 1 else "per stage")
 
 
 # each FFN's place in the plan (`placed`, `gpu_neurons`, its neuron order) and the plan itself (`picompile.placement`)
@@ -130,10 +185,19 @@ class Partition:
         frequencies = [self._frequency(graph, node) for node in ffns]
         problem = self._problem(model, ctx, ffns, frequencies, gpu.usable_bytes)
         batch = self.placement_batch or placement.default_batch(layer.ffn.width for layer in problem.layers)
+        split = NodeSplit.of(model)
+        staged: list[tuple[Stage, placement.Problem, placement.Solution]] | None = None
         if not target.has_gpu:
             plan = placement.cpu_only(problem, self.dense_ffns)
             solution = placement.Solution(plan, costmodel.step_seconds(problem, plan), 0,
                                           f"no GPU on target {target.name}", 0.0, 0.0, 0, chosen="CPU only")
+        elif split is not None:
+            staged = []
+            for stage, part in zip(split.stages, stage_problems(problem, layers, split.stages)):
+                with ctx.progress(f"partition: HiGHS placement ILP, {stage.name} ({stage.layers_text()})"):
+                    staged.append((stage, part, placement.solve(part, batch=batch, time_limit_s=self.time_limit_s,
+                                                                dense_ffns=self.dense_ffns)))
+            solution = joined([s for _, _, s in staged])
         else:
             with ctx.progress(f"partition: HiGHS placement ILP ({len(ffns)} layers)"):
                 solution = placement.solve(problem, batch=batch, time_limit_s=self.time_limit_s,
@@ -154,6 +218,17 @@ class Partition:
                 pir.initializer(graph, name, np.argsort(-frequency, kind="stable").astype(np.int64))
 
         offload = placement.layer_offload(problem)
+        offload_s = costmodel.step_seconds(problem, offload)
+        offload_layers = offload.attention.count("gpu") if target.has_gpu else 0
+        cpu_only_s = costmodel.step_seconds(problem, placement.cpu_dense(problem))
+        vram, budget = gpu.total_bytes, problem.budget_bytes
+        if staged is not None:  # each node's baselines within its own card, added up
+            offloads = [placement.layer_offload(part) for _, part, _ in staged]
+            offload_s = sum(costmodel.step_seconds(part, o) for (_, part, _), o in zip(staged, offloads))
+            offload_layers = sum(o.attention.count("gpu") for o in offloads)
+            cpu_only_s = sum(costmodel.step_seconds(part, placement.cpu_dense(part)) for _, part, _ in staged)
+            budget = sum(part.budget_bytes for _, part, _ in staged)
+            vram = sum(round((stage.gpu_bytes or 0) / (1 - RESERVE_FRACTION)) for stage, _, _ in staged)
         sparse = [i for i, f in enumerate(frequencies) if f is not None and plan.ffn[i] == "sparse"]
         placed = sum(float(np.sort(frequencies[i])[::-1][:plan.gpu_neurons[i]].sum()) for i in sparse)
         total_activity = sum(float(frequencies[i].sum()) for i in sparse)
@@ -162,24 +237,30 @@ class Partition:
             gap=solution.gap if math.isfinite(solution.gap) else None,
             num_variables=solution.num_variables,
             batch=batch,
-            vram_bytes=gpu.total_bytes,
-            reserve_bytes=gpu.reserve_bytes,
-            budget_bytes=problem.budget_bytes,
+            vram_bytes=vram,
+            reserve_bytes=vram - budget if staged is not None else gpu.reserve_bytes,
+            budget_bytes=budget,
             used_bytes=solution.used_bytes,
             expected_step_s=solution.seconds,
-            layer_offload_step_s=costmodel.step_seconds(problem, offload),
-            layer_offload_layers=offload.attention.count("gpu") if target.has_gpu else 0,
+            layer_offload_step_s=offload_s,
+            layer_offload_layers=offload_layers,
             activation_share=placed / total_activity if total_activity > 0 else 0.0,
             gpu_weight_format=GPU_WEIGHT_FORMAT.name,
             cpu_weight_format=ctx.build.weight_format.name,
             layers=layers,
             plan=plan,
             gpu_neurons=[int(n) if m == "sparse" else 0 for n, m in zip(plan.gpu_neurons, plan.ffn)],
-            cpu_only_step_s=costmodel.step_seconds(problem, placement.cpu_dense(problem)),
+            cpu_only_step_s=cpu_only_s,
             chosen=solution.chosen,
+            stages=None if staged is None else [
+                StagePlacement(stage.name, part.budget_bytes, solved.used_bytes, solved.seconds, solved.chosen)
+                for stage, part, solved in staged],
         )
         report.attach(model)
         ctx.log(self._summary(report, problem, solution.solve_time_s))
+        for stage in report.stages or []:
+            ctx.log(f"partition: {stage.name}: GPU {format_size(stage.used_bytes)} of {format_size(stage.budget_bytes)}, "
+                    f"expected {stage.expected_step_s * 1e3:.2f} ms a token ({stage.chosen})")
         return PassResult(model, modified=True)
 
     @staticmethod

@@ -119,12 +119,13 @@ class BuildTarget:
 
     @staticmethod
     def nodes_of(options: Options, target: Target) -> tuple:
-        """--nodes, each node checked against the target: a split build's nodes run its CPU kernels (a node's
-        GPU is the cost model's for now: placement does not yet split each node's layers across its card)."""
+        """--nodes, each node checked against the target: a node's card is the build's GPU target (the kernels
+        are compiled once, for it) or none; a node with a card needs a build for that card."""
         for node in options.nodes:
-            if node.target != "cpu" or target.has_gpu:
-                raise UserError(f"--nodes: node {node.name} has target {node.target} and the build {target.name}; "
-                                "a split build runs on the nodes' CPUs for now (--target cpu, nodes without a card)")
+            if node.target != "cpu" and node.target != target.name:
+                raise UserError(f"--nodes: node {node.name} has a {node.target} and the build targets {target.name}; "
+                                f"build with --target {node.target} (the nodes' cards must be one kind: the GPU "
+                                "kernels are compiled once), or give the node no card")
         return tuple(options.nodes)
 
     def describe(self) -> str:

@@ -75,15 +75,18 @@ def plan(program: KernelProgram) -> KernelProgram:
                 info["device"] = "cpu"
         return program
     needed = _copies_needed(program)
+    last_stage = max(call.stage for call in program.calls)
     calls = []
     for index, call in enumerate(program.calls + [None]):
         for (at, buffer, source, target), phases in sorted(needed.items()):
             if at == index:
                 reader = "output" if call is None else call.id
+                # the reader's stage (a split model: its machine's card copies); the logits: the last stage's
+                stage = last_stage if call is None else call.stage
                 calls.append(Call(f"{reader}.copy_{buffer}_to_{target}", "gpu", Role.COPY,
                                   COPY if "decode" in phases else "", COPY if "prefill" in phases else "",
                                   (Arg(instance(buffer, source)), Arg(instance(buffer, target), Access.WRITE)),
-                                  None if call is None else call.layer))
+                                  None if call is None else call.layer, stage=stage))
         if call is not None:
             calls.append(_on_device(call, program.buffers))
     instances = {instance(name, device): (name, device) for name in program.buffers for device in ("cpu", "gpu")}

@@ -84,12 +84,14 @@ class SplitNodes:
         stages = [Stage(name=plan.node.name, first_layer=plan.first_layer, stop_layer=plan.stop_layer,
                         memory_bytes=plan.node.memory_bytes, target=plan.node.target,
                         resources=dict(plan.node.resources), weight_bytes=plan.stored_bytes,
-                        expected_step_s=plan.step_s, handover_bytes=handover if i < len(plans) - 1 else 0)
+                        expected_step_s=plan.step_s, handover_bytes=handover if i < len(plans) - 1 else 0,
+                        gpu_bytes=plan.node.gpu_bytes or None)
                   for i, plan in enumerate(plans)]
         NodeSplit(stages).attach(model)
         for stage in stages:
+            card = f" (and {format_size(stage.gpu_bytes)} of its {stage.target})" if stage.gpu_bytes else ""
             ctx.log(f"split-nodes: {stage.name} runs {stage.layers_text()}: "
-                    f"{format_size(stage.weight_bytes)} of {format_size(stage.memory_bytes)}, "
+                    f"{format_size(stage.weight_bytes)} of {format_size(stage.memory_bytes)}{card}, "
                     f"{stage.expected_step_s * 1e3:.2f} ms a token")
         slowest = max(stage.expected_step_s for stage in stages)
         ctx.log(f"split-nodes: {len(stages) - 1} hand-over(s) of {format_size(handover)} a token, "

@@ -339,7 +339,8 @@ def _stages_engine(args, slots: int = 1):
         else:
             ray_stages.connect(args.address)
         pipeline = ray_stages.Pipeline(args.artifact, slots=slots, threads=args.threads or 1,
-                                       code_path=str(Path(ray_stages.__file__).resolve().parents[1]) if local else None)
+                                       code_path=str(Path(ray_stages.__file__).resolve().parents[1]) if local else None,
+                                       emulate_gpu=getattr(args, "emulate_gpu", False))
     except (ArtifactError, ray_stages.StageFailed, ConnectionError, RuntimeError, ValueError) as error:
         ray_stages.stop()
         raise UserError(f"the stages of {args.artifact} could not start on Ray: {error}") from None

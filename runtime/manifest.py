@@ -210,6 +210,7 @@ class Stage(_Section):
     weight_bytes: int  # the stage's weights and KV caches, as the split priced them
     expected_step_s: float  # the cost model's seconds of the stage's part of one decode step
     handover_bytes: int  # the hidden-state bytes one token sends to the next stage (0 for the last)
+    gpu_bytes: int | None = _optional()  # what the node's card may hold of the model (None: no card)
 
     def layers_text(self) -> str:
         """'layer 3' or 'layers 0-8': what the logs and `inspect` call its range."""

@@ -53,10 +53,10 @@ class ContextLost(RuntimeError):
 class StageActor:
     """One stage of a split artifact: `Engine(directory, stage=k)`."""
 
-    def __init__(self, directory: str, stage: int, slots: int, threads: int | None):
+    def __init__(self, directory: str, stage: int, slots: int, threads: int | None, emulate_gpu: bool = False):
         from .engine import Engine
 
-        self.engine = Engine(directory, stage=stage, slots=slots, threads=threads)
+        self.engine = Engine(directory, stage=stage, slots=slots, threads=threads, emulate_gpu=emulate_gpu)
 
     def where(self) -> dict:
         """Where the stage runs (its process and Ray node), once its engine has loaded."""
@@ -86,7 +86,7 @@ class Pipeline:
 
     def __init__(self, directory: str | Path, *, slots: int = 1, threads: int | None = 1,
                  step_timeout_s: float = STEP_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
-                 code_path: str | None = None):
+                 code_path: str | None = None, emulate_gpu: bool = False):
         self.directory = Path(directory).resolve()
         self.manifest = load_manifest(self.directory, check_hashes=False)  # each stage checks its own files
         if not self.manifest.stages:
@@ -102,8 +102,11 @@ class Pipeline:
         if code_path is not None:  # the actors import this `runtime` package, not an installed one
             path = os.pathsep.join(p for p in (code_path, os.environ.get("PYTHONPATH")) if p)
             options["runtime_env"] = {"env_vars": {"PYTHONPATH": path}}
-        self.actors = [StageActor.options(num_cpus=1, resources=dict(stage.resources), **options)
-                       .remote(str(self.directory), index, slots, threads) for index, stage in enumerate(self.stages)]
+        # a stage placed on its node's card asks Ray for one GPU (emulated: its GPU part runs on the actor's CPU)
+        self.actors = [StageActor.options(num_cpus=1, num_gpus=0 if emulate_gpu or not stage.gpu_bytes else 1,
+                                          resources=dict(stage.resources), **options)
+                       .remote(str(self.directory), index, slots, threads, emulate_gpu)
+                       for index, stage in enumerate(self.stages)]
         self.start_timeout_s = start_timeout_s
         self._failed = False  # a stage failed: wait for Ray to have restarted it before the next step
         self.where = self._wait([actor.where.remote() for actor in self.actors], start_timeout_s, "start")

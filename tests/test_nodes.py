@@ -12,6 +12,7 @@ import pytest
 
 from passes.errors import UserError
 from passes.nodes import Node, Part, parse_nodes, split_layers, stage_seconds
+from passes.targets import RESERVE_FRACTION, TARGETS
 
 GiB = 1 << 30
 
@@ -27,10 +28,15 @@ def test_json_file(tmp_path):
     spec = tmp_path / "nodes.json"
     spec.write_text(json.dumps({"nodes": [
         {"name": "desk", "memory": "8GiB", "resources": {"desk": 1}},
-        {"name": "attic", "memory": 4 * GiB, "cpu_bandwidth_gbs": 19.0}]}))
-    desk, attic = parse_nodes(str(spec))
-    assert (desk.name, desk.memory_bytes, desk.resources) == ("desk", 8 * GiB, {"desk": 1})
+        {"name": "attic", "memory": 4 * GiB, "cpu_bandwidth_gbs": 19.0},
+        {"name": "den", "memory": "16GiB", "target": "rtx4090", "gpu_memory": "8GiB"},
+        {"name": "loft", "memory": "16GiB", "target": "rtx4090"}]}))
+    desk, attic, den, loft = parse_nodes(str(spec))
+    assert (desk.name, desk.memory_bytes, desk.resources, desk.gpu_bytes) == ("desk", 8 * GiB, {"desk": 1}, 0)
     assert (attic.name, attic.memory_bytes, attic.cpu_bandwidth) == ("attic", 4 * GiB, 19e9)
+    # a card's budget: what the node gives of it (or the whole card), less the reserve
+    assert den.gpu_bytes == int(8 * GiB * (1 - RESERVE_FRACTION))
+    assert loft.gpu_bytes == int(TARGETS["rtx4090"].gpu_memory_bytes * (1 - RESERVE_FRACTION))
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -52,6 +58,7 @@ def test_bad_specs(spec, words):
     ('{"nodes": [{"memory": "1GiB", "resources": {"a": -1}}, {"memory": "1GiB"}]}', "positive numbers"),
     ('{"nodes": [{"memory": "1GiB", "name": "a b"}, {"memory": "1GiB"}]}', "letters, digits"),
     ('{"nodes": [{"memory": "1GiB", "name": "a"}, {"memory": "1GiB", "name": "a"}]}', "must differ"),
+    ('{"nodes": [{"memory": "1GiB", "gpu_memory": "1GiB"}, {"memory": "1GiB"}]}', "a node with a GPU target"),
 ])
 def test_bad_files(tmp_path, content, words):
     spec = tmp_path / "nodes.json"
@@ -117,7 +124,8 @@ def test_more_nodes_than_layers():
 
 @pytest.mark.parametrize("args, words", [
     (["--nodes", "1GiB"], "two or more"),
-    (["--nodes", "2x1GiB", "--target", "rtx4090"], "runs on the nodes' CPUs"),
+    (["--nodes", "1GiB:rtx4090,1GiB"], "build with --target rtx4090"),
+    (["--nodes", "1GiB:rtx4090,1GiB:h200", "--target", "rtx4090"], "must be one kind"),
 ])
 def test_cli_refusals(tmp_path, tiny_models, args, words):
     model = tiny_models("opt", sparsity=0.9).onnx

@@ -28,8 +28,9 @@ def sparse_build(files, out, target="cpu", pass_fields=None, **options):
     """A predictor-mode build for `target` (a name or a Target); `pass_fields` changes some passes' fields, by
     pass name."""
     opts = Options(max_context=64, calib=files.calib, **options)
-    passes = [dataclasses.replace(p, **(pass_fields or {}).get(p.name, {})) for p in pipeline(opts, "predictor")]
-    artifact = build(files.onnx, out, get_target(target) if isinstance(target, str) else target, opts, passes=passes)
+    target = get_target(target) if isinstance(target, str) else target
+    passes = [dataclasses.replace(p, **(pass_fields or {}).get(p.name, {})) for p in pipeline(opts, "predictor", target)]
+    artifact = build(files.onnx, out, target, opts, passes=passes)
     assert_estimate_is_the_placements(artifact, baselines_allowed=not opts.all_neurons)
     return artifact
 

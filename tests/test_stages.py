@@ -166,6 +166,73 @@ def test_run_local_equals_the_unsplit_run_and_without_ray_is_one_error_line(spli
                                           "'.[ray]' (or --stages local: all in this process)"]
 
 
+# ---------------------------------------------------------------- nodes with a card each (the GPU emulated)
+
+CARD_BYTES = 150_000  # each node's card: room for some of its stage's blocks and hot neurons, not all
+
+
+@pytest.fixture(scope="module")
+def gpu_split(tiny_models, tmp_path_factory):
+    """The tiny OPT's hybrid build (test_sparse's: blocks and hot neurons on a card, cold neurons on the CPU, for a
+    target whose CPU is slow enough that bytes decide) split across two nodes with a card of CARD_BYTES each."""
+    import dataclasses
+
+    from passes.nodes import Node
+    from passes.pipeline import Options
+    from picompile.compiler import build, pipeline
+    from tiny_targets import SLOW_CPU_RTX4090
+
+    files = tiny_models("opt", sparsity=0.9)
+    nodes = tuple(Node(name, 1 << 30, "rtx4090", STAGE1 if name == "second" else {}, None, CARD_BYTES)
+                  for name in ("head", "second"))
+    options = Options(max_context=64, calib=files.calib, all_neurons=True, nodes=nodes)
+    passes = [dataclasses.replace(p, placement_batch=32) if p.name == "partition" else p
+              for p in pipeline(options, "predictor", SLOW_CPU_RTX4090)]
+    out = tmp_path_factory.mktemp("gpu-stages") / "opt-tiny-gpu-split.pic"
+    return files, build(files.onnx, out, SLOW_CPU_RTX4090, options, passes=passes)
+
+
+def test_each_node_places_its_own_layers_on_its_own_card(gpu_split):
+    """One placement program per node: each stage's GPU bytes within its own card, blocks on both cards; the copies
+    to and from a card are its stage's, and the hand-over leaves and arrives in host memory."""
+    from passes.partition import PlacementReport
+    from passes.targets import RESERVE_FRACTION
+
+    _, artifact = gpu_split
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    report = PlacementReport.from_json(manifest["placement"])
+    budget = int(CARD_BYTES * (1 - RESERVE_FRACTION))
+    assert [stage.budget_bytes for stage in report.stages] == [budget, budget]
+    assert all(0 < stage.used_bytes <= budget for stage in report.stages), report.stages
+    assert report.used_bytes == sum(stage.used_bytes for stage in report.stages)
+    assert [stage["gpu_bytes"] for stage in manifest["stages"]] == [budget, budget]
+    calls = [node["call"] for node in _schedule(artifact)]
+    assert {(call["device"], call.get("stage", 0)) for call in calls} == {("cpu", 0), ("gpu", 0), ("cpu", 1), ("gpu", 1)}
+    (handover,) = [call for call in calls if call["role"] == "handover"]
+    assert not any("@gpu" in arg["buffer"] for arg in handover["args"])
+    at = calls.index(handover)
+    for index, call in enumerate(calls):
+        if call["role"] == "copy":  # a copy runs on the machine of the call it feeds (the logits': the last)
+            assert call.get("stage", 0) == (0 if index < at else 1), call["id"]
+    assert sorted(p.name for p in (artifact / "weights").iterdir()) == [
+        "stage0.cpu.safetensors", "stage0.gpu.safetensors", "stage1.cpu.safetensors", "stage1.gpu.safetensors"]
+
+
+def test_gpu_stages_in_one_process_and_stage_by_stage_compute_the_model(gpu_split):
+    """The split artifact with its cards emulated: within fp16 rounding of onnxruntime, and its two stage
+    engines, each with its own (emulated) card, give exactly the one-process logits."""
+    from test_sparse import assert_matches_onnxruntime
+
+    files, artifact = gpu_split
+    assert_matches_onnxruntime(artifact, files.onnx, emulate_gpu=True)
+    whole = Engine(artifact, emulate_gpu=True)
+    expected = _steps(lambda ids, slot: whole.forward(ids))
+    first, last = Engine(artifact, stage=0, emulate_gpu=True), Engine(artifact, stage=1, emulate_gpu=True)
+    found = _steps(lambda ids, slot: last.forward_stage(first.forward_stage(ids)))
+    for found_step, wanted in zip(found, expected, strict=True):
+        np.testing.assert_array_equal(found_step, wanted)
+
+
 # ---------------------------------------------------------------- on Ray: a head node and a second node
 
 
@@ -190,6 +257,25 @@ def cluster():
         ray.shutdown()
         made.shutdown()
         constants.ENABLE_RAY_CLUSTER = was
+
+
+def test_gpu_stages_on_two_ray_nodes_give_the_one_process_logits(cluster, gpu_split):
+    """Each stage an actor on its own node with its card emulated (a real card: the actor asks Ray for a GPU);
+    the logits equal the one-process run's exactly. (Runs before the CPU split's pipeline takes the nodes' CPUs.)"""
+    from runtime.ray_stages import Pipeline
+
+    _, artifact = gpu_split
+    whole = Engine(artifact, emulate_gpu=True)
+    expected = _steps(lambda ids, slot: whole.forward(ids))
+    stages = Pipeline(artifact, code_path=str(ROOT), step_timeout_s=WAIT_S, start_timeout_s=START_WAIT_S,
+                      emulate_gpu=True)
+    try:
+        assert stages.where[1]["node"] == cluster and stages.where[0]["node"] != cluster
+        found = _steps(stages.forward)
+    finally:
+        stages.close()
+    for found_step, wanted in zip(found, expected, strict=True):
+        np.testing.assert_array_equal(found_step, wanted)
 
 
 @pytest.fixture(scope="module")
