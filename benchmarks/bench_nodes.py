@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_placement import zipf_frequencies  # noqa: E402
 from bench_placement_sweep import SHAPES, problem  # noqa: E402
 from passes import placement  # noqa: E402
-from passes.costmodel import Block, Problem, step_seconds  # noqa: E402
+from passes.costmodel import step_seconds  # noqa: E402
+from passes.partition import stage_problems  # noqa: E402
 from passes.nodes import Node, Part, handover_seconds, split_layers  # noqa: E402
 from passes.sizes import KV_CACHE_DTYPE, PREDICTOR_FORMAT  # noqa: E402
 from passes.targets import GiB, get_target  # noqa: E402
@@ -47,7 +48,6 @@ MACHINES = {  # kind: (target, RAM, CPU weight format)
     "cpu": ("cpu", 24 * GiB, "int4"),
     "rtx4090": ("rtx4090", 64 * GiB, "fp16"),
 }
-NOTHING = Block(0, 0.0, 0.0)
 
 
 def layer_part(shape: str, weight_dtype: str, rank: int, max_context: int) -> Part:
@@ -57,12 +57,6 @@ def layer_part(shape: str, weight_dtype: str, rank: int, max_context: int) -> Pa
     stored = (weights * WEIGHT_FORMATS[weight_dtype].bytes_per_weight + (d * rank + rank * ffn)
               * PREDICTOR_FORMAT.bytes_per_weight + 2 * kv_heads * head_dim * max_context * itemsize(KV_CACHE_DTYPE))
     return Part(int(stored), float(stored))
-
-
-def stage_problem(whole: Problem, first: int, stop: int, last: bool) -> Problem:
-    """The blocks a stage runs: its layers, the embedding on the first stage, the output layer on the last."""
-    return Problem(whole.embed if first == 0 else NOTHING, whole.layers[first:stop], whole.head if last else NOTHING,
-                   whole.copy_s, whole.budget_bytes)
 
 
 def main() -> None:
@@ -106,8 +100,10 @@ def main() -> None:
                 rows.append({"machines": kind, "nodes": count, "fits": False, "reason": str(error)})
                 continue
             ours, theirs = [], []
-            for k, stage in enumerate(stages):
-                sub = stage_problem(whole, stage.first_layer, stage.stop_layer, k == count - 1)
+            # each stage's blocks within its own node's card, as the partition pass places a split build
+            subs = stage_problems(whole, list(range(layers)), [range(s.first_layer, s.stop_layer) for s in stages],
+                                  [budget if target.has_gpu else 0] * count)
+            for sub in subs:
                 if target.has_gpu:
                     ours.append(placement.solve(sub, time_limit_s=args.time_limit).seconds)
                     theirs.append(step_seconds(sub, placement.layer_offload(sub)))

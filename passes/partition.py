@@ -131,19 +131,18 @@ def neuron_bytes(d_model: int, up_per_neuron: int, biased: bool, matrix_format: 
     return rows + nbytes([up_per_neuron if biased else 0], "float32")
 
 
-def stage_problems(problem: placement.Problem, layers: list[int], stages: list[Stage]) -> list[placement.Problem]:
-    """A split build's placement, one program per node: the stage's layers (stage 0 with the embedding, the last
-    with the output layer) within its own card's budget (`Stage.gpu_bytes`; none without a card). The hidden
-    state arrives and leaves in host memory (the hand-over): a stage's ends are blocks pinned to the CPU (no
-    card holds them), so a residual stream on the card pays its copies in and out, as the schedule will."""
+def stage_problems(problem: placement.Problem, layers: list[int], ranges: list[range],
+                   budgets: list[int]) -> list[placement.Problem]:
+    """A split build's placement, one program per node: the layers of its range (stage 0 with the embedding, the
+    last with the output layer) within its own card's budget (0 without a card). The hidden state arrives and
+    leaves in host memory (the hand-over): a stage's ends are blocks pinned to the CPU (no card holds them), so a
+    residual stream on the card pays its copies in and out, as the schedule will."""
     problems = []
-    for k, stage in enumerate(stages):
-        budget = stage.gpu_bytes or 0
+    for k, (members, budget) in enumerate(zip(ranges, budgets)):
         host = placement.Block(budget + 1, 0.0, 0.0)  # too big for the card: on the CPU, free
-        members = tuple(priced for layer, priced in zip(layers, problem.layers)
-                        if stage.first_layer <= layer < stage.stop_layer)
-        problems.append(placement.Problem(problem.embed if k == 0 else host, members,
-                                          problem.head if k == len(stages) - 1 else host, problem.copy_s, budget))
+        priced = tuple(block for layer, block in zip(layers, problem.layers) if layer in members)
+        problems.append(placement.Problem(problem.embed if k == 0 else host, priced,
+                                          problem.head if k == len(ranges) - 1 else host, problem.copy_s, budget))
     return problems
 
 
@@ -193,7 +192,9 @@ class Partition:
                                           f"no GPU on target {target.name}", 0.0, 0.0, 0, chosen="CPU only")
         elif split is not None:
             staged = []
-            for stage, part in zip(split.stages, stage_problems(problem, layers, split.stages)):
+            parts = stage_problems(problem, layers, [range(s.first_layer, s.stop_layer) for s in split.stages],
+                                   [s.gpu_bytes or 0 for s in split.stages])
+            for stage, part in zip(split.stages, parts):
                 with ctx.progress(f"partition: HiGHS placement ILP, {stage.name} ({stage.layers_text()})"):
                     staged.append((stage, part, placement.solve(part, batch=batch, time_limit_s=self.time_limit_s,
                                                                 dense_ffns=self.dense_ffns)))
