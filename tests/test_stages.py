@@ -166,6 +166,21 @@ def test_run_local_equals_the_unsplit_run_and_without_ray_is_one_error_line(spli
                                           "'.[ray]' (or --stages local: all in this process)"]
 
 
+def test_run_starts_the_stages_on_a_ray_of_its_own_and_stops_it(split_artifact, tiny_sparse_artifact, capsys):
+    """`run` of a split artifact, as a user types it: a Ray instance of its own on 127.0.0.1, one actor per stage,
+    the unsplit run's tokens; the process ends (Ray stopped) within the bound."""
+    pytest.importorskip("ray")
+    from picompile.cli import main
+
+    assert main(["run", str(tiny_sparse_artifact), "--prompt-ids", "3,14,15", "-n", "6", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)["generated_ids"]
+    result = subprocess.run([sys.executable, "-m", "picompile", "run", str(split_artifact), "--prompt-ids", "3,14,15",
+                             "-n", "6", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=START_WAIT_S)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["generated_ids"] == expected
+    assert "2 stages on Ray (this machine): head layer 0, second layer 1" in result.stderr, result.stderr
+
+
 # ---------------------------------------------------------------- nodes with a card each (the GPU emulated)
 
 CARD_BYTES = 150_000  # each node's card: room for some of its stage's blocks and hot neurons, not all
