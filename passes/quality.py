@@ -595,28 +595,44 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
     """The furthest step of the path (`local_error[k]`: the summed local error after k moves) whose plan `evaluate`
     finds within `budget`, and its quality. The path's end first; then steps aimed, by interpolating the measured
     quality against the local error between the furthest step within the budget and the nearest beyond it, at
-    0.9 of the budget (regula falsi: a few plans measured, not a bisection's many); step 0 (dense at the widest
-    formats) where none is."""
+    0.9 of the budget (`_aim`: a few plans measured, not a bisection's many). Quality grows faster than
+    linearly along the path, so a straight line keeps landing short of the aim from below: `_aim` follows the
+    power law through the two ends where it can, and the Illinois rule halves the far end's excess each time
+    the near end moves twice in a row. Step 0 (dense at the widest formats) where none is within."""
     metric = (lambda q: q.ppl_change) if budget.kind == "ppl" else (lambda q: q.kl)  # noqa: E731
+    aim_at = 0.9 * budget.value
     end = len(local_error) - 1
     found = {end: evaluate(end)}
     if budget.met_by(found[end].ppl_change, found[end].kl):
         return end, found[end]
     low, high, low_value = 0, end, 0.0  # step 0 is taken as within until measured
+    high_value, moved_low = metric(found[end]), False
     for _ in range(MAX_EVALUATIONS - 1):
         if high - low <= 1:
             break
-        slope = (metric(found[high]) - low_value) / max(local_error[high] - local_error[low], 1e-30)
-        aim = local_error[low] + (0.9 * budget.value - low_value) / slope if slope > 0 else local_error[high]
+        aim = _aim(local_error[low], low_value, local_error[high], high_value, aim_at)
         step = int(np.clip(np.searchsorted(local_error, aim), low + 1, high - 1))
         found[step] = evaluate(step)
         if budget.met_by(found[step].ppl_change, found[step].kl):
-            low, low_value = step, metric(found[step])
+            if moved_low:  # Illinois: the far end has held twice; halve its excess over the aim
+                high_value = aim_at + (high_value - aim_at) / 2
+            low, low_value, moved_low = step, metric(found[step]), True
         else:
-            high = step
+            high, high_value, moved_low = step, metric(found[step]), False
     if low not in found:
         found[low] = evaluate(low)
     return low, found[low]
+
+
+def _aim(x_low: float, y_low: float, x_high: float, y_high: float, target: float) -> float:
+    """Where between two measured points of the path (local error x, quality y) the quality reaches `target`:
+    on the power law through them (a straight line in log-log: quality grows like a power of the local error)
+    where both are positive, else on the straight line (from step 0, whose quality is 0)."""
+    if min(x_low, y_low) > 0 and y_high > y_low and x_high > x_low:
+        power = np.log(y_high / y_low) / np.log(x_high / x_low)
+        return float(x_low * (target / y_low) ** (1 / power))
+    slope = (y_high - y_low) / max(x_high - x_low, 1e-30)
+    return x_low + (target - y_low) / slope if slope > 0 else x_high
 
 
 def _write_thresholds(knobs: list[Knob], state: list[tuple[int, int]]) -> None:

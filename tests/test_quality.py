@@ -99,6 +99,28 @@ def _eval(files, out, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("curve", [lambda x: 0.5 * x, lambda x: 0.5 * x ** 2, lambda x: 0.5 * x ** 3,
+                                   lambda x: 0.5 * x ** 4, lambda x: 0.02 * np.expm1(5 * x)])
+def test_the_path_search_spends_the_budget_in_a_few_measured_plans(curve):
+    """Quality grows faster than linearly along the path: the search still lands within a few steps of the furthest
+    plan within the budget, measuring at most MAX_EVALUATIONS plans (a straight-line search stopped at +6.6% of a
+    10% budget on x**3, at +4.1% on x**4)."""
+    from passes.ir_reference import Quality
+    from passes.quality import MAX_EVALUATIONS, _furthest_within
+
+    local_error, measured = np.linspace(0.0, 1.0, 121), set()
+
+    def evaluate(step):
+        measured.add(step)
+        value = float(curve(local_error[step]))
+        return Quality(value, value, 1.0, 100, value, value)
+
+    step, found = _furthest_within(QualityBudget("ppl", 0.10), local_error, evaluate)
+    furthest = max(k for k in range(121) if curve(local_error[k]) <= 0.10)
+    assert found.ppl_change <= 0.10 and furthest - 2 <= step <= furthest, (step, furthest)
+    assert len(measured) <= MAX_EVALUATIONS
+
+
 def test_the_ppl_change_interval_covers_the_true_change_about_19_times_in_20():
     """Sequences whose per-token log-likelihood change has a known mean, drawn many times: the 95% interval
     (standard error over whole sequences) holds the true change about 95% of the time; tokens of a sequence
