@@ -304,8 +304,7 @@ def measured_sequences(given: list[np.ndarray]) -> list[int]:
     differ (a 10% plan's ppl change over 1,024-token stretches of one text spanned +4.5..+8.1%), and sequences
     taken across it measure the file, not its last passage."""
     total = sum(len(s) for s in given)
-    mean = total / max(len(given), 1)
-    mean = max(mean, 1.0)
+    mean = max(total / max(len(given), 1), 1.0)
     count = min(math.ceil(MEASURED_TOKENS / mean), int(MEASURED_SHARE * total / mean), len(given) - 1)
     if count <= 0:
         return []
@@ -352,7 +351,7 @@ class Profile:
         given_tokens = sum(len(s) for s in given)
         kept_out = measured_sequences(given) if self.hold_out else []
         # the kept-out sequences go last (CalibrationSequences.measured counts them from the end)
-        given = [s for i, s in enumerate(given) if i not in set(kept_out)] + [given[i] for i in kept_out]
+        given = [s for i, s in enumerate(given) if i not in kept_out] + [given[i] for i in kept_out]
         measured = len(kept_out)
         fitted_given = sum(len(s) for s in given[: len(given) - measured])
         samples = self.calib_samples

@@ -21,8 +21,8 @@ How (TEAL's greedy allocation, priced by the cost model, checked end to end):
 3. Greedy path. From dense at the widest formats, repeatedly take the move (one knob to a sparser level and/or
    a narrower format) with the least added local error per second saved. Every move saves time, so every plan
    on the path is expected faster than the dense build of its formats.
-4. Budget, measured. On the held-out sequences (the user's, across the file, which the profile kept out of every fit:
-   `CalibrationSequences.measured`), the model's logits under a plan, computed with the kernels' arithmetic
+4. Budget, measured. On the held-out sequences (the user's, across the file, which the profile kept out of every
+   fit: `CalibrationSequences.measured`), the model's logits under a plan, computed with the kernels' arithmetic
    (thresholded decode rows after a 4-token prompt, weights as stored, predictors over int8 inputs where their
    GEMVs read int8), against the dense source model's: a binary search along the path for the furthest plan
    within the budget.
