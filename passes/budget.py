@@ -40,12 +40,14 @@ def _t_975(freedom: int) -> float:
     return T_975[max(k for k in T_975 if k <= freedom)]
 
 
-def ppl_change_interval(nll_got: np.ndarray, nll_reference: np.ndarray, tokens: np.ndarray) -> tuple[float, float, float]:
+def ppl_change_interval(nll_got: np.ndarray, nll_reference: np.ndarray,
+                        tokens: np.ndarray) -> tuple[float, float, float]:
     """The perplexity change (ppl ratio - 1) over sequences whose summed negative log-likelihoods (a plan's,
     the reference's) and predicted tokens are given, and its 95% interval. A ppl change of a few percent on a
     thousand tokens is mostly which tokens they were; the interval says how much: the mean log-likelihood change
     per token, its standard error taken over whole sequences (tokens of one sequence are not independent; a ratio
-    estimator's clustered error) times Student's t, mapped through exp. One sequence has no spread: its interval is the point."""
+    estimator's clustered error) times Student's t, mapped through exp. One sequence has no spread: its interval
+    is the point."""
     got, ref, counts = (np.asarray(a, np.float64) for a in (nll_got, nll_reference, tokens))
     total = max(float(counts.sum()), 1.0)
     mean = float((got - ref).sum()) / total

@@ -782,8 +782,8 @@ def _inspect(args) -> int:
             f"({placement.layer_offload_layers} layers) {1 / placement.layer_offload_step_s:.1f}: "
             f"{placement.choice()}")
         for stage in placement.stages or []:  # a split build: each node's card
-            say(f"            {stage.name}: GPU {stage.used_bytes / 2**20:.2f} of {stage.budget_bytes / 2**20:.2f} MiB, "
-                f"{stage.expected_step_s * 1e3:.3f} ms a token ({stage.chosen})")
+            say(f"            {stage.name}: GPU {stage.used_bytes / 2**20:.2f} of "
+                f"{stage.budget_bytes / 2**20:.2f} MiB, {stage.expected_step_s * 1e3:.3f} ms a token ({stage.chosen})")
     if manifest.sparsity is not None:
         say(f"sparsity    {manifest.sparsity.describe()}")
     calibration = manifest.calibration

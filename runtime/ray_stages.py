@@ -1,9 +1,9 @@
 """A model split across machines (`build --nodes`), run as one Ray actor per stage: `run` and `serve` of a split artifact.
 
 Each stage is a `StageActor` holding `Engine(directory, stage=k)`: its own calls, buffers, weights, KV caches and
-slots. It asks Ray for one CPU and its stage's `resources` (the manifest's `Stage.resources`, e.g.
-{"picompile_stage1": 1}), so that Ray places it on the node that offers them, and is restarted by Ray
-(`max_restarts`) when it dies, with empty caches.
+slots. It asks Ray for one CPU (and one GPU where its node has a card: `Stage.gpu_bytes`) and its stage's
+`resources` (the manifest's `Stage.resources`, e.g. {"picompile_stage1": 1}), so that Ray places it on the node
+that offers them, and is restarted by Ray (`max_restarts`) when it dies, with empty caches.
 
 `Pipeline` has the Engine interface `runtime/scheduler.py`, `runtime/sampling.py` and `runtime/serve.py` use
 (forward, forward_batch, reset, slots, positions, vocab_size, max_context, directory, manifest, profile). A step

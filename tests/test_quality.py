@@ -157,7 +157,8 @@ def test_trained_relu_model_meets_its_budget_and_eval_confirms_it(trained_text, 
     assert f"95%: {quality.ppl_low * 100:+.1f}..{quality.ppl_high * 100:+.1f}%" in printed
     report = _eval(trained_text, tmp_path / "loose.pic", capsys)
     assert report["expected_kl"] == pytest.approx(quality.kl)
-    assert (report["expected_ppl_low"], report["expected_ppl_high"]) == pytest.approx((quality.ppl_low, quality.ppl_high))
+    assert (report["expected_ppl_low"], report["expected_ppl_high"]) == pytest.approx(
+        (quality.ppl_low, quality.ppl_high))
     assert report["ppl_change_low"] <= report["ppl_change"] <= report["ppl_change_high"], report
     assert report["kl_mean"] < 2 * 0.05, report
     recalls = [layer.predictor_recall for layer in manifest.layers if layer.predictor_recall is not None]

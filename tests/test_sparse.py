@@ -29,7 +29,8 @@ def sparse_build(files, out, target="cpu", pass_fields=None, **options):
     pass name."""
     opts = Options(max_context=64, calib=files.calib, **options)
     target = get_target(target) if isinstance(target, str) else target
-    passes = [dataclasses.replace(p, **(pass_fields or {}).get(p.name, {})) for p in pipeline(opts, "predictor", target)]
+    passes = [dataclasses.replace(p, **(pass_fields or {}).get(p.name, {}))
+              for p in pipeline(opts, "predictor", target)]
     artifact = build(files.onnx, out, target, opts, passes=passes)
     assert_estimate_is_the_placements(artifact, baselines_allowed=not opts.all_neurons)
     return artifact
