@@ -261,7 +261,8 @@ class Partition:
         ctx.log(self._summary(report, problem, solution.solve_time_s))
         for stage in report.stages or []:
             ctx.log(f"partition: {stage.name}: GPU {format_size(stage.used_bytes)} of "
-                    f"{format_size(stage.budget_bytes)}, expected {stage.expected_step_s * 1e3:.2f} ms a token ({stage.chosen})")
+                    f"{format_size(stage.budget_bytes)}, expected {stage.expected_step_s * 1e3:.2f} ms a token "
+                    f"({stage.chosen})")
         return PassResult(model, modified=True)
 
     @staticmethod
