@@ -183,11 +183,12 @@ def ensure_gguf_artifact(gguf: Path, build: str, max_context: int, calib: Path |
 def build_cached(model: Path, label: str, args: list[str], calib: Path | None = None, log=print,
                  name: str | None = None) -> Built:
     """`python -m picompile build MODEL -o ART *args [--calib CALIB]` in a child process, cached under
-    ~/.cache/picompile/artifacts by the model file (path, size, mtime), the options, the calibration file's
+    ~/.cache/picompile/artifacts (`examples.models.cached_artifact`, which evicts the least recently used) by the
+    model file (path, size, mtime), the options, the calibration file's
     contents and the compiler's source. The build's wall time and output are kept beside the artifact
     (ART.build.json), so a cached artifact still reports them. A failed build is not cached: its `error` is
     the build's `error:` line (or its last line)."""
-    from examples.models import cache_dir
+    from examples.models import cached_artifact
 
     if calib is not None:
         args = [*args, "--calib", str(calib)]
@@ -196,7 +197,7 @@ def build_cached(model: Path, label: str, args: list[str], calib: Path | None = 
                       "calib": calib and hashlib.sha256(calib.read_bytes()).hexdigest(),
                       "compiler": compiler_digest()}, sort_keys=True)
     stem = f"gguf-{model.stem}" if model.suffix == ".gguf" else model.parent.name
-    artifact = cache_dir() / "artifacts" / f"{stem}-{label}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic"
+    artifact = cached_artifact(f"{stem}-{label}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic")
     record = artifact.with_name(artifact.name + ".build.json")
     name = name or label
     if (artifact / "manifest.json").exists():

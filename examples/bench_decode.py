@@ -63,7 +63,7 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
     """Build a dense or sparse artifact of a made model, or reuse the one built before from the same model,
     target, build options (`options`: further pipeline Options fields) and compiler source. A tokenizer
     beside the model's ONNX goes into the artifact, as `picompile build` puts it."""
-    from examples.models import cache_dir
+    from examples.models import cached_artifact
     from passes.pipeline import BuildTarget, Options
     from passes.targets import get_target
     from passes.front_end import find_tokenizer
@@ -74,7 +74,7 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
     isa = BuildTarget.cpu_isa_of(opts, get_target(target)).name
     key = json.dumps({"model": files.dir.name, "target": target, "options": dataclasses.asdict(opts), "cpu_isa": isa,
                       "compiler": compiler_digest()}, sort_keys=True, default=str)
-    artifact = cache_dir() / "artifacts" / f"{files.dir.name}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic"
+    artifact = cached_artifact(f"{files.dir.name}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic")
     if rebuild or not (artifact / "manifest.json").exists():
         started = time.perf_counter()
         # A child process: a 1B build holds GBs (IR, profile, torch) that a long-lived process would keep

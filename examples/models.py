@@ -1328,6 +1328,35 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile")
 
 
+ARTIFACT_CACHE_BYTES = 30 * 2**30  # the benchmarks' built artifacts kept (PICOMPILE_ARTIFACT_CACHE_GB overrides)
+ARTIFACT_IN_USE_S = 3600  # an artifact built or reused this recently may be in a running benchmark: never evicted
+
+
+def cached_artifact(name: str) -> Path:
+    """Where the benchmarks keep the artifact `name` (a `.pic` directory under the cache's `artifacts`), marked as
+    used now. Every artifact a benchmark builds lands here, a few GB each at 1B parameters: before it returns, the
+    least recently used ones go (with their `.build.json` records) until the rest fit ARTIFACT_CACHE_BYTES,
+    sparing any used within ARTIFACT_IN_USE_S."""
+    root = cache_dir() / "artifacts"
+    root.mkdir(parents=True, exist_ok=True)
+    artifact = root / name
+    if artifact.is_dir():
+        os.utime(artifact)
+    limit = float(os.environ.get("PICOMPILE_ARTIFACT_CACHE_GB", ARTIFACT_CACHE_BYTES / 2**30)) * 2**30
+    sizes = {path: sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+             for path in root.iterdir() if path.is_dir() and path.suffix == ".pic"}
+    total, now = sum(sizes.values()), time.time()
+    for path in sorted(sizes, key=lambda path: path.stat().st_mtime):
+        if total <= limit:
+            break
+        if path == artifact or now - path.stat().st_mtime < ARTIFACT_IN_USE_S:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        path.with_name(path.name + ".build.json").unlink(missing_ok=True)
+        total -= sizes[path]
+    return artifact
+
+
 def config_hash(family: str, preset: str = "tiny", sparsity: float | None = None, skew: str | float = "zipf",
                 exporter: str = "dynamo", seed: int = 0, **overrides) -> str:
     key = dict(maker_version=MAKER_VERSION, family=family, preset=preset, sparsity=sparsity, skew=skew,

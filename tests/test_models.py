@@ -309,3 +309,33 @@ def test_predictability_and_calibration_size_reach_the_model_files(tmp_path):
 
     props = {p.key: p.value for p in onnx.load(str(files.onnx), load_external_data=False).metadata_props}
     assert props["picompile.predictability"] == "0.7"
+
+
+def test_the_artifact_cache_evicts_the_least_recently_used_beyond_its_size(tmp_path, monkeypatch):
+    """1 MiB artifacts under a 2.5 MiB cap: a reuse marks its artifact used now; a lookup evicts the least recently
+    used (with its build record) until the rest fit, and never one used within the last hour, even over the cap."""
+    import os
+    import time
+
+    monkeypatch.setenv("PICOMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PICOMPILE_ARTIFACT_CACHE_GB", str(2.5 / 1024))
+    root = tmp_path / "artifacts"
+    long_ago = time.time() - 3 * models.ARTIFACT_IN_USE_S
+
+    def made(name: str, when: float | None = None) -> None:
+        (root / name).mkdir(parents=True)
+        (root / name / "weights.bin").write_bytes(bytes(2**20))
+        (root / f"{name}.build.json").write_text("{}")
+        if when is not None:
+            os.utime(root / name, (when, when))
+
+    for age, name in enumerate(("a.pic", "b.pic", "c.pic")):
+        made(name, long_ago + age)
+    assert models.cached_artifact("a.pic") == root / "a.pic"  # reused: a is now the most recent
+    assert sorted(p.name for p in root.iterdir()) == ["a.pic", "a.pic.build.json", "c.pic", "c.pic.build.json"]
+    made("d.pic")  # built just now
+    models.cached_artifact("e.pic")  # 3 MiB: c, the least recently used, goes; a and d are in use
+    assert sorted(p.name for p in root.glob("*.pic")) == ["a.pic", "d.pic"]
+    monkeypatch.setenv("PICOMPILE_ARTIFACT_CACHE_GB", "0")
+    models.cached_artifact("f.pic")
+    assert sorted(p.name for p in root.glob("*.pic")) == ["a.pic", "d.pic"]
