@@ -15,8 +15,7 @@ layers with a block on the GPU and, for layer offload, the model's and the budge
   (each on its own device); the embedding's and the output layer's nodes where the plan puts them.
 - Without one (threshold mode): whole layers in order while they fit the budget (llama.cpp's layer offload),
   the embedding and output layer on the CPU (the budget: `ctx.build.gpu`, less its reserve); weights priced at the precision the GPU stores them in
-  (`sizes.gpu_bytes`: fp16 matrices), each layer with its KV cache. A build split across machines: each stage's
-  layers in order while they fit its own node's card (`Stage.gpu_bytes`).
+  (`sizes.gpu_bytes`: fp16 matrices), each layer with its KV cache.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from .targets import format_size
 from runtime.manifest import Devices
 from .costmodel import Plan
 from .partition import PlacementReport
-from .split_nodes import NodeSplit
 
 DEVICE_KEY = "picompile.device"
 DEVICES_KEY = "picompile.devices"  # metadata: the rule (runtime.manifest.Devices)
@@ -85,7 +83,7 @@ class Place:
         elif (report := PlacementReport.of(model)) is not None:
             devices, summary = self._planned(model, nodes, report.plan)
         else:
-            devices, summary = self._layer_offload(model, nodes, ctx)
+            devices, summary = self._layer_offload(model.graph, nodes, ctx)
         for node, device in devices.items():
             node.metadata_props[DEVICE_KEY] = device
         write_entry(model, DEVICES_KEY, Devices(**summary))
@@ -116,33 +114,24 @@ class Place:
                 + (f", the {' and '.join(on_gpu)}" if on_gpu else ""))
         return devices, {"rule": rule, "gpu_layers": gpu_layers}
 
-    def _layer_offload(self, model: ir.Model, nodes: list[ir.Node], ctx: Context) -> tuple[dict, dict]:
-        graph, split = model.graph, NodeSplit.of(model)
+    def _layer_offload(self, graph: ir.Graph, nodes: list[ir.Node], ctx: Context) -> tuple[dict, dict]:
         budget = ctx.build.gpu.usable_bytes  # partition's budget: the same reserve
         layers = pir.node_layers(graph)
         per_layer: dict[int | None, int] = {}
         for node in nodes:
             per_layer[layers[node]] = per_layer.get(layers[node], 0) + _gpu_bytes(node, ctx.build.max_context)
         total = sum(per_layer.values())
-        numbered = sorted(key for key in per_layer if key is not None)
-        # a split build: each node offloads its own layers to its own card (the ends stay in host memory)
-        ranges = ([(range(s.first_layer, s.stop_layer), s.gpu_bytes or 0) for s in split.stages] if split else
-                  [(numbered, budget)])
-        if split is None and total <= budget:
+        if total <= budget:
             gpu_layers = set(per_layer)
         else:
-            gpu_layers = set()
-            for members, card in ranges:
-                used = 0
-                for layer in members:
-                    if used + per_layer.get(layer, 0) > card:
-                        break
-                    gpu_layers.add(layer)
-                    used += per_layer.get(layer, 0)
-            budget = sum(card for _, card in ranges)
+            gpu_layers, used = set(), 0
+            for layer in sorted(key for key in per_layer if key is not None):
+                if used + per_layer[layer] > budget:
+                    break
+                gpu_layers.add(layer)
+                used += per_layer[layer]
         devices = {node: "gpu" if layers[node] in gpu_layers else "cpu" for node in nodes}
         layered = sorted(layer for layer in gpu_layers if layer is not None)
-        rule = (f"{len(layered)} whole layers fit their nodes' cards ({format_size(budget)} of {format_size(total)})"
-                if split else "the whole model fits the GPU budget" if total <= budget else
+        rule = ("the whole model fits the GPU budget" if total <= budget else
                 f"{len(layered)} whole layers fit the GPU budget ({format_size(budget)} of {format_size(total)})")
         return devices, {"rule": rule, "gpu_layers": layered, "model_bytes": total, "budget_bytes": budget}

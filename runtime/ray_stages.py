@@ -179,7 +179,8 @@ class Pipeline:
             if what == "start":
                 raise StageFailed(f"the stages did not all start within {timeout_s:g} s "
                                   f"({first_line(error, type(error).__name__)}); "
-                                  f"each needs a Ray node with 1 CPU and its resources: "
+                                  f"each needs a Ray node with 1 CPU (and a GPU where its node has a card) and its "
+                                  f"resources: "
                                   f"{[stage.resources for stage in self.stages]}") from None
             what = (f"did not answer within {timeout_s:g} s" if isinstance(error, ray_errors.GetTimeoutError) else
                     f"died ({type(error).__name__})")
