@@ -183,12 +183,12 @@ def ensure_gguf_artifact(gguf: Path, build: str, max_context: int, calib: Path |
 def build_cached(model: Path, label: str, args: list[str], calib: Path | None = None, log=print,
                  name: str | None = None) -> Built:
     """`python -m picompile build MODEL -o ART *args [--calib CALIB]` in a child process, cached under
-    ~/.cache/picompile/artifacts (`examples.models.cached_artifact`, which evicts the least recently used) by the
-    model file (path, size, mtime), the options, the calibration file's
-    contents and the compiler's source. The build's wall time and output are kept beside the artifact
+    ~/.cache/picompile/artifacts (`examples.models.cached_artifact`; a build first evicts the least recently used,
+    `evict_artifacts`) by the model file (path, size, mtime), the options, the calibration file's contents and the
+    compiler's source. The build's wall time and output are kept beside the artifact
     (ART.build.json), so a cached artifact still reports them. A failed build is not cached: its `error` is
     the build's `error:` line (or its last line)."""
-    from examples.models import cached_artifact
+    from examples.models import cached_artifact, evict_artifacts
 
     if calib is not None:
         args = [*args, "--calib", str(calib)]
@@ -203,6 +203,7 @@ def build_cached(model: Path, label: str, args: list[str], calib: Path | None = 
     if (artifact / "manifest.json").exists():
         known = json.loads(record.read_text()) if record.is_file() else {}
         return Built(name, artifact, seconds=known.get("seconds"), output=known.get("output", ""))
+    evict_artifacts(keep=artifact)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "picompile", "build", str(model), "-o", str(artifact), *args],
                           cwd=ROOT, capture_output=True, text=True)

@@ -63,7 +63,7 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
     """Build a dense or sparse artifact of a made model, or reuse the one built before from the same model,
     target, build options (`options`: further pipeline Options fields) and compiler source. A tokenizer
     beside the model's ONNX goes into the artifact, as `picompile build` puts it."""
-    from examples.models import cached_artifact
+    from examples.models import cached_artifact, evict_artifacts
     from passes.pipeline import BuildTarget, Options
     from passes.targets import get_target
     from passes.front_end import find_tokenizer
@@ -76,6 +76,7 @@ def ensure_artifact(files, name: str, max_context: int, dense: bool = True, log=
                       "compiler": compiler_digest()}, sort_keys=True, default=str)
     artifact = cached_artifact(f"{files.dir.name}-{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pic")
     if rebuild or not (artifact / "manifest.json").exists():
+        evict_artifacts(keep=artifact)
         started = time.perf_counter()
         # A child process: a 1B build holds GBs (IR, profile, torch) that a long-lived process would keep
         # from the engines measured next (two in-process builds then an eval ran a 23 GB machine out of memory).

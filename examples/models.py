@@ -1334,14 +1334,20 @@ ARTIFACT_IN_USE_S = 3600  # an artifact built or reused this recently may be in 
 
 def cached_artifact(name: str) -> Path:
     """Where the benchmarks keep the artifact `name` (a `.pic` directory under the cache's `artifacts`), marked as
-    used now. Every artifact a benchmark builds lands here, a few GB each at 1B parameters: before it returns, the
-    least recently used ones go (with their `.build.json` records) until the rest fit ARTIFACT_CACHE_BYTES,
-    sparing any used within ARTIFACT_IN_USE_S."""
-    root = cache_dir() / "artifacts"
-    root.mkdir(parents=True, exist_ok=True)
-    artifact = root / name
+    used now when it is there (`evict_artifacts` goes by that)."""
+    artifact = cache_dir() / "artifacts" / name
     if artifact.is_dir():
         os.utime(artifact)
+    return artifact
+
+
+def evict_artifacts(keep: Path) -> None:
+    """Before a benchmark builds `keep` (a few GB each at 1B parameters): the least recently used artifacts go
+    (with their `.build.json` records) until the rest fit ARTIFACT_CACHE_BYTES, sparing any used within
+    ARTIFACT_IN_USE_S, which a running benchmark may hold."""
+    root = keep.parent
+    if not root.is_dir():
+        return
     limit = float(os.environ.get("PICOMPILE_ARTIFACT_CACHE_GB", ARTIFACT_CACHE_BYTES / 2**30)) * 2**30
     sizes = {path: sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
              for path in root.iterdir() if path.is_dir() and path.suffix == ".pic"}
@@ -1349,12 +1355,11 @@ def cached_artifact(name: str) -> Path:
     for path in sorted(sizes, key=lambda path: path.stat().st_mtime):
         if total <= limit:
             break
-        if path == artifact or now - path.stat().st_mtime < ARTIFACT_IN_USE_S:
+        if path == keep or now - path.stat().st_mtime < ARTIFACT_IN_USE_S:
             continue
         shutil.rmtree(path, ignore_errors=True)
         path.with_name(path.name + ".build.json").unlink(missing_ok=True)
         total -= sizes[path]
-    return artifact
 
 
 def config_hash(family: str, preset: str = "tiny", sparsity: float | None = None, skew: str | float = "zipf",

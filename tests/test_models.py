@@ -312,8 +312,9 @@ def test_predictability_and_calibration_size_reach_the_model_files(tmp_path):
 
 
 def test_the_artifact_cache_evicts_the_least_recently_used_beyond_its_size(tmp_path, monkeypatch):
-    """1 MiB artifacts under a 2.5 MiB cap: a reuse marks its artifact used now; a lookup evicts the least recently
-    used (with its build record) until the rest fit, and never one used within the last hour, even over the cap."""
+    """1 MiB artifacts under a 2.5 MiB cap: a reuse marks its artifact used now; before a build the least recently
+    used go (with their build records) until the rest fit, and never one used within the last hour, even over the
+    cap."""
     import os
     import time
 
@@ -332,10 +333,11 @@ def test_the_artifact_cache_evicts_the_least_recently_used_beyond_its_size(tmp_p
     for age, name in enumerate(("a.pic", "b.pic", "c.pic")):
         made(name, long_ago + age)
     assert models.cached_artifact("a.pic") == root / "a.pic"  # reused: a is now the most recent
+    models.evict_artifacts(keep=root / "e.pic")  # before building another
     assert sorted(p.name for p in root.iterdir()) == ["a.pic", "a.pic.build.json", "c.pic", "c.pic.build.json"]
     made("d.pic")  # built just now
-    models.cached_artifact("e.pic")  # 3 MiB: c, the least recently used, goes; a and d are in use
+    models.evict_artifacts(keep=models.cached_artifact("e.pic"))  # 3 MiB: c, the least recently used, goes; a, d in use
     assert sorted(p.name for p in root.glob("*.pic")) == ["a.pic", "d.pic"]
     monkeypatch.setenv("PICOMPILE_ARTIFACT_CACHE_GB", "0")
-    models.cached_artifact("f.pic")
+    models.evict_artifacts(keep=models.cached_artifact("f.pic"))
     assert sorted(p.name for p in root.glob("*.pic")) == ["a.pic", "d.pic"]
