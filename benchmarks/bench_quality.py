@@ -398,33 +398,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def curve_points(rows: list[dict], names) -> list[tuple[float, float, str]]:
-    """(measured ppl change, decode tok/s, build) of the rows named (by a predicate) that have both."""
+def curve_points(rows: list[dict], names, metric: str = "ppl_change") -> list[tuple[float, float, str]]:
+    """(measured `metric`, decode tok/s, build) of the rows named (by a predicate) that have both."""
     found = []
     for r in rows:
         m = r.get("measured") or {}
-        if names(r["build"]) and m.get("ppl_change") is not None and r.get("decode_tokens_per_s"):
-            found.append((m["ppl_change"], r["decode_tokens_per_s"], r["build"]))
+        if names(r["build"]) and m.get(metric) is not None and r.get("decode_tokens_per_s"):
+            found.append((m[metric], r["decode_tokens_per_s"], r["build"]))
     return sorted(found)
 
 
 def curves(rows: list[dict]) -> str:
-    """Speed against measured perplexity: today's single-level thresholds (dense fp32 at zero) and the fp32
-    budget builds, each budget build beside today's speed at its perplexity; then the int4 budget builds beside
-    dense int4 and onnxruntime int4."""
-    today = curve_points(rows, lambda b: b.startswith("thr-") or b == "dense-fp32")
-    budget = curve_points(rows, lambda b: b.startswith("budget-fp32-"))
-    out = ["**Curve, fp32 weights: decode speed against measured perplexity**", "",
-           "| build | measured ppl | decode tok/s | today's single level at this ppl (interpolated) | budget / today |",
-           "| --- | --- | --- | --- | --- |"]
+    """Speed against measured perplexity (and KL, which varies far less between texts): today's single-level
+    thresholds (dense fp32 at zero) and the fp32 budget builds, each budget build beside today's speed at its
+    perplexity and at its KL; then the int4 budget builds beside dense int4 and onnxruntime int4."""
+    is_today = lambda b: b.startswith("thr-") or b == "dense-fp32"  # noqa: E731
+    is_budget = lambda b: b.startswith("budget-fp32-")  # noqa: E731
+    today, budget = curve_points(rows, is_today), curve_points(rows, is_budget)
+    today_kl = [(k, v) for k, v, _ in curve_points(rows, is_today, "kl")]
+    kl_of = {b: k for k, _, b in curve_points(rows, lambda b: is_today(b) or is_budget(b), "kl")}
+    out = ["**Curve, fp32 weights: decode speed against measured perplexity and KL**", "",
+           "| build | measured ppl | measured KL | decode tok/s | today's single level at this ppl (interpolated) "
+           "| budget / today | today's at this KL | budget / today at this KL |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for change, speed, build in sorted(today + budget):
+        kl = kl_of.get(build)
         if build in {b for *_, b in budget}:
             same = interpolate([(c, s) for c, s, _ in today], change)
-            out.append(f"| {build} | {_pct(change)} | {speed:.1f} | {_num(same, '.1f')} | {_x(ratio(speed, same))} |")
+            same_kl = interpolate(today_kl, kl) if kl is not None else None
+            out.append(f"| {build} | {_pct(change)} | {_num(kl, '.4f')} | {speed:.1f} | {_num(same, '.1f')} | "
+                       f"{_x(ratio(speed, same))} | {_num(same_kl, '.1f')} | {_x(ratio(speed, same_kl))} |")
         else:
-            out.append(f"| {build} (today) | {_pct(change)} | {speed:.1f} | | |")
+            out.append(f"| {build} (today) | {_pct(change)} | {_num(kl, '.4f')} | {speed:.1f} | | | | |")
     if not budget:
-        out.append("| (no budget build measured) | | | | |")
+        out.append("| (no budget build measured) | | | | | | | |")
     int4 = curve_points(rows, lambda b: b.startswith("budget-int4-") or b in ("dense-int4", ORT_INT4, ORT_INT4_OWN))
     out += ["", "**Curve, int4 weights: budget builds beside dense int4 and onnxruntime int4**", "",
             f"| build | measured ppl | decode tok/s | vs dense int4 | vs {ORT_INT4} | vs {ORT_INT4_OWN} |",

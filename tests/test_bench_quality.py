@@ -75,9 +75,9 @@ def test_expected_quality_reads_the_manifest(tmp_path):
     assert bench.expected_quality(artifact) == bench.Expected("kl", 0.01, None, 0.006, None, None)
 
 
-def _row(build, speed, change, expected=None, interval=(None, None)):
+def _row(build, speed, change, expected=None, interval=(None, None), kl=0.01):
     return {"build": build, "error": None, "build_s": 60.0, "decode_tokens_per_s": speed,
-            "measured": {"ppl_change": change, "kl": 0.01, "top1": 0.9},
+            "measured": {"ppl_change": change, "kl": kl, "top1": 0.9},
             "expected": expected and {"budget_kind": "ppl", "budget_value": 0.03, "ppl_change": expected, "kl": 0.01,
                                       "top1": 0.9, "ppl_low": interval[0], "ppl_high": interval[1]}}
 
@@ -85,8 +85,10 @@ def _row(build, speed, change, expected=None, interval=(None, None)):
 def test_ratios_table_and_curves():
     rows = bench.finish_rows([
         _row(bench.ORT_FP32, 80.0, 0.0), _row(bench.ORT_INT4, 100.0, 0.25),
-        _row("dense-fp32", 100.0, 0.0), _row("thr-0.2", 120.0, 0.02), _row("thr-0.4", 140.0, 0.10),
-        _row("budget-fp32-3%", 150.0, 0.03, expected=0.025, interval=(0.01, 0.04)), _row("dense-int4", 200.0, 0.3),
+        _row("dense-fp32", 100.0, 0.0, kl=0.0), _row("thr-0.2", 120.0, 0.02, kl=0.02),
+        _row("thr-0.4", 140.0, 0.10, kl=0.1),
+        _row("budget-fp32-3%", 150.0, 0.03, expected=0.025, interval=(0.01, 0.04), kl=0.06),
+        _row("dense-int4", 200.0, 0.3),
         _row("budget-int4-10%", 250.0, 0.12, expected=0.3, interval=(0.2, 0.4))])
     by = {r["build"]: r for r in rows}
     assert by["thr-0.4"]["vs_dense_fp32"] == pytest.approx(1.4)
@@ -103,9 +105,9 @@ def test_ratios_table_and_curves():
     assert "| budget-fp32-3% | 60 | ppl +3% (yes) | +2.5% (+1.0..+4.0) |" in text
     assert "| 0.83 | yes | 150.0 | 1.50x | 1.88x |" in text and "| 2.50 | **no** | 250.0 |" in text
     curve = bench.curves(rows)
-    # today's speed at +3%: a quarter of the way from (+2%, 120) to (+10%, 140)
-    assert "| budget-fp32-3% | +3.0% | 150.0 | 122.5 | 1.22x |" in curve
-    assert "| thr-0.4 (today) | +10.0% | 140.0 | | |" in curve
+    # today's speed at +3%: an eighth of the way from (+2%, 120) to (+10%, 140); at KL 0.06, half the way
+    assert "| budget-fp32-3% | +3.0% | 0.0600 | 150.0 | 122.5 | 1.22x | 130.0 | 1.15x |" in curve
+    assert "| thr-0.4 (today) | +10.0% | 0.1000 | 140.0 | | | | |" in curve
     assert "| budget-int4-10% | +12.0% | 250.0 | 1.25x | 2.50x | - |" in curve
 
 
