@@ -596,16 +596,23 @@ class _HeldOut:
 
 
 MAX_EVALUATIONS = 5  # plans measured on the held-out tokens while searching the path
+FAR_END = 100  # a path's end past this many times the aim is no point to interpolate from
 
 
 def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -> tuple[int, Quality]:
     """The furthest step of the path (`local_error[k]`: the summed local error after k moves) whose plan `evaluate`
-    finds within `budget`, and its quality. The path's end first; then steps aimed, by interpolating the measured
-    quality against the local error between the furthest step within the budget and the nearest beyond it, at
-    0.9 of the budget (`_aim`: a few plans measured, not a bisection's many). Quality grows faster than
-    linearly along the path, so a straight line keeps landing short of the aim from below: `_aim` follows the
-    power law through the two ends where it can, and the Illinois rule halves the far end's excess each time
-    the near end moves twice in a row. Step 0 (dense at the widest formats) where none is within."""
+    finds within `budget`, and its quality. The path's end first; then steps aimed at 0.9 of the budget (`_aim`: a
+    few plans measured, not a bisection's many):
+    - first where the summed local error reaches it (it estimates the KL; a ppl change of a few percent is of the
+      same size);
+    - while no step beyond the budget but the end is measured, and the end is more than FAR_END times the aim,
+      on the line from step 0 through the furthest within: such an end (SmolLM2's fp32 path ends at +150,000%)
+      is so far off the curve that a curve through it aims at the path's first steps;
+    - then between the furthest step within the budget and the nearest beyond it. Quality grows faster than
+      linearly along the path, so a straight line keeps landing short of the aim from below: `_aim` follows the
+      power law through the two where it can, and the Illinois rule halves the far one's excess each time the
+      near one moves twice in a row.
+    Step 0 (dense at the widest formats) where none is within."""
     metric = (lambda q: q.ppl_change) if budget.kind == "ppl" else (lambda q: q.kl)  # noqa: E731
     aim_at = 0.9 * budget.value
     end = len(local_error) - 1
@@ -617,7 +624,11 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
     for _ in range(MAX_EVALUATIONS - 1):
         if high - low <= 1:
             break
-        aim = _aim(local_error[low], low_value, local_error[high], high_value, aim_at)
+        if high == end and high_value > FAR_END * aim_at:  # too far off any curve to aim from: from step 0
+            # (nothing measured yet: the summed local errors estimate the KL, so where they reach the aim)
+            aim = aim_at if low == 0 else _aim(0.0, 0.0, local_error[low], low_value, aim_at)
+        else:
+            aim = _aim(local_error[low], low_value, local_error[high], high_value, aim_at)
         step = int(np.clip(np.searchsorted(local_error, aim), low + 1, high - 1))
         found[step] = evaluate(step)
         if budget.met_by(found[step].ppl_change, found[step].kl):

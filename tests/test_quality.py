@@ -146,16 +146,26 @@ def _eval(files, out, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("curve", [lambda x: 0.5 * x, lambda x: 0.5 * x ** 2, lambda x: 0.5 * x ** 3,
-                                   lambda x: 0.5 * x ** 4, lambda x: 0.02 * np.expm1(5 * x)])
-def test_the_path_search_spends_the_budget_in_a_few_measured_plans(curve):
+LINEAR_PATH = np.linspace(0.0, 1.0, 121)
+# SmolLM2's fp32 path: 701 moves, the summed local error (an estimate of the KL) 0.01 after 89, 0.09 after 241, 5.0
+# at the end, where the ppl change is +150,000%
+SMOLLM2_PATH = 5.0 * (np.arange(701) / 700) ** 3.5
+
+
+@pytest.mark.parametrize("curve, local_error", [
+    (lambda x: 0.5 * x, LINEAR_PATH), (lambda x: 0.5 * x ** 2, LINEAR_PATH), (lambda x: 0.5 * x ** 3, LINEAR_PATH),
+    (lambda x: 0.5 * x ** 4, LINEAR_PATH), (lambda x: 0.02 * np.expm1(5 * x), LINEAR_PATH),
+    (lambda x: 0.8 * x * np.exp(x), SMOLLM2_PATH), (lambda x: 1.3 * x * np.exp(2 * x), SMOLLM2_PATH),
+    # ... whose first steps measure as noise (a ppl change of -0.3% where the KL is 1e-4)
+    (lambda x: 0.8 * x * np.exp(x) - 0.003 * np.cos(40 * x), SMOLLM2_PATH)])
+def test_the_path_search_spends_the_budget_in_a_few_measured_plans(curve, local_error):
     """Quality grows faster than linearly along the path: the search still lands within a few steps of the furthest
     plan within the budget, measuring at most MAX_EVALUATIONS plans (a straight-line search stopped at +6.6% of a
-    10% budget on x**3, at +4.1% on x**4)."""
+    10% budget on x**3, at +4.1% on x**4; one aimed from step 0 at a far end at +3% of a 10% budget)."""
     from passes.ir_reference import Quality
     from passes.quality import MAX_EVALUATIONS, _furthest_within
 
-    local_error, measured = np.linspace(0.0, 1.0, 121), set()
+    steps, measured = len(local_error), set()
 
     def evaluate(step):
         measured.add(step)
@@ -163,8 +173,10 @@ def test_the_path_search_spends_the_budget_in_a_few_measured_plans(curve):
         return Quality(value, value, 1.0, 100, value, value)
 
     step, found = _furthest_within(QualityBudget("ppl", 0.10), local_error, evaluate)
-    furthest = max(k for k in range(121) if curve(local_error[k]) <= 0.10)
-    assert found.ppl_change <= 0.10 and furthest - 2 <= step <= furthest, (step, furthest)
+    furthest = max(k for k in range(steps) if curve(local_error[k]) <= 0.10)
+    # within a few steps of the furthest, or at the 0.9 of the budget it aims at (where steps are fine)
+    assert found.ppl_change <= 0.10 and step <= furthest, (step, furthest)
+    assert step >= furthest - 2 or found.ppl_change >= 0.085, (step, furthest, found.ppl_change)
     assert len(measured) <= MAX_EVALUATIONS
 
 
