@@ -4,8 +4,9 @@ It runs whole calibration sequences from an empty KV cache, batched, causal, as 
 prompt of `prefill` tokens through dense GEMMs, then one token per step. A `Variant` says how a plan changes that
 arithmetic, as the kernels will: a linear input's channels with |v| <= threshold read no weight row in decode
 steps (rows from `prefill` on), and a weight matrix is read as stored (its fp16 or quantized values).
-`probe` sees every Attention / FFN block (and MatMul: the output layer) as it runs (its input, output and the residual it is added to), so
-that a caller can measure a change to one block on the spot instead of keeping every activation.
+`probe` sees every Attention / FFN block (and MatMul: the output layer) as it runs (its input, output and the
+residual it is added to), so that a caller can measure a change to one block on the spot instead of keeping every
+activation. `output_gradients` weighs such a change by the KL it causes at the logits.
 """
 
 from __future__ import annotations

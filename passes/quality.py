@@ -608,6 +608,9 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
     - while no step beyond the budget but the end is measured, and the end is more than FAR_END times the aim,
       on the line from step 0 through the furthest within: such an end (SmolLM2's fp32 path ends at +150,000%)
       is so far off the curve that a curve through it aims at the path's first steps;
+    - while no step within the budget but step 0 is known, back from the nearest beyond as if quality grew like
+      the square root of the local error: a line from step 0 keeps landing beyond on a concave stretch (SmolLM2's
+      int4 path, where moves to int8 cost more than their local errors say, stopped at step 0 so);
     - then between the furthest step within the budget and the nearest beyond it. Quality grows faster than
       linearly along the path, so a straight line keeps landing short of the aim from below: `_aim` follows the
       power law through the two where it can, and the Illinois rule halves the far one's excess each time the
@@ -624,9 +627,13 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
     for _ in range(MAX_EVALUATIONS - 1):
         if high - low <= 1:
             break
-        if high == end and high_value > FAR_END * aim_at:  # too far off any curve to aim from: from step 0
-            # (nothing measured yet: the summed local errors estimate the KL, so where they reach the aim)
-            aim = aim_at if low == 0 else _aim(0.0, 0.0, local_error[low], low_value, aim_at)
+        far = high == end and high_value > FAR_END * aim_at  # too far off any curve to aim from
+        if low == 0 and far:  # nothing measured but the end: the summed local errors estimate the KL
+            aim = aim_at
+        elif low == 0 and high < end:  # only plans beyond: back off as if quality grew like the local error's root
+            aim = local_error[high] * (aim_at / high_value) ** 2  # (concave stretches: SmolLM2's int8 moves)
+        elif far:  # from step 0 through the furthest within
+            aim = _aim(0.0, 0.0, local_error[low], low_value, aim_at)
         else:
             aim = _aim(local_error[low], low_value, local_error[high], high_value, aim_at)
         step = int(np.clip(np.searchsorted(local_error, aim), low + 1, high - 1))

@@ -157,7 +157,9 @@ SMOLLM2_PATH = 5.0 * (np.arange(701) / 700) ** 3.5
     (lambda x: 0.5 * x ** 4, LINEAR_PATH), (lambda x: 0.02 * np.expm1(5 * x), LINEAR_PATH),
     (lambda x: 0.8 * x * np.exp(x), SMOLLM2_PATH), (lambda x: 1.3 * x * np.exp(2 * x), SMOLLM2_PATH),
     # ... whose first steps measure as noise (a ppl change of -0.3% where the KL is 1e-4)
-    (lambda x: 0.8 * x * np.exp(x) - 0.003 * np.cos(40 * x), SMOLLM2_PATH)])
+    (lambda x: 0.8 * x * np.exp(x) - 0.003 * np.cos(40 * x), SMOLLM2_PATH),
+    # ... and concave where the budget is (SmolLM2's int4 path: moves to int8 cost more than their local errors)
+    (lambda x: 3 * np.sqrt(x), SMOLLM2_PATH)])
 def test_the_path_search_spends_the_budget_in_a_few_measured_plans(curve, local_error):
     """Quality grows faster than linearly along the path: the search still lands within a few steps of the furthest
     plan within the budget, measuring at most MAX_EVALUATIONS plans (a straight-line search stopped at +6.6% of a
