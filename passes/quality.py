@@ -603,8 +603,8 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
     """The furthest step of the path (`local_error[k]`: the summed local error after k moves) whose plan `evaluate`
     finds within `budget`, and its quality. The path's end first; then steps aimed at 0.9 of the budget (`_aim`: a
     few plans measured, not a bisection's many):
-    - first where the summed local error reaches it (it estimates the KL; a ppl change of a few percent is of the
-      same size);
+    - first, where the end is more than FAR_END times the aim, where the summed local error reaches it (it
+      estimates the KL; a ppl change of a few percent is of the same size); else on the line from step 0 to the end;
     - while no step beyond the budget but the end is measured, and the end is more than FAR_END times the aim,
       on the line from step 0 through the furthest within: such an end (SmolLM2's fp32 path ends at +150,000%)
       is so far off the curve that a curve through it aims at the path's first steps;
