@@ -124,6 +124,13 @@ class Interpreter:
                     gradients[name].append(out.grad.to(torch.bfloat16))
         return {name: torch.stack(grads) for name, grads in gradients.items()}
 
+    @staticmethod
+    def fisher_kl(gradients: torch.Tensor, delta: torch.Tensor) -> float:
+        """The KL per token that a change `delta` [batch, tokens, width] to a block's output causes, to second
+        order, from that block's `output_gradients` [draws, batch, tokens, width]."""
+        projections = (gradients.float() * delta).sum((-1, -2))  # [draws, batch]
+        return 0.5 * float((projections ** 2).mean(0).sum()) / (delta.shape[0] * delta.shape[1])
+
     def _run(self, node: ir.Node, values: dict, ids: torch.Tensor, variant: Variant) -> torch.Tensor:
         op = node.op_type
         x = values.get(node.inputs[0].name) if node.inputs and node.inputs[0] is not None else None

@@ -306,12 +306,10 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, sites: dict, for
         taps: dict[str, torch.Tensor] = {}
         interpreter.block(node, block.x, taps=taps)
         layer = op_view(node).layer
-        fisher = gradients.pop(node.name).float()
+        fisher = gradients.pop(node.name)
 
-        def error(delta: torch.Tensor) -> float:
-            """The KL per fitting token that `delta` [batch, tokens, width] to the block's output causes (second
-            order, the sampled Fisher information: `Interpreter.output_gradients`)."""
-            return 0.5 * float(((fisher * delta).sum((-1, -2)) ** 2).mean(0).sum()) / fit.size
+        def error(delta: torch.Tensor) -> float:  # the KL per fitting token it causes (sampled Fisher)
+            return Interpreter.fisher_kl(fisher, delta)
 
         def rerun(variant: Variant) -> torch.Tensor:
             return interpreter.block(node, block.x, variant) - block.out

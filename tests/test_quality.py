@@ -82,24 +82,17 @@ def test_the_sampled_fisher_weighs_a_blocks_change_by_the_kl_it_causes(tiny_mode
     interpreter = Interpreter(lifted)
     gradients = interpreter.output_gradients(sequences, ("Attention", "FFN"), draws=64)
     dense = torch.log_softmax(interpreter.logits(sequences).double(), -1)
+    blocks = {}  # node name -> (input, dense output), from one dense pass
+    interpreter.logits(sequences, probe=lambda block: blocks.setdefault(block.node.name, (block.x, block.out)))
     estimates, measured = [], []
     for node in (n for n in lifted.graph if n.op_type in ("Attention", "FFN")):
         site = "qkv" if node.op_type == "Attention" else "in"
-        layer = op_view(node).layer
-        seen = {}
-
-        def probe(block, node=node, seen=seen):
-            if block.node is node:
-                seen["x"], seen["out"] = block.x, block.out
-
-        interpreter.logits(sequences, probe=probe)
+        x, out = blocks[node.name]
         taps = {}
-        interpreter.block(node, seen["x"], taps=taps)
+        interpreter.block(node, x, taps=taps)
         threshold = float(taps[site].abs().flatten().quantile(0.2))
-        variant = Variant({(layer, site): threshold}, prefill=0)
-        delta = interpreter.block(node, seen["x"], variant) - seen["out"]
-        fisher = gradients[node.name].float()
-        estimates.append(0.5 * float(((fisher * delta).sum((-1, -2)) ** 2).mean(0).sum()) / sequences.size)
+        variant = Variant({(op_view(node).layer, site): threshold}, prefill=0)
+        estimates.append(Interpreter.fisher_kl(gradients[node.name], interpreter.block(node, x, variant) - out))
         got = torch.log_softmax(interpreter.logits(sequences, variant).double(), -1)
         measured.append(float((dense.exp() * (dense - got)).sum(-1).mean()))
     ratios = np.array(estimates) / np.array(measured)
@@ -176,9 +169,10 @@ def test_the_path_search_spends_the_budget_in_a_few_measured_plans(curve, local_
 
     step, found = _furthest_within(QualityBudget("ppl", 0.10), local_error, evaluate)
     furthest = max(k for k in range(steps) if curve(local_error[k]) <= 0.10)
-    # within a few steps of the furthest, or at the 0.9 of the budget it aims at (where steps are fine)
     assert found.ppl_change <= 0.10 and step <= furthest, (step, furthest)
-    assert step >= furthest - 2 or found.ppl_change >= 0.085, (step, furthest, found.ppl_change)
+    # within two steps of the furthest; on SmolLM2's fine-grained path, or at the 0.9 of the budget it aims at
+    fine = local_error is SMOLLM2_PATH and found.ppl_change >= 0.085
+    assert step >= furthest - 2 or fine, (step, furthest, found.ppl_change)
     assert len(measured) <= MAX_EVALUATIONS
 
 
