@@ -8,7 +8,7 @@ predictor is expected to select, at `sparse_row_efficiency` of the bandwidth. Ea
 objective (`passes.placement` solves its linear form and checks the answer with it), the dense-fallback choice
 (`whole_ffn_seconds`), the baselines (CPU alone, llama.cpp-style layer offload), and through partition's report the
 artifact's estimate and `inspect`. The quality pass prices a matrix's levels with the same formula
-(`linear_seconds`). A build without a placement (threshold mode) is estimated from its schedule's DAG, each device's
+(`linear_seconds`; a threshold level `column_seconds`, which adds the column kernel's fixed cost). A build without a placement (threshold mode) is estimated from its schedule's DAG, each device's
 calls chained in program order, and its critical path; its CPU-only baseline from the same byte counts.
 """
 
@@ -66,7 +66,9 @@ QUANT_SPARSE_ROW_EFFICIENCY = 0.45
 matrix where that one takes int8 activations with VNNI: on the 2-core Zen 4 (AVX-512 VNNI) of 2026-12-03, a gated
 576x3072 int4 up read 10.5 GB/s sparse at 60% of its inputs kept against 23 GB/s dense (57 vs 43 us; 47 us at 40%:
 no faster than dense), int8 rows 16 GB/s against a dense int8 GEMV at half that rate; on AVX2 the int4 rows beat the
-dense GEMV (77 vs 144 us). The dense VNNI GEMV's integer dot products are what the row kernel lacks."""
+dense GEMV (77 vs 144 us). The dense VNNI GEMV's integer dot products are what the row kernel lacks.
+Placement prices predictor builds' quantized rows with it; threshold levels are priced by `column_seconds`, whose
+fixed cost explains the same two figures (COLUMN_CALL_S)."""
 
 
 def sparse_row_efficiency(bits: int, int8_dot: str | None) -> float:
@@ -83,6 +85,26 @@ def read_seconds(read_bytes: float, bandwidth: float, device: str, calls: int, e
     if bandwidth <= 0:
         return math.inf
     return read_bytes / (bandwidth * efficiency) + calls * launch_seconds(device)
+
+
+COLUMN_CALL_S = 20e-6
+"""What a threshold call (select, then the column-sparse GEMV neuron.sparse_columns / sparse_columns_q) costs on
+the CPU beyond the rows it reads: the second parallel loop that sums its tasks' partial rows, zeroing them, and
+starting its tasks' row streams cold. Measured 2026-12-04 on the 2-core Zen 4 (AVX-512 VNNI) with
+`benchmarks/bench_column_kernels.py` (SmolLM2's four shapes, 30 distinct weight copies each, select + sparse at
+10-90% of the inputs kept against the dense panel GEMV, two runs): the line through the sparse calls' times
+crosses 0 kept at 16-35 us (rows at 0.94-1.23 of the dense GEMV's rate), against 51-283 us for the dense calls; the
+4-bit column kernel's figures of 2026-12-03 (QUANT_SPARSE_ROW_EFFICIENCY's: 47 and 57 us at 40 and 60% kept) fit
+27 us and 0.86. Priced as a launch of 2 us, it made a 30% drop of SmolLM2's down and o projections look 15-20%
+cheaper than dense where it was no faster (the quality pass's 1% plan: 1.06x expected, 0.98x measured)."""
+
+
+def column_seconds(stored_bytes: float, bandwidth: float, kept: float) -> float:
+    """One CPU linear layer thresholded to the `kept` share of its inputs: those rows of its matrix of
+    `stored_bytes` (one per input channel) at SPARSE_ROW_EFFICIENCY of the bandwidth, the select call before it,
+    and the column kernel's fixed cost (COLUMN_CALL_S). The quality pass prices its threshold levels so, and the
+    estimate each threshold call."""
+    return read_seconds(kept * stored_bytes, bandwidth, "cpu", 2, SPARSE_ROW_EFFICIENCY) + COLUMN_CALL_S
 
 
 def linear_seconds(stored_bytes: float, bandwidth: float, kept: float | None = None,
@@ -356,6 +378,11 @@ def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, Layer
         return handover_seconds(_row_bytes(buffers, call.reads()[0]))
     bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
     selected = 0.0 if call.selection is None else expected_share(call, layers) * call.selection.capacity
+    if call.device == "cpu" and call.selection is not None and call.selection.by == "threshold":
+        # its select is a call of its own; the rows and the column kernel's fixed cost as column_seconds has them
+        reads = decode_weight_reads(call, buffers)
+        rows = selected * reads.per_selected / (bandwidth * SPARSE_ROW_EFFICIENCY)
+        return reads.fixed / bandwidth + rows + launch_seconds("cpu") + COLUMN_CALL_S
     read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
     return read / bandwidth + launch_seconds(call.device)
 

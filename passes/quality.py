@@ -391,8 +391,8 @@ def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.nd
 
 
 def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: float, int8_dot: str | None) -> np.ndarray:
-    """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a sparse level
-    reading the rows of the inputs it keeps on held-out tokens; a predictor knob's FFN (up and down), its sparse
+    """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a threshold level
+    reading the rows of the inputs it keeps on held-out tokens (`column_seconds`); a predictor knob's FFN (up and down), its sparse
     levels reading the predictor whole and the rows of the neurons it selects."""
     size = lambda value: int(np.prod(pir.const_array(value).shape))  # noqa: E731
     weights = size(model.graph.initializers[knob.matrix])
@@ -404,6 +404,9 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
         stored = weights * WEIGHT_FORMATS[name].bytes_per_weight
         for level in range(len(knob.thresholds)):
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
+            if knob.predictor is None and level:
+                cost[level, f] = costmodel.column_seconds(stored, bandwidth, kept)
+                continue
             efficiency = costmodel.sparse_row_efficiency(WEIGHT_FORMATS[name].bits, int8_dot)
             cost[level, f] = costmodel.linear_seconds(stored, bandwidth, kept, efficiency)
             if knob.predictor is not None and level:

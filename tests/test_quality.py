@@ -225,9 +225,14 @@ def test_trained_relu_model_meets_its_budget_and_eval_confirms_it(trained_text, 
     assert sum(tight_recalls) >= sum(recalls) - 1e-6, (tight_recalls, recalls)
 
 
-def test_threshold_plan_spends_the_budget_on_more_sparsity(tiny_models, tmp_path, capsys):
+def test_threshold_plan_spends_the_budget_on_more_sparsity(tiny_models, tmp_path, capsys, monkeypatch):
     """Threshold mode: a larger budget buys more dropped inputs (attention's inputs among the choices), each level
-    measured; the build's expectation stays within each budget."""
+    measured; the build's expectation stays within each budget. A tiny model's matrices are read in a microsecond,
+    where the column kernel's fixed cost makes every level dearer than dense (the next test); without that cost
+    bytes decide, as they do at real sizes."""
+    from passes import costmodel
+
+    monkeypatch.setattr(costmodel, "COLUMN_CALL_S", 0.0)
     files = tiny_models("llama", hidden_act="silu")
     plans = {}
     for budget in ("kl=0.00005", "kl=0.01"):
@@ -238,6 +243,15 @@ def test_threshold_plan_spends_the_budget_on_more_sparsity(tiny_models, tmp_path
     dropped = {b: float(q.plan.split("dropping ")[1].split(" ")[0]) * int(q.plan.split(" of ")[0])
                for b, q in plans.items()}
     assert dropped["kl=0.01"] > dropped["kl=0.00005"], plans
+
+
+def test_threshold_levels_that_do_not_pay_stay_dense(tiny_models, tmp_path):
+    """At the column kernel's real fixed cost a tiny model's thresholded matrices would be slower than dense ones:
+    however large the budget, the plan keeps every linear input dense."""
+    files = tiny_models("llama", hidden_act="silu")
+    manifest = _build(files, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.01")
+    assert "linear inputs sparse (none)" in manifest.quality.plan, manifest.quality
+    assert all(not layer.sparsity_in and not layer.sparsity_o for layer in manifest.layers), manifest.layers
 
 
 def test_a_budget_no_plan_meets_falls_back_and_says_so(tiny_models, tmp_path, capsys):
