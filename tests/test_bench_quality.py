@@ -96,6 +96,8 @@ def test_ratios_table_and_curves():
     assert by["budget-fp32-3%"]["expected_over_measured"] == pytest.approx(0.025 / 0.03)
     assert by["budget-int4-10%"]["expected_over_measured"] == pytest.approx(2.5)
     assert by["dense-fp32"]["expected_over_measured"] is None  # no expectation, and no increase to divide by
+    assert by["budget-fp32-3%"]["kl_expected_over_measured"] == pytest.approx(0.01 / 0.06)
+    assert by["dense-fp32"]["kl_expected_over_measured"] is None
     assert by["budget-fp32-3%"]["budget_met"] is True and by["budget-int4-10%"]["budget_met"] is False
     assert by["dense-fp32"]["budget_met"] is None
     text = bench.table(rows)
@@ -103,7 +105,7 @@ def test_ratios_table_and_curves():
     assert by["budget-fp32-3%"]["within_expected"] is True and by["budget-int4-10%"]["within_expected"] is False
     assert by["dense-fp32"]["within_expected"] is None
     assert "| budget-fp32-3% | 60 | ppl +3% (yes) | +2.5% (+1.0..+4.0) |" in text
-    assert "| 0.83 | yes | 150.0 | 1.50x | 1.88x |" in text and "| 2.50 | **no** | 250.0 |" in text
+    assert "| 0.83 | 0.17 | yes | 150.0 | 1.50x | 1.88x |" in text and "| 2.50 | 1.00 | **no** | 250.0 |" in text
     curve = bench.curves(rows)
     # today's speed at +3%: an eighth of the way from (+2%, 120) to (+10%, 140); at KL 0.06, half the way
     assert "| budget-fp32-3% | +3.0% | 0.0600 | 150.0 | 122.5 | 1.22x | 130.0 | 1.15x |" in curve
