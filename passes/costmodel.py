@@ -454,7 +454,8 @@ def estimate(manifest: Manifest, schedule: dict, target: Target, placed: PlanPri
             device_bytes[call.device] += (seconds[call.id] - launch_seconds(call.device)) * bandwidth
     per_layer, outside = _dense_layer_bytes(calls, buffers)
     overhead = sum(1 for call in decode if call.role is not Role.PREDICTOR and not call.runtime_own) * launch_seconds("cpu")
-    cpu_only = (sum(per_layer.values()) + outside) / (target.cpu_bandwidth_gbs * 1e9) + overhead
+    context = sum(_context_bytes(call, buffers) for call in decode)  # a dense build reads the same KV cache
+    cpu_only = (sum(per_layer.values()) + outside + context) / (target.cpu_bandwidth_gbs * 1e9) + overhead
     offload, offloaded = None, 0
     if placed is not None:  # the placement's price of the plan, plus the hand-overs between machines it leaves out
         step = placed.step_s + sum(seconds[call.id] for call in decode if call.role is Role.HANDOVER)

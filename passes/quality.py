@@ -13,8 +13,9 @@ How (TEAL's greedy allocation, priced by the cost model, checked end to end):
 1. Knobs. Every linear input of every block (qkv, o, the FFN's gate/up and down) may drop its inputs below a
    magnitude threshold, at LEVELS of the input's share; every matrix may be stored in any format from the
    build's own up to fp16 (`allowed_formats`: --weight-dtype int4 means "at most 4 bits"). A knob's cost is the
-   cost model's decode seconds for its matrix at that level and format (`costmodel.linear_seconds`): a sparse
-   read pays the gathered rows' lower bandwidth and a select call, so a low level costs more than dense.
+   cost model's decode seconds for its matrix at that level and format (`costmodel.column_seconds`): a sparse
+   read pays the gathered rows' lower bandwidth, a select call and the column kernel's fixed cost, so a low
+   level costs more than dense (and any level of a tiny model's matrices).
 2. Local effects, measured. One dense pass over the fitting tokens (the first calibration sequences) runs every
    block again at each level and format of each of its knobs alone (`passes.ir_reference`), and records the
    KL the change of the block's output causes at the logits, to second order: the change weighted by the

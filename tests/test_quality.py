@@ -247,11 +247,14 @@ def test_threshold_plan_spends_the_budget_on_more_sparsity(tiny_models, tmp_path
 
 def test_threshold_levels_that_do_not_pay_stay_dense(tiny_models, tmp_path):
     """At the column kernel's real fixed cost a tiny model's thresholded matrices would be slower than dense ones:
-    however large the budget, the plan keeps every linear input dense."""
+    however large the budget, the plan keeps every linear input dense, and the estimate says it is as fast as dense."""
     files = tiny_models("llama", hidden_act="silu")
     manifest = _build(files, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.01")
     assert "linear inputs sparse (none)" in manifest.quality.plan, manifest.quality
     assert all(not layer.sparsity_in and not layer.sparsity_o for layer in manifest.layers), manifest.layers
+    # and the estimate prices that plan as the dense build it is (the KV cache read on both sides)
+    estimate = manifest.estimate
+    assert estimate["picompile_tokens_per_s"] >= 0.99 * estimate["cpu_only_tokens_per_s"], estimate
 
 
 def test_a_budget_no_plan_meets_falls_back_and_says_so(tiny_models, tmp_path, capsys):
