@@ -90,13 +90,8 @@ def read_seconds(read_bytes: float, bandwidth: float, device: str, calls: int, e
 COLUMN_CALL_S = 20e-6
 """What a threshold call (select, then the column-sparse GEMV neuron.sparse_columns / sparse_columns_q) costs on
 the CPU beyond the rows it reads: the second parallel loop that sums its tasks' partial rows, zeroing them, and
-starting its tasks' row streams cold. Measured 2026-12-04 on the 2-core Zen 4 (AVX-512 VNNI) with
-`benchmarks/bench_column_kernels.py` (SmolLM2's four shapes, 30 distinct weight copies each, select + sparse at
-10-90% of the inputs kept against the dense panel GEMV, two runs): the line through the sparse calls' times
-crosses 0 kept at 16-35 us (rows at 0.94-1.23 of the dense GEMV's rate), against 51-283 us for the dense calls; the
-4-bit column kernel's figures of 2026-12-03 (QUANT_SPARSE_ROW_EFFICIENCY's: 47 and 57 us at 40 and 60% kept) fit
-27 us and 0.86. Priced as a launch of 2 us, it made a 30% drop of SmolLM2's down and o projections look 15-20%
-cheaper than dense where it was no faster (the quality pass's 1% plan: 1.06x expected, 0.98x measured)."""
+starting its tasks' row streams cold. Priced as a 2 us launch, it made low levels of small matrices look cheaper
+than dense where they were no faster (BENCHMARKS.md, "Measurements behind the code's constants")."""
 
 
 def column_seconds(stored_bytes: float, bandwidth: float, kept: float) -> float:
