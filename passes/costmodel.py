@@ -21,7 +21,7 @@ import networkx as nx
 import numpy as np
 
 from runtime.calls import Access, Call, Role, decode_weight_reads, schedule_calls
-from runtime.dtypes import itemsize, nbytes
+from runtime.dtypes import WEIGHT_FORMATS, itemsize, nbytes
 from runtime.manifest import Buffer, LayerReport, Manifest
 
 from .nodes import handover_seconds
@@ -94,12 +94,30 @@ starting its tasks' row streams cold. Priced as a 2 us launch, it made low level
 than dense where they were no faster (BENCHMARKS.md, "Measurements behind the code's constants")."""
 
 
-def column_seconds(stored_bytes: float, bandwidth: float, kept: float) -> float:
+COLUMN_ROW_RATE = 1.25
+COLUMN_ROW_START_BYTES = 600
+"""A column kernel reads a float row of r bytes as if it were r + COLUMN_ROW_START_BYTES at COLUMN_ROW_RATE of the
+dense panel GEMV's rate (a new stream per row; whole rows stream faster than the panel GEMVs of these shapes):
+SmolLM2's gated gate|up rows (12 KiB) at ~1.2x the dense rate, its down rows (2.3 KiB) at ~1.0x. Fitted to
+bench_column_kernels.py and `run --profile` (BENCHMARKS.md, "Measurements behind the code's constants")."""
+QUANT_COLUMN_ROW_EFFICIENCY = 0.67
+"""4-bit rows against the dense GEMV over int8 activations with VNNI, beside COLUMN_CALL_S (BENCHMARKS.md)."""
+
+
+def column_row_efficiency(row_bytes: float, bits: int, int8_dot: str | None) -> float:
+    """The share of the bandwidth a column kernel reads rows of `row_bytes` at (`bits`: 0 for a float format;
+    `int8_dot`: the CPU's int8-activation dot product, None: none)."""
+    if bits == 4 and int8_dot in ("vnni", None):  # None: not known (the estimate), priced as the slower case
+        return QUANT_COLUMN_ROW_EFFICIENCY
+    return COLUMN_ROW_RATE * row_bytes / (row_bytes + COLUMN_ROW_START_BYTES)
+
+
+def column_seconds(stored_bytes: float, bandwidth: float, kept: float, efficiency: float) -> float:
     """One CPU linear layer thresholded to the `kept` share of its inputs: those rows of its matrix of
-    `stored_bytes` (one per input channel) at SPARSE_ROW_EFFICIENCY of the bandwidth, the select call before it,
-    and the column kernel's fixed cost (COLUMN_CALL_S). The quality pass prices its threshold levels so, and the
-    estimate each threshold call."""
-    return read_seconds(kept * stored_bytes, bandwidth, "cpu", 2, SPARSE_ROW_EFFICIENCY) + COLUMN_CALL_S
+    `stored_bytes` (one per input channel) at `efficiency` of the bandwidth (`column_row_efficiency`), the select
+    call before it, and the column kernel's fixed cost (COLUMN_CALL_S). The quality pass prices its threshold
+    levels so, and the estimate each threshold call."""
+    return read_seconds(kept * stored_bytes, bandwidth, "cpu", 2, efficiency) + COLUMN_CALL_S
 
 
 def linear_seconds(stored_bytes: float, bandwidth: float, kept: float | None = None,
@@ -376,7 +394,10 @@ def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, Layer
     if call.device == "cpu" and call.selection is not None and call.selection.by == "threshold":
         # its select is a call of its own; the rows and the column kernel's fixed cost as column_seconds has them
         reads = decode_weight_reads(call, buffers)
-        rows = selected * reads.per_selected / (bandwidth * SPARSE_ROW_EFFICIENCY)
+        formats = [buffers[a.buffer].format for a in call.args if a.access is Access.SELECTED_ROWS]
+        bits = WEIGHT_FORMATS[formats[0]].bits if formats and formats[0] else 0
+        efficiency = column_row_efficiency(reads.per_selected, bits, None)
+        rows = selected * reads.per_selected / (bandwidth * efficiency)
         return reads.fixed / bandwidth + rows + launch_seconds("cpu") + COLUMN_CALL_S
     read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
     return read / bandwidth + launch_seconds(call.device)

@@ -406,7 +406,10 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
         for level in range(len(knob.thresholds)):
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
             if knob.predictor is None and level:
-                cost[level, f] = costmodel.column_seconds(stored, bandwidth, kept)
+                fmt = WEIGHT_FORMATS[name]
+                row = stored / pir.const_array(model.graph.initializers[knob.matrix]).shape[0]  # bytes per input
+                efficiency = costmodel.column_row_efficiency(row, fmt.bits, int8_dot)
+                cost[level, f] = costmodel.column_seconds(stored, bandwidth, kept, efficiency)
                 continue
             efficiency = costmodel.sparse_row_efficiency(WEIGHT_FORMATS[name].bits, int8_dot)
             cost[level, f] = costmodel.linear_seconds(stored, bandwidth, kept, efficiency)
