@@ -68,7 +68,7 @@ matrix where that one takes int8 activations with VNNI: on the 2-core Zen 4 (AVX
 no faster than dense), int8 rows 16 GB/s against a dense int8 GEMV at half that rate; on AVX2 the int4 rows beat the
 dense GEMV (77 vs 144 us). The dense VNNI GEMV's integer dot products are what the row kernel lacks.
 Placement prices predictor builds' quantized rows with it; threshold levels are priced by `column_seconds`, whose
-fixed cost explains the same two figures (COLUMN_CALL_S)."""
+fixed cost explains the same two figures (COLUMN_CALL_S, QUANT_COLUMN_ROW_EFFICIENCY)."""
 
 
 def sparse_row_efficiency(bits: int, int8_dot: str | None) -> float:
