@@ -101,7 +101,8 @@ def main():
         # the tensors bound once, as the runtime binds its calls' buffers
         if gated:
             bound = [([dl(x), dl(w), dl(t)], [dl(t), dl(y)]) for w in panels]
-            dense = lambda i, f=lib[f"dense_{name}"], g=lib[f"glu_{name}"], b=bound: (f(*b[i][0]), g(*b[i][1]))  # noqa: E731
+            dense = lambda i, f=lib[f"dense_{name}"], g=lib[f"glu_{name}"], b=bound: (  # noqa: E731
+                f(*b[i][0]), g(*b[i][1]))
         else:
             bound = [[dl(x), dl(w), *extra, dl(y)] for w in panels]
             dense = lambda i, f=lib[f"dense_{name}"], b=bound: f(*b[i])  # noqa: E731

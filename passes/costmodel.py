@@ -8,8 +8,9 @@ predictor is expected to select, at `sparse_row_efficiency` of the bandwidth. Ea
 objective (`passes.placement` solves its linear form and checks the answer with it), the dense-fallback choice
 (`whole_ffn_seconds`), the baselines (CPU alone, llama.cpp-style layer offload), and through partition's report the
 artifact's estimate and `inspect`. The quality pass prices a matrix's levels with the same formula
-(`linear_seconds`; a threshold level `column_seconds`, which adds the column kernel's fixed cost). A build without a placement (threshold mode) is estimated from its schedule's DAG, each device's
-calls chained in program order, and its critical path; its CPU-only baseline from the same byte counts.
+(`linear_seconds`; a threshold level `column_seconds`, which adds the column kernel's fixed cost). A build
+without a placement (threshold mode) is estimated from its schedule's DAG, each device's calls chained in program
+order, and its critical path; its CPU-only baseline from the same byte counts.
 """
 
 from __future__ import annotations

@@ -393,10 +393,11 @@ def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.nd
 
 def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: float, int8_dot: str | None) -> np.ndarray:
     """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a threshold level
-    reading the rows of the inputs it keeps on held-out tokens (`column_seconds`); a predictor knob's FFN (up and down), its sparse
-    levels reading the predictor whole and the rows of the neurons it selects."""
+    reading the rows of the inputs it keeps on held-out tokens (`column_seconds`); a predictor knob's FFN (up and
+    down), its sparse levels reading the predictor whole and the rows of the neurons it selects."""
     size = lambda value: int(np.prod(pir.const_array(value).shape))  # noqa: E731
     weights = size(model.graph.initializers[knob.matrix])
+    inputs = pir.const_array(model.graph.initializers[knob.matrix]).shape[0]  # [K, N]: a row per input channel
     if knob.predictor is not None:
         weights += size(knob.node.inputs[3])  # w_down
         predictor = sum(w.numel() for w in knob.predictor) * PREDICTOR_FORMAT.bytes_per_weight
@@ -406,9 +407,7 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
         for level in range(len(knob.thresholds)):
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
             if knob.predictor is None and level:
-                fmt = WEIGHT_FORMATS[name]
-                row = stored / pir.const_array(model.graph.initializers[knob.matrix]).shape[0]  # bytes per input
-                efficiency = costmodel.column_row_efficiency(row, fmt.bits, int8_dot)
+                efficiency = costmodel.column_row_efficiency(stored / inputs, WEIGHT_FORMATS[name].bits, int8_dot)
                 cost[level, f] = costmodel.column_seconds(stored, bandwidth, kept, efficiency)
                 continue
             efficiency = costmodel.sparse_row_efficiency(WEIGHT_FORMATS[name].bits, int8_dot)

@@ -275,3 +275,20 @@ def test_a_fixed_sparsity_over_the_budget_is_built_as_asked_and_said(tiny_models
     assert "the --sparsity level misses the budget (KL 0)" in capsys.readouterr().err
     assert not manifest.quality.met and manifest.quality.kl > 0
     assert all(layer.threshold_in >= 0 and layer.sparsity_in > 0.3 for layer in manifest.layers)
+
+
+def test_a_thresholded_matrix_is_priced_as_its_column_kernel_runs():
+    """The prices the quality pass orders its moves by (BENCHMARKS.md, the column constants): a level that keeps
+    90% of a 3.5 MB matrix's short rows costs more than the dense GEMV (the kernel's fixed cost and a select), one
+    that keeps a third less; long float rows stream faster per byte than short ones; 4-bit rows on a VNNI
+    CPU at the measured share of the dense GEMV over int8 activations."""
+    from passes import costmodel
+
+    bandwidth, stored = 30e9, 1536 * 576 * 4.0  # SmolLM2's down projection in fp32
+    dense = costmodel.linear_seconds(stored, bandwidth)
+    efficiency = costmodel.column_row_efficiency(576 * 4, 0, "vnni")
+    assert costmodel.column_seconds(stored, bandwidth, 0.9, efficiency) > dense
+    assert costmodel.column_seconds(stored, bandwidth, 0.33, efficiency) < dense
+    assert costmodel.column_row_efficiency(12288, 0, None) > costmodel.column_row_efficiency(2304, 0, None)
+    assert costmodel.column_row_efficiency(1728, 4, "vnni") == costmodel.QUANT_COLUMN_ROW_EFFICIENCY
+    assert costmodel.column_row_efficiency(1728, 4, "madd") != costmodel.QUANT_COLUMN_ROW_EFFICIENCY
