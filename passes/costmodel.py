@@ -107,18 +107,19 @@ QUANT_COLUMN_ROW_EFFICIENCY = 0.67
 
 def column_row_efficiency(row_bytes: float, bits: int, int8_dot: str | None) -> float:
     """The share of the bandwidth a column kernel reads rows of `row_bytes` at (`bits`: 0 for a float format;
-    `int8_dot`: the CPU's int8-activation dot product, None: none)."""
-    if bits == 4 and int8_dot in ("vnni", None):  # None: not known (the estimate), priced as the slower case
+    `int8_dot`: the CPU's int8-activation dot product, None: not known, priced as the slower VNNI case)."""
+    if bits == 4 and int8_dot in ("vnni", None):
         return QUANT_COLUMN_ROW_EFFICIENCY
     return COLUMN_ROW_RATE * row_bytes / (row_bytes + COLUMN_ROW_START_BYTES)
 
 
 def column_seconds(stored_bytes: float, bandwidth: float, kept: float, efficiency: float) -> float:
-    """One CPU linear layer thresholded to the `kept` share of its inputs: those rows of its matrix of
-    `stored_bytes` (one per input channel) at `efficiency` of the bandwidth (`column_row_efficiency`), the select
-    call before it, and the column kernel's fixed cost (COLUMN_CALL_S). The quality pass prices its threshold
-    levels so, and the estimate each threshold call."""
-    return read_seconds(kept * stored_bytes, bandwidth, "cpu", 2, efficiency) + COLUMN_CALL_S
+    """One column kernel call of a CPU linear layer thresholded to the `kept` share of its inputs: those rows of
+    its matrix of `stored_bytes` (one per input channel) at `efficiency` of the bandwidth
+    (`column_row_efficiency`), its launch and its fixed cost (COLUMN_CALL_S); the select call before it is a call
+    of its own. The quality pass prices its threshold levels so (with the select), and the estimate each
+    threshold call."""
+    return read_seconds(kept * stored_bytes, bandwidth, "cpu", 1, efficiency) + COLUMN_CALL_S
 
 
 def linear_seconds(stored_bytes: float, bandwidth: float, kept: float | None = None,
@@ -393,13 +394,11 @@ def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, Layer
     bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
     selected = 0.0 if call.selection is None else expected_share(call, layers) * call.selection.capacity
     if call.device == "cpu" and call.selection is not None and call.selection.by == "threshold":
-        # its select is a call of its own; the rows and the column kernel's fixed cost as column_seconds has them
         reads = decode_weight_reads(call, buffers)
         formats = [buffers[a.buffer].format for a in call.args if a.access is Access.SELECTED_ROWS]
         bits = WEIGHT_FORMATS[formats[0]].bits if formats and formats[0] else 0
         efficiency = column_row_efficiency(reads.per_selected, bits, None)
-        rows = selected * reads.per_selected / (bandwidth * efficiency)
-        return reads.fixed / bandwidth + rows + launch_seconds("cpu") + COLUMN_CALL_S
+        return reads.fixed / bandwidth + column_seconds(selected * reads.per_selected, bandwidth, 1.0, efficiency)
     read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
     return read / bandwidth + launch_seconds(call.device)
 

@@ -396,8 +396,8 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
     reading the rows of the inputs it keeps on held-out tokens (`column_seconds`); a predictor knob's FFN (up and
     down), its sparse levels reading the predictor whole and the rows of the neurons it selects."""
     size = lambda value: int(np.prod(pir.const_array(value).shape))  # noqa: E731
-    weights = size(model.graph.initializers[knob.matrix])
-    inputs = pir.const_array(model.graph.initializers[knob.matrix]).shape[0]  # [K, N]: a row per input channel
+    inputs, outputs = pir.const_array(model.graph.initializers[knob.matrix]).shape  # [K, N]: a row per input
+    weights = inputs * outputs
     if knob.predictor is not None:
         weights += size(knob.node.inputs[3])  # w_down
         predictor = sum(w.numel() for w in knob.predictor) * PREDICTOR_FORMAT.bytes_per_weight
@@ -408,7 +408,8 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
             if knob.predictor is None and level:
                 efficiency = costmodel.column_row_efficiency(stored / inputs, WEIGHT_FORMATS[name].bits, int8_dot)
-                cost[level, f] = costmodel.column_seconds(stored, bandwidth, kept, efficiency)
+                cost[level, f] = (costmodel.column_seconds(stored, bandwidth, kept, efficiency)
+                                  + costmodel.launch_seconds("cpu"))  # and its select call
                 continue
             efficiency = costmodel.sparse_row_efficiency(WEIGHT_FORMATS[name].bits, int8_dot)
             cost[level, f] = costmodel.linear_seconds(stored, bandwidth, kept, efficiency)

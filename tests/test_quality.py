@@ -279,7 +279,7 @@ def test_a_fixed_sparsity_over_the_budget_is_built_as_asked_and_said(tiny_models
 
 def test_a_thresholded_matrix_is_priced_as_its_column_kernel_runs():
     """The prices the quality pass orders its moves by (BENCHMARKS.md, the column constants): a level that keeps
-    90% of a 3.5 MB matrix's short rows costs more than the dense GEMV (the kernel's fixed cost and a select), one
+    90% of a 3.5 MB matrix's short rows costs more than the dense GEMV (the kernel's fixed cost alone), one
     that keeps a third less; long float rows stream faster per byte than short ones; 4-bit rows on a VNNI
     CPU at the measured share of the dense GEMV over int8 activations."""
     from passes import costmodel
