@@ -37,6 +37,8 @@ class Variant:
     prefill: int = 4
     # matrices whose decode GEMV quantizes its input to int8 per block of 32 (an int4 / int8 build's int8_dot kernels)
     int8_inputs: frozenset[str] = frozenset()
+    # of those, the ones whose prefill GEMM quantizes each row so too (AVX-512 tiles: quant.gemm_panels_qx8)
+    int8_prefill_inputs: frozenset[str] = frozenset()
     # layer -> (w1 [d, r], w2 [r, ffn], threshold): decode rows compute only the FFN neurons the predictor selects
     predictors: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
 
@@ -154,9 +156,11 @@ class Interpreter:
         raise NotImplementedError(f"the IR reference has no {op} ({node.name})")
 
     def product(self, v: torch.Tensor, matrix: ir.Value, variant: Variant) -> torch.Tensor:
-        """v @ W for the weight `matrix` as the variant stores it; decode rows' v rounded to int8 blocks first where
-        its kernel takes int8 activations."""
-        if matrix.name in variant.int8_inputs:
+        """v @ W for the weight `matrix` as the variant stores it; v's decode (and prefill) rows rounded to int8
+        blocks first where its kernel takes int8 activations."""
+        if matrix.name in variant.int8_prefill_inputs:
+            v = int8_blocks(v)
+        elif matrix.name in variant.int8_inputs:
             v = torch.cat([v[:, : variant.prefill], int8_blocks(v[:, variant.prefill:])], dim=1)
         return v @ self.weight(matrix, variant)
 

@@ -52,13 +52,14 @@ from onnx_ir.passes import PassResult
 
 from . import costmodel
 from . import ir as pir
+from .blocking import Blocking
 from .budget import QualityBudget, ppl_change_interval
 from .facts import ValueFact, read_entry, write_entry
 from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
 from .targets import CpuIsa
-from runtime.dtypes import WEIGHT_FORMATS, dequantize_blocks
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, dequantize_blocks
 from runtime.manifest import ExpectedQuality
 
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant
@@ -136,25 +137,39 @@ class Knob:
 
 
 class StoredWeights:
-    """Matrices as a plan stores them, for the reference: blocks computed once per (matrix, format, axis), kept
-    as integers and scales, dequantized when a pass asks (`Variant.weights` reads it as a mapping)."""
+    """Matrices as a plan stores them, for the reference: blocks made once per (matrix, format, axis) by the
+    quantize pass's own rule (`passes.blocking`: a model that came quantized keeps its blocks), kept as
+    integers and scales, dequantized when a pass asks (`Variant.weights` reads it as a mapping)."""
 
-    def __init__(self, model: ir.Model, method: str):
+    def __init__(self, model: ir.Model, blocking: Blocking):
         self._values = {v.name: v for v in model.graph.initializers.values()}
-        self._fit = method == "awq"
-        self._blocks: dict[tuple[str, str, int], tuple] = {}
+        self._blocking = blocking
+        self._blocks: dict[tuple[str, str, int], tuple[tuple | None, WeightFormat]] = {}
 
-    def values(self, name: str, fmt_name: str, axis: int) -> np.ndarray:
+    def _stored(self, name: str, fmt_name: str, axis: int) -> tuple[np.ndarray, tuple | None, WeightFormat]:
+        """(source values, blocks or None where kept in floats, the format they are stored in)."""
         source = np.asarray(pir.const_array(self._values[name]), np.float32)
-        fmt = WEIGHT_FORMATS[fmt_name]
+        fmt = self._blocking.format_for(fmt_name)
         if not fmt.quantized:
-            return source.astype(fmt.storage).astype(np.float32)
+            return source, None, fmt
         if not quant.quantizable(source.shape, axis, fmt.block):
-            return source.astype(np.float16).astype(np.float32)  # the quantize pass keeps it in floats
+            return source, None, WEIGHT_FORMATS["fp16"]  # the quantize pass keeps it in floats
         key = (name, fmt_name, axis)
         if key not in self._blocks:
-            self._blocks[key] = quant.quantize(source, fmt, axis, fit_scales=self._fit and not fmt.has_min)
-        return dequantize_blocks(*self._blocks[key][:2], axis, *self._blocks[key][2:])
+            blocks, used, _ = self._blocking.blocks(source, fmt, axis)
+            self._blocks[key] = (blocks, used if blocks is not None else WEIGHT_FORMATS["fp16"])
+        return (source, *self._blocks[key])
+
+    def format(self, name: str, fmt_name: str, axis: int) -> WeightFormat:
+        """The format the quantize pass stores the matrix in when the plan gives it `fmt_name` (a model's own
+        blocks may keep another: a Q4_1 file's Q8_0 output layer in int8)."""
+        return self._stored(name, fmt_name, axis)[2]
+
+    def values(self, name: str, fmt_name: str, axis: int) -> np.ndarray:
+        source, blocks, fmt = self._stored(name, fmt_name, axis)
+        if blocks is None:
+            return source.astype(fmt.storage).astype(np.float32)
+        return dequantize_blocks(*blocks[:2], axis, *blocks[2:])
 
 
 class _Planned(dict):
@@ -178,7 +193,6 @@ class QualityPlan:
     name = "quality"
     requires = (CALIBRATION_SEQUENCES,)
     method: str = Options.quant_method
-    fixed_formats: bool = False  # a model that came quantized keeps its blocks: formats are not the plan's
     mode: str = "threshold"  # threshold: a level per linear input; predictor: a recall per FFN (formats fixed)
     lowest_recall: float = Options.target_recall  # predictor mode: the recall predict fitted to, the lowest level
     int8_activations: bool = Options.int8_activations
@@ -192,9 +206,11 @@ class QualityPlan:
         interpreter = Interpreter(model, int8_predictor_inputs=predictor_reads_int8(self.int8_activations, cpu_isa))
         fixed_level = _fixed_levels(model)  # --sparsity: the threshold pass's levels, kept as they are (measured)
         planned = self.mode == "threshold" and not fixed_level
-        formats = allowed_formats(weight_dtype) if planned and not self.fixed_formats else (weight_dtype,)
+        # (auto's build of a quantized model keeps its blocks: formats are not the plan's)
+        fixed_formats = ctx.build.keep_source_blocks
+        formats = allowed_formats(weight_dtype) if planned and not fixed_formats else (weight_dtype,)
         sites = MODE_SITES[self.mode] if not fixed_level else {"FFN": ("in", "down")}
-        stored = StoredWeights(model, self.method)
+        stored = StoredWeights(model, Blocking.of(model, ctx.build.weight_format, self.method, fixed_formats))
         nodes = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
         with ctx.progress("quality: local effects", len(nodes)) as advance:
             knobs, head_error = _measure_locally(interpreter, fit, sites, formats, stored, fixed_level,
@@ -210,7 +226,7 @@ class QualityPlan:
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
         state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
-        unplanned = _build_matrices(model, weight_dtype) if len(formats) == 1 and not self.fixed_formats else {}
+        unplanned = _build_matrices(model, weight_dtype) if len(formats) == 1 else {}
         variant = lambda state: _variant(knobs, state, formats, stored, head, embed, isa, unplanned)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
@@ -514,11 +530,14 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
         if matrix is not None and changed(matrix[1]):
             choices[matrix[0]] = (matrix[1], axis)
     # a dense quantized matrix's decode GEMV over int8 activations, where select-kernels picks that kernel
-    int8_inputs = frozenset(name for name, (fmt, axis) in choices.items() if axis == 0 and isa is not None
-                            and WEIGHT_FORMATS[fmt].quantized
-                            and quant.gemv_int8_dot_fits(WEIGHT_FORMATS[fmt].bits, isa.int8_dot, isa.gemm_panels))
+    stored_in = {name: stored.format(name, *choice) for name, choice in choices.items() if choice[1] == 0}
+    int8_inputs = frozenset(name for name, fmt in stored_in.items() if isa is not None and fmt.quantized
+                            and quant.gemv_int8_dot_fits(fmt.bits, isa.int8_dot, isa.gemm_panels))
+    # and its prefill GEMM's, each row so, where the GEMM reads int8 (AVX-512 tiles)
+    int8_prefill = frozenset(name for name in int8_inputs
+                             if quant.gemm_int8_dot_fits(stored_in[name].bits, isa.int8_dot, isa.gemm_panels))
     return Variant(thresholds, _Planned(stored, choices), prefill=PREFILL, predictors=predictors,
-                   int8_inputs=int8_inputs)
+                   int8_inputs=int8_inputs, int8_prefill_inputs=int8_prefill)
 
 
 def _held_out_predictions(knob: Knob, logits: torch.Tensor, active: torch.Tensor, counts: np.ndarray) -> None:

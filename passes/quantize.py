@@ -35,7 +35,8 @@ max|w| / 127 no rounding rule here gives, and its Q4_0 blocks in int4 or int8), 
 each block's q, d and m again, and a block it cannot reproduce bit for bit is re-rounded and counted in the log.
 With `keep_source_blocks` (a build whose format was chosen from the file, --weight-dtype auto) a matrix the
 model stores in other blocks than the build's format (a Q4_1 file's Q8_0 embedding) is stored in the first
-declared format that holds it exactly (`SOURCE_FORMATS`), not re-rounded.
+declared format that holds it exactly (`SOURCE_FORMATS`), not re-rounded. That rule lives in `passes.blocking`,
+which the quality pass's reference computes with too.
 """
 
 from __future__ import annotations
@@ -51,13 +52,12 @@ from .facts import read_entry, write_entry
 from . import ir as pir
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT
-from runtime.dtypes import QUANT_BLOCK, QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
+from runtime.dtypes import QUANT_METHODS, WEIGHT_FORMATS, WeightFormat
 from runtime.manifest import Quantization
 
 from .awq import AwqReport
+from .blocking import Blocking, relative_error
 from .quality import WeightPlan
-from .import_gguf import GGUFSource
-from .import_onnx import SourceQuantization
 from .kernels import quant
 from .place import DEVICE_KEY, PLACED, device_of
 from . import ops
@@ -141,19 +141,10 @@ class Quantize:
             raise ValueError(f"unknown quantization method {self.method!r}; known: {', '.join(QUANT_METHODS)}")
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        # the build's format (int8 / int4 block every matrix, float formats the predictors); `keep_source_blocks`
-        # (auto's build of a quantized model): matrices it stores in other blocks keep them
-        fmt, keep = ctx.build.weight_format, ctx.build.keep_source_blocks
-        source = SourceQuantization.of(model) if fmt.quantized else None
-        fmt = _source_format(source, fmt)
-        # a model that came quantized keeps its values: rounding to nearest returns them, a fitted scale would not;
-        # its blocks on the format's grid keep the integers and scales they came with (a GGUF file's Q8_0 blocks
-        # are, under a scale no rounding rule here gives: max|w| / 127), asymmetric blocks are found again (exact)
-        gguf = GGUFSource.of(model)
-        came_quantized = source is not None or (gguf is not None and gguf.quantized())
-        fit_scales = self.method == "awq" and not came_quantized and not fmt.has_min  # (predictors never: `_matrices`)
-        exact = fmt.quantized and came_quantized
-        group = _source_group(source) if exact and source is not None else 1  # source blocks of 64, 128
+        # the build's format (int8 / int4 block every matrix, float formats the predictors); a model that came
+        # quantized keeps its values, in its own blocks where a format holds them (passes.blocking)
+        blocking = Blocking.of(model, ctx.build.weight_format, self.method, ctx.build.keep_source_blocks)
+        fmt = blocking.format
         graph = model.graph
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors, quantized_bytes, rerounded, foreign = [], 0, 0, [], 0.0, 0, []
@@ -164,30 +155,31 @@ class Quantize:
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
-            for index, axis, matrix_format, fit in _matrices(node, fmt, fit_scales):
+            for index, axis, matrix_format in _matrices(node, fmt):
                 value = node.inputs[index]
                 key = (id(value), axis)
                 if node.op_type != "Predict":
-                    matrix_format = format_for(planned, value.name, matrix_format)
+                    matrix_format = blocking.format_for(planned.get(value.name))
                     if not matrix_format.quantized:  # planned in floats: select-kernels stores it so
                         planned_floats.append(value.name)
                         continue
-                    fit = self.method == "awq" and not came_quantized and not matrix_format.has_min
                 if key not in done:
                     array = pir.const_array(value)
                     if array is None or not quant.quantizable(array.shape, axis, matrix_format.block):
                         kept.append(value.name)
                         continue
                     array = np.asarray(array, np.float32)  # a half model's matrix, widened one at a time
-                    blocks, used, missed = self._blocks(array, matrix_format, axis, fit,
-                                                        exact and node.op_type != "Predict", group if axis == 0 else 1, keep)
+                    if node.op_type == "Predict":  # rounded to nearest: predict fitted their thresholds to those
+                        blocks, used, missed = quant.quantize(array, matrix_format, axis), matrix_format, 0
+                    else:
+                        blocks, used, missed = blocking.blocks(array, matrix_format, axis)
                     if blocks is None:  # a matrix the model stores in floats (or in other blocks): not re-rounded
                         foreign.append(value.name)
                         continue
                     rerounded += missed
                     if used is not matrix_format:
                         moved[used.name] = moved.get(used.name, 0) + 1
-                    errors.append(_relative_error(array, quant.dequantize(*blocks[:2], axis, *blocks[2:])))
+                    errors.append(relative_error(array, quant.dequantize(*blocks[:2], axis, *blocks[2:])))
                     exact_matrices += errors[-1] == 0.0
                     done[key] = self._dequantize(graph, node, value.name, *blocks[:2], axis, used, *blocks[2:])
                     matrix_format = used
@@ -200,7 +192,7 @@ class Quantize:
         pir.drop_unused_initializers(graph)
         if not done and not fmt.quantized:
             return PassResult(model, modified=False)
-        method = "rtn" if source is not None or not fmt.quantized else self.method
+        method = "rtn" if blocking.came_quantized or not fmt.quantized else self.method
         blocked = fmt if fmt.quantized else PREDICTOR_FORMAT
         summary = Quantization(format=blocked.name, method=method, block=blocked.block,
                                scale_dtype=blocked.scale_dtype, matrices=len(done),
@@ -216,7 +208,7 @@ class Quantize:
                 f"{blocked.block}, {blocked.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
                 f"{summary.mean_relative_error:.4f}"
-                f"{(f'; the model{chr(39)}s own blocks kept exactly in {exact_matrices}' if exact_matrices else '') if exact else ''}"
+                f"{(f'; the model{chr(39)}s own blocks kept exactly in {exact_matrices}' if exact_matrices else '') if blocking.came_quantized and fmt.quantized else ''}"
                 f"{f'; {len(kept)} not whole blocks, kept in floats' if kept else ''}"
                 f"{''.join(f'; {n} in {name} by the quality plan' for name, n in planned_formats.items())}"
                 f"{f'; {len(planned_floats)} kept in floats by the quality plan' if planned_floats else ''}"
@@ -224,33 +216,6 @@ class Quantize:
                 f"{f'; {len(foreign)} not in 4-bit blocks in the model ({_names(foreign)}), kept in floats' if foreign else ''}"
                 f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")
         return PassResult(model, modified=True)
-
-    @staticmethod
-    def _blocks(array: np.ndarray, fmt: WeightFormat, axis: int, fit: bool, exact: bool, group: int, keep: bool):
-        """(blocks, the format they are in, blocks re-rounded) of a matrix; blocks None where an int4a build keeps
-        a matrix that is in no 4-bit blocks in floats. `exact` (a model that came quantized): its own blocks are
-        kept where `fmt` holds them; where it does not and `keep` (the build's keep_source_blocks), the first of SOURCE_FORMATS that
-        holds every block exactly stores them."""
-        if fmt.has_min:
-            q, scales, mins, missed, unlike = quant.quantize_asymmetric(array, fmt, axis, exact=exact, group=group)
-            blocks, holds = (None if unlike else (q, scales, mins)), not unlike and not missed
-        else:
-            blocks = quant.quantize(array, fmt, axis, fit_scales=fit, keep_grid=exact)
-            missed = 0
-            holds = not exact or _relative_error(array, quant.dequantize(*blocks, axis)) == 0.0
-        if exact and not holds and keep:
-            for other in SOURCE_FORMATS:
-                if other.name == fmt.name or not quant.quantizable(array.shape, axis, other.block):
-                    continue
-                if other.has_min:
-                    q, scales, mins, left, unlike = quant.quantize_asymmetric(array, other, axis, exact=True, group=group)
-                    if not unlike and not left:
-                        return (q, scales, mins), other, 0
-                else:
-                    candidate = quant.quantize(array, other, axis, keep_grid=True)
-                    if _relative_error(array, quant.dequantize(*candidate, axis)) == 0.0:
-                        return candidate, other, 0
-        return blocks, fmt, missed
 
     @staticmethod
     def _dequantize(graph: ir.Graph, before: ir.Node, name: str, q: np.ndarray, scales: np.ndarray, axis: int,
@@ -267,15 +232,6 @@ class Quantize:
         node.metadata_props[DEVICE_KEY] = "cpu"
         graph.insert_before(before, node)
         return node.outputs[0] if mins is None else _with_mins(graph, before, name, node.outputs[0], mins, axis, fmt)
-
-
-def format_for(planned: dict[str, str], name: str, default: WeightFormat) -> WeightFormat:
-    """The format the matrix initializer `name` is stored in: the one the plan gives it, else `default` (the
-    build's, with its scale type). The one place a per-matrix choice enters the pass."""
-    if name not in planned:
-        return default
-    fmt = WEIGHT_FORMATS[planned[name]]
-    return replace(fmt, scale_dtype=default.scale_dtype) if fmt.quantized and default.quantized else fmt
 
 
 def _standard(node: ir.Node | None, op_type: str) -> bool:
@@ -311,15 +267,14 @@ def _with_mins(graph: ir.Graph, before: ir.Node, name: str, scaled: ir.Value, mi
     return out
 
 
-def _matrices(node: ir.Node, fmt: WeightFormat, fit_scales: bool) -> list[tuple[int, int, WeightFormat, bool]]:
-    """(input index, block axis, format, whether to fit the block scales) of each weight matrix of `node` the
-    pass blocks: in a float build (`fmt` not quantized) the predictors' alone. Predictors round to nearest:
-    predict fitted their thresholds to those values (`as_stored`)."""
+def _matrices(node: ir.Node, fmt: WeightFormat) -> list[tuple[int, int, WeightFormat]]:
+    """(input index, block axis, format) of each weight matrix of `node` the pass blocks: in a float build (`fmt`
+    not quantized) the predictors' alone."""
     if node.op_type == "Predict":
-        return [(index, PREDICTOR_AXIS, PREDICTOR_FORMAT, False) for index in range(1, len(node.inputs))]
+        return [(index, PREDICTOR_AXIS, PREDICTOR_FORMAT) for index in range(1, len(node.inputs))]
     if not fmt.quantized:
         return []
-    return [(index, axis, fmt, fit_scales) for index, axis in blocked_axes(node)]
+    return [(index, axis, fmt) for index, axis in blocked_axes(node)]
 
 
 def blocked_axes(node: ir.Node) -> list[tuple[int, int]]:
@@ -327,36 +282,6 @@ def blocked_axes(node: ir.Node) -> list[tuple[int, int]]:
     the matrices a threshold thins blocked along their rows instead (`THRESHOLDED`)."""
     rows = {index for index, key in THRESHOLDED.get(node.op_type, ()) if float(ops.view(node).value(key)) >= 0}
     return [(index, 1 if index in rows else axis) for index, axis in BLOCKED.get(node.op_type, ())]
-
-
-# Where a model's matrix is in other blocks than the build's format: the formats tried, fewest bytes first.
-SOURCE_FORMATS = tuple(sorted((f for f in WEIGHT_FORMATS.values() if f.quantized), key=lambda f: f.bytes_per_weight))
-
-
-def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> WeightFormat:
-    """`fmt`, with the source's scale type where every weight of the model came quantized in it (bits, block,
-    symmetric; int4a: with zero points, in the type import wrote its blocks' scales and mins in)."""
-    if source is None or not source.weights:
-        return fmt
-    if fmt.has_min:
-        asymmetric = [w for w in source.weights if not w.symmetric and w.bits == fmt.bits
-                      and w.block_size % fmt.block == 0]
-        if asymmetric and any(w.block_dtype == "float32" for w in asymmetric):
-            return replace(fmt, scale_dtype="float32")
-        return fmt
-    if all(w.symmetric and w.bits == fmt.bits and w.block_size == fmt.block for w in source.weights):
-        scale_types = {w.scale_dtype for w in source.weights}
-        if scale_types == {"float32"}:
-            return replace(fmt, scale_dtype="float32")
-    return fmt
-
-
-def _source_group(source: SourceQuantization) -> int:
-    """How many QUANT_BLOCKs along K one block of the model's asymmetric 4-bit weights spans (MatMulNBits'
-    block_size / 32), where they all have one block size that is a multiple of it; else 1."""
-    sizes = {w.block_size for w in source.weights if w.bits == 4 and not w.symmetric}
-    size = sizes.pop() if len(sizes) == 1 else 0
-    return size // QUANT_BLOCK if size and size % QUANT_BLOCK == 0 else 1
 
 
 def _names(names: list[str], shown: int = 3) -> str:
@@ -368,7 +293,3 @@ def quantization_of(model: ir.Model) -> Quantization | None:
     return read_entry(model, QUANTIZED_KEY, Quantization)
 
 
-def _relative_error(w: np.ndarray, approx: np.ndarray) -> float:
-    """||w - approx|| / ||w||: how much of the matrix the rounding changed."""
-    norm = float(np.linalg.norm(w))
-    return float(np.linalg.norm(w - approx)) / norm if norm else 0.0

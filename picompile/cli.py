@@ -850,7 +850,9 @@ def _matrix_formats(manifest: Manifest, layer: int) -> list[str]:
     found = []
     for name in (f"layers.{layer}.attn.w_qkv", f"layers.{layer}.attn.w_o", f"layers.{layer}.ffn.w_up",
                  f"layers.{layer}.ffn.w_down"):
-        info = manifest.buffers.get(f"{name}.q") or manifest.buffers.get(name)  # (quantized values: NAME.q)
+        # (quantized values: NAME.q; asymmetric ones, int4a: NAME.with_mins)
+        info = next((manifest.buffers[n] for n in (f"{name}.q", f"{name}.with_mins", name) if n in manifest.buffers),
+                    None)
         found.append("?" if info is None else info.format or spelled.get(info.dtype, info.dtype))
     return found
 

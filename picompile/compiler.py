@@ -89,8 +89,7 @@ def rest(options: Options, mode: str, build: BuildTarget) -> list[Pass]:
         # --sparsity: one level for every FFN input (the threshold pass), measured; else a plan within the budget
         "threshold": [dataclasses.replace(profile, activations=options.sparsity is not None),
                       *([Threshold()] if options.sparsity is not None else []),
-                      QualityPlan(method=options.quant_method, fixed_formats=build.keep_source_blocks,
-                                  int8_activations=options.int8_activations),
+                      QualityPlan(method=options.quant_method, int8_activations=options.int8_activations),
                       LowerThresholded()],
     }[mode]
     return sparse + back(options, build, predictors=mode == "predictor")

@@ -20,7 +20,7 @@ from picompile.cli import main
 from passes.pipeline import Context
 from passes.reference import OrtDecoder
 from passes.targets import get_target
-from runtime import Engine
+from runtime import Engine, load_manifest
 from runtime.artifact import read_safetensors
 from runtime.dtypes import WEIGHT_FORMATS
 
@@ -259,3 +259,34 @@ def test_a_sentencepiece_vocabulary_merges_by_score_with_byte_fallback(files):
     assert ids[:3] == [1, pieces.index("▁hello"), pieces.index("▁world")]  # BOS: llama's default
     assert [pieces[i] for i in ids[3:]] == ["▁", "<0xE6>", "<0x97>", "<0xA5>"]
     assert found.decode(ids) == "hello world 日"
+
+
+def test_a_quantized_files_build_expects_the_quality_its_kernels_measure(files, tmp_path, capsys, monkeypatch):
+    """auto's build of a Q4_1 file whose tied output layer is Q8_0 (SmolLM2's Q4_1 file, small): the quality
+    pass's reference computes what the kernels compute (the file's own blocks, the output layer in the int8
+    blocks it came in, each quantized GEMV's and prefill GEMM's input rounded to int8 where the kernel reads
+    int8), so the KL the build expects on its held-out tokens is the KL eval measures on the same tokens (it
+    was 0.0065 against 0.0081 with the output layer's and the prompt rows' rounding left out)."""
+    import passes.quality as quality
+
+    tiny = gf.Tiny(default=T.Q4_1, tied=True, formats={"token_embd": T.Q8_0}, d_model=128, ffn=256, vocab=512)
+    path, _ = files("q4_1-tied-q8_0", tiny)
+    rng = np.random.default_rng(1)
+    calib, held_out = tmp_path / "calib.npy", rng.integers(0, tiny.vocab, (4, 48))
+    np.save(calib, rng.integers(0, tiny.vocab, (16, 48)))
+    split = quality._split
+    monkeypatch.setattr(quality, "_split", lambda sequences: (split(sequences)[0], list(held_out)))
+    out = tmp_path / "q4_1.pic"
+    assert main(["build", str(path), "--target", "cpu", "--calib", str(calib), "--max-context", "64",
+                 "-o", str(out)]) == 0
+    expected = load_manifest(out).quality
+    tokens = tmp_path / "held_out.txt"
+    tokens.write_text("".join(" ".join(map(str, row)) + "\n" for row in held_out))
+    capsys.readouterr()
+    assert main(["eval", str(out), "--reference", str(path), "--tokens", str(tokens), "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert expected.tokens == held_out.size - len(held_out)
+    assert measured["kl_mean"] == pytest.approx(expected.kl, rel=0.05), (measured, expected)
+    # inspect names each layer's formats (int4a's values are buffers of their own name)
+    assert main(["inspect", str(out)]) == 0
+    assert capsys.readouterr().out.count("int4a/int4a/int4a/int4a") == tiny.layers

@@ -487,6 +487,12 @@ def gemv_int8_dot_fits(bits: int, dot: str, tile_panels: int) -> bool:
     return (dot, lanes) in DOTS and (bits == 4 or (bits == 8 and dot == "vnni"))
 
 
+def gemm_int8_dot_fits(bits: int, dot: str | None, tile_panels: int) -> bool:
+    """Whether a prefill GEMM over `bits`-bit panels quantizes each row of x to int8 (gemm_panels_qx8): zmm
+    tiles only (AVX-512)."""
+    return dot is not None and tile_panels > 1 and gemv_int8_dot_fits(bits, dot, tile_panels)
+
+
 def check_dot(dot, lanes):
     if (dot, lanes) not in DOTS:
         raise ValueError(f"(dot, lanes) must be one of {sorted(DOTS)}, got {(dot, lanes)!r}")
@@ -1001,7 +1007,7 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
         return gemv_panels_q(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group,
                              has_min=has_min)
     row_dim(rows)
-    if int8_dot is not None and tile_panels > 1 and gemv_int8_dot_fits(bits, int8_dot, tile_panels):
+    if gemm_int8_dot_fits(bits, int8_dot, tile_panels):
         return gemm_panels_qx8(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual,
                                dot=int8_dot, tile_panels=tile_panels, has_min=has_min)
     return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype, has_min=has_min), bias=bias,

@@ -1,0 +1,113 @@
+"""blocking: the blocks a weight matrix is stored in, by one rule that the quantize pass writes with and the
+quality pass's reference computes with (so the quality a build expects is that of the values its kernels read).
+
+The rule, for a model and a build (`Blocking.of`):
+- the build's format takes the source's scale type where every weight of the model came quantized in it
+  (MatMulNBits with float32 scales: `format`);
+- a model that came quantized (MatMulNBits, or a GGUF file with block-quantized tensors) keeps its values:
+  blocks on the format's grid keep their integers and scales, asymmetric ones are found again (`exact`), and no
+  scale is fitted; else --quant-method awq fits each symmetric block's scale (`quant.quantize`'s fit_scales);
+- with `keep_source_blocks` (auto's build of a quantized model) a matrix whose blocks the format does not hold
+  exactly is stored in the first format that does (`SOURCE_FORMATS`, fewest bytes first: a Q4_1 file's Q8_0
+  embedding in int8), not re-rounded; in int4a a matrix in no 4-bit blocks stays in floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import onnx_ir as ir
+
+from runtime.dtypes import QUANT_BLOCK, WEIGHT_FORMATS, WeightFormat
+
+from .import_gguf import GGUFSource
+from .import_onnx import SourceQuantization
+from .kernels import quant
+
+# Where a model's matrix is in other blocks than the build's format: the formats tried, fewest bytes first.
+SOURCE_FORMATS = tuple(sorted((f for f in WEIGHT_FORMATS.values() if f.quantized), key=lambda f: f.bytes_per_weight))
+
+
+@dataclass(frozen=True)
+class Blocking:
+    format: WeightFormat  # the build's, with the source's scale type where the model came in it
+    method: str  # --quant-method ("awq": fitted scales)
+    came_quantized: bool = False
+    group: int = 1  # the source's asymmetric blocks along K, in QUANT_BLOCKs (MatMulNBits' 64, 128: 2, 4)
+    keep_source_blocks: bool = False
+
+    @classmethod
+    def of(cls, model: ir.Model, fmt: WeightFormat, method: str, keep_source_blocks: bool = False) -> "Blocking":
+        source = SourceQuantization.of(model) if fmt.quantized else None
+        gguf = GGUFSource.of(model)
+        came_quantized = source is not None or (gguf is not None and gguf.quantized())
+        group = _source_group(source) if fmt.quantized and source is not None else 1
+        return cls(_source_format(source, fmt), method, came_quantized, group, keep_source_blocks)
+
+    def format_for(self, planned: str | None) -> WeightFormat:
+        """The format a matrix is stored in: `planned` (the quality plan's, by name) where given, with the
+        build's scale type where both are blocks; else the build's."""
+        if planned is None:
+            return self.format
+        fmt = WEIGHT_FORMATS[planned]
+        return replace(fmt, scale_dtype=self.format.scale_dtype) if fmt.quantized and self.format.quantized else fmt
+
+    def blocks(self, array: np.ndarray, fmt: WeightFormat, axis: int) -> tuple[tuple | None, WeightFormat, int]:
+        """(blocks, the format they are in, source blocks re-rounded) of a weight matrix stored in the blocked
+        format `fmt`; blocks None where an int4a build keeps a matrix in no 4-bit blocks in floats."""
+        exact = self.came_quantized
+        group = self.group if axis == 0 else 1
+        if fmt.has_min:
+            q, scales, mins, missed, unlike = quant.quantize_asymmetric(array, fmt, axis, exact=exact, group=group)
+            blocks, holds = (None if unlike else (q, scales, mins)), not unlike and not missed
+        else:
+            fit = self.method == "awq" and not self.came_quantized
+            blocks = quant.quantize(array, fmt, axis, fit_scales=fit, keep_grid=exact)
+            missed = 0
+            holds = not exact or relative_error(array, quant.dequantize(*blocks, axis)) == 0.0
+        if exact and not holds and self.keep_source_blocks:
+            for other in SOURCE_FORMATS:
+                if other.name == fmt.name or not quant.quantizable(array.shape, axis, other.block):
+                    continue
+                if other.has_min:
+                    q, scales, mins, left, unlike = quant.quantize_asymmetric(array, other, axis, exact=True, group=group)
+                    if not unlike and not left:
+                        return (q, scales, mins), other, 0
+                else:
+                    candidate = quant.quantize(array, other, axis, keep_grid=True)
+                    if relative_error(array, quant.dequantize(*candidate, axis)) == 0.0:
+                        return candidate, other, 0
+        return blocks, fmt, missed
+
+
+def relative_error(w: np.ndarray, approx: np.ndarray) -> float:
+    """||w - approx|| / ||w||: how much of the matrix the rounding changed."""
+    norm = float(np.linalg.norm(w))
+    return float(np.linalg.norm(w - approx)) / norm if norm else 0.0
+
+
+def _source_format(source: SourceQuantization | None, fmt: WeightFormat) -> WeightFormat:
+    """`fmt`, with the source's scale type where every weight of the model came quantized in it (bits, block,
+    symmetric; int4a: with zero points, in the type import wrote its blocks' scales and mins in)."""
+    if source is None or not source.weights:
+        return fmt
+    if fmt.has_min:
+        asymmetric = [w for w in source.weights if not w.symmetric and w.bits == fmt.bits
+                      and w.block_size % fmt.block == 0]
+        if asymmetric and any(w.block_dtype == "float32" for w in asymmetric):
+            return replace(fmt, scale_dtype="float32")
+        return fmt
+    if all(w.symmetric and w.bits == fmt.bits and w.block_size == fmt.block for w in source.weights):
+        scale_types = {w.scale_dtype for w in source.weights}
+        if scale_types == {"float32"}:
+            return replace(fmt, scale_dtype="float32")
+    return fmt
+
+
+def _source_group(source: SourceQuantization) -> int:
+    """How many QUANT_BLOCKs along K one block of the model's asymmetric 4-bit weights spans (MatMulNBits'
+    block_size / 32), where they all have one block size that is a multiple of it; else 1."""
+    sizes = {w.block_size for w in source.weights if w.bits == 4 and not w.symmetric}
+    size = sizes.pop() if len(sizes) == 1 else 0
+    return size // QUANT_BLOCK if size and size % QUANT_BLOCK == 0 else 1
