@@ -308,7 +308,8 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, sites: dict, for
     and the output layer's KL per format."""
     knobs: list[Knob] = []
     head_error = np.zeros(len(formats))
-    gradients = interpreter.output_gradients(fit, tuple(sites), FISHER_DRAWS)
+    # (--sparsity's levels are the user's: no path to order, so no local effects to weigh)
+    gradients = None if fixed_level else interpreter.output_gradients(fit, tuple(sites), FISHER_DRAWS)
 
     def probe(block: Block) -> None:
         node = block.node
@@ -323,10 +324,10 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, sites: dict, for
         taps: dict[str, torch.Tensor] = {}
         interpreter.block(node, block.x, taps=taps)
         layer = op_view(node).layer
-        fisher = gradients.pop(node.name)
+        fisher = gradients.pop(node.name) if gradients is not None else None
 
         def error(delta: torch.Tensor) -> float:  # the KL per fitting token it causes (sampled Fisher)
-            return Interpreter.fisher_kl(fisher, delta)
+            return Interpreter.fisher_kl(fisher, delta) if fisher is not None else 0.0
 
         def rerun(variant: Variant) -> torch.Tensor:
             return interpreter.block(node, block.x, variant) - block.out
@@ -344,8 +345,8 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, sites: dict, for
                 thresholds = np.array([KEEP_ALL], np.float32)
             else:
                 thresholds = np.concatenate([[KEEP_ALL], _quantiles(v.abs(), LEVELS[1:])]).astype(np.float32)
-            sparse = [0.0]
-            for t in thresholds[1:]:
+            sparse = [0.0] * (len(thresholds) if fisher is None else 1)
+            for t in thresholds[1:] if fisher is not None else ():
                 dropped = v * (v.abs() <= float(t))
                 sparse.append(error(-(dropped @ weight)) if last else
                               error(rerun(Variant({(layer, site): float(t)}, prefill=0))))
