@@ -146,29 +146,31 @@ class StoredWeights:
         self._blocking = blocking
         self._blocks: dict[tuple[str, str, int], tuple[tuple | None, WeightFormat]] = {}
 
-    def _stored(self, name: str, fmt_name: str, axis: int) -> tuple[np.ndarray, tuple | None, WeightFormat]:
-        """(source values, blocks or None where kept in floats, the format they are stored in)."""
-        source = np.asarray(pir.const_array(self._values[name]), np.float32)
+    def _stored(self, name: str, fmt_name: str, axis: int) -> tuple[tuple | None, WeightFormat]:
+        """(blocks, or None where the matrix is kept in floats; the format it is stored in)."""
         fmt = self._blocking.format_for(fmt_name)
         if not fmt.quantized:
-            return source, None, fmt
-        if not quant.quantizable(source.shape, axis, fmt.block):
-            return source, None, WEIGHT_FORMATS["fp16"]  # the quantize pass keeps it in floats
+            return None, fmt
+        if not quant.quantizable(tuple(self._values[name].const_value.shape), axis, fmt.block):
+            return None, WEIGHT_FORMATS["fp16"]  # the quantize pass keeps it in floats
         key = (name, fmt_name, axis)
         if key not in self._blocks:
-            blocks, used, _ = self._blocking.blocks(source, fmt, axis)
+            blocks, used, _ = self._blocking.blocks(self._source(name), fmt, axis)
             self._blocks[key] = (blocks, used if blocks is not None else WEIGHT_FORMATS["fp16"])
-        return (source, *self._blocks[key])
+        return self._blocks[key]
+
+    def _source(self, name: str) -> np.ndarray:
+        return np.asarray(pir.const_array(self._values[name]), np.float32)
 
     def format(self, name: str, fmt_name: str, axis: int) -> WeightFormat:
         """The format the quantize pass stores the matrix in when the plan gives it `fmt_name` (a model's own
         blocks may keep another: a Q4_1 file's Q8_0 output layer in int8)."""
-        return self._stored(name, fmt_name, axis)[2]
+        return self._stored(name, fmt_name, axis)[1]
 
     def values(self, name: str, fmt_name: str, axis: int) -> np.ndarray:
-        source, blocks, fmt = self._stored(name, fmt_name, axis)
+        blocks, fmt = self._stored(name, fmt_name, axis)
         if blocks is None:
-            return source.astype(fmt.storage).astype(np.float32)
+            return self._source(name).astype(fmt.storage).astype(np.float32)
         return dequantize_blocks(*blocks[:2], axis, *blocks[2:])
 
 
