@@ -57,7 +57,7 @@ from .budget import QualityBudget, ppl_change_interval
 from .facts import ValueFact, read_entry, write_entry
 from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
-from .sizes import PREDICTOR_FORMAT
+from .sizes import PREDICTOR_FORMAT, float_format
 from .targets import CpuIsa
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, dequantize_blocks
 from runtime.manifest import ExpectedQuality
@@ -152,11 +152,11 @@ class StoredWeights:
         if not fmt.quantized:
             return None, fmt
         if not quant.quantizable(tuple(self._values[name].const_value.shape), axis, fmt.block):
-            return None, WEIGHT_FORMATS["fp16"]  # the quantize pass keeps it in floats
+            return None, float_format(fmt)  # the quantize pass keeps it in floats
         key = (name, fmt_name, axis)
         if key not in self._blocks:
             blocks, used, _ = self._blocking.blocks(self._source(name), fmt, axis)
-            self._blocks[key] = (blocks, used if blocks is not None else WEIGHT_FORMATS["fp16"])
+            self._blocks[key] = (blocks, used if blocks is not None else float_format(fmt))
         return self._blocks[key]
 
     def _source(self, name: str) -> np.ndarray:
