@@ -30,6 +30,19 @@ def parse_budget(text: str) -> QualityBudget:
 
 DEFAULT_BUDGET = QualityBudget()  # perplexity within 1% of the source model's
 
+PROMPT_TOKENS = 4  # eval's prompt (one prefill, then one-token decode steps); the quality pass measures so too
+
+
+def scored_positions(length: int) -> slice:
+    """The positions of a `length`-token sequence whose logits quality is judged on (eval's and the quality
+    pass's): from the prompt's last, the first whose logits generation reads, to the last with a next token
+    (position i predicts token i + 1). The prompt's earlier logits are never read when generating, and a window
+    that starts mid-text has next to no context there: on SmolLM2 one held-out window's second position gave KL
+    0.015 or 10 by which matrices' inputs were rounded to int8 (its float64 and float32 logits agree), a coin
+    toss that carried most of a 1,100-token measure. A sequence too short for that scores its last position."""
+    start = min(PROMPT_TOKENS - 1, max(length - 2, 0))
+    return slice(start, max(length - 1, start))
+
 # Student's t at 97.5% by degrees of freedom (a few sequences: a normal 1.96 would cover ~92% with 8), and
 # 1.96 from 60 on
 T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,

@@ -19,6 +19,7 @@ import onnx_ir as ir
 import torch
 
 from . import ir as pir
+from .budget import PROMPT_TOKENS
 from .ops import FFN, Attention, view as op_view
 
 # Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies
@@ -34,7 +35,7 @@ class Variant:
 
     thresholds: dict[tuple[int, str], float] = field(default_factory=dict)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
-    prefill: int = 4
+    prefill: int = PROMPT_TOKENS
     # matrices whose decode GEMV quantizes its input to int8 per block of 32 (an int4 / int8 build's int8_dot kernels)
     int8_inputs: frozenset[str] = frozenset()
     # of those, the ones whose prefill GEMM quantizes each row so too (AVX-512 tiles: quant.gemm_panels_qx8)

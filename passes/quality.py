@@ -53,7 +53,7 @@ from onnx_ir.passes import PassResult
 from . import costmodel
 from . import ir as pir
 from .blocking import Blocking
-from .budget import QualityBudget, ppl_change_interval
+from .budget import PROMPT_TOKENS, QualityBudget, ppl_change_interval, scored_positions
 from .facts import ValueFact, read_entry, write_entry
 from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
@@ -74,7 +74,6 @@ FIT_TOKENS = 512  # tokens the local effects are measured on
 FISHER_DRAWS = 4  # tokens drawn per position to weigh a local effect by its KL (on SmolLM2: 0.4-2.6x the KL measured)
 HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
 HEAD_SHARE = 0.25  # of the budget, what the output layer's rounding alone may cost
-PREFILL = 4  # prompt tokens computed densely before one-token steps (eval's `compiled_logits`)
 CHUNK = 4  # sequences per batch of the reference (bounds the logits held at once)
 QUALITY_KEY = "picompile.quality"
 WEIGHT_PLAN_KEY = "picompile.weight_plan"
@@ -539,7 +538,7 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     # and its prefill GEMM's, each row so, where the GEMM reads int8 (AVX-512 tiles)
     int8_prefill = frozenset(name for name in int8_inputs
                              if quant.gemm_int8_dot_fits(stored_in[name].bits, isa.int8_dot, isa.gemm_panels))
-    return Variant(thresholds, _Planned(stored, choices), prefill=PREFILL, predictors=predictors,
+    return Variant(thresholds, _Planned(stored, choices), prefill=PROMPT_TOKENS, predictors=predictors,
                    int8_inputs=int8_inputs, int8_prefill_inputs=int8_prefill)
 
 
@@ -585,10 +584,10 @@ class _HeldOut:
             interpreter.block(block.node, block.x, taps=taps)
             for knob in by_block[block.node.name]:
                 if knob.predictor is not None:
-                    _held_out_predictions(knob, interpreter.predictor_scores(block.x[:, PREFILL:], *knob.predictor),
-                                          taps["down"][:, PREFILL:] != 0, counts[id(knob)])
+                    _held_out_predictions(knob, interpreter.predictor_scores(block.x[:, PROMPT_TOKENS:], *knob.predictor),
+                                          taps["down"][:, PROMPT_TOKENS:] != 0, counts[id(knob)])
                     continue
-                decode = taps[knob.site][:, PREFILL:].abs()
+                decode = taps[knob.site][:, PROMPT_TOKENS:].abs()
                 counts[id(knob)] += [(float((decode <= t).sum()) if t >= 0 else 0.0, float(decode.numel()))
                                      for t in knob.thresholds]
 
@@ -609,9 +608,10 @@ class _HeldOut:
         nll_ref, nll_got, predicted = [], [], []  # per sequence
         kl = agree = 0.0
         for chunk, reference in zip(self.chunks, self.reference):
-            got = torch.log_softmax(self.interpreter.logits(chunk, variant).to(torch.float64), -1)[:, :-1]
-            ref = reference[:, :-1]
-            targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, 1:, None]
+            scored = scored_positions(chunk.shape[1])  # eval's
+            got = torch.log_softmax(self.interpreter.logits(chunk, variant).to(torch.float64), -1)[:, scored]
+            ref = reference[:, scored]
+            targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, scored.start + 1: scored.stop + 1, None]
             nll_ref += (-ref.gather(-1, targets)).sum((1, 2)).tolist()
             nll_got += (-got.gather(-1, targets)).sum((1, 2)).tolist()
             predicted += [targets.shape[1]] * targets.shape[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from passes import ir as pir
-from passes.budget import ppl_change_interval
+from passes.budget import PROMPT_TOKENS, ppl_change_interval, scored_positions
 from passes.errors import UserError
 from passes.import_onnx import Import, source_file
 from passes.front_end import load
@@ -25,7 +25,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def compiled_logits(engine, sequence: np.ndarray, prefill: int = 4) -> np.ndarray:
+def compiled_logits(engine, sequence: np.ndarray, prefill: int = PROMPT_TOKENS) -> np.ndarray:
     """Logits at every position: a short prefill, then one decode step per token (the path decoding uses)."""
     engine.reset()
     prefill = max(1, min(prefill, len(sequence)))
@@ -35,16 +35,17 @@ def compiled_logits(engine, sequence: np.ndarray, prefill: int = 4) -> np.ndarra
 
 
 def compare(reference: np.ndarray, compiled: np.ndarray, sequence: np.ndarray) -> dict:
-    ref_logp, cmp_logp = log_softmax(reference), log_softmax(compiled)
-    targets = sequence[1:]
+    """One sequence's sums over its scored positions (budget.scored_positions); the logit difference over all."""
+    scored = scored_positions(len(sequence))
+    ref_logp, cmp_logp = log_softmax(reference[scored]), log_softmax(compiled[scored])
+    targets = sequence[scored.start + 1: scored.stop + 1]
     positions = np.arange(len(targets))
     return {
         "max_abs_logit_diff": float(np.abs(reference - compiled).max()),
-        "top1_agree": int((reference.argmax(-1) == compiled.argmax(-1)).sum()),
-        "positions": int(len(sequence)),
+        "top1_agree": int((ref_logp.argmax(-1) == cmp_logp.argmax(-1)).sum()),
+        "positions": int(len(targets)),
         "nll_reference": float(-ref_logp[positions, targets].sum()),
         "nll_compiled": float(-cmp_logp[positions, targets].sum()),
-        "predicted": int(len(targets)),
         "kl_sum": float((np.exp(ref_logp) * (ref_logp - cmp_logp)).sum()),
     }
 
@@ -72,19 +73,19 @@ def evaluate(engine, reference, sequences) -> dict:
         parts.append(compare(reference.forward(sequence), compiled_logits(engine, sequence), sequence))
     totals = {key: max(p[key] for p in parts) if key == "max_abs_logit_diff" else sum(p[key] for p in parts)
               for key in parts[0]}
-    predicted = max(totals["predicted"], 1)
+    scored = max(totals["positions"], 1)
     _, low, high = ppl_change_interval(*(np.array([p[key] for p in parts])
-                                         for key in ("nll_compiled", "nll_reference", "predicted")))
+                                         for key in ("nll_compiled", "nll_reference", "positions")))
     return {
         "max_abs_logit_diff": totals["max_abs_logit_diff"],
-        "top1_agreement": totals["top1_agree"] / totals["positions"],
-        "ppl_reference": float(np.exp(totals["nll_reference"] / predicted)),
-        "ppl_compiled": float(np.exp(totals["nll_compiled"] / predicted)),
+        "top1_agreement": totals["top1_agree"] / scored,
+        "ppl_reference": float(np.exp(totals["nll_reference"] / scored)),
+        "ppl_compiled": float(np.exp(totals["nll_compiled"] / scored)),
         "ppl_change_low": low,  # the 95% interval of ppl_compiled / ppl_reference - 1 over these sequences
         "ppl_change_high": high,
-        "kl_mean": totals["kl_sum"] / totals["positions"],
+        "kl_mean": totals["kl_sum"] / scored,
         "sequences": len(sequences),
-        "positions": totals["positions"],
+        "positions": totals["positions"],  # scored: budget.scored_positions of each sequence
     }
 
 

@@ -268,6 +268,7 @@ def test_a_quantized_files_build_expects_the_quality_its_kernels_measure(files, 
     int8), so the KL the build expects on its held-out tokens is the KL eval measures on the same tokens (it
     was 0.0065 against 0.0081 with the output layer's and the prompt rows' rounding left out)."""
     import passes.quality as quality
+    from passes.budget import PROMPT_TOKENS
 
     tiny = gf.Tiny(default=T.Q4_1, tied=True, formats={"token_embd": T.Q8_0}, d_model=128, ffn=256, vocab=512)
     path, _ = files("q4_1-tied-q8_0", tiny)
@@ -285,7 +286,7 @@ def test_a_quantized_files_build_expects_the_quality_its_kernels_measure(files, 
     capsys.readouterr()
     assert main(["eval", str(out), "--reference", str(path), "--tokens", str(tokens), "--json"]) == 0
     measured = json.loads(capsys.readouterr().out)
-    assert expected.tokens == held_out.size - len(held_out)
+    assert expected.tokens == measured["positions"] == held_out.size - len(held_out) * PROMPT_TOKENS  # scored the same
     assert measured["kl_mean"] == pytest.approx(expected.kl, rel=0.05), (measured, expected)
     # inspect names each layer's formats (int4a's values are buffers of their own name)
     assert main(["inspect", str(out)]) == 0

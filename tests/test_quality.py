@@ -199,6 +199,28 @@ def test_the_ppl_change_interval_covers_the_true_change_about_19_times_in_20():
     assert low == change == high == pytest.approx(np.expm1(0.01))
 
 
+def test_quality_is_judged_on_the_logits_generation_reads():
+    """eval (and the quality pass, by the same budget.scored_positions) scores a sequence from its prompt's last
+    position on: a compiled model wrong only at the prompt's earlier positions, whose logits generation never
+    reads, scores as the reference; wrong at the prompt's last, it does not."""
+    from passes.budget import PROMPT_TOKENS
+    from picompile.evaluate import compare
+
+    rng = np.random.default_rng(0)
+    sequence = rng.integers(0, 50, size=12)
+    reference = rng.normal(size=(12, 50)).astype(np.float32)
+    wrong_early = reference.copy()
+    wrong_early[: PROMPT_TOKENS - 1] = rng.normal(size=(PROMPT_TOKENS - 1, 50))
+    early = compare(reference, wrong_early, sequence)
+    assert early["positions"] == 12 - PROMPT_TOKENS  # the prompt's last predicts the first decoded token
+    assert early["kl_sum"] == pytest.approx(0.0, abs=1e-9) and early["top1_agree"] == early["positions"]
+    assert early["nll_compiled"] == pytest.approx(early["nll_reference"])
+    wrong_last = reference.copy()
+    wrong_last[PROMPT_TOKENS - 1] = rng.normal(size=50)
+    assert compare(reference, wrong_last, sequence)["kl_sum"] > 0.01
+    assert compare(reference, reference, sequence[:2])["positions"] == 1  # too short: its last position
+
+
 def test_trained_relu_model_meets_its_budget_and_eval_confirms_it(trained_text, tmp_path, capsys):
     """Predictor mode: the recall per layer is chosen within the budget (--target-recall its floor); the build
     prints what it expects and eval, on held-out text the build never saw, measures about that."""
