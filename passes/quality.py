@@ -413,11 +413,11 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
     """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a threshold level
     reading the rows of the inputs it keeps on held-out tokens (`column_seconds`); a predictor knob's FFN (up and
     down), its sparse levels reading the predictor whole and the rows of the neurons it selects."""
-    size = lambda value: int(np.prod(pir.const_array(value).shape))  # noqa: E731
-    inputs, outputs = pir.const_array(model.graph.initializers[knob.matrix]).shape  # [K, N]: a row per input
+    shape = lambda value: tuple(value.const_value.shape)  # noqa: E731  (the values stay unread)
+    inputs, outputs = shape(model.graph.initializers[knob.matrix])  # [K, N]: a row per input
     weights = inputs * outputs
     if knob.predictor is not None:
-        weights += size(knob.node.inputs[3])  # w_down
+        weights += int(np.prod(shape(knob.node.inputs[3])))  # w_down
         predictor = sum(w.numel() for w in knob.predictor) * PREDICTOR_FORMAT.bytes_per_weight
     cost = np.empty((len(knob.thresholds), len(formats)))
     for f, name in enumerate(formats):
