@@ -643,7 +643,7 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
       power law through the two where it can, and the Illinois rule halves the far one's excess each time the
       near one moves twice in a row.
     Step 0 (dense at the widest formats) where none is within."""
-    metric = (lambda q: q.ppl_change) if budget.kind == "ppl" else (lambda q: q.kl)  # noqa: E731
+    metric = lambda q: budget.judged(q.ppl_change, q.kl)  # noqa: E731
     aim_at = 0.9 * budget.value
     end = len(local_error) - 1
     found = {end: evaluate(end)}

@@ -165,7 +165,7 @@ def test_the_path_search_spends_the_budget_in_a_few_measured_plans(curve, local_
     def evaluate(step):
         measured.add(step)
         value = float(curve(local_error[step]))
-        return Quality(value, value, 1.0, 100, value, value)
+        return Quality(value, float(np.log1p(value)), 1.0, 100, value, value)  # the KL's figure: the same
 
     step, found = _furthest_within(QualityBudget("ppl", 0.10), local_error, evaluate)
     furthest = max(k for k in range(steps) if curve(local_error[k]) <= 0.10)
@@ -219,6 +219,17 @@ def test_quality_is_judged_on_the_logits_generation_reads():
     wrong_last[PROMPT_TOKENS - 1] = rng.normal(size=50)
     assert compare(reference, wrong_last, sequence)["kl_sum"] > 0.01
     assert compare(reference, reference, sequence[:2])["positions"] == 1  # too short: its last position
+
+
+def test_a_ppl_budget_holds_a_plan_to_its_kl_too():
+    """A perplexity budget judges a plan on the larger of its held-out ppl change and exp(KL) - 1: a plan whose
+    held-out tokens happened to favour it (ppl +0.5%) but whose KL says +2% misses a 1% budget; a KL budget
+    reads the KL alone."""
+    budget = QualityBudget("ppl", 0.01)
+    assert budget.met_by(0.005, 0.004) and not budget.met_by(0.005, 0.02) and not budget.met_by(0.02, 0.001)
+    assert budget.judged(0.005, np.log1p(0.02)) == pytest.approx(0.02)
+    assert budget.judged(0.0, 5000.0) > 1e300  # a path's far end: no overflow
+    assert QualityBudget("kl", 0.01).met_by(0.5, 0.009) and not QualityBudget("kl", 0.01).met_by(0.0, 0.011)
 
 
 def test_trained_relu_model_meets_its_budget_and_eval_confirms_it(trained_text, tmp_path, capsys):

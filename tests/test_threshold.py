@@ -264,8 +264,9 @@ def test_auto_mode_picks_threshold_for_silu_and_says_why(swiglu, tmp_path, capsy
     assert ("sparsity: threshold mode (a level per linear input, within the quality budget) (layer FFNs use SiLU: "
             "neurons are rarely exactly zero, so a predictor has nothing to predict)") in printed
     expected = re.search(r"expected quality: ppl ([+-][0-9.]+)% \(95%: [+-][0-9.]+\.\.[+-][0-9.]+%, "
-                         r"budget ppl \+1%\), KL ([0-9.]+), top-1", printed)
-    assert expected and float(expected[1]) <= 1.0, printed
+                         r"budget ppl \+1%\), KL ([0-9.]+) \(ppl ([+-][0-9.]+)% on the model's own text\), top-1",
+                         printed)
+    assert expected and float(expected[1]) <= 1.0 and float(expected[3]) <= 1.0, printed  # both within the budget
     assert main(["eval", str(out), "--reference", str(swiglu.onnx), "--tokens", str(swiglu.heldout),
                  "--max-sequences", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
