@@ -584,7 +584,8 @@ class _HeldOut:
             interpreter.block(block.node, block.x, taps=taps)
             for knob in by_block[block.node.name]:
                 if knob.predictor is not None:
-                    _held_out_predictions(knob, interpreter.predictor_scores(block.x[:, PROMPT_TOKENS:], *knob.predictor),
+                    decode_x = block.x[:, PROMPT_TOKENS:]
+                    _held_out_predictions(knob, interpreter.predictor_scores(decode_x, *knob.predictor),
                                           taps["down"][:, PROMPT_TOKENS:] != 0, counts[id(knob)])
                     continue
                 decode = taps[knob.site][:, PROMPT_TOKENS:].abs()

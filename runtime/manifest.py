@@ -108,8 +108,8 @@ class ExpectedQuality(_Section):
         interval = (f"95%: {self.ppl_low * 100:+.1f}..{self.ppl_high * 100:+.1f}%, "
                     if self.ppl_low is not None and self.ppl_high is not None else "")
         return (f"expected quality: ppl {self.ppl_change * 100:+.1f}% ({interval}budget {self.budget.describe()}), KL "
-                f"{self.kl:.4f} (ppl {kl_as_ppl_change(self.kl) * 100:+.1f}% on the model's own text), top-1 {self.top1:.2f} "
-                f"on {self.tokens:,} held-out calibration tokens")
+                f"{self.kl:.4f} (ppl {kl_as_ppl_change(self.kl) * 100:+.1f}% on the model's own text), "
+                f"top-1 {self.top1:.2f} on {self.tokens:,} held-out calibration tokens")
 
 
 @dataclass(frozen=True)
