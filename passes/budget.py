@@ -43,6 +43,11 @@ def scored_positions(length: int) -> slice:
     start = min(PROMPT_TOKENS - 1, max(length - 2, 0))
     return slice(start, max(length - 1, start))
 
+
+def predicted_tokens(scored: slice) -> slice:
+    """The tokens the `scored` positions predict: position i predicts token i + 1."""
+    return slice(scored.start + 1, scored.stop + 1)
+
 # Student's t at 97.5% by degrees of freedom (a few sequences: a normal 1.96 would cover ~92% with 8), and
 # 1.96 from 60 on
 T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,

@@ -53,7 +53,7 @@ from onnx_ir.passes import PassResult
 from . import costmodel
 from . import ir as pir
 from .blocking import Blocking
-from .budget import PROMPT_TOKENS, QualityBudget, ppl_change_interval, scored_positions
+from .budget import PROMPT_TOKENS, QualityBudget, ppl_change_interval, predicted_tokens, scored_positions
 from .facts import ValueFact, read_entry, write_entry
 from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
@@ -612,7 +612,7 @@ class _HeldOut:
             scored = scored_positions(chunk.shape[1])  # eval's
             got = torch.log_softmax(self.interpreter.logits(chunk, variant).to(torch.float64), -1)[:, scored]
             ref = reference[:, scored]
-            targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, scored.start + 1: scored.stop + 1, None]
+            targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, predicted_tokens(scored), None]
             nll_ref += (-ref.gather(-1, targets)).sum((1, 2)).tolist()
             nll_got += (-got.gather(-1, targets)).sum((1, 2)).tolist()
             predicted += [targets.shape[1]] * targets.shape[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from passes import ir as pir
-from passes.budget import PROMPT_TOKENS, ppl_change_interval, scored_positions
+from passes.budget import PROMPT_TOKENS, ppl_change_interval, predicted_tokens, scored_positions
 from passes.errors import UserError
 from passes.import_onnx import Import, source_file
 from passes.front_end import load
@@ -38,7 +38,7 @@ def compare(reference: np.ndarray, compiled: np.ndarray, sequence: np.ndarray) -
     """One sequence's sums over its scored positions (budget.scored_positions); the logit difference over all."""
     scored = scored_positions(len(sequence))
     ref_logp, cmp_logp = log_softmax(reference[scored]), log_softmax(compiled[scored])
-    targets = sequence[scored.start + 1: scored.stop + 1]
+    targets = sequence[predicted_tokens(scored)]
     positions = np.arange(len(targets))
     return {
         "max_abs_logit_diff": float(np.abs(reference - compiled).max()),
