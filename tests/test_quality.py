@@ -176,6 +176,29 @@ def test_the_path_search_spends_the_budget_in_a_few_measured_plans(curve, local_
     assert len(measured) <= MAX_EVALUATIONS
 
 
+def test_a_path_that_ends_far_beyond_the_budget_is_searched_without_measuring_its_end():
+    """SmolLM2's int4 default path: 30 moves, its summed local error 340 times a 1% budget's aim at the end, a plan
+    whose measuring took a quarter of the build. The search leaves it unmeasured (the summed local errors say it
+    is far beyond) and still lands within two steps of the furthest within."""
+    from passes.ir_reference import Quality
+    from passes.quality import FAR_END, MAX_EVALUATIONS, _furthest_within
+
+    local_error = np.concatenate([[0.0], np.linspace(0.027, 3.0, 30)])
+    budget = QualityBudget("ppl", 0.01)
+    assert local_error[-1] > FAR_END * 0.9 * budget.value
+    measured = set()
+
+    def evaluate(step):
+        measured.add(step)
+        kl = 0.002 + 0.01 * local_error[step]  # the KL grows with the local error, from the format's 0.002
+        return Quality(float(np.expm1(kl)), kl, 1.0, 100, 0.0, 0.0)
+
+    step, found = _furthest_within(budget, local_error, evaluate)
+    assert len(local_error) - 1 not in measured and len(measured) <= MAX_EVALUATIONS, measured
+    furthest = max(k for k in range(len(local_error)) if np.expm1(0.002 + 0.01 * local_error[k]) <= 0.01)
+    assert furthest - 2 <= step <= furthest and budget.met_by(found.ppl_change, found.kl), (step, furthest)
+
+
 def test_the_ppl_change_interval_covers_the_true_change_about_19_times_in_20():
     """Sequences whose per-token log-likelihood change has a known mean, drawn many times: the 95% interval
     (standard error over whole sequences) holds the true change about 95% of the time; tokens of a sequence
@@ -288,6 +311,27 @@ def test_threshold_levels_that_do_not_pay_stay_dense(tiny_models, tmp_path):
     # and the estimate prices that plan as the dense build it is (the KV cache read on both sides)
     estimate = manifest.estimate
     assert estimate["picompile_tokens_per_s"] >= 0.99 * estimate["cpu_only_tokens_per_s"], estimate
+
+
+def test_levels_that_do_not_pay_are_not_measured(tiny_models, tmp_path, monkeypatch):
+    """A level the cost model prices at no saving in any format is never on the path, so the quality pass does not
+    measure its local effect (on int4 SmolLM2, 240 of 270 FFN levels and every attention level; there it was a
+    third of the pass): a tiny float model, where no level pays, weighs nothing (no gradients drawn) and is built
+    dense; and a level left unmeasured counts as infinitely bad, while measured ones never fall with sparsity."""
+    from passes.ir_reference import Interpreter
+    from passes.quality import _monotone
+
+    drawn = []
+    gradients = Interpreter.output_gradients
+    monkeypatch.setattr(Interpreter, "output_gradients", lambda self, *a, **k: drawn.append(a) or gradients(self, *a, **k))
+    files = tiny_models("llama", hidden_act="silu")
+    manifest = _build(files, tmp_path / "dense.pic", "--max-quality-loss", "kl=0.01")
+    assert drawn == [] and "linear inputs sparse (none)" in manifest.quality.plan, (drawn, manifest.quality.plan)
+    # an int8 build chooses formats too: every block is weighed
+    _build(files, tmp_path / "int8.pic", "--weight-dtype", "int8", "--max-quality-loss", "kl=0.01")
+    assert len(drawn) == 1 and set(drawn[0][1]) == {"Attention", "FFN"}, drawn
+    np.testing.assert_array_equal(_monotone([0.0, np.nan, 0.2, 0.1, np.nan, -1.0]),
+                                  [0.0, np.inf, 0.2, 0.2, np.inf, 0.2])
 
 
 def test_a_budget_no_plan_meets_falls_back_and_says_so(tiny_models, tmp_path, capsys):
