@@ -99,6 +99,27 @@ def test_int4a_rounds_by_each_blocks_min_and_max_and_finds_its_blocks_again(axis
         assert panels[0, 40, 2] & 0xF == q[40, 2] and np.all(scales[2, :, 8:16] == 0)
 
 
+def test_blocks_on_a_4_bit_grid_are_found_whatever_code_their_largest_value_has():
+    """keep_grid (a model that came quantized): a block that is integers times one fp16 scale keeps them, whichever
+    code its largest value sits at (Q4_0's -8, +-7, or elsewhere where an importance matrix put it), all-zero
+    blocks too; blocks with a minimum (Q4_1's, the K-quants') and float blocks are on no symmetric grid."""
+    fmt = WEIGHT_FORMATS["int4"]
+    rng = np.random.default_rng(1)
+    scales = (rng.random(512) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)
+    codes = rng.integers(-8, 8, (512, 32))
+    codes[:, 0] = [c for c in (-8, 7, -7, 5, -3, 2, 1, -1) for _ in range(64)]  # the largest's code...
+    codes[:, 1:] = np.clip(codes[:, 1:], -abs(codes[:, :1]) + (codes[:, :1] > 0), abs(codes[:, :1]))  # ... stays it
+    on = codes * scales[:, None]
+    on[:4] = 0.0
+    with_min = rng.integers(0, 16, (256, 32)) * scales[:256, None] - 0.37 * scales[:256, None]
+    floats = rng.standard_normal((256, 32)).astype(np.float32) * 0.02
+    blocks = np.concatenate([on, with_min, floats]).astype(np.float32)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[:, None], -1)[:, 0]
+    q, scale, exact = quant.on_grid(blocks, largest, fmt)
+    assert exact[:512].all() and not exact[512:].any(), (exact[:512].mean(), exact[512:].mean())
+    assert np.array_equal(q[:512] * scale[:512, None].astype(np.float32), on.astype(np.float32))
+
+
 @pytest.fixture(scope="module")
 def sparse_opt(tiny_models):
     return tiny_models("opt", sparsity=0.9)
