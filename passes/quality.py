@@ -60,7 +60,7 @@ from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT, float_format
 from .targets import CpuIsa
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, dequantize_blocks
-from runtime.manifest import ExpectedQuality
+from runtime.manifest import ExpectedQuality, MatrixChoice
 
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant
 from .kernels import quant
@@ -249,9 +249,12 @@ class QualityPlan:
         met = budget.met_by(found.ppl_change, found.kl)
         gave_up = _gave_up(knobs, state, start, moves, steps, met, budget)
         expected = ExpectedQuality(budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
-                                   _describe_plan(knobs, state, plan), gave_up, found.ppl_low, found.ppl_high)
+                                   _describe_plan(knobs, state, plan), gave_up, found.ppl_low, found.ppl_high,
+                                   _choices(knobs, state, formats, stored, measured=not fixed_level))
         write_entry(model, QUALITY_KEY, expected)
         ctx.log(f"quality: {expected.plan}")
+        for line in expected.layer_lines():
+            ctx.log(f"quality: {line}")
         ctx.log(f"quality: {expected.line()}; measured in {round(time.perf_counter() - started, 2):.1f}s")
         if expected.gave_up:
             (ctx.log if met else ctx.warn)(f"quality: {expected.gave_up}")
@@ -740,6 +743,18 @@ def _write_thresholds(knobs: list[Knob], state: list[tuple[int, int]]) -> None:
         block = op_view(knob.node)
         block.set(f"threshold_{knob.site}", float(knob.thresholds[level]))
         block.set(f"sparsity_{knob.site}", float(knob.held_out_dropped[level]))
+
+
+def _choices(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str, ...], stored: StoredWeights,
+             measured: bool) -> tuple[MatrixChoice, ...]:
+    """Each knob as the plan chose it: its stored format (by the quantize pass's rule: a model's own blocks may
+    keep another), held-out share dropped, local KL (`measured`: not where --sparsity fixed the level) and the
+    cost model's microseconds, at the choice and dense in the widest format."""
+    return tuple(MatrixChoice(knob.layer, knob.site,
+                              stored.format(knob.matrix, formats[f], 1 if level and knob.predictor is None else 0).name,
+                              float(knob.held_out_dropped[level]), knob.error(level, f) if measured else None,
+                              float(knob.cost[level, f]) * 1e6, float(knob.cost[0, 0]) * 1e6)
+                 for knob, (level, f) in zip(knobs, state))
 
 
 def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], plan: WeightPlan) -> str:

@@ -813,9 +813,13 @@ def _inspect(args) -> int:
         say(f"            plan: {expected.plan}")
         if expected.gave_up:
             say(f"            {expected.gave_up}")
+        # per knob: its level, stored format, the KL it alone adds and its decode microseconds (against dense)
+        for line in expected.layer_lines():
+            say(f"            {line}")
     if info["layers"] and "threshold_in" in info["layers"][0]:
         # each linear input's threshold (- where it stays dense) and share dropped on held-out calibration tokens,
-        # and each matrix's stored format (qkv / o / gate+up / down)
+        # and each matrix's stored format (qkv / o / gate+up / down: the quality plan's choices)
+        formats = {(c.layer, c.site): c.format for c in (manifest.quality.choices or ())} if manifest.quality else {}
         say(f"{'layer':>5} {'t_qkv':>9} {'drops':>6} {'t_o':>9} {'drops':>6} {'t_in':>9} {'drops':>6} "
             f"{'t_down':>9} {'drops':>6}  formats qkv/o/up/down")
         for layer in info["layers"]:
@@ -823,7 +827,8 @@ def _inspect(args) -> int:
             for site in ("qkv", "o", "in", "down"):
                 t = layer.get(f"threshold_{site}", -1.0)
                 cells.append(f"{'-' if t < 0 else f'{t:.4g}':>9} {layer.get(f'sparsity_{site}', 0.0):>6.3f}")
-            say(f"{layer['layer']:>5} {' '.join(cells)}  {'/'.join(_matrix_formats(manifest, layer['layer']))}")
+            shown = [formats.get((layer["layer"], site), "?") for site in ("qkv", "o", "in", "down")]
+            say(f"{layer['layer']:>5} {' '.join(cells)}  {'/'.join(shown)}")
     elif info["layers"]:
         # active shares: true = fired on the profiled tokens (1 - sparsity), predicted = what decode computes
         say(f"{'layer':>5} {'sparsity':>8} {'hot80%':>7} {'gpu':>6} {'cpu':>6} {'rank':>5} {'recall':>7} "
@@ -840,21 +845,6 @@ def _inspect(args) -> int:
                 say(f"  layer {layer['layer']} FFN lowered dense: {layer['dense_reason']}")
     sys.stdout.write("".join(line + "\n" for line in lines))
     return _write_report(args, manifest, lines)
-
-
-def _matrix_formats(manifest: Manifest, layer: int) -> list[str]:
-    """The stored formats of a layer's qkv, o, gate/up and down matrices, as the artifact's buffers say."""
-    from runtime.dtypes import WEIGHT_FORMATS
-
-    spelled = {fmt.storage: name for name, fmt in WEIGHT_FORMATS.items() if not fmt.quantized}
-    found = []
-    for name in (f"layers.{layer}.attn.w_qkv", f"layers.{layer}.attn.w_o", f"layers.{layer}.ffn.w_up",
-                 f"layers.{layer}.ffn.w_down"):
-        # (quantized values: NAME.q; asymmetric ones, int4a: NAME.with_mins)
-        info = next((manifest.buffers[n] for n in (f"{name}.q", f"{name}.with_mins", name) if n in manifest.buffers),
-                    None)
-        found.append("?" if info is None else info.format or spelled.get(info.dtype, info.dtype))
-    return found
 
 
 def _tokenizer_facts(artifact: Path, manifest: Manifest) -> dict | None:

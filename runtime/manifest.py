@@ -25,6 +25,8 @@ def _optional(default=None):
 
 
 def _encode(value):
+    if isinstance(value, (list, tuple)):
+        return [_encode(item) for item in value]
     return value.to_json() if hasattr(value, "to_json") else value
 
 
@@ -83,6 +85,28 @@ class QualityBudget(_Section):
 
 
 @dataclass(frozen=True)
+class MatrixChoice(_Section):
+    """One knob of the quality plan as chosen, with what it was measured to cost: a linear input (predictor mode:
+    an FFN's neurons) of one layer, the format its matrix is stored in, the share of held-out decode inputs
+    (neurons) it does not read, the KL it alone adds at the logits over that input dense in the widest format the
+    build allows (its local effect per fitting token; None where --sparsity fixed the level unmeasured), and the
+    cost model's decode microseconds of its matrix at this choice and dense in the widest format."""
+
+    layer: int
+    site: str  # qkv, o, in (gate/up), down; predictor mode: neurons
+    format: str
+    dropped: float
+    kl: float | None
+    us: float
+    dense_us: float
+
+    def describe(self) -> str:
+        level = f"drops {self.dropped:.2f}" if self.dropped > 0 else "dense"
+        kl = "-" if self.kl is None else f"{self.kl:.1e}"
+        return f"{self.site} {level} {self.format} KL {kl} {self.us:.1f}/{self.dense_us:.1f} us"
+
+
+@dataclass(frozen=True)
 class ExpectedQuality(_Section):
     """What the build expects `eval` to measure against the source model, on held-out calibration tokens (the
     quality pass's result). Its wall time is not part of it: the same build gives the same manifest."""
@@ -98,11 +122,22 @@ class ExpectedQuality(_Section):
     # ppl_change's 95% interval over the held-out sequences (how much of it is which tokens they were)
     ppl_low: float | None = _optional()
     ppl_high: float | None = _optional()
+    choices: tuple[MatrixChoice, ...] | None = _optional()  # per knob, by layer (what inspect and -v show)
 
     @classmethod
     def from_json(cls, data: dict) -> "ExpectedQuality":
         quality = super().from_json(data)
-        return cls(**{**quality.__dict__, "budget": QualityBudget.from_json(data["budget"])})
+        choices = data.get("choices")
+        return cls(**{**quality.__dict__, "budget": QualityBudget.from_json(data["budget"]),
+                      "choices": None if choices is None else tuple(MatrixChoice.from_json(c) for c in choices)})
+
+    def layer_lines(self) -> list[str]:
+        """Per layer, each knob's choice and its measured cost, one line (-v and inspect print them)."""
+        by_layer: dict[int, list[MatrixChoice]] = {}
+        for choice in self.choices or ():
+            by_layer.setdefault(choice.layer, []).append(choice)
+        return [f"layer {layer:>3}: " + "; ".join(c.describe() for c in choices)
+                for layer, choices in sorted(by_layer.items())]
 
     def line(self) -> str:
         interval = (f"95%: {self.ppl_low * 100:+.1f}..{self.ppl_high * 100:+.1f}%, "

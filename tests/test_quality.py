@@ -301,6 +301,41 @@ def test_threshold_plan_spends_the_budget_on_more_sparsity(tiny_models, tmp_path
     assert dropped["kl=0.01"] > dropped["kl=0.00005"], plans
 
 
+def test_each_knobs_choice_is_shown_with_its_measured_cost(tiny_models, tmp_path, capsys, monkeypatch):
+    """The manifest carries each linear input's choice as typed data (`MatrixChoice`): its stored format, the share
+    it drops, the KL it alone adds and its decode microseconds against dense. A sparse choice adds KL and saves
+    time, a dense one neither; an int8 build's formats are those the quantize pass stored; `-v` and `inspect` print
+    them per layer; --sparsity's fixed level is not measured, and says so."""
+    from passes import costmodel
+    from picompile.cli import main
+
+    monkeypatch.setattr(costmodel, "COLUMN_CALL_S", 0.0)  # (bytes decide, as at real sizes: some levels pay)
+    files = tiny_models("llama", hidden_act="silu")
+    capsys.readouterr()
+    manifest = _build(files, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.01", "-v")
+    built = capsys.readouterr().err
+    choices = manifest.quality.choices
+    assert len(choices) == 8 and {c.site for c in choices} == {"qkv", "o", "in", "down"}, choices
+    sparse = [c for c in choices if c.dropped > 0]
+    assert sparse and all(c.kl > 0 and c.us < c.dense_us for c in sparse), choices
+    assert all(c.kl == 0 and c.us == c.dense_us and c.format == "fp32" for c in choices if c.dropped == 0), choices
+    assert all(line in built for line in manifest.quality.layer_lines()), built
+    assert main(["inspect", str(tmp_path / "loose.pic")]) == 0
+    shown = capsys.readouterr().out
+    assert all(line in shown for line in manifest.quality.layer_lines()), shown
+
+    int8 = _build(files, tmp_path / "int8.pic", "--weight-dtype", "int8", "--max-quality-loss", "kl=0.01")
+    stored = {f"{c.layer}.{c.site}": c.format for c in int8.quality.choices}
+    names = {"qkv": "attn.w_qkv", "o": "attn.w_o", "in": "ffn.w_up", "down": "ffn.w_down"}
+    for key, fmt in stored.items():
+        layer, site = key.split(".")
+        buffer = next(info for name, info in int8.buffers.items() if name.startswith(f"layers.{layer}.{names[site]}"))
+        assert (buffer.format or {"float16": "fp16", "float32": "fp32"}[buffer.dtype]) == fmt, (key, fmt, buffer)
+
+    fixed = _build(files, tmp_path / "fixed.pic", "--sparsity", "0.5")
+    assert all(c.kl is None for c in fixed.quality.choices) and "KL -" in fixed.quality.layer_lines()[0]
+
+
 def test_threshold_levels_that_do_not_pay_stay_dense(tiny_models, tmp_path):
     """At the column kernel's real fixed cost a tiny model's thresholded matrices would be slower than dense ones:
     however large the budget, the plan keeps every linear input dense, and the estimate says it is as fast as dense."""
