@@ -136,7 +136,7 @@ class ExpectedQuality(_Section):
         by_layer: dict[int, list[MatrixChoice]] = {}
         for choice in self.choices or ():
             by_layer.setdefault(choice.layer, []).append(choice)
-        return [f"layer {layer:>3}: " + "; ".join(c.describe() for c in choices)
+        return [f"in layer {layer}: " + "; ".join(c.describe() for c in choices)
                 for layer, choices in sorted(by_layer.items())]
 
     def line(self) -> str:
