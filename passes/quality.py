@@ -212,13 +212,13 @@ class QualityPlan:
         formats = allowed_formats(weight_dtype) if planned and not fixed_formats else (weight_dtype,)
         sites = MODE_SITES[self.mode] if not fixed_level else {"FFN": ("in", "down")}
         stored = StoredWeights(model, Blocking.of(model, ctx.build.weight_format, self.method, fixed_formats))
-        nodes = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
+        blocks = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
         isa = cpu_isa if self.int8_activations else None
         int8_dot = isa.int8_dot if isa is not None else None
         price = lambda knob: _costs(knob, model, formats, bandwidth, int8_dot)  # noqa: E731
-        with ctx.progress("quality: local effects", len(nodes)) as advance:
-            knobs, head_error = _measure_locally(interpreter, fit, sites, formats, stored, fixed_level,
+        with ctx.progress("quality: local effects", len(blocks)) as advance:
+            knobs, head_error = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
                                                  self.lowest_recall, price, advance)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         for knob in knobs:
@@ -306,15 +306,14 @@ def _quantiles(magnitudes: torch.Tensor, shares) -> np.ndarray:
     return np.partition(flat, ranks)[ranks].astype(np.float64)  # (those order statistics only: no whole sort)
 
 
-def _measure_locally(interpreter: Interpreter, fit: np.ndarray, sites: dict, formats: tuple[str, ...],
-                     stored: StoredWeights, fixed_level: dict, lowest_recall: float, price,
+def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.Node], sites: dict,
+                     formats: tuple[str, ...], stored: StoredWeights, fixed_level: dict, lowest_recall: float, price,
                      advance) -> tuple[list[Knob], np.ndarray]:
-    """Every knob's thresholds per level and local errors per level and format, from one dense pass over `fit`;
-    and the output layer's KL per format. A level `price` (the cost model's [level, format] seconds of a knob)
+    """The knobs of `blocks` (at their `sites`): thresholds per level and local errors per level and format, from
+    one dense pass over `fit`; and the output layer's KL per format. A level `price` (the cost model's [level, format] seconds of a knob)
     finds no saving at, in any format, is not measured: the path never takes it (its error is infinite)."""
     knobs: list[Knob] = []
     head_error = np.zeros(len(formats))
-    blocks = [n for n in interpreter.model.graph if n.op_type in sites and n.domain == DOMAIN]
     paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price)
                                      for node in blocks for site in sites[node.op_type] if site != "neurons"}
 
@@ -527,6 +526,12 @@ def _replay(start: list[tuple[int, int]], moves: list[tuple[int, int, int]]) -> 
     return state
 
 
+def _blocked_along(knob: Knob, level: int) -> int:
+    """The axis a knob's matrix is blocked along at `level`: a thresholded one along its rows (the layout its
+    column kernel gathers), else along K."""
+    return 1 if level and knob.predictor is None else 0
+
+
 def _build_matrices(model: ir.Model, weight_dtype: str) -> dict[str, tuple[str, int]]:
     """Every matrix a quantized build stores in its own format, with the axis the quantize pass blocks it along
     (a dense linear's K; the embedding's rows; predictor mode's down rows, gathered per neuron); {} for a float
@@ -560,7 +565,7 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     # (a float build's own format is the source's values: fp32, or the fp16 a half model stores)
     changed = lambda fmt: fmt != "fp32" and not (len(formats) == 1 and not WEIGHT_FORMATS[fmt].quantized)  # noqa: E731
     choices = dict(build_matrices)
-    choices.update({knob.matrix: (formats[f], 1 if level and knob.predictor is None else 0)
+    choices.update({knob.matrix: (formats[f], _blocked_along(knob, level))
                     for knob, (level, f) in zip(knobs, state) if changed(formats[f])})
     for matrix, axis in ((head, 0), (embed, 1)):
         if matrix is not None and changed(matrix[1]):
@@ -751,7 +756,7 @@ def _choices(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     keep another), held-out share dropped, local KL (`measured`: not where --sparsity fixed the level) and the
     cost model's microseconds, at the choice and dense in the widest format."""
     return tuple(MatrixChoice(knob.layer, knob.site,
-                              stored.format(knob.matrix, formats[f], 1 if level and knob.predictor is None else 0).name,
+                              stored.format(knob.matrix, formats[f], _blocked_along(knob, level)).name,
                               float(knob.held_out_dropped[level]), knob.error(level, f) if measured else None,
                               float(knob.cost[level, f]) * 1e6, float(knob.cost[0, 0]) * 1e6)
                  for knob, (level, f) in zip(knobs, state))
