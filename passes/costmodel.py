@@ -352,6 +352,8 @@ def expected_share(call: Call, layers: dict[int, LayerReport]) -> float:
     threshold keeps on held-out tokens, or the predicted-active neurons divided between the parts by their
     share of the profiled activations."""
     selection, layer = call.selection, layers.get(call.layer)
+    if selection is not None and selection.kept is not None:
+        return selection.kept
     if selection is None or layer is None:
         return 1.0
     if selection.by == "threshold":

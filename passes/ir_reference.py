@@ -21,9 +21,11 @@ import torch
 from . import ir as pir
 from .budget import PROMPT_TOKENS
 from .ops import FFN, Attention, view as op_view
+from runtime.manifest import OUTPUT_LAYER
 
-# Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies
-SITES = {("Attention", "qkv"): 4, ("Attention", "o"): 6, ("FFN", "in"): 1, ("FFN", "down"): 3}
+# Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies (MatMul: the
+# output layer, the one MatMul of the block IR)
+SITES = {("Attention", "qkv"): 4, ("Attention", "o"): 6, ("FFN", "in"): 1, ("FFN", "down"): 3, ("MatMul", "head"): 1}
 _ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
 
 
@@ -149,7 +151,7 @@ class Interpreter:
             return values[node.inputs[0].name] + (values.get(node.inputs[1].name) if node.inputs[1].name in values
                                                    else self.weight(node.inputs[1]))
         if op == "MatMul":
-            return self.product(x, node.inputs[1], variant)
+            return self.product(self.linear_input(node, "head", x, variant, None), node.inputs[1], variant)
         if op == "FFN":
             return self.ffn(node, x, variant)
         if op == "Attention":
@@ -179,7 +181,7 @@ class Interpreter:
         from the `prefill`-th row on (prompt rows run dense). `taps` (where given) keeps the dense `v`."""
         if taps is not None:
             taps[site] = v
-        t = variant.thresholds.get((op_view(node).layer, site))
+        t = variant.thresholds.get((layer_of(node), site))
         if t is None or t < 0:
             return v
         kept = v.clone()
@@ -242,6 +244,11 @@ class Interpreter:
               taps: dict | None = None) -> torch.Tensor:
         """A block's output for input `x` under `variant` (`taps`: gets each site's dense input)."""
         return (self.attention if node.op_type == "Attention" else self.ffn)(node, x, variant, taps)
+
+
+def layer_of(node: ir.Node) -> int:
+    """The layer a block's knobs are keyed by: its own, OUTPUT_LAYER for the output layer's MatMul."""
+    return OUTPUT_LAYER if node.op_type == "MatMul" else op_view(node).layer
 
 
 def int8_blocks(v: torch.Tensor, block: int = 32) -> torch.Tensor:

@@ -28,7 +28,9 @@ A threshold < 0 (`threshold.KEEP_ALL`) means that projection runs dense; an FFN 
 the plain `FFN` (select-kernels lowers it as a dense build does). The layer report carries every projection
 input's threshold and held-out dropped share, attention's (`threshold_qkv` / `threshold_o`, `sparsity_qkv` /
 `sparsity_o` on the Attention node, read by select-kernels there) included: KEEP_ALL and 0.0 where absent or
-dense. The cost model prices each threshold call by those shares (`costmodel.expected_share`).
+dense. The cost model prices each threshold call by those shares (`costmodel.expected_share`). Where the quality
+plan thins the output layer's input (`quality.HeadThreshold`), its MatMul becomes `picompile.Linear` with that
+`threshold` and `sparsity` (fuse makes every other output layer a Linear).
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ from onnx_ir.passes import PassResult
 from . import ir as pir
 from .pipeline import Context, Options
 
-from .ops import FFN, Attention, view as op_view
+from .ops import ALL_NEURONS, FFN, Attention, Linear, view as op_view
 from .partition import PARTITIONED
 from .predict import PREDICTORS
+from .quality import HeadThreshold
 from .recognise import BLOCKS
 from .threshold import KEEP_ALL
 from runtime.manifest import LayerReport
 
-ALL_NEURONS = -3.0e38  # a threshold every score passes
 LAYERS_KEY = "picompile.layers"  # metadata: the per-layer report (runtime.manifest.LayerReport, one per layer)
 STATS = ("sparsity", "skewness", "hot80_share", "predictor_rank", "predictor_threshold", "predictor_recall",
          "predictor_precision", "predictor_active")
@@ -83,8 +85,12 @@ class LowerThresholded:
         pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
         attach_layers(model, [LayerReport(**r) for r in report])
         dense = [r["layer"] for r in report if r.get("ffn") == "dense"]
+        head = HeadThreshold.of(model)
+        if head is not None:
+            _thin_output_layer(graph, head)
         ctx.log(f"lower: {len(report) - len(dense)} threshold FFNs"
-                f"{f'; {len(dense)} dense (layers {dense})' if dense else ''}")
+                f"{f'; {len(dense)} dense (layers {dense})' if dense else ''}"
+                f"{f'; the output layer drops {head.dropped:.2f} of its inputs' if head is not None else ''}")
         return PassResult(model, modified=True)
 
     def _lower_one(self, graph: ir.Graph, node: ir.Node, attention: ir.Node | None) -> dict:
@@ -111,6 +117,20 @@ class LowerThresholded:
         node.outputs[0].replace_all_uses_with(merge.outputs[0])
         graph.remove(node, safe=True)
         return report
+
+
+def _thin_output_layer(graph: ir.Graph, head: HeadThreshold) -> None:
+    """The output layer's MatMul (the logits' producer) as a `picompile.Linear` reading only the rows of its input
+    channels above the threshold in decode steps."""
+    product = graph.outputs[0].producer()
+    linear = ir.node("Linear", list(product.inputs), {"threshold": head.threshold, "sparsity": head.dropped},
+                     domain=pir.DOMAIN, name=product.name)
+    graph.insert_before(product, linear)
+    linear.outputs[0].dtype, linear.outputs[0].shape = product.outputs[0].dtype, product.outputs[0].shape
+    name = product.outputs[0].name
+    product.outputs[0].replace_all_uses_with(linear.outputs[0], replace_graph_outputs=True)
+    graph.remove(product, safe=True)
+    linear.outputs[0].name = name
 
 
 # the thresholded inputs of each block: (threshold attribute, held-out sparsity attribute)

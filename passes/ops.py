@@ -18,6 +18,7 @@ from .ir import DOMAIN
 
 T = TypeVar("T")
 KEEP_ALL = -1.0  # a threshold every magnitude passes (|v| > -1): an absent threshold, the projection runs dense
+ALL_NEURONS = -3.0e38  # a predictor threshold every score passes (lower, quality: the FFN computes every neuron)
 
 INT, FLOAT, STRING = ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.AttributeType.STRING
 
@@ -237,9 +238,12 @@ class MergePartial(Layered, Folds):
 
 
 class Linear(Folds):
-    """fuse: the output layer, x @ W (+ b)."""
+    """fuse (or lower, where the quality plan thresholds its input): the output layer, x @ W (+ b). A decode step
+    reads only the rows of x's channels with |x| > threshold (`sparsity`: the share it drops on held-out tokens)."""
 
     inputs = (Port("x"), Port("weight"), Port("bias", optional=True))
+    threshold = Float(optional=True, default=KEEP_ALL)
+    sparsity = Float(optional=True, default=0.0)
 
 
 class Handover(OpView):

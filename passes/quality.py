@@ -5,12 +5,14 @@ weights), the calibration sequences the profile pass ran (`CalibrationSequences`
 (--max-quality-loss, `passes.budget`), the build's weight format and quantization method, and, where
 --sparsity fixed one level for every FFN, the thresholds the threshold pass set.
 Adds: on each FFN `threshold_in` / `threshold_down` and on each Attention `threshold_qkv` / `threshold_o`
-(`KEEP_ALL` where the input stays dense), with `sparsity_*`, the share each drops on held-out tokens; the
-per-matrix formats (`WeightPlan`, which the quantize pass stores) and what the build expects eval to measure
+(`KEEP_ALL` where the input stays dense), with `sparsity_*`, the share each drops on held-out tokens, and the
+output layer's (`HeadThreshold`, where its input is thinned); the per-matrix formats (`WeightPlan`, which the quantize pass stores) and what the build expects eval to measure
 (`ExpectedQuality`, the manifest's type, carried into it and printed by `build`).
 
 How (TEAL's greedy allocation, priced by the cost model, checked end to end):
-1. Knobs. Every linear input of every block (qkv, o, the FFN's gate/up and down) may drop its inputs below a
+1. Knobs. Every linear input of every block (qkv, o, the FFN's gate/up and down) and the output layer's (on
+   SmolLM2 its 108 MiB a token is a fifth of what decode reads; not where the formats are a quantized file's own,
+   whose blocks along K a thinned matrix would lose) may drop its inputs below a
    magnitude threshold, at LEVELS of the input's share; every matrix may be stored in any format from the
    build's own up to fp16 (`allowed_formats`: --weight-dtype int4 means "at most 4 bits"). A knob's cost is the
    cost model's decode seconds for its matrix at that level and format (`costmodel.column_seconds`): a sparse
@@ -33,7 +35,8 @@ How (TEAL's greedy allocation, priced by the cost model, checked end to end):
    within the budget.
    That plan's perplexity change (with its 95% interval over the held-out sequences: `budget.ppl_change_interval`),
    KL and top-1 are what the build prints and eval should confirm.
-The output layer is not sparse; it takes the narrowest allowed format whose own KL on the fitting tokens stays
+The output layer's local effects are its KL at the logits, measured exactly. Where it is no knob (a quantized
+file's own blocks, predictor mode) it takes the narrowest allowed format whose own KL on the fitting tokens stays
 under HEAD_SHARE of the budget. The embedding table (one row gathered per token: its format costs memory, not
 time) takes int8 where the build allows it.
 """
@@ -54,17 +57,16 @@ from . import costmodel
 from . import ir as pir
 from .blocking import Blocking
 from .budget import PROMPT_TOKENS, QualityBudget, ppl_change_interval, predicted_tokens, scored_positions
-from .facts import ValueFact, read_entry, write_entry
-from .ops import DOMAIN, FFN, Attention, Embed, view as op_view
+from .facts import ModelFact, ValueFact, read_entry, write_entry
+from .ops import ALL_NEURONS, DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT, float_format
 from .targets import CpuIsa
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, dequantize_blocks
 from runtime.manifest import ExpectedQuality, MatrixChoice
 
-from .ir_reference import SITES, Block, Interpreter, Quality, Variant
+from .ir_reference import SITES, Block, Interpreter, Quality, Variant, layer_of
 from .kernels import quant
-from .lower import ALL_NEURONS
 from .predict import HOLDOUT, _threshold_for_recall, predictor_reads_int8
 from .profile import CALIBRATION_SEQUENCES, CalibrationSequences
 from .threshold import KEEP_ALL
@@ -105,6 +107,16 @@ class WeightPlan(ValueFact):
         return cls({})
 
 
+@dataclass(frozen=True)
+class HeadThreshold(ModelFact):
+    """The output layer's input as the plan thins it: decode rows read the rows of the channels with |x| >
+    `threshold`, `dropped` the share it drops on held-out tokens (lower makes the output layer a Linear by it)."""
+
+    KEY: ClassVar[str] = "picompile.head_threshold"
+    threshold: float
+    dropped: float
+
+
 def quality_of(model: ir.Model) -> ExpectedQuality | None:
     """What the quality pass expects eval to measure (None where it did not run)."""
     return read_entry(model, QUALITY_KEY, ExpectedQuality)
@@ -129,7 +141,7 @@ class Knob:
 
     @property
     def layer(self) -> int:
-        return op_view(self.node).layer
+        return layer_of(self.node)
 
     def error(self, level: int, fmt: int) -> float:
         return float(self.sparse_error[level] + self.format_error[fmt])
@@ -213,17 +225,20 @@ class QualityPlan:
         sites = MODE_SITES[self.mode] if not fixed_level else {"FFN": ("in", "down")}
         stored = StoredWeights(model, Blocking.of(model, ctx.build.weight_format, self.method, fixed_formats))
         blocks = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
+        # the output layer's input is a knob too where the plan chooses formats (a quantized file's own blocks, along
+        # K, would be blocked again along the rows its column kernel gathers)
+        head_sparse = planned and not fixed_formats and _head_node(model) is not None
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
         isa = cpu_isa if self.int8_activations else None
         int8_dot = isa.int8_dot if isa is not None else None
         price = lambda knob: _costs(knob, model, formats, bandwidth, int8_dot)  # noqa: E731
         with ctx.progress("quality: local effects", len(blocks)) as advance:
             knobs, head_error = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
-                                                 self.lowest_recall, price, advance)
+                                                 self.lowest_recall, price, advance, head_sparse)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         for knob in knobs:
             knob.cost = price(knob)
-        head, embed = _head_and_embed(model, formats, head_error, budget)
+        head, embed = _head_and_embed(model, formats, head_error, budget, head_sparse)
         start = _start(knobs, fixed_level)
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
@@ -241,7 +256,7 @@ class QualityPlan:
             if not budget.met_by(found.ppl_change, found.kl) and not fixed_level and any(l for l, _ in state):
                 state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
                 found = measure.quality(variant(state))
-        _write_thresholds(knobs, state)
+        _write_thresholds(model, knobs, state)
         plan = WeightPlan({**{k.matrix: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != weight_dtype},
                            **({head[0]: head[1]} if head and head[1] != weight_dtype else {}),
                            **({embed[0]: embed[1]} if embed and embed[1] != weight_dtype else {})})
@@ -308,14 +323,16 @@ def _quantiles(magnitudes: torch.Tensor, shares) -> np.ndarray:
 
 def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.Node], sites: dict,
                      formats: tuple[str, ...], stored: StoredWeights, fixed_level: dict, lowest_recall: float, price,
-                     advance) -> tuple[list[Knob], np.ndarray]:
+                     advance, head_sparse: bool = False) -> tuple[list[Knob], np.ndarray]:
     """The knobs of `blocks` (at their `sites`): thresholds per level and local errors per level and format, from
-    one dense pass over `fit`; and the output layer's KL per format. A level `price` (the cost model's [level, format] seconds of a knob)
+    one dense pass over `fit`; and the output layer's KL per format (`head_sparse`: its input a knob, last). A level `price` (the cost model's [level, format] seconds of a knob)
     finds no saving at, in any format, is not measured: the path never takes it (its error is infinite)."""
     knobs: list[Knob] = []
     head_error = np.zeros(len(formats))
+    head = _head_node(interpreter.model)
     paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price)
-                                     for node in blocks for site in sites[node.op_type] if site != "neurons"}
+                                     for node in blocks + ([head] if head_sparse else [])
+                                     for site in (("head",) if node is head else sites[node.op_type]) if site != "neurons"}
 
     def weighed(node: ir.Node) -> bool:  # (--sparsity's levels are the user's: no path to order, none)
         return not fixed_level and (len(formats) > 1 or "neurons" in sites[node.op_type]
@@ -326,6 +343,9 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
 
     def probe(block: Block) -> None:
         node = block.node
+        if node is head and head_sparse:
+            knobs.append(_head_knob(interpreter, block, formats, stored, paying[(node.name, "head")]))
+            return
         if node.op_type not in sites:  # the output layer (and predictor mode's attention): the output's KL per format
             if node is head and len(formats) > 1:
                 reference = torch.log_softmax(block.out.to(torch.float64), -1)
@@ -375,9 +395,30 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
                               np.zeros(len(thresholds))))
         advance()
 
-    head = _head_node(interpreter.model)
     interpreter.logits(fit, probe=probe)
     return knobs, head_error
+
+
+def _head_knob(interpreter: Interpreter, block: Block, formats: tuple[str, ...], stored: StoredWeights,
+               paying: np.ndarray) -> Knob:
+    """The output layer's input as a knob: its levels' and formats' KL at the logits, measured exactly (the logits
+    are its output), per fitting token; a level that does not pay unmeasured."""
+    node, x = block.node, block.x
+    matrix = node.inputs[1]
+    weight = interpreter.weight(matrix)
+    reference = torch.log_softmax(block.out.to(torch.float64), -1)
+    probabilities = reference.exp()
+
+    def kl(logits: torch.Tensor) -> float:
+        got = torch.log_softmax(logits.to(torch.float64), -1)
+        return float((probabilities * (reference - got)).sum(-1).mean())
+
+    thresholds = np.concatenate([[KEEP_ALL], _quantiles(x.abs(), LEVELS[1:])]).astype(np.float32)
+    sparse = [0.0] + [kl((x * (x.abs() > float(t))) @ weight) if paying[level] else np.nan
+                      for level, t in enumerate(thresholds[1:], 1)]
+    fmt_error = [0.0] + [kl(x @ torch.from_numpy(stored.values(matrix.name, fmt, 0))) for fmt in formats[1:]]
+    return Knob(node, "head", matrix.name, thresholds, _monotone(sparse), _monotone(fmt_error),
+                np.zeros(len(thresholds)))
 
 
 def _paying_levels(node: ir.Node, site: str, price) -> np.ndarray:
@@ -424,13 +465,14 @@ def _head_node(model: ir.Model) -> ir.Node | None:
         pir.const_array(producer.inputs[1]) is not None else None
 
 
-def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.ndarray,
-                    budget: QualityBudget) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
-    """(matrix, format) of the output layer (the narrowest whose own KL stays under HEAD_SHARE of the budget) and
-    of the embedding table (int8 where allowed); None where the build has one format."""
+def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.ndarray, budget: QualityBudget,
+                    head_is_knob: bool = False) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """(matrix, format) of the output layer (the narrowest whose own KL stays under HEAD_SHARE of the budget;
+    None where it is a knob, whose format the path chooses) and of the embedding table (int8 where allowed); None
+    where the build has one format."""
     if len(formats) == 1:
         return None, None
-    head_node = _head_node(model)
+    head_node = None if head_is_knob else _head_node(model)
     head = None
     if head_node is not None:
         fits = [i for i in range(len(formats)) if head_error[i] <= HEAD_SHARE * budget.value]
@@ -619,8 +661,9 @@ class _HeldOut:
         def probe(block: Block) -> None:
             if block.node.name not in by_block:
                 return
-            taps: dict[str, torch.Tensor] = {}
-            interpreter.block(block.node, block.x, taps=taps)
+            taps: dict[str, torch.Tensor] = {"head": block.x}  # (the output layer's input is its block's)
+            if block.node.op_type != "MatMul":
+                interpreter.block(block.node, block.x, taps=taps)
             for knob in by_block[block.node.name]:
                 if knob.predictor is not None:
                     decode_x = block.x[:, PROMPT_TOKENS:]
@@ -734,10 +777,15 @@ def _aim(x_low: float, y_low: float, x_high: float, y_high: float, target: float
     return x_low + (target - y_low) / slope if slope > 0 else x_high
 
 
-def _write_thresholds(knobs: list[Knob], state: list[tuple[int, int]]) -> None:
+def _write_thresholds(model: ir.Model, knobs: list[Knob], state: list[tuple[int, int]]) -> None:
     """Each knob's level on its node: a linear input's threshold and held-out share dropped; a predictor's
-    threshold, recall, precision and predicted-active share (dense: every neuron passes, placement runs it dense)."""
+    threshold, recall, precision and predicted-active share (dense: every neuron passes, placement runs it dense);
+    the output layer's, thinned, as the model's `HeadThreshold` (its MatMul takes no attributes of ours)."""
     for knob, (level, _) in zip(knobs, state):
+        if knob.site == "head":
+            if level:
+                HeadThreshold(float(knob.thresholds[level]), float(knob.held_out_dropped[level])).attach(model)
+            continue
         if knob.predictor is not None:
             threshold = float(knob.thresholds[level]) if level else ALL_NEURONS
             ffn = FFN(knob.node)

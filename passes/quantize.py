@@ -77,6 +77,7 @@ BLOCKED: dict[str, tuple[tuple[int, int], ...]] = {
 THRESHOLDED: dict[str, tuple[tuple[int, str], ...]] = {
     "ThresholdFFN": ((1, "threshold_in"), (3, "threshold_down")),  # w_up [D, 2F or F], w_down [F, D]
     "Attention": ((4, "threshold_qkv"), (6, "threshold_o")),  # w_qkv, w_o: [K, N]; absent attributes: dense
+    "Linear": ((1, "threshold"),),  # the output layer's [K, V], where the quality plan thins its input
 }
 PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in PREDICTOR_FORMAT
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored (runtime.manifest.Quantization)

@@ -41,7 +41,7 @@ from .kernels import cpu, neuron, ops, quant
 from .place import PLACED, device_of
 from .quantize import QuantizedMatrix, dequantizes_weight
 from .handover import HANDOVER, stage_of_node
-from .ops import Attention, FFN, Handover as HandoverOp, SparseFFN, ThresholdFFN, view as op_view
+from .ops import Attention, FFN, Handover as HandoverOp, Linear, SparseFFN, ThresholdFFN, view as op_view
 
 
 @dataclass(frozen=True)
@@ -635,13 +635,15 @@ class _Walker:
         self.location[node.outputs[0].name] = partial
 
     def thresholded_linear(self, p: str, part: str, v: str, weight: str, bias: str | None, out: str, threshold: float,
-                           role: Role, glu: bool = False, act: str = "none", residual: str | None = None) -> None:
+                           role: Role, glu: bool = False, act: str = "none", residual: str | None = None,
+                           kept: float | None = None) -> None:
         """out = act(v' @ W + b) (+ residual) for W [K, N] stored one row per input channel, v' = v with the
         entries |v| <= threshold zeroed (`glu`: W = [gate | up], out the GLU of the two halves' sums).
         Decode: select_abs keeps the channels, sparse_columns (sparse_columns_q over quantized rows: values and
         scales, blocked along each row) reads only their rows; a batch step the union of the sequences' kept
         channels, each row read once for all of them. Prompts: dense GEMMs over the same rows (a quantized
-        matrix's: linear_kn_q), the GLU after."""
+        matrix's: linear_kn_q), the GLU after. `kept`: the share of the inputs it is expected to keep where no layer
+        report holds it (the output layer's)."""
         low = self.low
         rows, columns = low.shape(weight)
         threshold_buffer = low.weight(f"{p}.threshold_{part}", np.array([threshold], np.float32))
@@ -670,7 +672,7 @@ class _Walker:
         args = [read(v), read(index), read(count),
                 *(Arg(buffer, Access.SELECTED_ROWS, row_bytes=low.row_bytes(buffer)) for buffer in parts),
                 *([read(bias)] if bias else []), *([read(residual)] if residual else []), write(scratch), write(out)]
-        low.call(f"{p}.{part}", kernels, args, role, selection=Selection("threshold", part, count, rows))
+        low.call(f"{p}.{part}", kernels, args, role, selection=Selection("threshold", part, count, rows, kept=kept))
         # multi-token steps: dense over the same rows
         if glu:
             pre = low.activation(f"act.ffn_pre.n{columns}", columns)
@@ -693,10 +695,17 @@ class _Walker:
         self.location[node.outputs[0].name] = out
 
     def lower_Linear(self, node: ir.Node) -> None:
-        """The output layer (fuse made it a Linear, with its bias where the model has one)."""
+        """The output layer (fuse made it a Linear, with its bias where the model has one; lower, where the quality
+        plan thins its input: decode reads the rows of the channels above its threshold)."""
         weight, bias = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2] if len(node.inputs) > 2 else None)
         out = self.low.activation("logits", self.low.shape(weight)[1])
-        self.low.linear(self.location[node.inputs[0].name], weight, bias, out, node.name, Role.HEAD)
+        linear = Linear(node)
+        x = self.location[node.inputs[0].name]
+        if float(linear.threshold) >= 0:
+            self.thresholded_linear(node.name, "head", x, weight, bias, out, float(linear.threshold), Role.HEAD,
+                                    kept=1.0 - float(linear.sparsity))
+        else:
+            self.low.linear(x, weight, bias, out, node.name, Role.HEAD)
         self.location[node.outputs[0].name] = out
 
     def lower_Handover(self, node: ir.Node) -> None:

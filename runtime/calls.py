@@ -86,13 +86,14 @@ class Selection:
     """Which rows a sparse decode call reads, as the layer's statistics describe them: the neurons a
     predictor lets through (`by` "predictor", `part` the GPU's hot part or the CPU's cold one), or the
     input channels a magnitude threshold keeps (`by` "threshold", `part` "up" or "down" (an FFN's gate/up or down
-    projection), "qkv" or "o" (attention's)."""
+    projection), "qkv" or "o" (attention's), "head" (the output layer's)."""
 
     by: str
     part: str
     count: str  # the [1, 1] int32 buffer holding how many entries were selected
     capacity: int  # how many entries it can select (the index buffer's length)
     hidden: str | None = None  # the values whose non-zero entries decide the `nonzero_row_bytes` reads
+    kept: float | None = None  # the share of `capacity` expected through, where no layer report says (the output layer)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,9 @@ class QualityBudget(_Section):
         return f"ppl +{self.value * 100:g}%" if self.kind == "ppl" else f"KL {self.value:g}"
 
 
+OUTPUT_LAYER = -1  # a MatrixChoice's layer for the output layer (after every block)
+
+
 @dataclass(frozen=True)
 class MatrixChoice(_Section):
     """One knob of the quality plan as chosen, with what it was measured to cost: a linear input (predictor mode:
@@ -92,8 +95,8 @@ class MatrixChoice(_Section):
     build allows (its local effect per fitting token; None where --sparsity fixed the level unmeasured), and the
     cost model's decode microseconds of its matrix at this choice and dense in the widest format."""
 
-    layer: int
-    site: str  # qkv, o, in (gate/up), down; predictor mode: neurons
+    layer: int  # OUTPUT_LAYER: the output layer
+    site: str  # qkv, o, in (gate/up), down, head (the output layer's); predictor mode: neurons
     format: str
     dropped: float
     kl: float | None
@@ -136,8 +139,9 @@ class ExpectedQuality(_Section):
         by_layer: dict[int, list[MatrixChoice]] = {}
         for choice in self.choices or ():
             by_layer.setdefault(choice.layer, []).append(choice)
-        return [f"in layer {layer}: " + "; ".join(c.describe() for c in choices)
-                for layer, choices in sorted(by_layer.items())]
+        where = lambda layer: "in the output layer" if layer == OUTPUT_LAYER else f"in layer {layer}"  # noqa: E731
+        return [f"{where(layer)}: " + "; ".join(c.describe() for c in choices)
+                for layer, choices in sorted(by_layer.items(), key=lambda item: (item[0] == OUTPUT_LAYER, item[0]))]
 
     def line(self) -> str:
         interval = (f"95%: {self.ppl_low * 100:+.1f}..{self.ppl_high * 100:+.1f}%, "

@@ -41,8 +41,12 @@ def run_blocks(model: ir.Model, token_ids: np.ndarray, caches: dict, start: int,
     """Forward `token_ids` after `start` cached tokens; `caches` maps layer -> (K, V) lists, updated.
     `weights` replaces initializers by name (e.g. by the values a quantized build stores). `thresholded`: a one-
     token step zeroes each projection input |v| <= the block's threshold attribute (FFN threshold_in /
-    threshold_down, Attention threshold_qkv / threshold_o; absent or < 0: none), as threshold decode does.
+    threshold_down, Attention threshold_qkv / threshold_o; absent or < 0: none) and the output layer's
+    (the model's `HeadThreshold`), as threshold decode does.
     `seen` collects, per (layer, attribute), the inputs each of those projections got (rows of every step)."""
+    from passes.quality import HeadThreshold
+
+    head = HeadThreshold.of(model)
     values = {name: v.const_value.numpy() for name, v in model.graph.initializers.items()}
     values.update(weights or {})
     m = len(token_ids)
@@ -64,6 +68,10 @@ def run_blocks(model: ir.Model, token_ids: np.ndarray, caches: dict, start: int,
         elif node.op_type == "Add":
             out = values[node.inputs[0].name] + values[node.inputs[1].name]
         elif node.op_type == "MatMul":
+            if seen is not None:
+                seen.setdefault((None, "head"), []).append(np.array(x))
+            if thresholded and m == 1 and head is not None:
+                x = np.where(np.abs(x) > head.threshold, x, 0)
             out = x @ values[node.inputs[1].name]
         elif node.op_type == "FFN":
             x = kept(x, node, "threshold_in")

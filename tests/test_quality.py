@@ -10,7 +10,7 @@ import pytest
 
 from passes.budget import parse_budget, ppl_change_interval
 from runtime import load_manifest
-from runtime.manifest import QualityBudget
+from runtime.manifest import OUTPUT_LAYER, QualityBudget
 from passes.errors import UserError
 
 
@@ -315,7 +315,10 @@ def test_each_knobs_choice_is_shown_with_its_measured_cost(tiny_models, tmp_path
     manifest = _build(files, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.01", "-v")
     built = capsys.readouterr().err
     choices = manifest.quality.choices
-    assert len(choices) == 8 and {c.site for c in choices} == {"qkv", "o", "in", "down"}, choices
+    # every block's four linear inputs and the output layer's, last
+    assert len(choices) == 9 and {c.site for c in choices} == {"qkv", "o", "in", "down", "head"}, choices
+    assert choices[-1].site == "head" and choices[-1].layer == OUTPUT_LAYER, choices
+    assert manifest.quality.layer_lines()[-1].startswith("in the output layer: head "), manifest.quality.layer_lines()
     sparse = [c for c in choices if c.dropped > 0]
     assert sparse and all(c.kl > 0 and c.us < c.dense_us for c in sparse), choices
     assert all(c.kl == 0 and c.us == c.dense_us and c.format == "fp32" for c in choices if c.dropped == 0), choices
@@ -325,12 +328,12 @@ def test_each_knobs_choice_is_shown_with_its_measured_cost(tiny_models, tmp_path
     assert all(line in shown for line in manifest.quality.layer_lines()), shown
 
     int8 = _build(files, tmp_path / "int8.pic", "--weight-dtype", "int8", "--max-quality-loss", "kl=0.01")
-    stored = {f"{c.layer}.{c.site}": c.format for c in int8.quality.choices}
+    stored = {(c.layer, c.site): c.format for c in int8.quality.choices}
     names = {"qkv": "attn.w_qkv", "o": "attn.w_o", "in": "ffn.w_up", "down": "ffn.w_down"}
-    for key, fmt in stored.items():
-        layer, site = key.split(".")
-        buffer = next(info for name, info in int8.buffers.items() if name.startswith(f"layers.{layer}.{names[site]}"))
-        assert (buffer.format or {"float16": "fp16", "float32": "fp32"}[buffer.dtype]) == fmt, (key, fmt, buffer)
+    for (layer, site), fmt in stored.items():
+        prefix = "lm_head.weight" if site == "head" else f"layers.{layer}.{names[site]}"
+        buffer = next(info for name, info in int8.buffers.items() if name.startswith(prefix))
+        assert (buffer.format or {"float16": "fp16", "float32": "fp32"}[buffer.dtype]) == fmt, (layer, site, buffer)
 
     fixed = _build(files, tmp_path / "fixed.pic", "--sparsity", "0.5")
     assert all(c.kl is None for c in fixed.quality.choices) and "KL -" in fixed.quality.layer_lines()[0]
@@ -377,7 +380,7 @@ def test_a_budget_no_plan_meets_falls_back_and_says_so(tiny_models, tmp_path, ca
     err = capsys.readouterr().err
     assert "misses the budget (KL 0)" in err, err
     assert not manifest.quality.met
-    assert "0 of 8 linear inputs sparse" in manifest.quality.plan
+    assert "0 of 9 linear inputs sparse" in manifest.quality.plan  # (the output layer's among them)
 
 
 def test_a_fixed_sparsity_over_the_budget_is_built_as_asked_and_said(tiny_models, tmp_path, capsys):

@@ -135,31 +135,33 @@ _QUANTILES: dict = {}
 
 
 def attention_quantiles(model, share=0.5):
-    """Per (layer, attribute) the `share`-quantile of |input| of attention's qkv and o projections over a dense
-    numpy forward of a few tokens: thresholds that drop about that share of a decode step's inputs (once per
-    model)."""
+    """Per (layer, attribute) the `share`-quantile of |input| of attention's qkv and o projections (and (None,
+    "head"): the output layer's) over a dense numpy forward of a few tokens: thresholds that drop about that share
+    of a decode step's inputs (once per model)."""
     from block_reference import run_blocks
 
     if id(model) not in _QUANTILES:
         seen = {}
         run_blocks(model, np.arange(3, 35) % 128, {}, 0, seen=seen)
         _QUANTILES[id(model)] = {key: float(np.quantile(np.abs(np.concatenate(v)), share))
-                                 for key, v in seen.items() if key[1] in ("threshold_qkv", "threshold_o")}
+                                 for key, v in seen.items() if key[1] in ("threshold_qkv", "threshold_o", "head")}
     return _QUANTILES[id(model)]
 
 
-def threshold_build(swiglu, path, weight_dtype, plan, formats=None, max_context=64, **options):
-    """A threshold build at sparsity 0.5 with `plan`'s thresholds set after the threshold pass; returns (artifact,
-    the block IR the thresholds apply to, the matrices as stored (quantized builds))."""
+def threshold_build(swiglu, path, weight_dtype, plan, formats=None, max_context=64, thin_head=False, **options):
+    """A threshold build at sparsity 0.5 with `plan`'s thresholds set after the threshold pass (`thin_head`: and
+    the output layer's input at its median); returns (artifact, the block IR the thresholds apply to, the matrices
+    as stored (quantized builds))."""
     from picompile.compiler import build, pipeline
     from passes.pipeline import Options
     from passes.targets import get_target
-    from threshold_plans import PlanFormats, SetThresholds, Snapshot, StoredWeights, insert_after
+    from threshold_plans import PlanFormats, SetThresholds, Snapshot, StoredWeights, ThinOutputLayer, insert_after
 
     options = Options(max_context=max_context, calib=swiglu.calib, sparsity_mode="threshold", sparsity=0.5,
                       weight_dtype=weight_dtype, int8_activations=False, calib_tokens=512, **options)
     snapshot, stored = Snapshot(), StoredWeights()
-    passes = insert_after(pipeline(options, "threshold"), "threshold", SetThresholds(plan), snapshot)
+    head = [ThinOutputLayer(lambda model: attention_quantiles(model)[(None, "head")])] if thin_head else []
+    passes = insert_after(pipeline(options, "threshold"), "threshold", SetThresholds(plan), *head, snapshot)
     if any(p.name == "quantize" for p in passes):
         passes = insert_after(passes, "quality", PlanFormats(formats or {}))
         passes = insert_after(passes, "quantize", stored)
@@ -265,3 +267,27 @@ def test_mixed_formats_and_dense_projections(swiglu, tmp_path):
     weights["layers.1.attn.w_qkv"] = model.graph.initializers["layers.1.attn.w_qkv"].const_value.numpy().astype(
         np.float16).astype(np.float32)  # (planned fp16: stored so)
     check_against_reference(artifact, model, weights)
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp32", "int8"])
+def test_a_thinned_output_layer_reads_only_its_kept_inputs_rows(swiglu, tmp_path, weight_dtype):
+    """The quality plan may thin the output layer's input too (`HeadThreshold`): lower makes it a Linear with the
+    threshold, its decode step a select and a column kernel over its rows (an int8 build's blocked along them),
+    prompts dense; the logits are the reference's with the output layer's input thresholded, and decode reads
+    fewer of its bytes than dense."""
+    import json
+
+    from runtime.calls import schedule_calls
+
+    plan = lambda op, layer, model: {}  # noqa: E731  (the FFN's from the threshold pass; attention dense)
+    artifact, model, stored = threshold_build(swiglu, tmp_path / f"{weight_dtype}.pic", weight_dtype, plan,
+                                              thin_head=True)
+    calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
+    head = [c for c in calls if c.selection is not None and c.selection.part == "head"]
+    assert len(head) == 1 and head[0].selection.kept == 0.5 and head[0].decode, head
+    assert any(c.id.endswith("head_dense") and not c.decode for c in calls)
+    buffers = load_manifest(artifact).buffers
+    if weight_dtype == "int8":
+        assert buffers["lm_head.weight.q"].layout == "quant_rows"
+    engine, read = check_against_reference(artifact, model, stored.weights)
+    assert read < STEPS * dense_bytes(engine)

@@ -32,6 +32,22 @@ class SetThresholds:
 
 
 @dataclass
+class ThinOutputLayer:
+    """Attaches `threshold(model)` as the output layer's input threshold (what the quality plan may choose), its
+    held-out share dropped `dropped`."""
+
+    threshold: Callable[[ir.Model], float]
+    dropped: float = 0.5
+    name = "thin-output-layer"
+
+    def apply(self, model, ctx):
+        from passes.quality import HeadThreshold
+
+        HeadThreshold(self.threshold(model), self.dropped).attach(model)
+        return PassResult(model, modified=True)
+
+
+@dataclass
 class PlanFormats:
     """Replaces the quality pass's per-matrix formats with the test's ({initializer name: format name})."""
 

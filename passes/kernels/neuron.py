@@ -891,9 +891,10 @@ def sparse_columns(name, K, N, *, rows, gated: bool = False, act: str = "none", 
             row = T.alloc_local((group,), "int32")
             after = T.alloc_local((group,), "int32")
             coef = T.alloc_local((group,), "float32")
-            for r in range(m):
-                for j in T.vectorized(N):
-                    scratch[t, r * N + j] = T.float32(0)
+            for r in range(m):  # (a vector of `lanes` at a time: a vector of N lanes fails LLVM codegen for a vocabulary)
+                for j in range(N // lanes):
+                    for l in T.vectorized(lanes):
+                        scratch[t, r * N + j * lanes + l] = T.float32(0)
             for g in range((last - first) // group):
                 for q in T.unroll(group):
                     row[q] = clamp_index(idx[0, first + g * group + q], K)
@@ -1071,9 +1072,10 @@ def sparse_columns_q(name, K, N, *, rows, bits: int, sdtype="float16", has_min: 
             after = T.alloc_local((group,), "int32")
             rs = T.alloc_local((group * sblocks,), "float32")
             off = T.alloc_local((sums,), "float32")
-            for r in range(m):
-                for j in T.vectorized(N):
-                    scratch[t, r * N + j] = T.float32(0)
+            for r in range(m):  # (`lanes` at a time, as sparse_columns)
+                for j in range(N // lanes):
+                    for l in T.vectorized(lanes):
+                        scratch[t, r * N + j * lanes + l] = T.float32(0)
             if offsets:
                 for j in T.vectorized(sums):
                     off[j] = T.float32(0)
