@@ -35,10 +35,9 @@ How (TEAL's greedy allocation, priced by the cost model, checked end to end):
    within the budget.
    That plan's perplexity change (with its 95% interval over the held-out sequences: `budget.ppl_change_interval`),
    KL and top-1 are what the build prints and eval should confirm.
-The output layer's local effects are its KL at the logits, measured exactly. Where it is no knob (a quantized
-file's own blocks, predictor mode) it takes the narrowest allowed format whose own KL on the fitting tokens stays
-under HEAD_SHARE of the budget. The embedding table (one row gathered per token: its format costs memory, not
-time) takes int8 where the build allows it.
+The output layer's local effects are its KL at the logits, measured exactly; where it is no knob (a quantized
+file's own blocks, predictor mode, --sparsity) it stays as the build stores it. The embedding table (one row
+gathered per token: its format costs memory, not time) takes int8 where the build allows it.
 """
 
 from __future__ import annotations
@@ -75,7 +74,6 @@ LEVELS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # shares of a linea
 FIT_TOKENS = 512  # tokens the local effects are measured on
 FISHER_DRAWS = 4  # tokens drawn per position to weigh a local effect by its KL (on SmolLM2: 0.4-2.6x the KL measured)
 HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
-HEAD_SHARE = 0.25  # of the budget, what the output layer's rounding alone may cost
 CHUNK = 4  # sequences per batch of the reference (bounds the logits held at once)
 QUALITY_KEY = "picompile.quality"
 WEIGHT_PLAN_KEY = "picompile.weight_plan"
@@ -233,23 +231,23 @@ class QualityPlan:
         int8_dot = isa.int8_dot if isa is not None else None
         price = lambda knob: _costs(knob, model, formats, bandwidth, int8_dot)  # noqa: E731
         with ctx.progress("quality: local effects", len(blocks)) as advance:
-            knobs, head_error = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
-                                                 self.lowest_recall, price, advance, head_sparse)
+            knobs = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
+                                     self.lowest_recall, price, advance, head_sparse)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         for knob in knobs:
             knob.cost = price(knob)
-        head, embed = _head_and_embed(model, formats, head_error, budget, head_sparse)
+        embed = _embed_format(model, formats)
         start = _start(knobs, fixed_level)
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
         state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
         unplanned = _build_matrices(model, weight_dtype) if len(formats) == 1 else {}
-        variant = lambda state: _variant(knobs, state, formats, stored, head, embed, isa, unplanned)  # noqa: E731
+        variant = lambda state: _variant(knobs, state, formats, stored, embed, isa, unplanned)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
             steps, found = _furthest_within(budget, local_error, evaluate)
-            if not budget.met_by(found.ppl_change, found.kl) and (head or embed):
-                head = embed = None  # the widest output layer and embedding, and dense
+            if not budget.met_by(found.ppl_change, found.kl) and embed:
+                embed = None  # the widest embedding too, and dense
                 steps, found = _furthest_within(budget, local_error, evaluate)
             state = state_at(steps)
             # (levels --sparsity fixed are the user's: measured and said, not given up)
@@ -258,7 +256,6 @@ class QualityPlan:
                 found = measure.quality(variant(state))
         _write_thresholds(model, knobs, state)
         plan = WeightPlan({**{k.matrix: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != weight_dtype},
-                           **({head[0]: head[1]} if head and head[1] != weight_dtype else {}),
                            **({embed[0]: embed[1]} if embed and embed[1] != weight_dtype else {})})
         plan.attach(model)
         met = budget.met_by(found.ppl_change, found.kl)
@@ -323,12 +320,11 @@ def _quantiles(magnitudes: torch.Tensor, shares) -> np.ndarray:
 
 def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.Node], sites: dict,
                      formats: tuple[str, ...], stored: StoredWeights, fixed_level: dict, lowest_recall: float, price,
-                     advance, head_sparse: bool = False) -> tuple[list[Knob], np.ndarray]:
-    """The knobs of `blocks` (at their `sites`): thresholds per level and local errors per level and format, from
-    one dense pass over `fit`; and the output layer's KL per format (`head_sparse`: its input a knob, last). A level `price` (the cost model's [level, format] seconds of a knob)
+                     advance, head_sparse: bool = False) -> list[Knob]:
+    """The knobs of `blocks` (at their `sites`) and, with `head_sparse`, the output layer's, last: thresholds per
+    level and local errors per level and format, from one dense pass over `fit`. A level `price` (the cost model's [level, format] seconds of a knob)
     finds no saving at, in any format, is not measured: the path never takes it (its error is infinite)."""
     knobs: list[Knob] = []
-    head_error = np.zeros(len(formats))
     head = _head_node(interpreter.model)
     paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price)
                                      for node in blocks + ([head] if head_sparse else [])
@@ -346,13 +342,7 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
         if node is head and head_sparse:
             knobs.append(_head_knob(interpreter, block, formats, stored, paying[(node.name, "head")]))
             return
-        if node.op_type not in sites:  # the output layer (and predictor mode's attention): the output's KL per format
-            if node is head and len(formats) > 1:
-                reference = torch.log_softmax(block.out.to(torch.float64), -1)
-                for index, fmt in enumerate(formats[1:], 1):
-                    weight = torch.from_numpy(stored.values(node.inputs[1].name, fmt, 0))
-                    got = torch.log_softmax((block.x @ weight).to(torch.float64), -1)
-                    head_error[index] = float((reference.exp() * (reference - got)).sum(-1).mean())
+        if node.op_type not in sites:  # the output layer as the build stores it (and predictor mode's attention)
             return
         taps: dict[str, torch.Tensor] = {}
         interpreter.block(node, block.x, taps=taps)
@@ -396,7 +386,7 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
         advance()
 
     interpreter.logits(fit, probe=probe)
-    return knobs, head_error
+    return knobs
 
 
 def _head_knob(interpreter: Interpreter, block: Block, formats: tuple[str, ...], stored: StoredWeights,
@@ -465,23 +455,13 @@ def _head_node(model: ir.Model) -> ir.Node | None:
         pir.const_array(producer.inputs[1]) is not None else None
 
 
-def _head_and_embed(model: ir.Model, formats: tuple[str, ...], head_error: np.ndarray, budget: QualityBudget,
-                    head_is_knob: bool = False) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
-    """(matrix, format) of the output layer (the narrowest whose own KL stays under HEAD_SHARE of the budget;
-    None where it is a knob, whose format the path chooses) and of the embedding table (int8 where allowed); None
-    where the build has one format."""
-    if len(formats) == 1:
-        return None, None
-    head_node = None if head_is_knob else _head_node(model)
-    head = None
-    if head_node is not None:
-        fits = [i for i in range(len(formats)) if head_error[i] <= HEAD_SHARE * budget.value]
-        head = (head_node.inputs[1].name, formats[max(fits)])
+def _embed_format(model: ir.Model, formats: tuple[str, ...]) -> tuple[str, str] | None:
+    """(matrix, format) of the embedding table: int8 where allowed (its rows are gathered, one per token: its format
+    costs memory, not time); None where the build has one format."""
     embed_node = next(iter(Embed.nodes(model)), None)
-    embed = None
-    if embed_node is not None:
-        embed = (embed_node.inputs[2].name, "int8" if "int8" in formats else formats[-1])
-    return head, embed
+    if len(formats) == 1 or embed_node is None:
+        return None
+    return embed_node.inputs[2].name, "int8" if "int8" in formats else formats[-1]
 
 
 def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: float, int8_dot: str | None) -> np.ndarray:
@@ -595,7 +575,7 @@ def _build_matrices(model: ir.Model, weight_dtype: str) -> dict[str, tuple[str, 
 
 
 def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str, ...], stored: StoredWeights,
-             head: tuple[str, str] | None, embed: tuple[str, str] | None, isa: CpuIsa | None,
+             embed: tuple[str, str] | None, isa: CpuIsa | None,
              build_matrices: dict[str, tuple[str, int]]) -> Variant:
     """A plan as the kernels compute it: thresholds on decode rows, matrices as stored (a sparse one blocked
     along its rows, the layout its kernel gathers; a dense one along K); `build_matrices`: the matrices no knob
@@ -609,9 +589,8 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     choices = dict(build_matrices)
     choices.update({knob.matrix: (formats[f], _blocked_along(knob, level))
                     for knob, (level, f) in zip(knobs, state) if changed(formats[f])})
-    for matrix, axis in ((head, 0), (embed, 1)):
-        if matrix is not None and changed(matrix[1]):
-            choices[matrix[0]] = (matrix[1], axis)
+    if embed is not None and changed(embed[1]):
+        choices[embed[0]] = (embed[1], 1)
     # a dense quantized matrix's decode GEMV over int8 activations, where select-kernels picks that kernel
     stored_in = {name: stored.format(name, *choice) for name, choice in choices.items() if choice[1] == 0}
     int8_inputs = frozenset(name for name, fmt in stored_in.items() if isa is not None and fmt.quantized
