@@ -72,6 +72,7 @@ from .threshold import KEEP_ALL
 
 LEVELS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # shares of a linear input a plan may drop
 FIT_TOKENS = 512  # tokens the local effects are measured on
+HEAD_LIMIT = 2.0  # of the budget: the output layer's levels are measured up to the first whose KL alone is over it
 FISHER_DRAWS = 4  # tokens drawn per position to weigh a local effect by its KL (on SmolLM2: 0.4-2.6x the KL measured)
 HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
 CHUNK = 4  # sequences per batch of the reference (bounds the logits held at once)
@@ -226,13 +227,15 @@ class QualityPlan:
         # the output layer's input is a knob too where the plan chooses formats (a quantized file's own blocks, along
         # K, would be blocked again along the rows its column kernel gathers)
         head_sparse = planned and not fixed_formats and _head_node(model) is not None
+        # (its levels measured up to the first whose KL alone is far beyond the budget: no plan within takes it)
+        head_limit = HEAD_LIMIT * budget.value if head_sparse else None
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
         isa = cpu_isa if self.int8_activations else None
         int8_dot = isa.int8_dot if isa is not None else None
         price = lambda knob: _costs(knob, model, formats, bandwidth, int8_dot)  # noqa: E731
         with ctx.progress("quality: local effects", len(blocks)) as advance:
             knobs = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
-                                     self.lowest_recall, price, advance, head_sparse)
+                                     self.lowest_recall, price, advance, head_limit)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         for knob in knobs:
             knob.cost = price(knob)
@@ -320,14 +323,14 @@ def _quantiles(magnitudes: torch.Tensor, shares) -> np.ndarray:
 
 def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.Node], sites: dict,
                      formats: tuple[str, ...], stored: StoredWeights, fixed_level: dict, lowest_recall: float, price,
-                     advance, head_sparse: bool = False) -> list[Knob]:
-    """The knobs of `blocks` (at their `sites`) and, with `head_sparse`, the output layer's, last: thresholds per
+                     advance, head_limit: float | None = None) -> list[Knob]:
+    """The knobs of `blocks` (at their `sites`) and, with `head_limit`, the output layer's, last: thresholds per
     level and local errors per level and format, from one dense pass over `fit`. A level `price` (the cost model's [level, format] seconds of a knob)
     finds no saving at, in any format, is not measured: the path never takes it (its error is infinite)."""
     knobs: list[Knob] = []
     head = _head_node(interpreter.model)
     paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price)
-                                     for node in blocks + ([head] if head_sparse else [])
+                                     for node in blocks + ([head] if head_limit is not None else [])
                                      for site in (("head",) if node is head else sites[node.op_type]) if site != "neurons"}
 
     def weighed(node: ir.Node) -> bool:  # (--sparsity's levels are the user's: no path to order, none)
@@ -339,8 +342,8 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
 
     def probe(block: Block) -> None:
         node = block.node
-        if node is head and head_sparse:
-            knobs.append(_head_knob(interpreter, block, formats, stored, paying[(node.name, "head")]))
+        if node is head and head_limit is not None:
+            knobs.append(_head_knob(interpreter, block, formats, stored, paying[(node.name, "head")], head_limit))
             return
         if node.op_type not in sites:  # the output layer as the build stores it (and predictor mode's attention)
             return
@@ -390,9 +393,10 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
 
 
 def _head_knob(interpreter: Interpreter, block: Block, formats: tuple[str, ...], stored: StoredWeights,
-               paying: np.ndarray) -> Knob:
+               paying: np.ndarray, limit: float) -> Knob:
     """The output layer's input as a knob: its levels' and formats' KL at the logits, measured exactly (the logits
-    are its output), per fitting token; a level that does not pay unmeasured."""
+    are its output), per fitting token; a level that does not pay, and those past the first whose KL is over
+    `limit`, unmeasured (each level is a product with the whole output layer: 0.45 s on SmolLM2's 512 tokens)."""
     node, x = block.node, block.x
     matrix = node.inputs[1]
     weight = interpreter.weight(matrix)
@@ -404,8 +408,10 @@ def _head_knob(interpreter: Interpreter, block: Block, formats: tuple[str, ...],
         return float((probabilities * (reference - got)).sum(-1).mean())
 
     thresholds = np.concatenate([[KEEP_ALL], _quantiles(x.abs(), LEVELS[1:])]).astype(np.float32)
-    sparse = [0.0] + [kl((x * (x.abs() > float(t))) @ weight) if paying[level] else np.nan
-                      for level, t in enumerate(thresholds[1:], 1)]
+    sparse = [0.0]
+    for level, t in enumerate(thresholds[1:], 1):
+        beyond = np.nanmax(sparse) > limit
+        sparse.append(kl((x * (x.abs() > float(t))) @ weight) if paying[level] and not beyond else np.nan)
     fmt_error = [0.0] + [kl(x @ torch.from_numpy(stored.values(matrix.name, fmt, 0))) for fmt in formats[1:]]
     return Knob(node, "head", matrix.name, thresholds, _monotone(sparse), _monotone(fmt_error),
                 np.zeros(len(thresholds)))
