@@ -6,8 +6,9 @@ weights), the calibration sequences the profile pass ran (`CalibrationSequences`
 --sparsity fixed one level for every FFN, the thresholds the threshold pass set.
 Adds: on each FFN `threshold_in` / `threshold_down` and on each Attention `threshold_qkv` / `threshold_o`
 (`KEEP_ALL` where the input stays dense), with `sparsity_*`, the share each drops on held-out tokens, and the
-output layer's (`HeadThreshold`, where its input is thinned); the per-matrix formats (`WeightPlan`, which the quantize pass stores) and what the build expects eval to measure
-(`ExpectedQuality`, the manifest's type, carried into it and printed by `build`).
+output layer's (`HeadThreshold`, where its input is thinned); the per-matrix formats (`WeightPlan`, which the
+quantize pass stores) and what the build expects eval to measure (`ExpectedQuality`, the manifest's type, carried
+into it and printed by `build`).
 
 How (TEAL's greedy allocation, priced by the cost model, checked end to end):
 1. Knobs. Every linear input of every block (qkv, o, the FFN's gate/up and down) and the output layer's (on
@@ -325,13 +326,14 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
                      formats: tuple[str, ...], stored: StoredWeights, fixed_level: dict, lowest_recall: float, price,
                      advance, head_limit: float | None = None) -> list[Knob]:
     """The knobs of `blocks` (at their `sites`) and, with `head_limit`, the output layer's, last: thresholds per
-    level and local errors per level and format, from one dense pass over `fit`. A level `price` (the cost model's [level, format] seconds of a knob)
-    finds no saving at, in any format, is not measured: the path never takes it (its error is infinite)."""
+    level and local errors per level and format, from one dense pass over `fit`. A level `price` (the cost model's
+    [level, format] seconds of a knob) finds no saving at, in any format, is not measured: the path never takes it
+    (its error is infinite)."""
     knobs: list[Knob] = []
     head = _head_node(interpreter.model)
-    paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price)
-                                     for node in blocks + ([head] if head_limit is not None else [])
-                                     for site in (("head",) if node is head else sites[node.op_type]) if site != "neurons"}
+    knob_sites = [(node, site) for node in blocks for site in sites[node.op_type] if site != "neurons"]
+    knob_sites += [(head, "head")] if head_limit is not None else []
+    paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price) for node, site in knob_sites}
 
     def weighed(node: ir.Node) -> bool:  # (--sparsity's levels are the user's: no path to order, none)
         return not fixed_level and (len(formats) > 1 or "neurons" in sites[node.op_type]
