@@ -407,3 +407,37 @@ def test_a_thresholded_matrix_is_priced_as_its_column_kernel_runs():
     assert costmodel.column_row_efficiency(12288, 0, None) > costmodel.column_row_efficiency(2304, 0, None)
     assert costmodel.column_row_efficiency(1728, 4, "vnni") == costmodel.QUANT_COLUMN_ROW_EFFICIENCY
     assert costmodel.column_row_efficiency(1728, 4, "madd") != costmodel.QUANT_COLUMN_ROW_EFFICIENCY
+
+
+def test_the_output_layers_levels_are_its_exact_kl_measured_up_to_the_first_over_the_limit():
+    """The output layer's knob: each level's local error is the KL its thresholded input causes at the logits (its
+    own output), exactly; levels past the first whose KL is over the limit (HEAD_LIMIT times the budget) are not
+    measured, so the path never takes them; a level that does not pay is not measured either."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from passes.ir_reference import Block
+    from passes.quality import LEVELS, _head_knob
+
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(2, 32, 16, generator=generator), torch.randn(16, 50, generator=generator)
+    node = SimpleNamespace(inputs=[None, SimpleNamespace(name="lm_head.weight")], op_type="MatMul")
+    interpreter = SimpleNamespace(weight=lambda value: weight)
+    block = Block(node, x, x @ weight, None)
+    paying = np.ones(len(LEVELS), bool)
+
+    every = _head_knob(interpreter, block, ("fp32",), None, paying, limit=np.inf)
+    assert np.isfinite(every.sparse_error).all() and (np.diff(every.sparse_error) >= 0).all()
+    level = 3
+    kept = x * (x.abs() > float(every.thresholds[level]))
+    reference, got = (torch.log_softmax(v.double(), -1) for v in (x @ weight, kept @ weight))
+    exact = float((reference.exp() * (reference - got)).sum(-1).mean())
+    assert every.sparse_error[level] == pytest.approx(exact, rel=1e-9) and exact > 0
+
+    limit = float(every.sparse_error[level]) * 0.99  # level 3 is the first over it
+    limited = _head_knob(interpreter, block, ("fp32",), None, paying, limit=limit)
+    np.testing.assert_allclose(limited.sparse_error[: level + 1], every.sparse_error[: level + 1])
+    assert np.isinf(limited.sparse_error[level + 1:]).all(), limited.sparse_error
+    paying[1] = False
+    assert np.isinf(_head_knob(interpreter, block, ("fp32",), None, paying, limit=np.inf).sparse_error[1])
