@@ -45,7 +45,7 @@ from onnx_ir.passes import PassResult
 from . import ir as pir
 from .pipeline import Context, Options
 
-from .ops import ALL_NEURONS, FFN, Attention, Linear, view as op_view
+from .ops import ALL_NEURONS, FFN, Attention, view as op_view
 from .partition import PARTITIONED
 from .predict import PREDICTORS
 from .quality import HeadThreshold
