@@ -114,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
                             "projection inputs of small magnitude; SiLU/GELU FFNs), auto: by the FFN activation")
     build.add_argument("--sparsity", type=_sparsity, default=None,
                        help="threshold mode: drop this share of every FFN projection's inputs, one level for all "
-                            "(default: a level per linear input, attention's too, chosen within --max-quality-loss)")
+                            "(default: a level per linear input, attention's and the output layer's too, chosen within "
+                            "--max-quality-loss)")
     build.add_argument("--max-quality-loss", type=_quality_budget, default=None, metavar="BUDGET",
                        help="what the build may give up for speed, measured on held-out calibration tokens against "
                             "the source model: a perplexity increase (1%%, the default; or 0.01) or a mean KL per "
