@@ -48,7 +48,7 @@ from .pipeline import Context, Options
 from .ops import ALL_NEURONS, FFN, Attention, view as op_view
 from .partition import PARTITIONED
 from .predict import PREDICTORS
-from .quality import HeadThreshold
+from .quality import HeadThreshold, head_node
 from .recognise import BLOCKS
 from .threshold import KEEP_ALL
 from runtime.manifest import LayerReport
@@ -87,7 +87,7 @@ class LowerThresholded:
         dense = [r["layer"] for r in report if r.get("ffn") == "dense"]
         head = HeadThreshold.of(model)
         if head is not None:
-            _thin_output_layer(graph, head)
+            _thin_output_layer(graph, head_node(model), head)
         ctx.log(f"lower: {len(report) - len(dense)} threshold FFNs"
                 f"{f'; {len(dense)} dense (layers {dense})' if dense else ''}"
                 f"{f'; the output layer drops {head.dropped:.2f} of its inputs' if head is not None else ''}")
@@ -119,10 +119,9 @@ class LowerThresholded:
         return report
 
 
-def _thin_output_layer(graph: ir.Graph, head: HeadThreshold) -> None:
-    """The output layer's MatMul (the logits' producer) as a `picompile.Linear` reading only the rows of its input
-    channels above the threshold in decode steps."""
-    product = graph.outputs[0].producer()
+def _thin_output_layer(graph: ir.Graph, product: ir.Node, head: HeadThreshold) -> None:
+    """The output layer's MatMul `product` as a `picompile.Linear` reading only the rows of its input channels
+    above the threshold in decode steps."""
     linear = ir.node("Linear", list(product.inputs), {"threshold": head.threshold, "sparsity": head.dropped},
                      domain=pir.DOMAIN, name=product.name)
     graph.insert_before(product, linear)

@@ -227,7 +227,7 @@ class QualityPlan:
         blocks = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
         # the output layer's input is a knob too where the plan chooses formats (a quantized file's own blocks, along
         # K, would be blocked again along the rows its column kernel gathers)
-        head_sparse = planned and not fixed_formats and _head_node(model) is not None
+        head_sparse = planned and not fixed_formats and head_node(model) is not None
         # (its levels measured up to the first whose KL alone is far beyond the budget: no plan within takes it)
         head_limit = HEAD_LIMIT * budget.value if head_sparse else None
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
@@ -330,7 +330,7 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
     [level, format] seconds of a knob) finds no saving at, in any format, is not measured: the path never takes it
     (its error is infinite)."""
     knobs: list[Knob] = []
-    head = _head_node(interpreter.model)
+    head = head_node(interpreter.model)
     knob_sites = [(node, site) for node in blocks for site in sites[node.op_type] if site != "neurons"]
     knob_sites += [(head, "head")] if head_limit is not None else []
     paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price) for node, site in knob_sites}
@@ -456,7 +456,7 @@ def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hi
                 np.zeros(len(thresholds)), predictor=(w1, w2))
 
 
-def _head_node(model: ir.Model) -> ir.Node | None:
+def head_node(model: ir.Model) -> ir.Node | None:
     """The output layer: the MatMul of a constant producing the logits."""
     producer = model.graph.outputs[0].producer()
     return producer if producer is not None and producer.op_type == "MatMul" and \
@@ -576,7 +576,7 @@ def _build_matrices(model: ir.Model, weight_dtype: str) -> dict[str, tuple[str, 
                     matrices[node.inputs[index].name] = (weight_dtype, 1 if site == "down" else 0)
         elif node.op_type == "Embed":
             matrices[node.inputs[2].name] = (weight_dtype, 1)
-    head = _head_node(model)
+    head = head_node(model)
     if head is not None:
         matrices[head.inputs[1].name] = (weight_dtype, 0)
     return matrices
