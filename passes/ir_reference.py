@@ -119,9 +119,12 @@ class Interpreter:
             log_probs = torch.log_softmax(values[self.model.graph.outputs[0].name], -1)
             probs = log_probs.detach().exp().reshape(-1, log_probs.shape[-1])
             generator = torch.Generator().manual_seed(seed)
+            # every draw at once, with replacement: one sample without (torch's default) takes 0.5 s a call on
+            # SmolLM2's 512 x 49,152 probabilities, all four with 0.03 s
+            samples = torch.multinomial(probs, draws, replacement=True, generator=generator)
             gradients: dict[str, list[torch.Tensor]] = {name: [] for name in outputs}
             for draw in range(draws):
-                drawn = torch.multinomial(probs, 1, generator=generator).reshape(*log_probs.shape[:-1], 1)
+                drawn = samples[:, draw].reshape(*log_probs.shape[:-1], 1)
                 for out in outputs.values():
                     out.grad = None
                 log_probs.gather(-1, drawn).sum().backward(retain_graph=draw + 1 < draws)
