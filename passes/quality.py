@@ -150,22 +150,19 @@ class Knob:
 class StoredWeights:
     """Matrices as a plan stores them, for the reference: blocks made once per (matrix, format, axis) by the
     quantize pass's own rule (`passes.blocking`: a model that came quantized keeps its blocks), kept as
-    integers and scales, dequantized when a pass asks (`Variant.weights` reads it as a mapping) and kept while
-    the plans measured go on storing the matrix so: consecutive plans of a path share most of their matrices
-    (SmolLM2's default build dequantized all 122 again for each plan, 2.8 s)."""
+    integers and scales, dequantized when a pass asks (`Variant.weights` reads it as a mapping)."""
 
     def __init__(self, model: ir.Model, blocking: Blocking):
-        self._initializers = {v.name: v for v in model.graph.initializers.values()}
+        self._values = {v.name: v for v in model.graph.initializers.values()}
         self._blocking = blocking
         self._blocks: dict[tuple[str, str, int], tuple[tuple | None, WeightFormat]] = {}
-        self._dequantized: dict[tuple[str, str, int], np.ndarray] = {}
 
     def _stored(self, name: str, fmt_name: str, axis: int) -> tuple[tuple | None, WeightFormat]:
         """(blocks, or None where the matrix is kept in floats; the format it is stored in)."""
         fmt = self._blocking.format_for(fmt_name)
         if not fmt.quantized:
             return None, fmt
-        if not quant.quantizable(tuple(self._initializers[name].const_value.shape), axis, fmt.block):
+        if not quant.quantizable(tuple(self._values[name].const_value.shape), axis, fmt.block):
             return None, float_format(fmt)  # the quantize pass keeps it in floats
         key = (name, fmt_name, axis)
         if key not in self._blocks:
@@ -174,29 +171,18 @@ class StoredWeights:
         return self._blocks[key]
 
     def _source(self, name: str) -> np.ndarray:
-        return np.asarray(pir.const_array(self._initializers[name]), np.float32)
+        return np.asarray(pir.const_array(self._values[name]), np.float32)
 
     def format(self, name: str, fmt_name: str, axis: int) -> WeightFormat:
         """The format the quantize pass stores the matrix in when the plan gives it `fmt_name` (a model's own
         blocks may keep another: a Q4_1 file's Q8_0 output layer in int8)."""
         return self._stored(name, fmt_name, axis)[1]
 
-    def values(self, name: str, fmt_name: str, axis: int, keep: bool = False) -> np.ndarray:
-        """The matrix's values as stored; `keep`: held until a plan no longer stores it so (`retain`)."""
-        key = (name, fmt_name, axis)
-        if key in self._dequantized:
-            return self._dequantized[key]
+    def values(self, name: str, fmt_name: str, axis: int) -> np.ndarray:
         blocks, fmt = self._stored(name, fmt_name, axis)
-        values = (self._source(name).astype(fmt.storage).astype(np.float32) if blocks is None
-                  else dequantize_blocks(*blocks[:2], axis, *blocks[2:]))
-        if keep:
-            self._dequantized[key] = values
-        return values
-
-    def retain(self, choices: dict[str, tuple[str, int]]) -> None:
-        """Forget the values no longer stored as `choices` says (a new plan's): at most one plan's held."""
-        kept = {(name, *choice) for name, choice in choices.items()}
-        self._dequantized = {key: v for key, v in self._dequantized.items() if key in kept}
+        if blocks is None:
+            return self._source(name).astype(fmt.storage).astype(np.float32)
+        return dequantize_blocks(*blocks[:2], axis, *blocks[2:])
 
 
 class _Planned(dict):
@@ -205,14 +191,13 @@ class _Planned(dict):
     def __init__(self, stored: StoredWeights, choices: dict[str, tuple[str, int]]):
         super().__init__()
         self._stored, self._choices = stored, choices
-        stored.retain(choices)
 
     def __contains__(self, name) -> bool:
         return name in self._choices
 
     def __getitem__(self, name: str) -> np.ndarray:
         if not dict.__contains__(self, name):
-            dict.__setitem__(self, name, self._stored.values(name, *self._choices[name], keep=True))
+            dict.__setitem__(self, name, self._stored.values(name, *self._choices[name]))
         return dict.__getitem__(self, name)
 
 
