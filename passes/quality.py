@@ -632,8 +632,8 @@ def _chunks(sequences: list[np.ndarray]) -> list[np.ndarray]:
 
 
 class _HeldOut:
-    """The dense model's log-probabilities on the held-out sequences (computed once), and a plan's quality
-    against them; also each knob's held-out dropped share per level (from the same dense pass, over every
+    """The dense model's reference on the held-out sequences (`_Reference`, computed once), and a plan's quality
+    against it; also each knob's held-out dropped share per level (from the same dense pass, over every
     held-out decode row)."""
 
     def __init__(self, interpreter: Interpreter, sequences: list[np.ndarray], knobs: list[Knob]):
@@ -661,9 +661,7 @@ class _HeldOut:
                 counts[id(knob)] += [(float((decode <= t).sum()) if t >= 0 else 0.0, float(decode.numel()))
                                      for t in knob.thresholds]
 
-        # float64 log-probabilities: a KL of fp16 rounding (1e-8) is below float32's sum of its terms' errors
-        self.reference = [torch.log_softmax(interpreter.logits(chunk, probe=probe).to(torch.float64), -1)
-                          for chunk in self.chunks]
+        self.reference = [_Reference.of(interpreter.logits(chunk, probe=probe), chunk) for chunk in self.chunks]
         for knob in knobs:
             c = counts[id(knob)]
             if knob.predictor is None:
@@ -677,19 +675,47 @@ class _HeldOut:
     def quality(self, variant: Variant) -> Quality:
         nll_ref, nll_got, predicted = [], [], []  # per sequence
         kl = agree = 0.0
-        for chunk, reference in zip(self.chunks, self.reference):
-            scored = scored_positions(chunk.shape[1])  # eval's
-            got = torch.log_softmax(self.interpreter.logits(chunk, variant).to(torch.float64), -1)[:, scored]
-            ref = reference[:, scored]
-            targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, predicted_tokens(scored), None]
-            nll_ref += (-ref.gather(-1, targets)).sum((1, 2)).tolist()
-            nll_got += (-got.gather(-1, targets)).sum((1, 2)).tolist()
-            predicted += [targets.shape[1]] * targets.shape[0]
-            kl += float((ref.exp() * (ref - got)).sum())
-            agree += float((ref.argmax(-1) == got.argmax(-1)).sum())
+        for chunk, ref in zip(self.chunks, self.reference):
+            got = _log_probs(self.interpreter.logits(chunk, variant), chunk)
+            nll_ref += ref.nll.tolist()
+            nll_got += (-got.gather(-1, ref.targets)).sum((1, 2)).tolist()
+            predicted += [ref.targets.shape[1]] * ref.targets.shape[0]
+            # sum p (log p - log q): the entropy term the reference's, the cross term one pass of a dot product
+            kl += ref.neg_entropy - float(torch.dot(ref.probs.flatten(), got.flatten()))
+            agree += float((ref.top == got.argmax(-1)).sum())
         count = sum(predicted)
         change, low, high = ppl_change_interval(np.array(nll_got), np.array(nll_ref), np.array(predicted))
         return Quality(change, kl / count, agree / count, count, low, high)
+
+
+def _log_probs(logits: torch.Tensor, chunk: np.ndarray) -> torch.Tensor:
+    """Float64 log-probabilities at the positions eval scores (a KL of fp16 rounding, 1e-8, is below float32's
+    sum of its terms' errors)."""
+    return torch.log_softmax(logits[:, scored_positions(chunk.shape[1])], -1, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """What a plan's quality on one chunk is measured against, from the dense model's logits: at the scored
+    positions its probabilities, their summed p log p, its predicted tokens' summed negative log-likelihood per
+    sequence and its argmax; the targets those positions predict. (Kept rather than its log-probabilities: each
+    plan's KL is then one dot product, not an exp, a difference and a product over the whole vocabulary at every
+    position.)"""
+
+    probs: torch.Tensor
+    neg_entropy: float
+    nll: torch.Tensor
+    top: torch.Tensor
+    targets: torch.Tensor
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, chunk: np.ndarray) -> "_Reference":
+        log_probs = _log_probs(logits, chunk)
+        targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, predicted_tokens(scored_positions(chunk.shape[1])),
+                                                                 None]
+        probs = log_probs.exp()
+        return cls(probs, float(torch.dot(probs.flatten(), log_probs.flatten())),
+                   (-log_probs.gather(-1, targets)).sum((1, 2)), log_probs.argmax(-1), targets)
 
 
 MAX_EVALUATIONS = 5  # plans measured on the held-out tokens while searching the path
