@@ -294,8 +294,8 @@ MIN_TOKENS_PER_NEURON = 2
 # The user's calibration tokens kept out of every fit (predictors, their thresholds and checkpoints, awq,
 # thresholds), for the quality pass to measure a plan on: about MEASURED_TOKENS of them, at most MEASURED_SHARE
 # of the user's tokens (the fits keep the rest: their held-out tokens are the user's text too). On SmolLM2 1,116
-# of them gave a 1% budget's plan +0.9% (95%: +0.2..+1.7%): an interval wider than the budget; 2,108 give it
-# -0.1..+0.8% for 10 s more of a 50 s build.
+# of them gave the default build's plan +0.9% (95%: +0.2..+1.7%): an interval wider than its 1% budget; 2,108 give
+# it -0.1..+0.8%, for 5-23 s more of a 55-67 s build (an int4 budget measures four plans on them).
 MEASURED_TOKENS = 2048
 MEASURED_SHARE = 0.5
 
