@@ -48,7 +48,7 @@ from .pipeline import Context, Options
 from .ops import ALL_NEURONS, FFN, Attention, view as op_view
 from .partition import PARTITIONED
 from .predict import PREDICTORS
-from .quality import HeadThreshold, head_node
+from .quality import HeadThreshold, WeightPlan, head_node
 from .recognise import BLOCKS
 from .threshold import KEEP_ALL
 from runtime.manifest import LayerReport
@@ -153,6 +153,15 @@ def _stats(node: ir.Node) -> dict:
     return {key: ffn.value(key) for key in STATS if ffn.value(key) is not None}
 
 
+def _carry_formats(plan: dict[str, str], node: ir.Node) -> None:
+    """The quality plan's format of an FFN's up and down matrices, for the rows `_lower_one` splits them into (the
+    quantize pass finds a matrix's format by its name)."""
+    prefix = f"layers.{FFN(node).layer}.ffn"
+    for matrix, rows in ((node.inputs[1].name, "up_rows"), (node.inputs[3].name, "down_rows")):
+        if matrix in plan:
+            plan.update({f"{prefix}.{rows}.{part}": plan[matrix] for part in ("gpu", "cpu")})
+
+
 @dataclass
 class LowerPredicted:
     name = "lower"
@@ -162,15 +171,18 @@ class LowerPredicted:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
         report = []
+        plan = dict(WeightPlan.of(model).formats)  # the quality plan's formats, by matrix name
         for node in FFN.nodes(model):
             with ctx.layer(FFN(node).layer):
                 dense = self._dense_reason(node)
                 if dense is None:
+                    _carry_formats(plan, node)
                     report.append(self._lower_one(graph, node))
                 else:
                     report.append(self._keep_dense(node, dense))
                     ctx.log(f"lower: layer {report[-1]['layer']} FFN stays dense: {dense}")
         pir.drop_unused_initializers(graph)  # dense FFN weights, frequencies, orders: folded into the new ops
+        WeightPlan({name: fmt for name, fmt in plan.items() if name in graph.initializers}).attach(model)
         attach_layers(model, [LayerReport(**r) for r in report])
         gpu = sum(r["gpu_neurons"] for r in report)
         total = sum(r["gpu_neurons"] + r["cpu_neurons"] for r in report)

@@ -82,6 +82,8 @@ WEIGHT_PLAN_KEY = "picompile.weight_plan"
 # The knobs of each mode, by block: threshold mode's linear inputs; predictor mode's FFN neurons (a predictor's
 # threshold: RECALLS, from dense (level 0) down)
 MODE_SITES = {"threshold": {"Attention": ("qkv", "o"), "FFN": ("in", "down")}, "predictor": {"FFN": ("neurons",)}}
+# predictor mode's attention inputs where the plan chooses formats: a format each, their inputs dense
+FORMAT_SITES = {"Attention": ("qkv", "o")}
 RECALLS = (0.999, 0.995, 0.99, 0.98, 0.95, 0.9)  # predictor mode's levels after dense, down to --target-recall
 
 
@@ -145,6 +147,11 @@ class Knob:
 
     def error(self, level: int, fmt: int) -> float:
         return float(self.sparse_error[level] + self.format_error[fmt])
+
+    def matrices(self) -> tuple[str, ...]:
+        """The matrices its format is chosen for: a predictor's FFN's up and down rows (one fused kernel reads
+        both, in one format), else its own."""
+        return (self.matrix, self.node.inputs[3].name) if self.predictor is not None else (self.matrix,)
 
 
 class StoredWeights:
@@ -221,22 +228,28 @@ class QualityPlan:
         planned = self.mode == "threshold" and not fixed_level
         # (auto's build of a quantized model keeps its blocks: formats are not the plan's)
         fixed_formats = ctx.build.keep_source_blocks
-        formats = allowed_formats(weight_dtype) if planned and not fixed_formats else (weight_dtype,)
+        # (predictor mode too: a format per FFN, its up and down rows read by one fused kernel, and per attention
+        # matrix)
+        formats = allowed_formats(weight_dtype) if not fixed_level and not fixed_formats else (weight_dtype,)
         sites = MODE_SITES[self.mode] if not fixed_level else {"FFN": ("in", "down")}
+        if self.mode == "predictor" and len(formats) > 1:
+            sites = {**sites, **FORMAT_SITES}
         stored = StoredWeights(model, Blocking.of(model, ctx.build.weight_format, self.method, fixed_formats))
         blocks = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
         # the output layer's input is a knob too where the plan chooses formats (a quantized file's own blocks, along
         # K, would be blocked again along the rows its column kernel gathers)
         head_sparse = planned and not fixed_formats and head_node(model) is not None
+        # (predictor mode's: a format, its input dense: the code model's int4 output layer alone cost +1.3%)
+        head_formats = self.mode == "predictor" and len(formats) > 1 and head_node(model) is not None
         # (its levels measured up to the first whose KL alone is far beyond the budget: no plan within takes it)
-        head_limit = HEAD_LIMIT * budget.value if head_sparse else None
+        head_limit = HEAD_LIMIT * budget.value if head_sparse or head_formats else None
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
         isa = cpu_isa if self.int8_activations else None
         int8_dot = isa.int8_dot if isa is not None else None
         price = lambda knob: _costs(knob, model, formats, bandwidth, int8_dot)  # noqa: E731
         with ctx.progress("quality: local effects", len(blocks)) as advance:
             knobs = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
-                                     self.lowest_recall, price, advance, head_limit)
+                                     self.lowest_recall, price, advance, head_limit, head_levels=head_sparse)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         for knob in knobs:
             knob.cost = price(knob)
@@ -245,13 +258,14 @@ class QualityPlan:
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
         state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
-        unplanned = _build_matrices(model, weight_dtype) if len(formats) == 1 else {}
+        # the matrices no knob chooses a format for, in the build's (predictor mode's output layer)
+        unplanned = _build_matrices(model, weight_dtype) if len(formats) == 1 or self.mode == "predictor" else {}
         variant = lambda state: _variant(knobs, state, formats, stored, embed, isa, unplanned)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
             steps, found = _furthest_within(budget, local_error, evaluate)
             if not budget.met_by(found.ppl_change, found.kl) and embed:
-                embed = None  # the widest embedding too, and dense
+                embed = (embed[0], formats[0])  # the widest embedding too, and dense
                 steps, found = _furthest_within(budget, local_error, evaluate)
             state = state_at(steps)
             # (levels --sparsity fixed are the user's: measured and said, not given up)
@@ -259,7 +273,8 @@ class QualityPlan:
                 state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
                 found = measure.quality(variant(state))
         _write_thresholds(model, knobs, state)
-        plan = WeightPlan({**{k.matrix: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != weight_dtype},
+        plan = WeightPlan({**{m: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != weight_dtype
+                              for m in k.matrices()},
                            **({embed[0]: embed[1]} if embed and embed[1] != weight_dtype else {})})
         plan.attach(model)
         met = budget.met_by(found.ppl_change, found.kl)
@@ -324,7 +339,7 @@ def _quantiles(magnitudes: torch.Tensor, shares) -> np.ndarray:
 
 def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.Node], sites: dict,
                      formats: tuple[str, ...], stored: StoredWeights, fixed_level: dict, lowest_recall: float, price,
-                     advance, head_limit: float | None = None) -> list[Knob]:
+                     advance, head_limit: float | None = None, head_levels: bool = True) -> list[Knob]:
     """The knobs of `blocks` (at their `sites`) and, with `head_limit`, the output layer's, last: thresholds per
     level and local errors per level and format, from one dense pass over `fit`. A level `price` (the cost model's
     [level, format] seconds of a knob) finds no saving at, in any format, is not measured: the path never takes it
@@ -334,6 +349,8 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
     knob_sites = [(node, site) for node in blocks for site in sites[node.op_type] if site != "neurons"]
     knob_sites += [(head, "head")] if head_limit is not None else []
     paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price) for node, site in knob_sites}
+    if head_limit is not None and not head_levels:  # a format only
+        paying[(head.name, "head")] = np.zeros(len(LEVELS), bool)
 
     def weighed(node: ir.Node) -> bool:  # (--sparsity's levels are the user's: no path to order, none)
         return not fixed_level and (len(formats) > 1 or "neurons" in sites[node.op_type]
@@ -362,14 +379,15 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
 
         for site in sites[node.op_type]:
             if site == "neurons":
-                knobs.append(_predictor_knob(interpreter, node, block.x, taps["down"], lowest_recall, error, rerun))
+                knobs.append(_predictor_knob(interpreter, node, block.x, taps["down"], lowest_recall, error, rerun,
+                                             formats, stored))
                 continue
             matrix = _matrix(node, site)
             v, weight = taps[site], interpreter.weight(matrix)
             last = site in ("o", "down")  # its product is the block's output: the change is what it drops, times W
             if site in fixed_level:
                 thresholds = np.array([KEEP_ALL, float(op_view(node).value(f"threshold_{site}"))], np.float32)
-            elif fixed_level:
+            elif fixed_level or site in FORMAT_SITES.get(node.op_type, ()) and "neurons" in sites.get("FFN", ()):
                 thresholds = np.array([KEEP_ALL], np.float32)
             else:
                 thresholds = np.concatenate([[KEEP_ALL], _quantiles(v.abs(), LEVELS[1:])]).astype(np.float32)
@@ -439,10 +457,11 @@ def _monotone(errors: list[float]) -> np.ndarray:
 
 
 def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hidden: torch.Tensor,
-                    lowest_recall: float, error, rerun) -> Knob:
+                    lowest_recall: float, error, rerun, formats: tuple[str, ...], stored: StoredWeights) -> Knob:
     """Predictor mode's knob of one FFN: dense, or its predictor at the threshold reaching each of RECALLS above
     `lowest_recall` of the truly active neurons (those with a non-zero hidden value) on the fitting tokens, then at
-    predict's own threshold (fitted to `lowest_recall` on held-out profiled tokens)."""
+    predict's own threshold (fitted to `lowest_recall` on held-out profiled tokens); and a format for its up and
+    down rows together (the fused sparse kernel reads both in one), each blocked along its neuron's row."""
     layer = FFN(node).layer
     graph = interpreter.model.graph
     w1, w2 = (interpreter.weight(graph.initializers[f"layers.{layer}.ffn.predictor.{w}"]) for w in ("w1", "w2"))
@@ -451,8 +470,11 @@ def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hi
     thresholds = np.array([KEEP_ALL] + [_threshold_for_recall(logits, active, r) for r in RECALLS if r > lowest_recall]
                           + [float(FFN(node).predictor_threshold)], np.float32)
     errors = [0.0] + [error(rerun(Variant(prefill=0, predictors={layer: (w1, w2, float(t))}))) for t in thresholds[1:]]
-    matrix = node.inputs[1].name
-    return Knob(node, "neurons", matrix, thresholds, np.maximum.accumulate(errors), np.zeros(1),
+    up, down = node.inputs[1].name, node.inputs[3].name
+    fmt_error = [0.0] + [error(rerun(Variant(prefill=0, weights={up: stored.values(up, fmt, 0),
+                                                                down: stored.values(down, fmt, 1)})))
+                         for fmt in formats[1:]]
+    return Knob(node, "neurons", up, thresholds, np.maximum.accumulate(errors), _monotone(fmt_error),
                 np.zeros(len(thresholds)), predictor=(w1, w2))
 
 
@@ -597,6 +619,8 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     choices = dict(build_matrices)
     choices.update({knob.matrix: (formats[f], _blocked_along(knob, level))
                     for knob, (level, f) in zip(knobs, state) if changed(formats[f])})
+    choices.update({knob.matrices()[1]: (formats[f], 1) for knob, (_, f) in zip(knobs, state)
+                    if knob.predictor is not None and changed(formats[f])})  # (its down rows, per neuron)
     if embed is not None and changed(embed[1]):
         choices[embed[0]] = (embed[1], 1)
     # a dense quantized matrix's decode GEMV over int8 activations, where select-kernels picks that kernel
