@@ -1,6 +1,8 @@
 """quality: the plan with the most expected speed that keeps the build within the user's quality budget.
 
-Runs in threshold mode, after profile. Reads: the block IR (Attention, FFN and the output layer's MatMul, their
+Runs in threshold mode after profile; in predictor mode after predict, where its knobs are a recall per FFN
+and, in a quantized build, a format per FFN (up and down rows together), per attention matrix and for the output
+layer, their inputs dense. Reads: the block IR (Attention, FFN and the output layer's MatMul, their
 weights), the calibration sequences the profile pass ran (`CalibrationSequences`), the budget
 (--max-quality-loss, `passes.budget`), the build's weight format and quantization method, and, where
 --sparsity fixed one level for every FFN, the thresholds the threshold pass set.
@@ -37,7 +39,8 @@ How (TEAL's greedy allocation, priced by the cost model, checked end to end):
    That plan's perplexity change (with its 95% interval over the held-out sequences: `budget.ppl_change_interval`),
    KL and top-1 are what the build prints and eval should confirm.
 The output layer's local effects are its KL at the logits, measured exactly; where it is no knob (a quantized
-file's own blocks, predictor mode, --sparsity) it stays as the build stores it. The embedding table (one row
+file's own blocks, a float predictor-mode build, --sparsity) it stays as the build stores it; in predictor mode
+its input stays dense. The embedding table (one row
 gathered per token: its format costs memory, not time) takes int8 where the build allows it.
 """
 
