@@ -12,6 +12,8 @@ from onnx_ir.passes import PassResult
 
 from passes.front_end import load
 from passes.kernels import quant
+from passes.budget import parse_budget
+from passes.ops import FFN
 from passes.quality import WeightPlan
 from passes.quantize import BLOCKED, QuantizedMatrix, Quantize
 from passes import ir as pir
@@ -331,3 +333,27 @@ def test_eval_with_a_baseline_reports_quantization_and_sparsity_apart(built, spa
     itself = report(dense, dense)
     assert itself["vs_baseline.kl_mean"] == 0.0 and itself["vs_baseline.top1_agreement"] == 1.0
     assert itself["baseline.kl_mean"] == itself["kl_mean"]
+
+
+def test_a_predictor_builds_planned_ffn_format_reaches_its_split_rows(sparse_opt, tmp_path):
+    """Predictor mode chooses a format per FFN (its up and down rows, one fused kernel) within the budget: at a
+    budget int4 cannot meet, FFNs widen, and the rows lower splits each into are stored in the FFN's format."""
+    options = Options(max_context=64, calib=sparse_opt.calib, weight_dtype="int4", all_neurons=True,
+                      quality_budget=parse_budget("kl=1e-7"))
+    passes = pipeline(options, "predictor")
+    at = {p.name: i for i, p in enumerate(passes)}
+    ctx = Context(get_target("cpu"), workdir=tmp_path, options=options)
+    planned = run_passes(load(sparse_opt.onnx), passes[:at["quality"] + 1], ctx)
+    ffn_formats = {FFN(node).layer: WeightPlan.of(planned).formats.get(node.inputs[1].name, "int4")
+                   for node in FFN.nodes(planned)}
+    assert set(ffn_formats.values()) - {"int4"}  # a budget this tight widens some FFN
+    model = run_passes(planned, passes[at["quality"] + 1: at["quantize"] + 1], ctx, first=at["quality"] + 1)
+    sparse = [node for node in model.graph if node.op_type == "SparseFFN"]
+    assert sparse
+    for node in sparse:
+        up, down = QuantizedMatrix.of(node.inputs[2]), QuantizedMatrix.of(node.inputs[4])
+        want = ffn_formats[int(node.attributes["layer"].value)]
+        if want == "fp16":  # kept in floats: no blocks
+            assert up is None and down is None
+        else:
+            assert up.fmt.name == down.fmt.name == want
