@@ -153,15 +153,6 @@ def _stats(node: ir.Node) -> dict:
     return {key: ffn.value(key) for key in STATS if ffn.value(key) is not None}
 
 
-def _carry_formats(plan: dict[str, str], node: ir.Node) -> None:
-    """The quality plan's format of an FFN's up and down matrices, for the rows `_lower_one` splits them into (the
-    quantize pass finds a matrix's format by its name)."""
-    prefix = f"layers.{FFN(node).layer}.ffn"
-    for matrix, rows in ((node.inputs[1].name, "up_rows"), (node.inputs[3].name, "down_rows")):
-        if matrix in plan:
-            plan.update({f"{prefix}.{rows}.{part}": plan[matrix] for part in ("gpu", "cpu")})
-
-
 @dataclass
 class LowerPredicted:
     name = "lower"
@@ -176,8 +167,7 @@ class LowerPredicted:
             with ctx.layer(FFN(node).layer):
                 dense = self._dense_reason(node)
                 if dense is None:
-                    _carry_formats(plan, node)
-                    report.append(self._lower_one(graph, node))
+                    report.append(self._lower_one(graph, node, plan))
                 else:
                     report.append(self._keep_dense(node, dense))
                     ctx.log(f"lower: layer {report[-1]['layer']} FFN stays dense: {dense}")
@@ -209,7 +199,9 @@ class LowerPredicted:
         return {"layer": FFN(node).layer, "gpu_neurons": 0, "cpu_neurons": ffn, "gpu_activation_share": 0.0,
                 **stats, "ffn": "dense", "dense_reason": reason}
 
-    def _lower_one(self, graph: ir.Graph, node: ir.Node) -> dict:
+    def _lower_one(self, graph: ir.Graph, node: ir.Node, plan: dict[str, str]) -> dict:
+        """The FFN as its predictor and a SparseFFN per part; `plan` (the quality plan's formats by matrix name)
+        gets the FFN's up and down matrices' format for each part's rows (quantize finds a format by name)."""
         block = FFN(node)
         layer = block.layer
         gated = bool(block.gated)
@@ -242,6 +234,9 @@ class LowerPredicted:
             inputs = [x, scores, _rows(graph, f"{prefix}.up_rows.{part}", up_rows),
                       None if up_bias is None else _rows(graph, f"{prefix}.up_bias.{part}", up_bias),
                       _rows(graph, f"{prefix}.down_rows.{part}", w_down[neurons])]
+            for matrix, rows in ((node.inputs[1], inputs[2]), (node.inputs[3], inputs[4])):
+                if matrix.name in plan:
+                    plan[rows.name] = plan[matrix.name]
             sparse = ir.node("SparseFFN", inputs, {
                 "layer": layer, "part": part, "neurons": int(end - begin), "threshold": threshold,
                 "activation": block.activation, "gated": int(gated),

@@ -241,18 +241,18 @@ class QualityPlan:
         blocks = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
         # the output layer's input is a knob too where the plan chooses formats (a quantized file's own blocks, along
         # K, would be blocked again along the rows its column kernel gathers)
-        head_sparse = planned and not fixed_formats and head_node(model) is not None
         # (predictor mode's: a format, its input dense: the code model's int4 output layer alone cost +1.3%)
-        head_formats = self.mode == "predictor" and len(formats) > 1 and head_node(model) is not None
+        head_knob = head_node(model) is not None and (planned and not fixed_formats or
+                                                      self.mode == "predictor" and len(formats) > 1)
         # (its levels measured up to the first whose KL alone is far beyond the budget: no plan within takes it)
-        head_limit = HEAD_LIMIT * budget.value if head_sparse or head_formats else None
+        head_limit = HEAD_LIMIT * budget.value if head_knob else None
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
         isa = cpu_isa if self.int8_activations else None
         int8_dot = isa.int8_dot if isa is not None else None
         price = lambda knob: _costs(knob, model, formats, bandwidth, int8_dot)  # noqa: E731
         with ctx.progress("quality: local effects", len(blocks)) as advance:
             knobs = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
-                                     self.lowest_recall, price, advance, head_limit, head_levels=head_sparse)
+                                     self.lowest_recall, price, advance, head_limit, thresholded=planned)
         measure = _HeldOut(interpreter, held_out, knobs)  # (each knob's held-out share dropped per level, too)
         for knob in knobs:
             knob.cost = price(knob)
@@ -261,8 +261,8 @@ class QualityPlan:
         moves = [] if fixed_level else _greedy_path(knobs, len(formats), start)
         local_error = _summed_errors(knobs, moves, start)
         state_at = lambda steps: _replay(start, moves[:steps])  # noqa: E731
-        # the matrices no knob chooses a format for, in the build's (predictor mode's output layer)
-        unplanned = _build_matrices(model, weight_dtype) if len(formats) == 1 or self.mode == "predictor" else {}
+        # every matrix in the build's format where no knob chooses one (predictor mode's output layer in a float build)
+        unplanned = _build_matrices(model, weight_dtype)
         variant = lambda state: _variant(knobs, state, formats, stored, embed, isa, unplanned)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         with ctx.progress("quality: the budget on held-out tokens", None):
@@ -342,17 +342,18 @@ def _quantiles(magnitudes: torch.Tensor, shares) -> np.ndarray:
 
 def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.Node], sites: dict,
                      formats: tuple[str, ...], stored: StoredWeights, fixed_level: dict, lowest_recall: float, price,
-                     advance, head_limit: float | None = None, head_levels: bool = True) -> list[Knob]:
+                     advance, head_limit: float | None = None, thresholded: bool = True) -> list[Knob]:
     """The knobs of `blocks` (at their `sites`) and, with `head_limit`, the output layer's, last: thresholds per
     level and local errors per level and format, from one dense pass over `fit`. A level `price` (the cost model's
     [level, format] seconds of a knob) finds no saving at, in any format, is not measured: the path never takes it
-    (its error is infinite)."""
+    (its error is infinite). Without `thresholded` (predictor mode, --sparsity) a linear input has no levels but
+    dense (and --sparsity's own), a format only."""
     knobs: list[Knob] = []
     head = head_node(interpreter.model)
     knob_sites = [(node, site) for node in blocks for site in sites[node.op_type] if site != "neurons"]
     knob_sites += [(head, "head")] if head_limit is not None else []
     paying = {} if fixed_level else {(node.name, site): _paying_levels(node, site, price) for node, site in knob_sites}
-    if head_limit is not None and not head_levels:  # a format only
+    if head_limit is not None and not thresholded:  # a format only
         paying[(head.name, "head")] = np.zeros(len(LEVELS), bool)
 
     def weighed(node: ir.Node) -> bool:  # (--sparsity's levels are the user's: no path to order, none)
@@ -390,7 +391,7 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
             last = site in ("o", "down")  # its product is the block's output: the change is what it drops, times W
             if site in fixed_level:
                 thresholds = np.array([KEEP_ALL, float(op_view(node).value(f"threshold_{site}"))], np.float32)
-            elif fixed_level or site in FORMAT_SITES.get(node.op_type, ()) and "neurons" in sites.get("FFN", ()):
+            elif not thresholded:
                 thresholds = np.array([KEEP_ALL], np.float32)
             else:
                 thresholds = np.concatenate([[KEEP_ALL], _quantiles(v.abs(), LEVELS[1:])]).astype(np.float32)
