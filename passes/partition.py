@@ -42,6 +42,7 @@ from . import ir as pir
 from .costmodel import CONTEXT, BlockBytes, FfnBytes
 from .facts import ModelFact
 from .ops import FFN, Attention
+from .quality import WeightPlan
 from .recognise import BLOCKS
 from .pipeline import Context, Fact, Options
 from .split_nodes import NodeSplit
@@ -210,8 +211,9 @@ class Partition:
             FFN(node).gpu_neurons = int(n) if mode == "sparse" else 0
             FFN(node).placed = mode
             if mode != "sparse":
-                node.attributes["placed_reason"] = ir.AttrString("placed_reason", self._dense_reason(node, priced.ffn, mode,
-                                                                                       self._row_efficiency(ctx.build.weight_format)))
+                efficiency = self._row_efficiency(self._ffn_format(WeightPlan.of(model), node, ctx.build.weight_format))
+                node.attributes["placed_reason"] = ir.AttrString(
+                    "placed_reason", self._dense_reason(node, priced.ffn, mode, efficiency))
             name = f"layers.{layer}.ffn.neuron_order"
             if name in graph.initializers:
                 del graph.initializers[name]
@@ -276,6 +278,11 @@ class Partition:
                 f"{dense * 1e3:.3f} ms/token on the {device.upper()} (sparse rows at "
                 f"{efficiency:.0%} of dense bandwidth)")
 
+    @staticmethod
+    def _ffn_format(planned: WeightPlan, node: ir.Node, cpu_format: WeightFormat) -> WeightFormat:
+        """The format of an FFN's rows on the CPU: the quality plan gives its up and down matrices one (its knob's)."""
+        return planned.format_of(node.inputs[3].name, cpu_format)  # w_down
+
     def _row_efficiency(self, fmt: WeightFormat) -> float:
         """The share of the CPU's bandwidth its sparse kernels read selected rows at, in this build's format."""
         return costmodel.sparse_row_efficiency(fmt.bits, self.int8_dot)
@@ -293,15 +300,17 @@ class Partition:
         return frequency
 
     @staticmethod
-    def _bytes(values, cpu_format: WeightFormat) -> BlockBytes:
+    def _bytes(values, planned: WeightPlan, cpu_format: WeightFormat) -> BlockBytes:
         """The constants `values` as a block: their GPU memory and what one decode step reads of them on each device
-        (the CPU's matrices in `cpu_format`)."""
+        (the CPU's matrices in the quality plan's format, else the build's `cpu_format`)."""
         values = [v for v in values if v is not None and v.const_value is not None]
         on_gpu = sum(gpu_bytes(v.const_value.shape) for v in values)
-        return BlockBytes(on_gpu, sum(cpu_bytes(v.const_value.shape, cpu_format) for v in values), on_gpu, 0)
+        on_cpu = sum(cpu_bytes(v.const_value.shape, planned.format_of(v.name, cpu_format)) for v in values)
+        return BlockBytes(on_gpu, on_cpu, on_gpu, 0)
 
     def _problem(self, model: ir.Model, ctx: Context, ffns: list[ir.Node], frequencies: list, budget: int):
         graph, target, cpu_format, max_context = model.graph, ctx.target, ctx.build.weight_format, ctx.build.max_context
+        planned = WeightPlan.of(model)  # the quality plan's formats, where a matrix is not in the build's
         blocks = pir.node_blocks(graph)
         members: dict = {}
         for node in graph:
@@ -311,14 +320,14 @@ class Partition:
         constants = lambda nodes: {id(v): v for n in nodes for v in n.inputs if v is not None and v.const_value is not None}
 
         def block_bytes(nodes: list[ir.Node]) -> BlockBytes:
-            b = self._bytes(constants(nodes).values(), cpu_format)
+            b = self._bytes(constants(nodes).values(), planned, cpu_format)
             kv = sum(kv_cache_bytes([(Attention(n).num_kv_heads, Attention(n).head_dim)], 1)
                      for n in nodes if Attention.matches(n))  # per token
             read = kv * min(CONTEXT, max_context)
             return BlockBytes(b.gpu_bytes + kv * max_context, b.cpu_read + read, b.gpu_read + read, len(nodes))
 
         embed_nodes = members.get(pir.EMBED, [])
-        embed = self._bytes(constants(embed_nodes).values(), cpu_format)
+        embed = self._bytes(constants(embed_nodes).values(), planned, cpu_format)
         # the embedding gathers one row per token; its table is memory, not traffic
         rows = max((v.const_value.shape[0] for v in constants(embed_nodes).values() if len(v.const_value.shape) >= 2),
                    default=1)
@@ -337,7 +346,8 @@ class Partition:
             w_up, b_up, w_down, b_down = node.inputs[1:5]
             width, d_model = w_down.const_value.shape
             up = 2 if FFN(node).gated else 1
-            dense = self._bytes([w_up, b_up, w_down, b_down], cpu_format)
+            dense = self._bytes([w_up, b_up, w_down, b_down], planned, cpu_format)
+            ffn_format = self._ffn_format(planned, node, cpu_format)
             ffn = FfnBytes(dense=BlockBytes(dense.gpu_bytes, dense.cpu_read, dense.gpu_read, DENSE_FFN_CALLS),
                            width=int(width), activation_bytes=nbytes([d_model], "float32"))
             predictor = [graph.initializers.get(f"layers.{layer}.ffn.predictor.{w}") for w in ("w1", "w2")]
@@ -349,10 +359,10 @@ class Partition:
                 active = float(FFN(node).predictor_active)
                 ffn = dataclasses.replace(
                     ffn, gpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, GPU_WEIGHT_FORMAT),
-                    cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, cpu_format),
+                    cpu_bytes_per_neuron=neuron_bytes(d_model, up, b_up is not None, ffn_format),
                     frequencies=frequency, predictor=BlockBytes(gpu_predictor, cpu_predictor, gpu_predictor, PREDICTOR_CALLS),
                     rows_per_active=max(1.0, active * width / max(float(frequency.sum()), 1e-12)),
-                    cpu_row_efficiency=self._row_efficiency(ctx.build.weight_format))
+                    cpu_row_efficiency=self._row_efficiency(ffn_format))
             built.append(placement.Layer(costmodel.price(target, block_bytes(members.get(layer, []))),
                                          costmodel.price_ffn(target, ffn)))
         return placement.Problem(costmodel.price(target, embed), tuple(built), head,

@@ -111,6 +111,10 @@ class WeightPlan(ValueFact):
     def missing(cls) -> "WeightPlan":
         return cls({})
 
+    def format_of(self, name: str, build_format: WeightFormat) -> WeightFormat:
+        """The format matrix `name` is stored in on the CPU: the plan's, else the build's."""
+        return WEIGHT_FORMATS[self.formats[name]] if name in self.formats else build_format
+
 
 @dataclass(frozen=True)
 class HeadThreshold(ModelFact):

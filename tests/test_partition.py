@@ -150,6 +150,22 @@ def test_weights_are_priced_as_stored(lifted):
     assert fp16_cpu.expected_step_s < fp32_cpu.expected_step_s
 
 
+def test_the_quality_plans_formats_are_priced(lifted):
+    """A matrix the quality plan widens is read in its planned format: an int4 build whose plan keeps every matrix
+    in fp16 costs what an fp16 build does, more than the int4 build without a plan."""
+    from passes.quality import WeightPlan
+
+    _, int4, _ = partition(with_profile(lifted()), target="cpu", weight_dtype="int4")
+    model = with_profile(lifted())
+    WeightPlan({name: "fp16" for name, value in model.graph.initializers.items()
+                if len(value.const_value.shape) >= 2}).attach(model)
+    _, widened, _ = partition(model, target="cpu", weight_dtype="int4")
+    _, fp16, _ = partition(with_profile(lifted()), target="cpu", weight_dtype="fp16")
+    assert widened.expected_step_s == pytest.approx(fp16.expected_step_s, rel=1e-9)
+    assert widened.cpu_only_step_s == pytest.approx(fp16.cpu_only_step_s, rel=1e-9)
+    assert int4.expected_step_s < widened.expected_step_s
+
+
 # ---------------------------------------------------------------- the pass on a hand-built IR: numeric layer order
 
 
