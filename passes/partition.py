@@ -15,7 +15,8 @@ applies, the artifact's estimate shows and `inspect` prints. The solve's plan is
 same price (`costmodel.step_seconds`) and the faster taken (`placement.solve`), so no build expects less than either.
 
 Every block is priced as its device stores it (`sizes.gpu_bytes`: fp16 matrices on the GPU; `sizes.cpu_bytes`:
---weight-dtype on the CPU; predictors as `sizes.PREDICTOR_FORMAT`) with the cost model's `price` and `price_ffn`.
+on the CPU the quality pass's format where its `WeightPlan` names the matrix, else --weight-dtype; predictors as
+`sizes.PREDICTOR_FORMAT`) with the cost model's `price` and `price_ffn`.
 The budget is `ctx.build.gpu` (`--vram-budget`, else the target's memory, less its reserve); each attention
 block carries its KV cache for `max_context` tokens. A layer without a predictor (a dense build, or no profile)
 runs dense on one device. CPU targets: everything on the CPU, no solve.
@@ -284,7 +285,7 @@ class Partition:
         return planned.format_of(node.inputs[3].name, cpu_format)  # w_down
 
     def _row_efficiency(self, fmt: WeightFormat) -> float:
-        """The share of the CPU's bandwidth its sparse kernels read selected rows at, in this build's format."""
+        """The share of the CPU's bandwidth its sparse kernels read selected rows at, in format `fmt`."""
         return costmodel.sparse_row_efficiency(fmt.bits, self.int8_dot)
 
     @staticmethod
