@@ -158,6 +158,12 @@ def _quantize(source: Path, target: Path) -> None:
                        accuracy_level=r["accuracy_level"])
 
 
+def _quality_budget(text: str):
+    from picompile.cli import _quality_budget as parsed  # the build's own parsing and error
+
+    return parsed(text)
+
+
 def accepted_weight_dtypes() -> list[str]:
     """The --weight-dtype values `picompile build` accepts now (its parser's choices): int8 and int4 are
     WEIGHT_FORMATS before the compiler builds them, so the run stops before it makes anything."""
@@ -182,6 +188,8 @@ def build_all(members: dict[str, object], args) -> dict[str, Path]:
             options = {"weight_dtype": dtype, "cpu_isa": args.cpu_isa}
             if kind == "sparse":
                 options["target_recall"] = args.target_recall
+                if args.max_quality_loss is not None:
+                    options["quality_budget"] = args.max_quality_loss
             for label, files in (members.items() if kind == "sparse" else [("", first)]):
                 try:
                     path = ensure_artifact(files, f"{kind}-{dtype}", args.max_context, dense=kind == "dense",
@@ -404,6 +412,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ort-int4", action=argparse.BooleanOptionalAction, default=True,
                         help="also time onnxruntime on the model quantized to int4 (MatMulNBits; made once, cached "
                              "beside the model) and give every artifact its ratio against it")
+    parser.add_argument("--max-quality-loss", type=_quality_budget, default=None, metavar="BUDGET",
+                        help="the sparse builds' quality budget, as `picompile build --max-quality-loss` takes it "
+                             "(default: the build's, perplexity +1%%)")
     parser.add_argument("--cpu-isa", choices=list(CPU_ISAS), default=None,
                         help="instruction set of the CPU kernels (default: the build's, this machine's widest; "
                              "onnxruntime picks its own at run time)")

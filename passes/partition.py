@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -43,7 +43,6 @@ from . import ir as pir
 from .costmodel import CONTEXT, BlockBytes, FfnBytes
 from .facts import ModelFact
 from .ops import FFN, Attention
-from .quality import WeightPlan
 from .recognise import BLOCKS
 from .pipeline import Context, Fact, Options
 from .split_nodes import NodeSplit
@@ -52,6 +51,9 @@ from .sizes import (GPU_WEIGHT_FORMAT, PREDICTOR_FORMAT, cpu_bytes, gpu_bytes, k
 from .targets import RESERVE_FRACTION, format_size
 from runtime.dtypes import WeightFormat, nbytes
 from runtime.manifest import Stage
+
+if TYPE_CHECKING:
+    from .quality import WeightPlan
 
 PREDICTOR_CALLS = 2  # its two GEMVs
 DENSE_FFN_CALLS = 2  # up (and gate), down
@@ -181,10 +183,15 @@ class Partition:
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph, target, gpu = model.graph, ctx.target, ctx.build.gpu
+        # imported here: the quality pass brings torch and TVM's script parser, and tools that read this module's
+        # PlacementReport from an artifact have loaded TVM's runtime library alone, which cannot import them
+        from .quality import WeightPlan
+
+        planned = WeightPlan.of(model)  # the quality plan's formats, where a matrix is not in the build's
         ffns = sorted(FFN.nodes(model), key=lambda n: FFN(n).layer)
         layers = [FFN(node).layer for node in ffns]
         frequencies = [self._frequency(graph, node) for node in ffns]
-        problem = self._problem(model, ctx, ffns, frequencies, gpu.usable_bytes)
+        problem = self._problem(model, ctx, ffns, frequencies, gpu.usable_bytes, planned)
         batch = self.placement_batch or placement.default_batch(layer.ffn.width for layer in problem.layers)
         split = NodeSplit.of(model)
         staged: list[tuple[Stage, placement.Problem, placement.Solution]] | None = None
@@ -212,7 +219,7 @@ class Partition:
             FFN(node).gpu_neurons = int(n) if mode == "sparse" else 0
             FFN(node).placed = mode
             if mode != "sparse":
-                efficiency = self._row_efficiency(self._ffn_format(WeightPlan.of(model), node, ctx.build.weight_format))
+                efficiency = self._row_efficiency(self._ffn_format(planned, node, ctx.build.weight_format))
                 node.attributes["placed_reason"] = ir.AttrString(
                     "placed_reason", self._dense_reason(node, priced.ffn, mode, efficiency))
             name = f"layers.{layer}.ffn.neuron_order"
@@ -309,9 +316,9 @@ class Partition:
         on_cpu = sum(cpu_bytes(v.const_value.shape, planned.format_of(v.name, cpu_format)) for v in values)
         return BlockBytes(on_gpu, on_cpu, on_gpu, 0)
 
-    def _problem(self, model: ir.Model, ctx: Context, ffns: list[ir.Node], frequencies: list, budget: int):
+    def _problem(self, model: ir.Model, ctx: Context, ffns: list[ir.Node], frequencies: list, budget: int,
+                 planned: WeightPlan):
         graph, target, cpu_format, max_context = model.graph, ctx.target, ctx.build.weight_format, ctx.build.max_context
-        planned = WeightPlan.of(model)  # the quality plan's formats, where a matrix is not in the build's
         blocks = pir.node_blocks(graph)
         members: dict = {}
         for node in graph:

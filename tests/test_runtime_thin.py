@@ -47,6 +47,18 @@ def test_runtime_loads_tvm_runtime_without_compiler_library():
     assert out.strip() == "['tvm_runtime']"  # not libtvm_compiler.so (~260 MB)
 
 
+def test_a_placement_report_is_read_after_the_runtime_loaded_tvm():
+    """Benchmarks and tools read an artifact's `PlacementReport` after the engine ran it, in a process where TVM
+    is its runtime library alone: partition must import there (it priced the quality plan's formats by importing
+    the quality pass, whose TVM script parser then failed: `cannot import name 'TCol'`)."""
+    code = ("import runtime.engine as e; e._tvm_runtime()\n"
+            "from passes.partition import PlacementReport\n"
+            "import tvm.base; print(sorted(tvm.base._LOADED_LIBS))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['tvm_runtime']"
+
+
 def test_cuda_probe_loads_the_cuda_runtime_library_only():
     """Looking for a GPU loads libtvm_runtime_cuda.so (or fails for want of the NVIDIA driver, as here) and
     never the compiler library."""
