@@ -155,10 +155,13 @@ class Knob:
     def error(self, level: int, fmt: int) -> float:
         return float(self.sparse_error[level] + self.format_error[fmt])
 
-    def matrices(self) -> tuple[str, ...]:
-        """The matrices its format is chosen for: a predictor's FFN's up and down rows (one fused kernel reads
-        both, in one format), else its own."""
-        return (self.matrix, self.node.inputs[3].name) if self.predictor is not None else (self.matrix,)
+    def stored_as(self, level: int) -> tuple[tuple[str, int], ...]:
+        """The matrices its format is chosen for, each with the axis it is blocked along at `level`: a predictor's
+        FFN's up rows along K and its down rows per neuron (one fused kernel reads both, in one format); a
+        thresholded matrix along its rows (the layout its column kernel gathers); else along K."""
+        if self.predictor is not None:
+            return (self.matrix, 0), (self.node.inputs[3].name, 1)
+        return ((self.matrix, 1 if level else 0),)
 
 
 class StoredWeights:
@@ -280,8 +283,8 @@ class QualityPlan:
                 state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
                 found = measure.quality(variant(state))
         _write_thresholds(model, knobs, state)
-        plan = WeightPlan({**{m: formats[f] for k, (_, f) in zip(knobs, state) if formats[f] != weight_dtype
-                              for m in k.matrices()},
+        plan = WeightPlan({**{m: formats[f] for k, (level, f) in zip(knobs, state) if formats[f] != weight_dtype
+                              for m, _ in k.stored_as(level)},
                            **({embed[0]: embed[1]} if embed and embed[1] != weight_dtype else {})})
         plan.attach(model)
         met = budget.met_by(found.ppl_change, found.kl)
@@ -478,12 +481,12 @@ def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hi
     thresholds = np.array([KEEP_ALL] + [_threshold_for_recall(logits, active, r) for r in RECALLS if r > lowest_recall]
                           + [float(FFN(node).predictor_threshold)], np.float32)
     errors = [0.0] + [error(rerun(Variant(prefill=0, predictors={layer: (w1, w2, float(t))}))) for t in thresholds[1:]]
-    up, down = node.inputs[1].name, node.inputs[3].name
-    fmt_error = [0.0] + [error(rerun(Variant(prefill=0, weights={up: stored.values(up, fmt, 0),
-                                                                down: stored.values(down, fmt, 1)})))
-                         for fmt in formats[1:]]
-    return Knob(node, "neurons", up, thresholds, np.maximum.accumulate(errors), _monotone(fmt_error),
+    knob = Knob(node, "neurons", node.inputs[1].name, thresholds, np.maximum.accumulate(errors), np.zeros(1),
                 np.zeros(len(thresholds)), predictor=(w1, w2))
+    knob.format_error = _monotone([0.0] + [
+        error(rerun(Variant(prefill=0, weights={m: stored.values(m, fmt, axis) for m, axis in knob.stored_as(0)})))
+        for fmt in formats[1:]])
+    return knob
 
 
 def head_node(model: ir.Model) -> ir.Node | None:
@@ -586,12 +589,6 @@ def _replay(start: list[tuple[int, int]], moves: list[tuple[int, int, int]]) -> 
     return state
 
 
-def _blocked_along(knob: Knob, level: int) -> int:
-    """The axis a knob's matrix is blocked along at `level`: a thresholded one along its rows (the layout its
-    column kernel gathers), else along K."""
-    return 1 if level and knob.predictor is None else 0
-
-
 def _build_matrices(model: ir.Model, weight_dtype: str) -> dict[str, tuple[str, int]]:
     """Every matrix a quantized build stores in its own format, with the axis the quantize pass blocks it along
     (a dense linear's K; the embedding's rows; predictor mode's down rows, gathered per neuron); {} for a float
@@ -625,10 +622,8 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     # (a float build's own format is the source's values: fp32, or the fp16 a half model stores)
     changed = lambda fmt: fmt != "fp32" and not (len(formats) == 1 and not WEIGHT_FORMATS[fmt].quantized)  # noqa: E731
     choices = dict(build_matrices)
-    choices.update({knob.matrix: (formats[f], _blocked_along(knob, level))
-                    for knob, (level, f) in zip(knobs, state) if changed(formats[f])})
-    choices.update({knob.matrices()[1]: (formats[f], 1) for knob, (_, f) in zip(knobs, state)
-                    if knob.predictor is not None and changed(formats[f])})  # (its down rows, per neuron)
+    choices.update({matrix: (formats[f], axis) for knob, (level, f) in zip(knobs, state) if changed(formats[f])
+                    for matrix, axis in knob.stored_as(level)})
     if embed is not None and changed(embed[1]):
         choices[embed[0]] = (embed[1], 1)
     # a dense quantized matrix's decode GEMV over int8 activations, where select-kernels picks that kernel
@@ -851,7 +846,7 @@ def _choices(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
     keep another), held-out share dropped, local KL (`measured`: not where --sparsity fixed the level) and the
     cost model's microseconds, at the choice and dense in the widest format."""
     return tuple(MatrixChoice(knob.layer, knob.site,
-                              stored.format(knob.matrix, formats[f], _blocked_along(knob, level)).name,
+                              stored.format(knob.matrix, formats[f], dict(knob.stored_as(level))[knob.matrix]).name,
                               float(knob.held_out_dropped[level]), knob.error(level, f) if measured else None,
                               float(knob.cost[level, f]) * 1e6, float(knob.cost[0, 0]) * 1e6)
                  for knob, (level, f) in zip(knobs, state))
