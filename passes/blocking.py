@@ -26,7 +26,8 @@ from .import_onnx import SourceQuantization
 from .kernels import quant
 
 # Where a model's matrix is in other blocks than the build's format: the formats tried, fewest bytes first.
-SOURCE_FORMATS = tuple(sorted((f for f in WEIGHT_FORMATS.values() if f.quantized), key=lambda f: f.bytes_per_weight))
+SOURCE_FORMATS = tuple(sorted((f for f in WEIGHT_FORMATS.values() if f.quantized and not f.kept_from_file),
+                             key=lambda f: f.bytes_per_weight))
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ class QuantizedMatrix:
                     if onnx_type == node.inputs[0].const_value.dtype), None)
         if key is None or key[1] != added:
             return None
-        fmt = next(f for f in WEIGHT_FORMATS.values() if (f.bits, f.has_min) == key)
+        fmt = next(f for f in WEIGHT_FORMATS.values() if (f.bits, f.has_min) == key and not f.kept_from_file)
         if scales.dtype != np.dtype(fmt.scale_dtype):  # e.g. float32 scales, as an imported model had them
             fmt = replace(fmt, scale_dtype=scales.dtype.name)
         return cls(np.asarray(q).astype(np.int8), scales, int(pir.attr(node, "axis", 1)), fmt,

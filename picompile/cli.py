@@ -17,7 +17,7 @@ from pathlib import Path
 from passes.errors import PassError, UserError
 from runtime.manifest import Manifest
 from passes.targets import CPU_ISAS
-from runtime.dtypes import AUTO_WEIGHT_DTYPE, QUANT_METHODS, WEIGHT_FORMATS
+from runtime.dtypes import AUTO_WEIGHT_DTYPE, QUANT_METHODS, ROUNDABLE_FORMATS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--placement-time-limit", type=_non_negative(float), default=30.0, metavar="SECONDS",
                        help="time limit of the placement ILP; past it the best placement found is used and reported "
                             "as not optimal, with its gap (picompile inspect)")
-    build.add_argument("--weight-dtype", choices=[AUTO_WEIGHT_DTYPE, *WEIGHT_FORMATS], default=AUTO_WEIGHT_DTYPE,
+    build.add_argument("--weight-dtype", choices=[AUTO_WEIGHT_DTYPE, *ROUNDABLE_FORMATS], default=AUTO_WEIGHT_DTYPE,
                        help="storage of the CPU's weight matrices: auto (default) keeps the model's own (fp16 for an "
                             "fp16 or bf16 file, int4/int8 for a MatMulNBits one, int4a for one with 4-bit zero points, "
                             "else fp32); fp16 halves the bytes a token reads; int8 and int4 store blocks of 32 integers "

@@ -56,6 +56,16 @@ class WeightFormat:
     scale_dtype: str = "float16"
     has_min: bool = False  # asymmetric blocks: each also holds a minimum m (x = d q + m), in scale_dtype
     offset: int = 0  # what a stored integer exceeds q by (int4: 8, so that the nibble is unsigned)
+    # Two-level scales (ggml's K-quants): a block's scale (and min) is an integer of `sub_scale` (uint8 / int8) times
+    # one fp16 `scale_dtype` value per `super_block` weights: d = D * sc, m = -(Dmin * mn). 0: one level.
+    super_block: int = 0
+    sub_scale: str = ""
+
+    @property
+    def kept_from_file(self) -> bool:
+        """Whether the format only keeps a model file's own blocks (5- and 6-bit codes, two-level scales:
+        `passes.formats`): the kernels read it, no rounding rule of picompile's writes it."""
+        return self.bits in (5, 6) or self.super_block > 0
 
     @property
     def per_block(self) -> int:
@@ -71,6 +81,9 @@ class WeightFormat:
         """Stored bytes per weight, its share of a scale included: what every byte count prices a weight at."""
         if not self.quantized:
             return float(itemsize(self.storage))
+        if self.super_block:
+            return (self.bits / 8 + self.per_block * itemsize(self.sub_scale) / self.block
+                    + self.per_block * itemsize(self.scale_dtype) / self.super_block)
         return self.bits / 8 + self.per_block * itemsize(self.scale_dtype) / self.block
 
     @property
@@ -109,8 +122,16 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         WeightFormat("int8", "int8", bits=8, block=QUANT_BLOCK),
         WeightFormat("int4", "uint8", bits=4, block=QUANT_BLOCK, offset=INT4_OFFSET),
         WeightFormat("int4a", "uint8", bits=4, block=QUANT_BLOCK, has_min=True),  # GGUF's Q4_1
+        # kept from GGUF files as they are (passes.formats.ggml maps each ggml type; passes.kernels.kquant reads them)
+        WeightFormat("q5_0", "uint8", bits=5, block=QUANT_BLOCK, offset=16),
+        WeightFormat("q5_1", "uint8", bits=5, block=QUANT_BLOCK, has_min=True),
+        WeightFormat("q4_k", "uint8", bits=4, block=32, has_min=True, super_block=256, sub_scale="uint8"),
+        WeightFormat("q5_k", "uint8", bits=5, block=32, has_min=True, super_block=256, sub_scale="uint8"),
+        WeightFormat("q6_k", "uint8", bits=6, block=16, offset=32, super_block=256, sub_scale="int8"),
     ]
 }
+# The formats a build may round float weights into (--weight-dtype's choices besides auto)
+ROUNDABLE_FORMATS = tuple(name for name, fmt in WEIGHT_FORMATS.items() if not fmt.kept_from_file)
 # --weight-dtype's default: the format the model file stores its weights in (`compiler.resolve_weight_dtype`)
 AUTO_WEIGHT_DTYPE = "auto"
 # How a build rounds float weights into the quantized formats (--quant-method): "awq" scales FFN input channels

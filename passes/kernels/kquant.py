@@ -1,0 +1,204 @@
+"""Blocks kept from a model file (ggml's Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K): the sub-block form the
+compiler holds them in, and the layouts the CPU's kernels read them in.
+
+A format of this family (`runtime.dtypes.WeightFormat.kept_from_file`) stores `bits`-bit unsigned codes c (q + offset)
+in blocks of `fmt.block` weights along one axis; a block's value is x = d q (+ m), where
+- one level (Q5_0, Q5_1): d (and m) are fp16 per block;
+- two levels (the K-quants, `fmt.super_block` 256): d = D sc and m = -(Dmin mn), sc (mn) an integer per block in
+  `fmt.sub_scale` and D (Dmin) fp16 per super-block.
+The float32 value is d * q, then + m, with d = D * sc and m = -(Dmin * mn) in float32 (all exact products): bit for
+bit what ggml's dequantization (and the `gguf` package's) computes.
+
+`KBlocks` holds a matrix so: codes unpacked (uint8, shaped like the matrix) and the scales per block (per
+super-block) shaped like it with the block axis divided. It is packed for the kernels (`pack_panels`,
+`pack_rows`) into two buffers, values and scales, as the quant layouts are:
+
+* panels (`pack_panels`): a dense linear's [K, N] weight, blocks along K (axis 0), panels of PANEL = 16 columns
+  (P = ceil(N / 16); padded columns have codes `offset`, so q = 0, and zero scales). Per panel the values are
+  uint8 [K * 8 + (bits - 4) * K * 2]: first the low nibbles [K, 8] (byte v of row k: column v's c & 15 in the
+  low nibble, column v + 8's in the high one: int4's panels), then `bits - 4` planes [K / 8, 16] (plane j, byte
+  c of k-group g: bit s is bit 4 + j of the code at row 8 g + s, column c). Per panel the scales are bytes:
+  one level: d fp16 [K / 32, 16], then m fp16 [K / 32, 16] where it has mins; two levels: sc [K / S, 16] (one
+  byte each), mn [K / S, 16] where it has mins, D fp16 [K / 256, 16], Dmin fp16 [K / 256, 16] where it has mins.
+* rows (`pack_rows`): an [R, C] weight whose rows kernels read whole (the embedding table), blocks along the row
+  (axis 1). Per row the values are uint8 [C / 2 + (bits - 4) * C / 8]: the low nibbles in Q4_0's order (byte
+  16 b + i: element 32 b + i in the low nibble, 32 b + 16 + i in the high one), then the planes [C / 8] (plane j,
+  byte t: bit s is bit 4 + j of element 8 t + s); the scales as bytes, in the panels' order with one column:
+  d [C / 32] (m) fp16, or sc [C / S] (mn) bytes then D [C / 256] (Dmin) fp16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.dtypes import WeightFormat
+
+PANEL = 16  # columns per panel (cpu.PANEL)
+
+
+@dataclass(frozen=True)
+class KBlocks:
+    """A matrix in a kept format, blocked along `axis`: codes [.., ..] uint8 (c = q + fmt.offset, unpacked);
+    `scales` (and `mins`) per block: fp16 (one level) or fmt.sub_scale integers (two levels), shaped like the
+    matrix with the block axis divided by fmt.block; `super_scales` (`super_mins`) fp16 per super-block (two levels)."""
+
+    fmt: WeightFormat
+    axis: int
+    codes: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None = None
+    super_scales: np.ndarray | None = None
+    super_mins: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def block_scales(self) -> np.ndarray:
+        """d per block, float32 (D * sc for two levels: exact)."""
+        if self.fmt.super_block:
+            per = self.fmt.super_block // self.fmt.block
+            return np.repeat(self.super_scales.astype(np.float32), per, axis=self.axis) * self.scales.astype(np.float32)
+        return self.scales.astype(np.float32)
+
+    def block_mins(self) -> np.ndarray | None:
+        """m per block, float32 (-(Dmin * mn) for two levels: exact), or None."""
+        if not self.fmt.has_min:
+            return None
+        if self.fmt.super_block:
+            per = self.fmt.super_block // self.fmt.block
+            return -(np.repeat(self.super_mins.astype(np.float32), per, axis=self.axis) * self.mins.astype(np.float32))
+        return self.mins.astype(np.float32)
+
+    def values(self) -> np.ndarray:
+        """The signed q, int8 shaped like the matrix."""
+        return (self.codes.astype(np.int16) - self.fmt.offset).astype(np.int8)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 matrix the blocks stand for: d * q, + m where the format has mins (see the module doc)."""
+        block = self.fmt.block
+        out = self.values().astype(np.float32) * np.repeat(self.block_scales(), block, axis=self.axis)
+        mins = self.block_mins()
+        if mins is not None:
+            out += np.repeat(mins, block, axis=self.axis)
+        return out
+
+    def take(self, index: np.ndarray, axis: int) -> "KBlocks":
+        """The matrix's lines `index` along the axis that is not blocked (whole blocks move)."""
+        if axis == self.axis:
+            raise ValueError("only whole lines across the blocks can be taken")
+        pick = lambda a: None if a is None else np.take(a, index, axis=axis)  # noqa: E731
+        return KBlocks(self.fmt, self.axis, pick(self.codes), pick(self.scales), pick(self.mins),
+                       pick(self.super_scales), pick(self.super_mins))
+
+    @property
+    def T(self) -> "KBlocks":  # noqa: N802 (numpy's spelling)
+        flip = lambda a: None if a is None else np.ascontiguousarray(a.T)  # noqa: E731
+        return KBlocks(self.fmt, 1 - self.axis, flip(self.codes), flip(self.scales), flip(self.mins),
+                       flip(self.super_scales), flip(self.super_mins))
+
+    @staticmethod
+    def concatenate(parts: list["KBlocks"], axis: int) -> "KBlocks":
+        """Matrices of one format side by side along the axis that is not blocked."""
+        first = parts[0]
+        if any(p.fmt != first.fmt or p.axis != first.axis for p in parts) or axis == first.axis:
+            raise ValueError("kept blocks join only in one format, across their blocks")
+        join = lambda name: (None if getattr(first, name) is None  # noqa: E731
+                             else np.concatenate([getattr(p, name) for p in parts], axis=axis))
+        return KBlocks(first.fmt, first.axis, join("codes"), join("scales"), join("mins"), join("super_scales"),
+                       join("super_mins"))
+
+
+def _scale_bytes(blocks: KBlocks) -> list[np.ndarray]:
+    """The per-block arrays in the layouts' order, shaped [blocks along the axis, columns] (axis 0's orientation)."""
+    t = (lambda a: a) if blocks.axis == 0 else (lambda a: a.T)
+    if blocks.fmt.super_block:
+        parts = [blocks.scales, blocks.mins, blocks.super_scales, blocks.super_mins]
+    else:
+        parts = [blocks.scales, blocks.mins]
+    return [np.ascontiguousarray(t(a)) for a in parts if a is not None]
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    """[n, columns] of 1- or 2-byte elements -> uint8 [n, columns, itemsize]."""
+    return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], a.shape[1], a.dtype.itemsize)
+
+
+def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
+    """(values uint8 [P, K * 8 + (bits - 4) * K * 2], scales uint8 [P, bytes]) of a [K, N] matrix blocked along K
+    (see the module doc)."""
+    if blocks.axis != 0:
+        raise ValueError("the panels layout takes a [K, N] matrix blocked along K (axis 0)")
+    fmt = blocks.fmt
+    K, N = blocks.shape
+    P = -(-N // PANEL)
+    codes = np.full((K, P * PANEL), fmt.offset, np.uint8)
+    codes[:, :N] = blocks.codes
+    panels = codes.reshape(K, P, PANEL).transpose(1, 0, 2)  # [P, K, 16]
+    low = panels & 0x0F
+    nibbles = (low[..., :8] | (low[..., 8:] << 4)).reshape(P, K * 8)
+    planes = []
+    for j in range(fmt.bits - 4):
+        bit = ((panels >> (4 + j)) & 1).reshape(P, K // 8, 8, PANEL)  # [P, g, s, c]
+        planes.append((bit << np.arange(8, dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8).reshape(P, -1))
+    values = np.ascontiguousarray(np.concatenate([nibbles, *planes], axis=1))
+    scale_parts = []
+    for a in _scale_bytes(blocks):
+        padded = np.zeros((a.shape[0], P * PANEL), a.dtype)
+        padded[:, :N] = a
+        per_panel = padded.reshape(a.shape[0], P, PANEL).transpose(1, 0, 2)  # [P, n, 16]
+        scale_parts.append(per_panel.copy().view(np.uint8).reshape(P, -1))
+    return values, np.ascontiguousarray(np.concatenate(scale_parts, axis=1))
+
+
+def pack_rows(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
+    """(values uint8 [R, C / 2 + (bits - 4) * C / 8], scales uint8 [R, bytes]) of an [R, C] matrix blocked along
+    its rows (see the module doc)."""
+    if blocks.axis != 1:
+        raise ValueError("the rows layout takes a matrix blocked along its rows (axis 1)")
+    fmt = blocks.fmt
+    R, C = blocks.shape
+    low = (blocks.codes & 0x0F).reshape(R, C // 32, 2, 16)
+    nibbles = (low[:, :, 0, :] | (low[:, :, 1, :] << 4)).reshape(R, C // 2)
+    planes = []
+    for j in range(fmt.bits - 4):
+        bit = ((blocks.codes >> (4 + j)) & 1).reshape(R, C // 8, 8)
+        planes.append((bit << np.arange(8, dtype=np.uint8)[None, None, :]).sum(2, dtype=np.uint8))
+    values = np.ascontiguousarray(np.concatenate([nibbles, *planes], axis=1))
+    scales = np.concatenate([np.ascontiguousarray(a.T).view(np.uint8).reshape(R, -1) for a in _scale_bytes(blocks)],
+                            axis=1)
+    return values, np.ascontiguousarray(scales)
+
+
+def panel_scale_bytes(fmt: WeightFormat, K: int) -> int:
+    """Bytes of one panel's scales (pack_panels' second buffer's row)."""
+    if fmt.super_block:
+        return fmt.per_block * (K // fmt.block * PANEL + K // fmt.super_block * PANEL * 2)
+    return fmt.per_block * K // fmt.block * PANEL * 2
+
+
+def unpack_panels(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat, K: int, N: int) -> KBlocks:
+    """The KBlocks `pack_panels` packed (the inverse, for tests and references)."""
+    P = values.shape[0]
+    nib = values[:, : K * 8].reshape(P, K, 8)
+    codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)  # [P, K, 16]
+    for j in range(fmt.bits - 4):
+        start = K * 8 + j * K * 2
+        plane = values[:, start: start + K * 2].reshape(P, K // 8, 1, PANEL)
+        bits = (plane >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1  # [P, g, s, c]
+        codes |= (bits.reshape(P, K, PANEL) << (4 + j)).astype(np.uint8)
+    codes = codes.transpose(1, 0, 2).reshape(K, P * PANEL)[:, :N]
+    arrays, at = [], 0
+    layout = ([(K // fmt.block, fmt.sub_scale)] * fmt.per_block + [(K // fmt.super_block, fmt.scale_dtype)] * fmt.per_block
+              if fmt.super_block else [(K // fmt.block, fmt.scale_dtype)] * fmt.per_block)
+    for n, dtype in layout:
+        size = n * PANEL * np.dtype(dtype).itemsize
+        part = np.ascontiguousarray(scales[:, at: at + size]).view(dtype).reshape(P, n, PANEL)
+        arrays.append(part.transpose(1, 0, 2).reshape(n, P * PANEL)[:, :N])
+        at += size
+    if fmt.super_block:
+        sc, mn, d, dm = arrays if fmt.has_min else (arrays[0], None, arrays[1], None)
+        return KBlocks(fmt, 0, codes, sc, mn, d, dm)
+    return KBlocks(fmt, 0, codes, arrays[0], arrays[1] if fmt.has_min else None)
