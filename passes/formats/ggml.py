@@ -180,8 +180,8 @@ def decode(type_name: str, raw: np.ndarray, columns: int) -> KBlocks:
     """The KBlocks (blocked along axis 1) of a matrix's raw rows of `type_name` blocks: uint8 [rows, row_bytes],
     each row `columns` weights (the file's [rows, columns] orientation). For the kept types (KEPT_TYPES)."""
     if type_name not in KEPT_TYPES:
-        raise ValueError(f"decode reads {', '.join(KEPT_TYPES)}; {type_name} is not one "
-                         f"({'decode_legacy reads it' if type_name in LEGACY_TYPES else 'no picompile format keeps it'})")
+        why = "decode_legacy reads it" if type_name in LEGACY_TYPES else "no picompile format keeps it"
+        raise ValueError(f"decode reads {', '.join(KEPT_TYPES)}; {type_name} is not one ({why})")
     b = _blocks(type_name, raw, columns)
     if type_name in ("Q5_0", "Q5_1"):
         return _decode_q5_01(type_name, b)
