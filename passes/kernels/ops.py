@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import cpu, cuda, neuron, quant
+from . import cpu, cuda, kquant_ops, neuron, quant
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ linear_kn_q = KernelOp("linear_kn_q", quant.linear_kn_q, cuda.linear_kn_q)
 linear_qrows = KernelOp("linear_qrows", cpu.linear_qrows, cuda.linear_qrows)  # W^T [N, K] as quant rows
 sparse_up_q = KernelOp("sparse_up_q", neuron.sparse_up_q, cuda.sparse_up_q)
 sparse_down_q = KernelOp("sparse_down_q", neuron.sparse_down_q, cuda.sparse_down_q)
+# blocks kept from a model file (ggml's q5_0, q5_1, q4_k, q5_k, q6_k: kquant's layouts); the makers take `fmt`, the
+# format's name. CPU only
+linear_panels_kq = KernelOp("linear_panels_kq", kquant_ops.linear_panels_kq, None)  # kquant's panels
+embed_kq = KernelOp("embed_kq", kquant_ops.embed_kq, None)  # kquant's rows
 
 
 def get(name: str) -> KernelOp:

@@ -1,0 +1,223 @@
+"""The CPU kernels over blocks kept from a model file (ggml's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) other than the decode
+GEMVs (`kquant_gemv`): the prefill GEMM's weight operand over `kquant`'s panels layout (`kq_panels_weight`, which
+`cpu.gemm` dequantizes into its per-task fp32 panels), the embedding gather over `kquant`'s rows layout
+(`embed_kq`), and the makers `ops` registers (`linear_panels_kq`, `embed_kq`).
+
+A value is read as `kquant`'s module doc defines it: the code c = low nibble | the high bit planes' bits << 4,
+q = c - fmt.offset; d = fp16 d (one level) or float(D) * float(sc) (two levels: sc uint8, Q6_K's int8); m = fp16 m
+or -(float(Dmin) * float(mn)); the value is float32 q * d, then + m where the format has mins (bit for bit
+`KBlocks.dequantize`: the products of 4- and 5-bit codes are exact, so no fused multiply-add changes a value).
+The scales buffers are bytes; their fields are read through `T.decl_buffer` views (uint8, int8, float16) of them at
+the layout's byte offsets (`_fields`).
+
+Makers take the format by its name (`fmt`: a `runtime.dtypes.WEIGHT_FORMATS` key): kernel specs are JSON data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
+
+from . import cpu as _cpu
+from .compute import clamp_index, drop_params, row_dim
+from .cpu import PANEL
+from .kquant import panel_scale_bytes
+
+KQ_FORMATS = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # the formats these kernels read
+HALF = PANEL // 2  # a panel's k step: bytes holding columns v (low nibble) and v + 8 (high)
+ROW_BLOCK = 32  # the rows layout's nibbles come in Q4_0's 32-element groups, whatever the format's block
+ROW_LANES = ROW_BLOCK // 2  # embed_kq's vectors: one half of such a group (the low or the high nibbles)
+
+
+def kq_format(fmt: str) -> WeightFormat:
+    """The kept format named `fmt` (the makers' argument)."""
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt is a format's name (kernel specs are data), got {fmt!r}")
+    if fmt not in KQ_FORMATS:
+        raise ValueError(f"{fmt!r} is not a format kept from a file; these kernels read {', '.join(KQ_FORMATS)}")
+    return WEIGHT_FORMATS[fmt]
+
+
+def _check_length(fmt: WeightFormat, length: int, what: str):
+    whole = fmt.super_block or fmt.block
+    if length <= 0 or length % whole or length % ROW_BLOCK:
+        raise ValueError(f"{fmt.name} blocks need {what} a positive multiple of {max(whole, ROW_BLOCK)}, got {length}")
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """Byte offsets of a scales record's fields (one panel's, `cols` 16, or one row's, `cols` 1), each [n, cols]:
+    one level: d fp16 (`scale`), m fp16 (`min`); two levels: sc (`scale`) and mn (`min`) one byte each, D fp16
+    (`sup`), Dmin fp16 (`sup_min`). `size`: the record's bytes."""
+
+    scale: int
+    min: int
+    sup: int
+    sup_min: int
+    size: int
+
+
+def _fields(fmt: WeightFormat, length: int, cols: int) -> _Fields:
+    nb = length // fmt.block
+    if fmt.super_block:
+        nsb = length // fmt.super_block
+        sup = fmt.per_block * nb * cols
+        return _Fields(0, nb * cols, sup, sup + nsb * cols * 2, sup + fmt.per_block * nsb * cols * 2)
+    return _Fields(0, nb * cols * 2, 0, 0, fmt.per_block * nb * cols * 2)
+
+
+def _code(low_byte, shift, plane_bytes, bit):
+    """The code (int32) of a value: the nibble of `low_byte` at `shift` (0 or 4), then plane j's bit `bit` of
+    plane_bytes[j] as bit 4 + j."""
+    code = (T.Cast("int32", low_byte) >> shift) & 15
+    for j, plane in enumerate(plane_bytes):
+        code = code | (((T.Cast("int32", plane) >> bit) & 1) << (4 + j))
+    return code
+
+
+def _value(fmt: WeightFormat, code, views, base, fields: _Fields, blk, sblk):
+    """The float32 value of `code`: views (u8, i8, f16) of the scales, `base` the record's first byte (even),
+    `blk` (`sblk`) the element's index in a [n, cols] field of blocks (super-blocks): block * cols + column."""
+    u8, i8, f16 = views
+    q = T.Cast("float32", code - fmt.offset)
+    half = base // 2
+    if fmt.super_block:
+        subs = i8 if fmt.sub_scale == "int8" else u8
+        d = T.Cast("float32", f16[half + fields.sup // 2 + sblk]) * T.Cast("float32", subs[base + fields.scale + blk])
+        value = q * d
+        if fmt.has_min:
+            m = T.Cast("float32", f16[half + fields.sup_min // 2 + sblk]) * T.Cast("float32",
+                                                                                    u8[base + fields.min + blk])
+            value = value - m  # (x - y is x + (-y) exactly: KBlocks' + -(Dmin mn))
+        return value
+    value = q * T.Cast("float32", f16[half + fields.scale // 2 + blk])
+    if fmt.has_min:
+        value = value + T.Cast("float32", f16[half + fields.min // 2 + blk])
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill: cpu.gemm over kq panels, dequantized into its per-task fp32 panels
+# --------------------------------------------------------------------------------------------
+
+
+def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
+    """`kquant`'s panels layout (pack_panels) as a gemm operand: w uint8 [P, K * 8 + (bits - 4) * K * 2], ws uint8
+    [P, panel_scale_bytes]; a task dequantizes its tile_panels panels into fp32 [tile_panels, K, 16] k step by k
+    step (per k: 8 bytes of nibbles, 16 of each plane per 8 k, the block's scales)."""
+    f = kq_format(fmt)
+    _check_length(f, K, "K")
+    panels = -(-N // PANEL)
+    vbytes = K * 8 + (f.bits - 4) * K * 2
+    sbytes = panel_scale_bytes(f, K)
+    fields = _fields(f, K, PANEL)
+    assert fields.size == sbytes
+    planes = f.bits - 4
+    B, S = f.block, f.super_block or 1
+
+    def make(tile_panels):
+        @T.macro
+        def pack(packed, w, ws, p):
+            su8 = T.decl_buffer((panels * sbytes,), "uint8", data=ws.data)
+            si8 = T.decl_buffer((panels * sbytes,), "int8", data=ws.data)
+            sf16 = T.decl_buffer((panels * sbytes // 2,), "float16", data=ws.data)
+            for q, k in T.grid(tile_panels, K):
+                for h in T.unroll(2):
+                    for v in T.vectorized(HALF):
+                        packed[q, k, h * HALF + v] = _value(
+                            f,
+                            _code(w[p * tile_panels + q, k * HALF + v], h * 4,
+                                  [w[p * tile_panels + q, K * HALF + j * K * 2 + k // 8 * PANEL + h * HALF + v]
+                                   for j in range(planes)], k % 8),
+                            (su8, si8, sf16), (p * tile_panels + q) * sbytes, fields,
+                            k // B * PANEL + h * HALF + v, k // S * PANEL + h * HALF + v)
+
+        return pack
+
+    return _cpu.GemmWeight(((panels, vbytes), "uint8"), ((panels, sbytes), "uint8"), make)
+
+
+# --------------------------------------------------------------------------------------------
+# The embedding gather over kq rows
+# --------------------------------------------------------------------------------------------
+
+
+def embed_kq(name, V, D, *, rows, positions: int | None, fmt: str):
+    """y[i] = table[ids[i]] (+ pos_table[start + i]) over a table in `kquant`'s rows layout (pack_rows: values
+    uint8 [V, D / 2 + (bits - 4) * D / 8], scales bytes [V, panel_scale_bytes(fmt, D) / 16]), each looked-up row
+    dequantized; ids and positions clamped to the tables. Args: ids, table_q, table_s, (pos_table, start), y.
+    Vectors of half a 32-group (16 lanes): the low or the high nibbles of 16 consecutive bytes."""
+    f = kq_format(fmt)
+    _check_length(f, D, "D")
+    m = row_dim(rows)
+    loop = T.parallel if rows is None else T.serial
+    vbytes = D // 2 + (f.bits - 4) * D // 8
+    fields = _fields(f, D, 1)
+    sbytes = fields.size
+    assert sbytes * PANEL == panel_scale_bytes(f, D)
+    planes, groups = f.bits - 4, D // ROW_BLOCK
+    B, S = f.block, f.super_block or 1
+    npos = positions or 1
+
+    def position(pos, start, i, j, value):
+        return value + pos[clamp_index(start + i, npos), j] if positions else value
+
+    @T.prim_func
+    def kernel(ids_h: T.handle, table_q: T.Buffer((V, vbytes), "uint8"), table_s: T.Buffer((V, sbytes), "uint8"),
+               pos_table: T.Buffer((npos, D), "float32"), start: T.int64, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        ids = T.match_buffer(ids_h, (m,), "int64")
+        y = T.match_buffer(y_h, (m, D), "float32")
+        su8 = T.decl_buffer((V * sbytes,), "uint8", data=table_s.data)
+        si8 = T.decl_buffer((V * sbytes,), "int8", data=table_s.data)
+        sf16 = T.decl_buffer((V * sbytes // 2,), "float16", data=table_s.data)
+        for i in loop(m):
+            for g, h in T.grid(groups, 2):
+                for v in T.vectorized(ROW_LANES):
+                    y[i, g * ROW_BLOCK + h * ROW_LANES + v] = position(
+                        pos_table, start, i, g * ROW_BLOCK + h * ROW_LANES + v, _value(
+                            f,
+                            _code(table_q[clamp_index(ids[i], V), g * ROW_LANES + v], h * 4,
+                                  [table_q[clamp_index(ids[i], V),
+                                           D // 2 + j * (D // 8) + g * 4 + h * 2 + v // 8] for j in range(planes)],
+                                  v % 8),
+                            (su8, si8, sf16), clamp_index(ids[i], V) * sbytes, fields,
+                            g * (ROW_BLOCK // B) + h * (ROW_LANES // B), g * ROW_BLOCK // S))
+
+    unused = [] if positions else ["pos_table", "start"]
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+# --------------------------------------------------------------------------------------------
+# The makers (ops.linear_panels_kq, ops.embed_kq)
+# --------------------------------------------------------------------------------------------
+
+GEMV_PANELS_WIDE = 4  # decode panels per task under AVX-512's register budget (as quant's QUANT_GEMV_PANELS)
+
+
+def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", residual=False, tile_panels=1,
+                     int8_dot=None):
+    """y[m, N] = act(x[m, K] @ W + b) + res, W in `kquant`'s panels layout (pack_panels) of the kept format named
+    `fmt`.  Args: x, w, ws, (b), (res), y. Decode (rows 1): `kquant_gemv`'s gemv_panels_kq, or with `int8_dot`
+    gemv_panels_kq_x8 (x quantized to int8 blocks; 16 lanes under AVX-512's budget, tile_panels > 1, else 8).
+    Prefill: cpu.gemm over kq_panels_weight, `tile_panels` per register tile (1: AVX2, 2: AVX-512)."""
+    f = kq_format(fmt)
+    _check_length(f, K, "K")
+    wide = tile_panels > 1
+    if rows == 1:
+        from . import kquant_gemv  # (written beside this module; only decode needs it)
+
+        panels = -(-N // PANEL)
+        if int8_dot is not None:
+            group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 2)
+            return kquant_gemv.gemv_panels_kq_x8(name, K, N, fmt=fmt, bias=bias, act=act, residual=residual,
+                                                 dot=int8_dot, lanes=16 if wide else 8, group=group)
+        group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 1)
+        return kquant_gemv.gemv_panels_kq(name, K, N, fmt=fmt, bias=bias, act=act, residual=residual, group=group)
+    row_dim(rows)
+    return _cpu.gemm(name, K, N, layout=kq_panels_weight(K, N, fmt=fmt), bias=bias, act=act, residual=residual,
+                     tile_panels=tile_panels)
