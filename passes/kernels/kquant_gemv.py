@@ -205,3 +205,100 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
 
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", residual=False, group=None):
+    """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in kquant's panels layout (`fmt`), fp32 activations.
+    Args: x, w, ws, (b), (res), y.
+
+    As quant._gemv_q4: a 16-lane vector is two k steps (lanes 0-7 row k, 8-15 row k + 1), against
+    xp = x[k] x8 ++ x[k + 1] x8 (made once per call); the 16 nibble bytes of a k pair are the low codes of columns
+    0-7 and the high ones of columns 8-15, the bit planes' bytes of the k pair's 8-step group spread over the same
+    lanes by a constant shuffle and tested against 1 << (k step in the group). Per sub-block the fp32 sums start
+    at -offset * sum(x) (lanes: the even and the odd k) and acc += sum * d (+ m * sum(x) where the format has
+    mins); lanes l and l + 8 are summed in the epilogue."""
+    _check_kq(K, N, fmt)
+    SB = fmt.block
+    nsub = K // SB
+    planes = fmt.bits - 4
+    panels = -(-N // PANEL)
+    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
+    width = group * PANEL
+    full = N % width == 0
+    epilogue = _cpu._epilogue(act, bias, residual)
+    VB = K * 8 + planes * K * 2
+    scales = _Scales(fmt, K)
+    SBY = scales.row
+    sub_scale = fmt.sub_scale or "uint8"
+    m15, m4 = T.broadcast(T.uint8(15), PANEL), T.broadcast(T.uint8(4), PANEL)
+    zero = T.broadcast(T.uint8(0), PANEL)
+    sel_lo = [tirx.IntImm("int32", v % HALF) for v in range(PANEL)]
+    sel_hi = [tirx.IntImm("int32", HALF + v % HALF) for v in range(PANEL)]
+    mask = _u8_const([1 << (v // HALF) for v in range(PANEL)])  # lane v: k step v // 8 of the pair
+    bitv = [T.broadcast(T.uint8(1 << (4 + j)), PANEL) for j in range(planes)]
+    factor = T.float32(-fmt.offset)
+
+    def codes(wf, p, k, sel, nib_half):
+        """Codes of the k pair at k (even) as 16 lanes: the low nibbles' columns (0-7) or the high ones' (8-15)."""
+        nib = wf[T.ramp(p * VB + k * HALF, 1, PANEL)]
+        c = (nib & m15) if nib_half == 0 else (nib >> m4)
+        bits = mask << T.broadcast(T.Cast("uint8", k % 8), PANEL)
+        for j in range(planes):
+            pv = wf[T.ramp(p * VB + K * HALF + j * K * 2 + k // 8 * PANEL, 1, PANEL)]
+            c = c | T.Select((T.Shuffle([pv], sel) & bits) != zero, bitv[j], zero)
+        return T.Cast(f"float32x{PANEL}", c)
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, VB), "uint8"),
+               ws: T.Buffer((panels, SBY), "uint8"), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        wf = T.decl_buffer((panels * VB,), "uint8", data=w.data)
+        wsb = T.decl_buffer((panels * SBY,), sub_scale, data=ws.data)
+        wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
+        xp = T.alloc_buffer((K // 2, PANEL), "float32")
+        xsm = T.alloc_buffer((nsub, PANEL), "float32")
+        for j in range(K // 2):
+            for v in T.vectorized(PANEL):
+                xp[j, v] = x[0, 2 * j + v // HALF]
+        for sb in range(nsub):
+            for v in T.vectorized(PANEL):
+                xsm[sb, v] = T.float32(0)
+            for j in range(SB // 2):
+                for v in T.vectorized(PANEL):
+                    xsm[sb, v] = xsm[sb, v] + xp[sb * (SB // 2) + j, v]
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((group, 2, PANEL), "float32")
+            part = T.alloc_local((group, 2, PANEL), "float32")
+            for g, h in T.grid(group, 2):
+                for v in T.vectorized(PANEL):
+                    acc[g, h, v] = T.float32(0)
+            for sb in range(nsub):
+                for g, h in T.grid(group, 2):
+                    for v in T.vectorized(PANEL):
+                        part[g, h, v] = factor * xsm[sb, v]
+                for j in T.unroll(SB // 2):
+                    for g in T.unroll(group):
+                        part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
+                            sb * (SB // 2) + j, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb * SB + 2 * j,
+                                                                             sel_lo, 0)
+                        part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
+                            sb * (SB // 2) + j, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb * SB + 2 * j,
+                                                                             sel_hi, 1)
+                for g, h, half in T.grid(group, 2, 2):
+                    for c in T.vectorized(HALF):
+                        acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * (
+                            scales.d(wsb, wsh, t * group + g, sb, h * HALF + c))
+                if fmt.has_min:
+                    for g, h, half in T.grid(group, 2, 2):
+                        for c in T.vectorized(HALF):
+                            acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + xsm[sb, half * HALF + c] * (
+                                scales.m(wsb, wsh, t * group + g, sb, h * HALF + c))
+            for g, h in T.grid(group, 2):
+                for c in (T.vectorized if full else T.serial)(HALF):
+                    if full or t * width + g * PANEL + h * HALF + c < N:
+                        y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
+                            acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
+
+    unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
