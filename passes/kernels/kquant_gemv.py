@@ -1,0 +1,304 @@
+"""Decode GEMVs over blocks kept from a model file (ggml's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) in kquant's panels layout.
+
+W [K, N] is `kquant.pack_panels`' two buffers: values uint8 [P, K * 8 + (bits - 4) * K * 2] (per panel the low
+nibbles [K, 8], int4's panels, then `bits - 4` bit planes [K / 8, 16]: plane j, byte c of k-group g holds bit
+4 + j of the codes of column c at rows 8 g .. 8 g + 7, bit s for row 8 g + s) and scales uint8
+[P, kquant.panel_scale_bytes] (one level: d fp16 [K / 32, 16] (then m); two levels: sc [K / S, 16] (then mn),
+D fp16 [K / 256, 16] (then Dmin)). A weight is d (c - offset) (+ m), d = D sc and m = -(Dmin mn) for two levels.
+
+* `gemv_panels_kq_x8`: x quantized to int8 per 32-block (quant.x_quantizer, as gemv_panels_q4x8), integer dot
+  products of the full codes c = nibble | high bits << 4 with xq: the nibbles are permuted as gemv_panels_q4x8's
+  (each dword one column's 4 k steps), and each bit plane's 16 bytes for the vector's k group are spread over the
+  same byte arrangement by a constant shuffle (byte e takes its column's plane byte), tested against a constant
+  per-byte mask (1 << its k step) and turned into 1 << (4 + j), OR'ed into the codes: one dot per vector and
+  nibble half for any code width (u8 codes < 64 times s8: vpmaddubsw's pair sums 2 * 63 * 127 < 2^15). The
+  offset (Q5_0's 16, Q6_K's 32) is taken off in the integer sums' start, -offset * sum(xq) over the sub-block;
+  per sub-block acc += float(sum) * d * sx, and where the format has mins acc += m * sx * sum(xq).
+* `gemv_panels_kq`: fp32 activations (as quant._gemv_q4: two k steps per 16-lane vector, fp32 FMAs of the
+  decoded codes, the offset folded into the sub-block sums' start).
+
+Args of both: x, w, ws, (b), (res), y, as quant.gemv_panels_q4x8.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from runtime.dtypes import QUANT_BLOCK, WeightFormat
+
+from . import cpu as _cpu
+from .compute import drop_params, load_f32, prefetch
+from .cpu import PANEL
+from .kquant import panel_scale_bytes
+from .quant import (HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, _sum_kgroups, _vector_perm, check_dot, dot_u8s8,
+                    x_quantizer)
+
+
+def _check_kq(K, N, fmt: WeightFormat):
+    if not fmt.kept_from_file or fmt.bits not in (4, 5, 6) or fmt.block not in (16, 32):
+        raise ValueError(f"{fmt.name} is not a format kept from a file (q5_0, q5_1, q4_k, q5_k, q6_k)")
+    whole = fmt.super_block or QUANT_BLOCK
+    if K <= 0 or K % whole or N <= 0:
+        raise ValueError(f"a {K}x{N} {fmt.name} weight needs K a positive multiple of {whole}")
+
+
+class _Scales:
+    """Where a panel's scales are in the scales buffer (flat views: bytes `u8`/`i8` and fp16 `f16`), as TIR
+    expressions of the panel p, the sub-block sb and the column col."""
+
+    def __init__(self, fmt: WeightFormat, K: int):
+        self.fmt, self.K = fmt, K
+        self.row = panel_scale_bytes(fmt, K)  # bytes per panel
+        self.nsub = K // fmt.block
+        self.two = bool(fmt.super_block)
+        self.per_super = fmt.super_block // fmt.block if self.two else 0
+
+    def d(self, wsb, wsh, p, sb, col):
+        """The sub-block's scale d as fp32."""
+        if self.two:
+            sc = T.Cast("float32", wsb[p * self.row + sb * PANEL + col])
+            base = self.fmt.per_block * self.nsub * PANEL // 2  # fp16 index of D
+            return sc * T.Cast("float32", wsh[p * (self.row // 2) + base + sb // self.per_super * PANEL + col])
+        return T.Cast("float32", wsh[p * (self.row // 2) + sb * PANEL + col])
+
+    def m(self, wsb, wsh, p, sb, col):
+        """The sub-block's minimum m as fp32 (formats with mins)."""
+        if self.two:
+            mn = T.Cast("float32", wsb[p * self.row + self.nsub * PANEL + sb * PANEL + col])
+            base = self.fmt.per_block * self.nsub * PANEL // 2 + self.K // self.fmt.super_block * PANEL
+            return -(T.Cast("float32", wsh[p * (self.row // 2) + base + sb // self.per_super * PANEL + col]) * mn)
+        return T.Cast("float32", wsh[p * (self.row // 2) + self.nsub * PANEL + sb * PANEL + col])
+
+
+def _u8_const(values):
+    """A constant uint8 vector of `values` (a shuffle of broadcasts, which LLVM folds)."""
+    distinct = sorted(set(values))
+    n = len(values)
+    return T.Shuffle([T.broadcast(T.uint8(v), n) for v in distinct],
+                     [tirx.IntImm("int32", distinct.index(v) * n) for v in values])
+
+
+def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", residual=False, dot="vnni",
+                      lanes=16, group=None):
+    """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in kquant's panels layout (`fmt`: q5_0, q5_1, q4_k, q5_k,
+    q6_k), x quantized to int8 per 32-block.  Args: x, w, ws, (b), (res), y. `dot`, `lanes` as
+    quant.gemv_panels_q4x8 ("vnni", 16: AVX512-VNNI; "madd", 16: AVX512BW; "madd", 8: AVX2). See the module doc."""
+    _check_kq(K, N, fmt)
+    check_dot(dot, lanes)
+    B, SB = QUANT_BLOCK, fmt.block
+    SPB = B // SB  # sub-blocks per 32-block of x (Q6_K: 2)
+    nb, nsub = K // B, K // SB
+    planes = fmt.bits - 4
+    panels = -(-N // PANEL)
+    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
+    width = group * PANEL
+    full = N % width == 0
+    epilogue = _cpu._epilogue(act, bias, residual)
+    VB = K * 8 + planes * K * 2  # value bytes per panel
+    scales = _Scales(fmt, K)
+    SBY = scales.row
+    nbytes = 4 * lanes
+    steps = nbytes // HALF  # k steps per vector (8 or 4)
+    kgroups = lanes // HALF
+    VS = SB // steps  # vectors per sub-block
+    perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
+    m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
+    zero = T.broadcast(T.uint8(0), nbytes)
+    # plane bytes -> the permuted vector's bytes: byte e is column (e // 4) % 8 (+ 8 for the high nibbles) at k
+    # step 4 (e // 32) + e % 4 of the vector (+ 4 for AVX2's odd vectors of an 8-step k group)
+    sel_lo = [tirx.IntImm("int32", (e // 4) % 8) for e in range(nbytes)]
+    sel_hi = [tirx.IntImm("int32", 8 + (e // 4) % 8) for e in range(nbytes)]
+    mask = _u8_const([1 << (4 * (e // 32) + e % 4) for e in range(nbytes)])  # (AVX2's odd vectors: << 4)
+    bitv = [T.broadcast(T.uint8(1 << (4 + j)), nbytes) for j in range(planes)]
+    offset = fmt.offset
+    sub_scale = fmt.sub_scale or "uint8"
+    quantize_x = x_quantizer(K)
+    ahead, last = group * VB <= PREFETCH_TASK_BYTES, panels * VB - 1
+
+    def codes(wf, p, k0, sel, nib_half, j_planes):
+        """The permuted vector's codes at k0 (nibble half `nib_half`: 0 low, 1 high)."""
+        bits = mask if steps == 8 else mask << T.broadcast(T.Cast("uint8", k0 % 8), nbytes)
+        nib = T.Shuffle([wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]], perm)
+        c = (nib & m15) if nib_half == 0 else (nib >> m4)
+        for j in range(j_planes):
+            pv = wf[T.ramp(p * VB + K * HALF + j * K * 2 + k0 // 8 * PANEL, 1, PANEL)]
+            spread = T.Shuffle([pv] * (nbytes // PANEL), sel)
+            c = c | T.Select((spread & bits) != zero, bitv[j], zero)
+        return c
+
+    @T.macro
+    def prefetch_next(wf, t, kb):
+        if ahead:
+            for g in T.unroll(group):
+                for line in T.unroll(B * HALF // 64):
+                    prefetch(T.address_of(wf[T.min(((t + 1) * group + g) * VB + kb * B * HALF + line * 64, last)]), 2)
+                for j in T.unroll(planes):
+                    prefetch(T.address_of(wf[T.min(((t + 1) * group + g) * VB + K * HALF + j * K * 2 + kb * 64,
+                                                   last)]), 2)
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, VB), "uint8"),
+               ws: T.Buffer((panels, SBY), "uint8"), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        wf = T.decl_buffer((panels * VB,), "uint8", data=w.data)
+        wsb = T.decl_buffer((panels * SBY,), sub_scale, data=ws.data)
+        wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
+        xq = T.alloc_buffer((K,), "int8")
+        xq32 = T.decl_buffer((K // 4,), "int32", data=xq.data)
+        sx = T.alloc_buffer((nb,), "float32")
+        xsum = T.alloc_buffer((nb,), "int32")
+        ssum = T.alloc_buffer((nsub,), "int32")
+        xs = T.alloc_buffer((nsub,), "float32")
+        xc = T.alloc_buffer((nsub, lanes), "int32")
+        xpat = T.alloc_buffer((K // steps, lanes), "int32")
+        xpat8 = T.decl_buffer((K // steps * nbytes,), "int8", data=xpat.data)
+        quantize_x(x, 0, xq, sx, xsum, 0)
+        for sb in range(nsub):
+            ssum[sb] = 0
+            for v in range(SB):
+                ssum[sb] = ssum[sb] + T.Cast("int32", xq[sb * SB + v])
+            xs[sb] = sx[sb // SPB] * T.Cast("float32", ssum[sb])
+            for v in T.vectorized(lanes):
+                xc[sb, v] = T.if_then_else(v < HALF, -offset * ssum[sb], 0)
+        for o in range(K // steps):
+            for v in T.vectorized(lanes):
+                xpat[o, v] = xq32[kgroups * o + v // HALF]
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((group, 2, lanes), "float32")
+            part = T.alloc_local((group, 2, lanes), "int32")
+            for g, h in T.grid(group, 2):
+                for v in T.vectorized(lanes):
+                    acc[g, h, v] = T.float32(0)
+            for kb in range(nb):
+                prefetch_next(wf, t, kb)
+                for u in T.unroll(SPB):
+                    for g, h in T.grid(group, 2):
+                        for v in T.vectorized(lanes):
+                            part[g, h, v] = xc[kb * SPB + u, v]
+                    for o in T.unroll(VS):
+                        for g in T.unroll(group):
+                            part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
+                                dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
+                                codes(wf, t * group + g, kb * B + (u * VS + o) * steps, sel_lo, 0, planes),
+                                xpat8[T.ramp((kb * (B // steps) + u * VS + o) * nbytes, 1, nbytes)])
+                            part[g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
+                                dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
+                                codes(wf, t * group + g, kb * B + (u * VS + o) * steps, sel_hi, 1, planes),
+                                xpat8[T.ramp((kb * (B // steps) + u * VS + o) * nbytes, 1, nbytes)])
+                    for g, h, kg in T.grid(group, 2, kgroups):
+                        for c in T.vectorized(HALF):
+                            acc[g, h, kg * HALF + c] = acc[g, h, kg * HALF + c] + T.Cast(
+                                "float32", part[g, h, kg * HALF + c]) * (
+                                scales.d(wsb, wsh, t * group + g, kb * SPB + u, h * HALF + c) * sx[kb])
+                    if fmt.has_min:
+                        for g, h in T.grid(group, 2):
+                            for c in T.vectorized(HALF):
+                                acc[g, h, c] = acc[g, h, c] + scales.m(
+                                    wsb, wsh, t * group + g, kb * SPB + u, h * HALF + c) * xs[kb * SPB + u]
+            for g, h in T.grid(group, 2):
+                for c in (T.vectorized if full else T.serial)(HALF):
+                    if full or t * width + g * PANEL + h * HALF + c < N:
+                        y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
+                            _sum_kgroups(acc, g, h, c, kgroups), b, res, 0, t * width + g * PANEL + h * HALF + c)
+
+    unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
+
+
+def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", residual=False, group=None):
+    """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in kquant's panels layout (`fmt`), fp32 activations.
+    Args: x, w, ws, (b), (res), y.
+
+    As quant._gemv_q4: a 16-lane vector is two k steps (lanes 0-7 row k, 8-15 row k + 1), against
+    xp = x[k] x8 ++ x[k + 1] x8 (made once per call); the 16 nibble bytes of a k pair are the low codes of columns
+    0-7 and the high ones of columns 8-15, the bit planes' bytes of the k pair's 8-step group spread over the same
+    lanes by a constant shuffle and tested against 1 << (k step in the group). Per sub-block the fp32 sums start
+    at -offset * sum(x) (lanes: the even and the odd k) and acc += sum * d (+ m * sum(x) where the format has
+    mins); lanes l and l + 8 are summed in the epilogue."""
+    _check_kq(K, N, fmt)
+    SB = fmt.block
+    nsub = K // SB
+    planes = fmt.bits - 4
+    panels = -(-N // PANEL)
+    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
+    width = group * PANEL
+    full = N % width == 0
+    epilogue = _cpu._epilogue(act, bias, residual)
+    VB = K * 8 + planes * K * 2
+    scales = _Scales(fmt, K)
+    SBY = scales.row
+    sub_scale = fmt.sub_scale or "uint8"
+    m15, m4 = T.broadcast(T.uint8(15), PANEL), T.broadcast(T.uint8(4), PANEL)
+    zero = T.broadcast(T.uint8(0), PANEL)
+    sel_lo = [tirx.IntImm("int32", v % HALF) for v in range(PANEL)]
+    sel_hi = [tirx.IntImm("int32", HALF + v % HALF) for v in range(PANEL)]
+    mask = _u8_const([1 << (v // HALF) for v in range(PANEL)])  # lane v: k step v // 8 of the pair
+    bitv = [T.broadcast(T.uint8(1 << (4 + j)), PANEL) for j in range(planes)]
+    factor = T.float32(-fmt.offset)
+
+    def codes(wf, p, k, sel, nib_half):
+        """Codes of the k pair at k (even) as 16 lanes: the low nibbles' columns (0-7) or the high ones' (8-15)."""
+        nib = wf[T.ramp(p * VB + k * HALF, 1, PANEL)]
+        c = (nib & m15) if nib_half == 0 else (nib >> m4)
+        bits = mask << T.broadcast(T.Cast("uint8", k % 8), PANEL)
+        for j in range(planes):
+            pv = wf[T.ramp(p * VB + K * HALF + j * K * 2 + k // 8 * PANEL, 1, PANEL)]
+            c = c | T.Select((T.Shuffle([pv], sel) & bits) != zero, bitv[j], zero)
+        return T.Cast(f"float32x{PANEL}", c)
+
+    @T.prim_func
+    def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, VB), "uint8"),
+               ws: T.Buffer((panels, SBY), "uint8"), b: T.Buffer((N,), "float32"),
+               res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        wf = T.decl_buffer((panels * VB,), "uint8", data=w.data)
+        wsb = T.decl_buffer((panels * SBY,), sub_scale, data=ws.data)
+        wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
+        xp = T.alloc_buffer((K // 2, PANEL), "float32")
+        xsm = T.alloc_buffer((nsub, PANEL), "float32")
+        for j in range(K // 2):
+            for v in T.vectorized(PANEL):
+                xp[j, v] = x[0, 2 * j + v // HALF]
+        for sb in range(nsub):
+            for v in T.vectorized(PANEL):
+                xsm[sb, v] = T.float32(0)
+            for j in range(SB // 2):
+                for v in T.vectorized(PANEL):
+                    xsm[sb, v] = xsm[sb, v] + xp[sb * (SB // 2) + j, v]
+        for t in T.parallel(panels // group):
+            acc = T.alloc_local((group, 2, PANEL), "float32")
+            part = T.alloc_local((group, 2, PANEL), "float32")
+            for g, h in T.grid(group, 2):
+                for v in T.vectorized(PANEL):
+                    acc[g, h, v] = T.float32(0)
+            for sb in range(nsub):
+                for g, h in T.grid(group, 2):
+                    for v in T.vectorized(PANEL):
+                        part[g, h, v] = factor * xsm[sb, v]
+                for j in T.unroll(SB // 2):
+                    for g in T.unroll(group):
+                        part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
+                            sb * (SB // 2) + j, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb * SB + 2 * j,
+                                                                             sel_lo, 0)
+                        part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
+                            sb * (SB // 2) + j, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb * SB + 2 * j,
+                                                                             sel_hi, 1)
+                for g, h, half in T.grid(group, 2, 2):
+                    for c in T.vectorized(HALF):
+                        acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * (
+                            scales.d(wsb, wsh, t * group + g, sb, h * HALF + c))
+                if fmt.has_min:
+                    for g, h, half in T.grid(group, 2, 2):
+                        for c in T.vectorized(HALF):
+                            acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + xsm[sb, half * HALF + c] * (
+                                scales.m(wsb, wsh, t * group + g, sb, h * HALF + c))
+            for g, h in T.grid(group, 2):
+                for c in (T.vectorized if full else T.serial)(HALF):
+                    if full or t * width + g * PANEL + h * HALF + c < N:
+                        y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
+                            acc[g, h, c] + acc[g, h, HALF + c], b, res, 0, t * width + g * PANEL + h * HALF + c)
+
+    unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
+    return drop_params(kernel, unused).with_attr("global_symbol", name)
