@@ -59,12 +59,12 @@ def gguf_sources(path: Path, log=print) -> tuple[Path, dict[str, Path], int]:
     """A GGUF file's front-end ONNX (onnxruntime runs it) and its dense build in the file's own format
     (bench_gguf's builder and cache)."""
     from benchmarks.bench_gguf import ensure_gguf_artifact
-    from passes.import_gguf import converted
+    from passes.import_gguf import reference_onnx
 
     built = ensure_gguf_artifact(path, "dense", 256, None, log=log)
     if built.artifact is None:
         raise SystemExit(f"error: {path}: {built.error}")
-    return converted(path).onnx, {"dense": built.artifact}, 256
+    return reference_onnx(path), {"dense": built.artifact}, 256
 
 
 def measure_model(name: str, args) -> dict:

@@ -177,12 +177,12 @@ def source_for(model: str, work: Path, sequences: int, length: int, log=print) -
     else:
         raise Refused(f"--model takes smollm2, code or gguf:PATH, not {model!r}")
     from bench_gguf import write_texts
-    from passes.import_gguf import converted
+    from passes.import_gguf import converted, reference_onnx
 
     made = converted(path)
     # about 4-5 characters a token: room for `sequences` x `length` tokens and some
     prose, calib = write_texts(work, heldout_chars=sequences * length * 7, calib_chars=CALIB_CHARS)
-    return Source(path.stem, path, made.onnx, calib, None, prose, made.tokenizer, BUILDS_GGUF, 256)
+    return Source(path.stem, path, reference_onnx(path), calib, None, prose, made.tokenizer, BUILDS_GGUF, 256)
 
 
 def heldout_ids(source: Source, artifacts: list[Path], work: Path, sequences: int, length: int) -> Path:

@@ -43,7 +43,7 @@ def main() -> int:
     from examples.bench_decode import measure, table
     from examples.models import cache_dir
     from examples.real_models import smollm2_gguf
-    from passes.import_gguf import converted
+    from passes.import_gguf import reference_onnx
     from runtime import Engine, generate_stream
     from runtime.text import load_tokenizer
 
@@ -72,10 +72,10 @@ def main() -> int:
     print(stream.flush() + "\n" + "-" * 60, flush=True)
 
     print("4. decode speed on this machine (same threads), with the quality each build keeps", flush=True)
-    source = converted(gguf)
-    quality = {"picompile dense": artifact_quality(engine, source.onnx, tokenizer)}
+    reference = reference_onnx(gguf)
+    quality = {"picompile dense": artifact_quality(engine, reference, tokenizer)}
     del engine
-    summary = measure(SimpleNamespace(onnx=source.onnx), {"picompile dense": artifact}, SPEED_TOKENS, runs=3,
+    summary = measure(SimpleNamespace(onnx=reference), {"picompile dense": artifact}, SPEED_TOKENS, runs=3,
                       threads=args.threads, prompt_len=SPEED_PROMPT_LEN)
     print(table({"prompt_len": SPEED_PROMPT_LEN}, summary, quality))
     print(llama_cpp_line(gguf, args.threads, summary["picompile dense"]["decode_tokens_per_s"]))

@@ -34,6 +34,7 @@ from .facts import ModelFact
 from .ops import FFN
 from .pipeline import Context, Options
 
+from .import_gguf import GGUFSource
 from .import_onnx import SourceQuantization
 from .kernels import quant
 from .profile import PROFILED_ACTIVATIONS, ProfiledActivations
@@ -141,7 +142,8 @@ class AWQ:
         fmt = ctx.build.weight_format
         if not fmt.quantized:
             return PassResult(model, modified=False)
-        if SourceQuantization.of(model) is not None:
+        gguf = GGUFSource.of(model)
+        if SourceQuantization.of(model) is not None or (gguf is not None and gguf.quantized()):
             ctx.log("awq: the model came quantized; its weights keep their own values")
             return PassResult(model, modified=False)
         profiled = ProfiledActivations.of(model)

@@ -5,8 +5,9 @@ Standard ONNX ops computed as transformers' LLaMA / Qwen2 exports compute them: 
 + eps) * w, rotate-half RoPE from an `inv_freq` constant and `position_ids`, a causal mask with
 `attention_mask`, grouped-query attention by repeating the cache's kv heads, SwiGLU as gate * sigmoid(gate) *
 up; the KV cache in optimum's convention. Weights: F32 as stored, F16 / BF16 as stored behind a Cast to
-float32, Q8_0 / Q4_0 matrices as `com.microsoft.MatMulNBits` over the file's codes and scales, anything else
-dequantized to float32 when the model is saved (`onnx_ir.LazyTensor`: one tensor at a time). LLaMA's q / k rows
+float32, a block type some picompile format holds exactly (`passes.formats.ggml`) as a `FileTensor` over the
+file's blocks (a float tensor to every pass, computed when read; select-kernels packs the blocks themselves),
+any other dequantized to float32 when read (`onnx_ir.LazyTensor`: one tensor at a time). LLaMA's q / k rows
 are put back in rotate-half order (`rope_rows`).
 """
 
@@ -17,8 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from .file_blocks import FileMatrix, FileRows, FileTensor
+from .formats import ggml
+
 OPSET = 18
-NBITS_TYPES = {"Q8_0": 8, "Q4_0": 4}  # stored as MatMulNBits, their blocks kept
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -52,22 +56,20 @@ def _float_array(tensor) -> np.ndarray:
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
 
 
-def _nbits(tensor, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 / Q4_0 [N, K] matrix as MatMulNBits' B (uint8 [N, K/32, 32 or 16]: codes q + 2^(bits-1), two
-    4-bit codes a byte, low nibble first) and float32 scales [N, K/32] (the file's fp16 d, exactly).
-    `rows` reorders the rows (whole rows: blocks unchanged)."""
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    N, K = shape
-    raw = tensor.data.reshape(N, K // 32, -1)
-    if rows is not None:
-        raw = raw[rows]
-    scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-    if tensor.tensor_type.name == "Q8_0":
-        codes = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return np.ascontiguousarray(codes), scales
-    qs = raw[..., 2:]  # byte j: element j in the low nibble, element j + 16 in the high one (codes q + 8)
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, blocks, 32] in element order
-    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), scales
+def kept_in_blocks(tensor) -> bool:
+    """Whether a tensor of the file stays in its own blocks (a block type a picompile format holds exactly)."""
+    kind = tensor.tensor_type.name
+    found = ggml.GGML_TYPES.get(kind)
+    return kind not in FLOAT_TYPES and found is not None and found.format is not None and found.exact
+
+
+def file_matrix(tensor, rows: np.ndarray | None = None, transposed: bool = True) -> FileMatrix:
+    """A quantized tensor of the file as a `FileMatrix` over its memory-mapped blocks: the [K, N] a linear
+    computes with (`transposed`), or the file's [R, C] (a table whose rows are gathered). `rows` reorders the
+    file's rows (whole rows: blocks unchanged)."""
+    N, K = (int(d) for d in reversed(tensor.shape.tolist()))
+    raw = np.asarray(tensor.data).reshape(N, -1)
+    return FileMatrix((FileRows(tensor.tensor_type.name, raw, K, rows),), transposed)
 
 
 def rope_rows(heads: int, head_dim: int) -> np.ndarray:
@@ -139,18 +141,13 @@ def _weight(g: _Graph, name: str, tensor, rows: np.ndarray | None = None) -> ir.
 
 
 def _linear(g: _Graph, x: ir.Value, name: str, tensor, bias=None, rows: np.ndarray | None = None) -> ir.Value:
-    """x @ W^T (+ b) for the file's W [N, K]: MatMulNBits for Q8_0 / Q4_0, else MatMul over [K, N]."""
-    kind = tensor.tensor_type.name
-    if kind in NBITS_TYPES:
-        N, K = (int(d) for d in reversed(tensor.shape.tolist()))
-        blocks = -(-K // 32)
-        inputs = [x, g.lazy(f"{name}.B", lambda: _nbits(tensor, rows)[0], ir.DataType.UINT8,
-                            (N, blocks, 32 * NBITS_TYPES[kind] // 8)),
-                  g.lazy(f"{name}.scales", lambda: _nbits(tensor, rows)[1], ir.DataType.FLOAT, (N, blocks))]
-        y = g.op("MatMulNBits", inputs, {"K": K, "N": N, "bits": NBITS_TYPES[kind], "block_size": 32},
-                 domain="com.microsoft", name=name)
+    """x @ W^T (+ b) for the file's W [N, K]: MatMul over [K, N], the file's blocks where they are kept
+    (`FileTensor`), else floats."""
+    if kept_in_blocks(tensor):
+        weight = g.const(name, FileTensor(file_matrix(tensor, rows), name=name))
     else:
-        y = g.op("MatMul", [x, _weight(g, name, tensor, rows)], name=name)
+        weight = _weight(g, name, tensor, rows)
+    y = g.op("MatMul", [x, weight], name=name)
     if bias is not None:
         b = _float_array(bias).astype(np.float32)
         y = g.op("Add", [y, g.const(f"{name}.bias", np.ascontiguousarray(b if rows is None else b[rows]))],
@@ -205,6 +202,8 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
                      name="token_embd.weight/fp32")
     elif embed.tensor_type.name == "F32":
         table = g.const("token_embd.weight", _float_array(embed))
+    elif kept_in_blocks(embed):
+        table = g.const("token_embd.weight", FileTensor(file_matrix(embed, transposed=False), name="token_embd.weight"))
     else:
         table = g.lazy("token_embd.weight", lambda: _float_array(embed).astype(np.float32), ir.DataType.FLOAT,
                        (vocab, h.d_model))

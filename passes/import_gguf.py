@@ -57,24 +57,30 @@ from .errors import UserError
 from .facts import ModelFact
 from .pipeline import Context
 
-from .gguf_graph import NBITS_TYPES, Hyper, build_graph
-from .import_onnx import Import, load_onnx
+from .formats import ggml
+from .gguf_graph import FLOAT_TYPES, Hyper, build_graph
+from .import_onnx import Import, check_memory
 
 GGUF_MAGIC = b"GGUF"
-CONVERTER_VERSION = 2  # part of the cache key: a change to the graph written here invalidates old conversions
+CONVERTER_VERSION = 3  # part of the cache key: a change to what is written here invalidates old conversions
 ARCHITECTURES = ("llama", "qwen2")
 GGUF_KEY = "picompile.gguf"  # the metadata_props entry of the fact
-FLOAT_TYPES = ("F32", "F16", "BF16")
-# --weight-dtype that keeps (or, for formats no picompile block holds, best keeps) a GGUF type's values:
-# `auto`'s choice for a file whose matrices are mostly of that type. Q4_1 has int4a, its own blocks; formats
-# no picompile block holds (the K-quants) go to int8, which changed SmolLM2's Q4_1 matrices by 0.5% and its
-# perplexity by +0.2% where int4 cost x1.3-1.4; fp16 would hold them closer at twice the bytes.
-AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4a"}
+# --weight-dtype auto for a file whose matrices are mostly of a float type (block types: the format the ggml table
+# keeps them in, `passes.formats.ggml`). Types no picompile format holds (Q2_K, Q3_K, the IQ types) go to int8.
+AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16"}
 AUTO_FALLBACK = "int8"
-# (source type, --weight-dtype) pairs that keep every value exactly (an int4a build keeps a float matrix in floats)
+# (source type, --weight-dtype) pairs that keep every value exactly where a --weight-dtype is given (an int4a build
+# keeps a float matrix in floats; int8 holds q5_0's and int4's symmetric 32-blocks)
 EXACT = {("F32", "fp32"), ("F16", "fp32"), ("F16", "fp16"), ("BF16", "fp32"), ("Q8_0", "fp32"), ("Q8_0", "int8"),
          ("Q4_0", "fp32"), ("Q4_0", "int8"), ("Q4_0", "int4"), ("Q4_0", "int4a"), ("Q4_1", "fp32"),
-         ("Q4_1", "int4a"), ("F32", "int4a"), ("F16", "int4a"), ("BF16", "int4a")}
+         ("Q4_1", "int4a"), ("F32", "int4a"), ("F16", "int4a"), ("BF16", "int4a"), ("Q5_0", "int8"),
+         *((name, "fp32") for name, kind in ggml.GGML_TYPES.items() if kind.format is not None)}
+
+
+def kept_format(ggml_type: str) -> str | None:
+    """The picompile format a file's tensor of `ggml_type` keeps its blocks in (None: none holds them exactly)."""
+    kind = ggml.GGML_TYPES.get(ggml_type)
+    return kind.format if kind is not None and kind.exact and ggml_type not in FLOAT_TYPES else None
 
 
 def is_gguf(path: Path) -> bool:
@@ -135,27 +141,27 @@ class GGUFSource(ModelFact):
         return max(by_format, key=by_format.get) if by_format else "F32"
 
     def weight_dtype(self) -> str:
-        """`--weight-dtype auto` for this file: its main format's (AUTO_FORMAT)."""
-        return AUTO_FORMAT.get(self.main_format(), AUTO_FALLBACK)
+        """`--weight-dtype auto` for this file: its main format's (AUTO_FORMAT, or the format keeping its blocks)."""
+        most = self.main_format()
+        return AUTO_FORMAT.get(most) or kept_format(most) or AUTO_FALLBACK
 
     def auto_reason(self) -> str:
         """Why `weight_dtype` chose what it did, for -v."""
         most = self.main_format()
-        if most in AUTO_FORMAT:
-            return f"most of the file's weights are {most}"
-        return (f"most of the file's weights are {most}, which no picompile format holds exactly yet: int8 keeps "
+        if most in AUTO_FORMAT or kept_format(most):
+            return f"most of the file's weights are {most}; every matrix keeps the file's own blocks"
+        return (f"most of the file's weights are {most}, which no picompile format holds exactly: int8 keeps "
                 "them closest at its size")
 
     def changed(self, weight_dtype: str, keep_source_blocks: bool = False) -> dict[str, int]:
         """Source format -> how many matrices a build storing weights in `weight_dtype` re-rounds (values no
         longer the file's); with `keep_source_blocks` (auto's build) a matrix in blocks another format holds
         exactly is stored in that one (passes.quantize)."""
-        kept_in = {dtype for _, dtype in EXACT} if keep_source_blocks else {weight_dtype}
         counts: dict[str, int] = {}
         for t in self.matrices():
             if weight_dtype == "fp32" or (t.format, weight_dtype) in EXACT:  # fp32 holds every file value
                 continue
-            if keep_source_blocks and t.format not in FLOAT_TYPES and any((t.format, d) in EXACT for d in kept_in):
+            if keep_source_blocks and kept_format(t.format) is not None:
                 continue
             counts[t.format] = counts.get(t.format, 0) + 1
         return counts
@@ -178,7 +184,7 @@ def rerounding_warning(source: GGUFSource, weight_dtype: str, target_has_gpu: bo
     parts = ", ".join(f"{count} {name}" for name, count in sorted(changed.items(), key=lambda kv: -kv[1]))
     total = sum(changed.values())
     gpu = " (GPU-resident ones are stored fp16 whatever --weight-dtype says)" if target_has_gpu else ""
-    unheld = sorted(name for name in changed if name not in AUTO_FORMAT)
+    unheld = sorted(name for name in changed if name not in AUTO_FORMAT and kept_format(name) is None)
     why = (f" (no picompile format holds {'/'.join(unheld)} blocks exactly yet)" if unheld else "")
     return (f"{total} of the file's weight matrices ({parts}) are re-rounded to {weight_dtype}{why}: their values "
             f"are no longer the file's{gpu}; --weight-dtype fp32 keeps every value")
@@ -376,7 +382,7 @@ def tensors(reader, h: Hyper, path: Path) -> tuple[dict, int]:
             raise _refuse(path, f"the data of tensor {name} ends at byte {tensor.data_offset + tensor.n_bytes}, past "
                                 f"the end of the file ({size} bytes): the file is truncated")
         kind = tensor.tensor_type.name
-        if kind not in FLOAT_TYPES and kind not in NBITS_TYPES and tensor.tensor_type not in gguf.quants._type_traits:
+        if kind not in FLOAT_TYPES and kept_format(kind) is None and tensor.tensor_type not in gguf.quants._type_traits:
             raise _refuse(path, f"tensor {name} is stored as {kind}, which the gguf package cannot dequantize")
     return found, vocab
 
@@ -390,9 +396,9 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class Converted:
-    """Where a GGUF file's conversion lives: the ONNX model and, if the file had one, its tokenizer's directory."""
+    """What is kept of a GGUF file beside it: its tokenizer's directory (if the file had one) and the facts read."""
 
-    onnx: Path
+    directory: Path
     tokenizer: Path | None
     source: GGUFSource
 
@@ -403,43 +409,52 @@ def _key(path: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _source(path: Path, h: Hyper, found: dict, vocab: int) -> GGUFSource:
+    expected = _expected_shapes(h, vocab)
+    return GGUFSource(str(path.resolve()), h.architecture, tuple(
+        GGUFTensor(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), expected[name][1])
+        for name, t in found.items()))
+
+
+def _staged(directory: Path, write) -> None:
+    """`write(staging)` into a new directory renamed to `directory` when complete (another process's is as good)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the conversion from the cache's other users
+    try:
+        write(staging)
+        try:
+            staging.rename(directory)
+        except OSError:  # another process wrote the same meanwhile
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def convert(path: Path, log=lambda message: None) -> Converted:
-    """The GGUF file's ONNX decoder and tokenizer, written once (atomically: a directory renamed into place)."""
+    """The GGUF file's tokenizer (and the conversion's notes), written once beside nothing else: the model itself
+    is read from the file at each load (`load`), its blocks never copied."""
     path = Path(path)
     reader = read(path)
     h = hyper(reader, path)
     found, vocab = tensors(reader, h, path)
-    expected = _expected_shapes(h, vocab)
-    source = GGUFSource(str(path.resolve()), h.architecture, tuple(
-        GGUFTensor(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), expected[name][1])
-        for name, t in found.items()))
+    source = _source(path, h, found, vocab)
     directory = cache_root() / f"{path.stem}-{_key(path)}"
-    onnx_path, notes_path = directory / "model.onnx", directory / "notes.json"
-    if not onnx_path.is_file():
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the conversion from the cache's other users
-        try:
-            model = build_graph(h, found, vocab)
-            source.attach(model)
-            # weights streamed into model.onnx.data one tensor at a time (the lazy ones made as they are written)
-            ir.save(model, staging / "model.onnx", external_data="model.onnx.data")
+    notes_path = directory / "notes.json"
+    if not notes_path.is_file():
+        def write(staging: Path) -> None:
             from .gguf_tokenizer import write_tokenizer
 
             notes = write_tokenizer(reader, path, staging, vocab, log)
             (staging / "notes.json").write_text(json.dumps(notes))
-            try:
-                staging.rename(directory)
-            except OSError:  # another process converted the same file meanwhile: theirs is as good
-                shutil.rmtree(staging, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+
+        _staged(directory, write)
     tokenizer = directory if (directory / "tokenizer.json").is_file() else None
     notes = tuple(json.loads(notes_path.read_text())) if notes_path.is_file() else ()
-    return Converted(onnx_path, tokenizer, replace(source, notes=notes))
+    return Converted(directory, tokenizer, replace(source, notes=notes))
 
 
 @lru_cache(maxsize=8)
@@ -456,14 +471,32 @@ def converted(path: Path) -> Converted:
 
 
 def load(path: Path, for_build: bool = True) -> ir.Model:
-    """The GGUF file's decoder as the ONNX front end loads a model (`passes.import_onnx.load_onnx`), carrying
-    its `GGUFSource`; `source_file` of it is the converted ONNX file (what onnxruntime runs as the reference)."""
+    """The GGUF file's decoder, built from the memory-mapped file (block-quantized matrices as `FileTensor`s over
+    its blocks), carrying its `GGUFSource`. A build first checks the machine's memory against the file's size
+    (what the build holds of the weights: their blocks, one matrix's floats at a time)."""
+    path = Path(path)
     made = converted(path)
-    model = load_onnx(made.onnx, for_build=for_build)
+    if for_build:
+        check_memory(str(path), path.stat().st_size)
+    reader = read(path)
+    h = hyper(reader, path)
+    found, vocab = tensors(reader, h, path)
+    model = build_graph(h, found, vocab)
     made.source.attach(model)
     return model
 
 
+def reference_onnx(path: Path) -> Path:
+    """An ONNX file of the GGUF file's decoder with every weight in float32 (the file's values): what onnxruntime
+    runs as a reference or a baseline (eval, benchmarks, tests), never what a build reads. Written once per file
+    into the cache, tensor by tensor."""
+    path = Path(path)
+    directory = cache_root() / f"{path.stem}-{_key(path)}-onnx"
+    onnx_path = directory / "model.onnx"
+    if not onnx_path.is_file():
+        model = load(path, for_build=False)
+        _staged(directory, lambda staging: ir.save(model, staging / "model.onnx", external_data="model.onnx.data"))
+    return onnx_path
 
 
 @dataclass

@@ -28,9 +28,13 @@ EXTERNAL_DATA_BYTES = 1_500_000_000  # weights past this go beside the .onnx (pr
 INLINE_TENSOR_BYTES = 1024  # smaller tensors stay in the .onnx even then (shape inference reads shape inputs)
 
 
-def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    """Add a constant tensor to the graph and return its value."""
-    value = ir.val(name, const_value=ir.tensor(np.ascontiguousarray(array), name=name))
+def initializer(graph: ir.Graph, name: str, array) -> ir.Value:
+    """Add a constant tensor to the graph and return its value (a file's blocks, `FileMatrix`, stay as they are)."""
+    from .file_blocks import FileMatrix, FileTensor
+
+    tensor = FileTensor(array, name=name) if isinstance(array, FileMatrix) else ir.tensor(np.ascontiguousarray(array),
+                                                                                           name=name)
+    value = ir.val(name, const_value=tensor)
     graph.register_initializer(value)
     return value
 
@@ -54,9 +58,24 @@ HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 HALF_ARRAYS = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
-def weight_array(array: np.ndarray) -> np.ndarray:
-    """A weight as the compiler holds it: fp16 and bf16 as stored (half the memory of fp32), any other dtype as
-    float32. A pass that computes with it widens it (`np.asarray(w, np.float32)`) for the part it works on."""
+def const_matrix(value: ir.Value | None):
+    """A constant weight as the front end gave it: a `FileMatrix` where it is a file's blocks (the lift keeps
+    them so), else `const_array`'s array."""
+    from .file_blocks import FileTensor
+
+    if value is not None and isinstance(value.const_value, FileTensor):
+        return value.const_value.matrix
+    return const_array(value)
+
+
+def weight_array(array):
+    """A weight as the compiler holds it: fp16 and bf16 as stored (half the memory of fp32), a file's blocks
+    (`FileMatrix`) as they are, any other dtype as float32. A pass that computes with it widens it
+    (`np.asarray(w, np.float32)`) for the part it works on."""
+    from .file_blocks import FileMatrix
+
+    if isinstance(array, FileMatrix):
+        return array
     array = np.asarray(array)
     return array if array.dtype in HALF_ARRAYS else np.asarray(array, np.float32)
 

@@ -20,6 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from . import ir as pir
+from .file_blocks import FileTensor
 from . import memory
 from .errors import UserError
 from .ops import Attention
@@ -49,7 +50,10 @@ WHOLE_MODEL_MEMORY_SHARE = 0.5
 
 
 def needs_layers(source: ir.Model) -> bool:
-    """Whether onnxruntime could not hold the whole source model's weights: run it layer by layer."""
+    """Whether onnxruntime could not hold the whole source model's weights, or the model keeps a file's blocks
+    (`FileTensor`: onnxruntime would hold their float copy): run it layer by layer."""
+    if any(isinstance(value.const_value, FileTensor) for value in source.graph.initializers.values()):
+        return True
     available = available_memory_bytes()
     fp32_bytes = sum(dtypes.nbytes(list(value.const_value.shape), "float32")
                      for value in source.graph.initializers.values() if value.const_value is not None)

@@ -342,7 +342,7 @@ class Profile:
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         source = source_model(model)
         ffns = sorted(FFN.nodes(model), key=lambda n: FFN(n).layer)
-        vocab_size = pir.const_array(model.graph.initializers["embed.tokens"]).shape[0]
+        vocab_size = pir.const_matrix(model.graph.initializers["embed.tokens"]).shape[0]
         length = min(ctx.build.max_context, SEQUENCE_TOKENS)
         given = calibration_tokens(self.calib, self.calib_tokens, length, self.seed, vocab_size, ctx.log,
                                    self.tokenizer)

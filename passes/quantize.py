@@ -57,6 +57,7 @@ from runtime.manifest import Quantization
 
 from .awq import AwqReport
 from .blocking import Blocking, relative_error
+from .file_blocks import FileMatrix, file_matrix, keep_blocks
 from .quality import WeightPlan
 from .kernels import quant
 from .place import DEVICE_KEY, PLACED, device_of
@@ -80,6 +81,7 @@ THRESHOLDED: dict[str, tuple[tuple[int, str], ...]] = {
     "Linear": ((1, "threshold"),),  # the output layer's [K, V], where the quality plan thins its input
 }
 PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in PREDICTOR_FORMAT
+KEPT_FORMATS_ROUND_TO = "int8"  # where a build in a file's own format (q4_k, ...) stores a matrix the file had in floats
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored (runtime.manifest.Quantization)
 _ONNX_TYPES = {(8, False): (ir.DataType.INT8, np.int8), (4, False): (ir.DataType.INT4, ml_dtypes.int4),
                (4, True): (ir.DataType.UINT4, ml_dtypes.uint4)}  # (bits, has_min) -> the values' types
@@ -150,6 +152,7 @@ class Quantize:
         done: dict[tuple[int, int], ir.Value] = {}  # (id of the float value, axis) -> its DequantizeLinear's output
         kept, stored, floats, errors, quantized_bytes, rerounded, foreign = [], 0, 0, [], 0.0, 0, []
         exact_matrices, moved = 0, {}  # matrices kept exactly; format name -> matrices stored in it instead
+        from_file: dict[str, int] = {}  # format name -> matrices kept in a model file's own blocks (FileMatrix)
         planned = WeightPlan.of(model).formats  # the quality pass's format per matrix, where not the build's
         planned_floats: list[str] = []  # matrices the plan keeps in floats
         planned_formats: dict[str, int] = {}  # format name -> matrices the plan stores in it instead of fmt
@@ -164,6 +167,27 @@ class Quantize:
                     if not matrix_format.quantized:  # planned in floats: select-kernels stores it so
                         planned_floats.append(value.name)
                         continue
+                held = file_matrix(value) if node.op_type != "Predict" else None
+                if key not in done and held is not None and _keeps_blocks(held, axis, matrix_format,
+                                                                          ctx.build.keep_source_blocks):
+                    used = held.stored_format()
+                    if used.kept_from_file:  # select-kernels packs the file's blocks themselves
+                        keep_blocks(value, used)
+                        from_file[used.name] = from_file.get(used.name, 0) + 1
+                        stored += held.size
+                        floats += held.size * 4
+                        quantized_bytes += held.size * used.bytes_per_weight
+                        continue
+                    blocks = held.blocks()
+                    done[key] = self._dequantize(graph, node, value.name, blocks.values(), blocks.scales, axis, used,
+                                                 blocks.mins)
+                    from_file[used.name] = from_file.get(used.name, 0) + 1
+                    exact_matrices += 1
+                    stored += held.size
+                    floats += held.size * 4
+                    quantized_bytes += held.size * used.bytes_per_weight
+                if matrix_format.kept_from_file:  # a float matrix of a build in a file's format: no rule rounds
+                    matrix_format = WEIGHT_FORMATS[KEPT_FORMATS_ROUND_TO]  # floats into it
                 if key not in done:
                     array = pir.const_array(value)
                     if array is None or not quant.quantizable(array.shape, axis, matrix_format.block):
@@ -191,7 +215,7 @@ class Quantize:
                     quantized_bytes += array.size * matrix_format.bytes_per_weight
                 node.replace_input_with(index, done[key])
         pir.drop_unused_initializers(graph)
-        if not done and not fmt.quantized:
+        if not done and not from_file and not fmt.quantized:
             return PassResult(model, modified=False)
         method = "rtn" if blocking.came_quantized or not fmt.quantized else self.method
         blocked = fmt if fmt.quantized else PREDICTOR_FORMAT
@@ -202,10 +226,11 @@ class Quantize:
                                mean_relative_error=float(np.mean(errors)) if errors else 0.0, kept_in_floats=kept,
                                exact_matrices=exact_matrices, planned_floats=planned_floats,
                                planned_formats=planned_formats, source_blocks_rerounded=rerounded,
-                               source_floats_kept=foreign, source_formats_kept=moved,
+                               source_floats_kept=foreign, source_formats_kept={**moved, **from_file},
                                channel_scales=channel_scales.to_json() if (channel_scales := AwqReport.of(model)) else {})
         write_entry(model, QUANTIZED_KEY, summary)
-        ctx.log(f"quantize: {len(done)} {summary.scope[:-1]} matrices to {blocked.name} ({method}, blocks of "
+        ctx.log(f"quantize: {len(done) + sum(from_file.values())} {summary.scope[:-1]} matrices to {blocked.name} "
+                f"({method}, blocks of "
                 f"{blocked.block}, {blocked.scale_dtype} scales): "
                 f"{floats / 2**20:.1f} MiB fp32 -> {quantized_bytes / 2**20:.1f} MiB, mean relative error "
                 f"{summary.mean_relative_error:.4f}"
@@ -214,6 +239,7 @@ class Quantize:
                 f"{''.join(f'; {n} in {name} by the quality plan' for name, n in planned_formats.items())}"
                 f"{f'; {len(planned_floats)} kept in floats by the quality plan' if planned_floats else ''}"
                 f"{''.join(f'; {n} in {name}, the blocks the model stores them in' for name, n in moved.items())}"
+                f"{''.join(f'; {n} in {name} straight from the file' for name, n in from_file.items())}"
                 f"{f'; {len(foreign)} not in 4-bit blocks in the model ({_names(foreign)}), kept in floats' if foreign else ''}"
                 f"{f'; {rerounded} of the model{chr(39)}s blocks not reproduced, re-rounded' if rerounded else ''}")
         return PassResult(model, modified=True)
@@ -233,6 +259,15 @@ class Quantize:
         node.metadata_props[DEVICE_KEY] = "cpu"
         graph.insert_before(before, node)
         return node.outputs[0] if mins is None else _with_mins(graph, before, name, node.outputs[0], mins, axis, fmt)
+
+
+def _keeps_blocks(held: FileMatrix, axis: int, planned: WeightFormat, keep_source_blocks: bool) -> bool:
+    """Whether a matrix the model file stores in blocks is stored in them: blocked along the axis its kernels read
+    (a linear's K, a table's rows), planned in blocks, and either in the planned format or in a build that keeps
+    the file's blocks (--weight-dtype auto); else it is rounded into the planned format like any float matrix."""
+    blocked_along = 0 if held.transposed else 1
+    return (planned.quantized and blocked_along == axis
+            and (keep_source_blocks or held.stored_format().name == planned.name))
 
 
 def _standard(node: ir.Node | None, op_type: str) -> bool:

@@ -29,6 +29,7 @@ from onnx_ir.passes import PassResult
 from passes.import_gguf import GGUFSource
 from passes.import_onnx import SourceQuantization, available_memory_bytes
 from . import ir as pir
+from .file_blocks import FileMatrix
 from .errors import UserError
 from .ops import Embed
 from .pipeline import Context, Fact
@@ -134,12 +135,12 @@ def _consumers(value: ir.Value) -> list[ir.Node]:
 
 def _const_weight(value: ir.Value) -> np.ndarray | None:
     """A constant matrix, or the transpose of one (tied output layers: folding skips large transposes)."""
-    array = pir.const_array(value)
+    array = pir.const_matrix(value)
     if array is not None:
         return array
     node = value.producer()
     if node is not None and node.op_type == "Transpose" and list(pir.attr(node, "perm", [1, 0])) == [1, 0]:
-        source = pir.const_array(node.inputs[0])
+        source = pir.const_matrix(node.inputs[0])
         return None if source is None or source.ndim != 2 else source.T
     return None
 
@@ -576,7 +577,7 @@ def find_embeddings(graph: ir.Graph) -> tuple[ir.Node, ir.Node | None]:
     input_ids = next(v for v in graph.inputs if v.name == "input_ids")
     token, position = None, None
     for node in graph:
-        if node.op_type != "Gather" or (table := pir.const_array(node.inputs[0])) is None or table.ndim != 2:
+        if node.op_type != "Gather" or (table := pir.const_matrix(node.inputs[0])) is None or table.ndim != 2:
             continue
         if _up(node.inputs[1]) is input_ids:
             token = node
@@ -644,7 +645,7 @@ def analyse(model: ir.Model) -> Decoder:
     if position is not None:
         offset = _position_offset(model, position)
         positions = pir.const_array(position.inputs[0])[offset:].astype(np.float32)
-    decoder = Decoder(pir.weight_array(pir.const_array(token.inputs[0])), positions, attentions, ffns, final_norm, lm_head)
+    decoder = Decoder(pir.weight_array(pir.const_matrix(token.inputs[0])), positions, attentions, ffns, final_norm, lm_head)
     _check_shapes(decoder)
     return decoder
 
@@ -741,6 +742,14 @@ def _same_norm(a: Norm, b: Norm) -> bool:
             and (a.bias is None or np.array_equal(a.bias, b.bias)))
 
 
+def _side_by_side(weights: list):
+    """[K, N] weights joined along N: a file's blocks stay blocks where every part is one (`FileMatrix.join`),
+    else floats."""
+    if all(isinstance(w, FileMatrix) for w in weights):
+        return FileMatrix.join(weights)
+    return np.concatenate([np.asarray(w, np.float32) if isinstance(w, FileMatrix) else w for w in weights], axis=1)
+
+
 def _optional(graph: ir.Graph, name: str, array: np.ndarray | None) -> ir.Value | None:
     return None if array is None else pir.initializer(graph, name, array)
 
@@ -766,7 +775,7 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
         graph.inputs.extend([past_key, past_value])
         a = _norm_node(graph, attention.norm, h, f"{p}.attn_norm")
         lins = (attention.q, attention.k, attention.v)
-        wqkv = np.concatenate([lin.weight for lin in lins], axis=1)
+        wqkv = _side_by_side([lin.weight for lin in lins])
         bqkv = None
         if any(lin.bias is not None for lin in lins):
             bqkv = np.concatenate([lin.bias if lin.bias is not None else np.zeros(lin.weight.shape[1], np.float32) for lin in lins])
@@ -795,7 +804,7 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
         else:  # GPT-NeoX: the FFN's own norm, of the layer's input
             f = _norm_node(graph, ffn.norm, layer_input, f"{p}.ffn_norm")
         gated = ffn.gate is not None
-        w_up = np.concatenate([ffn.gate.weight, ffn.up.weight], axis=1) if gated else ffn.up.weight
+        w_up = _side_by_side([ffn.gate.weight, ffn.up.weight]) if gated else ffn.up.weight
         b_up = None
         if gated and (ffn.gate.bias is not None or ffn.up.bias is not None):
             zeros = np.zeros(ffn.up.weight.shape[1], np.float32)

@@ -37,7 +37,8 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
 
 from .fuse import FUSED
 from .kernel_ir import KERNEL_CALLS, KernelProgram, KernelSpec, carried_metadata
-from .kernels import cpu, neuron, ops, quant
+from .file_blocks import FileMatrix, kept_blocks
+from .kernels import cpu, kquant, neuron, ops, quant
 from .place import PLACED, device_of
 from .quantize import QuantizedMatrix, dequantizes_weight
 from .handover import HANDOVER, stage_of_node
@@ -75,6 +76,8 @@ class Lowering:
     program: KernelProgram = field(default_factory=KernelProgram)
     # the quantize pass's matrices, by the name of their values' buffer (packed into a layout on first use)
     quantized: dict[str, QuantizedMatrix] = field(default_factory=dict)
+    # matrices kept in a model file's own blocks (q4_k, ...: passes.file_blocks), packed from the file on first use
+    kept: dict[str, FileMatrix] = field(default_factory=dict)
     device: str = "cpu"  # the device of the block being lowered
     layer: int | None = None  # ... and its layer
     stage: int = 0  # ... and its stage (a model split across machines: passes/handover.py)
@@ -140,6 +143,8 @@ class Lowering:
         weight format's, or for a quantized build's matrices the quantize pass left in floats, fp16."""
         if name in self.quantized:
             return name
+        if name in self.kept:  # read in no kq layout: its values in floats
+            return self.as_floats(name)
         dtype = float_format(weight_format(device, self.cpu_format)).storage
         if self.buffers[name]["dtype"] != dtype:
             self.weight(name, self.weights[name], dtype, self.buffers[name].get("layout", ""))
@@ -149,6 +154,8 @@ class Lowering:
         """The logical shape of a weight (a matrix's [rows, columns]), however it is packed or quantized."""
         if name in self.quantized:
             return self.quantized[name].shape
+        if name in self.kept:
+            return self.kept[name].shape
         return self.matrix_shape(name) if self.buffers[name].get("layout") == "panels" else self.weights[name].shape
 
     def quantized_in(self, name: str, layout: str) -> tuple[str, str, QuantizedMatrix]:
@@ -170,6 +177,25 @@ class Lowering:
         elif self.buffers[name].get("layout") != layout:
             raise ValueError(f"{name} is read in two layouts ({self.buffers[name].get('layout')} and {layout})")
         return name, scales, matrix
+
+    def kept_in(self, name: str, layout: str) -> tuple[str, str, WeightFormat]:
+        """A matrix kept in the file's blocks packed in `layout` ("kq_panels": a [K, N] linear's panels;
+        "kq_rows": a table's rows; `passes.kernels.kquant`), stored once as its values and its scales, straight
+        from the file's bytes. Returns (values, scales, format)."""
+        matrix = self.kept[name]
+        fmt = matrix.stored_format()
+        scales = f"{name}.scales"
+        if name not in self.buffers:
+            blocks = matrix.blocks()
+            values, scale_bytes = (kquant.pack_panels if layout == "kq_panels" else kquant.pack_rows)(blocks)
+            del blocks
+            self.weight(name, values, "uint8", layout)
+            self.weight(scales, scale_bytes, "uint8", layout)
+            for buffer in (name, scales):
+                self.buffers[buffer].update(format=fmt.name, matrix=list(matrix.shape))
+        elif self.buffers[name].get("layout") != layout:
+            raise ValueError(f"{name} is read in two layouts ({self.buffers[name].get('layout')} and {layout})")
+        return name, scales, fmt
 
     @staticmethod
     def quant_tag(matrix: QuantizedMatrix) -> tuple[str, dict]:
@@ -246,6 +272,12 @@ class Lowering:
             self.linear_quantized(x, weight, bias, out, label, role, act, residual, phases, device, packed,
                                   skip_zero_rows, batch)
             return
+        if weight in self.kept:
+            if packed is False or device != "cpu":
+                self.as_floats(weight)
+            else:
+                self.linear_kept(x, weight, bias, out, label, role, act, residual, phases, batch)
+                return
         self.stored_for(weight, device)
         if packed:
             self.pack(weight)
@@ -296,6 +328,28 @@ class Lowering:
                 + ([read(residual)] if residual else []) + [write(out)])
         self.call(label, kernels, args, role, device)
 
+    def linear_kept(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role, act: str,
+                    residual: str | None, phases, batch: bool = False) -> None:
+        """`linear` over a matrix in a file's own blocks: the kq panels (decode GEMV, with int8 activations where
+        the ISA has an integer dot product; prefill GEMM over the panels dequantized per task)."""
+        values, scales, fmt = self.kept_in(weight, "kq_panels")
+        k, n = self.kept[weight].shape
+        dot = {"int8_dot": self.int8_dot} if self.int8_dot else {}
+        tags = (f"_{fmt.name}{'_x8' if dot else ''}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}"
+                f"{'_res' if residual else ''}")
+        kernels = self.kernel(ops.linear_panels_kq, f"linear_kq_k{k}_n{n}{tags}", k, n, phases=phases,
+                              batch={} if batch else None, fmt=fmt.name, bias=bias is not None, act=act,
+                              residual=residual is not None, **dot, **self.gemm_tile("cpu"))
+        args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
+                + ([read(residual)] if residual else []) + [write(out)])
+        self.call(label, kernels, args, role, "cpu")
+
+    def as_floats(self, name: str) -> str:
+        """A kept matrix where a kernel reads it in no kq layout (a GPU's, a sparse kernel's rows): its values, in
+        floats, as any float weight (the build's float format)."""
+        self.weight(name, self.kept.pop(name).dequantize(), "float32")
+        return self.stored_for(name, self.device)
+
     def gemm_tile(self, device: str) -> dict:
         """The prefill GEMMs' register tile for `device`: wider on CPUs whose instruction set allows it."""
         return {"tile_panels": self.gemm_panels} if device == "cpu" and self.gemm_panels != 1 else {}
@@ -334,7 +388,12 @@ class _Walker:
             name = value.producer().inputs[0].name
             self.low.quantized.setdefault(name, matrix)
             return name
-        if value.name in self.low.weights:
+        if value.name in self.low.weights or value.name in self.low.kept:
+            return value.name
+        held = kept_blocks(value)
+        if held is not None:  # the quantize pass stores it in the file's own blocks
+            self.low.kept[value.name] = held
+            value.const_value = None
             return value.name
         array = pir.const_array(value)
         if array is None:
@@ -369,12 +428,19 @@ class _Walker:
         handler(node)
 
     def lower_Embed(self, node: ir.Node) -> None:
-        table = self.low.stored_for(self.weight_of(node.inputs[2]), self.low.device)
+        table = self.weight_of(node.inputs[2])
+        if not (table in self.low.kept and not self.low.kept[table].transposed):  # else the file's rows
+            table = self.low.stored_for(table, self.low.device)
         positions = self.weight_of(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
         vocab, width = self.low.shape(table)
         out = self.next_residual(width)
         base, pos_args = f"embed_v{vocab}_d{width}{'_pos' if positions else ''}", self.low.max_context if positions else None
-        if table in self.low.quantized:  # the table's rows, blocked along each row, and their scales
+        if table in self.low.kept and not self.low.kept[table].transposed:  # the file's rows, in its blocks
+            values, scales, fmt = self.low.kept_in(table, "kq_rows")
+            kernels = self.low.kernel(ops.embed_kq, f"{base}_{fmt.name}", vocab, width, positions=pos_args,
+                                      fmt=fmt.name)
+            tables = [values, scales]
+        elif table in self.low.quantized:  # the table's rows, blocked along each row, and their scales
             values, scales, matrix = self.low.quantized_in(table, "quant_rows")
             tag, fmt_args = self.low.quant_tag(matrix)
             kernels = self.low.kernel(ops.embed_q, base + tag, vocab, width, positions=pos_args, **fmt_args)

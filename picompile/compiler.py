@@ -97,9 +97,10 @@ def rest(options: Options, mode: str, build: BuildTarget) -> list[Pass]:
 
 def _activation_aware(options: Options, build: BuildTarget) -> bool:
     """Whether a build scales channels by their activations before it quantizes (--quant-method awq, int8 /
-    int4 builds; the quantize pass refuses a method it does not know). Threshold mode never runs it: its kernels
-    skip input channels by their magnitude, which a channel scale would change."""
-    return options.quant_method == "awq" and build.weight_format.quantized
+    int4 builds; the quantize pass refuses a method it does not know) of a model that did not come quantized in its
+    own blocks (`keep_source_blocks`: their values are kept). Threshold mode never runs it: its kernels skip input
+    channels by their magnitude, which a channel scale would change."""
+    return options.quant_method == "awq" and build.weight_format.quantized and not build.keep_source_blocks
 
 
 def back(options: Options, build: BuildTarget, predictors: bool = False) -> list[Pass]:

@@ -10,6 +10,7 @@ import numpy as np
 from passes import ir as pir
 from passes.budget import PROMPT_TOKENS, ppl_change_interval, predicted_tokens, scored_positions
 from passes.errors import UserError
+from passes.import_gguf import reference_onnx
 from passes.import_onnx import Import, source_file
 from passes.front_end import load
 from passes.layer_reference import LayeredReference, needs_layers
@@ -94,7 +95,7 @@ def reference_for(path: Path, sequences: list[np.ndarray], workdir: Path):
     or, where onnxruntime could not hold its weights, on one layer at a time (`passes.layer_reference`)."""
     imported = Import().apply(load(Path(path), for_build=False), Context(get_target("cpu"))).model
     if not needs_layers(imported):
-        return OrtDecoder(source_file(imported) or path)  # a GGUF file's: its conversion to ONNX
+        return OrtDecoder(source_file(imported) or reference_onnx(Path(path)))  # a GGUF file's: its float ONNX
     layered = LayeredReference(imported, {a.layer: source_layer_input(a) for a in analyse(imported).attentions}, workdir)
     layered.prepare(sequences)
     return layered

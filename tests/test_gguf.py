@@ -13,7 +13,8 @@ import pytest
 
 import gguf_files as gf
 from passes.gguf_graph import rope_rows
-from passes.import_gguf import ImportGGUF, converted, load
+from passes.file_blocks import file_matrix
+from passes.import_gguf import ImportGGUF, converted, load, reference_onnx
 from passes.kernels import quant
 from passes import ir as pir
 from picompile.cli import main
@@ -26,9 +27,8 @@ from runtime.dtypes import WEIGHT_FORMATS
 
 T = gf.T
 PROMPT = np.array([3, 14, 15, 92, 65, 35, 89], np.int64)
-# every type the front end treats its own way, in one llama: MatMulNBits (Q8_0, Q4_0), exact float32 (Q4_1,
-# Q4_K, a Q8_0 embedding table), half matrices behind a Cast (F16, BF16), float32 as stored; and LLaMA 3.1's
-# rope_freqs
+# every type the front end treats its own way, in one llama: the file's blocks (Q8_0, Q4_0, Q4_1, Q4_K, a Q8_0
+# embedding table), half matrices behind a Cast (F16, BF16), float32 as stored; and LLaMA 3.1's rope_freqs
 MIXED = gf.Tiny(d_model=256, heads=8, kv_heads=2, ffn=256, rope_freqs=True, formats={
     "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F16, "ffn_up": T.BF16,
     "ffn_down": T.Q4_K, "token_embd": T.Q8_0, "output": T.Q4_0})
@@ -56,27 +56,27 @@ def test_onnxruntime_on_the_import_computes_what_llama_cpp_computes(files, name)
     for qwen2) on the file's dequantized tensors is what onnxruntime computes on the front end's ONNX."""
     path, weights = files(name)
     reference = gf.forward(weights, MODELS[name], PROMPT)
-    logits = OrtDecoder(converted(path).onnx).forward(PROMPT).reshape(reference.shape)
+    logits = OrtDecoder(reference_onnx(path)).forward(PROMPT).reshape(reference.shape)
     np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
 
 
 def test_the_import_holds_the_files_values_exactly(files):
-    """After the import pass, every weight is the file's: MatMulNBits dequantized to exactly q x d, Q4_1 and
-    Q4_K exactly `gguf.quants.dequantize`, the F16 matrix as stored, the Q8_0 table dequantized; and the
-    source's formats are a fact on the model."""
+    """After the import pass, every weight is the file's: each block-quantized matrix a `FileTensor` over the file's
+    blocks whose values are exactly `gguf.quants.dequantize`'s (q and k rows in rotate-half order), the F16 matrix
+    as stored; and the source's formats are a fact on the model."""
     path, weights = files("mixed")
     model = ImportGGUF().apply(load(path), Context(get_target("cpu"))).model
     graph = model.graph
     q_rows = rope_rows(MIXED.heads, MIXED.head_dim)
     k_rows = rope_rows(MIXED.kv_heads, MIXED.head_dim)
-    expected = {"blk.0.attn_q.B.dequantized": weights["blk.0.attn_q.weight"][q_rows].T,
-                "blk.0.attn_k.B.dequantized": weights["blk.0.attn_k.weight"][k_rows].T,
+    expected = {"blk.0.attn_q": weights["blk.0.attn_q.weight"][q_rows].T,
+                "blk.0.attn_k": weights["blk.0.attn_k.weight"][k_rows].T,
                 "blk.0.attn_v": weights["blk.0.attn_v.weight"].T,
                 "blk.0.attn_output": weights["blk.0.attn_output.weight"].T,
                 "blk.0.ffn_down": weights["blk.0.ffn_down.weight"].T,
                 "blk.0.ffn_up": weights["blk.0.ffn_up.weight"].T,
                 "token_embd.weight": weights["token_embd.weight"],
-                "output.B.dequantized": weights["output.weight"].T}
+                "output": weights["output.weight"].T}
     for name, values in expected.items():
         stored = pir.const_array(graph.initializers[name])
         assert np.array_equal(np.asarray(stored, np.float32), values.astype(np.float32)), name
@@ -90,8 +90,12 @@ def test_the_import_holds_the_files_values_exactly(files):
     assert formats["blk.0.attn_v.weight"] == "Q4_1" and formats["blk.1.ffn_down.weight"] == "Q4_K"
     assert source.weight_dtype() == "int8"  # Q8_0 holds the most weights
     assert source.changed("int4") and not source.changed("fp32")
-    nbits = SourceQuantization.of(model)
-    assert {(w.bits, w.scale_dtype) for w in nbits.weights} == {(8, "float16"), (4, "float16")}
+    assert SourceQuantization.of(model) is None  # no MatMulNBits: the file's blocks are FileTensors
+    held = {name: file_matrix(value) for name, value in graph.initializers.items()}
+    assert {name: matrix.stored_format().name for name, matrix in held.items() if matrix is not None} == {
+        **{f"blk.{i}.{name}": fmt for i in range(MIXED.layers)
+           for name, fmt in (("attn_q", "int8"), ("attn_k", "int4"), ("attn_v", "int4a"), ("ffn_down", "q4_k"))},
+        "token_embd.weight": "int8", "output": "int4"}
 
 
 def _logits(engine, steps: int = 4) -> list[np.ndarray]:
@@ -113,7 +117,7 @@ def test_a_dense_fp32_build_matches_onnxruntime_on_the_import_and_writes_text(fi
                  "--max-context", "32"]) == 0
     err = capsys.readouterr().err
     assert "re-rounded" not in err and "tokenizer" not in err
-    for ours, reference in zip(_logits(Engine(out)), _logits(OrtDecoder(converted(path).onnx))):
+    for ours, reference in zip(_logits(Engine(out)), _logits(OrtDecoder(reference_onnx(path)))):
         np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
     assert main(["run", str(out), "-p", "the quick", "-n", "4", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip()
@@ -184,7 +188,7 @@ def test_q4_0_and_q8_0_blocks_reach_the_artifact_bit_for_bit(files, tmp_path, ca
         assert np.array_equal(stored["embed.tokens.q"], packed)
         assert np.array_equal(stored["embed.tokens.q.scales"], scales)
     # the stored values are the file's: fp32 activations compute the file's model
-    for ours, reference in zip(_logits(Engine(out)), _logits(OrtDecoder(converted(path).onnx))):
+    for ours, reference in zip(_logits(Engine(out)), _logits(OrtDecoder(reference_onnx(path)))):
         np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
 
 

@@ -40,7 +40,8 @@ PANEL = 16  # columns per panel (cpu.PANEL)
 
 @dataclass(frozen=True)
 class KBlocks:
-    """A matrix in a kept format, blocked along `axis`: codes [.., ..] uint8 (c = q + fmt.offset, unpacked);
+    """A matrix in a block format, blocked along `axis`: codes [.., ..] uint8 (c = q + fmt.offset, unpacked; int8's
+    bytes are q);
     `scales` (and `mins`) per block: fp16 (one level) or fmt.sub_scale integers (two levels), shaped like the
     matrix with the block axis divided by fmt.block; `super_scales` (`super_mins`) fp16 per super-block (two levels)."""
 
@@ -73,7 +74,9 @@ class KBlocks:
         return self.mins.astype(np.float32)
 
     def values(self) -> np.ndarray:
-        """The signed q, int8 shaped like the matrix."""
+        """The signed q, int8 shaped like the matrix (int8 blocks: their bytes, which are q)."""
+        if self.fmt.bits == 8:
+            return self.codes.view(np.int8)
         return (self.codes.astype(np.int16) - self.fmt.offset).astype(np.int8)
 
     def dequantize(self) -> np.ndarray:

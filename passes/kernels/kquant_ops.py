@@ -209,15 +209,15 @@ def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", resi
     _check_length(f, K, "K")
     wide = tile_panels > 1
     if rows == 1:
-        from . import kquant_gemv  # (written beside this module; only decode needs it)
+        from . import kquant_gemv
 
         panels = -(-N // PANEL)
         if int8_dot is not None:
             group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 2)
-            return kquant_gemv.gemv_panels_kq_x8(name, K, N, fmt=fmt, bias=bias, act=act, residual=residual,
+            return kquant_gemv.gemv_panels_kq_x8(name, K, N, fmt=f, bias=bias, act=act, residual=residual,
                                                  dot=int8_dot, lanes=16 if wide else 8, group=group)
         group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 1)
-        return kquant_gemv.gemv_panels_kq(name, K, N, fmt=fmt, bias=bias, act=act, residual=residual, group=group)
+        return kquant_gemv.gemv_panels_kq(name, K, N, fmt=f, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
     return _cpu.gemm(name, K, N, layout=kq_panels_weight(K, N, fmt=fmt), bias=bias, act=act, residual=residual,
                      tile_panels=tile_panels)

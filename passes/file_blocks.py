@@ -1,0 +1,179 @@
+"""Weight matrices kept in a model file's own blocks, from the memory-mapped file to the kernels' layouts.
+
+A GGUF file's block-quantized tensors never become a float copy: the front end gives each matrix of the graph a
+`FileTensor`, an ONNX float tensor whose values are computed from the file's blocks only when a pass reads them
+(one matrix at a time, then dropped) and which carries the blocks themselves as a `FileMatrix`: which rows of
+which tensors of the file, in which order, transposed or not. Recognise joins them as it joins float weights
+(q, k and v side by side; gate beside up), the quantize pass stores them in the format that holds them exactly
+(`stored_format`) without rounding anything, and select-kernels packs them straight from the file's bytes.
+
+Orientation: the file stores a linear's weight as [N, K], one row per output, blocked along K. A `FileMatrix`
+with `transposed` is the [K, N] the IR computes with (column n is file row n); without, it is the file's [R, C]
+(the embedding table, whose rows are gathered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import onnx_ir as ir
+
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
+
+from .formats import ggml
+from .kernels.kquant import KBlocks
+
+# Formats a matrix whose parts came in different symmetric 32-blocks is stored in: each holds the others exactly
+# (q5_0's and int4's codes are int8 values with the same fp16 scale), so joined parts keep their values.
+JOINS_IN_INT8 = ("int8", "int4", "q5_0")
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """Rows of one tensor of the file, in its blocks: `raw` uint8 [rows, row bytes] (a view of the memory-mapped
+    file), its ggml type, its columns, and which of its rows in which order (`index`; None: all, as stored)."""
+
+    ggml_type: str
+    raw: np.ndarray
+    columns: int
+    index: np.ndarray | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0] if self.index is None else len(self.index)
+
+    @property
+    def format(self) -> WeightFormat:
+        return WEIGHT_FORMATS[ggml.GGML_TYPES[self.ggml_type].format]
+
+    def selected(self) -> np.ndarray:
+        return self.raw if self.index is None else self.raw[self.index]
+
+
+@dataclass(frozen=True)
+class FileMatrix:
+    """A weight matrix made of rows of the file's tensors (`parts`, stacked in order), in the file's blocks."""
+
+    parts: tuple[FileRows, ...]
+    transposed: bool
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, columns = sum(p.rows for p in self.parts), self.parts[0].columns
+        return (columns, rows) if self.transposed else (rows, columns)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    dtype = np.dtype(np.float32)  # what the matrix is to a pass that computes with it
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def T(self) -> "FileMatrix":  # noqa: N802 (numpy's spelling)
+        return replace(self, transposed=not self.transposed)
+
+    def take(self, index: np.ndarray) -> "FileMatrix":
+        """The matrix of the file rows `index` (columns of a transposed matrix, else rows), in that order."""
+        index = np.asarray(index)
+        starts = np.cumsum([0] + [p.rows for p in self.parts])
+        parts = []
+        for part, start, end in zip(self.parts, starts[:-1], starts[1:]):
+            mine = index[(index >= start) & (index < end)] - start
+            if len(mine):
+                rows = mine if part.index is None else part.index[mine]
+                parts.append(replace(part, index=rows))
+        if sum(p.rows for p in parts) != len(index) or not np.array_equal(np.sort(index), index) and len(parts) > 1:
+            raise ValueError("a file matrix takes rows in order within and across its parts")
+        return FileMatrix(tuple(parts), self.transposed)
+
+    @staticmethod
+    def join(matrices: list["FileMatrix"]) -> "FileMatrix":
+        """Matrices side by side along their file rows (the IR's concatenation of [K, N]s along N)."""
+        if len({m.transposed for m in matrices}) != 1 or len({m.parts[0].columns for m in matrices}) != 1:
+            raise ValueError("file matrices join only in one orientation and one width")
+        return FileMatrix(tuple(p for m in matrices for p in m.parts), matrices[0].transposed)
+
+    def stored_format(self) -> WeightFormat | None:
+        """The format that holds every value exactly, in the file's own blocks where there is one format; None
+        where the parts' formats have no common exact one (then the matrix is a float matrix to the build)."""
+        formats = {p.format.name for p in self.parts}
+        if len(formats) == 1:
+            return WEIGHT_FORMATS[formats.pop()]
+        if formats <= set(JOINS_IN_INT8):
+            return WEIGHT_FORMATS["int8"]
+        return None
+
+    def blocks(self) -> KBlocks:
+        """The matrix in its stored format's blocks, oriented as the matrix (blocked along K: axis 0 where
+        transposed, else along each row)."""
+        fmt = self.stored_format()
+        if fmt is None:
+            raise ValueError("the matrix's parts have no common exact format")
+        parts = [_decode(p) for p in self.parts]
+        parts = [b if b.fmt == fmt else _widened(b, fmt) for b in parts]
+        joined = parts[0] if len(parts) == 1 else KBlocks.concatenate(parts, axis=0)
+        return joined.T if self.transposed else joined
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 matrix: exactly the file's values (ggml's dequantization)."""
+        rows = np.concatenate([_decode(p).dequantize() for p in self.parts])
+        return np.ascontiguousarray(rows.T) if self.transposed else rows
+
+    def __array__(self, dtype=None, copy=None):
+        array = self.dequantize()
+        return array if dtype is None else array.astype(dtype)
+
+
+def _decode(part: FileRows) -> KBlocks:
+    """A part's rows in their format's blocks, blocked along each row (ggml's legacy types as picompile's int8,
+    int4 and int4a blocks: q, fp16 scales and mins)."""
+    fmt = part.format
+    if fmt.kept_from_file:
+        return ggml.decode(part.ggml_type, part.selected(), part.columns)
+    q, scales, mins = ggml.decode_legacy(part.ggml_type, part.selected(), part.columns)
+    codes = q.view(np.uint8) if fmt.bits == 8 else (q.astype(np.int16) + fmt.offset).astype(np.uint8)
+    return KBlocks(fmt, 1, codes, scales, mins)
+
+
+def _widened(blocks: KBlocks, fmt: WeightFormat) -> KBlocks:
+    """Symmetric 32-blocks with fp16 scales in `fmt` (int8), values unchanged."""
+    if fmt.name != "int8" or blocks.fmt.name not in JOINS_IN_INT8 or blocks.fmt.has_min:
+        raise ValueError(f"{blocks.fmt.name} blocks are not held exactly by {fmt.name}")
+    codes = (blocks.values().astype(np.int16) + fmt.offset).astype(np.int8).view(np.uint8)
+    return KBlocks(fmt, blocks.axis, codes, blocks.scales)
+
+
+class FileTensor(ir.LazyTensor):
+    """An ONNX float32 tensor whose values are the file's blocks dequantized when read (never kept), carrying
+    the blocks (`matrix`)."""
+
+    def __init__(self, matrix: FileMatrix, name: str | None = None):
+        super().__init__(lambda: ir.tensor(matrix.dequantize()), ir.DataType.FLOAT, ir.Shape(list(matrix.shape)), name=name)
+        self.matrix = matrix
+
+
+KEPT_KEY = "picompile.kept_blocks"  # a value's metadata: the quantize pass stores it in the file's blocks (format name)
+
+
+def keep_blocks(value: ir.Value, fmt: WeightFormat) -> None:
+    """Record on `value` that it is stored in the file's own blocks of `fmt` (the quantize pass's decision)."""
+    value.metadata_props[KEPT_KEY] = fmt.name
+
+
+def kept_blocks(value: ir.Value | None) -> FileMatrix | None:
+    """The file matrix the quantize pass decided to store in the file's own blocks, else None."""
+    matrix = file_matrix(value)
+    return matrix if matrix is not None and value.metadata_props.get(KEPT_KEY) == matrix.stored_format().name else None
+
+
+def file_matrix(value: ir.Value | None) -> FileMatrix | None:
+    """The file matrix a value's constant is, where the front end gave it one and it holds in one exact format."""
+    tensor = None if value is None else value.const_value
+    if isinstance(tensor, FileTensor) and tensor.matrix.stored_format() is not None:
+        return tensor.matrix
+    return None
