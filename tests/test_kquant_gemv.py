@@ -31,10 +31,6 @@ def has_isa(isa):
     return set(CPU_ISAS[isa].features) <= (cpu_flags() or set())
 
 
-def fp32_isa():
-    return "avx512" if has_isa("avx512") else "avx2"
-
-
 def kname(kind, fmt, shape, epi=False):
     return f"{kind}_{fmt}_{shape}" + ("_epi" if epi else "")
 
@@ -73,13 +69,15 @@ def build(funcs, isa):
     return tvm.compile(mod, target=tvm.target.Target(CPU_ISAS[isa].llvm_target()))
 
 
-@pytest.fixture(scope="module")
-def fp32_lib():
+@pytest.fixture(scope="module", params=["avx512", "avx2"])
+def fp32_lib(request):
+    if not has_isa(request.param):
+        pytest.skip(f"this CPU has no {request.param}")
     funcs = []
     for cfg in CASES:
         fmt, K, N, group, extra = kernel_args(cfg)
         funcs.append(gemv_panels_kq(kname("f32", *cfg), K, N, fmt=fmt, group=group, **extra))
-    return build(funcs, fp32_isa())
+    return build(funcs, request.param)
 
 
 @pytest.fixture(scope="module", params=list(X8), ids=lambda v: f"{v[0]}{v[1]}")
