@@ -6,8 +6,9 @@
 
 Files: by default SmolLM2-135M-Instruct's Q4_1 GGUF (~/.cache/picompile/gguf) and the Q4_0, Q8_0 and F16 files
 llama.cpp's llama-quantize makes of it (--allow-requantize; made once, beside it). llama.cpp is built from
-source by scripts/build_llama_cpp.sh and always run with its AMX shim and OMP_WAIT_POLICY=passive
-(benchmarks/llama_cpp.py).
+source by scripts/build_llama_cpp.sh and always run with its AMX shim (benchmarks/llama_cpp.py), measured at its
+best: at each of --llama-threads (1 and 2) and OMP_WAIT_POLICY passive and active, each setting a row, its
+"llama.cpp" row the best of them (decode and prompt each), every round.
 
 Per file:
 - picompile artifacts built from the file (`python -m picompile build FILE --dense --target cpu
@@ -166,6 +167,7 @@ class Built:
     error: str | None = None    # why there is no artifact
     seconds: float | None = None  # the build's wall time (recorded beside a cached artifact); None: not known
     output: str = ""            # what the build printed (its estimate, its expected quality)
+    peak_rss: int | None = None  # the build's peak resident bytes (None: not known)
 
 
 def compiler_digest() -> str:
@@ -202,20 +204,34 @@ def build_cached(model: Path, label: str, args: list[str], calib: Path | None = 
     name = name or label
     if (artifact / "manifest.json").exists():
         known = json.loads(record.read_text()) if record.is_file() else {}
-        return Built(name, artifact, seconds=known.get("seconds"), output=known.get("output", ""))
+        return Built(name, artifact, seconds=known.get("seconds"), output=known.get("output", ""),
+                     peak_rss=known.get("peak_rss"))
     evict_artifacts(keep=artifact)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "picompile", "build", str(model), "-o", str(artifact), *args],
-                          cwd=ROOT, capture_output=True, text=True)
+    code, stdout, stderr, peak = _measured_run([sys.executable, "-m", "picompile", "build", str(model), "-o",
+                                                str(artifact), *args])
     seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        lines = [l for l in (done.stderr + done.stdout).splitlines() if l.strip()]
+    if code != 0:
+        lines = [l for l in (stderr + stdout).splitlines() if l.strip()]
         error = next((l for l in reversed(lines) if l.startswith("error:")), lines[-1] if lines else "no output")
         log(f"  picompile build {model.name} ({label}) failed: {error}")
-        return Built(name, None, error, seconds=seconds)
-    record.write_text(json.dumps({"seconds": seconds, "output": done.stdout, "args": args}))
-    log(f"  built {artifact.name} in {seconds:.0f}s")
-    return Built(name, artifact, seconds=seconds, output=done.stdout)
+        return Built(name, None, error, seconds=seconds, peak_rss=peak)
+    record.write_text(json.dumps({"seconds": seconds, "output": stdout, "args": args, "peak_rss": peak}))
+    log(f"  built {artifact.name} in {seconds:.0f}s, peak {peak / 2**30:.2f} GiB resident")
+    return Built(name, artifact, seconds=seconds, output=stdout, peak_rss=peak)
+
+
+def _measured_run(command: list[str]) -> tuple[int, str, str, int]:
+    """(exit code, stdout, stderr, peak resident bytes) of a child process (its own rusage, from wait4)."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return child.returncode, out.read(), err.read(), usage.ru_maxrss * 1024
 
 
 def picompile_speed(engine, prompt, tokens: int) -> tuple[float, float]:
@@ -308,6 +324,7 @@ def run(args) -> dict:
                 engines[(gguf, b.name)] = Engine(b.artifact)
     levels = [0, args.load] if args.load else [0]
     samples: dict = {}  # (file, engine, load level) -> [(prompt tok/s, decode tok/s)] per round
+    configs = [(int(t), policy) for t in args.llama_threads.split(",") for policy in args.omp.split(",")]
     state = host_state.HostState.before()
     for engine in engines.values():  # untimed warm-up: thread pools start, programs bind
         picompile_speed(engine, _prompt(engine, args.prompt_len), 2)
@@ -316,10 +333,12 @@ def run(args) -> dict:
             for level in levels:  # the same engines unloaded, then beside `level` busy processes
                 with host_state.BusyLoad(level, seconds=args.load_seconds):
                     time.sleep(SETTLE_S)
-                    figures = llama_cpp.bench(llama, gguf, args.threads, args.prompt_len, args.tokens, repetitions=1,
-                                              decode_depth=args.prompt_len)
-                    samples.setdefault((gguf, "llama.cpp", level), []).append(
-                        (figures.prompt_tokens_per_s, figures.decode_tokens_per_s))
+                    for threads, policy in configs:  # llama.cpp at each of its settings, every round
+                        figures = llama_cpp.bench(dataclasses.replace(llama, wait_policy=policy), gguf, threads,
+                                                  args.prompt_len, args.tokens, repetitions=1,
+                                                  decode_depth=args.prompt_len)
+                        samples.setdefault((gguf, llama_name(threads, policy), level), []).append(
+                            (figures.prompt_tokens_per_s, figures.decode_tokens_per_s))
                     for b in info["built"]:
                         if b.artifact is not None:
                             engine = engines[(gguf, b.name)]
@@ -351,6 +370,15 @@ def run(args) -> dict:
     for gguf, info in per_file.items():
         rows = {}
         for level in levels:
+            for threads, policy in configs:
+                got = samples[(gguf, llama_name(threads, policy), level)]
+                rows[llama_name(threads, policy) + loaded_suffix(level)] = {
+                    "prompt_tokens_per_s": statistics.median(s[0] for s in got),
+                    "decode_tokens_per_s": statistics.median(s[1] for s in got), "ppl": None, "error": None,
+                    "load": level, "base": "llama.cpp" + loaded_suffix(level)}
+            best = [rows[llama_name(t, p) + loaded_suffix(level)] for t, p in configs]
+            samples[(gguf, "llama.cpp", level)] = [(max(r["prompt_tokens_per_s"] for r in best),
+                                                    max(r["decode_tokens_per_s"] for r in best))]
             for name in ["llama.cpp", *(b.name for b in info["built"])]:
                 got = samples.get((gguf, name, level))
                 error = next((b.error for b in info["built"] if b.name == name), None)
@@ -362,15 +390,42 @@ def run(args) -> dict:
                     "ppl": None if level else info.get("ppl", {}).get(name),
                     "error": error, "load": level, "base": "llama.cpp" + loaded_suffix(level)}
         results["files"][gguf.name] = rows
+        results.setdefault("builds", {})[gguf.name] = {
+            "file_bytes": gguf.stat().st_size, "file_bytes_per_token": file_bytes_per_token(gguf),
+            **{b.name: {"seconds": b.seconds, "peak_rss": b.peak_rss,
+                        "bytes_per_token": b.artifact and artifact_bytes_per_token(b.artifact)}
+               for b in info["built"]}}
     results["host"] = state.summary()
     results["loaded"] = state.loaded
-    results["config"] = {"threads": args.threads, "runs": args.runs, "prompt_len": args.prompt_len,
+    results["config"] = {"threads": args.threads, "llama_threads": args.llama_threads, "omp": args.omp,
+                         "runs": args.runs, "prompt_len": args.prompt_len,
                          "tokens": args.tokens, "ctx": args.ctx, "chunks": args.chunks, "builds": builds,
                          "load": args.load, "heldout": str(heldout), "no_picompile": args.no_picompile,
                          "heldout_sha256": hashlib.sha256(heldout.read_bytes()).hexdigest()[:16],
                          "scored_tokens": args.chunks * (args.ctx - 1 - args.ctx // 2),
                          "python": sys.version.split()[0]}
     return results
+
+
+def file_bytes_per_token(gguf: Path) -> int:
+    """The bytes of the file's tensors a token reads: all but the embedding table (of which it reads one row),
+    unless the output layer is the table (tied)."""
+    import gguf as gguf_package
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf_package.GGUFReader(str(gguf)).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+
+
+def artifact_bytes_per_token(artifact: Path) -> int | None:
+    """The weight bytes a decode step of the artifact reads, as its build priced them (manifest's estimate)."""
+    estimate = json.loads((artifact / "manifest.json").read_text()).get("estimate") or {}
+    return estimate.get("cpu_bytes_per_token")
+
+
+def llama_name(threads: int, policy: str) -> str:
+    """A llama.cpp setting's row: its threads and OpenMP wait policy ("llama.cpp" alone is the best of them)."""
+    return f"llama.cpp -t {threads} OMP {policy}"
 
 
 def loaded_suffix(level: int) -> str:
@@ -410,6 +465,19 @@ def tables(results: dict) -> str:
                        f"{ratio(pp, base['prompt_tokens_per_s'])} | {_num(ppl, 3)} | "
                        f"{'x%.4f' % (ppl / quality) if ppl and quality else '-'} | "
                        f"{'x%.4f' % (ppl / own) if ppl and own else '-'} |")
+        built = results.get("builds", {}).get(name, {})
+        if built:
+            size, per_token = built["file_bytes"], built["file_bytes_per_token"]
+            out.append(f"\nThe file: {size / 2**20:,.0f} MiB, {per_token / 2**20:,.0f} MiB read a token.")
+            for engine, b in built.items():
+                if not isinstance(b, dict):
+                    continue
+                seconds = f"{b['seconds']:.0f} s" if b["seconds"] is not None else "time not known"
+                peak = (f", peak {b['peak_rss'] / 2**30:.2f} GiB resident ({b['peak_rss'] / size:.2f}x the file)"
+                        if b["peak_rss"] else "")
+                reads = (f"; reads {b['bytes_per_token'] / 2**20:,.0f} MiB a token "
+                         f"({b['bytes_per_token'] / per_token:.3f}x the file's)" if b["bytes_per_token"] else "")
+                out.append(f"- {engine}: built in {seconds}{peak}{reads}")
         out.append("")
     check = results.get("tokens_check")
     if check:
@@ -431,7 +499,8 @@ def record(results: dict, text: str, argv) -> None:
     c = results["config"]
     command = "python benchmarks/bench_gguf.py " + " ".join(argv)
     details = (f"{c['threads']} threads; {results['llama_cpp']}, built by "
-               f"scripts/build_llama_cpp.sh (AMX shim, OMP_WAIT_POLICY=passive); speed: medians of {c['runs']} "
+               f"scripts/build_llama_cpp.sh (AMX shim), its row the best of -t {c['llama_threads']} x OMP_WAIT_POLICY "
+               f"{c['omp']} (each a row of its own); speed: medians of {c['runs']} "
                f"alternated rounds, decode of {c['tokens']} tokens, prompt of {c['prompt_len']}; ppl: {c['chunks']} "
                f"windows of {c['ctx']} tokens ({c['scored_tokens']} scored) of Python {c['python']}'s "
                f"pydoc_data/topics.py prose (sha256 {c['heldout_sha256']}), the same ids for both engines"
@@ -461,6 +530,9 @@ def main(argv=None) -> int:
     parser.add_argument("--load", type=int, default=0, help="also measure beside N busy background processes")
     parser.add_argument("--load-seconds", type=float, default=600,
                         help="bound on each --load process's life (it is killed when its block ends anyway)")
+    parser.add_argument("--llama-threads", default="1,2", help="llama.cpp's thread counts tried (comma list); its "
+                        "row is the best of every count and --omp policy")
+    parser.add_argument("--omp", default="passive,active", help="llama.cpp's OMP_WAIT_POLICY values tried")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--record", action="store_true", help="append the tables to BENCHMARKS.md")
     argv = sys.argv[1:] if argv is None else argv

@@ -46,6 +46,7 @@ class LlamaCpp:
 
     bin_dir: Path
     shim: Path
+    wait_policy: str = "passive"  # OMP_WAIT_POLICY: passive, or active (spinning: a peer measured at its best tries both)
 
     def tool(self, name: str) -> Path:
         path = self.bin_dir / name
@@ -65,7 +66,7 @@ class LlamaCpp:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["LD_PRELOAD"] = " ".join(p for p in (str(self.shim), env.get("LD_PRELOAD", "")) if p)
-        env["OMP_WAIT_POLICY"] = "passive"
+        env["OMP_WAIT_POLICY"] = self.wait_policy
         return env
 
     def run(self, name: str, args: list[str], *, input: str | None = None,

@@ -21,10 +21,12 @@ import onnx_ir as ir
 
 from runtime.dtypes import QUANT_BLOCK, WEIGHT_FORMATS, WeightFormat
 
+from .file_blocks import FileMatrix
 from .import_gguf import GGUFSource
 from .import_onnx import SourceQuantization
 from .kernels import quant
 
+KEPT_FORMATS_ROUND_TO = "int8"  # where float values planned in a file's own format (q4_k, ...) are rounded into
 # Where a model's matrix is in other blocks than the build's format: the formats tried, fewest bytes first.
 SOURCE_FORMATS = tuple(sorted((f for f in WEIGHT_FORMATS.values() if f.quantized and not f.kept_from_file),
                              key=lambda f: f.bytes_per_weight))
@@ -53,6 +55,24 @@ class Blocking:
             return self.format
         fmt = WEIGHT_FORMATS[planned]
         return replace(fmt, scale_dtype=self.format.scale_dtype) if fmt.quantized and self.format.quantized else fmt
+
+    def kept(self, held: FileMatrix | None, fmt: WeightFormat, axis: int) -> WeightFormat | None:
+        """The format a matrix the model file stores in blocks (`held`) is stored in as it is, where it is: blocked
+        along the axis its kernels read (a linear's K, a table's rows), planned in blocks, and either in the planned
+        format or in a build that keeps the file's blocks (--weight-dtype auto). None: it is rounded into `fmt` (in
+        `rounding_format`) like any float matrix."""
+        if held is None or not fmt.quantized:
+            return None
+        if (0 if held.transposed else 1) != axis:
+            return None
+        stored = held.stored_format()
+        return stored if self.keep_source_blocks or stored.name == fmt.name else None
+
+    @staticmethod
+    def rounding_format(fmt: WeightFormat) -> WeightFormat:
+        """The format float values planned in `fmt` are rounded into: `fmt`, or for a format only a file's blocks
+        are kept in (q4_k, ...: no rounding rule writes it) KEPT_FORMATS_ROUND_TO."""
+        return WEIGHT_FORMATS[KEPT_FORMATS_ROUND_TO] if fmt.kept_from_file else fmt
 
     def blocks(self, array: np.ndarray, fmt: WeightFormat, axis: int) -> tuple[tuple | None, WeightFormat, int]:
         """(blocks, the format they are in, source blocks re-rounded) of a weight matrix stored in the blocked

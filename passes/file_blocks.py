@@ -157,20 +157,6 @@ class FileTensor(ir.LazyTensor):
         self.matrix = matrix
 
 
-KEPT_KEY = "picompile.kept_blocks"  # a value's metadata: the quantize pass stores it in the file's blocks (format name)
-
-
-def keep_blocks(value: ir.Value, fmt: WeightFormat) -> None:
-    """Record on `value` that it is stored in the file's own blocks of `fmt` (the quantize pass's decision)."""
-    value.metadata_props[KEPT_KEY] = fmt.name
-
-
-def kept_blocks(value: ir.Value | None) -> FileMatrix | None:
-    """The file matrix the quantize pass decided to store in the file's own blocks, else None."""
-    matrix = file_matrix(value)
-    return matrix if matrix is not None and value.metadata_props.get(KEPT_KEY) == matrix.stored_format().name else None
-
-
 def file_matrix(value: ir.Value | None) -> FileMatrix | None:
     """The file matrix a value's constant is, where the front end gave it one and it holds in one exact format."""
     tensor = None if value is None else value.const_value

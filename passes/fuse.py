@@ -47,11 +47,11 @@ HEAD_RULES = pattern.RewriteRuleSet([
     pattern.RewriteRule(  # with its bias (either side of the Add)
         lambda op, x, weight, bias: op.Add(op.MatMul(x, weight, _outputs=["product"]), bias),
         lambda op, x, weight, bias, product: _linear(op, x, weight, bias, product),
-        lambda context, weight, bias, **_: pir.const_array(weight) is not None and pir.const_array(bias) is not None),
+        lambda context, weight, bias, **_: pir.const_matrix(weight) is not None and pir.const_array(bias) is not None),
     pattern.RewriteRule(  # without one (a MatMul with a constant bias after it is the rule above's)
         lambda op, x, weight: op.MatMul(x, weight, _outputs=["product"]),
         lambda op, x, weight, product: _linear(op, x, weight, None, product),
-        lambda context, weight, product, **_: pir.const_array(weight) is not None and _bias_of(product) is None),
+        lambda context, weight, product, **_: pir.const_matrix(weight) is not None and _bias_of(product) is None),
 ], commute=True)
 
 

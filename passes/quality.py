@@ -58,6 +58,7 @@ from onnx_ir.passes import PassResult
 
 from . import costmodel
 from . import ir as pir
+from .file_blocks import file_matrix
 from .blocking import Blocking
 from .budget import PROMPT_TOKENS, QualityBudget, ppl_change_interval, predicted_tokens, scored_positions
 from .facts import ModelFact, ValueFact, read_entry, write_entry
@@ -164,6 +165,9 @@ class Knob:
         return ((self.matrix, 1 if level else 0),)
 
 
+FILE_VALUES = object()  # StoredWeights' blocks of a matrix kept in the model file's own blocks: its values are the file's
+
+
 class StoredWeights:
     """Matrices as a plan stores them, for the reference: blocks made once per (matrix, format, axis) by the
     quantize pass's own rule (`passes.blocking`: a model that came quantized keeps its blocks), kept as
@@ -179,6 +183,10 @@ class StoredWeights:
         fmt = self._blocking.format_for(fmt_name)
         if not fmt.quantized:
             return None, fmt
+        kept = self._blocking.kept(file_matrix(self._values[name]), fmt, axis)
+        if kept is not None:  # the file's own blocks, as the quantize pass keeps them: the file's values
+            return FILE_VALUES, kept
+        fmt = self._blocking.rounding_format(fmt)
         if not quant.quantizable(tuple(self._values[name].const_value.shape), axis, fmt.block):
             return None, float_format(fmt)  # the quantize pass keeps it in floats
         key = (name, fmt_name, axis)
@@ -197,6 +205,8 @@ class StoredWeights:
 
     def values(self, name: str, fmt_name: str, axis: int) -> np.ndarray:
         blocks, fmt = self._stored(name, fmt_name, axis)
+        if blocks is FILE_VALUES:
+            return self._source(name)
         if blocks is None:
             return self._source(name).astype(fmt.storage).astype(np.float32)
         return dequantize_blocks(*blocks[:2], axis, *blocks[2:])

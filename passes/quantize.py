@@ -57,7 +57,7 @@ from runtime.manifest import Quantization
 
 from .awq import AwqReport
 from .blocking import Blocking, relative_error
-from .file_blocks import FileMatrix, file_matrix, keep_blocks
+from .file_blocks import FileMatrix, file_matrix
 from .quality import WeightPlan
 from .kernels import quant
 from .place import DEVICE_KEY, PLACED, device_of
@@ -81,7 +81,6 @@ THRESHOLDED: dict[str, tuple[tuple[int, str], ...]] = {
     "Linear": ((1, "threshold"),),  # the output layer's [K, V], where the quality plan thins its input
 }
 PREDICTOR_AXIS = 0  # Predict's w1 [D, r] and each part's w2 [r, n] (inputs 1 on): linears, in PREDICTOR_FORMAT
-KEPT_FORMATS_ROUND_TO = "int8"  # where a build in a file's own format (q4_k, ...) stores a matrix the file had in floats
 QUANTIZED_KEY = "picompile.quantized"  # metadata: what the pass stored (runtime.manifest.Quantization)
 _ONNX_TYPES = {(8, False): (ir.DataType.INT8, np.int8), (4, False): (ir.DataType.INT4, ml_dtypes.int4),
                (4, True): (ir.DataType.UINT4, ml_dtypes.uint4)}  # (bits, has_min) -> the values' types
@@ -168,26 +167,20 @@ class Quantize:
                         planned_floats.append(value.name)
                         continue
                 held = file_matrix(value) if node.op_type != "Predict" else None
-                if key not in done and held is not None and _keeps_blocks(held, axis, matrix_format,
-                                                                          ctx.build.keep_source_blocks):
-                    used = held.stored_format()
+                used = blocking.kept(held, matrix_format, axis)
+                if key not in done and used is not None:  # the file's own blocks: nothing is rounded
+                    from_file[used.name] = from_file.get(used.name, 0) + 1
+                    stored += held.size
+                    floats += held.size * 4
+                    quantized_bytes += held.size * used.bytes_per_weight
                     if used.kept_from_file:  # select-kernels packs the file's blocks themselves
                         keep_blocks(value, used)
-                        from_file[used.name] = from_file.get(used.name, 0) + 1
-                        stored += held.size
-                        floats += held.size * 4
-                        quantized_bytes += held.size * used.bytes_per_weight
                         continue
                     blocks = held.blocks()
                     done[key] = self._dequantize(graph, node, value.name, blocks.values(), blocks.scales, axis, used,
                                                  blocks.mins)
-                    from_file[used.name] = from_file.get(used.name, 0) + 1
                     exact_matrices += 1
-                    stored += held.size
-                    floats += held.size * 4
-                    quantized_bytes += held.size * used.bytes_per_weight
-                if matrix_format.kept_from_file:  # a float matrix of a build in a file's format: no rule rounds
-                    matrix_format = WEIGHT_FORMATS[KEPT_FORMATS_ROUND_TO]  # floats into it
+                matrix_format = blocking.rounding_format(matrix_format)
                 if key not in done:
                     array = pir.const_array(value)
                     if array is None or not quant.quantizable(array.shape, axis, matrix_format.block):
@@ -261,13 +254,18 @@ class Quantize:
         return node.outputs[0] if mins is None else _with_mins(graph, before, name, node.outputs[0], mins, axis, fmt)
 
 
-def _keeps_blocks(held: FileMatrix, axis: int, planned: WeightFormat, keep_source_blocks: bool) -> bool:
-    """Whether a matrix the model file stores in blocks is stored in them: blocked along the axis its kernels read
-    (a linear's K, a table's rows), planned in blocks, and either in the planned format or in a build that keeps
-    the file's blocks (--weight-dtype auto); else it is rounded into the planned format like any float matrix."""
-    blocked_along = 0 if held.transposed else 1
-    return (planned.quantized and blocked_along == axis
-            and (keep_source_blocks or held.stored_format().name == planned.name))
+KEPT_KEY = "picompile.kept_blocks"  # a value's metadata: the quantize pass stores it in the file's blocks (format name)
+
+
+def keep_blocks(value: ir.Value, fmt: WeightFormat) -> None:
+    """Record on `value` that it is stored in the file's own blocks of `fmt` (this pass's decision)."""
+    value.metadata_props[KEPT_KEY] = fmt.name
+
+
+def kept_blocks(value: ir.Value | None) -> FileMatrix | None:
+    """The file matrix the quantize pass decided to store in the file's own blocks, else None."""
+    matrix = file_matrix(value)
+    return matrix if matrix is not None and value.metadata_props.get(KEPT_KEY) == matrix.stored_format().name else None
 
 
 def _standard(node: ir.Node | None, op_type: str) -> bool:

@@ -37,10 +37,10 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
 
 from .fuse import FUSED
 from .kernel_ir import KERNEL_CALLS, KernelProgram, KernelSpec, carried_metadata
-from .file_blocks import FileMatrix, kept_blocks
+from .file_blocks import FileMatrix
 from .kernels import cpu, kquant, neuron, ops, quant
 from .place import PLACED, device_of
-from .quantize import QuantizedMatrix, dequantizes_weight
+from .quantize import QuantizedMatrix, dequantizes_weight, kept_blocks
 from .handover import HANDOVER, stage_of_node
 from .ops import Attention, FFN, Handover as HandoverOp, Linear, SparseFFN, ThresholdFFN, view as op_view
 

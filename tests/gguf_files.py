@@ -10,6 +10,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tests.ggml_encode import encode
+
 T = gguf.GGMLQuantizationType
 
 
@@ -41,25 +43,12 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _k_quant(shape, rng) -> np.ndarray:
-    """Random Q4_K bytes (the gguf package dequantizes Q4_K but cannot quantize to it): fp16 d and dmin of a
-    sensible size, random 6-bit scales and minimums and 4-bit codes."""
-    rows, cols = shape
-    blocks = rows * cols // 256
-    raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
-    raw[:, 0:2] = np.full(blocks, 0.002, np.float16).view(np.uint8).reshape(blocks, 2)
-    raw[:, 2:4] = np.full(blocks, 0.001, np.float16).view(np.uint8).reshape(blocks, 2)
-    return raw.reshape(rows, cols // 256 * 144)
-
-
 def _stored(name: str, w: np.ndarray, kind: T, rng) -> tuple[np.ndarray, T]:
     if kind == T.F32:
         return w.astype(np.float32), kind
     if kind == T.F16:
         return w.astype(np.float16), kind
-    if kind == T.Q4_K:
-        return _k_quant(w.shape, rng), kind
-    return gguf.quants.quantize(w.astype(np.float32), kind), kind
+    return encode(kind.name, w.astype(np.float32)), kind  # (the K-quants by tests.ggml_encode: gguf cannot)
 
 
 def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None = None,

@@ -38,6 +38,7 @@ HOMES = {
     "picompile.calibration": "passes/profile.py",
     "picompile.layers": "passes/lower.py",
     "picompile.quantized": "passes/quantize.py",
+    "picompile.kept_blocks": "passes/quantize.py",
     "picompile.placement": "passes/partition.py",
     "picompile.devices": "passes/place.py",
 }

@@ -295,3 +295,56 @@ def test_a_quantized_files_build_expects_the_quality_its_kernels_measure(files, 
     # inspect names each layer's formats (int4a's values are buffers of their own name)
     assert main(["inspect", str(out)]) == 0
     assert capsys.readouterr().out.count("int4a/int4a/int4a/int4a") == tiny.layers
+
+
+# a llama in the blocks of the files people download (Q4_K_M, Q5_K_M, Q6_K mix these): every kept format once,
+# q / k / v in three formats (their joined matrix in int8, which holds Q5_0's and Q8_0's blocks; Q5_1's not:
+# floats), the table's rows in Q5_0, the output layer in Q6_K
+KEPT = gf.Tiny(d_model=256, heads=4, kv_heads=2, ffn=512, vocab=300, formats={
+    "attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q4_K, "ffn_gate": T.Q5_K,
+    "ffn_up": T.Q5_K, "ffn_down": T.Q6_K, "token_embd": T.Q5_0, "output": T.Q6_K})
+KEPT_FORMATS = {"layers.{i}.attn.w_qkv": "int8", "layers.{i}.attn.w_o": "q4_k", "layers.{i}.ffn.w_up": "q5_k",
+                "layers.{i}.ffn.w_down": "q6_k"}
+
+
+def test_kept_blocks_reach_the_artifact_as_the_file_stores_them(files, tmp_path, capsys):
+    """An auto build of a file in K-quant and 5-bit blocks keeps every matrix in the file's own blocks (the
+    kernels' layouts hold exactly the file's values, at its bytes), computes the file's model with fp32
+    activations, writes no float copy of the model, and with int8 activations stays within their rounding."""
+    from passes.import_gguf import cache_root
+    from passes.kernels import kquant
+
+    path, weights = files("kept", KEPT)
+    out = tmp_path / "kept.pic"
+    assert main(["build", str(path), "--target", "cpu", "--dense", "-o", str(out), "--max-context", "32",
+                 "--no-int8-activations"]) == 0
+    assert "re-rounded" not in capsys.readouterr().err
+    assert not list(cache_root().glob(f"{path.stem}-*/model.onnx*"))  # the build wrote no float copy
+    stored = read_safetensors(out / "weights" / "cpu.safetensors")
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    for layer in range(KEPT.layers):
+        for name, fmt_name in KEPT_FORMATS.items():
+            name = name.format(i=layer)
+            fmt = WEIGHT_FORMATS[fmt_name]
+            if fmt.kept_from_file:  # the panels hold the file's values bit for bit, at the format's bytes
+                K, N = {"w_o": (256, 256), "w_up": (256, 1024), "w_down": (512, 256)}[name.split(".")[-1]]
+                blocks = kquant.unpack_panels(stored[name], stored[name + ".scales"], fmt, K, N)
+                source = {"w_o": ["attn_output"], "w_up": ["ffn_gate", "ffn_up"],
+                          "w_down": ["ffn_down"]}[name.split(".")[-1]]
+                expected = np.concatenate([weights[f"blk.{layer}.{s}.weight"] for s in source]).T
+                assert np.array_equal(blocks.dequantize(), expected), name
+                packed = stored[name].nbytes + stored[name + ".scales"].nbytes
+                assert packed == pytest.approx(K * N * fmt.bytes_per_weight, rel=0.01), name
+                file_bytes = sum(int(tensors[f"blk.{layer}.{s}.weight"].n_bytes) for s in source)
+                assert packed <= 1.05 * file_bytes, name  # a token reads the file's bytes, not more
+            else:
+                assert stored[name + ".q"].dtype == np.int8, name  # Q5_0 and Q8_0 joined in int8
+    table = kquant.unpack_rows(stored["embed.tokens"], stored["embed.tokens.scales"], WEIGHT_FORMATS["q5_0"])
+    assert np.array_equal(table.dequantize(), weights["token_embd.weight"])  # the table's rows, the file's blocks
+    for ours, reference in zip(_logits(Engine(out)), _logits(OrtDecoder(reference_onnx(path)))):
+        np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+    int8 = tmp_path / "kept-x8.pic"
+    assert main(["build", str(path), "--target", "cpu", "--dense", "-o", str(int8), "--max-context", "32"]) == 0
+    for ours, reference in zip(_logits(Engine(int8)), _logits(OrtDecoder(reference_onnx(path)))):
+        assert np.abs(ours - reference).max() < 0.05 * np.abs(reference).max()

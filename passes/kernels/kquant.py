@@ -205,3 +205,26 @@ def unpack_panels(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat, K: 
         sc, mn, d, dm = arrays if fmt.has_min else (arrays[0], None, arrays[1], None)
         return KBlocks(fmt, 0, codes, sc, mn, d, dm)
     return KBlocks(fmt, 0, codes, arrays[0], arrays[1] if fmt.has_min else None)
+
+
+def unpack_rows(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> KBlocks:
+    """The KBlocks `pack_rows` packed (the inverse, for tests and references)."""
+    R = values.shape[0]
+    C = values.shape[1] * 8 // (4 + (fmt.bits - 4))  # C / 2 nibble bytes + (bits - 4) C / 8 plane bytes
+    nib = values[:, : C // 2].reshape(R, C // 32, 16)
+    codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(R, C).astype(np.uint8)
+    for j in range(fmt.bits - 4):
+        plane = values[:, C // 2 + j * C // 8: C // 2 + (j + 1) * C // 8]
+        bits = (plane[:, :, None] >> np.arange(8, dtype=np.uint8)) & 1
+        codes |= (bits.reshape(R, C) << (4 + j)).astype(np.uint8)
+    arrays, at = [], 0
+    layout = ([(C // fmt.block, fmt.sub_scale)] * fmt.per_block + [(C // fmt.super_block, fmt.scale_dtype)] * fmt.per_block
+              if fmt.super_block else [(C // fmt.block, fmt.scale_dtype)] * fmt.per_block)
+    for n, dtype in layout:
+        size = n * np.dtype(dtype).itemsize
+        arrays.append(np.ascontiguousarray(scales[:, at: at + size]).view(dtype).reshape(R, n))
+        at += size
+    if fmt.super_block:
+        sc, mn, d, dm = arrays if fmt.has_min else (arrays[0], None, arrays[1], None)
+        return KBlocks(fmt, 1, codes, sc, mn, d, dm)
+    return KBlocks(fmt, 1, codes, arrays[0], arrays[1] if fmt.has_min else None)
