@@ -14,6 +14,7 @@ with `transposed` is the [K, N] the IR computes with (column n is file row n); w
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -49,6 +50,24 @@ class FileRows:
 
     def selected(self) -> np.ndarray:
         return self.raw if self.index is None else self.raw[self.index]
+
+    def release(self) -> int:
+        """Drop the rows' pages of the memory-mapped file from this process's resident set (they stay in the page
+        cache and map back when read): a build reads each matrix's blocks once, to decode or pack them, and need
+        not hold the file resident beside what it made of them. Returns the bytes released."""
+        root = self.raw  # the memmap over the whole mapping (its views carry its mmap too, not its start)
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        mapping = getattr(root, "_mmap", None)
+        if not isinstance(mapping, mmap.mmap):
+            return 0
+        # numpy maps from the offset rounded down to the allocation granularity; the array starts past that
+        start = (self.raw.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+                 + (root.offset or 0) % mmap.ALLOCATIONGRANULARITY)
+        begin = start // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(start + self.raw.nbytes, len(mapping))
+        mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        return end - begin
 
 
 @dataclass(frozen=True)
@@ -134,10 +153,13 @@ def _decode(part: FileRows) -> KBlocks:
     int4 and int4a blocks: q, fp16 scales and mins)."""
     fmt = part.format
     if fmt.kept_from_file:
-        return ggml.decode(part.ggml_type, part.selected(), part.columns)
-    q, scales, mins = ggml.decode_legacy(part.ggml_type, part.selected(), part.columns)
-    codes = q.view(np.uint8) if fmt.bits == 8 else (q.astype(np.int16) + fmt.offset).astype(np.uint8)
-    return KBlocks(fmt, 1, codes, scales, mins)
+        blocks = ggml.decode(part.ggml_type, part.selected(), part.columns)
+    else:
+        q, scales, mins = ggml.decode_legacy(part.ggml_type, part.selected(), part.columns)
+        codes = q.view(np.uint8) if fmt.bits == 8 else (q.astype(np.int16) + fmt.offset).astype(np.uint8)
+        blocks = KBlocks(fmt, 1, codes, scales, mins)
+    part.release()  # (decoded into new arrays)
+    return blocks
 
 
 def _widened(blocks: KBlocks, fmt: WeightFormat) -> KBlocks:

@@ -126,10 +126,14 @@ def release_mapped_pages(model: ir.Model) -> int:
     external data file (and of every array that views one). They stay in the page cache and map back in when
     read again, so a big model's file is paged in by the pass that reads it and never held resident by the
     build. Returns the bytes released."""
+    from .file_blocks import FileTensor
+
     released = 0
     for value in model.graph.initializers.values():
         tensor = value.const_value
-        if isinstance(tensor, ir.ExternalTensor) and tensor.raw is not None and tensor.nbytes:
+        if isinstance(tensor, FileTensor):  # a model file's blocks
+            released += sum(part.release() for part in tensor.matrix.parts)
+        elif isinstance(tensor, ir.ExternalTensor) and tensor.raw is not None and tensor.nbytes:
             begin = (tensor.offset or 0) // mmap.PAGESIZE * mmap.PAGESIZE
             end = min((tensor.offset or 0) + tensor.nbytes, len(tensor.raw))
             tensor.raw.madvise(mmap.MADV_DONTNEED, begin, end - begin)
