@@ -417,10 +417,14 @@ def file_bytes_per_token(gguf: Path) -> int:
     return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
 
 
-def artifact_bytes_per_token(artifact: Path) -> int | None:
-    """The weight bytes a decode step of the artifact reads, as its build priced them (manifest's estimate)."""
-    estimate = json.loads((artifact / "manifest.json").read_text()).get("estimate") or {}
-    return estimate.get("cpu_bytes_per_token")
+def artifact_bytes_per_token(artifact: Path) -> int:
+    """The weight bytes a dense decode step of the artifact reads: every weight buffer but the embedding's
+    (of which it reads one row)."""
+    from runtime.dtypes import nbytes
+
+    buffers = json.loads((artifact / "manifest.json").read_text())["buffers"]
+    return sum(nbytes(b["shape"], b["dtype"]) for name, b in buffers.items()
+               if b.get("kind") == "weight" and not name.startswith("embed."))
 
 
 def llama_name(threads: int, policy: str) -> str:

@@ -66,7 +66,15 @@ class Blocking:
         if (0 if held.transposed else 1) != axis:
             return None
         stored = held.stored_format()
+        if stored is None:
+            return None
         return stored if self.keep_source_blocks or stored.name == fmt.name else None
+
+    def kept_in_runs(self, held: FileMatrix | None, fmt: WeightFormat, axis: int) -> bool:
+        """Whether a file matrix whose parts no one format holds (q and k in Q4_K, v in Q6_K) is stored run by run
+        in the parts' own blocks (`FileMatrix.runs`): in a build that keeps the file's blocks, read along them."""
+        return (held is not None and fmt.quantized and self.keep_source_blocks
+                and (0 if held.transposed else 1) == axis and held.stored_format() is None)
 
     @staticmethod
     def rounding_format(fmt: WeightFormat) -> WeightFormat:

@@ -127,6 +127,17 @@ class FileMatrix:
             return WEIGHT_FORMATS["int8"]
         return None
 
+    def runs(self) -> list["FileMatrix"]:
+        """The matrix as runs of consecutive parts of one format (a linear whose parts no one format holds is
+        stored and computed run by run: q and k in Q4_K, v in Q6_K)."""
+        runs: list[list[FileRows]] = []
+        for part in self.parts:
+            if runs and runs[-1][-1].format == part.format:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return [FileMatrix(tuple(run), self.transposed) for run in runs]
+
     def blocks(self) -> KBlocks:
         """The matrix in its stored format's blocks, oriented as the matrix (blocked along K: axis 0 where
         transposed, else along each row)."""
@@ -179,9 +190,10 @@ class FileTensor(ir.LazyTensor):
         self.matrix = matrix
 
 
-def file_matrix(value: ir.Value | None) -> FileMatrix | None:
-    """The file matrix a value's constant is, where the front end gave it one and it holds in one exact format."""
+def file_matrix(value: ir.Value | None, any_formats: bool = False) -> FileMatrix | None:
+    """The file matrix a value's constant is, where the front end gave it one and it holds in one exact format
+    (`any_formats`: or in runs of its parts' own formats)."""
     tensor = None if value is None else value.const_value
-    if isinstance(tensor, FileTensor) and tensor.matrix.stored_format() is not None:
+    if isinstance(tensor, FileTensor) and (any_formats or tensor.matrix.stored_format() is not None):
         return tensor.matrix
     return None

@@ -183,9 +183,12 @@ class StoredWeights:
         fmt = self._blocking.format_for(fmt_name)
         if not fmt.quantized:
             return None, fmt
-        kept = self._blocking.kept(file_matrix(self._values[name]), fmt, axis)
+        held = file_matrix(self._values[name], any_formats=True)
+        kept = self._blocking.kept(held, fmt, axis)
         if kept is not None:  # the file's own blocks, as the quantize pass keeps them: the file's values
             return FILE_VALUES, kept
+        if self._blocking.kept_in_runs(held, fmt, axis):  # ... run by run (priced as its largest run's format)
+            return FILE_VALUES, max(held.runs(), key=lambda run: run.size).stored_format()
         fmt = self._blocking.rounding_format(fmt)
         if not quant.quantizable(tuple(self._values[name].const_value.shape), axis, fmt.block):
             return None, float_format(fmt)  # the quantize pass keeps it in floats

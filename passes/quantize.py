@@ -57,7 +57,7 @@ from runtime.manifest import Quantization
 
 from .awq import AwqReport
 from .blocking import Blocking, relative_error
-from .file_blocks import FileMatrix, file_matrix
+from .file_blocks import FileMatrix, FileTensor, file_matrix
 from .quality import WeightPlan
 from .kernels import quant
 from .place import DEVICE_KEY, PLACED, device_of
@@ -166,8 +166,16 @@ class Quantize:
                     if not matrix_format.quantized:  # planned in floats: select-kernels stores it so
                         planned_floats.append(value.name)
                         continue
-                held = file_matrix(value) if node.op_type != "Predict" else None
+                held = file_matrix(value, any_formats=True) if node.op_type != "Predict" else None
                 used = blocking.kept(held, matrix_format, axis)
+                if key not in done and blocking.kept_in_runs(held, matrix_format, axis):  # each run its blocks
+                    for run in held.runs():
+                        from_file[run.stored_format().name] = from_file.get(run.stored_format().name, 0) + 1
+                        quantized_bytes += run.size * run.stored_format().bytes_per_weight
+                    stored += held.size
+                    floats += held.size * 4
+                    keep_blocks(value, None)
+                    continue
                 if key not in done and used is not None:  # the file's own blocks: nothing is rounded
                     from_file[used.name] = from_file.get(used.name, 0) + 1
                     stored += held.size
@@ -257,15 +265,24 @@ class Quantize:
 KEPT_KEY = "picompile.kept_blocks"  # a value's metadata: the quantize pass stores it in the file's blocks (format name)
 
 
-def keep_blocks(value: ir.Value, fmt: WeightFormat) -> None:
-    """Record on `value` that it is stored in the file's own blocks of `fmt` (this pass's decision)."""
-    value.metadata_props[KEPT_KEY] = fmt.name
+KEPT_IN_RUNS = "runs"  # KEPT_KEY's value for a matrix stored run by run (FileMatrix.runs), each in its own blocks
+
+
+def keep_blocks(value: ir.Value, fmt: WeightFormat | None) -> None:
+    """Record on `value` that it is stored in the file's own blocks of `fmt` (None: run by run, each run in its
+    own: `FileMatrix.runs`) (this pass's decision)."""
+    value.metadata_props[KEPT_KEY] = KEPT_IN_RUNS if fmt is None else fmt.name
 
 
 def kept_blocks(value: ir.Value | None) -> FileMatrix | None:
     """The file matrix the quantize pass decided to store in the file's own blocks, else None."""
-    matrix = file_matrix(value)
-    return matrix if matrix is not None and value.metadata_props.get(KEPT_KEY) == matrix.stored_format().name else None
+    tensor = None if value is None else value.const_value
+    matrix = tensor.matrix if isinstance(tensor, FileTensor) else None
+    if matrix is None:
+        return None
+    kept = value.metadata_props.get(KEPT_KEY)
+    stored = matrix.stored_format()
+    return matrix if (kept == KEPT_IN_RUNS and stored is None) or (stored is not None and kept == stored.name) else None
 
 
 def _standard(node: ir.Node | None, op_type: str) -> bool:

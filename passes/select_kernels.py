@@ -275,6 +275,9 @@ class Lowering:
         if weight in self.kept:
             if packed is False or device != "cpu":
                 self.as_floats(weight)
+            elif self.kept[weight].stored_format() is None:
+                self.linear_runs(x, weight, bias, out, label, role, act, residual, phases, batch)
+                return
             else:
                 self.linear_kept(x, weight, bias, out, label, role, act, residual, phases, batch)
                 return
@@ -343,6 +346,33 @@ class Lowering:
         args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
                 + ([read(residual)] if residual else []) + [write(out)])
         self.call(label, kernels, args, role, "cpu")
+
+    def linear_runs(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role, act: str,
+                    residual: str | None, phases, batch: bool = False) -> None:
+        """`linear` over a file matrix stored run by run (q and k in Q4_K, v in Q6_K): each run's columns by the
+        kernels of its own format into a buffer of their own, then side by side into `out` (concat_columns)."""
+        matrix = self.kept.pop(weight)
+        if act != "none" or residual is not None:
+            raise ValueError(f"{weight}: a linear stored in runs takes no activation or residual")
+        parts, start = [], 0
+        for index, run in enumerate(matrix.runs()):
+            name, width = f"{weight}.run{index}", run.shape[1]
+            part_bias = None
+            if bias is not None:
+                part_bias = self.weight(f"{bias}.run{index}", self.weights[bias][start: start + width])
+            if run.stored_format().kept_from_file:
+                self.kept[name] = run
+            else:  # int8 / int4 / int4a: the quant kernels over the run's blocks
+                blocks = run.blocks()
+                self.quantized[name] = QuantizedMatrix(blocks.values(), blocks.scales, 0, run.stored_format(),
+                                                       blocks.mins)
+            parts.append(self.activation(f"{out}.run{index}", width))
+            self.linear(x, name, part_bias, parts[-1], f"{label}.run{index}", role, phases=phases, batch=batch)
+            start += width
+        widths = [self.buffers[p]["shape"][-1] for p in parts]
+        kernels = self.kernel(ops.concat_columns, f"concat_{'_'.join(map(str, widths))}", widths, phases=phases,
+                              batch={} if batch else None)
+        self.call(f"{label}.concat", kernels, [*map(read, parts), write(out)], role, "cpu")
 
     def as_floats(self, name: str) -> str:
         """A kept matrix where a kernel reads it in no kq layout (a GPU's, a sparse kernel's rows): its values, in

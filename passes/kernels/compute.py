@@ -407,6 +407,21 @@ def merge(D, parts: int, rows, *, bias: bool, residual: bool):
     return ([res] if residual else []) + partials + ([b] if bias else []) + [out]
 
 
+def concat_columns(widths: tuple[int, ...], rows):
+    """y = [p_1 p_2 ...] side by side.  Args: p_1 [m, w_1], p_2 [m, w_2], ..., y [m, sum w].  Block ``y``."""
+    m = row_dim(rows)
+    parts = [te.placeholder((m, w), name=f"p{i}") for i, w in enumerate(widths)]
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+
+    def pick(i, j):
+        value = parts[-1][i, j - starts[-1]]
+        for part, start in zip(reversed(parts[:-1]), reversed(starts[:-1])):
+            value = tirx.if_then_else(j < start + part.shape[1], part[i, j - start], value)
+        return value
+
+    return parts + [te.compute((m, sum(widths)), pick, name="y")]
+
+
 # --------------------------------------------------------------------------------------------
 # Block-quantized rows (``passes.kernels.quant``'s rows layout: blocks of QUANT_BLOCK along each row)
 # --------------------------------------------------------------------------------------------

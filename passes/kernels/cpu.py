@@ -94,6 +94,14 @@ def _rowwise(sch, block, lanes, rows):
         sch.parallel(sch.get_loops(block)[0])
 
 
+def concat_columns(name, widths, *, rows):
+    """y = [p_1 p_2 ...] side by side: a linear stored in parts of different formats writes each part's columns
+    to a buffer of its own (passes.select_kernels).  Args: p_1 [m, w_1], ..., y [m, sum w]."""
+    sch = compute.schedule(name, compute.concat_columns(tuple(widths), rows))
+    _rowwise(sch, sch.get_sblock("y"), 1, rows)
+    return sch.mod[name]
+
+
 def _row_reductions(sch, reductions, out, lanes, rows):
     """Per-row reductions feeding the elementwise ``out`` block (norm statistics).
 

@@ -46,6 +46,7 @@ sparse_ffn_q = KernelOp("sparse_ffn_q", neuron.sparse_ffn_q, None)  # over int8 
 sparse_columns = KernelOp("sparse_columns", neuron.sparse_columns, None)
 sparse_columns_q = KernelOp("sparse_columns_q", neuron.sparse_columns_q, None)  # over quant rows (int8 / int4 / int4a)
 merge = KernelOp("merge", neuron.merge, cuda.merge)
+concat_columns = KernelOp("concat_columns", cpu.concat_columns, None)  # a linear's parts in different formats
 linear_rows = KernelOp("linear_rows", neuron.linear_rows, cuda.linear_rows)
 # block-quantized weights (--weight-dtype int8 / int4); the makers also take bits and sdtype (scales). The panels
 # are the CPU's alone; the rows kernels (the FFN parts' prefill GEMMs) have GPU twins
