@@ -186,9 +186,7 @@ class Lowering:
         fmt = matrix.stored_format()
         scales = f"{name}.scales"
         if name not in self.buffers:
-            blocks = matrix.blocks()
-            values, scale_bytes = (kquant.pack_panels if layout == "kq_panels" else kquant.pack_rows)(blocks)
-            del blocks
+            values, scale_bytes = _packed(matrix, kquant.pack_panels if layout == "kq_panels" else kquant.pack_rows)
             self.weight(name, values, "uint8", layout)
             self.weight(scales, scale_bytes, "uint8", layout)
             for buffer in (name, scales):
@@ -358,7 +356,7 @@ class Lowering:
         for index, run in enumerate(matrix.runs()):
             name, width = f"{weight}.run{index}", run.shape[1]
             part_bias = None
-            if bias is not None:
+            if bias is not None:  # (the whole bias goes below: each run reads its own)
                 part_bias = self.weight(f"{bias}.run{index}", self.weights[bias][start: start + width])
             if run.stored_format().kept_from_file:
                 self.kept[name] = run
@@ -369,6 +367,8 @@ class Lowering:
             parts.append(self.activation(f"{out}.run{index}", width))
             self.linear(x, name, part_bias, parts[-1], f"{label}.run{index}", role, phases=phases, batch=batch)
             start += width
+        if bias is not None:
+            del self.weights[bias], self.buffers[bias]
         widths = [self.buffers[p]["shape"][-1] for p in parts]
         kernels = self.kernel(ops.concat_columns, f"concat_{'_'.join(map(str, widths))}", widths, phases=phases,
                               batch={} if batch else None)
@@ -393,6 +393,19 @@ class Lowering:
     def zeros(self, name: str, size: int) -> str:
         """A zero bias, so that biased and bias-free models share one kernel shape."""
         return self.weight(name, np.zeros(size, np.float32))
+
+
+PACK_LINES = 8192  # file rows decoded and packed at a time (a multiple of the panels' 16): bounds the transients
+
+
+def _packed(matrix: FileMatrix, pack) -> tuple[np.ndarray, np.ndarray]:
+    """`pack`'s (values, scales) of a file matrix, decoded and packed PACK_LINES of its file rows at a time (a
+    vocabulary-wide table's decoding would otherwise hold several times its packed size at once)."""
+    lines = matrix.shape[1] if matrix.transposed else matrix.shape[0]
+    chunks = [pack(matrix.take(np.arange(begin, min(begin + PACK_LINES, lines))).blocks())
+              for begin in range(0, lines, PACK_LINES)]
+    return tuple(np.ascontiguousarray(np.concatenate(arrays)) if len(arrays) > 1 else arrays[0]
+                 for arrays in zip(*chunks))
 
 
 def _residual(node: ir.Node) -> ir.Value | None:
