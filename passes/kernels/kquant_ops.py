@@ -204,7 +204,9 @@ def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", resi
     """y[m, N] = act(x[m, K] @ W + b) + res, W in `kquant`'s panels layout (pack_panels) of the kept format named
     `fmt`.  Args: x, w, ws, (b), (res), y. Decode (rows 1): `kquant_gemv`'s gemv_panels_kq, or with `int8_dot`
     gemv_panels_kq_x8 (x quantized to int8 blocks; 16 lanes under AVX-512's budget, tile_panels > 1, else 8).
-    Prefill: cpu.gemm over kq_panels_weight, `tile_panels` per register tile (1: AVX2, 2: AVX-512)."""
+    Prefill: cpu.gemm over kq_panels_weight, `tile_panels` per register tile (1: AVX2, 2: AVX-512); with
+    `int8_dot` on AVX-512 (tile_panels > 1), kquant_gemm.gemm_panels_kqx8, each row of x quantized to int8 blocks
+    (as quant.linear_panels_q's gemm_panels_qx8)."""
     f = kq_format(fmt)
     _check_length(f, K, "K")
     wide = tile_panels > 1
@@ -219,5 +221,10 @@ def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", resi
         group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 1)
         return kquant_gemv.gemv_panels_kq(name, K, N, fmt=f, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
+    if int8_dot is not None and wide:
+        from .kquant_gemm import gemm_panels_kqx8
+
+        return gemm_panels_kqx8(name, K, N, fmt=f, bias=bias, act=act, residual=residual, dot=int8_dot,
+                                tile_panels=tile_panels)
     return _cpu.gemm(name, K, N, layout=kq_panels_weight(K, N, fmt=fmt), bias=bias, act=act, residual=residual,
                      tile_panels=tile_panels)
