@@ -76,6 +76,12 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
             c = c | T.Select((T.Shuffle([pv] * (nbytes // PANEL), sel[h]) & mask) != zero, bitv[j], zero)
         return c
 
+    low = T.Shuffle([T.broadcast(T.int32(-1), lanes), T.broadcast(T.int32(0), lanes)],
+                    [tirx.IntImm("int32", v if v < CW else lanes + v) for v in range(lanes)])
+
+    def first_kgroup(value):  # value in the first k group's lanes (0-7), 0 in the others
+        return T.broadcast(value, lanes) & low if offset else T.broadcast(T.int32(0), lanes)
+
     def xdwords(xq, row, k0):  # row's xq at k0 .. k0 + 8, each 4-step k group's 4 bytes over its lanes
         return T.Shuffle([xq[T.ramp(row * K + k0, 1, steps)]] * (nbytes // steps), xbytes)
 
@@ -104,6 +110,13 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
             for g, kv in T.grid(TP, KV):
                 wc[T.ramp((g * KV + kv) * 2 * nbytes, 1, nbytes)] = codes(wf, t * TP + g, kv * steps, 0)
                 wc[T.ramp(((g * KV + kv) * 2 + 1) * nbytes, 1, nbytes)] = codes(wf, t * TP + g, kv * steps, 1)
+            ds = T.alloc_buffer((nsub * TP * 2 * lanes,), "float32")  # d per lane (column h * 8 + lane % 8)
+            ms = T.alloc_buffer((nsub * TP * 2 * lanes,), "float32")  # m in the first k group's lanes, else 0
+            for sb, g, h, v in T.grid(nsub, TP, 2, lanes):
+                ds[((sb * TP + g) * 2 + h) * lanes + v] = scales.d(wsb, wsh, t * TP + g, sb, h * CW + v % CW)
+                if fmt.has_min:
+                    ms[((sb * TP + g) * 2 + h) * lanes + v] = T.if_then_else(
+                        v < CW, scales.m(wsb, wsh, t * TP + g, sb, h * CW + v % CW), T.float32(0))
             for io in range((m + MR - 1) // MR):
                 acc = T.alloc_local((MR, TP, 2, lanes), "float32")
                 part = T.alloc_local((MR, TP, 2, lanes), "int32")
@@ -113,9 +126,8 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
                 for kb in range(nb):
                     for u in T.unroll(SPB):
                         for r, g, h in T.grid(MR, TP, 2):
-                            for v in T.vectorized(lanes):
-                                part[r, g, h, v] = T.if_then_else(
-                                    v < CW, -offset * ssum[T.min(io * MR + r, m - 1) * nsub + kb * SPB + u], 0)
+                            part[r, g, h, T.ramp(0, 1, lanes)] = first_kgroup(
+                                -offset * ssum[T.min(io * MR + r, m - 1) * nsub + kb * SPB + u])
                         for o in T.unroll(VS):
                             for g in T.unroll(TP):
                                 for r in T.unroll(MR):
@@ -125,17 +137,16 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
                                             wc[T.ramp(((g * KV + (kb * SPB + u) * VS + o) * 2 + h) * nbytes, 1,
                                                       nbytes)],
                                             xdwords(xq, T.min(io * MR + r, m - 1), kb * B + (u * VS + o) * steps))
-                        for r, g, h, kg in T.grid(MR, TP, 2, kgroups):
-                            for c in T.vectorized(CW):
-                                acc[r, g, h, kg * CW + c] = acc[r, g, h, kg * CW + c] + T.Cast(
-                                    "float32", part[r, g, h, kg * CW + c]) * (
-                                    scales.d(wsb, wsh, t * TP + g, kb * SPB + u, h * CW + c)
+                        for r, g, h in T.grid(MR, TP, 2):
+                            for v in T.vectorized(lanes):
+                                acc[r, g, h, v] = acc[r, g, h, v] + T.Cast("float32", part[r, g, h, v]) * (
+                                    ds[(((kb * SPB + u) * TP + g) * 2 + h) * lanes + v]
                                     * sx[T.min(io * MR + r, m - 1) * nb + kb])
                         if fmt.has_min:
                             for r, g, h in T.grid(MR, TP, 2):
-                                for c in T.vectorized(CW):
-                                    acc[r, g, h, c] = acc[r, g, h, c] + scales.m(
-                                        wsb, wsh, t * TP + g, kb * SPB + u, h * CW + c) * (
+                                for v in T.vectorized(lanes):
+                                    acc[r, g, h, v] = acc[r, g, h, v] + ms[
+                                        (((kb * SPB + u) * TP + g) * 2 + h) * lanes + v] * (
                                         sx[T.min(io * MR + r, m - 1) * nb + kb] * T.Cast(
                                             "float32", ssum[T.min(io * MR + r, m - 1) * nsub + kb * SPB + u]))
                 for r in T.unroll(MR):
