@@ -1,5 +1,5 @@
 """Prefill GEMM over blocks kept from a GGUF file (q5_0, q5_1, q4_k, q5_k, q6_k): the int8-activation kernel
-(passes.kernels.kquant_gemm.gemm_panels_kqx8, what kquant_ops.linear_panels_kq picks on AVX-512 with an int8 dot)
+(passes.kernels.kquant_gemm.gemm_panels_kqx8, called directly: linear_panels_kq takes it only with KQ_INT8_PREFILL)
 against the old path (cpu.gemm over kquant_ops.kq_panels_weight: each task dequantizes its panels into fp32, then
 an fp32 register-tiled GEMM), at `--rows` prompt rows, in milliseconds per call; int4's gemm_panels_qx8 at the
 same shape for reference.
@@ -44,6 +44,7 @@ def main():
     import tvm_ffi
 
     from passes.kernels import kquant, kquant_ops, quant
+    from passes.kernels.kquant_gemm import gemm_panels_kqx8
     from passes.targets import host_cpu_isa
     from runtime.dtypes import WEIGHT_FORMATS
     from test_kernels import aligned
@@ -75,8 +76,8 @@ def main():
             packed = [aligned(a) for a in kquant.pack_panels(random_blocks(rng, WEIGHT_FORMATS[name], K, N))]
             funcs[(case, "old")] = kquant_ops.linear_panels_kq(f"old_{tag}", K, N, rows=None, fmt=name, bias=False,
                                                                tile_panels=tp)
-            funcs[(case, "new")] = kquant_ops.linear_panels_kq(f"new_{tag}", K, N, rows=None, fmt=name, bias=False,
-                                                               tile_panels=tp, int8_dot=dot)
+            funcs[(case, "new")] = gemm_panels_kqx8(f"new_{tag}", K, N, fmt=WEIGHT_FORMATS[name], dot=dot,
+                                                    tile_panels=tp)
         inputs[case] = [dl(x), *(dl(a) for a in packed), dl(y)]
     start = time.perf_counter()
     lib = tvm.compile(tvm.IRModule({str(f.attrs["global_symbol"]): f for f in funcs.values()}),
