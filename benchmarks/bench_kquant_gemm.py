@@ -1,5 +1,5 @@
 """Prefill GEMM over blocks kept from a GGUF file (q5_0, q5_1, q4_k, q5_k, q6_k): the int8-activation kernel
-(passes.kernels.kquant_gemm.gemm_panels_kqx8, called directly: linear_panels_kq takes it only with KQ_INT8_PREFILL)
+(passes.kernels.kquant_gemm.gemm_panels_kqx8, which linear_panels_kq takes on AVX-512 with int8 activations)
 against the old path (cpu.gemm over kquant_ops.kq_panels_weight: each task dequantizes its panels into fp32, then
 an fp32 register-tiled GEMM), at `--rows` prompt rows, in milliseconds per call; int4's gemm_panels_qx8 at the
 same shape for reference.

@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
-from . import cpu as _cpu
+from . import cpu as _cpu, kquant_gemm, kquant_gemv
 from .compute import clamp_index, drop_params, row_dim
 from .cpu import PANEL
 from .kquant import panel_scale_bytes
@@ -197,10 +197,6 @@ def embed_kq(name, V, D, *, rows, positions: int | None, fmt: str):
 # The makers (ops.linear_panels_kq, ops.embed_kq)
 # --------------------------------------------------------------------------------------------
 
-# The prefill GEMM with int8 activations (kquant_gemm) is taken where this is set: off while a built kept-blocks
-# model's logits disagree with it (tests/test_gguf.py::test_kept_blocks_reach_the_artifact_as_the_file_stores_them
-# fails with it on, though the kernel matches numpy in tests/test_kquant_gemm.py): not yet understood.
-KQ_INT8_PREFILL = False
 GEMV_PANELS_WIDE = 4  # decode panels per task under AVX-512's register budget (as quant's QUANT_GEMV_PANELS)
 
 
@@ -210,14 +206,12 @@ def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", resi
     `fmt`.  Args: x, w, ws, (b), (res), y. Decode (rows 1): `kquant_gemv`'s gemv_panels_kq, or with `int8_dot`
     gemv_panels_kq_x8 (x quantized to int8 blocks; 16 lanes under AVX-512's budget, tile_panels > 1, else 8).
     Prefill: cpu.gemm over kq_panels_weight, `tile_panels` per register tile (1: AVX2, 2: AVX-512); with
-    `int8_dot` on AVX-512 (tile_panels > 1) and KQ_INT8_PREFILL set, kquant_gemm.gemm_panels_kqx8, each row of x quantized to int8 blocks
-    (as quant.linear_panels_q's gemm_panels_qx8)."""
+    `int8_dot` on AVX-512 (tile_panels > 1), kquant_gemm.gemm_panels_kqx8, each row of x quantized to int8
+    blocks (as quant.linear_panels_q's gemm_panels_qx8)."""
     f = kq_format(fmt)
     _check_length(f, K, "K")
     wide = tile_panels > 1
     if rows == 1:
-        from . import kquant_gemv
-
         panels = -(-N // PANEL)
         if int8_dot is not None:
             group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 2)
@@ -226,10 +220,8 @@ def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", resi
         group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 1)
         return kquant_gemv.gemv_panels_kq(name, K, N, fmt=f, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
-    if KQ_INT8_PREFILL and int8_dot is not None and wide:
-        from .kquant_gemm import gemm_panels_kqx8
-
-        return gemm_panels_kqx8(name, K, N, fmt=f, bias=bias, act=act, residual=residual, dot=int8_dot,
+    if int8_dot is not None and wide:
+        return kquant_gemm.gemm_panels_kqx8(name, K, N, fmt=f, bias=bias, act=act, residual=residual, dot=int8_dot,
                                 tile_panels=tile_panels)
     return _cpu.gemm(name, K, N, layout=kq_panels_weight(K, N, fmt=fmt), bias=bias, act=act, residual=residual,
                      tile_panels=tile_panels)
