@@ -97,8 +97,11 @@ class FileMatrix:
         return replace(self, transposed=not self.transposed)
 
     def take(self, index: np.ndarray) -> "FileMatrix":
-        """The matrix of the file rows `index` (columns of a transposed matrix, else rows), in that order."""
+        """The matrix of the file rows `index` (columns of a transposed matrix, else rows), in that order (across
+        parts: ascending, as the parts are stacked)."""
         index = np.asarray(index)
+        if len(self.parts) > 1 and np.any(np.diff(index) < 0):
+            raise ValueError("a file matrix of several parts takes its rows in ascending order")
         starts = np.cumsum([0] + [p.rows for p in self.parts])
         parts = []
         for part, start, end in zip(self.parts, starts[:-1], starts[1:]):
@@ -106,8 +109,8 @@ class FileMatrix:
             if len(mine):
                 rows = mine if part.index is None else part.index[mine]
                 parts.append(replace(part, index=rows))
-        if sum(p.rows for p in parts) != len(index) or not np.array_equal(np.sort(index), index) and len(parts) > 1:
-            raise ValueError("a file matrix takes rows in order within and across its parts")
+        if sum(p.rows for p in parts) != len(index):
+            raise ValueError(f"rows {index.min()}..{index.max()} reach past the matrix's {starts[-1]}")
         return FileMatrix(tuple(parts), self.transposed)
 
     @staticmethod
@@ -119,7 +122,7 @@ class FileMatrix:
 
     def stored_format(self) -> WeightFormat | None:
         """The format that holds every value exactly, in the file's own blocks where there is one format; None
-        where the parts' formats have no common exact one (then the matrix is a float matrix to the build)."""
+        where the parts' formats have no common exact one (then it is stored run by run: `runs`)."""
         formats = {p.format.name for p in self.parts}
         if len(formats) == 1:
             return WEIGHT_FORMATS[formats.pop()]
