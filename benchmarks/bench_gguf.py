@@ -242,22 +242,30 @@ def picompile_speed(engine, prompt, tokens: int) -> tuple[float, float]:
     return len(prompt) / prefill_s, decode
 
 
-def picompile_perplexity(engine, ids: list[int], ctx: int, chunks: int, bos: int | None) -> float:
-    """Perplexity over llama-perplexity's windows (llama_cpp.perplexity_windows): one prefill per window, the
-    second half's positions scored against the next token, as llama.cpp scores them."""
+def picompile_scores(engines: dict, ids: list[int], ctx: int, chunks: int, bos: int | None,
+                     reference: str | None = None) -> dict[str, tuple[float, float | None]]:
+    """Per engine (name -> Engine): (perplexity, mean KL divergence of its next-token distributions from the
+    `reference` engine's, None without one) over llama-perplexity's windows (llama_cpp.perplexity_windows): one
+    prefill per window, the second half's positions scored against the next token, as llama.cpp scores them."""
     import numpy as np
 
     from picompile.evaluate import log_softmax
 
-    nll, count = 0.0, 0
+    nll, kl, count = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0), 0
     for window, first in llama_cpp.perplexity_windows(ids, ctx, chunks, bos):
-        engine.reset()
-        logits = engine.forward(np.asarray(window, np.int64))
-        logp = log_softmax(logits[first:ctx - 1])
         targets = np.asarray(window[first + 1:ctx])
-        nll -= float(logp[np.arange(len(targets)), targets].sum())
+        logps = {}
+        for name, engine in engines.items():
+            engine.reset()
+            logps[name] = log_softmax(np.asarray(engine.forward(np.asarray(window, np.int64)))[first:ctx - 1])
+            nll[name] -= float(logps[name][np.arange(len(targets)), targets].sum())
+        if reference is not None:
+            base = logps[reference]
+            for name, logp in logps.items():
+                kl[name] += float((np.exp(base) * (base - logp)).sum())
         count += len(targets)
-    return float(np.exp(nll / count))
+    return {name: (float(np.exp(nll[name] / count)), kl[name] / count if reference is not None else None)
+            for name in engines}
 
 
 def token_check(llama, gguf: Path, artifact: Path) -> tuple[int, list[str]]:
@@ -351,6 +359,12 @@ def run(args) -> dict:
     # quality: the same windows for both engines
     for gguf, info in per_file.items():
         ppl = {"llama.cpp": llama_cpp.perplexity(llama, gguf, heldout, args.threads, args.ctx, args.chunks).ppl}
+        kl = {}
+        if args.kl:  # llama.cpp's own KL from the file's exact model (an F32 copy llama-quantize dequantizes)
+            exact = llama_cpp.quantize(llama, gguf, llama_cpp.derived_file(gguf, "F32"), "F32", args.threads)
+            kl["llama.cpp"] = llama_cpp.kl_divergence(llama, exact, gguf, heldout, args.threads, args.ctx,
+                                                      args.chunks, work / "kld-base.bin")
+        scored = {}
         for b in info["built"]:
             engine = engines.get((gguf, b.name))
             if engine is None:
@@ -358,8 +372,14 @@ def run(args) -> dict:
             if engine.max_context < args.ctx:  # an --artifact built with a shorter KV cache
                 print(f"  {b.name} on {gguf.name}: max context {engine.max_context} < --ctx {args.ctx}: no ppl")
                 continue
-            ppl[b.name] = picompile_perplexity(engine, info["ids"], args.ctx, args.chunks, info["bos"])
-        info["ppl"] = ppl
+            scored[b.name] = engine
+        reference = EXACT_BUILD if args.kl and EXACT_BUILD in scored else None
+        for name, (value, divergence) in picompile_scores(scored, info["ids"], args.ctx, args.chunks, info["bos"],
+                                                          reference).items():
+            ppl[name] = value
+            if divergence is not None and name != reference:
+                kl[name] = divergence
+        info["ppl"], info["kl"] = ppl, kl
 
     first = files[0]
     artifact = next((b.artifact for b in per_file[first]["built"] if b.artifact is not None), None)
@@ -388,6 +408,7 @@ def run(args) -> dict:
                     "prompt_tokens_per_s": got and statistics.median(s[0] for s in got),
                     "decode_tokens_per_s": got and statistics.median(s[1] for s in got),
                     "ppl": None if level else info.get("ppl", {}).get(name),
+                    "kl": None if level else info.get("kl", {}).get(name),
                     "error": error, "load": level, "base": "llama.cpp" + loaded_suffix(level)}
         results["files"][gguf.name] = rows
         results.setdefault("builds", {})[gguf.name] = {
@@ -420,11 +441,15 @@ def file_bytes_per_token(gguf: Path) -> int:
 def artifact_bytes_per_token(artifact: Path) -> int:
     """The weight bytes a dense decode step of the artifact reads: every weight buffer but the embedding's
     (of which it reads one row)."""
+    from runtime.artifact import load_manifest
     from runtime.dtypes import nbytes
 
-    buffers = json.loads((artifact / "manifest.json").read_text())["buffers"]
-    return sum(nbytes(b["shape"], b["dtype"]) for name, b in buffers.items()
-               if b.get("kind") == "weight" and not name.startswith("embed."))
+    buffers = load_manifest(artifact, check_hashes=False).buffers
+    return sum(nbytes(b.shape, b.dtype) for name, b in buffers.items()
+               if b.kind == "weight" and not name.startswith("embed."))
+
+
+EXACT_BUILD = "picompile fp32"  # the build that computes the file's exact model: --kl's reference for picompile
 
 
 def llama_name(threads: int, policy: str) -> str:
@@ -456,10 +481,11 @@ def tables(results: dict) -> str:
     for name, rows in results["files"].items():
         own = rows.get("picompile fp32", {}).get("ppl")  # the file's own model, every value exact
         out.append(f"**{name}**\n\n| engine | decode tok/s | vs llama.cpp | prompt tok/s | vs llama.cpp | ppl | "
-                   f"ppl vs llama.cpp | ppl vs the file's own model |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+                   f"ppl vs llama.cpp | ppl vs the file's own model | KL from the file's own model |\n"
+                   f"| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for engine, r in rows.items():
             if r["error"]:
-                out.append(f"| {engine} | not built: {r['error']} | | | | | | |")
+                out.append(f"| {engine} | not built: {r['error']} | | | | | | | |")
                 continue
             dec, pp, ppl = r["decode_tokens_per_s"], r["prompt_tokens_per_s"], r["ppl"]
             base = rows[r.get("base", "llama.cpp")]
@@ -468,7 +494,8 @@ def tables(results: dict) -> str:
             out.append(f"| {engine} | {_num(dec)} | {ratio(dec, base['decode_tokens_per_s'])} | {_num(pp)} | "
                        f"{ratio(pp, base['prompt_tokens_per_s'])} | {_num(ppl, 3)} | "
                        f"{'x%.4f' % (ppl / quality) if ppl and quality else '-'} | "
-                       f"{'x%.4f' % (ppl / own) if ppl and own else '-'} |")
+                       f"{'x%.4f' % (ppl / own) if ppl and own else '-'} | "
+                       f"{'%.2e' % r['kl'] if r.get('kl') is not None else '-'} |")
         built = results.get("builds", {}).get(name, {})
         if built:
             size, per_token = built["file_bytes"], built["file_bytes_per_token"]
@@ -537,6 +564,9 @@ def main(argv=None) -> int:
     parser.add_argument("--llama-threads", default="1,2", help="llama.cpp's thread counts tried (comma list); its "
                         "row is the best of every count and --omp policy")
     parser.add_argument("--omp", default="passive,active", help="llama.cpp's OMP_WAIT_POLICY values tried")
+    parser.add_argument("--kl", action="store_true", help="also each engine's mean KL divergence from the file's exact "
+                        "model: llama.cpp's from an F32 copy of the file (llama-quantize), picompile's from its fp32 "
+                        "build (--builds must include fp32)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--record", action="store_true", help="append the tables to BENCHMARKS.md")
     argv = sys.argv[1:] if argv is None else argv

@@ -177,6 +177,23 @@ def perplexity(llama: LlamaCpp, model: str | Path, text_file: str | Path, thread
     return parse_perplexity(done.stdout + done.stderr)  # it logs its estimate to stderr
 
 
+_KLD = re.compile(r"Mean\s+KLD:\s+([0-9.eE+-]+)")
+
+
+def kl_divergence(llama: LlamaCpp, base: str | Path, model: str | Path, text_file: str | Path, threads: int,
+                  ctx: int, chunks: int, logits_file: str | Path) -> float:
+    """llama-perplexity's mean KL divergence of `model`'s next-token distributions from `base`'s, on the windows
+    `perplexity` scores: `base`'s logits saved to `logits_file` (--kl-divergence-base), then compared."""
+    common = ["-f", text_file, "-t", threads, "-c", ctx, "-b", ctx, "--no-escape", "--chunks", chunks,
+              "--kl-divergence-base", logits_file]
+    llama.run("llama-perplexity", ["-m", base, *common])
+    done = llama.run("llama-perplexity", ["-m", model, *common, "--kl-divergence"])
+    found = _KLD.search(done.stdout + done.stderr)
+    if found is None:
+        raise LlamaCppFailed("llama-perplexity --kl-divergence printed no mean KLD")
+    return float(found.group(1))
+
+
 def parse_perplexity(text: str) -> PerplexityFigures:
     final = _FINAL.search(text)
     shape = _CHUNKS.search(text)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,12 +39,11 @@ def test_a_budget_build_passes_its_budget_and_a_refused_option_is_a_row(tmp_path
     calib.write_text("some prose")
     seen = []
 
-    def refused(command, **kwargs):
+    def refused(command):  # (exit code, stdout, stderr, peak resident bytes) of the build's child process
         seen.append(command)
-        return subprocess.CompletedProcess(command, 2, "", "error: picompile build: unrecognized arguments: "
-                                                           "--max-quality-loss 3%\n")
+        return 2, "", "error: picompile build: unrecognized arguments: --max-quality-loss 3%\n", 1 << 20
 
-    monkeypatch.setattr(bench_gguf.subprocess, "run", refused)
+    monkeypatch.setattr(bench_gguf, "_measured_run", refused)
     built = bench_gguf.build_cached(model, "budget-fp32-3%", bench.build_args("budget-fp32-3%"), calib,
                                     log=lambda m: None)
     command = seen[0]
