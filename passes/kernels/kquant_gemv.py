@@ -121,11 +121,23 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     quantize_x = x_quantizer(K)
     ahead, last = group * VB <= PREFETCH_TASK_BYTES, panels * VB - 1
 
-    def codes(wf, p, k0, sel, nib_half, j_planes):
+    def permuted(wf, ctls, p, k0):
+        """The vector of nibble bytes at k0, permuted (_vector_perm). 16 lanes: vpermd (dwords to their 16-byte
+        lanes) then vpshufb (a 4x4 byte transpose in each), their controls read from `ctl` (made at run time, so
+        that LLVM sees no constant shuffles it would duplicate into both nibble halves' paths)."""
+        raw = wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]
+        if lanes != 16:
+            return T.Shuffle([raw], perm)
+        dw = T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.permvar.si.512", T.reinterpret("int32x16", raw),
+                                     ctls[0][T.ramp(0, 1, 16)])
+        return T.reinterpret(f"uint8x{nbytes}", T.call_llvm_pure_intrin(
+            "int8x64", "llvm.x86.avx512.pshuf.b.512", T.reinterpret("int8x64", dw), ctls[1][T.ramp(64, 1, 64)]))
+
+    def codes(wf, ctls, p, k0, sel, nib_half, j_planes):
         """The permuted vector's codes at k0 (nibble half `nib_half`: 0 low, 1 high)."""
         bits = mask if steps == 8 else mask << T.broadcast(T.Cast("uint8", k0 % 8), nbytes)
-        nib = T.Shuffle([wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]], perm)
-        c = (nib & m15) if nib_half == 0 else (nib >> m4)
+        nib = permuted(wf, ctls, p, k0)
+        c = (nib & m15) if nib_half == 0 else ((nib >> m4) & m15)
         for j in range(j_planes):
             pv = wf[T.ramp(p * VB + K * HALF + j * K * 2 + k0 // 8 * PANEL, 1, PANEL)]
             spread = T.Shuffle([pv] * (nbytes // PANEL), sel)
@@ -173,6 +185,12 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
         xc = T.alloc_buffer((nsub, lanes), "int32")
         xpat = T.alloc_buffer((K // steps, lanes), "int32")
         xpat8 = T.decl_buffer((K // steps * nbytes,), "int8", data=xpat.data)
+        ctl = T.alloc_buffer((32,), "int32")  # vpermd's control, then vpshufb's (permuted)
+        ctl8 = T.decl_buffer((128,), "int8", data=ctl.data)
+        for d in range(16):
+            ctl[d] = 2 * (4 * (d // 8) + d % 4) + d // 4 % 2
+        for i in range(64):
+            ctl8[64 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
         quantize_x(x, 0, xq, sx, xsum, 0)
         for sb in range(nsub):
             ssum[sb] = 0
@@ -208,14 +226,14 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                             for g in T.unroll(group):
                                 part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
                                     dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
-                                    codes(wf, t * group + g, (sup * per_sup + kq) * B + (u * VS + o) * steps, sel_lo,
-                                          0, planes),
+                                    codes(wf, (ctl, ctl8), t * group + g,
+                                          (sup * per_sup + kq) * B + (u * VS + o) * steps, sel_lo, 0, planes),
                                     xpat8[T.ramp(((sup * per_sup + kq) * (B // steps) + u * VS + o) * nbytes, 1,
                                                  nbytes)])
                                 part[g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
                                     dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
-                                    codes(wf, t * group + g, (sup * per_sup + kq) * B + (u * VS + o) * steps, sel_hi,
-                                          1, planes),
+                                    codes(wf, (ctl, ctl8), t * group + g,
+                                          (sup * per_sup + kq) * B + (u * VS + o) * steps, sel_hi, 1, planes),
                                     xpat8[T.ramp(((sup * per_sup + kq) * (B // steps) + u * VS + o) * nbytes, 1,
                                                  nbytes)])
                         for g in T.unroll(group):
