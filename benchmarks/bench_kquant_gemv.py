@@ -7,9 +7,10 @@ memory; the variants alternate in rounds of one call per copy; medians over roun
 copy called again and again (in cache where it fits). Kernels are built for this machine's widest ISA (dot:
 vnni where it has AVX512-VNNI, else madd), `--threads` threads (TVM_NUM_THREADS).
 
-(K a multiple of 256: the K-quants' super-blocks.)
+(The K-quants are left out at a K not a multiple of 256, their super-blocks.)
 
-    python benchmarks/bench_kquant_gemv.py [--shapes 2048x5632,2048x2048] [--threads 2] [--rounds 10] [--fp32]
+    python benchmarks/bench_kquant_gemv.py [--shapes 2048x5632,2048x2048] [--formats q4_k,q6_k] [--group 2]
+        [--threads 2] [--rounds 10] [--fp32]
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--mib", type=int, default=192, help="weight bytes per variant and shape, in copies")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated kept formats")
+    parser.add_argument("--group", type=int, default=None,
+                        help="panels a task of the kept formats' kernels (default: the kernel's choice)")
     parser.add_argument("--fp32", action="store_true", help="also the fp32-activation kernels (gemv_panels_kq)")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
@@ -66,10 +70,13 @@ def main():
         s = (rng.random((K // 32, N)) * 0.01).astype(np.float16)
         funcs["int4 x8"] = quant.gemv_panels_q4x8("int4_x8", K, N, dot=dot, lanes=lanes, group=group)
         packs["int4 x8"] = quant.pack_panels(q, s, WEIGHT_FORMATS["int4"])
-        for name in FORMATS:
+        for name in args.formats.split(","):
             fmt = WEIGHT_FORMATS[name]
+            if K % (fmt.super_block or 32):
+                continue  # (the K-quants need K a multiple of 256)
             packed = kquant.pack_panels(random_blocks(rng, fmt, K, N))
-            funcs[f"{name} x8"] = gemv_panels_kq_x8(f"{name}_x8", K, N, fmt=fmt, dot=dot, lanes=lanes, group=group)
+            funcs[f"{name} x8"] = gemv_panels_kq_x8(f"{name}_x8", K, N, fmt=fmt, dot=dot, lanes=lanes,
+                                                         group=args.group or (None if wide else group))
             packs[f"{name} x8"] = packed
             if args.fp32:
                 funcs[f"{name} fp32"] = gemv_panels_kq(f"{name}_f32", K, N, fmt=fmt,

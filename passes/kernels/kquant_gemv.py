@@ -12,8 +12,14 @@ D fp16 [K / 256, 16] (then Dmin)). A weight is d (c - offset) (+ m), d = D sc an
   same byte arrangement by a constant shuffle (byte e takes its column's plane byte), tested against a constant
   per-byte mask (1 << its k step) and turned into 1 << (4 + j), OR'ed into the codes: one dot per vector and
   nibble half for any code width (u8 codes < 64 times s8: vpmaddubsw's pair sums 2 * 63 * 127 < 2^15). The
-  offset (Q5_0's 16, Q6_K's 32) is taken off in the integer sums' start, -offset * sum(xq) over the sub-block;
-  per sub-block acc += float(sum) * d * sx, and where the format has mins acc += m * sx * sum(xq).
+  offset (Q5_0's 16, Q6_K's 32) is taken off in the integer sums' start, -offset * sum(xq) over the sub-block.
+  Per sub-block the two nibble halves' sums (and their k groups' lanes) become one int32 vector of the panel's 16
+  columns (two shuffles and an add), scaled in 16-lane fp32: one level acc += float(sum) * d * sx (+ m * xs, xs
+  = sx * sum(xq)); two levels the super-block's sums asb += float(sum) * float(sc) * sx (Q6_K: its two 16-row
+  sub-blocks summed with their sc first, sx once a 32-block) and amn += float(mn) * xs, then once a super-block
+  acc += asb * D - amn * Dmin (D, Dmin converted once a super-block). The task's accumulators are alloc_buffer
+  (stack, kept in registers), not alloc_local (in a parallel loop a workspace allocation, read and written
+  through memory every block).
 * `gemv_panels_kq`: fp32 activations (as quant._gemv_q4: two k steps per 16-lane vector, fp32 FMAs of the
   decoded codes, the offset folded into the sub-block sums' start).
 
@@ -31,8 +37,7 @@ from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch
 from .cpu import PANEL
 from .kquant import panel_scale_bytes
-from .quant import (HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, _sum_kgroups, _vector_perm, check_dot, dot_u8s8,
-                    x_quantizer)
+from .quant import HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, _vector_perm, check_dot, dot_u8s8, x_quantizer
 
 
 def _check_kq(K, N, fmt: WeightFormat):
@@ -116,16 +121,42 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     quantize_x = x_quantizer(K)
     ahead, last = group * VB <= PREFETCH_TASK_BYTES, panels * VB - 1
 
-    def codes(wf, p, k0, sel, nib_half, j_planes):
+    def permuted(wf, ctls, p, k0):
+        """The vector of nibble bytes at k0, permuted (_vector_perm). 16 lanes: vpermd (dwords to their 16-byte
+        lanes) then vpshufb (a 4x4 byte transpose in each), their controls read from `ctl` (made at run time, so
+        that LLVM sees no constant shuffles it would duplicate into both nibble halves' paths)."""
+        raw = wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]
+        if lanes != 16:
+            return T.Shuffle([raw], perm)
+        dw = T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.permvar.si.512", T.reinterpret("int32x16", raw),
+                                     ctls[0][T.ramp(0, 1, 16)])
+        return T.reinterpret(f"uint8x{nbytes}", T.call_llvm_pure_intrin(
+            "int8x64", "llvm.x86.avx512.pshuf.b.512", T.reinterpret("int8x64", dw), ctls[1][T.ramp(64, 1, 64)]))
+
+    def codes(wf, ctls, p, k0, sel, nib_half, j_planes):
         """The permuted vector's codes at k0 (nibble half `nib_half`: 0 low, 1 high)."""
         bits = mask if steps == 8 else mask << T.broadcast(T.Cast("uint8", k0 % 8), nbytes)
-        nib = T.Shuffle([wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]], perm)
-        c = (nib & m15) if nib_half == 0 else (nib >> m4)
+        nib = permuted(wf, ctls, p, k0)
+        c = (nib & m15) if nib_half == 0 else ((nib >> m4) & m15)
         for j in range(j_planes):
             pv = wf[T.ramp(p * VB + K * HALF + j * K * 2 + k0 // 8 * PANEL, 1, PANEL)]
             spread = T.Shuffle([pv] * (nbytes // PANEL), sel)
             c = c | T.Select((spread & bits) != zero, bitv[j], zero)
         return c
+
+    two = bool(fmt.super_block)
+    per_sup = (fmt.super_block or B) // B  # 32-blocks per super-block (one level: 1)
+    nsup = nb // per_sup
+    dbase = fmt.per_block * nsub * PANEL // 2  # fp16 index of D in a panel's scales (two levels)
+
+    def columns(part, g):
+        """Panel g's 16 columns' int32 sums: each half's lanes of its k groups added (lanes c, c + 8, ...)."""
+        total = None
+        for kg in range(kgroups):
+            sel = [tirx.IntImm("int32", h * lanes + kg * HALF + c) for h in range(2) for c in range(HALF)]
+            v = T.Shuffle([part[g, 0, T.ramp(0, 1, lanes)], part[g, 1, T.ramp(0, 1, lanes)]], sel)
+            total = v if total is None else total + v
+        return total
 
     @T.macro
     def prefetch_next(wf, t, kb):
@@ -154,6 +185,12 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
         xc = T.alloc_buffer((nsub, lanes), "int32")
         xpat = T.alloc_buffer((K // steps, lanes), "int32")
         xpat8 = T.decl_buffer((K // steps * nbytes,), "int8", data=xpat.data)
+        ctl = T.alloc_buffer((32,), "int32")  # vpermd's control, then vpshufb's (permuted)
+        ctl8 = T.decl_buffer((128,), "int8", data=ctl.data)
+        for d in range(16):
+            ctl[d] = 2 * (4 * (d // 8) + d % 4) + d // 4 % 2
+        for i in range(64):
+            ctl8[64 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
         quantize_x(x, 0, xq, sx, xsum, 0)
         for sb in range(nsub):
             ssum[sb] = 0
@@ -166,42 +203,83 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
             for v in T.vectorized(lanes):
                 xpat[o, v] = xq32[kgroups * o + v // HALF]
         for t in T.parallel(panels // group):
-            acc = T.alloc_local((group, 2, lanes), "float32")
-            part = T.alloc_local((group, 2, lanes), "int32")
-            for g, h in T.grid(group, 2):
-                for v in T.vectorized(lanes):
-                    acc[g, h, v] = T.float32(0)
-            for kb in range(nb):
-                prefetch_next(wf, t, kb)
-                for u in T.unroll(SPB):
-                    for g, h in T.grid(group, 2):
-                        for v in T.vectorized(lanes):
-                            part[g, h, v] = xc[kb * SPB + u, v]
-                    for o in T.unroll(VS):
-                        for g in T.unroll(group):
-                            part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
-                                dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
-                                codes(wf, t * group + g, kb * B + (u * VS + o) * steps, sel_lo, 0, planes),
-                                xpat8[T.ramp((kb * (B // steps) + u * VS + o) * nbytes, 1, nbytes)])
-                            part[g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
-                                dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
-                                codes(wf, t * group + g, kb * B + (u * VS + o) * steps, sel_hi, 1, planes),
-                                xpat8[T.ramp((kb * (B // steps) + u * VS + o) * nbytes, 1, nbytes)])
-                    for g, h, kg in T.grid(group, 2, kgroups):
-                        for c in T.vectorized(HALF):
-                            acc[g, h, kg * HALF + c] = acc[g, h, kg * HALF + c] + T.Cast(
-                                "float32", part[g, h, kg * HALF + c]) * (
-                                scales.d(wsb, wsh, t * group + g, kb * SPB + u, h * HALF + c) * sx[kb])
-                    if fmt.has_min:
+            acc = T.alloc_buffer((group, PANEL), "float32")
+            asb = T.alloc_buffer((group, PANEL), "float32")  # two levels: the super-block's sums, times sx and sc
+            amn = T.alloc_buffer((group, PANEL), "float32")  # two levels with mins: sum of mn * xs over it
+            blk = T.alloc_buffer((group, PANEL), "float32")  # the 32-block's sum, times sc (Q6_K: two sub-blocks)
+            part = T.alloc_buffer((group, 2, lanes), "int32")
+            for g in T.unroll(group):
+                acc[g, T.ramp(0, 1, PANEL)] = T.broadcast(T.float32(0), PANEL)
+            for sup in range(nsup):
+                if two:
+                    for g in T.unroll(group):
+                        asb[g, T.ramp(0, 1, PANEL)] = T.broadcast(T.float32(0), PANEL)
+                        if fmt.has_min:
+                            amn[g, T.ramp(0, 1, PANEL)] = T.broadcast(T.float32(0), PANEL)
+                for kq in range(per_sup):
+                    prefetch_next(wf, t, sup * per_sup + kq)
+                    for u in T.unroll(SPB):
                         for g, h in T.grid(group, 2):
-                            for c in T.vectorized(HALF):
-                                acc[g, h, c] = acc[g, h, c] + scales.m(
-                                    wsb, wsh, t * group + g, kb * SPB + u, h * HALF + c) * xs[kb * SPB + u]
-            for g, h in T.grid(group, 2):
-                for c in (T.vectorized if full else T.serial)(HALF):
-                    if full or t * width + g * PANEL + h * HALF + c < N:
-                        y[0, t * width + g * PANEL + h * HALF + c] = epilogue(
-                            _sum_kgroups(acc, g, h, c, kgroups), b, res, 0, t * width + g * PANEL + h * HALF + c)
+                            for v in T.vectorized(lanes):
+                                part[g, h, v] = xc[(sup * per_sup + kq) * SPB + u, v]
+                        for o in T.unroll(VS):
+                            for g in T.unroll(group):
+                                part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
+                                    dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
+                                    codes(wf, (ctl, ctl8), t * group + g,
+                                          (sup * per_sup + kq) * B + (u * VS + o) * steps, sel_lo, 0, planes),
+                                    xpat8[T.ramp(((sup * per_sup + kq) * (B // steps) + u * VS + o) * nbytes, 1,
+                                                 nbytes)])
+                                part[g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
+                                    dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
+                                    codes(wf, (ctl, ctl8), t * group + g,
+                                          (sup * per_sup + kq) * B + (u * VS + o) * steps, sel_hi, 1, planes),
+                                    xpat8[T.ramp(((sup * per_sup + kq) * (B // steps) + u * VS + o) * nbytes, 1,
+                                                 nbytes)])
+                        for g in T.unroll(group):
+                            if two:
+                                if u == 0:
+                                    blk[g, T.ramp(0, 1, PANEL)] = T.Cast(f"float32x{PANEL}", columns(part, g)) * T.Cast(
+                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
+                                            (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)])
+                                else:
+                                    blk[g, T.ramp(0, 1, PANEL)] = blk[g, T.ramp(0, 1, PANEL)] + T.Cast(
+                                        f"float32x{PANEL}", columns(part, g)) * T.Cast(
+                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
+                                            (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)])
+                                if fmt.has_min:
+                                    amn[g, T.ramp(0, 1, PANEL)] = amn[g, T.ramp(0, 1, PANEL)] + T.Cast(
+                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
+                                            nsub + (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)]) * T.broadcast(
+                                        xs[(sup * per_sup + kq) * SPB + u], PANEL)
+                            else:
+                                acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + T.Cast(
+                                    f"float32x{PANEL}", columns(part, g)) * (T.Cast(
+                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (
+                                            sup * per_sup + kq) * PANEL, 1, PANEL)]) * T.broadcast(
+                                        sx[sup * per_sup + kq], PANEL))
+                                if fmt.has_min:
+                                    acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + T.Cast(
+                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (
+                                            nsub + sup * per_sup + kq) * PANEL, 1, PANEL)]) * T.broadcast(
+                                        xs[sup * per_sup + kq], PANEL)
+                    if two:
+                        for g in T.unroll(group):
+                            asb[g, T.ramp(0, 1, PANEL)] = asb[g, T.ramp(0, 1, PANEL)] + blk[
+                                g, T.ramp(0, 1, PANEL)] * T.broadcast(sx[sup * per_sup + kq], PANEL)
+                if two:
+                    for g in T.unroll(group):
+                        acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + asb[
+                            g, T.ramp(0, 1, PANEL)] * T.Cast(f"float32x{PANEL}", wsh[T.ramp(
+                                (t * group + g) * (SBY // 2) + dbase + sup * PANEL, 1, PANEL)])
+                        if fmt.has_min:
+                            acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] - amn[
+                                g, T.ramp(0, 1, PANEL)] * T.Cast(f"float32x{PANEL}", wsh[T.ramp(
+                                    (t * group + g) * (SBY // 2) + dbase + nsup * PANEL + sup * PANEL, 1, PANEL)])
+            for g in T.unroll(group):
+                for c in (T.vectorized if full else T.serial)(PANEL):
+                    if full or t * width + g * PANEL + c < N:
+                        y[0, t * width + g * PANEL + c] = epilogue(acc[g, c], b, res, 0, t * width + g * PANEL + c)
 
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
