@@ -361,7 +361,7 @@ def run(args) -> dict:
         ppl = {"llama.cpp": llama_cpp.perplexity(llama, gguf, heldout, args.threads, args.ctx, args.chunks).ppl}
         kl = {}
         if args.kl:  # llama.cpp's own KL from the file's exact model (an F32 copy llama-quantize dequantizes)
-            exact = llama_cpp.quantize(llama, gguf, llama_cpp.derived_file(gguf, "F32"), "F32", args.threads)
+            exact = llama_cpp.quantize(llama, gguf, work / f"{gguf.stem}.exact.F32.gguf", "F32", args.threads)
             kl["llama.cpp"] = llama_cpp.kl_divergence(llama, exact, gguf, heldout, args.threads, args.ctx,
                                                       args.chunks, work / "kld-base.bin")
         scored = {}
