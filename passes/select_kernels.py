@@ -331,8 +331,8 @@ class Lowering:
 
     def linear_kept(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role, act: str,
                     residual: str | None, phases, batch: bool = False) -> None:
-        """`linear` over a matrix in a file's own blocks: the kq panels (decode GEMV, with int8 activations where
-        the ISA has an integer dot product; prefill GEMM over the panels dequantized per task)."""
+        """`linear` over a matrix in a file's own blocks: the kq panels (decode GEMV and prefill GEMM, with int8
+        activations where the ISA has an integer dot product: `kquant_ops.linear_panels_kq`)."""
         values, scales, fmt = self.kept_in(weight, "kq_panels")
         k, n = self.kept[weight].shape
         dot = {"int8_dot": self.int8_dot} if self.int8_dot else {}
@@ -356,7 +356,7 @@ class Lowering:
         for index, run in enumerate(matrix.runs()):
             name, width = f"{weight}.run{index}", run.shape[1]
             part_bias = None
-            if bias is not None:  # (the whole bias goes below: each run reads its own)
+            if bias is not None:  # each run adds its slice of the bias (the whole one is dropped below)
                 part_bias = self.weight(f"{bias}.run{index}", self.weights[bias][start: start + width])
             if run.stored_format().kept_from_file:
                 self.kept[name] = run
