@@ -58,9 +58,8 @@ def _float_array(tensor) -> np.ndarray:
 
 def kept_in_blocks(tensor) -> bool:
     """Whether a tensor of the file stays in its own blocks (a block type a picompile format holds exactly)."""
-    kind = tensor.tensor_type.name
-    found = ggml.GGML_TYPES.get(kind)
-    return kind not in FLOAT_TYPES and found is not None and found.format is not None and found.exact
+    found = ggml.GGML_TYPES.get(tensor.tensor_type.name)
+    return found is not None and found.kept_in_blocks
 
 
 def file_matrix(tensor, rows: np.ndarray | None = None, transposed: bool = True) -> FileMatrix:

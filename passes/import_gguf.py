@@ -78,9 +78,10 @@ EXACT = {("F32", "fp32"), ("F16", "fp32"), ("F16", "fp16"), ("BF16", "fp32"), ("
 
 
 def kept_format(ggml_type: str) -> str | None:
-    """The picompile format a file's tensor of `ggml_type` keeps its blocks in (None: none holds them exactly)."""
+    """The picompile format a file's tensor of block type `ggml_type` keeps its blocks in (None: a float type, or
+    none holds them exactly)."""
     kind = ggml.GGML_TYPES.get(ggml_type)
-    return kind.format if kind is not None and kind.exact and ggml_type not in FLOAT_TYPES else None
+    return kind.format if kind is not None and kind.kept_in_blocks else None
 
 
 def is_gguf(path: Path) -> bool:

@@ -50,6 +50,11 @@ class GGMLType:
         """The picompile format this type's matrices are kept in, or None."""
         return None if self.format is None else WEIGHT_FORMATS[self.format]
 
+    @property
+    def kept_in_blocks(self) -> bool:
+        """Whether this is a block type a picompile format holds exactly (its matrices stay in the file's blocks)."""
+        return self.block > 1 and self.exact and self.format is not None
+
 
 GGML_TYPES: dict[str, GGMLType] = {
     t.name: t
