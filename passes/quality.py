@@ -178,17 +178,23 @@ class StoredWeights:
         self._blocking = blocking
         self._blocks: dict[tuple[str, str, int], tuple[tuple | None, WeightFormat]] = {}
 
+    def _kept(self, name: str, fmt: WeightFormat, axis: int) -> WeightFormat | None:
+        """The format of the file's own blocks where the quantize pass keeps them (run by run: priced as its
+        largest run's format), else None."""
+        held = file_matrix(self._values[name], any_formats=True)
+        kept = self._blocking.kept(held, fmt, axis)
+        if kept is None and self._blocking.kept_in_runs(held, fmt, axis):
+            kept = max(held.runs(), key=lambda run: run.size).stored_format()
+        return kept
+
     def _stored(self, name: str, fmt_name: str, axis: int) -> tuple[tuple | None, WeightFormat]:
         """(blocks, or None where the matrix is kept in floats; the format it is stored in)."""
         fmt = self._blocking.format_for(fmt_name)
         if not fmt.quantized:
             return None, fmt
-        held = file_matrix(self._values[name], any_formats=True)
-        kept = self._blocking.kept(held, fmt, axis)
+        kept = self._kept(name, fmt, axis)
         if kept is not None:  # the file's own blocks, as the quantize pass keeps them: the file's values
             return FILE_VALUES, kept
-        if self._blocking.kept_in_runs(held, fmt, axis):  # ... run by run (priced as its largest run's format)
-            return FILE_VALUES, max(held.runs(), key=lambda run: run.size).stored_format()
         fmt = self._blocking.rounding_format(fmt)
         if not quant.quantizable(tuple(self._values[name].const_value.shape), axis, fmt.block):
             return None, float_format(fmt)  # the quantize pass keeps it in floats
@@ -200,6 +206,16 @@ class StoredWeights:
 
     def _source(self, name: str) -> np.ndarray:
         return np.asarray(pir.const_array(self._values[name]), np.float32)
+
+    def priced_format(self, name: str, fmt_name: str, axis: int) -> WeightFormat:
+        """The format a plan's cost reads the matrix in when it gives it `fmt_name` blocked along `axis`: the
+        file's own blocks where they are kept (a quantized file's matrix, dense), else the format it is rounded
+        to (a thresholded one, its rows gathered: int8 for the K-quants' blocks along K); found without rounding
+        it."""
+        fmt = self._blocking.format_for(fmt_name)
+        if not fmt.quantized:
+            return fmt
+        return self._kept(name, fmt, axis) or self._blocking.rounding_format(fmt)
 
     def format(self, name: str, fmt_name: str, axis: int) -> WeightFormat:
         """The format the quantize pass stores the matrix in when the plan gives it `fmt_name` (a model's own
@@ -269,7 +285,7 @@ class QualityPlan:
         bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
         isa = cpu_isa if self.int8_activations else None
         int8_dot = isa.int8_dot if isa is not None else None
-        price = lambda knob: _costs(knob, model, formats, bandwidth, int8_dot)  # noqa: E731
+        price = lambda knob: _costs(knob, model, formats, stored, bandwidth, int8_dot)  # noqa: E731
         with ctx.progress("quality: local effects", len(blocks)) as advance:
             knobs = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
                                      self.lowest_recall, price, advance, head_limit, thresholded=planned)
@@ -505,8 +521,9 @@ def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hi
 def head_node(model: ir.Model) -> ir.Node | None:
     """The output layer: the MatMul of a constant producing the logits."""
     producer = model.graph.outputs[0].producer()
+    # (const_matrix: a file's blocks stay unread)
     return producer if producer is not None and producer.op_type == "MatMul" and \
-        pir.const_array(producer.inputs[1]) is not None else None
+        pir.const_matrix(producer.inputs[1]) is not None else None
 
 
 def _embed_format(model: ir.Model, formats: tuple[str, ...]) -> tuple[str, str] | None:
@@ -518,10 +535,13 @@ def _embed_format(model: ir.Model, formats: tuple[str, ...]) -> tuple[str, str] 
     return embed_node.inputs[2].name, "int8" if "int8" in formats else formats[-1]
 
 
-def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: float, int8_dot: str | None) -> np.ndarray:
+def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], stored: StoredWeights, bandwidth: float,
+           int8_dot: str | None) -> np.ndarray:
     """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a threshold level
     reading the rows of the inputs it keeps on held-out tokens (`column_seconds`); a predictor knob's FFN (up and
-    down), its sparse levels reading the predictor whole and the rows of the neurons it selects."""
+    down), its sparse levels reading the predictor whole and the rows of the neurons it selects. Each in the format
+    the quantize pass stores the matrix in at that level (`StoredWeights.priced_format`): a quantized file's
+    matrix dense in its own blocks, thresholded in the blocks its rows are rounded to."""
     shape = lambda value: tuple(value.const_value.shape)  # noqa: E731  (the values stay unread)
     inputs, outputs = shape(model.graph.initializers[knob.matrix])  # [K, N]: a row per input
     weights = inputs * outputs
@@ -530,16 +550,17 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], bandwidth: flo
         predictor = sum(w.numel() for w in knob.predictor) * PREDICTOR_FORMAT.bytes_per_weight
     cost = np.empty((len(knob.thresholds), len(formats)))
     for f, name in enumerate(formats):
-        stored = weights * WEIGHT_FORMATS[name].bytes_per_weight
         for level in range(len(knob.thresholds)):
+            fmt = stored.priced_format(knob.matrix, name, knob.stored_as(level)[0][1])
+            stored_bytes = weights * fmt.bytes_per_weight
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
             if knob.predictor is None and level:
-                efficiency = costmodel.column_row_efficiency(stored / inputs, WEIGHT_FORMATS[name].bits, int8_dot)
-                cost[level, f] = (costmodel.column_seconds(stored, bandwidth, kept, efficiency)
+                efficiency = costmodel.column_row_efficiency(stored_bytes / inputs, fmt.bits, int8_dot)
+                cost[level, f] = (costmodel.column_seconds(stored_bytes, bandwidth, kept, efficiency)
                                   + costmodel.launch_seconds("cpu"))  # and its select call
                 continue
-            efficiency = costmodel.sparse_row_efficiency(WEIGHT_FORMATS[name].bits, int8_dot)
-            cost[level, f] = costmodel.linear_seconds(stored, bandwidth, kept, efficiency)
+            efficiency = costmodel.sparse_row_efficiency(fmt.bits, int8_dot)
+            cost[level, f] = costmodel.linear_seconds(stored_bytes, bandwidth, kept, efficiency)
             if knob.predictor is not None and level:
                 cost[level, f] += costmodel.linear_seconds(predictor, bandwidth)
     return cost
@@ -680,10 +701,15 @@ class _HeldOut:
         self.interpreter, self.chunks = interpreter, _chunks(sequences)
         by_block = {}
         for knob in knobs:
+            if knob.predictor is None and not np.isfinite(knob.sparse_error[1:]).any():
+                # no sparse level the path may take (none pays, or none but dense): nothing to count, and its
+                # block not run again for its inputs
+                knob.held_out_dropped = np.zeros(len(knob.thresholds))
+                continue
             by_block.setdefault(knob.node.name, []).append(knob)
         # per knob and level: predictor knobs (kept, hits, rows, active), linear inputs (dropped, inputs)
         counts = {id(knob): np.zeros((len(knob.thresholds), 4 if knob.predictor is not None else 2))
-                  for knob in knobs}
+                  for ks in by_block.values() for knob in ks}
 
         def probe(block: Block) -> None:
             if block.node.name not in by_block:
@@ -702,7 +728,7 @@ class _HeldOut:
                                      for t in knob.thresholds]
 
         self.reference = [_Reference.of(interpreter.logits(chunk, probe=probe), chunk) for chunk in self.chunks]
-        for knob in knobs:
+        for knob in (k for ks in by_block.values() for k in ks):
             c = counts[id(knob)]
             if knob.predictor is None:
                 knob.held_out_dropped = c[:, 0] / np.maximum(c[:, 1], 1.0)
