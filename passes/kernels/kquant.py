@@ -16,8 +16,14 @@ super-block) shaped like it with the block axis divided. It is packed for the ke
 * panels (`pack_panels`): a dense linear's [K, N] weight, blocks along K (axis 0), panels of PANEL = 16 columns
   (P = ceil(N / 16); padded columns have codes `offset`, so q = 0, and zero scales). Per panel the values are
   uint8 [K * 8 + (bits - 4) * K * 2]: first the low nibbles [K, 8] (byte v of row k: column v's c & 15 in the
-  low nibble, column v + 8's in the high one: int4's panels), then `bits - 4` planes [K / 8, 16] (plane j, byte
-  c of k-group g: bit s is bit 4 + j of the code at row 8 g + s, column c). Per panel the scales are bytes:
+  low nibble, column v + 8's in the high one: int4's panels), then the high bits c >> 4 (`bits - 4` = h of
+  them a code) in records of 64 bytes, one per HR = 32 / h rows (`high_rows`: Q6_K 16, the 5-bit formats 32),
+  laid out as the int8-activation kernels' permuted vectors need them (quant._vector_perm: a dword is one
+  column's 4 consecutive k steps): byte e of record r holds 8 / h slots, slot i (bits h i .. h i + h - 1) the
+  high bits of the code at row HR r + 8 (i // 2) + 4 (e // 32) + e % 4, column (e // 4) % 8 + 8 (i % 2). So a
+  permuted 64-byte vector of nibbles (8 k steps from row 8 o of a record, nibble half n) takes its high bits
+  from the record's 64 bytes with one shift (by h (2 o + n) - 4) and a mask (`high_slot`); a 32-byte one (4
+  k steps) from the record's half 32 ((row % 8) // 4). Per panel the scales are bytes:
   one level: d fp16 [K / 32, 16], then m fp16 [K / 32, 16] where it has mins; two levels: sc [K / S, 16] (one
   byte each), mn [K / S, 16] where it has mins, D fp16 [K / 256, 16], Dmin fp16 [K / 256, 16] where it has mins.
 * rows (`pack_rows`): an [R, C] weight whose rows kernels read whole (the embedding table), blocks along the row
@@ -114,6 +120,25 @@ class KBlocks:
                        join("super_mins"))
 
 
+def high_rows(fmt: WeightFormat) -> int:
+    """Rows of the panels layout's 64-byte records of high bits (32 / (bits - 4))."""
+    return 32 // (fmt.bits - 4)
+
+
+def _high_slots(h: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row in the record, column) of slot i of byte e of a record of `h`-bit high bits, each [8 / h, 64]."""
+    i, e = np.meshgrid(np.arange(8 // h), np.arange(64), indexing="ij")
+    return 8 * (i // 2) + 4 * (e // 32) + e % 4, (e // 4) % 8 + 8 * (i % 2)
+
+
+def high_slot(h: int, row: int, half: int) -> tuple[int, int]:
+    """(byte shift s, slot i) of the high bits of a permuted vector of nibbles starting at `row` of a record
+    (a multiple of 4), nibble half `half`: its 64-byte (32-byte) vector of high bits is the record's bytes from
+    s (0 or 32 (row % 8) // 4), and slot i is bits h i ..: shifted right by h i - 4 (left where negative), masked
+    by ((1 << h) - 1) << 4, it is the codes' bits 4 .. 4 + h - 1."""
+    return 32 * (row % 8 // 4), 2 * (row // 8) + half
+
+
 def _scale_bytes(blocks: KBlocks) -> list[np.ndarray]:
     """The per-block arrays in the layouts' order, shaped [blocks along the axis, columns] (axis 0's orientation)."""
     t = (lambda a: a) if blocks.axis == 0 else (lambda a: a.T)
@@ -143,9 +168,12 @@ def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
     low = panels & 0x0F
     nibbles = (low[..., :8] | (low[..., 8:] << 4)).reshape(P, K * 8)
     planes = []
-    for j in range(fmt.bits - 4):
-        bit = ((panels >> (4 + j)) & 1).reshape(P, K // 8, 8, PANEL)  # [P, g, s, c]
-        planes.append((bit << np.arange(8, dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8).reshape(P, -1))
+    if fmt.bits > 4:
+        h, HR = fmt.bits - 4, high_rows(fmt)
+        rows, cols = _high_slots(h)
+        high = (panels >> 4).reshape(P, K // HR, HR, PANEL)[:, :, rows, cols]  # [P, records, slots, 64]
+        shifts = (h * np.arange(8 // h, dtype=np.uint8))[None, None, :, None]
+        planes.append((high << shifts).sum(2, dtype=np.uint8).reshape(P, -1))
     values = np.ascontiguousarray(np.concatenate([nibbles, *planes], axis=1))
     scale_parts = []
     for a in _scale_bytes(blocks):
@@ -187,11 +215,14 @@ def unpack_panels(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat, K: 
     P = values.shape[0]
     nib = values[:, : K * 8].reshape(P, K, 8)
     codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)  # [P, K, 16]
-    for j in range(fmt.bits - 4):
-        start = K * 8 + j * K * 2
-        plane = values[:, start: start + K * 2].reshape(P, K // 8, 1, PANEL)
-        bits = (plane >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1  # [P, g, s, c]
-        codes |= (bits.reshape(P, K, PANEL) << (4 + j)).astype(np.uint8)
+    if fmt.bits > 4:
+        h, HR = fmt.bits - 4, high_rows(fmt)
+        rows, cols = _high_slots(h)
+        record = values[:, K * 8: K * 8 + h * K * 2].reshape(P, K // HR, 1, 64)
+        shifts = (h * np.arange(8 // h, dtype=np.uint8))[None, None, :, None]
+        high = np.zeros((P, K // HR, HR, PANEL), np.uint8)
+        high[:, :, rows, cols] = (record >> shifts) & ((1 << h) - 1)
+        codes |= high.reshape(P, K, PANEL) << 4
     codes = codes.transpose(1, 0, 2).reshape(K, P * PANEL)[:, :N]
     arrays, at = [], 0
     layout = ([(K // fmt.block, fmt.sub_scale)] * fmt.per_block + [(K // fmt.super_block, fmt.scale_dtype)] * fmt.per_block

@@ -4,7 +4,7 @@ operand over `kquant`'s panels layout (`kq_panels_weight`, which `cpu.gemm` dequ
 panels), the embedding gather over `kquant`'s rows layout
 (`embed_kq`), and the makers `ops` registers (`linear_panels_kq`, `embed_kq`).
 
-A value is read as `kquant`'s module doc defines it: the code c = low nibble | the high bit planes' bits << 4,
+A value is read as `kquant`'s module doc defines it: the code c = low nibble | the high bits << 4,
 q = c - fmt.offset; d = fp16 d (one level) or float(D) * float(sc) (two levels: sc uint8, Q6_K's int8); m = fp16 m
 or -(float(Dmin) * float(mn)); the value is float32 q * d, then + m where the format has mins (bit for bit
 `KBlocks.dequantize`: the products of 4- and 5-bit codes are exact, so no fused multiply-add changes a value).
@@ -80,6 +80,17 @@ def _code(low_byte, shift, plane_bytes, bit):
     return code
 
 
+def _panel_code(w, p, K, k, half, v, h):
+    """The code (int32) of panel p's value at row k, column half * 8 + v in the panels layout (w [P, bytes]): the
+    nibble (half 0 low, 1 high), then the `h` high bits from its record's byte (kquant.high_slot) as bits 4 .."""
+    code = (T.Cast("int32", w[p, k * HALF + v]) >> (half * 4)) & 15
+    if h:
+        HR = 32 // h  # kquant.high_rows: rows a 64-byte record
+        high = T.Cast("int32", w[p, K * HALF + k // HR * 64 + k % 8 // 4 * 32 + 4 * v + k % 4])
+        code = code | (((high >> (h * (2 * (k % HR // 8) + half))) & ((1 << h) - 1)) << 4)
+    return code
+
+
 def _value(fmt: WeightFormat, code, views, base, fields: _Fields, blk, sblk):
     """The float32 value of `code`: views (u8, i8, f16) of the scales, `base` the record's first byte (even),
     `blk` (`sblk`) the element's index in a [n, cols] field of blocks (super-blocks): block * cols + column."""
@@ -109,7 +120,7 @@ def _value(fmt: WeightFormat, code, views, base, fields: _Fields, blk, sblk):
 def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
     """`kquant`'s panels layout (pack_panels) as a gemm operand: w uint8 [P, K * 8 + (bits - 4) * K * 2], ws uint8
     [P, panel_scale_bytes]; a task dequantizes its tile_panels panels into fp32 [tile_panels, K, 16] k step by k
-    step (per k: 8 bytes of nibbles, 16 of each plane per 8 k, the block's scales)."""
+    step (per k: 8 bytes of nibbles, the high bits' bytes of its record (kquant.high_slot), the block's scales)."""
     f = kq_format(fmt)
     _check_length(f, K, "K")
     panels = -(-N // PANEL)
@@ -131,9 +142,7 @@ def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
                     for v in T.vectorized(HALF):
                         packed[q, k, h * HALF + v] = _value(
                             f,
-                            _code(w[p * tile_panels + q, k * HALF + v], h * 4,
-                                  [w[p * tile_panels + q, K * HALF + j * K * 2 + k // 8 * PANEL + h * HALF + v]
-                                   for j in range(planes)], k % 8),
+                            _panel_code(w, p * tile_panels + q, K, k, h, v, planes),
                             (su8, si8, sf16), (p * tile_panels + q) * sbytes, fields,
                             k // B * PANEL + h * HALF + v, k // S * PANEL + h * HALF + v)
 
