@@ -23,9 +23,11 @@ super-block) shaped like it with the block axis divided. It is packed for the ke
   high bits of the code at row HR r + 8 (i // 2) + 4 (e // 32) + e % 4, column (e // 4) % 8 + 8 (i % 2). So a
   permuted 64-byte vector of nibbles (8 k steps from row 8 o of a record, nibble half n) takes its high bits
   from the record's 64 bytes with one shift (by h (2 o + n) - 4) and a mask (`high_slot`); a 32-byte one (4
-  k steps) from the record's half 32 ((row % 8) // 4). Per panel the scales are bytes:
-  one level: d fp16 [K / 32, 16], then m fp16 [K / 32, 16] where it has mins; two levels: sc [K / S, 16] (one
-  byte each), mn [K / S, 16] where it has mins, D fp16 [K / 256, 16], Dmin fp16 [K / 256, 16] where it has mins.
+  k steps) from the record's half 32 ((row % 8) // 4). Per panel the scales are bytes in records, one a block
+  (one level) or super-block (two levels), so that a kernel streams them in one run (`PanelScales`): one level
+  d fp16 [16], then m fp16 [16] where it has mins (32 or 64 bytes); two levels sc [256 / S, 16] (one byte each),
+  mn [256 / S, 16] where it has mins, D fp16 [16], Dmin fp16 [16] where it has mins (Q4_K, Q5_K 320 bytes,
+  Q6_K 288).
 * rows (`pack_rows`): an [R, C] weight whose rows kernels read whole (the embedding table), blocks along the row
   (axis 1). Per row the values are uint8 [C / 2 + (bits - 4) * C / 8]: the low nibbles in Q4_0's order (byte
   16 b + i: element 32 b + i in the low nibble, 32 b + 16 + i in the high one), then the planes [C / 8] (plane j,
@@ -154,6 +156,47 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], a.shape[1], a.dtype.itemsize)
 
 
+class PanelScales:
+    """Where a panel's scales are in its row of pack_panels' scales buffer: records of `rows` blocks (two levels: a
+    super-block's, one level: a block's), `record` bytes each, fields in the order sub-scales / scales [rows, 16],
+    (mins [rows, 16]), then two levels: D [16] fp16, (Dmin [16] fp16). Byte offsets (ints or TIR expressions of
+    the block b, the super-block s) of a field's 16 columns in the panel's row."""
+
+    def __init__(self, fmt: WeightFormat, K: int):
+        self.fmt = fmt
+        self.two = bool(fmt.super_block)
+        self.rows = fmt.super_block // fmt.block if self.two else 1
+        self.item = 1 if self.two else 2  # bytes of a per-block field's element
+        per = self.rows * PANEL * self.item  # bytes of a per-block field in a record
+        self.min_at = per
+        self.sup_at = fmt.per_block * per
+        self.sup_min_at = self.sup_at + PANEL * 2
+        self.record = self.sup_at + (fmt.per_block * PANEL * 2 if self.two else 0)
+        self.row = K // (fmt.super_block or fmt.block) * self.record
+        assert self.row == panel_scale_bytes(fmt, K)
+
+    def fields(self):
+        """(offset in a record, blocks a record, itemsize) of each field, in order."""
+        out = [(0, self.rows, self.item)] + ([(self.min_at, self.rows, self.item)] if self.fmt.has_min else [])
+        if self.two:
+            out += [(self.sup_at, 1, 2)] + ([(self.sup_min_at, 1, 2)] if self.fmt.has_min else [])
+        return out
+
+    def scale(self, b):
+        """The block's d (one level, fp16) or sc (two levels, bytes)."""
+        return b // self.rows * self.record + b % self.rows * PANEL * self.item
+
+    def min(self, b):
+        return self.scale(b) + self.min_at
+
+    def sup(self, s):
+        """The super-block's D (fp16)."""
+        return s * self.record + self.sup_at
+
+    def sup_min(self, s):
+        return s * self.record + self.sup_min_at
+
+
 def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
     """(values uint8 [P, K * 8 + (bits - 4) * K * 2], scales uint8 [P, bytes]) of a [K, N] matrix blocked along K
     (see the module doc)."""
@@ -175,13 +218,14 @@ def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
         shifts = (h * np.arange(8 // h, dtype=np.uint8))[None, None, :, None]
         planes.append((high << shifts).sum(2, dtype=np.uint8).reshape(P, -1))
     values = np.ascontiguousarray(np.concatenate([nibbles, *planes], axis=1))
+    nrec = K // (fmt.super_block or fmt.block)
     scale_parts = []
     for a in _scale_bytes(blocks):
         padded = np.zeros((a.shape[0], P * PANEL), a.dtype)
         padded[:, :N] = a
-        per_panel = padded.reshape(a.shape[0], P, PANEL).transpose(1, 0, 2)  # [P, n, 16]
-        scale_parts.append(per_panel.copy().view(np.uint8).reshape(P, -1))
-    return values, np.ascontiguousarray(np.concatenate(scale_parts, axis=1))
+        per_panel = padded.reshape(nrec, a.shape[0] // nrec, P, PANEL).transpose(2, 0, 1, 3)  # [P, rec, rows, 16]
+        scale_parts.append(np.ascontiguousarray(per_panel).view(np.uint8).reshape(P, nrec, -1))
+    return values, np.ascontiguousarray(np.concatenate(scale_parts, axis=2).reshape(P, -1))
 
 
 def pack_rows(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
@@ -224,14 +268,14 @@ def unpack_panels(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat, K: 
         high[:, :, rows, cols] = (record >> shifts) & ((1 << h) - 1)
         codes |= high.reshape(P, K, PANEL) << 4
     codes = codes.transpose(1, 0, 2).reshape(K, P * PANEL)[:, :N]
-    arrays, at = [], 0
-    layout = ([(K // fmt.block, fmt.sub_scale)] * fmt.per_block + [(K // fmt.super_block, fmt.scale_dtype)] * fmt.per_block
-              if fmt.super_block else [(K // fmt.block, fmt.scale_dtype)] * fmt.per_block)
-    for n, dtype in layout:
-        size = n * PANEL * np.dtype(dtype).itemsize
-        part = np.ascontiguousarray(scales[:, at: at + size]).view(dtype).reshape(P, n, PANEL)
-        arrays.append(part.transpose(1, 0, 2).reshape(n, P * PANEL)[:, :N])
-        at += size
+    arrays, layout = [], PanelScales(fmt, K)
+    nrec = K // (fmt.super_block or fmt.block)
+    records = scales.reshape(P, nrec, layout.record)
+    dtypes = ([fmt.sub_scale] * fmt.per_block + [fmt.scale_dtype] * fmt.per_block if fmt.super_block
+              else [fmt.scale_dtype] * fmt.per_block)
+    for (at, rows, item), dtype in zip(layout.fields(), dtypes):
+        part = np.ascontiguousarray(records[:, :, at: at + rows * PANEL * item]).view(dtype)  # [P, rec, rows * 16]
+        arrays.append(part.reshape(P, nrec * rows, PANEL).transpose(1, 0, 2).reshape(nrec * rows, P * PANEL)[:, :N])
     if fmt.super_block:
         sc, mn, d, dm = arrays if fmt.has_min else (arrays[0], None, arrays[1], None)
         return KBlocks(fmt, 0, codes, sc, mn, d, dm)

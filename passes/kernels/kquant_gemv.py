@@ -2,9 +2,9 @@
 
 W [K, N] is `kquant.pack_panels`' two buffers: values uint8 [P, K * 8 + (bits - 4) * K * 2] (per panel the low
 nibbles [K, 8], int4's panels, then the codes' high bits in 64-byte records of kquant.high_rows rows, in the
-permuted vectors' byte order: see kquant's module doc) and scales uint8 [P, kquant.panel_scale_bytes] (one level:
-d fp16 [K / 32, 16] (then m); two levels: sc [K / S, 16] (then mn), D fp16 [K / 256, 16] (then Dmin)). A weight
-is d (c - offset) (+ m), d = D sc and m = -(Dmin mn) for two levels.
+permuted vectors' byte order: see kquant's module doc) and scales uint8 [P, kquant.panel_scale_bytes] in records
+(kquant.PanelScales; one level a block's: d fp16 [16] (then m); two levels a super-block's: sc [256 / S, 16] (then
+mn), D fp16 [16] (then Dmin)). A weight is d (c - offset) (+ m), d = D sc and m = -(Dmin mn) for two levels.
 
 * `gemv_panels_kq_x8`: x quantized to int8 per 32-block (quant.x_quantizer, as gemv_panels_q4x8), integer dot
   products of the full codes c = nibble | high bits << 4 with xq: the nibbles are permuted as gemv_panels_q4x8's
@@ -35,7 +35,7 @@ from runtime.dtypes import QUANT_BLOCK, WeightFormat
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch
 from .cpu import PANEL
-from .kquant import high_rows, high_slot, panel_scale_bytes
+from .kquant import PanelScales, high_rows, high_slot
 from .quant import HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, _vector_perm, check_dot, dot_u8s8, x_quantizer
 
 
@@ -49,30 +49,29 @@ def _check_kq(K, N, fmt: WeightFormat):
 
 class _Scales:
     """Where a panel's scales are in the scales buffer (flat views: bytes `u8`/`i8` and fp16 `f16`), as TIR
-    expressions of the panel p, the sub-block sb and the column col."""
+    expressions of the panel p, the sub-block sb and the column col (kquant.PanelScales' records)."""
 
     def __init__(self, fmt: WeightFormat, K: int):
         self.fmt, self.K = fmt, K
-        self.row = panel_scale_bytes(fmt, K)  # bytes per panel
-        self.nsub = K // fmt.block
+        self.at = PanelScales(fmt, K)
+        self.row = self.at.row  # bytes per panel
         self.two = bool(fmt.super_block)
         self.per_super = fmt.super_block // fmt.block if self.two else 0
 
     def d(self, wsb, wsh, p, sb, col):
         """The sub-block's scale d as fp32."""
         if self.two:
-            sc = T.Cast("float32", wsb[p * self.row + sb * PANEL + col])
-            base = self.fmt.per_block * self.nsub * PANEL // 2  # fp16 index of D
-            return sc * T.Cast("float32", wsh[p * (self.row // 2) + base + sb // self.per_super * PANEL + col])
-        return T.Cast("float32", wsh[p * (self.row // 2) + sb * PANEL + col])
+            sc = T.Cast("float32", wsb[p * self.row + self.at.scale(sb) + col])
+            return sc * T.Cast("float32", wsh[p * (self.row // 2) + self.at.sup(sb // self.per_super) // 2 + col])
+        return T.Cast("float32", wsh[p * (self.row // 2) + self.at.scale(sb) // 2 + col])
 
     def m(self, wsb, wsh, p, sb, col):
         """The sub-block's minimum m as fp32 (formats with mins)."""
         if self.two:
-            mn = T.Cast("float32", wsb[p * self.row + self.nsub * PANEL + sb * PANEL + col])
-            base = self.fmt.per_block * self.nsub * PANEL // 2 + self.K // self.fmt.super_block * PANEL
-            return -(T.Cast("float32", wsh[p * (self.row // 2) + base + sb // self.per_super * PANEL + col]) * mn)
-        return T.Cast("float32", wsh[p * (self.row // 2) + self.nsub * PANEL + sb * PANEL + col])
+            mn = T.Cast("float32", wsb[p * self.row + self.at.min(sb) + col])
+            return -(T.Cast("float32", wsh[p * (self.row // 2) + self.at.sup_min(sb // self.per_super) // 2 + col])
+                     * mn)
+        return T.Cast("float32", wsh[p * (self.row // 2) + self.at.min(sb) // 2 + col])
 
 
 def high_bits(wf, start, fmt: WeightFormat, rec, row, half, nbytes):
@@ -152,7 +151,7 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     two = bool(fmt.super_block)
     per_sup = (fmt.super_block or B) // B  # 32-blocks per super-block (one level: 1)
     nsup = nb // per_sup
-    dbase = fmt.per_block * nsub * PANEL // 2  # fp16 index of D in a panel's scales (two levels)
+    REC, MIN, SUP, SUP_MIN = scales.at.record, scales.at.min_at, scales.at.sup_at, scales.at.sup_min_at
 
     def columns(part, g):
         """Panel g's 16 columns' int32 sums: each half's lanes of its k groups added (lanes c, c + 8, ...)."""
@@ -245,28 +244,28 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                             if two:
                                 if u == 0:
                                     blk[g, T.ramp(0, 1, PANEL)] = T.Cast(f"float32x{PANEL}", columns(part, g)) * T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
-                                            (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)])
+                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + sup * REC + (kq * SPB + u) * PANEL, 1,
+                                                       PANEL)])
                                 else:
                                     blk[g, T.ramp(0, 1, PANEL)] = blk[g, T.ramp(0, 1, PANEL)] + T.Cast(
                                         f"float32x{PANEL}", columns(part, g)) * T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
-                                            (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)])
+                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + sup * REC + (kq * SPB + u) * PANEL, 1,
+                                                       PANEL)])
                                 if fmt.has_min:
                                     amn[g, T.ramp(0, 1, PANEL)] = amn[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
-                                            nsub + (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)]) * T.broadcast(
+                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + sup * REC + MIN + (kq * SPB + u) * PANEL, 1,
+                                                   PANEL)]) * T.broadcast(
                                         xs[(sup * per_sup + kq) * SPB + u], PANEL)
                             else:
                                 acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + T.Cast(
                                     f"float32x{PANEL}", columns(part, g)) * (T.Cast(
-                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (
-                                            sup * per_sup + kq) * PANEL, 1, PANEL)]) * T.broadcast(
+                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (sup * per_sup + kq) * (REC // 2), 1,
+                                                   PANEL)]) * T.broadcast(
                                         sx[sup * per_sup + kq], PANEL))
                                 if fmt.has_min:
                                     acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (
-                                            nsub + sup * per_sup + kq) * PANEL, 1, PANEL)]) * T.broadcast(
+                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (sup * per_sup + kq) * (REC // 2) + MIN // 2, 1,
+                                                   PANEL)]) * T.broadcast(
                                         xs[sup * per_sup + kq], PANEL)
                     if two:
                         for g in T.unroll(group):
@@ -276,11 +275,11 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                     for g in T.unroll(group):
                         acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + asb[
                             g, T.ramp(0, 1, PANEL)] * T.Cast(f"float32x{PANEL}", wsh[T.ramp(
-                                (t * group + g) * (SBY // 2) + dbase + sup * PANEL, 1, PANEL)])
+                                (t * group + g) * (SBY // 2) + (sup * REC + SUP) // 2, 1, PANEL)])
                         if fmt.has_min:
                             acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] - amn[
                                 g, T.ramp(0, 1, PANEL)] * T.Cast(f"float32x{PANEL}", wsh[T.ramp(
-                                    (t * group + g) * (SBY // 2) + dbase + nsup * PANEL + sup * PANEL, 1, PANEL)])
+                                    (t * group + g) * (SBY // 2) + (sup * REC + SUP_MIN) // 2, 1, PANEL)])
             for g in T.unroll(group):
                 for c in (T.vectorized if full else T.serial)(PANEL):
                     if full or t * width + g * PANEL + c < N:
