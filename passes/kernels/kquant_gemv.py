@@ -296,7 +296,7 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
     As quant._gemv_q4: a 16-lane vector is two k steps (lanes 0-7 row k, 8-15 row k + 1), against
     xp = x[k] x8 ++ x[k + 1] x8 (made once per call); the 16 nibble bytes of a k pair are the low codes of columns
     0-7 and the high ones of columns 8-15, the high bits of the k pair's 4-step group (half a record, shifted and
-    masked as `high_bits`) spread over the same lanes by a constant shuffle. Per sub-block the fp32 sums start
+    masked as `high_bits`) put in the same lanes by two shuffles per two pairs. Per sub-block the fp32 sums start
     at -offset * sum(x) (lanes: the even and the odd k) and acc += sum * d (+ m * sum(x) where the format has
     mins); lanes l and l + 8 are summed in the epilogue."""
     _check_kq(K, N, fmt)
@@ -316,16 +316,23 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
     HR = high_rows(fmt) if planes else SB
     factor = T.float32(-fmt.offset)
 
-    def codes(wf, p, sb, j4, q, nib_half):
+    def codes(wf, ctls, p, sb, j4, q, nib_half):
         """Codes of the k pair at row sb * SB + 4 j4 + 2 q (q a Python 0 or 1) as 16 lanes: the low nibbles'
         columns (0-7) or the high ones' (8-15); lanes 8-15 the second row. The high bits: the pair's 4-step group
-        of its record (kquant.high_slot), shifted and masked, then each lane's byte picked by a constant shuffle."""
+        of its record (kquant.high_slot), shifted and masked, then put in the pairs' order: vpshufb (in each
+        16-byte lane a 4x4 byte transpose: dword r is row r of the lane's 4 columns) and vpermd (the two lanes'
+        dwords interleaved: the group's first pair, then its second), their controls read from `ctls` (made at
+        run time, so that LLVM keeps the two in-lane / dword shuffles for both pairs)."""
         nib = wf[T.ramp(p * VB + (sb * SB + 4 * j4 + 2 * q) * HALF, 1, PANEL)]
         c = (nib & m15) if nib_half == 0 else (nib >> m4)
         if planes:
             high = high_bits(wf, p * VB + K * HALF, fmt, sb * (SB // HR) + 4 * j4 // HR, 4 * j4 % HR, nib_half, 32)
-            c = c | T.Shuffle([high], [tirx.IntImm("int32", 4 * (v % HALF) + 2 * q + v // HALF)
-                                       for v in range(PANEL)])
+            rows = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", T.reinterpret("int8x32", high),
+                                           ctls[1][T.ramp(32, 1, 32)])
+            pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.permd", T.reinterpret("int32x8", rows),
+                                            ctls[0][T.ramp(0, 1, 8)])
+            c = c | T.Shuffle([T.reinterpret("uint8x32", pairs)], [tirx.IntImm("int32", PANEL * q + v)
+                                                                  for v in range(PANEL)])
         return T.Cast(f"float32x{PANEL}", c)
 
     @T.prim_func
@@ -338,6 +345,12 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
         wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
         xp = T.alloc_buffer((K // 2, PANEL), "float32")
         xsm = T.alloc_buffer((nsub, PANEL), "float32")
+        ctl = T.alloc_buffer((16,), "int32")  # vpermd's control, then vpshufb's
+        ctl8 = T.decl_buffer((64,), "int8", data=ctl.data)
+        for d in range(8):
+            ctl[d] = d % 2 * 4 + d // 2
+        for i in range(32):
+            ctl8[32 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
         for j in range(K // 2):
             for v in T.vectorized(PANEL):
                 xp[j, v] = x[0, 2 * j + v // HALF]
@@ -360,13 +373,13 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
                 for j in T.unroll(SB // 4):
                     for g in T.unroll(group):
                         part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + 2 * j, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb, j, 0, 0)
+                            sb * (SB // 2) + 2 * j, T.ramp(0, 1, PANEL)] * codes(wf, (ctl, ctl8), t * group + g, sb, j, 0, 0)
                         part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + 2 * j, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb, j, 0, 1)
+                            sb * (SB // 2) + 2 * j, T.ramp(0, 1, PANEL)] * codes(wf, (ctl, ctl8), t * group + g, sb, j, 0, 1)
                         part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb, j, 1, 0)
+                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(wf, (ctl, ctl8), t * group + g, sb, j, 1, 0)
                         part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb, j, 1, 1)
+                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(wf, (ctl, ctl8), t * group + g, sb, j, 1, 1)
                 for g, h, half in T.grid(group, 2, 2):
                     for c in T.vectorized(HALF):
                         acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * (
