@@ -22,16 +22,16 @@ super-block) shaped like it with the block axis divided. It is packed for the ke
   column's 4 consecutive k steps): byte e of record r holds 8 / h slots, slot i (bits h i .. h i + h - 1) the
   high bits of the code at row HR r + 8 (i // 2) + 4 (e // 32) + e % 4, column (e // 4) % 8 + 8 (i % 2). So a
   permuted 64-byte vector of nibbles (8 k steps from row 8 o of a record, nibble half n) takes its high bits
-  from the record's 64 bytes with one shift (by h (2 o + n) - 4) and a mask (`high_slot`); a 32-byte one (4
-  k steps) from the record's half 32 ((row % 8) // 4). Per panel the scales are bytes in records, one a block
-  (one level) or super-block (two levels), so that a kernel streams them in one run (`PanelScales`): one level
-  d fp16 [16], then m fp16 [16] where it has mins (32 or 64 bytes); two levels sc [256 / S, 16] (one byte each),
-  mn [256 / S, 16] where it has mins, D fp16 [16], Dmin fp16 [16] where it has mins (Q4_K, Q5_K 320 bytes,
-  Q6_K 288).
+  from the record's 64 bytes with one shift (right by h (2 o + n) - 4, left where negative) and a mask
+  (`high_slot`); a 32-byte one (4 k steps) from the record's half 32 ((row % 8) // 4). Per panel the scales are
+  bytes in records, one a block (one level) or super-block (two levels), so that a kernel streams them in one
+  run (`PanelScales`): one level d fp16 [16], then m fp16 [16] where it has mins (32 or 64 bytes); two levels
+  sc [256 / S, 16] (S the block, 32 or Q6_K's 16; one byte each), mn [256 / S, 16] where it has mins, D fp16
+  [16], Dmin fp16 [16] where it has mins (Q4_K, Q5_K 320 bytes, Q6_K 288).
 * rows (`pack_rows`): an [R, C] weight whose rows kernels read whole (the embedding table), blocks along the row
   (axis 1). Per row the values are uint8 [C / 2 + (bits - 4) * C / 8]: the low nibbles in Q4_0's order (byte
   16 b + i: element 32 b + i in the low nibble, 32 b + 16 + i in the high one), then the planes [C / 8] (plane j,
-  byte t: bit s is bit 4 + j of element 8 t + s); the scales as bytes, in the panels' order with one column:
+  byte t: bit s is bit 4 + j of element 8 t + s); the scales as bytes, field after field (not in records):
   d [C / 32] (m) fp16, or sc [C / S] (mn) bytes then D [C / 256] (Dmin) fp16.
 """
 

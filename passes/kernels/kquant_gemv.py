@@ -89,14 +89,6 @@ def high_bits(wf, start, fmt: WeightFormat, rec, row, half, nbytes):
     return T.reinterpret(f"uint8x{nbytes}", w16) & T.broadcast(T.uint8(((1 << h) - 1) << 4), nbytes)
 
 
-def _u8_const(values):
-    """A constant uint8 vector of `values` (a shuffle of broadcasts, which LLVM folds)."""
-    distinct = sorted(set(values))
-    n = len(values)
-    return T.Shuffle([T.broadcast(T.uint8(v), n) for v in distinct],
-                     [tirx.IntImm("int32", distinct.index(v) * n) for v in values])
-
-
 def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", residual=False, dot="vnni",
                       lanes=16, group=None):
     """Decode y[1, N] = act(x[1, K] @ W + b) + res, W in kquant's panels layout (`fmt`: q5_0, q5_1, q4_k, q5_k,
@@ -152,6 +144,14 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     per_sup = (fmt.super_block or B) // B  # 32-blocks per super-block (one level: 1)
     nsup = nb // per_sup
     REC, MIN, SUP, SUP_MIN = scales.at.record, scales.at.min_at, scales.at.sup_at, scales.at.sup_min_at
+
+    def byte_field(wsb, p, rec, at):
+        """Panel p's 16 bytes at byte `at` of scales record `rec` (sc, mn), as fp32."""
+        return T.Cast(f"float32x{PANEL}", wsb[T.ramp(p * SBY + rec * REC + at, 1, PANEL)])
+
+    def half_field(wsh, p, rec, at):
+        """Panel p's 16 fp16 at byte `at` of scales record `rec` (d, m; D, Dmin), as fp32."""
+        return T.Cast(f"float32x{PANEL}", wsh[T.ramp(p * (SBY // 2) + (rec * REC + at) // 2, 1, PANEL)])
 
     def columns(part, g):
         """Panel g's 16 columns' int32 sums: each half's lanes of its k groups added (lanes c, c + 8, ...)."""
@@ -243,29 +243,24 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                         for g in T.unroll(group):
                             if two:
                                 if u == 0:
-                                    blk[g, T.ramp(0, 1, PANEL)] = T.Cast(f"float32x{PANEL}", columns(part, g)) * T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + sup * REC + (kq * SPB + u) * PANEL, 1,
-                                                       PANEL)])
+                                    blk[g, T.ramp(0, 1, PANEL)] = T.Cast(f"float32x{PANEL}", columns(part, g)) * (
+                                        byte_field(wsb, t * group + g, sup, (kq * SPB + u) * PANEL))
                                 else:
                                     blk[g, T.ramp(0, 1, PANEL)] = blk[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                        f"float32x{PANEL}", columns(part, g)) * T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + sup * REC + (kq * SPB + u) * PANEL, 1,
-                                                       PANEL)])
+                                        f"float32x{PANEL}", columns(part, g)) * (
+                                        byte_field(wsb, t * group + g, sup, (kq * SPB + u) * PANEL))
                                 if fmt.has_min:
-                                    amn[g, T.ramp(0, 1, PANEL)] = amn[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + sup * REC + MIN + (kq * SPB + u) * PANEL, 1,
-                                                   PANEL)]) * T.broadcast(
+                                    amn[g, T.ramp(0, 1, PANEL)] = amn[g, T.ramp(0, 1, PANEL)] + byte_field(
+                                        wsb, t * group + g, sup, MIN + (kq * SPB + u) * PANEL) * T.broadcast(
                                         xs[(sup * per_sup + kq) * SPB + u], PANEL)
                             else:
                                 acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                    f"float32x{PANEL}", columns(part, g)) * (T.Cast(
-                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (sup * per_sup + kq) * (REC // 2), 1,
-                                                   PANEL)]) * T.broadcast(
+                                    f"float32x{PANEL}", columns(part, g)) * (half_field(
+                                        wsh, t * group + g, sup * per_sup + kq, 0) * T.broadcast(
                                         sx[sup * per_sup + kq], PANEL))
                                 if fmt.has_min:
-                                    acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (sup * per_sup + kq) * (REC // 2) + MIN // 2, 1,
-                                                   PANEL)]) * T.broadcast(
+                                    acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + half_field(
+                                        wsh, t * group + g, sup * per_sup + kq, MIN) * T.broadcast(
                                         xs[sup * per_sup + kq], PANEL)
                     if two:
                         for g in T.unroll(group):
@@ -274,12 +269,10 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                 if two:
                     for g in T.unroll(group):
                         acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + asb[
-                            g, T.ramp(0, 1, PANEL)] * T.Cast(f"float32x{PANEL}", wsh[T.ramp(
-                                (t * group + g) * (SBY // 2) + (sup * REC + SUP) // 2, 1, PANEL)])
+                            g, T.ramp(0, 1, PANEL)] * half_field(wsh, t * group + g, sup, SUP)
                         if fmt.has_min:
                             acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] - amn[
-                                g, T.ramp(0, 1, PANEL)] * T.Cast(f"float32x{PANEL}", wsh[T.ramp(
-                                    (t * group + g) * (SBY // 2) + (sup * REC + SUP_MIN) // 2, 1, PANEL)])
+                                g, T.ramp(0, 1, PANEL)] * half_field(wsh, t * group + g, sup, SUP_MIN)
             for g in T.unroll(group):
                 for c in (T.vectorized if full else T.serial)(PANEL):
                     if full or t * width + g * PANEL + c < N:
@@ -373,13 +366,17 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
                 for j in T.unroll(SB // 4):
                     for g in T.unroll(group):
                         part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + 2 * j, T.ramp(0, 1, PANEL)] * codes(wf, (ctl, ctl8), t * group + g, sb, j, 0, 0)
+                            sb * (SB // 2) + 2 * j + 0, T.ramp(0, 1, PANEL)] * codes(
+                                wf, (ctl, ctl8), t * group + g, sb, j, 0, 0)
                         part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + 2 * j, T.ramp(0, 1, PANEL)] * codes(wf, (ctl, ctl8), t * group + g, sb, j, 0, 1)
+                            sb * (SB // 2) + 2 * j + 0, T.ramp(0, 1, PANEL)] * codes(
+                                wf, (ctl, ctl8), t * group + g, sb, j, 0, 1)
                         part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(wf, (ctl, ctl8), t * group + g, sb, j, 1, 0)
+                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(
+                                wf, (ctl, ctl8), t * group + g, sb, j, 1, 0)
                         part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(wf, (ctl, ctl8), t * group + g, sb, j, 1, 1)
+                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(
+                                wf, (ctl, ctl8), t * group + g, sb, j, 1, 1)
                 for g, h, half in T.grid(group, 2, 2):
                     for c in T.vectorized(HALF):
                         acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * (
