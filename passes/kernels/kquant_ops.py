@@ -80,14 +80,19 @@ def _code(low_byte, shift, plane_bytes, bit):
     return code
 
 
-def _panel_code(w, p, K, k, half, v, h):
-    """The code (int32) of panel p's value at row k, column half * 8 + v in the panels layout (w [P, bytes]): the
-    nibble (half 0 low, 1 high), then the `h` high bits from its record's byte (kquant.high_slot) as bits 4 .."""
+def _panel_code(w, w32, p, K, k, half, v, h):
+    """The code (int32) of panel p's value at row k, column half * 8 + v in the panels layout (w [P, bytes], w32
+    its flat uint32 view): the nibble (half 0 low, 1 high), then the `h` high bits from its record's byte
+    (kquant.high_slot) as bits 4 ..: over v the bytes are 4 apart, so they are read as the dwords (column v's 4
+    rows, contiguous over v) and shifted to row k % 4's byte."""
     code = (T.Cast("int32", w[p, k * HALF + v]) >> (half * 4)) & 15
     if h:
         HR = 32 // h  # kquant.high_rows: rows a 64-byte record
-        high = T.Cast("int32", w[p, K * HALF + k // HR * 64 + k % 8 // 4 * 32 + 4 * v + k % 4])
-        code = code | (((high >> (h * (2 * (k % HR // 8) + half))) & ((1 << h) - 1)) << 4)
+        vbytes = K * HALF + h * K * 2
+        dword = w32[(p * vbytes + K * HALF + k // HR * 64 + k % 8 // 4 * 32) // 4 + v]
+        high = T.Cast("int32", (dword >> T.Cast("uint32", 8 * (k % 4) + h * (2 * (k % HR // 8) + half)))
+                      & T.uint32((1 << h) - 1))
+        code = code | (high << 4)
     return code
 
 
@@ -153,12 +158,13 @@ def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
             su8 = T.decl_buffer((panels * sbytes,), "uint8", data=ws.data)
             si8 = T.decl_buffer((panels * sbytes,), "int8", data=ws.data)
             sf16 = T.decl_buffer((panels * sbytes // 2,), "float16", data=ws.data)
+            w32 = T.decl_buffer((panels * vbytes // 4,), "uint32", data=w.data)
             for q, k in T.grid(tile_panels, K):
                 for h in T.unroll(2):
                     for v in T.vectorized(HALF):
                         packed[q, k, h * HALF + v] = _value_at(
                             f,
-                            _panel_code(w, p * tile_panels + q, K, k, h, v, planes),
+                            _panel_code(w, w32, p * tile_panels + q, K, k, h, v, planes),
                             (su8, si8, sf16), *_panel_fields(at, (p * tile_panels + q) * sbytes, k // B,
                                                              h * HALF + v))
 
