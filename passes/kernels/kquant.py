@@ -16,14 +16,22 @@ super-block) shaped like it with the block axis divided. It is packed for the ke
 * panels (`pack_panels`): a dense linear's [K, N] weight, blocks along K (axis 0), panels of PANEL = 16 columns
   (P = ceil(N / 16); padded columns have codes `offset`, so q = 0, and zero scales). Per panel the values are
   uint8 [K * 8 + (bits - 4) * K * 2]: first the low nibbles [K, 8] (byte v of row k: column v's c & 15 in the
-  low nibble, column v + 8's in the high one: int4's panels), then `bits - 4` planes [K / 8, 16] (plane j, byte
-  c of k-group g: bit s is bit 4 + j of the code at row 8 g + s, column c). Per panel the scales are bytes:
-  one level: d fp16 [K / 32, 16], then m fp16 [K / 32, 16] where it has mins; two levels: sc [K / S, 16] (one
-  byte each), mn [K / S, 16] where it has mins, D fp16 [K / 256, 16], Dmin fp16 [K / 256, 16] where it has mins.
+  low nibble, column v + 8's in the high one: int4's panels), then the high bits c >> 4 (`bits - 4` = h of
+  them a code) in records of 64 bytes, one per HR = 32 / h rows (`high_rows`: Q6_K 16, the 5-bit formats 32),
+  laid out as the int8-activation kernels' permuted vectors need them (quant._vector_perm: a dword is one
+  column's 4 consecutive k steps): byte e of record r holds 8 / h slots, slot i (bits h i .. h i + h - 1) the
+  high bits of the code at row HR r + 8 (i // 2) + 4 (e // 32) + e % 4, column (e // 4) % 8 + 8 (i % 2). So a
+  permuted 64-byte vector of nibbles (8 k steps from row 8 o of a record, nibble half n) takes its high bits
+  from the record's 64 bytes with one shift (right by h (2 o + n) - 4, left where negative) and a mask
+  (`high_slot`); a 32-byte one (4 k steps) from the record's half 32 ((row % 8) // 4). Per panel the scales are
+  bytes in records, one a block (one level) or super-block (two levels), so that a kernel streams them in one
+  run (`PanelScales`): one level d fp16 [16], then m fp16 [16] where it has mins (32 or 64 bytes); two levels
+  sc [256 / S, 16] (S the block, 32 or Q6_K's 16; one byte each), mn [256 / S, 16] where it has mins, D fp16
+  [16], Dmin fp16 [16] where it has mins (Q4_K, Q5_K 320 bytes, Q6_K 288).
 * rows (`pack_rows`): an [R, C] weight whose rows kernels read whole (the embedding table), blocks along the row
   (axis 1). Per row the values are uint8 [C / 2 + (bits - 4) * C / 8]: the low nibbles in Q4_0's order (byte
   16 b + i: element 32 b + i in the low nibble, 32 b + 16 + i in the high one), then the planes [C / 8] (plane j,
-  byte t: bit s is bit 4 + j of element 8 t + s); the scales as bytes, in the panels' order with one column:
+  byte t: bit s is bit 4 + j of element 8 t + s); the scales as bytes, field after field (not in records):
   d [C / 32] (m) fp16, or sc [C / S] (mn) bytes then D [C / 256] (Dmin) fp16.
 """
 
@@ -114,6 +122,25 @@ class KBlocks:
                        join("super_mins"))
 
 
+def high_rows(fmt: WeightFormat) -> int:
+    """Rows of the panels layout's 64-byte records of high bits (32 / (bits - 4))."""
+    return 32 // (fmt.bits - 4)
+
+
+def _high_slots(h: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row in the record, column) of slot i of byte e of a record of `h`-bit high bits, each [8 / h, 64]."""
+    i, e = np.meshgrid(np.arange(8 // h), np.arange(64), indexing="ij")
+    return 8 * (i // 2) + 4 * (e // 32) + e % 4, (e // 4) % 8 + 8 * (i % 2)
+
+
+def high_slot(h: int, row: int, half: int) -> tuple[int, int]:
+    """(byte shift s, slot i) of the high bits of a permuted vector of nibbles starting at `row` of a record
+    (a multiple of 4), nibble half `half`: its 64-byte (32-byte) vector of high bits is the record's bytes from
+    s (0 or 32 (row % 8) // 4), and slot i is bits h i ..: shifted right by h i - 4 (left where negative), masked
+    by ((1 << h) - 1) << 4, it is the codes' bits 4 .. 4 + h - 1."""
+    return 32 * (row % 8 // 4), 2 * (row // 8) + half
+
+
 def _scale_bytes(blocks: KBlocks) -> list[np.ndarray]:
     """The per-block arrays in the layouts' order, shaped [blocks along the axis, columns] (axis 0's orientation)."""
     t = (lambda a: a) if blocks.axis == 0 else (lambda a: a.T)
@@ -127,6 +154,47 @@ def _scale_bytes(blocks: KBlocks) -> list[np.ndarray]:
 def _as_bytes(a: np.ndarray) -> np.ndarray:
     """[n, columns] of 1- or 2-byte elements -> uint8 [n, columns, itemsize]."""
     return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape[0], a.shape[1], a.dtype.itemsize)
+
+
+class PanelScales:
+    """Where a panel's scales are in its row of pack_panels' scales buffer: records of `rows` blocks (two levels: a
+    super-block's, one level: a block's), `record` bytes each, fields in the order sub-scales / scales [rows, 16],
+    (mins [rows, 16]), then two levels: D [16] fp16, (Dmin [16] fp16). Byte offsets (ints or TIR expressions of
+    the block b, the super-block s) of a field's 16 columns in the panel's row."""
+
+    def __init__(self, fmt: WeightFormat, K: int):
+        self.fmt = fmt
+        self.two = bool(fmt.super_block)
+        self.rows = fmt.super_block // fmt.block if self.two else 1
+        self.item = 1 if self.two else 2  # bytes of a per-block field's element
+        per = self.rows * PANEL * self.item  # bytes of a per-block field in a record
+        self.min_at = per
+        self.sup_at = fmt.per_block * per
+        self.sup_min_at = self.sup_at + PANEL * 2
+        self.record = self.sup_at + (fmt.per_block * PANEL * 2 if self.two else 0)
+        self.row = K // (fmt.super_block or fmt.block) * self.record
+        assert self.row == panel_scale_bytes(fmt, K)
+
+    def fields(self):
+        """(offset in a record, blocks a record, itemsize) of each field, in order."""
+        out = [(0, self.rows, self.item)] + ([(self.min_at, self.rows, self.item)] if self.fmt.has_min else [])
+        if self.two:
+            out += [(self.sup_at, 1, 2)] + ([(self.sup_min_at, 1, 2)] if self.fmt.has_min else [])
+        return out
+
+    def scale(self, b):
+        """The block's d (one level, fp16) or sc (two levels, bytes)."""
+        return b // self.rows * self.record + b % self.rows * PANEL * self.item
+
+    def min(self, b):
+        return self.scale(b) + self.min_at
+
+    def sup(self, s):
+        """The super-block's D (fp16)."""
+        return s * self.record + self.sup_at
+
+    def sup_min(self, s):
+        return s * self.record + self.sup_min_at
 
 
 def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
@@ -143,17 +211,21 @@ def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
     low = panels & 0x0F
     nibbles = (low[..., :8] | (low[..., 8:] << 4)).reshape(P, K * 8)
     planes = []
-    for j in range(fmt.bits - 4):
-        bit = ((panels >> (4 + j)) & 1).reshape(P, K // 8, 8, PANEL)  # [P, g, s, c]
-        planes.append((bit << np.arange(8, dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8).reshape(P, -1))
+    if fmt.bits > 4:
+        h, HR = fmt.bits - 4, high_rows(fmt)
+        rows, cols = _high_slots(h)
+        high = (panels >> 4).reshape(P, K // HR, HR, PANEL)[:, :, rows, cols]  # [P, records, slots, 64]
+        shifts = (h * np.arange(8 // h, dtype=np.uint8))[None, None, :, None]
+        planes.append((high << shifts).sum(2, dtype=np.uint8).reshape(P, -1))
     values = np.ascontiguousarray(np.concatenate([nibbles, *planes], axis=1))
+    nrec = K // (fmt.super_block or fmt.block)
     scale_parts = []
     for a in _scale_bytes(blocks):
         padded = np.zeros((a.shape[0], P * PANEL), a.dtype)
         padded[:, :N] = a
-        per_panel = padded.reshape(a.shape[0], P, PANEL).transpose(1, 0, 2)  # [P, n, 16]
-        scale_parts.append(per_panel.copy().view(np.uint8).reshape(P, -1))
-    return values, np.ascontiguousarray(np.concatenate(scale_parts, axis=1))
+        per_panel = padded.reshape(nrec, a.shape[0] // nrec, P, PANEL).transpose(2, 0, 1, 3)  # [P, rec, rows, 16]
+        scale_parts.append(np.ascontiguousarray(per_panel).view(np.uint8).reshape(P, nrec, -1))
+    return values, np.ascontiguousarray(np.concatenate(scale_parts, axis=2).reshape(P, -1))
 
 
 def pack_rows(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
@@ -187,20 +259,23 @@ def unpack_panels(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat, K: 
     P = values.shape[0]
     nib = values[:, : K * 8].reshape(P, K, 8)
     codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)  # [P, K, 16]
-    for j in range(fmt.bits - 4):
-        start = K * 8 + j * K * 2
-        plane = values[:, start: start + K * 2].reshape(P, K // 8, 1, PANEL)
-        bits = (plane >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1  # [P, g, s, c]
-        codes |= (bits.reshape(P, K, PANEL) << (4 + j)).astype(np.uint8)
+    if fmt.bits > 4:
+        h, HR = fmt.bits - 4, high_rows(fmt)
+        rows, cols = _high_slots(h)
+        record = values[:, K * 8: K * 8 + h * K * 2].reshape(P, K // HR, 1, 64)
+        shifts = (h * np.arange(8 // h, dtype=np.uint8))[None, None, :, None]
+        high = np.zeros((P, K // HR, HR, PANEL), np.uint8)
+        high[:, :, rows, cols] = (record >> shifts) & ((1 << h) - 1)
+        codes |= high.reshape(P, K, PANEL) << 4
     codes = codes.transpose(1, 0, 2).reshape(K, P * PANEL)[:, :N]
-    arrays, at = [], 0
-    layout = ([(K // fmt.block, fmt.sub_scale)] * fmt.per_block + [(K // fmt.super_block, fmt.scale_dtype)] * fmt.per_block
-              if fmt.super_block else [(K // fmt.block, fmt.scale_dtype)] * fmt.per_block)
-    for n, dtype in layout:
-        size = n * PANEL * np.dtype(dtype).itemsize
-        part = np.ascontiguousarray(scales[:, at: at + size]).view(dtype).reshape(P, n, PANEL)
-        arrays.append(part.transpose(1, 0, 2).reshape(n, P * PANEL)[:, :N])
-        at += size
+    arrays, layout = [], PanelScales(fmt, K)
+    nrec = K // (fmt.super_block or fmt.block)
+    records = scales.reshape(P, nrec, layout.record)
+    dtypes = ([fmt.sub_scale] * fmt.per_block + [fmt.scale_dtype] * fmt.per_block if fmt.super_block
+              else [fmt.scale_dtype] * fmt.per_block)
+    for (at, rows, item), dtype in zip(layout.fields(), dtypes):
+        part = np.ascontiguousarray(records[:, :, at: at + rows * PANEL * item]).view(dtype)  # [P, rec, rows * 16]
+        arrays.append(part.reshape(P, nrec * rows, PANEL).transpose(1, 0, 2).reshape(nrec * rows, P * PANEL)[:, :N])
     if fmt.super_block:
         sc, mn, d, dm = arrays if fmt.has_min else (arrays[0], None, arrays[1], None)
         return KBlocks(fmt, 0, codes, sc, mn, d, dm)

@@ -3,12 +3,12 @@ layout with int8 activations: quant.gemm_panels_qx8's form for the kq panels.
 
 W [K, N] is `kquant.pack_panels`' two buffers (values uint8 [P, K * 8 + (bits - 4) * K * 2], scales uint8
 [P, kquant.panel_scale_bytes]; see kquant_gemv's module doc). A weight is d (c - offset) (+ m), c the full code
-(low nibble | the bit planes' bits << 4), d = D sc and m = -(Dmin mn) for the K-quants.
+(low nibble | the high bits << 4), d = D sc and m = -(Dmin mn) for the K-quants.
 
 `gemm_panels_kqx8`: each row of x quantized to int8 per 32-block (quant.x_quantizer, in parallel over the rows),
 with its int32 sums per sub-block of the format (Q6_K's 16, else 32). Per parallel task (`tile_panels` adjacent
 panels) the panels' full codes are expanded once into a task buffer (per 8 k steps and nibble half, the 64 bytes
-kquant_gemv.gemv_panels_kq_x8 builds: each dword one column's 4 k steps, the planes' bits OR'ed in), then per tile
+kquant_gemv.gemv_panels_kq_x8 builds: each dword one column's 4 k steps, the high bits OR'ed in), then per tile
 of X8_ROWS rows and sub-block they are dotted (u8 codes < 64 times s8: "vnni" vpdpbusd or "madd" vpmaddubsw's
 pair sums, 2 * 63 * 127 < 2^15) with each row's xq dwords broadcast to the lanes (two 4-step k groups, lanes l and
 l + 8), into int32 sums that start at -offset * sum(xq) over the sub-block; then acc += float(sum) * d * sx, and
@@ -27,7 +27,8 @@ from runtime.dtypes import QUANT_BLOCK, WeightFormat
 from . import cpu as _cpu
 from .compute import drop_params, row_dim
 from .cpu import PANEL
-from .kquant_gemv import _check_kq, _Scales, _u8_const
+from .kquant import high_rows
+from .kquant_gemv import _check_kq, _Scales, high_bits
 from .quant import HALF, X8_ROWS, _sum_lanes, _vector_perm, check_dot, dot_u8s8, x_quantizer
 
 
@@ -58,10 +59,7 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
     KV = K // steps  # vectors per panel and nibble half
     perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
-    zero = T.broadcast(T.uint8(0), nbytes)
-    sel = [[tirx.IntImm("int32", h * HALF + (e // 4) % 8) for e in range(nbytes)] for h in range(2)]
-    mask = _u8_const([1 << (4 * (e // 32) + e % 4) for e in range(nbytes)])
-    bitv = [T.broadcast(T.uint8(1 << (4 + j)), nbytes) for j in range(planes)]
+    HR = high_rows(fmt) if planes else B
     offset = fmt.offset
     sub_scale = fmt.sub_scale or "uint8"
     quantize_x = x_quantizer(K)
@@ -71,9 +69,8 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
         """Panel p's codes at k0 (a multiple of 8), nibble half h, permuted to column dwords."""
         nib = T.Shuffle([wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]], perm)
         c = (nib & m15) if h == 0 else (nib >> m4)
-        for j in range(planes):
-            pv = wf[T.ramp(p * VB + K * HALF + j * K * 2 + k0 // 8 * PANEL, 1, PANEL)]
-            c = c | T.Select((T.Shuffle([pv] * (nbytes // PANEL), sel[h]) & mask) != zero, bitv[j], zero)
+        if planes:
+            c = c | high_bits(wf, p * VB + K * HALF, fmt, k0 // HR, k0 % HR, h, nbytes)
         return c
 
     low = T.Shuffle([T.broadcast(T.int32(-1), lanes), T.broadcast(T.int32(0), lanes)],

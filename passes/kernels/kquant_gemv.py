@@ -1,17 +1,16 @@
 """Decode GEMVs over blocks kept from a model file (ggml's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) in kquant's panels layout.
 
 W [K, N] is `kquant.pack_panels`' two buffers: values uint8 [P, K * 8 + (bits - 4) * K * 2] (per panel the low
-nibbles [K, 8], int4's panels, then `bits - 4` bit planes [K / 8, 16]: plane j, byte c of k-group g holds bit
-4 + j of the codes of column c at rows 8 g .. 8 g + 7, bit s for row 8 g + s) and scales uint8
-[P, kquant.panel_scale_bytes] (one level: d fp16 [K / 32, 16] (then m); two levels: sc [K / S, 16] (then mn),
-D fp16 [K / 256, 16] (then Dmin)). A weight is d (c - offset) (+ m), d = D sc and m = -(Dmin mn) for two levels.
+nibbles [K, 8], int4's panels, then the codes' high bits in 64-byte records of kquant.high_rows rows, in the
+permuted vectors' byte order: see kquant's module doc) and scales uint8 [P, kquant.panel_scale_bytes] in records
+(kquant.PanelScales; one level a block's: d fp16 [16] (then m); two levels a super-block's: sc [256 / S, 16] (then
+mn), D fp16 [16] (then Dmin)). A weight is d (c - offset) (+ m), d = D sc and m = -(Dmin mn) for two levels.
 
 * `gemv_panels_kq_x8`: x quantized to int8 per 32-block (quant.x_quantizer, as gemv_panels_q4x8), integer dot
   products of the full codes c = nibble | high bits << 4 with xq: the nibbles are permuted as gemv_panels_q4x8's
-  (each dword one column's 4 k steps), and each bit plane's 16 bytes for the vector's k group are spread over the
-  same byte arrangement by a constant shuffle (byte e takes its column's plane byte), tested against a constant
-  per-byte mask (1 << its k step) and turned into 1 << (4 + j), OR'ed into the codes: one dot per vector and
-  nibble half for any code width (u8 codes < 64 times s8: vpmaddubsw's pair sums 2 * 63 * 127 < 2^15). The
+  (each dword one column's 4 k steps), and the vector's high bits are its record's bytes (already in that
+  order) shifted by a constant in 16-bit lanes and masked (`high_bits`), OR'ed into the codes: one dot per vector
+  and nibble half for any code width (u8 codes < 64 times s8: vpmaddubsw's pair sums 2 * 63 * 127 < 2^15). The
   offset (Q5_0's 16, Q6_K's 32) is taken off in the integer sums' start, -offset * sum(xq) over the sub-block.
   Per sub-block the two nibble halves' sums (and their k groups' lanes) become one int32 vector of the panel's 16
   columns (two shuffles and an add), scaled in 16-lane fp32: one level acc += float(sum) * d * sx (+ m * xs, xs
@@ -36,7 +35,7 @@ from runtime.dtypes import QUANT_BLOCK, WeightFormat
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch
 from .cpu import PANEL
-from .kquant import panel_scale_bytes
+from .kquant import PanelScales, high_rows, high_slot
 from .quant import HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, _vector_perm, check_dot, dot_u8s8, x_quantizer
 
 
@@ -50,38 +49,44 @@ def _check_kq(K, N, fmt: WeightFormat):
 
 class _Scales:
     """Where a panel's scales are in the scales buffer (flat views: bytes `u8`/`i8` and fp16 `f16`), as TIR
-    expressions of the panel p, the sub-block sb and the column col."""
+    expressions of the panel p, the sub-block sb and the column col (kquant.PanelScales' records)."""
 
     def __init__(self, fmt: WeightFormat, K: int):
         self.fmt, self.K = fmt, K
-        self.row = panel_scale_bytes(fmt, K)  # bytes per panel
-        self.nsub = K // fmt.block
+        self.at = PanelScales(fmt, K)
+        self.row = self.at.row  # bytes per panel
         self.two = bool(fmt.super_block)
         self.per_super = fmt.super_block // fmt.block if self.two else 0
 
     def d(self, wsb, wsh, p, sb, col):
         """The sub-block's scale d as fp32."""
         if self.two:
-            sc = T.Cast("float32", wsb[p * self.row + sb * PANEL + col])
-            base = self.fmt.per_block * self.nsub * PANEL // 2  # fp16 index of D
-            return sc * T.Cast("float32", wsh[p * (self.row // 2) + base + sb // self.per_super * PANEL + col])
-        return T.Cast("float32", wsh[p * (self.row // 2) + sb * PANEL + col])
+            sc = T.Cast("float32", wsb[p * self.row + self.at.scale(sb) + col])
+            return sc * T.Cast("float32", wsh[p * (self.row // 2) + self.at.sup(sb // self.per_super) // 2 + col])
+        return T.Cast("float32", wsh[p * (self.row // 2) + self.at.scale(sb) // 2 + col])
 
     def m(self, wsb, wsh, p, sb, col):
         """The sub-block's minimum m as fp32 (formats with mins)."""
         if self.two:
-            mn = T.Cast("float32", wsb[p * self.row + self.nsub * PANEL + sb * PANEL + col])
-            base = self.fmt.per_block * self.nsub * PANEL // 2 + self.K // self.fmt.super_block * PANEL
-            return -(T.Cast("float32", wsh[p * (self.row // 2) + base + sb // self.per_super * PANEL + col]) * mn)
-        return T.Cast("float32", wsh[p * (self.row // 2) + self.nsub * PANEL + sb * PANEL + col])
+            mn = T.Cast("float32", wsb[p * self.row + self.at.min(sb) + col])
+            return -(T.Cast("float32", wsh[p * (self.row // 2) + self.at.sup_min(sb // self.per_super) // 2 + col])
+                     * mn)
+        return T.Cast("float32", wsh[p * (self.row // 2) + self.at.min(sb) // 2 + col])
 
 
-def _u8_const(values):
-    """A constant uint8 vector of `values` (a shuffle of broadcasts, which LLVM folds)."""
-    distinct = sorted(set(values))
-    n = len(values)
-    return T.Shuffle([T.broadcast(T.uint8(v), n) for v in distinct],
-                     [tirx.IntImm("int32", distinct.index(v) * n) for v in values])
+def high_bits(wf, start, fmt: WeightFormat, rec, row, half, nbytes):
+    """The high bits (<< 4) of the codes of a permuted vector of nibbles (quant._vector_perm; nbytes 64: 8 k steps,
+    32: 4) from row `row` (a multiple of nbytes // 8; an expression of unrolled loops', so the shifts fold to
+    constants) of high-bit record `rec` of the panel whose high bits start at wf[start], nibble half `half`
+    (kquant.high_slot): one load, one shift (in 16-bit lanes: the mask drops what crosses bytes) and a mask."""
+    h = fmt.bits - 4
+    at, slot = high_slot(h, row, half)
+    raw = wf[T.ramp(start + rec * 64 + (at if nbytes == 32 else 0), 1, nbytes)]
+    w16 = T.reinterpret(f"uint16x{nbytes // 2}", raw)
+    left, right = T.max(4 - h * slot, 0), T.max(h * slot - 4, 0)
+    w16 = (w16 << T.broadcast(T.Cast("uint16", left), nbytes // 2)) >> T.broadcast(T.Cast("uint16", right),
+                                                                                    nbytes // 2)
+    return T.reinterpret(f"uint8x{nbytes}", w16) & T.broadcast(T.uint8(((1 << h) - 1) << 4), nbytes)
 
 
 def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", residual=False, dot="vnni",
@@ -109,13 +114,7 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     VS = SB // steps  # vectors per sub-block
     perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
-    zero = T.broadcast(T.uint8(0), nbytes)
-    # plane bytes -> the permuted vector's bytes: byte e is column (e // 4) % 8 (+ 8 for the high nibbles) at k
-    # step 4 (e // 32) + e % 4 of the vector (+ 4 for AVX2's odd vectors of an 8-step k group)
-    sel_lo = [tirx.IntImm("int32", (e // 4) % 8) for e in range(nbytes)]
-    sel_hi = [tirx.IntImm("int32", 8 + (e // 4) % 8) for e in range(nbytes)]
-    mask = _u8_const([1 << (4 * (e // 32) + e % 4) for e in range(nbytes)])  # (AVX2's odd vectors: << 4)
-    bitv = [T.broadcast(T.uint8(1 << (4 + j)), nbytes) for j in range(planes)]
+    HR = high_rows(fmt) if planes else B
     offset = fmt.offset
     sub_scale = fmt.sub_scale or "uint8"
     quantize_x = x_quantizer(K)
@@ -133,21 +132,26 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
         return T.reinterpret(f"uint8x{nbytes}", T.call_llvm_pure_intrin(
             "int8x64", "llvm.x86.avx512.pshuf.b.512", T.reinterpret("int8x64", dw), ctls[1][T.ramp(64, 1, 64)]))
 
-    def codes(wf, ctls, p, k0, sel, nib_half, j_planes):
-        """The permuted vector's codes at k0 (nibble half `nib_half`: 0 low, 1 high)."""
-        bits = mask if steps == 8 else mask << T.broadcast(T.Cast("uint8", k0 % 8), nbytes)
-        nib = permuted(wf, ctls, p, k0)
+    def codes(wf, ctls, p, kb, kin, nib_half):
+        """The permuted vector's codes at row kb * 32 + kin (kin static) (nibble half `nib_half`: 0 low, 1 high)."""
+        nib = permuted(wf, ctls, p, kb * B + kin)
         c = (nib & m15) if nib_half == 0 else ((nib >> m4) & m15)
-        for j in range(j_planes):
-            pv = wf[T.ramp(p * VB + K * HALF + j * K * 2 + k0 // 8 * PANEL, 1, PANEL)]
-            spread = T.Shuffle([pv] * (nbytes // PANEL), sel)
-            c = c | T.Select((spread & bits) != zero, bitv[j], zero)
+        if planes:
+            c = c | high_bits(wf, p * VB + K * HALF, fmt, kb * (B // HR) + kin // HR, kin % HR, nib_half, nbytes)
         return c
 
     two = bool(fmt.super_block)
     per_sup = (fmt.super_block or B) // B  # 32-blocks per super-block (one level: 1)
     nsup = nb // per_sup
-    dbase = fmt.per_block * nsub * PANEL // 2  # fp16 index of D in a panel's scales (two levels)
+    REC, MIN, SUP, SUP_MIN = scales.at.record, scales.at.min_at, scales.at.sup_at, scales.at.sup_min_at
+
+    def byte_field(wsb, p, rec, at):
+        """Panel p's 16 bytes at byte `at` of scales record `rec` (sc, mn), as fp32."""
+        return T.Cast(f"float32x{PANEL}", wsb[T.ramp(p * SBY + rec * REC + at, 1, PANEL)])
+
+    def half_field(wsh, p, rec, at):
+        """Panel p's 16 fp16 at byte `at` of scales record `rec` (d, m; D, Dmin), as fp32."""
+        return T.Cast(f"float32x{PANEL}", wsh[T.ramp(p * (SBY // 2) + (rec * REC + at) // 2, 1, PANEL)])
 
     def columns(part, g):
         """Panel g's 16 columns' int32 sums: each half's lanes of its k groups added (lanes c, c + 8, ...)."""
@@ -164,8 +168,8 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
             for g in T.unroll(group):
                 for line in T.unroll(B * HALF // 64):
                     prefetch(T.address_of(wf[T.min(((t + 1) * group + g) * VB + kb * B * HALF + line * 64, last)]), 2)
-                for j in T.unroll(planes):
-                    prefetch(T.address_of(wf[T.min(((t + 1) * group + g) * VB + K * HALF + j * K * 2 + kb * 64,
+                for j in T.unroll(planes):  # the block's high bits: 64 bytes a plane
+                    prefetch(T.address_of(wf[T.min(((t + 1) * group + g) * VB + K * HALF + (kb * planes + j) * 64,
                                                    last)]), 2)
 
     @T.prim_func
@@ -226,42 +230,37 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                             for g in T.unroll(group):
                                 part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
                                     dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
-                                    codes(wf, (ctl, ctl8), t * group + g,
-                                          (sup * per_sup + kq) * B + (u * VS + o) * steps, sel_lo, 0, planes),
+                                    codes(wf, (ctl, ctl8), t * group + g, sup * per_sup + kq,
+                                          (u * VS + o) * steps, 0),
                                     xpat8[T.ramp(((sup * per_sup + kq) * (B // steps) + u * VS + o) * nbytes, 1,
                                                  nbytes)])
                                 part[g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
                                     dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
-                                    codes(wf, (ctl, ctl8), t * group + g,
-                                          (sup * per_sup + kq) * B + (u * VS + o) * steps, sel_hi, 1, planes),
+                                    codes(wf, (ctl, ctl8), t * group + g, sup * per_sup + kq,
+                                          (u * VS + o) * steps, 1),
                                     xpat8[T.ramp(((sup * per_sup + kq) * (B // steps) + u * VS + o) * nbytes, 1,
                                                  nbytes)])
                         for g in T.unroll(group):
                             if two:
                                 if u == 0:
-                                    blk[g, T.ramp(0, 1, PANEL)] = T.Cast(f"float32x{PANEL}", columns(part, g)) * T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
-                                            (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)])
+                                    blk[g, T.ramp(0, 1, PANEL)] = T.Cast(f"float32x{PANEL}", columns(part, g)) * (
+                                        byte_field(wsb, t * group + g, sup, (kq * SPB + u) * PANEL))
                                 else:
                                     blk[g, T.ramp(0, 1, PANEL)] = blk[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                        f"float32x{PANEL}", columns(part, g)) * T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
-                                            (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)])
+                                        f"float32x{PANEL}", columns(part, g)) * (
+                                        byte_field(wsb, t * group + g, sup, (kq * SPB + u) * PANEL))
                                 if fmt.has_min:
-                                    amn[g, T.ramp(0, 1, PANEL)] = amn[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                        f"float32x{PANEL}", wsb[T.ramp((t * group + g) * SBY + (
-                                            nsub + (sup * per_sup + kq) * SPB + u) * PANEL, 1, PANEL)]) * T.broadcast(
+                                    amn[g, T.ramp(0, 1, PANEL)] = amn[g, T.ramp(0, 1, PANEL)] + byte_field(
+                                        wsb, t * group + g, sup, MIN + (kq * SPB + u) * PANEL) * T.broadcast(
                                         xs[(sup * per_sup + kq) * SPB + u], PANEL)
                             else:
                                 acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                    f"float32x{PANEL}", columns(part, g)) * (T.Cast(
-                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (
-                                            sup * per_sup + kq) * PANEL, 1, PANEL)]) * T.broadcast(
+                                    f"float32x{PANEL}", columns(part, g)) * (half_field(
+                                        wsh, t * group + g, sup * per_sup + kq, 0) * T.broadcast(
                                         sx[sup * per_sup + kq], PANEL))
                                 if fmt.has_min:
-                                    acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + T.Cast(
-                                        f"float32x{PANEL}", wsh[T.ramp((t * group + g) * (SBY // 2) + (
-                                            nsub + sup * per_sup + kq) * PANEL, 1, PANEL)]) * T.broadcast(
+                                    acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + half_field(
+                                        wsh, t * group + g, sup * per_sup + kq, MIN) * T.broadcast(
                                         xs[sup * per_sup + kq], PANEL)
                     if two:
                         for g in T.unroll(group):
@@ -270,12 +269,10 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                 if two:
                     for g in T.unroll(group):
                         acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] + asb[
-                            g, T.ramp(0, 1, PANEL)] * T.Cast(f"float32x{PANEL}", wsh[T.ramp(
-                                (t * group + g) * (SBY // 2) + dbase + sup * PANEL, 1, PANEL)])
+                            g, T.ramp(0, 1, PANEL)] * half_field(wsh, t * group + g, sup, SUP)
                         if fmt.has_min:
                             acc[g, T.ramp(0, 1, PANEL)] = acc[g, T.ramp(0, 1, PANEL)] - amn[
-                                g, T.ramp(0, 1, PANEL)] * T.Cast(f"float32x{PANEL}", wsh[T.ramp(
-                                    (t * group + g) * (SBY // 2) + dbase + nsup * PANEL + sup * PANEL, 1, PANEL)])
+                                g, T.ramp(0, 1, PANEL)] * half_field(wsh, t * group + g, sup, SUP_MIN)
             for g in T.unroll(group):
                 for c in (T.vectorized if full else T.serial)(PANEL):
                     if full or t * width + g * PANEL + c < N:
@@ -291,8 +288,8 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
 
     As quant._gemv_q4: a 16-lane vector is two k steps (lanes 0-7 row k, 8-15 row k + 1), against
     xp = x[k] x8 ++ x[k + 1] x8 (made once per call); the 16 nibble bytes of a k pair are the low codes of columns
-    0-7 and the high ones of columns 8-15, the bit planes' bytes of the k pair's 8-step group spread over the same
-    lanes by a constant shuffle and tested against 1 << (k step in the group). Per sub-block the fp32 sums start
+    0-7 and the high ones of columns 8-15, the high bits of the k pair's 4-step group (half a record, shifted and
+    masked as `high_bits`) put in the same lanes by two shuffles per two pairs. Per sub-block the fp32 sums start
     at -offset * sum(x) (lanes: the even and the odd k) and acc += sum * d (+ m * sum(x) where the format has
     mins); lanes l and l + 8 are summed in the epilogue."""
     _check_kq(K, N, fmt)
@@ -309,21 +306,26 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
     SBY = scales.row
     sub_scale = fmt.sub_scale or "uint8"
     m15, m4 = T.broadcast(T.uint8(15), PANEL), T.broadcast(T.uint8(4), PANEL)
-    zero = T.broadcast(T.uint8(0), PANEL)
-    sel_lo = [tirx.IntImm("int32", v % HALF) for v in range(PANEL)]
-    sel_hi = [tirx.IntImm("int32", HALF + v % HALF) for v in range(PANEL)]
-    mask = _u8_const([1 << (v // HALF) for v in range(PANEL)])  # lane v: k step v // 8 of the pair
-    bitv = [T.broadcast(T.uint8(1 << (4 + j)), PANEL) for j in range(planes)]
+    HR = high_rows(fmt) if planes else SB
     factor = T.float32(-fmt.offset)
 
-    def codes(wf, p, k, sel, nib_half):
-        """Codes of the k pair at k (even) as 16 lanes: the low nibbles' columns (0-7) or the high ones' (8-15)."""
-        nib = wf[T.ramp(p * VB + k * HALF, 1, PANEL)]
+    def codes(wf, ctls, p, sb, j4, q, nib_half):
+        """Codes of the k pair at row sb * SB + 4 j4 + 2 q (q a Python 0 or 1) as 16 lanes: the low nibbles'
+        columns (0-7) or the high ones' (8-15); lanes 8-15 the second row. The high bits: the pair's 4-step group
+        of its record (kquant.high_slot), shifted and masked, then put in the pairs' order: vpshufb (in each
+        16-byte lane a 4x4 byte transpose: dword r is row r of the lane's 4 columns) and vpermd (the two lanes'
+        dwords interleaved: the group's first pair, then its second), their controls read from `ctls` (made at
+        run time, so that LLVM keeps the two in-lane / dword shuffles for both pairs)."""
+        nib = wf[T.ramp(p * VB + (sb * SB + 4 * j4 + 2 * q) * HALF, 1, PANEL)]
         c = (nib & m15) if nib_half == 0 else (nib >> m4)
-        bits = mask << T.broadcast(T.Cast("uint8", k % 8), PANEL)
-        for j in range(planes):
-            pv = wf[T.ramp(p * VB + K * HALF + j * K * 2 + k // 8 * PANEL, 1, PANEL)]
-            c = c | T.Select((T.Shuffle([pv], sel) & bits) != zero, bitv[j], zero)
+        if planes:
+            high = high_bits(wf, p * VB + K * HALF, fmt, sb * (SB // HR) + 4 * j4 // HR, 4 * j4 % HR, nib_half, 32)
+            rows = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", T.reinterpret("int8x32", high),
+                                           ctls[1][T.ramp(32, 1, 32)])
+            pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.permd", T.reinterpret("int32x8", rows),
+                                            ctls[0][T.ramp(0, 1, 8)])
+            c = c | T.Shuffle([T.reinterpret("uint8x32", pairs)], [tirx.IntImm("int32", PANEL * q + v)
+                                                                  for v in range(PANEL)])
         return T.Cast(f"float32x{PANEL}", c)
 
     @T.prim_func
@@ -336,6 +338,12 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
         wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
         xp = T.alloc_buffer((K // 2, PANEL), "float32")
         xsm = T.alloc_buffer((nsub, PANEL), "float32")
+        ctl = T.alloc_buffer((16,), "int32")  # vpermd's control, then vpshufb's
+        ctl8 = T.decl_buffer((64,), "int8", data=ctl.data)
+        for d in range(8):
+            ctl[d] = d % 2 * 4 + d // 2
+        for i in range(32):
+            ctl8[32 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
         for j in range(K // 2):
             for v in T.vectorized(PANEL):
                 xp[j, v] = x[0, 2 * j + v // HALF]
@@ -355,14 +363,20 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
                 for g, h in T.grid(group, 2):
                     for v in T.vectorized(PANEL):
                         part[g, h, v] = factor * xsm[sb, v]
-                for j in T.unroll(SB // 2):
+                for j in T.unroll(SB // 4):
                     for g in T.unroll(group):
                         part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + j, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb * SB + 2 * j,
-                                                                             sel_lo, 0)
+                            sb * (SB // 2) + 2 * j + 0, T.ramp(0, 1, PANEL)] * codes(
+                                wf, (ctl, ctl8), t * group + g, sb, j, 0, 0)
                         part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
-                            sb * (SB // 2) + j, T.ramp(0, 1, PANEL)] * codes(wf, t * group + g, sb * SB + 2 * j,
-                                                                             sel_hi, 1)
+                            sb * (SB // 2) + 2 * j + 0, T.ramp(0, 1, PANEL)] * codes(
+                                wf, (ctl, ctl8), t * group + g, sb, j, 0, 1)
+                        part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
+                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(
+                                wf, (ctl, ctl8), t * group + g, sb, j, 1, 0)
+                        part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
+                            sb * (SB // 2) + 2 * j + 1, T.ramp(0, 1, PANEL)] * codes(
+                                wf, (ctl, ctl8), t * group + g, sb, j, 1, 1)
                 for g, h, half in T.grid(group, 2, 2):
                     for c in T.vectorized(HALF):
                         acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * (

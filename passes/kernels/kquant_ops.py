@@ -4,12 +4,12 @@ operand over `kquant`'s panels layout (`kq_panels_weight`, which `cpu.gemm` dequ
 panels), the embedding gather over `kquant`'s rows layout
 (`embed_kq`), and the makers `ops` registers (`linear_panels_kq`, `embed_kq`).
 
-A value is read as `kquant`'s module doc defines it: the code c = low nibble | the high bit planes' bits << 4,
+A value is read as `kquant`'s module doc defines it: the code c = low nibble | the high bits << 4,
 q = c - fmt.offset; d = fp16 d (one level) or float(D) * float(sc) (two levels: sc uint8, Q6_K's int8); m = fp16 m
 or -(float(Dmin) * float(mn)); the value is float32 q * d, then + m where the format has mins (bit for bit
 `KBlocks.dequantize`: the products of 4- and 5-bit codes are exact, so no fused multiply-add changes a value).
 The scales buffers are bytes; their fields are read through `T.decl_buffer` views (uint8, int8, float16) of them at
-the layout's byte offsets (`_fields`).
+the layouts' byte offsets (the rows' `_fields`, the panels' records `kquant.PanelScales`).
 
 Makers take the format by its name (`fmt`: a `runtime.dtypes.WEIGHT_FORMATS` key): kernel specs are JSON data.
 """
@@ -26,7 +26,7 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 from . import cpu as _cpu, kquant_gemm, kquant_gemv
 from .compute import clamp_index, drop_params, row_dim
 from .cpu import PANEL
-from .kquant import panel_scale_bytes
+from .kquant import PanelScales, panel_scale_bytes
 
 KQ_FORMATS = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # the formats these kernels read
 HALF = PANEL // 2  # a panel's k step: bytes holding columns v (low nibble) and v + 8 (high)
@@ -51,7 +51,7 @@ def _check_length(fmt: WeightFormat, length: int, what: str):
 
 @dataclass(frozen=True)
 class _Fields:
-    """Byte offsets of a scales record's fields (one panel's, `cols` 16, or one row's, `cols` 1), each [n, cols]:
+    """Byte offsets of a row's scales record's fields (`cols` 1: the rows layout), each [n, cols]:
     one level: d fp16 (`scale`), m fp16 (`min`); two levels: sc (`scale`) and mn (`min`) one byte each, D fp16
     (`sup`), Dmin fp16 (`sup_min`). `size`: the record's bytes."""
 
@@ -80,25 +80,58 @@ def _code(low_byte, shift, plane_bytes, bit):
     return code
 
 
+def _panel_code(w, w32, p, K, k, half, v, h):
+    """The code (int32) of panel p's value at row k, column half * 8 + v in the panels layout (w [P, bytes], w32
+    its flat uint32 view): the nibble (half 0 low, 1 high), then the `h` high bits from its record's byte
+    (kquant.high_slot) as bits 4 ..: over v the bytes are 4 apart, so they are read as the dwords (column v's 4
+    rows, contiguous over v) and shifted to row k % 4's byte."""
+    code = (T.Cast("int32", w[p, k * HALF + v]) >> (half * 4)) & 15
+    if h:
+        HR = 32 // h  # kquant.high_rows: rows a 64-byte record
+        vbytes = K * HALF + h * K * 2
+        dword = w32[(p * vbytes + K * HALF + k // HR * 64 + k % 8 // 4 * 32) // 4 + v]
+        high = T.Cast("int32", (dword >> T.Cast("uint32", 8 * (k % 4) + h * (2 * (k % HR // 8) + half)))
+                      & T.uint32((1 << h) - 1))
+        code = code | (high << 4)
+    return code
+
+
 def _value(fmt: WeightFormat, code, views, base, fields: _Fields, blk, sblk):
     """The float32 value of `code`: views (u8, i8, f16) of the scales, `base` the record's first byte (even),
     `blk` (`sblk`) the element's index in a [n, cols] field of blocks (super-blocks): block * cols + column."""
+    if fmt.super_block:
+        return _value_at(fmt, code, views, base + fields.scale + blk, base + fields.min + blk,
+                         base + fields.sup + 2 * sblk, base + fields.sup_min + 2 * sblk)
+    return _value_at(fmt, code, views, base + fields.scale + 2 * blk, base + fields.min + 2 * blk, None, None)
+
+
+def _value_at(fmt: WeightFormat, code, views, scale, mn, sup, sup_min):
+    """The float32 value of `code`: views (u8, i8, f16) of the scales and the byte offsets of its fields there
+    (fp16 ones even): the block's d (one level) or sc, its m or mn, the super-block's D and Dmin (two levels)."""
     u8, i8, f16 = views
     q = T.Cast("float32", code - fmt.offset)
-    half = base // 2
     if fmt.super_block:
         subs = i8 if fmt.sub_scale == "int8" else u8
-        d = T.Cast("float32", f16[half + fields.sup // 2 + sblk]) * T.Cast("float32", subs[base + fields.scale + blk])
+        d = T.Cast("float32", f16[sup // 2]) * T.Cast("float32", subs[scale])
         value = q * d
         if fmt.has_min:
-            m = T.Cast("float32", f16[half + fields.sup_min // 2 + sblk]) * T.Cast("float32",
-                                                                                    u8[base + fields.min + blk])
+            m = T.Cast("float32", f16[sup_min // 2]) * T.Cast("float32", u8[mn])
             value = value - m  # (x - y is x + (-y) exactly: KBlocks' + -(Dmin mn))
         return value
-    value = q * T.Cast("float32", f16[half + fields.scale // 2 + blk])
+    value = q * T.Cast("float32", f16[scale // 2])
     if fmt.has_min:
-        value = value + T.Cast("float32", f16[half + fields.min // 2 + blk])
+        value = value + T.Cast("float32", f16[mn // 2])
     return value
+
+
+def _panel_fields(at: PanelScales, base, blk, col):
+    """_value_at's byte offsets of block `blk`'s scales for column `col` of the panel whose record starts at
+    `base` (kquant.PanelScales)."""
+    item = at.item
+    sup = blk // at.rows if at.two else None
+    return (base + at.scale(blk) + col * item, base + at.min(blk) + col * item,
+            None if sup is None else base + at.sup(sup) + 2 * col,
+            None if sup is None else base + at.sup_min(sup) + 2 * col)
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,16 +142,15 @@ def _value(fmt: WeightFormat, code, views, base, fields: _Fields, blk, sblk):
 def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
     """`kquant`'s panels layout (pack_panels) as a gemm operand: w uint8 [P, K * 8 + (bits - 4) * K * 2], ws uint8
     [P, panel_scale_bytes]; a task dequantizes its tile_panels panels into fp32 [tile_panels, K, 16] k step by k
-    step (per k: 8 bytes of nibbles, 16 of each plane per 8 k, the block's scales)."""
+    step (per k: 8 bytes of nibbles, the high bits' bytes of its record (kquant.high_slot), the block's scales)."""
     f = kq_format(fmt)
     _check_length(f, K, "K")
     panels = -(-N // PANEL)
     vbytes = K * 8 + (f.bits - 4) * K * 2
     sbytes = panel_scale_bytes(f, K)
-    fields = _fields(f, K, PANEL)
-    assert fields.size == sbytes
+    at = PanelScales(f, K)
     planes = f.bits - 4
-    B, S = f.block, f.super_block or 1
+    B = f.block
 
     def make(tile_panels):
         @T.macro
@@ -126,16 +158,15 @@ def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
             su8 = T.decl_buffer((panels * sbytes,), "uint8", data=ws.data)
             si8 = T.decl_buffer((panels * sbytes,), "int8", data=ws.data)
             sf16 = T.decl_buffer((panels * sbytes // 2,), "float16", data=ws.data)
+            w32 = T.decl_buffer((panels * vbytes // 4,), "uint32", data=w.data)
             for q, k in T.grid(tile_panels, K):
                 for h in T.unroll(2):
                     for v in T.vectorized(HALF):
-                        packed[q, k, h * HALF + v] = _value(
+                        packed[q, k, h * HALF + v] = _value_at(
                             f,
-                            _code(w[p * tile_panels + q, k * HALF + v], h * 4,
-                                  [w[p * tile_panels + q, K * HALF + j * K * 2 + k // 8 * PANEL + h * HALF + v]
-                                   for j in range(planes)], k % 8),
-                            (su8, si8, sf16), (p * tile_panels + q) * sbytes, fields,
-                            k // B * PANEL + h * HALF + v, k // S * PANEL + h * HALF + v)
+                            _panel_code(w, w32, p * tile_panels + q, K, k, h, v, planes),
+                            (su8, si8, sf16), *_panel_fields(at, (p * tile_panels + q) * sbytes, k // B,
+                                                             h * HALF + v))
 
         return pack
 
