@@ -81,6 +81,7 @@ HEAD_LIMIT = 2.0  # of the budget: the output layer's levels are measured up to 
 FISHER_DRAWS = 4  # tokens drawn per position to weigh a local effect by its KL (on SmolLM2: 0.4-2.6x the KL measured)
 HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
 CHUNK = 4  # sequences per batch of the reference (bounds the logits held at once)
+SEARCH_EVERY = 2  # the path's search measures plans on every 2nd chunk of the held-out tokens, the plan found on all
 QUALITY_KEY = "picompile.quality"
 WEIGHT_PLAN_KEY = "picompile.weight_plan"
 # The knobs of each mode, by block: threshold mode's linear inputs; predictor mode's FFN neurons (a predictor's
@@ -301,11 +302,14 @@ class QualityPlan:
         unplanned = _build_matrices(model, weight_dtype)
         variant = lambda state: _variant(knobs, state, formats, stored, embed, isa, unplanned)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
+        # (the search measures plans on a part of the held-out tokens; the plan it finds is measured on all)
+        search = lambda: _confirmed(budget, local_error, evaluate, measure.partial, _furthest_within(  # noqa: E731
+            budget, local_error, lambda steps: measure.quality(variant(state_at(steps)), part=True)))
         with ctx.progress("quality: the budget on held-out tokens", None):
-            steps, found = _furthest_within(budget, local_error, evaluate)
+            steps, found = search()
             if not budget.met_by(found.ppl_change, found.kl) and embed:
                 embed = (embed[0], formats[0])  # the widest embedding too, and dense
-                steps, found = _furthest_within(budget, local_error, evaluate)
+                steps, found = search()
             state = state_at(steps)
             # (levels --sparsity fixed are the user's: measured and said, not given up)
             if not budget.met_by(found.ppl_change, found.kl) and not fixed_level and any(l for l, _ in state):
@@ -699,6 +703,9 @@ class _HeldOut:
 
     def __init__(self, interpreter: Interpreter, sequences: list[np.ndarray], knobs: list[Knob]):
         self.interpreter, self.chunks = interpreter, _chunks(sequences)
+        # the part the path's search measures plans on: every SEARCH_EVERY-th chunk (across the held-out text)
+        self.part = list(range(0, len(self.chunks), SEARCH_EVERY))
+        self.partial = len(self.part) < len(self.chunks)
         by_block = {}
         for knob in knobs:
             if knob.predictor is None and not np.isfinite(knob.sparse_error[1:]).any():
@@ -738,10 +745,13 @@ class _HeldOut:
             knob.held_out_recall = hits / np.maximum(active, 1.0)
             knob.held_out_precision = hits / np.maximum(kept, 1.0)
 
-    def quality(self, variant: Variant) -> Quality:
+    def quality(self, variant: Variant, part: bool = False) -> Quality:
+        """The plan's quality against the dense model's on the held-out sequences (`part`: on `self.part`'s)."""
         nll_ref, nll_got, predicted = [], [], []  # per sequence
         kl = agree = 0.0
-        for chunk, ref in zip(self.chunks, self.reference):
+        for index, (chunk, ref) in enumerate(zip(self.chunks, self.reference)):
+            if part and index not in self.part:
+                continue
             got = _log_probs(self.interpreter.logits(chunk, variant), chunk)
             nll_ref += ref.nll.tolist()
             nll_got += (-got.gather(-1, ref.targets)).sum((1, 2)).tolist()
@@ -845,6 +855,22 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
     if low not in found:
         found[low] = evaluate(low)
     return low, found[low]
+
+
+def _confirmed(budget: QualityBudget, local_error: np.ndarray, evaluate, partial: bool,
+               searched: tuple[int, Quality]) -> tuple[int, Quality]:
+    """The step the search found (`searched`: on a part of the held-out tokens, where `partial`) and its quality
+    measured on all of them (`evaluate`). Where that is beyond the budget, the step at half its summed local error,
+    measured on all (the caller's fallbacks take it from there where it is beyond too). A plan on the edge of the
+    budget may fall either side on another part of the text: the part only aims the search, the whole judges it."""
+    steps, found = searched
+    if not partial:
+        return steps, found
+    found = evaluate(steps)
+    if steps == 0 or budget.met_by(found.ppl_change, found.kl):
+        return steps, found
+    back = int(np.clip(np.searchsorted(local_error, local_error[steps] / 2, side="right") - 1, 0, steps - 1))
+    return back, evaluate(back)
 
 
 def _aim(x_low: float, y_low: float, x_high: float, y_high: float, target: float) -> float:

@@ -366,3 +366,35 @@ def test_kept_blocks_reach_the_artifact_as_the_file_stores_them(files, tmp_path,
     engine.reset()
     one_by_one = np.concatenate([np.asarray(engine.forward([token])).reshape(1, -1) for token in PROMPT])
     np.testing.assert_allclose(prompt, one_by_one, atol=1e-4 * np.abs(one_by_one).max(), rtol=0)
+
+
+def test_a_default_build_prices_a_files_matrices_in_the_blocks_they_are_stored_in(files, tmp_path):
+    """The quality plan of an auto build of the kept-blocks file prices each matrix it leaves dense in the file's
+    own blocks (q4_k's 4.5 bits a weight, q6_k's 6.56), not in the build's one format: a sparse plan is weighed
+    against what the dense build really reads, and one that rounds a matrix's rows to int8 to gather them is
+    priced in int8."""
+    from passes import costmodel
+
+    path, weights = files("kept", KEPT, edit=_layer_1_v_in_q8_0)
+    calib = tmp_path / "calib.npy"
+    np.save(calib, np.random.default_rng(2).integers(0, KEPT.vocab, (16, 48)))
+    out = tmp_path / "kept-default.pic"
+    assert main(["build", str(path), "--target", "cpu", "--calib", str(calib), "--max-context", "64",
+                 "-o", str(out)]) == 0
+    choices = load_manifest(out).quality.choices
+    bandwidth = get_target("cpu").cpu_bandwidth_gbs * 1e9
+    files_format = {"o": ("attn_output", "q4_k"), "in": ("ffn_gate", "q5_k"), "down": ("ffn_down", "q6_k")}
+    priced = 0
+    for choice in choices:
+        if choice.site not in files_format or choice.dropped:
+            continue
+        name, fmt = files_format[choice.site]
+        size = weights[f"blk.{choice.layer}.{name}.weight"].size * (2 if choice.site == "in" else 1)
+        assert choice.format == fmt, choice
+        expected = costmodel.linear_seconds(size * WEIGHT_FORMATS[fmt].bytes_per_weight, bandwidth) * 1e6
+        assert choice.us == pytest.approx(expected, rel=1e-3), choice
+        priced += 1
+    assert priced >= KEPT.layers * 2
+    for choice in choices:  # a thinned input gathers its matrix's rows: rounded to int8, priced so
+        if choice.dropped and choice.site in files_format:
+            assert choice.format == "int8", choice

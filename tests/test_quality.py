@@ -199,6 +199,37 @@ def test_a_path_that_ends_far_beyond_the_budget_is_searched_without_measuring_it
     assert furthest - 2 <= step <= furthest and budget.met_by(found.ppl_change, found.kl), (step, furthest)
 
 
+def test_a_plan_searched_on_part_of_the_held_out_text_is_judged_on_all_of_it():
+    """The search aims on a part of the held-out tokens; the plan it lands on is measured on all of them, and where
+    that puts it beyond the budget the step at half its summed local error is taken (measured on all too); a
+    search on the whole text is not measured again."""
+    from passes.ir_reference import Quality
+    from passes.quality import _confirmed
+
+    local_error = np.linspace(0.0, 1.0, 11)
+    budget = QualityBudget("ppl", 0.01)
+    measured = []
+
+    def on_all(scale):
+        def evaluate(step):
+            measured.append(step)
+            change = scale * local_error[step]
+            return Quality(change, float(np.log1p(change)), 1.0, 100, change, change)
+        return evaluate
+
+    # the part said step 8 (+0.8%); the whole says +1.2% there: back to step 4 (+0.6%)
+    step, found = _confirmed(budget, local_error, on_all(0.015), True, (8, Quality(0.008, 0.008, 1.0, 50, 0, 0)))
+    assert (step, measured) == (4, [8, 4]) and found.ppl_change == pytest.approx(0.006)
+    # the whole agrees: step 8 stays, measured once more
+    measured.clear()
+    step, found = _confirmed(budget, local_error, on_all(0.01), True, (8, Quality(0.008, 0.008, 1.0, 50, 0, 0)))
+    assert (step, measured) == (8, [8]) and found.tokens == 100
+    # searched on the whole already: nothing measured again
+    measured.clear()
+    searched = (8, Quality(0.008, 0.008, 1.0, 100, 0, 0))
+    assert _confirmed(budget, local_error, on_all(0.015), False, searched) == searched and not measured
+
+
 def test_the_ppl_change_interval_covers_the_true_change_about_19_times_in_20():
     """Sequences whose per-token log-likelihood change has a known mean, drawn many times: the 95% interval
     (standard error over whole sequences) holds the true change about 95% of the time; tokens of a sequence
