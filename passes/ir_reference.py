@@ -58,6 +58,7 @@ class Block:
     x: torch.Tensor
     out: torch.Tensor
     residual: torch.Tensor | None
+    taps: dict[str, torch.Tensor] = field(default_factory=dict)  # each site's input, as `block`'s taps
 
 
 class Interpreter:
@@ -88,11 +89,13 @@ class Interpreter:
         values: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for node in self.model.graph:
-                out = self._run(node, values, ids, variant)
+                # (a probed block's site inputs are kept as it runs: a probe need not run it again for them)
+                taps = {} if probe is not None and node.op_type in ("Attention", "FFN", "MatMul") else None
+                out = self._run(node, values, ids, variant, taps)
                 values[node.outputs[0].name] = out
-                if probe is not None and node.op_type in ("Attention", "FFN", "MatMul"):
+                if taps is not None:
                     partner = self._residual_of.get(node.outputs[0].name)
-                    probe(Block(node, values[node.inputs[0].name], out, values.get(partner)))
+                    probe(Block(node, values[node.inputs[0].name], out, values.get(partner), taps))
         return values[self.model.graph.outputs[0].name]
 
     def output_gradients(self, sequences: np.ndarray, op_types: tuple[str, ...], draws: int,
@@ -139,7 +142,8 @@ class Interpreter:
         projections = (gradients.float() * delta).sum((-1, -2))  # [draws, batch]
         return 0.5 * float((projections ** 2).mean(0).sum()) / (delta.shape[0] * delta.shape[1])
 
-    def _run(self, node: ir.Node, values: dict, ids: torch.Tensor, variant: Variant) -> torch.Tensor:
+    def _run(self, node: ir.Node, values: dict, ids: torch.Tensor, variant: Variant,
+             taps: dict | None = None) -> torch.Tensor:
         op = node.op_type
         x = values.get(node.inputs[0].name) if node.inputs and node.inputs[0] is not None else None
         if op == "Embed":
@@ -154,11 +158,11 @@ class Interpreter:
             return values[node.inputs[0].name] + (values.get(node.inputs[1].name) if node.inputs[1].name in values
                                                    else self.weight(node.inputs[1]))
         if op == "MatMul":
-            return self.product(self.linear_input(node, "head", x, variant, None), node.inputs[1], variant)
+            return self.product(self.linear_input(node, "head", x, variant, taps), node.inputs[1], variant)
         if op == "FFN":
-            return self.ffn(node, x, variant)
+            return self.ffn(node, x, variant, taps)
         if op == "Attention":
-            return self.attention(node, x, variant)
+            return self.attention(node, x, variant, taps)
         raise NotImplementedError(f"the IR reference has no {op} ({node.name})")
 
     def product(self, v: torch.Tensor, matrix: ir.Value, variant: Variant) -> torch.Tensor:

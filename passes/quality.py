@@ -410,8 +410,7 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
             return
         if node.op_type not in sites:  # the output layer as the build stores it (and predictor mode's attention)
             return
-        taps: dict[str, torch.Tensor] = {}
-        interpreter.block(node, block.x, taps=taps)
+        taps = block.taps
         layer = op_view(node).layer
         fisher = gradients.pop(node.name, None) if gradients is not None else None
 
@@ -721,9 +720,7 @@ class _HeldOut:
         def probe(block: Block) -> None:
             if block.node.name not in by_block:
                 return
-            taps: dict[str, torch.Tensor] = {"head": block.x}  # (the output layer's input is its block's)
-            if block.node.op_type != "MatMul":
-                interpreter.block(block.node, block.x, taps=taps)
+            taps = block.taps
             for knob in by_block[block.node.name]:
                 if knob.predictor is not None:
                     decode_x = block.x[:, PROMPT_TOKENS:]
