@@ -223,6 +223,10 @@ class StoredWeights:
         blocks may keep another: a Q4_1 file's Q8_0 output layer in int8)."""
         return self._stored(name, fmt_name, axis)[1]
 
+    def are_source(self, name: str, fmt_name: str, axis: int) -> bool:
+        """Whether the matrix so stored holds the source's values (a file's own blocks, kept)."""
+        return self._stored(name, fmt_name, axis)[0] is FILE_VALUES
+
     def values(self, name: str, fmt_name: str, axis: int) -> np.ndarray:
         blocks, fmt = self._stored(name, fmt_name, axis)
         if blocks is FILE_VALUES:
@@ -240,7 +244,8 @@ class _Planned(dict):
         self._stored, self._choices = stored, choices
 
     def __contains__(self, name) -> bool:
-        return name in self._choices
+        # (a file's own blocks are the source's values, which the interpreter holds: not computed again per plan)
+        return name in self._choices and not self._stored.are_source(name, *self._choices[name])
 
     def __getitem__(self, name: str) -> np.ndarray:
         if not dict.__contains__(self, name):

@@ -88,12 +88,22 @@ class KBlocks:
         return (self.codes.astype(np.int16) - self.fmt.offset).astype(np.int8)
 
     def dequantize(self) -> np.ndarray:
-        """The float32 matrix the blocks stand for: d * q, + m where the format has mins (see the module doc)."""
-        block = self.fmt.block
-        out = self.values().astype(np.float32) * np.repeat(self.block_scales(), block, axis=self.axis)
+        """The float32 matrix the blocks stand for: d * q, + m where the format has mins (see the module doc).
+        (In place over a [.., blocks, block, ..] view, the scales broadcast: no matrix-sized copies of them.)"""
+        block, (rows, columns) = self.fmt.block, self.shape
+        if self.fmt.bits == 8:
+            out = self.codes.view(np.int8).astype(np.float32)
+        else:
+            out = self.codes.astype(np.float32)
+            out -= np.float32(self.fmt.offset)  # (small integers: exact)
+        if self.axis == 0:
+            blocked, per_block = out.reshape(rows // block, block, columns), (slice(None), None, slice(None))
+        else:
+            blocked, per_block = out.reshape(rows, columns // block, block), (slice(None), slice(None), None)
+        blocked *= self.block_scales()[per_block]
         mins = self.block_mins()
         if mins is not None:
-            out += np.repeat(mins, block, axis=self.axis)
+            blocked += mins[per_block]
         return out
 
     def take(self, index: np.ndarray, axis: int) -> "KBlocks":
