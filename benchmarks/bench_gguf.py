@@ -235,10 +235,11 @@ def _measured_run(command: list[str]) -> tuple[int, str, str, int]:
 
 
 def picompile_speed(engine, prompt, tokens: int) -> tuple[float, float]:
-    """(prompt tokens/s, decode tokens/s) of one greedy generation (examples/bench_decode.time_decode)."""
+    """(prompt tokens/s, decode tokens/s) of one greedy generation (examples/bench_decode.time_decode). The
+    prompt's logits are its last row's alone, as llama-bench's are (its batch asks for the last output only)."""
     from examples.bench_decode import time_decode
 
-    prefill_s, decode = time_decode(engine.forward, engine.reset, prompt, tokens)
+    prefill_s, decode = time_decode(lambda ids: engine.forward(ids, last_only=True), engine.reset, prompt, tokens)
     return len(prompt) / prefill_s, decode
 
 
