@@ -19,7 +19,8 @@ Per file:
   llama-bench's prompt processing (-p --prompt-len tokens in one batch, from an empty cache) and decode (-n
   --tokens, one token at a time, after --prompt-len tokens in the cache: -d), -r 1 per round after its own
   warm-up; picompile's prefill of a --prompt-len prompt and its decode of --tokens greedy tokens after it
-  (examples/bench_decode.time_decode), TVM_NUM_THREADS = --threads.
+  (examples/bench_decode.time_decode), TVM_NUM_THREADS = --threads. Both prefills make the last prompt
+  token's logits only (llama-bench's batch asks for the last output; picompile: forward(last_only=True)).
 - Quality: perplexity of both engines on exactly the same token windows of held-out English prose. The text
   is tokenized once by llama.cpp (llama-tokenize, as llama-perplexity tokenizes it: no special-token
   parsing, BOS as the file says); llama-perplexity takes the text, cuts the ids into --chunks windows of
@@ -235,10 +236,11 @@ def _measured_run(command: list[str]) -> tuple[int, str, str, int]:
 
 
 def picompile_speed(engine, prompt, tokens: int) -> tuple[float, float]:
-    """(prompt tokens/s, decode tokens/s) of one greedy generation (examples/bench_decode.time_decode)."""
+    """(prompt tokens/s, decode tokens/s) of one greedy generation (examples/bench_decode.time_decode). The
+    prompt's logits are its last row's alone, as llama-bench's are (its batch asks for the last output only)."""
     from examples.bench_decode import time_decode
 
-    prefill_s, decode = time_decode(engine.forward, engine.reset, prompt, tokens)
+    prefill_s, decode = time_decode(lambda ids: engine.forward(ids, last_only=True), engine.reset, prompt, tokens)
     return len(prompt) / prefill_s, decode
 
 

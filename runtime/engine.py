@@ -265,13 +265,23 @@ class Engine:
             facts["bytes_per_count"] += reads.per_nonzero
         return facts
 
-    def _program(self, phase: str, rows: int, slot: int = 0) -> list[Step]:
+    def _program(self, phase: str, rows: int, slot: int = 0, last_only: bool = False) -> list[Step]:
+        """The bound program of `phase` for a step of `rows` rows; `last_only`: the output layer on the last row
+        alone (`_bind_last`), the other rows' logits left unwritten."""
         calls = [call for call in self._calls if call.kernel(phase)]
         index = {call.id: i for i, call in enumerate(calls)}
-        steps = [Step(call.id, call.role.value, call.device, self._bind(call, phase, rows, slot),
+        steps = [Step(call.id, call.role.value, call.device,
+                      self._bind_last(call, rows, slot) if last_only and _last_row_call(call)
+                      else self._bind(call, phase, rows, slot),
                       **(self._weight_reads(call) if phase == "decode" else {})) for call in calls]
         self._order(steps, calls, index, phase)
         return steps
+
+    def _bind_last(self, call: Call, rows: int, slot: int):
+        """`call` bound to the step's last row alone: its one-row (decode) kernel where it is dense, else its
+        prefill kernel on one row (a sparse decode kernel reads selections a prefill does not make)."""
+        phase = "decode" if call.decode and call.selection is None else "prefill"
+        return self._bind(call, phase, 1, slot, first=rows - 1)
 
     def _batch_program(self, slots: tuple[int, ...]) -> list[Step]:
         """The bound batch step of `slots` (row b is slots[b]'s token): a call run per sequence is a step per
@@ -358,16 +368,19 @@ class Engine:
     def _write_inputs(self, inputs: np.ndarray) -> None:
         self.buffers["input_ids" if self.stage_input is None else self.stage_input][:len(inputs)] = inputs
 
-    def forward(self, token_ids, slot: int = 0) -> np.ndarray:
-        """Run the model on new tokens after the ones cached in `slot`; returns their logits [len, vocab]."""
+    def forward(self, token_ids, slot: int = 0, last_only: bool = False) -> np.ndarray:
+        """Run the model on new tokens after the ones cached in `slot`; returns their logits [len, vocab], or with
+        `last_only` the last token's alone [1, vocab] (what generation needs: a prompt's output layer then runs
+        on its last row only, as llama.cpp's does)."""
         if self.stage_input is not None or self.stage_output != "logits":
             raise ValueError(f"this engine runs stage {self.stage} of a split model only: use forward_stage")
-        return self.forward_stage(token_ids, slot)
+        return self.forward_stage(token_ids, slot, last_only)
 
-    def forward_stage(self, inputs, slot: int = 0) -> np.ndarray:
+    def forward_stage(self, inputs, slot: int = 0, last_only: bool = False) -> np.ndarray:
         """One stage of a split model (`Engine(directory, stage=k)`) on new rows after those cached in `slot`:
         token ids (stage 0) or the hidden rows the stage before returned; returns the hidden rows to send to the
-        next stage [len, width], or the last stage's logits [len, vocab]. An engine of the whole model: forward."""
+        next stage [len, width], or the last stage's logits [len, vocab]. An engine of the whole model: forward.
+        `last_only`: the last row's alone [1, ...] (the CPU's output layer then runs on that row alone)."""
         slot = self._slot(slot)
         inputs = self._inputs(inputs)
         rows = len(inputs)
@@ -377,7 +390,7 @@ class Engine:
         if position + rows > self.max_context:
             raise ValueError(f"context full: {position} cached + {rows} new > max context {self.max_context}")
         self._write_inputs(inputs)
-        program = self._decodes[slot] if rows == 1 else self._program("prefill", rows, slot)
+        program = self._decodes[slot] if rows == 1 else self._program("prefill", rows, slot, last_only)
         kind = step_kind("decode" if rows == 1 else "prefill", rows)
         threads = self.governor.threads_for(kind)
         began = time.perf_counter()
@@ -391,7 +404,7 @@ class Engine:
             if rows == 1:
                 self.profile["decode_steps"] = self.profile.get("decode_steps", 0) + 1
         self.positions[slot] = position + rows
-        return self.buffers[self.stage_output][:rows].copy()
+        return self.buffers[self.stage_output][rows - 1 if last_only else 0:rows].copy()
 
     def forward_batch(self, token_ids, slots) -> np.ndarray:
         """One new token for each of `slots` (distinct), after the tokens each has cached: their logits
@@ -472,6 +485,12 @@ class Engine:
             began = clock()
             step.run(position if step.sequence is None else position[step.sequence])
             record(step.role, clock() - began, step.bytes_read())
+
+
+def _last_row_call(call: Call) -> bool:
+    """A call a prefill that returns only its last row's logits runs on that row alone: the output layer's (a
+    row of its output depends on that row of its input alone), on the CPU."""
+    return call.role is Role.HEAD and call.device == "cpu" and not call.runtime_own
 
 
 def _stage_calls(calls: list[Call], manifest, stage: int) -> tuple[list[Call], str | None, str]:

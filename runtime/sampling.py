@@ -62,7 +62,7 @@ def _tokens(engine, prompt: np.ndarray, max_new_tokens: int, rng, sampling: tupl
             profile: bool, stats: GenerationStats) -> Iterator[int]:
     engine.reset()
     started = time.perf_counter()
-    logits = engine.forward(prompt)[-1]
+    logits = engine.forward(prompt, last_only=True)[-1]  # (the output layer on the prompt's last row alone)
     token = sample(logits, rng, *sampling)
     stats.prefill_s = time.perf_counter() - started
     engine.profile = {} if profile else None  # decode steps only

@@ -1,5 +1,6 @@
 """Engine(slots=N): each slot a sequence of its own, sharing weights, activations and scratch; and
-Engine(threads=N) / --threads N, and a run beside a busy process."""
+Engine(threads=N) / --threads N, and a run beside a busy process; and forward(last_only=True): a prompt's last
+row's logits alone."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def test_reset_of_one_slot_leaves_the_others(tiny_sparse_artifact):
     engine.forward([1], slot=0)
     assert engine.positions == [1, 3]
     np.testing.assert_allclose(engine.forward([8], slot=1), reference.forward([8]), rtol=0, atol=1e-6)
+
+
+def test_last_only_gives_the_last_rows_logits(tiny_sparse_artifact):
+    full, last = Engine(tiny_sparse_artifact), Engine(tiny_sparse_artifact)
+    for ids in ([3, 1, 4, 1, 5, 9, 2, 6], [7], [8, 8]):  # a prompt, a decode step, a short prefill after them
+        expected, got = full.forward(ids)[-1:], last.forward(ids, last_only=True)
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert last.position == full.position == 11
 
 
 def test_slot_zero_keeps_the_single_sequence_interface(tiny_sparse_artifact):

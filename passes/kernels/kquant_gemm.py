@@ -7,12 +7,14 @@ W [K, N] is `kquant.pack_panels`' two buffers (values uint8 [P, K * 8 + (bits - 
 
 `gemm_panels_kqx8`: each row of x quantized to int8 per 32-block (quant.x_quantizer, in parallel over the rows),
 with its int32 sums per sub-block of the format (Q6_K's 16, else 32). Per parallel task (`tile_panels` adjacent
-panels) the panels' full codes are expanded once into a task buffer (per 8 k steps and nibble half, the 64 bytes
-kquant_gemv.gemv_panels_kq_x8 builds: each dword one column's 4 k steps, the high bits OR'ed in), then per tile
-of X8_ROWS rows and sub-block they are dotted (u8 codes < 64 times s8: "vnni" vpdpbusd or "madd" vpmaddubsw's
-pair sums, 2 * 63 * 127 < 2^15) with each row's xq dwords broadcast to the lanes (two 4-step k groups, lanes l and
-l + 8), into int32 sums that start at -offset * sum(xq) over the sub-block; then acc += float(sum) * d * sx, and
-where the format has mins acc += m * sx * sum(xq). The epilogue sums the k groups' lanes.
+panels) the panels' full codes are expanded once into a task buffer, a 64-byte vector per panel and 4 k steps:
+dword l column l's 4 codes (built from the two nibble halves' vectors kquant_gemv.gemv_panels_kq_x8 builds, the
+high bits OR'ed in, by one two-source byte shuffle). Then per tile of KQ_X8_ROWS rows and sub-block they are
+dotted (u8 codes < 64 times s8: "vnni" vpdpbusd or "madd" vpmaddubsw's pair sums, 2 * 63 * 127 < 2^15) with the
+row's 4 xq bytes broadcast to every lane, into int32 sums (one vector per row and panel: its 16 columns) that
+start at -offset * sum(xq) over the sub-block; then acc += float(sum) * d * sx, and where the format has mins
+acc += m * sx * sum(xq): one conversion and two or three float operations per 16 columns and sub-block. The
+epilogue writes each accumulator's 16 columns as they are.
 
 Args: x [m, K], w, ws, (b), (res [m, N]), y [m, N] (m symbolic), as quant.gemm_panels_qx8.
 """
@@ -29,7 +31,12 @@ from .compute import drop_params, row_dim
 from .cpu import PANEL
 from .kquant import high_rows
 from .kquant_gemv import _check_kq, _Scales, high_bits
-from .quant import HALF, X8_ROWS, _sum_lanes, _vector_perm, check_dot, dot_u8s8, x_quantizer
+from .quant import HALF, _vector_perm, check_dot, dot_u8s8, x_quantizer
+
+# prompt rows per register tile: x 2 panels, 8 zmm of int32 sums and 8 of float sums. Measured on Zen 4, 128 rows,
+# one thread: 3 to 5 rows within noise of each other (Q4_K K 1536 / N 17920 and N 2048, Q6_K K 8960 / N 1536), 6
+# slower; 4 divides the usual prompt lengths.
+KQ_X8_ROWS = 4
 
 
 def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", residual=False, dot="vnni",
@@ -47,23 +54,28 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
     planes = fmt.bits - 4
     panels = -(-N // PANEL)
     TP = tile_panels if panels % tile_panels == 0 else 1
-    MR = X8_ROWS
+    MR = KQ_X8_ROWS
     full = N % PANEL == 0
     epilogue = _cpu._epilogue(act, bias, residual)
     VB = K * 8 + planes * K * 2  # value bytes per panel
     scales = _Scales(fmt, K)
     SBY = scales.row
-    nbytes, steps = 4 * lanes, 8  # bytes and k steps per vector
-    kgroups, CW = 2, HALF  # 4-step k groups per vector (lanes 0-7, 8-15), columns per sum vector
-    VS = SB // steps  # vectors per sub-block
-    KV = K // steps  # vectors per panel and nibble half
+    nbytes, steps = 4 * lanes, 8  # bytes and k steps per panel vector (nibble half h: columns h * 8 .. + 8)
+    CW = HALF  # columns per nibble half
+    KV = K // steps  # panel vectors per panel and nibble half
+    KQ = K // 4  # task-buffer vectors per panel: 16 columns x 4 k steps each
+    GS = SB // 4  # 4-step k groups per sub-block
     perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     HR = high_rows(fmt) if planes else B
     offset = fmt.offset
     sub_scale = fmt.sub_scale or "uint8"
     quantize_x = x_quantizer(K)
-    xbytes = [tirx.IntImm("int32", 4 * (e // 4 // CW) + e % 4) for e in range(nbytes)]  # byte -> its xq byte
+    # a panel vector's dwords are (lane l) column h * 8 + l % 8 at k steps 4 (l // 8) ..: k group j of the 16
+    # columns is lanes 8 j .. 8 j + 8 of half 0's vector then of half 1's
+    regroup = [[tirx.IntImm("int32", (e // 32) * nbytes + 32 * j + e % 32) for e in range(nbytes)]
+               for j in range(2)]
+    xdword = [tirx.IntImm("int32", e % 4) for e in range(nbytes)]
 
     def codes(wf, p, k0, h):
         """Panel p's codes at k0 (a multiple of 8), nibble half h, permuted to column dwords."""
@@ -73,14 +85,8 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
             c = c | high_bits(wf, p * VB + K * HALF, fmt, k0 // HR, k0 % HR, h, nbytes)
         return c
 
-    low = T.Shuffle([T.broadcast(T.int32(-1), lanes), T.broadcast(T.int32(0), lanes)],
-                    [tirx.IntImm("int32", v if v < CW else lanes + v) for v in range(lanes)])
-
-    def first_kgroup(value):  # value in the first k group's lanes (0-7), 0 in the others
-        return T.broadcast(value, lanes) & low if offset else T.broadcast(T.int32(0), lanes)
-
-    def xdwords(xq, row, k0):  # row's xq at k0 .. k0 + 8, each 4-step k group's 4 bytes over its lanes
-        return T.Shuffle([xq[T.ramp(row * K + k0, 1, steps)]] * (nbytes // steps), xbytes)
+    def xbroadcast(xq, row, k):  # row's xq at k .. k + 4 in every lane
+        return T.Shuffle([xq[T.ramp(row * K + k, 1, 4)]] * lanes, xdword)
 
     @T.prim_func
     def kernel(x_h: T.handle, w: T.Buffer((panels, VB), "uint8"), ws: T.Buffer((panels, SBY), "uint8"),
@@ -103,57 +109,52 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
                 for v in range(SB):
                     ssum[i * nsub + sb] = ssum[i * nsub + sb] + T.Cast("int32", xq[i * K + sb * SB + v])
         for t in T.parallel(panels // TP):
-            wc = T.alloc_buffer((TP * KV * 2 * nbytes,), "uint8")
+            wc = T.alloc_buffer((TP * KQ * nbytes,), "uint8")
             for g, kv in T.grid(TP, KV):
-                wc[T.ramp((g * KV + kv) * 2 * nbytes, 1, nbytes)] = codes(wf, t * TP + g, kv * steps, 0)
-                wc[T.ramp(((g * KV + kv) * 2 + 1) * nbytes, 1, nbytes)] = codes(wf, t * TP + g, kv * steps, 1)
-            ds = T.alloc_buffer((nsub * TP * 2 * lanes,), "float32")  # d per lane (column h * 8 + lane % 8)
-            ms = T.alloc_buffer((nsub * TP * 2 * lanes,), "float32")  # m in the first k group's lanes, else 0
-            for sb, g, h, v in T.grid(nsub, TP, 2, lanes):
-                ds[((sb * TP + g) * 2 + h) * lanes + v] = scales.d(wsb, wsh, t * TP + g, sb, h * CW + v % CW)
+                wc[T.ramp((g * KQ + kv * 2) * nbytes, 1, nbytes)] = T.Shuffle(
+                    [codes(wf, t * TP + g, kv * steps, 0), codes(wf, t * TP + g, kv * steps, 1)], regroup[0])
+                wc[T.ramp((g * KQ + kv * 2 + 1) * nbytes, 1, nbytes)] = T.Shuffle(
+                    [codes(wf, t * TP + g, kv * steps, 0), codes(wf, t * TP + g, kv * steps, 1)], regroup[1])
+            ds = T.alloc_buffer((nsub * TP * lanes,), "float32")  # d per lane (the panel's column)
+            ms = T.alloc_buffer((nsub * TP * lanes,), "float32")  # m per lane
+            for sb, g, v in T.grid(nsub, TP, lanes):
+                ds[(sb * TP + g) * lanes + v] = scales.d(wsb, wsh, t * TP + g, sb, v)
                 if fmt.has_min:
-                    ms[((sb * TP + g) * 2 + h) * lanes + v] = T.if_then_else(
-                        v < CW, scales.m(wsb, wsh, t * TP + g, sb, h * CW + v % CW), T.float32(0))
+                    ms[(sb * TP + g) * lanes + v] = scales.m(wsb, wsh, t * TP + g, sb, v)
             for io in range((m + MR - 1) // MR):
-                acc = T.alloc_local((MR, TP, 2, lanes), "float32")
-                part = T.alloc_local((MR, TP, 2, lanes), "int32")
-                for r, g, h in T.grid(MR, TP, 2):
+                acc = T.alloc_local((MR, TP, lanes), "float32")
+                part = T.alloc_local((MR, TP, lanes), "int32")
+                for r, g in T.grid(MR, TP):
                     for v in T.vectorized(lanes):
-                        acc[r, g, h, v] = T.float32(0)
-                for kb in range(nb):
-                    for u in T.unroll(SPB):
-                        for r, g, h in T.grid(MR, TP, 2):
-                            part[r, g, h, T.ramp(0, 1, lanes)] = first_kgroup(
-                                -offset * ssum[T.min(io * MR + r, m - 1) * nsub + kb * SPB + u])
-                        for o in T.unroll(VS):
-                            for g in T.unroll(TP):
-                                for r in T.unroll(MR):
-                                    for h in T.unroll(2):
-                                        part[r, g, h, T.ramp(0, 1, lanes)] = dot_u8s8(
-                                            dot, lanes, part[r, g, h, T.ramp(0, 1, lanes)],
-                                            wc[T.ramp(((g * KV + (kb * SPB + u) * VS + o) * 2 + h) * nbytes, 1,
-                                                      nbytes)],
-                                            xdwords(xq, T.min(io * MR + r, m - 1), kb * B + (u * VS + o) * steps))
-                        for r, g, h in T.grid(MR, TP, 2):
+                        acc[r, g, v] = T.float32(0)
+                for sb in range(nsub):
+                    for r, g in T.grid(MR, TP):
+                        part[r, g, T.ramp(0, 1, lanes)] = T.broadcast(
+                            -offset * ssum[T.min(io * MR + r, m - 1) * nsub + sb], lanes)
+                    for q in T.unroll(GS):
+                        for g in T.unroll(TP):
+                            for r in T.unroll(MR):
+                                part[r, g, T.ramp(0, 1, lanes)] = dot_u8s8(
+                                    dot, lanes, part[r, g, T.ramp(0, 1, lanes)],
+                                    wc[T.ramp((g * KQ + sb * GS + q) * nbytes, 1, nbytes)],
+                                    xbroadcast(xq, T.min(io * MR + r, m - 1), sb * SB + q * 4))
+                    for r, g in T.grid(MR, TP):
+                        for v in T.vectorized(lanes):
+                            acc[r, g, v] = acc[r, g, v] + T.Cast("float32", part[r, g, v]) * (
+                                ds[(sb * TP + g) * lanes + v] * sx[T.min(io * MR + r, m - 1) * nb + sb // SPB])
+                    if fmt.has_min:
+                        for r, g in T.grid(MR, TP):
                             for v in T.vectorized(lanes):
-                                acc[r, g, h, v] = acc[r, g, h, v] + T.Cast("float32", part[r, g, h, v]) * (
-                                    ds[(((kb * SPB + u) * TP + g) * 2 + h) * lanes + v]
-                                    * sx[T.min(io * MR + r, m - 1) * nb + kb])
-                        if fmt.has_min:
-                            for r, g, h in T.grid(MR, TP, 2):
-                                for v in T.vectorized(lanes):
-                                    acc[r, g, h, v] = acc[r, g, h, v] + ms[
-                                        (((kb * SPB + u) * TP + g) * 2 + h) * lanes + v] * (
-                                        sx[T.min(io * MR + r, m - 1) * nb + kb] * T.Cast(
-                                            "float32", ssum[T.min(io * MR + r, m - 1) * nsub + kb * SPB + u]))
+                                acc[r, g, v] = acc[r, g, v] + ms[(sb * TP + g) * lanes + v] * (
+                                    sx[T.min(io * MR + r, m - 1) * nb + sb // SPB] * T.Cast(
+                                        "float32", ssum[T.min(io * MR + r, m - 1) * nsub + sb]))
                 for r in T.unroll(MR):
                     if io * MR + r < m:
-                        for g, h in T.grid(TP, 2):
-                            for c in (T.vectorized if full else T.serial)(CW):
-                                if full or (t * TP + g) * PANEL + h * CW + c < N:
-                                    y[io * MR + r, (t * TP + g) * PANEL + h * CW + c] = epilogue(
-                                        _sum_lanes(acc, r, g, h, c, kgroups, CW), b, res, io * MR + r,
-                                        (t * TP + g) * PANEL + h * CW + c)
+                        for g in range(TP):
+                            for c in (T.vectorized if full else T.serial)(lanes):
+                                if full or (t * TP + g) * PANEL + c < N:
+                                    y[io * MR + r, (t * TP + g) * PANEL + c] = epilogue(
+                                        acc[r, g, c], b, res, io * MR + r, (t * TP + g) * PANEL + c)
 
     unused = ([] if bias else ["b"]) + ([] if residual else ["res"])
     return drop_params(kernel, unused).with_attr("global_symbol", name)
