@@ -121,8 +121,9 @@ class Pipeline:
         self.positions[slot] = 0
         self._lost.discard(slot)
 
-    def forward(self, token_ids, slot: int = 0) -> np.ndarray:
-        """New tokens of one slot through every stage: their logits [len, vocab]."""
+    def forward(self, token_ids, slot: int = 0, last_only: bool = False) -> np.ndarray:
+        """New tokens of one slot through every stage: their logits [len, vocab] (`last_only`: the last row's
+        alone [1, vocab], as `Engine.forward` returns it; the last stage computes every row's here)."""
         slot = self._slot(slot)
         ids = self._ids(token_ids, [slot])
         if ids.size == 0:
@@ -131,7 +132,7 @@ class Pipeline:
         self._recover()
         logits = self._wait(self._chain(ids, slot), self.step_timeout_s, "step")
         self.positions[slot] += ids.size
-        return logits
+        return logits[-1:] if last_only else logits
 
     def forward_batch(self, token_ids, slots) -> np.ndarray:
         """One new token for each of `slots`: their logits [len(slots), vocab]. The slots go through the stages in

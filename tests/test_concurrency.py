@@ -41,7 +41,7 @@ def wrap_steps(engine: Engine, wrapper) -> None:
 
     wrap(engine._decode)
     make_program = engine._program
-    engine._program = lambda phase, rows, slot=0: wrap(make_program(phase, rows, slot))
+    engine._program = lambda phase, rows, slot=0, last_only=False: wrap(make_program(phase, rows, slot, last_only))
 
 
 def independent_pair(steps) -> tuple[int, int]:
@@ -302,8 +302,8 @@ def test_device_work_is_synchronised_before_the_cpu_reads_it(hybrid):
     program = [None]
     make_program = engine._program
 
-    def wrapped(phase, rows, slot=0):
-        program[0] = make_program(phase, rows, slot)
+    def wrapped(phase, rows, slot=0, last_only=False):
+        program[0] = make_program(phase, rows, slot, last_only)
         for step in program[0]:
             step.run = check(step, step.run)
         return program[0]
