@@ -308,8 +308,9 @@ class QualityPlan:
         variant = lambda state: _variant(knobs, state, formats, stored, embed, isa, unplanned)  # noqa: E731
         evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
         # (the search measures plans on a part of the held-out tokens; the plan it finds is measured on all)
-        search = lambda: _confirmed(budget, local_error, evaluate, measure.partial, _furthest_within(  # noqa: E731
-            budget, local_error, lambda steps: measure.quality(variant(state_at(steps)), part=True)))
+        evaluate_part = lambda steps: measure.quality(variant(state_at(steps)), part=True)  # noqa: E731
+        search = lambda: _confirmed(budget, local_error, evaluate, measure.partial,  # noqa: E731
+                                    _furthest_within(budget, local_error, evaluate_part))
         with ctx.progress("quality: the budget on held-out tokens", None):
             steps, found = search()
             if not budget.met_by(found.ppl_change, found.kl) and embed:
@@ -708,7 +709,7 @@ class _HeldOut:
     def __init__(self, interpreter: Interpreter, sequences: list[np.ndarray], knobs: list[Knob]):
         self.interpreter, self.chunks = interpreter, _chunks(sequences)
         # the part the path's search measures plans on: every SEARCH_EVERY-th chunk (across the held-out text)
-        self.part = list(range(0, len(self.chunks), SEARCH_EVERY))
+        self.part = range(0, len(self.chunks), SEARCH_EVERY)
         self.partial = len(self.part) < len(self.chunks)
         by_block = {}
         for knob in knobs:
@@ -718,9 +719,10 @@ class _HeldOut:
                 knob.held_out_dropped = np.zeros(len(knob.thresholds))
                 continue
             by_block.setdefault(knob.node.name, []).append(knob)
+        counted = [knob for block_knobs in by_block.values() for knob in block_knobs]
         # per knob and level: predictor knobs (kept, hits, rows, active), linear inputs (dropped, inputs)
         counts = {id(knob): np.zeros((len(knob.thresholds), 4 if knob.predictor is not None else 2))
-                  for ks in by_block.values() for knob in ks}
+                  for knob in counted}
 
         def probe(block: Block) -> None:
             if block.node.name not in by_block:
@@ -737,7 +739,7 @@ class _HeldOut:
                                      for t in knob.thresholds]
 
         self.reference = [_Reference.of(interpreter.logits(chunk, probe=probe), chunk) for chunk in self.chunks]
-        for knob in (k for ks in by_block.values() for k in ks):
+        for knob in counted:
             c = counts[id(knob)]
             if knob.predictor is None:
                 knob.held_out_dropped = c[:, 0] / np.maximum(c[:, 1], 1.0)
@@ -751,9 +753,8 @@ class _HeldOut:
         """The plan's quality against the dense model's on the held-out sequences (`part`: on `self.part`'s)."""
         nll_ref, nll_got, predicted = [], [], []  # per sequence
         kl = agree = 0.0
-        for index, (chunk, ref) in enumerate(zip(self.chunks, self.reference)):
-            if part and index not in self.part:
-                continue
+        for index in self.part if part else range(len(self.chunks)):
+            chunk, ref = self.chunks[index], self.reference[index]
             got = _log_probs(self.interpreter.logits(chunk, variant), chunk)
             nll_ref += ref.nll.tolist()
             nll_got += (-got.gather(-1, ref.targets)).sum((1, 2)).tolist()

@@ -69,7 +69,6 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     HR = high_rows(fmt) if planes else B
     offset = fmt.offset
-    sub_scale = fmt.sub_scale or "uint8"
     quantize_x = x_quantizer(K)
     # a panel vector's dwords are (lane l) column h * 8 + l % 8 at k steps 4 (l // 8) ..: k group j of the 16
     # columns is lanes 8 j .. 8 j + 8 of half 0's vector then of half 1's
@@ -96,7 +95,7 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
         res = T.match_buffer(res_h, (m, N), "float32")
         y = T.match_buffer(y_h, (m, N), "float32")
         wf = T.decl_buffer((panels * VB,), "uint8", data=w.data)
-        wsb = T.decl_buffer((panels * SBY,), sub_scale, data=ws.data)
+        wsb = T.decl_buffer((panels * SBY,), scales.byte_dtype, data=ws.data)
         wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
         xq = T.alloc_buffer((m * K,), "int8")
         sx = T.alloc_buffer((m * nb,), "float32")

@@ -57,6 +57,7 @@ class _Scales:
         self.row = self.at.row  # bytes per panel
         self.two = bool(fmt.super_block)
         self.per_super = fmt.super_block // fmt.block if self.two else 0
+        self.byte_dtype = fmt.sub_scale or "uint8"  # the type the buffer's per-block bytes (`wsb`) are read as
 
     def d(self, wsb, wsh, p, sb, col):
         """The sub-block's scale d as fp32."""
@@ -116,7 +117,6 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     HR = high_rows(fmt) if planes else B
     offset = fmt.offset
-    sub_scale = fmt.sub_scale or "uint8"
     quantize_x = x_quantizer(K)
     ahead, last = group * VB <= PREFETCH_TASK_BYTES, panels * VB - 1
 
@@ -178,7 +178,7 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True})
         wf = T.decl_buffer((panels * VB,), "uint8", data=w.data)
-        wsb = T.decl_buffer((panels * SBY,), sub_scale, data=ws.data)
+        wsb = T.decl_buffer((panels * SBY,), scales.byte_dtype, data=ws.data)
         wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
         xq = T.alloc_buffer((K,), "int8")
         xq32 = T.decl_buffer((K // 4,), "int32", data=xq.data)
@@ -304,7 +304,6 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
     VB = K * 8 + planes * K * 2
     scales = _Scales(fmt, K)
     SBY = scales.row
-    sub_scale = fmt.sub_scale or "uint8"
     m15, m4 = T.broadcast(T.uint8(15), PANEL), T.broadcast(T.uint8(4), PANEL)
     HR = high_rows(fmt) if planes else SB
     factor = T.float32(-fmt.offset)
@@ -334,7 +333,7 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
                res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tirx.noalias": True})
         wf = T.decl_buffer((panels * VB,), "uint8", data=w.data)
-        wsb = T.decl_buffer((panels * SBY,), sub_scale, data=ws.data)
+        wsb = T.decl_buffer((panels * SBY,), scales.byte_dtype, data=ws.data)
         wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
         xp = T.alloc_buffer((K // 2, PANEL), "float32")
         xsm = T.alloc_buffer((nsub, PANEL), "float32")

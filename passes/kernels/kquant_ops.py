@@ -26,7 +26,7 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 from . import cpu as _cpu, kquant_gemm, kquant_gemv
 from .compute import clamp_index, drop_params, row_dim
 from .cpu import PANEL
-from .kquant import PanelScales, panel_scale_bytes
+from .kquant import PanelScales, high_rows, panel_scale_bytes
 
 KQ_FORMATS = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # the formats these kernels read
 HALF = PANEL // 2  # a panel's k step: bytes holding columns v (low nibble) and v + 8 (high)
@@ -80,14 +80,15 @@ def _code(low_byte, shift, plane_bytes, bit):
     return code
 
 
-def _panel_code(w, w32, p, K, k, half, v, h):
+def _panel_code(w, w32, p, K, k, half, v, fmt: WeightFormat):
     """The code (int32) of panel p's value at row k, column half * 8 + v in the panels layout (w [P, bytes], w32
-    its flat uint32 view): the nibble (half 0 low, 1 high), then the `h` high bits from its record's byte
-    (kquant.high_slot) as bits 4 ..: over v the bytes are 4 apart, so they are read as the dwords (column v's 4
-    rows, contiguous over v) and shifted to row k % 4's byte."""
+    its flat uint32 view): the nibble (half 0 low, 1 high), then `fmt`'s bits - 4 high bits from its record's
+    byte (kquant.high_slot) as bits 4 ..: over v the bytes are 4 apart, so they are read as the dwords (column
+    v's 4 rows, contiguous over v) and shifted to row k % 4's byte."""
     code = (T.Cast("int32", w[p, k * HALF + v]) >> (half * 4)) & 15
+    h = fmt.bits - 4
     if h:
-        HR = 32 // h  # kquant.high_rows: rows a 64-byte record
+        HR = high_rows(fmt)
         vbytes = K * HALF + h * K * 2
         dword = w32[(p * vbytes + K * HALF + k // HR * 64 + k % 8 // 4 * 32) // 4 + v]
         high = T.Cast("int32", (dword >> T.Cast("uint32", 8 * (k % 4) + h * (2 * (k % HR // 8) + half)))
@@ -149,7 +150,6 @@ def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
     vbytes = K * 8 + (f.bits - 4) * K * 2
     sbytes = panel_scale_bytes(f, K)
     at = PanelScales(f, K)
-    planes = f.bits - 4
     B = f.block
 
     def make(tile_panels):
@@ -164,7 +164,7 @@ def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
                     for v in T.vectorized(HALF):
                         packed[q, k, h * HALF + v] = _value_at(
                             f,
-                            _panel_code(w, w32, p * tile_panels + q, K, k, h, v, planes),
+                            _panel_code(w, w32, p * tile_panels + q, K, k, h, v, f),
                             (su8, si8, sf16), *_panel_fields(at, (p * tile_panels + q) * sbytes, k // B,
                                                              h * HALF + v))
 
