@@ -28,6 +28,9 @@ from .kernels.kquant import KBlocks
 # Formats a matrix whose parts came in different symmetric 32-blocks is stored in: each holds the others exactly
 # (q5_0's and int4's codes are int8 values with the same fp16 scale), so joined parts keep their values.
 JOINS_IN_INT8 = ("int8", "int4", "q5_0")
+# Least rows of a transposed matrix FileMatrix.dequantize decodes at a time (the length of the float runs it writes
+# across the output: 64 are 256 bytes, whole cache lines; fewer cost more in numpy's per-run overhead)
+TRANSPOSED_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -153,26 +156,48 @@ class FileMatrix:
         return joined.T if self.transposed else joined
 
     def dequantize(self) -> np.ndarray:
-        """The float32 matrix: exactly the file's values (ggml's dequantization)."""
-        rows = np.concatenate([_decode(p).dequantize() for p in self.parts])
-        return np.ascontiguousarray(rows.T) if self.transposed else rows
+        """The float32 matrix: exactly the file's values (ggml's dequantization). Each part a chunk of rows at a
+        time, into the one output, so that a chunk's codes and floats stay in the core's cache; a transposed
+        matrix's chunk is transposed as codes (bytes: a quarter of the floats' traffic) and dequantized in the
+        output's orientation, then copied across it in runs of TRANSPOSED_ROWS."""
+        out = np.empty(self.shape, np.float32)
+        at = 0
+        for part in self.parts:
+            step = max(1, ggml.CHUNK_VALUES // part.columns)
+            if self.transposed:  # (whole runs of TRANSPOSED_ROWS)
+                step = max(1, step // TRANSPOSED_ROWS) * TRANSPOSED_ROWS
+            for start in range(0, part.rows, step):
+                rows = slice(start, min(start + step, part.rows))
+                blocks = _decode(part, rows, release=False)
+                here = slice(at + rows.start, at + rows.stop)
+                if self.transposed:
+                    out[:, here] = blocks.T.dequantize()
+                else:
+                    blocks.dequantize(out=out[here])
+            part.release()
+            at += part.rows
+        return out
 
     def __array__(self, dtype=None, copy=None):
         array = self.dequantize()
         return array if dtype is None else array.astype(dtype)
 
 
-def _decode(part: FileRows) -> KBlocks:
-    """A part's rows in their format's blocks, blocked along each row (ggml's legacy types as picompile's int8,
-    int4 and int4a blocks: q, fp16 scales and mins)."""
+def _decode(part: FileRows, rows: slice = slice(None), release: bool = True) -> KBlocks:
+    """A part's rows (`rows` of them) in their format's blocks, blocked along each row (ggml's legacy types as
+    picompile's int8, int4 and int4a blocks: q, fp16 scales and mins); `release`: then drop the part's pages."""
     fmt = part.format
+    raw = part.raw[rows] if part.index is None else part.raw[part.index[rows]]
     if fmt.kept_from_file:
-        blocks = ggml.decode(part.ggml_type, part.selected(), part.columns)
+        blocks = ggml.decode(part.ggml_type, raw, part.columns)
     else:
-        q, scales, mins = ggml.decode_legacy(part.ggml_type, part.selected(), part.columns)
-        codes = q.view(np.uint8) if fmt.bits == 8 else (q.astype(np.int16) + fmt.offset).astype(np.uint8)
+        q, scales, mins = ggml.decode_legacy(part.ggml_type, raw, part.columns)
+        codes = q.view(np.uint8)
+        if fmt.offset:
+            codes += np.uint8(fmt.offset)  # (q + offset wraps to the unsigned code; q is ours to change)
         blocks = KBlocks(fmt, 1, codes, scales, mins)
-    part.release()  # (decoded into new arrays)
+    if release:
+        part.release()  # (decoded into new arrays)
     return blocks
 
 

@@ -64,6 +64,25 @@ def test_taking_rows_keeps_their_blocks_and_order():
         matrix.take(np.array([3, 16]))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_dequantizing_in_chunks_keeps_every_value(transposed, monkeypatch):
+    """FileMatrix.dequantize decodes each part a chunk of rows at a time (a transposed matrix's in runs of
+    TRANSPOSED_ROWS): chunks that split parts unevenly, taken rows among them, change no value."""
+    from passes import file_blocks
+
+    monkeypatch.setattr(ggml, "CHUNK_VALUES", 3 * 256)
+    monkeypatch.setattr(file_blocks, "TRANSPOSED_ROWS", 2)
+    a, a_values = _rows("Q4_K", 11)
+    b, b_values = _rows("Q6_K", 5)
+    c, c_values = _rows("Q8_0", 7)
+    values = np.concatenate([a_values, b_values, c_values])
+    matrix = FileMatrix((a, b, c), transposed)
+    assert np.array_equal(np.asarray(matrix), values.T if transposed else values)
+    index = np.array([0, 3, 4, 8, 10, 12, 13, 17, 20, 22])
+    taken = matrix.take(index)
+    assert np.array_equal(np.asarray(taken), values[index].T if transposed else values[index])
+
+
 def test_the_blocks_pages_leave_the_resident_set(tmp_path):
     raw = encode("Q4_K", RNG.standard_normal((2048, 256)).astype(np.float32))
     path = tmp_path / "blocks.bin"

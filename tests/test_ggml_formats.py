@@ -98,6 +98,35 @@ def test_decode_legacy_equals_gguf_bit_for_bit(name, shape):
     assert np.array_equal(encode_legacy(name, q, scales, mins), raw)
 
 
+@pytest.mark.parametrize("name", KEPT_TYPES + LEGACY_TYPES)
+def test_decoding_in_chunks_equals_gguf_bit_for_bit(name, monkeypatch):
+    """The decoders and KBlocks.dequantize work a chunk of rows (lines) at a time: chunks that split a matrix
+    unevenly, along either axis, change no value."""
+    from passes.formats import ggml
+    from passes.kernels import kquant
+
+    rows, blocks = 7, 3
+    columns = blocks * GGML_TYPES[name].block
+    monkeypatch.setattr(ggml, "CHUNK_VALUES", 2 * columns)  # chunks of 2, 2, 2 and 1 rows
+    monkeypatch.setattr(kquant, "DEQUANTIZE_CHUNK", 2 * columns)
+    raw = _random_raw(name, rows, blocks, seed=5)
+    ref = _bits(gguf.quants.dequantize(raw, _qtype(name)))
+    if name in LEGACY_TYPES:
+        q, scales, mins = decode_legacy(name, raw, columns)
+        fmt = GGML_TYPES[name].kept_format()
+        assert np.array_equal(_bits(fmt.dequantize(q, scales, 1, mins)), ref)
+        codes = q.view(np.uint8) + np.uint8(fmt.offset)
+        kb = KBlocks(fmt, 1, codes, scales, mins)
+    else:
+        kb = decode(name, raw, columns)
+        assert np.array_equal(encode_blocks(kb), raw)
+    assert np.array_equal(_bits(kb.dequantize()), ref)
+    monkeypatch.setattr(kquant, "DEQUANTIZE_CHUNK", 1)  # axis 0 blocked: a (super-)block of lines at a time
+    assert np.array_equal(_bits(kb.T.dequantize()), ref.T)
+    out = np.full(kb.shape, np.nan, np.float32)
+    assert kb.dequantize(out=out) is out and np.array_equal(_bits(out), ref)
+
+
 def test_decoded_fields_follow_kblocks():
     rows, blocks = 2, 3
     q50 = decode("Q5_0", _random_raw("Q5_0", rows, blocks), blocks * 32)

@@ -22,6 +22,7 @@ picompile's int8 / int4 / int4a blocks. Both are vectorized over blocks and thei
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -99,86 +100,168 @@ LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # read into picompile's own blocks (dec
 KEPT_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # read into KBlocks (decode)
 
 
+# How the decoders stay fast in numpy: a ufunc pays a fixed cost (~10 ns) per pass of its innermost loop, so an
+# operation over a block's runs of 16..64 bytes costs more than its bytes do. So they (1) decode rows a chunk at a
+# time, into outputs allocated once (a chunk's intermediates stay in the core's cache); (2) move a block's runs of
+# bytes as single items (numpy's void dtype: one element a run, long loops); and (3) do the bit work on whole rows
+# of uint64 words, eight codes at a time, with per-word shift counts held in a row-long pattern (one loop a row).
+# Every shift is by at most 7 and masked per byte, so no bit leaves its byte: the byte order of the words does not
+# matter.
+CHUNK_VALUES = 1 << 18  # values a chunk (the size measured fastest: its codes and floats stay in L2 / L3)
+
+# Masks of each byte of a uint64: bits 0..3, bit 0, bits 0..1
+_LOW4, _BIT0, _LOW2 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0101010101010101), np.uint64(0x0303030303030303)
+# ... and of a uint32's bytes (Q4_K / Q5_K's scale fields): bits 0..5, 0..3, 4..5
+_LOW6, _LOW4_32, _BITS45 = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x30303030)
+# byte -> its eight bits as bytes 0 / 16 (bit i at byte i, moved to a code's bit 4), the eight bytes as one uint64
+_BITS_AT_4 = np.ascontiguousarray(
+    (((np.arange(256)[:, None] >> np.arange(8)) & 1) << 4).astype(np.uint8)).view(np.uint64)[:, 0]
+
+
 def _blocks(type_name: str, raw: np.ndarray, columns: int) -> np.ndarray:
     """raw uint8 [rows, row_bytes] -> [rows, blocks per row, type_size], checked against the table."""
     t = GGML_TYPES[type_name]
     if columns % t.block:
         raise ValueError(f"{type_name} rows hold whole blocks of {t.block}; {columns} columns do not")
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    raw = np.asarray(raw)
     n = columns // t.block
     if raw.ndim != 2 or raw.shape[1] != n * t.type_size:
         raise ValueError(f"{type_name} rows of {columns} columns take {n * t.type_size} bytes; got {raw.shape}")
+    if raw.dtype != np.uint8 or raw.strides[1] != 1:
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
     return raw.reshape(raw.shape[0], n, t.type_size)
 
 
+def _row_chunks(rows: int, columns: int) -> list[slice]:
+    """Consecutive row ranges of about CHUNK_VALUES values."""
+    step = max(1, CHUNK_VALUES // columns)
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
 def _fp16(fields: np.ndarray) -> np.ndarray:
-    """[..., 2] bytes -> [...] fp16."""
-    return np.ascontiguousarray(fields).view(np.float16)[..., 0]
+    """[..., 2] bytes -> [...] fp16 (a view)."""
+    return fields.view(np.float16)[..., 0]
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[..., n] bytes -> [..., 2 n]: the low nibbles, then the high ones."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+def _runs(a: np.ndarray) -> np.ndarray:
+    """Bytes [..., L] as [..., 1] items of L bytes (a view: numpy then moves a run as one element)."""
+    return a.view(np.dtype((np.void, a.shape[-1])))
 
 
-def _rows(a: np.ndarray) -> np.ndarray:
-    """[rows, blocks, per block] -> [rows, blocks * per block]."""
-    return np.ascontiguousarray(a.reshape(a.shape[0], -1))
+def _words(rows: np.ndarray) -> np.ndarray:
+    """A C-contiguous uint8 [rows, ...] as uint64 words [rows, bytes / 8] (a view)."""
+    return rows.reshape(rows.shape[0], -1).view(np.uint64)
 
 
-def _qh_bits32(qh: np.ndarray) -> np.ndarray:
-    """Q5_0 / Q5_1's [..., 4] qh bytes -> [..., 32] bits (bit i: element i's fifth bit)."""
-    word = np.ascontiguousarray(qh).view("<u4")  # [..., 1]
-    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+@lru_cache(maxsize=None)
+def _row_shifts(per_block: tuple[int, ...], words: int) -> np.ndarray:
+    """A row's uint64 shift counts: `per_block` (one a word of a block) repeated over the row's `words`."""
+    row = np.tile(np.array(per_block, np.uint64), words // len(per_block))
+    row.flags.writeable = False
+    return row
 
 
-def _decode_q5_01(type_name: str, b: np.ndarray) -> KBlocks:
+def _fields(runs: np.ndarray, out: np.ndarray, shifts: tuple[int, ...], mask: np.uint64) -> np.ndarray:
+    """Bit fields of runs of bytes, each in its own copy of the run: each run [..., L] copied k times into out uint8
+    [rows, ..., k, L] (a C-contiguous chunk); then each of out's words shifted right by its count in `shifts` (the
+    counts of one block's words, repeated along the row) and masked, keeping of each byte the field its word's
+    count picks. Returns out as words."""
+    _runs(out)[..., 0] = _runs(runs)  # (broadcast over the k copies)
+    words = _words(out)
+    np.right_shift(words, _row_shifts(shifts, words.shape[1]), out=words)
+    words &= mask
+    return words
+
+
+def _nibbles_into(runs: np.ndarray, out: np.ndarray) -> None:
+    """Runs of bytes [..., L] -> out [rows, ..., 2, L] (a C-contiguous chunk): each run's low nibbles, then its high
+    ones."""
+    words = out.shape[-1] // 8
+    _fields(runs, out, (0,) * words + (4,) * words, _LOW4)
+
+
+def _empty(fmt: WeightFormat, rows: int, columns: int) -> KBlocks:
+    """Uninitialized KBlocks of an [rows, columns] matrix blocked along its rows."""
+    per_block = columns // fmt.block
+    if fmt.super_block:
+        sub = np.dtype(fmt.sub_scale)
+        per_super = columns // fmt.super_block
+        return KBlocks(fmt, 1, np.empty((rows, columns), np.uint8), np.empty((rows, per_block), sub),
+                       np.empty((rows, per_block), sub) if fmt.has_min else None,
+                       np.empty((rows, per_super), np.float16),
+                       np.empty((rows, per_super), np.float16) if fmt.has_min else None)
+    return KBlocks(fmt, 1, np.empty((rows, columns), np.uint8), np.empty((rows, per_block), np.float16),
+                   np.empty((rows, per_block), np.float16) if fmt.has_min else None)
+
+
+def _row_view(blocks: KBlocks, rows: slice) -> KBlocks:
+    """The KBlocks of `rows` (views: filling them fills `blocks`)."""
+    cut = lambda a: None if a is None else a[rows]  # noqa: E731
+    return KBlocks(blocks.fmt, blocks.axis, blocks.codes[rows], cut(blocks.scales), cut(blocks.mins),
+                   cut(blocks.super_scales), cut(blocks.super_mins))
+
+
+def _fill_q5_01(b: np.ndarray, out: KBlocks) -> None:
     """Q5_0: [d][qh][qs]; Q5_1: [d][m][qh][qs]."""
-    has_min = type_name == "Q5_1"
-    at = 4 if has_min else 2
-    codes = _nibbles(b[..., at + 4:]) | (_qh_bits32(b[..., at: at + 4]) << 4)
-    mins = _fp16(b[..., 2:4]) if has_min else None
-    return KBlocks(WEIGHT_FORMATS[GGML_TYPES[type_name].format], 1, _rows(codes), _fp16(b[..., 0:2]).copy(),
-                   None if mins is None else mins.copy())
+    rows, n = b.shape[:2]
+    at = 4 if out.mins is not None else 2
+    out.scales[...] = _fp16(b[..., 0:2])
+    if out.mins is not None:
+        out.mins[...] = _fp16(b[..., 2:4])
+    _nibbles_into(b[..., at + 4:], out.codes.reshape(rows, n, 2, 16))
+    # qh's byte k holds bit 4 of codes 8 k .. 8 k + 7: one table look-up (of a contiguous copy) is those 8 bytes
+    qh = np.ascontiguousarray(_runs(b[..., at: at + 4])).view(np.uint8)
+    _words(out.codes).reshape(rows, n, 4)[...] |= _BITS_AT_4[qh]
 
 
-def _unpack_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's 12 scale bytes [..., 12] -> (sc, mn) uint8 [..., 8] (6 bits each): bytes 0..3 hold sc 0..3
+def _unpack_scale_min(s: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
+    """Q4_K / Q5_K's 12 scale bytes [..., 12] -> sc, mn uint8 [..., 8] (6 bits each): bytes 0..3 hold sc 0..3
     (bits 0..5) and bits 4..5 of sc 4..7 (bits 6..7); bytes 4..7 the same for mn; bytes 8..11 the low four bits
-    of sc 4..7 (low nibble) and mn 4..7 (high nibble)."""
-    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mn
+    of sc 4..7 (low nibble) and mn 4..7 (high nibble). On the three groups of four bytes as uint32 words (four
+    fields at once, one word a block: long loops, where bytes would loop four at a time)."""
+    d, m, md = (s.view(np.uint32)[..., i] for i in range(3))
+    sc, mn = sc.view(np.uint32), mn.view(np.uint32)  # [..., 2]: fields 0..3, 4..7
+    np.bitwise_and(d, _LOW6, out=sc[..., 0])
+    np.bitwise_or(md & _LOW4_32, (d >> 2) & _BITS45, out=sc[..., 1])
+    np.bitwise_and(m, _LOW6, out=mn[..., 0])
+    np.bitwise_or((md >> 4) & _LOW4_32, (m >> 2) & _BITS45, out=mn[..., 1])
 
 
-def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
-    """Q4_K / Q5_K's qs [..., 128] -> the low four bits of the 256 codes (per 64-chunk: low nibbles, then high)."""
-    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
-    return _nibbles(chunks).reshape(*qs.shape[:-1], 256)
+def _or_high_bits(codes: np.ndarray, runs: np.ndarray, copies: int, shifts: tuple[int, ...], mask: np.uint64) -> None:
+    """codes (uint8 [rows, columns]) |= their bits 4 up, which runs of qh bytes [rows, ..., L] hold as fields:
+    `_fields` of `copies` copies of each run, in the codes' order ([rows, ..., copies, L]), moved up to bit 4."""
+    spread = np.empty((*runs.shape[:-1], copies, runs.shape[-1]), np.uint8)
+    high = _fields(runs, spread, shifts, mask)
+    high <<= np.uint64(4)
+    _words(codes)[...] |= high
 
 
-def _decode_q45_k(type_name: str, b: np.ndarray) -> KBlocks:
+def _fill_q45_k(b: np.ndarray, out: KBlocks) -> None:
     """Q4_K: [d][dmin][scales 12][qs 128]; Q5_K: [d][dmin][scales 12][qh 32][qs 128]."""
-    sc, mn = _unpack_scale_min(b[..., 4:16])
-    if type_name == "Q5_K":
-        qh = b[..., 16:48]
-        high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., 8 (i), 32 (l)]
-        codes = _k_low_nibbles(b[..., 48:]) | (high.reshape(*qh.shape[:-1], 256) << 4)
-    else:
-        codes = _k_low_nibbles(b[..., 16:])
-    return KBlocks(WEIGHT_FORMATS[GGML_TYPES[type_name].format], 1, _rows(codes), _rows(sc), _rows(mn),
-                   _fp16(b[..., 0:2]).copy(), _fp16(b[..., 2:4]).copy())
+    rows, n = b.shape[:2]
+    out.super_scales[...] = _fp16(b[..., 0:2])
+    out.super_mins[...] = _fp16(b[..., 2:4])
+    _unpack_scale_min(b[..., 4:16], out.scales.reshape(rows, n, 8), out.mins.reshape(rows, n, 8))
+    five = out.fmt.bits == 5
+    # chunk j of 64 codes: the low nibbles of qs[32 j: 32 j + 32], then their high nibbles
+    _nibbles_into(b[..., 48 if five else 16:].reshape(rows, n, 4, 32), out.codes.reshape(rows, n, 4, 2, 32))
+    if five:  # bit 4 of code 32 i + l is bit i of qh[l]: copy i of qh, shifted right by i
+        _or_high_bits(out.codes, b[..., 16:48], 8, tuple(i for i in range(8) for _ in range(4)), _BIT0)
 
 
-def _decode_q6_k(b: np.ndarray) -> KBlocks:
+def _fill_q6_k(b: np.ndarray, out: KBlocks) -> None:
     """Q6_K: [ql 128][qh 64][scales int8 16][d fp16]."""
-    lead = b.shape[:-1]
-    ql = b[..., 0:128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]  # [..., h, s, b]
-    qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]  # [..., h, k, l]
-    codes = (ql & 0x0F).reshape(*lead, 256) | ((qh & 0x03).reshape(*lead, 256) << 4)
-    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
-    return KBlocks(WEIGHT_FORMATS["q6_k"], 1, _rows(codes), _rows(sc), None, _fp16(b[..., 208:210]).copy())
+    rows, n = b.shape[:2]
+    out.scales.reshape(rows, n, 16)[...] = b[..., 192:208].view(np.int8)
+    out.super_scales[...] = _fp16(b[..., 208:210])
+    # half h, s: codes 128 h + 64 s + j's low four bits are ql[64 h + j] >> 4 s
+    _nibbles_into(b[..., 0:128].reshape(rows, n, 2, 64), out.codes.reshape(rows, n, 2, 2, 64))
+    # code 128 h + 32 k + l's bits 4..5 are qh[32 h + l] >> 2 k: copy k of qh's half h, shifted right by 2 k
+    shifts = tuple(2 * k for k in range(4) for _ in range(4)) * 2  # [h, k, word]
+    _or_high_bits(out.codes, b[..., 128:192].reshape(rows, n, 2, 32), 4, shifts, _LOW2)
+
+
+_FILL = {"Q5_0": _fill_q5_01, "Q5_1": _fill_q5_01, "Q4_K": _fill_q45_k, "Q5_K": _fill_q45_k, "Q6_K": _fill_q6_k}
 
 
 def decode(type_name: str, raw: np.ndarray, columns: int) -> KBlocks:
@@ -188,11 +271,10 @@ def decode(type_name: str, raw: np.ndarray, columns: int) -> KBlocks:
         why = "decode_legacy reads it" if type_name in LEGACY_TYPES else "no picompile format keeps it"
         raise ValueError(f"decode reads {', '.join(KEPT_TYPES)}; {type_name} is not one ({why})")
     b = _blocks(type_name, raw, columns)
-    if type_name in ("Q5_0", "Q5_1"):
-        return _decode_q5_01(type_name, b)
-    if type_name in ("Q4_K", "Q5_K"):
-        return _decode_q45_k(type_name, b)
-    return _decode_q6_k(b)
+    out = _empty(WEIGHT_FORMATS[GGML_TYPES[type_name].format], b.shape[0], columns)
+    for rows in _row_chunks(b.shape[0], columns):
+        _FILL[type_name](b[rows], _row_view(out, rows))
+    return out
 
 
 def decode_legacy(type_name: str, raw: np.ndarray, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -202,9 +284,16 @@ def decode_legacy(type_name: str, raw: np.ndarray, columns: int) -> tuple[np.nda
     if type_name not in LEGACY_TYPES:
         raise ValueError(f"decode_legacy reads {', '.join(LEGACY_TYPES)}; not {type_name}")
     b = _blocks(type_name, raw, columns)
+    rows, n = b.shape[:2]
     scales = _fp16(b[..., 0:2]).copy()
+    mins = _fp16(b[..., 2:4]).copy() if type_name == "Q4_1" else None
+    q = np.empty((rows, n, 32), np.int8)
     if type_name == "Q8_0":
-        return _rows(np.ascontiguousarray(b[..., 2:]).view(np.int8)), scales, None
-    if type_name == "Q4_0":
-        return _rows(_nibbles(b[..., 2:]).astype(np.int8) - np.int8(8)), scales, None
-    return _rows(_nibbles(b[..., 4:]).astype(np.int8)), scales, _fp16(b[..., 2:4]).copy()
+        _runs(q.view(np.uint8))[...] = _runs(b[..., 2:])
+        return q.reshape(rows, columns), scales, None
+    codes = q.view(np.uint8).reshape(rows, n, 2, 16)  # element i: byte i's low nibble, 16 + i: its high nibble
+    for r in _row_chunks(rows, columns):
+        _nibbles_into(b[r, :, 4 if mins is not None else 2:], codes[r])
+        if type_name == "Q4_0":
+            codes[r] -= np.uint8(8)  # (wraps to the int8 nibble - 8)
+    return q.reshape(rows, columns), scales, mins
