@@ -7,19 +7,30 @@ steps (rows from `prefill` on), and a weight matrix is read as stored (its fp16 
 `probe` sees every Attention / FFN block (and MatMul: the output layer) as it runs (its input, output and the
 residual it is added to), so that a caller can measure a change to one block on the spot instead of keeping every
 activation. `output_gradients` weighs such a change by the KL it causes at the logits.
+
+Memory: nothing model-sized is held. Weights are float32 tensors read on use, the most recent kept up to a byte
+budget (`_Resident`: at least a block's, so a block run again for each level of a knob reads them once); a
+file's blocks are dequantized again when read past that. The embedding table gives only the rows of the tokens
+run; the output layer is read a slice of its columns at a time (`head_columns`), by callers that fold each slice's
+logits into what they need (`streamed_logits`) rather than hold [tokens, vocabulary] logits.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from . import ir as pir
 from .budget import PROMPT_TOKENS
+from .file_blocks import FileMatrix
+from .streamed_logits import Logits, slice_width
 from .ops import FFN, Attention, view as op_view
 from runtime.manifest import OUTPUT_LAYER
 
@@ -61,16 +72,76 @@ class Block:
     taps: dict[str, torch.Tensor] = field(default_factory=dict)  # each site's input, as `block`'s taps
 
 
+RESIDENT_BYTES = 64 << 20  # float32 weights kept between reads, at least (and at least the largest block's)
+
+
+class _Resident:
+    """Float32 weight tensors by name, the most recently read kept while their bytes fit `budget` (tensors that
+    share the model's own float32 arrays cost nothing and stay)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._tensors: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, name: str) -> torch.Tensor | None:
+        held = self._tensors.get(name)
+        if held is None:
+            return None
+        self._tensors.move_to_end(name)
+        return held[0]
+
+    def put(self, name: str, tensor: torch.Tensor, owned: int) -> torch.Tensor:
+        if owned > self.budget:
+            return tensor
+        while self._tensors and self._bytes + owned > self.budget:
+            _, (_, freed) = self._tensors.popitem(last=False)
+            self._bytes -= freed
+        self._tensors[name] = (tensor, owned)
+        self._bytes += owned
+        return tensor
+
+
+def _float_tensor(value: ir.Value) -> tuple[torch.Tensor, int]:
+    """(the constant as a float32 tensor, the bytes it newly holds): a model's own writable float32 array is
+    shared, not copied; a file's blocks are dequantized (a new array)."""
+    array = pir.const_array(value)
+    shared = (not isinstance(pir.const_matrix(value), FileMatrix) and isinstance(array, np.ndarray)
+              and array.dtype == np.float32 and array.flags.writeable)
+    tensor = torch.from_numpy(array if shared else np.array(array, np.float32))
+    return tensor, 0 if shared else tensor.numel() * 4
+
+
+def _largest_block_bytes(model: ir.Model) -> int:
+    """Float32 bytes of the largest Attention / FFN block's constants (a knob's levels rerun one block)."""
+    sizes = [sum(4 * int(np.prod(v.const_value.shape)) for v in node.inputs if v is not None and v.const_value is not None)
+             for node in model.graph if node.op_type in ("Attention", "FFN")]
+    return max(sizes, default=0)
+
+
+def head_node(model: ir.Model) -> ir.Node | None:
+    """The output layer: the MatMul of a constant producing the logits."""
+    producer = model.graph.outputs[0].producer()
+    # (const_matrix: a file's blocks stay unread)
+    return producer if producer is not None and producer.op_type == "MatMul" and \
+        pir.const_matrix(producer.inputs[1]) is not None else None
+
+
 class Interpreter:
-    """The block IR of `model` in torch, weights fp32 (read from the IR's constants on first use).
+    """The block IR of `model` in torch, weights fp32 (read from the IR's constants on use; `resident_bytes` of
+    them kept between reads, by default RESIDENT_BYTES or 1.25 of the largest block's, whichever is more).
     `int8_predictor_inputs`: the predictors' decode GEMVs read their inputs as int8 blocks (the build's x8
     kernels, `predict.predictor_reads_int8`)."""
 
-    def __init__(self, model: ir.Model, int8_predictor_inputs: bool = False):
+    def __init__(self, model: ir.Model, int8_predictor_inputs: bool = False, resident_bytes: int | None = None):
         self.model = model
         self.int8_predictor_inputs = int8_predictor_inputs
-        self._weights: dict[str, torch.Tensor] = {}
+        self.head = head_node(model)
+        budget = resident_bytes if resident_bytes is not None else max(RESIDENT_BYTES,
+                                                                       int(1.25 * _largest_block_bytes(model)))
+        self._resident = _Resident(budget)
         self._residual_of = _residual_partners(model.graph)
+        self._last_reader = _last_readers(model.graph)
         self._rotations: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def weight(self, value: ir.Value | None, variant: Variant = DENSE) -> torch.Tensor | None:
@@ -78,24 +149,85 @@ class Interpreter:
             return None
         if value.name in variant.weights:
             return torch.from_numpy(np.asarray(variant.weights[value.name], np.float32))
-        if value.name not in self._weights:
-            self._weights[value.name] = torch.from_numpy(np.array(pir.const_array(value), np.float32))
-        return self._weights[value.name]
+        held = self._resident.get(value.name)
+        return held if held is not None else self._resident.put(value.name, *_float_tensor(value))
+
+    def _embedding_rows(self, table: ir.Value, ids: torch.Tensor, variant: Variant) -> torch.Tensor:
+        """The table's rows of `ids` (a file's table: only those rows dequantized)."""
+        matrix = pir.const_matrix(table)
+        if (table.name in variant.weights or self._resident.get(table.name) is not None
+                or not isinstance(matrix, FileMatrix) or matrix.transposed):
+            return self.weight(table, variant)[ids]
+        rows, inverse = np.unique(ids.numpy(), return_inverse=True)
+        return torch.from_numpy(matrix.take(rows).dequantize())[torch.from_numpy(inverse.reshape(ids.shape))]
 
     def logits(self, sequences: np.ndarray, variant: Variant = DENSE,
                probe: Callable[[Block], None] | None = None) -> torch.Tensor:
         """[batch, tokens, vocab] logits of `sequences` [batch, tokens] (each from an empty cache)."""
+        with torch.no_grad():
+            return self._forward(sequences, variant, probe, to_head=False)
+
+    def head_input(self, sequences: np.ndarray, variant: Variant = DENSE, probe: Callable[[Block], None] | None = None,
+                   positions: slice = slice(None)) -> torch.Tensor:
+        """[rows, width]: the output layer's input at `positions` of each of `sequences`, as its kernel reads it
+        (thresholded, int8 where the variant says), the rows of sequence 0 first. `probe` sees the output layer
+        with its input only (`out` None). The layer is read a slice at a time: `head_columns`."""
+        with torch.no_grad():
+            x = self._forward(sequences, variant, probe, to_head=True)
+            return self._head_rows(x, variant)[:, positions].reshape(-1, x.shape[-1])
+
+    def _head_rows(self, x: torch.Tensor, variant: Variant) -> torch.Tensor:
+        return self.product_input(self.linear_input(self.head, "head", x, variant, None), self.head.inputs[1], variant)
+
+    def head_columns(self, rows: int, variant: Variant = DENSE) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first column, the output layer's [width, columns] slice from it) over the vocabulary, slices as wide as
+        `streamed_logits.slice_width` allows for `rows` rows; a file's blocks dequantized a slice at a time."""
+        value = self.head.inputs[1]
+        vocabulary = value.shape[1]
+        width = slice_width(rows, vocabulary)
+        matrix = pir.const_matrix(value)
+        whole = None
+        if (value.name in variant.weights or self._resident.get(value.name) is not None
+                or not isinstance(matrix, FileMatrix) or not matrix.transposed):
+            whole = self.weight(value, variant)
+        for first in range(0, vocabulary, width):
+            stop = min(first + width, vocabulary)
+            if whole is not None:
+                yield first, whole[:, first:stop]
+            else:  # (a transposed file matrix's columns are the file's rows: whole blocks, read by themselves)
+                yield first, torch.from_numpy(matrix.take(np.arange(first, stop)).dequantize())
+
+    def _forward(self, sequences: np.ndarray, variant: Variant, probe: Callable[[Block], None] | None,
+                 to_head: bool, kept: tuple[str, ...] = (), outputs: dict | None = None) -> torch.Tensor:
+        """The graph's output (`to_head`: the output layer's input instead). With `kept` op types (under
+        autograd), each such block's output is kept in `outputs` with its gradient retained, and every block is
+        checkpointed: its activations and weights recomputed in the backward rather than held."""
         ids = torch.from_numpy(np.asarray(sequences, np.int64))
         values: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for node in self.model.graph:
-                # (a probed block's site inputs are kept as it runs: a probe need not run it again for them)
-                taps = {} if probe is not None and node.op_type in ("Attention", "FFN", "MatMul") else None
+        for node in self.model.graph:
+            if to_head and node is self.head:
+                x = values[node.inputs[0].name]
+                if probe is not None:
+                    probe(Block(node, x, None, None, {"head": x}))
+                return x
+            # (a probed block's site inputs are kept as it runs: a probe need not run it again for them)
+            taps = {} if probe is not None and node.op_type in ("Attention", "FFN", "MatMul") else None
+            if outputs is not None and node.op_type in ("Attention", "FFN"):
+                out = checkpoint(self.block, node, values[node.inputs[0].name], variant, use_reentrant=False)
+            else:
                 out = self._run(node, values, ids, variant, taps)
-                values[node.outputs[0].name] = out
-                if taps is not None:
-                    partner = self._residual_of.get(node.outputs[0].name)
-                    probe(Block(node, values[node.inputs[0].name], out, values.get(partner), taps))
+            if node.op_type in kept:
+                if not out.requires_grad:  # the first block (no weight asks for a gradient)
+                    out.requires_grad_()
+                out.retain_grad()  # the later ones: not leaves, their gradient flows on to the earlier
+                outputs[node.name] = out
+            values[node.outputs[0].name] = out
+            if taps is not None:
+                partner = self._residual_of.get(node.outputs[0].name)
+                probe(Block(node, values[node.inputs[0].name], out, values.get(partner), taps))
+            for value in node.inputs:  # (a value no later node reads is dropped: one batch's residual stream at a
+                if value is not None and self._last_reader.get(value.name) is node:  # time, not every layer's)
+                    values.pop(value.name, None)
         return values[self.model.graph.outputs[0].name]
 
     def output_gradients(self, sequences: np.ndarray, op_types: tuple[str, ...], draws: int,
@@ -106,31 +238,41 @@ class Interpreter:
         second order, the KL summed over the positions that a change `delta` to the block's output causes at
         the logits (the Fisher information, sampled): what a change costs where the model reads it, which the
         change's size against the residual stream is not (on SmolLM2 that misjudged layers past a massive
-        activation by 100x)."""
-        ids = torch.from_numpy(np.asarray(sequences, np.int64))
-        values: dict[str, torch.Tensor] = {}
+        activation by 100x).
+        The output layer is read a slice at a time: the draws are the Gumbel-max of each row's logits (as
+        sampling its softmax), and the gradient at its input of log p(drawn) is the drawn token's column less
+        the probability-weighted mean column, summed slice by slice."""
         outputs: dict[str, torch.Tensor] = {}
         with torch.enable_grad():
-            for node in self.model.graph:
-                out = self._run(node, values, ids, DENSE)
-                if node.op_type in op_types:
-                    if not out.requires_grad:  # the first block (no weight asks for a gradient)
-                        out.requires_grad_()
-                    out.retain_grad()  # the later ones: not leaves, their gradient flows on to the earlier
-                    outputs[node.name] = out
-                values[node.outputs[0].name] = out
-            log_probs = torch.log_softmax(values[self.model.graph.outputs[0].name], -1)
-            probs = log_probs.detach().exp().reshape(-1, log_probs.shape[-1])
+            x = self._forward(sequences, DENSE, None, to_head=True, kept=op_types, outputs=outputs)
+            rows = x.detach().reshape(-1, x.shape[-1])
             generator = torch.Generator().manual_seed(seed)
-            # every draw at once, with replacement: one sample without (torch's default) takes 0.5 s a call on
-            # SmolLM2's 512 x 49,152 probabilities, all four with 0.03 s
-            samples = torch.multinomial(probs, draws, replacement=True, generator=generator)
+            summary = Logits(rows.shape[0])
+            best = torch.full((draws, rows.shape[0]), -torch.inf)
+            drawn = torch.zeros((draws, rows.shape[0]), dtype=torch.int64)
+            for first, columns in self.head_columns(rows.shape[0]):
+                logits = rows @ columns
+                summary.add(first, logits)
+                for draw in range(draws):
+                    noise = torch.rand(logits.shape, generator=generator).clamp_(min=1e-20).log_().neg_().log_()
+                    value, column = (logits - noise).max(1)
+                    better = value > best[draw]
+                    best[draw] = torch.where(better, value, best[draw])
+                    drawn[draw] = torch.where(better, column + first, drawn[draw])
+            log_normalizer = summary.log_normalizer
+            mean_column = torch.zeros_like(rows)
+            drawn_column = torch.zeros((draws, *rows.shape))
+            for first, columns in self.head_columns(rows.shape[0]):
+                probabilities = torch.exp((rows @ columns).to(torch.float64) - log_normalizer[:, None]).float()
+                mean_column += probabilities @ columns.T
+                for draw in range(draws):
+                    inside = (drawn[draw] >= first) & (drawn[draw] < first + columns.shape[1])
+                    drawn_column[draw, inside] = columns[:, drawn[draw, inside] - first].T
             gradients: dict[str, list[torch.Tensor]] = {name: [] for name in outputs}
             for draw in range(draws):
-                drawn = samples[:, draw].reshape(*log_probs.shape[:-1], 1)
                 for out in outputs.values():
                     out.grad = None
-                log_probs.gather(-1, drawn).sum().backward(retain_graph=draw + 1 < draws)
+                x.backward((drawn_column[draw] - mean_column).reshape(x.shape), retain_graph=draw + 1 < draws)
                 for name, out in outputs.items():
                     gradients[name].append(out.grad.to(torch.bfloat16))
         return {name: torch.stack(grads) for name, grads in gradients.items()}
@@ -147,7 +289,7 @@ class Interpreter:
         op = node.op_type
         x = values.get(node.inputs[0].name) if node.inputs and node.inputs[0] is not None else None
         if op == "Embed":
-            out = self.weight(node.inputs[2], variant)[ids]
+            out = self._embedding_rows(node.inputs[2], ids, variant)
             if len(node.inputs) > 3 and node.inputs[3] is not None:
                 out = out + self.weight(node.inputs[3], variant)[: ids.shape[1]]
             return out
@@ -166,13 +308,18 @@ class Interpreter:
         raise NotImplementedError(f"the IR reference has no {op} ({node.name})")
 
     def product(self, v: torch.Tensor, matrix: ir.Value, variant: Variant) -> torch.Tensor:
-        """v @ W for the weight `matrix` as the variant stores it; v's decode (and prefill) rows rounded to int8
-        blocks first where its kernel takes int8 activations."""
+        """v @ W for the weight `matrix` as the variant stores it, v as its kernel reads it (`product_input`)."""
+        return self.product_input(v, matrix, variant) @ self.weight(matrix, variant)
+
+    @staticmethod
+    def product_input(v: torch.Tensor, matrix: ir.Value, variant: Variant) -> torch.Tensor:
+        """v [batch, tokens, width] as the kernel of `matrix` reads it: its decode (and prefill) rows rounded to int8
+        blocks where the kernel takes int8 activations."""
         if matrix.name in variant.int8_prefill_inputs:
-            v = int8_blocks(v)
-        elif matrix.name in variant.int8_inputs:
-            v = torch.cat([v[:, : variant.prefill], int8_blocks(v[:, variant.prefill:])], dim=1)
-        return v @ self.weight(matrix, variant)
+            return int8_blocks(v)
+        if matrix.name in variant.int8_inputs:
+            return torch.cat([v[:, : variant.prefill], int8_blocks(v[:, variant.prefill:])], dim=1)
+        return v
 
     def predictor_scores(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """A predictor's scores relu(x @ w1) @ w2 of rows `x`, each GEMV's input as its kernel reads it (int8
@@ -280,6 +427,14 @@ def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = t.shape[-1] // 2
     a, b = t[..., :half], t[..., half:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def _last_readers(graph: ir.Graph) -> dict[str, ir.Node]:
+    """Value name -> the last node (in graph order) that reads it; the graph's outputs have none."""
+    readers = {value.name: node for node in graph for value in node.inputs if value is not None}
+    for output in graph.outputs:
+        readers.pop(output.name, None)
+    return readers
 
 
 def _residual_partners(graph: ir.Graph) -> dict[str, str]:

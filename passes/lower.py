@@ -48,7 +48,8 @@ from .pipeline import Context, Options
 from .ops import ALL_NEURONS, FFN, Attention, view as op_view
 from .partition import PARTITIONED
 from .predict import PREDICTORS
-from .quality import HeadThreshold, WeightPlan, head_node
+from .ir_reference import head_node
+from .quality import HeadThreshold, WeightPlan
 from .recognise import BLOCKS
 from .threshold import KEEP_ALL
 from runtime.manifest import LayerReport

@@ -69,10 +69,11 @@ from .targets import CpuIsa
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, dequantize_blocks
 from runtime.manifest import ExpectedQuality, MatrixChoice
 
-from .ir_reference import SITES, Block, Interpreter, Quality, Variant, layer_of
+from .ir_reference import SITES, Block, Interpreter, Quality, Variant, head_node, layer_of
 from .kernels import quant
 from .predict import HOLDOUT, _threshold_for_recall, predictor_reads_int8
 from .profile import CALIBRATION_SEQUENCES, CalibrationSequences
+from .streamed_logits import Logits
 from .threshold import KEEP_ALL
 
 LEVELS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # shares of a linear input a plan may drop
@@ -80,7 +81,11 @@ FIT_TOKENS = 512  # tokens the local effects are measured on
 HEAD_LIMIT = 2.0  # of the budget: the output layer's levels are measured up to the first whose KL alone is over it
 FISHER_DRAWS = 4  # tokens drawn per position to weigh a local effect by its KL (on SmolLM2: 0.4-2.6x the KL measured)
 HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
-CHUNK = 4  # sequences per batch of the reference (bounds the logits held at once)
+BATCH_TOKENS = 4096  # held-out tokens run together (every weight is read once per batch; bounds the activations)
+# The dense model's most likely tokens per position a plan's KL is measured over, the rest as one outcome (the KL
+# of the distributions so coarsened: at most the whole vocabulary's, short of it by the tail's own KL times its
+# probability; the reference then holds 256 of Qwen2.5's 151,936 probabilities a position, not all of them)
+TOP_TOKENS = 256
 SEARCH_EVERY = 2  # the path's search measures plans on every 2nd chunk of the held-out tokens, the plan found on all
 QUALITY_KEY = "picompile.quality"
 WEIGHT_PLAN_KEY = "picompile.weight_plan"
@@ -457,7 +462,10 @@ def _measure_locally(interpreter: Interpreter, fit: np.ndarray, blocks: list[ir.
                               np.zeros(len(thresholds))))
         advance()
 
-    interpreter.logits(fit, probe=probe)
+    if head_limit is not None:  # (the output layer's knob measures its levels on its whole logits)
+        interpreter.logits(fit, probe=probe)
+    else:
+        interpreter.head_input(fit, probe=probe)
     return knobs
 
 
@@ -525,14 +533,6 @@ def _predictor_knob(interpreter: Interpreter, node: ir.Node, x: torch.Tensor, hi
         error(rerun(Variant(prefill=0, weights={m: stored.values(m, fmt, axis) for m, axis in knob.stored_as(0)})))
         for fmt in formats[1:]])
     return knob
-
-
-def head_node(model: ir.Model) -> ir.Node | None:
-    """The output layer: the MatMul of a constant producing the logits."""
-    producer = model.graph.outputs[0].producer()
-    # (const_matrix: a file's blocks stay unread)
-    return producer if producer is not None and producer.op_type == "MatMul" and \
-        pir.const_matrix(producer.inputs[1]) is not None else None
 
 
 def _embed_format(model: ir.Model, formats: tuple[str, ...]) -> tuple[str, str] | None:
@@ -690,15 +690,16 @@ def _held_out_predictions(knob: Knob, logits: torch.Tensor, active: torch.Tensor
                           float(active.sum()))
 
 
-def _chunks(sequences: list[np.ndarray]) -> list[np.ndarray]:
-    """The sequences in batches of at most CHUNK of one length, in order (the held-out ones may differ in length)."""
-    chunks: list[list[np.ndarray]] = []
+def _batches(sequences: list[np.ndarray]) -> list[np.ndarray]:
+    """The sequences in batches of one length (the held-out ones may differ), each of at most BATCH_TOKENS tokens
+    (or one sequence), in the order their lengths first come."""
+    by_length: dict[int, list[list[np.ndarray]]] = {}
     for sequence in sequences:
-        if chunks and len(chunks[-1]) < CHUNK and len(chunks[-1][0]) == len(sequence):
-            chunks[-1].append(sequence)
-        else:
-            chunks.append([sequence])
-    return [np.stack(chunk) for chunk in chunks]
+        batches = by_length.setdefault(len(sequence), [[]])
+        if batches[-1] and (len(batches[-1]) + 1) * len(sequence) > BATCH_TOKENS:
+            batches.append([])
+        batches[-1].append(sequence)
+    return [np.stack(batch) for batches in by_length.values() for batch in batches]
 
 
 class _HeldOut:
@@ -707,10 +708,10 @@ class _HeldOut:
     held-out decode row)."""
 
     def __init__(self, interpreter: Interpreter, sequences: list[np.ndarray], knobs: list[Knob]):
-        self.interpreter, self.chunks = interpreter, _chunks(sequences)
-        # the part the path's search measures plans on: every SEARCH_EVERY-th chunk (across the held-out text)
-        self.part = range(0, len(self.chunks), SEARCH_EVERY)
-        self.partial = len(self.part) < len(self.chunks)
+        self.interpreter, self.batches = interpreter, _batches(sequences)
+        # the part the path's search measures plans on: every SEARCH_EVERY-th sequence of each batch
+        self.part = [np.arange(0, len(batch), SEARCH_EVERY) for batch in self.batches]
+        self.partial = sum(map(len, self.part)) < sum(map(len, self.batches))
         by_block = {}
         for knob in knobs:
             if knob.predictor is None and not np.isfinite(knob.sparse_error[1:]).any():
@@ -738,7 +739,7 @@ class _HeldOut:
                 counts[id(knob)] += [(float((decode <= t).sum()) if t >= 0 else 0.0, float(decode.numel()))
                                      for t in knob.thresholds]
 
-        self.reference = [_Reference.of(interpreter.logits(chunk, probe=probe), chunk) for chunk in self.chunks]
+        self.reference = [_Reference.of(interpreter, batch, probe) for batch in self.batches]
         for knob in counted:
             c = counts[id(knob)]
             if knob.predictor is None:
@@ -753,50 +754,70 @@ class _HeldOut:
         """The plan's quality against the dense model's on the held-out sequences (`part`: on `self.part`'s)."""
         nll_ref, nll_got, predicted = [], [], []  # per sequence
         kl = agree = 0.0
-        for index in self.part if part else range(len(self.chunks)):
-            chunk, ref = self.chunks[index], self.reference[index]
-            got = _log_probs(self.interpreter.logits(chunk, variant), chunk)
-            nll_ref += ref.nll.tolist()
-            nll_got += (-got.gather(-1, ref.targets)).sum((1, 2)).tolist()
-            predicted += [ref.targets.shape[1]] * ref.targets.shape[0]
-            # sum p (log p - log q): the entropy term the reference's, the cross term one pass of a dot product
-            kl += ref.neg_entropy - float(torch.dot(ref.probs.flatten().double(), got.flatten()))
-            agree += float((ref.top == got.argmax(-1)).sum())
+        for index, (batch, ref) in enumerate(zip(self.batches, self.reference)):
+            chosen = self.part[index] if part else np.arange(len(batch))
+            rows = ref.rows(chosen)
+            x = self.interpreter.head_input(batch[chosen], variant, positions=ref.scored)
+            columns = torch.cat([ref.targets[rows, None], ref.top_columns[rows]], 1)
+            got = Logits.of(((first, x @ w) for first, w in self.interpreter.head_columns(len(x), variant)),
+                            len(x), at=columns)
+            log_q = got.at_values - got.log_normalizer[:, None]  # the targets', then the reference's top tokens'
+            nll_ref += ref.nll[torch.from_numpy(chosen)].tolist()
+            nll_got += (-log_q[:, 0]).reshape(len(chosen), -1).sum(1).tolist()
+            predicted += [ref.positions] * len(chosen)
+            kl += float(ref.kl(rows, log_q[:, 1:]).sum())
+            agree += float((ref.top[rows] == got.argmax).sum())
         count = sum(predicted)
         change, low, high = ppl_change_interval(np.array(nll_got), np.array(nll_ref), np.array(predicted))
         return Quality(change, kl / count, agree / count, count, low, high)
 
 
-def _log_probs(logits: torch.Tensor, chunk: np.ndarray) -> torch.Tensor:
-    """Float64 log-probabilities at the positions eval scores (a KL of fp16 rounding, 1e-8, is below float32's
-    sum of its terms' errors)."""
-    return torch.log_softmax(logits[:, scored_positions(chunk.shape[1])], -1, dtype=torch.float64)
+def _log_tail(log_top: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum exp(log_top)) per row: the log-probability of every token but the top ones (-inf: none left)."""
+    return torch.log((-torch.expm1(torch.logsumexp(log_top, 1))).clamp(min=0.0))
 
 
 @dataclass(frozen=True)
 class _Reference:
-    """What a plan's quality on one chunk is measured against, from the dense model's logits: at the scored
-    positions its probabilities, their summed p log p, its predicted tokens' summed negative log-likelihood per
-    sequence and its argmax; the targets those positions predict. (Kept rather than its log-probabilities: each
-    plan's KL is then one dot product, not an exp, a difference and a product over the whole vocabulary at every
-    position.) The probabilities are float32, half the memory (2,108 positions of a 128k vocabulary: 1 GiB): their
-    rounding changes the KL by its terms' |log p - log q| times 6e-8, where float64 log-probabilities are what
-    resolves a KL of fp16 rounding."""
+    """What a plan's quality on one batch is measured against, from the dense model's logits at the scored
+    positions (rows: each sequence's `positions` in turn): the log-probabilities of its TOP_TOKENS most likely
+    tokens (`log_top`, at `top_columns`) and of all the others together (`log_tail`), its argmax (`top`), the
+    targets those positions predict and each sequence's summed negative log-likelihood of them. Float64, as
+    a whole-vocabulary log-softmax in float64 gives them (what resolves a KL of fp16 rounding)."""
 
-    probs: torch.Tensor
-    neg_entropy: float
-    nll: torch.Tensor
+    scored: slice
+    positions: int
+    log_top: torch.Tensor
+    top_columns: torch.Tensor
+    log_tail: torch.Tensor
     top: torch.Tensor
     targets: torch.Tensor
+    nll: torch.Tensor
 
     @classmethod
-    def of(cls, logits: torch.Tensor, chunk: np.ndarray) -> "_Reference":
-        log_probs = _log_probs(logits, chunk)
-        targets = torch.from_numpy(np.asarray(chunk, np.int64))[:, predicted_tokens(scored_positions(chunk.shape[1])),
-                                                                 None]
-        probs = log_probs.exp().float()
-        return cls(probs, float(torch.dot(probs.flatten().double(), log_probs.flatten())),
-                   (-log_probs.gather(-1, targets)).sum((1, 2)), log_probs.argmax(-1), targets)
+    def of(cls, interpreter: Interpreter, batch: np.ndarray, probe) -> "_Reference":
+        scored = scored_positions(batch.shape[1])
+        targets = torch.from_numpy(np.asarray(batch[:, predicted_tokens(scored)], np.int64)).reshape(-1)
+        x = interpreter.head_input(batch, probe=probe, positions=scored)
+        dense = Logits.of(((first, x @ w) for first, w in interpreter.head_columns(len(x))), len(x),
+                          at=targets[:, None], top=TOP_TOKENS)
+        log_normalizer = dense.log_normalizer
+        log_top = dense.top_values.to(torch.float64) - log_normalizer[:, None]
+        nll = (log_normalizer - dense.at_values[:, 0]).reshape(len(batch), -1).sum(1)
+        return cls(scored, len(x) // len(batch), log_top, dense.top_columns, _log_tail(log_top), dense.argmax,
+                   targets, nll)
+
+    def rows(self, sequences: np.ndarray) -> torch.Tensor:
+        """The rows of `sequences` (indexes into the batch)."""
+        return (torch.from_numpy(sequences)[:, None] * self.positions + torch.arange(self.positions)).reshape(-1)
+
+    def kl(self, rows: torch.Tensor, log_q_top: torch.Tensor) -> torch.Tensor:
+        """Per row of `rows`, KL(reference || plan) over the top tokens and the rest as one outcome, from the plan's
+        log-probabilities of the reference's top tokens `log_q_top` [rows, TOP_TOKENS]."""
+        log_p, log_p_tail = self.log_top[rows], self.log_tail[rows]
+        log_q_tail = _log_tail(log_q_top).clamp(min=-700.0)  # (a plan with no mass left there: a large, finite KL)
+        tail = torch.where(torch.isfinite(log_p_tail), log_p_tail.exp() * (log_p_tail - log_q_tail), 0.0)
+        return (log_p.exp() * (log_p - log_q_top)).sum(1) + tail
 
 
 MAX_EVALUATIONS = 5  # plans measured on the held-out tokens while searching the path

@@ -190,6 +190,7 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
     `passes` replaces the pipeline (run as given, in one stage)."""
     gpu = GpuBudget.resolve(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
+    memory.map_large_buffers()
     model = load(model_path)
     options = resolve_weight_dtype(options, model, log)
     build_target = BuildTarget.resolve(options, target, gpu)  # what every pass reads: resolved once, here

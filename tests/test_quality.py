@@ -104,14 +104,14 @@ def test_the_budget_is_measured_on_the_tokens_the_profile_kept_out():
     """The held-out sequences are the user's last ones the profile kept out of every fit (`measured`), whatever
     their lengths, run in batches of one length; the fitting ones come from the rest."""
     from passes.profile import CalibrationSequences
-    from passes.quality import _chunks, _split
+    from passes.quality import _batches, _split
 
     sampled = [np.full(8, i) for i in range(6)]
     given = [np.full(4, 10 + i) for i in range(5)] + [np.full(3, 20)]
     fit, held = _split(CalibrationSequences(sampled + given, measured=3))
     assert [int(s[0]) for s in held] == [13, 14, 20]
     assert fit.shape[1] == 8 and set(fit[:, 0]) <= set(range(6))
-    assert [c.shape for c in _chunks(held)] == [(2, 4), (1, 3)]
+    assert [c.shape for c in _batches(held)] == [(2, 4), (1, 3)]
 
 
 @pytest.fixture(scope="module")
