@@ -106,10 +106,10 @@ def _float_tensor(value: ir.Value) -> tuple[torch.Tensor, int]:
     """(the constant as a float32 tensor, the bytes it newly holds): a model's own writable float32 array is
     shared, not copied; a file's blocks are dequantized (a new array)."""
     array = pir.const_array(value)
-    shared = (not isinstance(pir.const_matrix(value), FileMatrix) and isinstance(array, np.ndarray)
-              and array.dtype == np.float32 and array.flags.writeable)
-    tensor = torch.from_numpy(array if shared else np.array(array, np.float32))
-    return tensor, 0 if shared else tensor.numel() * 4
+    fresh = isinstance(pir.const_matrix(value), FileMatrix)  # (dequantized for this read: no one else holds it)
+    usable = isinstance(array, np.ndarray) and array.dtype == np.float32 and array.flags.writeable
+    tensor = torch.from_numpy(array if usable else np.array(array, np.float32))
+    return tensor, tensor.numel() * 4 if fresh or not usable else 0
 
 
 def _largest_block_bytes(model: ir.Model) -> int:
@@ -200,7 +200,7 @@ class Interpreter:
     def _forward(self, sequences: np.ndarray, variant: Variant, probe: Callable[[Block], None] | None,
                  to_head: bool, kept: tuple[str, ...] = (), outputs: dict | None = None) -> torch.Tensor:
         """The graph's output (`to_head`: the output layer's input instead). With `kept` op types (under
-        autograd), each such block's output is kept in `outputs` with its gradient retained, and every block is
+        autograd), each such block's output is kept in `outputs` (a gradient is asked of it), and every block is
         checkpointed: its activations and weights recomputed in the backward rather than held."""
         ids = torch.from_numpy(np.asarray(sequences, np.int64))
         values: dict[str, torch.Tensor] = {}
@@ -219,7 +219,6 @@ class Interpreter:
             if node.op_type in kept:
                 if not out.requires_grad:  # the first block (no weight asks for a gradient)
                     out.requires_grad_()
-                out.retain_grad()  # the later ones: not leaves, their gradient flows on to the earlier
                 outputs[node.name] = out
             values[node.outputs[0].name] = out
             if taps is not None:
@@ -268,14 +267,10 @@ class Interpreter:
                 for draw in range(draws):
                     inside = (drawn[draw] >= first) & (drawn[draw] < first + columns.shape[1])
                     drawn_column[draw, inside] = columns[:, drawn[draw, inside] - first].T
-            gradients: dict[str, list[torch.Tensor]] = {name: [] for name in outputs}
-            for draw in range(draws):
-                for out in outputs.values():
-                    out.grad = None
-                x.backward((drawn_column[draw] - mean_column).reshape(x.shape), retain_graph=draw + 1 < draws)
-                for name, out in outputs.items():
-                    gradients[name].append(out.grad.to(torch.bfloat16))
-        return {name: torch.stack(grads) for name, grads in gradients.items()}
+            # every draw in one backward (batched: each block recomputed once, its products a draw's rows deeper)
+            gradients = torch.autograd.grad(x, list(outputs.values()), is_grads_batched=True,
+                                            grad_outputs=(drawn_column - mean_column).reshape(draws, *x.shape))
+        return {name: gradient.to(torch.bfloat16) for name, gradient in zip(outputs, gradients)}
 
     @staticmethod
     def fisher_kl(gradients: torch.Tensor, delta: torch.Tensor) -> float:

@@ -311,9 +311,12 @@ class QualityPlan:
         # every matrix in the build's format where no knob chooses one (predictor mode's output layer in a float build)
         unplanned = _build_matrices(model, weight_dtype)
         variant = lambda state: _variant(knobs, state, formats, stored, embed, isa, unplanned)  # noqa: E731
-        evaluate = lambda steps: measure.quality(variant(state_at(steps)))  # noqa: E731
+        # (a plan is known by its step and embedding format: measured on all sequences, it runs only those the
+        # search did not measure it on)
+        evaluate = lambda steps: measure.quality(variant(state_at(steps)), plan=(steps, embed))  # noqa: E731
         # (the search measures plans on a part of the held-out tokens; the plan it finds is measured on all)
-        evaluate_part = lambda steps: measure.quality(variant(state_at(steps)), part=True)  # noqa: E731
+        evaluate_part = lambda steps: measure.quality(variant(state_at(steps)), part=True,  # noqa: E731
+                                                      plan=(steps, embed))
         search = lambda: _confirmed(budget, local_error, evaluate, measure.partial,  # noqa: E731
                                     _furthest_within(budget, local_error, evaluate_part))
         with ctx.progress("quality: the budget on held-out tokens", None):
@@ -709,6 +712,8 @@ class _HeldOut:
 
     def __init__(self, interpreter: Interpreter, sequences: list[np.ndarray], knobs: list[Knob]):
         self.interpreter, self.batches = interpreter, _batches(sequences)
+        # plan -> (batch, sequence) -> its measures (`_SequenceMeasure`): a plan is run on each sequence once
+        self._measured: dict[object, dict[tuple[int, int], _SequenceMeasure]] = {}
         # the part the path's search measures plans on: every SEARCH_EVERY-th sequence of each batch
         self.part = [np.arange(0, len(batch), SEARCH_EVERY) for batch in self.batches]
         self.partial = sum(map(len, self.part)) < sum(map(len, self.batches))
@@ -735,9 +740,7 @@ class _HeldOut:
                     _held_out_predictions(knob, interpreter.predictor_scores(decode_x, *knob.predictor),
                                           taps["down"][:, PROMPT_TOKENS:] != 0, counts[id(knob)])
                     continue
-                decode = taps[knob.site][:, PROMPT_TOKENS:].abs()
-                counts[id(knob)] += [(float((decode <= t).sum()) if t >= 0 else 0.0, float(decode.numel()))
-                                     for t in knob.thresholds]
+                counts[id(knob)] += _dropped_counts(taps[knob.site][:, PROMPT_TOKENS:], knob.thresholds)
 
         self.reference = [_Reference.of(interpreter, batch, probe) for batch in self.batches]
         for knob in counted:
@@ -750,26 +753,61 @@ class _HeldOut:
             knob.held_out_recall = hits / np.maximum(active, 1.0)
             knob.held_out_precision = hits / np.maximum(kept, 1.0)
 
-    def quality(self, variant: Variant, part: bool = False) -> Quality:
-        """The plan's quality against the dense model's on the held-out sequences (`part`: on `self.part`'s)."""
-        nll_ref, nll_got, predicted = [], [], []  # per sequence
-        kl = agree = 0.0
+    def quality(self, variant: Variant, part: bool = False, plan: object = None) -> Quality:
+        """The plan's quality against the dense model's on the held-out sequences (`part`: on `self.part`'s).
+        `plan` (any key) names the plan: its sequences measured before are not run again."""
+        measured = self._measured.setdefault(plan, {}) if plan is not None else {}
         for index, (batch, ref) in enumerate(zip(self.batches, self.reference)):
             chosen = self.part[index] if part else np.arange(len(batch))
-            rows = ref.rows(chosen)
-            x = self.interpreter.head_input(batch[chosen], variant, positions=ref.scored)
-            columns = torch.cat([ref.targets[rows, None], ref.top_columns[rows]], 1)
-            got = Logits.of(((first, x @ w) for first, w in self.interpreter.head_columns(len(x), variant)),
-                            len(x), at=columns)
-            log_q = got.at_values - got.log_normalizer[:, None]  # the targets', then the reference's top tokens'
-            nll_ref += ref.nll[torch.from_numpy(chosen)].tolist()
-            nll_got += (-log_q[:, 0]).reshape(len(chosen), -1).sum(1).tolist()
-            predicted += [ref.positions] * len(chosen)
-            kl += float(ref.kl(rows, log_q[:, 1:]).sum())
-            agree += float((ref.top[rows] == got.argmax).sum())
-        count = sum(predicted)
-        change, low, high = ppl_change_interval(np.array(nll_got), np.array(nll_ref), np.array(predicted))
-        return Quality(change, kl / count, agree / count, count, low, high)
+            missing = np.array([s for s in chosen if (index, s) not in measured], np.int64)
+            if len(missing):
+                measured.update({(index, int(s)): m for s, m in zip(missing, self._measure(batch, ref, missing,
+                                                                                              variant))})
+        picked = [(ref, measured[(index, int(s))], int(s)) for index, ref in enumerate(self.reference)
+                  for s in (self.part[index] if part else range(len(ref.nll)))]
+        nll_ref = np.array([float(ref.nll[s]) for ref, _, s in picked])
+        nll_got = np.array([m.nll for _, m, _ in picked])
+        predicted = np.array([ref.positions for ref, _, _ in picked])
+        count = int(predicted.sum())
+        change, low, high = ppl_change_interval(nll_got, nll_ref, predicted)
+        return Quality(change, sum(m.kl for _, m, _ in picked) / count, sum(m.agree for _, m, _ in picked) / count,
+                       count, low, high)
+
+    def _measure(self, batch: np.ndarray, ref: "_Reference", chosen: np.ndarray,
+                 variant: Variant) -> list["_SequenceMeasure"]:
+        """The plan's measures on the sequences `chosen` of one batch."""
+        rows = ref.rows(chosen)
+        x = self.interpreter.head_input(batch[chosen], variant, positions=ref.scored)
+        columns = torch.cat([ref.targets[rows, None], ref.top_columns[rows]], 1)
+        got = Logits.of(((first, x @ w) for first, w in self.interpreter.head_columns(len(x), variant)),
+                        len(x), at=columns)
+        log_q = got.at_values - got.log_normalizer[:, None]  # the targets', then the reference's top tokens'
+        per_sequence = lambda v: v.reshape(len(chosen), -1).sum(1).tolist()  # noqa: E731
+        return [_SequenceMeasure(*m) for m in zip(per_sequence(-log_q[:, 0]), per_sequence(ref.kl(rows, log_q[:, 1:])),
+                                                  per_sequence((ref.top[rows] == got.argmax).double()))]
+
+
+@dataclass(frozen=True)
+class _SequenceMeasure:
+    """A plan on one held-out sequence: its summed negative log-likelihood, summed KL from the reference and
+    agreeing argmaxes over the scored positions."""
+
+    nll: float
+    kl: float
+    agree: float
+
+
+def _dropped_counts(decode: torch.Tensor, thresholds: np.ndarray) -> np.ndarray:
+    """[level, (inputs at or below the level's threshold, inputs)] of a site's decode inputs: one pass that puts
+    each |v| among the sorted thresholds (a negative threshold, KEEP_ALL, drops none)."""
+    order = np.argsort(thresholds, kind="stable")
+    edges = torch.from_numpy(np.asarray(thresholds, np.float32)[order])
+    bins = torch.bucketize(decode.abs().flatten(), edges)  # v <= edges[i] exactly where bin <= i
+    at_or_below = np.cumsum(torch.bincount(bins, minlength=len(edges) + 1).numpy()[:len(edges)])
+    dropped = np.zeros(len(thresholds))
+    dropped[order] = at_or_below
+    dropped[np.asarray(thresholds) < 0] = 0.0
+    return np.stack([dropped, np.full(len(thresholds), float(decode.numel()))], 1)
 
 
 def _log_tail(log_top: torch.Tensor) -> torch.Tensor:

@@ -104,3 +104,22 @@ def test_a_plans_quality_is_the_whole_vocabularys_where_the_top_tokens_cover_it(
         assert got.kl == pytest.approx(kl, rel=1e-6)
     else:
         assert 0.5 * kl < got.kl < kl
+
+
+def test_a_plan_measured_on_part_of_the_text_runs_only_the_rest_when_measured_on_all(lifted):
+    """The search measures a plan on every second held-out sequence; confirming it on all of them runs only the
+    others, and gives what measuring it afresh on all gives."""
+    from passes import quality
+
+    interpreter = Interpreter(lifted)
+    measure = quality._HeldOut(interpreter, list(_sequences(6)), [])
+    run = []
+    head_input = interpreter.head_input
+    interpreter.head_input = lambda sequences, *a, **k: run.append(len(sequences)) or head_input(sequences, *a, **k)
+    variant = Variant({(layer, "down"): 0.02 for layer in range(TIED.layers)})
+    part = measure.quality(variant, part=True, plan="p")
+    whole = measure.quality(variant, plan="p")
+    assert run == [3, 3] and measure.partial and part.tokens * 2 == whole.tokens
+    afresh = measure.quality(variant)
+    assert run == [3, 3, 6]
+    assert (whole.ppl_change, whole.kl, whole.top1) == pytest.approx((afresh.ppl_change, afresh.kl, afresh.top1))
