@@ -28,6 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import ir as pir
+from .memory import BoundedCache
 from .budget import PROMPT_TOKENS
 from .file_blocks import FileMatrix
 from .streamed_logits import Logits, slice_width
@@ -75,33 +76,6 @@ class Block:
 RESIDENT_BYTES = 64 << 20  # float32 weights kept between reads, at least (and at least the largest block's)
 
 
-class _Resident:
-    """Float32 weight tensors by name, the most recently read kept while their bytes fit `budget` (tensors that
-    share the model's own float32 arrays cost nothing and stay)."""
-
-    def __init__(self, budget: int):
-        self.budget = budget
-        self._tensors: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, name: str) -> torch.Tensor | None:
-        held = self._tensors.get(name)
-        if held is None:
-            return None
-        self._tensors.move_to_end(name)
-        return held[0]
-
-    def put(self, name: str, tensor: torch.Tensor, owned: int) -> torch.Tensor:
-        if owned > self.budget:
-            return tensor
-        while self._tensors and self._bytes + owned > self.budget:
-            _, (_, freed) = self._tensors.popitem(last=False)
-            self._bytes -= freed
-        self._tensors[name] = (tensor, owned)
-        self._bytes += owned
-        return tensor
-
-
 def _float_tensor(value: ir.Value) -> tuple[torch.Tensor, int]:
     """(the constant as a float32 tensor, the bytes it newly holds): a model's own writable float32 array is
     shared, not copied; a file's blocks are dequantized (a new array)."""
@@ -139,7 +113,7 @@ class Interpreter:
         self.head = head_node(model)
         budget = resident_bytes if resident_bytes is not None else max(RESIDENT_BYTES,
                                                                        int(1.25 * _largest_block_bytes(model)))
-        self._resident = _Resident(budget)
+        self._resident = BoundedCache(budget)
         self._residual_of = _residual_partners(model.graph)
         self._last_reader = _last_readers(model.graph)
         self._rotations: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+from collections import OrderedDict
 from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
@@ -81,3 +82,36 @@ def map_large_buffers(threshold: int = LARGE_BUFFER_BYTES) -> bool:
         return bool(ctypes.CDLL(name).mallopt(M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError, TypeError):
         return False
+
+
+class BoundedCache:
+    """Values by key, the most recently read kept while their bytes (as `put` is told) fit `budget`; a value of
+    no bytes (one that shares memory something else holds) costs nothing and stays."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._values: OrderedDict[object, tuple[object, int]] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of what is kept now."""
+        return self._bytes
+
+    def get(self, key):
+        held = self._values.get(key)
+        if held is None:
+            return None
+        self._values.move_to_end(key)
+        return held[0]
+
+    def put(self, key, value, owned: int):
+        """Keep `value` (`owned` bytes) where it fits, dropping the least recently read; returns `value`."""
+        if owned > self.budget:
+            return value
+        while self._values and self._bytes + owned > self.budget:
+            _, (_, freed) = self._values.popitem(last=False)
+            self._bytes -= freed
+        self._values[key] = (value, owned)
+        self._bytes += owned
+        return value

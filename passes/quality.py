@@ -59,6 +59,7 @@ from onnx_ir.passes import PassResult
 from . import costmodel
 from . import ir as pir
 from .file_blocks import file_matrix
+from .memory import BoundedCache
 from .blocking import Blocking
 from .budget import PROMPT_TOKENS, QualityBudget, ppl_change_interval, predicted_tokens, scored_positions
 from .facts import ModelFact, ValueFact, read_entry, write_entry
@@ -82,10 +83,7 @@ HEAD_LIMIT = 2.0  # of the budget: the output layer's levels are measured up to 
 FISHER_DRAWS = 4  # tokens drawn per position to weigh a local effect by its KL (on SmolLM2: 0.4-2.6x the KL measured)
 HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
 BATCH_TOKENS = 4096  # held-out tokens run together (every weight is read once per batch; bounds the activations)
-# The dense model's most likely tokens per position a plan's KL is measured over, the rest as one outcome (the KL
-# of the distributions so coarsened: at most the whole vocabulary's, short of it by the tail's own KL times its
-# probability; the reference then holds 256 of Qwen2.5's 151,936 probabilities a position, not all of them)
-TOP_TOKENS = 256
+BLOCKS_BYTES = 256 << 20  # the blocks of matrices stored in another format than the source's kept between reads
 SEARCH_EVERY = 2  # the path's search measures plans on every 2nd chunk of the held-out tokens, the plan found on all
 QUALITY_KEY = "picompile.quality"
 WEIGHT_PLAN_KEY = "picompile.weight_plan"
@@ -182,7 +180,10 @@ class StoredWeights:
     def __init__(self, model: ir.Model, blocking: Blocking):
         self._values = {v.name: v for v in model.graph.initializers.values()}
         self._blocking = blocking
-        self._blocks: dict[tuple[str, str, int], tuple[tuple | None, WeightFormat]] = {}
+        # (matrix, format, axis) -> the format it is stored in; and its blocks, the recent ones while they fit
+        # BLOCKS_BYTES (a plan at a path's end thins every matrix: their blocks together are the model's size)
+        self._formats: dict[tuple[str, str, int], WeightFormat] = {}
+        self._blocks = BoundedCache(BLOCKS_BYTES)
 
     def _kept(self, name: str, fmt: WeightFormat, axis: int) -> WeightFormat | None:
         """The format of the file's own blocks where the quantize pass keeps them (run by run: priced as its
@@ -205,10 +206,15 @@ class StoredWeights:
         if not quant.quantizable(tuple(self._values[name].const_value.shape), axis, fmt.block):
             return None, float_format(fmt)  # the quantize pass keeps it in floats
         key = (name, fmt_name, axis)
-        if key not in self._blocks:
+        if key in self._formats and not self._formats[key].quantized:
+            return None, self._formats[key]  # (kept in floats: no blocks)
+        blocks = self._blocks.get(key)
+        if blocks is None:
             blocks, used, _ = self._blocking.blocks(self._source(name), fmt, axis)
-            self._blocks[key] = (blocks, used if blocks is not None else float_format(fmt))
-        return self._blocks[key]
+            self._formats[key] = used if blocks is not None else float_format(fmt)
+            self._blocks.put(key, blocks, sum(a.nbytes for a in blocks if isinstance(a, np.ndarray))
+                             if blocks is not None else 0)
+        return blocks, self._formats[key]
 
     def _source(self, name: str) -> np.ndarray:
         return np.asarray(pir.const_array(self._values[name]), np.float32)
@@ -242,7 +248,7 @@ class StoredWeights:
 
 
 class _Planned(dict):
-    """name -> stored values of the matrices a plan changes, computed on first read (a Variant's `weights`)."""
+    """name -> stored values of the matrices a plan changes, computed when read (a Variant's `weights`)."""
 
     def __init__(self, stored: StoredWeights, choices: dict[str, tuple[str, int]]):
         super().__init__()
@@ -253,9 +259,8 @@ class _Planned(dict):
         return name in self._choices and not self._stored.are_source(name, *self._choices[name])
 
     def __getitem__(self, name: str) -> np.ndarray:
-        if not dict.__contains__(self, name):
-            dict.__setitem__(self, name, self._stored.values(name, *self._choices[name]))
-        return dict.__getitem__(self, name)
+        # (not kept: a plan's run reads each matrix once a batch, and a path's end changes every matrix)
+        return self._stored.values(name, *self._choices[name])
 
 
 @dataclass
@@ -776,14 +781,16 @@ class _HeldOut:
     def _measure(self, batch: np.ndarray, ref: "_Reference", chosen: np.ndarray,
                  variant: Variant) -> list["_SequenceMeasure"]:
         """The plan's measures on the sequences `chosen` of one batch."""
-        rows = ref.rows(chosen)
-        x = self.interpreter.head_input(batch[chosen], variant, positions=ref.scored)
-        columns = torch.cat([ref.targets[rows, None], ref.top_columns[rows]], 1)
-        got = Logits.of(((first, x @ w) for first, w in self.interpreter.head_columns(len(x), variant)),
-                        len(x), at=columns)
-        log_q = got.at_values - got.log_normalizer[:, None]  # the targets', then the reference's top tokens'
+        interpreter, rows = self.interpreter, ref.rows(chosen)
+        x, x_ref = interpreter.head_input(batch[chosen], variant, positions=ref.scored), ref.x[rows]
+        planned = interpreter.head_columns(len(x), variant)
+        # (the reference's logits from the source's output layer, where the plan stores it otherwise)
+        source = interpreter.head_columns(len(x)) if interpreter.head.inputs[1].name in variant.weights else None
+        slices = ((first, x @ w, x_ref @ (w if source is None else next(source)[1])) for first, w in planned)
+        got = Logits.of(slices, len(x), at=ref.targets[rows, None], reference=ref.log_normalizer[rows])
         per_sequence = lambda v: v.reshape(len(chosen), -1).sum(1).tolist()  # noqa: E731
-        return [_SequenceMeasure(*m) for m in zip(per_sequence(-log_q[:, 0]), per_sequence(ref.kl(rows, log_q[:, 1:])),
+        return [_SequenceMeasure(*m) for m in zip(per_sequence(got.log_normalizer - got.at_values[:, 0]),
+                                                  per_sequence(got.kl_from_reference),
                                                   per_sequence((ref.top[rows] == got.argmax).double()))]
 
 
@@ -810,24 +817,18 @@ def _dropped_counts(decode: torch.Tensor, thresholds: np.ndarray) -> np.ndarray:
     return np.stack([dropped, np.full(len(thresholds), float(decode.numel()))], 1)
 
 
-def _log_tail(log_top: torch.Tensor) -> torch.Tensor:
-    """log(1 - sum exp(log_top)) per row: the log-probability of every token but the top ones (-inf: none left)."""
-    return torch.log((-torch.expm1(torch.logsumexp(log_top, 1))).clamp(min=0.0))
-
-
 @dataclass(frozen=True)
 class _Reference:
-    """What a plan's quality on one batch is measured against, from the dense model's logits at the scored
-    positions (rows: each sequence's `positions` in turn): the log-probabilities of its TOP_TOKENS most likely
-    tokens (`log_top`, at `top_columns`) and of all the others together (`log_tail`), its argmax (`top`), the
-    targets those positions predict and each sequence's summed negative log-likelihood of them. Float64, as
-    a whole-vocabulary log-softmax in float64 gives them (what resolves a KL of fp16 rounding)."""
+    """What a plan's quality on one batch is measured against: the dense model at the scored positions (rows:
+    each sequence's `positions` in turn), as the output layer's input `x` (its logits are computed again beside
+    each plan's, a slice at a time: no [rows, vocabulary] array is kept) and each row's log-normalizer, argmax
+    (`top`) and target, and each sequence's summed negative log-likelihood of its targets. Float64, as a
+    whole-vocabulary log-softmax in float64 gives them (what resolves a KL of fp16 rounding)."""
 
     scored: slice
     positions: int
-    log_top: torch.Tensor
-    top_columns: torch.Tensor
-    log_tail: torch.Tensor
+    x: torch.Tensor
+    log_normalizer: torch.Tensor
     top: torch.Tensor
     targets: torch.Tensor
     nll: torch.Tensor
@@ -838,24 +839,14 @@ class _Reference:
         targets = torch.from_numpy(np.asarray(batch[:, predicted_tokens(scored)], np.int64)).reshape(-1)
         x = interpreter.head_input(batch, probe=probe, positions=scored)
         dense = Logits.of(((first, x @ w) for first, w in interpreter.head_columns(len(x))), len(x),
-                          at=targets[:, None], top=TOP_TOKENS)
+                          at=targets[:, None])
         log_normalizer = dense.log_normalizer
-        log_top = dense.top_values.to(torch.float64) - log_normalizer[:, None]
         nll = (log_normalizer - dense.at_values[:, 0]).reshape(len(batch), -1).sum(1)
-        return cls(scored, len(x) // len(batch), log_top, dense.top_columns, _log_tail(log_top), dense.argmax,
-                   targets, nll)
+        return cls(scored, len(x) // len(batch), x, log_normalizer, dense.argmax, targets, nll)
 
     def rows(self, sequences: np.ndarray) -> torch.Tensor:
         """The rows of `sequences` (indexes into the batch)."""
         return (torch.from_numpy(sequences)[:, None] * self.positions + torch.arange(self.positions)).reshape(-1)
-
-    def kl(self, rows: torch.Tensor, log_q_top: torch.Tensor) -> torch.Tensor:
-        """Per row of `rows`, KL(reference || plan) over the top tokens and the rest as one outcome, from the plan's
-        log-probabilities of the reference's top tokens `log_q_top` [rows, TOP_TOKENS]."""
-        log_p, log_p_tail = self.log_top[rows], self.log_tail[rows]
-        log_q_tail = _log_tail(log_q_top).clamp(min=-700.0)  # (a plan with no mass left there: a large, finite KL)
-        tail = torch.where(torch.isfinite(log_p_tail), log_p_tail.exp() * (log_p_tail - log_q_tail), 0.0)
-        return (log_p.exp() * (log_p - log_q_top)).sum(1) + tail
 
 
 MAX_EVALUATIONS = 5  # plans measured on the held-out tokens while searching the path

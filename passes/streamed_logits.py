@@ -3,10 +3,12 @@
 A [tokens, vocabulary] array of logits is the largest thing the quality pass would otherwise hold: 2,108 held-out
 positions of Qwen2.5's 151,936-token vocabulary are 1.3 GB in float32 and twice that as the float64 log-probabilities
 the measures are taken in. The output layer's columns are read a slice at a time instead
-(`Interpreter.head_slices`), and each slice folds into a `Logits` summary: per row the log-normalizer (float64,
-an online log-sum-exp), the argmax, and the logits at chosen columns (a target token, a reference's top tokens);
-optionally the row's own top `k` logits (a reference's). A row's log-probability of column j is then its logit
-minus the log-normalizer, exactly as a whole-vocabulary log-softmax in float64 gives it.
+(`Interpreter.head_columns`), and each slice folds into a `Logits` summary: per row the log-normalizer (float64,
+an online log-sum-exp), the argmax, the logits at chosen columns (a target token), and, given a reference's
+logits of the same slice and its log-normalizer, the KL from the reference's distribution. A row's
+log-probability of column j is its logit minus the log-normalizer, exactly as a whole-vocabulary log-softmax in
+float64 gives it; the KL is sum p (l - m) - log Z_p + log Z_q over the slices (l, m: the reference's and the
+row's logits), the whole vocabulary's.
 """
 
 from __future__ import annotations
@@ -25,22 +27,23 @@ def slice_width(rows: int, vocabulary: int) -> int:
 
 class Logits:
     """Per row of a [rows, vocabulary] logits array seen a slice at a time (`add`): the log-normalizer
-    (`log_normalizer`), the argmax (`argmax`), the logits at the columns `at` [rows, m] (`at_values`), and with
-    `top` the row's `top` largest logits and their columns (`top_values`, `top_columns`, descending)."""
+    (`log_normalizer`), the argmax (`argmax`), the logits at the columns `at` [rows, m] (`at_values`), and with a
+    reference's log-normalizer (`reference`, [rows]; its logits given with each slice) the KL from the
+    reference's distribution to this one (`kl_from_reference`)."""
 
-    def __init__(self, rows: int, at: torch.Tensor | None = None, top: int = 0):
+    def __init__(self, rows: int, at: torch.Tensor | None = None, reference: torch.Tensor | None = None):
         self._max = torch.full((rows,), -torch.inf, dtype=torch.float64)
         self._sum = torch.zeros(rows, dtype=torch.float64)
         self.argmax = torch.zeros(rows, dtype=torch.int64)
         self._argmax_value = torch.full((rows,), -torch.inf)
         self.at = at
         self.at_values = None if at is None else torch.zeros(at.shape, dtype=torch.float64)
-        self.top = top
-        self.top_values = torch.empty(rows, 0)
-        self.top_columns = torch.empty(rows, 0, dtype=torch.int64)
+        self.reference = reference
+        self._cross = torch.zeros(rows, dtype=torch.float64)  # sum p (l - m) so far
 
-    def add(self, first: int, logits: torch.Tensor) -> None:
-        """Fold in the slice `logits` [rows, width] of columns first..first + width."""
+    def add(self, first: int, logits: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        """Fold in the slice `logits` [rows, width] of columns first..first + width (and the reference's, where
+        there is one)."""
         width = logits.shape[1]
         wide = logits.to(torch.float64)
         slice_max = wide.amax(1)
@@ -55,20 +58,24 @@ class Logits:
             inside = (self.at >= first) & (self.at < first + width)
             picked = wide.gather(1, (self.at - first).clamp(0, width - 1))
             self.at_values = torch.where(inside, picked, self.at_values)
-        if self.top:
-            values = torch.cat([self.top_values, logits], 1)
-            columns = torch.cat([self.top_columns, torch.arange(first, first + width).expand(logits.shape[0], -1)], 1)
-            self.top_values, order = values.topk(min(self.top, values.shape[1]), dim=1)
-            self.top_columns = columns.gather(1, order)
+        if self.reference is not None:
+            l = reference.to(torch.float64)  # noqa: E741
+            self._cross += (torch.exp(l - self.reference[:, None]) * (l - wide)).sum(1)
 
     @property
     def log_normalizer(self) -> torch.Tensor:
         return self._max + torch.log(self._sum)
 
+    @property
+    def kl_from_reference(self) -> torch.Tensor:
+        """Per row, KL(reference || these logits' distribution) over the whole vocabulary."""
+        return self._cross - self.reference + self.log_normalizer
+
     @classmethod
-    def of(cls, slices: Iterable[tuple[int, torch.Tensor]], rows: int, at: torch.Tensor | None = None,
-           top: int = 0) -> "Logits":
-        summary = cls(rows, at, top)
-        for first, logits in slices:
-            summary.add(first, logits)
+    def of(cls, slices: Iterable[tuple], rows: int, at: torch.Tensor | None = None,
+           reference: torch.Tensor | None = None) -> "Logits":
+        """The summary of `slices`: (first column, logits) or, with `reference`, (first, logits, its logits)."""
+        summary = cls(rows, at, reference)
+        for piece in slices:
+            summary.add(*piece)
         return summary
