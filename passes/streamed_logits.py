@@ -48,7 +48,7 @@ class Logits:
         wide = logits.to(torch.float64)
         slice_max = wide.amax(1)
         new_max = torch.maximum(self._max, slice_max)
-        self._sum = self._sum * torch.exp(self._max - new_max) + torch.exp(wide - new_max[:, None]).sum(1)
+        self._sum = self._sum * torch.exp(self._max - new_max) + (wide - new_max[:, None]).exp_().sum(1)
         self._max = new_max
         value, column = logits.max(1)
         better = value > self._argmax_value
@@ -59,8 +59,9 @@ class Logits:
             picked = wide.gather(1, (self.at - first).clamp(0, width - 1))
             self.at_values = torch.where(inside, picked, self.at_values)
         if self.reference is not None:
-            l = reference.to(torch.float64)  # noqa: E741
-            self._cross += (torch.exp(l - self.reference[:, None]) * (l - wide)).sum(1)
+            l = reference.to(torch.float64, copy=True)  # noqa: E741  (changed in place below)
+            p = (l - self.reference[:, None]).exp_()
+            self._cross += (p.mul_(l.sub_(wide))).sum(1)
 
     @property
     def log_normalizer(self) -> torch.Tensor:
