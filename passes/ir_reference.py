@@ -9,7 +9,7 @@ residual it is added to), so that a caller can measure a change to one block on 
 activation. `output_gradients` weighs such a change by the KL it causes at the logits.
 
 Memory: nothing model-sized is held. Weights are float32 tensors read on use, the most recent kept up to a byte
-budget (`_Resident`: at least a block's, so a block run again for each level of a knob reads them once); a
+budget (`memory.BoundedCache`: at least a block's, so a block run again for each level of a knob reads them once); a
 file's blocks are dequantized again when read past that. The embedding table gives only the rows of the tokens
 run; the output layer is read a slice of its columns at a time (`head_columns`), by callers that fold each slice's
 logits into what they need (`streamed_logits`) rather than hold [tokens, vocabulary] logits.
@@ -17,7 +17,6 @@ logits into what they need (`streamed_logits`) rather than hold [tokens, vocabul
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,11 +27,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import ir as pir
-from .memory import BoundedCache
 from .budget import PROMPT_TOKENS
 from .file_blocks import FileMatrix
-from .streamed_logits import Logits, slice_width
+from .memory import BoundedCache
 from .ops import FFN, Attention, view as op_view
+from .streamed_logits import Logits, slice_width
 from runtime.manifest import OUTPUT_LAYER
 
 # Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies (MatMul: the
@@ -126,11 +125,20 @@ class Interpreter:
         held = self._resident.get(value.name)
         return held if held is not None else self._resident.put(value.name, *_float_tensor(value))
 
+    def _file_lines(self, value: ir.Value, variant: Variant, transposed: bool) -> FileMatrix | None:
+        """The file matrix to read a few of `value`'s lines from (rows of a table, columns of a transposed matrix:
+        the file's rows either way), where the variant does not replace it, it is not kept, and it is a file's
+        blocks in that orientation; else None (read it whole: `weight`)."""
+        matrix = pir.const_matrix(value)
+        if (value.name in variant.weights or self._resident.get(value.name) is not None
+                or not isinstance(matrix, FileMatrix) or matrix.transposed != transposed):
+            return None
+        return matrix
+
     def _embedding_rows(self, table: ir.Value, ids: torch.Tensor, variant: Variant) -> torch.Tensor:
         """The table's rows of `ids` (a file's table: only those rows dequantized)."""
-        matrix = pir.const_matrix(table)
-        if (table.name in variant.weights or self._resident.get(table.name) is not None
-                or not isinstance(matrix, FileMatrix) or matrix.transposed):
+        matrix = self._file_lines(table, variant, transposed=False)
+        if matrix is None:
             return self.weight(table, variant)[ids]
         rows, inverse = np.unique(ids.numpy(), return_inverse=True)
         return torch.from_numpy(matrix.take(rows).dequantize())[torch.from_numpy(inverse.reshape(ids.shape))]
@@ -159,11 +167,8 @@ class Interpreter:
         value = self.head.inputs[1]
         vocabulary = value.shape[1]
         width = slice_width(rows, vocabulary)
-        matrix = pir.const_matrix(value)
-        whole = None
-        if (value.name in variant.weights or self._resident.get(value.name) is not None
-                or not isinstance(matrix, FileMatrix) or not matrix.transposed):
-            whole = self.weight(value, variant)
+        matrix = self._file_lines(value, variant, transposed=True)
+        whole = self.weight(value, variant) if matrix is None else None
         for first in range(0, vocabulary, width):
             stop = min(first + width, vocabulary)
             if whole is not None:

@@ -60,11 +60,18 @@ def return_freed_memory() -> None:
     a loop that makes and drops large buffers (onnxruntime sessions, protobufs) otherwise leaves them in the
     heap's free lists, where they still count as resident. A no-op where there is no glibc."""
     gc.collect()
-    name = ctypes.util.find_library("c")
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _libc():
+    """glibc's functions (malloc_trim, mallopt), or None where there are none."""
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except (OSError, TypeError):
+        return None
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -77,11 +84,8 @@ def map_large_buffers(threshold: int = LARGE_BUFFER_BYTES) -> bool:
     logits, a dequantized matrix, a batch's activations) come from the heap and, freed, stay resident there: the
     quality pass of a 0.5B model peaked 0.9 GiB above what it held. Returns whether it was set (False where
     there is no glibc)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return bool(ctypes.CDLL(name).mallopt(M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError, TypeError):
-        return False
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 class BoundedCache:

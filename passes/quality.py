@@ -84,7 +84,7 @@ FISHER_DRAWS = 4  # tokens drawn per position to weigh a local effect by its KL 
 HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
 BATCH_TOKENS = 4096  # held-out tokens run together (every weight is read once per batch; bounds the activations)
 BLOCKS_BYTES = 256 << 20  # the blocks of matrices stored in another format than the source's kept between reads
-SEARCH_EVERY = 2  # the path's search measures plans on every 2nd chunk of the held-out tokens, the plan found on all
+SEARCH_EVERY = 2  # the path's search measures plans on every 2nd held-out sequence, the plan found on all
 QUALITY_KEY = "picompile.quality"
 WEIGHT_PLAN_KEY = "picompile.weight_plan"
 # The knobs of each mode, by block: threshold mode's linear inputs; predictor mode's FFN neurons (a predictor's

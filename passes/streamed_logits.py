@@ -46,11 +46,10 @@ class Logits:
         there is one)."""
         width = logits.shape[1]
         wide = logits.to(torch.float64)
-        slice_max = wide.amax(1)
-        new_max = torch.maximum(self._max, slice_max)
+        value, column = logits.max(1)
+        new_max = torch.maximum(self._max, value.to(torch.float64))
         self._sum = self._sum * torch.exp(self._max - new_max) + (wide - new_max[:, None]).exp_().sum(1)
         self._max = new_max
-        value, column = logits.max(1)
         better = value > self._argmax_value
         self.argmax = torch.where(better, column + first, self.argmax)
         self._argmax_value = torch.where(better, value, self._argmax_value)
