@@ -281,7 +281,8 @@ def test_a_quantized_files_build_expects_the_quality_its_kernels_measure(files, 
     calib, held_out = tmp_path / "calib.npy", rng.integers(0, tiny.vocab, (4, 48))
     np.save(calib, rng.integers(0, tiny.vocab, (16, 48)))
     split = quality._split
-    monkeypatch.setattr(quality, "_split", lambda sequences: (split(sequences)[0], list(held_out)))
+    monkeypatch.setattr(quality, "_split",
+                        lambda sequences, parameters: (split(sequences, parameters)[0], list(held_out)))
     out = tmp_path / "q4_1.pic"
     assert main(["build", str(path), "--target", "cpu", "--calib", str(calib), "--max-context", "64",
                  "-o", str(out)]) == 0
