@@ -7,8 +7,9 @@ Standard ONNX ops computed as transformers' LLaMA / Qwen2 exports compute them: 
 up; the KV cache in optimum's convention. Weights: F32 as stored, F16 / BF16 as stored behind a Cast to
 float32, a block type some picompile format holds exactly (`passes.formats.ggml`) as a `FileTensor` over the
 file's blocks (a float tensor to every pass, computed when read; select-kernels packs the blocks themselves),
-any other dequantized to float32 when read (`onnx_ir.LazyTensor`: one tensor at a time). LLaMA's q / k rows
-are put back in rotate-half order (`rope_rows`).
+any other dequantized to float32 when read (`onnx_ir.LazyTensor`: one tensor at a time). What differs between
+architectures is read from their `passes.architectures.Architecture`: q / k rows stored permuted (LLaMA's) are put
+back in rotate-half order (`rope_rows`), the norm and the FFN's activation come from its tables here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from .architectures import Activation, Architecture, Norm, NormPlacement, QKRows
 from .file_blocks import FileMatrix, FileRows, FileTensor
 from .formats import ggml
 
@@ -27,9 +29,9 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 
 @dataclass(frozen=True)
 class Hyper:
-    """The architecture's numbers, from the metadata."""
+    """The architecture and its numbers, from the metadata."""
 
-    architecture: str
+    architecture: Architecture
     layers: int
     d_model: int
     ffn: int
@@ -164,6 +166,14 @@ def _rms_norm(g: _Graph, x: ir.Value, tensor, eps: float, name: str) -> ir.Value
     return g.op("Mul", [normed, weight], name=name)
 
 
+def _silu(g: _Graph, x: ir.Value) -> ir.Value:
+    return g.op("Mul", [x, g.op("Sigmoid", [x])])
+
+
+NORMS = {Norm.RMS: _rms_norm}
+ACTIVATIONS = {Activation.SILU: _silu}
+
+
 def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str) -> ir.Value:
     """[B, S, heads*d] -> [B, heads, S, d]."""
     shaped = g.op("Reshape", [x, g.ints(shape_name, [0, 0, heads, head_dim])])
@@ -180,7 +190,11 @@ def _rotate(g: _Graph, x: ir.Value, cos: ir.Value, sin: ir.Value, half: tuple[ir
 
 
 def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
-    """The ONNX decoder of a llama / qwen2 GGUF (see the module doc)."""
+    """The ONNX decoder of a GGUF file of a registered architecture (see the module doc)."""
+    arch = h.architecture
+    if arch.norm_placement is not NormPlacement.PRE:  # the one block below: a norm before attention and the FFN
+        raise ValueError(f"{arch.name}: norm placement {arch.norm_placement.value} has no graph yet")
+    norm, activation = NORMS[arch.norm], ACTIVATIONS[arch.activation]
     g = _Graph()
     batch, seq, past, total = "batch", "sequence", "past_sequence", "total_sequence"
     input_ids = ir.val("input_ids", ir.DataType.INT64, [batch, seq])
@@ -238,13 +252,13 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
 
     scale = g.scalar("attn.scale", 1.0 / np.sqrt(h.head_dim))
     groups = h.heads // h.kv_heads
-    permute = h.architecture == "llama"  # convert_hf_to_gguf permutes llama's q/k rows (not qwen2's)
+    permute = arch.qk_rows is QKRows.PERMUTED
     q_rows = rope_rows(h.heads, h.head_dim) if permute else None
     k_rows = rope_rows(h.kv_heads, h.head_dim) if permute else None
     for i in range(h.layers):
         p = f"blk.{i}."
         get = lambda name: found.get(p + name)  # noqa: E731
-        a = _rms_norm(g, x, get("attn_norm.weight"), h.eps, p + "attn_norm")
+        a = norm(g, x, get("attn_norm.weight"), h.eps, p + "attn_norm")
         q = _linear(g, a, p + "attn_q", get("attn_q.weight"), get("attn_q.bias"), q_rows)
         k = _linear(g, a, p + "attn_k", get("attn_k.weight"), get("attn_k.bias"), k_rows)
         v = _linear(g, a, p + "attn_v", get("attn_v.weight"), get("attn_v.bias"))
@@ -276,14 +290,13 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
                                    g.ints(p + "o_shape", [0, 0, h.heads * h.head_dim])])
         attended = _linear(g, context, p + "attn_output", get("attn_output.weight"))
         x = g.op("Add", [x, attended], name=p + "attn_residual")
-        f = _rms_norm(g, x, get("ffn_norm.weight"), h.eps, p + "ffn_norm")
-        gate = _linear(g, f, p + "ffn_gate", get("ffn_gate.weight"))
-        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+        f = norm(g, x, get("ffn_norm.weight"), h.eps, p + "ffn_norm")
+        gate = activation(g, _linear(g, f, p + "ffn_gate", get("ffn_gate.weight")))
         up = _linear(g, f, p + "ffn_up", get("ffn_up.weight"))
-        down = _linear(g, g.op("Mul", [silu, up]), p + "ffn_down", get("ffn_down.weight"))
+        down = _linear(g, g.op("Mul", [gate, up]), p + "ffn_down", get("ffn_down.weight"))
         x = g.op("Add", [x, down], name=p + "ffn_residual")
 
-    x = _rms_norm(g, x, found["output_norm.weight"], h.eps, "output_norm")
+    x = norm(g, x, found["output_norm.weight"], h.eps, "output_norm")
     if "output.weight" in found:
         logits = _linear(g, x, "output", found["output.weight"])
     else:  # tied: the embedding table, transposed

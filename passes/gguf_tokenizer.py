@@ -32,6 +32,9 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
 }
 IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3"}  # llama.cpp's tokenizer_ignore_merges
+# tokenizer.ggml.model's names of the two vocabulary types (names of tokenizers, not of architectures)
+BYTE_BPE = "gpt2"
+SENTENCEPIECE = "llama"
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 2 unknown, 5 unused, 6 byte)
 
 
@@ -119,19 +122,19 @@ def write_tokenizer(reader, path: Path, directory: Path, vocab_size: int, log=la
     types = list(_get(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     if len(types) != len(tokens):
         types = [1] * len(tokens)
-    if kind == "gpt2":
+    if kind == BYTE_BPE:
         merges = _get(reader, "tokenizer.ggml.merges", [])
         pre = _get(reader, "tokenizer.ggml.pre", "default") or "default"
         tokenizer = _bpe(tokens, merges, types, pre, notes)
         add_bos_default = pre in IGNORE_MERGES  # llama.cpp adds BOS for llama3's pre-tokenizer unless told not to
-    elif kind == "llama":
+    elif kind == SENTENCEPIECE:
         scores = _get(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))
         tokenizer = _spm(tokens, list(scores), types, _get(reader, "tokenizer.ggml.unknown_token_id"),
                          bool(_get(reader, "tokenizer.ggml.add_space_prefix", True)))
         add_bos_default = True
     else:
-        notes.append(f"tokenizer type {kind!r} of {path.name} is not supported (gpt2 and llama are): the artifact "
-                     "runs on token ids only")
+        notes.append(f"tokenizer type {kind!r} of {path.name} is not supported ({BYTE_BPE} and {SENTENCEPIECE} "
+                     "are): the artifact runs on token ids only")
         return notes
     tokenizer.save(str(directory / "tokenizer.json"))
 

@@ -55,7 +55,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
           edit=None) -> dict[str, np.ndarray]:
     """Write a random model of `tiny`'s shape to `path`; return the file's tensors dequantized (as llama.cpp
     reads them: GGUF names, numpy order, q/k rows permuted as stored). `tokenizer`: metadata keys to add
-    (tokenizer.ggml.*). `edit(writer, tensors)` may change the tensors (name -> (array, type)) before writing."""
+    (tokenizer.ggml.*, or any other). `edit(writer, tensors)` may change the tensors (name -> (array, type)) before
+    writing."""
     rng = np.random.default_rng(seed)
     t, q, kv = tiny, tiny.heads * tiny.head_dim, tiny.kv_heads * tiny.head_dim
     shapes = {"token_embd.weight": (t.vocab, t.d_model), "output_norm.weight": (t.d_model,)}
@@ -107,6 +108,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
             writer.add_bool(key, value)
         elif isinstance(value, int):
             writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
         elif isinstance(value, str):
             writer.add_string(key, value)
         elif isinstance(value, list) and value and isinstance(value[0], str):

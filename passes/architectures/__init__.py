@@ -1,0 +1,168 @@
+"""The GGUF architectures picompile compiles, one module each, as typed facts: which metadata an architecture
+reads, which tensors its files hold, and how its decoder block computes (`Architecture`). `ARCHITECTURES` is the
+registry, `architecture_of` its door.
+
+Every registered architecture is a value of the one decoder block the GGUF front end builds
+(`passes.gguf_graph`): token embedding; per block a norm, attention with RoPE (grouped-query, optional q/k/v
+biases), a norm and a gated FFN; a final norm and an output layer (or the embedding table, tied). An
+architecture whose features are values this block already has is one module here plus one line in
+`ARCHITECTURES`; a new feature is a new enum value here, and the graph's code for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+from ..errors import UserError
+
+
+class QKRows(Enum):
+    """How a file stores attn_q's and attn_k's rows (the graph computes transformers' rotate-half RoPE)."""
+
+    PERMUTED = "permuted"  # llama.cpp's converter permuted them for adjacent-pair RoPE: put back when read
+    ROTATE_HALF = "rotate-half"  # stored as transformers computes them (llama.cpp's NeoX RoPE)
+
+
+class Need(Enum):
+    """Whether a file of the architecture has a tensor."""
+
+    REQUIRED = "required"
+    OPTIONAL = "optional"
+    ABSENT = "absent"
+
+
+class Norm(Enum):
+    RMS = "rms"  # x / sqrt(mean(x^2) + eps) * w
+
+
+class NormPlacement(Enum):
+    PRE = "pre"  # one norm before attention, one before the FFN, each inside its residual branch
+
+
+class Activation(Enum):
+    """The gated FFN's activation: act(gate) * up -> down."""
+
+    SILU = "silu"
+
+
+class Rope(Enum):
+    """RoPE variants a file may use besides plain RoPE at rope.freq_base (always taken)."""
+
+    LINEAR = "linear"  # rope.scaling.type linear: positions divided by rope.scaling.factor
+    FREQS = "rope_freqs"  # rope_freqs.weight: per-frequency divisors of the angles (LLaMA 3.1)
+
+
+class Dim(Enum):
+    """A tensor dimension, as the hyper-parameters size it."""
+
+    VOCAB = "vocab"  # the rows of token_embd.weight (no metadata key: the table itself says)
+    D_MODEL = "d_model"
+    FFN = "ffn"
+    Q = "heads x head_dim"
+    KV = "kv_heads x head_dim"
+    HALF_HEAD = "head_dim / 2"
+
+    def size(self, h, vocab: int) -> int:
+        """The size in a model of hyper-parameters `h` (`passes.gguf_graph.Hyper`) and `vocab` tokens."""
+        return {Dim.VOCAB: vocab, Dim.D_MODEL: h.d_model, Dim.FFN: h.ffn, Dim.Q: h.heads * h.head_dim,
+                Dim.KV: h.kv_heads * h.head_dim, Dim.HALF_HEAD: h.head_dim // 2}[self]
+
+
+@dataclass(frozen=True)
+class Param:
+    """A hyper-parameter: metadata `<architecture>.<key>`, read as `name`. `default`: None where the file must
+    have it, else llama.cpp's value where it is absent (a function of the values read before it, or a value)."""
+
+    name: str
+    key: str
+    kind: type = int  # int: positive, one value for every layer; float; str
+    default: object | Callable[[dict], object] = None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor a file holds: its GGUF name (a block's without the `blk.{i}.` before it), numpy-order shape
+    (GGUF lists dimensions the other way round), whether a file must have it, and whether it is a weight matrix
+    (a linear layer or the embedding table: what --weight-dtype stores) rather than a norm or a bias."""
+
+    name: str
+    shape: tuple[Dim, ...]
+    required: bool
+    matrix: bool
+    per_block: bool = False
+
+    def size(self, h, vocab: int) -> tuple[int, ...]:
+        return tuple(d.size(h, vocab) for d in self.shape)
+
+
+# a block's norm weights (RMSNorm has no bias) where each placement puts norms
+_NORMS = {NormPlacement.PRE: ("attn_norm.weight", "ffn_norm.weight")}
+
+# The hyper-parameters of llama.cpp's LLaMA-family decoders, with llama.cpp's defaults (src/llama-model.cpp;
+# it requires the norm's epsilon, which picompile takes as 1e-5 where a file lacks it)
+DECODER_PARAMS = (
+    Param("layers", "block_count"),
+    Param("d_model", "embedding_length"),
+    Param("ffn", "feed_forward_length"),
+    Param("heads", "attention.head_count"),
+    Param("kv_heads", "attention.head_count_kv", default=lambda got: got["heads"]),
+    Param("head_dim", "attention.key_length", default=lambda got: max(got["d_model"] // got["heads"], 1)),
+    Param("value_dim", "attention.value_length", default=lambda got: got["head_dim"]),
+    Param("rope_dims", "rope.dimension_count", default=lambda got: got["head_dim"]),
+    Param("rope_scaling", "rope.scaling.type", str, "linear"),  # a factor without a type scales linearly
+    Param("rope_factor", "rope.scaling.factor", float, 1.0),
+    Param("eps", "attention.layer_norm_rms_epsilon", float, 1e-5),
+    Param("rope_base", "rope.freq_base", float, 10000.0),
+)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A GGUF `general.architecture`: the facts the front end reads a file of it by, and builds its graph from."""
+
+    name: str  # general.architecture's value, and the prefix of its metadata keys
+    params: tuple[Param, ...]
+    qk_rows: QKRows
+    qkv_bias: Need
+    norm: Norm
+    norm_placement: NormPlacement
+    activation: Activation
+    rope: frozenset[Rope]
+    tied_output: bool  # the output layer may be absent: the embedding table, transposed, computes the logits
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """The tensors a file of this architecture holds (the model's, then one block's), in the order the front end
+        checks them."""
+        D, F, Q, KV = Dim.D_MODEL, Dim.FFN, Dim.Q, Dim.KV
+        before_attention, before_ffn = _NORMS[self.norm_placement]
+        model = [TensorSpec("token_embd.weight", (Dim.VOCAB, D), True, True),
+                 TensorSpec("output_norm.weight", (D,), True, False),
+                 TensorSpec("output.weight", (Dim.VOCAB, D), not self.tied_output, True)]
+        if Rope.FREQS in self.rope:
+            model.append(TensorSpec("rope_freqs.weight", (Dim.HALF_HEAD,), False, False))
+        block = [(before_attention, (D,), False), ("attn_q.weight", (Q, D), True), ("attn_k.weight", (KV, D), True),
+                 ("attn_v.weight", (KV, D), True), ("attn_output.weight", (D, Q), True),
+                 (before_ffn, (D,), False), ("ffn_gate.weight", (F, D), True),
+                 ("ffn_up.weight", (F, D), True), ("ffn_down.weight", (D, F), True)]
+        specs = [TensorSpec(name, shape, True, matrix, per_block=True) for name, shape, matrix in block]
+        if self.qkv_bias is not Need.ABSENT:
+            specs += [TensorSpec(f"attn_{name}.bias", (dim,), self.qkv_bias is Need.REQUIRED, False, per_block=True)
+                      for name, dim in (("q", Q), ("k", KV), ("v", KV))]
+        return (*model, *specs)
+
+
+from .llama import LLAMA  # noqa: E402  (the modules build on the classes above)
+from .qwen2 import QWEN2  # noqa: E402
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2)}
+
+
+def architecture_of(name) -> Architecture:
+    """The registered architecture `name` (a file's general.architecture), or the one-line refusal."""
+    if not isinstance(name, str) or name not in ARCHITECTURES:
+        raise UserError(f"architecture {name!r} is not supported (picompile compiles GGUF "
+                        f"{', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[name]
