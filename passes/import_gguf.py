@@ -1,28 +1,22 @@
 """import (GGUF): a llama.cpp model file in, the same ONNX decoder the ONNX front end imports out.
 
-Reads: a GGUF file (`gguf.GGUFReader`: the header parsed, tensors memory-mapped, never read whole). Writes,
-once per file (cached by its path, size and modification time under `$PICOMPILE_CACHE/gguf-onnx/`), an
-ordinary ONNX decoder in optimum's KV-cache convention (inputs `input_ids`, `attention_mask`, `position_ids`,
-`past_key_values.{i}.key/.value`; outputs `logits`, `present.{i}.key/.value`), built from standard ONNX ops
-the way transformers' exports compute LLaMA / Qwen2 (RMSNorm, rotate-half RoPE, grouped-query attention,
-SwiGLU), plus `com.microsoft.MatMulNBits` for Q8_0 / Q4_0 weight matrices (`passes.gguf_graph`); and, from
-the file's metadata, the model's tokenizer (`passes.gguf_tokenizer`: `tokenizer.json` built with the
-`tokenizers` library, `tokenizer_config.json`, `generation_config.json`) beside it. `load` then reads that ONNX file through the ONNX front end's own
-`load`, so the import pass, every later pass, `--dump-ir`, `inspect`, the profile pass's onnxruntime
-reference and `eval --reference model.gguf` see exactly what an ONNX model gives them.
+Reads: a GGUF file (`gguf.GGUFReader`: the header parsed, tensors memory-mapped, never read whole). `load`
+builds from it an ordinary ONNX decoder in optimum's KV-cache convention (inputs `input_ids`, `attention_mask`,
+`position_ids`, `past_key_values.{i}.key/.value`; outputs `logits`, `present.{i}.key/.value`), from standard ONNX
+ops the way transformers' exports compute the architecture (`passes.gguf_graph`), and hands it to the ONNX front
+end's import pass, so every later pass, `--dump-ir`, `inspect` and `eval --reference model.gguf` see what an ONNX
+model gives them. Written once per file (cached by its path, size and modification time under
+`$PICOMPILE_CACHE/gguf-onnx/`): the model's tokenizer (`passes.gguf_tokenizer`: `tokenizer.json` built with the
+`tokenizers` library, `tokenizer_config.json`, `generation_config.json`), never the weights.
 
-Weights keep the file's values:
-- F32, F16 and BF16 tensors are stored as they are (half matrices behind a Cast, as the ONNX front end keeps
-  an fp16 model's).
-- Q8_0 and Q4_0 matrices become MatMulNBits (bits 8 / 4, blocks of 32 along K, the file's codes and its fp16
-  scales held in float32: MatMulNBits' scales share its input's type), which the import pass dequantizes
-  exactly and records (`SourceQuantization`); the quantize pass stores them back in picompile's int8 / int4
-  blocks with the file's q and scales (`passes.kernels.quant.on_grid`).
-- Every other type the `gguf.quants` module dequantizes (Q4_1, Q5_0, Q5_1, the K-quants, ...) and every
-  quantized embedding table (a Gather reads floats) is stored dequantized to float32: exactly the file's
-  values (`gguf.quants.dequantize`). Q4_1 is among them, not a MatMulNBits with float zero points: (q - zp) x
-  scale cannot give d x q + m exactly in floating point (zp = -m / d rounds), and the file's values must
-  stay exact.
+Weights keep the file's values, and a quantized matrix its blocks:
+- F32, F16 and BF16 tensors are read as they are (half matrices behind a Cast).
+- A block type some picompile format holds exactly (`passes.formats.ggml`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
+  K-quants Q4_K, Q5_K, Q6_K) is a `FileTensor` over the file's memory-mapped blocks: a float tensor to a pass
+  that computes with it (dequantized when read, a matrix at a time), its blocks themselves to the passes that
+  store it (quantize, select-kernels).
+- Any other type the `gguf.quants` module dequantizes (Q2_K, Q3_K, ...) is dequantized to float32 when read
+  (`onnx_ir.LazyTensor`), and rounded by --weight-dtype like a float matrix.
 What each tensor was in the file is a fact on the model (`GGUFSource`, `metadata_props["picompile.gguf"]`),
 which recognise keeps and the build reads to say which tensors a `--weight-dtype` re-rounds.
 
