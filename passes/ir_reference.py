@@ -27,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import ir as pir
+from .activations import ACTIVATIONS
 from .budget import PROMPT_TOKENS
 from .file_blocks import FileMatrix
 from .memory import BoundedCache
@@ -37,7 +38,6 @@ from runtime.manifest import OUTPUT_LAYER
 # Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies (MatMul: the
 # output layer, the one MatMul of the block IR)
 SITES = {("Attention", "qkv"): 4, ("Attention", "o"): 6, ("FFN", "in"): 1, ("FFN", "down"): 3, ("MatMul", "head"): 1}
-_ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
 
 
 @dataclass
@@ -323,7 +323,7 @@ class Interpreter:
         if b_up is not None:
             pre = pre + b_up
         ffn = FFN(node)
-        act = _ACTIVATIONS[ffn.activation]
+        act = ACTIVATIONS[ffn.activation].torch()
         if ffn.gated:
             half = pre.shape[-1] // 2
             hidden = act(pre[..., :half]) * pre[..., half:]

@@ -14,6 +14,7 @@ from typing import ClassVar, Generic, Iterator, TypeVar
 
 import onnx_ir as ir
 
+from .activations import ACTIVATIONS
 from .ir import DOMAIN
 
 T = TypeVar("T")
@@ -180,7 +181,7 @@ class FFN(Layered, Folds):
     """recognise: a layer's dense FFN (w_up holds [gate | up] when gated); later passes add their facts to it."""
 
     inputs = (Port("x"), Port("w_up"), Port("b_up", optional=True), Port("w_down"), Port("b_down", optional=True))
-    activation = Str()
+    activation = Str(choices=tuple(ACTIVATIONS))
     gated = Int()
     # profile
     sparsity = Float(optional=True)
@@ -207,7 +208,7 @@ class ThresholdFFN(Layered, Folds):
     """lower (threshold mode): the FFN without its down bias, decode reading the rows of the kept inputs."""
 
     inputs = (Port("x"), Port("w_up"), Port("b_up", optional=True), Port("w_down"))
-    activation = Str()
+    activation = Str(choices=tuple(ACTIVATIONS))
     gated = Int()
     threshold_in = Float()
     threshold_down = Float()
@@ -227,7 +228,7 @@ class SparseFFN(Layered):
     part = Str(choices=("gpu", "cpu"))
     neurons = Int()
     threshold = Float()
-    activation = Str()
+    activation = Str(choices=tuple(ACTIVATIONS))
     gated = Int()
 
 

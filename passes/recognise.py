@@ -2,11 +2,13 @@
 
 Reads: the imported IR (constants folded, batch 1) from any exporter. Finds, by dataflow from the KV
 cache outputs and by patterns around the weights, per layer the attention block (q/k/v/o projections,
-heads, RoPE) and the FFN block (ReLU: up(+bias) -> act -> down(+bias); gated: act(gate) * up -> down),
-their norms, the token (and learned position) embedding and the output layer. Which columns of the
-projections are the query, key and value of each head (separate or fused QKV, any head interleaving) is
-read off the graph itself: onnxruntime runs the data movement between the projections and the cache /
-the score MatMul on column indices, for one token at position 0, where RoPE is the identity.
+heads, RoPE) and the FFN block (ReLU: up(+bias) -> act -> down(+bias); gated: act(gate) * up -> down;
+the activation an op (Relu, Gelu with its approximation), SiLU as x * Sigmoid(x), or GELU written out in
+elementwise ops, known by its values), their norms, the token (and learned position) embedding and the
+output layer. Which columns of the projections are the query, key and value of each head (separate or
+fused QKV, any head interleaving) is read off the graph itself: onnxruntime runs the data movement between
+the projections and the cache / the score MatMul on column indices, for one token at position 0, where RoPE
+is the identity.
 Adds: a new graph with one `picompile.Embed`, per layer a norm, a `picompile.Attention`, a residual Add,
 a norm, a `picompile.FFN` and an Add (parallel blocks, GPT-NeoX / Falcon: both blocks read the layer's
 input and both outputs are added to it), then the final norm and the output MatMul. Weights become named
@@ -19,6 +21,7 @@ its reference executor. Refuses what it cannot recognise with a message naming i
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,6 +32,7 @@ from onnx_ir.passes import PassResult
 from passes.import_gguf import GGUFSource
 from passes.import_onnx import SourceQuantization, available_memory_bytes
 from . import ir as pir
+from .activations import ACTIVATIONS
 from .file_blocks import FileMatrix
 from .errors import UserError
 from .ops import Embed
@@ -42,7 +46,9 @@ from runtime.dtypes import nbytes
 PASS_THROUGH = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast"}
 # Ops whose output is a tensor's shape, not its data: dataflow walks stop there.
 SHAPE_OF = {"Shape", "Size"}
-ACTIVATIONS = {"Relu": "relu", "Gelu": "gelu"}
+# Activation ops by ONNX name (Gelu: exact unless its `approximate` says "tanh"; onnxruntime's own Gelu is exact).
+ONNX_ACTIVATIONS = {"Relu": "relu", "Gelu": "gelu"}
+GELU_APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # ONNX Gelu's `approximate` (opset 20)
 # onnxruntime's own ops (com.microsoft) that its basic/extended graph optimisations write and that are
 # recognised: Gemm + activation, MatMul with transposes/scale, LayerNorm/RMSNorm fused with the residual Add.
 CONTRIB_DOMAIN = "com.microsoft"
@@ -162,10 +168,10 @@ def _match_linear(node: ir.Node) -> Linear | None:
         bias = pir.const_array(node.inputs[2]) if node.op_type != "FusedMatMul" and len(node.inputs) > 2 else None
         if bias is not None:
             bias = np.broadcast_to(bias * pir.attr(node, "beta", 1.0), (weight.shape[1],))
-        if node.op_type == "FusedGemm" and pir.attr(node, "activation", "") not in ("", *ACTIVATIONS):
+        if node.op_type == "FusedGemm" and pir.attr(node, "activation", "") not in ("", *ONNX_ACTIVATIONS):
             raise UserError(f"onnxruntime FusedGemm {node.name} applies activation {pir.attr(node, 'activation')}, "
-                            f"which is not supported (supported: {', '.join(ACTIVATIONS)})")
-        activation = ACTIVATIONS.get(pir.attr(node, "activation", "")) if node.op_type == "FusedGemm" else None
+                            f"which is not supported (supported: {', '.join(ONNX_ACTIVATIONS)})")
+        activation = ONNX_ACTIVATIONS.get(pir.attr(node, "activation", "")) if node.op_type == "FusedGemm" else None
     else:
         return None
     output = node.outputs[0]
@@ -304,6 +310,101 @@ def _downstream_linear(start: ir.Value, linear_by_node: dict[ir.Node, Linear]) -
     return None
 
 
+# ---------------------------------------------------------------- activations
+
+
+def _named_activation(node: ir.Node) -> str:
+    """The activation a Relu or Gelu node computes."""
+    if node.op_type != "Gelu":
+        return ONNX_ACTIVATIONS[node.op_type]
+    approximate = pir.attr(node, "approximate", "none")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise UserError(f"Gelu {node.name} has approximate={approximate!r}; ONNX defines "
+                        f"{' and '.join(map(repr, GELU_APPROXIMATIONS))}")
+    return GELU_APPROXIMATIONS[approximate]
+
+
+# The elementwise ops an activation is written out with, as functions of float64 arrays (pass-through ops
+# carry their data input). Exporters write GELU so below opset 20, each in its own order of operations.
+_ELEMENTWISE = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
+                "Sqrt": np.sqrt, "Neg": np.negative, "Exp": np.exp, "Tanh": np.tanh,
+                "Erf": np.vectorize(math.erf, otypes=[np.float64])}
+# Where the written-out function is compared with each activation: wide enough that exact and tanh GELU
+# differ (by 5e-4 at |x| = 2.7) far beyond the rounding of an exporter's fp32 constants (1e-7 relative).
+_PROBE = np.linspace(-8.0, 8.0, 321)
+_PROBE_TOLERANCE = 1e-5
+
+
+def _elementwise_inputs(node: ir.Node) -> list[ir.Value | None] | None:
+    """The inputs an elementwise node computes with (a pass-through op's data input alone), None for any other op."""
+    if node.op_type in PASS_THROUGH:
+        return list(node.inputs[:1])
+    return list(node.inputs) if node.op_type in _ELEMENTWISE and node.domain in ("", "ai.onnx") else None
+
+
+def _written_out_activation(anchor: ir.Node, linear_of) -> tuple[str, ir.Value, Linear] | None:
+    """An activation exported as elementwise arithmetic around `anchor` (a Tanh or Erf): (its name, its output,
+    the linear it reads) when the ops that read that linear's output compute, of it alone and with scalar
+    constants, one value that leaves them and equals a known activation on a probe of inputs; else None.
+    Matching the values rather than an op pattern takes every exporter's spelling, and never mistakes one
+    GELU for the other."""
+    first, stack, seen = None, [anchor.inputs[0]], set()
+    while stack:  # up: the one linear the anchor's input is computed from
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        linear = linear_of(value)
+        if linear is not None:
+            if first is not None and first is not linear:
+                return None
+            first = linear
+            continue
+        inputs = None if value.producer() is None else _elementwise_inputs(value.producer())
+        if inputs is None:
+            return None
+        stack.extend(v for v in inputs if v is not None and pir.const_array(v) is None)
+    if first is None:
+        return None
+    # down: evaluate every op whose inputs are x, values computed from x, or scalar constants
+    x = first.output
+    computed, done, queue = {id(x): (x, _PROBE)}, set(), deque([x])
+    with np.errstate(all="ignore"):
+        while queue:
+            for node in queue.popleft().consumers():
+                inputs = _elementwise_inputs(node)
+                if node in done or inputs is None or len(node.outputs) != 1:
+                    continue
+                args = []
+                for v in inputs:
+                    if v is not None and id(v) in computed:
+                        args.append(computed[id(v)][1])
+                        continue
+                    constant = None if v is None else pir.const_array(v)
+                    if constant is None or constant.size != 1:
+                        break  # another tensor, or one not computed yet (this node is seen again when it is)
+                    args.append(float(constant.reshape(-1)[0]))
+                else:
+                    done.add(node)
+                    function = _ELEMENTWISE.get(node.op_type, lambda a: a)
+                    computed[id(node.outputs[0])] = (node.outputs[0], function(*args))
+                    queue.append(node.outputs[0])
+    if anchor not in done:
+        return None
+    leaving = [(value, probe) for value, probe in computed.values()
+               if value.is_graph_output() or any(c not in done and c.op_type not in SHAPE_OF for c in value.consumers())]
+    if len(leaving) != 1 or leaving[0][0] is x:
+        return None
+    out, got = leaving[0]
+    import torch  # here: recognise needs torch only for written-out activations
+
+    for activation in ACTIVATIONS.values():
+        want = activation.torch()(torch.from_numpy(_PROBE)).numpy()
+        if np.shape(got) == want.shape and np.allclose(got, want, rtol=_PROBE_TOLERANCE, atol=_PROBE_TOLERANCE):
+            return activation.name, out, first
+    return None
+
+
 # ---------------------------------------------------------------- recognition
 
 
@@ -321,8 +422,13 @@ def _find_ffns(graph: ir.Graph, linear_by_output: dict[int, Linear]) -> list[FFN
             if not muls:
                 continue
             activation, act_out, first = "silu", muls[0].outputs[0], linear_of(node.inputs[0])
-        elif node.op_type in ACTIVATIONS:
-            activation, act_out, first = ACTIVATIONS[node.op_type], node.outputs[0], linear_of(node.inputs[0])
+        elif node.op_type in ONNX_ACTIVATIONS:
+            activation, act_out, first = _named_activation(node), node.outputs[0], linear_of(node.inputs[0])
+        elif node.op_type in ("Tanh", "Erf"):  # GELU written out, as exporters do below opset 20
+            found = _written_out_activation(node, linear_of)
+            if found is None:
+                continue
+            activation, act_out, first = found
         else:
             continue
         if first is None or first.activation is not None and first is not fused:
@@ -670,7 +776,8 @@ def _unrecognised_ffn(leftovers: list[Linear]) -> str:
             node = users[0]
             return (f"; linear {lin.matmul.name or lin.matmul.op_type} is followed by {node.op_type} "
                     f"(node {node.name or node.op_type}), which is not a supported FFN activation "
-                    "(Relu, Gelu, SiLU as x*Sigmoid(x)); no build flag changes this")
+                    "(Relu; Gelu, exact or tanh, as the op or written out with Erf or Tanh; SiLU as x*Sigmoid(x)); "
+                    "no build flag changes this")
     return ""
 
 

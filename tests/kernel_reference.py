@@ -13,6 +13,8 @@ def act_ref(v, act):
         return np.maximum(v, 0)
     if act == "gelu":
         return 0.5 * v * (1 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2)))
+    if act == "gelu_tanh":  # torch's approximate="tanh", as written
+        return 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
     if act == "silu":
         return v / (1 + np.exp(-v))
     return v

@@ -48,12 +48,13 @@ LINEAR = {  # name: (K, N, bias, act, residual)
     "relu": (40, 72, True, "relu", False),
     "gelu": (40, 72, True, "gelu", True),
     "silu": (40, 72, False, "silu", True),
+    "gelu_tanh": (40, 72, True, "gelu_tanh", False),
     "tiles": (64, 128, True, "none", True),  # whole 64x64 GEMM tiles, 4 GEMV blocks
     "narrow": (24, 36, True, "relu", False),  # k-stage of 8, a partial column tile
     "deep": (300, 200, True, "none", True),  # many k-stages (k-stage 4), 4 column tiles, tail
 }
 LINEAR_ROWS = {"relu": (40, 72, "relu"), "none": (36, 100, "none"), "deep": (300, 130, "silu")}
-GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "relu36": (36, "relu")}
+GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "gelu_tanh": (40, "gelu_tanh"), "relu36": (36, "relu")}
 NORM_D = (36, 64, 600)  # 600: several elements per thread and several warps per row
 HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64), (2, 1, 136)]  # (H, KVH, hd); 136: 2 dims per thread
 LONG_CTX = 600  # several 128-key softmax chunks

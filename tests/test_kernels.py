@@ -32,13 +32,15 @@ LINEAR = {  # name: (K, N, bias, act, residual)
     "relu": (40, 72, True, "relu", False),
     "gelu": (40, 72, True, "gelu", True),
     "silu": (40, 72, False, "silu", True),
+    "gelu_tanh": (40, 72, True, "gelu_tanh", False),
     "tiles": (64, 128, True, "none", True),  # whole 64-column GEMV blocks / 6x16 GEMM tiles
     "narrow": (24, 36, True, "relu", False),  # N % 8 != 0: 4-lane vectors
     "group8": (24, 1020, True, "relu", True),  # decode over panels: 64 panels, 8 a task, the last padded
     "group4": (16, 570, False, "none", False),  # 36 panels: 4 a task (8 would leave 4.5 tasks)
 }
 WEIGHT_DTYPES = ("float32", "float16")
-GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "relu36": (36, "relu")}
+GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "gelu_tanh": (40, "gelu_tanh"), "relu36": (36, "relu")}
+SPREAD = 2048  # the activation accuracy test's values
 NORM_D = (36, 64)
 HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64)]  # (H, KVH, hd)
 LONG_CTX = 600  # score buffer > 1 KB: TVM allocates it from the workspace pool, not the stack
@@ -116,6 +118,7 @@ def all_kernels():
                 cpu.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
             )
         funcs.append(cpu.attention(kname("attn", "long", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows))
+    funcs.append(cpu.glu("glu_spread_gelu_tanh", SPREAD, rows=1, act="gelu_tanh"))
     return funcs
 
 
@@ -297,6 +300,31 @@ def test_glu(lib, cfg, variant, m):
     call(lib, kname("glu", cfg, variant), t, y)
     t64 = t.astype(np.float64)
     close(y, act_ref(t64[:, :F], act) * t64[:, F:])
+
+
+def test_gelu_tanh_accuracy(lib):
+    """GELU (tanh), up = 1, on a spread of inputs against float64: within 1e-6 relative, or two ulps of its input
+    where GELU amplifies an input's rounding more than that (kappa = |d ln f / d ln x|, which reaches 229 at
+    x = -10, where f falls like exp(-0.07 x^3): no fp32 evaluation does better there)."""
+    x = np.concatenate([np.linspace(-10, 10, SPREAD - 8), [-1e4, -30, -1e-6, 0, 1e-30, 1e-6, 30, 1e4]])
+    x = x.astype(np.float32)
+    t, y = aligned(np.concatenate([x, np.ones(SPREAD, np.float32)])[None]), aligned(np.zeros((1, SPREAD), np.float32))
+    call(lib, "glu_spread_gelu_tanh", t, y)
+    v = x.astype(np.float64)
+    z = math.sqrt(8 / math.pi) * (v + 0.044715 * v**3)  # 2u: 0.5 (1 + tanh(u)) = sigmoid(2u), with no cancellation
+    with np.errstate(over="ignore"):  # exp(-z) is inf at x = -1e4, where GELU is -0
+        sigma = 1 / (1 + np.exp(-z))
+    ref = v * sigma
+    import torch  # ref is torch's definition (whose float64 form cancels for negative x, so is compared above -3)
+
+    torch_ref = torch.nn.functional.gelu(torch.from_numpy(v), approximate="tanh").numpy()
+    np.testing.assert_allclose(ref[v > -3], torch_ref[v > -3], rtol=1e-12, atol=1e-300)
+    kappa = np.abs(1 + v * (1 - sigma) * math.sqrt(8 / math.pi) * (1 + 3 * 0.044715 * v**2))
+    spread = np.abs(v) <= 10
+    bound = (1e-6 + 2 * 2.0**-24 * kappa[spread]) * np.abs(ref[spread])
+    assert (np.abs(y[0][spread] - ref[spread]) <= bound).all()
+    assert y[0][x == 0] == 0 and np.array_equal(y[0][np.abs(v) >= 30] > 0, v[np.abs(v) >= 30] > 0)
+    assert np.allclose(y[0][np.abs(v) >= 30], np.maximum(v[np.abs(v) >= 30], 0), rtol=1e-7, atol=1e-30)
 
 
 @pytest.mark.parametrize("variant,m", VARIANTS)
