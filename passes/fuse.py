@@ -8,6 +8,9 @@ Reads: the block IR (after recognise, or lower). Adds: nothing new; rewrites, ea
   ThresholdFFN, MergePartial, the output layer's Linear), and which is the block output's only user, becomes the
   block's last input (attribute `residual` 1): the block's last kernel adds it in its epilogue. Every reader of the
   Add's result reads the block's.
+- `post-norm` (in the same sweep): Add(skip, RMSNormalization(x, scale)) whose norm is the Add's only reader, a
+  norm of a block's output inside its residual branch (Gemma's; a pre-norm's output is never added to the
+  residual stream), becomes `picompile.PostNorm(x, scale, skip)` (`residual` 1): one rms_norm kernel adds the skip.
 Each replacement keeps the name of the node it replaces (kernel calls are named after their block) and the names
 of the values it replaces (the rewriter's own doing), so a build is the same as before the rules moved to it.
 """
@@ -25,7 +28,8 @@ from . import ops
 from .pipeline import Context, Fact
 from .recognise import BLOCKS
 
-# the ops declared to take a folded residual (`ops.Folds`): Attention, FFN, ThresholdFFN, MergePartial, Linear
+# the ops declared to take a folded residual (`ops.Folds`): Attention, FFN, ThresholdFFN, MergePartial, Linear (and
+# PostNorm, which only the post-norm rule makes, its residual folded from the start)
 RESIDUAL_BLOCKS = tuple(name for name, op in ops.OPS.items() if issubclass(op, ops.Folds))
 
 
@@ -79,7 +83,26 @@ def _residual_rule(op_type: str) -> pattern.RewriteRule:
     return pattern.RewriteRule(target, replace, check)
 
 
-RESIDUAL_RULES = pattern.RewriteRuleSet([_residual_rule(op_type) for op_type in RESIDUAL_BLOCKS], commute=True)
+def _post_norm_rule() -> pattern.RewriteRule:
+    """Add(skip, RMSNormalization(x, scale)) -> picompile.PostNorm(x, scale, skip), residual 1."""
+
+    def target(op, x, scale, skip):
+        return op.Add(skip, op.RMSNormalization(x, scale, _allow_other_attributes=True, _outputs=["normed"]))
+
+    def check(context, scale, skip, normed, **_) -> bool:
+        return skip.const_value is None and len(normed.uses()) == 1 and pir.const_array(scale) is not None
+
+    def replace(op, x, scale, skip, normed, **_):
+        norm = normed.producer()
+        epsilon = float(pir.attr(norm, "epsilon", 1e-5))
+        return op.op("PostNorm", x, scale, skip, _domain=pir.DOMAIN, _name=norm.name,
+                     epsilon=ir.AttrFloat32("epsilon", epsilon), residual=ir.AttrInt64("residual", 1))
+
+    return pattern.RewriteRule(target, replace, check)
+
+
+RESIDUAL_RULES = pattern.RewriteRuleSet([*(_residual_rule(op_type) for op_type in RESIDUAL_BLOCKS if op_type != "PostNorm"),
+                                         _post_norm_rule()], commute=True)
 RULES = (("head-bias", HEAD_RULES), ("residual", RESIDUAL_RULES))
 
 

@@ -1,10 +1,13 @@
 """The ONNX decoder of a GGUF file (the GGUF front end's graph; `passes.import_gguf` reads and checks the file
 and caches what this writes).
 
-Standard ONNX ops computed as transformers' LLaMA / Qwen2 exports compute them: RMSNorm as x * 1/sqrt(mean(x^2)
-+ eps) * w, rotate-half RoPE from an `inv_freq` constant and `position_ids`, a causal mask with
-`attention_mask`, grouped-query attention by repeating the cache's kv heads, SwiGLU as gate * sigmoid(gate) *
-up; the KV cache in optimum's convention. Weights: F32 as stored, F16 / BF16 as stored behind a Cast to
+Standard ONNX ops computed as transformers' LLaMA / Qwen2 / Gemma 2 exports compute them: RMSNorm as x *
+1/sqrt(mean(x^2) + eps) * w, rotate-half RoPE from an `inv_freq` constant and `position_ids`, a causal mask with
+`attention_mask` (and, for sliding-window layers, a second one that also closes the keys W or more positions back),
+grouped-query attention by repeating the cache's kv heads, scores scaled then soft-capped (cap * tanh(s / cap))
+where the architecture does, SwiGLU as gate * sigmoid(gate) * up and GeGLU with GELU's tanh form written out;
+Gemma's embedding times sqrt(d_model), its norms after attention and the FFN inside the residual branch, its
+soft-capped logits; the KV cache in optimum's convention. Weights: F32 as stored, F16 / BF16 as stored behind a Cast to
 float32, a block type some picompile format holds exactly (`passes.formats.ggml`) as a `FileTensor` over the
 file's blocks (a float tensor to every pass, computed when read; select-kernels packs the blocks themselves),
 any other dequantized to float32 when read (`onnx_ir.LazyTensor`: one tensor at a time). What differs between
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from .architectures import Activation, Architecture, Norm, NormPlacement, QKRows
+from .architectures import Activation, Architecture, EmbeddingScale, Norm, NormPlacement, QKRows
 from .file_blocks import FileMatrix, FileRows, FileTensor
 from .formats import ggml
 
@@ -41,6 +44,14 @@ class Hyper:
     eps: float
     rope_base: float
     rope_scale: float  # linear RoPE scaling: positions divided by it
+    attn_softcap: float = 0.0  # the attention scores' soft-cap, cap * tanh(s / cap) (0: none)
+    final_softcap: float = 0.0  # the logits' soft-cap (0: none)
+    window: int = 0  # sliding-window attention's window, in positions (0: none)
+    sliding: tuple[bool, ...] = ()  # per layer, whether it attends through the window (none listed: no layer)
+    rope_base_swa: float | None = None  # the sliding layers' RoPE base (None: rope_base)
+
+    def slides(self, layer: int) -> bool:
+        return self.window > 0 and layer < len(self.sliding) and self.sliding[layer]
 
 
 def _float_array(tensor) -> np.ndarray:
@@ -170,8 +181,25 @@ def _silu(g: _Graph, x: ir.Value) -> ir.Value:
     return g.op("Mul", [x, g.op("Sigmoid", [x])])
 
 
+def _gelu_tanh(g: _Graph, x: ir.Value) -> ir.Value:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): transformers' gelu_pytorch_tanh, written out (opset 18 has
+    no Gelu op)."""
+    n = g.count
+    cube = g.op("Mul", [g.op("Mul", [x, x]), x])
+    inner = g.op("Add", [x, g.op("Mul", [cube, g.scalar(f"gelu{n}.c3", 0.044715)])])
+    t = g.op("Tanh", [g.op("Mul", [inner, g.scalar(f"gelu{n}.c1", np.sqrt(2.0 / np.pi))])])
+    half = g.op("Mul", [x, g.scalar(f"gelu{n}.half", 0.5)])
+    return g.op("Mul", [half, g.op("Add", [t, g.scalar(f"gelu{n}.one", 1.0)])])
+
+
+def _softcap(g: _Graph, x: ir.Value, cap: float, name: str) -> ir.Value:
+    """cap * tanh(x / cap), as transformers' Gemma 2 computes it (divide, tanh, multiply)."""
+    c = g.scalar(f"{name}.cap", cap)
+    return g.op("Mul", [g.op("Tanh", [g.op("Div", [x, c])]), c], name=name)
+
+
 NORMS = {Norm.RMS: _rms_norm}
-ACTIVATIONS = {Activation.SILU: _silu}
+ACTIVATIONS = {Activation.SILU: _silu, Activation.GELU_TANH: _gelu_tanh}
 
 
 def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str) -> ir.Value:
@@ -192,9 +220,8 @@ def _rotate(g: _Graph, x: ir.Value, cos: ir.Value, sin: ir.Value, half: tuple[ir
 def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
     """The ONNX decoder of a GGUF file of a registered architecture (see the module doc)."""
     arch = h.architecture
-    if arch.norm_placement is not NormPlacement.PRE:  # the one block below: a norm before attention and the FFN
-        raise ValueError(f"{arch.name}: norm placement {arch.norm_placement.value} has no graph yet")
     norm, activation = NORMS[arch.norm], ACTIVATIONS[arch.activation]
+    post_norms = arch.norm_placement is NormPlacement.SANDWICH  # norms after attention and the FFN too
     g = _Graph()
     batch, seq, past, total = "batch", "sequence", "past_sequence", "total_sequence"
     input_ids = ir.val("input_ids", ir.DataType.INT64, [batch, seq])
@@ -221,18 +248,28 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
         table = g.lazy("token_embd.weight", lambda: _float_array(embed).astype(np.float32), ir.DataType.FLOAT,
                        (vocab, h.d_model))
     x = g.op("Gather", [table, input_ids], {"axis": 0}, name="embed")
+    if arch.embedding_scale is EmbeddingScale.SQRT_D_MODEL:  # transformers: sqrt(hidden_size) as a float32 tensor
+        x = g.op("Mul", [x, g.scalar("embed.scale", np.float32(np.sqrt(h.d_model)))], name="embed.scaled")
 
-    # RoPE tables: inv_freq (llama3's rope_freqs divide it, linear scaling too) times the positions
-    inv_freq = 1.0 / (h.rope_base ** (np.arange(0, h.head_dim, 2, dtype=np.float64) / h.head_dim))
-    if "rope_freqs.weight" in found:
-        inv_freq = inv_freq / _float_array(found["rope_freqs.weight"]).astype(np.float64)
-    inv_freq = (inv_freq / h.rope_scale).astype(np.float32)
+    # RoPE tables: inv_freq (llama3's rope_freqs divide it, linear scaling too) times the positions, one pair of
+    # tables per RoPE base (sliding-window layers may have their own)
     positions = g.op("Unsqueeze", [g.op("Cast", [position_ids], {"to": ir.DataType.FLOAT}), g.ints("rope.axis", [-1])])
-    freqs = g.op("Mul", [positions, g.const("rope.inv_freq", inv_freq)])
-    emb = g.op("Concat", [freqs, freqs], {"axis": -1})
     head_axis = g.ints("rope.head_axis", [1])
-    cos = g.op("Unsqueeze", [g.op("Cos", [emb]), head_axis], name="rope.cos")
-    sin = g.op("Unsqueeze", [g.op("Sin", [emb]), head_axis], name="rope.sin")
+    tables: dict[float, tuple[ir.Value, ir.Value]] = {}
+
+    def rotation(base: float) -> tuple[ir.Value, ir.Value]:
+        if base not in tables:
+            p = "rope" if not tables else f"rope{len(tables)}"
+            inv_freq = 1.0 / (base ** (np.arange(0, h.head_dim, 2, dtype=np.float64) / h.head_dim))
+            if "rope_freqs.weight" in found:
+                inv_freq = inv_freq / _float_array(found["rope_freqs.weight"]).astype(np.float64)
+            inv_freq = (inv_freq / h.rope_scale).astype(np.float32)
+            freqs = g.op("Mul", [positions, g.const(f"{p}.inv_freq", inv_freq)])
+            emb = g.op("Concat", [freqs, freqs], {"axis": -1})
+            tables[base] = (g.op("Unsqueeze", [g.op("Cos", [emb]), head_axis], name=f"{p}.cos"),
+                            g.op("Unsqueeze", [g.op("Sin", [emb]), head_axis], name=f"{p}.sin"))
+        return tables[base]
+
     half = (g.ints("rope.zero", [0]), g.ints("rope.mid", [h.head_dim // 2]), g.ints("rope.end", [h.head_dim]),
             g.ints("rope.last", [-1]))
 
@@ -244,13 +281,20 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
     one = g.const("mask.one", np.array(1, np.int64))
     keys = g.op("Range", [g.const("mask.zero", np.array(0, np.int64)), scalar(total_len), one])
     queries = g.op("Range", [scalar(past_len), scalar(total_len), one])
-    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [keys, g.ints("mask.rows", [0])]),
-                                  g.op("Unsqueeze", [queries, g.ints("mask.cols", [1])])])
+    key_rows = g.op("Unsqueeze", [keys, g.ints("mask.rows", [0])])
+    query_cols = g.op("Unsqueeze", [queries, g.ints("mask.cols", [1])])
+    causal = g.op("LessOrEqual", [key_rows, query_cols])
     padded = g.op("Unsqueeze", [g.op("Cast", [attention_mask], {"to": ir.DataType.BOOL}), g.ints("mask.axes", [1, 2])])
-    mask = g.op("Where", [g.op("And", [causal, padded]), g.scalar("mask.open", 0.0),
+    allowed = g.op("And", [causal, padded])
+    mask = g.op("Where", [allowed, g.scalar("mask.open", 0.0),
                           g.scalar("mask.closed", np.finfo(np.float32).min)], name="mask")
+    sliding_mask = None
+    if any(h.slides(i) for i in range(h.layers)):  # ... and the keys the window still holds: key > query - W
+        near = g.op("Greater", [key_rows, g.op("Sub", [query_cols, g.const("mask.window", np.array(h.window, np.int64))])])
+        sliding_mask = g.op("Where", [g.op("And", [allowed, near]), g.scalar("mask.swa_open", 0.0),
+                                      g.scalar("mask.swa_closed", np.finfo(np.float32).min)], name="mask.swa")
 
-    scale = g.scalar("attn.scale", 1.0 / np.sqrt(h.head_dim))
+    scale = g.scalar("attn.scale", arch.query_scale.value(h))
     groups = h.heads // h.kv_heads
     permute = arch.qk_rows is QKRows.PERMUTED
     q_rows = rope_rows(h.heads, h.head_dim) if permute else None
@@ -262,6 +306,8 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
         q = _linear(g, a, p + "attn_q", get("attn_q.weight"), get("attn_q.bias"), q_rows)
         k = _linear(g, a, p + "attn_k", get("attn_k.weight"), get("attn_k.bias"), k_rows)
         v = _linear(g, a, p + "attn_v", get("attn_v.weight"), get("attn_v.bias"))
+        slides = h.slides(i)
+        cos, sin = rotation(h.rope_base_swa if slides and h.rope_base_swa is not None else h.rope_base)
         q = _rotate(g, _heads(g, q, h.heads, h.head_dim, p + "q_shape"), cos, sin, half)
         k = _rotate(g, _heads(g, k, h.kv_heads, h.head_dim, p + "k_shape"), cos, sin, half)
         v = _heads(g, v, h.kv_heads, h.head_dim, p + "v_shape")
@@ -284,16 +330,23 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
         else:
             keys_all, values_all = present_key, present_value
         scores = g.op("MatMul", [q, g.op("Transpose", [keys_all], {"perm": [0, 1, 3, 2]})], name=p + "scores")
-        weights = g.op("Softmax", [g.op("Add", [g.op("Mul", [scores, scale]), mask])], {"axis": -1})
+        scores = g.op("Mul", [scores, scale])
+        if h.attn_softcap:
+            scores = _softcap(g, scores, h.attn_softcap, p + "softcap")
+        weights = g.op("Softmax", [g.op("Add", [scores, sliding_mask if slides else mask])], {"axis": -1})
         context = g.op("MatMul", [weights, values_all])
         context = g.op("Reshape", [g.op("Transpose", [context], {"perm": [0, 2, 1, 3]}),
                                    g.ints(p + "o_shape", [0, 0, h.heads * h.head_dim])])
         attended = _linear(g, context, p + "attn_output", get("attn_output.weight"))
+        if post_norms:
+            attended = norm(g, attended, get("post_attention_norm.weight"), h.eps, p + "post_attention_norm")
         x = g.op("Add", [x, attended], name=p + "attn_residual")
         f = norm(g, x, get("ffn_norm.weight"), h.eps, p + "ffn_norm")
         gate = activation(g, _linear(g, f, p + "ffn_gate", get("ffn_gate.weight")))
         up = _linear(g, f, p + "ffn_up", get("ffn_up.weight"))
         down = _linear(g, g.op("Mul", [gate, up]), p + "ffn_down", get("ffn_down.weight"))
+        if post_norms:
+            down = norm(g, down, get("post_ffw_norm.weight"), h.eps, p + "post_ffw_norm")
         x = g.op("Add", [x, down], name=p + "ffn_residual")
 
     x = norm(g, x, found["output_norm.weight"], h.eps, "output_norm")
@@ -301,6 +354,8 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
         logits = _linear(g, x, "output", found["output.weight"])
     else:  # tied: the embedding table, transposed
         logits = g.op("MatMul", [x, g.op("Transpose", [table], {"perm": [1, 0]})], name="output")
+    if h.final_softcap:
+        logits = _softcap(g, logits, h.final_softcap, "output.softcap")
     logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape([batch, seq, vocab])
     graph = ir.Graph(inputs, [logits, *outputs], nodes=g.nodes, initializers=g.initializers, name="gguf",
                      opset_imports={"": OPSET, "com.microsoft": 1})

@@ -311,8 +311,30 @@ def hyper(reader, path: Path) -> Hyper:
     scalings = ("none", Rope.LINEAR.value) if Rope.LINEAR in arch.rope else ("none",)
     if scaling not in scalings and factor != 1.0:
         raise _refuse(path, f"rope scaling {scaling!r} is not supported ({' and '.join(scalings)} are)")
+    extra = {name: got[name] for name in ("attn_softcap", "final_softcap", "rope_base_swa") if name in got}
+    if arch.sliding_window is not None:
+        extra["window"], extra["sliding"] = _sliding_window(reader, path, arch, got["layers"])
     return Hyper(arch, got["layers"], got["d_model"], got["ffn"], heads, kv_heads, head_dim, got["eps"],
-                 got["rope_base"], factor if scaling == Rope.LINEAR.value else 1.0)
+                 got["rope_base"], factor if scaling == Rope.LINEAR.value else 1.0, **extra)
+
+
+def _sliding_window(reader, path: Path, arch: Architecture, layers: int) -> tuple[int, tuple[bool, ...]]:
+    """(the window, which layers slide), as llama.cpp reads them: attention.sliding_window (the architecture's
+    window where absent), attention.sliding_window_pattern as one bool per layer or a period."""
+    sliding = arch.sliding_window
+    key = f"{arch.name}.attention.sliding_window"
+    window = _field(reader, key, path, sliding.window)
+    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
+        raise _refuse(path, f"metadata {key} is {window!r}, not a window of positions")
+    key = f"{arch.name}.attention.sliding_window_pattern"
+    pattern = _field(reader, key, path, sliding.period)
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(v, (bool, np.bool_)) for v in pattern):
+            raise _refuse(path, f"metadata {key} is not one bool per layer ({layers} layers)")
+        return int(window), tuple(bool(v) for v in pattern)
+    if not isinstance(pattern, (int, np.integer)) or isinstance(pattern, bool) or pattern < 0:
+        raise _refuse(path, f"metadata {key} is {pattern!r}, not a period of layers")
+    return int(window), sliding.layers(int(pattern), layers)
 
 
 def _expected_shapes(h: Hyper, vocab: int) -> dict[str, tuple[tuple[int, ...], bool, bool]]:

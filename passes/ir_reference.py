@@ -31,7 +31,7 @@ from .activations import ACTIVATIONS
 from .budget import PROMPT_TOKENS
 from .file_blocks import FileMatrix
 from .memory import BoundedCache
-from .ops import FFN, Attention, view as op_view
+from .ops import FFN, Attention, Embed, Softcap, view as op_view
 from .streamed_logits import Logits, slice_width
 from runtime.manifest import OUTPUT_LAYER
 
@@ -93,8 +93,10 @@ def _largest_block_bytes(model: ir.Model) -> int:
 
 
 def head_node(model: ir.Model) -> ir.Node | None:
-    """The output layer: the MatMul of a constant producing the logits."""
+    """The output layer: the MatMul of a constant producing the logits (or the logits a `Softcap` caps)."""
     producer = model.graph.outputs[0].producer()
+    if producer is not None and Softcap.matches(producer):
+        producer = producer.inputs[0].producer()
     # (const_matrix: a file's blocks stay unread)
     return producer if producer is not None and producer.op_type == "MatMul" and \
         pir.const_matrix(producer.inputs[1]) is not None else None
@@ -264,6 +266,9 @@ class Interpreter:
         x = values.get(node.inputs[0].name) if node.inputs and node.inputs[0] is not None else None
         if op == "Embed":
             out = self._embedding_rows(node.inputs[2], ids, variant)
+            scale = float(Embed(node).scale)
+            if scale != 1.0:
+                out = out * scale
             if len(node.inputs) > 3 and node.inputs[3] is not None:
                 out = out + self.weight(node.inputs[3], variant)[: ids.shape[1]]
             return out
@@ -279,6 +284,8 @@ class Interpreter:
             return self.ffn(node, x, variant, taps)
         if op == "Attention":
             return self.attention(node, x, variant, taps)
+        if op == "Softcap":
+            return softcap(x, float(Softcap(node).cap))
         raise NotImplementedError(f"the IR reference has no {op} ({node.name})")
 
     def product(self, v: torch.Tensor, matrix: ir.Value, variant: Variant) -> torch.Tensor:
@@ -354,8 +361,18 @@ class Interpreter:
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         group = heads // kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                    scale=float(block.scale))
+        cap, window = float(block.softcap), int(block.window)
+        if cap or window:  # what SDPA does not: scores soft-capped, a query attending to its last `window` keys
+            scores = softcap(q @ k.transpose(-1, -2) * float(block.scale), cap)
+            position = torch.arange(tokens)
+            closed = position[None, :] > position[:, None]
+            if window:
+                closed |= position[None, :] <= position[:, None] - window
+            weights = torch.softmax(scores.masked_fill(closed, -torch.inf), dim=-1)
+            attended = weights @ v
+        else:
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                        scale=float(block.scale))
         attended = attended.transpose(1, 2).reshape(batch, tokens, heads * hd)
         out = self.product(self.linear_input(node, "o", attended, variant, taps), node.inputs[6], variant)
         return out if node.inputs[7] is None else out + self.weight(node.inputs[7])
@@ -394,6 +411,11 @@ def norm(node: ir.Node, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
         out = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps) * scale
         return out if bias is None else out + bias
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * scale
+
+
+def softcap(t: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(t / cap) (Gemma 2's soft-caps); `t` itself for a cap of 0."""
+    return cap * torch.tanh(t / cap) if cap else t
 
 
 def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

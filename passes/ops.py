@@ -155,9 +155,11 @@ class Folds(OpView):
 
 
 class Embed(OpView):
-    """recognise: token rows (and position rows, for OPT) of the embedding tables."""
+    """recognise: token rows (times `scale`: Gemma's sqrt(d_model)) and position rows, for OPT, of the embedding
+    tables."""
 
     inputs = (Port("input_ids"), Port("start"), Port("tokens"), Port("positions", optional=True))
+    scale = Float(optional=True, default=1.0)
 
 
 class Attention(Layered, Folds):
@@ -171,6 +173,8 @@ class Attention(Layered, Folds):
     num_kv_heads = Int()
     head_dim = Int()
     scale = Float()
+    softcap = Float(optional=True, default=0.0)  # scores cap * tanh(s / cap) before the softmax (Gemma 2; 0: none)
+    window = Int(optional=True, default=0)  # a query attends to its last `window` positions, itself included (0: all)
     threshold_qkv = Float(optional=True, default=KEEP_ALL)
     threshold_o = Float(optional=True, default=KEEP_ALL)
     sparsity_qkv = Float(optional=True, default=0.0)
@@ -245,6 +249,22 @@ class Linear(Folds):
     inputs = (Port("x"), Port("weight"), Port("bias", optional=True))
     threshold = Float(optional=True, default=KEEP_ALL)
     sparsity = Float(optional=True, default=0.0)
+
+
+class Softcap(OpView):
+    """recognise: the logits soft-capped, cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping), after the
+    output layer."""
+
+    inputs = (Port("x"),)
+    cap = Float()
+
+
+class PostNorm(Folds):
+    """fuse: an RMSNorm of a block's output whose result a residual Add reads (Gemma's norms after attention and
+    the FFN, inside the residual branch), that Add folded in: y = rms(x) * scale + skip."""
+
+    inputs = (Port("x"), Port("scale"))
+    epsilon = Float()
 
 
 class Handover(OpView):

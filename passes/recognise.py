@@ -89,6 +89,10 @@ class Attention:
     num_kv_heads: int
     head_dim: int
     inv_freq: np.ndarray | None  # RoPE frequencies (rotate-half form), None without RoPE
+    scale: float | None = None  # the scores' scale where the graph applies one after q.k (else 1/sqrt(head_dim))
+    softcap: float = 0.0  # the scores' soft-cap, cap * tanh(s / cap) (0: none)
+    window: int = 0  # a query attends to this many positions, itself and the ones before (0: every earlier one)
+    post_norm: Norm | None = None  # a norm of the block's output inside the residual branch (Gemma)
 
 
 @dataclass
@@ -101,6 +105,7 @@ class FFN:
     gate: Linear | None = None
     layer: int = -1
     parallel: bool = False  # reads the layer's input (beside the attention), not the attention's output
+    post_norm: Norm | None = None  # a norm of the block's output inside the residual branch (Gemma)
 
 
 @dataclass
@@ -114,6 +119,8 @@ class Decoder:
     final_norm: Norm
     lm_head: Linear
     extras: dict = field(default_factory=dict)
+    embed_scale: float = 1.0  # the token rows' scale (Gemma: sqrt(d_model))
+    final_softcap: float = 0.0  # the logits' soft-cap (0: none)
 
 
 # ---------------------------------------------------------------- graph helpers
@@ -405,6 +412,191 @@ def _written_out_activation(anchor: ir.Node, linear_of) -> tuple[str, ir.Value, 
     return None
 
 
+# ---------------------------------------------------------------- scales and soft-caps, post-norms, windows
+
+
+def _scalar_chain(start: ir.Value) -> list[ir.Node]:
+    """The elementwise ops that follow `start` one after another, each the only reader of the value before it and
+    computing with it alone and scalar constants (a scale, a soft-cap's divide, tanh and multiply; casts)."""
+    nodes, value = [], start
+    while not value.is_graph_output():
+        users = [node for node in value.consumers() if node.op_type not in SHAPE_OF]
+        inputs = _elementwise_inputs(users[0]) if len(users) == 1 else None
+        if inputs is None or len(users[0].outputs) != 1 or sum(v is value for v in inputs) != 1:
+            break
+        constants = [None if v is None else pir.const_array(v) for v in inputs if v is not value]
+        if any(c is None or c.size != 1 for c in constants):
+            break
+        nodes.append(users[0])
+        value = users[0].outputs[0]
+    return nodes
+
+
+def _chain_values(nodes: list[ir.Node], start: ir.Value, probe: np.ndarray) -> np.ndarray:
+    """What `_scalar_chain`'s ops compute from `start` = `probe`, in float64."""
+    computed = {id(start): probe}
+    with np.errstate(all="ignore"):
+        for node in nodes:
+            args = [computed[id(v)] if id(v) in computed else float(pir.const_array(v).reshape(-1)[0])
+                    for v in _elementwise_inputs(node)]
+            computed[id(node.outputs[0])] = _ELEMENTWISE.get(node.op_type, lambda a: a)(*args)
+    return computed[id(nodes[-1].outputs[0])] if nodes else probe
+
+
+# raw scores / logits the chains are evaluated on: small ones (where a soft-cap is the identity) to large ones
+_CHAIN_PROBE = np.concatenate([-np.geomspace(1e-3, 1e5, 81)[::-1], [0.0], np.geomspace(1e-3, 1e5, 81)])
+
+
+def _capped_scale(nodes: list[ir.Node], start: ir.Value) -> tuple[float, float] | None:
+    """(s, cap) where the chain computes cap * tanh(s x / cap) of its input x (cap 0: s x), the cap fitted on
+    the probe's largest value; None for any other function."""
+    x = _CHAIN_PROBE
+    y = _chain_values(nodes, start, x)
+    if not np.all(np.isfinite(y)):
+        return None
+    small = np.abs(x) == 1e-3
+    s = float(np.mean(y[small] / x[small]))
+    if s <= 0:
+        return None
+    if np.allclose(y, s * x, rtol=1e-6, atol=0):
+        return s, 0.0
+    top = float(y[-1])  # cap * tanh(s x / cap) grows with the cap, from 0 to s x: bisect it
+    low, high = top, top * 1e6
+    if not 0 < top < s * x[-1]:
+        return None
+    for _ in range(200):
+        cap = 0.5 * (low + high)
+        low, high = (cap, high) if cap * np.tanh(s * x[-1] / cap) < top else (low, cap)
+    cap = 0.5 * (low + high)
+    if not np.allclose(y, cap * np.tanh(s * x / cap), rtol=1e-6, atol=1e-9 * cap):
+        return None
+    return s, float(np.float32(cap))
+
+
+def _plain_scale(s: float) -> float:
+    """A fitted scale s as the constant it came from: 1/sqrt(n) for the whole n it is within 1e-6 of, else s."""
+    n = round(s ** -2)
+    return n ** -0.5 if n > 0 and abs(n ** -0.5 - s) <= 1e-6 * s else s
+
+
+def _post_norm(output: ir.Value) -> Norm | None:
+    """A norm whose input is a block's output (`output`), within the few ops below it: Gemma's norm after
+    attention or the FFN, inside the residual branch. None for a pre-norm block (the next norm reads the sum)."""
+    queue, seen = deque([(output, 0)]), set()
+    while queue:
+        value, depth = queue.popleft()
+        for node in value.consumers():
+            if node in seen or depth > 8 or node.op_type in SHAPE_OF:
+                continue
+            seen.add(node)
+            for out in node.outputs:  # (onnxruntime's Skip*Normalization is the residual Add and the next pre-norm)
+                norm = None if node.op_type.startswith("Skip") else _match_norm(out)
+                if norm is not None and _up(norm.input) is _up(output):
+                    return norm
+                queue.append((out, depth + 1))
+    return None
+
+
+def _score_matmul(present_key: ir.Value) -> ir.Node | None:
+    """The score product: the first MatMul below the key cache (`_query_side`'s)."""
+    queue, seen = deque([present_key]), set()
+    while queue:
+        value = queue.popleft()
+        for node in value.consumers():
+            if node.op_type in ("MatMul", "FusedMatMul") and len(node.inputs) == 2:
+                return node
+            if node not in seen:
+                seen.add(node)
+                queue.extend(node.outputs)
+    return None
+
+
+def _scores(model: ir.Model, where: str, present_key: ir.Value) -> tuple[float | None, float, ir.Value | None]:
+    """(the scale the graph applies to q.k after the product, None where it applies none there; the soft-cap, 0
+    for none; the mask added to the scores, None for none) from the elementwise ops between the score product and
+    the mask's Add (the Gemma 2 export's `* scaling`, `/ cap`, `tanh`, `* cap`)."""
+    product = _score_matmul(present_key)
+    if product is None or product.op_type != "MatMul":  # (FusedMatMul's alpha is its own scale: as before)
+        return None, 0.0, None
+    start = product.outputs[0]
+    nodes = _scalar_chain(start)
+    fitted = _capped_scale(nodes, start)
+    if fitted is None:
+        raise UserError(f"{where}: the attention scores go through {', '.join(n.op_type for n in nodes)} after the "
+                        "q.k product, which is neither a scale nor a scale and a soft-cap (cap * tanh(s / cap))")
+    scale, cap = fitted
+    end = nodes[-1].outputs[0] if nodes else start
+    users = [node for node in end.consumers() if node.op_type not in SHAPE_OF]
+    mask = None
+    if len(users) == 1 and users[0].op_type == "Add" and len(users[0].inputs) == 2:
+        other = users[0].inputs[1 - list(users[0].inputs).index(end)]
+        mask = other if pir.const_array(other) is None else None
+    return (_plain_scale(scale) if abs(scale - 1.0) > 1e-9 else None), cap, mask
+
+
+def _window(model: ir.Model, where: str, mask: ir.Value, max_context: int) -> int:
+    """How many positions a query attends to through `mask` (the scores' additive mask), measured in onnxruntime
+    for the last position of the context (one token after max_context - 1 cached ones): 0 where it attends to
+    every one (a sliding window no shorter than the context is none)."""
+    past = max_context - 1
+    try:
+        values = np.asarray(_run_subgraph(model, [mask], [], tokens=1, past=past)[0], np.float64)
+    except UserError:  # a mask onnxruntime cannot compute on its own: taken as the plain causal one, as before
+        return 0
+    if values.size % (past + 1):
+        return 0
+    row = values.reshape(-1, past + 1)[0]
+    opened = row > -1e4
+    count = int(opened.sum())
+    if count == past + 1:
+        return 0
+    if count == 0 or not opened[past + 1 - count:].all():
+        raise UserError(f"{where}: the attention mask closes positions that are neither later ones nor outside a "
+                        f"sliding window (a query at position {past} attends to {np.flatnonzero(opened)[:8].tolist()}"
+                        f"...)")
+    return count
+
+
+def _final_softcap(logits: ir.Value, linear_by_output: dict[int, Linear]) -> tuple[ir.Value, float]:
+    """(the value the output layer computes, the logits' soft-cap) where the logits are the output layer's,
+    soft-capped (Gemma 2: cap * tanh(logits / cap)); (logits, 0) where no such ops follow the output layer."""
+    value = logits
+    while id(_up(value)) not in linear_by_output and (node := value.producer()) is not None:
+        inputs = _elementwise_inputs(node)
+        data = [v for v in inputs or () if v is not None and pir.const_array(v) is None]
+        if len(data) != 1:
+            return logits, 0.0
+        value = data[0]
+    if value is logits or id(_up(value)) not in linear_by_output:
+        return logits, 0.0
+    start = linear_by_output[id(_up(value))].output
+    nodes = _scalar_chain(start)
+    fitted = _capped_scale(nodes, start) if nodes and nodes[-1].outputs[0] is logits else None
+    if fitted is None or abs(fitted[0] - 1.0) > 1e-6 or not fitted[1]:
+        raise UserError(f"the logits go through {', '.join(n.op_type for n in nodes) or 'ops'} after the output "
+                        "layer, which is not a soft-cap (cap * tanh(logits / cap)) picompile computes")
+    return start, fitted[1]
+
+
+def _embedding_scale(token: ir.Node) -> float:
+    """The scalar constant the token embedding's rows are multiplied by before anything else reads them (Gemma's
+    sqrt(d_model)), else 1."""
+    users = _consumers(token.outputs[0])
+    if len(users) != 1 or users[0].op_type not in ("Mul", "Div") or len(users[0].inputs) != 2:
+        return 1.0
+    node = users[0]
+    data = [i for i, v in enumerate(node.inputs) if _up(v) is _up(token.outputs[0])]
+    if len(data) != 1:
+        return 1.0
+    constant = pir.const_array(node.inputs[1 - data[0]])
+    if constant is None or constant.size != 1:
+        return 1.0
+    value = float(constant.reshape(-1)[0])
+    if node.op_type == "Div":  # x / c (c / x is no scale: the rows then are not the table's, and the graph says so)
+        return 1.0 / value if data[0] == 0 else 1.0
+    return value
+
+
 # ---------------------------------------------------------------- recognition
 
 
@@ -627,7 +819,7 @@ def _full_rotary(q: Linear, k: Linear, inv_freq: np.ndarray, heads: int, kv_head
     return _take(q, per_head(heads)), _take(k, per_head(kv_heads)), full
 
 
-def _find_attentions(model: ir.Model, linears: list[Linear]) -> list[Attention]:
+def _find_attentions(model: ir.Model, linears: list[Linear], max_context: int | None = None) -> list[Attention]:
     graph = model.graph
     linear_by_output = {id(lin.output): lin for lin in linears}
     linear_by_node = {lin.matmul: lin for lin in linears}
@@ -650,7 +842,7 @@ def _find_attentions(model: ir.Model, linears: list[Linear]) -> list[Attention]:
             raise UserError(f"{where}: the attention's {what} projection applies {hits[0].activation}")
         return hits[0], nodes
 
-    attentions = []
+    attentions, windows = [], {}
     for layer, (present_key, present_value) in sorted(_present_outputs(graph).items()):
         where = f"layer {layer}"
         k, key_nodes = projection(present_key, f"key (present.{layer}.key)", where)
@@ -674,7 +866,12 @@ def _find_attentions(model: ir.Model, linears: list[Linear]) -> list[Attention]:
         inv_freq = _rope_frequencies(key_nodes, head_dim)
         if inv_freq is not None and inv_freq.size < head_dim // 2:
             q, k, inv_freq = _full_rotary(q, k, inv_freq, num_heads, num_kv_heads, head_dim)
-        attentions.append(Attention(layer, norm, q, k, v, o, num_heads, num_kv_heads, head_dim, inv_freq))
+        scale, softcap, mask = _scores(model, where, present_key)
+        if mask is not None and max_context is not None and id(mask) not in windows:  # (masks shared by layers)
+            windows[id(mask)] = _window(model, where, mask, max_context)
+        window = windows.get(id(mask), 0) if mask is not None else 0
+        attentions.append(Attention(layer, norm, q, k, v, o, num_heads, num_kv_heads, head_dim, inv_freq, scale,
+                                    softcap, window, _post_norm(o.output)))
     return attentions
 
 
@@ -713,14 +910,16 @@ def _refuse_unknown_contrib_ops(graph: ir.Graph) -> None:
             "save the model before attention/rotary fusion (e.g. without onnxruntime.transformers.optimizer)")
 
 
-def analyse(model: ir.Model) -> Decoder:
+def analyse(model: ir.Model, max_context: int | None = None) -> Decoder:
+    """What the graph means. `max_context`: the build's context, within which sliding windows are measured (None:
+    not measured, every attention taken as attending to every earlier position)."""
     graph = model.graph
     _refuse_unknown_contrib_ops(graph)
     linears = [lin for node in graph if (lin := _match_linear(node)) is not None]
     linear_by_output = {id(lin.output): lin for lin in linears}
     ffns = _find_ffns(graph, linear_by_output)
     ffn_linears = {id(l.matmul) for f in ffns for l in (f.up, f.down, f.gate) if l is not None}
-    attentions = _find_attentions(model, linears)
+    attentions = _find_attentions(model, linears, max_context)
     if not attentions:
         raise UserError("model has no decoder layers (no present.{i}.key/value outputs)")
     if len(ffns) != len(attentions):
@@ -739,8 +938,10 @@ def analyse(model: ir.Model) -> Decoder:
             raise UserError(f"layer {layer}: the FFN input is not a recognised LayerNorm/RMSNorm")
         if layer < len(attentions):
             ffn.parallel = _up(ffn.norm.input) is _up(attentions[layer].norm.input)
+        ffn.post_norm = _post_norm(ffn.down.output)
     logits = next(v for v in graph.outputs if v.name == "logits")
-    lm_head = linear_by_output.get(id(_up(logits)))
+    head_output, final_softcap = _final_softcap(logits, linear_by_output)
+    lm_head = linear_by_output.get(id(_up(head_output)))
     if lm_head is None:
         raise UserError("the logits are not produced by a linear output layer")
     final_norm = _match_norm(lm_head.input)
@@ -751,7 +952,8 @@ def analyse(model: ir.Model) -> Decoder:
     if position is not None:
         offset = _position_offset(model, position)
         positions = pir.const_array(position.inputs[0])[offset:].astype(np.float32)
-    decoder = Decoder(pir.weight_array(pir.const_matrix(token.inputs[0])), positions, attentions, ffns, final_norm, lm_head)
+    decoder = Decoder(pir.weight_array(pir.const_matrix(token.inputs[0])), positions, attentions, ffns, final_norm, lm_head,
+                      embed_scale=_embedding_scale(token), final_softcap=final_softcap)
     _check_shapes(decoder)
     return decoder
 
@@ -808,6 +1010,8 @@ def _check_shapes(decoder: Decoder) -> None:
             expect(lin, where, d_model)
         expect(attention.o, f"{where} output projection", attention.q.weight.shape[1], d_model)
         expect_norm(attention.norm, where)
+        if attention.post_norm is not None:
+            expect_norm(attention.post_norm, f"{where} output")
     for ffn in decoder.ffns:
         where = f"layer {ffn.layer} FFN"
         expect(ffn.up, f"{where} up projection", d_model)
@@ -816,6 +1020,8 @@ def _check_shapes(decoder: Decoder) -> None:
             expect(ffn.gate, f"{where} gate projection", d_model, width)
         expect(ffn.down, f"{where} down projection", width, d_model)
         expect_norm(ffn.norm, where)
+        if ffn.post_norm is not None:
+            expect_norm(ffn.post_norm, f"{where} output")
     expect(decoder.lm_head, "output layer", d_model)
     expect_norm(decoder.final_norm, "final norm")
     if decoder.positions is not None and (decoder.positions.ndim != 2 or decoder.positions.shape[1] != d_model):
@@ -869,7 +1075,8 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
     embed_inputs = [input_ids, start, pir.initializer(graph, "embed.tokens", decoder.embed)]
     if decoder.positions is not None:
         embed_inputs.append(pir.initializer(graph, "embed.positions", decoder.positions))
-    embed = ir.node("Embed", embed_inputs, domain=pir.DOMAIN, name="embed")
+    embed = ir.node("Embed", embed_inputs, {"scale": decoder.embed_scale} if decoder.embed_scale != 1.0 else {},
+                    domain=pir.DOMAIN, name="embed")
     graph.append(embed)
     h = embed.outputs[0]
     h.name = "embed.out"
@@ -890,9 +1097,12 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
                   _optional(graph, f"{p}.attn.b_qkv", bqkv), pir.initializer(graph, f"{p}.attn.w_o", attention.o.weight),
                   _optional(graph, f"{p}.attn.b_o", attention.o.bias),
                   _optional(graph, f"{p}.attn.inv_freq", None if attention.inv_freq is None else attention.inv_freq.astype(np.float32))]
+        scale = attention.scale if attention.scale is not None else float(attention.head_dim) ** -0.5
+        extra = {**({"softcap": attention.softcap} if attention.softcap else {}),
+                 **({"window": attention.window} if attention.window else {})}
         node = ir.node("Attention", inputs, {
             "layer": i, "num_heads": attention.num_heads, "num_kv_heads": attention.num_kv_heads,
-            "head_dim": attention.head_dim, "scale": float(attention.head_dim) ** -0.5,
+            "head_dim": attention.head_dim, "scale": scale, **extra,
         }, domain=pir.DOMAIN, num_outputs=3, name=f"{p}.attn")
         graph.append(node)
         node.outputs[0].name, node.outputs[1].name, node.outputs[2].name = f"{p}.attn.out", f"present.{i}.key", f"present.{i}.value"
@@ -900,7 +1110,10 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
         node.metadata_props["source.layer_input"] = source_layer_input(attention)
         outputs.extend(node.outputs[1:])
         layer_input = h
-        add = ir.node("Add", [h, node.outputs[0]], name=f"{p}.attn_residual")
+        attended = node.outputs[0]
+        if attention.post_norm is not None:  # Gemma: the block's output normed inside the residual branch
+            attended = _norm_node(graph, attention.post_norm, attended, f"{p}.attn_post_norm")
+        add = ir.node("Add", [h, attended], name=f"{p}.attn_residual")
         graph.append(add)
         h = add.outputs[0]
         h.name = f"{p}.attn_residual.out"
@@ -927,7 +1140,10 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
         node.metadata_props["source.activation"] = ffn.activation_output.name
         graph.append(node)
         node.outputs[0].name = f"{p}.ffn.out"
-        add = ir.node("Add", [h, node.outputs[0]], name=f"{p}.ffn_residual")
+        ffn_out = node.outputs[0]
+        if ffn.post_norm is not None:
+            ffn_out = _norm_node(graph, ffn.post_norm, ffn_out, f"{p}.ffn_post_norm")
+        add = ir.node("Add", [h, ffn_out], name=f"{p}.ffn_residual")
         graph.append(add)
         h = add.outputs[0]
         h.name = f"{p}.ffn_residual.out"
@@ -941,6 +1157,11 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
         add = ir.node("Add", [logits, pir.initializer(graph, "lm_head.bias", decoder.lm_head.bias)], name="lm_head.bias_add")
         graph.append(add)
         logits = add.outputs[0]
+    if decoder.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
+        capped = ir.node("Softcap", [logits], {"cap": decoder.final_softcap}, domain=pir.DOMAIN, name="lm_head.softcap")
+        graph.append(capped)
+        logits.name = "lm_head.out"
+        logits = capped.outputs[0]
     logits.name = "logits"
     graph.outputs.extend([logits, *outputs])
     d_model = decoder.embed.shape[1]
@@ -952,6 +1173,13 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
             value.dtype = value.dtype or ir.DataType.FLOAT
             value.shape = value.shape or ir.Shape(["seq", d_model])
     return ir.Model(graph, ir_version=10, producer_name="picompile")
+
+
+def _windows(decoder: Decoder) -> str:
+    windowed = [a.layer for a in decoder.attentions if a.window]
+    if not windowed:
+        return ""
+    return f", a sliding window of {decoder.attentions[windowed[0]].window} in layers {windowed}"
 
 
 SOURCE = "picompile.source"  # the lifted model's `meta` entry: the imported model it was lifted from
@@ -973,7 +1201,7 @@ class Recognise:
     adds = (BLOCKS,)
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
-        decoder = analyse(model)
+        decoder = analyse(model, ctx.build.max_context)
         _check_context(decoder, ctx.build.max_context)
         # the concatenated weights are copies: the source pages they were read from need not stay resident
         lifted = build_graph(decoder, after_layer=lambda: pir.release_mapped_pages(model))
@@ -986,5 +1214,9 @@ class Recognise:
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "
                 f"{decoder.ffns[0].up.weight.shape[1]}, rope {'yes' if decoder.attentions[0].inv_freq is not None else 'no'}"
-                f"{', parallel attention and FFN' if decoder.ffns[0].parallel else ''}")
+                f"{', parallel attention and FFN' if decoder.ffns[0].parallel else ''}"
+                f"{', norms after attention and the FFN' if decoder.attentions[0].post_norm is not None else ''}"
+                f"{f', scores soft-capped at {decoder.attentions[0].softcap:g}' if decoder.attentions[0].softcap else ''}"
+                f"{_windows(decoder)}{f', logits soft-capped at {decoder.final_softcap:g}' if decoder.final_softcap else ''}"
+                f"{f', embedding scaled by {decoder.embed_scale:g}' if decoder.embed_scale != 1.0 else ''}")
         return PassResult(lifted, modified=True)

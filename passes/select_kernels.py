@@ -42,7 +42,8 @@ from .kernels import cpu, kquant, neuron, ops, quant
 from .place import PLACED, device_of
 from .quantize import QuantizedMatrix, dequantizes_weight, kept_blocks
 from .handover import HANDOVER, stage_of_node
-from .ops import Attention, FFN, Handover as HandoverOp, Linear, SparseFFN, ThresholdFFN, view as op_view
+from .ops import (Attention, Embed, FFN, Handover as HandoverOp, Linear, PostNorm, Softcap, SparseFFN, ThresholdFFN,
+                  view as op_view)
 
 
 @dataclass(frozen=True)
@@ -408,6 +409,11 @@ def _packed(matrix: FileMatrix, pack) -> tuple[np.ndarray, np.ndarray]:
                  for arrays in zip(*chunks))
 
 
+def _tag(value: float) -> str:
+    """A float in a kernel's name (a C identifier): 0.25 -> 0p25, 1e-05 -> 1em05."""
+    return f"{value:.9g}".replace(".", "p").replace("-", "m").replace("+", "")
+
+
 def _residual(node: ir.Node) -> ir.Value | None:
     """The skip connection fuse folded into the block (its last input), or None."""
     return node.inputs[-1] if op_view(node).residual else None
@@ -477,21 +483,25 @@ class _Walker:
         positions = self.weight_of(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
         vocab, width = self.low.shape(table)
         out = self.next_residual(width)
-        base, pos_args = f"embed_v{vocab}_d{width}{'_pos' if positions else ''}", self.low.max_context if positions else None
+        scale = float(Embed(node).scale)
+        scaled = {"scale": scale} if scale != 1.0 else {}  # (Gemma's sqrt(d_model): the kernel's name says it)
+        base = f"embed_v{vocab}_d{width}{'_pos' if positions else ''}{f'_x{_tag(scale)}' if scaled else ''}"
+        pos_args = self.low.max_context if positions else None
         if table in self.low.kept and not self.low.kept[table].transposed:  # the file's rows, in its blocks
             values, scales, fmt = self.low.kept_in(table, "kq_rows")
             kernels = self.low.kernel(ops.embed_kq, f"{base}_{fmt.name}", vocab, width, positions=pos_args,
-                                      fmt=fmt.name)
+                                      fmt=fmt.name, **scaled)
             tables = [values, scales]
         elif table in self.low.quantized:  # the table's rows, blocked along each row, and their scales
             values, scales, matrix = self.low.quantized_in(table, "quant_rows")
             tag, fmt_args = self.low.quant_tag(matrix)
-            kernels = self.low.kernel(ops.embed_q, base + tag, vocab, width, positions=pos_args, **fmt_args)
+            kernels = self.low.kernel(ops.embed_q, base + tag, vocab, width, positions=pos_args, **fmt_args, **scaled)
             tables = [values, scales]
         else:
             dtype = self.low.buffers[table]["dtype"]
             kernels = self.low.kernel(ops.embed, base + ("_f16" if dtype == "float16" else ""), vocab, width,
-                                      positions=pos_args, **({"wdtype": dtype} if dtype != "float32" else {}))
+                                      positions=pos_args, **({"wdtype": dtype} if dtype != "float32" else {}),
+                                      **scaled)
             tables = [table]
         if positions:  # the kernel indexes positions up to max_context: store exactly that many rows
             self.low.weight(positions, self.low.weights[positions][: self.low.max_context])
@@ -511,6 +521,29 @@ class _Walker:
         kernels = self.low.kernel(op, f"{kind}_norm_d{width}_eps{eps:.0e}".replace("-", "m"), width, eps)
         args = [read(self.location[node.inputs[0].name]), read(scale)] + ([read(bias)] if bias else []) + [write(out)]
         self.low.call(node.name, kernels, args, Role.NORM)
+        self.location[node.outputs[0].name] = out
+
+    def lower_PostNorm(self, node: ir.Node) -> None:
+        """A norm of a block's output with the residual Add fuse folded in (Gemma's post-norms): one rms_norm call
+        that adds the skip, writing the residual stream's next buffer."""
+        scale = self.weight_of(node.inputs[1])
+        width = self.low.weights[scale].shape[0]
+        eps = float(PostNorm(node).epsilon)
+        out, residual = self.output_for(node, width)
+        kernels = self.low.kernel(ops.rms_norm, f"rms_norm_d{width}_eps{eps:.0e}_res".replace("-", "m"), width, eps,
+                                  residual=residual is not None)
+        args = [read(self.location[node.inputs[0].name]), read(scale)] + ([read(residual)] if residual else []) + [write(out)]
+        self.low.call(node.name, kernels, args, Role.NORM)
+        self.location[node.outputs[0].name] = out
+
+    def lower_Softcap(self, node: ir.Node) -> None:
+        """The logits' soft-cap (Gemma 2), from the output layer's buffer into the logits."""
+        x = self.location[node.inputs[0].name]
+        width = self.low.buffers[x]["shape"][1]
+        cap = float(Softcap(node).cap)
+        out = self.low.activation("logits", width)
+        kernels = self.low.kernel(ops.softcap, f"softcap_n{width}_c{_tag(cap)}", width, cap)
+        self.low.call(node.name, kernels, [read(x), write(out)], Role.HEAD)
         self.location[node.outputs[0].name] = out
 
     def lower_LayerNormalization(self, node: ir.Node) -> None:
@@ -550,8 +583,15 @@ class _Walker:
         tables = [Arg(table, Access.GATHER, row_bytes=self.low.row_bytes(table)) for table in rope_args]
         self.low.call(f"{p}.rope_kv", kernels, [read(qkv), *tables, Arg(key_cache, Access.UPDATE),
                                                 Arg(value_cache, Access.UPDATE), write(q), Arg(START)], Role.ATTENTION)
-        kernels = self.low.kernel(ops.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}", heads, kv_heads,
-                                  head_dim, ctx, scale)
+        softcap, window = float(attention.softcap), int(attention.window)
+        shaped = {**({"softcap": softcap} if softcap else {}), **({"window": window} if window else {})}
+        # (a kernel's name is its spec: the scale is named where it is not 1/sqrt(head_dim), the default of every
+        # model before Gemma's, or where the scores are capped or windowed)
+        plain = abs(scale - float(head_dim) ** -0.5) <= 1e-6 * scale and not shaped
+        tags = (f"{f'_cap{_tag(softcap)}' if softcap else ''}{f'_w{window}' if window else ''}"
+                f"{'' if plain else f'_s{_tag(scale)}'}")
+        kernels = self.low.kernel(ops.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}{tags}", heads,
+                                  kv_heads, head_dim, ctx, scale, **shaped)
         self.low.call(f"{p}.attention", kernels, [read(q), Arg(key_cache, Access.CONTEXT),
                                                   Arg(value_cache, Access.CONTEXT), write(attn), Arg(START)],
                       Role.ATTENTION)
@@ -807,7 +847,8 @@ class _Walker:
         """The output layer (fuse made it a Linear, with its bias where the model has one; lower, where the quality
         plan thins its input: decode reads the rows of the channels above its threshold)."""
         weight, bias = self.weight_of(node.inputs[1]), self.weight_of(node.inputs[2] if len(node.inputs) > 2 else None)
-        out = self.low.activation("logits", self.low.shape(weight)[1])
+        capped = any(Softcap.matches(user) for user in node.outputs[0].consumers())  # the soft-cap writes the logits
+        out = self.low.activation("act.logits_uncapped" if capped else "logits", self.low.shape(weight)[1])
         linear = Linear(node)
         x = self.location[node.inputs[0].name]
         if float(linear.threshold) >= 0:

@@ -3,10 +3,12 @@ reads, which tensors its files hold, and how its decoder block computes (`Archit
 registry, `architecture_of` its door.
 
 Every registered architecture is a value of the one decoder block the GGUF front end builds
-(`passes.gguf_graph`): token embedding; per block a norm, attention with RoPE (grouped-query, optional q/k/v
-biases), a norm and a gated FFN; a final norm and an output layer (or the embedding table, tied). An
-architecture whose features are values this block already has is one module here plus one line in
-`ARCHITECTURES`; a new feature is a new enum value here, and the graph's code for it.
+(`passes.gguf_graph`): token embedding (optionally scaled); per block a norm, attention with RoPE (grouped-query,
+optional q/k/v biases, its scores optionally soft-capped, sliding-window on some layers), a norm and a gated FFN
+(each block's output optionally normed again inside its residual branch); a final norm and an output layer (or the
+embedding table, tied), its logits optionally soft-capped. An architecture whose features are values this block
+already has is one module here plus one line in `ARCHITECTURES`; a new feature is a new enum value here, and the
+graph's code for it.
 """
 
 from __future__ import annotations
@@ -39,12 +41,53 @@ class Norm(Enum):
 
 class NormPlacement(Enum):
     PRE = "pre"  # one norm before attention, one before the FFN, each inside its residual branch
+    # Gemma 2 / 3: those, and one after attention and one after the FFN, inside the branch too:
+    # x + post_norm(attention(pre_norm(x))), the same for the FFN
+    SANDWICH = "pre and post"
 
 
 class Activation(Enum):
     """The gated FFN's activation: act(gate) * up -> down."""
 
     SILU = "silu"
+    GELU_TANH = "gelu_tanh"  # GeGLU (Gemma): GELU's tanh approximation, transformers' gelu_pytorch_tanh
+
+
+class EmbeddingScale(Enum):
+    """What the token embedding's rows are multiplied by before the first block."""
+
+    NONE = "none"
+    SQRT_D_MODEL = "sqrt(d_model)"  # Gemma: sqrt(embedding_length), rounded to float32 as transformers and llama.cpp do
+
+
+@dataclass(frozen=True)
+class QueryScale:
+    """The scale of the attention scores q.k: 1/sqrt(head_dim), or, for a model of `wide_at_layers` layers,
+    1/sqrt(d_model / heads) (llama.cpp's rule for Gemma 2's 27B, whose query_pre_attn_scalar is d_model / heads;
+    no metadata key says it, llama.cpp knows the model by its layer count)."""
+
+    wide_at_layers: int | None = None
+
+    def value(self, h) -> float:
+        """The scale in a model of hyper-parameters `h` (`passes.gguf_graph.Hyper`)."""
+        wide = self.wide_at_layers is not None and h.layers == self.wide_at_layers
+        return 1.0 / float(h.d_model // h.heads if wide else h.head_dim) ** 0.5
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Sliding-window attention on some layers (llama.cpp's standard SWA): a query at position p attends to the keys
+    at p - W + 1 .. p, W from `attention.sliding_window` (`window` where a file lacks it; 0: no layer slides).
+    Which layers slide: `attention.sliding_window_pattern`, an array of one bool per layer, or a period n (layer i
+    slides where i % n < n - 1, every layer where n is 0), `period` where the file has neither. The sliding layers'
+    RoPE base is `rope.freq_base_swa` where a file has it, else the others'."""
+
+    period: int
+    window: int
+
+    def layers(self, period: int, count: int) -> tuple[bool, ...]:
+        """Which of `count` layers slide, for a pattern period (llama.cpp's set_swa_pattern)."""
+        return tuple(period == 0 or i % period < period - 1 for i in range(count))
 
 
 class Rope(Enum):
@@ -97,8 +140,17 @@ class TensorSpec:
         return tuple(d.size(h, vocab) for d in self.shape)
 
 
-# a block's norm weights (RMSNorm has no bias) where each placement puts norms
-_NORMS = {NormPlacement.PRE: ("attn_norm.weight", "ffn_norm.weight")}
+# a block's norm weights (RMSNorm has no bias) where each placement puts norms: (before attention, before the FFN),
+# and (after attention, after the FFN) where there are norms there
+_NORMS = {NormPlacement.PRE: ("attn_norm.weight", "ffn_norm.weight"),
+          NormPlacement.SANDWICH: ("attn_norm.weight", "ffn_norm.weight")}
+_POST_NORMS = {NormPlacement.SANDWICH: ("post_attention_norm.weight", "post_ffw_norm.weight")}
+
+# Gemma 2's attention and final logit soft-caps, cap * tanh(v / cap), with llama.cpp's defaults (a cap of 0: none)
+SOFTCAP_PARAMS = (
+    Param("attn_softcap", "attn_logit_softcapping", float, 50.0),
+    Param("final_softcap", "final_logit_softcapping", float, 30.0),
+)
 
 # The hyper-parameters of llama.cpp's LLaMA-family decoders, with llama.cpp's defaults (src/llama-model.cpp;
 # it requires the norm's epsilon, which picompile takes as 1e-5 where a file lacks it)
@@ -131,6 +183,10 @@ class Architecture:
     activation: Activation
     rope: frozenset[Rope]
     tied_output: bool  # the output layer may be absent: the embedding table, transposed, computes the logits
+    own_output: bool = True  # a file may hold output.weight (llama.cpp's gemma2 reads none: always tied)
+    embedding_scale: EmbeddingScale = EmbeddingScale.NONE
+    query_scale: QueryScale = QueryScale()
+    sliding_window: SlidingWindow | None = None  # None: every layer attends to every earlier position
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
@@ -139,14 +195,17 @@ class Architecture:
         D, F, Q, KV = Dim.D_MODEL, Dim.FFN, Dim.Q, Dim.KV
         before_attention, before_ffn = _NORMS[self.norm_placement]
         model = [TensorSpec("token_embd.weight", (Dim.VOCAB, D), True, True),
-                 TensorSpec("output_norm.weight", (D,), True, False),
-                 TensorSpec("output.weight", (Dim.VOCAB, D), not self.tied_output, True)]
+                 TensorSpec("output_norm.weight", (D,), True, False)]
+        if self.own_output:
+            model.append(TensorSpec("output.weight", (Dim.VOCAB, D), not self.tied_output, True))
         if Rope.FREQS in self.rope:
             model.append(TensorSpec("rope_freqs.weight", (Dim.HALF_HEAD,), False, False))
+        after_attention, after_ffn = _POST_NORMS.get(self.norm_placement, (None, None))
         block = [(before_attention, (D,), False), ("attn_q.weight", (Q, D), True), ("attn_k.weight", (KV, D), True),
                  ("attn_v.weight", (KV, D), True), ("attn_output.weight", (D, Q), True),
-                 (before_ffn, (D,), False), ("ffn_gate.weight", (F, D), True),
-                 ("ffn_up.weight", (F, D), True), ("ffn_down.weight", (D, F), True)]
+                 (after_attention, (D,), False), (before_ffn, (D,), False), ("ffn_gate.weight", (F, D), True),
+                 ("ffn_up.weight", (F, D), True), ("ffn_down.weight", (D, F), True), (after_ffn, (D,), False)]
+        block = [entry for entry in block if entry[0] is not None]
         specs = [TensorSpec(name, shape, True, matrix, per_block=True) for name, shape, matrix in block]
         if self.qkv_bias is not Need.ABSENT:
             specs += [TensorSpec(f"attn_{name}.bias", (dim,), self.qkv_bias is Need.REQUIRED, False, per_block=True)
@@ -156,8 +215,9 @@ class Architecture:
 
 from .llama import LLAMA  # noqa: E402  (the modules build on the classes above)
 from .qwen2 import QWEN2  # noqa: E402
+from .gemma2 import GEMMA2  # noqa: E402
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, GEMMA2)}
 
 
 def architecture_of(name) -> Architecture:

@@ -125,6 +125,18 @@ def activation(act: str, math: Math) -> Callable:
     raise ValueError(f"unknown activation {act!r}; expected one of {sorted(ACTIVATIONS)}")
 
 
+def tanh(x, math: Math):
+    """tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2 |x|): exp alone (vectorised on the CPU), no cancellation near 0
+    beyond exp's own rounding (absolute error ~1e-7), exact +-1 far out."""
+    return let(x, lambda x: let(math.exp(f32(-2.0) * tirx.abs(x)), lambda e: tirx.Select(
+        x < f32(0.0), f32(-1.0), f32(1.0)) * (f32(1.0) - e) / (f32(1.0) + e), "e"), "x")
+
+
+def softcap_value(value, cap: float, math: Math):
+    """cap * tanh(value / cap) (Gemma 2's soft-caps of the attention scores and the logits)."""
+    return f32(cap) * tanh(value / f32(cap), math)
+
+
 def glu_unit(actf, gate, up):
     """A GLU unit: act(gate) * up (the gate and up sums already carry their biases)."""
     return actf(gate) * up
@@ -339,21 +351,37 @@ def layer_norm(D, eps, rows):
     return [x, g, b, y]
 
 
-def rms_norm(D, eps, rows):
-    """y = x / sqrt(mean(x^2) + eps) * g.  Args: x, g, y.  Blocks: ``sq`` (row sums of squares), ``y``."""
+def rms_norm(D, eps, rows, residual: bool = False):
+    """y = x / sqrt(mean(x^2) + eps) * g (+ res: a norm of a block's output inside its residual branch, Gemma's).
+    Args: x, g, (res), y.  Blocks: ``sq`` (row sums of squares), ``y``."""
     m = row_dim(rows)
     x = te.placeholder((m, D), name="x")
     g = te.placeholder((D,), name="g")
+    res = te.placeholder((m, D), name="res") if residual else None
     k = te.reduce_axis((0, D), name="k")
     sq = te.compute((m,), lambda i: te.sum(x[i, k] * x[i, k], axis=k), name="sq")
-    y = te.compute((m, D), lambda i, j: x[i, j] * tirx.rsqrt(sq[i] / f32(D) + f32(eps)) * g[j], name="y")
-    return [x, g, y]
+
+    def normed(i, j):
+        value = x[i, j] * tirx.rsqrt(sq[i] / f32(D) + f32(eps)) * g[j]
+        return value + res[i, j] if residual else value
+
+    y = te.compute((m, D), normed, name="y")
+    return [x, g] + ([res] if residual else []) + [y]
 
 
-def embed(V, D, rows, *, positions: int | None, wdtype="float32"):
-    """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table, (pos_table, start), y.  Block ``y``.
+def softcap(N, cap: float, rows, *, math: Math):
+    """y = cap * tanh(x / cap) (the logits' soft-cap).  Args: x, y.  Block ``y``."""
+    m = row_dim(rows)
+    x = te.placeholder((m, N), name="x")
+    y = te.compute((m, N), lambda i, j: softcap_value(x[i, j], cap, math), name="y")
+    return [x, y]
 
-    Token ids are clamped to the table's V rows and positions to the positions table's rows.
+
+def embed(V, D, rows, *, positions: int | None, wdtype="float32", scale: float = 1.0):
+    """y[i] = table[ids[i]] (* scale) (+ pos_table[start + i]).  Args: ids, table, (pos_table, start), y.  Block ``y``.
+
+    Token ids are clamped to the table's V rows and positions to the positions table's rows. `scale` (Gemma's
+    sqrt(d_model)) multiplies the token rows, in fp32, as transformers does.
     """
     m = row_dim(rows)
     ids = te.placeholder((m,), "int64", name="ids")
@@ -362,10 +390,11 @@ def embed(V, D, rows, *, positions: int | None, wdtype="float32"):
     def token(i, j):
         return load_f32(table[clamp_index(ids[i], V), j], wdtype)
 
-    return [ids, table] + _embedded(token, m, D, positions)
+    return [ids, table] + _embedded(token, m, D, positions, scale)
 
 
-def embed_q(V, D, rows, *, positions: int | None, bits: int, sdtype="float16", has_min: bool = False):
+def embed_q(V, D, rows, *, positions: int | None, bits: int, sdtype="float16", has_min: bool = False,
+            scale: float = 1.0):
     """`embed` over a block-quantized table in the rows layout (blocks along D): y[i, j] = q[ids[i], j] *
     scales[ids[i], j / 32] (+ pos_table[start + i]); int4a (`has_min`: table_s [V, 2 D / 32], each block's scale
     and min) q * scale + min.  Args: ids, table_q, table_s, (pos_table, start), y. Block ``y``."""
@@ -382,17 +411,23 @@ def embed_q(V, D, rows, *, positions: int | None, bits: int, sdtype="float16", h
                             wide=False) * load_f32(table_s[row, blk * per], sdtype)
         return value + load_f32(table_s[row, blk * per + 1], sdtype) if has_min else value
 
-    return [ids, table_q, table_s] + _embedded(token, m, D, positions)
+    return [ids, table_q, table_s] + _embedded(token, m, D, positions, scale)
 
 
-def _embedded(token, m, D, positions):
-    """The rest of an embedding's arguments, (pos_table, start,) y, for y[i, j] = token(i, j) (+ the position's
-    row)."""
+def scaled_row(value, scale: float):
+    """A token row's value times the embedding's scale (as it is where the scale is 1)."""
+    return value if scale == 1.0 else value * f32(scale)
+
+
+def _embedded(token, m, D, positions, scale: float = 1.0):
+    """The rest of an embedding's arguments, (pos_table, start,) y, for y[i, j] = token(i, j) * scale (+ the
+    position's row)."""
     if not positions:
-        return [te.compute((m, D), token, name="y")]
+        return [te.compute((m, D), lambda i, j: scaled_row(token(i, j), scale), name="y")]
     pos = te.placeholder((positions, D), name="pos_table")
     start = te.var("start", "int64")
-    y = te.compute((m, D), lambda i, j: token(i, j) + pos[clamp_index(start + i, positions), j], name="y")
+    y = te.compute((m, D), lambda i, j: scaled_row(token(i, j), scale) + pos[clamp_index(start + i, positions), j],
+                   name="y")
     return [pos, start, y]
 
 

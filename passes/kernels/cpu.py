@@ -203,27 +203,35 @@ def layer_norm(name, D, eps, *, rows):
     return sch.mod[name]
 
 
-def rms_norm(name, D, eps, *, rows):
-    """y = x / sqrt(mean(x^2) + eps) * g.  Args: x, g, y."""
-    sch = compute.schedule(name, compute.rms_norm(D, eps, rows))
+def rms_norm(name, D, eps, *, rows, residual: bool = False):
+    """y = x / sqrt(mean(x^2) + eps) * g (+ res).  Args: x, g, (res), y."""
+    sch = compute.schedule(name, compute.rms_norm(D, eps, rows, residual=residual))
     _row_reductions(sch, ["sq"], "y", _lanes(D), rows)
     return sch.mod[name]
 
 
-def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
-    """y[i] = table[ids[i]] (+ pos_table[start + i]), ids and positions clamped to the tables.
+def softcap(name, N, cap, *, rows):
+    """y = cap * tanh(x / cap) (the logits' soft-cap).  Args: x, y."""
+    sch = compute.schedule(name, compute.softcap(N, cap, rows, math=MATH))
+    _rowwise(sch, sch.get_sblock("y"), _lanes(N), rows)
+    return sch.mod[name]
+
+
+def embed(name, V, D, *, rows, positions: int | None, wdtype="float32", scale: float = 1.0):
+    """y[i] = table[ids[i]] (* scale) (+ pos_table[start + i]), ids and positions clamped to the tables.
     Args: ids, table, (pos_table, start), y."""
-    sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions, wdtype=wdtype))
+    sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions, wdtype=wdtype, scale=scale))
     _rowwise(sch, sch.get_sblock("y"), _lanes(D), rows)
     return sch.mod[name]
 
 
-def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16", has_min: bool = False):
+def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16", has_min: bool = False,
+            scale: float = 1.0):
     """`embed` over a block-quantized table (rows layout, int8 or int4 by `bits`, scales in `sdtype`; int4a's
     scales and mins with `has_min`). Args: ids, table_q, table_s, (pos_table, start), y. Vectors of half a block
     (16 lanes), so that an int4 vector is the low or the high nibbles of 16 consecutive bytes."""
     sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype,
-                                                 has_min=has_min))
+                                                 has_min=has_min, scale=scale))
     _rowwise(sch, sch.get_sblock("y"), QUANT_BLOCK // 2, rows)
     return sch.mod[name]
 
@@ -780,15 +788,17 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
     return kernel.with_attr("global_symbol", name)
 
 
-def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
+def attention(name, H, KVH, hd, max_ctx, scale, *, rows, softcap: float = 0.0, window: int = 0):
     """Causal grouped-query attention over the KV cache.
 
     Args: q[m, H*hd], kcache, vcache [KVH, max_ctx, hd], out[m, H*hd], start.
-    Query head h reads kv head h // (H // KVH); row i (position start + i) attends keys
-    0 .. start + i. One (head, row) pair per parallel iteration, heads outermost so each
-    thread gets whole heads and the causal triangle stays balanced. Per pair:
-      1. scores s[t] = scale * q . k_t, q.k as hd/8 vector FMAs and one horizontal sum;
-      2. max and exp/sum over s in whole vectors (s padded to a multiple of 8 with -inf);
+    Query head h reads kv head h // (H // KVH); row i (position p = start + i) attends keys
+    lo .. p, lo = 0, or with a sliding `window` max(0, p - window + 1). One (head, row) pair per
+    parallel iteration, heads outermost so each thread gets whole heads and the causal triangle
+    stays balanced. Per pair:
+      1. scores s[t] = scale * q . k_t (soft-capped: softcap * tanh(s / softcap), Gemma 2's), q.k
+         as hd/8 vector FMAs and one horizontal sum;
+      2. max and exp/sum over s in whole vectors from lo's (s padded before lo and after p with -inf);
       3. out = (sum_t p_t v_t) / sum, accumulated in hd/8 ymm registers, key loop outside.
     """
     if H % KVH:
@@ -799,6 +809,13 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
     nd = hd // dl
     cap = (max_ctx + VEC - 1) // VEC * VEC  # score buffer, padded to whole vectors
     scale = float(scale)
+    softcap, window = float(softcap), int(window)
+
+    def capped(value):
+        return compute.softcap_value(value, softcap, MATH) if softcap else value
+
+    def first_key(n_keys):  # the first key a query attends to: its window's, or the first
+        return T.max(n_keys - T.int64(window), T.int64(0)) if window else T.int64(0)
 
     @T.prim_func
     def kernel(
@@ -816,6 +833,8 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
             i = hi % M
             g = h // group
             n_keys = start + i + 1
+            lo = first_key(n_keys)
+            v_lo = lo // VEC  # the first whole vector of scores holding one
             n_vec = (n_keys + VEC - 1) // VEC
             s = T.alloc_local((cap,), "float32")
             dot = T.alloc_local((dl,), "float32")
@@ -823,7 +842,9 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
             stat = T.alloc_local((2,), "float32")  # running max, then the exp sum
             o = T.alloc_local((hd,), "float32")
             # 1. scores
-            for t in range(n_keys):
+            for t in range(v_lo * VEC, lo):
+                s[t] = T.float32(compute.NEG_INF)
+            for t in range(lo, n_keys):
                 for v in T.vectorized(dl):
                     dot[v] = T.float32(0)
                 for d0 in T.unroll(nd):
@@ -832,13 +853,13 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                 stat[0] = dot[0]
                 for v in T.unroll(1, dl):
                     stat[0] = stat[0] + dot[v]
-                s[t] = stat[0] * T.float32(scale)
+                s[t] = capped(stat[0] * T.float32(scale))
             for t in range(n_keys, n_vec * VEC):
                 s[t] = T.float32(compute.NEG_INF)
             # 2. max
             for v in T.vectorized(VEC):
                 red[v] = T.float32(compute.NEG_INF)
-            for tb in range(n_vec):
+            for tb in range(v_lo, n_vec):
                 for v in T.vectorized(VEC):
                     red[v] = T.max(red[v], s[tb * VEC + v])
             stat[0] = red[0]
@@ -847,7 +868,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
             # exp and sum (padding gives exp(-huge) ~ 1e-38, nothing next to the max's 1.0)
             for v in T.vectorized(VEC):
                 red[v] = T.float32(0)
-            for tb in range(n_vec):
+            for tb in range(v_lo, n_vec):
                 for v in T.vectorized(VEC):
                     s[tb * VEC + v] = MATH.exp(s[tb * VEC + v] - stat[0])
                     red[v] = red[v] + s[tb * VEC + v]
@@ -858,7 +879,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
             for d0 in T.unroll(nd):
                 for v in T.vectorized(dl):
                     o[d0 * dl + v] = T.float32(0)
-            for t in range(n_keys):
+            for t in range(lo, n_keys):
                 for d0 in T.unroll(nd):
                     for v in T.vectorized(dl):
                         o[d0 * dl + v] = o[d0 * dl + v] + s[t] * vcache[g, t, d0 * dl + v]

@@ -286,19 +286,27 @@ def layer_norm(name, D, eps, *, rows):
     return sch.mod[name]
 
 
-def rms_norm(name, D, eps, *, rows):
-    """y = x / sqrt(mean(x^2) + eps) * g.  Args: x, g, y.  One block per row."""
-    sch = compute.schedule(name, compute.rms_norm(D, eps, rows))
+def rms_norm(name, D, eps, *, rows, residual: bool = False):
+    """y = x / sqrt(mean(x^2) + eps) * g (+ res).  Args: x, g, (res), y.  One block per row."""
+    sch = compute.schedule(name, compute.rms_norm(D, eps, rows, residual=residual))
     _row_reductions(sch, ["sq"], "y", D)
     return sch.mod[name]
 
 
-def embed(name, V, D, *, rows, positions: int | None, wdtype="float32"):
-    """y[i] = table[ids[i]] (+ pos_table[start + i]).  Args: ids, table (``wdtype``), (pos_table, start), y.
+def softcap(name, N, cap, *, rows):
+    """y = cap * tanh(x / cap) (the logits' soft-cap).  Args: x, y.  Elementwise."""
+    sch = compute.schedule(name, compute.softcap(N, cap, rows, math=MATH))
+    _elementwise(sch, sch.get_sblock("y"))
+    return sch.mod[name]
+
+
+def embed(name, V, D, *, rows, positions: int | None, wdtype="float32", scale: float = 1.0):
+    """y[i] = table[ids[i]] (* scale) (+ pos_table[start + i]).  Args: ids, table (``wdtype``), (pos_table, start),
+    y.
 
     Elementwise over (row, column): a gather of whole table rows, coalesced along the row.
     """
-    sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions, wdtype=wdtype))
+    sch = compute.schedule(name, compute.embed(V, D, rows, positions=positions, wdtype=wdtype, scale=scale))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 
@@ -405,20 +413,22 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
     return kernel.with_attr("global_symbol", name)
 
 
-def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
+def attention(name, H, KVH, hd, max_ctx, scale, *, rows, softcap: float = 0.0, window: int = 0):
     """Causal grouped-query attention over the KV cache.
 
     Args: q[m, H*hd], kcache, vcache [KVH, max_ctx, hd], out[m, H*hd], start.
-    Query head h reads kv head h // (H // KVH); row i (position start + i) attends keys
-    0 .. start + i. One block per (head, row) pair (blockIdx.x = head, blockIdx.y = row), 128
-    threads, keys taken 128 at a time (online softmax, so neither shared memory nor registers
-    grow with the context):
-      1. thread t scores key c*128 + t: s = q . k (q pre-scaled, in shared memory; float4 loads);
+    Query head h reads kv head h // (H // KVH); row i (position p = start + i) attends keys
+    lo .. p, lo = 0, or with a sliding `window` max(0, p - window + 1). One block per (head, row)
+    pair (blockIdx.x = head, blockIdx.y = row), 128 threads, keys taken 128 at a time from lo's
+    chunk (online softmax, so neither shared memory nor registers grow with the context):
+      1. thread t scores key c*128 + t: s = q . k (q pre-scaled, in shared memory; float4 loads;
+         soft-capped, softcap * tanh(s / softcap), where `softcap` is set: Gemma 2's);
       2. the chunk's max and exp-sum by block tree reductions in shared memory; the running
          max, sum and output are rescaled by exp(old max - new max);
       3. thread t owns output dims t, t + 128, ...: o += p_j * v_j over the chunk's keys
          (consecutive threads read consecutive v elements).
-    Keys past the causal bound are never read (their scores are -inf, their values skipped).
+    Keys past the causal bound or before the window are never read (their scores are -inf, their
+    probabilities 0).
     """
     if H % KVH:
         raise ValueError("H must be a multiple of KVH")
@@ -429,6 +439,13 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
     dims = _ceil_div(hd, nt)  # output dims per thread
     vw = _vec_width(hd)
     scale = float(scale)
+    softcap, window = float(softcap), int(window)
+
+    def capped(value):
+        return compute.softcap_value(value, softcap, MATH) if softcap else value
+
+    def first_key(n_keys):  # the first key a query attends to: its window's, or the first
+        return T.max(n_keys - T.int64(window), T.int64(0)) if window else T.int64(0)
 
     @T.prim_func
     def kernel(
@@ -451,6 +468,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                     dot = T.alloc_local((vw,), "float32")
                     o = T.alloc_local((dims,), "float32")
                     n_keys = start + i + 1
+                    lo = first_key(n_keys)
                     g = h // group
                     for e in range(dims):
                         if e * nt + t < hd:
@@ -459,10 +477,10 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                     st[0] = T.float32(compute.NEG_INF)
                     st[1] = T.float32(0)
                     T.tvm_storage_sync("shared")
-                    for c in range((n_keys + nt - 1) // nt):
+                    for c in range(lo // nt, (n_keys + nt - 1) // nt):
                         # 1. this thread's score
                         st[2] = T.float32(compute.NEG_INF)
-                        if c * nt + t < n_keys:
+                        if c * nt + t < n_keys and c * nt + t >= lo:
                             for v in T.vectorized(vw):
                                 dot[v] = T.float32(0)
                             for d0 in range(hd // vw):
@@ -471,6 +489,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows):
                             st[2] = dot[0]
                             for v in range(1, vw):
                                 st[2] = st[2] + dot[v]
+                            st[2] = capped(st[2])
                         # 2. chunk max -> new running max
                         red[t] = st[2]
                         T.tvm_storage_sync("shared")
@@ -808,13 +827,15 @@ def linear_kn_q(name, K, N, *, rows, bits: int, sdtype="float16", bias: bool, ac
     return sch.mod[name]
 
 
-def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16", has_min: bool = False):
+def embed_q(name, V, D, *, rows, positions: int | None, bits: int, sdtype="float16", has_min: bool = False,
+            scale: float = 1.0):
     """``embed`` over a quant-rows table (blocks along D): ``compute.embed_q``, the CPU's ``embed_q``'s definition.
     Args: ids, table_q, table_s, (pos_table, start), y. Elementwise over (row, column), like ``embed``: each
     thread dequantizes the weight it stores.
     """
     _refuse_min(has_min)
-    sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype))
+    sch = compute.schedule(name, compute.embed_q(V, D, rows, positions=positions, bits=bits, sdtype=sdtype,
+                                                 scale=scale))
     _elementwise(sch, sch.get_sblock("y"))
     return sch.mod[name]
 

@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
 from . import cpu as _cpu, kquant_gemm, kquant_gemv
-from .compute import clamp_index, drop_params, row_dim
+from .compute import clamp_index, drop_params, row_dim, scaled_row
 from .cpu import PANEL
 from .kquant import PanelScales, high_rows, panel_scale_bytes
 
@@ -178,10 +178,11 @@ def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
 # --------------------------------------------------------------------------------------------
 
 
-def embed_kq(name, V, D, *, rows, positions: int | None, fmt: str):
+def embed_kq(name, V, D, *, rows, positions: int | None, fmt: str, scale: float = 1.0):
     """y[i] = table[ids[i]] (+ pos_table[start + i]) over a table in `kquant`'s rows layout (pack_rows: values
     uint8 [V, D / 2 + (bits - 4) * D / 8], scales bytes [V, panel_scale_bytes(fmt, D) / 16]), each looked-up row
-    dequantized; ids and positions clamped to the tables. Args: ids, table_q, table_s, (pos_table, start), y.
+    dequantized (times `scale`, Gemma's sqrt(d_model)); ids and positions clamped to the tables. Args: ids, table_q,
+    table_s, (pos_table, start), y.
     Vectors of half a 32-group (16 lanes): the low or the high nibbles of 16 consecutive bytes."""
     f = kq_format(fmt)
     _check_length(f, D, "D")
@@ -211,14 +212,14 @@ def embed_kq(name, V, D, *, rows, positions: int | None, fmt: str):
             for g, h in T.grid(groups, 2):
                 for v in T.vectorized(ROW_LANES):
                     y[i, g * ROW_BLOCK + h * ROW_LANES + v] = position(
-                        pos_table, start, i, g * ROW_BLOCK + h * ROW_LANES + v, _value(
+                        pos_table, start, i, g * ROW_BLOCK + h * ROW_LANES + v, scaled_row(_value(
                             f,
                             _code(table_q[clamp_index(ids[i], V), g * ROW_LANES + v], h * 4,
                                   [table_q[clamp_index(ids[i], V),
                                            D // 2 + j * (D // 8) + g * 4 + h * 2 + v // 8] for j in range(planes)],
                                   v % 8),
                             (su8, si8, sf16), clamp_index(ids[i], V) * sbytes, fields,
-                            g * (ROW_BLOCK // B) + h * (ROW_LANES // B), g * ROW_BLOCK // S))
+                            g * (ROW_BLOCK // B) + h * (ROW_LANES // B), g * ROW_BLOCK // S), scale))
 
     unused = [] if positions else ["pos_table", "start"]
     return drop_params(kernel, unused).with_attr("global_symbol", name)
