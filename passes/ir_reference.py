@@ -112,6 +112,8 @@ class Interpreter:
         self.model = model
         self.int8_predictor_inputs = int8_predictor_inputs
         self.head = head_node(model)
+        capped = model.graph.outputs[0].producer()  # the logits' soft-cap after the output layer (Gemma 2), or 0
+        self.head_cap = float(Softcap(capped).cap) if capped is not None and Softcap.matches(capped) else 0.0
         budget = resident_bytes if resident_bytes is not None else max(RESIDENT_BYTES,
                                                                        int(1.25 * _largest_block_bytes(model)))
         self._resident = BoundedCache(budget)
@@ -178,6 +180,11 @@ class Interpreter:
             else:  # (a transposed file matrix's columns are the file's rows: whole blocks, read by themselves)
                 yield first, torch.from_numpy(matrix.take(np.arange(first, stop)).dequantize())
 
+    def head_logits(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """The logits of `rows` (the output layer's input) over a `head_columns` slice: their product, soft-capped
+        where the model caps its logits."""
+        return softcap(rows @ columns, self.head_cap)
+
     def _forward(self, sequences: np.ndarray, variant: Variant, probe: Callable[[Block], None] | None,
                  to_head: bool, kept: tuple[str, ...] = (), outputs: dict | None = None) -> torch.Tensor:
         """The graph's output (`to_head`: the output layer's input instead). With `kept` op types (under
@@ -221,7 +228,8 @@ class Interpreter:
         activation by 100x).
         The output layer is read a slice at a time: the draws are the Gumbel-max of each row's logits (as
         sampling its softmax), and the gradient at its input of log p(drawn) is the drawn token's column less
-        the probability-weighted mean column, summed slice by slice."""
+        the probability-weighted mean column, summed slice by slice (each column times the soft-cap's slope, 1 -
+        (logit / cap)^2, where the logits are soft-capped)."""
         outputs: dict[str, torch.Tensor] = {}
         with torch.enable_grad():
             x = self._forward(sequences, DENSE, None, to_head=True, kept=op_types, outputs=outputs)
@@ -231,7 +239,7 @@ class Interpreter:
             best = torch.full((draws, rows.shape[0]), -torch.inf)
             drawn = torch.zeros((draws, rows.shape[0]), dtype=torch.int64)
             for first, columns in self.head_columns(rows.shape[0]):
-                logits = rows @ columns
+                logits = self.head_logits(rows, columns)
                 summary.add(first, logits)
                 for draw in range(draws):
                     noise = torch.rand(logits.shape, generator=generator).clamp_(min=1e-20).log_().neg_().log_()
@@ -243,11 +251,16 @@ class Interpreter:
             mean_column = torch.zeros_like(rows)
             drawn_column = torch.zeros((draws, *rows.shape))
             for first, columns in self.head_columns(rows.shape[0]):
-                probabilities = torch.exp((rows @ columns).to(torch.float64) - log_normalizer[:, None]).float()
-                mean_column += probabilities @ columns.T
+                logits = self.head_logits(rows, columns)
+                probabilities = torch.exp(logits.to(torch.float64) - log_normalizer[:, None]).float()
+                slope = 1.0 - (logits / self.head_cap) ** 2 if self.head_cap else None  # d softcap(z) / dz
+                mean_column += (probabilities if slope is None else probabilities * slope) @ columns.T
                 for draw in range(draws):
                     inside = (drawn[draw] >= first) & (drawn[draw] < first + columns.shape[1])
-                    drawn_column[draw, inside] = columns[:, drawn[draw, inside] - first].T
+                    picked = columns[:, drawn[draw, inside] - first].T
+                    if slope is not None:
+                        picked = picked * slope[inside, drawn[draw, inside] - first][:, None]
+                    drawn_column[draw, inside] = picked
             # every draw in one backward (batched: each block recomputed once, its products a draw's rows deeper)
             gradients = torch.autograd.grad(x, list(outputs.values()), is_grads_batched=True,
                                             grad_outputs=(drawn_column - mean_column).reshape(draws, *x.shape))

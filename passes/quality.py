@@ -814,7 +814,8 @@ class _HeldOut:
         planned = interpreter.head_columns(len(x), variant)
         # (the reference's logits from the source's output layer, where the plan stores it otherwise)
         source = interpreter.head_columns(len(x)) if interpreter.head.inputs[1].name in variant.weights else None
-        slices = ((first, x @ w, x_ref @ (w if source is None else next(source)[1])) for first, w in planned)
+        logits = interpreter.head_logits
+        slices = ((first, logits(x, w), logits(x_ref, w if source is None else next(source)[1])) for first, w in planned)
         got = Logits.of(slices, len(x), at=ref.targets[rows, None], reference=ref.log_normalizer[rows])
         per_sequence = lambda v: v.reshape(len(chosen), -1).sum(1).tolist()  # noqa: E731
         return [_SequenceMeasure(*m) for m in zip(per_sequence(got.log_normalizer - got.at_values[:, 0]),
@@ -866,7 +867,7 @@ class _Reference:
         scored = scored_positions(batch.shape[1])
         targets = torch.from_numpy(np.asarray(batch[:, predicted_tokens(scored)], np.int64)).reshape(-1)
         x = interpreter.head_input(batch, probe=probe, positions=scored)
-        dense = Logits.of(((first, x @ w) for first, w in interpreter.head_columns(len(x))), len(x),
+        dense = Logits.of(((first, interpreter.head_logits(x, w)) for first, w in interpreter.head_columns(len(x))), len(x),
                           at=targets[:, None])
         log_normalizer = dense.log_normalizer
         nll = (log_normalizer - dense.at_values[:, 0]).reshape(len(batch), -1).sum(1)

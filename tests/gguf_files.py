@@ -32,6 +32,10 @@ class Tiny:
     rope_base: float = 10000.0
     eps: float = 1e-5
     rope_freqs: bool = False  # LLaMA 3.1's rope_freqs.weight: per-frequency divisors of RoPE's angles
+    # gemma2: its metadata (llama.cpp's defaults where None: caps 50 and 30, a window of 4096)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    window: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -62,7 +66,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     shapes = {"token_embd.weight": (t.vocab, t.d_model), "output_norm.weight": (t.d_model,)}
     if t.rope_freqs:
         shapes["rope_freqs.weight"] = (t.head_dim // 2,)
-    if not t.tied:
+    gemma = t.arch == "gemma2"  # norms after attention and the FFN; always tied (llama.cpp reads no output.weight)
+    if not t.tied and not gemma:
         shapes["output.weight"] = (t.vocab, t.d_model)
     for i in range(t.layers):
         p = f"blk.{i}."
@@ -73,6 +78,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
                        p + "ffn_down.weight": (t.d_model, t.ffn)})
         if t.arch == "qwen2":
             shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+        if gemma:
+            shapes.update({p + "post_attention_norm.weight": (t.d_model,), p + "post_ffw_norm.weight": (t.d_model,)})
     tensors = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
@@ -103,6 +110,13 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     writer.add_rope_freq_base(t.rope_base)
     writer.add_layer_norm_rms_eps(t.eps)
     writer.add_rope_dimension_count(t.head_dim)
+    if gemma:  # what convert_hf_to_gguf's Gemma2Model writes besides
+        writer.add_key_length(t.head_dim)
+        writer.add_value_length(t.head_dim)
+        for value, add in ((t.attn_softcap, writer.add_attn_logit_softcapping),
+                           (t.final_softcap, writer.add_final_logit_softcapping), (t.window, writer.add_sliding_window)):
+            if value is not None:
+                add(value)
     for key, value in (tokenizer or {}).items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
@@ -142,15 +156,28 @@ def _rope(x: np.ndarray, positions: np.ndarray, base: float, adjacent: bool, fac
     return np.concatenate([ra, rb], -1)
 
 
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
 def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
-    """Logits [S, vocab] of a prompt, in float64, as llama.cpp computes them from the file's tensors."""
+    """Logits [S, vocab] of a prompt, in float64, as llama.cpp computes them from the file's tensors (gemma2:
+    src/models/gemma2.cpp: the embedding times sqrtf(n_embd), q times 1/sqrt(head_dim), the scores and the logits
+    soft-capped, the even layers' keys within the window, norms after attention and the FFN, GeGLU)."""
     w = {name: np.asarray(a, np.float64) for name, a in weights.items()}
     t = tiny
+    gemma = t.arch == "gemma2"
     tokens = np.asarray(tokens)
     S, hd, group = len(tokens), t.head_dim, t.heads // t.kv_heads
     x = w["token_embd.weight"][tokens]
+    if gemma:
+        x = x * float(np.float32(np.sqrt(t.d_model)))
     positions = np.arange(S, dtype=np.float64)
     causal = np.tril(np.ones((S, S), bool))
+    window = t.window if t.window is not None else 4096
+    windowed = causal & (positions[None, :] > positions[:, None] - window)
+    attn_cap = t.attn_softcap if t.attn_softcap is not None else 50.0
+    final_cap = t.final_softcap if t.final_softcap is not None else 30.0
     for i in range(t.layers):
         p = f"blk.{i}."
         a = _rms(x, w[p + "attn_norm.weight"], t.eps)
@@ -166,12 +193,22 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
         heads = []
         for h in range(t.heads):
             scores = q[:, h] @ k[:, h // group].T / np.sqrt(hd)
-            scores = np.where(causal, scores, -np.inf)
+            if gemma:
+                scores = attn_cap * np.tanh(scores / attn_cap)
+            scores = np.where(windowed if gemma and i % 2 == 0 else causal, scores, -np.inf)
             scores = np.exp(scores - scores.max(-1, keepdims=True))
             heads.append((scores / scores.sum(-1, keepdims=True)) @ proj["v"][:, h // group])
-        x = x + np.concatenate(heads, -1) @ w[p + "attn_output.weight"].T
+        attended = np.concatenate(heads, -1) @ w[p + "attn_output.weight"].T
+        if gemma:
+            attended = _rms(attended, w[p + "post_attention_norm.weight"], t.eps)
+        x = x + attended
         f = _rms(x, w[p + "ffn_norm.weight"], t.eps)
         gate = f @ w[p + "ffn_gate.weight"].T
-        x = x + ((gate / (1 + np.exp(-gate))) * (f @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+        act = _gelu_tanh(gate) if gemma else gate / (1 + np.exp(-gate))
+        down = (act * (f @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+        if gemma:
+            down = _rms(down, w[p + "post_ffw_norm.weight"], t.eps)
+        x = x + down
     out = w.get("output.weight", w["token_embd.weight"])
-    return _rms(x, w["output_norm.weight"], t.eps) @ out.T
+    logits = _rms(x, w["output_norm.weight"], t.eps) @ out.T
+    return final_cap * np.tanh(logits / final_cap) if gemma else logits

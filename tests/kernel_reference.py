@@ -39,16 +39,21 @@ def kname(kind, cfg, variant):
     return f"{kind}_{cfg}_{variant}"
 
 
-def attention_ref(q, kc, vc, start, H, KVH, hd, scale):
+def attention_ref(q, kc, vc, start, H, KVH, hd, scale, softcap=0.0, window=0):
+    """Causal attention of q's rows (positions start..) over the cache; scores soft-capped (cap * tanh(s / cap))
+    where `softcap`, only the last `window` positions attended to where `window`."""
     m = q.shape[0]
     out = np.zeros((m, H * hd))
     for i in range(m):
         n = start + i + 1
+        lo = max(0, n - window) if window else 0
         for h in range(H):
             g = h // (H // KVH)
-            s = scale * (kc[g, :n].astype(np.float64) @ q[i, h * hd : (h + 1) * hd])
+            s = scale * (kc[g, lo:n].astype(np.float64) @ q[i, h * hd : (h + 1) * hd])
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
             p = np.exp(s - s.max())
-            out[i, h * hd : (h + 1) * hd] = (p / p.sum()) @ vc[g, :n]
+            out[i, h * hd : (h + 1) * hd] = (p / p.sum()) @ vc[g, lo:n]
     return out
 
 

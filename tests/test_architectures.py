@@ -44,6 +44,9 @@ def _biases(required: bool) -> dict:
 EXPECTED = {
     "llama": {**MODEL, "rope_freqs.weight": ((3,), False, False), **BLOCK, **_biases(required=False)},
     "qwen2": {**MODEL, **BLOCK, **_biases(required=True)},
+    # norms after attention and the FFN; no output layer of its own (llama.cpp's gemma2 always ties it)
+    "gemma2": {**{name: spec for name, spec in MODEL.items() if name != "output.weight"}, **BLOCK,
+               "blk.0.post_attention_norm.weight": ((8,), False, True), "blk.0.post_ffw_norm.weight": ((8,), False, True)},
 }
 
 
@@ -60,7 +63,7 @@ def test_an_architectures_tensors_for_a_tiny_model(name):
 def test_an_unknown_architecture_is_refused_in_one_line_naming_it_and_the_supported_ones(tmp_path):
     with pytest.raises(UserError) as refused:
         architecture_of("gemma3")
-    assert str(refused.value) == "architecture 'gemma3' is not supported (picompile compiles GGUF llama, qwen2)"
+    assert str(refused.value) == "architecture 'gemma3' is not supported (picompile compiles GGUF llama, qwen2, gemma2)"
     path = tmp_path / "gemma3.gguf"
     gf.write(path, gf.Tiny(arch="gemma3"))
     with pytest.raises(UserError) as refused:
@@ -92,8 +95,16 @@ def _with_biases(tensors):
         tensors[f"blk.0.{name}.bias"] = (np.zeros(width, np.float32), gf.T.F32)
 
 
+def _with_an_output_layer(tensors):
+    tensors["output.weight"] = (np.zeros((300, 64), np.float32), gf.T.F32)
+
+
 @pytest.mark.parametrize("name,tiny,edit,refusal", [
     ("llama_with_biases", gf.Tiny(), _with_biases, None),  # llama.cpp reads a llama's q/k/v biases where present
+    ("gemma2_with_an_output_layer", gf.Tiny(arch="gemma2"), _with_an_output_layer,
+     "tensor output.weight is not part of a gemma2 model"),  # llama.cpp's gemma2 computes the logits with token_embd
+    ("gemma2_without_a_post_norm", gf.Tiny(arch="gemma2"), lambda t: t.pop("blk.1.post_ffw_norm.weight"),
+     "tensor blk.1.post_ffw_norm.weight is missing"),
     ("qwen2_without_a_bias", gf.Tiny(arch="qwen2"), lambda t: t.pop("blk.1.attn_k.bias"),
      "tensor blk.1.attn_k.bias is missing"),
     ("qwen2_with_rope_freqs", gf.Tiny(arch="qwen2", rope_freqs=True), None,
@@ -108,6 +119,28 @@ def test_what_an_architectures_features_admit(tmp_path, name, tiny, edit, refusa
         return
     with pytest.raises(UserError, match=refusal):
         tensors(reader, hyper(reader, path), path)
+
+
+@pytest.mark.parametrize("metadata,expected", [
+    ({}, (50.0, 30.0, 4096, (True, False, True, False))),  # llama.cpp's defaults: caps 50 and 30, a window of 4096,
+    # every other layer sliding (set_swa_pattern(2): the even ones)
+    ({"gemma2.attn_logit_softcapping": 20.0, "gemma2.final_logit_softcapping": 5.0, "gemma2.attention.sliding_window": 8,
+      "gemma2.attention.sliding_window_pattern": 3}, (20.0, 5.0, 8, (True, True, False, True))),
+    ({"gemma2.attention.sliding_window_pattern": [False, True, True, False]}, (50.0, 30.0, 4096, (False, True, True, False))),
+    ({"gemma2.attention.sliding_window_pattern": 0}, (50.0, 30.0, 4096, (True, True, True, True))),
+    ({"gemma2.attention.sliding_window_pattern": [True, False]}, "not one bool per layer"),
+])
+def test_gemma2s_caps_and_windows_read_as_llama_cpp_reads_them(tmp_path, metadata, expected):
+    path = tmp_path / "gemma2.gguf"
+    gf.write(path, gf.Tiny(arch="gemma2", layers=4), tokenizer=metadata)
+    if isinstance(expected, str):
+        with pytest.raises(UserError, match=expected):
+            hyper(read(path), path)
+        return
+    h = hyper(read(path), path)
+    assert (h.attn_softcap, h.final_softcap, h.window, h.sliding) == expected
+    assert h.rope_base_swa == h.rope_base  # rope.freq_base_swa: the other layers' where absent
+    assert h.architecture.query_scale.value(h) == 1 / 4  # head_dim 16 (a 46-layer model: d_model / heads)
 
 
 @pytest.mark.parametrize("metadata,scale", [

@@ -59,6 +59,8 @@ NORM_D = (36, 64, 600)  # 600: several elements per thread and several warps per
 HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64), (2, 1, 136)]  # (H, KVH, hd); 136: 2 dims per thread
 LONG_CTX = 600  # several 128-key softmax chunks
 V = 50
+GEMMA_HEADS, GEMMA_WINDOW, LONG_WINDOW = (4, 2, 8), 4, 200
+EMBED_SCALE = float(np.float32(np.sqrt(3072)))  # Gemma 2 9B's sqrt(d_model), as a float32
 MERGE = {"res2b": (36, 2, True, True), "res1": (36, 1, False, True), "p2b": (40, 2, True, False)}
 SELECT_N = (100, 3000)  # 3000: 1024 threads with 3 positions each
 UP = {  # name: (D, n, gated, act)
@@ -107,6 +109,15 @@ def all_kernels(gpu=True):
                 make.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
             )
         funcs.append(make.attention(kname("attn", "long", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows))
+        # Gemma 2's: soft-capped scores, a sliding window (inside one 128-key chunk; starting inside a later one)
+        funcs.append(make.attention(kname("attn", "gemma", v), *GEMMA_HEADS, MAX_CTX, 0.3, rows=rows, softcap=2.0,
+                                    window=GEMMA_WINDOW))
+        funcs.append(make.attention(kname("attn", "long_window", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows,
+                                    softcap=50.0, window=LONG_WINDOW))
+        for D in NORM_D:  # a post-norm with its residual
+            funcs.append(make.rms_norm(kname("rms_res", D, v), D, 1e-6, rows=rows, residual=True))
+        funcs.append(make.softcap(kname("softcap", V, v), V, 3.0, rows=rows))
+        funcs.append(make.embed(kname("embed", "scaled", v), V, 36, rows=rows, positions=None, scale=EMBED_SCALE))
         for cfg, (D, parts, bias, res) in MERGE.items():
             funcs.append(make.merge(kname("merge", cfg, v), D, parts, rows=rows, bias=bias, residual=res))
     for cfg, (K, N, act) in LINEAR_ROWS.items():
@@ -439,6 +450,68 @@ def test_attention_long_context(run, variant, m):
     q, kc, vc, out = rand(rng, m, 64), rand(rng, 1, LONG_CTX, 16), rand(rng, 1, LONG_CTX, 16), rand(rng, m, 64)
     run(kname("attn", "long", variant), q, kc, vc, out, start)
     close(out, attention_ref(q, kc, vc, start, 4, 1, 16, 0.25))
+
+
+@pytest.mark.parametrize("start", [0, 5, 12])
+@pytest.mark.parametrize("variant,m", VARIANTS)
+def test_attention_soft_capped_and_windowed(run, variant, m, start):
+    """Gemma 2's attention: softcap * tanh(s / softcap) of the scores, and a query at p attends to p - W + 1 .. p
+    only: garbage before the window, as after p, leaves its row as it was."""
+    H, KVH, hd = GEMMA_HEADS
+    rng = np.random.default_rng(8)
+    q = rand(rng, m, H * hd, scale=3.0)  # scores beyond the cap
+    kc, vc = rand(rng, KVH, MAX_CTX, hd), rand(rng, KVH, MAX_CTX, hd)
+    out = rand(rng, m, H * hd)
+    name = kname("attn", "gemma", variant)
+    run(name, q, kc, vc, out, start)
+    close(out, attention_ref(q, kc, vc, start, H, KVH, hd, 0.3, softcap=2.0, window=GEMMA_WINDOW))
+    base = out.copy()
+    for i in range(m):
+        first = max(0, start + i + 1 - GEMMA_WINDOW)
+        kc2, vc2 = kc.copy(), vc.copy()
+        kc2[:, :first], vc2[:, :first] = 1e3, np.nan
+        kc2[:, start + i + 1:], vc2[:, start + i + 1:] = 1e3, np.nan
+        out2 = rand(rng, m, H * hd)
+        run(name, q, kc2, vc2, out2, start)
+        np.testing.assert_array_equal(out2[i], base[i])
+
+
+@pytest.mark.parametrize("variant,m", [("d", 1), ("p", 7)])
+def test_attention_long_context_windowed(run, variant, m):
+    rng = np.random.default_rng(7)
+    start = LONG_CTX - m - 3
+    q, kc, vc = rand(rng, m, 64, scale=4.0), rand(rng, 1, LONG_CTX, 16), rand(rng, 1, LONG_CTX, 16)
+    out = rand(rng, m, 64)
+    run(kname("attn", "long_window", variant), q, kc, vc, out, start)
+    close(out, attention_ref(q, kc, vc, start, 4, 1, 16, 0.25, softcap=50.0, window=LONG_WINDOW))
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("D", NORM_D)
+def test_rms_norm_with_residual(run, D, variant, m):
+    rng = np.random.default_rng(3)
+    x, g, r, y = rand(rng, m, D), rand(rng, D), rand(rng, m, D), rand(rng, m, D)
+    run(kname("rms_res", D, variant), x, g, r, y)
+    x64 = x.astype(np.float64)
+    close(y, x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * g + r)
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+def test_softcap(run, variant, m):
+    rng = np.random.default_rng(10)
+    x, y = rand(rng, m, V, scale=4.0), rand(rng, m, V)
+    x[0, :5] = [0.0, 1e-6, -1e-6, 200.0, -200.0]
+    run(kname("softcap", V, variant), x, y)
+    close(y, 3.0 * np.tanh(x.astype(np.float64) / 3.0), tol=1e-6)
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+def test_embed_scaled(run, variant, m):
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, V, m).astype(np.int64)
+    table, y = rand(rng, V, 36), rand(rng, m, 36)
+    run(kname("embed", "scaled", variant), ids, table, y)
+    np.testing.assert_array_equal(y, table[ids] * np.float32(EMBED_SCALE))
 
 
 @pytest.mark.parametrize("frac", [0.0, 0.3, 1.0])

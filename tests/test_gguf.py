@@ -33,7 +33,9 @@ MIXED = gf.Tiny(d_model=256, heads=8, kv_heads=2, ffn=256, rope_freqs=True, form
     "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F16, "ffn_up": T.BF16,
     "ffn_down": T.Q4_K, "token_embd": T.Q8_0, "output": T.Q4_0})
 MODELS = {"llama": gf.Tiny(), "qwen2": gf.Tiny(arch="qwen2", tied=True), "mixed": MIXED,
-          "f16_tied": gf.Tiny(default=T.F16, tied=True)}
+          "f16_tied": gf.Tiny(default=T.F16, tied=True),
+          # a window shorter than the prompt, caps its scores and logits reach (tests/test_gemma.py: the rest)
+          "gemma2": gf.Tiny(arch="gemma2", layers=3, window=4, attn_softcap=2.0, final_softcap=3.0)}
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,8 @@ NORM_D = (36, 64)
 HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64)]  # (H, KVH, hd)
 LONG_CTX = 600  # score buffer > 1 KB: TVM allocates it from the workspace pool, not the stack
 V = 50
+GEMMA_HEADS, GEMMA_WINDOW, LONG_WINDOW = (4, 2, 8), 4, 200
+EMBED_SCALE = float(np.float32(np.sqrt(3072)))  # Gemma 2 9B's sqrt(d_model), as a float32
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -118,6 +120,15 @@ def all_kernels():
                 cpu.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
             )
         funcs.append(cpu.attention(kname("attn", "long", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows))
+        # Gemma 2's: soft-capped scores, a sliding window (inside a vector of scores; across many)
+        funcs.append(cpu.attention(kname("attn", "gemma", v), *GEMMA_HEADS, MAX_CTX, 0.3, rows=rows, softcap=2.0,
+                                   window=GEMMA_WINDOW))
+        funcs.append(cpu.attention(kname("attn", "long_window", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows, softcap=50.0,
+                                   window=LONG_WINDOW))
+        for D in NORM_D:  # a post-norm with its residual
+            funcs.append(cpu.rms_norm(kname("rms_res", D, v), D, 1e-6, rows=rows, residual=True))
+        funcs.append(cpu.softcap(kname("softcap", V, v), V, 3.0, rows=rows))
+        funcs.append(cpu.embed(kname("embed", "scaled", v), V, 36, rows=rows, positions=None, scale=EMBED_SCALE))
     funcs.append(cpu.glu("glu_spread_gelu_tanh", SPREAD, rows=1, act="gelu_tanh"))
     return funcs
 
@@ -422,6 +433,75 @@ def test_attention_long_context(lib, variant, m):
     _, out = rows_buf(rng, m, 4 * 16)
     call(lib, kname("attn", "long", variant), q, kc, vc, out, start)
     close(out, attention_ref(q, kc, vc, start, 4, 1, 16, 0.25))
+
+
+@pytest.mark.parametrize("start", [0, 5, 12])
+@pytest.mark.parametrize("variant,m", VARIANTS)
+def test_attention_soft_capped_and_windowed(lib, variant, m, start):
+    """Gemma 2's attention: softcap * tanh(s / softcap) of the scores, and a query at p attends to p - W + 1 .. p
+    only: garbage before the window, as after p, leaves its row as it was."""
+    H, KVH, hd = GEMMA_HEADS
+    rng = np.random.default_rng(8)
+    _, q = rows_buf(rng, m, H * hd, scale=3.0)  # scores beyond the cap
+    kc, vc = rand(rng, KVH, MAX_CTX, hd), rand(rng, KVH, MAX_CTX, hd)
+    _, out = rows_buf(rng, m, H * hd)
+    name = kname("attn", "gemma", variant)
+    call(lib, name, q, kc, vc, out, start)
+    close(out, attention_ref(q, kc, vc, start, H, KVH, hd, 0.3, softcap=2.0, window=GEMMA_WINDOW))
+    base = out.copy()
+    for i in range(m):
+        first = max(0, start + i + 1 - GEMMA_WINDOW)
+        kc2, vc2 = aligned(kc), aligned(vc)
+        kc2[:, :first], vc2[:, :first] = 1e3, np.nan
+        kc2[:, start + i + 1:], vc2[:, start + i + 1:] = 1e3, np.nan
+        _, out2 = rows_buf(rng, m, H * hd)
+        call(lib, name, q, kc2, vc2, out2, start)
+        np.testing.assert_array_equal(out2[i], base[i])
+
+
+@pytest.mark.parametrize("variant,m", [("d", 1), ("p", 7)])
+def test_attention_long_context_windowed(lib, variant, m):
+    rng = np.random.default_rng(7)
+    start = LONG_CTX - m - 3
+    _, q = rows_buf(rng, m, 4 * 16, scale=4.0)
+    kc, vc = rand(rng, 1, LONG_CTX, 16), rand(rng, 1, LONG_CTX, 16)
+    _, out = rows_buf(rng, m, 4 * 16)
+    call(lib, kname("attn", "long_window", variant), q, kc, vc, out, start)
+    close(out, attention_ref(q, kc, vc, start, 4, 1, 16, 0.25, softcap=50.0, window=LONG_WINDOW))
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+@pytest.mark.parametrize("D", NORM_D)
+def test_rms_norm_with_residual(lib, D, variant, m):
+    rng = np.random.default_rng(3)
+    _, x = rows_buf(rng, m, D)
+    g = rand(rng, D)
+    _, r = rows_buf(rng, m, D)
+    _, y = rows_buf(rng, m, D)
+    call(lib, kname("rms_res", D, variant), x, g, r, y)
+    x64 = x.astype(np.float64)
+    close(y, x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * g + r)
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+def test_softcap(lib, variant, m):
+    """3 tanh(x / 3) over logits from 0 (where tanh's rounding matters most) to far past the cap."""
+    rng = np.random.default_rng(10)
+    _, x = rows_buf(rng, m, V, scale=4.0)
+    x[0, :5] = [0.0, 1e-6, -1e-6, 200.0, -200.0]
+    _, y = rows_buf(rng, m, V)
+    call(lib, kname("softcap", V, variant), x, y)
+    close(y, 3.0 * np.tanh(x.astype(np.float64) / 3.0), tol=1e-6)
+
+
+@pytest.mark.parametrize("variant,m", VARIANTS)
+def test_embed_scaled(lib, variant, m):
+    rng = np.random.default_rng(4)
+    ids = aligned(rng.integers(0, V, MAX_ROWS).astype(np.int64))[:m]
+    table = rand(rng, V, 36)
+    _, y = rows_buf(rng, m, 36)
+    call(lib, kname("embed", "scaled", variant), ids, table, y)
+    np.testing.assert_array_equal(y, table[ids] * np.float32(EMBED_SCALE))  # fp32, as transformers multiplies
 
 
 # ---------------------------------------------------------------------------------- runtime path

@@ -515,7 +515,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows, softcap: float = 0.0, w
                         for e in range(dims):
                             if e * nt + t < hd:
                                 o[e] = o[e] * st[4]
-                                for j in range(T.min(nt, n_keys - c * nt)):
+                                for j in range(T.max(lo - c * nt, T.int64(0)), T.min(nt, n_keys - c * nt)):
                                     o[e] = o[e] + ps[j] * vcache[g, c * nt + j, e * nt + t]
                         T.tvm_storage_sync("shared")  # ps and red are rewritten by the next chunk
                     for e in range(dims):
