@@ -1,6 +1,7 @@
 """Tiny GGUF files made on the fly with the `gguf` package's writer, as llama.cpp's converter writes them
-(LLaMA's attn_q / attn_k rows permuted for llama.cpp's adjacent-pair RoPE), and a numpy forward pass that
-computes what llama.cpp computes from the file's dequantized tensors (the reference for the GGUF front end)."""
+(LLaMA's attn_q / attn_k rows permuted for llama.cpp's adjacent-pair RoPE; Phi-3's q, k, v and gate, up fused, as
+transformers stores them), and a numpy forward pass that computes what llama.cpp computes from the file's dequantized
+tensors (the reference for the GGUF front end)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import numpy as np
 from tests.ggml_encode import encode
 
 T = gguf.GGMLQuantizationType
+
+# the block tensors an architecture's converter fuses: the file's tensor -> the matrices it stacks along its rows, in
+# order (convert_hf_to_gguf maps Phi-3's qkv_proj to attn_qkv and gate_up_proj, gate first, to ffn_up)
+FUSED = {"phi3": {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}}
 
 
 @dataclass
@@ -32,6 +37,7 @@ class Tiny:
     rope_base: float = 10000.0
     eps: float = 1e-5
     rope_freqs: bool = False  # LLaMA 3.1's rope_freqs.weight: per-frequency divisors of RoPE's angles
+    sliding_window: int = 0  # phi3's attention.sliding_window (its converter writes 0 for none)
 
     @property
     def head_dim(self) -> int:
@@ -73,7 +79,7 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
                        p + "ffn_down.weight": (t.d_model, t.ffn)})
         if t.arch == "qwen2":
             shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
-    tensors = {}
+    floats = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
             if name == "rope_freqs.weight":
@@ -82,15 +88,29 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
                 w = 1.0 + 0.1 * rng.standard_normal(shape)
             else:
                 w = 0.1 * rng.standard_normal(shape)
-            tensors[name] = (w.astype(np.float32), T.F32)
+            floats[name] = w.astype(np.float32)
             continue
         w = (0.5 if name == "token_embd.weight" else 0.15) * rng.standard_normal(shape)
         if t.arch == "llama" and name.endswith("attn_q.weight"):
             w = _permute(w, t.heads)
         elif t.arch == "llama" and name.endswith("attn_k.weight"):
             w = _permute(w, t.kv_heads)
-        suffix = name.split(".")[-2]
-        tensors[name] = _stored(name, w, t.formats.get(suffix, t.default), rng)
+        floats[name] = w
+    # a fused tensor stacks its parts' rows before it is stored (its blocks are its rows'), where its first part was
+    fused_at = {f"blk.{i}.{parts[0]}.weight": (f"blk.{i}.{fused}.weight", [f"blk.{i}.{p}.weight" for p in parts])
+                for i in range(t.layers) for fused, parts in FUSED.get(t.arch, {}).items()}
+    stacked = {part for _, parts in fused_at.values() for part in parts}
+    tensors = {}
+    for name, w in floats.items():
+        if name in fused_at:
+            name, parts = fused_at[name]
+            w = np.concatenate([floats[part] for part in parts])
+        elif name in stacked:
+            continue
+        if w.ndim == 1:
+            tensors[name] = (w, T.F32)
+        else:
+            tensors[name] = _stored(name, w, t.formats.get(name.split(".")[-2], t.default), rng)
     if edit is not None:
         edit(tensors)
     writer = gguf.GGUFWriter(str(path), t.arch)
@@ -103,6 +123,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     writer.add_rope_freq_base(t.rope_base)
     writer.add_layer_norm_rms_eps(t.eps)
     writer.add_rope_dimension_count(t.head_dim)
+    if t.arch == "phi3":
+        writer.add_sliding_window(t.sliding_window)
     for key, value in (tokenizer or {}).items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
@@ -146,6 +168,13 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
     """Logits [S, vocab] of a prompt, in float64, as llama.cpp computes them from the file's tensors."""
     w = {name: np.asarray(a, np.float64) for name, a in weights.items()}
     t = tiny
+    for i in range(t.layers):  # a fused tensor's rows back into the matrices it stacks
+        for fused, parts in FUSED.get(t.arch, {}).items():
+            stacked = w.pop(f"blk.{i}.{fused}.weight")
+            sizes = {"attn_q": t.heads * t.head_dim, "attn_k": t.kv_heads * t.head_dim,
+                     "attn_v": t.kv_heads * t.head_dim, "ffn_gate": t.ffn, "ffn_up": t.ffn}
+            ends = np.cumsum([sizes[part] for part in parts])
+            w.update({f"blk.{i}.{part}.weight": rows for part, rows in zip(parts, np.split(stacked, ends[:-1]))})
     tokens = np.asarray(tokens)
     S, hd, group = len(tokens), t.head_dim, t.heads // t.kv_heads
     x = w["token_embd.weight"][tokens]

@@ -33,7 +33,7 @@ MIXED = gf.Tiny(d_model=256, heads=8, kv_heads=2, ffn=256, rope_freqs=True, form
     "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F16, "ffn_up": T.BF16,
     "ffn_down": T.Q4_K, "token_embd": T.Q8_0, "output": T.Q4_0})
 MODELS = {"llama": gf.Tiny(), "qwen2": gf.Tiny(arch="qwen2", tied=True), "mixed": MIXED,
-          "f16_tied": gf.Tiny(default=T.F16, tied=True)}
+          "f16_tied": gf.Tiny(default=T.F16, tied=True), "phi3": gf.Tiny(arch="phi3", formats={"attn_qkv": T.Q8_0})}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,8 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize("name", MODELS)
 def test_onnxruntime_on_the_import_computes_what_llama_cpp_computes(files, name):
     """A numpy forward with llama.cpp's RoPE (adjacent pairs over the permuted q / k rows for llama, NeoX pairs
-    for qwen2) on the file's dequantized tensors is what onnxruntime computes on the front end's ONNX."""
+    for qwen2 and phi3, whose fused tensors it splits itself) on the file's dequantized tensors is what onnxruntime
+    computes on the front end's ONNX."""
     path, weights = files(name)
     reference = gf.forward(weights, MODELS[name], PROMPT)
     logits = OrtDecoder(reference_onnx(path)).forward(PROMPT).reshape(reference.shape)
