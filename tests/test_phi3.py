@@ -227,22 +227,29 @@ def _longrope(tensors):
 @pytest.mark.parametrize("case,edit,metadata,words", [
     ("longrope", _longrope, None, "tensor rope_factors_long.weight is LongRoPE's"),
     ("attn_factor", None, {"phi3.rope.scaling.attn_factor": 1.19}, "rope.scaling.attn_factor 1.19 is not supported"),
-    ("window", None, None, "sees the last 16 positions only (attention.sliding_window)"),
 ])
 def test_what_phi3_refuses_is_one_line(tmp_path, capsys, case, edit, metadata, words):
-    """LongRoPE's factors (and the attention factor it comes with), and a context wider than the sliding window,
-    refused: exit 2, one `error:` line naming the feature, nothing written."""
+    """LongRoPE's factors (and the attention factor it comes with) refused: exit 2, one `error:` line naming the
+    feature, nothing written."""
     path = tmp_path / f"{case}.gguf"
-    gf.write(path, dataclasses.replace(TINY, sliding_window=16 if case == "window" else 0), edit=edit,
-             tokenizer=metadata)
+    gf.write(path, TINY, edit=edit, tokenizer=metadata)
     out = tmp_path / f"{case}.pic"
     assert main(["build", str(path), "--target", "cpu", "--dense", "-o", str(out), "--max-context",
                  str(CONTEXT)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
     assert not out.exists()
-    if case == "window":
-        assert "--max-context 16 or less" in lines[0]
+
+
+def test_a_phi3_files_sliding_window_is_not_applied_as_llama_cpp_does_not(tmp_path):
+    """A window (4) narrower than the prompt (7 tokens) and the build's context: llama.cpp attends to every position
+    of a phi3 file (its SWA disabled), and so does the build: transformers' Phi-3 without a window."""
+    tiny = dataclasses.replace(TINY, sliding_window=4)
+    path = tmp_path / "phi3.gguf"
+    weights = gf.write(path, tiny)
+    out = tmp_path / "phi3.pic"
+    _build(path, out, "--weight-dtype", "fp32")
+    np.testing.assert_allclose(_logits(Engine(out)), _expected(_transformers(weights, tiny)), atol=1e-4, rtol=0)
 
 
 def test_llama_cpps_longrope_file_is_refused(tmp_path, capsys):

@@ -2,8 +2,7 @@
 tensor and its gate and up in another, as transformers' checkpoints store them (llama.cpp's converter keeps both, and
 does not permute q / k: src/models/phi3.cpp computes NeoX RoPE and ggml_swiglu, gate first, on them)."""
 
-from . import (DECODER_PARAMS, Activation, Architecture, Fused, Need, Norm, NormPlacement, Param, QKRows, Refused,
-               Rope)
+from . import DECODER_PARAMS, Activation, Architecture, Fused, Need, Norm, NormPlacement, QKRows, Refused, Rope
 
 _LONGROPE = ("LongRoPE's (Phi-3-128k, Phi-3.5, Phi-4-mini), which picompile does not compile yet: llama.cpp scales "
              "RoPE's cos and sin by rope.scaling.attn_factor as well, and picompile's attention scores take "
@@ -11,9 +10,9 @@ _LONGROPE = ("LongRoPE's (Phi-3-128k, Phi-3.5, Phi-4-mini), which picompile does
 
 PHI3 = Architecture(
     name="phi3",
-    # attention.sliding_window: the converter writes transformers' sliding_window (0 where it has none); llama.cpp
-    # reads it and then attends to every position (phi3's SWA is disabled there), transformers masks past it
-    params=(*DECODER_PARAMS, Param("sliding_window", "attention.sliding_window", int, 0, minimum=0)),
+    # (attention.sliding_window, which the converter writes from transformers' config, is not read: llama.cpp
+    # attends to every position of a phi3 file, its SWA disabled, and a build computes what llama.cpp computes)
+    params=DECODER_PARAMS,
     qk_rows=QKRows.ROTATE_HALF,
     qkv_bias=Need.ABSENT,
     norm=Norm.RMS,
