@@ -1,18 +1,18 @@
 """The ONNX decoder of a GGUF file (the GGUF front end's graph; `passes.import_gguf` reads and checks the file
 and caches what this writes).
 
-Standard ONNX ops computed as transformers' LLaMA / Qwen2 exports compute them: RMSNorm as x * 1/sqrt(mean(x^2)
-+ eps) * w, rotate-half RoPE from an `inv_freq` constant and `position_ids`, a causal mask with
-`attention_mask`, grouped-query attention by repeating the cache's kv heads, SwiGLU as gate * sigmoid(gate) *
-up; the KV cache in optimum's convention. Weights: F32 as stored, F16 / BF16 as stored behind a Cast to
-float32, a block type some picompile format holds exactly (`passes.formats.ggml`) as a `FileTensor` over the
-file's blocks (a float tensor to every pass, computed when read; select-kernels packs the blocks themselves),
-any other dequantized to float32 when read (`onnx_ir.LazyTensor`: one tensor at a time). What differs between
-architectures is read from their `passes.architectures.Architecture`: q / k rows stored permuted (LLaMA's) are put
-back in rotate-half order (`rope_rows`), a fused tensor (Phi-3's attn_qkv, its gate/up ffn_up) is taken apart into
-the matrices it stacks, each its range of the file's rows (`FileMatrix.take`: whole rows, blocks as stored; a float
-tensor's rows likewise), so that recognise sees LLaMA's graph; the norm and the FFN's activation come from its
-tables here.
+Standard ONNX ops computed as transformers' LLaMA / Qwen2 / Qwen3 / Phi-3 exports compute them: RMSNorm as x *
+1/sqrt(mean(x^2) + eps) * w (Qwen3's q / k norms too, over each head's values before RoPE), rotate-half RoPE from an
+`inv_freq` constant and `position_ids`, a causal mask with `attention_mask`, grouped-query attention by repeating
+the cache's kv heads, SwiGLU as gate * sigmoid(gate) * up; the KV cache in optimum's convention. Weights: F32 as
+stored, F16 / BF16 as stored behind a Cast to float32, a block type some picompile format holds exactly
+(`passes.formats.ggml`) as a `FileTensor` over the file's blocks (a float tensor to every pass, computed when read;
+select-kernels packs the blocks themselves), any other dequantized to float32 when read (`onnx_ir.LazyTensor`: one
+tensor at a time). What differs between architectures is read from their `passes.architectures.Architecture`: q / k
+rows stored permuted (LLaMA's) are put back in rotate-half order (`rope_rows`), a fused tensor (Phi-3's attn_qkv,
+its gate/up ffn_up) is taken apart into the matrices it stacks, each its range of the file's rows
+(`FileMatrix.take`: whole rows, blocks as stored; a float tensor's rows likewise), so that recognise sees LLaMA's
+graph; the norm and the FFN's activation come from its tables here.
 """
 
 from __future__ import annotations
@@ -182,9 +182,13 @@ NORMS = {Norm.RMS: _rms_norm}
 ACTIVATIONS = {Activation.SILU: _silu}
 
 
-def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str) -> ir.Value:
-    """[B, S, heads*d] -> [B, heads, S, d]."""
+def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str, norm=None, eps: float = 0.0,
+           norm_name: str = "") -> ir.Value:
+    """[B, S, heads*d] -> [B, heads, S, d]; with `norm` (the file's [d] weight) each head's d values RMS-normed
+    first, as transformers' Qwen3 does before the transpose (q_norm(q_proj(x).view(...)).transpose(1, 2))."""
     shaped = g.op("Reshape", [x, g.ints(shape_name, [0, 0, heads, head_dim])])
+    if norm is not None:
+        shaped = _rms_norm(g, shaped, norm, eps, norm_name)
     return g.op("Transpose", [shaped], {"perm": [0, 2, 1, 3]})
 
 
@@ -280,8 +284,12 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
         q = linear(a, p, "attn_q", bias=True)
         k = linear(a, p, "attn_k", bias=True)
         v = linear(a, p, "attn_v", bias=True)
-        q = _rotate(g, _heads(g, q, h.heads, h.head_dim, p + "q_shape"), cos, sin, half)
-        k = _rotate(g, _heads(g, k, h.kv_heads, h.head_dim, p + "k_shape"), cos, sin, half)
+        # an RMSNorm over each head's query and key, before RoPE, where the architecture has one
+        q_norm, k_norm = (get("attn_q_norm.weight"), get("attn_k_norm.weight")) if arch.qk_norm else (None, None)
+        q = _rotate(g, _heads(g, q, h.heads, h.head_dim, p + "q_shape", q_norm, h.eps, p + "attn_q_norm"),
+                    cos, sin, half)
+        k = _rotate(g, _heads(g, k, h.kv_heads, h.head_dim, p + "k_shape", k_norm, h.eps, p + "attn_k_norm"),
+                    cos, sin, half)
         v = _heads(g, v, h.kv_heads, h.head_dim, p + "v_shape")
         present_key = g.op("Concat", [pasts[i][0], k], {"axis": 2}, name=f"present.{i}.key")
         present_value = g.op("Concat", [pasts[i][1], v], {"axis": 2}, name=f"present.{i}.value")

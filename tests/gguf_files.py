@@ -1,10 +1,13 @@
 """Tiny GGUF files made on the fly with the `gguf` package's writer, as llama.cpp's converter writes them
 (LLaMA's attn_q / attn_k rows permuted for llama.cpp's adjacent-pair RoPE; Phi-3's q, k, v and gate, up fused, as
 transformers stores them), and a numpy forward pass that computes what llama.cpp computes from the file's dequantized
-tensors (the reference for the GGUF front end)."""
+tensors (the reference for the GGUF front end); and llama.cpp's own converter run on a saved transformers model
+(`convert_with_llama_cpp`)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,10 +41,11 @@ class Tiny:
     eps: float = 1e-5
     rope_freqs: bool = False  # LLaMA 3.1's rope_freqs.weight: per-frequency divisors of RoPE's angles
     sliding_window: int = 0  # phi3's attention.sliding_window (its converter writes 0 for none)
+    key_length: int | None = None  # attention.key_length (and value_length): a head size other than d_model / heads
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.heads
+        return self.key_length or self.d_model // self.heads
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -79,6 +83,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
                        p + "ffn_down.weight": (t.d_model, t.ffn)})
         if t.arch == "qwen2":
             shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+        if t.arch == "qwen3":  # an RMSNorm over each head's query and key
+            shapes.update({p + "attn_q_norm.weight": (t.head_dim,), p + "attn_k_norm.weight": (t.head_dim,)})
     floats = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
@@ -125,6 +131,9 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     writer.add_rope_dimension_count(t.head_dim)
     if t.arch == "phi3":
         writer.add_sliding_window(t.sliding_window)
+    if t.key_length is not None:
+        writer.add_key_length(t.key_length)
+        writer.add_value_length(t.key_length)
     for key, value in (tokenizer or {}).items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
@@ -189,6 +198,8 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
             if p + f"attn_{name}.bias" in w:
                 y = y + w[p + f"attn_{name}.bias"]
             proj[name] = y.reshape(S, -1, hd)
+            if p + f"attn_{name}_norm.weight" in w:  # qwen3: each head's query and key RMS-normed before RoPE
+                proj[name] = _rms(proj[name], w[p + f"attn_{name}_norm.weight"], t.eps)
         factors = w.get("rope_freqs.weight")
         q = _rope(proj["q"], positions, t.rope_base, t.arch == "llama", factors)
         k = _rope(proj["k"], positions, t.rope_base, t.arch == "llama", factors)
@@ -204,3 +215,33 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
         x = x + ((gate / (1 + np.exp(-gate))) * (f @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms(x, w["output_norm.weight"], t.eps) @ out.T
+
+
+# convert_hf_to_gguf.py as llama.cpp runs it, with its own gguf-py, in a process of its own (its gguf package is not
+# the project's). Two stand-ins, for a test's byte-level tokenizer: the converter recognises a BPE tokenizer's
+# pre-tokenizer by a hash of how a published model's splits a text (this one is none of them: `pre` names the one to
+# write), and tries SentencePiece first, whose package the project lacks (without tokenizer.model it would give up
+# on it: FileNotFoundError, as here). Tensors and the rest of the metadata are the converter's own.
+_CONVERT = """
+import runpy, sys
+from pathlib import Path
+script, model, out, pre = sys.argv[1:5]
+sys.path[:0] = [str(Path(script).parent / "gguf-py"), str(Path(script).parent)]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+def no_sentencepiece(self):
+    raise FileNotFoundError(self.dir_model / "tokenizer.model")
+base.TextModel._create_vocab_sentencepiece = no_sentencepiece
+sys.argv = [script, model, "--outfile", out, "--outtype", "f32"]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert_with_llama_cpp(converter: Path, model_dir: Path, out: Path, pre: str = "qwen2") -> Path:
+    """The GGUF file llama.cpp's `converter` (convert_hf_to_gguf.py) writes, F32, from a transformers model saved
+    in `model_dir` with a byte-level tokenizer (examples/byte_tokenizer.py)."""
+    done = subprocess.run([sys.executable, "-c", _CONVERT, str(converter), str(model_dir), str(out), pre],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{converter} failed:\n{done.stderr[-3000:]}")
+    return out

@@ -52,6 +52,8 @@ EXPECTED = {
     "llama": {**MODEL, "rope_freqs.weight": ((3,), False, False), **BLOCK, **_biases(required=False)},
     "qwen2": {**MODEL, **BLOCK, **_biases(required=True)},
     "phi3": {**MODEL, **_fused()},
+    "qwen3": {**MODEL, **BLOCK, "blk.0.attn_q_norm.weight": ((6,), False, True),
+              "blk.0.attn_k_norm.weight": ((6,), False, True), **_biases(required=False)},
 }
 
 
@@ -91,7 +93,8 @@ def test_a_fused_tensor_stacks_block_matrices_of_one_width(parts):
 def test_an_unknown_architecture_is_refused_in_one_line_naming_it_and_the_supported_ones(tmp_path):
     with pytest.raises(UserError) as refused:
         architecture_of("gemma3")
-    assert str(refused.value) == "architecture 'gemma3' is not supported (picompile compiles GGUF llama, qwen2, phi3)"
+    assert str(refused.value) == ("architecture 'gemma3' is not supported (picompile compiles GGUF llama, qwen2, qwen3, "
+                                  "phi3)")
     path = tmp_path / "gemma3.gguf"
     gf.write(path, gf.Tiny(arch="gemma3"))
     with pytest.raises(UserError) as refused:
@@ -129,6 +132,9 @@ def _with_biases(tensors):
      "tensor blk.1.attn_k.bias is missing"),
     ("qwen2_with_rope_freqs", gf.Tiny(arch="qwen2", rope_freqs=True), None,
      "tensor rope_freqs.weight is not part of a qwen2 model"),  # llama.cpp's qwen2 has none either
+    ("qwen3_without_a_k_norm", gf.Tiny(arch="qwen3"), lambda t: t.pop("blk.0.attn_k_norm.weight"),
+     "tensor blk.0.attn_k_norm.weight is missing"),
+    ("qwen3_with_biases", gf.Tiny(arch="qwen3"), _with_biases, None),  # as llama.cpp's qwen3 reads them
 ])
 def test_what_an_architectures_features_admit(tmp_path, name, tiny, edit, refusal):
     path = tmp_path / f"{name}.gguf"

@@ -33,7 +33,8 @@ MIXED = gf.Tiny(d_model=256, heads=8, kv_heads=2, ffn=256, rope_freqs=True, form
     "attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F16, "ffn_up": T.BF16,
     "ffn_down": T.Q4_K, "token_embd": T.Q8_0, "output": T.Q4_0})
 MODELS = {"llama": gf.Tiny(), "qwen2": gf.Tiny(arch="qwen2", tied=True), "mixed": MIXED,
-          "f16_tied": gf.Tiny(default=T.F16, tied=True), "phi3": gf.Tiny(arch="phi3", formats={"attn_qkv": T.Q8_0})}
+          "f16_tied": gf.Tiny(default=T.F16, tied=True), "phi3": gf.Tiny(arch="phi3", formats={"attn_qkv": T.Q8_0}),
+          "qwen3": gf.Tiny(arch="qwen3", key_length=32)}
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,12 @@ registry, `architecture_of` its door.
 
 Every registered architecture is a value of the one decoder block the GGUF front end builds
 (`passes.gguf_graph`): token embedding; per block a norm, attention with RoPE (grouped-query, optional q/k/v
-biases), a norm and a gated FFN; a final norm and an output layer (or the embedding table, tied). An
-architecture whose features are values this block already has is one module here plus one line in
-`ARCHITECTURES`; a new feature is a new enum value here, and the graph's code for it. How a file lays the block's
-matrices out is data too: a `Fused` tensor holds several of them stacked along its rows (Phi-3's attn_qkv), which
-the graph takes apart into the matrices a file of separate tensors holds, so that nothing after it sees the fusion.
+biases, optionally an RMSNorm over each head's query and key before RoPE), a norm and a gated FFN; a final norm
+and an output layer (or the embedding table, tied). An architecture whose features are values this block already
+has is one module here plus one line in `ARCHITECTURES`; a new feature is a new enum value here, and the graph's
+code for it. How a file lays the block's matrices out is data too: a `Fused` tensor holds several of them stacked
+along its rows (Phi-3's attn_qkv), which the graph takes apart into the matrices a file of separate tensors holds,
+so that nothing after it sees the fusion.
 """
 
 from __future__ import annotations
@@ -64,12 +65,13 @@ class Dim(Enum):
     FFN = "ffn"
     Q = "heads x head_dim"
     KV = "kv_heads x head_dim"
+    HEAD = "head_dim"
     HALF_HEAD = "head_dim / 2"
 
     def size(self, h, vocab: int) -> int:
         """The size in a model of hyper-parameters `h` (`passes.gguf_graph.Hyper`) and `vocab` tokens."""
         return {Dim.VOCAB: vocab, Dim.D_MODEL: h.d_model, Dim.FFN: h.ffn, Dim.Q: h.heads * h.head_dim,
-                Dim.KV: h.kv_heads * h.head_dim, Dim.HALF_HEAD: h.head_dim // 2}[self]
+                Dim.KV: h.kv_heads * h.head_dim, Dim.HEAD: h.head_dim, Dim.HALF_HEAD: h.head_dim // 2}[self]
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,9 @@ class Architecture:
     activation: Activation
     rope: frozenset[Rope]
     tied_output: bool  # the output layer may be absent: the embedding table, transposed, computes the logits
+    # an RMSNorm over each head's query and key (attn_q_norm / attn_k_norm, one weight of head_dim shared by the
+    # heads, the block's eps), after the projections and before RoPE (Qwen3)
+    qk_norm: bool = False
     fused: tuple[Fused, ...] = ()  # block tensors holding several of the block's matrices
     refused: tuple[Refused, ...] = ()  # tensors of features picompile does not compile yet
 
@@ -178,7 +183,9 @@ class Architecture:
         return [(before_attention, (D,), False), ("attn_q.weight", (Q, D), True), ("attn_k.weight", (KV, D), True),
                 ("attn_v.weight", (KV, D), True), ("attn_output.weight", (D, Q), True),
                 (before_ffn, (D,), False), ("ffn_gate.weight", (F, D), True),
-                ("ffn_up.weight", (F, D), True), ("ffn_down.weight", (D, F), True)]
+                ("ffn_up.weight", (F, D), True), ("ffn_down.weight", (D, F), True),
+                *((("attn_q_norm.weight", (Dim.HEAD,), False), ("attn_k_norm.weight", (Dim.HEAD,), False))
+                  if self.qk_norm else ())]
 
     def held(self, h, vocab: int = 0) -> dict[str, tuple[str, range]]:
         """Where the file holds each of the block's matrices that a fused tensor holds: name -> (the fused tensor,
@@ -223,8 +230,9 @@ class Architecture:
 from .llama import LLAMA  # noqa: E402  (the modules build on the classes above)
 from .phi3 import PHI3  # noqa: E402
 from .qwen2 import QWEN2  # noqa: E402
+from .qwen3 import QWEN3  # noqa: E402
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, PHI3)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, PHI3)}
 
 
 def architecture_of(name) -> Architecture:
