@@ -232,7 +232,8 @@ FAMILY_CHOICES: dict[str, dict[str, tuple]] = {
 MODEL_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
                  "llama_tied": ("LlamaConfig", "LlamaForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
                  "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
-ROTARY_TYPES = ("llama", "gpt_neox", "falcon")  # these take position_ids (optimum's inputs too)
+# these take position_ids (optimum's inputs too); qwen3: tests/test_qwen3.py exports transformers' Qwen3 with them
+ROTARY_TYPES = ("llama", "gpt_neox", "falcon", "qwen3")
 BIASED_FFN_TYPES = ("opt", "gpt2", "gpt_neox")  # synthetic thresholds go into the FFN up bias
 
 # Knobs of the synthetic structure (may be passed as keyword overrides). Only overrides given are hashed,

@@ -23,11 +23,13 @@ which recognise keeps and the build reads to say which tensors a `--weight-dtype
 What a file of each architecture holds is its module in `passes.architectures` (the registry): the metadata keys
 `hyper` reads, the tensors and shapes `tensors` checks, and the features the graph is built from (LLaMA's
 converter permutes the rows of attn_q / attn_k for llama.cpp's adjacent-pair RoPE; the graph puts them back,
-whole rows, and computes transformers' rotate-half).
+whole rows, and computes transformers' rotate-half; Phi-3's fused attn_qkv and ffn_up are taken apart into their
+matrices' rows).
 Refuses, in one line naming it: a file that is not GGUF (wrong magic), truncated or unreadable, an unknown
 version or tensor type, tensor data past the end of the file, an architecture the registry does not hold,
-missing metadata or tensors, tensors the architecture does not have, and shapes that disagree with the
-metadata.
+missing metadata or tensors, tensors the architecture does not have, shapes that disagree with the metadata, a
+feature the graph does not compute (LongRoPE's factors, rope.scaling.attn_factor other than 1), and (the import
+pass, which knows the build's context) a context wider than the file's sliding window.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class GGUFSource(ModelFact):
     architecture: str
     tensors: tuple[GGUFTensor, ...]
     notes: tuple[str, ...] = ()  # what the user should know (no tokenizer, an unknown pre-tokenizer)
+    # the attention window the file declares (tokens; 0: none), which the graph does not apply: exact while the
+    # build's context stays within it (a query then sees every earlier position either way), refused past it
+    sliding_window: int = 0
 
     @classmethod
     def from_json(cls, data: dict) -> "GGUFSource":
@@ -269,15 +274,16 @@ def _field(reader, key: str, path: Path, default=None):
         raise _refuse(path, f"metadata {key} cannot be read ({type(error).__name__}: {error})") from None
 
 
-def _int(value, key: str, path: Path) -> int:
+def _int(value, key: str, path: Path, minimum: int = 1) -> int:
     if isinstance(value, list):
         values = set(value)
         if len(values) != 1:
             raise _refuse(path, f"metadata {key} differs between layers ({sorted(values)[:4]}...), which picompile "
                                 "does not compile")
         value = values.pop()
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise _refuse(path, f"metadata {key} is {value!r}, not a positive integer")
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise _refuse(path, f"metadata {key} is {value!r}, not " +
+                      ("a positive integer" if minimum == 1 else f"an integer of at least {minimum}"))
     return int(value)
 
 
@@ -290,14 +296,14 @@ def _architecture(reader, path: Path) -> Architecture:
 
 def hyper(reader, path: Path) -> Hyper:
     """The architecture's numbers (its `params`: llama.cpp's defaults where a key is optional), checked against
-    what the graph computes."""
+    what the graph computes, and the file's features the graph does not compute refused (`Architecture.refused`)."""
     arch = _architecture(reader, path)
     got: dict = {}
     for param in arch.params:
         key = f"{arch.name}.{param.key}"
         default = param.default(got) if callable(param.default) else param.default
         value = _field(reader, key, path, default)
-        got[param.name] = _int(value, key, path) if param.kind is int else param.kind(value)
+        got[param.name] = _int(value, key, path, param.minimum) if param.kind is int else param.kind(value)
     heads, kv_heads, head_dim = got["heads"], got["kv_heads"], got["head_dim"]
     if heads % kv_heads:
         raise _refuse(path, f"{heads} attention heads cannot share {kv_heads} kv heads evenly")
@@ -311,7 +317,15 @@ def hyper(reader, path: Path) -> Hyper:
     scalings = ("none", Rope.LINEAR.value) if Rope.LINEAR in arch.rope else ("none",)
     if scaling not in scalings and factor != 1.0:
         raise _refuse(path, f"rope scaling {scaling!r} is not supported ({' and '.join(scalings)} are)")
-    extra = {name: got[name] for name in ("attn_softcap", "final_softcap", "rope_base_swa") if name in got}
+    names = {t.name for t in reader.tensors}
+    for refused in arch.refused:  # (first: a feature's tensor says more than the metadata that comes with it)
+        if refused.tensor in names:
+            raise _refuse(path, f"tensor {refused.tensor} is {refused.why}")
+    if got["rope_attn_factor"] != 1.0:
+        raise _refuse(path, f"rope.scaling.attn_factor {got['rope_attn_factor']:g} is not supported (llama.cpp scales "
+                            "RoPE's cos and sin by it; picompile's attention scores take 1/sqrt(head_dim) only)")
+    extra = {name: got[name] for name in ("attn_softcap", "final_softcap", "rope_base_swa", "sliding_window")
+             if name in got}
     if arch.sliding_window is not None:
         extra["window"], extra["sliding"] = _sliding_window(reader, path, arch, got["layers"])
     return Hyper(arch, got["layers"], got["d_model"], got["ffn"], heads, kv_heads, head_dim, got["eps"],
@@ -410,7 +424,7 @@ def _source(path: Path, h: Hyper, found: dict, vocab: int) -> GGUFSource:
     expected = _expected_shapes(h, vocab)
     return GGUFSource(str(path.resolve()), h.architecture.name, tuple(
         GGUFTensor(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), expected[name][1])
-        for name, t in found.items()))
+        for name, t in found.items()), sliding_window=h.sliding_window)
 
 
 def _staged(directory: Path, write) -> None:
@@ -510,6 +524,11 @@ class ImportGGUF(Import):
         source = GGUFSource.of(model)
         if source is not None:
             ctx.log(f"import: {source.describe()}")
+            window, context = source.sliding_window, ctx.build.max_context
+            if window and context > window:  # (the first place that knows the build's context)
+                raise UserError(f"{Path(source.file).name}: its attention sees the last {window} positions only "
+                                f"(attention.sliding_window), a window picompile does not apply yet, and the build's "
+                                f"context of {context} tokens is wider: build with --max-context {window} or less")
             for note in source.notes:
                 ctx.warn(note)
         return super().apply(model, ctx)

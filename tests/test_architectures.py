@@ -41,12 +41,22 @@ def _biases(required: bool) -> dict:
             "blk.0.attn_v.bias": ((6,), False, required)}
 
 
+def _fused() -> dict:
+    """phi3's block: q, k, v in attn_qkv [12 + 6 + 6, 8]; gate and up in ffn_up [16 + 16, 8]."""
+    block = {name: spec for name, spec in BLOCK.items() if not name.endswith(("attn_q.weight", "attn_k.weight",
+                                                                             "attn_v.weight", "ffn_gate.weight"))}
+    return {**block, "blk.0.attn_qkv.weight": ((24, 8), True, True), "blk.0.ffn_up.weight": ((32, 8), True, True)}
+
+
 EXPECTED = {
     "llama": {**MODEL, "rope_freqs.weight": ((3,), False, False), **BLOCK, **_biases(required=False)},
     "qwen2": {**MODEL, **BLOCK, **_biases(required=True)},
     # norms after attention and the FFN; no output layer of its own (llama.cpp's gemma2 always ties it)
     "gemma2": {**{name: spec for name, spec in MODEL.items() if name != "output.weight"}, **BLOCK,
                "blk.0.post_attention_norm.weight": ((8,), False, True), "blk.0.post_ffw_norm.weight": ((8,), False, True)},
+    "phi3": {**MODEL, **_fused()},
+    "qwen3": {**MODEL, **BLOCK, "blk.0.attn_q_norm.weight": ((6,), False, True),
+              "blk.0.attn_k_norm.weight": ((6,), False, True), **_biases(required=False)},
 }
 
 
@@ -60,16 +70,40 @@ def test_an_architectures_tensors_for_a_tiny_model(name):
     assert _expected_shapes(h, VOCAB) == EXPECTED[name]
 
 
+def test_a_fused_tensor_holds_its_matrices_in_row_ranges():
+    """phi3's attn_qkv holds q, k and v, in that order; its ffn_up holds gate's rows, then up's (ggml_swiglu's
+    halves); every other matrix is a tensor of its own."""
+    h = Hyper(architecture_of("phi3"), **TINY)
+    assert architecture_of("phi3").held(h, VOCAB) == {
+        "attn_q.weight": ("attn_qkv.weight", range(0, 12)), "attn_k.weight": ("attn_qkv.weight", range(12, 18)),
+        "attn_v.weight": ("attn_qkv.weight", range(18, 24)), "ffn_gate.weight": ("ffn_up.weight", range(0, 16)),
+        "ffn_up.weight": ("ffn_up.weight", range(16, 32))}
+    assert architecture_of("llama").held(Hyper(architecture_of("llama"), **TINY), VOCAB) == {}
+
+
+@pytest.mark.parametrize("parts", [("attn_q.weight", "attn_output.weight"),  # of different widths
+                                   ("attn_q.weight", "attn_norm.weight"),  # a norm is no matrix
+                                   ("attn_q.weight", "attn_x.weight")])  # no block tensor
+def test_a_fused_tensor_stacks_block_matrices_of_one_width(parts):
+    from dataclasses import replace
+
+    from passes.architectures import Fused
+
+    with pytest.raises(ValueError, match="must stack block matrices of one width"):
+        replace(architecture_of("phi3"), fused=(Fused("attn_qo.weight", parts),))
+
+
 def test_an_unknown_architecture_is_refused_in_one_line_naming_it_and_the_supported_ones(tmp_path):
     with pytest.raises(UserError) as refused:
-        architecture_of("gemma3")
-    assert str(refused.value) == "architecture 'gemma3' is not supported (picompile compiles GGUF llama, qwen2, gemma2)"
-    path = tmp_path / "gemma3.gguf"
-    gf.write(path, gf.Tiny(arch="gemma3"))
+        architecture_of("mamba")
+    assert str(refused.value) == ("architecture 'mamba' is not supported (picompile compiles GGUF llama, qwen2, qwen3, "
+                                  "phi3, gemma2)")
+    path = tmp_path / "mamba.gguf"
+    gf.write(path, gf.Tiny(arch="mamba"))
     with pytest.raises(UserError) as refused:
         hyper(read(path), path)
     message = str(refused.value)
-    assert message == f"{path}: architecture 'gemma3' is not supported (picompile compiles GGUF " \
+    assert message == f"{path}: architecture 'mamba' is not supported (picompile compiles GGUF " \
                       f"{', '.join(ARCHITECTURES)})" and "\n" not in message
 
 
@@ -109,6 +143,9 @@ def _with_an_output_layer(tensors):
      "tensor blk.1.attn_k.bias is missing"),
     ("qwen2_with_rope_freqs", gf.Tiny(arch="qwen2", rope_freqs=True), None,
      "tensor rope_freqs.weight is not part of a qwen2 model"),  # llama.cpp's qwen2 has none either
+    ("qwen3_without_a_k_norm", gf.Tiny(arch="qwen3"), lambda t: t.pop("blk.0.attn_k_norm.weight"),
+     "tensor blk.0.attn_k_norm.weight is missing"),
+    ("qwen3_with_biases", gf.Tiny(arch="qwen3"), _with_biases, None),  # as llama.cpp's qwen3 reads them
 ])
 def test_what_an_architectures_features_admit(tmp_path, name, tiny, edit, refusal):
     path = tmp_path / f"{name}.gguf"
@@ -148,6 +185,9 @@ def test_gemma2s_caps_and_windows_read_as_llama_cpp_reads_them(tmp_path, metadat
     ({"llama.rope.scaling.factor": 4.0}, 4.0),  # llama.cpp's default type is linear
     ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, 1.0),  # none never scales
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "rope scaling 'yarn' is not supported"),
+    ({"llama.rope.scaling.attn_factor": 1.0}, 1.0),
+    # llama.cpp multiplies RoPE's cos and sin by it, for every architecture
+    ({"llama.rope.scaling.attn_factor": 1.25}, "rope.scaling.attn_factor 1.25 is not supported"),
 ])
 def test_rope_scaling_reads_as_llama_cpp_reads_it(tmp_path, metadata, scale):
     path = tmp_path / "scaled.gguf"

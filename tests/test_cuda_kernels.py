@@ -32,7 +32,8 @@ import tvm  # noqa: E402
 
 from passes.kernels import cuda, ops  # noqa: E402
 from passes.targets import CUDA_ARCHS, CUDA_HOST_ISA, cuda_target  # noqa: E402
-from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, fatbin_entries, kname  # noqa: E402
+from kernel_reference import (QK_NORM_EPS, act_ref, attention_ref, check_rope_kv_write, close,  # noqa: E402
+                              fatbin_entries, kname)
 
 if cuda.nvcc_path() is None or not os.path.isdir(os.environ.get("CUDA_PATH", "/usr/local/cuda")):
     pytest.skip("nvcc / the CUDA toolkit is not installed (set CUDA_PATH)", allow_module_level=True)
@@ -105,6 +106,8 @@ def all_kernels(gpu=True):
                 funcs.append(
                     make.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}", v), H, KVH, hd, MAX_CTX, rows=rows, rope=rope)
                 )
+                funcs.append(make.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}_qknorm", v), H, KVH, hd, MAX_CTX,
+                                                   rows=rows, rope=rope, qk_norm_eps=QK_NORM_EPS))
             funcs.append(
                 make.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
             )
@@ -403,21 +406,24 @@ def test_merge(run, cfg, variant, m):
     close(out, sum(p.astype(np.float64) for p in ps) + (b if bias else 0) + (r if res else 0), tol=1e-6)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rope", [True, False])
 @pytest.mark.parametrize("start", [0, 5])
 @pytest.mark.parametrize("variant,m", VARIANTS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "H%d_KVH%d_hd%d" % h)
-def test_rope_kv_write(run, heads, variant, m, start, rope):
+def test_rope_kv_write(run, heads, variant, m, start, rope, qk_norm):
     H, KVH, hd = heads
     rng = np.random.default_rng(5)
     qkv = rand(rng, m, (H + 2 * KVH) * hd)
     ang = rng.uniform(0, 2 * np.pi, (MAX_CTX, hd // 2))
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    norms = [(1 + 0.3 * rng.standard_normal(hd)).astype(np.float32) for _ in range(2)] if qk_norm else None
     kc, vc = rand(rng, KVH, MAX_CTX, hd), rand(rng, KVH, MAX_CTX, hd)
     kc0, vc0 = kc.copy(), vc.copy()
     q = rand(rng, m, H * hd)
-    run(kname("rope", f"{H}_{KVH}_{hd}_{rope}", variant), *([qkv] + ([cos, sin] if rope else []) + [kc, vc, q, start]))
-    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope)
+    run(kname("rope", f"{H}_{KVH}_{hd}_{rope}{'_qknorm' if qk_norm else ''}", variant),
+        *([qkv] + ([cos, sin] if rope else []) + (norms or []) + [kc, vc, q, start]))
+    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope, norms)
 
 
 @pytest.mark.parametrize("start", [0, 5])

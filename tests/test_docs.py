@@ -121,9 +121,10 @@ def _table(text: str, header: str) -> list[list[str]]:
 
 
 def test_the_models_page_lists_every_gguf_architecture_and_ggml_type_as_the_tables_hold_them():
-    """docs/models.md names each registered architecture with how its file stores q / k rows and biases, and each
-    ggml type with what a build does with it, the format keeping it, the --weight-dtype values keeping its values
-    and auto's format, as passes/architectures/ and passes/formats/ggml.py hold them."""
+    """docs/models.md names each registered architecture with how its file stores q / k rows and biases and whether
+    it norms each head's q / k, and each ggml type with what a build does with it, the format keeping it, the
+    --weight-dtype values keeping its values and auto's format, as passes/architectures/ and passes/formats/ggml.py
+    hold them."""
     from passes.architectures import ARCHITECTURES
     from passes.formats.ggml import AUTO_FALLBACK, GGML_TYPES
 
@@ -133,6 +134,7 @@ def test_the_models_page_lists_every_gguf_architecture_and_ggml_type_as_the_tabl
     for row in rows:  # q / k rows and biases as the architecture's module says
         arch = ARCHITECTURES[row[0].strip("`")]
         assert row[2].startswith(arch.qk_rows.value) and row[3] == arch.qkv_bias.value, row
+        assert row[4].startswith("per head, before RoPE") if arch.qk_norm else row[4] == "none", row
     listed = []
     for row in _table(text, "| ggml type |"):
         for name in row[0].split(", "):

@@ -19,7 +19,7 @@ import tvm_ffi
 
 from passes.kernels import cpu
 from passes.targets import CPU_ISAS
-from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
+from kernel_reference import QK_NORM_EPS, act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
 
 MAX_ROWS = 8  # prefill buffers are allocated this tall and sliced to m rows
 MAX_CTX = 20  # not a multiple of 8: exercises the padded score buffer
@@ -116,6 +116,8 @@ def all_kernels():
                 funcs.append(
                     cpu.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}", v), H, KVH, hd, MAX_CTX, rows=rows, rope=rope)
                 )
+                funcs.append(cpu.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}_qknorm", v), H, KVH, hd, MAX_CTX,
+                                                   rows=rows, rope=rope, qk_norm_eps=QK_NORM_EPS))
             funcs.append(
                 cpu.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
             )
@@ -157,6 +159,8 @@ def test_interface():
     assert str(e.params[3].ty) == "int64"  # scalar param; Var.dtype raises in 0.27
     r = cpu.rope_kv_write("rope", 4, 2, 8, MAX_CTX, rows=None, rope=True)
     assert [p.name for p in r.params] == ["qkv", "cos", "sin", "kcache", "vcache", "q", "start"]
+    r = cpu.rope_kv_write("rope", 4, 2, 8, MAX_CTX, rows=None, rope=True, qk_norm_eps=QK_NORM_EPS)
+    assert [p.name for p in r.params] == ["qkv", "cos", "sin", "q_norm", "k_norm", "kcache", "vcache", "q", "start"]
     a = cpu.attention("attn", 4, 2, 8, MAX_CTX, 0.3, rows=1)
     assert [p.name for p in a.params] == ["q", "kcache", "vcache", "out", "start"]
     with pytest.raises(ValueError):
@@ -380,23 +384,25 @@ def test_embed(lib, variant, m, start):
     np.testing.assert_array_equal(y2, table[ids])
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rope", [True, False])
 @pytest.mark.parametrize("start", [0, 5])
 @pytest.mark.parametrize("variant,m", VARIANTS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "H%d_KVH%d_hd%d" % h)
-def test_rope_kv_write(lib, heads, variant, m, start, rope):
+def test_rope_kv_write(lib, heads, variant, m, start, rope, qk_norm):
     H, KVH, hd = heads
     rng = np.random.default_rng(5)
     _, qkv = rows_buf(rng, m, (H + 2 * KVH) * hd)
     ang = rng.uniform(0, 2 * np.pi, (MAX_CTX, hd // 2))
     cos, sin = aligned(np.cos(ang).astype(np.float32)), aligned(np.sin(ang).astype(np.float32))
+    norms = [aligned((1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)) for _ in range(2)] if qk_norm else None
     kc, vc = rand(rng, KVH, MAX_CTX, hd), rand(rng, KVH, MAX_CTX, hd)
     kc0, vc0 = kc.copy(), vc.copy()
     _, q = rows_buf(rng, m, H * hd)
-    name = kname("rope", f"{H}_{KVH}_{hd}_{rope}", variant)
-    call(lib, name, *([qkv] + ([cos, sin] if rope else []) + [kc, vc, q, start]))
+    name = kname("rope", f"{H}_{KVH}_{hd}_{rope}{'_qknorm' if qk_norm else ''}", variant)
+    call(lib, name, *([qkv] + ([cos, sin] if rope else []) + (norms or []) + [kc, vc, q, start]))
 
-    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope)
+    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope, norms)
 
 
 @pytest.mark.parametrize("start", [0, 5])

@@ -221,6 +221,12 @@ def rope_high(low, high, cos, sin):
     return high * cos + low * sin
 
 
+def head_norm_scale(sum_sq, hd: int, eps: float):
+    """A head's RMSNorm factor 1 / sqrt(mean(x^2) + eps) from its sum of squares (rope_kv_write's q / k norm;
+    the value is then x * factor * w[j], as `rms_norm`'s)."""
+    return tirx.rsqrt(sum_sq / f32(hd) + f32(eps))
+
+
 def passes_threshold(score, threshold, magnitude: bool):
     """select's test: score > threshold (with `magnitude`: |score| > threshold)."""
     return (tirx.abs(score) if magnitude else score) > threshold
