@@ -328,6 +328,8 @@ def hyper(reader, path: Path) -> Hyper:
              if name in got}
     if arch.sliding_window is not None:
         extra["window"], extra["sliding"] = _sliding_window(reader, path, arch, got["layers"])
+        if not arch.sliding_window.scaled:
+            extra["rope_scale_swa"] = 1.0
     return Hyper(arch, got["layers"], got["d_model"], got["ffn"], heads, kv_heads, head_dim, got["eps"],
                  got["rope_base"], factor if scaling == Rope.LINEAR.value else 1.0, **extra)
 

@@ -42,10 +42,13 @@ class Tiny:
     rope_freqs: bool = False  # LLaMA 3.1's rope_freqs.weight: per-frequency divisors of RoPE's angles
     sliding_window: int = 0  # phi3's attention.sliding_window (its converter writes 0 for none)
     key_length: int | None = None  # attention.key_length (and value_length): a head size other than d_model / heads
-    # gemma2: its metadata (llama.cpp's defaults where None: caps 50 and 30, a window of 4096)
+    # gemma2 / gemma3: their metadata where not None (llama.cpp's defaults where None: gemma2's caps 50 and 30 and
+    # window 4096; gemma3's no cap, no window, sliding layers' RoPE base 10000)
     attn_softcap: float | None = None
     final_softcap: float | None = None
     window: int | None = None
+    rope_base_swa: float | None = None
+    rope_factor: float | None = None  # rope.scaling.factor (linear)
 
     @property
     def head_dim(self) -> int:
@@ -76,8 +79,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     shapes = {"token_embd.weight": (t.vocab, t.d_model), "output_norm.weight": (t.d_model,)}
     if t.rope_freqs:
         shapes["rope_freqs.weight"] = (t.head_dim // 2,)
-    gemma = t.arch == "gemma2"  # norms after attention and the FFN; always tied (llama.cpp reads no output.weight)
-    if not t.tied and not gemma:
+    gemma = t.arch in ("gemma2", "gemma3")  # norms after attention and the FFN
+    if not t.tied and t.arch != "gemma2":  # (llama.cpp's gemma2 reads no output.weight: always tied)
         shapes["output.weight"] = (t.vocab, t.d_model)
     for i in range(t.layers):
         p = f"blk.{i}."
@@ -88,7 +91,7 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
                        p + "ffn_down.weight": (t.d_model, t.ffn)})
         if t.arch == "qwen2":
             shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
-        if t.arch == "qwen3":  # an RMSNorm over each head's query and key
+        if t.arch in ("qwen3", "gemma3"):  # an RMSNorm over each head's query and key
             shapes.update({p + "attn_q_norm.weight": (t.head_dim,), p + "attn_k_norm.weight": (t.head_dim,)})
         if gemma:
             shapes.update({p + "post_attention_norm.weight": (t.d_model,), p + "post_ffw_norm.weight": (t.d_model,)})
@@ -141,13 +144,18 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     if t.key_length is not None:
         writer.add_key_length(t.key_length)
         writer.add_value_length(t.key_length)
-    if gemma:  # what convert_hf_to_gguf's Gemma2Model writes besides
-        writer.add_key_length(t.head_dim)
-        writer.add_value_length(t.head_dim)
+    if gemma:  # what convert_hf_to_gguf's Gemma2Model / Gemma3Model write besides
+        if t.key_length is None:
+            writer.add_key_length(t.head_dim)
+            writer.add_value_length(t.head_dim)
         for value, add in ((t.attn_softcap, writer.add_attn_logit_softcapping),
-                           (t.final_softcap, writer.add_final_logit_softcapping), (t.window, writer.add_sliding_window)):
+                           (t.final_softcap, writer.add_final_logit_softcapping), (t.window, writer.add_sliding_window),
+                           (t.rope_base_swa, writer.add_rope_freq_base_swa)):
             if value is not None:
                 add(value)
+    if t.rope_factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(t.rope_factor)
     for key, value in (tokenizer or {}).items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
@@ -191,13 +199,30 @@ def _gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
+def _gemma_layers(t: Tiny) -> list[tuple[bool, float, float]]:
+    """Per layer of a gemma2 / gemma3 tiny model: (whether it slides, its RoPE base, its RoPE position divisor), as
+    llama.cpp's src/models/gemma2.cpp and gemma3.cpp read them (set_swa_pattern(2) / (6): layer i slides where
+    i % n < n - 1; gemma3 slides only with a window in the file, its sliding layers' RoPE unscaled)."""
+    factor = t.rope_factor or 1.0
+    if t.arch == "gemma2":
+        base_swa = t.rope_base if t.rope_base_swa is None else t.rope_base_swa
+        return [(i % 2 < 1, base_swa if i % 2 < 1 else t.rope_base, factor) for i in range(t.layers)]
+    base_swa = 10000.0 if t.rope_base_swa is None else t.rope_base_swa
+    slides = [bool(t.window) and i % 6 < 5 for i in range(t.layers)]
+    return [(s, base_swa, 1.0) if s else (False, t.rope_base, factor) for s in slides]
+
+
 def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
-    """Logits [S, vocab] of a prompt, in float64, as llama.cpp computes them from the file's tensors (gemma2:
-    src/models/gemma2.cpp: the embedding times sqrtf(n_embd), q times 1/sqrt(head_dim), the scores and the logits
-    soft-capped, the even layers' keys within the window, norms after attention and the FFN, GeGLU)."""
+    """Logits [S, vocab] of a prompt, in float64, as llama.cpp computes them from the file's tensors (gemma2 and
+    gemma3: src/models/gemma2.cpp and gemma3.cpp: the embedding times sqrtf(n_embd), q times 1/sqrt(head_dim) (the
+    27B's layer counts: 1/sqrt(d_model / heads)), gemma2's scores and logits soft-capped, gemma3's logits where the
+    file says, the sliding layers' keys within the window, norms after attention and the FFN, GeGLU)."""
     w = {name: np.asarray(a, np.float64) for name, a in weights.items()}
     t = tiny
-    gemma = t.arch == "gemma2"
+    gemma = t.arch in ("gemma2", "gemma3")
+    layers = _gemma_layers(t) if gemma else [(False, t.rope_base, 1.0)] * t.layers
+    wide = {"gemma2": 46, "gemma3": 62}.get(t.arch) == t.layers
+    scale = 1 / np.sqrt(t.d_model // t.heads if wide else t.head_dim)
     for i in range(t.layers):  # a fused tensor's rows back into the matrices it stacks
         for fused, parts in FUSED.get(t.arch, {}).items():
             stacked = w.pop(f"blk.{i}.{fused}.weight")
@@ -212,10 +237,10 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
         x = x * float(np.float32(np.sqrt(t.d_model)))
     positions = np.arange(S, dtype=np.float64)
     causal = np.tril(np.ones((S, S), bool))
-    window = t.window if t.window is not None else 4096
+    window = t.window if t.window is not None else (4096 if t.arch == "gemma2" else 0)
     windowed = causal & (positions[None, :] > positions[:, None] - window)
-    attn_cap = t.attn_softcap if t.attn_softcap is not None else 50.0
-    final_cap = t.final_softcap if t.final_softcap is not None else 30.0
+    attn_cap = t.attn_softcap if t.attn_softcap is not None else (50.0 if t.arch == "gemma2" else 0.0)
+    final_cap = t.final_softcap if t.final_softcap is not None else (30.0 if t.arch == "gemma2" else 0.0)
     for i in range(t.layers):
         p = f"blk.{i}."
         a = _rms(x, w[p + "attn_norm.weight"], t.eps)
@@ -228,14 +253,15 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
             if p + f"attn_{name}_norm.weight" in w:  # qwen3: each head's query and key RMS-normed before RoPE
                 proj[name] = _rms(proj[name], w[p + f"attn_{name}_norm.weight"], t.eps)
         factors = w.get("rope_freqs.weight")
-        q = _rope(proj["q"], positions, t.rope_base, t.arch == "llama", factors)
-        k = _rope(proj["k"], positions, t.rope_base, t.arch == "llama", factors)
+        slides, base, divisor = layers[i]
+        q = _rope(proj["q"], positions / divisor, base, t.arch == "llama", factors)
+        k = _rope(proj["k"], positions / divisor, base, t.arch == "llama", factors)
         heads = []
         for h in range(t.heads):
-            scores = q[:, h] @ k[:, h // group].T / np.sqrt(hd)
-            if gemma:
+            scores = q[:, h] @ k[:, h // group].T * scale
+            if attn_cap:
                 scores = attn_cap * np.tanh(scores / attn_cap)
-            scores = np.where(windowed if gemma and i % 2 == 0 else causal, scores, -np.inf)
+            scores = np.where(windowed if slides else causal, scores, -np.inf)
             scores = np.exp(scores - scores.max(-1, keepdims=True))
             heads.append((scores / scores.sum(-1, keepdims=True)) @ proj["v"][:, h // group])
         attended = np.concatenate(heads, -1) @ w[p + "attn_output.weight"].T
@@ -251,33 +277,39 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
         x = x + down
     out = w.get("output.weight", w["token_embd.weight"])
     logits = _rms(x, w["output_norm.weight"], t.eps) @ out.T
-    return final_cap * np.tanh(logits / final_cap) if gemma else logits
+    return final_cap * np.tanh(logits / final_cap) if final_cap else logits
 
 
 # convert_hf_to_gguf.py as llama.cpp runs it, with its own gguf-py, in a process of its own (its gguf package is not
-# the project's). Two stand-ins, for a test's byte-level tokenizer: the converter recognises a BPE tokenizer's
+# the project's). Stand-ins, for a test's byte-level tokenizer: the converter recognises a BPE tokenizer's
 # pre-tokenizer by a hash of how a published model's splits a text (this one is none of them: `pre` names the one to
 # write), and tries SentencePiece first, whose package the project lacks (without tokenizer.model it would give up
-# on it: FileNotFoundError, as here). Tensors and the rest of the metadata are the converter's own.
+# on it: FileNotFoundError, as here); an architecture whose converter only knows SentencePiece (Gemma 2's) is given
+# the BPE vocabulary instead where `bpe_for_sentencepiece`. Tensors and the rest of the metadata are the converter's
+# own.
 _CONVERT = """
 import runpy, sys
 from pathlib import Path
-script, model, out, pre = sys.argv[1:5]
+script, model, out, pre, bpe = sys.argv[1:6]
 sys.path[:0] = [str(Path(script).parent / "gguf-py"), str(Path(script).parent)]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
 def no_sentencepiece(self):
     raise FileNotFoundError(self.dir_model / "tokenizer.model")
 base.TextModel._create_vocab_sentencepiece = no_sentencepiece
+if bpe == "1":
+    base.TextModel._set_vocab_sentencepiece = lambda self: self._set_vocab_gpt2()
 sys.argv = [script, model, "--outfile", out, "--outtype", "f32"]
 runpy.run_path(script, run_name="__main__")
 """
 
 
-def convert_with_llama_cpp(converter: Path, model_dir: Path, out: Path, pre: str = "qwen2") -> Path:
+def convert_with_llama_cpp(converter: Path, model_dir: Path, out: Path, pre: str = "qwen2",
+                           bpe_for_sentencepiece: bool = False) -> Path:
     """The GGUF file llama.cpp's `converter` (convert_hf_to_gguf.py) writes, F32, from a transformers model saved
     in `model_dir` with a byte-level tokenizer (examples/byte_tokenizer.py)."""
-    done = subprocess.run([sys.executable, "-c", _CONVERT, str(converter), str(model_dir), str(out), pre],
+    done = subprocess.run([sys.executable, "-c", _CONVERT, str(converter), str(model_dir), str(out), pre,
+                           "1" if bpe_for_sentencepiece else "0"],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{converter} failed:\n{done.stderr[-3000:]}")

@@ -82,10 +82,13 @@ class SlidingWindow:
     at p - W + 1 .. p, W from `attention.sliding_window` (`window` where a file lacks it; 0: no layer slides).
     Which layers slide: `attention.sliding_window_pattern`, an array of one bool per layer, or a period n (layer i
     slides where i % n < n - 1, every layer where n is 0), `period` where the file has neither. The sliding layers'
-    RoPE base is `rope.freq_base_swa` where a file has it, else the others'."""
+    RoPE base is the architecture's `rope_base_swa` parameter (`rope.freq_base_swa`); their positions are divided
+    by rope.scaling.factor as the other layers' are where `scaled`, else not at all (llama.cpp's gemma3: its
+    linear scaling is the global layers' only)."""
 
     period: int
     window: int
+    scaled: bool = True
 
     def layers(self, period: int, count: int) -> tuple[bool, ...]:
         """Which of `count` layers slide, for a pattern period (llama.cpp's set_swa_pattern)."""
@@ -290,12 +293,22 @@ from .phi3 import PHI3  # noqa: E402
 from .qwen2 import QWEN2  # noqa: E402
 from .qwen3 import QWEN3  # noqa: E402
 from .gemma2 import GEMMA2  # noqa: E402
+from .gemma3 import GEMMA3  # noqa: E402
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, PHI3, GEMMA2)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3)}
+
+
+# general.architecture values of files that are not a language model picompile could compile: why, in a few words
+NOT_LANGUAGE_MODELS = {
+    "clip": "a multimodal projector (llama.cpp's mmproj file: Gemma 3's, LLaVA's image encoder); picompile compiles "
+            "the language model's file, text only",
+}
 
 
 def architecture_of(name) -> Architecture:
     """The registered architecture `name` (a file's general.architecture), or the one-line refusal."""
+    if name in NOT_LANGUAGE_MODELS:
+        raise UserError(f"architecture {name!r} is {NOT_LANGUAGE_MODELS[name]}")
     if not isinstance(name, str) or name not in ARCHITECTURES:
         raise UserError(f"architecture {name!r} is not supported (picompile compiles GGUF "
                         f"{', '.join(ARCHITECTURES)})")

@@ -1,0 +1,215 @@
+"""Gemma 2 and Gemma 3 (GGUF architectures `gemma2` and `gemma3`, transformers' Gemma2ForCausalLM and
+Gemma3ForCausalLM). Tiny random models made with transformers are the reference: their GGUF files, written by
+llama.cpp's own converter where llama.cpp's source is here and by the `gguf` package's writer always, build dense
+and give transformers' logits (fp32, atol 1e-4), prompt and decode steps, past the sliding window (4 positions, the
+prompt 6), with soft-caps the scores and logits reach (Gemma 2) and Gemma 3's per-head q / k norms, its sliding
+layers' own RoPE base and its global layers' linear RoPE scaling.
+
+llama.cpp scales the scores by 1/sqrt(head_dim), or by 1/sqrt(d_model / heads) for a model of the 27B's layer count
+(46 layers for Gemma 2, 62 for Gemma 3): the file holds no query_pre_attn_scalar, so a build computes that rule, which
+is transformers' query_pre_attn_scalar ** -0.5 for every published Gemma 2 / 3. The tests take query_pre_attn_scalar
+as the rule has it: head_dim for the small models, and a 46-layer Gemma 2 whose head_dim (32) is not d_model / heads
+(16) checks the other branch (a build scaling by 1/sqrt(head_dim) there is 1.4x off)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gguf_files as gf
+from examples.byte_tokenizer import write_byte_tokenizer
+from passes.errors import UserError
+from passes.import_gguf import hyper, read
+from picompile.cli import main
+from runtime import Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import llama_cpp  # noqa: E402
+
+VOCAB = 258  # the byte-level tokenizer's (Gemma 3's converter cuts the embedding table to the tokenizer's size)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=128, rms_norm_eps=1e-6,
+              sliding_window=4, hidden_activation="gelu_pytorch_tanh")
+GEMMA2 = dict(COMMON, num_hidden_layers=3, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+              rope_theta=10000.0)
+# the 27B's layer count: scores scaled by 1/sqrt(d_model / heads), not 1/sqrt(head_dim)
+GEMMA2_WIDE = dict(GEMMA2, num_hidden_layers=46, head_dim=32, query_pre_attn_scalar=16)
+GEMMA3 = dict(COMMON, num_hidden_layers=7, final_logit_softcapping=2.5,  # layer 5 global, the others sliding
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                               "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}})
+PROMPT = [11, 22, 33, 44, 55, 66]
+DECODE_STEPS = 4
+# transformers' names of a decoder layer's tensors -> llama.cpp's (what its converter maps them to)
+LAYER_TENSORS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def _model(arch: str, config: dict, seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    if arch == "gemma2":
+        made = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**config, attn_implementation="eager"))
+    else:
+        made = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**config, attn_implementation="eager"))
+    with torch.no_grad():  # Gemma's norms compute x * (1 + w): w away from 0 (the default), so a norm misread shows
+        for name, parameter in made.named_parameters():
+            parameter.copy_(0.2 * torch.randn_like(parameter) if "norm" in name else 0.15 * torch.randn_like(parameter))
+    return made.eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (arch, config, the transformers model, the directory it is saved in with a byte-level tokenizer)."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            arch, config = {"gemma2": ("gemma2", GEMMA2), "gemma2_wide": ("gemma2", GEMMA2_WIDE),
+                            "gemma3": ("gemma3", GEMMA3)}[name]
+            model = _model(arch, config, seed=len(made))
+            directory = tmp_path_factory.mktemp(name)
+            model.save_pretrained(directory)
+            write_byte_tokenizer(directory)
+            made[name] = arch, config, model, directory
+        return made[name]
+
+    return get
+
+
+def _transformers_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def _artifact_logits(artifact: Path) -> tuple[np.ndarray, list[int]]:
+    """The artifact's logits of the prompt and of DECODE_STEPS greedy steps, one row per token, and the tokens."""
+    engine = Engine(artifact)
+    rows = [np.asarray(engine.forward(np.array(PROMPT, np.int64))).reshape(len(PROMPT), -1)]
+    ids = list(PROMPT)
+    for _ in range(DECODE_STEPS):
+        ids.append(int(np.argmax(rows[-1][-1])))
+        rows.append(np.asarray(engine.forward([ids[-1]])).reshape(1, -1))
+    return np.concatenate(rows), ids
+
+
+def _builds_to_transformers_logits(model, source: Path, out: Path) -> None:
+    assert main(["build", str(source), "--dense", "--weight-dtype", "fp32", "--target", "cpu", "-o", str(out),
+                 "--max-context", "32"]) == 0
+    ours, ids = _artifact_logits(out)
+    theirs = _transformers_logits(model, ids)
+    assert np.abs(theirs).max() > 0.5 and np.abs(ours).max() > 0.5  # logits the soft-cap (2, 2.5) bends
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def _tiny(arch: str, config: dict) -> gf.Tiny:
+    """The tests/gguf_files.py shape and metadata of a config, as llama.cpp's converter writes them."""
+    rope = config.get("rope_parameters", {})
+    full, sliding = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    return gf.Tiny(arch=arch, layers=config["num_hidden_layers"], d_model=config["hidden_size"],
+                   ffn=config["intermediate_size"], heads=config["num_attention_heads"],
+                   kv_heads=config["num_key_value_heads"], vocab=config["vocab_size"], tied=True,
+                   eps=config["rms_norm_eps"], rope_base=full.get("rope_theta", config.get("rope_theta", 10000.0)),
+                   key_length=config["head_dim"], window=config["sliding_window"],
+                   attn_softcap=config.get("attn_logit_softcapping"),
+                   final_softcap=config.get("final_logit_softcapping"), rope_base_swa=sliding.get("rope_theta"),
+                   rope_factor=full.get("factor"))
+
+
+def _written_by_the_gguf_writer(model, arch: str, config: dict, path: Path) -> Path:
+    """The model's tensors in a GGUF file of the `gguf` package's writer (tests/gguf_files.py), named as llama.cpp's
+    converter names them and its norms 1 + w, as the converter stores them."""
+    state = {name: tensor.detach().numpy().astype(np.float32) for name, tensor in model.state_dict().items()}
+    shift = lambda name, w: w + 1 if name.endswith("norm.weight") else w  # noqa: E731
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
+               "output_norm.weight": state["model.norm.weight"] + 1}
+    for i in range(config["num_hidden_layers"]):
+        tensors.update({f"blk.{i}.{gguf_name}.weight": shift(name + ".weight", state[f"model.layers.{i}.{name}.weight"])
+                        for name, gguf_name in LAYER_TENSORS.items() if f"model.layers.{i}.{name}.weight" in state})
+
+    def edit(written):
+        assert set(written) == set(tensors)
+        written.update({name: (array, gf.T.F32) for name, array in tensors.items()})
+
+    gf.write(path, _tiny(arch, config), edit=edit)
+    return path
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_of_the_gguf_writer_builds_to_transformers_logits(models, tmp_path, name):
+    arch, config, model, _ = models(name)
+    path = _written_by_the_gguf_writer(model, arch, config, tmp_path / f"{name}.gguf")
+    _builds_to_transformers_logits(model, path, tmp_path / f"{name}.pic")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_of_llama_cpps_converter_builds_to_transformers_logits(models, tmp_path, name):
+    converter = llama_cpp.converter()
+    if converter is None:
+        pytest.skip(f"llama.cpp's source is not in {llama_cpp.default_root()} (scripts/build_llama_cpp.sh unpacks it)")
+    arch, config, model, directory = models(name)
+    path = gf.convert_with_llama_cpp(converter, directory, tmp_path / f"{name}.gguf",
+                                     bpe_for_sentencepiece=arch == "gemma2")
+    h = hyper(read(path), path)  # what the converter wrote is what the test means
+    assert (h.window, h.sliding) == (4, tuple(_sliding(arch, config["num_hidden_layers"])))
+    _builds_to_transformers_logits(model, path, tmp_path / f"{name}.pic")
+
+
+def _sliding(arch: str, layers: int) -> list[bool]:
+    """transformers' layer_types for these configs: Gemma 2's even layers, Gemma 3's five of every six."""
+    return [i % 2 == 0 if arch == "gemma2" else (i + 1) % 6 != 0 for i in range(layers)]
+
+
+def test_a_46_layer_gemma2_scales_its_scores_by_d_model_over_heads(models, tmp_path):
+    """llama.cpp's rule for Gemma 2's 27B (and transformers' query_pre_attn_scalar = d_model / heads there)."""
+    arch, config, model, _ = models("gemma2_wide")
+    path = _written_by_the_gguf_writer(model, arch, config, tmp_path / "wide.gguf")
+    h = hyper(read(path), path)
+    assert h.head_dim == 32 and h.architecture.query_scale.value(h) == pytest.approx(1 / 4)
+    _builds_to_transformers_logits(model, path, tmp_path / "wide.pic")
+
+
+@pytest.mark.parametrize("tiny", [gf.Tiny(arch="gemma2", layers=3, window=4, attn_softcap=2.0, final_softcap=3.0),
+                                  gf.Tiny(arch="gemma3", layers=7, window=4, final_softcap=3.0, rope_base_swa=500.0,
+                                          rope_factor=2.0, tied=False)],
+                         ids=["gemma2", "gemma3"])
+def test_a_gemma_gguf_builds_to_llama_cpps_numbers(tmp_path, tiny):
+    """tests/gguf_files.py's forward pass, llama.cpp's graph in numpy (gemma3 here with an output layer of its own)."""
+    path = tmp_path / f"{tiny.arch}.gguf"
+    weights = gf.write(path, tiny, seed=3)
+    out = tmp_path / f"{tiny.arch}.pic"
+    assert main(["build", str(path), "--dense", "--weight-dtype", "fp32", "--target", "cpu", "-o", str(out),
+                 "--max-context", "32"]) == 0
+    ours, ids = _artifact_logits(out)
+    np.testing.assert_allclose(ours, gf.forward(weights, tiny, ids), atol=1e-4, rtol=0)
+
+
+def test_gemma3s_windows_and_rope_read_as_llama_cpp_reads_them(tmp_path):
+    """No window in the file: no layer slides and every layer takes rope.freq_base and its scaling; a window: five
+    of six layers slide, their RoPE base rope.freq_base_swa (10000 where absent), their positions unscaled."""
+    path = tmp_path / "plain.gguf"
+    gf.write(path, gf.Tiny(arch="gemma3", layers=7, rope_base=1e6, rope_factor=8.0, tied=True))
+    h = hyper(read(path), path)
+    assert not any(h.slides(i) for i in range(7)) and {h.rope_of(i) for i in range(7)} == {(1e6, 8.0)}
+    assert h.final_softcap == 0.0 and h.attn_softcap == 0.0
+    path = tmp_path / "windowed.gguf"
+    gf.write(path, gf.Tiny(arch="gemma3", layers=7, rope_base=1e6, rope_factor=8.0, window=512, tied=True))
+    h = hyper(read(path), path)
+    assert [h.slides(i) for i in range(7)] == [True] * 5 + [False, True] and h.window == 512
+    assert [h.rope_of(i) for i in (0, 5)] == [(10000.0, 1.0), (1e6, 8.0)]
+
+
+def test_a_vision_projector_file_is_refused_in_one_line(tmp_path):
+    """Gemma 3's image half is a file of its own (llama.cpp's mmproj, general.architecture clip)."""
+    path = tmp_path / "mmproj.gguf"
+    gf.write(path, gf.Tiny(arch="clip"))
+    with pytest.raises(UserError) as refused:
+        hyper(read(path), path)
+    assert "multimodal projector" in str(refused.value) and "\n" not in str(refused.value)
