@@ -54,6 +54,10 @@ EXPECTED = {
     # norms after attention and the FFN; no output layer of its own (llama.cpp's gemma2 always ties it)
     "gemma2": {**{name: spec for name, spec in MODEL.items() if name != "output.weight"}, **BLOCK,
                "blk.0.post_attention_norm.weight": ((8,), False, True), "blk.0.post_ffw_norm.weight": ((8,), False, True)},
+    # gemma2's post-norms, qwen3's q / k norms, an output layer where the file has one
+    "gemma3": {**MODEL, **BLOCK, "blk.0.post_attention_norm.weight": ((8,), False, True),
+               "blk.0.post_ffw_norm.weight": ((8,), False, True), "blk.0.attn_q_norm.weight": ((6,), False, True),
+               "blk.0.attn_k_norm.weight": ((6,), False, True)},
     "phi3": {**MODEL, **_fused()},
     "qwen3": {**MODEL, **BLOCK, "blk.0.attn_q_norm.weight": ((6,), False, True),
               "blk.0.attn_k_norm.weight": ((6,), False, True), **_biases(required=False)},
@@ -97,7 +101,7 @@ def test_an_unknown_architecture_is_refused_in_one_line_naming_it_and_the_suppor
     with pytest.raises(UserError) as refused:
         architecture_of("mamba")
     assert str(refused.value) == ("architecture 'mamba' is not supported (picompile compiles GGUF llama, qwen2, qwen3, "
-                                  "phi3, gemma2)")
+                                  "phi3, gemma2, gemma3)")
     path = tmp_path / "mamba.gguf"
     gf.write(path, gf.Tiny(arch="mamba"))
     with pytest.raises(UserError) as refused:

@@ -13,6 +13,7 @@ as the rule has it: head_dim for the small models, and a 46-layer Gemma 2 whose 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -23,9 +24,19 @@ import torch
 import gguf_files as gf
 from examples.byte_tokenizer import write_byte_tokenizer
 from passes.errors import UserError
+from passes.front_end import load
 from passes.import_gguf import hyper, read
+from passes.import_onnx import Import
+from passes.ir_reference import Interpreter
+from passes.ops import Attention
+from passes.pipeline import Context, Options, run_passes
+from passes.recognise import Recognise
+from passes.targets import get_target
 from picompile.cli import main
+from picompile.compiler import build
 from runtime import Engine
+from runtime.calls import schedule_calls
+from tiny_targets import SLOW_CPU_RTX4090
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import llama_cpp  # noqa: E402
@@ -213,3 +224,41 @@ def test_a_vision_projector_file_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError) as refused:
         hyper(read(path), path)
     assert "multimodal projector" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def _lifted(path: Path):
+    return run_passes(load(path), [Import(), Recognise()], Context(get_target("cpu"), options=Options(max_context=32)))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_the_block_irs_interpreter_computes_transformers_logits(models, tmp_path, name):
+    """recognise lifts the file's graph into picompile's blocks with the scale, soft-caps and windows as data (the
+    scale here 1/sqrt(query_pre_attn_scalar)); the interpreter (the quality passes' reference) computes them."""
+    arch, config, model, _ = models(name)
+    lifted = _lifted(_written_by_the_gguf_writer(model, arch, config, tmp_path / f"{name}.gguf"))
+    attentions = [Attention(node) for node in Attention.nodes(lifted)]
+    assert [int(a.window) for a in attentions] == [4 if s else 0 for s in _sliding(arch, config["num_hidden_layers"])]
+    assert {float(a.softcap) for a in attentions} == {config.get("attn_logit_softcapping") or 0.0}
+    assert [float(a.scale) for a in attentions] == pytest.approx([config["query_pre_attn_scalar"] ** -0.5] * len(attentions))
+    ids = PROMPT + [7, 8, 9, 10]
+    interpreted = Interpreter(lifted).logits(np.array([ids])).numpy()[0]
+    np.testing.assert_allclose(interpreted, _transformers_logits(model, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gemma_build_with_its_attention_on_the_gpu_computes_transformers_logits(models, tmp_path, name):
+    """On a GPU target the soft-capped, windowed attention runs on the (emulated) GPU: transformers' logits within
+    the fp16 rounding of the weights the GPU holds (tests/test_cuda_kernels.py: the kernels' own numbers)."""
+    arch, config, model, _ = models(name)
+    path = _written_by_the_gguf_writer(model, arch, config, tmp_path / f"{name}.gguf")
+    artifact = build(path, tmp_path / "gpu.pic", SLOW_CPU_RTX4090, Options(dense=True, max_context=32))
+    calls = schedule_calls(json.loads((artifact / "schedule.json").read_text()))
+    assert {call.device for call in calls if call.id.endswith(".attention")} == {"gpu"}
+    engine = Engine(artifact, emulate_gpu=True)
+    ids = list(PROMPT)
+    got = [np.asarray(engine.forward(np.array(ids, np.int64))).reshape(len(ids), -1)]
+    for token in (7, 8, 9):
+        ids.append(token)
+        got.append(np.asarray(engine.forward([token])).reshape(1, -1))
+    expected = _transformers_logits(model, ids)
+    assert np.abs(np.concatenate(got) - expected).max() / expected.std() < 1e-2

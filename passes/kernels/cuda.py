@@ -507,7 +507,10 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows, softcap: float = 0.0, w
                     st[0] = T.float32(compute.NEG_INF)
                     st[1] = T.float32(0)
                     T.tvm_storage_sync("shared")
-                    for c in range(lo // nt, (n_keys + nt - 1) // nt):
+                    # (the chunk index is counted from lo's chunk by hand: TVM's loop normalisation leaves a
+                    # nonzero loop start out of the inner loop's bounds below)
+                    for cc in range((n_keys + nt - 1) // nt - lo // nt):
+                        c = cc + lo // nt
                         # 1. this thread's score
                         st[2] = T.float32(compute.NEG_INF)
                         if c * nt + t < n_keys and c * nt + t >= lo:
