@@ -323,7 +323,7 @@ def hyper(reader, path: Path) -> Hyper:
             raise _refuse(path, f"tensor {refused.tensor} is {refused.why}")
     if got["rope_attn_factor"] != 1.0:
         raise _refuse(path, f"rope.scaling.attn_factor {got['rope_attn_factor']:g} is not supported (llama.cpp scales "
-                            "RoPE's cos and sin by it; picompile's attention scores take 1/sqrt(head_dim) only)")
+                            "RoPE's cos and sin by it; picompile's RoPE has no such factor)")
     extra = {name: got[name] for name in ("attn_softcap", "final_softcap", "rope_base_swa", "sliding_window")
              if name in got}
     if arch.sliding_window is not None:

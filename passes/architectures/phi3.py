@@ -5,8 +5,7 @@ does not permute q / k: src/models/phi3.cpp computes NeoX RoPE and ggml_swiglu, 
 from . import DECODER_PARAMS, Activation, Architecture, Fused, Need, Norm, NormPlacement, QKRows, Refused, Rope
 
 _LONGROPE = ("LongRoPE's (Phi-3-128k, Phi-3.5, Phi-4-mini), which picompile does not compile yet: llama.cpp scales "
-             "RoPE's cos and sin by rope.scaling.attn_factor as well, and picompile's attention scores take "
-             "1/sqrt(head_dim) only")
+             "RoPE's cos and sin by rope.scaling.attn_factor as well, and picompile's RoPE has no such factor")
 
 PHI3 = Architecture(
     name="phi3",
