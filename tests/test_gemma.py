@@ -262,3 +262,17 @@ def test_a_gemma_build_with_its_attention_on_the_gpu_computes_transformers_logit
         got.append(np.asarray(engine.forward([token])).reshape(1, -1))
     expected = _transformers_logits(model, ids)
     assert np.abs(np.concatenate(got) - expected).max() / expected.std() < 1e-2
+
+
+@pytest.mark.parametrize("arch,layers,scale", [("gemma2", 42, 128 ** -0.5), ("gemma2", 46, 144 ** -0.5),
+                                               ("gemma3", 48, 128 ** -0.5), ("gemma3", 62, 168 ** -0.5)])
+def test_the_query_scale_is_llama_cpps_rule_for_the_27b(arch, layers, scale):
+    """Gemma 2 27B (46 layers, d_model 4608, 32 heads of 128) and Gemma 3 27B (62 layers, 5376, 32 heads of 128)
+    scale by 1/sqrt(d_model / heads), their query_pre_attn_scalar; the others by 1/sqrt(head_dim)."""
+    from passes.architectures import architecture_of
+    from passes.gguf_graph import Hyper
+
+    d_model = {"gemma2": 4608, "gemma3": 5376}[arch]
+    h = Hyper(architecture_of(arch), layers=layers, d_model=d_model, ffn=1, heads=32, kv_heads=16, head_dim=128,
+              eps=1e-6, rope_base=1e4, rope_scale=1.0)
+    assert h.architecture.query_scale.value(h) == pytest.approx(scale, rel=1e-12)
