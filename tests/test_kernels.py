@@ -41,7 +41,7 @@ WEIGHT_DTYPES = ("float32", "float16")
 GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "relu36": (36, "relu")}
 NORM_D = (36, 64)
 HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64)]  # (H, KVH, hd)
-LONG_CTX = 600  # score buffer > 1 KB: TVM allocates it from the workspace pool, not the stack
+LONG_CTX = 600  # keys in several blocks of cpu.ATTENTION_BLOCK: the online softmax rescales between blocks
 V = 50
 
 
