@@ -7,6 +7,7 @@ under ~/.cache/picompile/llama.cpp, run and parsed. Never a dependency of picomp
     perplexity(llama, "model.gguf", "text.txt", threads=2, ctx=512, chunks=8)
     tokenize(llama, "model.gguf", "Hello world")     # ids, as llama.cpp's tokenizer makes them
     quantize(llama, "in.gguf", "out.gguf", "Q8_0", threads=2)
+    converter()                                      # its convert_hf_to_gguf.py (the tests' converter), or None
 
 Every binary runs with the AMX permission refused (LD_PRELOAD of the build script's noamx.so: on Xeons that
 advertise AMX but fault on its tile instructions, llama-bench otherwise exits 139; harmless elsewhere), with
@@ -82,6 +83,15 @@ class LlamaCpp:
                 hint = f" (a fault: was {self.shim} preloaded? on a CPU whose AMX faults it must be)"
             raise LlamaCppFailed(f"{name} exited {done.returncode}{hint}:\n{tail}")
         return done
+
+
+def converter(root: str | Path | None = None) -> Path | None:
+    """llama.cpp's own convert_hf_to_gguf.py in the source the build script unpacked under `root` (the newest
+    version there; its gguf-py beside it), or None where there is none (the tests that convert with it skip)."""
+    root = Path(root) if root is not None else default_root()
+    found = sorted(root.glob("src-*/convert_hf_to_gguf.py"),
+                   key=lambda path: [int(n) if n.isdigit() else n for n in re.split(r"[.-]", path.parent.name)])
+    return found[-1] if found else None
 
 
 def find(root: str | Path | None = None) -> LlamaCpp:

@@ -10,7 +10,8 @@ layer by :mod:`examples.streamed_models`)
     ``opt``    OPTForCausalLM, ReLU FFN (fc1 -> relu -> fc2), pre-LayerNorm, biases, tied LM head.
     ``llama``  LlamaForCausalLM with ``hidden_act="relu"`` (gated ReGLU: down(relu(gate(x)) * up(x))),
                grouped-query attention, untied LM head, no biases anywhere. ``hidden_act="silu"`` makes
-               the SwiGLU LLaMA (dense-random only: synthetic sparsity needs ReLU's exact zeros).
+               the SwiGLU LLaMA, ``"gelu"`` / ``"gelu_pytorch_tanh"`` the GeGLU one (exact or tanh GELU,
+               Gemma's FFN) (dense-random only: synthetic sparsity needs ReLU's exact zeros).
     ``llama_tied``  the same with ``tie_word_embeddings=True`` (LM head = token embedding transposed).
     ``gpt2``   GPT2LMHeadModel with ``activation_function="relu"``: Conv1D layers (weights [in, out],
                transposed against nn.Linear), one fused QKV projection, learned positions, tied LM head.
@@ -225,13 +226,14 @@ FAMILY_FIXED: dict[str, dict[str, Any]] = {
 }
 # Architecture choices a family allows (the first is the default).
 FAMILY_CHOICES: dict[str, dict[str, tuple]] = {
-    "llama": dict(hidden_act=("relu", "silu")),
+    "llama": dict(hidden_act=("relu", "silu", "gelu", "gelu_pytorch_tanh")),  # ReGLU, SwiGLU, GeGLU (exact, tanh)
 }
 # transformers config and model class per family; model_type (config.model_type) per family.
 MODEL_CLASSES = {"opt": ("OPTConfig", "OPTForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
                  "llama_tied": ("LlamaConfig", "LlamaForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
                  "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
-ROTARY_TYPES = ("llama", "gpt_neox", "falcon")  # these take position_ids (optimum's inputs too)
+# these take position_ids (optimum's inputs too); qwen3: tests/test_qwen3.py exports transformers' Qwen3 with them
+ROTARY_TYPES = ("llama", "gpt_neox", "falcon", "qwen3")
 BIASED_FFN_TYPES = ("opt", "gpt2", "gpt_neox")  # synthetic thresholds go into the FFN up bias
 
 # Knobs of the synthetic structure (may be passed as keyword overrides). Only overrides given are hashed,

@@ -34,13 +34,13 @@ CONTEXT = 128  # the KV cache length the estimate reads at (mid-way through a ty
 SPARSE_ROW_EFFICIENCY = 0.9
 """The CPU's fused sparse FFN kernel (passes/kernels/neuron.py sparse_ffn) streams the rows it gathers at this
 share of the bandwidth the dense panel GEMVs stream a whole FFN at (GB/s of rows read over GB/s of weights
-read). Measured 2026-12-01 on the 2-core Zen 4 (AVX-512), shared with other work, with
+read). Measured on a 2-core Zen 4 (AVX-512), shared with other work, with
 `benchmarks/bench_sparse_in_model.py --dense-ffn` (6 layers of distinct 2048x8192 fp32 weights on huge pages,
 each layer's sparse call after its attention GEMVs, against the dense up + down GEMVs of the same layers,
 alternated in one process): at 10-20% of the rows selected 1.09-1.21 on one thread (medians over rounds and
 90th percentiles of calls alike; 1.09-1.17 on 4 KiB pages), 1.11-1.14 on two (90th percentiles: the medians of
-the 10 ms dense calls measured the other work's load); before the kernel's prefetches went to L2, 0.6-0.7. On the
-2-core Intel Xeon of 2026-12-02 the one-row kernel read at 0.54-0.86 of the dense FFN in whole-model runs, the
+the 10 ms dense calls measured the other work's load); with the kernel's prefetches to L1, 0.6-0.7. On a
+2-core Intel Xeon the one-row kernel read at 0.54-0.86 of the dense FFN in whole-model runs, the
 kernel that reads 8 rows in lockstep (neuron.ROW_GROUP) at 0.94-0.99 (fp32, float rows only). Taken a little
 below 1 so that a layer near the break-even point stays dense (never slower than dense). Placement prices a CPU
 part's selected rows with it (`price_ffn`), and so chooses which layers run dense."""
@@ -64,7 +64,7 @@ def sync_seconds(target: Target, activation_bytes: int) -> float:
 
 QUANT_SPARSE_ROW_EFFICIENCY = 0.45
 """4-bit rows gathered by the column-sparse kernel (neuron.sparse_columns_q) against the dense GEMV of the same
-matrix where that one takes int8 activations with VNNI: on the 2-core Zen 4 (AVX-512 VNNI) of 2026-12-03, a gated
+matrix where that one takes int8 activations with VNNI: on a 2-core Zen 4 (AVX-512 VNNI), a gated
 576x3072 int4 up read 10.5 GB/s sparse at 60% of its inputs kept against 23 GB/s dense (57 vs 43 us; 47 us at 40%:
 no faster than dense), int8 rows 16 GB/s against a dense int8 GEMV at half that rate; on AVX2 the int4 rows beat the
 dense GEMV (77 vs 144 us). The dense VNNI GEMV's integer dot products are what the row kernel lacks.
@@ -91,8 +91,8 @@ def read_seconds(read_bytes: float, bandwidth: float, device: str, calls: int, e
 COLUMN_CALL_S = 20e-6
 """What a threshold call (select, then the column-sparse GEMV neuron.sparse_columns / sparse_columns_q) costs on
 the CPU beyond the rows it reads: the second parallel loop that sums its tasks' partial rows, zeroing them, and
-starting its tasks' row streams cold. Priced as a 2 us launch, it made low levels of small matrices look cheaper
-than dense where they were no faster (BENCHMARKS.md, "Measurements behind the code's constants")."""
+starting its tasks' row streams cold. Priced as a 2 us launch, low levels of small matrices would look cheaper
+than dense where they are no faster (BENCHMARKS.md, "Measurements behind the code's constants")."""
 
 
 COLUMN_ROW_RATE = 1.25

@@ -89,6 +89,11 @@ class FileMatrix:
     def ndim(self) -> int:
         return 2
 
+    @property
+    def block_axis(self) -> int:
+        """The axis the file's blocks run along: K of a transposed [K, N], else along each row."""
+        return 0 if self.transposed else 1
+
     dtype = np.dtype(np.float32)  # what the matrix is to a pass that computes with it
 
     @property

@@ -1,14 +1,18 @@
 """The ONNX decoder of a GGUF file (the GGUF front end's graph; `passes.import_gguf` reads and checks the file
 and caches what this writes).
 
-Standard ONNX ops computed as transformers' LLaMA / Qwen2 exports compute them: RMSNorm as x * 1/sqrt(mean(x^2)
-+ eps) * w, rotate-half RoPE from an `inv_freq` constant and `position_ids`, a causal mask with
-`attention_mask`, grouped-query attention by repeating the cache's kv heads, SwiGLU as gate * sigmoid(gate) *
-up; the KV cache in optimum's convention. Weights: F32 as stored, F16 / BF16 as stored behind a Cast to
-float32, a block type some picompile format holds exactly (`passes.formats.ggml`) as a `FileTensor` over the
-file's blocks (a float tensor to every pass, computed when read; select-kernels packs the blocks themselves),
-any other dequantized to float32 when read (`onnx_ir.LazyTensor`: one tensor at a time). LLaMA's q / k rows
-are put back in rotate-half order (`rope_rows`).
+Standard ONNX ops computed as transformers' LLaMA / Qwen2 / Qwen3 / Phi-3 exports compute them: RMSNorm as x *
+1/sqrt(mean(x^2) + eps) * w (Qwen3's q / k norms too, over each head's values before RoPE), rotate-half RoPE from an
+`inv_freq` constant and `position_ids`, a causal mask with `attention_mask`, grouped-query attention by repeating
+the cache's kv heads, SwiGLU as gate * sigmoid(gate) * up; the KV cache in optimum's convention. Weights: F32 as
+stored, F16 / BF16 as stored behind a Cast to float32, a block type some picompile format holds exactly
+(`passes.formats.ggml`) as a `FileTensor` over the file's blocks (a float tensor to every pass, computed when read;
+select-kernels packs the blocks themselves), any other dequantized to float32 when read (`onnx_ir.LazyTensor`: one
+tensor at a time). What differs between architectures is read from their `passes.architectures.Architecture`: q / k
+rows stored permuted (LLaMA's) are put back in rotate-half order (`rope_rows`), a fused tensor (Phi-3's attn_qkv,
+its gate/up ffn_up) is taken apart into the matrices it stacks, each its range of the file's rows
+(`FileMatrix.take`: whole rows, blocks as stored; a float tensor's rows likewise), so that recognise sees LLaMA's
+graph; the norm and the FFN's activation come from its tables here.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from .architectures import Activation, Architecture, Norm, NormPlacement, QKRows
 from .file_blocks import FileMatrix, FileRows, FileTensor
 from .formats import ggml
 
@@ -27,9 +32,9 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 
 @dataclass(frozen=True)
 class Hyper:
-    """The architecture's numbers, from the metadata."""
+    """The architecture and its numbers, from the metadata."""
 
-    architecture: str
+    architecture: Architecture
     layers: int
     d_model: int
     ffn: int
@@ -39,6 +44,8 @@ class Hyper:
     eps: float
     rope_base: float
     rope_scale: float  # linear RoPE scaling: positions divided by it
+    sliding_window: int = 0  # the file's attention window (0: none), which the graph does not apply (the import
+    # pass refuses a build whose context passes it)
 
 
 def _float_array(tensor) -> np.ndarray:
@@ -62,13 +69,12 @@ def kept_in_blocks(tensor) -> bool:
     return found is not None and found.kept_in_blocks
 
 
-def file_matrix(tensor, rows: np.ndarray | None = None, transposed: bool = True) -> FileMatrix:
+def file_matrix(tensor, transposed: bool = True) -> FileMatrix:
     """A quantized tensor of the file as a `FileMatrix` over its memory-mapped blocks: the [K, N] a linear
-    computes with (`transposed`), or the file's [R, C] (a table whose rows are gathered). `rows` reorders the
-    file's rows (whole rows: blocks unchanged)."""
+    computes with (`transposed`), or the file's [R, C] (a table whose rows are gathered)."""
     N, K = (int(d) for d in reversed(tensor.shape.tolist()))
     raw = np.asarray(tensor.data).reshape(N, -1)
-    return FileMatrix((FileRows(tensor.tensor_type.name, raw, K, rows),), transposed)
+    return FileMatrix((FileRows(tensor.tensor_type.name, raw, K),), transposed)
 
 
 def rope_rows(heads: int, head_dim: int) -> np.ndarray:
@@ -127,6 +133,7 @@ def _weight(g: _Graph, name: str, tensor, rows: np.ndarray | None = None) -> ir.
     behind a Cast to float32."""
     kind = tensor.tensor_type.name
     N, K = (int(d) for d in reversed(tensor.shape.tolist()))
+    N = N if rows is None else len(rows)
 
     def make():
         array = _float_array(tensor)
@@ -139,18 +146,21 @@ def _weight(g: _Graph, name: str, tensor, rows: np.ndarray | None = None) -> ir.
     return g.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{name}/fp32")
 
 
-def _linear(g: _Graph, x: ir.Value, name: str, tensor, bias=None, rows: np.ndarray | None = None) -> ir.Value:
-    """x @ W^T (+ b) for the file's W [N, K]: MatMul over [K, N], the file's blocks where they are kept
-    (`FileTensor`), else floats."""
+def _linear(g: _Graph, x: ir.Value, name: str, tensor, bias=None, rows: np.ndarray | None = None,
+            bias_rows: np.ndarray | None = None) -> ir.Value:
+    """x @ W^T (+ b) for W [N, K], the file's `rows` of `tensor` (None: all, as stored): MatMul over [K, N], the
+    file's blocks where they are kept (`FileTensor`; whole rows taken, blocks as stored), else floats. `bias_rows`:
+    the bias's (its own tensor's)."""
     if kept_in_blocks(tensor):
-        weight = g.const(name, FileTensor(file_matrix(tensor, rows), name=name))
+        matrix = file_matrix(tensor)
+        weight = g.const(name, FileTensor(matrix if rows is None else matrix.take(rows), name=name))
     else:
         weight = _weight(g, name, tensor, rows)
     y = g.op("MatMul", [x, weight], name=name)
     if bias is not None:
         b = _float_array(bias).astype(np.float32)
-        y = g.op("Add", [y, g.const(f"{name}.bias", np.ascontiguousarray(b if rows is None else b[rows]))],
-                 name=f"{name}/bias")
+        b = b if bias_rows is None else b[bias_rows]
+        y = g.op("Add", [y, g.const(f"{name}.bias", np.ascontiguousarray(b))], name=f"{name}/bias")
     return y
 
 
@@ -164,9 +174,21 @@ def _rms_norm(g: _Graph, x: ir.Value, tensor, eps: float, name: str) -> ir.Value
     return g.op("Mul", [normed, weight], name=name)
 
 
-def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str) -> ir.Value:
-    """[B, S, heads*d] -> [B, heads, S, d]."""
+def _silu(g: _Graph, x: ir.Value) -> ir.Value:
+    return g.op("Mul", [x, g.op("Sigmoid", [x])])
+
+
+NORMS = {Norm.RMS: _rms_norm}
+ACTIVATIONS = {Activation.SILU: _silu}
+
+
+def _heads(g: _Graph, x: ir.Value, heads: int, head_dim: int, shape_name: str, norm=None, eps: float = 0.0,
+           norm_name: str = "") -> ir.Value:
+    """[B, S, heads*d] -> [B, heads, S, d]; with `norm` (the file's [d] weight) each head's d values RMS-normed
+    first, as transformers' Qwen3 does before the transpose (q_norm(q_proj(x).view(...)).transpose(1, 2))."""
     shaped = g.op("Reshape", [x, g.ints(shape_name, [0, 0, heads, head_dim])])
+    if norm is not None:
+        shaped = _rms_norm(g, shaped, norm, eps, norm_name)
     return g.op("Transpose", [shaped], {"perm": [0, 2, 1, 3]})
 
 
@@ -180,7 +202,11 @@ def _rotate(g: _Graph, x: ir.Value, cos: ir.Value, sin: ir.Value, half: tuple[ir
 
 
 def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
-    """The ONNX decoder of a llama / qwen2 GGUF (see the module doc)."""
+    """The ONNX decoder of a GGUF file of a registered architecture (see the module doc)."""
+    arch = h.architecture
+    if arch.norm_placement is not NormPlacement.PRE:  # the one block below: a norm before attention and the FFN
+        raise ValueError(f"{arch.name}: norm placement {arch.norm_placement.value} has no graph yet")
+    norm, activation = NORMS[arch.norm], ACTIVATIONS[arch.activation]
     g = _Graph()
     batch, seq, past, total = "batch", "sequence", "past_sequence", "total_sequence"
     input_ids = ir.val("input_ids", ir.DataType.INT64, [batch, seq])
@@ -238,18 +264,32 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
 
     scale = g.scalar("attn.scale", 1.0 / np.sqrt(h.head_dim))
     groups = h.heads // h.kv_heads
-    permute = h.architecture == "llama"  # convert_hf_to_gguf permutes llama's q/k rows (not qwen2's)
-    q_rows = rope_rows(h.heads, h.head_dim) if permute else None
-    k_rows = rope_rows(h.kv_heads, h.head_dim) if permute else None
+    permute = arch.qk_rows is QKRows.PERMUTED
+    order = {"attn_q": rope_rows(h.heads, h.head_dim) if permute else None,  # a matrix's rows, in the graph's order
+             "attn_k": rope_rows(h.kv_heads, h.head_dim) if permute else None}
+    held = arch.held(h, vocab)  # the block's matrices a fused tensor holds, and its rows that are theirs
+
+    def linear(x: ir.Value, p: str, name: str, bias: bool = False) -> ir.Value:
+        """Block `p`'s linear `name` (attn_q, ...): its own tensor, or its rows of the fused one that holds it."""
+        rows, tensor = order.get(name), found.get(f"{p}{name}.weight")
+        if f"{name}.weight" in held:
+            fused, span = held[f"{name}.weight"]
+            tensor, rows = found[p + fused], np.arange(span.start, span.stop) if rows is None else span.start + rows
+        return _linear(g, x, p + name, tensor, found.get(f"{p}{name}.bias") if bias else None, rows, order.get(name))
+
     for i in range(h.layers):
         p = f"blk.{i}."
         get = lambda name: found.get(p + name)  # noqa: E731
-        a = _rms_norm(g, x, get("attn_norm.weight"), h.eps, p + "attn_norm")
-        q = _linear(g, a, p + "attn_q", get("attn_q.weight"), get("attn_q.bias"), q_rows)
-        k = _linear(g, a, p + "attn_k", get("attn_k.weight"), get("attn_k.bias"), k_rows)
-        v = _linear(g, a, p + "attn_v", get("attn_v.weight"), get("attn_v.bias"))
-        q = _rotate(g, _heads(g, q, h.heads, h.head_dim, p + "q_shape"), cos, sin, half)
-        k = _rotate(g, _heads(g, k, h.kv_heads, h.head_dim, p + "k_shape"), cos, sin, half)
+        a = norm(g, x, get("attn_norm.weight"), h.eps, p + "attn_norm")
+        q = linear(a, p, "attn_q", bias=True)
+        k = linear(a, p, "attn_k", bias=True)
+        v = linear(a, p, "attn_v", bias=True)
+        # an RMSNorm over each head's query and key, before RoPE, where the architecture has one
+        q_norm, k_norm = (get("attn_q_norm.weight"), get("attn_k_norm.weight")) if arch.qk_norm else (None, None)
+        q = _rotate(g, _heads(g, q, h.heads, h.head_dim, p + "q_shape", q_norm, h.eps, p + "attn_q_norm"),
+                    cos, sin, half)
+        k = _rotate(g, _heads(g, k, h.kv_heads, h.head_dim, p + "k_shape", k_norm, h.eps, p + "attn_k_norm"),
+                    cos, sin, half)
         v = _heads(g, v, h.kv_heads, h.head_dim, p + "v_shape")
         present_key = g.op("Concat", [pasts[i][0], k], {"axis": 2}, name=f"present.{i}.key")
         present_value = g.op("Concat", [pasts[i][1], v], {"axis": 2}, name=f"present.{i}.value")
@@ -274,16 +314,15 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
         context = g.op("MatMul", [weights, values_all])
         context = g.op("Reshape", [g.op("Transpose", [context], {"perm": [0, 2, 1, 3]}),
                                    g.ints(p + "o_shape", [0, 0, h.heads * h.head_dim])])
-        attended = _linear(g, context, p + "attn_output", get("attn_output.weight"))
+        attended = linear(context, p, "attn_output")
         x = g.op("Add", [x, attended], name=p + "attn_residual")
-        f = _rms_norm(g, x, get("ffn_norm.weight"), h.eps, p + "ffn_norm")
-        gate = _linear(g, f, p + "ffn_gate", get("ffn_gate.weight"))
-        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-        up = _linear(g, f, p + "ffn_up", get("ffn_up.weight"))
-        down = _linear(g, g.op("Mul", [silu, up]), p + "ffn_down", get("ffn_down.weight"))
+        f = norm(g, x, get("ffn_norm.weight"), h.eps, p + "ffn_norm")
+        gate = activation(g, linear(f, p, "ffn_gate"))
+        up = linear(f, p, "ffn_up")
+        down = linear(g.op("Mul", [gate, up]), p, "ffn_down")
         x = g.op("Add", [x, down], name=p + "ffn_residual")
 
-    x = _rms_norm(g, x, found["output_norm.weight"], h.eps, "output_norm")
+    x = norm(g, x, found["output_norm.weight"], h.eps, "output_norm")
     if "output.weight" in found:
         logits = _linear(g, x, "output", found["output.weight"])
     else:  # tied: the embedding table, transposed

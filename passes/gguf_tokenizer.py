@@ -22,16 +22,31 @@ LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+          r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's tekken (Nemo, Small 3, Pixtral), as its tokenizer.json writes it (llama.cpp spells the classes out)
+TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre's names of Llama 3's pre-tokenizer
+LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "lfm2")
 # tokenizer.ggml.pre -> the regexes llama.cpp (src/llama-vocab.cpp) splits text with, applied in turn
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    **{name: (GPT2,) for name in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion")},
+    **{name: (GPT2,) for name in ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion", "phi-2", "exaone4")},
     **{name: (r"\p{N}", GPT2) for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                                            "minerva")},
-    **{name: (LLAMA3,) for name in ("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe", "falcon3")},
-    **{name: (QWEN2,) for name in ("qwen2", "stablelm2", "deepseek-r1-qwen")},
+                                            "minerva", "minerva-7b")},
+    **{name: (LLAMA3,) for name in (*LLAMA3_NAMES, "dbrx", "smaug-bpe")},
+    **{name: (QWEN2,) for name in ("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez")},
+    "qwen35": (QWEN35,),
+    "tekken": (TEKKEN,),
     "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
 }
-IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3"}  # llama.cpp's tokenizer_ignore_merges
+# llama.cpp's tokenizer_ignore_merges: a word that is a whole token is that token
+IGNORE_MERGES = {*LLAMA3_NAMES, "tekken"}
+ADDS_BOS = set(LLAMA3_NAMES)  # llama.cpp adds BOS for these unless the file says otherwise
+# tokenizer.ggml.model's names of the two vocabulary types (names of tokenizers, not of architectures)
+BYTE_BPE = "gpt2"
+SENTENCEPIECE = "llama"
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 2 unknown, 5 unused, 6 byte)
 
 
@@ -119,19 +134,19 @@ def write_tokenizer(reader, path: Path, directory: Path, vocab_size: int, log=la
     types = list(_get(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     if len(types) != len(tokens):
         types = [1] * len(tokens)
-    if kind == "gpt2":
+    if kind == BYTE_BPE:
         merges = _get(reader, "tokenizer.ggml.merges", [])
         pre = _get(reader, "tokenizer.ggml.pre", "default") or "default"
         tokenizer = _bpe(tokens, merges, types, pre, notes)
-        add_bos_default = pre in IGNORE_MERGES  # llama.cpp adds BOS for llama3's pre-tokenizer unless told not to
-    elif kind == "llama":
+        add_bos_default = pre in ADDS_BOS
+    elif kind == SENTENCEPIECE:
         scores = _get(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))
         tokenizer = _spm(tokens, list(scores), types, _get(reader, "tokenizer.ggml.unknown_token_id"),
                          bool(_get(reader, "tokenizer.ggml.add_space_prefix", True)))
         add_bos_default = True
     else:
-        notes.append(f"tokenizer type {kind!r} of {path.name} is not supported (gpt2 and llama are): the artifact "
-                     "runs on token ids only")
+        notes.append(f"tokenizer type {kind!r} of {path.name} is not supported ({BYTE_BPE} and {SENTENCEPIECE} "
+                     "are): the artifact runs on token ids only")
         return notes
     tokenizer.save(str(directory / "tokenizer.json"))
 

@@ -1,38 +1,35 @@
 """import (GGUF): a llama.cpp model file in, the same ONNX decoder the ONNX front end imports out.
 
-Reads: a GGUF file (`gguf.GGUFReader`: the header parsed, tensors memory-mapped, never read whole). Writes,
-once per file (cached by its path, size and modification time under `$PICOMPILE_CACHE/gguf-onnx/`), an
-ordinary ONNX decoder in optimum's KV-cache convention (inputs `input_ids`, `attention_mask`, `position_ids`,
-`past_key_values.{i}.key/.value`; outputs `logits`, `present.{i}.key/.value`), built from standard ONNX ops
-the way transformers' exports compute LLaMA / Qwen2 (RMSNorm, rotate-half RoPE, grouped-query attention,
-SwiGLU), plus `com.microsoft.MatMulNBits` for Q8_0 / Q4_0 weight matrices (`passes.gguf_graph`); and, from
-the file's metadata, the model's tokenizer (`passes.gguf_tokenizer`: `tokenizer.json` built with the
-`tokenizers` library, `tokenizer_config.json`, `generation_config.json`) beside it. `load` then reads that ONNX file through the ONNX front end's own
-`load`, so the import pass, every later pass, `--dump-ir`, `inspect`, the profile pass's onnxruntime
-reference and `eval --reference model.gguf` see exactly what an ONNX model gives them.
+Reads: a GGUF file (`gguf.GGUFReader`: the header parsed, tensors memory-mapped, never read whole). `load`
+builds from it an ordinary ONNX decoder in optimum's KV-cache convention (inputs `input_ids`, `attention_mask`,
+`position_ids`, `past_key_values.{i}.key/.value`; outputs `logits`, `present.{i}.key/.value`), from standard ONNX
+ops the way transformers' exports compute the architecture (`passes.gguf_graph`), and hands it to the ONNX front
+end's import pass, so every later pass, `--dump-ir`, `inspect` and `eval --reference model.gguf` see what an ONNX
+model gives them. Written once per file (cached by its path, size and modification time under
+`$PICOMPILE_CACHE/gguf-onnx/`): the model's tokenizer (`passes.gguf_tokenizer`: `tokenizer.json` built with the
+`tokenizers` library, `tokenizer_config.json`, `generation_config.json`), never the weights.
 
-Weights keep the file's values:
-- F32, F16 and BF16 tensors are stored as they are (half matrices behind a Cast, as the ONNX front end keeps
-  an fp16 model's).
-- Q8_0 and Q4_0 matrices become MatMulNBits (bits 8 / 4, blocks of 32 along K, the file's codes and its fp16
-  scales held in float32: MatMulNBits' scales share its input's type), which the import pass dequantizes
-  exactly and records (`SourceQuantization`); the quantize pass stores them back in picompile's int8 / int4
-  blocks with the file's q and scales (`passes.kernels.quant.on_grid`).
-- Every other type the `gguf.quants` module dequantizes (Q4_1, Q5_0, Q5_1, the K-quants, ...) and every
-  quantized embedding table (a Gather reads floats) is stored dequantized to float32: exactly the file's
-  values (`gguf.quants.dequantize`). Q4_1 is among them, not a MatMulNBits with float zero points: (q - zp) x
-  scale cannot give d x q + m exactly in floating point (zp = -m / d rounds), and the file's values must
-  stay exact.
+Weights keep the file's values, and a quantized matrix its blocks:
+- F32, F16 and BF16 tensors are read as they are (half matrices behind a Cast).
+- A block type some picompile format holds exactly (`passes.formats.ggml`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
+  K-quants Q4_K, Q5_K, Q6_K) is a `FileTensor` over the file's memory-mapped blocks: a float tensor to a pass
+  that computes with it (dequantized when read, a matrix at a time), its blocks themselves to the passes that
+  store it (quantize, select-kernels).
+- Any other type the `gguf.quants` module dequantizes (Q2_K, Q3_K, ...) is dequantized to float32 when read
+  (`onnx_ir.LazyTensor`), and rounded by --weight-dtype like a float matrix.
 What each tensor was in the file is a fact on the model (`GGUFSource`, `metadata_props["picompile.gguf"]`),
 which recognise keeps and the build reads to say which tensors a `--weight-dtype` re-rounds.
 
-LLaMA's converter permutes the rows of attn_q / attn_k so that llama.cpp's RoPE, which rotates adjacent pairs,
-equals transformers' rotate-half; the rows are permuted back here (exactly: whole rows move), so the graph
-computes rotate-half RoPE as transformers does. Qwen2 files are stored rotate-half already.
+What a file of each architecture holds is its module in `passes.architectures` (the registry): the metadata keys
+`hyper` reads, the tensors and shapes `tensors` checks, and the features the graph is built from (LLaMA's
+converter permutes the rows of attn_q / attn_k for llama.cpp's adjacent-pair RoPE; the graph puts them back,
+whole rows, and computes transformers' rotate-half; Phi-3's fused attn_qkv and ffn_up are taken apart into their
+matrices' rows).
 Refuses, in one line naming it: a file that is not GGUF (wrong magic), truncated or unreadable, an unknown
-version or tensor type, tensor data past the end of the file, an architecture other than llama / qwen2,
-missing metadata or tensors, tensors the architecture does not have, and shapes that disagree with the
-metadata.
+version or tensor type, tensor data past the end of the file, an architecture the registry does not hold,
+missing metadata or tensors, tensors the architecture does not have, shapes that disagree with the metadata, a
+feature the graph does not compute (LongRoPE's factors, rope.scaling.attn_factor other than 1), and (the import
+pass, which knows the build's context) a context wider than the file's sliding window.
 """
 
 from __future__ import annotations
@@ -57,31 +54,14 @@ from .errors import UserError
 from .facts import ModelFact
 from .pipeline import Context
 
+from .architectures import Architecture, Rope, architecture_of
 from .formats import ggml
 from .gguf_graph import FLOAT_TYPES, Hyper, build_graph
 from .import_onnx import Import, check_memory
 
 GGUF_MAGIC = b"GGUF"
 CONVERTER_VERSION = 3  # part of the cache key: a change to what is written here invalidates old conversions
-ARCHITECTURES = ("llama", "qwen2")
 GGUF_KEY = "picompile.gguf"  # the metadata_props entry of the fact
-# --weight-dtype auto for a file whose matrices are mostly of a float type (block types: the format the ggml table
-# keeps them in, `passes.formats.ggml`). Types no picompile format holds (Q2_K, Q3_K, the IQ types) go to int8.
-AUTO_FORMAT = {"F32": "fp32", "F16": "fp16", "BF16": "fp16"}
-AUTO_FALLBACK = "int8"
-# (source type, --weight-dtype) pairs that keep every value exactly where a --weight-dtype is given (an int4a build
-# keeps a float matrix in floats; int8 holds q5_0's and int4's symmetric 32-blocks)
-EXACT = {("F32", "fp32"), ("F16", "fp32"), ("F16", "fp16"), ("BF16", "fp32"), ("Q8_0", "fp32"), ("Q8_0", "int8"),
-         ("Q4_0", "fp32"), ("Q4_0", "int8"), ("Q4_0", "int4"), ("Q4_0", "int4a"), ("Q4_1", "fp32"),
-         ("Q4_1", "int4a"), ("F32", "int4a"), ("F16", "int4a"), ("BF16", "int4a"), ("Q5_0", "int8"),
-         *((name, "fp32") for name, kind in ggml.GGML_TYPES.items() if kind.format is not None)}
-
-
-def kept_format(ggml_type: str) -> str | None:
-    """The picompile format a file's tensor of block type `ggml_type` keeps its blocks in (None: a float type, or
-    none holds them exactly)."""
-    kind = ggml.GGML_TYPES.get(ggml_type)
-    return kind.format if kind is not None and kind.kept_in_blocks else None
 
 
 def is_gguf(path: Path) -> bool:
@@ -120,6 +100,9 @@ class GGUFSource(ModelFact):
     architecture: str
     tensors: tuple[GGUFTensor, ...]
     notes: tuple[str, ...] = ()  # what the user should know (no tokenizer, an unknown pre-tokenizer)
+    # the attention window the file declares (tokens; 0: none), which the graph does not apply: exact while the
+    # build's context stays within it (a query then sees every earlier position either way), refused past it
+    sliding_window: int = 0
 
     @classmethod
     def from_json(cls, data: dict) -> "GGUFSource":
@@ -142,17 +125,16 @@ class GGUFSource(ModelFact):
         return max(by_format, key=by_format.get) if by_format else "F32"
 
     def weight_dtype(self) -> str:
-        """`--weight-dtype auto` for this file: its main format's (AUTO_FORMAT, or the format keeping its blocks)."""
-        most = self.main_format()
-        return AUTO_FORMAT.get(most) or kept_format(most) or AUTO_FALLBACK
+        """`--weight-dtype auto` for this file: its main format's (`passes.formats.ggml`)."""
+        return ggml.type_named(self.main_format()).auto_format or ggml.AUTO_FALLBACK
 
     def auto_reason(self) -> str:
         """Why `weight_dtype` chose what it did, for -v."""
         most = self.main_format()
-        if most in AUTO_FORMAT or kept_format(most):
+        if ggml.type_named(most).auto_format:
             return f"most of the file's weights are {most}; every matrix keeps the file's own blocks"
-        return (f"most of the file's weights are {most}, which no picompile format holds exactly: int8 keeps "
-                "them closest at its size")
+        return (f"most of the file's weights are {most}, which no picompile format holds exactly: "
+                f"{ggml.AUTO_FALLBACK} keeps them closest at its size")
 
     def changed(self, weight_dtype: str, keep_source_blocks: bool = False) -> dict[str, int]:
         """Source format -> how many matrices a build storing weights in `weight_dtype` re-rounds (values no
@@ -160,9 +142,8 @@ class GGUFSource(ModelFact):
         exactly is stored in that one (passes.quantize)."""
         counts: dict[str, int] = {}
         for t in self.matrices():
-            if weight_dtype == "fp32" or (t.format, weight_dtype) in EXACT:  # fp32 holds every file value
-                continue
-            if keep_source_blocks and kept_format(t.format) is not None:
+            kind = ggml.type_named(t.format)
+            if weight_dtype in kind.exact_in or (keep_source_blocks and kind.kept_in_blocks):
                 continue
             counts[t.format] = counts.get(t.format, 0) + 1
         return counts
@@ -185,7 +166,7 @@ def rerounding_warning(source: GGUFSource, weight_dtype: str, target_has_gpu: bo
     parts = ", ".join(f"{count} {name}" for name, count in sorted(changed.items(), key=lambda kv: -kv[1]))
     total = sum(changed.values())
     gpu = " (GPU-resident ones are stored fp16 whatever --weight-dtype says)" if target_has_gpu else ""
-    unheld = sorted(name for name in changed if name not in AUTO_FORMAT and kept_format(name) is None)
+    unheld = sorted(name for name in changed if ggml.type_named(name).auto_format is None)
     why = (f" (no picompile format holds {'/'.join(unheld)} blocks exactly yet)" if unheld else "")
     return (f"{total} of the file's weight matrices ({parts}) are re-rounded to {weight_dtype}{why}: their values "
             f"are no longer the file's{gpu}; --weight-dtype fp32 keeps every value")
@@ -293,47 +274,58 @@ def _field(reader, key: str, path: Path, default=None):
         raise _refuse(path, f"metadata {key} cannot be read ({type(error).__name__}: {error})") from None
 
 
-def _int(value, key: str, path: Path) -> int:
+def _int(value, key: str, path: Path, minimum: int = 1) -> int:
     if isinstance(value, list):
         values = set(value)
         if len(values) != 1:
             raise _refuse(path, f"metadata {key} differs between layers ({sorted(values)[:4]}...), which picompile "
                                 "does not compile")
         value = values.pop()
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise _refuse(path, f"metadata {key} is {value!r}, not a positive integer")
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise _refuse(path, f"metadata {key} is {value!r}, not " +
+                      ("a positive integer" if minimum == 1 else f"an integer of at least {minimum}"))
     return int(value)
 
 
+def _architecture(reader, path: Path) -> Architecture:
+    try:
+        return architecture_of(_field(reader, "general.architecture", path))
+    except UserError as error:
+        raise _refuse(path, str(error)) from None
+
+
 def hyper(reader, path: Path) -> Hyper:
-    """The architecture's numbers, checked (llama.cpp's defaults where a key is optional)."""
-    arch = _field(reader, "general.architecture", path)
-    if arch not in ARCHITECTURES:
-        raise _refuse(path, f"architecture {arch!r} is not supported (picompile compiles GGUF "
-                            f"{', '.join(ARCHITECTURES)})")
-    get = lambda key, default=None: _field(reader, f"{arch}.{key}", path, default)  # noqa: E731
-    layers = _int(get("block_count"), f"{arch}.block_count", path)
-    d_model = _int(get("embedding_length"), f"{arch}.embedding_length", path)
-    ffn = _int(get("feed_forward_length"), f"{arch}.feed_forward_length", path)
-    heads = _int(get("attention.head_count"), f"{arch}.attention.head_count", path)
-    kv_heads = _int(get("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv", path)
+    """The architecture's numbers (its `params`: llama.cpp's defaults where a key is optional), checked against
+    what the graph computes, and the file's features the graph does not compute refused (`Architecture.refused`)."""
+    arch = _architecture(reader, path)
+    got: dict = {}
+    for param in arch.params:
+        key = f"{arch.name}.{param.key}"
+        default = param.default(got) if callable(param.default) else param.default
+        value = _field(reader, key, path, default)
+        got[param.name] = _int(value, key, path, param.minimum) if param.kind is int else param.kind(value)
+    heads, kv_heads, head_dim = got["heads"], got["kv_heads"], got["head_dim"]
     if heads % kv_heads:
         raise _refuse(path, f"{heads} attention heads cannot share {kv_heads} kv heads evenly")
-    head_dim = _int(get("attention.key_length", max(d_model // heads, 1)), f"{arch}.attention.key_length", path)
-    value_dim = _int(get("attention.value_length", head_dim), f"{arch}.attention.value_length", path)
-    if value_dim != head_dim or head_dim % 2:
-        raise _refuse(path, f"key length {head_dim} and value length {value_dim}: picompile needs them equal and even")
-    rope_dims = _int(get("rope.dimension_count", head_dim), f"{arch}.rope.dimension_count", path)
-    if rope_dims != head_dim:
-        raise _refuse(path, f"rope.dimension_count {rope_dims} is not the head size {head_dim} (partial rotary "
+    if got["value_dim"] != head_dim or head_dim % 2:
+        raise _refuse(path, f"key length {head_dim} and value length {got['value_dim']}: picompile needs them equal "
+                            "and even")
+    if got["rope_dims"] != head_dim:
+        raise _refuse(path, f"rope.dimension_count {got['rope_dims']} is not the head size {head_dim} (partial rotary "
                             "embeddings are not supported for GGUF files yet)")
-    scaling = get("rope.scaling.type", "none")
-    factor = float(get("rope.scaling.factor", 1.0) or 1.0)
-    if scaling not in ("none", "linear") and factor != 1.0:
-        raise _refuse(path, f"rope scaling {scaling!r} is not supported (none and linear are)")
-    eps = float(get("attention.layer_norm_rms_epsilon", 1e-5))
-    return Hyper(arch, layers, d_model, ffn, heads, kv_heads, head_dim, eps,
-                 float(get("rope.freq_base", 10000.0)), factor if scaling == "linear" else 1.0)
+    scaling, factor = got["rope_scaling"], got["rope_factor"] or 1.0
+    scalings = ("none", Rope.LINEAR.value) if Rope.LINEAR in arch.rope else ("none",)
+    if scaling not in scalings and factor != 1.0:
+        raise _refuse(path, f"rope scaling {scaling!r} is not supported ({' and '.join(scalings)} are)")
+    names = {t.name for t in reader.tensors}
+    for refused in arch.refused:  # (first: a feature's tensor says more than the metadata that comes with it)
+        if refused.tensor in names:
+            raise _refuse(path, f"tensor {refused.tensor} is {refused.why}")
+    if got["rope_attn_factor"] != 1.0:
+        raise _refuse(path, f"rope.scaling.attn_factor {got['rope_attn_factor']:g} is not supported (llama.cpp scales "
+                            "RoPE's cos and sin by it; picompile's attention scores take 1/sqrt(head_dim) only)")
+    return Hyper(arch, got["layers"], got["d_model"], got["ffn"], heads, kv_heads, head_dim, got["eps"],
+                 got["rope_base"], factor if scaling == Rope.LINEAR.value else 1.0, got.get("sliding_window", 0))
 
 
 def context_length(path: Path) -> int | None:
@@ -348,67 +340,49 @@ def context_length(path: Path) -> int | None:
 
 
 def _expected_shapes(h: Hyper, vocab: int) -> dict[str, tuple[tuple[int, ...], bool, bool]]:
-    """GGUF tensor name -> (numpy-order shape, whether a weight matrix, whether required)."""
-    q, kv = h.heads * h.head_dim, h.kv_heads * h.head_dim
-    shapes = {"token_embd.weight": ((vocab, h.d_model), True, True),
-              "output_norm.weight": ((h.d_model,), False, True),
-              "output.weight": ((vocab, h.d_model), True, False),
-              "rope_freqs.weight": ((h.head_dim // 2,), False, False)}
-    bias = h.architecture == "qwen2"
-    for i in range(h.layers):
-        p = f"blk.{i}."
-        shapes.update({
-            p + "attn_norm.weight": ((h.d_model,), False, True),
-            p + "attn_q.weight": ((q, h.d_model), True, True),
-            p + "attn_k.weight": ((kv, h.d_model), True, True),
-            p + "attn_v.weight": ((kv, h.d_model), True, True),
-            p + "attn_output.weight": ((h.d_model, q), True, True),
-            p + "ffn_norm.weight": ((h.d_model,), False, True),
-            p + "ffn_gate.weight": ((h.ffn, h.d_model), True, True),
-            p + "ffn_up.weight": ((h.ffn, h.d_model), True, True),
-            p + "ffn_down.weight": ((h.d_model, h.ffn), True, True),
-        })
-        for name, width in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
-            shapes[p + name + ".bias"] = ((width,), False, bias)
-    return shapes
+    """GGUF tensor name -> (numpy-order shape, whether a weight matrix, whether required): the architecture's
+    tensors, a block's once per layer."""
+    specs = h.architecture.tensors
+    named = [(spec.name, spec) for spec in specs if not spec.per_block]
+    named += [(f"blk.{i}.{spec.name}", spec) for i in range(h.layers) for spec in specs if spec.per_block]
+    return {name: (spec.size(h, vocab), spec.matrix, spec.required) for name, spec in named}
 
 
 def tensors(reader, h: Hyper, path: Path) -> tuple[dict, int]:
     """GGUF name -> ReaderTensor, checked against the architecture (names, shapes, types, the file's end);
     and the vocabulary size."""
-    import gguf
-
     found = {t.name: t for t in reader.tensors}
     embed = found.get("token_embd.weight")
     if embed is None:
         raise _refuse(path, "tensor token_embd.weight (the token embedding) is missing")
     vocab = int(embed.shape[-1]) if len(embed.shape) == 2 else 0
     expected = _expected_shapes(h, vocab)
+    name = h.architecture.name
     unknown = sorted(set(found) - set(expected), key=lambda n: (len(n), n))
     if unknown:
         hint = (" (a mixture of experts?)" if any("exps" in n or "ffn_gate_inp" in n for n in unknown) else
                 " (PowerInfer's predictor weights? picompile trains its own, and reads ReLU LLaMA files not yet)"
                 if any(".fc1." in n or ".fc2." in n for n in unknown) else "")
-        raise _refuse(path, f"tensor {unknown[0]} is not part of a {h.architecture} model as picompile compiles "
+        raise _refuse(path, f"tensor {unknown[0]} is not part of a {name} model as picompile compiles "
                             f"it{hint}" + (f" ({len(unknown) - 1} more)" if len(unknown) > 1 else ""))
     missing = [name for name, (_, _, required) in expected.items() if required and name not in found]
     if missing:
         more = f" ({len(missing) - 1} more)" if len(missing) > 1 else ""
         raise _refuse(path, f"tensor {missing[0]} is missing{more}")
     size = path.stat().st_size
-    for name, tensor in found.items():
+    for tensor_name, tensor in found.items():
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        want = expected[name][0]
+        want = expected[tensor_name][0]
         if shape != want:
-            raise _refuse(path, f"tensor {name} has shape {list(shape)} but {h.architecture}'s metadata "
+            raise _refuse(path, f"tensor {tensor_name} has shape {list(shape)} but {name}'s metadata "
                                 f"(embedding_length {h.d_model}, feed_forward_length {h.ffn}, head_count {h.heads}, "
                                 f"head_count_kv {h.kv_heads}) makes it {list(want)}")
         if tensor.data_offset + tensor.n_bytes > size:
-            raise _refuse(path, f"the data of tensor {name} ends at byte {tensor.data_offset + tensor.n_bytes}, past "
-                                f"the end of the file ({size} bytes): the file is truncated")
+            raise _refuse(path, f"the data of tensor {tensor_name} ends at byte {tensor.data_offset + tensor.n_bytes}, "
+                                f"past the end of the file ({size} bytes): the file is truncated")
         kind = tensor.tensor_type.name
-        if kind not in FLOAT_TYPES and kept_format(kind) is None and tensor.tensor_type not in gguf.quants._type_traits:
-            raise _refuse(path, f"tensor {name} is stored as {kind}, which the gguf package cannot dequantize")
+        if not ggml.type_named(kind).read:
+            raise _refuse(path, f"tensor {tensor_name} is stored as {kind}, which the gguf package cannot dequantize")
     return found, vocab
 
 
@@ -436,9 +410,9 @@ def _key(path: Path) -> str:
 
 def _source(path: Path, h: Hyper, found: dict, vocab: int) -> GGUFSource:
     expected = _expected_shapes(h, vocab)
-    return GGUFSource(str(path.resolve()), h.architecture, tuple(
+    return GGUFSource(str(path.resolve()), h.architecture.name, tuple(
         GGUFTensor(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), expected[name][1])
-        for name, t in found.items()))
+        for name, t in found.items()), sliding_window=h.sliding_window)
 
 
 def _staged(directory: Path, write) -> None:
@@ -538,6 +512,11 @@ class ImportGGUF(Import):
         source = GGUFSource.of(model)
         if source is not None:
             ctx.log(f"import: {source.describe()}")
+            window, context = source.sliding_window, ctx.build.max_context
+            if window and context > window:  # (the first place that knows the build's context)
+                raise UserError(f"{Path(source.file).name}: its attention sees the last {window} positions only "
+                                f"(attention.sliding_window), a window picompile does not apply yet, and the build's "
+                                f"context of {context} tokens is wider: build with --max-context {window} or less")
             for note in source.notes:
                 ctx.warn(note)
         return super().apply(model, ctx)

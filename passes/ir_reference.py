@@ -27,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import ir as pir
+from .activations import ACTIVATIONS
 from .budget import PROMPT_TOKENS
 from .file_blocks import FileMatrix
 from .memory import BoundedCache
@@ -37,7 +38,6 @@ from runtime.manifest import OUTPUT_LAYER
 # Linear inputs a plan can threshold, by block: (op type, site) -> the weight input it multiplies (MatMul: the
 # output layer, the one MatMul of the block IR)
 SITES = {("Attention", "qkv"): 4, ("Attention", "o"): 6, ("FFN", "in"): 1, ("FFN", "down"): 3, ("MatMul", "head"): 1}
-_ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
 
 
 @dataclass
@@ -323,7 +323,7 @@ class Interpreter:
         if b_up is not None:
             pre = pre + b_up
         ffn = FFN(node)
-        act = _ACTIVATIONS[ffn.activation]
+        act = ACTIVATIONS[ffn.activation].torch()
         if ffn.gated:
             half = pre.shape[-1] // 2
             hidden = act(pre[..., :half]) * pre[..., half:]
@@ -349,8 +349,12 @@ class Interpreter:
         q = qkv[..., : heads * hd].reshape(batch, tokens, heads, hd).transpose(1, 2)
         k = qkv[..., heads * hd: (heads + kv_heads) * hd].reshape(batch, tokens, kv_heads, hd).transpose(1, 2)
         v = qkv[..., (heads + kv_heads) * hd:].reshape(batch, tokens, kv_heads, hd).transpose(1, 2)
-        if len(node.inputs) > 8 and node.inputs[8] is not None:
-            cos, sin = self._rotation(node.inputs[8], tokens)
+        if block.input("q_norm") is not None:  # each head's query and key RMS-normed, before RoPE
+            eps = float(block.qk_norm_eps)
+            q = rms_norm(q, self.weight(block.input("q_norm")), eps)
+            k = rms_norm(k, self.weight(block.input("k_norm")), eps)
+        if block.input("inv_freq") is not None:
+            cos, sin = self._rotation(block.input("inv_freq"), tokens)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         group = heads // kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -393,6 +397,11 @@ def norm(node: ir.Node, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
     if node.op_type == "LayerNormalization":
         out = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps) * scale
         return out if bias is None else out + bias
+    return rms_norm(x, scale, eps)
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis (a block's norms; an Attention's q / k norm, over each head)."""
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * scale
 
 

@@ -14,6 +14,7 @@ from typing import ClassVar, Generic, Iterator, TypeVar
 
 import onnx_ir as ir
 
+from .activations import ACTIVATIONS
 from .ir import DOMAIN
 
 T = TypeVar("T")
@@ -117,6 +118,15 @@ class OpView:
             cls._attributes = found
         return found
 
+    def input(self, name: str) -> ir.Value | None:
+        """The value at the declared input port `name` (not a variadic one), None where it is left off: optional
+        ports at the end may be absent, and a residual fuse folded in (the last input) is no port's."""
+        index = next((i for i, port in enumerate(self.inputs) if port.name == name and not port.variadic), None)
+        if index is None:
+            raise KeyError(f"{DOMAIN}.{self.op_type} declares no input port {name!r}")
+        folded = 1 if "residual" in self.attributes() and self.value("residual") else 0
+        return self.node.inputs[index] if index < len(self.node.inputs) - folded else None
+
     def value(self, name: str):
         """A declared attribute read by a name the caller computes (`threshold_{site}`)."""
         return self._declared(name).__get__(self, type(self))
@@ -160,16 +170,20 @@ class Embed(OpView):
 
 
 class Attention(Layered, Folds):
-    """recognise: a layer's attention block, norm excluded. Thresholds (threshold mode, quality): a decode step
-    reads only the rows of the kept channels of the qkv / o projection's input."""
+    """recognise: a layer's attention block, norm excluded. `q_norm` / `k_norm` (Qwen3): an RMSNorm over each head's
+    query and key, one weight [head_dim] for every head, eps `qk_norm_eps`, after the projections and before RoPE;
+    both or neither. Thresholds (threshold mode, quality): a decode step reads only the rows of the kept channels
+    of the qkv / o projection's input."""
 
     inputs = (Port("x"), Port("start"), Port("past_key"), Port("past_value"), Port("w_qkv"),
-              Port("b_qkv", optional=True), Port("w_o"), Port("b_o", optional=True), Port("inv_freq", optional=True))
+              Port("b_qkv", optional=True), Port("w_o"), Port("b_o", optional=True), Port("inv_freq", optional=True),
+              Port("q_norm", optional=True), Port("k_norm", optional=True))
     outputs = (Port("out"), Port("present_key"), Port("present_value"))
     num_heads = Int()
     num_kv_heads = Int()
     head_dim = Int()
     scale = Float()
+    qk_norm_eps = Float(optional=True)
     threshold_qkv = Float(optional=True, default=KEEP_ALL)
     threshold_o = Float(optional=True, default=KEEP_ALL)
     sparsity_qkv = Float(optional=True, default=0.0)
@@ -180,7 +194,7 @@ class FFN(Layered, Folds):
     """recognise: a layer's dense FFN (w_up holds [gate | up] when gated); later passes add their facts to it."""
 
     inputs = (Port("x"), Port("w_up"), Port("b_up", optional=True), Port("w_down"), Port("b_down", optional=True))
-    activation = Str()
+    activation = Str(choices=tuple(ACTIVATIONS))
     gated = Int()
     # profile
     sparsity = Float(optional=True)
@@ -207,7 +221,7 @@ class ThresholdFFN(Layered, Folds):
     """lower (threshold mode): the FFN without its down bias, decode reading the rows of the kept inputs."""
 
     inputs = (Port("x"), Port("w_up"), Port("b_up", optional=True), Port("w_down"))
-    activation = Str()
+    activation = Str(choices=tuple(ACTIVATIONS))
     gated = Int()
     threshold_in = Float()
     threshold_down = Float()
@@ -227,7 +241,7 @@ class SparseFFN(Layered):
     part = Str(choices=("gpu", "cpu"))
     neurons = Int()
     threshold = Float()
-    activation = Str()
+    activation = Str(choices=tuple(ACTIVATIONS))
     gated = Int()
 
 

@@ -65,7 +65,7 @@ from .budget import PROMPT_TOKENS, QualityBudget, ppl_change_interval, predicted
 from .facts import ModelFact, ValueFact, read_entry, write_entry
 from .ops import ALL_NEURONS, DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
-from .sizes import PREDICTOR_FORMAT, float_format
+from .sizes import PREDICTOR_FORMAT, float_format, parameter_count
 from .targets import CpuIsa
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, dequantize_blocks
 from runtime.manifest import ExpectedQuality, MatrixChoice
@@ -73,15 +73,21 @@ from runtime.manifest import ExpectedQuality, MatrixChoice
 from .ir_reference import SITES, Block, Interpreter, Quality, Variant, head_node, layer_of
 from .kernels import quant
 from .predict import HOLDOUT, _threshold_for_recall, predictor_reads_int8
-from .profile import CALIBRATION_SEQUENCES, CalibrationSequences
+from .profile import CALIBRATION_SEQUENCES, MEASURED_TOKENS, CalibrationSequences
 from .streamed_logits import Logits
 from .threshold import KEEP_ALL
 
 LEVELS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # shares of a linear input a plan may drop
-FIT_TOKENS = 512  # tokens the local effects are measured on
+FIT_TOKENS = 512  # tokens the local effects are measured on (at most)
 HEAD_LIMIT = 2.0  # of the budget: the output layer's levels are measured up to the first whose KL alone is over it
 FISHER_DRAWS = 4  # tokens drawn per position to weigh a local effect by its KL (on SmolLM2: 0.4-2.6x the KL measured)
-HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most)
+HELD_OUT_TOKENS = 1024  # tokens the budget is measured on (at most) where the profile kept none of the user's out
+# The pass's work is its tokens times the parameters each one reads. Past a 0.5B model's (Qwen2.5-Coder-0.5B's
+# file holds 0.63B, its output layer beside the embedding: a 207 s default build measuring 2,048 held-out tokens
+# on 2 cores) a model measures on proportionally fewer tokens, so that a 1.5B's default build stays within 3x its
+# dense build; no fewer than the MIN_ ones (a plan's ppl interval widens as the root of their share)
+TOKEN_PARAMETERS = 0.65e9
+MIN_HELD_OUT_TOKENS, MIN_FIT_TOKENS = 512, 128
 BATCH_TOKENS = 4096  # held-out tokens run together (every weight is read once per batch; bounds the activations)
 BLOCKS_BYTES = 256 << 20  # the blocks of matrices stored in another format than the source's kept between reads
 SEARCH_EVERY = 2  # the path's search measures plans on every 2nd held-out sequence, the plan found on all
@@ -185,10 +191,13 @@ class StoredWeights:
         self._formats: dict[tuple[str, str, int], WeightFormat] = {}
         self._blocks = BoundedCache(BLOCKS_BYTES)
 
+    def _held(self, name: str):
+        return file_matrix(self._values[name], any_formats=True)
+
     def _kept(self, name: str, fmt: WeightFormat, axis: int) -> WeightFormat | None:
         """The format of the file's own blocks where the quantize pass keeps them (run by run: priced as its
         largest run's format), else None."""
-        held = file_matrix(self._values[name], any_formats=True)
+        held = self._held(name)
         kept = self._blocking.kept(held, fmt, axis)
         if kept is None and self._blocking.kept_in_runs(held, fmt, axis):
             kept = max(held.runs(), key=lambda run: run.size).stored_format()
@@ -210,7 +219,7 @@ class StoredWeights:
             return None, self._formats[key]  # (kept in floats: no blocks)
         blocks = self._blocks.get(key)
         if blocks is None:
-            blocks, used, _ = self._blocking.blocks(self._source(name), fmt, axis)
+            blocks, used, _ = self._blocking.blocks(self._source(name), fmt, axis, self._held(name))
             self._formats[key] = used if blocks is not None else float_format(fmt)
             self._blocks.put(key, blocks, sum(a.nbytes for a in blocks if isinstance(a, np.ndarray))
                              if blocks is not None else 0)
@@ -277,7 +286,7 @@ class QualityPlan:
         # the build's format, budget and instruction set (with int8_activations: which quantized GEMVs round their
         # input to int8)
         weight_dtype, budget, cpu_isa = ctx.build.weight_dtype, ctx.build.quality_budget, ctx.build.cpu_isa
-        fit, held_out = _split(CalibrationSequences.of(model))
+        fit, held_out = _split(CalibrationSequences.of(model), parameter_count(model.graph))
         interpreter = Interpreter(model, int8_predictor_inputs=predictor_reads_int8(self.int8_activations, cpu_isa))
         fixed_level = _fixed_levels(model)  # --sparsity: the threshold pass's levels, kept as they are (measured)
         planned = self.mode == "threshold" and not fixed_level
@@ -361,20 +370,39 @@ def _equal_length(sequences: list[np.ndarray]) -> np.ndarray:
     return np.stack([s for s in sequences if len(s) == length])
 
 
-def _split(calibration: CalibrationSequences) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(fitting, held-out) sequences. Held out: the user's sequences the profile kept out of every fit
-    (`measured`, any lengths); failing those (a single sequence), the last HOLDOUT of the sequences of the most
-    common length (at most HELD_OUT_TOKENS). Fitting: the first (at most FIT_TOKENS) of the others of the most common
+def _token_budget(parameters: int) -> tuple[int, int | None]:
+    """(fitting, held-out) tokens at most for a model of `parameters` (see TOKEN_PARAMETERS; None: every one)."""
+    if parameters <= TOKEN_PARAMETERS:
+        return FIT_TOKENS, None
+    share = TOKEN_PARAMETERS / parameters
+    return max(MIN_FIT_TOKENS, int(FIT_TOKENS * share)), max(MIN_HELD_OUT_TOKENS, int(MEASURED_TOKENS * share))
+
+
+def _spread(sequences: list[np.ndarray], tokens: int | None) -> list[np.ndarray]:
+    """About `tokens` of `sequences`' tokens: whole sequences taken evenly across them (they are across the file)."""
+    total = sum(len(s) for s in sequences)
+    if tokens is None or total <= tokens:
+        return sequences
+    count = max(1, round(len(sequences) * tokens / total))
+    return [sequences[int((k + 0.5) * len(sequences) / count)] for k in range(count)]
+
+
+def _split(calibration: CalibrationSequences, parameters: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(fitting, held-out) sequences, within the token budget of a model of `parameters` (`_token_budget`). Held
+    out: the user's sequences the profile kept out of every fit (`measured`, any lengths), evenly spread where the
+    budget takes fewer; failing those (a single sequence), the last HOLDOUT of the sequences of the most common
+    length (at most HELD_OUT_TOKENS). Fitting: the first (at most FIT_TOKENS) of the others of the most common
     length; a single sequence serves both."""
+    fit_tokens, held_tokens = _token_budget(parameters)
     measured = calibration.measured
     if measured:
         rest, held = calibration.sequences[:-measured], list(calibration.sequences[-measured:])
         fit = _equal_length(rest) if rest else _equal_length(held)
-        return fit[: max(1, FIT_TOKENS // fit.shape[1])], held
+        return fit[: max(1, fit_tokens // fit.shape[1])], _spread(held, held_tokens)
     sequences = _equal_length(calibration.sequences)
     count, length = sequences.shape
-    held = max(1, min(int(round(HOLDOUT * count)), HELD_OUT_TOKENS // length or 1))
-    fit = max(1, min(count - held, FIT_TOKENS // length or 1))
+    held = max(1, min(int(round(HOLDOUT * count)), min(HELD_OUT_TOKENS, held_tokens or HELD_OUT_TOKENS) // length or 1))
+    fit = max(1, min(count - held, fit_tokens // length or 1))
     return sequences[:fit] if count > 1 else sequences, list(sequences[count - held:])
 
 
@@ -871,11 +899,16 @@ def _furthest_within(budget: QualityBudget, local_error: np.ndarray, evaluate) -
       linearly along the path, so a straight line keeps landing short of the aim from below: `_aim` follows the
       power law through the two where it can, and the Illinois rule halves the far one's excess each time the
       near one moves twice in a row.
-    Step 0 (dense at the widest formats) where none is within."""
+    Step 0 (dense at the widest formats) where none is within; measured first where its summed local error is
+    beyond the aim already, and returned at once where it is beyond the budget."""
     metric = lambda q: budget.judged(q.ppl_change, q.kl)  # noqa: E731
     aim_at = 0.9 * budget.value
     end = len(local_error) - 1
     found = {}
+    if local_error[0] > aim_at:  # even the path's start is expected beyond: where it is, no step is within
+        found[0] = evaluate(0)  # (a random model's int8 activations: its logits are huge)
+        if not budget.met_by(found[0].ppl_change, found[0].kl):
+            return 0, found[0]
     if end > 0 and local_error[end] > FAR_END * aim_at:
         high_value = float(local_error[end])  # far beyond: its estimate stands in for a measure
     else:

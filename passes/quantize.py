@@ -198,7 +198,7 @@ class Quantize:
                     if node.op_type == "Predict":  # rounded to nearest: predict fitted their thresholds to those
                         blocks, used, missed = quant.quantize(array, matrix_format, axis), matrix_format, 0
                     else:
-                        blocks, used, missed = blocking.blocks(array, matrix_format, axis)
+                        blocks, used, missed = blocking.blocks(array, matrix_format, axis, held)
                     if blocks is None:  # a matrix the model stores in floats (or in other blocks): not re-rounded
                         foreign.append(value.name)
                         continue

@@ -2,11 +2,13 @@
 
 Reads: the imported IR (constants folded, batch 1) from any exporter. Finds, by dataflow from the KV
 cache outputs and by patterns around the weights, per layer the attention block (q/k/v/o projections,
-heads, RoPE) and the FFN block (ReLU: up(+bias) -> act -> down(+bias); gated: act(gate) * up -> down),
-their norms, the token (and learned position) embedding and the output layer. Which columns of the
-projections are the query, key and value of each head (separate or fused QKV, any head interleaving) is
-read off the graph itself: onnxruntime runs the data movement between the projections and the cache /
-the score MatMul on column indices, for one token at position 0, where RoPE is the identity.
+heads, RoPE) and the FFN block (ReLU: up(+bias) -> act -> down(+bias); gated: act(gate) * up -> down;
+the activation an op (Relu, Gelu with its approximation), SiLU as x * Sigmoid(x), or GELU written out in
+elementwise ops, known by its values), their norms, the token (and learned position) embedding and the
+output layer. Which columns of the projections are the query, key and value of each head (separate or
+fused QKV, any head interleaving) is read off the graph itself: onnxruntime runs the data movement between
+the projections and the cache / the score MatMul on column indices, for one token at position 0, where RoPE
+is the identity.
 Adds: a new graph with one `picompile.Embed`, per layer a norm, a `picompile.Attention`, a residual Add,
 a norm, a `picompile.FFN` and an Add (parallel blocks, GPT-NeoX / Falcon: both blocks read the layer's
 input and both outputs are added to it), then the final norm and the output MatMul. Weights become named
@@ -19,6 +21,7 @@ its reference executor. Refuses what it cannot recognise with a message naming i
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,6 +32,7 @@ from onnx_ir.passes import PassResult
 from passes.import_gguf import GGUFSource
 from passes.import_onnx import SourceQuantization, available_memory_bytes
 from . import ir as pir
+from .activations import ACTIVATIONS
 from .file_blocks import FileMatrix
 from .errors import UserError
 from .ops import Embed
@@ -42,7 +46,9 @@ from runtime.dtypes import nbytes
 PASS_THROUGH = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast"}
 # Ops whose output is a tensor's shape, not its data: dataflow walks stop there.
 SHAPE_OF = {"Shape", "Size"}
-ACTIVATIONS = {"Relu": "relu", "Gelu": "gelu"}
+# Activation ops by ONNX name (Gelu: exact unless its `approximate` says "tanh"; onnxruntime's own Gelu is exact).
+ONNX_ACTIVATIONS = {"Relu": "relu", "Gelu": "gelu"}
+GELU_APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # ONNX Gelu's `approximate` (opset 20)
 # onnxruntime's own ops (com.microsoft) that its basic/extended graph optimisations write and that are
 # recognised: Gemm + activation, MatMul with transposes/scale, LayerNorm/RMSNorm fused with the residual Add.
 CONTRIB_DOMAIN = "com.microsoft"
@@ -72,6 +78,25 @@ class Norm:
 
 
 @dataclass
+class HeadNorm:
+    """A norm on an attention's query or key side of the graph (before the lift: its weight in the graph's
+    order), and the value it writes."""
+
+    norm: Norm
+    output: ir.Value
+
+
+@dataclass
+class QKNorm:
+    """An RMSNorm over each head's query and key before RoPE (Qwen3): one weight [head_dim] each, in the order of
+    the lifted heads' columns."""
+
+    q: np.ndarray
+    k: np.ndarray
+    epsilon: float
+
+
+@dataclass
 class Attention:
     layer: int
     norm: Norm
@@ -83,6 +108,7 @@ class Attention:
     num_kv_heads: int
     head_dim: int
     inv_freq: np.ndarray | None  # RoPE frequencies (rotate-half form), None without RoPE
+    qk_norm: QKNorm | None = None
 
 
 @dataclass
@@ -162,10 +188,10 @@ def _match_linear(node: ir.Node) -> Linear | None:
         bias = pir.const_array(node.inputs[2]) if node.op_type != "FusedMatMul" and len(node.inputs) > 2 else None
         if bias is not None:
             bias = np.broadcast_to(bias * pir.attr(node, "beta", 1.0), (weight.shape[1],))
-        if node.op_type == "FusedGemm" and pir.attr(node, "activation", "") not in ("", *ACTIVATIONS):
+        if node.op_type == "FusedGemm" and pir.attr(node, "activation", "") not in ("", *ONNX_ACTIVATIONS):
             raise UserError(f"onnxruntime FusedGemm {node.name} applies activation {pir.attr(node, 'activation')}, "
-                            f"which is not supported (supported: {', '.join(ACTIVATIONS)})")
-        activation = ACTIVATIONS.get(pir.attr(node, "activation", "")) if node.op_type == "FusedGemm" else None
+                            f"which is not supported (supported: {', '.join(ONNX_ACTIVATIONS)})")
+        activation = ONNX_ACTIVATIONS.get(pir.attr(node, "activation", "")) if node.op_type == "FusedGemm" else None
     else:
         return None
     output = node.outputs[0]
@@ -304,6 +330,101 @@ def _downstream_linear(start: ir.Value, linear_by_node: dict[ir.Node, Linear]) -
     return None
 
 
+# ---------------------------------------------------------------- activations
+
+
+def _named_activation(node: ir.Node) -> str:
+    """The activation a Relu or Gelu node computes."""
+    if node.op_type != "Gelu":
+        return ONNX_ACTIVATIONS[node.op_type]
+    approximate = pir.attr(node, "approximate", "none")
+    if approximate not in GELU_APPROXIMATIONS:
+        raise UserError(f"Gelu {node.name} has approximate={approximate!r}; ONNX defines "
+                        f"{' and '.join(map(repr, GELU_APPROXIMATIONS))}")
+    return GELU_APPROXIMATIONS[approximate]
+
+
+# The elementwise ops an activation is written out with, as functions of float64 arrays (pass-through ops
+# carry their data input). Exporters write GELU so below opset 20, each in its own order of operations.
+_ELEMENTWISE = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
+                "Sqrt": np.sqrt, "Neg": np.negative, "Exp": np.exp, "Tanh": np.tanh,
+                "Erf": np.vectorize(math.erf, otypes=[np.float64])}
+# Where the written-out function is compared with each activation: wide enough that exact and tanh GELU
+# differ (by 5e-4 at |x| = 2.7) far beyond the rounding of an exporter's fp32 constants (1e-7 relative).
+_PROBE = np.linspace(-8.0, 8.0, 321)
+_PROBE_TOLERANCE = 1e-5
+
+
+def _elementwise_inputs(node: ir.Node) -> list[ir.Value | None] | None:
+    """The inputs an elementwise node computes with (a pass-through op's data input alone), None for any other op."""
+    if node.op_type in PASS_THROUGH:
+        return list(node.inputs[:1])
+    return list(node.inputs) if node.op_type in _ELEMENTWISE and node.domain in ("", "ai.onnx") else None
+
+
+def _written_out_activation(anchor: ir.Node, linear_of) -> tuple[str, ir.Value, Linear] | None:
+    """An activation exported as elementwise arithmetic around `anchor` (a Tanh or Erf): (its name, its output,
+    the linear it reads) when the ops that read that linear's output compute, of it alone and with scalar
+    constants, one value that leaves them and equals a known activation on a probe of inputs; else None.
+    Matching the values rather than an op pattern takes every exporter's spelling, and never mistakes one
+    GELU for the other."""
+    first, stack, seen = None, [anchor.inputs[0]], set()
+    while stack:  # up: the one linear the anchor's input is computed from
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        linear = linear_of(value)
+        if linear is not None:
+            if first is not None and first is not linear:
+                return None
+            first = linear
+            continue
+        inputs = None if value.producer() is None else _elementwise_inputs(value.producer())
+        if inputs is None:
+            return None
+        stack.extend(v for v in inputs if v is not None and pir.const_array(v) is None)
+    if first is None:
+        return None
+    # down: evaluate every op whose inputs are x, values computed from x, or scalar constants
+    x = first.output
+    computed, done, queue = {id(x): (x, _PROBE)}, set(), deque([x])
+    with np.errstate(all="ignore"):
+        while queue:
+            for node in queue.popleft().consumers():
+                inputs = _elementwise_inputs(node)
+                if node in done or inputs is None or len(node.outputs) != 1:
+                    continue
+                args = []
+                for v in inputs:
+                    if v is not None and id(v) in computed:
+                        args.append(computed[id(v)][1])
+                        continue
+                    constant = None if v is None else pir.const_array(v)
+                    if constant is None or constant.size != 1:
+                        break  # another tensor, or one not computed yet (this node is seen again when it is)
+                    args.append(float(constant.reshape(-1)[0]))
+                else:
+                    done.add(node)
+                    function = _ELEMENTWISE.get(node.op_type, lambda a: a)
+                    computed[id(node.outputs[0])] = (node.outputs[0], function(*args))
+                    queue.append(node.outputs[0])
+    if anchor not in done:
+        return None
+    leaving = [(value, probe) for value, probe in computed.values()
+               if value.is_graph_output() or any(c not in done and c.op_type not in SHAPE_OF for c in value.consumers())]
+    if len(leaving) != 1 or leaving[0][0] is x:
+        return None
+    out, got = leaving[0]
+    import torch  # here: recognise needs torch only for written-out activations
+
+    for activation in ACTIVATIONS.values():
+        want = activation.torch()(torch.from_numpy(_PROBE)).numpy()
+        if np.shape(got) == want.shape and np.allclose(got, want, rtol=_PROBE_TOLERANCE, atol=_PROBE_TOLERANCE):
+            return activation.name, out, first
+    return None
+
+
 # ---------------------------------------------------------------- recognition
 
 
@@ -321,8 +442,13 @@ def _find_ffns(graph: ir.Graph, linear_by_output: dict[int, Linear]) -> list[FFN
             if not muls:
                 continue
             activation, act_out, first = "silu", muls[0].outputs[0], linear_of(node.inputs[0])
-        elif node.op_type in ACTIVATIONS:
-            activation, act_out, first = ACTIVATIONS[node.op_type], node.outputs[0], linear_of(node.inputs[0])
+        elif node.op_type in ONNX_ACTIVATIONS:
+            activation, act_out, first = _named_activation(node), node.outputs[0], linear_of(node.inputs[0])
+        elif node.op_type in ("Tanh", "Erf"):  # GELU written out, as exporters do below opset 20
+            found = _written_out_activation(node, linear_of)
+            if found is None:
+                continue
+            activation, act_out, first = found
         else:
             continue
         if first is None or first.activation is not None and first is not fused:
@@ -397,24 +523,36 @@ def _query_side(present_key: ir.Value) -> ir.Value | None:
     return None
 
 
-def _subgraph_proto(model: ir.Model, outputs: list[ir.Value], cuts: list[ir.Value] = ()):
+def _subgraph_proto(model: ir.Model, outputs: list[ir.Value], cuts: list[ir.Value] = (),
+                    identities: list[tuple[ir.Value, ir.Value]] = ()):
     """An ONNX proto computing only `outputs` from the graph inputs they need, with `cuts` made inputs
-    too (what is above them is left out), plus the constants on the way."""
+    too (what is above them is left out), plus the constants on the way. `identities`: (value, source) pairs,
+    each value computed as a copy of its source in place of the op that makes it (the column probe's per-head
+    q / k norms: they scale each head's values and move none)."""
     import onnx
 
     cut_ids = {id(v) for v in cuts}
+    copied = {id(value): source for value, source in identities}
+    replaced: dict[ir.Node, tuple[ir.Value, ir.Value]] = {}  # the op making a copied value -> (value, source)
     needed, stack, seen = set(), list(outputs), set()
     while stack:
         value = stack.pop()
         if id(value) in seen or id(value) in cut_ids:
             continue
         seen.add(id(value))
+        if id(value) in copied:
+            replaced[value.producer()] = (value, copied[id(value)])
+            stack.append(copied[id(value)])
+            continue
         node = value.producer()
         if node is not None and node not in needed:
             needed.add(node)
             stack.extend(v for v in node.inputs if v is not None)
-    nodes = [ir.serde.serialize_node(node) for node in model.graph if node in needed]
+    nodes = [onnx.helper.make_node("Identity", [replaced[node][1].name], [replaced[node][0].name])
+             if node in replaced else ir.serde.serialize_node(node) for node in model.graph
+             if node in needed or node in replaced]
     used = {id(v): v for node in model.graph if node in needed for v in node.inputs if v is not None}
+    used.update((id(source), source) for _, source in replaced.values())
     names = []
     for value in outputs:
         names.append(value.name)
@@ -433,14 +571,14 @@ def _subgraph_proto(model: ir.Model, outputs: list[ir.Value], cuts: list[ir.Valu
 
 
 def _run_subgraph(model: ir.Model, outputs: list[ir.Value], cut_feeds: list[tuple[ir.Value, np.ndarray]],
-                  tokens: int, past: int) -> list[np.ndarray]:
+                  tokens: int, past: int, identities: list[tuple[ir.Value, ir.Value]] = ()) -> list[np.ndarray]:
     """Run `outputs` in onnxruntime for `tokens` new tokens after `past` cached ones (zero ids, zero cache),
-    the `cut_feeds` values given."""
+    the `cut_feeds` values given (`identities`: see `_subgraph_proto`)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    proto = _subgraph_proto(model, outputs, [v for v, _ in cut_feeds])
+    proto = _subgraph_proto(model, outputs, [v for v, _ in cut_feeds], identities)
     try:
         session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # onnxruntime raises its own types for invalid graphs
@@ -474,11 +612,14 @@ def _probe_failed(outputs: list[ir.Value], error: Exception) -> UserError:
 
 
 def _columns(model: ir.Model, layer: int, q: Linear, k: Linear, v: Linear, query: ir.Value,
-             present_key: ir.Value, present_value: ir.Value) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             present_key: ir.Value, present_value: ir.Value, norms: dict[str, HeadNorm]):
     """Which output columns of the q / k / v projections hold each head's query, key and value, in head-major
-    order. The projections' outputs are replaced by their column numbers (and then by ones, to divide out
-    a scale applied to the query) and the graph moves them into the cache and the score MatMul."""
+    order; and for each of `norms` (the query's and the key's per-head norms, by name) which columns it normalises
+    together, a row per group in the order its weight reads them. The projections' outputs are replaced by their
+    column numbers (and then by ones, to divide out a scale applied to the query) and the graph moves them into
+    the cache and the score MatMul, each norm passing its input on unchanged."""
     projections = list({id(lin): lin for lin in (q, k, v)}.values())
+    identities = [(norm.output, norm.norm.input) for norm in norms.values()]
 
     def feeds(fill):
         found = []
@@ -488,9 +629,16 @@ def _columns(model: ir.Model, layer: int, q: Linear, k: Linear, v: Linear, query
             found.append((lin.output, fill(width).astype(np.float32).reshape([1] * (rank - 1) + [width])))
         return found
 
-    outputs = [query, present_key, present_value]
-    numbered = _run_subgraph(model, outputs, feeds(lambda n: np.arange(n)), tokens=1, past=0)
-    ones = _run_subgraph(model, outputs[:1], feeds(np.ones), tokens=1, past=0)[0]
+    outputs = [query, present_key, present_value, *(norm.norm.input for norm in norms.values())]
+    numbered = _run_subgraph(model, outputs, feeds(lambda n: np.arange(n)), tokens=1, past=0, identities=identities)
+    ones = _run_subgraph(model, outputs[:1], feeds(np.ones), tokens=1, past=0, identities=identities)[0]
+    groups = {}
+    for (name, norm), array in zip(norms.items(), numbered[3:]):
+        array = np.asarray(array, np.float64).reshape(-1, norm.norm.scale.size)
+        groups[name] = np.rint(array).astype(np.int64)
+        if np.abs(array - groups[name]).max(initial=0) > 1e-2:
+            raise UserError(f"layer {layer}: the {name}'s per-head norm reads values that are not the projection's "
+                            "columns (unrecognised attention layout)")
     found = []
     for name, lin, array in (("query", q, numbered[0] / ones), ("key", k, numbered[1]), ("value", v, numbered[2])):
         array = np.asarray(array, np.float64).reshape(-1)
@@ -500,7 +648,51 @@ def _columns(model: ir.Model, layer: int, q: Linear, k: Linear, v: Linear, query
             raise UserError(f"layer {layer}: the {name} heads are not a rearrangement of the projection's columns "
                             "(unrecognised attention layout)")
         found.append(columns)
-    return found[0], found[1], found[2]
+    return found[0], found[1], found[2], groups
+
+
+def _head_norm(nodes: set[ir.Node], head_dim: int, what: str, where: str) -> HeadNorm | None:
+    """The norm among the `nodes` between an attention's query or key projection and its use, if any: it must be
+    an RMSNorm over each head's values (Qwen3's q / k norm) before RoPE; any other is refused, never dropped."""
+    found = [HeadNorm(norm, node.outputs[0]) for node in nodes if node.op_type not in PASS_THROUGH and node.outputs
+             and (norm := _match_norm(node.outputs[0])) is not None]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise UserError(f"{where}: the attention's {what} passes {len(found)} norms (picompile lifts one, over "
+                        "each head)")
+    norm = found[0].norm
+    if norm.kind != "rms":
+        raise UserError(f"{where}: the attention's {what} heads pass a LayerNorm, which is not supported (an RMSNorm "
+                        "over each head is)")
+    if norm.scale.size != head_dim:
+        raise UserError(f"{where}: the attention's {what} passes a norm over {norm.scale.size} values, which is not "
+                        f"supported (an RMSNorm over each head's {head_dim} is)")
+    _, above = _upstream(norm.input, lambda value: None if value.producer() in nodes else False)
+    if any(node.op_type in ("Cos", "Sin") for node in above):  # RoPE's rotation does not commute with the weight
+        raise UserError(f"{where}: the attention's {what} is normed after RoPE, which is not supported (before is)")
+    return found[0]
+
+
+def _per_head_weight(columns: np.ndarray, groups: np.ndarray, scale: np.ndarray, head_dim: int, what: str,
+                     where: str) -> np.ndarray:
+    """A per-head norm's weight in the order of the lifted heads' `columns`: each head's columns must be one of
+    the norm's `groups` (it normalises exactly one head's values together) and every head must read the weight in
+    the same order (the block IR holds one weight for all heads)."""
+    place = {int(c): (g, j) for g, row in enumerate(groups) for j, c in enumerate(row)}
+    heads = columns.reshape(-1, head_dim)
+    weight = None
+    for head in heads:
+        places = [place.get(int(c)) for c in head]
+        if len(groups) != len(heads) or None in places or len({g for g, _ in places}) != 1:
+            raise UserError(f"{where}: the {what} norm does not normalise each head's values by themselves "
+                            "(unrecognised attention layout)")
+        read = scale[[j for _, j in places]]
+        if weight is not None and not np.array_equal(read, weight):
+            raise UserError(f"{where}: the {what} heads read their norm's weight in different orders "
+                            "(unrecognised attention layout)")
+        weight = read
+    return np.asarray(weight, np.float32)
 
 
 def _take(lin: Linear, columns: np.ndarray) -> Linear:
@@ -512,13 +704,14 @@ def _take(lin: Linear, columns: np.ndarray) -> Linear:
 def _full_rotary(q: Linear, k: Linear, inv_freq: np.ndarray, heads: int, kv_heads: int, head_dim: int):
     """Partial RoPE (rotate-half over the first 2*r dims of each head, r = len(inv_freq)) as full-width RoPE:
     dims j, j + r become j, j + head_dim/2 and the pass-through dims take the places with frequency zero
-    (cos 1, sin 0: unchanged). Query and key move alike, so their dot products stay the same."""
+    (cos 1, sin 0: unchanged). Query and key move alike, so their dot products stay the same. Also returns each
+    head's new order of its dims (a per-head norm's weight moves with them)."""
     half, r = head_dim // 2, inv_freq.size
     passing = np.arange(2 * r, head_dim)
     order = np.concatenate([np.arange(r), passing[: half - r], np.arange(r, 2 * r), passing[half - r:]])
     per_head = lambda n: (np.arange(n)[:, None] * head_dim + order[None, :]).reshape(-1)  # noqa: E731
     full = np.concatenate([inv_freq, np.zeros(half - r)])
-    return _take(q, per_head(heads)), _take(k, per_head(kv_heads)), full
+    return _take(q, per_head(heads)), _take(k, per_head(kv_heads)), full, order
 
 
 def _find_attentions(model: ir.Model, linears: list[Linear]) -> list[Attention]:
@@ -552,7 +745,7 @@ def _find_attentions(model: ir.Model, linears: list[Linear]) -> list[Attention]:
         query = _query_side(present_key)
         if query is None:
             raise UserError(f"{where}: no score MatMul found below present.{layer}.key")
-        q, _ = projection(query, "query", where)
+        q, query_nodes = projection(query, "query", where)
         o = _downstream_linear(present_value, linear_by_node)
         if o is None:
             raise UserError(f"{where}: no output projection found after the attention")
@@ -560,15 +753,31 @@ def _find_attentions(model: ir.Model, linears: list[Linear]) -> list[Attention]:
         if norm is None:
             raise UserError(f"{where}: the attention input is not a recognised LayerNorm/RMSNorm (post-norm models are not supported yet)")
         num_kv_heads, head_dim = _kv_shape(graph, layer)
-        q_cols, k_cols, v_cols = _columns(model, layer, q, k, v, query, present_key, present_value)
+        norms = {what: found for what, nodes in (("query", query_nodes), ("key", key_nodes))
+                 if (found := _head_norm(nodes, head_dim, what, where)) is not None}
+        if len(norms) == 1:
+            raise UserError(f"{where}: only the attention's {next(iter(norms))} heads are normed, which is not "
+                            "supported (a norm of both the query's and the key's is)")
+        q_cols, k_cols, v_cols, groups = _columns(model, layer, q, k, v, query, present_key, present_value, norms)
         if q_cols.size % head_dim or k_cols.size != num_kv_heads * head_dim or v_cols.size != k_cols.size:
             raise UserError(f"{where}: projection widths do not match {num_kv_heads} kv heads of size {head_dim}")
         num_heads = q_cols.size // head_dim
+        qk_norm = None
+        if norms:
+            q_norm, k_norm = norms["query"].norm, norms["key"].norm
+            if q_norm.epsilon != k_norm.epsilon:
+                raise UserError(f"{where}: the query's and the key's per-head norms differ in epsilon ({q_norm.epsilon}"
+                                f", {k_norm.epsilon}), which is not supported")
+            qk_norm = QKNorm(_per_head_weight(q_cols, groups["query"], q_norm.scale, head_dim, "query", where),
+                             _per_head_weight(k_cols, groups["key"], k_norm.scale, head_dim, "key", where),
+                             q_norm.epsilon)
         q, k, v = _take(q, q_cols), _take(k, k_cols), _take(v, v_cols)
         inv_freq = _rope_frequencies(key_nodes, head_dim)
         if inv_freq is not None and inv_freq.size < head_dim // 2:
-            q, k, inv_freq = _full_rotary(q, k, inv_freq, num_heads, num_kv_heads, head_dim)
-        attentions.append(Attention(layer, norm, q, k, v, o, num_heads, num_kv_heads, head_dim, inv_freq))
+            q, k, inv_freq, order = _full_rotary(q, k, inv_freq, num_heads, num_kv_heads, head_dim)
+            if qk_norm is not None:
+                qk_norm = QKNorm(qk_norm.q[order], qk_norm.k[order], qk_norm.epsilon)
+        attentions.append(Attention(layer, norm, q, k, v, o, num_heads, num_kv_heads, head_dim, inv_freq, qk_norm))
     return attentions
 
 
@@ -671,7 +880,8 @@ def _unrecognised_ffn(leftovers: list[Linear]) -> str:
             node = users[0]
             return (f"; linear {lin.matmul.name or lin.matmul.op_type} is followed by {node.op_type} "
                     f"(node {node.name or node.op_type}), which is not a supported FFN activation "
-                    "(Relu, Gelu, SiLU as x*Sigmoid(x)); no build flag changes this")
+                    "(Relu; Gelu, exact or tanh, as the op or written out with Erf or Tanh; SiLU as x*Sigmoid(x)); "
+                    "no build flag changes this")
     return ""
 
 
@@ -784,10 +994,13 @@ def build_graph(decoder: Decoder, after_layer=lambda: None) -> ir.Model:
                   _optional(graph, f"{p}.attn.b_qkv", bqkv), pir.initializer(graph, f"{p}.attn.w_o", attention.o.weight),
                   _optional(graph, f"{p}.attn.b_o", attention.o.bias),
                   _optional(graph, f"{p}.attn.inv_freq", None if attention.inv_freq is None else attention.inv_freq.astype(np.float32))]
-        node = ir.node("Attention", inputs, {
-            "layer": i, "num_heads": attention.num_heads, "num_kv_heads": attention.num_kv_heads,
-            "head_dim": attention.head_dim, "scale": float(attention.head_dim) ** -0.5,
-        }, domain=pir.DOMAIN, num_outputs=3, name=f"{p}.attn")
+        attributes = {"layer": i, "num_heads": attention.num_heads, "num_kv_heads": attention.num_kv_heads,
+                      "head_dim": attention.head_dim, "scale": float(attention.head_dim) ** -0.5}
+        if attention.qk_norm is not None:
+            inputs += [pir.initializer(graph, f"{p}.attn.q_norm", attention.qk_norm.q),
+                       pir.initializer(graph, f"{p}.attn.k_norm", attention.qk_norm.k)]
+            attributes["qk_norm_eps"] = float(attention.qk_norm.epsilon)
+        node = ir.node("Attention", inputs, attributes, domain=pir.DOMAIN, num_outputs=3, name=f"{p}.attn")
         graph.append(node)
         node.outputs[0].name, node.outputs[1].name, node.outputs[2].name = f"{p}.attn.out", f"present.{i}.key", f"present.{i}.value"
         # the residual stream entering the layer in the source graph: where the profile may cut it into layers
@@ -880,5 +1093,6 @@ class Recognise:
                 f"{decoder.attentions[0].num_heads} heads ({decoder.attentions[0].num_kv_heads} kv) x {decoder.attentions[0].head_dim}, "
                 f"FFN {decoder.ffns[0].activation}{' gated' if decoder.ffns[0].gate is not None else ''} "
                 f"{decoder.ffns[0].up.weight.shape[1]}, rope {'yes' if decoder.attentions[0].inv_freq is not None else 'no'}"
+                f"{', q/k norm per head' if decoder.attentions[0].qk_norm is not None else ''}"
                 f"{', parallel attention and FFN' if decoder.ffns[0].parallel else ''}")
         return PassResult(lifted, modified=True)

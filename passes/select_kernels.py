@@ -528,7 +528,13 @@ class _Walker:
         x = self.location[node.inputs[0].name]
         w_qkv, b_qkv = self.weight_of(node.inputs[4]), self.weight_of(node.inputs[5])
         w_o, b_o = self.weight_of(node.inputs[6]), self.weight_of(node.inputs[7])
-        inv_freq = pir.const_array(node.inputs[8]) if len(node.inputs) > 8 and node.inputs[8] is not None else None
+        inv_freq = pir.const_array(attention.input("inv_freq")) if attention.input("inv_freq") is not None else None
+        # each head's query and key RMS-normed before RoPE (Qwen3): in the same kernel, which reads each head once
+        norms = [self.weight_of(attention.input(name)) for name in ("q_norm", "k_norm")
+                 if attention.input(name) is not None]
+        if len(norms) not in (0, 2) or bool(norms) != (attention.qk_norm_eps is not None):
+            raise ValueError(f"{node.name}: a per-head q / k norm needs both weights and qk_norm_eps")
+        norm_eps = {"qk_norm_eps": float(attention.qk_norm_eps)} if norms else {}
         ctx = self.low.max_context
         qkv = self.low.activation("act.qkv", (heads + 2 * kv_heads) * head_dim)
         q = self.low.activation("act.q", heads * head_dim)
@@ -546,11 +552,16 @@ class _Walker:
         if inv_freq is not None:
             angles = np.arange(ctx, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
             rope_args = [self.shared_table("rope.cos", np.cos(angles)), self.shared_table("rope.sin", np.sin(angles))]
-        kernels = self.low.kernel(ops.rope_kv_write, f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}",
-                                  heads, kv_heads, head_dim, ctx, rope=bool(rope_args))
+        # the kernel holds eps as a float32 constant: 9 digits name that exactly (kernels are shared by name)
+        norm_tag = (f"_qknorm_eps{np.float32(attention.qk_norm_eps):.9g}".replace("-", "m").replace(".", "p")
+                    if norms else "")
+        kernels = self.low.kernel(ops.rope_kv_write,
+                                  f"rope_kv_h{heads}_kv{kv_heads}_d{head_dim}{'_rope' if rope_args else ''}{norm_tag}",
+                                  heads, kv_heads, head_dim, ctx, rope=bool(rope_args), **norm_eps)
         tables = [Arg(table, Access.GATHER, row_bytes=self.low.row_bytes(table)) for table in rope_args]
-        self.low.call(f"{p}.rope_kv", kernels, [read(qkv), *tables, Arg(key_cache, Access.UPDATE),
-                                                Arg(value_cache, Access.UPDATE), write(q), Arg(START)], Role.ATTENTION)
+        self.low.call(f"{p}.rope_kv", kernels, [read(qkv), *tables, *(read(w) for w in norms),
+                                                Arg(key_cache, Access.UPDATE), Arg(value_cache, Access.UPDATE),
+                                                write(q), Arg(START)], Role.ATTENTION)
         kernels = self.low.kernel(ops.attention, f"attention_h{heads}_kv{kv_heads}_d{head_dim}", heads, kv_heads,
                                   head_dim, ctx, scale)
         self.low.call(f"{p}.attention", kernels, [read(q), Arg(key_cache, Access.CONTEXT),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 
+from .activations import ACTIVATIONS, spelling
 from .facts import read_entry, write_entry
 from .ops import FFN
 from .pipeline import Fact
@@ -29,8 +30,6 @@ from .pipeline import Context, Options
 from runtime.manifest import Sparsity
 
 MODES = ("auto", "predictor", "threshold")
-PREDICTABLE = ("relu",)  # activations with exact zeros a predictor can learn
-SPELLING = {"relu": "ReLU", "silu": "SiLU", "gelu": "GELU"}
 KEY = "picompile.sparsity"  # the metadata_props entry
 SPARSITY_MODE = Fact("the sparsity mode", "sparsity", lambda model: KEY in model.metadata_props)
 
@@ -61,8 +60,8 @@ class SparsityMode:
         if self.sparsity is not None and not 0.0 <= self.sparsity < 1.0:
             raise UserError(f"--sparsity must be in [0, 1), got {self.sparsity}")
         activations = sorted({FFN(n).activation for n in FFN.nodes(model)})
-        names = "/".join(SPELLING.get(a, a) for a in activations)
-        predictable = all(a in PREDICTABLE for a in activations)
+        names = "/".join(spelling(a) for a in activations)
+        predictable = all(ACTIVATIONS[a].exact_zeros for a in activations)
         mode = self.requested
         if mode == "auto":
             mode = "predictor" if predictable else "threshold"
@@ -70,9 +69,9 @@ class SparsityMode:
                    if predictable else
                    f"layer FFNs use {names}: neurons are rarely exactly zero, so a predictor has nothing to predict")
         elif mode == "predictor" and not predictable:
-            ffn = next(FFN(n) for n in FFN.nodes(model) if FFN(n).activation not in PREDICTABLE)
+            ffn = next(FFN(n) for n in FFN.nodes(model) if not ACTIVATIONS[FFN(n).activation].exact_zeros)
             raise UserError(f"--sparsity-mode predictor needs ReLU FFNs, but layer {ffn.layer}'s FFN uses "
-                            f"{SPELLING.get(ffn.activation, ffn.activation)} (its output "
+                            f"{spelling(ffn.activation)} (its output "
                             f"{ffn.node.metadata_props.get('source.activation', ffn.node.name)}), which is rarely exactly zero, "
                             "so every neuron would be predicted active: use --sparsity-mode threshold, or --dense")
         else:

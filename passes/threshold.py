@@ -27,6 +27,7 @@ import torch
 from onnx_ir.passes import PassResult
 
 from . import ir as pir
+from .activations import ACTIVATIONS
 from .pipeline import Context
 
 from .predict import HOLDOUT, _training_tokens  # the predictors' split of the profiled tokens
@@ -36,7 +37,6 @@ from .sparsity_mode import sparsity_of
 from .ops import FFN, KEEP_ALL  # KEEP_ALL: a threshold every magnitude passes (|v| > -1)
 from .profile import PROFILED_ACTIVATIONS
 from .sparsity_mode import SPARSITY_MODE
-_ACTIVATIONS = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
 
 
 def magnitude_threshold(values: np.ndarray, sparsity: float) -> float:
@@ -57,7 +57,7 @@ def hidden_of(x: np.ndarray, w_up: np.ndarray, b_up: np.ndarray | None, activati
         pre = tensor(x) @ tensor(w_up)
         if b_up is not None:
             pre += tensor(b_up)
-        act = _ACTIVATIONS[activation]
+        act = ACTIVATIONS[activation].torch()
         if gated:
             half = pre.shape[1] // 2
             return (act(pre[:, :half]) * pre[:, half:]).numpy()

@@ -113,15 +113,9 @@ class TextTokenizer:
         if self.chat_template is None:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message):  # templates call it to refuse a conversation (say, roles out of order)
-            raise ValueError(f"the chat template refuses this conversation: {message}")
-
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        environment.globals["raise_exception"] = raise_exception
         try:
-            template = environment.from_string(self.chat_template)
+            template = _template_environment().from_string(self.chat_template)
         except jinja2.TemplateError as error:
             raise ValueError(f"the tokenizer's chat template is not valid jinja2: {error}") from None
         specials = {key: _token_text(value) for key, value in self.config.items()
@@ -133,6 +127,44 @@ class TextTokenizer:
         get the tokenizer's own; either way a BOS (where the tokenizer has one) starts the sequence."""
         ids = self.encode(self.chat_prompt(messages), add_special_tokens=self.chat_template is None)
         return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
+
+def _template_environment():
+    """The jinja2 environment chat templates are written for: transformers' (`apply_chat_template`): a sandbox
+    with trim_blocks and lstrip_blocks, the loop-control extension (`{% break %}`, `{% continue %}`), a `tojson`
+    that keeps non-ASCII text and takes json.dumps' options, `strftime_now`, `raise_exception`, and the
+    `{% generation %}` tag (transformers marks the assistant's tokens with it; here it renders its body)."""
+    import json as json_module
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):  # templates call it to refuse a conversation (say, roles out of order)
+        raise ValueError(f"the chat template refuses this conversation: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json_module.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                 sort_keys=sort_keys)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[Generation, "jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    return environment
 
 
 def _json(path: Path) -> dict:

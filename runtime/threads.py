@@ -3,10 +3,10 @@
 A computer that runs a model is rarely idle. TVM's thread pool, as it comes, fails there three ways
 (measured: BENCHMARKS.md, "busy machine"):
 - It pins each worker to a core. When another process keeps that core busy, every parallel kernel waits
-  a scheduler slice (milliseconds) for its pinned worker: a tiny model's decode fell from 58,000 to 23
+  a scheduler slice (milliseconds) for its pinned worker: a tiny model's decode falls from 58,000 to 23
   tokens/s beside one busy process. Unpinned, the OS moves the worker to whatever core is free.
 - Without TVM_NUM_THREADS it takes half the hardware threads on x86 (to skip hyper-threads), so a 2-core
-  VM got one worker, through the slower handed-off path.
+  VM gets one worker, through the slower handed-off path.
 - More threads are not always faster: a kernel too small to split pays for the hand-off and the barrier,
   and a core shared with other work makes every barrier wait for the slowest thread.
 

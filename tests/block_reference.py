@@ -25,7 +25,8 @@ def _norm(node, x, values):
 
 
 _ACT = {"relu": lambda x: np.maximum(x, 0), "silu": lambda x: x / (1 + np.exp(-x)),
-        "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))}
+        "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2))),
+        "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))}
 
 
 def _rope(x, positions, inv_freq):

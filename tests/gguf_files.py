@@ -1,9 +1,13 @@
 """Tiny GGUF files made on the fly with the `gguf` package's writer, as llama.cpp's converter writes them
-(LLaMA's attn_q / attn_k rows permuted for llama.cpp's adjacent-pair RoPE), and a numpy forward pass that
-computes what llama.cpp computes from the file's dequantized tensors (the reference for the GGUF front end)."""
+(LLaMA's attn_q / attn_k rows permuted for llama.cpp's adjacent-pair RoPE; Phi-3's q, k, v and gate, up fused, as
+transformers stores them), and a numpy forward pass that computes what llama.cpp computes from the file's dequantized
+tensors (the reference for the GGUF front end); and llama.cpp's own converter run on a saved transformers model
+(`convert_with_llama_cpp`)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +17,10 @@ import numpy as np
 from tests.ggml_encode import encode
 
 T = gguf.GGMLQuantizationType
+
+# the block tensors an architecture's converter fuses: the file's tensor -> the matrices it stacks along its rows, in
+# order (convert_hf_to_gguf maps Phi-3's qkv_proj to attn_qkv and gate_up_proj, gate first, to ffn_up)
+FUSED = {"phi3": {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}}
 
 
 @dataclass
@@ -33,10 +41,12 @@ class Tiny:
     eps: float = 1e-5
     rope_freqs: bool = False  # LLaMA 3.1's rope_freqs.weight: per-frequency divisors of RoPE's angles
     context: int = 256  # <arch>.context_length: the context the model was trained for
+    sliding_window: int = 0  # phi3's attention.sliding_window (its converter writes 0 for none)
+    key_length: int | None = None  # attention.key_length (and value_length): a head size other than d_model / heads
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.heads
+        return self.key_length or self.d_model // self.heads
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -56,7 +66,8 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
           edit=None) -> dict[str, np.ndarray]:
     """Write a random model of `tiny`'s shape to `path`; return the file's tensors dequantized (as llama.cpp
     reads them: GGUF names, numpy order, q/k rows permuted as stored). `tokenizer`: metadata keys to add
-    (tokenizer.ggml.*). `edit(writer, tensors)` may change the tensors (name -> (array, type)) before writing."""
+    (tokenizer.ggml.*, or any other). `edit(writer, tensors)` may change the tensors (name -> (array, type)) before
+    writing."""
     rng = np.random.default_rng(seed)
     t, q, kv = tiny, tiny.heads * tiny.head_dim, tiny.kv_heads * tiny.head_dim
     shapes = {"token_embd.weight": (t.vocab, t.d_model), "output_norm.weight": (t.d_model,)}
@@ -73,7 +84,9 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
                        p + "ffn_down.weight": (t.d_model, t.ffn)})
         if t.arch == "qwen2":
             shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
-    tensors = {}
+        if t.arch == "qwen3":  # an RMSNorm over each head's query and key
+            shapes.update({p + "attn_q_norm.weight": (t.head_dim,), p + "attn_k_norm.weight": (t.head_dim,)})
+    floats = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
             if name == "rope_freqs.weight":
@@ -82,15 +95,29 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
                 w = 1.0 + 0.1 * rng.standard_normal(shape)
             else:
                 w = 0.1 * rng.standard_normal(shape)
-            tensors[name] = (w.astype(np.float32), T.F32)
+            floats[name] = w.astype(np.float32)
             continue
         w = (0.5 if name == "token_embd.weight" else 0.15) * rng.standard_normal(shape)
         if t.arch == "llama" and name.endswith("attn_q.weight"):
             w = _permute(w, t.heads)
         elif t.arch == "llama" and name.endswith("attn_k.weight"):
             w = _permute(w, t.kv_heads)
-        suffix = name.split(".")[-2]
-        tensors[name] = _stored(name, w, t.formats.get(suffix, t.default), rng)
+        floats[name] = w
+    # a fused tensor stacks its parts' rows before it is stored (its blocks are its rows'), where its first part was
+    fused_at = {f"blk.{i}.{parts[0]}.weight": (f"blk.{i}.{fused}.weight", [f"blk.{i}.{p}.weight" for p in parts])
+                for i in range(t.layers) for fused, parts in FUSED.get(t.arch, {}).items()}
+    stacked = {part for _, parts in fused_at.values() for part in parts}
+    tensors = {}
+    for name, w in floats.items():
+        if name in fused_at:
+            name, parts = fused_at[name]
+            w = np.concatenate([floats[part] for part in parts])
+        elif name in stacked:
+            continue
+        if w.ndim == 1:
+            tensors[name] = (w, T.F32)
+        else:
+            tensors[name] = _stored(name, w, t.formats.get(name.split(".")[-2], t.default), rng)
     if edit is not None:
         edit(tensors)
     writer = gguf.GGUFWriter(str(path), t.arch)
@@ -103,11 +130,18 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
     writer.add_rope_freq_base(t.rope_base)
     writer.add_layer_norm_rms_eps(t.eps)
     writer.add_rope_dimension_count(t.head_dim)
+    if t.arch == "phi3":
+        writer.add_sliding_window(t.sliding_window)
+    if t.key_length is not None:
+        writer.add_key_length(t.key_length)
+        writer.add_value_length(t.key_length)
     for key, value in (tokenizer or {}).items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
         elif isinstance(value, int):
             writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
         elif isinstance(value, str):
             writer.add_string(key, value)
         elif isinstance(value, list) and value and isinstance(value[0], str):
@@ -144,6 +178,13 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
     """Logits [S, vocab] of a prompt, in float64, as llama.cpp computes them from the file's tensors."""
     w = {name: np.asarray(a, np.float64) for name, a in weights.items()}
     t = tiny
+    for i in range(t.layers):  # a fused tensor's rows back into the matrices it stacks
+        for fused, parts in FUSED.get(t.arch, {}).items():
+            stacked = w.pop(f"blk.{i}.{fused}.weight")
+            sizes = {"attn_q": t.heads * t.head_dim, "attn_k": t.kv_heads * t.head_dim,
+                     "attn_v": t.kv_heads * t.head_dim, "ffn_gate": t.ffn, "ffn_up": t.ffn}
+            ends = np.cumsum([sizes[part] for part in parts])
+            w.update({f"blk.{i}.{part}.weight": rows for part, rows in zip(parts, np.split(stacked, ends[:-1]))})
     tokens = np.asarray(tokens)
     S, hd, group = len(tokens), t.head_dim, t.heads // t.kv_heads
     x = w["token_embd.weight"][tokens]
@@ -158,6 +199,8 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
             if p + f"attn_{name}.bias" in w:
                 y = y + w[p + f"attn_{name}.bias"]
             proj[name] = y.reshape(S, -1, hd)
+            if p + f"attn_{name}_norm.weight" in w:  # qwen3: each head's query and key RMS-normed before RoPE
+                proj[name] = _rms(proj[name], w[p + f"attn_{name}_norm.weight"], t.eps)
         factors = w.get("rope_freqs.weight")
         q = _rope(proj["q"], positions, t.rope_base, t.arch == "llama", factors)
         k = _rope(proj["k"], positions, t.rope_base, t.arch == "llama", factors)
@@ -173,3 +216,33 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
         x = x + ((gate / (1 + np.exp(-gate))) * (f @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms(x, w["output_norm.weight"], t.eps) @ out.T
+
+
+# convert_hf_to_gguf.py as llama.cpp runs it, with its own gguf-py, in a process of its own (its gguf package is not
+# the project's). Two stand-ins, for a test's byte-level tokenizer: the converter recognises a BPE tokenizer's
+# pre-tokenizer by a hash of how a published model's splits a text (this one is none of them: `pre` names the one to
+# write), and tries SentencePiece first, whose package the project lacks (without tokenizer.model it would give up
+# on it: FileNotFoundError, as here). Tensors and the rest of the metadata are the converter's own.
+_CONVERT = """
+import runpy, sys
+from pathlib import Path
+script, model, out, pre = sys.argv[1:5]
+sys.path[:0] = [str(Path(script).parent / "gguf-py"), str(Path(script).parent)]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+def no_sentencepiece(self):
+    raise FileNotFoundError(self.dir_model / "tokenizer.model")
+base.TextModel._create_vocab_sentencepiece = no_sentencepiece
+sys.argv = [script, model, "--outfile", out, "--outtype", "f32"]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert_with_llama_cpp(converter: Path, model_dir: Path, out: Path, pre: str = "qwen2") -> Path:
+    """The GGUF file llama.cpp's `converter` (convert_hf_to_gguf.py) writes, F32, from a transformers model saved
+    in `model_dir` with a byte-level tokenizer (examples/byte_tokenizer.py)."""
+    done = subprocess.run([sys.executable, "-c", _CONVERT, str(converter), str(model_dir), str(out), pre],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{converter} failed:\n{done.stderr[-3000:]}")
+    return out

@@ -13,6 +13,8 @@ def act_ref(v, act):
         return np.maximum(v, 0)
     if act == "gelu":
         return 0.5 * v * (1 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2)))
+    if act == "gelu_tanh":  # torch's approximate="tanh", as written
+        return 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
     if act == "silu":
         return v / (1 + np.exp(-v))
     return v
@@ -56,15 +58,21 @@ def rope_ref(x, cos, sin):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope):
-    """After rope_kv_write: q and the cache rows at start.. are the (rotated) heads of qkv; every
-    other cache position is as it was (kc0, vc0)."""
+# rope_kv_write's q / k norm in the kernel tests: (q_norm, k_norm) weights are drawn per test, with this eps
+QK_NORM_EPS = 1e-6
+
+
+def check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope, norms=None):
+    """After rope_kv_write: q and the cache rows at start.. are the (RMS-normed, where `norms` gives the q and
+    k weights; rotated, where `rope`) heads of qkv; every other cache position is as it was (kc0, vc0)."""
     H, KVH, hd = heads
     m, max_ctx = qkv.shape[0], kc.shape[1]
     pos = slice(start, start + m)
     qh = qkv[:, : H * hd].reshape(m, H, hd).astype(np.float64)
     kh = qkv[:, H * hd : (H + KVH) * hd].reshape(m, KVH, hd).astype(np.float64)
     vh = qkv[:, (H + KVH) * hd :].reshape(m, KVH, hd)
+    if norms is not None:
+        qh, kh = (x / np.sqrt((x * x).mean(-1, keepdims=True) + QK_NORM_EPS) * w for x, w in zip((qh, kh), norms))
     if rope:
         c, s = cos[pos][:, None, :], sin[pos][:, None, :]
         qh, kh = rope_ref(qh, c, s), rope_ref(kh, c, s)

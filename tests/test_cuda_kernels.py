@@ -32,7 +32,8 @@ import tvm  # noqa: E402
 
 from passes.kernels import cuda, ops  # noqa: E402
 from passes.targets import CUDA_ARCHS, CUDA_HOST_ISA, cuda_target  # noqa: E402
-from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, fatbin_entries, kname  # noqa: E402
+from kernel_reference import (QK_NORM_EPS, act_ref, attention_ref, check_rope_kv_write, close,  # noqa: E402
+                              fatbin_entries, kname)
 
 if cuda.nvcc_path() is None or not os.path.isdir(os.environ.get("CUDA_PATH", "/usr/local/cuda")):
     pytest.skip("nvcc / the CUDA toolkit is not installed (set CUDA_PATH)", allow_module_level=True)
@@ -48,12 +49,13 @@ LINEAR = {  # name: (K, N, bias, act, residual)
     "relu": (40, 72, True, "relu", False),
     "gelu": (40, 72, True, "gelu", True),
     "silu": (40, 72, False, "silu", True),
+    "gelu_tanh": (40, 72, True, "gelu_tanh", False),
     "tiles": (64, 128, True, "none", True),  # whole 64x64 GEMM tiles, 4 GEMV blocks
     "narrow": (24, 36, True, "relu", False),  # k-stage of 8, a partial column tile
     "deep": (300, 200, True, "none", True),  # many k-stages (k-stage 4), 4 column tiles, tail
 }
 LINEAR_ROWS = {"relu": (40, 72, "relu"), "none": (36, 100, "none"), "deep": (300, 130, "silu")}
-GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "relu36": (36, "relu")}
+GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "gelu_tanh": (40, "gelu_tanh"), "relu36": (36, "relu")}
 NORM_D = (36, 64, 600)  # 600: several elements per thread and several warps per row
 HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64), (2, 1, 136)]  # (H, KVH, hd); 136: 2 dims per thread
 LONG_CTX = 600  # several 128-key softmax chunks
@@ -102,6 +104,8 @@ def all_kernels(gpu=True):
                 funcs.append(
                     make.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}", v), H, KVH, hd, MAX_CTX, rows=rows, rope=rope)
                 )
+                funcs.append(make.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}_qknorm", v), H, KVH, hd, MAX_CTX,
+                                                   rows=rows, rope=rope, qk_norm_eps=QK_NORM_EPS))
             funcs.append(
                 make.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
             )
@@ -391,21 +395,24 @@ def test_merge(run, cfg, variant, m):
     close(out, sum(p.astype(np.float64) for p in ps) + (b if bias else 0) + (r if res else 0), tol=1e-6)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rope", [True, False])
 @pytest.mark.parametrize("start", [0, 5])
 @pytest.mark.parametrize("variant,m", VARIANTS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "H%d_KVH%d_hd%d" % h)
-def test_rope_kv_write(run, heads, variant, m, start, rope):
+def test_rope_kv_write(run, heads, variant, m, start, rope, qk_norm):
     H, KVH, hd = heads
     rng = np.random.default_rng(5)
     qkv = rand(rng, m, (H + 2 * KVH) * hd)
     ang = rng.uniform(0, 2 * np.pi, (MAX_CTX, hd // 2))
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    norms = [(1 + 0.3 * rng.standard_normal(hd)).astype(np.float32) for _ in range(2)] if qk_norm else None
     kc, vc = rand(rng, KVH, MAX_CTX, hd), rand(rng, KVH, MAX_CTX, hd)
     kc0, vc0 = kc.copy(), vc.copy()
     q = rand(rng, m, H * hd)
-    run(kname("rope", f"{H}_{KVH}_{hd}_{rope}", variant), *([qkv] + ([cos, sin] if rope else []) + [kc, vc, q, start]))
-    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope)
+    run(kname("rope", f"{H}_{KVH}_{hd}_{rope}{'_qknorm' if qk_norm else ''}", variant),
+        *([qkv] + ([cos, sin] if rope else []) + (norms or []) + [kc, vc, q, start]))
+    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope, norms)
 
 
 @pytest.mark.parametrize("start", [0, 5])

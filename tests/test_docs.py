@@ -106,3 +106,43 @@ def test_ci_runs_the_readme_test_command():
     blocks = re.findall(r"^```sh\n(.*?)^```", README.read_text(), re.M | re.S)
     assert any(command in block.splitlines() for block in blocks), (
         f".ci/run runs {command!r}, which README.md no longer shows as a command")
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the markdown table whose header row starts with `header`."""
+    lines = [line.strip() for line in text.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:  # past the header and its --- row
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_models_page_lists_every_gguf_architecture_and_ggml_type_as_the_tables_hold_them():
+    """docs/models.md names each registered architecture with how its file stores q / k rows and biases and whether
+    it norms each head's q / k, and each ggml type with what a build does with it, the format keeping it, the
+    --weight-dtype values keeping its values and auto's format, as passes/architectures/ and passes/formats/ggml.py
+    hold them."""
+    from passes.architectures import ARCHITECTURES
+    from passes.formats.ggml import AUTO_FALLBACK, GGML_TYPES
+
+    text = (ROOT / "docs" / "models.md").read_text()
+    rows = _table(text, "| architecture |")
+    assert [row[0].strip("`") for row in rows] == list(ARCHITECTURES)
+    for row in rows:  # q / k rows and biases as the architecture's module says
+        arch = ARCHITECTURES[row[0].strip("`")]
+        assert row[2].startswith(arch.qk_rows.value) and row[3] == arch.qkv_bias.value, row
+        assert row[4].startswith("per head, before RoPE") if arch.qk_norm else row[4] == "none", row
+    listed = []
+    for row in _table(text, "| ggml type |"):
+        for name in row[0].split(", "):
+            t = GGML_TYPES[name]
+            status = ("refused" if not t.read else "kept in its own blocks" if t.kept_in_blocks else
+                      "kept as stored" if t.exact else "re-rounded")
+            auto = (t.auto_format or AUTO_FALLBACK) if t.read else ""
+            assert row[1].startswith(status) and row[2] == (t.format or ""), (name, row)
+            assert row[3] == ", ".join(t.exact_in) and row[4] == auto, (name, row)
+            listed.append(name)
+    assert sorted(listed) == sorted(GGML_TYPES)

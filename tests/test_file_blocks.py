@@ -93,3 +93,24 @@ def test_the_blocks_pages_leave_the_resident_set(tmp_path):
                           ggml.decode("Q4_K", raw[1024:], 256).dequantize())
     assert part.release() >= part.raw.nbytes  # (whole pages, from the one the rows start in)
     assert FileRows("Q4_K", raw, 256).release() == 0  # not a mapping: nothing to release
+
+
+def test_a_file_matrix_rounded_across_its_blocks_is_rounded_not_searched(monkeypatch):
+    """Blocking rounds a file matrix across its blocks' axis (a thinned matrix's rows) by the rule: no format
+    holds it exactly there, so no format is searched for one (Q8_0 blocks across their axis stay int8 rounded to
+    nearest); along its axis a Q8_0 matrix's own blocks are still found again."""
+    from passes.blocking import Blocking
+    from passes.kernels import quant
+
+    q8, values = _rows("Q8_0", 64)
+    held = FileMatrix((q8,), transposed=False)  # the file's [64, 256]: blocks along axis 1
+    int4 = WEIGHT_FORMATS["int4"]
+    blocking = Blocking(int4, "awq", came_quantized=True, keep_source_blocks=True)
+    expected = quant.quantize(values, int4, 0)
+    with monkeypatch.context() as patched:  # no grid is tested, no format searched
+        patched.setattr(quant, "on_grid", lambda *a: pytest.fail("searched a grid across the file's blocks"))
+        patched.setattr(quant, "quantize_asymmetric", lambda *a, **k: pytest.fail("searched int4a"))
+        blocks, used, _ = blocking.blocks(values, int4, 0, held)  # across: int4 by the rule
+    assert used is int4 and all(np.array_equal(a, b) for a, b in zip(blocks, expected))
+    blocks, used, _ = blocking.blocks(values, int4, 1, held)  # along: Q8_0's blocks are int8's exactly
+    assert used.name == "int8" and np.array_equal(quant.dequantize(*blocks, 1), values)

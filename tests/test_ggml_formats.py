@@ -9,7 +9,7 @@ import pytest
 
 from passes.formats.ggml import GGML_TYPES, KEPT_TYPES, LEGACY_TYPES, decode, decode_legacy
 from passes.kernels.kquant import KBlocks
-from runtime.dtypes import WEIGHT_FORMATS
+from runtime.dtypes import ROUNDABLE_FORMATS, WEIGHT_FORMATS
 from tests.ggml_encode import encode, encode_blocks, encode_legacy
 
 # where each type's fp16 fields lie in its block (random bytes there could be NaN or infinity)
@@ -217,3 +217,15 @@ def test_decoders_refuse_what_they_do_not_read():
         decode("Q4_K", raw, 200)
     with pytest.raises(ValueError):
         decode_legacy("Q4_K", raw, 256)
+
+
+def test_the_table_reads_what_the_gguf_package_dequantizes():
+    """A type picompile reads (fp32 keeps its values) is a float type, one a picompile format keeps, or one the gguf
+    package dequantizes; every other is refused. What auto stores a type in is a format picompile has."""
+    for name, t in GGML_TYPES.items():
+        dequantized = _qtype(name) in gguf.quants._type_traits
+        assert t.read == (name in ("F32", "F16", "BF16") or t.kept_in_blocks or dequantized), name
+        assert set(t.exact_in) <= set(ROUNDABLE_FORMATS), name  # --weight-dtype's values
+        assert t.auto_format is None or t.auto_format in WEIGHT_FORMATS, name
+        if t.kept_in_blocks:
+            assert t.auto_format == t.format, name

@@ -19,7 +19,7 @@ import tvm_ffi
 
 from passes.kernels import cpu
 from passes.targets import CPU_ISAS
-from kernel_reference import act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
+from kernel_reference import QK_NORM_EPS, act_ref, attention_ref, check_rope_kv_write, close, kname  # noqa: E402
 
 MAX_ROWS = 8  # prefill buffers are allocated this tall and sliced to m rows
 MAX_CTX = 20  # not a multiple of 8: exercises the padded score buffer
@@ -32,13 +32,15 @@ LINEAR = {  # name: (K, N, bias, act, residual)
     "relu": (40, 72, True, "relu", False),
     "gelu": (40, 72, True, "gelu", True),
     "silu": (40, 72, False, "silu", True),
+    "gelu_tanh": (40, 72, True, "gelu_tanh", False),
     "tiles": (64, 128, True, "none", True),  # whole 64-column GEMV blocks / 6x16 GEMM tiles
     "narrow": (24, 36, True, "relu", False),  # N % 8 != 0: 4-lane vectors
     "group8": (24, 1020, True, "relu", True),  # decode over panels: 64 panels, 8 a task, the last padded
     "group4": (16, 570, False, "none", False),  # 36 panels: 4 a task (8 would leave 4.5 tasks)
 }
 WEIGHT_DTYPES = ("float32", "float16")
-GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "relu36": (36, "relu")}
+GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "gelu_tanh": (40, "gelu_tanh"), "relu36": (36, "relu")}
+SPREAD = 2048  # the activation accuracy test's values
 NORM_D = (36, 64)
 HEADS = [(4, 2, 8), (4, 4, 16), (2, 1, 64)]  # (H, KVH, hd)
 LONG_CTX = 600  # keys in several blocks of cpu.ATTENTION_BLOCK: the online softmax rescales between blocks
@@ -112,10 +114,13 @@ def all_kernels():
                 funcs.append(
                     cpu.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}", v), H, KVH, hd, MAX_CTX, rows=rows, rope=rope)
                 )
+                funcs.append(cpu.rope_kv_write(kname("rope", f"{H}_{KVH}_{hd}_{rope}_qknorm", v), H, KVH, hd, MAX_CTX,
+                                                   rows=rows, rope=rope, qk_norm_eps=QK_NORM_EPS))
             funcs.append(
                 cpu.attention(kname("attn", f"{H}_{KVH}_{hd}", v), H, KVH, hd, MAX_CTX, 1 / math.sqrt(hd), rows=rows)
             )
         funcs.append(cpu.attention(kname("attn", "long", v), 4, 1, 16, LONG_CTX, 0.25, rows=rows))
+    funcs.append(cpu.glu("glu_spread_gelu_tanh", SPREAD, rows=1, act="gelu_tanh"))
     return funcs
 
 
@@ -143,6 +148,8 @@ def test_interface():
     assert str(e.params[3].ty) == "int64"  # scalar param; Var.dtype raises in 0.27
     r = cpu.rope_kv_write("rope", 4, 2, 8, MAX_CTX, rows=None, rope=True)
     assert [p.name for p in r.params] == ["qkv", "cos", "sin", "kcache", "vcache", "q", "start"]
+    r = cpu.rope_kv_write("rope", 4, 2, 8, MAX_CTX, rows=None, rope=True, qk_norm_eps=QK_NORM_EPS)
+    assert [p.name for p in r.params] == ["qkv", "cos", "sin", "q_norm", "k_norm", "kcache", "vcache", "q", "start"]
     a = cpu.attention("attn", 4, 2, 8, MAX_CTX, 0.3, rows=1)
     assert [p.name for p in a.params] == ["q", "kcache", "vcache", "out", "start"]
     with pytest.raises(ValueError):
@@ -299,6 +306,31 @@ def test_glu(lib, cfg, variant, m):
     close(y, act_ref(t64[:, :F], act) * t64[:, F:])
 
 
+def test_gelu_tanh_accuracy(lib):
+    """GELU (tanh), up = 1, on a spread of inputs against float64: within 1e-6 relative, or two ulps of its input
+    where GELU amplifies an input's rounding more than that (kappa = |d ln f / d ln x|, which reaches 229 at
+    x = -10, where f falls like exp(-0.07 x^3): no fp32 evaluation does better there)."""
+    x = np.concatenate([np.linspace(-10, 10, SPREAD - 8), [-1e4, -30, -1e-6, 0, 1e-30, 1e-6, 30, 1e4]])
+    x = x.astype(np.float32)
+    t, y = aligned(np.concatenate([x, np.ones(SPREAD, np.float32)])[None]), aligned(np.zeros((1, SPREAD), np.float32))
+    call(lib, "glu_spread_gelu_tanh", t, y)
+    v = x.astype(np.float64)
+    z = math.sqrt(8 / math.pi) * (v + 0.044715 * v**3)  # 2u: 0.5 (1 + tanh(u)) = sigmoid(2u), with no cancellation
+    with np.errstate(over="ignore"):  # exp(-z) is inf at x = -1e4, where GELU is -0
+        sigma = 1 / (1 + np.exp(-z))
+    ref = v * sigma
+    import torch  # ref is torch's definition (whose float64 form cancels for negative x, so is compared above -3)
+
+    torch_ref = torch.nn.functional.gelu(torch.from_numpy(v), approximate="tanh").numpy()
+    np.testing.assert_allclose(ref[v > -3], torch_ref[v > -3], rtol=1e-12, atol=1e-300)
+    kappa = np.abs(1 + v * (1 - sigma) * math.sqrt(8 / math.pi) * (1 + 3 * 0.044715 * v**2))
+    spread = np.abs(v) <= 10
+    bound = (1e-6 + 2 * 2.0**-24 * kappa[spread]) * np.abs(ref[spread])
+    assert (np.abs(y[0][spread] - ref[spread]) <= bound).all()
+    assert y[0][x == 0] == 0 and np.array_equal(y[0][np.abs(v) >= 30] > 0, v[np.abs(v) >= 30] > 0)
+    assert np.allclose(y[0][np.abs(v) >= 30], np.maximum(v[np.abs(v) >= 30], 0), rtol=1e-7, atol=1e-30)
+
+
 @pytest.mark.parametrize("variant,m", VARIANTS)
 @pytest.mark.parametrize("D", NORM_D)
 def test_layer_norm(lib, D, variant, m):
@@ -341,23 +373,25 @@ def test_embed(lib, variant, m, start):
     np.testing.assert_array_equal(y2, table[ids])
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rope", [True, False])
 @pytest.mark.parametrize("start", [0, 5])
 @pytest.mark.parametrize("variant,m", VARIANTS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "H%d_KVH%d_hd%d" % h)
-def test_rope_kv_write(lib, heads, variant, m, start, rope):
+def test_rope_kv_write(lib, heads, variant, m, start, rope, qk_norm):
     H, KVH, hd = heads
     rng = np.random.default_rng(5)
     _, qkv = rows_buf(rng, m, (H + 2 * KVH) * hd)
     ang = rng.uniform(0, 2 * np.pi, (MAX_CTX, hd // 2))
     cos, sin = aligned(np.cos(ang).astype(np.float32)), aligned(np.sin(ang).astype(np.float32))
+    norms = [aligned((1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)) for _ in range(2)] if qk_norm else None
     kc, vc = rand(rng, KVH, MAX_CTX, hd), rand(rng, KVH, MAX_CTX, hd)
     kc0, vc0 = kc.copy(), vc.copy()
     _, q = rows_buf(rng, m, H * hd)
-    name = kname("rope", f"{H}_{KVH}_{hd}_{rope}", variant)
-    call(lib, name, *([qkv] + ([cos, sin] if rope else []) + [kc, vc, q, start]))
+    name = kname("rope", f"{H}_{KVH}_{hd}_{rope}{'_qknorm' if qk_norm else ''}", variant)
+    call(lib, name, *([qkv] + ([cos, sin] if rope else []) + (norms or []) + [kc, vc, q, start]))
 
-    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope)
+    check_rope_kv_write(qkv, cos, sin, kc, vc, kc0, vc0, q, heads, start, rope, norms)
 
 
 @pytest.mark.parametrize("start", [0, 5])

@@ -114,6 +114,24 @@ def test_the_budget_is_measured_on_the_tokens_the_profile_kept_out():
     assert [c.shape for c in _batches(held)] == [(2, 4), (1, 3)]
 
 
+def test_a_larger_model_measures_on_fewer_tokens_spread_across_the_held_out_ones():
+    """Past TOKEN_PARAMETERS the held-out and fitting tokens shrink with the model's parameters (never below the
+    MIN_ ones), the held-out sequences taken evenly across those the profile kept out; a small model keeps all."""
+    from passes import quality
+    from passes.profile import CalibrationSequences
+
+    sampled = [np.full(128, i) for i in range(8)]
+    given = [np.full(128, 100 + i) for i in range(16)]
+    calibration = CalibrationSequences(sampled + given, measured=16)
+    fit, held = quality._split(calibration, int(quality.TOKEN_PARAMETERS))
+    assert [int(s[0]) for s in held] == list(range(100, 116)) and fit.shape == (4, 128)
+    fit, held = quality._split(calibration, int(2.5 * quality.TOKEN_PARAMETERS))  # 2,048 / 2.5: about 6 of 16
+    assert [int(s[0]) for s in held] == [101, 104, 106, 109, 112, 114]
+    assert fit.shape == (1, 128)  # 512 / 2.5 = 204 tokens: one sequence
+    fit, held = quality._split(calibration, int(100 * quality.TOKEN_PARAMETERS))
+    assert len(held) * 128 == quality.MIN_HELD_OUT_TOKENS and fit.shape == (1, 128)
+
+
 @pytest.fixture(scope="module")
 def trained_text(tmp_path_factory):
     """The ReLU text model's tiny preset (trained here in seconds): real, learned sparsity."""
@@ -197,6 +215,28 @@ def test_a_path_that_ends_far_beyond_the_budget_is_searched_without_measuring_it
     assert len(local_error) - 1 not in measured and len(measured) <= MAX_EVALUATIONS, measured
     furthest = max(k for k in range(len(local_error)) if np.expm1(0.002 + 0.01 * local_error[k]) <= 0.01)
     assert furthest - 2 <= step <= furthest and budget.met_by(found.ppl_change, found.kl), (step, furthest)
+
+
+def test_a_path_whose_start_is_expected_beyond_the_budget_measures_its_start_first():
+    """Where the summed local error of the path's start (dense, the widest formats) is beyond the aim already, the
+    start is measured first: beyond the budget, it is the answer and nothing else is measured (a random model's
+    int8 activations: five plans, every one beyond); within it, the search goes on as before."""
+    from passes.ir_reference import Quality
+    from passes.quality import MAX_EVALUATIONS, _furthest_within
+
+    local_error = np.linspace(0.02, 1.0, 21)
+    budget = QualityBudget("ppl", 0.01)
+    for scale, within in ((1.0, False), (0.05, True)):
+        measured = []
+
+        def evaluate(step):
+            measured.append(step)
+            change = scale * local_error[step]
+            return Quality(change, float(np.log1p(change)), 1.0, 100, change, change)
+
+        step, found = _furthest_within(budget, local_error, evaluate)
+        assert measured[0] == 0 and budget.met_by(found.ppl_change, found.kl) == within
+        assert (step, measured) == (0, [0]) if not within else step > 0 and len(measured) <= MAX_EVALUATIONS + 1
 
 
 def test_a_plan_searched_on_part_of_the_held_out_text_is_judged_on_all_of_it():

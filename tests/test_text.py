@@ -225,3 +225,29 @@ def test_the_stream_concatenates_to_decode(tokenizer, text, extra):
         assert tokenizer.decode(tokenizer.encode(text)) == text
         complete = tokenizer.stream()
         assert "".join(complete.push(i) for i in tokenizer.encode(text)) == text  # whole characters need no flush
+
+
+def test_a_chat_template_renders_as_transformers_renders_it(tmp_path):
+    """The template features the families' templates use, rendered as transformers' apply_chat_template does:
+    loop control (Qwen3's `{% break %}`), `tojson` keeping non-ASCII text, `strftime_now` (Llama 3.1's date),
+    `{% generation %}` blocks, and `raise_exception` refusing a conversation."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = (
+        "{{ bos_token }}Today: {{ strftime_now('%Y') }}\n"
+        "{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}"
+        "{% if m.role == 'skip' %}{% continue %}{% endif %}"
+        "{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+        "<|{{ m.role }}|>{{ m.content | tojson }}\n"
+        "{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer = TextTokenizer(write_byte_tokenizer(tmp_path / "t", chat_template=template))
+    messages = [{"role": "user", "content": "héllo \"ü\""}, {"role": "skip", "content": "x"},
+                {"role": "assistant", "content": "ok"}, {"role": "stop", "content": ""},
+                {"role": "user", "content": "never"}]
+    ours = tokenizer.chat_prompt(messages)
+    theirs = render_jinja_template([messages], chat_template=template, add_generation_prompt=True,
+                                   bos_token="<s>")[0][0]
+    assert ours == theirs and '"héllo \\"ü\\""' in ours and "never" not in ours and "[ok]" in ours
+    with pytest.raises(ValueError, match="no bad roles"):
+        tokenizer.chat_prompt([{"role": "bad", "content": ""}])

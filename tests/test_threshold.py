@@ -15,7 +15,7 @@ import tvm_ffi
 from passes.kernels import cpu, neuron
 from passes.threshold import calibrate, hidden_of
 from passes.targets import CPU_ISAS
-from kernel_reference import aligned
+from kernel_reference import act_ref, aligned
 from runtime.artifact import load_manifest
 from runtime.calls import Access, schedule_calls
 
@@ -26,11 +26,11 @@ def threshold_calls(artifact) -> list:
     return [call for call in calls if call.selection is not None and call.selection.by == "threshold"]
 
 K, N = 40, 48  # K rows (input channels), N columns: gated -> 24 outputs; 40 is no multiple of the row group
-ACT = {"none": lambda v: v, "silu": lambda v: v / (1 + np.exp(-v))}
 COLUMN_KERNELS = {  # name -> (gated, act, bias, weight dtype)
     "cols": (False, "none", False, "float32"),
     "cols_gated_silu": (True, "silu", False, "float32"),
     "cols_gated_silu_f16": (True, "silu", False, "float16"),
+    "cols_gated_gelu_tanh": (True, "gelu_tanh", False, "float32"),  # GeGLU (Gemma)
     "cols_relu_bias_f16": (False, "relu", True, "float16"),
 }
 
@@ -67,8 +67,7 @@ def test_select_and_column_sparse_gemv(lib, threshold, kernel):
     y = aligned(np.full((1, N // 2 if gated else N), 99.0, np.float32))
     call(lib, kernel, x, index, count, w, *([b] if bias else []), scratch, y)
     pre = x[0, kept] @ w[kept].astype(np.float32) + (b if bias else 0)  # only the kept rows count
-    actf = ACT.get(act, lambda v: np.maximum(v, 0))
-    expected = actf(pre[: N // 2]) * pre[N // 2:] if gated else actf(pre)
+    expected = act_ref(pre[: N // 2], act) * pre[N // 2:] if gated else act_ref(pre, act)
     np.testing.assert_allclose(y[0], expected, atol=1e-4, rtol=1e-5)
 
 

@@ -1,7 +1,9 @@
 """ggml's tensor types (the GGUF file's `tensor_type`s) as data, and the readers of the block types picompile keeps.
 
-`GGML_TYPES` is the one table: each type's block (weights per block), type_size (bytes per block) and the
-`runtime.dtypes.WEIGHT_FORMATS` format that keeps it, with whether that format holds its values bit for bit.
+`GGML_TYPES` is the one table: each type's block (weights per block), type_size (bytes per block), the
+`runtime.dtypes.WEIGHT_FORMATS` format that keeps it with whether that format holds its values bit for bit, the
+`--weight-dtype` values a build keeps its values exactly in, and the format `--weight-dtype auto` stores a file
+of mostly this type in. A type no `--weight-dtype` holds, not even fp32, is one picompile does not read.
 
 `decode` reads a matrix's raw rows of Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks into `KBlocks` (blocked along the row,
 axis 1: ggml's orientation); `decode_legacy` reads Q8_0, Q4_0 and Q4_1 rows into the (q, scales, mins) of
@@ -31,16 +33,26 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 from ..kernels.kquant import KBlocks
 
 
+# --weight-dtype auto for a file whose matrices are mostly of a type no picompile format holds (Q2_K, Q3_K, the IQ
+# types): int8 keeps them closest at their size
+AUTO_FALLBACK = "int8"
+
+
 @dataclass(frozen=True)
 class GGMLType:
     """One ggml tensor type: `block` weights take `type_size` bytes; `format` names the picompile weight format
-    its matrices are kept in (None: none holds it), `exact` whether that format holds its values bit for bit."""
+    its matrices are kept in (None: none holds it), `exact` whether that format holds its values bit for bit;
+    `exact_in` the --weight-dtype values whose builds keep every value of it (fp32 for every type picompile
+    reads: the values it dequantizes to are float32's); `auto` --weight-dtype auto's format where it is not
+    `format`."""
 
     name: str  # ggml's spelling (GGMLQuantizationType's member name)
     block: int
     type_size: int
     format: str | None = None
     exact: bool = False
+    exact_in: tuple[str, ...] = ()
+    auto: str | None = None
 
     @property
     def bytes_per_weight(self) -> float:
@@ -56,46 +68,71 @@ class GGMLType:
         """Whether this is a block type a picompile format holds exactly (its matrices stay in the file's blocks)."""
         return self.block > 1 and self.exact and self.format is not None
 
+    @property
+    def read(self) -> bool:
+        """Whether picompile reads tensors of this type (the others are refused)."""
+        return "fp32" in self.exact_in
+
+    @property
+    def auto_format(self) -> str | None:
+        """The format --weight-dtype auto stores a file of mostly this type in: the one that keeps it (a float
+        type's own, BF16's fp16); None where no picompile format holds it (auto then takes AUTO_FALLBACK)."""
+        return self.auto or (self.format if self.exact else None)
+
+
+FP32_ONLY = ("fp32",)  # of the --weight-dtype values only fp32 keeps it: its values dequantized, exactly
+
 
 GGML_TYPES: dict[str, GGMLType] = {
     t.name: t
     for t in [
-        GGMLType("F32", 1, 4, "fp32", exact=True),
-        GGMLType("F16", 1, 2, "fp16", exact=True),
-        GGMLType("BF16", 1, 2),  # fp16 holds neither its range nor all its values
+        # an int4a build keeps a float matrix in floats; int8 holds Q5_0's and int4's symmetric 32-blocks; a type
+        # without exact_in is one the gguf package does not dequantize (a file holding one is refused)
+        GGMLType("F32", 1, 4, "fp32", exact=True, exact_in=("fp32", "int4a")),
+        GGMLType("F16", 1, 2, "fp16", exact=True, exact_in=("fp32", "fp16", "int4a")),
+        # BF16: fp16 holds neither its range nor all its values, but is auto's choice at its size
+        GGMLType("BF16", 1, 2, exact_in=("fp32", "int4a"), auto="fp16"),
         GGMLType("F64", 1, 8),
         GGMLType("I8", 1, 1),
         GGMLType("I16", 1, 2),
         GGMLType("I32", 1, 4),
         GGMLType("I64", 1, 8),
-        GGMLType("Q8_0", 32, 34, "int8", exact=True),
-        GGMLType("Q4_0", 32, 18, "int4", exact=True),
-        GGMLType("Q4_1", 32, 20, "int4a", exact=True),
-        GGMLType("Q5_0", 32, 22, "q5_0", exact=True),
-        GGMLType("Q5_1", 32, 24, "q5_1", exact=True),
+        GGMLType("Q8_0", 32, 34, "int8", exact=True, exact_in=("fp32", "int8")),
+        GGMLType("Q4_0", 32, 18, "int4", exact=True, exact_in=("fp32", "int8", "int4", "int4a")),
+        GGMLType("Q4_1", 32, 20, "int4a", exact=True, exact_in=("fp32", "int4a")),
+        GGMLType("Q5_0", 32, 22, "q5_0", exact=True, exact_in=("fp32", "int8")),
+        GGMLType("Q5_1", 32, 24, "q5_1", exact=True, exact_in=FP32_ONLY),
         GGMLType("Q8_1", 32, 40),
-        GGMLType("Q2_K", 256, 84),
-        GGMLType("Q3_K", 256, 110),
-        GGMLType("Q4_K", 256, 144, "q4_k", exact=True),
-        GGMLType("Q5_K", 256, 176, "q5_k", exact=True),
-        GGMLType("Q6_K", 256, 210, "q6_k", exact=True),
+        GGMLType("Q2_K", 256, 84, exact_in=FP32_ONLY),
+        GGMLType("Q3_K", 256, 110, exact_in=FP32_ONLY),
+        GGMLType("Q4_K", 256, 144, "q4_k", exact=True, exact_in=FP32_ONLY),
+        GGMLType("Q5_K", 256, 176, "q5_k", exact=True, exact_in=FP32_ONLY),
+        GGMLType("Q6_K", 256, 210, "q6_k", exact=True, exact_in=FP32_ONLY),
         GGMLType("Q8_K", 256, 292),
-        GGMLType("IQ2_XXS", 256, 66),
-        GGMLType("IQ2_XS", 256, 74),
-        GGMLType("IQ2_S", 256, 82),
-        GGMLType("IQ3_XXS", 256, 98),
-        GGMLType("IQ3_S", 256, 110),
-        GGMLType("IQ1_S", 256, 50),
-        GGMLType("IQ1_M", 256, 56),
-        GGMLType("IQ4_NL", 32, 18),
-        GGMLType("IQ4_XS", 256, 136),
-        GGMLType("TQ1_0", 256, 54),
-        GGMLType("TQ2_0", 256, 66),
-        GGMLType("MXFP4", 32, 17),
-        GGMLType("NVFP4", 64, 36),
+        GGMLType("IQ2_XXS", 256, 66, exact_in=FP32_ONLY),
+        GGMLType("IQ2_XS", 256, 74, exact_in=FP32_ONLY),
+        GGMLType("IQ2_S", 256, 82, exact_in=FP32_ONLY),
+        GGMLType("IQ3_XXS", 256, 98, exact_in=FP32_ONLY),
+        GGMLType("IQ3_S", 256, 110, exact_in=FP32_ONLY),
+        GGMLType("IQ1_S", 256, 50, exact_in=FP32_ONLY),
+        GGMLType("IQ1_M", 256, 56, exact_in=FP32_ONLY),
+        GGMLType("IQ4_NL", 32, 18, exact_in=FP32_ONLY),
+        GGMLType("IQ4_XS", 256, 136, exact_in=FP32_ONLY),
+        GGMLType("TQ1_0", 256, 54, exact_in=FP32_ONLY),
+        GGMLType("TQ2_0", 256, 66, exact_in=FP32_ONLY),
+        GGMLType("MXFP4", 32, 17, exact_in=FP32_ONLY),
+        GGMLType("NVFP4", 64, 36, exact_in=FP32_ONLY),
         GGMLType("Q1_0", 128, 18),
     ]
 }
+
+
+def type_named(name: str) -> GGMLType:
+    """The table's row of ggml type `name` (a name it lacks reads as a type nothing holds and picompile does not
+    read)."""
+    return GGML_TYPES.get(name) or GGMLType(name, 1, 0)
+
+
 LEGACY_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # read into picompile's own blocks (decode_legacy)
 KEPT_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # read into KBlocks (decode)
 

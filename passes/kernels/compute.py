@@ -23,6 +23,8 @@ from tvm.s_tir import Schedule
 
 from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK
 
+from ..activations import ACTIVATIONS as FFN_ACTIVATIONS
+
 NEG_INF = -3.0e38  # "minus infinity" that stays finite through max/exp (softmax padding, running max)
 
 
@@ -99,7 +101,13 @@ polynomials vectorise to plain vector arithmetic."""
 NATIVE = Math(tirx.exp, tirx.erf)
 """The GPU's: CUDA's expf / erff, one thread per element, nothing to vectorise."""
 
-ACTIVATIONS = ("none", "relu", "gelu", "silu")
+ACTIVATIONS = ("none", *FFN_ACTIVATIONS)  # "none": a linear without one
+
+
+# GELU (tanh) = 0.5 v (1 + tanh(u)) = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3); -2u = v (C1 + C3 v^2).
+# No cancellation in 1 + tanh(u) for negative v, so it is more accurate in fp32 than the tanh form.
+_GELU_C1 = -1.5957691216057308  # -2 sqrt(2/pi)
+_GELU_C3 = -0.07135481627260025  # -2 sqrt(2/pi) 0.044715
 
 
 def activation(act: str, math: Math) -> Callable:
@@ -110,6 +118,8 @@ def activation(act: str, math: Math) -> Callable:
         return lambda v: tirx.max(v, f32(0.0))
     if act == "gelu":  # exact (erf) GELU, as torch's default approximate="none"
         return lambda v: let(v, lambda v: f32(0.5) * v * (f32(1.0) + math.erf(v * f32(0.7071067811865476))), "v")
+    if act == "gelu_tanh":  # torch's approximate="tanh", as v sigmoid(2u): exp alone, which the CPU vectorises
+        return lambda v: let(v, lambda v: v / (f32(1.0) + math.exp(v * (f32(_GELU_C1) + f32(_GELU_C3) * v * v))), "v")
     if act == "silu":
         return lambda v: let(v, lambda v: v / (f32(1.0) + math.exp(-v)), "v")
     raise ValueError(f"unknown activation {act!r}; expected one of {sorted(ACTIVATIONS)}")
@@ -197,6 +207,12 @@ def rope_low(low, high, cos, sin):
 def rope_high(low, high, cos, sin):
     """Rotate-half RoPE, second half of a head: x2 cos + x1 sin."""
     return high * cos + low * sin
+
+
+def head_norm_scale(sum_sq, hd: int, eps: float):
+    """A head's RMSNorm factor 1 / sqrt(mean(x^2) + eps) from its sum of squares (rope_kv_write's q / k norm;
+    the value is then x * factor * w[j], as `rms_norm`'s)."""
+    return tirx.rsqrt(sum_sq / f32(hd) + f32(eps))
 
 
 def passes_threshold(score, threshold, magnitude: bool):

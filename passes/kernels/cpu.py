@@ -714,13 +714,15 @@ def _row_loop(rows):
     return T.parallel if rows is None else T.serial
 
 
-def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
+def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool, qk_norm_eps: float | None = None):
     """Split qkv rows, rotate q and k (rotate-half RoPE), write q and the KV cache in place.
 
-    Args: qkv[m, (H+2KVH)*hd], (cos, sin [max_ctx, hd/2]), kcache, vcache [KVH, max_ctx, hd],
-    q[m, H*hd], start. Row i goes to cache position start + i; other positions are untouched.
-    The work per row is tiny (a few KB), so rows are parallel only in prefill; each head's
-    half-rows are processed in vectors.
+    Args: qkv[m, (H+2KVH)*hd], (cos, sin [max_ctx, hd/2]), (q_norm, k_norm [hd]), kcache, vcache
+    [KVH, max_ctx, hd], q[m, H*hd], start. Row i goes to cache position start + i; other positions are
+    untouched. With `qk_norm_eps` (Qwen3) each q and k head is first RMS-normalised over its hd values
+    (x * 1/rms * w[j], w: q_norm or k_norm), the rotation reading the normed values. The work per row is tiny
+    (a few KB), so rows are parallel only in prefill; each head's half-rows are processed in vectors (a head's
+    sum of squares too, before its rotation).
     """
     if hd % 2:
         raise ValueError("rope_kv_write needs an even head dim")
@@ -731,12 +733,19 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
     hl = _lanes(half)  # vector width over a half head
     dl = _lanes(hd)  # vector width over a whole head
     K0, V0 = H * hd, (H + KVH) * hd  # column offsets of the k and v heads in a qkv row
+    norm = qk_norm_eps is not None
+    eps = float(qk_norm_eps or 0.0)
+
+    def qk(x, factor, w):  # a q or k value as the rotation (or the copy) reads it
+        return x * factor * w if norm else x
 
     @T.prim_func
     def kernel(
         qkv_h: T.handle,
         cos: T.Buffer((max_ctx, half), "float32"),
         sin: T.Buffer((max_ctx, half), "float32"),
+        q_norm: T.Buffer((hd,), "float32"),
+        k_norm: T.Buffer((hd,), "float32"),
         kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
         vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
         q_h: T.handle,
@@ -747,36 +756,53 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
         q = T.match_buffer(q_h, (M, H * hd), "float32")
         for i in loop(M):
             p = start + i
+            factor = T.alloc_local((H + KVH,), "float32")  # each q, then k, head's 1/rms (read with a norm only)
+            if norm:
+                acc = T.alloc_local((dl,), "float32")
+                for h in range(H + KVH):  # the q heads, then the k heads: contiguous in a qkv row
+                    for v in T.vectorized(dl):
+                        acc[v] = T.float32(0)
+                    for j0 in range(hd // dl):
+                        for v in T.vectorized(dl):
+                            acc[v] = acc[v] + qkv[i, h * hd + j0 * dl + v] * qkv[i, h * hd + j0 * dl + v]
+                    for v in T.unroll(1, dl):
+                        acc[0] = acc[0] + acc[v]
+                    factor[h] = compute.head_norm_scale(acc[0], hd, eps)
             if rope:
                 for h, j0 in T.grid(H, half // hl):
                     for v in T.vectorized(hl):
                         q[i, h * hd + j0 * hl + v] = rope_low(
-                            qkv[i, h * hd + j0 * hl + v], qkv[i, h * hd + half + j0 * hl + v],
+                            qk(qkv[i, h * hd + j0 * hl + v], factor[h], q_norm[j0 * hl + v]),
+                            qk(qkv[i, h * hd + half + j0 * hl + v], factor[h], q_norm[half + j0 * hl + v]),
                             cos[p, j0 * hl + v], sin[p, j0 * hl + v])
                         q[i, h * hd + half + j0 * hl + v] = rope_high(
-                            qkv[i, h * hd + j0 * hl + v], qkv[i, h * hd + half + j0 * hl + v],
+                            qk(qkv[i, h * hd + j0 * hl + v], factor[h], q_norm[j0 * hl + v]),
+                            qk(qkv[i, h * hd + half + j0 * hl + v], factor[h], q_norm[half + j0 * hl + v]),
                             cos[p, j0 * hl + v], sin[p, j0 * hl + v])
                 for h, j0 in T.grid(KVH, half // hl):
                     for v in T.vectorized(hl):
                         kcache[h, p, j0 * hl + v] = rope_low(
-                            qkv[i, K0 + h * hd + j0 * hl + v], qkv[i, K0 + h * hd + half + j0 * hl + v],
+                            qk(qkv[i, K0 + h * hd + j0 * hl + v], factor[H + h], k_norm[j0 * hl + v]),
+                            qk(qkv[i, K0 + h * hd + half + j0 * hl + v], factor[H + h], k_norm[half + j0 * hl + v]),
                             cos[p, j0 * hl + v], sin[p, j0 * hl + v])
                         kcache[h, p, half + j0 * hl + v] = rope_high(
-                            qkv[i, K0 + h * hd + j0 * hl + v], qkv[i, K0 + h * hd + half + j0 * hl + v],
+                            qk(qkv[i, K0 + h * hd + j0 * hl + v], factor[H + h], k_norm[j0 * hl + v]),
+                            qk(qkv[i, K0 + h * hd + half + j0 * hl + v], factor[H + h], k_norm[half + j0 * hl + v]),
                             cos[p, j0 * hl + v], sin[p, j0 * hl + v])
             else:
-                for j0 in range(H * hd // dl):
+                for h, j0 in T.grid(H, hd // dl):
                     for v in T.vectorized(dl):
-                        q[i, j0 * dl + v] = qkv[i, j0 * dl + v]
+                        q[i, h * hd + j0 * dl + v] = qk(qkv[i, h * hd + j0 * dl + v], factor[h], q_norm[j0 * dl + v])
                 for h, j0 in T.grid(KVH, hd // dl):
                     for v in T.vectorized(dl):
-                        kcache[h, p, j0 * dl + v] = qkv[i, K0 + h * hd + j0 * dl + v]
+                        kcache[h, p, j0 * dl + v] = qk(qkv[i, K0 + h * hd + j0 * dl + v], factor[H + h],
+                                                       k_norm[j0 * dl + v])
             for h, j0 in T.grid(KVH, hd // dl):
                 for v in T.vectorized(dl):
                     vcache[h, p, j0 * dl + v] = qkv[i, V0 + h * hd + j0 * dl + v]
 
-    # one kernel for both; without RoPE its cos/sin tables are never read and leave the signature
-    kernel = kernel if rope else drop_params(kernel, ["cos", "sin"])
+    # one kernel for every variant: the tables a variant never reads leave its signature
+    kernel = drop_params(kernel, ([] if rope else ["cos", "sin"]) + ([] if norm else ["q_norm", "k_norm"]))
     return kernel.with_attr("global_symbol", name)
 
 

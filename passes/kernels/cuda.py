@@ -34,7 +34,8 @@ Schedules, in short (each function's docstring says more):
   scatter);
 * ``attention``: one block per (head, row), 128 threads: one key per thread for the scores, online
   (chunked) softmax, then one output dim per thread for the weighted sum of values;
-* ``rope_kv_write``: one block per row, threads over (head, dim) pairs.
+* ``rope_kv_write``: one block per row, threads over (head, dim) pairs (a q / k norm's sums of squares
+  first, a head per thread, meeting in shared memory).
 
 ``build`` compiles the device code with nvcc at build time (a fatbin holding SASS for the arch and PTX
 for newer GPUs) and embeds that binary in the exported .so, so loading it needs only TVM's runtime
@@ -336,13 +337,16 @@ def _vec_width(n):
     return 4 if n % 4 == 0 else 1
 
 
-def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
+def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool, qk_norm_eps: float | None = None):
     """Split qkv rows, rotate q and k (rotate-half RoPE), write q and the KV cache in place.
 
-    Args: qkv[m, (H+2KVH)*hd], (cos, sin [max_ctx, hd/2]), kcache, vcache [KVH, max_ctx, hd],
-    q[m, H*hd], start. Row i goes to cache position start + i; other positions are untouched.
-    One block per row, ROPE_THREADS threads striding over the (head, dim) pairs of q, then of k,
-    then over the v elements; consecutive threads touch consecutive addresses.
+    Args: qkv[m, (H+2KVH)*hd], (cos, sin [max_ctx, hd/2]), (q_norm, k_norm [hd]), kcache, vcache
+    [KVH, max_ctx, hd], q[m, H*hd], start. Row i goes to cache position start + i; other positions are
+    untouched. One block per row, ROPE_THREADS threads striding over the (head, dim) pairs of q, then of k,
+    then over the v elements; consecutive threads touch consecutive addresses. With `qk_norm_eps` (Qwen3) each
+    q and k head is first RMS-normalised over its hd values (x * 1/rms * w[j]): thread t sums the squares of
+    head t (and t + ROPE_THREADS, ...) serially, the factors meet in shared memory, then the rotation reads the
+    normed values (H + KVH heads of at most a few hundred values: a row's few KB, read twice).
     """
     if hd % 2:
         raise ValueError("rope_kv_write needs an even head dim")
@@ -355,12 +359,20 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
     k_steps = _ceil_div(KVH * half, nt)
     qc_steps = _ceil_div(H * hd, nt)  # plain copies
     v_steps = _ceil_div(KVH * hd, nt)
+    h_steps = _ceil_div(H + KVH, nt)  # the norm: one head's sum of squares per thread and step
+    norm = qk_norm_eps is not None
+    eps = float(qk_norm_eps or 0.0)
+
+    def qk(x, factor, w):  # a q or k value as the rotation (or the copy) reads it
+        return x * factor * w if norm else x
 
     @T.prim_func
     def kernel(
         qkv_h: T.handle,
         cos: T.Buffer((max_ctx, half), "float32"),
         sin: T.Buffer((max_ctx, half), "float32"),
+        q_norm: T.Buffer((hd,), "float32"),
+        k_norm: T.Buffer((hd,), "float32"),
         kcache: T.Buffer((KVH, max_ctx, hd), "float32"),
         vcache: T.Buffer((KVH, max_ctx, hd), "float32"),
         q_h: T.handle,
@@ -371,37 +383,55 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool):
         q = T.match_buffer(q_h, (M, H * hd), "float32")
         for i in T.thread_binding(M, thread="blockIdx.x"):
             for t in T.thread_binding(nt, thread="threadIdx.x"):
+                factor = T.alloc_shared((H + KVH,), "float32")  # each q, then k, head's 1/rms (with a norm only)
                 p = start + i
+                if norm:
+                    acc = T.alloc_local((1,), "float32")
+                    for s in range(h_steps):
+                        if s * nt + t < H + KVH:  # the q heads, then the k heads: contiguous in a qkv row
+                            acc[0] = T.float32(0)
+                            for d in range(hd):
+                                acc[0] = acc[0] + qkv[i, (s * nt + t) * hd + d] * qkv[i, (s * nt + t) * hd + d]
+                            factor[s * nt + t] = compute.head_norm_scale(acc[0], hd, eps)
+                    T.tvm_storage_sync("shared")
                 if rope:
                     for s in range(q_steps):
                         if s * nt + t < H * half:
                             h = (s * nt + t) // half
                             d = (s * nt + t) % half
                             q[i, h * hd + d] = rope_low(
-                                qkv[i, h * hd + d], qkv[i, h * hd + half + d], cos[p, d], sin[p, d])
+                                qk(qkv[i, h * hd + d], factor[h], q_norm[d]),
+                                qk(qkv[i, h * hd + half + d], factor[h], q_norm[half + d]), cos[p, d], sin[p, d])
                             q[i, h * hd + half + d] = rope_high(
-                                qkv[i, h * hd + d], qkv[i, h * hd + half + d], cos[p, d], sin[p, d])
+                                qk(qkv[i, h * hd + d], factor[h], q_norm[d]),
+                                qk(qkv[i, h * hd + half + d], factor[h], q_norm[half + d]), cos[p, d], sin[p, d])
                     for s in range(k_steps):
                         if s * nt + t < KVH * half:
                             h = (s * nt + t) // half
                             d = (s * nt + t) % half
                             kcache[h, p, d] = rope_low(
-                                qkv[i, K0 + h * hd + d], qkv[i, K0 + h * hd + half + d], cos[p, d], sin[p, d])
+                                qk(qkv[i, K0 + h * hd + d], factor[H + h], k_norm[d]),
+                                qk(qkv[i, K0 + h * hd + half + d], factor[H + h], k_norm[half + d]),
+                                cos[p, d], sin[p, d])
                             kcache[h, p, half + d] = rope_high(
-                                qkv[i, K0 + h * hd + d], qkv[i, K0 + h * hd + half + d], cos[p, d], sin[p, d])
+                                qk(qkv[i, K0 + h * hd + d], factor[H + h], k_norm[d]),
+                                qk(qkv[i, K0 + h * hd + half + d], factor[H + h], k_norm[half + d]),
+                                cos[p, d], sin[p, d])
                 else:
                     for s in range(qc_steps):
                         if s * nt + t < H * hd:
-                            q[i, s * nt + t] = qkv[i, s * nt + t]
+                            q[i, s * nt + t] = qk(qkv[i, s * nt + t], factor[(s * nt + t) // hd],
+                                                  q_norm[(s * nt + t) % hd])
                     for s in range(v_steps):
                         if s * nt + t < KVH * hd:
-                            kcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, K0 + s * nt + t]
+                            kcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qk(
+                                qkv[i, K0 + s * nt + t], factor[H + (s * nt + t) // hd], k_norm[(s * nt + t) % hd])
                 for s in range(v_steps):
                     if s * nt + t < KVH * hd:
                         vcache[(s * nt + t) // hd, p, (s * nt + t) % hd] = qkv[i, V0 + s * nt + t]
 
-    # one kernel for both; without RoPE its cos/sin tables are never read and leave the signature
-    kernel = kernel if rope else drop_params(kernel, ["cos", "sin"])
+    # one kernel for every variant: the tables a variant never reads leave its signature
+    kernel = drop_params(kernel, ([] if rope else ["cos", "sin"]) + ([] if norm else ["q_norm", "k_norm"]))
     return kernel.with_attr("global_symbol", name)
 
 

@@ -174,7 +174,7 @@ ROW_GROUP = 8
 an accumulator each) and prefetches nothing: each row is a sequential stream the L2 hardware prefetcher follows
 on its own, and 8 streams at once keep far more lines in flight than one row's software prefetches can (those
 hold an L1 fill buffer each until their line arrives: one core streamed gathered rows at ~7.5 GB/s with them,
-the bound of 16 buffers at DRAM latency). Measured 2026-12-02 on the 2-core Intel Xeon (Sapphire Rapids class,
+the bound of 16 buffers at DRAM latency). Measured on a 2-core Intel Xeon (Sapphire Rapids class,
 AVX-512; `benchmarks/bench_sparse_in_model.py --layers 8 --dense-ffn`, 2048 x 8192 fp32 layers on huge pages,
 each call after its layer's attention GEMVs, alternated variants): at 10% and 20% of the rows selected the
 rows of 1 row at a time with prefetches read at 0.69-0.76x the dense FFN GEMVs' GB/s (two threads), of 4 in
@@ -189,10 +189,10 @@ PREFETCH_ROWS = 1  # sparse_ffn (one row at a time): while a neuron's row is rea
 PREFETCH_LOCALITY = 2
 """sparse_ffn's prefetches go to L2 (prefetcht1), not L1 (prefetcht0): a row of 8 KiB is 128 lines in flight,
 far more than L1's miss buffers hold, and L1-bound prefetches queue behind each other (and behind the demand
-loads of the row being read). Measured 2026-12-01 on the Zen 4 (benchmarks/bench_sparse_in_model.py, 6 layers
+loads of the row being read). Measured on a 2-core Zen 4 (benchmarks/bench_sparse_in_model.py, 6 layers
 of 2048x8192, each call after its layer's attention GEMVs, alternated variants): rows read at 1.9-2.0x the
 bandwidth of locality 3 (one thread: 16.1 against 8.2 GB/s at 10% selected, 17.6 against 8.8 at 20%; two: 15.2
-against 7.7 at 10%, medians), now faster per byte than the dense panel GEMVs of the same layers (1.1-1.2x);
+against 7.7 at 10%, medians), faster per byte than the dense panel GEMVs of the same layers (1.1-1.2x);
 prefetching 2 or 4 rows ahead instead of 1 changed nothing measurable, nor locality 1 against 2. sparse_columns
 (threshold mode) too: 1.1-1.3x (gated up 2048x16384 at 30-50% of the inputs kept, between attention GEMVs over
 5 layers, one and two threads)."""
@@ -301,7 +301,7 @@ def float_rows(D: int, wdtype: str) -> RowFormat:
 QUANT_PREFETCH_BYTES = 4096
 """sparse_ffn_q prefetches the rows of the neuron this many bytes of rows later (int4 at D = 2048: 4 rows of
 1,152 bytes; int8: 2 of 2,176) instead of one row: a short row prefetched one ahead arrives late. Measured
-2026-12-01 (benchmarks/bench_sparse_in_model.py, 6 layers of 2048 x 8192 between attention GEMVs, one thread,
+on a 2-core Zen 4 (benchmarks/bench_sparse_in_model.py, 6 layers of 2048 x 8192 between attention GEMVs, one thread,
 medians of 4-5 rounds): int4 1, 2, 4, 8 rows ahead 0.31, 0.29, 0.26, 0.26 ms a call at 10% selected, int8 1 and
 2 rows 0.32, 0.27 ms; prefetcht0 (locality 3) was slower (0.32 ms at 4 rows)."""
 
@@ -375,7 +375,7 @@ def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="
     (QUANT_PREFETCH_BYTES) unless `prefetch_rows` says otherwise.
 
     The arithmetic, not the bytes, bounds an int4 row: per 32 weights a widening, a mask and a shift, two
-    conversions and three FMAs. Measured 2026-12-01 (2.6 GHz EPYC VM, AVX-512, one thread, rows in L2, D = 2048):
+    conversions and three FMAs. Measured on a 2.6 GHz EPYC VM (AVX-512, one thread, rows in L2, D = 2048):
     a row's dot product took 119 ns in int4, 96 in int8, 103 in fp16, 108 in fp32 (whose bound is the FMA
     chains' latency); between attention GEMVs over 6 layers, one thread, 10% selected: 0.30 ms a call in int4,
     0.29 int8, 0.43 fp16, 0.69 fp32 (4.9, 9.3, 11.7, 14.7 GB/s of rows and scales read).
@@ -388,10 +388,10 @@ def sparse_ffn_q(name, D, n, *, rows, gated: bool, act: str, bits: int, sdtype="
     only (vpmaddubsw's unsigned operand would have to be |q| and q = -128 occurs: no cheap madd form). `tile_panels`
     is the ISA's register budget as for quant.linear_panels_q (1: AVX2, ymm dots; 2: AVX-512, zmm). D must be
     whole vectors of the row's bytes (int4 zmm: a multiple of 128; ymm 64; int8 zmm 64).
-    Measured 2026-12-01 (Zen 4, benchmarks/bench_sparse_in_model.py, relu 2048 x 8192, int4, medians): with one
+    Measured on a Zen 4 (benchmarks/bench_sparse_in_model.py, relu 2048 x 8192, int4, medians): with one
     layer's rows cached ("alone") 1.4-1.8x the fp32 path's rate ("vnni" 0.17 against 0.26 ms a call at 10%);
-    between attention GEMVs over 6 layers only 1.1-1.2x (0.27 against 0.30 ms, one thread), no longer the
-    arithmetic's bound (8 rows prefetched ahead instead of 4 changed nothing).
+    between attention GEMVs over 6 layers only 1.1-1.2x (0.27 against 0.30 ms, one thread), not bound by
+    the arithmetic there (8 rows prefetched ahead instead of 4 changed nothing).
 
     rows=None: a batch step, as `sparse_ffn`'s (fp32 dot products: not with `int8_dot`).
     """
@@ -986,7 +986,7 @@ def sparse_columns_q(name, K, N, *, rows, bits: int, sdtype="float16", has_min: 
     partial sums once at its end. The second loop is sparse_columns' (`_column_sums`).
 
     The arithmetic bounds it, not the bytes (per 32 int4 weights of a row: a widening, a mask, a shift, two
-    conversions, two FMAs). Measured 2026-12-03 (Zen 4 VM, AVX-512, 2 threads on a busy machine, gated up 576 x 3072
+    conversions, two FMAs). Measured on a Zen 4 VM (AVX-512, 2 threads on a busy machine, gated up 576 x 3072
     as in SmolLM2-135M, 30 matrices in turn so rows come from memory; medians): int4 10.5 / 8.5 GB/s of rows and
     scales at 60 / 40% of the inputs kept (57 / 47 us a call, the dense int4 VNNI GEMV 43 us: no faster than dense
     here); int8 16 GB/s (70 / 48 us against the dense int8 GEMV's 106 / 97 us: 1.5-2x); AVX2 int4 77 / 60 us against

@@ -161,8 +161,8 @@ def _multiples(part: np.ndarray, scale: np.ndarray, low: int, high: int) -> tupl
 def _whole_steps(gap: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """Per block, whether its least step between values `gap` (inf: a single value) is a whole number of `scale`,
     loosely: on a grid of that scale it is one exactly. A filter before on_grid's exact test, which a 4-bit file's
-    blocks with a minimum (Q4_1, the K-quants) never pass: without it every code was tried on each of their blocks,
-    a third of the quality pass of an int4 build of such a file."""
+    blocks with a minimum (Q4_1, the K-quants) never pass: without it every code would be tried on each of their
+    blocks, a third of the quality pass of an int4 build of such a file."""
     steps = np.abs(gap / scale)
     return ~np.isfinite(steps) | (np.abs(steps - np.rint(steps)) <= 1e-3 * steps)
 
@@ -325,7 +325,7 @@ QUANT_GEMV_PANELS = 4
 PREFETCH_TASK_BYTES = 256 << 10
 """The int8-activation decode GEMVs prefetch the next task's panels (to L2, a line per line read, at the same
 block) while a task runs where a task reads at most this many weight bytes: a task's short panel streams end
-before the hardware prefetcher has ramped up on the next task's. Measured 2026-12-03 on the 2-core Intel Xeon
+before the hardware prefetcher has ramped up on the next task's. Measured on a 2-core Intel Xeon
 (AVX512-VNNI; 2 threads, matrices streamed from DRAM, the two variants alternated in one process, time without
 prefetch / with): int4 panels (4 a task) 2048 x 6144 1.30x, 2048 x 2048 1.21x, 2048 x 8192 1.27x, 8192 x 2048
 (256 KiB a task) 1.23x, 2048 x 32000 1.21x; int8 (8 a task) the predictors' second layers 128-896 x 8192
