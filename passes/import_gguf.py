@@ -353,6 +353,17 @@ def _sliding_window(reader, path: Path, arch: Architecture, layers: int) -> tupl
     return int(window), sliding.layers(int(pattern), layers)
 
 
+def context_length(path: Path) -> int | None:
+    """The context the file's model was trained for (`<general.architecture>.context_length`), None where the file
+    does not say (or says something that is not a positive integer)."""
+    reader = read(path)
+    arch = _field(reader, "general.architecture", path)
+    value = _field(reader, f"{arch}.context_length", path, default=0)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    return None
+
+
 def _expected_shapes(h: Hyper, vocab: int) -> dict[str, tuple[tuple[int, ...], bool, bool]]:
     """GGUF tensor name -> (numpy-order shape, whether a weight matrix, whether required): the architecture's
     tensors, a block's once per layer."""

@@ -43,7 +43,9 @@ class Options:
     gives each pass the options it reads as its fields, whose defaults are these."""
 
     dense: bool = False
-    max_context: int = 256
+    # the KV cache's length (tokens); None: the model's trained context capped by the KV memory budget, or 256
+    # (passes.context; the command line's default, resolved by `compiler.build`)
+    max_context: int | None = 256
     calib: Path | None = None  # token ids, or text read with `tokenizer` (passes.tokens.read_calibration)
     tokenizer: TokenizerFiles | None = None  # the model's, copied into the artifact (passes.tokenizer)
     vram_budget_bytes: int | None = None  # overrides the target's GPU memory
@@ -106,6 +108,8 @@ class BuildTarget:
         before loading the model, is that budget; else --vram-budget is checked here."""
         if options.weight_dtype == AUTO_WEIGHT_DTYPE:
             raise ValueError("weight_dtype 'auto' is resolved from the model first (resolve_weight_dtype)")
+        if options.max_context is None:
+            raise ValueError("max_context None is resolved from the model first (resolve_context)")
         return cls(target, WEIGHT_FORMATS[options.weight_dtype], options.keep_source_blocks,
                    cls.cpu_isa_of(options, target),
                    gpu if gpu is not None else GpuBudget.resolve(target, options.vram_budget_bytes),

@@ -37,7 +37,7 @@ from .file_blocks import FileMatrix
 from .errors import UserError
 from .ops import Embed
 from .pipeline import Context, Fact
-from .sizes import kv_cache_bytes
+from .sizes import kv_cache_bytes, prefill_rows
 from .targets import format_size
 from runtime.artifact import first_line
 from runtime.dtypes import nbytes
@@ -1062,11 +1062,12 @@ def analyse(model: ir.Model, max_context: int | None = None) -> Decoder:
 
 
 def _check_context(decoder: Decoder, max_context: int) -> None:
-    """--max-context must fit the model's learned positions and the machine's memory (KV cache + logits)."""
+    """--max-context must fit the model's learned positions and the machine's memory (KV cache + a step's logits:
+    they hold prefill_rows rows, whatever the context)."""
     if decoder.positions is not None and decoder.positions.shape[0] < max_context:
         raise UserError(f"--max-context {max_context} exceeds the model's {decoder.positions.shape[0]} learned positions")
     cache_bytes = kv_cache_bytes([(a.num_kv_heads, a.head_dim) for a in decoder.attentions], max_context)
-    logits_bytes = nbytes([max_context, decoder.lm_head.weight.shape[1]], "float32")
+    logits_bytes = nbytes([prefill_rows(max_context), decoder.lm_head.weight.shape[1]], "float32")
     available = available_memory_bytes()
     if available is not None and cache_bytes + logits_bytes > available:
         raise UserError(f"--max-context {max_context} needs {format_size(cache_bytes + logits_bytes)} for the KV cache "

@@ -31,7 +31,7 @@ from . import ir as pir
 from .errors import UserError
 from .facts import ValueFact
 from .pipeline import Context, Options
-from .sizes import KV_CACHE_DTYPE, float_format, weight_format
+from .sizes import KV_CACHE_DTYPE, float_format, prefill_rows, weight_format
 from runtime.calls import START, Access, Arg, Call, Role, Selection
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
 
@@ -70,7 +70,8 @@ def write(buffer: str) -> Arg:
 class Lowering:
     """Collects kernels (deduplicated by name), calls, weights and buffers while walking the block IR."""
 
-    max_context: int
+    max_context: int  # the KV caches' length (and of the position tables)
+    prefill_rows: int = 0  # rows of a row buffer: the most tokens one step computes (0: max_context)
     cpu_format: WeightFormat = WEIGHT_FORMATS["fp32"]  # --weight-dtype: storage of the CPU's large weights
     gemm_panels: int = 1  # weight panels per prefill GEMM register tile (from the CPU instruction set)
     int8_dot: str | None = None  # quantized decode GEMVs: the ISA's integer dot product over int8 activations, or None
@@ -116,7 +117,7 @@ class Lowering:
 
     def activation(self, name: str, width: int, dtype: str = "float32", rows: int | None = None) -> str:
         """A buffer of one row per token (`rows` fixes the row count, e.g. 1 for decode-only scratch)."""
-        shape = [rows or self.max_context, width]
+        shape = [rows or self.prefill_rows or self.max_context, width]
         self.buffers.setdefault(name, {"kind": "activation", "shape": shape, "dtype": dtype})
         return name
 
@@ -898,10 +899,12 @@ class SelectKernels:
         # the build's context, CPU format and instruction set (its register tile and integer dot product)
         build = ctx.build
         isa = build.cpu_isa
-        lowering = Lowering(max_context=build.max_context, cpu_format=build.weight_format, gemm_panels=isa.gemm_panels,
-                            int8_dot=isa.int8_dot if self.int8_activations else None,
-                            max_batch=min(self.max_batch, build.max_context))
-        lowering.buffers["input_ids"] = {"kind": "input", "shape": [lowering.max_context], "dtype": "int64"}
+        # every row buffer holds prefill_rows rows, whatever the context: the runtime prefills longer prompts in steps
+        rows = prefill_rows(build.max_context)
+        lowering = Lowering(max_context=build.max_context, prefill_rows=rows, cpu_format=build.weight_format,
+                            gemm_panels=isa.gemm_panels, int8_dot=isa.int8_dot if self.int8_activations else None,
+                            max_batch=min(self.max_batch, rows))
+        lowering.buffers["input_ids"] = {"kind": "input", "shape": [rows], "dtype": "int64"}
         walker = _Walker(lowering)
         nodes, layers = list(model.graph), pir.node_layers(model.graph)
         with ctx.progress("select-kernels: blocks", len(nodes)) as advance:

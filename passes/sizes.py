@@ -29,6 +29,17 @@ def parameter_count(graph: ir.Graph) -> int:
     return sum(int(v.const_value.size) for v in graph.initializers.values() if v.const_value is not None)
 
 
+PREFILL_ROWS = 512
+"""Rows of every row buffer (activations, input_ids, the logits) of an artifact whose context is longer: the most
+tokens one step computes. The runtime prefills a longer prompt in steps of at most this many (runtime/engine.py),
+so that a step's memory does not grow with the context or the prompt (llama.cpp's default micro-batch is 512)."""
+
+
+def prefill_rows(max_context: int) -> int:
+    """Rows of an artifact's row buffers at `max_context`."""
+    return min(max_context, PREFILL_ROWS)
+
+
 def kv_cache_bytes(attentions: Iterable[tuple[int, int]], max_context: int) -> int:
     """The KV cache for `max_context` tokens; `attentions` gives (num_kv_heads, head_dim) per layer."""
     return sum(2 * heads * head_dim for heads, head_dim in attentions) * max_context * itemsize(KV_CACHE_DTYPE)

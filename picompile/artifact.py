@@ -65,7 +65,8 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
 def _model_facts(buffers: dict, schedule: dict, max_batch: int, source: Path | None) -> ModelFacts:
     logits = buffers["logits"]["shape"]
     caches = sorted(b for b in buffers if buffers[b]["kind"] == "cache")
-    return ModelFacts(vocab_size=logits[1], max_context=logits[0], num_layers=len(caches) // 2,
+    # the KV caches' length ([heads, max_context, head_dim]); the logits hold a step's rows, at most that
+    return ModelFacts(vocab_size=logits[1], max_context=buffers[caches[0]]["shape"][1], num_layers=len(caches) // 2,
                       num_calls=len(schedule["nodes"]), max_batch=max_batch, source=str(source) if source else None)
 
 

@@ -76,7 +76,12 @@ def _parser() -> argparse.ArgumentParser:
                             "default: enough to bring a --calib that is small for the model's FFN width up to size; "
                             "0: none")
     build.add_argument("--vram-budget", help="GPU memory to use, e.g. 8GiB (default: the target's)")
-    build.add_argument("--max-context", type=_positive_int, default=256, help="KV cache length (tokens)")
+    build.add_argument("--max-context", type=_positive_int, default=None, metavar="N",
+                       help="the longest sequence (prompt and generated tokens) the artifact holds, the length of "
+                            "its KV cache; default: the context the model was trained for (a GGUF file's "
+                            "<arch>.context_length, config.json's max_position_embeddings beside an ONNX file; else "
+                            "256), capped so that a sequence's KV cache takes at most a quarter of the memory "
+                            "available beside the weights. The build prints the context it chose")
     build.add_argument("--max-batch", type=_non_negative(int), default=8, metavar="N",
                        help="CPU artifacts: decode up to N sequences in one batch step (a sparse layer reads the union "
                             "of their predicted neurons once); 0 or 1: no batch phase")
@@ -256,8 +261,10 @@ def _build(args) -> int:
 
     # warnings (say, too little calibration data) reach the user without -v; --quiet keeps them out
     warn = None if args.quiet else (lambda message: print(f"warning: {message}", file=sys.stderr))
+    # the context chosen (and why) is printed before the passes run, without -v too
+    say = log if args.quiet else (lambda message: print(message, flush=True))
     output = build(args.model, args.output, target, options, dump_dir=args.dump_ir, log=log, warn=warn,
-                   verify=args.dump_ir is not None, progress=ProgressBars.enabled_for_stderr(args.quiet))
+                   verify=args.dump_ir is not None, progress=ProgressBars.enabled_for_stderr(args.quiet), say=say)
     print(f"wrote {output}")
     if args.quiet:
         return 0

@@ -18,6 +18,7 @@ from passes import ir as pir
 from passes import memory
 from passes.awq import AWQ, AWQ_MIN_TOKENS, AWQ_TOKENS
 from passes.compile import Compile
+from passes.context import choose_context, trained_context
 from passes.fuse import Fuse
 from passes.handover import Handover
 from passes.import_gguf import GGUFSource, ImportGGUF, rerounding_warning
@@ -181,18 +182,37 @@ def resolve_weight_dtype(options: Options, model: ir.Model, log=lambda message: 
     return resolved
 
 
+def resolve_context(options: Options, model_path: Path, model: ir.Model, say=lambda message: None,
+                    warn=lambda message: None, trained: tuple[int | None, str] | None = None,
+                    gpu_bytes: int = 0) -> Options:
+    """`options` with max_context None replaced by the model's trained context (`trained`, if read already: see
+    `passes.context.trained_context`), capped by the KV memory budget (`passes.context`; `gpu_bytes`: a GPU
+    target's budget); `say` gets the line naming the context, where it came from and its KV cache, `warn` what
+    is wrong with an explicit one (past the trained context)."""
+    choice = choose_context(model_path, model, options.max_context, trained, gpu_bytes)
+    say(choice.line())
+    warning = choice.warning()
+    if warning is not None:
+        warn(warning)
+    return dataclasses.replace(options, max_context=choice.tokens)
+
+
 def build(model_path: Path, output: Path, target: Target, options: Options, *,
           dump_dir: Path | None = None, log=lambda message: None, warn=None, verify: bool = False,
-          passes: list[Pass] | None = None, progress: bool = False) -> Path:
+          passes: list[Pass] | None = None, progress: bool = False, say=None) -> Path:
     """Compile an ONNX decoder into an artifact directory; nothing is left at `output` if it fails, and an
     artifact already there stays whole until the new one replaces it. `progress` draws bars on stderr.
-    `log` gets the passes' lines, `warn` (default: `log`) those the user should see anyway (`Context.warn`).
+    `log` gets the passes' lines, `warn` (default: `log`) those the user should see anyway (`Context.warn`),
+    `say` (default: `log`) the facts the user should see before the passes run (the context chosen).
     `passes` replaces the pipeline (run as given, in one stage)."""
     gpu = GpuBudget.resolve(target, options.vram_budget_bytes)  # refused before any work, not passes later
     artifact.check_output(output)
     memory.map_large_buffers()
+    trained = trained_context(model_path)  # (a GGUF file's metadata: read before `load` drops the parsed reader)
     model = load(model_path)
     options = resolve_weight_dtype(options, model, log)
+    options = resolve_context(options, model_path, model, say or log, warn or log, trained,
+                              gpu.total_bytes if target.has_gpu else 0)
     build_target = BuildTarget.resolve(options, target, gpu)  # what every pass reads: resolved once, here
     log(build_target.describe())
     hooks: list[Hook] = [ReleaseMappedPages(model), LogTiming()]  # released before -v reports what stayed

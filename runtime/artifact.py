@@ -70,9 +70,13 @@ def huge_pages_in(array: np.ndarray) -> int:
 
 
 def aligned_zeros(shape, dtype=np.float32) -> np.ndarray:
-    array = aligned_empty(shape, dtype)
-    array.fill(0)
-    return array
+    """A 64-byte aligned array of zeros. numpy takes zeroed memory from calloc, whose large blocks are fresh
+    anonymous mappings: their pages cost memory only once written (a KV cache for a long context is resident as
+    far as a sequence has filled it, not at load)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(nbytes + ALIGNMENT, np.uint8)
+    offset = (-raw.ctypes.data) % ALIGNMENT
+    return raw[offset: offset + nbytes].view(dtype).reshape(shape)
 
 
 def available_memory_bytes() -> int | None:

@@ -21,6 +21,11 @@ without a batch phase (GPU calls, --max-batch < 2, or built before the batch pha
 runs `forward_batch` as one decode step per slot. (Where decode's quantized kernels take int8 dot products
 over a quantized x, a batch step's take fp32 ones, as prefill's do: its logits differ from decode's by that.)
 
+Long prompts: every row buffer (activations, input_ids, the logits) holds `prefill_rows` rows (the build makes it
+min(max_context, 512)), so the memory of a step does not grow with the context; `forward` runs a prompt longer
+than `prefill_chunk` (at most prefill_rows) as consecutive steps of that many tokens, each attending over the
+cache the steps before wrote: the same logits as one step over the whole prompt.
+
 Stages: an artifact split across machines (`build --nodes`) runs whole here, every stage in order, each hand-over
 call a copy of the step's rows from the sending stage's buffer to the receiving stage's. `Engine(directory,
 stage=k)` is one stage alone (runtime/ray_stages.py runs one per Ray actor): its calls, the buffers they use, its
@@ -99,9 +104,12 @@ class Step:
 
 class Engine:
     def __init__(self, directory: str | Path, *, check_hashes: bool = True, emulate_gpu: bool = False,
-                 slots: int = 1, threads: int | None = None, stage: int | None = None):
+                 slots: int = 1, threads: int | None = None, stage: int | None = None,
+                 prefill_chunk: int | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         self.directory = Path(directory)
         # one stage of a split model reads (and hashes) only the weight files it needs, below
         self.manifest = load_manifest(self.directory, check_hashes=check_hashes, weights_later=stage is not None)
@@ -133,6 +141,10 @@ class Engine:
                                 f"{f' for each of {slots} slots' if slots > 1 else ''} and buffers) but only {format_size(available)} is available; free memory, or rebuild "
                                 "it with --weight-dtype fp16 or a smaller --max-context")
         self.max_context = facts.max_context
+        # the most tokens one step takes (the rows of every row buffer); `forward` prefills longer prompts in steps
+        # of `prefill_chunk` tokens (default: all of them)
+        self.prefill_rows = facts.prefill_rows
+        self.prefill_chunk = min(prefill_chunk or facts.prefill_rows, facts.prefill_rows)
         self.vocab_size = facts.vocab_size  # the embedding table's rows (its weight file's), = model.vocab_size
         tvm_runtime, self._ffi = _tvm_runtime()
         # how many of the pool's workers each kind of step runs on: `threads`, else measured (runtime/threads.py)
@@ -389,9 +401,27 @@ class Engine:
         position = self.positions[slot]
         if position + rows > self.max_context:
             raise ValueError(f"context full: {position} cached + {rows} new > max context {self.max_context}")
+        if rows <= self.prefill_chunk:
+            return self._step(inputs, slot, last_only, prefill=rows > 1)
+        # a long prompt: steps of at most prefill_chunk tokens (as even as can be), each attending over the cache
+        # the ones before wrote; every step a prefill (a last step of one token too: not decode's sparse kernels)
+        steps = -(-rows // self.prefill_chunk)
+        bounds = [rows * k // steps for k in range(steps + 1)]
+        outputs = []
+        for k in range(steps):
+            last = k == steps - 1
+            out = self._step(inputs[bounds[k]:bounds[k + 1]], slot, last_only, prefill=True)
+            if last or not last_only:  # (`last_only`: the earlier steps' last rows are not asked for)
+                outputs.append(out)
+        return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+
+    def _step(self, inputs: np.ndarray, slot: int, last_only: bool, prefill: bool) -> np.ndarray:
+        """One step over `inputs` (at most prefill_rows of them) after the rows cached in `slot`: the prefill
+        program, or (one row, not `prefill`) the bound decode program."""
+        rows, position = len(inputs), self.positions[slot]
         self._write_inputs(inputs)
-        program = self._decodes[slot] if rows == 1 else self._program("prefill", rows, slot, last_only)
-        kind = step_kind("decode" if rows == 1 else "prefill", rows)
+        program = self._program("prefill", rows, slot, last_only) if prefill else self._decodes[slot]
+        kind = step_kind("prefill" if prefill else "decode", rows)
         threads = self.governor.threads_for(kind)
         began = time.perf_counter()
         if self.gpu is None:
@@ -401,7 +431,7 @@ class Engine:
         self.governor.record(kind, threads, time.perf_counter() - began)
         if self.profile is not None:
             self._profile_wall(began)
-            if rows == 1:
+            if not prefill:
                 self.profile["decode_steps"] = self.profile.get("decode_steps", 0) + 1
         self.positions[slot] = position + rows
         return self.buffers[self.stage_output][rows - 1 if last_only else 0:rows].copy()

@@ -4,7 +4,7 @@ The sha256 checks of `load_manifest` prove that the weight files, the schedule a
 ones the build wrote; the manifest's own digest can be recomputed by whoever edits it. So the runtime
 believes the files, not the manifest: every weight buffer's shape and type must be what its weight file's
 header says, the vocabulary is the token embedding table's row count, the context length, the KV cache
-lengths, the logits and the layer counts must agree with the weights and the schedule, and every buffer a
+lengths, the prefill rows, the logits and the layer counts must agree with the weights and the schedule, and every buffer a
 call passes must have the shape and type its kernel was compiled for (kernels/signatures.json), which is
 what TVM's generated code checks at call time. A disagreement is one `ArtifactError` naming the field;
 nothing reaches a kernel that it would refuse, and no token id can index past the embedding table.
@@ -30,7 +30,10 @@ class Facts:
     """What the runtime may rely on, established from the verified files."""
 
     vocab_size: int  # rows of the token embedding table, from its weight file
-    max_context: int  # KV cache length = rows of every row buffer
+    max_context: int  # KV cache length
+    # rows of every row buffer (input_ids'): the most tokens one forward step takes; a longer prompt is prefilled in
+    # steps of this many (Engine.forward). At most max_context (artifacts built before chunked prefill: equal to it)
+    prefill_rows: int
     num_layers: int
     token_tables: tuple[str, ...]  # the embedding tables the embed calls index by token id
 
@@ -69,12 +72,14 @@ def check_artifact(manifest: Manifest, nodes: list[Call], headers: dict[str, dic
     files_of = _check_weights(buffers, headers)
     _check_call_buffers(nodes, buffers)
     max_context = manifest.model.max_context
-    max_batch = _check_max_batch(manifest, nodes)
+    prefill_rows = _check_prefill_rows(manifest, buffers)
+    max_batch = _check_max_batch(manifest, nodes, prefill_rows)
     vocab, tables = _check_vocabulary(manifest, buffers, nodes, headers, files_of)
-    _check_context(manifest, buffers, nodes, headers, files_of)
+    _check_context(manifest, buffers, nodes, headers, files_of, prefill_rows)
     layers = _check_layers(manifest, buffers, nodes)
-    _check_signatures(buffers, nodes, signatures, max_context, max_batch)
-    return Facts(vocab_size=vocab, max_context=max_context, num_layers=layers, token_tables=tables)
+    _check_signatures(buffers, nodes, signatures, prefill_rows, max_batch)
+    return Facts(vocab_size=vocab, max_context=max_context, prefill_rows=prefill_rows, num_layers=layers,
+                 token_tables=tables)
 
 
 def _shape(info: Buffer) -> list[int]:
@@ -175,21 +180,39 @@ def _check_vocabulary(manifest, buffers, nodes, headers, files_of) -> tuple[int,
     if logits.kind != "activation" or logits.dtype != "float32" or len(logits.shape) != 2 \
             or logits.shape[1] != vocab:
         raise disagrees(f"buffers.logits is {logits.kind} {logits.dtype} {logits.shape} but the logits are "
-                        f"float32 [max_context, {vocab}], {vocab} being the vocabulary: the rows of the embedding "
+                        f"float32 [prefill rows, {vocab}], {vocab} being the vocabulary: the rows of the embedding "
                         f"table {_where(tables[0], files_of)}")
     return vocab, tuple(dict.fromkeys(tables))
 
 
-def _check_max_batch(manifest, nodes) -> int:
+def _check_prefill_rows(manifest, buffers) -> int:
+    """The rows of a step: input_ids is int64 [rows], 1 <= rows <= model.max_context (a prompt longer than rows is
+    prefilled in steps of rows tokens)."""
+    max_context = manifest.model.max_context
+    if max_context <= 0:
+        raise disagrees(f"model.max_context is {max_context}, not a positive integer")
+    ids = buffers["input_ids"]
+    if ids.kind != "input" or ids.dtype != "int64" or len(ids.shape) != 1:
+        raise disagrees(f"buffers.input_ids is {ids.kind} {ids.dtype} {ids.shape} but the token ids are "
+                        "input int64 [prefill rows]")
+    rows = ids.shape[0]
+    if rows > max_context:
+        raise disagrees(f"model.max_context is {max_context} but buffers.input_ids has {rows} rows: a step takes at "
+                        "most model.max_context tokens")
+    return rows
+
+
+def _check_max_batch(manifest, nodes, prefill_rows: int) -> int:
     """model.max_batch (0 where absent: an artifact without a batch phase) is an integer, at least 2 and at most
-    model.max_context where a call has a batch kernel, and every decode call then has one."""
+    the prefill rows (input_ids') where a call has a batch kernel, and every decode call then has one."""
     max_batch = manifest.model.max_batch
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 0:
         raise disagrees(f"model.max_batch is {max_batch!r}, not a non-negative integer")
     batched = [node for node in nodes if node.batch]
-    if batched and not 2 <= max_batch <= manifest.model.max_context:
+    if batched and not 2 <= max_batch <= prefill_rows:
         raise disagrees(f"model.max_batch is {max_batch} but call {batched[0].id} has a batch kernel: a batch phase "
-                        "holds 2 to model.max_context sequences")
+                        f"holds 2 to {prefill_rows} sequences (the rows of buffers.input_ids, at most "
+                        "model.max_context)")
     missing = [node.id for node in nodes if node.decode and not node.batch]
     if batched and missing:
         raise ArtifactError(f"schedule.json is damaged: call {missing[0]} has no batch kernel but others do; "
@@ -197,26 +220,19 @@ def _check_max_batch(manifest, nodes) -> int:
     return max_batch if batched else 0
 
 
-def _check_context(manifest, buffers, nodes, headers, files_of) -> None:
-    """Every row buffer holds model.max_context rows (or 1, or model.max_batch: one-token steps only), input_ids
-    is int64 [max_context], each
+def _check_context(manifest, buffers, nodes, headers, files_of, prefill_rows: int) -> None:
+    """Every row buffer holds the prefill rows (input_ids': or 1, or model.max_batch: one-token steps only), each
     KV cache is [heads, max_context, head_dim], and learned position tables have a row for every position."""
     max_context = manifest.model.max_context
-    if max_context <= 0:
-        raise disagrees(f"model.max_context is {max_context}, not a positive integer")
-    ids = buffers["input_ids"]
-    if ids.kind != "input" or ids.dtype != "int64" or len(ids.shape) != 1:
-        raise disagrees(f"buffers.input_ids is {ids.kind} {ids.dtype} {ids.shape} but the token ids are "
-                        "input int64 [max_context]")
-    for name in ("input_ids", "logits"):
-        if buffers[name].shape[0] != max_context:
-            raise disagrees(f"model.max_context is {max_context} but buffers.{name} has {buffers[name].shape[0]} rows")
+    if buffers["logits"].shape[0] != prefill_rows:
+        raise disagrees(f"buffers.input_ids has {prefill_rows} rows but buffers.logits has "
+                        f"{buffers['logits'].shape[0]}")
     step_rows = {1, manifest.model.max_batch or 1}
     for name, info in buffers.items():
         shape = info.shape
-        if info.kind in ROW_KINDS and shape[0] != max_context and shape[0] not in step_rows:
-            raise disagrees(f"buffers.{name}.shape is {shape}: a row buffer holds model.max_context ({max_context}) "
-                            "rows (or 1, or model.max_batch: one-token steps only)")
+        if info.kind in ROW_KINDS and shape[0] != prefill_rows and shape[0] not in step_rows:
+            raise disagrees(f"buffers.{name}.shape is {shape}: a row buffer holds the prefill rows of "
+                            f"buffers.input_ids ({prefill_rows}) (or 1, or model.max_batch: one-token steps only)")
         if info.kind == "cache" and (len(shape) != 3 or shape[1] != max_context):
             raise disagrees(f"buffers.{name}.shape is {shape} but a KV cache is [heads, model.max_context "
                             f"({max_context}), head_dim]")
@@ -282,10 +298,11 @@ def _dims(dims: list) -> str:
     return "[" + ", ".join(str(d) if isinstance(d, int) else "rows" for d in dims) + "]"
 
 
-def _check_signatures(buffers: dict[str, Buffer], nodes: list[dict], signatures: dict, max_context: int, max_batch: int = 0) -> None:
+def _check_signatures(buffers: dict[str, Buffer], nodes: list[dict], signatures: dict, prefill_rows: int,
+                      max_batch: int = 0) -> None:
     """Each call's buffers have the shape and type its kernels take (TVM's code checks them at call time: a
     mismatch would be an internal error mid-generation). A kernel's size variable is the step's row count:
-    1 for decode, up to max_context for prefill, up to max_batch for a batch step (1 for a call a batch step
+    1 for decode, up to the prefill rows (input_ids') for prefill, up to max_batch for a batch step (1 for a call a batch step
     runs per sequence); row buffers are passed as their first `rows` rows."""
     if not isinstance(signatures, dict):
         raise ArtifactError("kernels/signatures.json is damaged; rebuild the artifact")
@@ -319,7 +336,7 @@ def _check_signatures(buffers: dict[str, Buffer], nodes: list[dict], signatures:
             elif phase == "batch":
                 steps = sorted({2, max_batch})
             else:
-                steps = sorted({min(2, max_context), max_context})
+                steps = sorted({min(2, prefill_rows), prefill_rows})
             for rows in steps:
                 bound: dict[str, int] = {}
                 for position, (arg, param) in enumerate(zip(args, signature)):
@@ -342,9 +359,9 @@ def _check_signatures(buffers: dict[str, Buffer], nodes: list[dict], signatures:
                             raise disagrees(f"buffers.{arg}.shape is {shape} but call {call} runs once per sequence "
                                             f"of batch steps of up to {max_batch} rows (model.max_batch)")
                         if shape[0] < rows:
-                            limit = "max_batch" if phase == "batch" else "max_context"
+                            limit = "model.max_batch" if phase == "batch" else "the rows of buffers.input_ids"
                             raise disagrees(f"buffers.{arg}.shape is {shape} but call {call} runs {phase} steps of "
-                                            f"up to {rows} rows (model.{limit})")
+                                            f"up to {rows} rows ({limit})")
                         shape[0] = rows
                     fits = isinstance(dims, list) and len(dims) == len(shape)
                     for want, have in zip(dims if fits else [], shape):

@@ -40,6 +40,7 @@ class Tiny:
     rope_base: float = 10000.0
     eps: float = 1e-5
     rope_freqs: bool = False  # LLaMA 3.1's rope_freqs.weight: per-frequency divisors of RoPE's angles
+    context: int = 256  # <arch>.context_length: the context the model was trained for
     sliding_window: int = 0  # phi3's attention.sliding_window (its converter writes 0 for none)
     key_length: int | None = None  # attention.key_length (and value_length): a head size other than d_model / heads
     # gemma2 / gemma3: their metadata where not None (llama.cpp's defaults where None: gemma2's caps 50 and 30 and
@@ -131,7 +132,7 @@ def write(path: Path, tiny: Tiny = Tiny(), seed: int = 0, tokenizer: dict | None
         edit(tensors)
     writer = gguf.GGUFWriter(str(path), t.arch)
     writer.add_block_count(t.layers)
-    writer.add_context_length(256)
+    writer.add_context_length(t.context)
     writer.add_embedding_length(t.d_model)
     writer.add_feed_forward_length(t.ffn)
     writer.add_head_count(t.heads)

@@ -15,6 +15,7 @@ import passes.front_end
 import passes.import_onnx
 import passes.recognise
 from passes.targets import format_size
+from passes.sizes import PREFILL_ROWS
 from test_cli_errors import assert_user_error, run_cli
 
 
@@ -223,11 +224,12 @@ def test_kv_cache_larger_than_available_memory_is_refused(tiny_models, workdir, 
     available = 700 << 20  # enough for the weights (about 516 MiB with the base), not for the cache
     monkeypatch.setattr(passes.import_onnx, "available_memory_bytes", lambda: available)
     monkeypatch.setattr(passes.recognise, "available_memory_bytes", lambda: available)
-    line = build_fails(workdir, capfd, tiny_models("llama", "dynamo").onnx, "--max-context", "1000000", inputs=[])
-    # 2 layers x (key + value) x 2 kv heads x 16 dims x 4 bytes per position, and 128 logits x 4 bytes
-    needed = (2 * 2 * 2 * 16 * 4 + 128 * 4) * 1_000_000
+    line = build_fails(workdir, capfd, tiny_models("llama", "dynamo").onnx, "--max-context", "2000000", inputs=[])
+    # 2 layers x (key + value) x 2 kv heads x 16 dims x 4 bytes per position, and a step's logits: 128 x 4 bytes
+    # for each of its PREFILL_ROWS rows (whatever the context)
+    needed = 2 * 2 * 2 * 16 * 4 * 2_000_000 + 128 * 4 * PREFILL_ROWS
     assert f"needs {format_size(needed)}" in line and f"only {format_size(available)}" in line
-    assert "--max-context 1000000" in line
+    assert "--max-context 2000000" in line
 
 
 def test_available_memory_reads_the_machine():

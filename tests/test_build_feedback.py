@@ -62,7 +62,9 @@ def test_progress_bars_when_forced_and_silence_otherwise(forced_build, sparse_fi
     assert main(["build", model, "-o", str(tmp_path / "b.pic"), "--dense", "--max-context", "64"]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""
-    assert captured.out.startswith("wrote ") and "expected decode" in captured.out
+    lines = captured.out.splitlines()  # the context chosen, before the passes; what was written; the estimate
+    assert lines[0] == "context 64 tokens (--max-context; KV cache 64.00 KiB per sequence)", lines[0]
+    assert lines[1].startswith("wrote ") and "expected decode" in captured.out
 
     monkeypatch.setenv("PICOMPILE_PROGRESS", "1")  # --quiet wins even over a terminal
     assert main(["build", model, "-o", str(tmp_path / "c.pic"), "--quiet", "--dense", "--max-context", "64"]) == 0

@@ -814,6 +814,9 @@ def rope_kv_write(name, H, KVH, hd, max_ctx, *, rows, rope: bool, qk_norm_eps: f
     return kernel.with_attr("global_symbol", name)
 
 
+ATTENTION_BLOCK = 128  # keys scored at a time: the score buffer (512 bytes) stays on the stack, whatever the context
+
+
 def attention(name, H, KVH, hd, max_ctx, scale, *, rows, softcap: float = 0.0, window: int = 0):
     """Causal grouped-query attention over the KV cache.
 
@@ -821,11 +824,14 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows, softcap: float = 0.0, w
     Query head h reads kv head h // (H // KVH); row i (position p = start + i) attends keys
     lo .. p, lo = 0, or with a sliding `window` max(0, p - window + 1). One (head, row) pair per
     parallel iteration, heads outermost so each thread gets whole heads and the causal triangle
-    stays balanced. Per pair:
-      1. scores s[t] = scale * q . k_t (soft-capped: softcap * tanh(s / softcap), Gemma 2's), q.k
-         as hd/8 vector FMAs and one horizontal sum;
-      2. max and exp/sum over s in whole vectors from lo's (s padded before lo and after p with -inf);
-      3. out = (sum_t p_t v_t) / sum, accumulated in hd/8 ymm registers, key loop outside.
+    stays balanced. Per pair, the keys from lo are taken ATTENTION_BLOCK at a time (an online softmax:
+    neither the work nor the memory of a step depends on max_ctx, only on the keys it attends), per block:
+      1. scores s[t] = scale * q . k_t (soft-capped: softcap * tanh(s / softcap), Gemma 2's), q.k as
+         hd/8 vector FMAs and one horizontal sum;
+      2. the block's max and exp/sum over s in whole vectors (s padded to a multiple of 8 with -inf); the
+         running max, sum and output are rescaled by exp(old max - new max) (0 at the first block);
+      3. out += sum_t p_t v_t, accumulated in hd/8 ymm registers, key loop outside.
+    The output is divided by the sum at the end.
     """
     if H % KVH:
         raise ValueError("H must be a multiple of KVH")
@@ -833,7 +839,7 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows, softcap: float = 0.0, w
     group = H // KVH
     dl = _lanes(hd)
     nd = hd // dl
-    cap = (max_ctx + VEC - 1) // VEC * VEC  # score buffer, padded to whole vectors
+    block = min(ATTENTION_BLOCK, (max_ctx + VEC - 1) // VEC * VEC)  # score buffer, whole vectors
     scale = float(scale)
     softcap, window = float(softcap), int(window)
 
@@ -860,55 +866,65 @@ def attention(name, H, KVH, hd, max_ctx, scale, *, rows, softcap: float = 0.0, w
             g = h // group
             n_keys = start + i + 1
             lo = first_key(n_keys)
-            v_lo = lo // VEC  # the first whole vector of scores holding one
-            n_vec = (n_keys + VEC - 1) // VEC
-            s = T.alloc_local((cap,), "float32")
+            s = T.alloc_local((block,), "float32")
             dot = T.alloc_local((dl,), "float32")
             red = T.alloc_local((VEC,), "float32")
-            stat = T.alloc_local((2,), "float32")  # running max, then the exp sum
+            # running max, running sum, the block's max, the rescale factor, a sum
+            stat = T.alloc_local((5,), "float32")
             o = T.alloc_local((hd,), "float32")
-            # 1. scores
-            for t in range(v_lo * VEC, lo):
-                s[t] = T.float32(compute.NEG_INF)
-            for t in range(lo, n_keys):
-                for v in T.vectorized(dl):
-                    dot[v] = T.float32(0)
-                for d0 in T.unroll(nd):
-                    for v in T.vectorized(dl):
-                        dot[v] = dot[v] + q[i, h * hd + d0 * dl + v] * kcache[g, t, d0 * dl + v]
-                stat[0] = dot[0]
-                for v in T.unroll(1, dl):
-                    stat[0] = stat[0] + dot[v]
-                s[t] = capped(stat[0] * T.float32(scale))
-            for t in range(n_keys, n_vec * VEC):
-                s[t] = T.float32(compute.NEG_INF)
-            # 2. max
-            for v in T.vectorized(VEC):
-                red[v] = T.float32(compute.NEG_INF)
-            for tb in range(v_lo, n_vec):
-                for v in T.vectorized(VEC):
-                    red[v] = T.max(red[v], s[tb * VEC + v])
-            stat[0] = red[0]
-            for v in T.unroll(1, VEC):
-                stat[0] = T.max(stat[0], red[v])
-            # exp and sum (padding gives exp(-huge) ~ 1e-38, nothing next to the max's 1.0)
-            for v in T.vectorized(VEC):
-                red[v] = T.float32(0)
-            for tb in range(v_lo, n_vec):
-                for v in T.vectorized(VEC):
-                    s[tb * VEC + v] = MATH.exp(s[tb * VEC + v] - stat[0])
-                    red[v] = red[v] + s[tb * VEC + v]
-            stat[1] = red[0]
-            for v in T.unroll(1, VEC):
-                stat[1] = stat[1] + red[v]
-            # 3. weighted sum of values
             for d0 in T.unroll(nd):
                 for v in T.vectorized(dl):
                     o[d0 * dl + v] = T.float32(0)
-            for t in range(lo, n_keys):
+            stat[0] = T.float32(compute.NEG_INF)
+            stat[1] = T.float32(0)
+            for b in range((n_keys - lo + block - 1) // block):
+                base = lo + b * block
+                count = T.min(n_keys - base, block)
+                n_vec = (count + VEC - 1) // VEC
+                # 1. scores
+                for t in range(count):
+                    for v in T.vectorized(dl):
+                        dot[v] = T.float32(0)
+                    for d0 in T.unroll(nd):
+                        for v in T.vectorized(dl):
+                            dot[v] = dot[v] + q[i, h * hd + d0 * dl + v] * kcache[g, base + t, d0 * dl + v]
+                    stat[4] = dot[0]
+                    for v in T.unroll(1, dl):
+                        stat[4] = stat[4] + dot[v]
+                    s[t] = capped(stat[4] * T.float32(scale))
+                for t in range(count, n_vec * VEC):
+                    s[t] = T.float32(compute.NEG_INF)
+                # 2. the block's max, the new running max and the rescale of what came before
+                for v in T.vectorized(VEC):
+                    red[v] = T.float32(compute.NEG_INF)
+                for tb in range(n_vec):
+                    for v in T.vectorized(VEC):
+                        red[v] = T.max(red[v], s[tb * VEC + v])
+                stat[2] = red[0]
+                for v in T.unroll(1, VEC):
+                    stat[2] = T.max(stat[2], red[v])
+                stat[2] = T.max(stat[2], stat[0])
+                stat[3] = MATH.exp(stat[0] - stat[2])
+                stat[0] = stat[2]
+                # exp and sum (padding gives exp(-huge) ~ 1e-38, nothing next to the max's 1.0)
+                for v in T.vectorized(VEC):
+                    red[v] = T.float32(0)
+                for tb in range(n_vec):
+                    for v in T.vectorized(VEC):
+                        s[tb * VEC + v] = MATH.exp(s[tb * VEC + v] - stat[0])
+                        red[v] = red[v] + s[tb * VEC + v]
+                stat[4] = red[0]
+                for v in T.unroll(1, VEC):
+                    stat[4] = stat[4] + red[v]
+                stat[1] = stat[1] * stat[3] + stat[4]
+                # 3. weighted sum of values
                 for d0 in T.unroll(nd):
                     for v in T.vectorized(dl):
-                        o[d0 * dl + v] = o[d0 * dl + v] + s[t] * vcache[g, t, d0 * dl + v]
+                        o[d0 * dl + v] = o[d0 * dl + v] * stat[3]
+                for t in range(count):
+                    for d0 in T.unroll(nd):
+                        for v in T.vectorized(dl):
+                            o[d0 * dl + v] = o[d0 * dl + v] + s[t] * vcache[g, base + t, d0 * dl + v]
             for d0 in T.unroll(nd):
                 for v in T.vectorized(dl):
                     out[i, h * hd + d0 * dl + v] = o[d0 * dl + v] / stat[1]
