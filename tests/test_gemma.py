@@ -14,6 +14,7 @@ as the rule has it: head_dim for the small models, and a 46-layer Gemma 2 whose 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -158,6 +159,9 @@ def test_a_gemma_gguf_of_the_gguf_writer_builds_to_transformers_logits(models, t
     arch, config, model, _ = models(name)
     path = _written_by_the_gguf_writer(model, arch, config, tmp_path / f"{name}.gguf")
     _builds_to_transformers_logits(model, path, tmp_path / f"{name}.pic")
+    # one RoPE table per (base, scaling) the layers use, shared by them: Gemma 3's sliding and global layers differ
+    tables = set(re.findall(r'"(rope\.cos[^"]*)"', (tmp_path / f"{name}.pic" / "schedule.json").read_text()))
+    assert len(tables) == (2 if arch == "gemma3" else 1), tables
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
