@@ -280,3 +280,18 @@ def test_the_query_scale_is_llama_cpps_rule_for_the_27b(arch, layers, scale):
     h = Hyper(architecture_of(arch), layers=layers, d_model=d_model, ffn=1, heads=32, kv_heads=16, head_dim=128,
               eps=1e-6, rope_base=1e4, rope_scale=1.0)
     assert h.architecture.query_scale.value(h) == pytest.approx(scale, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_an_onnx_export_of_gemma_carries_its_query_scale_and_builds_to_transformers_logits(tmp_path, name):
+    """An ONNX export holds query_pre_attn_scalar's scale itself: here 10, not head_dim (16), so a build that took
+    1/sqrt(head_dim) would be off; recognise lifts the graph's scale, caps, windows, post-norms and embedding scale."""
+    from examples import models as examples
+
+    arch, config = {"gemma2": ("gemma2", GEMMA2), "gemma3": ("gemma3", GEMMA3)}[name]
+    model = _model(arch, dict(config, query_pre_attn_scalar=10), seed=5)
+    onnx_path = examples.export_onnx(model, tmp_path / "legacy", "legacy")
+    attentions = [Attention(node) for node in Attention.nodes(_lifted(onnx_path))]
+    assert [float(a.scale) for a in attentions] == pytest.approx([10 ** -0.5] * len(attentions))
+    assert [int(a.window) for a in attentions] == [4 if s else 0 for s in _sliding(arch, config["num_hidden_layers"])]
+    _builds_to_transformers_logits(model, onnx_path, tmp_path / f"{name}.pic")
