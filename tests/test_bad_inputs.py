@@ -281,7 +281,7 @@ def test_placement_stopped_by_its_time_limit_is_reported_as_such():
 
 def test_internal_errors_exit_1_naming_the_pass(base_model, workdir, capfd, monkeypatch):
     """A bug (not bad input) inside a pass: exit 1, one line naming the pass, no traceback."""
-    def broken(model):
+    def broken(model, *context):  # (analyse's arguments: the model, the build's context)
         raise KeyError("a bug")
 
     monkeypatch.setattr(passes.recognise, "analyse", broken)
@@ -290,7 +290,7 @@ def test_internal_errors_exit_1_naming_the_pass(base_model, workdir, capfd, monk
     assert code == 1 and len(lines) == 1 and lines[0].startswith("error: pass recognise: KeyError")
     assert not (workdir / "out.pic").exists()
 
-    def out_of_memory(model):
+    def out_of_memory(model, *context):
         raise MemoryError()
 
     monkeypatch.setattr(passes.recognise, "analyse", out_of_memory)  # the machine's limit: exit 2, said so
