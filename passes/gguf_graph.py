@@ -54,9 +54,6 @@ class Hyper:
     sliding: tuple[bool, ...] = ()  # per layer, whether it attends through the window (none listed: no layer)
     rope_base_swa: float | None = None  # the sliding layers' RoPE base (None: rope_base)
     rope_scale_swa: float | None = None  # the sliding layers' linear RoPE scaling (None: rope_scale)
-    # a window the file declares for an architecture whose graph does not apply one (0: none): the import pass
-    # refuses a build whose context passes it
-    sliding_window: int = 0
 
     def slides(self, layer: int) -> bool:
         return self.window > 0 and layer < len(self.sliding) and self.sliding[layer]

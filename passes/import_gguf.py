@@ -28,8 +28,7 @@ matrices' rows).
 Refuses, in one line naming it: a file that is not GGUF (wrong magic), truncated or unreadable, an unknown
 version or tensor type, tensor data past the end of the file, an architecture the registry does not hold,
 missing metadata or tensors, tensors the architecture does not have, shapes that disagree with the metadata, a
-feature the graph does not compute (LongRoPE's factors, rope.scaling.attn_factor other than 1), and (the import
-pass, which knows the build's context) a context wider than the file's sliding window.
+feature the graph does not compute (LongRoPE's factors, rope.scaling.attn_factor other than 1).
 """
 
 from __future__ import annotations
@@ -100,9 +99,6 @@ class GGUFSource(ModelFact):
     architecture: str
     tensors: tuple[GGUFTensor, ...]
     notes: tuple[str, ...] = ()  # what the user should know (no tokenizer, an unknown pre-tokenizer)
-    # the attention window the file declares (tokens; 0: none), which the graph does not apply: exact while the
-    # build's context stays within it (a query then sees every earlier position either way), refused past it
-    sliding_window: int = 0
 
     @classmethod
     def from_json(cls, data: dict) -> "GGUFSource":
@@ -324,7 +320,7 @@ def hyper(reader, path: Path) -> Hyper:
     if got["rope_attn_factor"] != 1.0:
         raise _refuse(path, f"rope.scaling.attn_factor {got['rope_attn_factor']:g} is not supported (llama.cpp scales "
                             "RoPE's cos and sin by it; picompile's RoPE has no such factor)")
-    extra = {name: got[name] for name in ("attn_softcap", "final_softcap", "rope_base_swa", "sliding_window")
+    extra = {name: got[name] for name in ("attn_softcap", "final_softcap", "rope_base_swa")
              if name in got}
     if arch.sliding_window is not None:
         extra["window"], extra["sliding"] = _sliding_window(reader, path, arch, got["layers"])
@@ -437,7 +433,7 @@ def _source(path: Path, h: Hyper, found: dict, vocab: int) -> GGUFSource:
     expected = _expected_shapes(h, vocab)
     return GGUFSource(str(path.resolve()), h.architecture.name, tuple(
         GGUFTensor(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), expected[name][1])
-        for name, t in found.items()), sliding_window=h.sliding_window)
+        for name, t in found.items()))
 
 
 def _staged(directory: Path, write) -> None:
@@ -537,11 +533,6 @@ class ImportGGUF(Import):
         source = GGUFSource.of(model)
         if source is not None:
             ctx.log(f"import: {source.describe()}")
-            window, context = source.sliding_window, ctx.build.max_context
-            if window and context > window:  # (the first place that knows the build's context)
-                raise UserError(f"{Path(source.file).name}: its attention sees the last {window} positions only "
-                                f"(attention.sliding_window), a window picompile does not apply yet, and the build's "
-                                f"context of {context} tokens is wider: build with --max-context {window} or less")
             for note in source.notes:
                 ctx.warn(note)
         return super().apply(model, ctx)

@@ -11,6 +11,7 @@ import onnx_ir as ir
 import pytest
 from onnx_ir.passes import PassResult
 
+import gguf_files as gf
 from passes import ir as pir
 from passes import ops
 from passes.compile import Compile
@@ -142,20 +143,25 @@ class _QuickPredictors(Predict):
 
 
 def test_declarations_cover_every_op_the_pipelines_emit(tiny_models, tmp_path):
-    """Two builds up to the kernels' compilation, a threshold-mode int4 one and a predictor-mode one for a GPU
-    (each FFN split in a GPU and a CPU part), the first split across two machines: every pass's graph fits the declarations (run_passes checks them),
-    and every declared op is emitted by one of them."""
+    """Three builds up to the kernels' compilation, a threshold-mode int4 one and a predictor-mode one for a GPU
+    (each FFN split in a GPU and a CPU part), the first split across two machines, and a dense one of a Gemma 2
+    GGUF file (norms after attention and the FFN, soft-capped logits): every pass's graph fits the declarations
+    (run_passes checks them), and every declared op is emitted by one of them."""
     seen = _SeenOps()
     split = Options(nodes=parse_nodes("2x1GiB"))  # (the build target's nodes: split-nodes reads them there)
     threshold = Options(max_context=32, sparsity_mode="threshold", sparsity=0.5, calib_tokens=128,
                         weight_dtype="int4", quant_method="rtn", nodes=split.nodes)
     predictor = Options(max_context=32, calib_tokens=64, all_neurons=True)
     gpu = get_target("rtx4090")
-    builds = [(tiny_models("llama"), pipeline(threshold, "threshold"), get_target("cpu"), split),
-              (tiny_models("opt", sparsity=0.9),
+    builds = [(tiny_models("llama").onnx, pipeline(threshold, "threshold"), get_target("cpu"), split),
+              (tiny_models("opt", sparsity=0.9).onnx,
                [_QuickPredictors() if isinstance(p, Predict) else p for p in pipeline(predictor, "predictor", gpu)
                 if not isinstance(p, QualityPlan)], gpu, None)]
-    for files, passes, target, options in builds:
+    gemma = tmp_path / "gemma2.gguf"
+    gf.write(gemma, gf.Tiny(arch="gemma2", layers=2, window=4, attn_softcap=2.0, final_softcap=3.0))
+    dense = Options(max_context=32, dense=True, weight_dtype="fp32")
+    builds.append((gemma, pipeline(dense, "dense", gguf=True), get_target("cpu"), dense))
+    for path, passes, target, options in builds:
         passes = [p for p in passes if not isinstance(p, Compile)]  # the IR it returns is the one it was given
-        run_passes(load(files.onnx), passes, Context(target, workdir=tmp_path, options=options), [seen])
+        run_passes(load(path), passes, Context(target, workdir=tmp_path, options=options), [seen])
     assert set(seen.seen) == set(ops.OPS), f"declared but never emitted: {set(ops.OPS) - set(seen.seen)}"

@@ -2,8 +2,8 @@
 are taken apart into whole rows of the file, so that a build computes transformers' Phi-3 (a short prompt and decode
 steps, fp32, within 1e-4) and a quantized file's blocks reach the artifact bit for bit. The files: a tiny random
 Phi-3 made with transformers and converted by llama.cpp's own converter (where its source is here), and one written
-by tests/gguf_files.py (always). LongRoPE files, and a build whose context is wider than the file's sliding window,
-are refused in one line."""
+by tests/gguf_files.py (always). LongRoPE files are refused in one line; the file's sliding window is not applied,
+as llama.cpp does not apply it."""
 
 from __future__ import annotations
 
