@@ -38,6 +38,7 @@ from picompile.compiler import build
 from runtime import Engine
 from runtime.calls import schedule_calls
 from tiny_targets import SLOW_CPU_RTX4090
+from transformers_reference import artifact_logits, transformers_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import llama_cpp  # noqa: E402
@@ -96,27 +97,11 @@ def models(tmp_path_factory):
     return get
 
 
-def _transformers_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
-def _artifact_logits(artifact: Path) -> tuple[np.ndarray, list[int]]:
-    """The artifact's logits of the prompt and of DECODE_STEPS greedy steps, one row per token, and the tokens."""
-    engine = Engine(artifact)
-    rows = [np.asarray(engine.forward(np.array(PROMPT, np.int64))).reshape(len(PROMPT), -1)]
-    ids = list(PROMPT)
-    for _ in range(DECODE_STEPS):
-        ids.append(int(np.argmax(rows[-1][-1])))
-        rows.append(np.asarray(engine.forward([ids[-1]])).reshape(1, -1))
-    return np.concatenate(rows), ids
-
-
 def _builds_to_transformers_logits(model, source: Path, out: Path) -> None:
     assert main(["build", str(source), "--dense", "--weight-dtype", "fp32", "--target", "cpu", "-o", str(out),
                  "--max-context", "32"]) == 0
-    ours, ids = _artifact_logits(out)
-    theirs = _transformers_logits(model, ids)
+    ours, ids = artifact_logits(out, PROMPT, DECODE_STEPS)
+    theirs = transformers_logits(model, ids)
     assert np.abs(theirs).max() > 0.5 and np.abs(ours).max() > 0.5  # logits the soft-cap (2, 2.5) bends
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
@@ -202,7 +187,7 @@ def test_a_gemma_gguf_builds_to_llama_cpps_numbers(tmp_path, tiny):
     out = tmp_path / f"{tiny.arch}.pic"
     assert main(["build", str(path), "--dense", "--weight-dtype", "fp32", "--target", "cpu", "-o", str(out),
                  "--max-context", "32"]) == 0
-    ours, ids = _artifact_logits(out)
+    ours, ids = artifact_logits(out, PROMPT, DECODE_STEPS)
     np.testing.assert_allclose(ours, gf.forward(weights, tiny, ids), atol=1e-4, rtol=0)
 
 
@@ -246,7 +231,7 @@ def test_the_block_irs_interpreter_computes_transformers_logits(models, tmp_path
     assert [float(a.scale) for a in attentions] == pytest.approx([config["query_pre_attn_scalar"] ** -0.5] * len(attentions))
     ids = PROMPT + [7, 8, 9, 10]
     interpreted = Interpreter(lifted).logits(np.array([ids])).numpy()[0]
-    np.testing.assert_allclose(interpreted, _transformers_logits(model, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(interpreted, transformers_logits(model, ids), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
@@ -264,7 +249,7 @@ def test_a_gemma_build_with_its_attention_on_the_gpu_computes_transformers_logit
     for token in (7, 8, 9):
         ids.append(token)
         got.append(np.asarray(engine.forward([token])).reshape(1, -1))
-    expected = _transformers_logits(model, ids)
+    expected = transformers_logits(model, ids)
     assert np.abs(np.concatenate(got) - expected).max() / expected.std() < 1e-2
 
 

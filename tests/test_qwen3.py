@@ -28,10 +28,10 @@ from passes.recognise import Recognise
 from passes.targets import get_target
 from picompile.cli import main
 from picompile.compiler import build
-from runtime import Engine
 from runtime.calls import schedule_calls
 from test_sparse import assert_matches_onnxruntime
 from tiny_targets import SLOW_CPU_RTX4090
+from transformers_reference import artifact_logits, transformers_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import llama_cpp  # noqa: E402
@@ -73,27 +73,11 @@ def qwen3(tmp_path_factory):
     return get
 
 
-def _transformers_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
-def _artifact_logits(artifact: Path) -> tuple[np.ndarray, list[int]]:
-    """The artifact's logits of the prompt and of DECODE_STEPS greedy steps, one row per token, and the tokens."""
-    engine = Engine(artifact)
-    rows = [np.asarray(engine.forward(np.array(PROMPT, np.int64))).reshape(len(PROMPT), -1)]
-    ids = list(PROMPT)
-    for _ in range(DECODE_STEPS):
-        ids.append(int(np.argmax(rows[-1][-1])))
-        rows.append(np.asarray(engine.forward([ids[-1]])).reshape(1, -1))
-    return np.concatenate(rows), ids
-
-
 def _builds_to_transformers_logits(model, source: Path, out: Path) -> None:
     assert main(["build", str(source), "--dense", "--weight-dtype", "fp32", "--target", "cpu", "-o", str(out),
                  "--max-context", "32"]) == 0
-    ours, ids = _artifact_logits(out)
-    np.testing.assert_allclose(ours, _transformers_logits(model, ids), atol=1e-4, rtol=0)
+    ours, ids = artifact_logits(out, PROMPT, DECODE_STEPS)
+    np.testing.assert_allclose(ours, transformers_logits(model, ids), atol=1e-4, rtol=0)
 
 
 def _written_by_the_gguf_writer(model, tied: bool, path: Path) -> Path:
@@ -159,7 +143,7 @@ def test_an_onnx_export_of_qwen3_lifts_the_qk_norm_and_builds_to_transformers_lo
         assert attention.qk_norm_eps == pytest.approx(CONFIG["rms_norm_eps"], rel=1e-6)
     ids = PROMPT + [7, 8, 9]
     interpreted = Interpreter(lifted).logits(np.array([ids])).numpy()[0]
-    np.testing.assert_allclose(interpreted, _transformers_logits(model, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(interpreted, transformers_logits(model, ids), atol=1e-4, rtol=0)
     out = tmp_path / "qwen3.pic"
     _builds_to_transformers_logits(model, onnx_path, out)
     assert_matches_onnxruntime(out, onnx_path, decode_steps=3)
