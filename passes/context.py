@@ -24,7 +24,8 @@ import onnx_ir as ir
 
 from runtime.artifact import available_memory_bytes
 
-from . import import_gguf
+from . import import_gguf, recognise
+from .errors import UserError
 from .sizes import kv_cache_bytes, weight_bytes
 from .targets import format_size
 
@@ -53,17 +54,12 @@ def trained_context(path: Path) -> tuple[int | None, str]:
 
 
 def kv_shapes(model: ir.Model) -> list[tuple[int, int]] | None:
-    """(kv_heads, head_dim) of each layer's KV cache, from the imported model's past_key_values.{i}.key inputs
-    ([batch, kv_heads, past, head_dim]); None where they do not say (recognise refuses such a model)."""
-    shapes = {}
-    for value in model.graph.inputs:
-        parts = value.name.split(".")
-        if len(parts) == 3 and parts[0] == "past_key_values" and parts[1].isdigit() and parts[2] == "key":
-            dims = list(value.shape) if value.shape is not None else []
-            if len(dims) != 4 or not all(isinstance(d, int) for d in (dims[1], dims[3])):
-                return None
-            shapes[int(parts[1])] = (dims[1], dims[3])
-    return [shapes[layer] for layer in sorted(shapes)] or None
+    """(kv_heads, head_dim) of each layer's KV cache, as recognise reads them from the imported model; None where the
+    model does not say (recognise then refuses it, naming what is missing)."""
+    try:
+        return recognise.kv_shapes(model.graph) or None
+    except UserError:
+        return None
 
 
 @dataclass(frozen=True)

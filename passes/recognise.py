@@ -674,6 +674,12 @@ def _present_outputs(graph: ir.Graph) -> dict[int, tuple[ir.Value, ir.Value]]:
     return {i: (kv["key"], kv["value"]) for i, kv in by_layer.items()}
 
 
+def kv_shapes(graph: ir.Graph) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) of each layer's KV cache, from its past_key_values.{i}.key input; UserError where a
+    layer's cache input or output is missing or has no static shape."""
+    return [_kv_shape(graph, layer) for layer in sorted(_present_outputs(graph))]
+
+
 def _kv_shape(graph: ir.Graph, layer: int) -> tuple[int, int]:
     for value in graph.inputs:
         if value.name == f"past_key_values.{layer}.key":
