@@ -347,7 +347,10 @@ class LogTiming(_CountNodes):
 def _memory_note() -> str:
     """'; memory peak 1.20 GiB, 0.90 GiB after' (nothing where the OS does not say)."""
     peak, now = memory.peak_resident_bytes(), memory.resident_bytes()
-    return "" if peak is None or now is None else f"; memory peak {format_size(peak)}, {format_size(now)} after"
+    if peak is None or now is None:
+        return ""
+    # the two are read one after the other (and the kernel's high-water mark lags): a peak is at least what is now
+    return f"; memory peak {format_size(max(peak, now))}, {format_size(now)} after"
 
 
 class _VerifyOnnx(Hook):
