@@ -49,7 +49,7 @@ from .calls import PHASES, START, Call, Role, decode_weight_reads
 from .manifest import Buffer
 from .device import DeviceExecutor, _host, cuda_device, device_library
 from .dtypes import get_dtype
-from .threads import ThreadGovernor, prepare_pool_environment, step_kind, thread_pool
+from .threads import CpuReading, ThreadGovernor, free_cores_since, prepare_pool_environment, step_kind, thread_pool
 from .verify import check_files
 
 # the profile's entries that are not seconds: bytes, steps, and the weight bytes per call role (a dict)
@@ -110,6 +110,7 @@ class Engine:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        loading = CpuReading.now()  # what other programs take of the CPUs while this loads: the first steps' threads
         self.directory = Path(directory)
         # one stage of a split model reads (and hashes) only the weight files it needs, below
         self.manifest = load_manifest(self.directory, check_hashes=check_hashes, weights_later=stage is not None)
@@ -148,7 +149,8 @@ class Engine:
         self.vocab_size = facts.vocab_size  # the embedding table's rows (its weight file's), = model.vocab_size
         tvm_runtime, self._ffi = _tvm_runtime()
         # how many of the pool's workers each kind of step runs on: `threads`, else measured (runtime/threads.py)
-        self.governor = ThreadGovernor(thread_pool(self._ffi), fixed=threads)
+        pool = thread_pool(self._ffi)
+        self.governor = ThreadGovernor(pool, fixed=threads, start=lambda: free_cores_since(loading, pool.size))
         device = None
         if "gpu" in self.devices and not emulate_gpu:  # refused here, before anything is read, if no GPU fits
             device = cuda_device(target, tvm_runtime)

@@ -11,17 +11,21 @@ A computer that runs a model is rarely idle. TVM's thread pool, as it comes, fai
   and a core shared with other work makes every barrier wait for the slowest thread.
 
 So the pool is made once with as many workers as this process may use (`usable_cores`, unpinned), and a
-`ThreadGovernor` per engine picks how many of them each kind of step runs on, from step times it measures:
-it tries another count now and then (a few steps, within a small share of the run's time, ended early when
-plainly slower) and keeps the faster, and tries again soon when steps slow down (another program took the
-cores). `threads=N` (`--threads N`) fixes the count instead.
+`ThreadGovernor` per engine picks how many of them each kind of step runs on: it starts from the cores free
+when the engine loads (`CpuReading`: what other programs took of this process's CPUs meanwhile), so a one-shot
+prompt on a quiet machine gets every core from its first step and one beside a busy core starts on what is left;
+then, from step times it measures, it tries another count now and then (a few steps, within a small share of the
+run's time, ended early when plainly slower) and keeps the faster, and tries again soon when steps slow down
+(another program took the cores). `threads=N` (`--threads N`) fixes the count instead.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +37,9 @@ _MODE_BIG = 1
 LONG_STEP_S = 2e-3  # a step this long is measured well enough alone
 CHECK_EVERY = 8  # between looks at the recent steps, about this many steps' time
 FALL_BACK = 2.0  # a step on several threads this many times its best starts a trial of fewer at once
+EXPLORE_S = 2e-3  # a first trial of fewer threads that costs at most this runs at once; a dearer one waits its share
+READING_S = 0.02  # the shortest window a reading of the free cores is taken over
+BUSY_SHARE = 0.3  # a CPU that other programs keep busy more than this share of the window is not free
 
 
 def usable_cores() -> int:
@@ -58,6 +65,56 @@ def _cgroup_cpu_quota() -> float | None:
         return None if quota <= 0 else quota / period
     except (OSError, ValueError):
         return None
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """A reading of the busy time of this process's CPUs (/proc/stat) and of this process's own CPU time; two
+    readings tell how many cores other programs left free between them (`free_cores`)."""
+
+    at: float  # perf_counter seconds
+    busy: float  # seconds the CPUs this process may run on were busy, summed over them (None where unreadable)
+    own: float  # seconds this process ran, all its threads
+
+    @classmethod
+    def now(cls) -> CpuReading | None:
+        busy = _busy_seconds()
+        return None if busy is None else cls(time.perf_counter(), busy, time.process_time())
+
+    def free_cores(self, usable: int) -> int:
+        """Of `usable` cores, those other programs left free since this reading (waits until the window is
+        READING_S long): the CPUs' busy time less this process's over the window, in cores, each other
+        program's core counted from BUSY_SHARE of it."""
+        wait = self.at + READING_S - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        later = CpuReading.now()
+        if later is None:
+            return usable
+        others = max(0.0, (later.busy - self.busy) - (later.own - self.own)) / (later.at - self.at)
+        return max(1, min(usable, usable - math.ceil(others - BUSY_SHARE)))
+
+
+def _busy_seconds() -> float | None:
+    """Busy seconds of this process's CPUs since boot (/proc/stat's per-CPU lines: all but idle and iowait)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+        text = Path("/proc/stat").read_text()
+    except (AttributeError, OSError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    for line in text.splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in allowed:
+            values = [int(value) for value in fields[:8]]  # user nice system idle iowait irq softirq steal
+            busy += sum(values) - values[3] - values[4]
+    return busy / ticks
+
+
+def free_cores_since(reading: CpuReading | None, usable: int) -> int:
+    """The cores free since `reading` (None: not readable here, so every usable core)."""
+    return usable if reading is None else reading.free_cores(usable)
 
 
 def prepare_pool_environment() -> None:
@@ -124,11 +181,12 @@ class _KindStats:
 class ThreadGovernor:
     """Picks, per kind of step, how many of the pool's workers run it, from the steps' measured times.
 
-    The choice starts at one worker: too many threads on a busy machine cost a scheduler slice per kernel
-    (40 ms steps where one thread takes 20 us), too few on an idle one cost at most the parallel speed-up for
-    the few steps before the first trial. A trial runs a few steps at another count (the choice halved, less
+    The first kind of each phase starts at `start` workers (a count, or a function that measures one when the
+    first step comes: the cores free, `free_cores_since`); a larger kind of a phase starts where the next smaller
+    one is. Too many threads on a busy machine cost a scheduler slice per kernel (40 ms steps where one thread
+    takes 20 us), too few on an idle one the parallel speed-up until a trial finds more. A trial runs a few steps at another count (the choice halved, less
     one, more one, doubled), at most `trial_share` of the steps' time in all (a trial's steps cost what they
-    take beyond the choice's own time). Its first step wakes the workers and is not judged unless it is
+    take beyond the choice's own time); only an assumed start's first trials run whatever the share. Its first step wakes the workers and is not judged unless it is
     hopeless (`hopeless` times the choice's); a judged step over twice the choice's ends it. A count that
     wins by `margin` becomes the choice; one that loses is tried again later, the interval doubling each time
     it loses, and sooner when the choice's recent steps run `slowdown` times slower than its best: the
@@ -136,11 +194,14 @@ class ThreadGovernor:
     more are not (a worker beside a busy core waits a scheduler slice per kernel): so one step on several
     threads that takes FALL_BACK times its best starts a trial of half as many at once, whatever the share."""
 
-    def __init__(self, pool: ThreadPool, fixed: int | None = None, *, trial_share: float = 0.02,
+    def __init__(self, pool: ThreadPool, fixed: int | None = None, *, start: int | Callable[[], int] = 1,
+                 trial_share: float = 0.02,
                  trial_steps: int = 4, margin: float = 0.05, slowdown: float = 1.5, hopeless: float = 20.0):
         if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool) or fixed < 1):
             raise ValueError(f"threads must be a positive integer, got {fixed!r}")
         self.pool = pool
+        self._start = start
+        self.measured_start = callable(start)
         self.fixed = None if fixed is None else min(fixed, pool.size)
         self.trial_share, self.trial_steps, self.margin = trial_share, trial_steps, margin
         self.slowdown, self.hopeless = slowdown, hopeless
@@ -201,10 +262,16 @@ class ThreadGovernor:
         """The count each kind of step runs on now."""
         return {kind: (self.fixed or stats.choice) for kind, stats in self.kinds.items()}
 
+    def start(self) -> int:
+        """The count a phase's first kind starts at (measured once, when first asked)."""
+        if callable(self._start):
+            self._start = self._start()
+        return max(1, min(int(self._start), self.pool.size))
+
     def _new_kind(self, kind: tuple) -> _KindStats:
-        """A new size of a phase starts where the next smaller one is, else at one thread."""
+        """A new size of a phase starts where the next smaller one is, else at the start count."""
         smaller = [other for other in self.kinds if other[0] == kind[0] and other[1:] < kind[1:]]
-        stats = self.kinds[kind] = _KindStats(choice=self.kinds[max(smaller)].choice if smaller else 1)
+        stats = self.kinds[kind] = _KindStats(choice=self.kinds[max(smaller)].choice if smaller else self.start())
         return stats
 
     def _candidates(self, choice: int) -> list[int]:
@@ -231,8 +298,13 @@ class ThreadGovernor:
         if self.step_seconds < stats.next_trial_at:
             return None
         untried = [count for count in candidates if count not in stats.last]
-        if untried:  # each count's first trial, whatever the share
-            return _Trial(untried[0])
+        if untried:
+            # each count's first trial at once where the start was assumed (one thread: more must be found soon);
+            # a measured start already holds what a trial would likely find, so its first trials, which may cost
+            # the parallel speed-up (fewer) or a scheduler slice a kernel (more), wait for the share unless cheap
+            steps = 1 if current >= LONG_STEP_S else self.trial_steps
+            affordable = max(EXPLORE_S, self.trial_share * self.step_seconds - self.trial_cost) >= steps * current
+            return _Trial(untried[0]) if affordable or not self.measured_start else None
         if self.trial_cost > self.trial_share * self.step_seconds:
             return None
         stats.candidate_turn += 1

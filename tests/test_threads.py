@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from runtime.threads import ThreadGovernor, step_kind, usable_cores
+from runtime.threads import CpuReading, ThreadGovernor, free_cores_since, step_kind, usable_cores
 
 
 class FakePool:
@@ -101,6 +102,50 @@ def test_kinds_of_step_are_chosen_apart():
     assert governor.choices() == {("decode",): 1, ("prefill", 64): 2}
     assert step_kind("prefill", 33) == step_kind("prefill", 64) != step_kind("prefill", 65)
     assert step_kind("batch", 3) == ("batch", 4)
+
+
+def test_a_measured_start_is_used_from_the_first_step():
+    """On a quiet machine the free cores run the first steps; a trial of fewer threads, which may cost the parallel
+    speed-up over its steps, waits for the trial share where steps are long, and runs at once where they are tiny."""
+    asked = []
+    governor = ThreadGovernor(FakePool(2), start=lambda: asked.append(1) or 2)
+    used = drive(governor, lambda n, step: 20e-3 / n ** 0.8, 40)  # a 1B model's decode
+    assert used == [2] * 40 and asked == [1]  # measured once, when the first step came
+    used = drive(governor, lambda n, step: 20e-3 / n ** 0.8, 400)
+    assert 1 <= used.count(1) <= 8  # later, within the share, one thread is tried (and loses)
+    assert governor.trial_cost <= governor.trial_share * governor.step_seconds
+    assert governor.choices()[("decode",)] == 2
+    tiny = ThreadGovernor(FakePool(2), start=lambda: 2)
+    used = drive(tiny, lambda n, step: 15e-6 if n == 1 else 45e-6, 400)  # too small to split: found at once
+    assert used.index(1) <= 4 and tiny.choices()[("decode",)] == 1
+    # beside a busy core the start is one thread, and a trial of two (a scheduler slice a kernel) waits its share too
+    busy = ThreadGovernor(FakePool(2), start=lambda: 1)
+    used = drive(busy, lambda n, step: 30e-3 if n == 1 else 80e-3, 32)
+    assert used == [1] * 32
+    assert ThreadGovernor(FakePool(4), start=9).start() == 4  # never more than the pool has
+
+
+def test_free_cores_leave_out_a_core_another_program_keeps_busy():
+    cores = usable_cores()
+    reading = CpuReading.now()
+    assert reading is not None  # /proc/stat on Linux
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)  # the child started and spins
+        reading = CpuReading.now()
+        time.sleep(0.2)
+        free = reading.free_cores(cores)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert free == max(1, cores - 1) if cores <= 2 else free <= cores - 1
+    # this process's own work is not another program's: spinning here leaves every core free (of those idle)
+    reading = CpuReading.now()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:
+        pass
+    assert reading.free_cores(cores) >= free
+    assert free_cores_since(None, cores) == cores  # unreadable: every usable core
 
 
 def test_a_fixed_count_is_used_for_every_step():
