@@ -70,7 +70,8 @@ DERIVED_TYPES = ("Q4_0", "Q8_0", "F16")
 SETTLE_S = 0.5  # between engines: a thread pool still spinning from the last call steals a core
 # dense: the file's own format (auto); fp32: every value of the file in fp32 and fp32 activations, the file's own
 # model exactly (its perplexity is the reference the others are held to); default: the default (sparse) build
-BUILDS = {"dense": ["--dense"], "fp32": ["--dense", "--weight-dtype", "fp32"], "default": []}
+BUILDS = {"dense": ["--dense"], "fp32": ["--dense", "--weight-dtype", "fp32"], "default": [],
+          "loss3": ["--max-quality-loss", "3%"]}
 
 # English, code, Unicode, whitespace runs, a chat turn: where byte-level BPE pre-tokenizers differ
 PROMPTS = (
@@ -556,7 +557,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", type=int, default=8, help="perplexity windows")
     parser.add_argument("--max-context", type=int, default=None, help="artifacts' KV cache (default: max(--ctx, "
                         "--prompt-len + --tokens))")
-    parser.add_argument("--builds", default="dense", help="picompile builds per file: dense, fp32, default (comma list)")
+    parser.add_argument("--builds", default="dense", help="picompile builds per file: dense, fp32, default, loss3 (comma list)")
     parser.add_argument("--artifact", action="append", default=[], metavar="FILE=ARTIFACT",
                         help="use this artifact for FILE (path or file name) instead of building one")
     parser.add_argument("--no-picompile", action="store_true", help="measure llama.cpp alone")

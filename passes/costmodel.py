@@ -122,6 +122,48 @@ def column_seconds(stored_bytes: float, bandwidth: float, kept: float, efficienc
     return read_seconds(kept * stored_bytes, bandwidth, "cpu", 1, efficiency) + COLUMN_CALL_S
 
 
+PRICE_ERROR = 0.10
+"""How far the cost model's expected decode may be from the measured one (benchmarks/bench_cost_model.py checks
+it): a sparse choice is taken only where it is expected to save more than this share of the dense time, so that
+no plan is slower than dense by the model's own error (`worth_sparsity`)."""
+
+
+def worth_sparsity(sparse_s: float, dense_s: float) -> bool:
+    """Whether a sparse price beats the dense one by more than the cost model's error."""
+    return sparse_s < (1.0 - PRICE_ERROR) * dense_s
+
+
+def cpu_bandwidth(target: Target) -> float:
+    """Bytes per second a plain CPU read streams at (a KV cache, a block whose formats are not told apart): the
+    machine's measured fp32 GEMV where the build measured its kernels (`Target.cpu_rates`), else the target's."""
+    rates = target.cpu_rates
+    return rates.stream_bytes_per_s if rates is not None else target.cpu_bandwidth_gbs * 1e9
+
+
+def gemv_seconds(target: Target, read_bytes: float, fmt: str, calls: int = 1) -> float:
+    """`calls` dense CPU decode GEMVs reading `read_bytes` of weights in format `fmt` in all, their launches
+    included: at the rate and fixed cost measured for that format on this machine, else at the target's bandwidth."""
+    rates = target.cpu_rates
+    if rates is not None and fmt in rates.gemv:
+        rate = rates.gemv[fmt]
+        return read_bytes / rate.bytes_per_s + calls * (rate.call_s + launch_seconds("cpu"))
+    return read_seconds(read_bytes, target.cpu_bandwidth_gbs * 1e9, "cpu", calls)
+
+
+def threshold_seconds(target: Target, stored_bytes: float, kept: float, fmt: str, rows: int,
+                      int8_dot: str | None = None) -> float:
+    """A thresholded CPU linear layer's decode seconds: the select call, then the column kernel over the `kept`
+    share of the `rows` rows of a matrix of `stored_bytes` in format `fmt`: at the rates measured on this machine
+    (a fixed cost per call, a rate per byte of kept rows), else the target's bandwidth at `column_row_efficiency`
+    plus COLUMN_CALL_S."""
+    rates = target.cpu_rates
+    if rates is not None and fmt in rates.columns:
+        return rates.columns[fmt].seconds(kept * stored_bytes) + 2 * launch_seconds("cpu")
+    bits = WEIGHT_FORMATS[fmt].bits
+    efficiency = column_row_efficiency(stored_bytes / max(rows, 1), bits, int8_dot)
+    return column_seconds(stored_bytes, target.cpu_bandwidth_gbs * 1e9, kept, efficiency) + launch_seconds("cpu")
+
+
 def linear_seconds(stored_bytes: float, bandwidth: float, kept: float | None = None,
                    efficiency: float = SPARSE_ROW_EFFICIENCY) -> float:
     """One CPU linear layer's decode seconds for a matrix of `stored_bytes`: dense (`kept` None) the matrix over
@@ -272,12 +314,22 @@ class BlockBytes:
     cpu_read: float
     gpu_read: float
     calls: int
+    # of cpu_read, the matrices its GEMVs read whole, by format ((format, bytes, matrices), ...): priced at each
+    # format's measured rate and fixed cost where the machine's kernels were timed; the rest (vectors, the KV cache,
+    # gathered rows) is streamed
+    cpu_formats: tuple[tuple[str, float, int], ...] = ()
 
 
 def price(target: Target, block: BlockBytes) -> Block:
-    """A block's decode seconds on each device: its bytes over the device's bandwidth, plus its calls' fixed cost."""
-    return Block(int(block.gpu_bytes), read_seconds(block.cpu_read, target.cpu_bandwidth_gbs * 1e9, "cpu", block.calls),
-                 read_seconds(block.gpu_read, target.gpu_bandwidth_gbs * 1e9, "gpu", block.calls))
+    """A block's decode seconds on each device: its bytes over the device's bandwidth (on the CPU, its GEMVs'
+    weights at their formats' measured rates where known: `gemv_seconds`), plus its calls' fixed cost."""
+    cpu = read_seconds(block.cpu_read, cpu_bandwidth(target), "cpu", block.calls)
+    if target.cpu_rates is not None and block.cpu_formats:
+        streamed = block.cpu_read - sum(read for _, read, _ in block.cpu_formats)
+        cpu = (sum(gemv_seconds(target, read, fmt, matrices) - matrices * launch_seconds("cpu")
+                   for fmt, read, matrices in block.cpu_formats)
+               + read_seconds(streamed, cpu_bandwidth(target), "cpu", block.calls))
+    return Block(int(block.gpu_bytes), cpu, read_seconds(block.gpu_read, target.gpu_bandwidth_gbs * 1e9, "gpu", block.calls))
 
 
 @dataclass(frozen=True)
@@ -305,7 +357,7 @@ def price_ffn(target: Target, ffn: FfnBytes) -> Ffn:
         dense=price(target, ffn.dense), width=ffn.width, gpu_bytes_per_neuron=ffn.gpu_bytes_per_neuron,
         frequencies=ffn.frequencies if sparse else None,
         predictor=price(target, ffn.predictor) if sparse else None, rows_per_active=ffn.rows_per_active,
-        cpu_s_per_row=read_seconds(ffn.cpu_bytes_per_neuron, target.cpu_bandwidth_gbs * 1e9, "cpu", 0,
+        cpu_s_per_row=read_seconds(ffn.cpu_bytes_per_neuron, cpu_bandwidth(target), "cpu", 0,
                                    ffn.cpu_row_efficiency),
         gpu_s_per_row=read_seconds(ffn.gpu_bytes_per_neuron, target.gpu_bandwidth_gbs * 1e9, "gpu", 0),
         part_launch=Block(0, launch_seconds("cpu"), launch_seconds("gpu")),
@@ -393,16 +445,36 @@ def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, Layer
         return copy_seconds(target, _row_bytes(buffers, call.reads()[0]))
     if call.role is Role.HANDOVER:  # one token's row over the link between two machines (passes/nodes.py's price)
         return handover_seconds(_row_bytes(buffers, call.reads()[0]))
-    bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
+    bandwidth = target.gpu_bandwidth_gbs * 1e9 if call.device == "gpu" else cpu_bandwidth(target)
     selected = 0.0 if call.selection is None else expected_share(call, layers) * call.selection.capacity
     if call.device == "cpu" and call.selection is not None and call.selection.by == "threshold":
         reads = decode_weight_reads(call, buffers)
-        formats = [buffers[a.buffer].format for a in call.args if a.access is Access.SELECTED_ROWS]
-        bits = WEIGHT_FORMATS[formats[0]].bits if formats and formats[0] else 0
-        efficiency = column_row_efficiency(reads.per_selected, bits, None)
-        return reads.fixed / bandwidth + column_seconds(selected * reads.per_selected, bandwidth, 1.0, efficiency)
+        fmt = next(_format_of(buffers[a.buffer]) for a in call.args if a.access is Access.SELECTED_ROWS)
+        kept = selected / max(call.selection.capacity, 1)
+        # (threshold_seconds prices the select call too; it is a call of its own here, priced as one)
+        return reads.fixed / bandwidth + threshold_seconds(
+            target, call.selection.capacity * reads.per_selected, kept, fmt, call.selection.capacity) - launch_seconds("cpu")
+    if call.device == "cpu" and call.selection is None and target.cpu_rates is not None:
+        # each weight read whole at its format's measured GEMV rate; gathered rows and the KV cache streamed
+        whole = {}
+        for arg in call.args:
+            info = buffers.get(arg.buffer)
+            if info is not None and info.kind == "weight" and arg.reads and arg.access is Access.WHOLE \
+                    and len(info.shape) >= 2:
+                fmt = _format_of(info)
+                whole[fmt] = whole.get(fmt, 0.0) + nbytes(info.shape, info.dtype)
+        streamed = weight_bytes(call, buffers) - sum(whole.values()) + _context_bytes(call, buffers)
+        return (sum(gemv_seconds(target, read, fmt) - launch_seconds("cpu") for fmt, read in whole.items())
+                + streamed / bandwidth + launch_seconds("cpu"))
     read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
     return read / bandwidth + launch_seconds(call.device)
+
+
+def _format_of(info: Buffer) -> str:
+    """The weight format of a weight buffer: its quantized format, else the float format of its dtype."""
+    if info.format:
+        return info.format
+    return next(name for name, fmt in WEIGHT_FORMATS.items() if not fmt.quantized and fmt.storage == info.dtype)
 
 
 def _row_bytes(buffers: dict[str, Buffer], name: str) -> int:
@@ -432,26 +504,29 @@ def critical_path_seconds(calls: list[Call], edges: list[dict], seconds: dict[st
     return sum(dag.nodes[n]["seconds"] for n in path)
 
 
-def _dense_layer_bytes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[dict[int, int], int]:
-    """Bytes of every weight a dense build would stream per token: per layer, and outside layers.
-    Predictors do not exist in a dense build; sparse parts count in full; the embedding's gather is free."""
-    per_layer: dict[int, int] = {}
-    outside = 0
+def _dense_bytes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[list[tuple[str, int]], int]:
+    """What a dense build would read of the weights per token: per call and format, its matrices' bytes ([(format,
+    bytes)]: a call's values and scales are one GEMV), and the bytes of vectors (norms, biases). Predictors do not
+    exist in a dense build; sparse parts count in full; the embedding's gather is free."""
+    matrices: list[tuple[str, int]] = []
+    streamed = 0
     seen = set()
     for call in calls:
         if not call.decode or call.role in (Role.PREDICTOR, Role.COPY, Role.EMBED):
             continue
+        mine: dict[str, int] = {}
         for name in call.buffers():
             info = buffers.get(name)
             if name in seen or info is None or info.kind != "weight":
                 continue
             seen.add(name)
             size = nbytes(info.shape, info.dtype)
-            if call.layer is None:
-                outside += size
+            if len(info.shape) < 2:
+                streamed += size
             else:
-                per_layer[call.layer] = per_layer.get(call.layer, 0) + size
-    return per_layer, outside
+                mine[_format_of(info)] = mine.get(_format_of(info), 0) + size
+        matrices.extend(mine.items())
+    return matrices, streamed
 
 
 def estimate(manifest: Manifest, schedule: dict, target: Target, placed: PlanPrices | None = None) -> Estimate:
@@ -468,12 +543,14 @@ def estimate(manifest: Manifest, schedule: dict, target: Target, placed: PlanPri
     device_bytes = {"cpu": 0.0, "gpu": 0.0}
     for call in decode:
         if not call.runtime_own:
-            bandwidth = (target.gpu_bandwidth_gbs if call.device == "gpu" else target.cpu_bandwidth_gbs) * 1e9
-            device_bytes[call.device] += (seconds[call.id] - launch_seconds(call.device)) * bandwidth
-    per_layer, outside = _dense_layer_bytes(calls, buffers)
+            selected = 0.0 if call.selection is None else expected_share(call, by_layer) * call.selection.capacity
+            device_bytes[call.device] += (weight_bytes(call, buffers, selected, selected)
+                                          + _context_bytes(call, buffers))
+    matrices, streamed = _dense_bytes(calls, buffers)
     overhead = sum(1 for call in decode if call.role is not Role.PREDICTOR and not call.runtime_own) * launch_seconds("cpu")
     context = sum(_context_bytes(call, buffers) for call in decode)  # a dense build reads the same KV cache
-    cpu_only = (sum(per_layer.values()) + outside + context) / (target.cpu_bandwidth_gbs * 1e9) + overhead
+    cpu_only = (sum(gemv_seconds(target, read, fmt) - launch_seconds("cpu") for fmt, read in matrices)
+                + (streamed + context) / cpu_bandwidth(target) + overhead)
     offload, offloaded = None, 0
     if placed is not None:  # the placement's price of the plan, plus the hand-overs between machines it leaves out
         step = placed.step_s + sum(seconds[call.id] for call in decode if call.role is Role.HANDOVER)

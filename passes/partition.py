@@ -313,8 +313,17 @@ class Partition:
         (the CPU's matrices in the quality plan's format, else the build's `cpu_format`)."""
         values = [v for v in values if v is not None and v.const_value is not None]
         on_gpu = sum(gpu_bytes(v.const_value.shape) for v in values)
-        on_cpu = sum(cpu_bytes(v.const_value.shape, planned.format_of(v.name, cpu_format)) for v in values)
-        return BlockBytes(on_gpu, on_cpu, on_gpu, 0)
+        on_cpu, by_format = 0.0, {}  # matrices: format -> [bytes, count]
+        for v in values:
+            fmt = planned.format_of(v.name, cpu_format)
+            read = cpu_bytes(v.const_value.shape, fmt)
+            on_cpu += read
+            if len(v.const_value.shape) >= 2:
+                entry = by_format.setdefault(fmt.name, [0.0, 0])
+                entry[0] += read
+                entry[1] += 1
+        return BlockBytes(on_gpu, on_cpu, on_gpu, 0,
+                          tuple((name, read, count) for name, (read, count) in sorted(by_format.items())))
 
     def _problem(self, model: ir.Model, ctx: Context, ffns: list[ir.Node], frequencies: list, budget: int,
                  planned: WeightPlan):
@@ -332,7 +341,8 @@ class Partition:
             kv = sum(kv_cache_bytes([(Attention(n).num_kv_heads, Attention(n).head_dim)], 1)
                      for n in nodes if Attention.matches(n))  # per token
             read = kv * min(CONTEXT, max_context)
-            return BlockBytes(b.gpu_bytes + kv * max_context, b.cpu_read + read, b.gpu_read + read, len(nodes))
+            return BlockBytes(b.gpu_bytes + kv * max_context, b.cpu_read + read, b.gpu_read + read, len(nodes),
+                              b.cpu_formats)
 
         embed_nodes = members.get(pir.EMBED, [])
         embed = self._bytes(constants(embed_nodes).values(), planned, cpu_format)
@@ -356,7 +366,7 @@ class Partition:
             up = 2 if FFN(node).gated else 1
             dense = self._bytes([w_up, b_up, w_down, b_down], planned, cpu_format)
             ffn_format = self._ffn_format(planned, node, cpu_format)
-            ffn = FfnBytes(dense=BlockBytes(dense.gpu_bytes, dense.cpu_read, dense.gpu_read, DENSE_FFN_CALLS),
+            ffn = FfnBytes(dense=dataclasses.replace(dense, calls=DENSE_FFN_CALLS),
                            width=int(width), activation_bytes=nbytes([d_model], "float32"))
             predictor = [graph.initializers.get(f"layers.{layer}.ffn.predictor.{w}") for w in ("w1", "w2")]
             if frequency is not None and all(p is not None for p in predictor) and FFN(node).predictor_active is not None:

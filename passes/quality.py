@@ -66,7 +66,7 @@ from .facts import ModelFact, ValueFact, read_entry, write_entry
 from .ops import ALL_NEURONS, DOMAIN, FFN, Attention, Embed, view as op_view
 from .pipeline import Context, Options
 from .sizes import PREDICTOR_FORMAT, float_format, parameter_count
-from .targets import CpuIsa
+from .targets import CpuIsa, Target
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, dequantize_blocks
 from runtime.manifest import ExpectedQuality, MatrixChoice
 
@@ -307,10 +307,9 @@ class QualityPlan:
                                                       self.mode == "predictor" and len(formats) > 1)
         # (its levels measured up to the first whose KL alone is far beyond the budget: no plan within takes it)
         head_limit = HEAD_LIMIT * budget.value if head_knob else None
-        bandwidth = ctx.target.cpu_bandwidth_gbs * 1e9
         isa = cpu_isa if self.int8_activations else None
         int8_dot = isa.int8_dot if isa is not None else None
-        price = lambda knob: _costs(knob, model, formats, stored, bandwidth, int8_dot)  # noqa: E731
+        price = lambda knob: _costs(knob, model, formats, stored, ctx.target, int8_dot)  # noqa: E731
         with ctx.progress("quality: local effects", len(blocks)) as advance:
             knobs = _measure_locally(interpreter, fit, blocks, sites, formats, stored, fixed_level,
                                      self.lowest_recall, price, advance, head_limit, thresholded=planned)
@@ -355,6 +354,10 @@ class QualityPlan:
                                    _choices(knobs, state, formats, stored, measured=not fixed_level))
         write_entry(model, QUALITY_KEY, expected)
         ctx.log(f"quality: {expected.plan}")
+        close = _within_price_error(knobs, state)
+        if close:
+            ctx.log(f"quality: {close} matrices kept dense where a sparse level would save less than the cost "
+                    f"model's error ({costmodel.PRICE_ERROR:.0%} of their dense time)")
         for line in expected.layer_lines():
             ctx.log(f"quality: {line}")
         ctx.log(f"quality: {expected.line()}; measured in {round(time.perf_counter() - started, 2):.1f}s")
@@ -580,10 +583,10 @@ def _embed_format(model: ir.Model, formats: tuple[str, ...]) -> tuple[str, str] 
     return embed_node.inputs[2].name, "int8" if "int8" in formats else formats[-1]
 
 
-def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], stored: StoredWeights, bandwidth: float,
+def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], stored: StoredWeights, target: Target,
            int8_dot: str | None) -> np.ndarray:
-    """[level, format] decode seconds of the knob's matrix (the cost model's `linear_seconds`), a threshold level
-    reading the rows of the inputs it keeps on held-out tokens (`column_seconds`); a predictor knob's FFN (up and
+    """[level, format] decode seconds of the knob's matrix (the cost model's `gemv_seconds`), a threshold level
+    reading the rows of the inputs it keeps on held-out tokens (`threshold_seconds`); a predictor knob's FFN (up and
     down), its sparse levels reading the predictor whole and the rows of the neurons it selects. Each in the format
     the quantize pass stores the matrix in at that level (`StoredWeights.priced_format`): a quantized file's
     matrix dense in its own blocks, thresholded in the blocks its rows are rounded to."""
@@ -599,15 +602,15 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], stored: Stored
             fmt = stored.priced_format(knob.matrix, name, knob.stored_as(level)[0][1])
             stored_bytes = weights * fmt.bytes_per_weight
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
-            if knob.predictor is None and level:
-                efficiency = costmodel.column_row_efficiency(stored_bytes / inputs, fmt.bits, int8_dot)
-                cost[level, f] = (costmodel.column_seconds(stored_bytes, bandwidth, kept, efficiency)
-                                  + costmodel.launch_seconds("cpu"))  # and its select call
-                continue
-            efficiency = costmodel.sparse_row_efficiency(fmt.bits, int8_dot)
-            cost[level, f] = costmodel.linear_seconds(stored_bytes, bandwidth, kept, efficiency)
-            if knob.predictor is not None and level:
-                cost[level, f] += costmodel.linear_seconds(predictor, bandwidth)
+            if not level:
+                cost[level, f] = costmodel.gemv_seconds(target, stored_bytes, fmt.name)
+            elif knob.predictor is None:
+                cost[level, f] = costmodel.threshold_seconds(target, stored_bytes, kept, fmt.name, inputs, int8_dot)
+            else:  # the predictor's GEMVs and the fused kernel's selected rows
+                efficiency = costmodel.sparse_row_efficiency(fmt.bits, int8_dot)
+                bandwidth = costmodel.cpu_bandwidth(target)
+                cost[level, f] = (costmodel.linear_seconds(stored_bytes, bandwidth, kept, efficiency)
+                                  + costmodel.linear_seconds(predictor, bandwidth))
     return cost
 
 
@@ -619,7 +622,9 @@ def _start(knobs: list[Knob], fixed_level: dict) -> list[tuple[int, int]]:
 
 def _greedy_path(knobs: list[Knob], formats: int, start: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """The moves (knob, level, format) from dense at the widest formats, each the least added local error per
-    second saved among every knob's moves to a sparser level and/or narrower format; until no move saves time."""
+    second saved among every knob's moves to a sparser level and/or narrower format; until no move saves time.
+    A sparse level is a move only where it is cheaper than its format's dense matrix by more than the cost model's
+    error (`costmodel.worth_sparsity`): else the matrix stays dense (never slower than dense)."""
     state = list(start)
     moves = []
 
@@ -631,6 +636,8 @@ def _greedy_path(knobs: list[Knob], formats: int, start: list[tuple[int, int]]) 
             for new_fmt in range(fmt, formats):
                 saved = here_cost - knob.cost[new_level, new_fmt]
                 if saved <= 0 or not np.isfinite(knob.error(new_level, new_fmt)):
+                    continue
+                if new_level and not costmodel.worth_sparsity(knob.cost[new_level, new_fmt], knob.cost[0, new_fmt]):
                     continue
                 ratio = (knob.error(new_level, new_fmt) - here_error) / saved
                 if best is None or ratio < best[0]:
@@ -647,6 +654,18 @@ def _greedy_path(knobs: list[Knob], formats: int, start: list[tuple[int, int]]) 
         state[index] = (level, fmt)
         moves.append((index, level, fmt))
         candidates[index] = best_move(index)
+
+
+def _within_price_error(knobs: list[Knob], state: list[tuple[int, int]]) -> int:
+    """The knobs the plan keeps dense although a sparse level of theirs was expected faster, by less than the cost
+    model's error."""
+    close = 0
+    for knob, (level, fmt) in zip(knobs, state):
+        if level == 0 and knob.cost.shape[0] > 1:
+            sparse = knob.cost[1:, fmt]
+            close += bool(np.any(sparse < knob.cost[0, fmt]) and
+                          not any(costmodel.worth_sparsity(s, knob.cost[0, fmt]) for s in sparse))
+    return close
 
 
 def _summed_errors(knobs: list[Knob], moves: list[tuple[int, int, int]], start: list[tuple[int, int]]) -> np.ndarray:

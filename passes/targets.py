@@ -5,11 +5,15 @@ Bandwidths are sustained figures (GB/s) a decode step can expect, not datasheet 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.artifact import cpu_flags, format_size  # one definition each, the runtime's (it cannot import the compiler)
 
 from .errors import UserError
+
+if TYPE_CHECKING:
+    from .machine_rates import CpuRates
 
 GiB = 1 << 30
 
@@ -84,6 +88,9 @@ class Target:
     # the CPU_ISAS entry the CPU kernels are generated for unless the build says otherwise; None: the build
     # machine's (host_cpu_isa), as for every profile here: a target names a GPU and bandwidths, not a CPU
     cpu_isa: str | None = None
+    # the build machine's CPU kernels as measured (passes.machine_rates; a build attaches them where it can time its
+    # kernels): the cost model prices CPU reads with them, else with cpu_bandwidth_gbs
+    cpu_rates: CpuRates | None = field(default=None, compare=False)
 
     @property
     def has_gpu(self) -> bool:

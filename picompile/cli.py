@@ -196,6 +196,10 @@ def _parser() -> argparse.ArgumentParser:
     _threads_argument(evaluate)
     evaluate.add_argument("--json", action="store_true")
 
+    calibrate = commands.add_parser("calibrate", help="measure this machine's CPU kernels again (builds price their "
+                                                     "decode with the figures; measured once per machine otherwise)")
+    calibrate.add_argument("--json", action="store_true")
+
     inspect = commands.add_parser("inspect", help="show what the compiler decided")
     inspect.add_argument("artifact", type=Path)
     inspect.add_argument("--json", action="store_true")
@@ -700,6 +704,22 @@ def _stage_facts(manifest, calls) -> list[dict]:
     return facts
 
 
+def _estimate_here(artifact: Path, manifest) -> float | None:
+    """The cost model's expected decode of the artifact's calls on this machine's measured kernel rates (None: not
+    measured here, or the artifact's kernels are for another instruction set)."""
+    import dataclasses
+
+    from passes import costmodel, machine_rates
+    from passes.targets import get_cpu_isa, get_target
+
+    rates = machine_rates.cached(get_cpu_isa(manifest.target.cpu_isa)) if manifest.target.cpu_isa else None
+    schedule = artifact / "schedule.json"
+    if rates is None or not schedule.is_file():
+        return None
+    target = dataclasses.replace(get_target(manifest.target.name), cpu_rates=rates)
+    return costmodel.estimate(manifest, json.loads(schedule.read_text()), target).picompile_tokens_per_s
+
+
 def _inspect(args) -> int:
     from runtime import ArtifactError, load_manifest
     from runtime.verify import check_files
@@ -737,7 +757,8 @@ def _inspect(args) -> int:
             "kernels": kernels, "weight_bytes": weight_bytes, "devices": shown["devices"],
             "layers": [with_shares(layer) for layer in manifest.layers],
             "placement": shown["placement"],
-            "estimate": manifest.estimate, "calibration": shown["calibration"],
+            "estimate": manifest.estimate, "expected_here_tokens_per_s": _estimate_here(args.artifact, manifest),
+            "calibration": shown["calibration"],
             "quantization": shown["quantization"],
             "tokenizer": _tokenizer_facts(args.artifact, manifest)}
     if manifest.stages:  # a model split across machines: each stage's calls, and the hand-overs between them
@@ -776,6 +797,9 @@ def _inspect(args) -> int:
 
         for line in Estimate(**manifest.estimate).lines(get_target(manifest.target.name)):
             say(line)
+        here = _estimate_here(args.artifact, manifest)
+        if here is not None:
+            say(f"  on this machine's kernels as last measured (picompile calibrate): {here:.1f} tok/s")
     if manifest.placement:
         from passes.partition import PlacementReport
 
@@ -877,12 +901,28 @@ def _write_report(args, manifest: Manifest, lines: list[str]) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    from passes import machine_rates
+
+    rates = machine_rates.calibrate()
+    if rates.busy:
+        print("warning: other programs took a core while this machine was measured: the figures are not cached "
+              "(measure again when it is quiet)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rates.to_json(), indent=1))
+    else:
+        print("\n".join(rates.lines()))
+        if not rates.busy:
+            print(f"saved {machine_rates.cache_path(rates.key)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = _parser().parse_args(argv)
         code = {"build": _build, "run": _run, "chat": _chat, "serve": _serve, "eval": _eval,
-                "inspect": _inspect}[args.command](args)
+                "inspect": _inspect, "calibrate": _calibrate}[args.command](args)
         sys.stdout.flush()  # a reader that left shows up here, in the handler below, rather than at exit
         return code
     except UserError as error:

@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from passes import ir as pir
-from passes import memory
+from passes import machine_rates, memory
 from passes.awq import AWQ, AWQ_MIN_TOKENS, AWQ_TOKENS
 from passes.compile import Compile
 from passes.context import choose_context, trained_context
@@ -213,6 +213,9 @@ def build(model_path: Path, output: Path, target: Target, options: Options, *,
     options = resolve_weight_dtype(options, model, log)
     options = resolve_context(options, model_path, model, say or log, warn or log, trained,
                               gpu.total_bytes if target.has_gpu else 0)
+    # the cost model's CPU prices: this machine's kernels as measured (once per machine, cached)
+    target = dataclasses.replace(target, cpu_rates=machine_rates.for_build(BuildTarget.cpu_isa_of(options, target),
+                                                                           say or log))
     build_target = BuildTarget.resolve(options, target, gpu)  # what every pass reads: resolved once, here
     log(build_target.describe())
     hooks: list[Hook] = [ReleaseMappedPages(model), LogTiming()]  # released before -v reports what stayed

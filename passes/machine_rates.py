@@ -1,0 +1,375 @@
+"""machine_rates: how fast this machine's CPU kernels read each weight format, measured once and cached.
+
+The cost model prices a decode step by the bytes its calls read. One bandwidth for every kernel is wrong two ways:
+machines differ (a 2-core Zen 4 streams ~38 GB/s, a 2-core Zen 3 ~17), and kernels differ (a K-quant GEMV unpacks
+codes and two levels of scales, a column-sparse kernel starts a new stream per row it gathers). So the build
+machine's kernels are timed once: select-kernels' own `Lowering` lowers the dense decode GEMV of every weight
+format, at a large and a small shape (`SHAPES`), and the threshold call (select, then the column-sparse GEMV over
+the kept rows) of every format a column kernel reads, at two kept shares (`COLUMN_KEPT`); they are compiled for the
+build's instruction set and each timed over enough copies of its weights that every call streams them from
+memory (`STREAM_BYTES`), on every core this process may use (the runtime's default start on a quiet machine).
+Each kind's two points give its figures (`KernelRate`): bytes per second, plus a fixed cost per call (`call_s`:
+waking the workers and their barrier, for a threshold call also the select and the partial sums), which is most
+of a small matrix's time.
+
+The figures are cached per machine (`machine_key`: the CPU's model name, the instruction set, the cores, the
+kernels' sources) under `$PICOMPILE_CACHE/machine/`; `picompile calibrate` measures again. A build on another
+instruction set than the machine's (--cpu-isa) cannot time its kernels here, and prices with the target's
+bandwidth; so does every build where PICOMPILE_MEASURED_RATES=0 (the tests: plans must not depend on the
+machine that runs them), and a build whose measurement found other programs on a core (`CpuRates.busy`: such
+figures are distorted, and not cached). A build measures in a child process (`measured_apart`), so that the
+timing copies and the thread pool stay out of its own memory and process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from runtime.artifact import aligned_empty, aligned_zeros
+from runtime.calls import Call, Role
+from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
+
+from .targets import CpuIsa, host_cpu_isa
+
+SHAPES = ((2048, 2048), (512, 1024))  # [K, N] of the timed GEMVs: a 1-3B model's projection, a small model's
+COLUMN_SHAPE = SHAPES[0]
+STREAM_BYTES = 64 << 20  # weight bytes cycled through per measurement, at least (and 4x the last-level cache)
+ROUNDS = 15  # medians over rounds of one call per copy
+COLUMN_KEPT = (0.2, 0.6)  # the kept shares a threshold call is timed at (its fixed cost and its per-byte rate)
+COLUMN_FORMATS = ("fp32", "fp16", "int8", "int4", "int4a")  # the formats column kernels read rows of
+ENABLED_ENV = "PICOMPILE_MEASURED_RATES"
+VERSION = 2  # of the cached figures' meaning
+
+
+@dataclass(frozen=True)
+class KernelRate:
+    """One kernel kind in one format on this machine: the bytes it reads per second, plus a fixed cost per call."""
+
+    bytes_per_s: float
+    call_s: float = 0.0
+
+    def seconds(self, read_bytes: float) -> float:
+        return read_bytes / self.bytes_per_s + self.call_s
+
+
+@dataclass(frozen=True)
+class CpuRates:
+    """The measured rates of one machine at `threads` threads: dense decode GEMVs and threshold calls by format."""
+
+    key: str
+    threads: int
+    gemv: dict[str, KernelRate] = field(default_factory=dict)
+    columns: dict[str, KernelRate] = field(default_factory=dict)
+    busy: bool = False  # other programs took a core while they were measured (such figures are not cached)
+
+    @property
+    def stream_bytes_per_s(self) -> float:
+        """What a plain read (a KV cache, a norm's weights) streams at: the fp32 GEMV's rate."""
+        return self.gemv["fp32"].bytes_per_s
+
+    def to_json(self) -> dict:
+        return {"version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CpuRates:
+        if data.get("version") != VERSION:
+            raise ValueError(f"machine rates of version {data.get('version')}, not {VERSION}")
+        rates = lambda entries: {name: KernelRate(**rate) for name, rate in entries.items()}  # noqa: E731
+        return cls(data["key"], int(data["threads"]), rates(data["gemv"]), rates(data["columns"]),
+                   bool(data.get("busy", False)))
+
+    def lines(self) -> list[str]:
+        lines = [f"machine {self.key} at {self.threads} thread{'s' if self.threads != 1 else ''}"
+                 + (" (other programs took a core while it was measured: not cached)" if self.busy else "") + ":",
+                 "  format  dense GEMV GB/s  call us  threshold rows GB/s  threshold call us"]
+        for name, rate in self.gemv.items():
+            column = self.columns.get(name)
+            lines.append(f"  {name:<7} {rate.bytes_per_s / 1e9:15.1f}  {rate.call_s * 1e6:7.1f}  "
+                         + (f"{column.bytes_per_s / 1e9:19.1f}  {column.call_s * 1e6:17.1f}" if column else
+                            f"{'-':>19}  {'-':>17}"))
+        return lines
+
+
+def machine_key(isa: CpuIsa, threads: int) -> str:
+    """Names the machine the rates hold for: its CPU model, the instruction set the kernels use, the cores, and the
+    kernels' sources (a change to a kernel may change its rate)."""
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    kernels = hashlib.sha256()
+    for source in sorted((Path(__file__).parent / "kernels").glob("*.py")):
+        kernels.update(source.read_bytes())
+    kernels.update(Path(__file__).read_bytes())
+    digest = hashlib.sha256(f"{model}|{isa.name}|{threads}|{kernels.hexdigest()}".encode()).hexdigest()[:12]
+    return f"{isa.name}-{threads}c-{digest}"
+
+
+def cache_path(key: str) -> Path:
+    root = Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile")
+    return root / "machine" / f"{key}.json"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLED_ENV, "1") != "0"
+
+
+def for_build(isa: CpuIsa, log=lambda message: None) -> CpuRates | None:
+    """The rates a build on this machine prices its CPU kernels with: cached, else measured now (once per machine);
+    None where they cannot be measured here (kernels for another instruction set) or are turned off."""
+    if not enabled() or isa.name != host_cpu_isa().name:
+        return None
+    rates = cached(isa)
+    if rates is None:  # never measured here, another version's, or torn
+        log("measuring this machine's CPU kernels once (cached; `picompile calibrate` measures again)")
+        rates = measured_apart(isa)
+        if rates.busy:  # a core taken by other work distorts every figure (a scheduler slice per parallel call)
+            log("the machine was busy while measured: this build prices with the target's bandwidth, and the next "
+                "measures again")
+            return None
+    return rates
+
+
+def measured_apart(isa: CpuIsa) -> CpuRates:
+    """`calibrate(isa)` in a child process: its kernels, thread pool and timing copies stay out of the build's."""
+    out = subprocess.run([sys.executable, "-m", "passes.machine_rates", isa.name], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring the machine's kernels failed: {out.stderr.strip().splitlines()[-1:]}")
+    return CpuRates.from_json(json.loads(out.stdout))
+
+
+def cached(isa: CpuIsa) -> CpuRates | None:
+    """This machine's rates for kernels of `isa` as last measured, None where there are none."""
+    path = cache_path(machine_key(isa, _threads()))
+    try:
+        return CpuRates.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = SHAPES, stream_bytes: int = STREAM_BYTES,
+              rounds: int = ROUNDS, save: bool = True) -> CpuRates:
+    """Time every format's decode GEMV and threshold call on this machine (see the module's docstring); cached
+    unless `save` is False."""
+    from runtime.threads import CpuReading, free_cores_since
+
+    isa = isa or host_cpu_isa()
+    threads = _threads()
+    reading = CpuReading.now()
+    bench = _Bench(isa)
+    for shape in shapes:
+        for name in WEIGHT_FORMATS:
+            bench.add_gemv(name, shape)
+    for name in COLUMN_FORMATS:
+        bench.add_columns(name, shapes[0])
+    rates = bench.run(threads, max(stream_bytes, 4 * last_level_cache_bytes()), rounds, machine_key(isa, threads))
+    if free_cores_since(reading, threads) < threads:  # other programs took a core meanwhile: figures of the moment
+        rates = dataclasses.replace(rates, busy=True)
+    if save and not rates.busy:  # (a busy machine's are used by the build that measured them, not kept)
+        keep(rates)
+    return rates
+
+
+def keep(rates: CpuRates) -> Path:
+    """Cache `rates` for later builds on this machine (written whole, then renamed)."""
+    path = cache_path(rates.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(rates.to_json(), indent=1))
+    temporary.replace(path)
+    return path
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), 0 where unknown."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=0)
+
+
+def _threads() -> int:
+    from runtime.threads import usable_cores
+
+    return usable_cores()
+
+
+@dataclass
+class _Timed:
+    """One measurement: the decode calls it runs in order, the weight buffers it streams, and how its seconds
+    become a rate (`kind`: gemv or columns; `kept`: the threshold's share of inputs kept)."""
+
+    kind: str
+    format: str
+    calls: list[Call]
+    weights: list[str]
+    read_bytes: float
+    kept: float | None = None
+
+
+class _Bench:
+    """The kernels to time, lowered as a build lowers them."""
+
+    def __init__(self, isa: CpuIsa):
+        from .select_kernels import Lowering, _Walker
+
+        self.isa = isa
+        self.low = Lowering(max_context=8, prefill_rows=8, gemm_panels=isa.gemm_panels, int8_dot=isa.int8_dot)
+        self.walker = _Walker(self.low)
+        self.rng = np.random.default_rng(0)
+        self.timed: list[_Timed] = []
+
+    def x(self, k: int) -> str:
+        """The input row of width k (random, filled before the timing)."""
+        return self.low.activation(f"x.k{k}", k)
+
+    def _matrix(self, name: str, fmt: WeightFormat, shape: tuple[int, int], axis: int = 0) -> str:
+        """A random [K, N] matrix stored in `fmt` (quantized: blocked along `axis`, K for a dense GEMV's panels, N
+        for the rows a column kernel gathers), registered with the lowering as a build registers it."""
+        k, n = shape
+        if fmt.kept_from_file:  # the file's own blocks: bytes whose every fp16 field is a normal number
+            from .file_blocks import FileMatrix, FileRows
+            from .formats import ggml
+
+            ggml_type = next(t for t in ggml.GGML_TYPES.values() if t.format == fmt.name and t.kept_in_blocks)
+            raw = self.rng.integers(0x20, 0x3C, (n, k // ggml_type.block * ggml_type.type_size), dtype=np.uint8)
+            self.low.kept[name] = FileMatrix((FileRows(ggml_type.name, raw, k),), transposed=True)
+        elif fmt.quantized:
+            from .quantize import QuantizedMatrix
+
+            low, high = fmt.levels
+            values = self.rng.integers(low, high + 1, (k, n), dtype=np.int8)
+            blocks = (k // fmt.block, n) if axis == 0 else (k, n // fmt.block)
+            scales = (self.rng.random(blocks) * 0.01 + 0.001).astype(fmt.scale_dtype)
+            mins = -scales if fmt.has_min else None
+            self.low.quantized[name] = QuantizedMatrix(values, scales, axis, fmt, mins)
+        else:
+            self.low.weight(name, (self.rng.standard_normal((k, n)) * 0.02).astype(fmt.storage), fmt.storage)
+        return name
+
+    def _new_calls(self, before: int) -> list[Call]:
+        return [call for call in self.low.program.calls[before:] if call.decode]
+
+    def add_gemv(self, name: str, shape: tuple[int, int]) -> None:
+        k, n = shape
+        weight = self._matrix(f"w.gemv.{name}.{k}x{n}", WEIGHT_FORMATS[name], shape)
+        before = len(self.low.program.calls)
+        self.low.linear(self.x(k), weight, None, self.low.activation(f"y.n{n}", n), f"gemv.{name}.{k}x{n}",
+                        Role.FFN_UP, phases=("decode",))
+        calls = self._new_calls(before)
+        self.timed.append(_Timed("gemv", name, calls, *self._weights(calls)))
+
+    def add_columns(self, name: str, shape: tuple[int, int]) -> None:
+        k, n = shape
+        for kept in COLUMN_KEPT:
+            weight = self._matrix(f"w.columns.{name}.{kept}", WEIGHT_FORMATS[name], shape, axis=1)
+            before = len(self.low.program.calls)
+            threshold = float(np.quantile(np.abs(self.rng.standard_normal(1 << 16)), 1 - kept))
+            self.walker.thresholded_linear(f"columns.{name}.{kept}", "up", self.x(k), weight, None,
+                                           self.low.activation(f"y.n{n}", n), threshold,
+                                           Role.FFN_UP)
+            calls = self._new_calls(before)
+            weights, whole = self._weights(calls)
+            self.timed.append(_Timed("columns", name, calls, weights, whole * kept, kept))
+
+    def _weights(self, calls: list[Call]) -> tuple[list[str], float]:
+        """The weight buffers `calls` read, and their bytes."""
+        buffers = self.low.buffers
+        names = sorted({arg.buffer for call in calls for arg in call.args
+                        if buffers.get(arg.buffer, {}).get("kind") == "weight" and not arg.buffer.endswith("threshold_up")})
+        return names, float(sum(self.low.weights[n].nbytes for n in names))
+
+    def run(self, threads: int, stream_bytes: int, rounds: int, key: str) -> CpuRates:
+        from runtime.threads import prepare_pool_environment, thread_pool
+
+        prepare_pool_environment()
+        import tvm
+        import tvm_ffi
+
+        from .compile import _make
+        from .kernels import cpu
+
+        program = self.low.program
+        names = sorted({call.decode for timed in self.timed for call in timed.calls})
+        with tempfile.TemporaryDirectory(prefix="picompile-rates-") as directory:
+            library_path = str(Path(directory) / "rates.so")
+            cpu.build([_make(program.kernels[name], name, "cpu") for name in names], self.isa.llvm_target(),
+                      library_path)
+            library = tvm.runtime.load_module(library_path)
+        thread_pool(tvm_ffi).use(threads)
+        arrays: dict[str, np.ndarray] = {}
+        for name, info in program.buffers.items():
+            if info["kind"] == "weight":
+                arrays[name] = _aligned_copy(program.weights[name])
+            else:
+                arrays[name] = aligned_zeros([1, *info["shape"][1:]] if info["kind"] == "activation" else info["shape"],
+                                             info["dtype"])
+        for name in arrays:
+            if name.startswith("x.k"):
+                arrays[name][...] = self.rng.standard_normal(arrays[name].shape)
+        dl = tvm_ffi.from_dlpack
+        pairs: dict[tuple[str, str], list[_Timed]] = {}
+        for timed in self.timed:
+            pairs.setdefault((timed.kind, timed.format), []).append(timed)
+        measured: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for kind_format, pair in pairs.items():  # a pair at a time (only its copies held), its two points alternated
+            bound = []
+            for timed in pair:
+                copies = max(2, -(-stream_bytes // max(int(timed.read_bytes / (timed.kept or 1.0)), 1)))
+                sets = [{n: arrays[n] for n in timed.weights}] + [
+                    {n: _aligned_copy(arrays[n]) for n in timed.weights} for _ in range(copies - 1)]
+                bound.append([[(library[call.decode], [dl(weights.get(arg.buffer, arrays[arg.buffer]))
+                                                       for arg in call.args]) for call in timed.calls]
+                              for weights in sets])
+            times: list[list[float]] = [[] for _ in pair]
+            for _ in range(rounds + 1):  # the first round warms up (pages, the pool's workers): not counted
+                for index, copies in enumerate(bound):
+                    started = time.perf_counter()
+                    for steps in copies:
+                        for function, args in steps:
+                            function(*args)
+                    times[index].append((time.perf_counter() - started) / len(copies))
+            del bound
+            measured[kind_format] = [(timed.read_bytes, statistics.median(t[1:])) for timed, t in zip(pair, times)]
+        gemv, columns = {}, {}
+        for (kind, name), points in measured.items():  # seconds = call_s + bytes / rate, through the two points
+            (b0, s0), (b1, s1) = sorted(points)
+            per_byte = (s1 - s0) / (b1 - b0) if b1 > b0 else 0.0
+            if per_byte <= 0 or s0 < b0 * per_byte:  # noise bent the line: the larger one's average, no fixed cost
+                per_byte = s1 / b1
+            rate = KernelRate(1.0 / per_byte, max(0.0, s0 - b0 * per_byte))
+            (gemv if kind == "gemv" else columns)[name] = rate
+        return CpuRates(key, threads, gemv, columns)
+
+
+def _aligned_copy(array: np.ndarray) -> np.ndarray:
+    """A copy placed as the runtime places weights (huge pages where large: `aligned_empty`)."""
+    out = aligned_empty(array.shape, array.dtype, huge=True)
+    out[...] = array
+    return out
+
+
+if __name__ == "__main__":  # measured_apart's child: the figures as JSON on stdout
+    from .targets import get_cpu_isa
+
+    print(json.dumps(calibrate(get_cpu_isa(sys.argv[1])).to_json()))
