@@ -140,13 +140,14 @@ def cpu_bandwidth(target: Target) -> float:
     return rates.stream_bytes_per_s if rates is not None else target.cpu_bandwidth_gbs * 1e9
 
 
-def gemv_seconds(target: Target, read_bytes: float, fmt: str, calls: int = 1) -> float:
-    """`calls` dense CPU decode GEMVs reading `read_bytes` of weights in format `fmt` in all, their launches
-    included: at the rate and fixed cost measured for that format on this machine, else at the target's bandwidth."""
+def gemv_seconds(target: Target, read_bytes: float, fmt: str, calls: int = 1, columns: int = 0) -> float:
+    """`calls` dense CPU decode GEMVs reading `read_bytes` of weights in format `fmt` in all, of `columns` outputs
+    in all, their launches included: at the rate and fixed costs measured for that format on this machine, else at
+    the target's bandwidth."""
     rates = target.cpu_rates
     if rates is not None and fmt in rates.gemv:
         rate = rates.gemv[fmt]
-        return read_bytes / rate.bytes_per_s + calls * (rate.call_s + launch_seconds("cpu"))
+        return rate.seconds(read_bytes, columns) + (calls - 1) * rate.call_s + calls * launch_seconds("cpu")
     return read_seconds(read_bytes, target.cpu_bandwidth_gbs * 1e9, "cpu", calls)
 
 
@@ -314,10 +315,10 @@ class BlockBytes:
     cpu_read: float
     gpu_read: float
     calls: int
-    # of cpu_read, the matrices its GEMVs read whole, by format ((format, bytes, matrices), ...): priced at each
-    # format's measured rate and fixed cost where the machine's kernels were timed; the rest (vectors, the KV cache,
-    # gathered rows) is streamed
-    cpu_formats: tuple[tuple[str, float, int], ...] = ()
+    # of cpu_read, the matrices its GEMVs read whole, by format ((format, bytes, matrices, output columns), ...):
+    # priced at each format's measured rate and fixed costs where the machine's kernels were timed; the rest
+    # (vectors, the KV cache, gathered rows) is streamed
+    cpu_formats: tuple[tuple[str, float, int, int], ...] = ()
 
 
 def price(target: Target, block: BlockBytes) -> Block:
@@ -325,9 +326,9 @@ def price(target: Target, block: BlockBytes) -> Block:
     weights at their formats' measured rates where known: `gemv_seconds`), plus its calls' fixed cost."""
     cpu = read_seconds(block.cpu_read, cpu_bandwidth(target), "cpu", block.calls)
     if target.cpu_rates is not None and block.cpu_formats:
-        streamed = block.cpu_read - sum(read for _, read, _ in block.cpu_formats)
-        cpu = (sum(gemv_seconds(target, read, fmt, matrices) - matrices * launch_seconds("cpu")
-                   for fmt, read, matrices in block.cpu_formats)
+        streamed = block.cpu_read - sum(read for _, read, _, _ in block.cpu_formats)
+        cpu = (sum(gemv_seconds(target, read, fmt, matrices, columns) - matrices * launch_seconds("cpu")
+                   for fmt, read, matrices, columns in block.cpu_formats)
                + read_seconds(streamed, cpu_bandwidth(target), "cpu", block.calls))
     return Block(int(block.gpu_bytes), cpu, read_seconds(block.gpu_read, target.gpu_bandwidth_gbs * 1e9, "gpu", block.calls))
 
@@ -456,18 +457,27 @@ def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, Layer
             target, call.selection.capacity * reads.per_selected, kept, fmt, call.selection.capacity) - launch_seconds("cpu")
     if call.device == "cpu" and call.selection is None and target.cpu_rates is not None:
         # each weight read whole at its format's measured GEMV rate; gathered rows and the KV cache streamed
-        whole = {}
+        whole, outputs = {}, {}
         for arg in call.args:
             info = buffers.get(arg.buffer)
             if info is not None and info.kind == "weight" and arg.reads and arg.access is Access.WHOLE \
                     and len(info.shape) >= 2:
                 fmt = _format_of(info)
                 whole[fmt] = whole.get(fmt, 0.0) + nbytes(info.shape, info.dtype)
+                outputs[fmt] = max(outputs.get(fmt, 0), _output_columns(info))  # (values and scales: one matrix)
         streamed = weight_bytes(call, buffers) - sum(whole.values()) + _context_bytes(call, buffers)
-        return (sum(gemv_seconds(target, read, fmt) - launch_seconds("cpu") for fmt, read in whole.items())
+        return (sum(gemv_seconds(target, read, fmt, columns=outputs[fmt]) - launch_seconds("cpu")
+                    for fmt, read in whole.items())
                 + streamed / bandwidth + launch_seconds("cpu"))
     read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
     return read / bandwidth + launch_seconds(call.device)
+
+
+def _output_columns(info: Buffer) -> int:
+    """The outputs of the linear layer whose weight `info` is: its logical [K, N]'s N."""
+    if info.matrix:
+        return int(info.matrix[1])
+    return int(info.logical_columns or info.shape[-1])
 
 
 def _format_of(info: Buffer) -> str:
@@ -504,17 +514,18 @@ def critical_path_seconds(calls: list[Call], edges: list[dict], seconds: dict[st
     return sum(dag.nodes[n]["seconds"] for n in path)
 
 
-def _dense_bytes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[list[tuple[str, int]], int]:
-    """What a dense build would read of the weights per token: per call and format, its matrices' bytes ([(format,
-    bytes)]: a call's values and scales are one GEMV), and the bytes of vectors (norms, biases). Predictors do not
+def _dense_bytes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[list[tuple[str, int, int]], int]:
+    """What a dense build would read of the weights per token: per call and format, its matrices' bytes and outputs
+    ([(format, bytes, columns)]: a call's values and scales are one GEMV), and the bytes of vectors (norms,
+    biases). Predictors do not
     exist in a dense build; sparse parts count in full; the embedding's gather is free."""
-    matrices: list[tuple[str, int]] = []
+    matrices: list[tuple[str, int, int]] = []
     streamed = 0
     seen = set()
     for call in calls:
         if not call.decode or call.role in (Role.PREDICTOR, Role.COPY, Role.EMBED):
             continue
-        mine: dict[str, int] = {}
+        mine: dict[str, list[int]] = {}
         for name in call.buffers():
             info = buffers.get(name)
             if name in seen or info is None or info.kind != "weight":
@@ -524,8 +535,10 @@ def _dense_bytes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[list[tu
             if len(info.shape) < 2:
                 streamed += size
             else:
-                mine[_format_of(info)] = mine.get(_format_of(info), 0) + size
-        matrices.extend(mine.items())
+                entry = mine.setdefault(_format_of(info), [0, 0])
+                entry[0] += size
+                entry[1] = max(entry[1], _output_columns(info))
+        matrices.extend((fmt, read, columns) for fmt, (read, columns) in mine.items())
     return matrices, streamed
 
 
@@ -549,7 +562,8 @@ def estimate(manifest: Manifest, schedule: dict, target: Target, placed: PlanPri
     matrices, streamed = _dense_bytes(calls, buffers)
     overhead = sum(1 for call in decode if call.role is not Role.PREDICTOR and not call.runtime_own) * launch_seconds("cpu")
     context = sum(_context_bytes(call, buffers) for call in decode)  # a dense build reads the same KV cache
-    cpu_only = (sum(gemv_seconds(target, read, fmt) - launch_seconds("cpu") for fmt, read in matrices)
+    cpu_only = (sum(gemv_seconds(target, read, fmt, columns=columns) - launch_seconds("cpu")
+                    for fmt, read, columns in matrices)
                 + (streamed + context) / cpu_bandwidth(target) + overhead)
     offload, offloaded = None, 0
     if placed is not None:  # the placement's price of the plan, plus the hand-overs between machines it leaves out

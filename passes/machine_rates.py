@@ -4,13 +4,14 @@ The cost model prices a decode step by the bytes its calls read. One bandwidth f
 machines differ (a 2-core Zen 4 streams ~38 GB/s, a 2-core Zen 3 ~17), and kernels differ (a K-quant GEMV unpacks
 codes and two levels of scales, a column-sparse kernel starts a new stream per row it gathers). So the build
 machine's kernels are timed once: select-kernels' own `Lowering` lowers the dense decode GEMV of every weight
-format, at a large and a small shape (`SHAPES`), and the threshold call (select, then the column-sparse GEMV over
+format, at three shapes (`SHAPES`), and the threshold call (select, then the column-sparse GEMV over
 the kept rows) of every format a column kernel reads, at two kept shares (`COLUMN_KEPT`); they are compiled for the
 build's instruction set and each timed over enough copies of its weights that every call streams them from
 memory (`STREAM_BYTES`), on every core this process may use (the runtime's default start on a quiet machine).
-Each kind's two points give its figures (`KernelRate`): bytes per second, plus a fixed cost per call (`call_s`:
-waking the workers and their barrier, for a threshold call also the select and the partial sums), which is most
-of a small matrix's time.
+Each kind's points give its figures (`KernelRate`, fitted by non-negative least squares): bytes per second, a
+fixed cost per call (`call_s`: waking the workers and their barrier, for a threshold call also the select and the
+partial sums), which is most of a small matrix's time, and for a GEMV a cost per output column (`column_s`: each
+panel's setup and stores, which a matrix of a short K and many outputs, an output layer, pays most).
 
 The figures are cached per machine (`machine_key`: the CPU's model name, the instruction set, the cores, the
 kernels' sources) under `$PICOMPILE_CACHE/machine/`; `picompile calibrate` measures again. A build on another
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -43,25 +45,29 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
 from .targets import CpuIsa, host_cpu_isa
 
-SHAPES = ((2048, 2048), (512, 1024))  # [K, N] of the timed GEMVs: a 1-3B model's projection, a small model's
+# [K, N] of the timed GEMVs: a 1-3B model's projection, a small model's, and an output layer's short K and wide N
+SHAPES = ((2048, 2048), (512, 1024), (512, 16384))
 COLUMN_SHAPE = SHAPES[0]
-STREAM_BYTES = 64 << 20  # weight bytes cycled through per measurement, at least (and 4x the last-level cache)
-ROUNDS = 15  # medians over rounds of one call per copy
+STREAM_BYTES = 64 << 20  # weight bytes cycled through per measurement, at least (and 3x the last-level cache)
+ROUNDS = 5  # rounds of one call per copy, in each pass
+PASSES = 3  # passes over every kernel: a shared machine's bandwidth drifts over seconds; medians over all rounds
 COLUMN_KEPT = (0.2, 0.6)  # the kept shares a threshold call is timed at (its fixed cost and its per-byte rate)
 COLUMN_FORMATS = ("fp32", "fp16", "int8", "int4", "int4a")  # the formats column kernels read rows of
 ENABLED_ENV = "PICOMPILE_MEASURED_RATES"
-VERSION = 2  # of the cached figures' meaning
+VERSION = 3  # of the cached figures' meaning
 
 
 @dataclass(frozen=True)
 class KernelRate:
-    """One kernel kind in one format on this machine: the bytes it reads per second, plus a fixed cost per call."""
+    """One kernel kind in one format on this machine: the bytes it reads per second, plus a fixed cost per call and
+    one per output column."""
 
     bytes_per_s: float
     call_s: float = 0.0
+    column_s: float = 0.0
 
-    def seconds(self, read_bytes: float) -> float:
-        return read_bytes / self.bytes_per_s + self.call_s
+    def seconds(self, read_bytes: float, columns: int = 0) -> float:
+        return read_bytes / self.bytes_per_s + self.call_s + columns * self.column_s
 
 
 @dataclass(frozen=True)
@@ -93,10 +99,11 @@ class CpuRates:
     def lines(self) -> list[str]:
         lines = [f"machine {self.key} at {self.threads} thread{'s' if self.threads != 1 else ''}"
                  + (" (other programs took a core while it was measured: not cached)" if self.busy else "") + ":",
-                 "  format  dense GEMV GB/s  call us  threshold rows GB/s  threshold call us"]
+                 "  format  dense GEMV GB/s  call us  ns/output  threshold rows GB/s  threshold call us"]
         for name, rate in self.gemv.items():
             column = self.columns.get(name)
             lines.append(f"  {name:<7} {rate.bytes_per_s / 1e9:15.1f}  {rate.call_s * 1e6:7.1f}  "
+                         f"{rate.column_s * 1e9:9.2f}  "
                          + (f"{column.bytes_per_s / 1e9:19.1f}  {column.call_s * 1e6:17.1f}" if column else
                             f"{'-':>19}  {'-':>17}"))
         return lines
@@ -178,7 +185,7 @@ def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = S
             bench.add_gemv(name, shape)
     for name in COLUMN_FORMATS:
         bench.add_columns(name, shapes[0])
-    rates = bench.run(threads, max(stream_bytes, 4 * last_level_cache_bytes()), rounds, machine_key(isa, threads))
+    rates = bench.run(threads, max(stream_bytes, 3 * last_level_cache_bytes()), rounds, machine_key(isa, threads))
     if free_cores_since(reading, threads) < threads:  # other programs took a core meanwhile: figures of the moment
         rates = dataclasses.replace(rates, busy=True)
     if save and not rates.busy:  # (a busy machine's are used by the build that measured them, not kept)
@@ -225,6 +232,7 @@ class _Timed:
     weights: list[str]
     read_bytes: float
     kept: float | None = None
+    columns: int = 0  # a GEMV's outputs
 
 
 class _Bench:
@@ -277,7 +285,7 @@ class _Bench:
         self.low.linear(self.x(k), weight, None, self.low.activation(f"y.n{n}", n), f"gemv.{name}.{k}x{n}",
                         Role.FFN_UP, phases=("decode",))
         calls = self._new_calls(before)
-        self.timed.append(_Timed("gemv", name, calls, *self._weights(calls)))
+        self.timed.append(_Timed("gemv", name, calls, *self._weights(calls), columns=n))
 
     def add_columns(self, name: str, shape: tuple[int, int]) -> None:
         k, n = shape
@@ -320,7 +328,7 @@ class _Bench:
         arrays: dict[str, np.ndarray] = {}
         for name, info in program.buffers.items():
             if info["kind"] == "weight":
-                arrays[name] = _aligned_copy(program.weights[name])
+                arrays[name] = _aligned_copy(program.weights.pop(name))  # (the lowering's copy dropped)
             else:
                 arrays[name] = aligned_zeros([1, *info["shape"][1:]] if info["kind"] == "activation" else info["shape"],
                                              info["dtype"])
@@ -331,8 +339,9 @@ class _Bench:
         pairs: dict[tuple[str, str], list[_Timed]] = {}
         for timed in self.timed:
             pairs.setdefault((timed.kind, timed.format), []).append(timed)
-        measured: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        for kind_format, pair in pairs.items():  # a pair at a time (only its copies held), its two points alternated
+        samples: dict[tuple[str, str], list[list[float]]] = {key: [[] for _ in pair] for key, pair in pairs.items()}
+        for _, (kind_format, pair) in itertools.product(range(PASSES), pairs.items()):
+            # a pair at a time (only its copies held), its points alternated; every pair in each of PASSES passes
             bound = []
             for timed in pair:
                 copies = max(2, -(-stream_bytes // max(int(timed.read_bytes / (timed.kept or 1.0)), 1)))
@@ -341,25 +350,45 @@ class _Bench:
                 bound.append([[(library[call.decode], [dl(weights.get(arg.buffer, arrays[arg.buffer]))
                                                        for arg in call.args]) for call in timed.calls]
                               for weights in sets])
-            times: list[list[float]] = [[] for _ in pair]
-            for _ in range(rounds + 1):  # the first round warms up (pages, the pool's workers): not counted
+            for round_ in range(rounds + 1):  # the first round warms up (pages, the pool's workers): not counted
                 for index, copies in enumerate(bound):
                     started = time.perf_counter()
                     for steps in copies:
                         for function, args in steps:
                             function(*args)
-                    times[index].append((time.perf_counter() - started) / len(copies))
+                    if round_:
+                        samples[kind_format][index].append((time.perf_counter() - started) / len(copies))
             del bound
-            measured[kind_format] = [(timed.read_bytes, statistics.median(t[1:])) for timed, t in zip(pair, times)]
         gemv, columns = {}, {}
-        for (kind, name), points in measured.items():  # seconds = call_s + bytes / rate, through the two points
-            (b0, s0), (b1, s1) = sorted(points)
-            per_byte = (s1 - s0) / (b1 - b0) if b1 > b0 else 0.0
-            if per_byte <= 0 or s0 < b0 * per_byte:  # noise bent the line: the larger one's average, no fixed cost
-                per_byte = s1 / b1
-            rate = KernelRate(1.0 / per_byte, max(0.0, s0 - b0 * per_byte))
-            (gemv if kind == "gemv" else columns)[name] = rate
+        for (kind, name), pair in pairs.items():
+            points = [(timed.read_bytes, timed.columns, statistics.median(times))
+                      for timed, times in zip(pair, samples[(kind, name)])]
+            (gemv if kind == "gemv" else columns)[name] = fitted(points)
         return CpuRates(key, threads, gemv, columns)
+
+
+def fitted(points: list[tuple[float, int, float]]) -> KernelRate:
+    """The rate through (bytes, columns, seconds) points: seconds = call_s + bytes / rate + columns * column_s,
+    by least squares with no term negative (each subset of the fixed terms tried; the bytes' term always kept)."""
+    data = np.array(points, np.float64)
+    best = None
+    for call in (True, False):
+        for per_column in (True, False):
+            terms = [data[:, 0]] + ([np.ones(len(data))] if call else []) + ([data[:, 1]] if per_column else [])
+            design = np.stack(terms, axis=1)
+            if np.linalg.matrix_rank(design) < design.shape[1]:
+                continue
+            coefficients = np.linalg.lstsq(design, data[:, 2], rcond=None)[0]
+            if np.any(coefficients <= 0):
+                continue
+            residual = float(np.sum((design @ coefficients - data[:, 2]) ** 2))
+            if best is None or residual < best[0]:
+                values = iter(coefficients[1:])
+                best = (residual, KernelRate(1.0 / coefficients[0], next(values) if call else 0.0,
+                                             next(values) if per_column else 0.0))
+    if best is None:  # (the bytes' term alone is always positive: points of positive seconds)
+        return KernelRate(float(data[:, 0].sum() / data[:, 2].sum()))
+    return best[1]
 
 
 def _aligned_copy(array: np.ndarray) -> np.ndarray:

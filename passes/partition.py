@@ -313,17 +313,17 @@ class Partition:
         (the CPU's matrices in the quality plan's format, else the build's `cpu_format`)."""
         values = [v for v in values if v is not None and v.const_value is not None]
         on_gpu = sum(gpu_bytes(v.const_value.shape) for v in values)
-        on_cpu, by_format = 0.0, {}  # matrices: format -> [bytes, count]
+        on_cpu, by_format = 0.0, {}  # matrices: format -> [bytes, count, output columns]
         for v in values:
             fmt = planned.format_of(v.name, cpu_format)
             read = cpu_bytes(v.const_value.shape, fmt)
             on_cpu += read
-            if len(v.const_value.shape) >= 2:
-                entry = by_format.setdefault(fmt.name, [0.0, 0])
+            if len(v.const_value.shape) >= 2:  # a [K, N] linear's weight
+                entry = by_format.setdefault(fmt.name, [0.0, 0, 0])
                 entry[0] += read
                 entry[1] += 1
-        return BlockBytes(on_gpu, on_cpu, on_gpu, 0,
-                          tuple((name, read, count) for name, (read, count) in sorted(by_format.items())))
+                entry[2] += int(v.const_value.shape[-1])
+        return BlockBytes(on_gpu, on_cpu, on_gpu, 0, tuple((name, *entry) for name, entry in sorted(by_format.items())))
 
     def _problem(self, model: ir.Model, ctx: Context, ffns: list[ir.Node], frequencies: list, budget: int,
                  planned: WeightPlan):

@@ -603,7 +603,7 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], stored: Stored
             stored_bytes = weights * fmt.bytes_per_weight
             kept = 1.0 - float(knob.held_out_dropped[level]) if level else None
             if not level:
-                cost[level, f] = costmodel.gemv_seconds(target, stored_bytes, fmt.name)
+                cost[level, f] = costmodel.gemv_seconds(target, stored_bytes, fmt.name, columns=outputs)
             elif knob.predictor is None:
                 cost[level, f] = costmodel.threshold_seconds(target, stored_bytes, kept, fmt.name, inputs, int8_dot)
             else:  # the predictor's GEMVs and the fused kernel's selected rows

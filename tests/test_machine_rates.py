@@ -96,7 +96,7 @@ def test_the_cost_model_prices_each_format_at_its_measured_rate():
     assert costmodel.threshold_seconds(columns, 4e6, 0.25, "int4", 2048) == pytest.approx(
         1e6 / 1e10 + 30e-6 + 2 * costmodel.launch_seconds("cpu"))
     # a block's matrices by format, its vectors streamed
-    block = costmodel.BlockBytes(0, 3e6, 0, 4, (("q4_k", 2e6, 2),))
+    block = costmodel.BlockBytes(0, 3e6, 0, 4, (("q4_k", 2e6, 2, 0),))
     assert costmodel.price(slow, block).cpu_s == pytest.approx(
         4e6 / bandwidth + 2 * 10e-6 + 1e6 / bandwidth + 4 * costmodel.launch_seconds("cpu"))
 
