@@ -147,17 +147,22 @@ def main(argv=None) -> int:
     import os
 
     args.threads = args.threads or os.cpu_count()
+    config = {"threads": args.threads, "tokens": args.tokens, "prompt_len": args.prompt_len, "runs": args.runs}
+    return run_models(args, measure_model, report, "Decode on a busy machine", "benchmarks/bench_busy.py", config, argv)
+
+
+def run_models(args, measure, report_of, title: str, script: str, config: dict, argv) -> int:
+    """Each of --model's models measured (`measure(name, args)`) and its table printed (`report_of(name, result,
+    args.load)`); the results to --json, the tables to BENCHMARKS.md with --record."""
     results, texts = {}, []
     for name in args.model.split(","):
-        results[name] = measure_model(name, args)
-        texts.append(report(name, results[name], args.load))
+        results[name] = measure(name, args)
+        texts.append(report_of(name, results[name], args.load))
         print(texts[-1], flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.record:
-        config = {"threads": args.threads, "tokens": args.tokens, "prompt_len": args.prompt_len, "runs": args.runs}
-        record("Decode on a busy machine", config, "\n\n".join(texts), "benchmarks/bench_busy.py", argv,
-               host="host: per half and run, in each table")
+        record(title, config, "\n\n".join(texts), script, argv, host="host: per half and run, in each table")
     return 0
 
 

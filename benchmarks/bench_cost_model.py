@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_gguf import BUILDS, ensure_gguf_artifact, write_texts  # noqa: E402
+from benchmarks.bench_gguf import ensure_gguf_artifact, write_texts  # noqa: E402
 from examples.bench_decode import SETTLE_S, record, time_decode  # noqa: E402
 
 

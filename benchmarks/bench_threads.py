@@ -15,7 +15,6 @@ count (target >= 0.95x quiet) and against one thread beside the busy processes (
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_busy import model_sources  # noqa: E402
+from benchmarks.bench_busy import model_sources, run_models  # noqa: E402
 from benchmarks.host import BusyLoad, HostState  # noqa: E402
-from examples.bench_decode import SETTLE_S, record, time_decode  # noqa: E402
+from examples.bench_decode import SETTLE_S, time_decode  # noqa: E402
 
 HALVES = ("quiet", "busy")
 
@@ -110,18 +109,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--record", action="store_true", help="append the tables to BENCHMARKS.md")
     args = parser.parse_args(argv)
-    results, texts = {}, []
-    for name in args.model.split(","):
-        results[name] = measure_model(name, args)
-        texts.append(report(name, results[name], args.load))
-        print(texts[-1], flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    if args.record:
-        config = {"tokens": args.tokens, "prompts": args.prompts, "runs": args.runs, "load": args.load}
-        record("Default threads from the first step", config, "\n\n".join(texts), "benchmarks/bench_threads.py", argv,
-               host="host: per half and run, in each table")
-    return 0
+    config = {"tokens": args.tokens, "prompts": args.prompts, "runs": args.runs, "load": args.load}
+    return run_models(args, measure_model, report, "Default threads from the first step", "benchmarks/bench_threads.py",
+                      config, argv)
 
 
 if __name__ == "__main__":

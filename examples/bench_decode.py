@@ -33,15 +33,9 @@ SETTLE_S = 0.5
 
 
 def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
+    from runtime.artifact import cpu_model_name
+
+    return f"{cpu_model_name()}, {os.cpu_count()} cores, {platform.system()}"
 
 
 def compiler_digest() -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.artifact import aligned_empty, aligned_zeros
+from runtime.artifact import aligned_empty, aligned_zeros, cpu_model_name
 from runtime.calls import Call, Role
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
@@ -112,14 +112,7 @@ class CpuRates:
 def machine_key(isa: CpuIsa, threads: int) -> str:
     """Names the machine the rates hold for: its CPU model, the instruction set the kernels use, the cores, and the
     kernels' sources (a change to a kernel may change its rate)."""
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model_name()
     kernels = hashlib.sha256()
     for source in sorted((Path(__file__).parent / "kernels").glob("*.py")):
         kernels.update(source.read_bytes())

@@ -218,14 +218,24 @@ def weight_files(directory: Path, manifest: Manifest) -> list[Path]:
     return [Path(directory) / relative for relative in sorted(manifest.files) if _is_weight_file(relative)]
 
 
-def cpu_flags() -> frozenset[str] | None:
-    """This machine's CPU flags (Linux's /proc/cpuinfo), or None where they cannot be read."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first `name` line's value in Linux's /proc/cpuinfo, None where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(name)), None)
     except OSError:
         return None
-    return None if flags is None else frozenset(flags)
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """This machine's CPU flags (Linux's /proc/cpuinfo), or None where they cannot be read."""
+    flags = _cpuinfo_field("flags")
+    return None if flags is None else frozenset(flags.split())
+
+
+def cpu_model_name() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it ("unknown CPU" where it cannot be read)."""
+    return _cpuinfo_field("model name") or "unknown CPU"
 
 
 def missing_cpu_features(required) -> list[str]:
