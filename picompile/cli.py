@@ -448,6 +448,10 @@ def _run(args) -> int:
         result.update(prompt=args.prompt, text=tokenizer.decode(generated))
     if args.profile:
         result.update(profile_per_token(stats.profile))
+        expected = _expected_ms_by_role(engine)
+        if expected is not None:
+            result["expected_ms_per_token"] = expected
+            result["expected_decode_tokens_per_s"] = 1000 / sum(expected.values())
     if args.json:
         print(json.dumps(result))
     else:
@@ -455,9 +459,14 @@ def _run(args) -> int:
             print(" ".join(map(str, result["generated_ids"])))
         _print_speed(result)
         by_role, gbs = result.get("weight_bytes_per_token_by_role", {}), result.get("weight_gbs_by_role", {})
+        expected = result.get("expected_ms_per_token", {})
         for role, ms in result.get("profile_ms_per_token", {}).items():
             reads = (f"  {by_role[role] / 2**20:9.3f} MiB/token at {gbs[role]:5.1f} GB/s" if role in gbs else "")
-            print(f"  {role:<10} {ms:8.3f} ms/token{reads}", file=sys.stderr)
+            priced = f"  (expected {expected[role]:.3f})" if role in expected else ""
+            print(f"  {role:<10} {ms:8.3f} ms/token{reads}{priced}", file=sys.stderr)
+        if "expected_decode_tokens_per_s" in result:
+            print(f"  expected   {result['expected_decode_tokens_per_s']:.1f} tok/s on this machine's kernels as last "
+                  f"measured (picompile calibrate), measured {result['decode_tokens_per_s']:.1f}", file=sys.stderr)
         if "weight_bytes_per_token" in result:
             print(f"  weights    {result['weight_bytes_per_token'] / 2**20:8.3f} MiB/token "
                   f"({result['weight_bytes_per_token']:.0f} bytes), {result['weight_gbs_kernels']:.1f} GB/s over "
@@ -704,20 +713,46 @@ def _stage_facts(manifest, calls) -> list[dict]:
     return facts
 
 
-def _estimate_here(artifact: Path, manifest) -> float | None:
-    """The cost model's expected decode of the artifact's calls on this machine's measured kernel rates (None: not
-    measured here, or the artifact's kernels are for another instruction set)."""
+def _machine_target(manifest):
+    """The artifact's target priced at this machine's kernel rates as last measured (`picompile calibrate`); None
+    where they were not measured here, or the artifact's kernels are for another instruction set."""
     import dataclasses
 
-    from passes import costmodel, machine_rates
+    from passes import machine_rates
     from passes.targets import get_cpu_isa, get_target
 
     rates = machine_rates.cached(get_cpu_isa(manifest.target.cpu_isa)) if manifest.target.cpu_isa else None
-    schedule = artifact / "schedule.json"
-    if rates is None or not schedule.is_file():
+    return None if rates is None else dataclasses.replace(get_target(manifest.target.name), cpu_rates=rates)
+
+
+def _estimate_here(artifact: Path, manifest) -> float | None:
+    """The cost model's expected decode of the artifact's calls on this machine's measured kernel rates (None: not
+    measured here)."""
+    from passes import costmodel
+
+    target, schedule = _machine_target(manifest), artifact / "schedule.json"
+    if target is None or not schedule.is_file():
         return None
-    target = dataclasses.replace(get_target(manifest.target.name), cpu_rates=rates)
     return costmodel.estimate(manifest, json.loads(schedule.read_text()), target).picompile_tokens_per_s
+
+
+def _expected_ms_by_role(engine) -> dict[str, float] | None:
+    """The cost model's decode milliseconds of each call role of `engine`'s artifact on this machine's measured
+    kernel rates (None: not measured here): what `run --profile` prints beside the measured."""
+    from passes import costmodel
+
+    if not isinstance(getattr(engine, "manifest", None), Manifest):  # (a split artifact's stages: not priced here)
+        return None
+    target = _machine_target(engine.manifest)
+    if target is None:
+        return None
+    layers = {layer.layer: layer for layer in engine.manifest.layers}
+    expected: dict[str, float] = {}
+    for call in engine.calls:
+        if call.decode and not call.runtime_own:
+            seconds = costmodel.call_seconds(call, engine.manifest.buffers, layers, target)
+            expected[call.role.value] = expected.get(call.role.value, 0.0) + 1000 * seconds
+    return expected
 
 
 def _inspect(args) -> int:
