@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,7 @@ from runtime.artifact import aligned_empty, aligned_zeros, cpu_model_name
 from runtime.calls import Call, Role
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
-from .targets import CpuIsa, host_cpu_isa
+from .targets import CpuIsa, CpuRates, KernelRate, host_cpu_isa
 
 # [K, N] of the timed GEMVs: a 1-3B model's projection, a small model's, and an output layer's short K and wide N
 SHAPES = ((2048, 2048), (512, 1024), (512, 16384))
@@ -54,59 +54,6 @@ PASSES = 3  # passes over every kernel: a shared machine's bandwidth drifts over
 COLUMN_KEPT = (0.2, 0.6)  # the kept shares a threshold call is timed at (its fixed cost and its per-byte rate)
 COLUMN_FORMATS = ("fp32", "fp16", "int8", "int4", "int4a")  # the formats column kernels read rows of
 ENABLED_ENV = "PICOMPILE_MEASURED_RATES"
-VERSION = 3  # of the cached figures' meaning
-
-
-@dataclass(frozen=True)
-class KernelRate:
-    """One kernel kind in one format on this machine: the bytes it reads per second, plus a fixed cost per call and
-    one per output column."""
-
-    bytes_per_s: float
-    call_s: float = 0.0
-    column_s: float = 0.0
-
-    def seconds(self, read_bytes: float, columns: int = 0) -> float:
-        return read_bytes / self.bytes_per_s + self.call_s + columns * self.column_s
-
-
-@dataclass(frozen=True)
-class CpuRates:
-    """The measured rates of one machine at `threads` threads: dense decode GEMVs and threshold calls by format."""
-
-    key: str
-    threads: int
-    gemv: dict[str, KernelRate] = field(default_factory=dict)
-    columns: dict[str, KernelRate] = field(default_factory=dict)
-    busy: bool = False  # other programs took a core while they were measured (such figures are not cached)
-
-    @property
-    def stream_bytes_per_s(self) -> float:
-        """What a plain read (a KV cache, a norm's weights) streams at: the fp32 GEMV's rate."""
-        return self.gemv["fp32"].bytes_per_s
-
-    def to_json(self) -> dict:
-        return {"version": VERSION, **asdict(self)}
-
-    @classmethod
-    def from_json(cls, data: dict) -> CpuRates:
-        if data.get("version") != VERSION:
-            raise ValueError(f"machine rates of version {data.get('version')}, not {VERSION}")
-        rates = lambda entries: {name: KernelRate(**rate) for name, rate in entries.items()}  # noqa: E731
-        return cls(data["key"], int(data["threads"]), rates(data["gemv"]), rates(data["columns"]),
-                   bool(data.get("busy", False)))
-
-    def lines(self) -> list[str]:
-        lines = [f"machine {self.key} at {self.threads} thread{'s' if self.threads != 1 else ''}"
-                 + (" (other programs took a core while it was measured: not cached)" if self.busy else "") + ":",
-                 "  format  dense GEMV GB/s  call us  ns/output  threshold rows GB/s  threshold call us"]
-        for name, rate in self.gemv.items():
-            column = self.columns.get(name)
-            lines.append(f"  {name:<7} {rate.bytes_per_s / 1e9:15.1f}  {rate.call_s * 1e6:7.1f}  "
-                         f"{rate.column_s * 1e9:9.2f}  "
-                         + (f"{column.bytes_per_s / 1e9:19.1f}  {column.call_s * 1e6:17.1f}" if column else
-                            f"{'-':>19}  {'-':>17}"))
-        return lines
 
 
 def machine_key(isa: CpuIsa, threads: int) -> str:

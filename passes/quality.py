@@ -623,8 +623,9 @@ def _start(knobs: list[Knob], fixed_level: dict) -> list[tuple[int, int]]:
 def _greedy_path(knobs: list[Knob], formats: int, start: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """The moves (knob, level, format) from dense at the widest formats, each the least added local error per
     second saved among every knob's moves to a sparser level and/or narrower format; until no move saves time.
-    A sparse level is a move only where it is cheaper than its format's dense matrix by more than the cost model's
-    error (`costmodel.worth_sparsity`): else the matrix stays dense (never slower than dense)."""
+    A threshold level is a move only where it is cheaper than its format's dense matrix by more than the cost
+    model's error (`costmodel.worth_sparsity`): else the matrix stays dense (never slower than dense). (A predictor
+    FFN starts sparse: whether it runs dense is placement's choice, with its own prices and dense fallback.)"""
     state = list(start)
     moves = []
 
@@ -637,7 +638,8 @@ def _greedy_path(knobs: list[Knob], formats: int, start: list[tuple[int, int]]) 
                 saved = here_cost - knob.cost[new_level, new_fmt]
                 if saved <= 0 or not np.isfinite(knob.error(new_level, new_fmt)):
                     continue
-                if new_level and not costmodel.worth_sparsity(knob.cost[new_level, new_fmt], knob.cost[0, new_fmt]):
+                if (new_level and knob.predictor is None  # (a predictor FFN's dense fallback is placement's)
+                        and not costmodel.worth_sparsity(knob.cost[new_level, new_fmt], knob.cost[0, new_fmt])):
                     continue
                 ratio = (knob.error(new_level, new_fmt) - here_error) / saved
                 if best is None or ratio < best[0]:
@@ -661,7 +663,7 @@ def _within_price_error(knobs: list[Knob], state: list[tuple[int, int]]) -> int:
     model's error."""
     close = 0
     for knob, (level, fmt) in zip(knobs, state):
-        if level == 0 and knob.cost.shape[0] > 1:
+        if level == 0 and knob.predictor is None and knob.cost.shape[0] > 1:
             sparse = knob.cost[1:, fmt]
             close += bool(np.any(sparse < knob.cost[0, fmt]) and
                           not any(costmodel.worth_sparsity(s, knob.cost[0, fmt]) for s in sparse))

@@ -5,15 +5,12 @@ Bandwidths are sustained figures (GB/s) a decode step can expect, not datasheet 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
 
 from runtime.artifact import cpu_flags, format_size  # one definition each, the runtime's (it cannot import the compiler)
 
 from .errors import UserError
 
-if TYPE_CHECKING:
-    from .machine_rates import CpuRates
 
 GiB = 1 << 30
 
@@ -75,6 +72,62 @@ def get_cpu_isa(name: str) -> CpuIsa:
         return CPU_ISAS[name]
     except KeyError:
         raise UserError(f"unknown CPU instruction set {name!r}; choose one of {', '.join(CPU_ISAS)}") from None
+
+
+RATES_VERSION = 3  # of the measured rates' meaning (passes/machine_rates.py measures them; a cache of another is
+# measured again)
+
+
+@dataclass(frozen=True)
+class KernelRate:
+    """One kernel kind in one format on this machine: the bytes it reads per second, plus a fixed cost per call and
+    one per output column."""
+
+    bytes_per_s: float
+    call_s: float = 0.0
+    column_s: float = 0.0
+
+    def seconds(self, read_bytes: float, columns: int = 0) -> float:
+        return read_bytes / self.bytes_per_s + self.call_s + columns * self.column_s
+
+
+@dataclass(frozen=True)
+class CpuRates:
+    """The measured rates of one machine at `threads` threads: dense decode GEMVs and threshold calls by format."""
+
+    key: str
+    threads: int
+    gemv: dict[str, KernelRate] = field(default_factory=dict)
+    columns: dict[str, KernelRate] = field(default_factory=dict)
+    busy: bool = False  # other programs took a core while they were measured (such figures are not cached)
+
+    @property
+    def stream_bytes_per_s(self) -> float:
+        """What a plain read (a KV cache, a norm's weights) streams at: the fp32 GEMV's rate."""
+        return self.gemv["fp32"].bytes_per_s
+
+    def to_json(self) -> dict:
+        return {"version": RATES_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CpuRates:
+        if data.get("version") != RATES_VERSION:
+            raise ValueError(f"machine rates of version {data.get('version')}, not {RATES_VERSION}")
+        rates = lambda entries: {name: KernelRate(**rate) for name, rate in entries.items()}  # noqa: E731
+        return cls(data["key"], int(data["threads"]), rates(data["gemv"]), rates(data["columns"]),
+                   bool(data.get("busy", False)))
+
+    def lines(self) -> list[str]:
+        lines = [f"machine {self.key} at {self.threads} thread{'s' if self.threads != 1 else ''}"
+                 + (" (other programs took a core while it was measured: not cached)" if self.busy else "") + ":",
+                 "  format  dense GEMV GB/s  call us  ns/output  threshold rows GB/s  threshold call us"]
+        for name, rate in self.gemv.items():
+            column = self.columns.get(name)
+            lines.append(f"  {name:<7} {rate.bytes_per_s / 1e9:15.1f}  {rate.call_s * 1e6:7.1f}  "
+                         f"{rate.column_s * 1e9:9.2f}  "
+                         + (f"{column.bytes_per_s / 1e9:19.1f}  {column.call_s * 1e6:17.1f}" if column else
+                            f"{'-':>19}  {'-':>17}"))
+        return lines
 
 
 @dataclass(frozen=True)
