@@ -85,7 +85,11 @@ def for_build(isa: CpuIsa, log=lambda message: None) -> CpuRates | None:
     rates = cached(isa)
     if rates is None:  # never measured here, another version's, or torn
         log("measuring this machine's CPU kernels once (cached; `picompile calibrate` measures again)")
-        rates = measured_apart(isa)
+        try:
+            rates = measured_apart(isa)
+        except (RuntimeError, ValueError, KeyError) as error:  # the build goes on, priced as before
+            log(f"{error}: this build prices with the target's bandwidth")
+            return None
         if rates.busy:  # a core taken by other work distorts every figure (a scheduler slice per parallel call)
             log("the machine was busy while measured: this build prices with the target's bandwidth, and the next "
                 "measures again")

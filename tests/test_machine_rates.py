@@ -65,6 +65,13 @@ def test_a_torn_cache_file_is_measured_again(measured, monkeypatch, tmp_path):
     path.unlink()
     said = []
     assert machine_rates.for_build(host_cpu_isa(), said.append) is None and "busy" in said[-1]
+    # a measurement that fails (its child process) leaves the build priced as before, and says why
+
+    def failing(isa):
+        raise RuntimeError("measuring the machine's kernels failed: ['boom']")
+
+    monkeypatch.setattr(machine_rates, "measured_apart", failing)
+    assert machine_rates.for_build(host_cpu_isa(), said.append) is None and "boom" in said[-1]
     assert CpuRates.from_json(json.loads(json.dumps(rates.to_json()))) == rates
     with pytest.raises(ValueError, match="version"):
         CpuRates.from_json({**rates.to_json(), "version": 0})
