@@ -354,10 +354,6 @@ class QualityPlan:
                                    _choices(knobs, state, formats, stored, measured=not fixed_level))
         write_entry(model, QUALITY_KEY, expected)
         ctx.log(f"quality: {expected.plan}")
-        close = _within_price_error(knobs, state)
-        if close:
-            ctx.log(f"quality: {close} matrices kept dense where a sparse level would save less than the cost "
-                    f"model's error ({costmodel.PRICE_ERROR:.0%} of their dense time)")
         for line in expected.layer_lines():
             ctx.log(f"quality: {line}")
         ctx.log(f"quality: {expected.line()}; measured in {round(time.perf_counter() - started, 2):.1f}s")
@@ -1040,8 +1036,11 @@ def _describe_plan(knobs: list[Knob], state: list[tuple[int, int]], plan: Weight
     counts = Counter(plan.formats.values())
     where = ", ".join(f"{site} {n}" for site, n in sorted(by_site.items()))
     widened = "; " + ", ".join(f"{n} matrices in {fmt}" for fmt, n in sorted(counts.items())) if counts else ""
+    close = _within_price_error(knobs, state)
+    kept = (f"; {close} kept dense where sparse would save less than the cost model's error "
+            f"({costmodel.PRICE_ERROR:.0%})") if close else ""
     return (f"{len(sparse)} of {len(knobs)} linear inputs sparse ({where or 'none'}), dropping {mean:.2f} of "
-            f"their inputs on held-out tokens{widened}")
+            f"their inputs on held-out tokens{widened}{kept}")
 
 
 def _gave_up(knobs: list[Knob], state, state_at_start, moves, steps: int, met: bool, budget: QualityBudget) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from passes import costmodel, machine_rates
@@ -117,3 +118,24 @@ def test_a_busy_measurement_is_marked_and_not_cached(monkeypatch, tmp_path):
     rates = machine_rates.calibrate(shapes=SMALL, stream_bytes=1 << 20, rounds=1)
     assert rates.busy and not machine_rates.cache_path(rates.key).exists()
     assert "not cached" in rates.lines()[0]
+
+
+def test_a_threshold_level_is_taken_only_beyond_the_cost_models_error():
+    """The quality pass's path moves a matrix to a sparse level only where that saves more than PRICE_ERROR of its
+    dense time (never slower than dense within the model's own error); the plan says how many stayed dense so."""
+    from passes.quality import Knob, _describe_plan, _greedy_path, _within_price_error
+
+    def knob(sparse_cost: float) -> Knob:
+        return Knob(node=None, site="down", matrix="w", thresholds=np.array([-1.0, 0.5]),
+                    sparse_error=np.array([0.0, 1e-3]), format_error=np.array([0.0]),
+                    held_out_dropped=np.array([0.0, 0.5]), cost=np.array([[100e-6], [sparse_cost]]))
+
+    close, clear = knob(95e-6), knob(60e-6)  # saves 5% (within the error), 40%
+    moves = _greedy_path([close, clear], 1, [(0, 0), (0, 0)])
+    assert moves == [(1, 1, 0)]
+    assert _within_price_error([close, clear], [(0, 0), (1, 0)]) == 1
+    from passes.quality import WeightPlan
+
+    assert "1 kept dense where sparse would save less than the cost model's error (10%)" in _describe_plan(
+        [close, clear], [(0, 0), (1, 0)], WeightPlan({}))
+    assert costmodel.worth_sparsity(89e-6, 100e-6) and not costmodel.worth_sparsity(91e-6, 100e-6)
