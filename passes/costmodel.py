@@ -155,11 +155,11 @@ def threshold_seconds(target: Target, stored_bytes: float, kept: float, fmt: str
                       int8_dot: str | None = None) -> float:
     """A thresholded CPU linear layer's decode seconds: the select call, then the column kernel over the `kept`
     share of the `rows` rows of a matrix of `stored_bytes` in format `fmt`: at the rates measured on this machine
-    (a fixed cost per call, a rate per byte of kept rows), else the target's bandwidth at `column_row_efficiency`
+    (a fixed cost per call and per kept row, a rate per byte of kept rows), else the target's bandwidth at `column_row_efficiency`
     plus COLUMN_CALL_S."""
     rates = target.cpu_rates
     if rates is not None and fmt in rates.columns:
-        return rates.columns[fmt].seconds(kept * stored_bytes) + 2 * launch_seconds("cpu")
+        return rates.columns[fmt].seconds(kept * stored_bytes, kept * rows) + 2 * launch_seconds("cpu")
     bits = WEIGHT_FORMATS[fmt].bits
     efficiency = column_row_efficiency(stored_bytes / max(rows, 1), bits, int8_dot)
     return column_seconds(stored_bytes, target.cpu_bandwidth_gbs * 1e9, kept, efficiency) + launch_seconds("cpu")

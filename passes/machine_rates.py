@@ -10,8 +10,9 @@ build's instruction set and each timed over enough copies of its weights that ev
 memory (`STREAM_BYTES`), on every core this process may use (the runtime's default start on a quiet machine).
 Each kind's points give its figures (`KernelRate`, fitted by non-negative least squares): bytes per second, a
 fixed cost per call (`call_s`: waking the workers and their barrier, for a threshold call also the select and the
-partial sums), which is most of a small matrix's time, and for a GEMV a cost per output column (`column_s`: each
-panel's setup and stores, which a matrix of a short K and many outputs, an output layer, pays most).
+partial sums), which is most of a small matrix's time, and a cost per unit of work (`unit_s`): a GEMV's output column (each
+panel's setup and stores, which a matrix of a short K and many outputs, an output layer, pays most), a threshold
+call's kept row (a new stream; timed at two row lengths, `COLUMN_SHAPES`).
 
 The figures are cached per machine (`machine_key`: the CPU's model name, the instruction set, the cores, the
 kernels' sources) under `$PICOMPILE_CACHE/machine/`; `picompile calibrate` measures again. A build on another
@@ -47,7 +48,9 @@ from .targets import CpuIsa, CpuRates, KernelRate, host_cpu_isa
 
 # [K, N] of the timed GEMVs: a 1-3B model's projection, a small model's, and an output layer's short K and wide N
 SHAPES = ((2048, 2048), (512, 1024), (512, 16384))
-COLUMN_SHAPE = SHAPES[0]
+# [K, N] of the timed threshold calls: rows of 2048 and of 512 values (a row's stream starts cold: short rows cost more
+# a byte, a small model's down projection's most)
+COLUMN_SHAPES = ((2048, 2048), (4096, 512))
 STREAM_BYTES = 64 << 20  # weight bytes cycled through per measurement, at least (and 3x the last-level cache)
 ROUNDS = 5  # rounds of one call per copy, in each pass
 PASSES = 3  # passes over every kernel: a shared machine's bandwidth drifts over seconds; medians over all rounds
@@ -114,7 +117,8 @@ def cached(isa: CpuIsa) -> CpuRates | None:
         return None
 
 
-def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = SHAPES, stream_bytes: int = STREAM_BYTES,
+def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = SHAPES,
+              column_shapes: tuple[tuple[int, int], ...] = COLUMN_SHAPES, stream_bytes: int = STREAM_BYTES,
               rounds: int = ROUNDS, save: bool = True) -> CpuRates:
     """Time every format's decode GEMV and threshold call on this machine (see the module's docstring); cached
     unless `save` is False."""
@@ -128,7 +132,8 @@ def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = S
         for name in WEIGHT_FORMATS:
             bench.add_gemv(name, shape)
     for name in COLUMN_FORMATS:
-        bench.add_columns(name, shapes[0])
+        for shape in column_shapes:
+            bench.add_columns(name, shape)
     rates = bench.run(threads, max(stream_bytes, 3 * last_level_cache_bytes()), rounds, machine_key(isa, threads))
     if free_cores_since(reading, threads) < threads:  # other programs took a core meanwhile: figures of the moment
         rates = dataclasses.replace(rates, busy=True)
@@ -176,7 +181,7 @@ class _Timed:
     weights: list[str]
     read_bytes: float
     kept: float | None = None
-    columns: int = 0  # a GEMV's outputs
+    units: float = 0  # a GEMV's output columns, a threshold call's kept rows
 
 
 class _Bench:
@@ -229,20 +234,20 @@ class _Bench:
         self.low.linear(self.x(k), weight, None, self.low.activation(f"y.n{n}", n), f"gemv.{name}.{k}x{n}",
                         Role.FFN_UP, phases=("decode",))
         calls = self._new_calls(before)
-        self.timed.append(_Timed("gemv", name, calls, *self._weights(calls), columns=n))
+        self.timed.append(_Timed("gemv", name, calls, *self._weights(calls), units=n))
 
     def add_columns(self, name: str, shape: tuple[int, int]) -> None:
         k, n = shape
         for kept in COLUMN_KEPT:
-            weight = self._matrix(f"w.columns.{name}.{kept}", WEIGHT_FORMATS[name], shape, axis=1)
+            weight = self._matrix(f"w.columns.{name}.{kept}.{k}x{n}", WEIGHT_FORMATS[name], shape, axis=1)
             before = len(self.low.program.calls)
             threshold = float(np.quantile(np.abs(self.rng.standard_normal(1 << 16)), 1 - kept))
-            self.walker.thresholded_linear(f"columns.{name}.{kept}", "up", self.x(k), weight, None,
+            self.walker.thresholded_linear(f"columns.{name}.{kept}.{k}x{n}", "up", self.x(k), weight, None,
                                            self.low.activation(f"y.n{n}", n), threshold,
                                            Role.FFN_UP)
             calls = self._new_calls(before)
             weights, whole = self._weights(calls)
-            self.timed.append(_Timed("columns", name, calls, weights, whole * kept, kept))
+            self.timed.append(_Timed("columns", name, calls, weights, whole * kept, kept, units=kept * k))
 
     def _weights(self, calls: list[Call]) -> tuple[list[str], float]:
         """The weight buffers `calls` read, and their bytes."""
@@ -305,14 +310,14 @@ class _Bench:
             del bound
         gemv, columns = {}, {}
         for (kind, name), pair in pairs.items():
-            points = [(timed.read_bytes, timed.columns, statistics.median(times))
+            points = [(timed.read_bytes, timed.units, statistics.median(times))
                       for timed, times in zip(pair, samples[(kind, name)])]
             (gemv if kind == "gemv" else columns)[name] = fitted(points)
         return CpuRates(key, threads, gemv, columns)
 
 
 def fitted(points: list[tuple[float, int, float]]) -> KernelRate:
-    """The rate through (bytes, columns, seconds) points: seconds = call_s + bytes / rate + columns * column_s,
+    """The rate through (bytes, units, seconds) points: seconds = call_s + bytes / rate + units * unit_s,
     by least squares with no term negative (each subset of the fixed terms tried; the bytes' term always kept)."""
     data = np.array(points, np.float64)
     best = None

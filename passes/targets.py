@@ -74,21 +74,21 @@ def get_cpu_isa(name: str) -> CpuIsa:
         raise UserError(f"unknown CPU instruction set {name!r}; choose one of {', '.join(CPU_ISAS)}") from None
 
 
-RATES_VERSION = 3  # of the measured rates' meaning (passes/machine_rates.py measures them; a cache of another is
+RATES_VERSION = 4  # of the measured rates' meaning (passes/machine_rates.py measures them; a cache of another is
 # measured again)
 
 
 @dataclass(frozen=True)
 class KernelRate:
     """One kernel kind in one format on this machine: the bytes it reads per second, plus a fixed cost per call and
-    one per output column."""
+    one per unit of its work: a GEMV's output column, a threshold call's kept row."""
 
     bytes_per_s: float
     call_s: float = 0.0
-    column_s: float = 0.0
+    unit_s: float = 0.0
 
-    def seconds(self, read_bytes: float, columns: int = 0) -> float:
-        return read_bytes / self.bytes_per_s + self.call_s + columns * self.column_s
+    def seconds(self, read_bytes: float, units: float = 0) -> float:
+        return read_bytes / self.bytes_per_s + self.call_s + units * self.unit_s
 
 
 @dataclass(frozen=True)
@@ -120,13 +120,13 @@ class CpuRates:
     def lines(self) -> list[str]:
         lines = [f"machine {self.key} at {self.threads} thread{'s' if self.threads != 1 else ''}"
                  + (" (other programs took a core while it was measured: not cached)" if self.busy else "") + ":",
-                 "  format  dense GEMV GB/s  call us  ns/output  threshold rows GB/s  threshold call us"]
+                 "  format  dense GEMV GB/s  call us  ns/output  threshold rows GB/s  call us  ns/row"]
         for name, rate in self.gemv.items():
             column = self.columns.get(name)
             lines.append(f"  {name:<7} {rate.bytes_per_s / 1e9:15.1f}  {rate.call_s * 1e6:7.1f}  "
-                         f"{rate.column_s * 1e9:9.2f}  "
-                         + (f"{column.bytes_per_s / 1e9:19.1f}  {column.call_s * 1e6:17.1f}" if column else
-                            f"{'-':>19}  {'-':>17}"))
+                         f"{rate.unit_s * 1e9:9.2f}  "
+                         + (f"{column.bytes_per_s / 1e9:19.1f}  {column.call_s * 1e6:7.1f}  {column.unit_s * 1e9:6.1f}"
+                            if column else f"{'-':>19}  {'-':>7}  {'-':>6}"))
         return lines
 
 

@@ -22,7 +22,8 @@ def measured(tmp_path_factory):
     cache = tmp_path_factory.mktemp("rates")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PICOMPILE_CACHE", str(cache))
-        rates = machine_rates.calibrate(shapes=SMALL, stream_bytes=4 << 20, rounds=3, save=False)
+        rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL[:1] + ((1024, 256),), stream_bytes=4 << 20,
+                                        rounds=3, save=False)
         machine_rates.keep(dataclasses.replace(rates, busy=False))  # (kept whatever the machine's load)
     return dataclasses.replace(rates, busy=False), cache
 
@@ -115,7 +116,7 @@ def test_a_busy_measurement_is_marked_and_not_cached(monkeypatch, tmp_path):
     import runtime.threads
 
     monkeypatch.setattr(runtime.threads, "free_cores_since", lambda reading, usable: usable - 1)
-    rates = machine_rates.calibrate(shapes=SMALL, stream_bytes=1 << 20, rounds=1)
+    rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL, stream_bytes=1 << 20, rounds=1)
     assert rates.busy and not machine_rates.cache_path(rates.key).exists()
     assert "not cached" in rates.lines()[0]
 
