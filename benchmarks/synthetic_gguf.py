@@ -14,7 +14,6 @@ SentencePiece one (byte tokens and placeholders) that llama.cpp and picompile bo
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,8 +126,9 @@ def write(shape: Shape, path: Path, seed: int = 0) -> Path:
 def ensure(name: str, path: Path | None = None) -> Path:
     """The synthetic file of shape `name` (written once)."""
     if path is None:
-        cache = Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile") / "gguf"
-        path = cache / f"synthetic-{name}-Q4_K_M.gguf"
+        from passes.cache import cache_dir
+
+        path = cache_dir("gguf") / f"synthetic-{name}-Q4_K_M.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")

@@ -1326,8 +1326,10 @@ def _json_default(value):
 
 
 def cache_dir() -> Path:
-    """``$PICOMPILE_CACHE`` or ``~/.cache/picompile``."""
-    return Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile")
+    """``$PICOMPILE_CACHE`` or ``~/.cache/picompile`` (passes.cache's)."""
+    from passes.cache import cache_dir as picompile_cache
+
+    return picompile_cache()
 
 
 ARTIFACT_CACHE_BYTES = 30 * 2**30  # the benchmarks' built artifacts kept (PICOMPILE_ARTIFACT_CACHE_GB overrides)

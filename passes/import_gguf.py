@@ -49,6 +49,7 @@ import onnx_ir as ir
 
 from onnx_ir.passes import PassResult
 
+from .cache import cache_dir
 from .errors import UserError
 from .facts import ModelFact
 from .pipeline import Context
@@ -411,7 +412,7 @@ def tensors(reader, h: Hyper, path: Path) -> tuple[dict, int]:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile") / "gguf-onnx"
+    return cache_dir("gguf-onnx")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from runtime.artifact import aligned_empty, aligned_zeros, cpu_model_name
 from runtime.calls import Call, Role
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
+from .cache import cache_dir
 from .targets import CpuIsa, CpuRates, KernelRate, host_cpu_isa
 
 # [K, N] of the timed GEMVs: a 1-3B model's projection, a small model's, and an output layer's short K and wide N
@@ -72,8 +73,7 @@ def machine_key(isa: CpuIsa, threads: int) -> str:
 
 
 def cache_path(key: str) -> Path:
-    root = Path(os.environ.get("PICOMPILE_CACHE") or Path.home() / ".cache" / "picompile")
-    return root / "machine" / f"{key}.json"
+    return cache_dir("machine") / f"{key}.json"
 
 
 def enabled() -> bool:
