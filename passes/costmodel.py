@@ -457,20 +457,30 @@ def call_seconds(call: Call, buffers: dict[str, Buffer], layers: dict[int, Layer
             target, call.selection.capacity * reads.per_selected, kept, fmt, call.selection.capacity) - launch_seconds("cpu")
     if call.device == "cpu" and call.selection is None and target.cpu_rates is not None:
         # each weight read whole at its format's measured GEMV rate; gathered rows and the KV cache streamed
-        whole, outputs = {}, {}
-        for arg in call.args:
-            info = buffers.get(arg.buffer)
-            if info is not None and info.kind == "weight" and arg.reads and arg.access is Access.WHOLE \
-                    and len(info.shape) >= 2:
-                fmt = _format_of(info)
-                whole[fmt] = whole.get(fmt, 0.0) + nbytes(info.shape, info.dtype)
-                outputs[fmt] = max(outputs.get(fmt, 0), _output_columns(info))  # (values and scales: one matrix)
-        streamed = weight_bytes(call, buffers) - sum(whole.values()) + _context_bytes(call, buffers)
-        return (sum(gemv_seconds(target, read, fmt, columns=outputs[fmt]) - launch_seconds("cpu")
-                    for fmt, read in whole.items())
+        whole = [buffers[a.buffer] for a in call.args if a.reads and a.access is Access.WHOLE
+                 and a.buffer in buffers and buffers[a.buffer].kind == "weight"]
+        matrices, _ = _matrices_by_format(whole)
+        streamed = weight_bytes(call, buffers) - sum(read for read, _ in matrices.values()) + _context_bytes(call, buffers)
+        return (sum(gemv_seconds(target, read, fmt, columns=columns) - launch_seconds("cpu")
+                    for fmt, (read, columns) in matrices.items())
                 + streamed / bandwidth + launch_seconds("cpu"))
     read = weight_bytes(call, buffers, selected, selected) + _context_bytes(call, buffers)
     return read / bandwidth + launch_seconds(call.device)
+
+
+def _matrices_by_format(weights: list[Buffer]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Of one call's weight buffers: its matrices' bytes and outputs by format ({format: (bytes, columns)}: values and
+    scales are one matrix, one GEMV), and the bytes of its vectors (norms, biases)."""
+    matrices: dict[str, tuple[int, int]] = {}
+    vectors = 0
+    for info in weights:
+        size = nbytes(info.shape, info.dtype)
+        if len(info.shape) < 2:
+            vectors += size
+            continue
+        read, columns = matrices.get(_format_of(info), (0, 0))
+        matrices[_format_of(info)] = (read + size, max(columns, _output_columns(info)))
+    return matrices, vectors
 
 
 def _output_columns(info: Buffer) -> int:
@@ -525,19 +535,11 @@ def _dense_bytes(calls: list[Call], buffers: dict[str, Buffer]) -> tuple[list[tu
     for call in calls:
         if not call.decode or call.role in (Role.PREDICTOR, Role.COPY, Role.EMBED):
             continue
-        mine: dict[str, list[int]] = {}
-        for name in call.buffers():
-            info = buffers.get(name)
-            if name in seen or info is None or info.kind != "weight":
-                continue
-            seen.add(name)
-            size = nbytes(info.shape, info.dtype)
-            if len(info.shape) < 2:
-                streamed += size
-            else:
-                entry = mine.setdefault(_format_of(info), [0, 0])
-                entry[0] += size
-                entry[1] = max(entry[1], _output_columns(info))
+        new = [name for name in call.buffers()
+               if name not in seen and name in buffers and buffers[name].kind == "weight"]
+        seen.update(new)
+        mine, vectors = _matrices_by_format([buffers[name] for name in new])
+        streamed += vectors
         matrices.extend((fmt, read, columns) for fmt, (read, columns) in mine.items())
     return matrices, streamed
 
