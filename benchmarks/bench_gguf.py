@@ -25,9 +25,10 @@ Per file:
   is tokenized once by llama.cpp (llama-tokenize, as llama-perplexity tokenizes it: no special-token
   parsing, BOS as the file says); llama-perplexity takes the text, cuts the ids into --chunks windows of
   --ctx tokens and scores each window's second half; picompile's runtime gets those same ids, window by
-  window (one prefill of --ctx tokens each), and is scored on the same positions (llama_cpp.
-  perplexity_windows). So picompile's tokenizer plays no part in its perplexity: the token-id check below
-  measures it separately.
+  window, and is scored on the same positions (llama_cpp.perplexity_windows) along the path decoding takes:
+  a prefill of the unscored first half, then one decode step per scored position (a prefill reads every
+  weight whole, so only decode steps show what a sparse build's skipped inputs cost). So picompile's tokenizer
+  plays no part in its perplexity: the token-id check below measures it separately.
 - Held-out prose: the English paragraphs of Python's own reference documentation shipped with the
   interpreter (pydoc_data/topics.py: every topic's unindented paragraphs, code blocks and title rules
   dropped, topics in sorted order), text the instruct tuning is unlikely to have used; the calibration text
@@ -248,8 +249,9 @@ def picompile_speed(engine, prompt, tokens: int) -> tuple[float, float]:
 def picompile_scores(engines: dict, ids: list[int], ctx: int, chunks: int, bos: int | None,
                      reference: str | None = None) -> dict[str, tuple[float, float | None]]:
     """Per engine (name -> Engine): (perplexity, mean KL divergence of its next-token distributions from the
-    `reference` engine's, None without one) over llama-perplexity's windows (llama_cpp.perplexity_windows): one
-    prefill per window, the second half's positions scored against the next token, as llama.cpp scores them."""
+    `reference` engine's, None without one) over llama-perplexity's windows (llama_cpp.perplexity_windows): the
+    second half's positions scored against the next token, as llama.cpp scores them, each position's logits
+    from a decode step (`decoded_logits`)."""
     import numpy as np
 
     from picompile.evaluate import log_softmax
@@ -259,8 +261,7 @@ def picompile_scores(engines: dict, ids: list[int], ctx: int, chunks: int, bos: 
         targets = np.asarray(window[first + 1:ctx])
         logps = {}
         for name, engine in engines.items():
-            engine.reset()
-            logps[name] = log_softmax(np.asarray(engine.forward(np.asarray(window, np.int64)))[first:ctx - 1])
+            logps[name] = log_softmax(decoded_logits(engine, np.asarray(window, np.int64), first))
             nll[name] -= float(logps[name][np.arange(len(targets)), targets].sum())
         if reference is not None:
             base = logps[reference]
@@ -269,6 +270,16 @@ def picompile_scores(engines: dict, ids: list[int], ctx: int, chunks: int, bos: 
         count += len(targets)
     return {name: (float(np.exp(nll[name] / count)), kl[name] / count if reference is not None else None)
             for name in engines}
+
+
+def decoded_logits(engine, window, first: int):
+    """The logits at positions first .. len(window)-2 of `window` as decoding makes them: a prefill of the first
+    `first` tokens, then one decode step per position."""
+    import numpy as np
+
+    engine.reset()
+    engine.forward(window[:first], last_only=True)
+    return np.concatenate([engine.forward(window[i:i + 1]) for i in range(first, len(window) - 1)])
 
 
 def token_check(llama, gguf: Path, artifact: Path) -> tuple[int, list[str]]:

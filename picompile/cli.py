@@ -416,7 +416,10 @@ def _stream_text(tokens, tokenizer) -> list[int]:
 
 
 def _print_speed(result: dict) -> None:
-    print(f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    cached = result.get("prompt_cached_tokens", 0)
+    reused = f" ({cached} prompt tokens from the cache)" if cached else ""
+    print(f"prefill {result['prefill_ms']:.1f} ms{reused}, decode {result['decode_tokens_per_s']:.1f} tokens/s",
+          file=sys.stderr)
 
 
 def _run(args) -> int:
@@ -476,7 +479,8 @@ def _run(args) -> int:
 
 def _chat(args) -> int:
     """A user turn per line of stdin (a terminal or a pipe) until its end; each turn the whole conversation
-    goes through the chat prompt and is prefilled again (no KV cache kept between turns)."""
+    goes through the chat prompt, and the prefill runs from where the cache's earlier turns end (the prefix
+    cache: `Engine.resume`)."""
     from runtime.sampling import GenerationStats, generate_stream, timings
 
     tokenizer = _text_tokenizer(args.artifact, "chat")

@@ -194,6 +194,9 @@ class Engine:
         self._decodes = [self._program("decode", rows=1, slot=slot) for slot in range(slots)]
         self._decode = self._decodes[0]
         self.positions = [0] * slots  # per slot: the tokens its cache holds
+        # per slot: the ids of those tokens (an engine of token ids: the whole model or a first stage), so that a
+        # prompt that starts with them runs from where they end (`resume`); -1 where a position was set by hand
+        self._held: list[list[int]] = [[] for _ in range(slots)]
         # token ids index these tables: forward checks them against the rows the loaded arrays really have
         self._token_rows = min(self.buffers[table].shape[0] if table in self.buffers else facts.vocab_size
                                for table in facts.token_tables)
@@ -347,6 +350,7 @@ class Engine:
     @position.setter
     def position(self, value: int) -> None:
         self.positions[0] = value
+        self._hold(0, value, [])
 
     def _slot(self, slot) -> int:
         """`slot` as an index of this engine's slots (any integer type), else a ValueError."""
@@ -357,7 +361,41 @@ class Engine:
 
     def reset(self, slot: int = 0) -> None:
         """Forget a slot's context (cache entries past its position are never read, so no clearing is needed)."""
-        self.positions[self._slot(slot)] = 0
+        slot = self._slot(slot)
+        self.positions[slot] = 0
+        self._held[slot].clear()
+
+    def prefix_length(self, prompt_ids, slot: int = 0) -> int:
+        """How many of `prompt_ids`' first tokens `slot`'s cache holds already (the prompt's last token not
+        counted: its logits are what a prefill is for)."""
+        held, prompt = self._held[self._slot(slot)], [int(i) for i in prompt_ids]
+        length = 0
+        for have, want in zip(held, prompt[:-1]):
+            if have != want:
+                break
+            length += 1
+        return length
+
+    def resume(self, prompt_ids, slot: int = 0) -> int:
+        """Make `slot` ready for `prompt_ids`: keep the prefix of them its cache holds (`prefix_length`), forget the
+        rest; returns how many tokens were kept, so that `forward(prompt_ids[kept:], slot)` gives the logits a
+        prefill of the whole prompt from an empty cache gives (the kept keys and values are those tokens' at the
+        same positions)."""
+        slot = self._slot(slot)
+        kept = self.prefix_length(prompt_ids, slot)
+        self.positions[slot] = kept
+        del self._held[slot][kept:]
+        return kept
+
+    def _hold(self, slot: int, position: int, ids) -> None:
+        """Record that `slot`'s cache holds `ids` from `position` on (and nothing after them)."""
+        held = self._held[slot]
+        del held[position:]
+        held.extend([-1] * (position - len(held)))  # (a position set by hand: tokens unknown, never matched)
+        if self.stage_input is None:
+            held.extend(int(i) for i in ids)
+        else:  # hidden rows in: no ids to match a prompt against
+            held.extend([-1] * len(ids))
 
     def _check_token_ids(self, ids: np.ndarray) -> None:
         """Token ids index the embedding tables: checked against the rows the loaded arrays really have, never
@@ -382,15 +420,16 @@ class Engine:
     def _write_inputs(self, inputs: np.ndarray) -> None:
         self.buffers["input_ids" if self.stage_input is None else self.stage_input][:len(inputs)] = inputs
 
-    def forward(self, token_ids, slot: int = 0, last_only: bool = False) -> np.ndarray:
+    def forward(self, token_ids, slot: int = 0, last_only: bool = False, as_prompt: bool = False) -> np.ndarray:
         """Run the model on new tokens after the ones cached in `slot`; returns their logits [len, vocab], or with
         `last_only` the last token's alone [1, vocab] (what generation needs: a prompt's output layer then runs
-        on its last row only, as llama.cpp's does)."""
+        on its last row only, as llama.cpp's does). `as_prompt`: the prefill's kernels even for one token (the
+        rest of a resumed prompt then gives the logits a whole prompt's prefill gives, not decode's sparse ones)."""
         if self.stage_input is not None or self.stage_output != "logits":
             raise ValueError(f"this engine runs stage {self.stage} of a split model only: use forward_stage")
-        return self.forward_stage(token_ids, slot, last_only)
+        return self.forward_stage(token_ids, slot, last_only, as_prompt)
 
-    def forward_stage(self, inputs, slot: int = 0, last_only: bool = False) -> np.ndarray:
+    def forward_stage(self, inputs, slot: int = 0, last_only: bool = False, as_prompt: bool = False) -> np.ndarray:
         """One stage of a split model (`Engine(directory, stage=k)`) on new rows after those cached in `slot`:
         token ids (stage 0) or the hidden rows the stage before returned; returns the hidden rows to send to the
         next stage [len, width], or the last stage's logits [len, vocab]. An engine of the whole model: forward.
@@ -404,7 +443,7 @@ class Engine:
         if position + rows > self.max_context:
             raise ValueError(f"context full: {position} cached + {rows} new > max context {self.max_context}")
         if rows <= self.prefill_chunk:
-            return self._step(inputs, slot, last_only, prefill=rows > 1)
+            return self._step(inputs, slot, last_only, prefill=rows > 1 or as_prompt)
         # a long prompt: steps of at most prefill_chunk tokens (as even as can be), each attending over the cache
         # the ones before wrote; every step a prefill (a last step of one token too: not decode's sparse kernels)
         steps = -(-rows // self.prefill_chunk)
@@ -436,6 +475,7 @@ class Engine:
             if not prefill:
                 self.profile["decode_steps"] = self.profile.get("decode_steps", 0) + 1
         self.positions[slot] = position + rows
+        self._hold(slot, position, inputs)
         return self.buffers[self.stage_output][rows - 1 if last_only else 0:rows].copy()
 
     def forward_batch(self, token_ids, slots) -> np.ndarray:
@@ -482,7 +522,8 @@ class Engine:
             self._profile_wall(began)
             self.profile["batch_steps"] = self.profile.get("batch_steps", 0) + 1
             self.profile["batch_tokens"] = self.profile.get("batch_tokens", 0) + rows
-        for slot in slots:
+        for slot, token in zip(slots, ids):
+            self._hold(slot, self.positions[slot], [token])
             self.positions[slot] += 1
         return self.buffers[self.stage_output][:rows].copy()
 

@@ -62,9 +62,9 @@ class StageActor:
         """Where the stage runs (its process and Ray node), once its engine has loaded."""
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
-    def forward(self, inputs, slot: int, position: int):
+    def forward(self, inputs, slot: int, position: int, as_prompt: bool = False):
         self._check(slot, position)
-        return self.engine.forward_stage(inputs, slot)
+        return self.engine.forward_stage(inputs, slot, as_prompt=as_prompt)
 
     def forward_batch(self, inputs, slots: list[int], positions: list[int]):
         for slot, position in zip(slots, positions):
@@ -121,7 +121,17 @@ class Pipeline:
         self.positions[slot] = 0
         self._lost.discard(slot)
 
-    def forward(self, token_ids, slot: int = 0, last_only: bool = False) -> np.ndarray:
+    def prefix_length(self, prompt_ids, slot: int = 0) -> int:
+        """0: a pipeline keeps no prompt's prefix between requests (its stages' caches are resumed from none)."""
+        self._slot(slot)
+        return 0
+
+    def resume(self, prompt_ids, slot: int = 0) -> int:
+        """`Engine.resume` of a pipeline: the slot reset, nothing kept (`prefix_length`)."""
+        self.reset(slot)
+        return 0
+
+    def forward(self, token_ids, slot: int = 0, last_only: bool = False, as_prompt: bool = False) -> np.ndarray:
         """New tokens of one slot through every stage: their logits [len, vocab] (`last_only`: the last row's
         alone [1, vocab], as `Engine.forward` returns it; the last stage computes every row's here)."""
         slot = self._slot(slot)
@@ -130,7 +140,7 @@ class Pipeline:
             raise ValueError("forward needs at least one token")
         self._check_room([slot], ids.size)
         self._recover()
-        logits = self._wait(self._chain(ids, slot), self.step_timeout_s, "step")
+        logits = self._wait(self._chain(ids, slot, as_prompt), self.step_timeout_s, "step")
         self.positions[slot] += ids.size
         return logits[-1:] if last_only else logits
 
@@ -153,12 +163,16 @@ class Pipeline:
 
     # ---------------------------------------------------------------- inside
 
-    def _chain(self, ids: np.ndarray, slot):
+    def _chain(self, ids: np.ndarray, slot, as_prompt: bool = False):
         """The stages' calls for one step, each taking the one before's result (an ObjectRef): the last's ref."""
         ref = ids
-        positions = [self.positions[s] for s in slot] if isinstance(slot, list) else self.positions[slot]
+        if isinstance(slot, list):
+            positions = [self.positions[s] for s in slot]
+            for actor in self.actors:
+                ref = actor.forward_batch.remote(ref, slot, positions)
+            return ref
         for actor in self.actors:
-            ref = (actor.forward_batch if isinstance(slot, list) else actor.forward).remote(ref, slot, positions)
+            ref = actor.forward.remote(ref, slot, self.positions[slot], as_prompt)
         return ref
 
     def _wait(self, refs, timeout_s: float, what: str):

@@ -39,6 +39,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0  # the decode steps (every token after the first comes from one)
     decode_steps: int = 0
+    prompt_cached: int = 0  # the prompt's first tokens the engine's cache held already: not prefilled again
     profile: dict | None = None  # with `profile`: the engine's profile of the decode steps (`profile_per_token`)
 
 
@@ -60,9 +61,10 @@ def generate_stream(engine, prompt_ids, max_new_tokens: int, *, temperature: flo
 
 def _tokens(engine, prompt: np.ndarray, max_new_tokens: int, rng, sampling: tuple, stop_ids: frozenset,
             profile: bool, stats: GenerationStats) -> Iterator[int]:
-    engine.reset()
+    stats.prompt_cached = engine.resume(prompt)  # the prompt's first tokens the cache holds from the last call
     started = time.perf_counter()
-    logits = engine.forward(prompt, last_only=True)[-1]  # (the output layer on the prompt's last row alone)
+    # (the output layer on the prompt's last row alone)
+    logits = engine.forward(prompt[stats.prompt_cached:], last_only=True, as_prompt=True)[-1]
     token = sample(logits, rng, *sampling)
     stats.prefill_s = time.perf_counter() - started
     engine.profile = {} if profile else None  # decode steps only
@@ -99,7 +101,7 @@ def generate(engine, prompt_ids, max_new_tokens: int, *, temperature: float = 0.
 
 def timings(stats: GenerationStats) -> dict:
     """The prefill time and the decode speed of a generation, as `generate` reports them."""
-    return {"prefill_ms": stats.prefill_s * 1000,
+    return {"prefill_ms": stats.prefill_s * 1000, "prompt_cached_tokens": stats.prompt_cached,
             "decode_tokens_per_s": stats.decode_steps / stats.decode_s if stats.decode_steps and stats.decode_s > 0
             else 0.0}
 

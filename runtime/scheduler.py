@@ -6,6 +6,11 @@ per step (a newly admitted request's step is its prompt's prefill), and frees a 
 request finished, was cancelled or failed. Requests beyond the free slots wait in a bounded queue;
 `submit` refuses one more with `QueueFull`.
 
+A slot's cache outlives its request: a new request goes to the free slot whose cache holds the longest prefix
+of its prompt (a shared system prompt, the earlier turns of a conversation), else to the slot used least
+recently, and its prefill runs from where that prefix ends (`Engine.resume`); so the caches of `parallel`
+conversations are kept, the oldest given up first.
+
 Every running request past its prefill advances in one `Engine.forward_batch` per step: on an artifact with a
 batch phase one program over all of them, whose sparse layers read the union of their predicted neurons once
 (an artifact without one runs it as a decode step per slot); the newly admitted requests' prefills run one
@@ -98,6 +103,8 @@ class SchedulerStats:
     requests_submitted: int
     requests_finished: dict[str, int]  # by finish reason
     prompt_tokens: int
+    prompt_tokens_cached: int  # of prompt_tokens: those a slot's cache held already (not prefilled again)
+    prefix_hits: int  # requests that found a prefix of their prompt in a slot's cache
     tokens_generated: int
     busy_seconds: float  # time spent in steps
 
@@ -112,6 +119,8 @@ class _Counters:
     submitted: int = 0
     finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
+    prefix_hits: int = 0
     tokens_generated: int = 0
     busy_seconds: float = 0.0
 
@@ -124,7 +133,7 @@ class Scheduler:
         if queue_size < 0:
             raise ValueError(f"queue_size must be non-negative; got {queue_size}")
         self.engine, self.parallel, self.queue_size = engine, parallel, queue_size
-        self._free = list(range(parallel - 1, -1, -1))  # popped from the end: slot 0 first
+        self._free = list(range(parallel))  # least recently used first
         self._waiting: deque[Job] = deque()
         self._running: dict[int, _Running] = {}
         self._counters = _Counters()
@@ -168,7 +177,8 @@ class Scheduler:
             counters = self._counters
             return SchedulerStats(self.parallel, len(self._running), len(self._waiting), self.queue_size,
                                   counters.submitted, dict(counters.finished), counters.prompt_tokens,
-                                  counters.tokens_generated, counters.busy_seconds)
+                                  counters.prompt_tokens_cached, counters.prefix_hits, counters.tokens_generated,
+                                  counters.busy_seconds)
 
     # ---------------------------------------------------------------- the scheduler's thread
 
@@ -185,7 +195,8 @@ class Scheduler:
                     self._waiting.remove(job)
                 while self._waiting and self._free:
                     job = self._waiting.popleft()
-                    slot = self._free.pop()
+                    slot = self._slot_for(job)
+                    self._free.remove(slot)
                     rng = np.random.default_rng(job.sampling.seed) if job.sampling.temperature > 0 else None
                     self._running[slot] = _Running(job, rng)
                 step = list(self._running.items())
@@ -208,14 +219,23 @@ class Scheduler:
             with self._changed:
                 self._counters.busy_seconds += time.perf_counter() - began
 
+    def _slot_for(self, job: Job) -> int:
+        """The free slot whose cache holds the longest prefix of the job's prompt; of equals (none holding any),
+        the least recently used (the front of `_free`)."""
+        held = [self.engine.prefix_length(job.prompt_ids, slot) for slot in self._free]
+        return self._free[int(np.argmax(held))]  # (argmax: the first of the longest)
+
     def _prefill(self, slot: int, running: _Running) -> None:
-        """A newly admitted request's step: its prompt's prefill, then its first token."""
+        """A newly admitted request's step: its prompt's prefill (of what the slot's cache does not hold), then its
+        first token."""
         job = running.job
         try:
-            self.engine.reset(slot)
-            logits = self.engine.forward(job.prompt_ids, slot)[-1]
+            cached = self.engine.resume(job.prompt_ids, slot)
+            logits = self.engine.forward(job.prompt_ids[cached:], slot, last_only=True, as_prompt=True)[-1]
             with self._changed:
                 self._counters.prompt_tokens += len(job.prompt_ids)
+                self._counters.prompt_tokens_cached += cached
+                self._counters.prefix_hits += cached > 0
         except Exception as error:  # this request fails; the others go on
             return self._finish(slot, "error", f"{type(error).__name__}: {error}")
         self._sampled(slot, running, logits)

@@ -349,7 +349,12 @@ class Endpoints:
                [(f'{{reason="{reason}"}}', count) for reason, count in stats.requests_finished.items()])
         metric("requests_rejected_total", "counter", "Requests refused before scheduling, by reason.",
                [(f'{{reason="{reason}"}}', count) for reason, count in self.rejected.items()])
-        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", stats.prompt_tokens)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", stats.prompt_tokens)])
+        metric("prompt_tokens_cached_total", "counter",
+               "Prompt tokens a slot's cache held already (the prefix cache's hits: not prefilled again).",
+               [("", stats.prompt_tokens_cached)])
+        metric("prefix_cache_hits_total", "counter", "Requests that found a prefix of their prompt in a slot's cache.",
+               [("", stats.prefix_hits)])
         metric("tokens_generated_total", "counter", "Tokens sampled.", [("", stats.tokens_generated)])
         metric("queue_depth", "gauge", "Requests waiting for a slot.", [("", stats.queue_depth)])
         metric("slots_busy", "gauge", "Slots running a request.", [("", stats.slots_busy)])

@@ -17,9 +17,9 @@ class SlowEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def forward(self, token_ids, slot: int = 0):
+    def forward(self, token_ids, slot: int = 0, **options):
         time.sleep(STEP_S)
-        return self._engine.forward(token_ids, slot)
+        return self._engine.forward(token_ids, slot, **options)
 
     def forward_batch(self, token_ids, slots):
         time.sleep(STEP_S)

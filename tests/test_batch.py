@@ -398,10 +398,13 @@ class _FakeEngine:
     def __init__(self):
         self.batches = []
 
-    def reset(self, slot):
-        pass
+    def prefix_length(self, prompt_ids, slot):
+        return 0
 
-    def forward(self, ids, slot=0):
+    def resume(self, prompt_ids, slot):
+        return 0
+
+    def forward(self, ids, slot=0, **options):
         if slot == 1 and len(ids) == 1:
             raise ValueError("context full")
         logits = np.zeros((len(ids), self.vocab), np.float32)

@@ -74,11 +74,11 @@ class GatedEngine:
         if permits is not None:
             permits.release(10_000)
 
-    def forward(self, token_ids, slot: int = 0):
+    def forward(self, token_ids, slot: int = 0, **options):
         permits = self._permits
         if permits is not None:
             permits.acquire()
-        return self._engine.forward(token_ids, slot)
+        return self._engine.forward(token_ids, slot, **options)
 
     def forward_batch(self, token_ids, slots):  # the scheduler's decode steps: one permit a batch step
         permits = self._permits
@@ -169,6 +169,22 @@ def test_string_prompt_and_chat_are_encoded_by_the_tokenizer(text_server, refere
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == TOKENIZER.decode(expected)
     assert chat.usage.prompt_tokens == len("system: be brief\nuser: hi\nassistant:")
+
+
+def test_a_conversations_next_turn_reuses_its_slots_cache(text_server, reference):
+    api = client(text_server)
+    messages = [{"role": "user", "content": "hi"}]  # (the artifact's context: 64 tokens)
+    first = api.chat.completions.create(model="any", messages=messages, max_tokens=6, temperature=0)
+    before = metrics(text_server)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "go"}]
+    second = api.chat.completions.create(model="any", messages=messages, max_tokens=6, temperature=0)
+    prompt = TOKENIZER.encode(TOKENIZER.chat_prompt(messages))
+    assert second.choices[0].model_extra["token_ids"] == reference(prompt, 6)  # what a cold prefill answers
+    after = metrics(text_server)
+    assert after["picompile_prefix_cache_hits_total"] == before["picompile_prefix_cache_hits_total"] + 1
+    cached = after["picompile_prompt_tokens_cached_total"] - before["picompile_prompt_tokens_cached_total"]
+    first_prompt = TOKENIZER.encode(TOKENIZER.chat_prompt(messages[:1]))
+    assert len(first_prompt) - 1 <= cached < len(prompt)  # the first turn's prompt at least, never the whole
 
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int, into: dict) -> None:
