@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from passes.errors import PassError, UserError
+from runtime.gate import KEY_VARIABLE, MAX_BODY_BYTES, MAX_REQUESTS
 from runtime.manifest import Manifest
 from passes.targets import CPU_ISAS
 from runtime.dtypes import AUTO_WEIGHT_DTYPE, QUANT_METHODS, ROUNDABLE_FORMATS
@@ -167,7 +168,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="requests decoded at once, one KV cache (slot) each; their decode steps run as one batch "
                             "step where the artifact has a batch phase (build --max-batch)")
     serve.add_argument("--queue", type=_non_negative(int), default=16,
-                       help="requests that may wait for a slot; past that the server answers 503 with Retry-After")
+                       help="requests that may wait for a slot; past that the server answers 429 with Retry-After")
+    access = serve.add_argument_group("keys and limits (docs/serving.md)")
+    access.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="ask every request but /health for 'Authorization: Bearer KEY' (repeat for more keys; "
+                             f"also --api-key-file and the {KEY_VARIABLE} environment variable); 401 without")
+    access.add_argument("--api-key-file", type=Path, default=None, metavar="FILE", help="keys, one per line")
+    access.add_argument("--max-body-bytes", type=_positive_int, default=MAX_BODY_BYTES, metavar="N",
+                        help=f"the largest request body taken (default {MAX_BODY_BYTES}); 413 past it")
+    access.add_argument("--max-requests", type=_positive_int, default=MAX_REQUESTS, metavar="N",
+                        help=f"requests answered at once, streams included (default {MAX_REQUESTS}); 429 past it")
+    access.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="a web page origin allowed cross-origin requests (repeat; '*' for any); none by default")
     _threads_argument(serve)
     ray = serve.add_argument_group("replicas on Ray Serve (the ray extra; docs/serving.md)")
     ray.add_argument("--ray", action="store_true",
@@ -537,22 +549,36 @@ def _serve(args) -> int:
             raise
         raise UserError(f"picompile serve needs the serve extra ({missing} is not installed): "
                         "pip install 'picompile[serve]'") from None
+    policy = _policy(args)  # (a bad key file refused before the artifact loads)
     engine, stop = _stages_engine(args, slots=args.parallel)
     try:
-        return _serve_engine(args, serve, engine)
+        return _serve_engine(args, serve, engine, policy)
     finally:
         if stop is not None:
             stop()
 
 
-def _serve_engine(args, serve, engine) -> int:
-    app = serve.create_app(engine, parallel=args.parallel, queue=args.queue)
+def _policy(args):
+    """`serve`'s keys and limits (runtime/gate.py's Policy) from its options and the environment."""
+    from runtime.gate import Policy, read_keys
+
+    try:
+        keys = read_keys(args.api_key, args.api_key_file)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    return Policy(api_keys=keys, max_body_bytes=args.max_body_bytes, max_requests=args.max_requests,
+                  cors_origins=tuple(args.cors_origin))
+
+
+def _serve_engine(args, serve, engine, policy) -> int:
+    app = serve.create_app(engine, parallel=args.parallel, queue=args.queue, policy=policy)
     try:
         sock = serve.bind(args.host, args.port)
     except OSError as error:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
     host, port = sock.getsockname()[:2]
-    print(f"serving {args.artifact} on http://{host}:{port} ({args.parallel} slots, queue {args.queue}); "
+    keys = f", {len(policy.api_keys)} API keys" if policy.api_keys else ""
+    print(f"serving {args.artifact} on http://{host}:{port} ({args.parallel} slots, queue {args.queue}{keys}); "
           "Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         serve.make_server(app).run(sockets=[sock])
@@ -575,6 +601,7 @@ def _serve_ray(args) -> int:
         raise UserError(f"--max-replicas {args.max_replicas} is below --min-replicas {args.min_replicas or 1}")
     if args.port == 0:
         raise UserError("--ray needs a fixed --port: Ray Serve's HTTP proxy binds it")
+    policy = _policy(args)
     if _split_stages(args.artifact):
         raise UserError(f"{args.artifact} is split across machines (build --nodes): serve it without --ray; its stages "
                         "run as Ray actors (--address joins a cluster)")
@@ -606,7 +633,7 @@ def _serve_ray(args) -> int:
     deployment = ray_serve.Deployment(
         str(artifact), parallel=args.parallel, queue=args.queue, threads=threads,
         replicas=None if autoscale else (args.replicas or 1), min_replicas=args.min_replicas or 1,
-        max_replicas=args.max_replicas, replica_cpus=float(threads),
+        max_replicas=args.max_replicas, replica_cpus=float(threads), policy=policy,
         code_path=str(Path(ray_serve.__file__).resolve().parents[1]) if local else None)
     replicas = f"{deployment.min_replicas}-{deployment.max_replicas}" if autoscale else str(deployment.replicas)
     started = False

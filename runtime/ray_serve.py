@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
+from .gate import Policy
 from .serve import ReplicaSet, create_app
 
 APP_NAME = "picompile"  # the Serve application, and its one deployment
@@ -46,6 +47,7 @@ class Deployment:
     replica_cpus: float = 1.0  # the CPUs Ray reserves for each replica
     model_id: str | None = None
     code_path: str | None = None  # a directory holding this `runtime` package, put on the replicas' PYTHONPATH
+    policy: Policy = Policy()  # each replica's keys and limits (its gate: runtime/gate.py)
 
     def options(self) -> dict:
         """serve.deployment options."""
@@ -56,7 +58,7 @@ class Deployment:
         if self.code_path is not None:
             path = os.pathsep.join(p for p in (self.code_path, os.environ.get("PYTHONPATH")) if p)
             actor["runtime_env"] = {"env_vars": {"PYTHONPATH": path}}
-        # a replica admits its slots and its queue (answering 503 past them, as `picompile serve`), and a few
+        # a replica admits its slots and its queue (answering 429 past them, as `picompile serve`), and a few
         # more for /health and /metrics while it is full
         return {**scaling, "ray_actor_options": actor, "max_ongoing_requests": self.parallel + self.queue + 4,
                 "health_check_period_s": HEALTH_CHECK_PERIOD_S, "max_constructor_retry_count": 2}
@@ -68,9 +70,9 @@ class Replica:
     """One replica: the artifact's engine behind runtime/serve.py's app, built when Serve starts it."""
 
     def __init__(self, artifact: str, parallel: int = 1, queue: int = 16, threads: int | None = None,
-                 model_id: str | None = None, tokenizer=ARTIFACT_TOKENIZER):
+                 model_id: str | None = None, tokenizer=ARTIFACT_TOKENIZER, policy: Policy = Policy()):
         self._artifact, self._parallel, self._queue, self._threads = artifact, parallel, queue, threads
-        self._model_id, self._tokenizer = model_id or Path(artifact).name, tokenizer
+        self._model_id, self._tokenizer, self._policy = model_id or Path(artifact).name, tokenizer, policy
         self._app = None
 
     def load_engine(self):
@@ -83,7 +85,7 @@ class Replica:
 
         tokenizer = http.FROM_ARTIFACT if self._tokenizer == ARTIFACT_TOKENIZER else self._tokenizer
         self._app = create_app(self.load_engine(), tokenizer=tokenizer, parallel=self._parallel, queue=self._queue,
-                               model_id=self._model_id, replica_set=self._replica_set)
+                               model_id=self._model_id, replica_set=self._replica_set, policy=self._policy)
         return _NamingReplica(self._app, serve.get_replica_context().replica_id.unique_id)
 
     async def _replica_set(self) -> ReplicaSet:
@@ -124,17 +126,23 @@ def application(deployment: Deployment, tokenizer=ARTIFACT_TOKENIZER, replica=No
     replica = Replica if replica is None else serve.deployment(replica, name=APP_NAME)
     return replica.options(**deployment.options()).bind(
         deployment.artifact, deployment.parallel, deployment.queue, deployment.threads, deployment.model_id,
-        tokenizer)
+        tokenizer, deployment.policy)
 
 
 def build(args: dict):
     """A Serve config file's application builder (`import_path: runtime.ray_serve:build`): `args` are
     Deployment's fields (artifact, parallel, queue, threads, replicas, min_replicas, max_replicas,
-    replica_cpus, model_id); the config file's `deployments:` entry may override the scaling."""
+    replica_cpus, model_id, policy: a mapping of Policy's fields); the config file's `deployments:` entry may
+    override the scaling."""
     known = set(asdict(Deployment(artifact="")))
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown picompile deployment argument(s) {', '.join(unknown)}; known: {sorted(known)}")
+    if "policy" in args:
+        policy = dict(args["policy"])
+        policy["api_keys"] = frozenset(policy.get("api_keys", ()))
+        policy["cors_origins"] = tuple(policy.get("cors_origins", ()))
+        args = {**args, "policy": Policy(**policy)}
     return application(Deployment(**args))
 
 

@@ -35,14 +35,15 @@ from typing import Awaitable, Callable
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from .gate import RETRY_AFTER_S, Gate, Policy, error_response
 from .scheduler import FinishEvent, Job, QueueFull, Sampling, Scheduler, SchedulerClosed, TokenEvent
 from .text import TextTokenizer, load_tokenizer
 
-RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
 FROM_ARTIFACT = object()  # create_app's default tokenizer: the artifact's own, where it has one
@@ -292,12 +293,6 @@ class ReplicaSet:
 
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
-           headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
-
-
 _DISCONNECTED = object()
 
 
@@ -310,7 +305,9 @@ class Endpoints:
         self.replica_set = replica_set
         self.scheduler = Scheduler(engine, parallel=parallel, queue_size=queue)
         self.created = int(time.time())
-        self.rejected = {"invalid": 0, "queue_full": 0}  # the event loop's only: no lock
+        # requests refused, by reason: here (invalid, queue_full) and at the gate (`runtime/gate.py`); the event
+        # loop's only: no lock
+        self.rejected = dict.fromkeys(("invalid", "queue_full", "unauthorized", "too_many_requests", "body_too_large"), 0)
 
     # -------------------------------------------------- endpoints
 
@@ -382,7 +379,7 @@ class Endpoints:
                                           vocab_size=self.engine.vocab_size, max_context=self.engine.max_context)
         except RequestError as error:
             self.rejected["invalid"] += 1
-            return _error(400, error.message, "invalid_request_error", error.param, error.code)
+            return error_response(400, error.message, "invalid_request_error", error.param, error.code)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def on_event(event):  # the scheduler's thread; a closed loop raises, and the scheduler cancels the job
@@ -393,10 +390,10 @@ class Endpoints:
             self.scheduler.submit(job)
         except QueueFull as error:
             self.rejected["queue_full"] += 1
-            return _error(503, f"server busy: {error}; retry later", "server_busy", code="queue_full",
+            return error_response(429, f"server busy: {error}; retry later", "server_busy", code="queue_full",
                           headers={"Retry-After": str(RETRY_AFTER_S)})
         except SchedulerClosed as error:
-            return _error(503, str(error), "server_shutting_down", code="shutting_down")
+            return error_response(503, str(error), "server_shutting_down", code="shutting_down")
         answer = _Answer(self.model_id, generation, Output(self.tokenizer, generation.stop_strings))
         if generation.stream:
             return _JobStream(job, events, self._events(job, events, answer))
@@ -420,8 +417,8 @@ class Endpoints:
                     text.append(answer.output.finish())
                     return JSONResponse(answer.whole("".join(text), event.reason, event))
                 if event.reason == "error":
-                    return _error(500, f"generation failed: {event.error}", "server_error")
-                return _error(503, "the request was cancelled: the server is shutting down", "server_shutting_down",
+                    return error_response(500, f"generation failed: {event.error}", "server_error")
+                return error_response(503, "the request was cancelled: the server is shutting down", "server_shutting_down",
                               code="shutting_down")
         finally:
             watcher.cancel()
@@ -534,11 +531,12 @@ class _Answer:
 
 
 def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, queue: int = 16,
-               model_id: str | None = None, replica_set: Callable[[], Awaitable[ReplicaSet]] | None = None
-               ) -> Starlette:
+               model_id: str | None = None, replica_set: Callable[[], Awaitable[ReplicaSet]] | None = None,
+               policy: Policy = Policy()) -> Starlette:
     """The ASGI app. `engine`: an Engine (its slots bound `parallel`), or an artifact path (then loaded with
     `parallel` slots, default 1). `tokenizer`: a TextTokenizer, None (ids only), or by default the artifact's.
     `replica_set`: where the app is one replica of several, what /health and /metrics add about them.
+    `policy`: keys and limits, held by the gate (`runtime/gate.py`) in front of every endpoint.
     The scheduler starts with the app (ASGI lifespan) and its shutdown cancels what is still running."""
     if isinstance(engine, (str, Path)):
         from .engine import Engine
@@ -562,7 +560,7 @@ def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, 
         Route("/v1/models", endpoints.models, methods=["GET"]),
         Route("/health", endpoints.health, methods=["GET"]),
         Route("/metrics", endpoints.metrics, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, middleware=[Middleware(Gate, policy=policy, refused=endpoints.rejected)])
     app.state.endpoints = endpoints
     return app
 

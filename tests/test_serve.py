@@ -418,7 +418,7 @@ def test_a_client_gone_before_its_stream_starts_cancels_its_job(tiny_sparse_arti
         scheduler.close()
 
 
-def test_a_full_queue_answers_503_with_retry_after(ids_server, ids_engine):
+def test_a_full_queue_answers_429_with_retry_after(ids_server, ids_engine):
     """1 slot, queue 1: with one request running and one waiting, the next ones are refused."""
     body = {"prompt": [1, 2, 3], "max_tokens": 20, "temperature": 0}
     ids_engine.hold()
@@ -429,11 +429,11 @@ def test_a_full_queue_answers_503_with_retry_after(ids_server, ids_engine):
             waiting = pool.submit(httpx.post, f"{ids_server}/v1/completions", json=body, timeout=WAIT_S)
             wait_until(lambda: health(ids_server)["queue_depth"] == 1, "the second request to wait")
             refused = [httpx.post(f"{ids_server}/v1/completions", json=body) for _ in range(3)]
-            assert [r.status_code for r in refused] == [503] * 3
+            assert [r.status_code for r in refused] == [429] * 3
             assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full" for r in refused)
             with pytest.raises(openai.APIStatusError) as raised:
                 client(ids_server).completions.create(model="any", **body)
-            assert raised.value.status_code == 503
+            assert raised.value.status_code == 429
             ids_engine.open()
             assert running.result().status_code == waiting.result().status_code == 200
     finally:
