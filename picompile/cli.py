@@ -645,7 +645,10 @@ def _serve_ray(args) -> int:
             else:
                 ray_serve.connect(args.address, args.host, args.port)
             started = True
-            signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C (after ray.init, which sets its own)
+            # both stop it as Ctrl-C does (set after ray.init, which sets its own), SIGINT too where it came
+            # ignored (a shell's background job): Python then leaves it ignored
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             ray_serve.deploy(deployment)
         except (ConnectionError, RuntimeError, ValueError) as error:
             raise UserError(f"Ray Serve could not start the replicas: {error}") from None
