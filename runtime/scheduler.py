@@ -71,9 +71,11 @@ class SchedulerClosed(Exception):
 class Job:
     """One request: its prompt, its sampling, and where its events go."""
 
-    def __init__(self, prompt_ids, sampling: Sampling, on_event: Callable[[TokenEvent | FinishEvent], None]):
+    def __init__(self, prompt_ids, sampling: Sampling, on_event: Callable[[TokenEvent | FinishEvent], None],
+                 cache_prompt: bool = True):
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.sampling = sampling
+        self.cache_prompt = cache_prompt  # False: prefilled whole, whatever its slot's cache holds
         self.on_event = on_event
         self._cancelled = threading.Event()
 
@@ -230,7 +232,11 @@ class Scheduler:
         first token."""
         job = running.job
         try:
-            cached = self.engine.resume(job.prompt_ids, slot)
+            if job.cache_prompt:
+                cached = self.engine.resume(job.prompt_ids, slot)
+            else:
+                self.engine.reset(slot)
+                cached = 0
             logits = self.engine.forward(job.prompt_ids[cached:], slot, last_only=True, as_prompt=True)[-1]
             with self._changed:
                 self._counters.prompt_tokens += len(job.prompt_ids)

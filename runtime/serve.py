@@ -74,6 +74,7 @@ class Generation:
     stop_strings: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    cache_prompt: bool = True  # (llama-server's field) false: prefilled whole, whatever a slot's cache holds
 
 
 _MISSING = object()
@@ -226,9 +227,10 @@ def parse_generation(body, *, chat: bool, tokenizer, vocab_size: int, max_contex
         include_usage = _boolean(options or {}, "include_usage", False)
     except RequestError as error:
         raise RequestError(error.message, "stream_options", error.code) from None
+    cache_prompt = _boolean(body, "cache_prompt", True)
     eos_ids = frozenset(tokenizer.eos_ids) if tokenizer is not None else frozenset()
     return Generation(chat, prompt_ids, Sampling(max_tokens, temperature, top_k, top_p, seed, eos_ids),
-                      stop_strings, stream, include_usage)
+                      stop_strings, stream, include_usage, cache_prompt)
 
 
 # ---------------------------------------------------------------- text out
@@ -385,7 +387,7 @@ class Endpoints:
         def on_event(event):  # the scheduler's thread; a closed loop raises, and the scheduler cancels the job
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        job = Job(generation.prompt_ids, generation.sampling, on_event)
+        job = Job(generation.prompt_ids, generation.sampling, on_event, cache_prompt=generation.cache_prompt)
         try:
             self.scheduler.submit(job)
         except QueueFull as error:

@@ -32,7 +32,7 @@ ROOT="${PICOMPILE_LLAMA_CPP_DIR:-$HOME/.cache/picompile/llama.cpp}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SRC="$ROOT/src-$VERSION"
 BUILD="$ROOT/build-$VERSION"
-TOOLS=(llama-bench llama-perplexity llama-quantize llama-tokenize llama-simple)
+TOOLS=(llama-bench llama-perplexity llama-quantize llama-tokenize llama-simple llama-server)
 
 if [[ "${1:-}" == "--force" ]]; then rm -rf "$BUILD"; fi
 mkdir -p "$ROOT"
@@ -98,14 +98,15 @@ else
     fi
 
     # --- configure and build -------------------------------------------------------------------
-    if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
+    # (configured again where an earlier build left llama-server out)
+    if [[ ! -f "$BUILD/CMakeCache.txt" ]] || grep -q '^LLAMA_BUILD_SERVER:BOOL=OFF' "$BUILD/CMakeCache.txt"; then
         say "configuring (Release, CPU only, GGML_NATIVE=ON)"
         nice -n 10 cmake -S "$SRC" -B "$BUILD" \
             -DCMAKE_BUILD_TYPE=Release \
             -DGGML_NATIVE=ON -DGGML_CPU=ON -DGGML_OPENMP=ON \
             -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
             -DBUILD_SHARED_LIBS=OFF \
-            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
             -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON \
             -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
     fi

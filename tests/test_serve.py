@@ -185,6 +185,12 @@ def test_a_conversations_next_turn_reuses_its_slots_cache(text_server, reference
     cached = after["picompile_prompt_tokens_cached_total"] - before["picompile_prompt_tokens_cached_total"]
     first_prompt = TOKENIZER.encode(TOKENIZER.chat_prompt(messages[:1]))
     assert len(first_prompt) - 1 <= cached < len(prompt)  # the first turn's prompt at least, never the whole
+    before = after
+    again = api.chat.completions.create(model="any", messages=messages, max_tokens=6, temperature=0,
+                                        extra_body={"cache_prompt": False})
+    assert again.choices[0].model_extra["token_ids"] == second.choices[0].model_extra["token_ids"]
+    after = metrics(text_server)
+    assert after["picompile_prompt_tokens_cached_total"] == before["picompile_prompt_tokens_cached_total"]
 
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int, into: dict) -> None:
