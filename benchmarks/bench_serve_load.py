@@ -1,0 +1,393 @@
+"""`picompile serve` beside llama-server on the same GGUF file: speed at 1, 4 and 16 concurrent clients, the prefix
+cache, and a load-and-fault run that counts what was answered, refused and lost (issue 52).
+
+    python benchmarks/bench_serve_load.py ARTIFACT [--gguf FILE.gguf] [--parallel 4] [--queue 16] [--threads 2]
+        [--levels 1,4,16] [--requests 3] [--tokens 32] [--load-seconds 120] [--load-clients 32] [--json PATH]
+
+Both servers run as their own processes on 127.0.0.1 (`python -m picompile serve ARTIFACT`, and llama.cpp's
+`llama-server -m FILE.gguf -np PARALLEL --cont-batching` where scripts/build_llama_cpp.sh built it), with the same
+slots (--parallel), threads and API key, each idle while the other is measured; every measurement alternates them.
+
+1. Levels: C clients each send --requests streamed greedy completions of a text prompt (held-out prose, 16-200
+   tokens, a different one per request) for --tokens tokens, back to back. Per server and level: all tokens over
+   the level's wall time, and time to first token (p50 / p99 over the requests; a request's first streamed token).
+2. The prefix cache: the time to first token of (a) a chat's second turn (a long first turn and its answer sent
+   again) and (b) a request whose long system prompt another request sent just before, each with the cache
+   (`cache_prompt` true, both servers' default) and without (`cache_prompt` false), medians of 3.
+3. Load and faults (--load-seconds): --load-clients clients (more than the slots and the queue hold) send, in a
+   loop, a mix: streamed and whole completions of mixed lengths, chats that share a system prompt, streams the
+   client drops after its first token, malformed JSON, a bad field, a request without the key and a body over the
+   server's bound. Counted: answered (a whole answer, a stream to its [DONE]), refused by status (each kind the
+   request asked for, and 429s / 503s where the server was full), lost (anything else: a 5xx, a cut stream, a
+   connection error, a timeout: must be 0); the server's resident memory at the start and the end of the run
+   (sampled each second: flat means no growth per request), its slots and queue once the clients stop (idle
+   means every dropped stream's slot was freed), and p50 / p99 time to first token and whole-request time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import host as host_state  # noqa: E402
+import llama_cpp  # noqa: E402
+
+KEY = "bench-key"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+TIMEOUT_S = 300  # a request that takes longer is lost (never a measured figure)
+START_S = 300
+HELD_OUT = Path.home() / ".cache" / "picompile" / "bench_gguf" / "heldout.txt"
+
+
+# ------------------------------------------------------------------------------------------------ servers
+
+class Server:
+    """A server process on 127.0.0.1:port, stopped by SIGINT (then killed) when done."""
+
+    def __init__(self, name: str, command: list[str], port: int, env: dict | None = None):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True, env={**os.environ, **(env or {})})
+        threading.Thread(target=self._drain, daemon=True).start()  # (a full stderr pipe would stall it)
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited ({self.process.returncode}) before answering")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{name} did not answer within {START_S} s")
+
+    def _drain(self) -> None:
+        for _ in self.process.stderr:
+            pass
+
+    def rss_bytes(self) -> int:
+        try:
+            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def picompile_server(args, port: int) -> Server:
+    return Server("picompile", [sys.executable, "-m", "picompile", "serve", str(args.artifact), "--port", str(port),
+                                "--parallel", str(args.parallel), "--queue", str(args.queue), "--threads",
+                                str(args.threads), "--api-key", KEY, "--max-body-bytes", str(1 << 20)], port)
+
+
+def llama_server(args, port: int) -> Server | None:
+    if args.gguf is None:
+        return None
+    try:
+        llama = llama_cpp.find()
+        binary = llama.tool("llama-server")
+    except llama_cpp.LlamaCppMissing as error:
+        print(f"llama-server: not measured ({error})")
+        return None
+    context = args.context * args.parallel  # llama-server splits its context over the slots
+    return Server("llama-server", [str(binary), "-m", str(args.gguf), "--port", str(port), "--host", "127.0.0.1",
+                                   "-np", str(args.parallel), "--cont-batching", "-c", str(context), "-t",
+                                   str(args.threads), "--api-key", KEY], port, env=llama.env())
+
+
+# ------------------------------------------------------------------------------------------------ requests
+
+def paragraphs(count: int, seed: int) -> list[str]:
+    """Prompts of held-out prose, of 16-200 tokens or so (a paragraph's first words)."""
+    text = HELD_OUT.read_text().split() if HELD_OUT.exists() else ("the quick brown fox jumps over a lazy dog " * 500).split()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        words = rng.choice([12, 30, 60, 150])
+        start = rng.randrange(0, max(1, len(text) - words))
+        out.append(" ".join(text[start:start + words]))
+    return out
+
+
+def stream(http: httpx.Client, url: str, path: str, body: dict, drop_after_first: bool = False) -> dict:
+    """A streamed request: {"ttft": s, "total": s, "tokens": n, "done": saw [DONE]}; raises on a non-200."""
+    began = time.perf_counter()
+    first, tokens, done = None, 0, False
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", f"{url}{path}", json=body, headers=HEADERS, timeout=TIMEOUT_S) as response:
+        if response.status_code != 200:
+            response.read()
+            return {"status": response.status_code}
+        usage = None
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            choices = chunk.get("choices") or []
+            if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+                tokens += 1
+                if first is None:
+                    first = time.perf_counter() - began
+                    if drop_after_first:
+                        return {"status": 200, "dropped": True}
+    if usage:
+        tokens = usage.get("completion_tokens", tokens)
+    return {"status": 200, "ttft": first, "total": time.perf_counter() - began, "tokens": tokens, "done": done}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+# ------------------------------------------------------------------------------------------------ 1. levels
+
+def level(server: Server, clients: int, requests: int, tokens: int, seed: int) -> dict:
+    prompts = paragraphs(clients * requests, seed)
+    results, lock = [], threading.Lock()
+
+    def client(c: int) -> None:
+        with httpx.Client() as http:
+            for r in range(requests):
+                got = stream(http, server.url, "/v1/completions", {"prompt": prompts[c * requests + r],
+                                                                   "max_tokens": tokens, "temperature": 0})
+                with lock:
+                    results.append(got)
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - began
+    ok = [r for r in results if r.get("status") == 200 and r.get("done")]
+    ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+    return {"clients": clients, "requests": len(results), "answered": len(ok),
+            "tokens_per_s": sum(r["tokens"] for r in ok) / wall, "ttft_p50": percentile(ttft, 0.5),
+            "ttft_p99": percentile(ttft, 0.99)}
+
+
+# ------------------------------------------------------------------------------------------------ 2. the prefix cache
+
+def first_token_s(server: Server, body: dict, path: str = "/v1/chat/completions") -> float:
+    with httpx.Client() as http:
+        got = stream(http, server.url, path, {**body, "max_tokens": 4, "temperature": 0})
+    if got.get("status") != 200 or got.get("ttft") is None:
+        raise RuntimeError(f"{server.name}: a prefix-cache request failed: {got}")
+    return got["ttft"]
+
+
+def prefix_cache(server: Server, seed: int) -> dict:
+    """Medians of 3 of the time to first token with and without the prefix cache."""
+    long_text = " ".join(paragraphs(6, seed + 1))  # ~400-600 tokens
+    out = {}
+    for cache in (True, False):
+        second, shared = [], []
+        for round_ in range(3):
+            first_turn = [{"role": "user", "content": f"Summarise this ({round_}, {cache}): {long_text}"}]
+            with httpx.Client() as http:
+                answer = http.post(f"{server.url}/v1/chat/completions", headers=HEADERS, timeout=TIMEOUT_S,
+                                   json={"messages": first_turn, "max_tokens": 16, "temperature": 0,
+                                         "cache_prompt": cache}).json()
+            reply = answer["choices"][0]["message"]["content"]
+            turn = first_turn + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+            second.append(first_token_s(server, {"messages": turn, "cache_prompt": cache}))
+            system = {"role": "system", "content": f"You answer questions about this text ({round_}, {cache}): "
+                                                   f"{long_text}"}
+            first_token_s(server, {"messages": [system, {"role": "user", "content": "Who?"}], "cache_prompt": cache})
+            shared.append(first_token_s(server, {"messages": [system, {"role": "user", "content": "Where?"}],
+                                                 "cache_prompt": cache}))
+        out["cached" if cache else "uncached"] = {"second_turn_ttft": statistics.median(second),
+                                                  "shared_system_ttft": statistics.median(shared)}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ 3. load and faults
+
+KINDS = (("stream", 30), ("whole", 20), ("chat_shared", 15), ("drop", 10), ("bad_json", 5), ("bad_field", 5),
+         ("no_key", 5), ("huge_body", 5), ("long_prompt", 5))
+EXPECTED = {"bad_json": 400, "bad_field": 400, "no_key": 401, "huge_body": 413}
+FULL = (429, 503)  # the server was full (its queue, its bound on requests): a refusal, not a loss
+RETRY_WAIT_S = 0.5  # a client's wait after such a refusal (both servers ask 1 s; clients retry sooner)
+
+
+def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: int) -> dict:
+    counts = {"answered": 0, "refused": {}, "lost": {}}
+    ttft, total, lock = [], [], threading.Lock()
+    system = "You are a careful assistant. " + " ".join(paragraphs(2, seed + 7))
+    stop_at = time.monotonic() + seconds
+    rss = []
+
+    def count(bucket: str, key: str) -> None:
+        with lock:
+            counts[bucket][key] = counts[bucket].get(key, 0) + 1
+        if key in map(str, FULL):  # as a client that reads Retry-After waits (not a loop that takes the CPU)
+            time.sleep(RETRY_WAIT_S)
+
+    def one(http: httpx.Client, kind: str, rng: random.Random) -> None:
+        url = server.url
+        try:
+            if kind in EXPECTED:
+                if kind == "bad_json":
+                    response = http.post(f"{url}/v1/completions", content=b'{"prompt": [1, 2', headers=HEADERS)
+                elif kind == "bad_field":
+                    response = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": -3}, headers=HEADERS)
+                elif kind == "no_key":
+                    response = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                else:
+                    response = http.post(f"{url}/v1/completions", json={"prompt": "x" * (2 << 20)}, headers=HEADERS)
+                status = response.status_code
+                if status == EXPECTED[kind] or status in FULL:
+                    count("refused", str(status))
+                else:
+                    count("lost", f"{kind} {status}")
+                return
+            prompt = paragraphs(1, rng.randrange(1 << 30))[0]
+            if kind == "long_prompt":
+                prompt = " ".join(paragraphs(3, rng.randrange(1 << 30)))
+            if kind == "chat_shared":
+                body, path = {"messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": prompt[:80]}]}, "/v1/chat/completions"
+            else:
+                body, path = {"prompt": prompt}, "/v1/completions"
+            body.update(max_tokens=rng.choice([4, tokens]), temperature=0)
+            if kind == "whole":
+                began = time.perf_counter()
+                response = http.post(f"{url}{path}", json=body, headers=HEADERS, timeout=TIMEOUT_S)
+                if response.status_code == 200 and response.json().get("choices"):
+                    with lock:
+                        counts["answered"] += 1
+                        total.append(time.perf_counter() - began)
+                elif response.status_code in FULL or response.status_code == 400:  # (a prompt over the context)
+                    count("refused", str(response.status_code))
+                else:
+                    count("lost", f"whole {response.status_code}")
+                return
+            got = stream(http, url, path, body, drop_after_first=kind == "drop")
+            if got.get("dropped"):
+                count("refused", "dropped by the client")
+            elif got.get("status") == 200 and got.get("done"):
+                with lock:
+                    counts["answered"] += 1
+                    total.append(got["total"])
+                    if got.get("ttft") is not None:
+                        ttft.append(got["ttft"])
+            elif got.get("status") in FULL or got.get("status") == 400:
+                count("refused", str(got["status"]))
+            else:
+                count("lost", f"{kind} {got.get('status')} done={got.get('done')}")
+        except (httpx.HTTPError, json.JSONDecodeError) as error:
+            count("lost", f"{kind} {type(error).__name__}")
+
+    def client(c: int) -> None:
+        rng = random.Random(seed * 1000 + c)
+        kinds = [k for k, w in KINDS for _ in range(w)]
+        with httpx.Client(timeout=TIMEOUT_S) as http:
+            while time.monotonic() < stop_at:
+                one(http, rng.choice(kinds), rng)
+
+    def sample_memory() -> None:
+        while time.monotonic() < stop_at:
+            rss.append(server.rss_bytes())
+            time.sleep(1.0)
+
+    sampler = threading.Thread(target=sample_memory, daemon=True)
+    sampler.start()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    sampler.join()
+    time.sleep(2.0)  # a dropped stream's slot is freed at the scheduler's next step
+    idle = httpx.get(f"{server.url}/health", timeout=10).json() if server.name == "picompile" else {}
+    tenth = max(1, len(rss) // 10)
+    return {"seconds": seconds, "clients": clients, **counts,
+            "rss_start_mib": statistics.mean(rss[:tenth]) / 2**20 if rss else None,
+            "rss_end_mib": statistics.mean(rss[-tenth:]) / 2**20 if rss else None,
+            "rss_max_mib": max(rss) / 2**20 if rss else None, "after": idle,
+            "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+            "total_p50": percentile(total, 0.5), "total_p99": percentile(total, 0.99)}
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+def ms(value) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--gguf", type=Path, default=None, help="the GGUF file the artifact was built from")
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--queue", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=1024, help="llama-server's context per slot")
+    parser.add_argument("--levels", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--load-seconds", type=float, default=120.0)
+    parser.add_argument("--load-clients", type=int, default=32)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    state = host_state.HostState.before()
+    servers = [s for s in (picompile_server(args, 18431), llama_server(args, 18432)) if s is not None]
+    results = {"levels": {s.name: [] for s in servers}, "prefix": {}, "load": {}}
+    try:
+        for clients in map(int, args.levels.split(",")):
+            for server in servers:
+                row = level(server, clients, args.requests, args.tokens, seed=clients)
+                results["levels"][server.name].append(row)
+                print(f"{server.name} {clients} clients: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                      f"{ms(row['ttft_p50'])} ms p99 {ms(row['ttft_p99'])} ms ({row['answered']}/{row['requests']})",
+                      flush=True)
+        for server in servers:
+            results["prefix"][server.name] = prefix_cache(server, seed=3)
+            print(server.name, "prefix cache", results["prefix"][server.name], flush=True)
+        if args.load_seconds > 0:
+            for server in servers:
+                results["load"][server.name] = load_run(server, args.load_seconds, args.load_clients, args.tokens, 5)
+                print(server.name, "load", json.dumps(results["load"][server.name]), flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    state.after()
+    results["host"] = state.summary()
+    print(results["host"])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
