@@ -33,6 +33,7 @@ import ray
 from ray import exceptions as ray_errors
 
 from .artifact import ArtifactError, first_line, load_manifest
+from .scheduler import EngineUnavailable
 
 STEP_TIMEOUT_S = 300.0  # the longest a step may wait for the stages (a long prompt's prefill on a slow node)
 START_TIMEOUT_S = 300.0  # ... and for every stage to load its part at start (Ray placing it, reading its weights)
@@ -40,7 +41,7 @@ MAX_RESTARTS = 10  # times Ray restarts a stage that died
 OBJECT_STORE_BYTES = 100 * 2**20  # a local instance's object store: hidden rows and logits are small
 
 
-class StageFailed(RuntimeError):
+class StageFailed(EngineUnavailable):
     """A stage died or did not answer in time: the step in flight failed, and the slots' contexts are lost."""
 
 

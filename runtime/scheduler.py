@@ -58,6 +58,12 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int  # tokens sampled, a stop id included
     error: str | None = None  # reason "error": what failed
+    unavailable: bool = False  # reason "error": the engine could not run now (EngineUnavailable); a retry may work
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine could not run a step now (a stage of a split model died), not a fault of the request: Ray
+    restarts what died, and the same request sent again may be answered."""
 
 
 class QueueFull(Exception):
@@ -243,7 +249,7 @@ class Scheduler:
                 self._counters.prompt_tokens_cached += cached
                 self._counters.prefix_hits += cached > 0
         except Exception as error:  # this request fails; the others go on
-            return self._finish(slot, "error", f"{type(error).__name__}: {error}")
+            return self._failed(slot, error)
         self._sampled(slot, running, logits)
 
     def _decode(self, step: list[tuple[int, _Running]]) -> None:
@@ -256,13 +262,13 @@ class Scheduler:
         except Exception as error:
             if not isinstance(error, ValueError):
                 for slot, _ in step:
-                    self._finish(slot, "error", f"{type(error).__name__}: {error}")
+                    self._failed(slot, error)
                 return
             for slot, running in step:
                 try:
                     row = self.engine.forward([running.last_token], slot)[-1]
                 except Exception as error:
-                    self._finish(slot, "error", f"{type(error).__name__}: {error}")
+                    self._failed(slot, error)
                 else:
                     self._sampled(slot, running, row)
             return
@@ -275,7 +281,7 @@ class Scheduler:
         try:
             token = sample(logits, running.rng, sampling.temperature, sampling.top_k, sampling.top_p)
         except Exception as error:  # this request fails; the others go on
-            return self._finish(slot, "error", f"{type(error).__name__}: {error}")
+            return self._failed(slot, error)
         running.generated += 1
         running.last_token = token
         with self._changed:
@@ -286,12 +292,16 @@ class Scheduler:
         if running.generated >= sampling.max_tokens:
             self._finish(slot, "length")
 
-    def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
+    def _failed(self, slot: int, error: Exception) -> None:
+        self._finish(slot, "error", f"{type(error).__name__}: {error}", isinstance(error, EngineUnavailable))
+
+    def _finish(self, slot: int, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         with self._changed:
             running = self._running.pop(slot)
             self._free.append(slot)
         self._count_finish(reason)
-        self._emit(running.job, FinishEvent(reason, len(running.job.prompt_ids), running.generated, error))
+        self._emit(running.job, FinishEvent(reason, len(running.job.prompt_ids), running.generated, error,
+                                            unavailable))
 
     def _count_finish(self, reason: str) -> None:
         with self._changed:

@@ -419,7 +419,7 @@ class Endpoints:
                     text.append(answer.output.finish())
                     return JSONResponse(answer.whole("".join(text), event.reason, event))
                 if event.reason == "error":
-                    return error_response(500, f"generation failed: {event.error}", "server_error")
+                    return _failure(event)
                 return error_response(503, "the request was cancelled: the server is shutting down", "server_shutting_down",
                               code="shutting_down")
         finally:
@@ -449,14 +449,22 @@ class Endpoints:
                 if answer.generation.include_usage:
                     yield _sse(answer.usage_chunk(event))
             elif event.reason == "error":
-                yield _sse({"error": {"message": f"generation failed: {event.error}", "type": "server_error",
-                                      "param": None, "code": None}})
+                yield _sse(json.loads(_failure(event).body))
             else:
                 yield _sse({"error": {"message": "the request was cancelled: the server is shutting down",
                                       "type": "server_shutting_down", "param": None, "code": "shutting_down"}})
             yield "data: [DONE]\n\n"
         finally:  # the stream ended or failed; a client that left is _JobStream's
             job.cancel()
+
+
+def _failure(event: FinishEvent):
+    """The answer to a request whose generation failed: 503 where the engine could not run now (a stage that died:
+    the request may be sent again), else 500."""
+    if event.unavailable:
+        return error_response(503, f"the engine could not run the request now ({event.error}); retry it",
+                              "server_unavailable", code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return error_response(500, f"generation failed: {event.error}", "server_error")
 
 
 async def _watch_disconnect(receive, job: Job, events: asyncio.Queue) -> None:

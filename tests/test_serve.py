@@ -207,7 +207,7 @@ def stream_completion(url: str, prompt: list[int], max_tokens: int, into: dict) 
                 elif line.startswith("data: "):
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        into["error"] = chunk["error"]["message"]
+                        into["error"], into["error_code"] = chunk["error"]["message"], chunk["error"]["code"]
                     else:
                         into["ids"] += chunk["choices"][0]["token_ids"]
     except httpx.HTTPError as error:  # the connection cut short (a server process that died)
@@ -445,6 +445,34 @@ def test_a_full_queue_answers_429_with_retry_after(ids_server, ids_engine):
     finally:
         ids_engine.open()
     assert metrics(ids_server)['picompile_requests_rejected_total{reason="queue_full"}'] >= 4
+
+
+class FailingEngine(GatedEngine):
+    """Decode steps fail as a split model's do when a stage died (EngineUnavailable), or with a plain error."""
+
+    def __init__(self, engine, error: Exception):
+        super().__init__(engine)
+        self.error = error
+
+    def forward_batch(self, token_ids, slots):
+        raise self.error
+
+
+@pytest.mark.parametrize("unavailable", [True, False])
+def test_a_step_that_fails_ends_its_request_with_the_error_body(tiny_sparse_artifact, unavailable):
+    from runtime.scheduler import EngineUnavailable
+
+    error = EngineUnavailable("a stage died") if unavailable else RuntimeError("a kernel failed")
+    with live_server(FailingEngine(Engine(tiny_sparse_artifact), error), tokenizer=None) as url:
+        whole = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}, timeout=WAIT_S)
+        assert whole.status_code == (503 if unavailable else 500)
+        code = "engine_unavailable" if unavailable else None
+        assert whole.json()["error"]["code"] == code and str(error) in whole.json()["error"]["message"]
+        if unavailable:
+            assert whole.headers["retry-after"] == "1"
+        into: dict = {}
+        stream_completion(url, [1, 2], 4, into)
+        assert into["error_code"] == code and len(into["ids"]) == 1 and into["done"]
 
 
 # ---------------------------------------------------------------- the scheduler alone

@@ -363,5 +363,6 @@ def test_a_killed_stage_fails_its_request_and_the_next_request_works(server, pip
     thread.join(WAIT_S)
     assert not thread.is_alive(), "the request hung"
     assert into["error"] is not None and "stage" in into["error"] and into["ids"] == reference([1, 2, 3], 3), into
+    assert into["error_code"] == "engine_unavailable"
     answer = client(url).completions.create(model="any", prompt=[5, 6], max_tokens=6, temperature=0)
     assert answer.choices[0].model_extra["token_ids"] == reference([5, 6], 6)
