@@ -22,6 +22,8 @@ slots (--parallel), threads and API key, each idle while the other is measured; 
    connection error, a timeout: must be 0); the server's resident memory at the start and the end of the run
    (sampled each second: flat means no growth per request), its slots and queue once the clients stop (idle
    means every dropped stream's slot was freed), and p50 / p99 time to first token and whole-request time.
+4. A burst (--burst): that many clients at once, each one short whole completion on a connection of its own:
+   answered, refused (429 / 503: the server full) and lost (must be 0), and the wall time until the last answer.
 """
 
 from __future__ import annotations
@@ -340,6 +342,29 @@ def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: in
             "total_p50": percentile(total, 0.5), "total_p99": percentile(total, 0.99)}
 
 
+# ------------------------------------------------------------------------------------------------ 4. a burst
+
+def burst(server: Server, clients: int) -> dict:
+    statuses, began = {}, time.perf_counter()
+
+    def one(c: int) -> str:
+        try:
+            response = httpx.post(f"{server.url}/v1/completions", headers=HEADERS, timeout=TIMEOUT_S,
+                                  json={"prompt": f"Request {c}: the weather today is", "max_tokens": 4,
+                                        "temperature": 0})
+            return str(response.status_code) if response.status_code != 200 or response.json().get("choices") else "200 empty"
+        except httpx.HTTPError as error:
+            return type(error).__name__
+
+    with ThreadPoolExecutor(clients) as pool:
+        for status in pool.map(one, range(clients)):
+            statuses[status] = statuses.get(status, 0) + 1
+    answered = statuses.get("200", 0)
+    refused = sum(n for k, n in statuses.items() if k in map(str, FULL))
+    return {"clients": clients, "answered": answered, "refused": refused,
+            "lost": clients - answered - refused, "statuses": statuses, "seconds": time.perf_counter() - began}
+
+
 # ------------------------------------------------------------------------------------------------ the run
 
 def ms(value) -> str:
@@ -359,11 +384,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--load-seconds", type=float, default=120.0)
     parser.add_argument("--load-clients", type=int, default=32)
+    parser.add_argument("--burst", type=int, default=500, help="clients at once in the burst (0: none)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     state = host_state.HostState.before()
     servers = [s for s in (picompile_server(args, 18431), llama_server(args, 18432)) if s is not None]
-    results = {"levels": {s.name: [] for s in servers}, "prefix": {}, "load": {}}
+    results = {"levels": {s.name: [] for s in servers}, "prefix": {}, "load": {}, "burst": {}}
     try:
         for clients in map(int, args.levels.split(",")):
             for server in servers:
@@ -379,6 +405,10 @@ def main() -> None:
             for server in servers:
                 results["load"][server.name] = load_run(server, args.load_seconds, args.load_clients, args.tokens, 5)
                 print(server.name, "load", json.dumps(results["load"][server.name]), flush=True)
+        if args.burst > 0:
+            for server in servers:
+                results["burst"][server.name] = burst(server, args.burst)
+                print(server.name, "burst", json.dumps(results["burst"][server.name]), flush=True)
     finally:
         for server in servers:
             server.stop()
