@@ -4,9 +4,11 @@ cache, and a load-and-fault run that counts what was answered, refused and lost 
     python benchmarks/bench_serve_load.py ARTIFACT [--gguf FILE.gguf] [--parallel 4] [--queue 16] [--threads 2]
         [--levels 1,4,16] [--requests 3] [--tokens 32] [--load-seconds 120] [--load-clients 32] [--json PATH]
 
-Both servers run as their own processes on 127.0.0.1 (`python -m picompile serve ARTIFACT`, and llama.cpp's
-`llama-server -m FILE.gguf -np PARALLEL --cont-batching` where scripts/build_llama_cpp.sh built it), with the same
-slots (--parallel), threads and API key, each idle while the other is measured; every measurement alternates them.
+The servers run as their own processes on 127.0.0.1 (`python -m picompile serve ARTIFACT`, and llama.cpp's
+`llama-server -m FILE.gguf -np PARALLEL --cont-batching` where scripts/build_llama_cpp.sh built it, once with its
+OpenMP threads passive and once spinning: a peer at its best), with the same slots (--parallel), threads and API
+key, one at a time (an idle llama-server whose OpenMP threads spin keeps every core busy): every measurement
+starts each server in turn, measures it and stops it, so the servers alternate.
 
 1. Levels: C clients each send --requests streamed greedy completions of a text prompt (held-out prose, 16-200
    tokens, a different one per request) for --tokens tokens, back to back. Per server and level: all tokens over
@@ -17,11 +19,12 @@ slots (--parallel), threads and API key, each idle while the other is measured; 
 3. Load and faults (--load-seconds): --load-clients clients (more than the slots and the queue hold) send, in a
    loop, a mix: streamed and whole completions of mixed lengths, chats that share a system prompt, streams the
    client drops after its first token, malformed JSON, a bad field, a request without the key and a body over the
-   server's bound. Counted: answered (a whole answer, a stream to its [DONE]), refused by status (each kind the
-   request asked for, and 429s / 503s where the server was full), lost (anything else: a 5xx, a cut stream, a
-   connection error, a timeout: must be 0); the server's resident memory at the start and the end of the run
-   (sampled each second: flat means no growth per request), its slots and queue once the clients stop (idle
-   means every dropped stream's slot was freed), and p50 / p99 time to first token and whole-request time.
+   server's bound. Counted: answered (a whole answer, a stream to its [DONE]), refused by status (a 4xx: the
+   kind's own, or 429 / 503 where the server was full), server errors (a 5xx for what the client sent), lost
+   (a valid request with no answer: a 5xx, a cut stream, a connection error, a timeout: must be 0); the server's
+   resident memory in each quarter of the run (sampled each second; flat after the first quarter, when the KV
+   caches' pages are first written, means no growth per request), its slots and queue once the clients stop
+   (idle means every dropped stream's slot was freed), and p50 / p99 time to first token and whole-request time.
 4. A burst (--burst): that many clients at once, each one short whole completion on a connection of its own:
    answered, refused (429 / 503: the server full) and lost (must be 0), and the wall time until the last answer.
 """
@@ -29,6 +32,7 @@ slots (--parallel), threads and API key, each idle while the other is measured; 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -59,10 +63,21 @@ HELD_OUT = Path.home() / ".cache" / "picompile" / "bench_gguf" / "heldout.txt"
 
 # ------------------------------------------------------------------------------------------------ servers
 
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """How a server is started (`Server`)."""
+
+    name: str
+    command: list[str]
+    port: int
+    env: dict | None = None
+
+
 class Server:
     """A server process on 127.0.0.1:port, stopped by SIGINT (then killed) when done."""
 
-    def __init__(self, name: str, command: list[str], port: int, env: dict | None = None):
+    def __init__(self, spec: ServerSpec):
+        name, command, port, env = spec.name, spec.command, spec.port, spec.env
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -93,6 +108,12 @@ class Server:
             pass
         return 0
 
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
@@ -103,25 +124,31 @@ class Server:
                 self.process.wait()
 
 
-def picompile_server(args, port: int) -> Server:
-    return Server("picompile", [sys.executable, "-m", "picompile", "serve", str(args.artifact), "--port", str(port),
+def picompile_server(args, port: int) -> ServerSpec:
+    return ServerSpec("picompile", [sys.executable, "-m", "picompile", "serve", str(args.artifact), "--port", str(port),
                                 "--parallel", str(args.parallel), "--queue", str(args.queue), "--threads",
                                 str(args.threads), "--api-key", KEY, "--max-body-bytes", str(1 << 20)], port)
 
 
-def llama_server(args, port: int) -> Server | None:
+def llama_servers(args, port: int) -> list[ServerSpec]:
+    """llama-server at each of --llama-wait-policy (its OpenMP threads passive and spinning: a peer at its best)."""
     if args.gguf is None:
-        return None
+        return []
     try:
         llama = llama_cpp.find()
         binary = llama.tool("llama-server")
     except llama_cpp.LlamaCppMissing as error:
         print(f"llama-server: not measured ({error})")
-        return None
+        return []
     context = args.context * args.parallel  # llama-server splits its context over the slots
-    return Server("llama-server", [str(binary), "-m", str(args.gguf), "--port", str(port), "--host", "127.0.0.1",
-                                   "-np", str(args.parallel), "--cont-batching", "-c", str(context), "-t",
-                                   str(args.threads), "--api-key", KEY], port, env=llama.env())
+    servers = []
+    for offset, policy in enumerate(args.llama_wait_policy.split(",")):
+        env = dataclasses.replace(llama, wait_policy=policy).env()
+        servers.append(ServerSpec(f"llama-server OMP {policy}", [
+            str(binary), "-m", str(args.gguf), "--port", str(port + offset), "--host", "127.0.0.1", "-np",
+            str(args.parallel), "--cont-batching", "-c", str(context), "-t", str(args.threads), "--api-key", KEY],
+            port + offset, env=env))
+    return servers
 
 
 # ------------------------------------------------------------------------------------------------ requests
@@ -247,7 +274,7 @@ RETRY_WAIT_S = 0.5  # a client's wait after such a refusal (both servers ask 1 s
 
 
 def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: int) -> dict:
-    counts = {"answered": 0, "refused": {}, "lost": {}}
+    counts = {"answered": 0, "refused": {}, "server_errors": {}, "lost": {}}
     ttft, total, lock = [], [], threading.Lock()
     system = "You are a careful assistant. " + " ".join(paragraphs(2, seed + 7))
     stop_at = time.monotonic() + seconds
@@ -272,10 +299,11 @@ def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: in
                 else:
                     response = http.post(f"{url}/v1/completions", json={"prompt": "x" * (2 << 20)}, headers=HEADERS)
                 status = response.status_code
-                if status == EXPECTED[kind] or status in FULL:
-                    count("refused", str(status))
+                if status < 500:
+                    count("refused", str(status) if status == EXPECTED[kind] or status in FULL else
+                          f"{status} (for {kind})")
                 else:
-                    count("lost", f"{kind} {status}")
+                    count("server_errors", f"{kind} {status}")
                 return
             prompt = paragraphs(1, rng.randrange(1 << 30))[0]
             if kind == "long_prompt":
@@ -332,12 +360,11 @@ def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: in
         list(pool.map(client, range(clients)))
     sampler.join()
     time.sleep(2.0)  # a dropped stream's slot is freed at the scheduler's next step
-    idle = httpx.get(f"{server.url}/health", timeout=10).json() if server.name == "picompile" else {}
-    tenth = max(1, len(rss) // 10)
+    idle = httpx.get(f"{server.url}/health", timeout=10).json() if server.name == "picompile" else {}  # (its slots)
+    quarter = max(1, len(rss) // 4)
     return {"seconds": seconds, "clients": clients, **counts,
-            "rss_start_mib": statistics.mean(rss[:tenth]) / 2**20 if rss else None,
-            "rss_end_mib": statistics.mean(rss[-tenth:]) / 2**20 if rss else None,
-            "rss_max_mib": max(rss) / 2**20 if rss else None, "after": idle,
+            "rss_mib_by_quarter": [statistics.mean(rss[i * quarter:(i + 1) * quarter]) / 2**20 for i in range(4)]
+            if len(rss) >= 4 else None, "rss_max_mib": max(rss) / 2**20 if rss else None, "after": idle,
             "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
             "total_p50": percentile(total, 0.5), "total_p99": percentile(total, 0.99)}
 
@@ -385,33 +412,31 @@ def main() -> None:
     parser.add_argument("--load-seconds", type=float, default=120.0)
     parser.add_argument("--load-clients", type=int, default=32)
     parser.add_argument("--burst", type=int, default=500, help="clients at once in the burst (0: none)")
+    parser.add_argument("--llama-wait-policy", default="passive,active", help="llama-server's OMP_WAIT_POLICY rows")
+    parser.add_argument("--parts", default="levels,prefix,load,burst", help="which of the run's parts to run")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     state = host_state.HostState.before()
-    servers = [s for s in (picompile_server(args, 18431), llama_server(args, 18432)) if s is not None]
-    results = {"levels": {s.name: [] for s in servers}, "prefix": {}, "load": {}, "burst": {}}
-    try:
-        for clients in map(int, args.levels.split(",")):
-            for server in servers:
+    specs = [picompile_server(args, 18431), *llama_servers(args, 18432)]
+    results = {"levels": {s.name: [] for s in specs}, "prefix": {}, "load": {}, "burst": {}}
+    parts = set(args.parts.split(","))
+    for clients in map(int, args.levels.split(",") if "levels" in parts else []):
+        for spec in specs:
+            with Server(spec) as server:
                 row = level(server, clients, args.requests, args.tokens, seed=clients)
-                results["levels"][server.name].append(row)
-                print(f"{server.name} {clients} clients: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
-                      f"{ms(row['ttft_p50'])} ms p99 {ms(row['ttft_p99'])} ms ({row['answered']}/{row['requests']})",
-                      flush=True)
-        for server in servers:
-            results["prefix"][server.name] = prefix_cache(server, seed=3)
-            print(server.name, "prefix cache", results["prefix"][server.name], flush=True)
-        if args.load_seconds > 0:
-            for server in servers:
-                results["load"][server.name] = load_run(server, args.load_seconds, args.load_clients, args.tokens, 5)
-                print(server.name, "load", json.dumps(results["load"][server.name]), flush=True)
-        if args.burst > 0:
-            for server in servers:
-                results["burst"][server.name] = burst(server, args.burst)
-                print(server.name, "burst", json.dumps(results["burst"][server.name]), flush=True)
-    finally:
-        for server in servers:
-            server.stop()
+            results["levels"][spec.name].append(row)
+            print(f"{spec.name} {clients} clients: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                  f"{ms(row['ttft_p50'])} ms p99 {ms(row['ttft_p99'])} ms ({row['answered']}/{row['requests']})",
+                  flush=True)
+    for part, run in (("prefix", lambda server: prefix_cache(server, seed=3)),
+                      ("load", lambda server: load_run(server, args.load_seconds, args.load_clients, args.tokens, 5)),
+                      ("burst", lambda server: burst(server, args.burst))):
+        if part not in parts or (part == "load" and args.load_seconds <= 0) or (part == "burst" and args.burst <= 0):
+            continue
+        for spec in specs:
+            with Server(spec) as server:
+                results[part][spec.name] = run(server)
+            print(spec.name, part, json.dumps(results[part][spec.name]), flush=True)
     state.after()
     results["host"] = state.summary()
     print(results["host"])

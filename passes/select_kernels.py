@@ -86,6 +86,11 @@ class Lowering:
     max_batch: int = 0  # sequences a batch step may hold (0: no batch phase)
     batch_rows: set[str] = field(default_factory=set)  # buffers of `max_batch` rows (step_rows)
     batch_widths: dict[str, int] = field(default_factory=dict)  # scratch sized per sequence (batch_scratch)
+    # a linear whose batch step (its prefill GEMM over the batch's rows) costs more than a decode step per
+    # sequence: a file's blocks where the ISA has no int8 GEMM for them (AVX2: the GEMM dequantizes every
+    # weight to fp32; Qwen2.5-0.5B Q4_K_M on Zen 3, 2 / 4 sequences: a batch step 197 / 164 ms, decode
+    # steps 62 / 124 ms): the program then gets no batch phase
+    slow_batch: str | None = None
 
     @property
     def buffers(self) -> dict[str, dict]:
@@ -253,8 +258,9 @@ class Lowering:
         self.max_batch = 0
 
     def has_batch_phase(self) -> bool:
-        """Every call runs on the CPU, and every decode call has a batch kernel."""
-        return (self.max_batch > 1 and all(call.device == "cpu" for call in self.program.calls)
+        """Every call runs on the CPU, every decode call has a batch kernel, and none is slower in a batch step
+        than in a decode step per sequence (`slow_batch`)."""
+        return (self.max_batch > 1 and self.slow_batch is None and all(call.device == "cpu" for call in self.program.calls)
                 and all(call.batch for call in self.program.calls if call.decode))
 
     def linear(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role,
@@ -338,6 +344,8 @@ class Lowering:
         values, scales, fmt = self.kept_in(weight, "kq_panels")
         k, n = self.kept[weight].shape
         dot = {"int8_dot": self.int8_dot} if self.int8_dot else {}
+        if "decode" in phases and not (dot and self.gemm_panels > 1):  # (linear_panels_kq's int8 GEMM needs both)
+            self.slow_batch = f"{fmt.name} weights with no int8 GEMM on this ISA"
         tags = (f"_{fmt.name}{'_x8' if dot else ''}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}"
                 f"{'_res' if residual else ''}")
         kernels = self.kernel(ops.linear_panels_kq, f"linear_kq_k{k}_n{n}{tags}", k, n, phases=phases,
@@ -916,7 +924,8 @@ class SelectKernels:
             lowering.drop_batch()
         program = lowering.program
         ctx.log(f"select-kernels: {len(program.kernels)} kernels, {len(program.calls)} calls, "
-                + (f"batch steps of up to {lowering.max_batch} sequences" if lowering.max_batch else "no batch phase"))
+                + (f"batch steps of up to {lowering.max_batch} sequences" if lowering.max_batch else "no batch phase"
+                   + (f" ({lowering.slow_batch}: decode steps per sequence are faster)" if lowering.slow_batch else "")))
         result = program.to_model(carried_metadata(model))
         BatchPhase(lowering.max_batch).attach(result)
         return PassResult(result, modified=True)

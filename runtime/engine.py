@@ -316,7 +316,7 @@ class Engine:
             else:
                 steps.append(Step(call.id, call.role.value, call.device, self._bind(call, "batch", rows),
                                   **self._weight_reads(call, rows)))
-        if len(self._batches) >= 64:  # (bounded: every order of every subset of the slots is a program)
+        if len(self._batches) >= 64:  # (bounded: a program per subset of the slots, in slot order)
             self._batches.pop(next(iter(self._batches)))
         self._batches[slots] = steps
         return steps
@@ -503,6 +503,12 @@ class Engine:
                              f"{self.max_context}")
         if not self.batched or len(slots) == 1:
             return np.concatenate([self.forward_stage(ids[i:i + 1], slot) for i, slot in enumerate(slots)])
+        order = np.argsort(slots, kind="stable")
+        if (order != np.arange(len(slots))).any():  # one bound program per set of slots, not one per order of them
+            rows = self.forward_stage_batch(ids[order], [slots[i] for i in order])
+            unordered = np.empty_like(rows)
+            unordered[order] = rows
+            return unordered
         chunks = [self._forward_chunk(ids[i:i + self.max_batch], tuple(slots[i:i + self.max_batch]))
                   for i in range(0, len(slots), self.max_batch)]
         return np.concatenate(chunks)

@@ -368,6 +368,10 @@ def test_kept_blocks_reach_the_artifact_as_the_file_stores_them(files, tmp_path,
     for ours, reference in zip(_logits(engine, fed=steps), _logits(OrtDecoder(reference_onnx(path)), fed=steps)):
         assert np.abs(ours - reference).max() < 0.1 * np.abs(reference).max()  # int8 activations' rounding
     prompt = _logits(engine, steps=0)[0]
+    # a batch phase only where the kq blocks have an int8 GEMM (AVX-512 and int8 activations): elsewhere the
+    # batch step's GEMM dequantizes every weight and costs more than a decode step per sequence
+    assert Engine(out).max_batch == 0
+    assert (engine.max_batch > 1) == (host_cpu_isa().gemm_panels > 1)
     if host_cpu_isa().gemm_panels > 1:  # AVX-512: the prefill GEMM quantizes x as the decode GEMV does, row by row
         engine.reset()
         expected = np.concatenate([np.asarray(engine.forward([token])).reshape(1, -1) for token in PROMPT])
