@@ -550,13 +550,11 @@ def test_an_artifact_without_a_tokenizer_serves_ids(tiny_sparse_artifact):
     assert artifact_tokenizer(tiny_sparse_artifact) is None  # so create_app's default serves token ids
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_picompile_serve_serves_and_stops_on_sigint(tiny_sparse_artifact, background):
-    """`background`: started as a shell starts a background job, SIGINT ignored; Ctrl-C's signal still stops it."""
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None
+def test_picompile_serve_serves_and_stops_on_sigint(tiny_sparse_artifact):
+    """Started as a shell starts a background job (SIGINT ignored), Ctrl-C's signal still stops it."""
     process = subprocess.Popen([sys.executable, "-m", "picompile.cli", "serve", str(tiny_sparse_artifact),
                                 "--port", "0", "--parallel", "2"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=ignore)
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         line = process.stderr.readline()
         assert line.startswith("serving "), line
