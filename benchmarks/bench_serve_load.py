@@ -155,7 +155,8 @@ def llama_servers(args, port: int) -> list[ServerSpec]:
 
 def paragraphs(count: int, seed: int) -> list[str]:
     """Prompts of held-out prose, of 16-200 tokens or so (a paragraph's first words)."""
-    text = HELD_OUT.read_text().split() if HELD_OUT.exists() else ("the quick brown fox jumps over a lazy dog " * 500).split()
+    filler = "the quick brown fox jumps over a lazy dog " * 500  # (no held-out text on this machine)
+    text = (HELD_OUT.read_text() if HELD_OUT.exists() else filler).split()
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -293,7 +294,8 @@ def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: in
                 if kind == "bad_json":
                     response = http.post(f"{url}/v1/completions", content=b'{"prompt": [1, 2', headers=HEADERS)
                 elif kind == "bad_field":
-                    response = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": -3}, headers=HEADERS)
+                    response = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": -3},
+                                         headers=HEADERS)
                 elif kind == "no_key":
                     response = http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
                 else:
@@ -379,7 +381,9 @@ def burst(server: Server, clients: int) -> dict:
             response = httpx.post(f"{server.url}/v1/completions", headers=HEADERS, timeout=TIMEOUT_S,
                                   json={"prompt": f"Request {c}: the weather today is", "max_tokens": 4,
                                         "temperature": 0})
-            return str(response.status_code) if response.status_code != 200 or response.json().get("choices") else "200 empty"
+            if response.status_code == 200 and not response.json().get("choices"):
+                return "200 empty"
+            return str(response.status_code)
         except httpx.HTTPError as error:
             return type(error).__name__
 

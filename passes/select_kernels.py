@@ -260,8 +260,9 @@ class Lowering:
     def has_batch_phase(self) -> bool:
         """Every call runs on the CPU, every decode call has a batch kernel, and none is slower in a batch step
         than in a decode step per sequence (`slow_batch`)."""
-        return (self.max_batch > 1 and self.slow_batch is None and all(call.device == "cpu" for call in self.program.calls)
-                and all(call.batch for call in self.program.calls if call.decode))
+        calls = self.program.calls
+        return (self.max_batch > 1 and self.slow_batch is None and all(call.device == "cpu" for call in calls)
+                and all(call.batch for call in calls if call.decode))
 
     def linear(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role,
                act: str = "none", residual: str | None = None, phases=("decode", "prefill"), device: str | None = None,

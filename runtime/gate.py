@@ -51,7 +51,8 @@ def read_keys(keys: list[str], key_file: Path | None, environment: dict | None =
         try:
             lines = key_file.read_text().splitlines()
         except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"cannot read the key file {key_file}: {getattr(error, 'strerror', None) or error}") from None
+            reason = getattr(error, "strerror", None) or error
+            raise ValueError(f"cannot read the key file {key_file}: {reason}") from None
         listed = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
         if not listed:
             raise ValueError(f"the key file {key_file} holds no key (one per line)")

@@ -309,7 +309,8 @@ class Endpoints:
         self.created = int(time.time())
         # requests refused, by reason: here (invalid, queue_full) and at the gate (`runtime/gate.py`); the event
         # loop's only: no lock
-        self.rejected = dict.fromkeys(("invalid", "queue_full", "unauthorized", "too_many_requests", "body_too_large"), 0)
+        self.rejected = dict.fromkeys(
+            ("invalid", "queue_full", "unauthorized", "too_many_requests", "body_too_large"), 0)
 
     # -------------------------------------------------- endpoints
 
@@ -463,7 +464,8 @@ def _failure(event: FinishEvent):
     the request may be sent again), else 500."""
     if event.unavailable:
         return error_response(503, f"the engine could not run the request now ({event.error}); retry it",
-                              "server_unavailable", code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+                              "server_unavailable", code="engine_unavailable",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
     return error_response(500, f"generation failed: {event.error}", "server_error")
 
 
