@@ -296,6 +296,7 @@ class ReplicaSet:
 
 
 _DISCONNECTED = object()
+SEND_TIMEOUT_S = 60.0  # a streamed chunk its client has not taken in this long: the client is gone
 
 
 class Endpoints:
@@ -481,17 +482,27 @@ class _JobStream(StreamingResponse):
     """A streamed answer whose job ends with its connection. Starlette notices a client that left only when
     a chunk fails to send (ASGI 2.4) and never closes a body generator that had not started, so a request
     still queued, or waiting on its prefill, would run to max_tokens for nobody: the job is cancelled as
-    soon as the disconnect arrives, and whenever the response ends."""
+    soon as the disconnect arrives, and whenever the response ends. A client that stops reading (its
+    connection open, the server's send buffer full) is one that left once a chunk has waited `send_timeout_s`
+    to be sent: the stream ends there and its connection is closed."""
 
-    def __init__(self, job: Job, events: asyncio.Queue, content):
+    def __init__(self, job: Job, events: asyncio.Queue, content, send_timeout_s: float = SEND_TIMEOUT_S):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job, self.events = job, events
+        self.job, self.events, self.send_timeout_s = job, events, send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.ensure_future(_watch_disconnect(receive, self.job, self.events))
+
+        async def bounded_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except asyncio.TimeoutError:
+                self.job.cancel()
+                raise ClientDisconnect() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded_send)
         except ClientDisconnect:  # the last chunk found the connection gone: nothing is left to answer
             pass
         finally:

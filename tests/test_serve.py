@@ -670,3 +670,37 @@ def test_shutdown_with_a_request_in_flight_ends_it_and_stops(tiny_sparse_artifac
     assert stats.requests_finished["cancelled"] == stats.requests_submitted == 1
     assert len(lines) >= 1 and "data: [DONE]" not in lines
     sock.close()
+
+
+def test_a_stream_whose_client_stops_reading_ends_and_cancels_its_job():
+    """A chunk that waits longer than the send timeout to be sent (the client's connection open, nothing read)
+    ends the stream and cancels its job, so its slot is freed: ASGI 2.4 and 2.3 servers alike."""
+    import asyncio
+
+    from runtime.serve import _JobStream
+
+    for spec in ("2.4", "2.3"):
+        job = Job([1], Sampling(5), lambda event: None)
+        sent = []
+
+        async def chunks():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+
+        async def receive():
+            await asyncio.sleep(30)  # the client says nothing, not even that it left
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                await asyncio.sleep(30)  # its buffer full: no chunk is taken
+            sent.append(message)
+
+        async def respond():
+            stream = _JobStream(job, asyncio.Queue(), chunks(), send_timeout_s=0.2)
+            await stream({"type": "http", "asgi": {"spec_version": spec}}, receive, send)
+
+        began = time.monotonic()
+        asyncio.run(asyncio.wait_for(respond(), 10))
+        assert time.monotonic() - began < 5 and job.cancelled
+        assert [m["type"] for m in sent] == ["http.response.start"]  # no chunk went, and the stream stopped trying
