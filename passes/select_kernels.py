@@ -38,7 +38,7 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
 from .fuse import FUSED
 from .kernel_ir import KERNEL_CALLS, KernelProgram, KernelSpec, carried_metadata
 from .file_blocks import FileMatrix
-from .kernels import cpu, kquant, neuron, ops, quant
+from .kernels import cpu, kquant, kquant_ops, neuron, ops, quant
 from .place import PLACED, device_of
 from .quantize import QuantizedMatrix, dequantizes_weight, kept_blocks
 from .handover import HANDOVER, stage_of_node
@@ -345,7 +345,7 @@ class Lowering:
         values, scales, fmt = self.kept_in(weight, "kq_panels")
         k, n = self.kept[weight].shape
         dot = {"int8_dot": self.int8_dot} if self.int8_dot else {}
-        if "decode" in phases and not (dot and self.gemm_panels > 1):  # (linear_panels_kq's int8 GEMM needs both)
+        if "decode" in phases and not kquant_ops.int8_gemm(self.int8_dot, self.gemm_panels):
             self.slow_batch = f"{fmt.name} weights with no int8 GEMM on this ISA"
         tags = (f"_{fmt.name}{'_x8' if dot else ''}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}"
                 f"{'_res' if residual else ''}")

@@ -232,6 +232,13 @@ def embed_kq(name, V, D, *, rows, positions: int | None, fmt: str, scale: float 
 GEMV_PANELS_WIDE = 4  # decode panels per task under AVX-512's register budget (as quant's QUANT_GEMV_PANELS)
 
 
+def int8_gemm(int8_dot: str | None, tile_panels: int) -> bool:
+    """Whether `linear_panels_kq`'s prefill GEMM takes x in int8 blocks (gemm_panels_kqx8: zmm tiles, with an
+    integer dot product); else it dequantizes every weight to fp32 (cpu.gemm), which over a batch step's few rows
+    costs more than a decode GEMV per row."""
+    return int8_dot is not None and tile_panels > 1
+
+
 def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", residual=False, tile_panels=1,
                      int8_dot=None):
     """y[m, N] = act(x[m, K] @ W + b) + res, W in `kquant`'s panels layout (pack_panels) of the kept format named
@@ -252,7 +259,7 @@ def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", resi
         group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 1)
         return kquant_gemv.gemv_panels_kq(name, K, N, fmt=f, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
-    if int8_dot is not None and wide:
+    if int8_gemm(int8_dot, tile_panels):
         return kquant_gemm.gemm_panels_kqx8(name, K, N, fmt=f, bias=bias, act=act, residual=residual, dot=int8_dot,
                                 tile_panels=tile_panels)
     return _cpu.gemm(name, K, N, layout=kq_panels_weight(K, N, fmt=fmt), bias=bias, act=act, residual=residual,
