@@ -59,12 +59,22 @@ def generate_stream(engine, prompt_ids, max_new_tokens: int, *, temperature: flo
                    GenerationStats() if stats is None else stats)
 
 
+def prefill_prompt(engine, prompt_ids, slot: int = 0, reuse: bool = True) -> tuple[np.ndarray, int]:
+    """A prompt's last logits [vocab], and how many of its first tokens `slot`'s cache held already: with `reuse`
+    the prefix the cache holds is kept (`Engine.resume`), else the slot starts empty; the rest runs with the
+    prefill's kernels (a cold prefill's logits), the output layer on its last row alone."""
+    if reuse:
+        kept = engine.resume(prompt_ids, slot)
+    else:
+        engine.reset(slot)
+        kept = 0
+    return engine.forward(prompt_ids[kept:], slot, last_only=True, as_prompt=True)[-1], kept
+
+
 def _tokens(engine, prompt: np.ndarray, max_new_tokens: int, rng, sampling: tuple, stop_ids: frozenset,
             profile: bool, stats: GenerationStats) -> Iterator[int]:
-    stats.prompt_cached = engine.resume(prompt)  # the prompt's first tokens the cache holds from the last call
     started = time.perf_counter()
-    # (the output layer on the prompt's last row alone)
-    logits = engine.forward(prompt[stats.prompt_cached:], last_only=True, as_prompt=True)[-1]
+    logits, stats.prompt_cached = prefill_prompt(engine, prompt)  # (from where the last call's tokens part)
     token = sample(logits, rng, *sampling)
     stats.prefill_s = time.perf_counter() - started
     engine.profile = {} if profile else None  # decode steps only

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .sampling import sample
+from .sampling import prefill_prompt, sample
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -238,12 +238,7 @@ class Scheduler:
         first token."""
         job = running.job
         try:
-            if job.cache_prompt:
-                cached = self.engine.resume(job.prompt_ids, slot)
-            else:
-                self.engine.reset(slot)
-                cached = 0
-            logits = self.engine.forward(job.prompt_ids[cached:], slot, last_only=True, as_prompt=True)[-1]
+            logits, cached = prefill_prompt(self.engine, job.prompt_ids, slot, reuse=job.cache_prompt)
             with self._changed:
                 self._counters.prompt_tokens += len(job.prompt_ids)
                 self._counters.prompt_tokens_cached += cached
