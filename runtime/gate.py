@@ -33,13 +33,31 @@ class Policy:
     cors_origins: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class ApiError:
+    """An error answer: its status, the OpenAI error body's fields and the headers beside it."""
+
+    status: int
+    message: str
+    kind: str  # the body's "type"
+    param: str | None = None
+    code: str | None = None
+    headers: dict | None = None
+
+    def body(self) -> dict:
+        """{"error": {"message", "type", "param", "code"}}: a whole answer's body, a stream's error chunk."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
 def error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None):
-    """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
-    from starlette.responses import JSONResponse
-
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    """The OpenAI error body's response (`ApiError`)."""
+    return ApiError(status, message, kind, param, code, headers).response()
 
 
 def read_keys(keys: list[str], key_file: Path | None, environment: dict | None = None) -> frozenset[str]:

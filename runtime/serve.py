@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from .gate import RETRY_AFTER_S, Gate, Policy, error_response
+from .gate import RETRY_AFTER_S, ApiError, Gate, Policy, error_response
 from .scheduler import FinishEvent, Job, QueueFull, Sampling, Scheduler, SchedulerClosed, TokenEvent
 from .text import TextTokenizer, load_tokenizer
 
@@ -420,10 +420,7 @@ class Endpoints:
                 if event.reason in ("stop", "length"):
                     text.append(answer.output.finish())
                     return JSONResponse(answer.whole("".join(text), event.reason, event))
-                if event.reason == "error":
-                    return _failure(event)
-                return error_response(503, "the request was cancelled: the server is shutting down", "server_shutting_down",
-                              code="shutting_down")
+                return (_failure(event) if event.reason == "error" else _SHUT_DOWN).response()
         finally:
             watcher.cancel()
             job.cancel()  # a no-op once finished; frees the slot at the next step otherwise
@@ -450,24 +447,24 @@ class Endpoints:
                 yield _sse(answer.chunk("", "stop" if event is None else event.reason))
                 if answer.generation.include_usage:
                     yield _sse(answer.usage_chunk(event))
-            elif event.reason == "error":
-                yield _sse(json.loads(_failure(event).body))
             else:
-                yield _sse({"error": {"message": "the request was cancelled: the server is shutting down",
-                                      "type": "server_shutting_down", "param": None, "code": "shutting_down"}})
+                yield _sse((_failure(event) if event.reason == "error" else _SHUT_DOWN).body())
             yield "data: [DONE]\n\n"
         finally:  # the stream ended or failed; a client that left is _JobStream's
             job.cancel()
 
 
-def _failure(event: FinishEvent):
+_SHUT_DOWN = ApiError(503, "the request was cancelled: the server is shutting down", "server_shutting_down",
+                      code="shutting_down")
+
+
+def _failure(event: FinishEvent) -> ApiError:
     """The answer to a request whose generation failed: 503 where the engine could not run now (a stage that died:
     the request may be sent again), else 500."""
     if event.unavailable:
-        return error_response(503, f"the engine could not run the request now ({event.error}); retry it",
-                              "server_unavailable", code="engine_unavailable",
-                              headers={"Retry-After": str(RETRY_AFTER_S)})
-    return error_response(500, f"generation failed: {event.error}", "server_error")
+        return ApiError(503, f"the engine could not run the request now ({event.error}); retry it",
+                        "server_unavailable", code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return ApiError(500, f"generation failed: {event.error}", "server_error")
 
 
 async def _watch_disconnect(receive, job: Job, events: asyncio.Queue) -> None:
