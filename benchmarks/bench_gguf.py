@@ -251,17 +251,18 @@ def picompile_scores(engines: dict, ids: list[int], ctx: int, chunks: int, bos: 
     """Per engine (name -> Engine): (perplexity, mean KL divergence of its next-token distributions from the
     `reference` engine's, None without one) over llama-perplexity's windows (llama_cpp.perplexity_windows): the
     second half's positions scored against the next token, as llama.cpp scores them, each position's logits
-    from a decode step (`decoded_logits`)."""
+    from a decode step (`compiled_logits`)."""
     import numpy as np
 
-    from picompile.evaluate import log_softmax
+    from picompile.evaluate import compiled_logits, log_softmax
 
     nll, kl, count = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0), 0
     for window, first in llama_cpp.perplexity_windows(ids, ctx, chunks, bos):
         targets = np.asarray(window[first + 1:ctx])
         logps = {}
         for name, engine in engines.items():
-            logps[name] = log_softmax(decoded_logits(engine, np.asarray(window, np.int64), first))
+            # positions first .. ctx-2 as decoding makes them: a prefill of the first `first`, a decode step each
+            logps[name] = log_softmax(compiled_logits(engine, np.asarray(window[:-1], np.int64), first, first))
             nll[name] -= float(logps[name][np.arange(len(targets)), targets].sum())
         if reference is not None:
             base = logps[reference]
@@ -270,16 +271,6 @@ def picompile_scores(engines: dict, ids: list[int], ctx: int, chunks: int, bos: 
         count += len(targets)
     return {name: (float(np.exp(nll[name] / count)), kl[name] / count if reference is not None else None)
             for name in engines}
-
-
-def decoded_logits(engine, window, first: int):
-    """The logits at positions first .. len(window)-2 of `window` as decoding makes them: a prefill of the first
-    `first` tokens, then one decode step per position."""
-    import numpy as np
-
-    engine.reset()
-    engine.forward(window[:first], last_only=True)
-    return np.concatenate([engine.forward(window[i:i + 1]) for i in range(first, len(window) - 1)])
 
 
 def token_check(llama, gguf: Path, artifact: Path) -> tuple[int, list[str]]:

@@ -26,13 +26,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def compiled_logits(engine, sequence: np.ndarray, prefill: int = PROMPT_TOKENS) -> np.ndarray:
-    """Logits at every position: a short prefill, then one decode step per token (the path decoding uses)."""
+def compiled_logits(engine, sequence: np.ndarray, prefill: int = PROMPT_TOKENS, first: int = 0) -> np.ndarray:
+    """Logits at every position from `first` on: a short prefill, then one decode step per token (the path decoding
+    uses). A prefill whose rows all come before `first` makes its last row's alone (`last_only`)."""
     engine.reset()
     prefill = max(1, min(prefill, len(sequence)))
-    rows = [engine.forward(sequence[:prefill])]
+    last_only = first >= prefill
+    rows = [engine.forward(sequence[:prefill], last_only=last_only)]
     rows += [engine.forward(sequence[i: i + 1]) for i in range(prefill, len(sequence))]
-    return np.concatenate(rows)
+    return np.concatenate(rows)[first - (prefill - 1 if last_only else 0):]
 
 
 def compare(reference: np.ndarray, compiled: np.ndarray, sequence: np.ndarray) -> dict:
