@@ -56,17 +56,20 @@ class Blocking:
         fmt = WEIGHT_FORMATS[planned]
         return replace(fmt, scale_dtype=self.format.scale_dtype) if fmt.quantized and self.format.quantized else fmt
 
-    def kept(self, held: FileMatrix | None, fmt: WeightFormat, axis: int) -> WeightFormat | None:
+    def kept(self, held: FileMatrix | None, fmt: WeightFormat, axis: int, thinned: bool = False) -> WeightFormat | None:
         """The format a matrix the model file stores in blocks (`held`) is stored in as it is, where it is: blocked
         along the axis its kernels read (a linear's K, a table's rows), planned in blocks, and either in the planned
-        format or in a build that keeps the file's blocks (--weight-dtype auto). None: it is rounded into `fmt` (in
+        format or in a build that keeps the file's blocks (--weight-dtype auto). `thinned`: a threshold thins the
+        linear's input, so a column-sparse kernel gathers its rows (`axis` 1); the file's blocks along K serve it
+        where they are a file's own format (`kquant_columns` reads them). None: it is rounded into `fmt` (in
         `rounding_format`) like any float matrix."""
         if held is None or not fmt.quantized:
             return None
-        if held.block_axis != axis:
-            return None
         stored = held.stored_format()
         if stored is None:
+            return None
+        columns = thinned and axis == 1 and held.block_axis == 0 and stored.kept_from_file
+        if held.block_axis != axis and not columns:
             return None
         return stored if self.keep_source_blocks or stored.name == fmt.name else None
 

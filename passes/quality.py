@@ -183,9 +183,10 @@ class StoredWeights:
     quantize pass's own rule (`passes.blocking`: a model that came quantized keeps its blocks), kept as
     integers and scales, dequantized when a pass asks (`Variant.weights` reads it as a mapping)."""
 
-    def __init__(self, model: ir.Model, blocking: Blocking):
+    def __init__(self, model: ir.Model, blocking: Blocking, thinned_rows: bool = False):
         self._values = {v.name: v for v in model.graph.initializers.values()}
         self._blocking = blocking
+        self._thinned_rows = thinned_rows  # a matrix blocked along its rows is one a threshold thins (threshold mode)
         # (matrix, format, axis) -> the format it is stored in; and its blocks, the recent ones while they fit
         # BLOCKS_BYTES (a plan at a path's end thins every matrix: their blocks together are the model's size)
         self._formats: dict[tuple[str, str, int], WeightFormat] = {}
@@ -198,7 +199,7 @@ class StoredWeights:
         """The format of the file's own blocks where the quantize pass keeps them (run by run: priced as its
         largest run's format), else None."""
         held = self._held(name)
-        kept = self._blocking.kept(held, fmt, axis)
+        kept = self._blocking.kept(held, fmt, axis, thinned=self._thinned_rows)
         if kept is None and self._blocking.kept_in_runs(held, fmt, axis):
             kept = max(held.runs(), key=lambda run: run.size).stored_format()
         return kept
@@ -231,7 +232,7 @@ class StoredWeights:
     def priced_format(self, name: str, fmt_name: str, axis: int) -> WeightFormat:
         """The format a plan's cost reads the matrix in when it gives it `fmt_name` blocked along `axis`: the
         file's own blocks where they are kept (a quantized file's matrix, dense), else the format it is rounded
-        to (a thresholded one, its rows gathered: int8 for the K-quants' blocks along K); found without rounding
+        to (a thresholded one whose blocks are a file's legacy ones, its rows gathered: int8); found without rounding
         it."""
         fmt = self._blocking.format_for(fmt_name)
         if not fmt.quantized:
@@ -298,7 +299,8 @@ class QualityPlan:
         sites = MODE_SITES[self.mode] if not fixed_level else {"FFN": ("in", "down")}
         if self.mode == "predictor" and len(formats) > 1:
             sites = {**sites, **FORMAT_SITES}
-        stored = StoredWeights(model, Blocking.of(model, ctx.build.weight_format, self.method, fixed_formats))
+        stored = StoredWeights(model, Blocking.of(model, ctx.build.weight_format, self.method, fixed_formats),
+                               thinned_rows=self.mode == "threshold")
         blocks = [n for n in model.graph if n.op_type in sites and n.domain == DOMAIN]
         # the output layer's input is a knob too where the plan chooses formats (a quantized file's own blocks, along
         # K, would be blocked again along the rows its column kernel gathers)
@@ -585,7 +587,8 @@ def _costs(knob: Knob, model: ir.Model, formats: tuple[str, ...], stored: Stored
     reading the rows of the inputs it keeps on held-out tokens (`threshold_seconds`); a predictor knob's FFN (up and
     down), its sparse levels reading the predictor whole and the rows of the neurons it selects. Each in the format
     the quantize pass stores the matrix in at that level (`StoredWeights.priced_format`): a quantized file's
-    matrix dense in its own blocks, thresholded in the blocks its rows are rounded to."""
+    matrix in its own blocks (thresholded too, where a column kernel reads its format), else in the blocks its rows
+    are rounded to."""
     shape = lambda value: tuple(value.const_value.shape)  # noqa: E731  (the values stay unread)
     inputs, outputs = shape(model.graph.initializers[knob.matrix])  # [K, N]: a row per input
     weights = inputs * outputs

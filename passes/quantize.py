@@ -158,6 +158,7 @@ class Quantize:
         for node in list(graph):
             if node.domain != pir.DOMAIN or device_of(node) != "cpu":
                 continue
+            thinned = thinned_inputs(node)
             for index, axis, matrix_format in _matrices(node, fmt):
                 value = node.inputs[index]
                 key = (id(value), axis)
@@ -167,7 +168,7 @@ class Quantize:
                         planned_floats.append(value.name)
                         continue
                 held = file_matrix(value, any_formats=True) if node.op_type != "Predict" else None
-                used = blocking.kept(held, matrix_format, axis)
+                used = blocking.kept(held, matrix_format, axis, thinned=index in thinned)
                 if key not in done and blocking.kept_in_runs(held, matrix_format, axis):  # each run its blocks
                     for run in held.runs():
                         from_file[run.stored_format().name] = from_file.get(run.stored_format().name, 0) + 1
@@ -328,10 +329,15 @@ def _matrices(node: ir.Node, fmt: WeightFormat) -> list[tuple[int, int, WeightFo
     return [(index, axis, fmt) for index, axis in blocked_axes(node)]
 
 
+def thinned_inputs(node: ir.Node) -> set[int]:
+    """The input indices of `node`'s matrices whose input a threshold thins (`THRESHOLDED`, threshold >= 0)."""
+    return {index for index, key in THRESHOLDED.get(node.op_type, ()) if float(ops.view(node).value(key)) >= 0}
+
+
 def blocked_axes(node: ir.Node) -> list[tuple[int, int]]:
     """(input index, block axis) of each weight matrix of `node` a quantized build stores in blocks: `BLOCKED`'s,
     the matrices a threshold thins blocked along their rows instead (`THRESHOLDED`)."""
-    rows = {index for index, key in THRESHOLDED.get(node.op_type, ()) if float(ops.view(node).value(key)) >= 0}
+    rows = thinned_inputs(node)
     return [(index, 1 if index in rows else axis) for index, axis in BLOCKED.get(node.op_type, ())]
 
 

@@ -38,7 +38,7 @@ from runtime.dtypes import WEIGHT_FORMATS, WeightFormat, itemsize
 from .fuse import FUSED
 from .kernel_ir import KERNEL_CALLS, KernelProgram, KernelSpec, carried_metadata
 from .file_blocks import FileMatrix
-from .kernels import cpu, kquant, kquant_ops, neuron, ops, quant
+from .kernels import cpu, kquant, kquant_columns, kquant_ops, neuron, ops, quant
 from .place import PLACED, device_of
 from .quantize import QuantizedMatrix, dequantizes_weight, kept_blocks
 from .handover import HANDOVER, stage_of_node
@@ -187,13 +187,17 @@ class Lowering:
 
     def kept_in(self, name: str, layout: str) -> tuple[str, str, WeightFormat]:
         """A matrix kept in the file's blocks packed in `layout` ("kq_panels": a [K, N] linear's panels;
-        "kq_rows": a table's rows; `passes.kernels.kquant`), stored once as its values and its scales, straight
+        "kq_rows": a table's rows; "kq_columns": a thresholded [K, N]'s rows, one per input; `passes.kernels.kquant`),
+        stored once as its values and its scales, straight
         from the file's bytes. Returns (values, scales, format)."""
         matrix = self.kept[name]
         fmt = matrix.stored_format()
         scales = f"{name}.scales"
         if name not in self.buffers:
-            values, scale_bytes = _packed(matrix, kquant.pack_panels if layout == "kq_panels" else kquant.pack_rows)
+            if layout == "kq_columns":  # (whole: its rows are the file's columns, packed across every file row)
+                values, scale_bytes = kquant.pack_columns(matrix.blocks())
+            else:
+                values, scale_bytes = _packed(matrix, kquant.pack_panels if layout == "kq_panels" else kquant.pack_rows)
             self.weight(name, values, "uint8", layout)
             self.weight(scales, scale_bytes, "uint8", layout)
             for buffer in (name, scales):
@@ -352,6 +356,19 @@ class Lowering:
         kernels = self.kernel(ops.linear_panels_kq, f"linear_kq_k{k}_n{n}{tags}", k, n, phases=phases,
                               batch={} if batch else None, fmt=fmt.name, bias=bias is not None, act=act,
                               residual=residual is not None, **dot, **self.gemm_tile("cpu"))
+        args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
+                + ([read(residual)] if residual else []) + [write(out)])
+        self.call(label, kernels, args, role, "cpu")
+
+    def linear_columns(self, x: str, weight: str, bias: str | None, out: str, label: str, role: Role, act: str,
+                       residual: str | None) -> None:
+        """The prefill `linear` of a thresholded matrix kept in the file's blocks: a GEMM over the rows its decode
+        gathers (`kquant_columns.linear_columns_kq`), so that the matrix is stored once."""
+        values, scales, fmt = self.kept_in(weight, "kq_columns")
+        k, n = self.kept[weight].shape
+        tags = f"_{fmt.name}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
+        kernels = self.kernel(ops.linear_columns_kq, f"linear_columns_kq_k{k}_n{n}{tags}", k, n, phases=("prefill",),
+                              fmt=fmt.name, bias=bias is not None, act=act, residual=residual is not None)
         args = ([read(x), read(values), read(scales)] + ([read(bias)] if bias else [])
                 + ([read(residual)] if residual else []) + [write(out)])
         self.call(label, kernels, args, role, "cpu")
@@ -830,10 +847,18 @@ class _Walker:
         flags = {"gated": glu, "act": act, "bias": bias is not None, "residual": residual is not None}
         tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{'_res' if residual else ''}"
         batch_args = {"max_batch": low.max_batch} if batch else {}
+        whole = []  # buffers read whole (the kept blocks' scales: a block's record serves every kept input of it)
         if weight in low.quantized:  # each kept row's values and its scales (int4a: and mins)
             *parts, matrix = low.quantized_in(weight, "quant_rows")
             dtype_tag, dtype_arg = low.quant_tag(matrix)
             op, base = ops.sparse_columns_q, "sparse_columns_q"
+        elif weight in low.kept:  # the file's own blocks along K: each kept input's codes (kquant's columns layout)
+            values, scales, fmt = low.kept_in(weight, "kq_columns")
+            parts, whole = [values], [scales]
+            dtype_tag, dtype_arg = f"_{fmt.name}", {"fmt": fmt.name}
+            op, base = ops.sparse_columns_kq, "sparse_columns_kq"
+            scratch = low.batch_scratch(f"scratch.kq_columns.n{columns}", neuron.COLUMN_TASKS,
+                                        kquant_columns.scratch_columns(columns))
         else:
             parts = [low.stored_for(weight, low.device)]
             dtype = low.buffers[weight]["dtype"]
@@ -844,16 +869,22 @@ class _Walker:
         # the kept input channels' rows of the [K, N] weight (and of its scales); bias and residual read whole
         args = [read(v), read(index), read(count),
                 *(Arg(buffer, Access.SELECTED_ROWS, row_bytes=low.row_bytes(buffer)) for buffer in parts),
-                *([read(bias)] if bias else []), *([read(residual)] if residual else []), write(scratch), write(out)]
+                *map(read, whole), *([read(bias)] if bias else []), *([read(residual)] if residual else []),
+                write(scratch), write(out)]
         low.call(f"{p}.{part}", kernels, args, role, selection=Selection("threshold", part, count, rows, kept=kept))
         # multi-token steps: dense over the same rows
+        def dense(target: str, act: str, residual: str | None) -> None:
+            if weight in low.kept:
+                low.linear_columns(v, weight, bias, target, f"{p}.{part}_dense", role, act, residual)
+            else:
+                low.linear(v, weight, bias, target, f"{p}.{part}_dense", role, act=act, residual=residual,
+                           phases=("prefill",), packed=False)
         if glu:
             pre = low.activation(f"act.ffn_pre.n{columns}", columns)
-            low.linear(v, weight, bias, pre, f"{p}.{part}_dense", role, phases=("prefill",), packed=False)
+            dense(pre, "none", None)
             low.glu(pre, out, columns // 2, act, f"{p}.glu", phases=("prefill",))
         else:
-            low.linear(v, weight, bias, out, f"{p}.{part}_dense", role, act=act, residual=residual,
-                       phases=("prefill",), packed=False)
+            dense(out, act, residual)
 
     def lower_MergePartial(self, node: ir.Node) -> None:
         inputs = list(node.inputs[:-1] if _residual(node) is not None else node.inputs)

@@ -213,11 +213,14 @@ def _gemma_layers(t: Tiny) -> list[tuple[bool, float, float]]:
     return [(s, base_swa, 1.0) if s else (False, t.rope_base, factor) for s in slides]
 
 
-def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
+def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens, thinned: tuple[int, dict] | None = None) -> np.ndarray:
     """Logits [S, vocab] of a prompt, in float64, as llama.cpp computes them from the file's tensors (gemma2 and
     gemma3: src/models/gemma2.cpp and gemma3.cpp: the embedding times sqrtf(n_embd), q times 1/sqrt(head_dim) (the
     27B's layer counts: 1/sqrt(d_model / heads)), gemma2's scores and logits soft-capped, gemma3's logits where the
-    file says, the sliding layers' keys within the window, norms after attention and the FFN, GeGLU)."""
+    file says, the sliding layers' keys within the window, norms after attention and the FFN, GeGLU).
+
+    `thinned` (start, {layer: (t_in, t_down)}): from position `start` on (decode steps after a dense prompt), each
+    layer's FFN input entries of magnitude at most t_in, and its down projection's at most t_down, zeroed."""
     w = {name: np.asarray(a, np.float64) for name, a in weights.items()}
     t = tiny
     gemma = t.arch in ("gemma2", "gemma3")
@@ -270,9 +273,13 @@ def forward(weights: dict[str, np.ndarray], tiny: Tiny, tokens) -> np.ndarray:
             attended = _rms(attended, w[p + "post_attention_norm.weight"], t.eps)
         x = x + attended
         f = _rms(x, w[p + "ffn_norm.weight"], t.eps)
+        t_in, t_down = thinned[1][i] if thinned else (-1.0, -1.0)
+        later = positions[:, None] >= (thinned[0] if thinned else S)
+        f = np.where(later & (np.abs(f) <= t_in), 0.0, f)
         gate = f @ w[p + "ffn_gate.weight"].T
         act = _gelu_tanh(gate) if gemma else gate / (1 + np.exp(-gate))
-        down = (act * (f @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+        hidden = act * (f @ w[p + "ffn_up.weight"].T)
+        down = np.where(later & (np.abs(hidden) <= t_down), 0.0, hidden) @ w[p + "ffn_down.weight"].T
         if gemma:
             down = _rms(down, w[p + "post_ffw_norm.weight"], t.eps)
         x = x + down

@@ -380,6 +380,33 @@ def test_kept_blocks_reach_the_artifact_as_the_file_stores_them(files, tmp_path,
     np.testing.assert_allclose(prompt, expected, atol=1e-4 * np.abs(expected).max(), rtol=0)
 
 
+def test_a_thresholded_build_gathers_the_files_own_blocks(files, tmp_path):
+    """--sparsity 0.5 on the kept-blocks file: the FFN matrices a threshold thins stay in the file's blocks (its
+    own q5_k and q6_k, in kquant's columns layout: nothing re-rounded, no second copy for prompts), and decode
+    steps compute the file's model with the FFN inputs below the thresholds zeroed (the prompt dense)."""
+    path, weights = files("kept", KEPT, edit=_layer_1_v_in_q8_0)
+    calib = tmp_path / "calib.npy"
+    np.save(calib, np.random.default_rng(2).integers(0, KEPT.vocab, (16, 48)))
+    out = tmp_path / "kept-half.pic"
+    assert main(["build", str(path), "--target", "cpu", "--calib", str(calib), "--max-context", "64",
+                 "--sparsity", "0.5", "--no-int8-activations", "-o", str(out)]) == 0  # (fp32 inputs: the reference's)
+    manifest = load_manifest(out)
+    for layer in range(KEPT.layers):
+        for matrix, fmt in (("w_up", "q5_k"), ("w_down", "q6_k")):
+            buffer = manifest.buffers[f"layers.{layer}.ffn.{matrix}"]
+            assert (buffer.layout, buffer.format) == ("kq_columns", fmt), (layer, matrix)
+    thresholds = {layer.layer: (layer.threshold_in, layer.threshold_down) for layer in manifest.layers}
+    assert all(t_in > 0 and t_down > 0 for t_in, t_down in thresholds.values())
+    engine = Engine(out)
+    got = _logits(engine, steps=4)
+    tokens = list(PROMPT) + [int(np.argmax(rows[-1])) for rows in got[:-1]]
+    expected = gf.forward(weights, KEPT, tokens, thinned=(len(PROMPT), thresholds))
+    dense = gf.forward(weights, KEPT, tokens)
+    steps = np.concatenate([rows.reshape(-1, KEPT.vocab) for rows in got])
+    np.testing.assert_allclose(steps, expected, atol=1e-4 * np.abs(expected).max(), rtol=0)
+    assert np.abs(dense[len(PROMPT):] - expected[len(PROMPT):]).max() > 1e-2 * np.abs(expected).max()  # (it thins)
+
+
 def test_a_default_build_prices_a_files_matrices_in_the_blocks_they_are_stored_in(files, tmp_path):
     """The quality plan of an auto build of the kept-blocks file prices each matrix it leaves dense in the file's
     own blocks (q4_k's 4.5 bits a weight, q6_k's 6.56), not in the build's one format: a sparse plan is weighed
@@ -407,6 +434,6 @@ def test_a_default_build_prices_a_files_matrices_in_the_blocks_they_are_stored_i
         assert choice.us == pytest.approx(expected, rel=1e-3), choice
         priced += 1
     assert priced >= KEPT.layers * 2
-    for choice in choices:  # a thinned input gathers its matrix's rows: rounded to int8, priced so
+    for choice in choices:  # a thinned input gathers its matrix's rows in the file's own blocks, priced so
         if choice.dropped and choice.site in files_format:
-            assert choice.format == "int8", choice
+            assert choice.format == files_format[choice.site][1], choice

@@ -33,6 +33,15 @@ super-block) shaped like it with the block axis divided. It is packed for the ke
   16 b + i: element 32 b + i in the low nibble, 32 b + 16 + i in the high one), then the planes [C / 8] (plane j,
   byte t: bit s is bit 4 + j of element 8 t + s); the scales as bytes, field after field (not in records):
   d [C / 32] (m) fp16, or sc [C / S] (mn) bytes then D [C / 256] (Dmin) fp16.
+* columns (`pack_columns`): a [K, N] linear's weight, blocks along K (axis 0), whose rows (one a input channel,
+  N codes: the file's column k) a column-sparse kernel reads only for the inputs it keeps. Per row the values are
+  uint8 [N / 2 + (bits - 4) * COLUMN_PLANE_BYTES(N)]: the low nibbles in Q4_0's order (as the rows layout), then
+  (bits - 4) planes of high bits: plane j, byte 32 g + i, bit s is bit 4 + j of element 32 (8 g + s) + i (one
+  32-byte load a 32-element group of nibbles, one constant shift). The scales are records, one a super-block
+  (two levels) or block (one level) of K, in a [K / (super-block or block), record bytes] buffer: two levels sc
+  [256 / S, N] (one byte each), mn [256 / S, N] where it has mins, D fp16 [N], Dmin fp16 [N] where it has mins;
+  one level d fp16 [N], m fp16 [N] where it has mins (`ColumnScales`). A kernel reads a block's record row only
+  where it keeps one of the block's inputs.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import numpy as np
 from runtime.dtypes import WeightFormat
 
 PANEL = 16  # columns per panel (cpu.PANEL)
+COLUMN_GROUP = 256  # elements of a columns-layout row whose high bits share a 32-byte run of each plane
 DEQUANTIZE_CHUNK = 1 << 19  # values KBlocks.dequantize computes at a time (measured fastest: 2 MiB of floats)
 
 
@@ -346,3 +356,87 @@ def unpack_rows(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> KB
         sc, mn, d, dm = arrays if fmt.has_min else (arrays[0], None, arrays[1], None)
         return KBlocks(fmt, 1, codes, sc, mn, d, dm)
     return KBlocks(fmt, 1, codes, arrays[0], arrays[1] if fmt.has_min else None)
+
+
+def column_plane_bytes(N: int) -> int:
+    """Bytes of one plane of high bits of a columns-layout row of N codes (32 a group of COLUMN_GROUP elements,
+    the last group's too)."""
+    return -(-N // COLUMN_GROUP) * 32
+
+
+def column_row_bytes(fmt: WeightFormat, N: int) -> int:
+    """Bytes of one row (one input channel) of pack_columns' values."""
+    return N // 2 + (fmt.bits - 4) * column_plane_bytes(N)
+
+
+class ColumnScales:
+    """pack_columns' scales records: one a super-block (two levels) or block (one level) of K, `record` bytes, its
+    fields' byte offsets: two levels sc [per, N] bytes (`scale`), mn [per, N] (`min`), D [N] fp16 (`sup`), Dmin [N]
+    fp16 (`sup_min`); one level d [N] fp16 (`scale`), m [N] fp16 (`min`). `per`: blocks a record."""
+
+    def __init__(self, fmt: WeightFormat, N: int):
+        self.fmt, self.N = fmt, N
+        self.two = bool(fmt.super_block)
+        self.per = fmt.super_block // fmt.block if self.two else 1
+        item = 1 if self.two else 2
+        self.scale = 0
+        self.min = self.per * N * item
+        self.sup = fmt.per_block * self.per * N * item
+        self.sup_min = self.sup + 2 * N
+        self.record = self.sup + (fmt.per_block * 2 * N if self.two else 0)
+
+
+def pack_columns(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
+    """(values uint8 [K, column_row_bytes], scales uint8 [K / (super-block or block), record]) of a [K, N] matrix
+    blocked along K (see the module doc)."""
+    if blocks.axis != 0:
+        raise ValueError("the columns layout takes a [K, N] matrix blocked along K (axis 0)")
+    fmt = blocks.fmt
+    K, N = blocks.shape
+    if N % 32:
+        raise ValueError(f"the columns layout needs N a multiple of 32, got {N}")
+    low = (blocks.codes & 0x0F).reshape(K, N // 32, 2, 16)
+    nibbles = (low[:, :, 0, :] | (low[:, :, 1, :] << 4)).reshape(K, N // 2)
+    planes = []
+    groups = -(-N // COLUMN_GROUP)
+    for j in range(fmt.bits - 4):
+        bit = np.zeros((K, groups * 8, 32), np.uint8)  # [K, 32-element block, i]
+        bit[:, : N // 32] = ((blocks.codes >> (4 + j)) & 1).reshape(K, N // 32, 32)
+        bit = bit.reshape(K, groups, 8, 32) << np.arange(8, dtype=np.uint8)[None, None, :, None]
+        planes.append(bit.sum(2, dtype=np.uint8).reshape(K, groups * 32))
+    values = np.ascontiguousarray(np.concatenate([nibbles, *planes], axis=1))
+    at = ColumnScales(fmt, N)
+    records = K // (fmt.super_block or fmt.block)
+    fields = []
+    for a in _scale_bytes(blocks):  # [blocks or super-blocks along K, N]
+        fields.append(_as_bytes(a).reshape(records, -1))  # a record's blocks of the field, side by side
+    scales = np.ascontiguousarray(np.concatenate(fields, axis=1))
+    assert scales.shape[1] == at.record
+    return values, scales
+
+
+def unpack_columns(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat, N: int) -> KBlocks:
+    """The KBlocks `pack_columns` packed (the inverse, for tests and references)."""
+    K = values.shape[0]
+    nib = values[:, : N // 2].reshape(K, N // 32, 16)
+    codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(K, N).astype(np.uint8)
+    PB = column_plane_bytes(N)
+    for j in range(fmt.bits - 4):
+        plane = values[:, N // 2 + j * PB: N // 2 + (j + 1) * PB].reshape(K, PB // 32, 1, 32)
+        bits = (plane >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1  # [K, groups, 8, 32]
+        codes |= (bits.reshape(K, -1)[:, :N] << (4 + j)).astype(np.uint8)
+    at = ColumnScales(fmt, N)
+    records = scales.shape[0]
+    if at.two:
+        layout = [(at.per, fmt.sub_scale)] * fmt.per_block + [(1, fmt.scale_dtype)] * fmt.per_block
+    else:
+        layout = [(1, fmt.scale_dtype)] * fmt.per_block
+    arrays, offset = [], 0
+    for n, dtype in layout:
+        size = n * N * np.dtype(dtype).itemsize
+        arrays.append(np.ascontiguousarray(scales[:, offset: offset + size]).view(dtype).reshape(records * n, N))
+        offset += size
+    if at.two:
+        sc, mn, d, dm = arrays if fmt.has_min else (arrays[0], None, arrays[1], None)
+        return KBlocks(fmt, 0, codes, sc, mn, d, dm)
+    return KBlocks(fmt, 0, codes, arrays[0], arrays[1] if fmt.has_min else None)

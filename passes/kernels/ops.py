@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import cpu, cuda, kquant_ops, neuron, quant
+from . import cpu, cuda, kquant_columns, kquant_ops, neuron, quant
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ sparse_down_q = KernelOp("sparse_down_q", neuron.sparse_down_q, cuda.sparse_down
 # format's name. CPU only
 linear_panels_kq = KernelOp("linear_panels_kq", kquant_ops.linear_panels_kq, None)  # kquant's panels
 embed_kq = KernelOp("embed_kq", kquant_ops.embed_kq, None)  # kquant's rows
+sparse_columns_kq = KernelOp("sparse_columns_kq", kquant_columns.sparse_columns_kq, None)  # kquant's columns
+linear_columns_kq = KernelOp("linear_columns_kq", kquant_columns.linear_columns_kq, None)  # their prefill GEMM
 
 
 def get(name: str) -> KernelOp:
