@@ -1,11 +1,13 @@
 """`picompile serve --ray`: runtime/serve.py's server as the replicas of a Ray Serve application.
 
-Each replica loads the artifact and runs `create_app`'s app as Serve's ASGI ingress: its own engine, slots,
-batching and scheduler, and the same routes, fields, errors, streaming and metrics as `picompile serve`.
-Serve's HTTP proxy spreads the requests over the replicas, adds and removes replicas as the ongoing requests
-per replica pass `parallel` (the slots of one), and replaces a replica that dies or whose scheduler stopped
-(`check_health`). A request on a replica that dies ends with the proxy's error (a 500, or a stream cut short:
-never a hang); the others' requests go on. /health and /metrics answer from one replica and add the
+Each replica loads the artifact and runs `create_app`'s app: its own engine, slots, batching and scheduler, and the
+same routes, fields, errors, streaming and metrics as `picompile serve`. Serve's HTTP proxy hands every request to
+the application's front (`Front`, one light replica), which relays it to an engine replica through a deployment
+handle as a stream of ASGI messages (runtime/relay.py); Serve's router spreads them over the replicas, adds and
+removes replicas as the ongoing requests per replica pass `parallel` (the slots of one), and replaces a replica
+that dies or whose scheduler stopped (`check_health`). A request on a replica that dies ends with the project's
+error body (503 `engine_unavailable`, Retry-After; a stream that had started: that body as its last event, then
+[DONE]), never a hang; the others' requests go on. /health and /metrics answer from one replica and add the
 deployment's replicas by state (serve.ReplicaSet).
 
 Ray (`ray[serve]`) is the optional `ray` extra; only `picompile serve --ray` (and a Serve config file's
@@ -23,9 +25,12 @@ import ray
 from ray import serve
 
 from .gate import Policy
+from .relay import AppLifespan, Relay, asgi_messages
 from .serve import ReplicaSet, create_app
 
-APP_NAME = "picompile"  # the Serve application, and its one deployment
+APP_NAME = "picompile"  # the Serve application, and its engine replicas' deployment
+FRONT_NAME = "picompile-front"  # the deployment that takes the HTTP requests and relays them to the replicas
+FRONT_ONGOING_REQUESTS = 1000  # the front's own bound: each replica's gate and queue bound what it admits
 ARTIFACT_TOKENIZER = "artifact"  # Replica's default tokenizer: the artifact's own (a string: it crosses pickling)
 OBJECT_STORE_BYTES = 100 * 2**20  # a local instance's object store: requests and answers are small
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Serve notices a replica whose scheduler stopped
@@ -65,28 +70,30 @@ class Deployment:
 
 
 @serve.deployment(name=APP_NAME)
-@serve.ingress()
 class Replica:
-    """One replica: the artifact's engine behind runtime/serve.py's app, built when Serve starts it."""
+    """One replica: the artifact's engine behind runtime/serve.py's app, started with the replica (its lifespan:
+    the scheduler) and stopped with it; the front relays requests to it (`http`)."""
 
-    def __init__(self, artifact: str, parallel: int = 1, queue: int = 16, threads: int | None = None,
-                 model_id: str | None = None, tokenizer=ARTIFACT_TOKENIZER, policy: Policy = Policy()):
-        self._artifact, self._parallel, self._queue, self._threads = artifact, parallel, queue, threads
-        self._model_id, self._tokenizer, self._policy = model_id or Path(artifact).name, tokenizer, policy
-        self._app = None
-
-    def load_engine(self):
-        from .engine import Engine
-
-        return Engine(self._artifact, slots=self._parallel, threads=self._threads)
-
-    def __serve_build_asgi_app__(self):
+    async def __init__(self, artifact: str, parallel: int = 1, queue: int = 16, threads: int | None = None,
+                       model_id: str | None = None, tokenizer=ARTIFACT_TOKENIZER, policy: Policy = Policy()):
         from . import serve as http
 
-        tokenizer = http.FROM_ARTIFACT if self._tokenizer == ARTIFACT_TOKENIZER else self._tokenizer
-        self._app = create_app(self.load_engine(), tokenizer=tokenizer, parallel=self._parallel, queue=self._queue,
-                               model_id=self._model_id, replica_set=self._replica_set, policy=self._policy)
-        return _NamingReplica(self._app, serve.get_replica_context().replica_id.unique_id)
+        self._artifact, self._threads = artifact, threads
+        tokenizer = http.FROM_ARTIFACT if tokenizer == ARTIFACT_TOKENIZER else tokenizer
+        self._app = create_app(self.load_engine(parallel), tokenizer=tokenizer, parallel=parallel, queue=queue,
+                               model_id=model_id or Path(artifact).name, replica_set=self._replica_set,
+                               policy=policy)
+        self.app = _NamingReplica(self._app, serve.get_replica_context().replica_id.unique_id)
+        self._lifespan = AppLifespan(self.app)
+        await self._lifespan.startup()
+
+    async def __del__(self):
+        await self._lifespan.shutdown()
+
+    def load_engine(self, slots: int):
+        from .engine import Engine
+
+        return Engine(self._artifact, slots=slots, threads=self._threads)
 
     async def _replica_set(self) -> ReplicaSet:
         context = serve.get_replica_context()
@@ -98,8 +105,34 @@ class Replica:
 
     def check_health(self):
         """Serve's periodic check: a replica whose scheduler thread stopped is replaced."""
-        if self._app is not None and not self._app.state.endpoints.scheduler.stepping:
+        if not self._app.state.endpoints.scheduler.stepping:
             raise RuntimeError("the replica's scheduler stopped")
+
+    async def http(self, scope: dict, body: bytes):
+        """One HTTP request the front relays: the ASGI messages this replica's app answers it with."""
+        async for message in asgi_messages(self.app, scope, body):
+            yield message
+
+
+@serve.deployment(name=FRONT_NAME)
+@serve.ingress()
+class Front:
+    """The application's ingress: each request relayed to an engine replica (`Replica.http`), a replica's death
+    answered with the project's error body (runtime/relay.py)."""
+
+    def __init__(self, replicas, max_body_bytes: int):
+        self._replicas, self._max_body_bytes = replicas, max_body_bytes
+
+    def __serve_build_asgi_app__(self):
+        return Relay(self._call, self._max_body_bytes)
+
+    async def _call(self, scope: dict, body: bytes):
+        stream = self._replicas.options(stream=True).http.remote(scope, body)
+        try:
+            async for message in stream:
+                yield message
+        finally:  # (a client that left: its replica's request is cancelled too)
+            stream.cancel()
 
 
 class _NamingReplica:
@@ -124,9 +157,11 @@ def application(deployment: Deployment, tokenizer=ARTIFACT_TOKENIZER, replica=No
     deployment class, Replica's or a subclass of `Replica.func_or_class` (say, one whose load_engine wraps
     the engine)."""
     replica = Replica if replica is None else serve.deployment(replica, name=APP_NAME)
-    return replica.options(**deployment.options()).bind(
+    replicas = replica.options(**deployment.options()).bind(
         deployment.artifact, deployment.parallel, deployment.queue, deployment.threads, deployment.model_id,
         tokenizer, deployment.policy)
+    return Front.options(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                         max_ongoing_requests=FRONT_ONGOING_REQUESTS).bind(replicas, deployment.policy.max_body_bytes)
 
 
 def build(args: dict):

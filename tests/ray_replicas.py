@@ -27,5 +27,5 @@ class SlowEngine:
 
 
 class SlowReplica(Replica.func_or_class):
-    def load_engine(self):
-        return SlowEngine(super().load_engine())
+    def load_engine(self, slots: int):
+        return SlowEngine(super().load_engine(slots))

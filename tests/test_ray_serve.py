@@ -168,9 +168,9 @@ def test_health_and_metrics_name_the_replica_and_count_the_replicas(ray_url):
 
 
 def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference):
-    """3 streamed requests running; the replica of the first is killed: its requests end with an error (never a
-    hang), the other replica's finish with the right tokens, Serve starts a replacement and later requests
-    succeed."""
+    """3 streamed requests running; the replica of the first is killed: its requests end with the project's error
+    body (503 engine_unavailable; a stream's last event, then [DONE]), never a hang, the other replica's finish with
+    the right tokens, Serve starts a replacement and later requests succeed."""
     import ray
 
     before = set()
@@ -178,12 +178,12 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference)
     prompt, max_tokens = [1, 2, 3], 40  # ~2 s of the slow engine's steps: still running when the replica dies
     streams, wholes = [{} for _ in range(3)], [{} for _ in range(2)]
 
-    def ask_whole(into):  # a whole answer: the right one, or Serve's 500 if its replica was the one killed
+    def ask_whole(into):  # a whole answer: the right one, or the 503 error body if its replica was the one killed
         try:
             into["ids"] = client(ray_url).completions.create(model="any", prompt=prompt, max_tokens=max_tokens,
                                                              temperature=0).choices[0].model_extra["token_ids"]
         except openai.APIStatusError as error:
-            into["status"] = error.status_code
+            into["status"], into["code"] = error.status_code, error.code
 
     threads = [*(threading.Thread(target=stream_completion, args=(ray_url, prompt, max_tokens, into), daemon=True)
                  for into in streams),
@@ -201,12 +201,12 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_url, reference)
         thread.join(WAIT_S)
         assert not thread.is_alive(), "a request hung"
     for into in streams:
-        if into["headers"].get(REPLICA_HEADER) == victim:
-            assert into["error"] is not None and not into["done"], into
+        if into["headers"].get(REPLICA_HEADER) == victim:  # the error body as its last event, then [DONE]
+            assert into["error_code"] == "engine_unavailable" and into["done"], into
         else:
             assert into["done"] and into["error"] is None and into["ids"] == reference(prompt, max_tokens), into
     for into in wholes:
-        assert into in ({"ids": reference(prompt, max_tokens)}, {"status": 500})
+        assert into in ({"ids": reference(prompt, max_tokens)}, {"status": 503, "code": "engine_unavailable"})
 
     seen = set()
 
