@@ -27,6 +27,10 @@ starts each server in turn, measures it and stops it, so the servers alternate.
    (idle means every dropped stream's slot was freed), and p50 / p99 time to first token and whole-request time.
 4. A burst (--burst): that many clients at once, each one short whole completion on a connection of its own:
    answered, refused (429 / 503: the server full) and lost (must be 0), and the wall time until the last answer.
+5. A replica killed (--parts ray_fault, not by default: it needs the `ray` extra): part 3's load on `serve --ray`
+   with two replicas (--parallel slots and one kernel thread each), one replica's process SIGKILLed at half time.
+   Its requests are counted refused where they end with the error body (503 engine_unavailable, or a stream's
+   last event): lost must still be 0; Serve's replacement takes the load after.
 """
 
 from __future__ import annotations
@@ -130,6 +134,25 @@ def picompile_server(args, port: int) -> ServerSpec:
                                 str(args.threads), "--api-key", KEY, "--max-body-bytes", str(1 << 20)], port)
 
 
+def picompile_ray_server(args, port: int) -> ServerSpec:
+    """`serve --ray` with two replicas of --parallel slots and one kernel thread each (one a core here)."""
+    return ServerSpec("picompile --ray", [sys.executable, "-m", "picompile", "serve", str(args.artifact), "--ray",
+                                          "--replicas", "2", "--port", str(port), "--parallel", str(args.parallel),
+                                          "--queue", str(args.queue), "--threads", "1", "--api-key", KEY,
+                                          "--max-body-bytes", str(1 << 20)], port)
+
+
+def kill_a_replica() -> dict:
+    """SIGKILL one engine replica's Ray worker process (its title, ray::ServeReplica:APP:DEPLOYMENT, names the
+    deployment; the front's is picompile-front): a replica that dies."""
+    found = subprocess.run(["pgrep", "-af", "ServeReplica:picompile:picompile"], capture_output=True, text=True)
+    pids = [int(line.split()[0]) for line in found.stdout.splitlines() if "picompile-front" not in line]
+    if not pids:
+        return {"killed": None}
+    os.kill(pids[0], signal.SIGKILL)
+    return {"killed": pids[0], "replicas_seen": len(pids), "at": time.monotonic()}
+
+
 def llama_servers(args, port: int) -> list[ServerSpec]:
     """llama-server at each of --llama-wait-policy (its OpenMP threads passive and spinning: a peer at its best)."""
     if args.gguf is None:
@@ -184,6 +207,8 @@ def stream(http: httpx.Client, url: str, path: str, body: dict, drop_after_first
                 done = True
                 break
             chunk = json.loads(data)
+            if "error" in chunk:  # the server's error body as the stream's last event
+                return {"status": 200, "error": chunk["error"].get("code") or chunk["error"].get("type")}
             if chunk.get("usage"):
                 usage = chunk["usage"]
             choices = chunk.get("choices") or []
@@ -271,11 +296,14 @@ KINDS = (("stream", 30), ("whole", 20), ("chat_shared", 15), ("drop", 10), ("bad
          ("no_key", 5), ("huge_body", 5), ("long_prompt", 5))
 EXPECTED = {"bad_json": 400, "bad_field": 400, "no_key": 401, "huge_body": 413}
 FULL = (429, 503)  # the server was full (its queue, its bound on requests): a refusal, not a loss
+UNAVAILABLE = ("engine_unavailable",)  # a 503's code (or a stream's last event) where the replica serving it died
 RETRY_WAIT_S = 0.5  # a client's wait after such a refusal (both servers ask 1 s; clients retry sooner)
 
 
-def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: int) -> dict:
+def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: int, fault=None) -> dict:
+    """The load run (part 3); `fault`: a callable run at half time (a replica killed), its result in "fault"."""
     counts = {"answered": 0, "refused": {}, "server_errors": {}, "lost": {}}
+    faults = []
     ttft, total, lock = [], [], threading.Lock()
     system = "You are a careful assistant. " + " ".join(paragraphs(2, seed + 7))
     stop_at = time.monotonic() + seconds
@@ -324,13 +352,16 @@ def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: in
                         counts["answered"] += 1
                         total.append(time.perf_counter() - began)
                 elif response.status_code in FULL or response.status_code == 400:  # (a prompt over the context)
-                    count("refused", str(response.status_code))
+                    code = response.json().get("error", {}).get("code") if response.status_code == 503 else None
+                    count("refused", f"503 {code}" if code in UNAVAILABLE else str(response.status_code))
                 else:
                     count("lost", f"whole {response.status_code}")
                 return
             got = stream(http, url, path, body, drop_after_first=kind == "drop")
             if got.get("dropped"):
                 count("refused", "dropped by the client")
+            elif got.get("error") in UNAVAILABLE:  # (its replica died under it: the error body, not a loss)
+                count("refused", f"stream ended: {got['error']}")
             elif got.get("status") == 200 and got.get("done"):
                 with lock:
                     counts["answered"] += 1
@@ -356,15 +387,22 @@ def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: in
             rss.append(server.rss_bytes())
             time.sleep(1.0)
 
+    def at_half_time() -> None:
+        time.sleep(seconds / 2)
+        faults.append(fault())
+
     sampler = threading.Thread(target=sample_memory, daemon=True)
     sampler.start()
+    if fault is not None:
+        threading.Thread(target=at_half_time, daemon=True).start()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     sampler.join()
     time.sleep(2.0)  # a dropped stream's slot is freed at the scheduler's next step
-    idle = httpx.get(f"{server.url}/health", timeout=10).json() if server.name == "picompile" else {}  # (its slots)
+    idle = (httpx.get(f"{server.url}/health", headers=HEADERS, timeout=10).json()
+            if server.name.startswith("picompile") else {})  # (its slots)
     quarter = max(1, len(rss) // 4)
-    return {"seconds": seconds, "clients": clients, **counts,
+    return {"seconds": seconds, "clients": clients, **counts, **({"fault": faults} if fault else {}),
             "rss_mib_by_quarter": [statistics.mean(rss[i * quarter:(i + 1) * quarter]) / 2**20 for i in range(4)]
             if len(rss) >= 4 else None, "rss_max_mib": max(rss) / 2**20 if rss else None, "after": idle,
             "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
@@ -432,12 +470,16 @@ def main() -> None:
             print(f"{spec.name} {clients} clients: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{ms(row['ttft_p50'])} ms p99 {ms(row['ttft_p99'])} ms ({row['answered']}/{row['requests']})",
                   flush=True)
+    results["ray_fault"] = {}
     for part, run in (("prefix", lambda server: prefix_cache(server, seed=3)),
                       ("load", lambda server: load_run(server, args.load_seconds, args.load_clients, args.tokens, 5)),
-                      ("burst", lambda server: burst(server, args.burst))):
-        if part not in parts or (part == "load" and args.load_seconds <= 0) or (part == "burst" and args.burst <= 0):
+                      ("burst", lambda server: burst(server, args.burst)),
+                      ("ray_fault", lambda server: load_run(server, args.load_seconds, args.load_clients, args.tokens,
+                                                            6, fault=kill_a_replica))):
+        if part not in parts or (part in ("load", "ray_fault") and args.load_seconds <= 0) or (
+                part == "burst" and args.burst <= 0):
             continue
-        for spec in specs:
+        for spec in ([picompile_ray_server(args, 18441)] if part == "ray_fault" else specs):
             with Server(spec) as server:
                 results[part][spec.name] = run(server)
             print(spec.name, part, json.dumps(results[part][spec.name]), flush=True)

@@ -118,6 +118,14 @@ def sparse_columns_kq(name, K, N, *, rows, fmt: str, gated: bool = False, act: s
                     scratch[t, acc0 + r * N + c * LANES + l] = T.float32(0)
             xs[r] = T.float32(0)
 
+    @T.macro
+    def add_group(scratch, t, r, v, w, row, g):
+        """acc of sequence r += v[r, row] times the codes of row's 32-element group g."""
+        for u in T.unroll(2):
+            for l in T.vectorized(LANES):
+                scratch[t, acc0 + r * N + 32 * g + 16 * u + l] = (
+                    scratch[t, acc0 + r * N + 32 * g + 16 * u + l] + v[r, row] * cols.code(w, row, g, u, l))
+
     @T.prim_func
     def kernel(v: T.Buffer((m, K), "float32"), idx: T.Buffer((1, K), "int32"), count: T.Buffer((1, 1), "int32"),
                w: T.Buffer((K, VB), "uint8"), ws: T.Buffer((records, REC), "uint8"),
@@ -151,11 +159,12 @@ def sparse_columns_kq(name, K, N, *, rows, fmt: str, gated: bool = False, act: s
                     current[0] = row // B
                 for r in range(m):
                     xs[r] = xs[r] + v[r, row]
-                    for g in range(groups):
-                        for u in T.unroll(2):
-                            for l in T.vectorized(LANES):
-                                scratch[t, acc0 + r * N + 32 * g + 16 * u + l] = (
-                                    scratch[t, acc0 + r * N + 32 * g + 16 * u + l] + v[r, row] * cols.code(w, row, g, u, l))
+                    # (eight groups a pass, unrolled: each group's shift into the high-bit planes is a constant)
+                    for octet in range(groups // 8):
+                        for gi in T.unroll(8):
+                            add_group(scratch, t, r, v, w, row, octet * 8 + gi)
+                    for gi in T.unroll(groups % 8):
+                        add_group(scratch, t, r, v, w, row, groups // 8 * 8 + gi)
             if current[0] >= 0:
                 flush(scratch, t, current[0], xs, wsb, wsh)
         column_sums(scratch, b, res, y)
