@@ -119,7 +119,7 @@ class Gate:
                     return await self._refuse("body_too_large", error_response(
                         413, f"the request body is larger than this server takes ({self.policy.max_body_bytes} "
                         "bytes)", "invalid_request_error", code="body_too_large"), scope, receive, send)
-                receive = _replay(body, receive)
+                receive = replay(body, receive)
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
@@ -159,7 +159,7 @@ class Gate:
         await response(scope, receive, send)
 
 
-def _replay(body: bytes, receive):
+def replay(body: bytes, receive):
     """A receive that gives the body read already, then the connection's own messages (its disconnect)."""
     sent = False
 

@@ -20,7 +20,7 @@ import asyncio
 import json
 from typing import AsyncIterator, Awaitable, Callable
 
-from .gate import ApiError
+from .gate import ApiError, replay
 
 RETRY_AFTER_S = 1  # a dead replica's requests may be sent again: Serve starts a replacement within seconds
 # what of an HTTP scope crosses to the far side (plain data; the app, its state and extensions stay here)
@@ -106,7 +106,7 @@ class Relay:
                 return
             answer = unavailable(type(error).__name__)
             if not started:
-                await _send_whole(send, answer)
+                await answer.response()(scope, _no_receive, send)
             elif streamed:
                 tail = f"data: {json.dumps(answer.body())}\n\ndata: [DONE]\n\n".encode()
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -119,27 +119,20 @@ async def _disconnect(receive) -> None:
         pass
 
 
-async def _send_whole(send, answer: ApiError) -> None:
-    body = json.dumps(answer.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *((name.lower().encode(), value.encode()) for name, value in (answer.headers or {}).items())]
-    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+async def _no_receive():  # (a whole answer's response reads nothing)
+    return {"type": "http.disconnect"}
 
 
 async def asgi_messages(app: Callable[..., Awaitable[None]], scope: dict, body: bytes) -> AsyncIterator[dict]:
     """Run `app` on one HTTP request of `body` and yield the messages it sends (see the module doc)."""
     queue: asyncio.Queue = asyncio.Queue()
     left = asyncio.Event()
-    given = False
 
-    async def receive():
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
+    async def disconnect():
         await left.wait()
         return {"type": "http.disconnect"}
+
+    receive = replay(body, disconnect)
 
     async def send(message):
         if left.is_set():
