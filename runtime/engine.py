@@ -35,6 +35,7 @@ take token ids (stage 0) or the hidden rows the stage before returned, and retur
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -358,6 +359,22 @@ class Engine:
         if index is None or not 0 <= index < self.slots:
             raise ValueError(f"slot must be in [0, {self.slots}); got {slot!r}")
         return int(index)
+
+    def hold_caches(self) -> int:
+        """Make every slot's host KV cache resident: they come from fresh mappings, whose pages cost memory only
+        once written (`aligned_zeros`), so each page is written once here, with the value it holds (what the
+        caches hold is unchanged). A server holds them so: its memory is what it will be at every slot's full
+        context from its start, and a machine that cannot hold them fails then, not mid-conversation. Returns
+        their bytes."""
+        held = 0
+        for buffers in self._slot_buffers:
+            for name, info in self.manifest.buffers.items():
+                if info.kind == "cache" and name in buffers:
+                    flat = buffers[name].reshape(-1)
+                    step = max(1, mmap.PAGESIZE // flat.itemsize)
+                    flat[::step] = flat[::step]
+                    held += flat.nbytes
+        return held
 
     def reset(self, slot: int = 0) -> None:
         """Forget a slot's context (cache entries past its position are never read, so no clearing is needed)."""

@@ -80,6 +80,9 @@ class StageActor:
     def reset(self, slot: int) -> None:
         self.engine.reset(slot)
 
+    def hold_caches(self) -> int:
+        return self.engine.hold_caches()
+
 
 class Pipeline:
     """A split artifact's stages as Ray actors, behind the Engine interface (see the module's docstring). Ray must
@@ -121,6 +124,10 @@ class Pipeline:
             actor.reset.remote(slot)
         self.positions[slot] = 0
         self._lost.discard(slot)
+
+    def hold_caches(self) -> int:
+        """`Engine.hold_caches` on every stage: the bytes of their caches, now resident."""
+        return sum(self._wait([actor.hold_caches.remote() for actor in self.actors], self.step_timeout_s, "hold caches"))
 
     def prefix_length(self, prompt_ids, slot: int = 0) -> int:
         """0: a pipeline keeps no prompt's prefix between requests (its stages' caches are resumed from none)."""

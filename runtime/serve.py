@@ -557,13 +557,15 @@ def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, 
     `parallel` slots, default 1). `tokenizer`: a TextTokenizer, None (ids only), or by default the artifact's.
     `replica_set`: where the app is one replica of several, what /health and /metrics add about them.
     `policy`: keys and limits, held by the gate (`runtime/gate.py`) in front of every endpoint.
-    The scheduler starts with the app (ASGI lifespan) and its shutdown cancels what is still running."""
+    The scheduler starts with the app (ASGI lifespan) and its shutdown cancels what is still running. The engine's
+    KV caches are made resident here (`Engine.hold_caches`)."""
     if isinstance(engine, (str, Path)):
         from .engine import Engine
 
         engine = Engine(engine, slots=parallel or 1)
     if tokenizer is FROM_ARTIFACT:
         tokenizer = artifact_tokenizer(engine.directory)
+    engine.hold_caches()  # (the server's memory flat from its start: every slot's cache at full context)
     endpoints = Endpoints(engine, tokenizer, parallel, queue, model_id or Path(engine.directory).name, replica_set)
 
     @asynccontextmanager

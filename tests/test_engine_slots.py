@@ -40,6 +40,21 @@ def test_reset_of_one_slot_leaves_the_others(tiny_sparse_artifact):
     np.testing.assert_allclose(engine.forward([8], slot=1), reference.forward([8]), rtol=0, atol=1e-6)
 
 
+def test_holding_the_caches_keeps_what_they_hold(tiny_sparse_artifact):
+    """hold_caches (a server's, at its start) writes each page of every slot's cache once, with its own values:
+    a conversation in progress goes on as if nothing happened; it counts every slot's caches."""
+    from runtime import load_manifest
+    from runtime.dtypes import get_dtype
+
+    engine, reference = Engine(tiny_sparse_artifact, slots=2), Engine(tiny_sparse_artifact)
+    engine.forward([5, 6, 7], slot=1)
+    reference.forward([5, 6, 7])
+    caches = sum(int(np.prod(b.shape)) * get_dtype(b.dtype).itemsize
+                 for b in load_manifest(tiny_sparse_artifact).buffers.values() if b.kind == "cache")
+    assert engine.hold_caches() == 2 * caches
+    np.testing.assert_array_equal(engine.forward([8], slot=1), reference.forward([8]))
+
+
 def test_last_only_gives_the_last_rows_logits(tiny_sparse_artifact):
     full, last = Engine(tiny_sparse_artifact), Engine(tiny_sparse_artifact)
     for ids in ([3, 1, 4, 1, 5, 9, 2, 6], [7], [8, 8]):  # a prompt, a decode step, a short prefill after them
