@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
 import shutil
 import sys
@@ -45,7 +47,9 @@ def _cpu_kernel_libraries_compiled_once(tmp_path_factory):
     build in several files), and every build LLVM-compiles its CPU kernels again: the slowest part of a tiny
     build. Here `cpu.build` compiles each distinct module (structurally equal TVM functions, same target)
     once per run and copies that .so to every later build asking for the same module; everything before
-    (making the kernels) and after (loading and running them) is untouched. PICOMPILE_TEST_COMPILE_ALWAYS=1
+    (making the kernels) and after (loading and running them) is untouched. The compiled modules are kept in
+    the run's directory, which pytest-xdist's workers share (each module's IR, TVM's JSON, beside its .so): a
+    worker copies what the other compiled, compared structurally as its own. PICOMPILE_TEST_COMPILE_ALWAYS=1
     compiles every time."""
     if os.environ.get("PICOMPILE_TEST_COMPILE_ALWAYS") == "1":
         yield
@@ -56,23 +60,36 @@ def _cpu_kernel_libraries_compiled_once(tmp_path_factory):
     from passes.kernels import cpu
 
     compile_module = cpu.build
-    directory = tmp_path_factory.mktemp("cpu-kernel-libraries")
-    compiled = {}  # (target, structural hash) -> [(IRModule, .so path)]
+    directory = _run_directory(tmp_path_factory) / "cpu-kernel-libraries"
+    directory.mkdir(exist_ok=True)
+    read = {}  # IR file -> its IRModule (this process's own, or read once)
+    numbers = itertools.count(1)  # this process's compiled modules, for unique names
+
+    def compiled(key: str):
+        """(IRModule, .so path) of every module compiled this run, by either worker, under `key`."""
+        for ir_path in sorted(directory.glob(f"{key}-*.json")):  # (written after its .so: both whole)
+            if ir_path not in read:
+                read[ir_path] = tvm.ir.load_json(ir_path.read_text())
+            yield read[ir_path], ir_path.with_suffix(".so")
 
     def build_once(funcs, target, path):
         names = [str(f.attrs["global_symbol"]) for f in funcs]
         if len(set(names)) != len(names):  # cpu.build's own error
             return compile_module(funcs, target, path)
         module = tvm.IRModule(dict(zip(names, funcs)))
-        same_hash = compiled.setdefault((str(target), tvm_ffi.structural_hash(module)), [])
-        for earlier, library in same_hash:
+        key = hashlib.sha256(f"{target}|{tvm_ffi.structural_hash(module)}".encode()).hexdigest()[:24]
+        for earlier, library in compiled(key):
             if tvm_ffi.structural_equal(earlier, module):
                 shutil.copyfile(library, path)
                 return None
         result = compile_module(funcs, target, path)
-        library = directory / f"{len(os.listdir(directory))}.so"
-        shutil.copyfile(path, library)
-        same_hash.append((module, library))
+        stem = directory / f"{key}-{os.getpid()}-{next(numbers)}"
+        for suffix, write in ((".so", lambda to: shutil.copyfile(path, to)),
+                              (".json", lambda to: to.write_text(tvm.ir.save_json(module)))):
+            staged = stem.with_suffix(suffix + ".tmp")
+            write(staged)
+            staged.rename(stem.with_suffix(suffix))  # another worker sees a whole file or none
+        read[stem.with_suffix(".json")] = module
         return result
 
     cpu.build = build_once

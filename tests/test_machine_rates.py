@@ -14,6 +14,9 @@ from passes.targets import CPU_ISAS, get_target, host_cpu_isa
 from runtime.dtypes import WEIGHT_FORMATS
 
 SMALL = ((512, 512), (256, 512))  # shapes a test can time in a few seconds
+# the threshold calls' shapes: every calibration here times the same kernels, so they are compiled once per run
+# (tests/conftest.py); only the timing differs
+SMALL_COLUMNS = SMALL[:1] + ((1024, 256),)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +25,7 @@ def measured(tmp_path_factory):
     cache = tmp_path_factory.mktemp("rates")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PICOMPILE_CACHE", str(cache))
-        rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL[:1] + ((1024, 256),), stream_bytes=4 << 20,
+        rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL_COLUMNS, stream_bytes=4 << 20,
                                         rounds=3, save=False)
         machine_rates.keep(dataclasses.replace(rates, busy=False))  # (kept whatever the machine's load)
     return dataclasses.replace(rates, busy=False), cache
@@ -116,7 +119,8 @@ def test_a_busy_measurement_is_marked_and_not_cached(monkeypatch, tmp_path):
     import runtime.threads
 
     monkeypatch.setattr(runtime.threads, "free_cores_since", lambda reading, usable: usable - 1)
-    rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL, stream_bytes=1 << 20, rounds=1)
+    rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL_COLUMNS, stream_bytes=1 << 20,
+                                    rounds=1)
     assert rates.busy and not machine_rates.cache_path(rates.key).exists()
     assert "not cached" in rates.lines()[0]
 
