@@ -151,15 +151,26 @@ def gemv_seconds(target: Target, read_bytes: float, fmt: str, calls: int = 1, co
     return read_seconds(read_bytes, target.cpu_bandwidth_gbs * 1e9, "cpu", calls)
 
 
+def column_units(fmt: str, stored_bytes: float, rows: int, kept: float) -> float:
+    """The units of a threshold call's per-unit cost (`KernelRate.unit_s`) over a matrix of `rows` inputs: the kept
+    rows (each a new stream), or for a file's own blocks (kquant_columns) the outputs of every block of the matrix
+    (each block's sums are taken through its scales across the N outputs; at the shares plans take every block holds
+    a kept input, so this part does not shrink with them)."""
+    weight_format = WEIGHT_FORMATS[fmt]
+    if weight_format.kept_from_file:
+        return stored_bytes / weight_format.bytes_per_weight / weight_format.block
+    return kept * rows
+
+
 def threshold_seconds(target: Target, stored_bytes: float, kept: float, fmt: str, rows: int,
                       int8_dot: str | None = None) -> float:
     """A thresholded CPU linear layer's decode seconds: the select call, then the column kernel over the `kept`
     share of the `rows` rows of a matrix of `stored_bytes` in format `fmt`: at the rates measured on this machine
-    (a fixed cost per call and per kept row, a rate per byte of kept rows), else the target's bandwidth at `column_row_efficiency`
+    (a fixed cost per call and per `column_units`, a rate per byte of kept rows), else the target's bandwidth at `column_row_efficiency`
     plus COLUMN_CALL_S."""
     rates = target.cpu_rates
     if rates is not None and fmt in rates.columns:
-        return rates.columns[fmt].seconds(kept * stored_bytes, kept * rows) + 2 * launch_seconds("cpu")
+        return rates.columns[fmt].seconds(kept * stored_bytes, column_units(fmt, stored_bytes, rows, kept)) + 2 * launch_seconds("cpu")
     bits = WEIGHT_FORMATS[fmt].bits
     efficiency = column_row_efficiency(stored_bytes / max(rows, 1), bits, int8_dot)
     return column_seconds(stored_bytes, target.cpu_bandwidth_gbs * 1e9, kept, efficiency) + launch_seconds("cpu")

@@ -12,7 +12,8 @@ Each kind's points give its figures (`KernelRate`, fitted by non-negative least 
 fixed cost per call (`call_s`: waking the workers and their barrier, for a threshold call also the select and the
 partial sums), which is most of a small matrix's time, and a cost per unit of work (`unit_s`): a GEMV's output column (each
 panel's setup and stores, which a matrix of a short K and many outputs, an output layer, pays most), a threshold
-call's kept row (a new stream; timed at two row lengths, `COLUMN_SHAPES`).
+call's kept row (a new stream; timed at two row lengths, `COLUMN_SHAPES`), or over a file's own blocks each
+block's outputs (`costmodel.column_units`).
 
 The figures are cached per machine (`machine_key`: the CPU's model name, the instruction set, the cores, the
 kernels' sources) under `$PICOMPILE_CACHE/machine/`; `picompile calibrate` measures again. A build on another
@@ -44,6 +45,7 @@ from runtime.artifact import aligned_empty, aligned_zeros, cpu_model_name
 from runtime.calls import Call, Role
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
+from . import costmodel
 from .cache import cache_dir
 from .kernels.kquant_ops import KQ_FORMATS
 from .targets import CpuIsa, CpuRates, KernelRate, host_cpu_isa
@@ -248,7 +250,8 @@ class _Bench:
                                            Role.FFN_UP)
             calls = self._new_calls(before)
             weights, whole = self._weights(calls)
-            self.timed.append(_Timed("columns", name, calls, weights, whole * kept, kept, units=kept * k))
+            units = costmodel.column_units(name, whole, k, kept)
+            self.timed.append(_Timed("columns", name, calls, weights, whole * kept, kept, units=units))
 
     def _weights(self, calls: list[Call]) -> tuple[list[str], float]:
         """The weight buffers `calls` read, and their bytes."""

@@ -74,7 +74,7 @@ def get_cpu_isa(name: str) -> CpuIsa:
         raise UserError(f"unknown CPU instruction set {name!r}; choose one of {', '.join(CPU_ISAS)}") from None
 
 
-RATES_VERSION = 4  # of the measured rates' meaning (passes/machine_rates.py measures them; a cache of another is
+RATES_VERSION = 5  # of the measured rates' meaning (passes/machine_rates.py measures them; a cache of another is
 # measured again)
 
 
@@ -120,13 +120,14 @@ class CpuRates:
     def lines(self) -> list[str]:
         lines = [f"machine {self.key} at {self.threads} thread{'s' if self.threads != 1 else ''}"
                  + (" (other programs took a core while it was measured: not cached)" if self.busy else "") + ":",
-                 "  format  dense GEMV GB/s  call us  ns/output  threshold rows GB/s  call us  ns/row"]
+                 "  format  dense GEMV GB/s  call us  ns/output  threshold rows GB/s  call us  ns/unit"]
         for name, rate in self.gemv.items():
             column = self.columns.get(name)
             lines.append(f"  {name:<7} {rate.bytes_per_s / 1e9:15.1f}  {rate.call_s * 1e6:7.1f}  "
                          f"{rate.unit_s * 1e9:9.2f}  "
                          + (f"{column.bytes_per_s / 1e9:19.1f}  {column.call_s * 1e6:7.1f}  {column.unit_s * 1e9:6.1f}"
                             if column else f"{'-':>19}  {'-':>7}  {'-':>6}"))
+        lines.append("  (a threshold call's unit: a kept row; over a file's own blocks, a block's output)")
         return lines
 
 
