@@ -119,7 +119,10 @@ def test_a_busy_measurement_is_marked_and_not_cached(monkeypatch, tmp_path):
     import runtime.threads
 
     monkeypatch.setattr(runtime.threads, "free_cores_since", lambda reading, usable: usable - 1)
-    rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL_COLUMNS, stream_bytes=1 << 20,
+    # (one format, one shape of each kind: what is checked is the marking, whatever was timed)
+    monkeypatch.setattr(machine_rates, "WEIGHT_FORMATS", {"int8": machine_rates.WEIGHT_FORMATS["int8"]})
+    monkeypatch.setattr(machine_rates, "COLUMN_FORMATS", ("int8",))
+    rates = machine_rates.calibrate(shapes=SMALL[:1], column_shapes=SMALL_COLUMNS[:1], stream_bytes=1 << 20,
                                     rounds=1)
     assert rates.busy and not machine_rates.cache_path(rates.key).exists()
     assert "not cached" in rates.lines()[0]
