@@ -11,6 +11,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from runtime.gate import replay
 from runtime.relay import AppLifespan, Relay, asgi_messages
 
 SCOPE = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
@@ -46,15 +47,12 @@ async def client(app, scope, body: bytes, leave_after: int | None = None):
     """Send `body` to `app`, collect what it sends (stopping, as a client that leaves, after `leave_after`
     messages): (status, headers, body bytes)."""
     sent, left = [], asyncio.Event()
-    given = False
 
-    async def receive():
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
+    async def disconnect():
         await left.wait()
         return {"type": "http.disconnect"}
+
+    receive = replay(body, disconnect)
 
     async def send(message):
         sent.append(message)
