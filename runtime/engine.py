@@ -363,7 +363,7 @@ class Engine:
     def hold_caches(self) -> int:
         """Make every slot's host KV cache resident: they come from fresh mappings, whose pages cost memory only
         once written (`aligned_zeros`), so each page is written once here, with the value it holds (what the
-        caches hold is unchanged). A server holds them so: its memory is what it will be at every slot's full
+        caches hold is unchanged). A server holds them so: its caches take what they will at every slot's full
         context from its start, and a machine that cannot hold them fails then, not mid-conversation. Returns
         their bytes."""
         held = 0

@@ -565,7 +565,7 @@ def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, 
         engine = Engine(engine, slots=parallel or 1)
     if tokenizer is FROM_ARTIFACT:
         tokenizer = artifact_tokenizer(engine.directory)
-    engine.hold_caches()  # (the server's memory flat from its start: every slot's cache at full context)
+    engine.hold_caches()  # (every slot's cache at full context from the start: no growth as conversations lengthen)
     endpoints = Endpoints(engine, tokenizer, parallel, queue, model_id or Path(engine.directory).name, replica_set)
 
     @asynccontextmanager
