@@ -843,7 +843,7 @@ class _Walker:
         kernels = low.kernel(ops.select, f"select_abs_n{rows}", rows, magnitude=True, phases=("decode",),
                              batch={} if batch else None)
         low.call(f"{p}.{part}_select", kernels, [read(v), read(threshold_buffer), write(index), write(count)], role)
-        scratch = low.batch_scratch(f"scratch.columns.n{columns}", neuron.COLUMN_TASKS, columns)
+        scratch_kind, scratch_width = "columns", columns  # (a task's partial sums, a row per sequence)
         flags = {"gated": glu, "act": act, "bias": bias is not None, "residual": residual is not None}
         tags = f"{'_gated' if glu else ''}_{act}{'_b' if bias else ''}{'_res' if residual else ''}"
         batch_args = {"max_batch": low.max_batch} if batch else {}
@@ -857,8 +857,7 @@ class _Walker:
             parts, whole = [values], [scales]
             dtype_tag, dtype_arg = f"_{fmt.name}", {"fmt": fmt.name}
             op, base = ops.sparse_columns_kq, "sparse_columns_kq"
-            scratch = low.batch_scratch(f"scratch.kq_columns.n{columns}", neuron.COLUMN_TASKS,
-                                        kquant_columns.scratch_columns(columns))
+            scratch_kind, scratch_width = "kq_columns", kquant_columns.scratch_columns(columns)
         else:
             parts = [low.stored_for(weight, low.device)]
             dtype = low.buffers[weight]["dtype"]
@@ -866,6 +865,7 @@ class _Walker:
             op, base = ops.sparse_columns, "sparse_columns"
         kernels = low.kernel(op, f"{base}_k{rows}_n{columns}{tags}{dtype_tag}", rows, columns, phases=("decode",),
                              batch={} if batch else None, **flags, **dtype_arg, **batch_args)
+        scratch = low.batch_scratch(f"scratch.{scratch_kind}.n{columns}", neuron.COLUMN_TASKS, scratch_width)
         # the kept input channels' rows of the [K, N] weight (and of its scales); bias and residual read whole
         args = [read(v), read(index), read(count),
                 *(Arg(buffer, Access.SELECTED_ROWS, row_bytes=low.row_bytes(buffer)) for buffer in parts),
