@@ -358,6 +358,12 @@ def unpack_rows(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> KB
     return KBlocks(fmt, 1, codes, arrays[0], arrays[1] if fmt.has_min else None)
 
 
+def scale_byte_dtype(fmt: WeightFormat) -> str:
+    """The type a scales buffer's bytes are read as (`T.decl_buffer` views): the per-block integers' (Q6_K's int8
+    sub-scales), else uint8."""
+    return fmt.sub_scale or "uint8"
+
+
 def column_plane_bytes(N: int) -> int:
     """Bytes of one plane of high bits of a columns-layout row of N codes (32 a group of COLUMN_GROUP elements,
     the last group's too)."""

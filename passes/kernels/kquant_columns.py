@@ -19,13 +19,12 @@ GEMV reads of those blocks; the arithmetic is one widening and one FMA a weight,
 
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from . import compute
 from .compute import clamp_count, clamp_index, drop_params, prefetch, row_dim
 from .cpu import MATH
-from .kquant import ColumnScales, column_plane_bytes, column_row_bytes
+from .kquant import ColumnScales, column_plane_bytes, column_row_bytes, scale_byte_dtype
 from .kquant_ops import _check_length, kq_format
 from .neuron import COLUMN_TASKS, _column_sums
 
@@ -39,11 +38,11 @@ class _Columns:
     they can sit in vectorized loops: the vectorizer takes a let's last lane)."""
 
     def __init__(self, f, K: int, N: int):
-        self.f, self.K, self.N = f, K, N
+        self.f, self.N = f, N
         self.at = ColumnScales(f, N)
         self.VB, self.PB, self.planes = column_row_bytes(f, N), column_plane_bytes(N), f.bits - 4
         self.records = K // (f.super_block or f.block)
-        self.byte_dtype = "int8" if f.sub_scale == "int8" else "uint8"
+        self.byte_dtype = scale_byte_dtype(f)
         self.offset = T.float32(f.offset)
 
     def code(self, w, row, g, u, l):

@@ -35,7 +35,7 @@ from runtime.dtypes import QUANT_BLOCK, WeightFormat
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch
 from .cpu import PANEL
-from .kquant import PanelScales, high_rows, high_slot
+from .kquant import PanelScales, high_rows, high_slot, scale_byte_dtype
 from .quant import HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, _vector_perm, check_dot, dot_u8s8, x_quantizer
 
 
@@ -57,7 +57,7 @@ class _Scales:
         self.row = self.at.row  # bytes per panel
         self.two = bool(fmt.super_block)
         self.per_super = fmt.super_block // fmt.block if self.two else 0
-        self.byte_dtype = fmt.sub_scale or "uint8"  # the type the buffer's per-block bytes (`wsb`) are read as
+        self.byte_dtype = scale_byte_dtype(fmt)  # the type the buffer's per-block bytes (`wsb`) are read as
 
     def d(self, wsb, wsh, p, sb, col):
         """The sub-block's scale d as fp32."""
