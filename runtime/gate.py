@@ -54,6 +54,13 @@ class ApiError:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def engine_unavailable(message: str) -> ApiError:
+    """503 `engine_unavailable`: the engine (a stage, a replica) could not run the request now; it may be sent
+    again after Retry-After."""
+    return ApiError(503, message, "server_unavailable", code="engine_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None):
     """The OpenAI error body's response (`ApiError`)."""

@@ -26,7 +26,7 @@ from ray import serve
 
 from .gate import Policy
 from .relay import AppLifespan, Relay, asgi_messages
-from .serve import ReplicaSet, create_app
+from .serve import FROM_ARTIFACT, ReplicaSet, create_app
 
 APP_NAME = "picompile"  # the Serve application, and its engine replicas' deployment
 FRONT_NAME = "picompile-front"  # the deployment that takes the HTTP requests and relays them to the replicas
@@ -76,10 +76,8 @@ class Replica:
 
     async def __init__(self, artifact: str, parallel: int = 1, queue: int = 16, threads: int | None = None,
                        model_id: str | None = None, tokenizer=ARTIFACT_TOKENIZER, policy: Policy = Policy()):
-        from . import serve as http
-
         self._artifact, self._threads = artifact, threads
-        tokenizer = http.FROM_ARTIFACT if tokenizer == ARTIFACT_TOKENIZER else tokenizer
+        tokenizer = FROM_ARTIFACT if tokenizer == ARTIFACT_TOKENIZER else tokenizer
         self._app = create_app(self.load_engine(parallel), tokenizer=tokenizer, parallel=parallel, queue=queue,
                                model_id=model_id or Path(artifact).name, replica_set=self._replica_set,
                                policy=policy)

@@ -17,12 +17,11 @@ error body instead of Serve's bare 500 or a cut stream. Two halves, each a plain
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import AsyncIterator, Awaitable, Callable
 
-from .gate import ApiError, replay
+from .gate import ApiError, engine_unavailable, replay
+from .serve import SSE_DONE, sse
 
-RETRY_AFTER_S = 1  # a dead replica's requests may be sent again: Serve starts a replacement within seconds
 # what of an HTTP scope crosses to the far side (plain data; the app, its state and extensions stay here)
 SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path", "query_string",
               "headers", "client", "server")
@@ -30,9 +29,8 @@ _END = object()
 
 
 def unavailable(reason: str) -> ApiError:
-    """The answer to a request whose replica failed under it."""
-    return ApiError(503, f"the replica serving the request failed ({reason}); retry it", "server_unavailable",
-                    code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+    """The answer to a request whose replica failed under it (Serve starts a replacement within seconds)."""
+    return engine_unavailable(f"the replica serving the request failed ({reason}); retry it")
 
 
 def plain_scope(scope: dict) -> dict:
@@ -108,7 +106,7 @@ class Relay:
             if not started:
                 await answer.response()(scope, _no_receive, send)
             elif streamed:
-                tail = f"data: {json.dumps(answer.body())}\n\ndata: [DONE]\n\n".encode()
+                tail = (sse(answer.body()) + SSE_DONE).encode()
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
             else:
                 raise  # a whole answer half sent: the connection is closed on the client

@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from .gate import RETRY_AFTER_S, ApiError, Gate, Policy, error_response
+from .gate import RETRY_AFTER_S, ApiError, Gate, Policy, engine_unavailable, error_response
 from .scheduler import FinishEvent, Job, QueueFull, Sampling, Scheduler, SchedulerClosed, TokenEvent
 from .text import TextTokenizer, load_tokenizer
 
@@ -428,14 +428,14 @@ class Endpoints:
     async def _events(self, job: Job, events: asyncio.Queue, answer: _Answer):
         try:
             if answer.chat:  # chat's first chunk names the role
-                yield _sse(answer.chunk("", None, first=True))
+                yield sse(answer.chunk("", None, first=True))
             while True:
                 event = await events.get()
                 if event is _DISCONNECTED:
                     return  # nobody reads the rest
                 if isinstance(event, FinishEvent):
                     break
-                yield _sse(answer.chunk(answer.output.push(event.token_id), None, token_ids=[event.token_id]))
+                yield sse(answer.chunk(answer.output.push(event.token_id), None, token_ids=[event.token_id]))
                 if answer.output.stopped:
                     job.cancel()
                     event = None  # a stop string ended the text, not the scheduler
@@ -443,13 +443,13 @@ class Endpoints:
             if event is None or event.reason in ("stop", "length"):
                 tail = answer.output.finish() if event is not None else ""
                 if tail:
-                    yield _sse(answer.chunk(tail, None))
-                yield _sse(answer.chunk("", "stop" if event is None else event.reason))
+                    yield sse(answer.chunk(tail, None))
+                yield sse(answer.chunk("", "stop" if event is None else event.reason))
                 if answer.generation.include_usage:
-                    yield _sse(answer.usage_chunk(event))
+                    yield sse(answer.usage_chunk(event))
             else:
-                yield _sse((_failure(event) if event.reason == "error" else _SHUT_DOWN).body())
-            yield "data: [DONE]\n\n"
+                yield sse((_failure(event) if event.reason == "error" else _SHUT_DOWN).body())
+            yield SSE_DONE
         finally:  # the stream ended or failed; a client that left is _JobStream's
             job.cancel()
 
@@ -462,8 +462,7 @@ def _failure(event: FinishEvent) -> ApiError:
     """The answer to a request whose generation failed: 503 where the engine could not run now (a stage that died:
     the request may be sent again), else 500."""
     if event.unavailable:
-        return ApiError(503, f"the engine could not run the request now ({event.error}); retry it",
-                        "server_unavailable", code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return engine_unavailable(f"the engine could not run the request now ({event.error}); retry it")
     return ApiError(500, f"generation failed: {event.error}", "server_error")
 
 
@@ -507,7 +506,10 @@ class _JobStream(StreamingResponse):
             self.job.cancel()
 
 
-def _sse(payload: dict) -> str:
+SSE_DONE = "data: [DONE]\n\n"  # a stream's last event
+
+
+def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
