@@ -66,12 +66,8 @@ def main():
 
     from passes.kernels.neuron import COLUMN_TASKS
     from passes.targets import host_cpu_isa
-    from runtime.artifact import aligned_empty
+    from runtime.artifact import aligned_copy
 
-    def aligned(array):
-        out = aligned_empty(array.shape, array.dtype, huge=True)
-        out[...] = array
-        return out
 
     shapes = SHAPES[args.shapes]
     cpu, funcs = kernels(shapes)
@@ -88,14 +84,14 @@ def main():
     calls = {}  # (shape, kept or None) -> a function of the layer index
     for name, (K, N, gated, residual) in shapes.items():
         weights = [(rng.standard_normal((K, N)) * 0.02).astype(np.float32) for _ in range(args.layers)]
-        rows = [aligned(w) for w in weights]
-        panels = [aligned(cpu.pack_panels(w)) for w in weights]
-        x = aligned(rng.standard_normal((1, K)).astype(np.float32))
+        rows = [aligned_copy(w) for w in weights]
+        panels = [aligned_copy(cpu.pack_panels(w)) for w in weights]
+        x = aligned_copy(rng.standard_normal((1, K)).astype(np.float32))
         out = N // 2 if gated else N
-        res = aligned(np.zeros((1, out), np.float32))
-        y, t = aligned(np.zeros((1, out), np.float32)), aligned(np.zeros((1, N), np.float32))
-        idx, count = aligned(np.zeros((1, K), np.int32)), aligned(np.zeros((1, 1), np.int32))
-        scratch = aligned(np.zeros((COLUMN_TASKS, N), np.float32))
+        res = aligned_copy(np.zeros((1, out), np.float32))
+        y, t = aligned_copy(np.zeros((1, out), np.float32)), aligned_copy(np.zeros((1, N), np.float32))
+        idx, count = aligned_copy(np.zeros((1, K), np.int32)), aligned_copy(np.zeros((1, 1), np.int32))
+        scratch = aligned_copy(np.zeros((COLUMN_TASKS, N), np.float32))
         extra = [dl(res)] if residual else []
 
         # the tensors bound once, as the runtime binds its calls' buffers
@@ -109,7 +105,7 @@ def main():
 
         calls[name, None] = dense
         for kept in KEPT:
-            threshold = aligned(np.array([np.quantile(np.abs(x), 1.0 - kept)], np.float32))
+            threshold = aligned_copy(np.array([np.quantile(np.abs(x), 1.0 - kept)], np.float32))
 
             selecting = [dl(x), dl(threshold), dl(idx), dl(count)]
             bound = [[dl(x), dl(idx), dl(count), dl(w), *extra, dl(scratch), dl(y)] for w in rows]

@@ -87,7 +87,7 @@ def main():
 
     from passes.kernels import cpu, quant
     from passes.targets import CPU_ISAS, host_cpu_isa
-    from runtime.artifact import aligned_empty, cpu_flags
+    from runtime.artifact import aligned_copy, aligned_empty, cpu_flags
     from runtime.dtypes import WEIGHT_FORMATS
 
     isa = CPU_ISAS[args.isa] if args.isa else host_cpu_isa()
@@ -121,10 +121,6 @@ def main():
     rng = np.random.default_rng(0)
     clock = time.perf_counter
 
-    def placed(a):
-        out = aligned_empty(a.shape, a.dtype, huge=True)
-        out[...] = a
-        return out
 
     print(f"{args.threads} threads, kernels for {isa.name}, load average {os.getloadavg()[0]:.2f}")
     rows = []
@@ -153,7 +149,7 @@ def main():
         if sessions:
             calls["ort int4"] = lambda c, s=sessions: s[c].run(None, {"x": x})[0]
         fp16 = variant_copies("picompile fp16",
-                              lambda c: placed(cpu.pack_panels(np.roll(w0, 17 * c, axis=1).astype(np.float16))))
+                              lambda c: aligned_copy(cpu.pack_panels(np.roll(w0, 17 * c, axis=1).astype(np.float16))))
         f = kernel(f"fp16_{K}_{N}")
         calls["picompile fp16"] = lambda c, f=f, w=fp16: (f(dl(xa), dl(w[c]), dl(y)), y)[1]
         refs = {"picompile fp16": x[0].astype(np.float64) @ w0.astype(np.float16).astype(np.float64)}
@@ -162,7 +158,7 @@ def main():
             q, *per_block = q4 if fmt.name == "int4" else quant.quantize(w0, fmt, axis=0)
             refs[f"picompile {v}"] = x[0].astype(np.float64) @ quant.dequantize(q, per_block[0], 0,
                                                                                *per_block[1:]).astype(np.float64)
-            packed = variant_copies(f"picompile {v}", lambda c: [placed(a) for a in quant.pack_panels(
+            packed = variant_copies(f"picompile {v}", lambda c: [aligned_copy(a) for a in quant.pack_panels(
                 shuffled(q, c), shuffled(per_block[0], c), fmt, *[shuffled(a, c) for a in per_block[1:]])])
             f = kernel(f"{v.replace(' ', '_')}_{K}_{N}")
             calls[f"picompile {v}"] = lambda c, f=f, w=packed: (f(dl(xa), dl(w[c][0]), dl(w[c][1]), dl(y)), y)[1]

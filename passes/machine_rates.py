@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.artifact import aligned_empty, aligned_zeros, cpu_model_name
+from runtime.artifact import aligned_copy, aligned_zeros, cpu_model_name
 from runtime.calls import Call, Role
 from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
 
@@ -281,7 +281,7 @@ class _Bench:
         arrays: dict[str, np.ndarray] = {}
         for name, info in program.buffers.items():
             if info["kind"] == "weight":
-                arrays[name] = _aligned_copy(program.weights.pop(name))  # (the lowering's copy dropped)
+                arrays[name] = aligned_copy(program.weights.pop(name))  # (the lowering's copy dropped)
             else:
                 arrays[name] = aligned_zeros([1, *info["shape"][1:]] if info["kind"] == "activation" else info["shape"],
                                              info["dtype"])
@@ -299,7 +299,7 @@ class _Bench:
             for timed in pair:
                 copies = max(2, -(-stream_bytes // max(int(timed.read_bytes / (timed.kept or 1.0)), 1)))
                 sets = [{n: arrays[n] for n in timed.weights}] + [
-                    {n: _aligned_copy(arrays[n]) for n in timed.weights} for _ in range(copies - 1)]
+                    {n: aligned_copy(arrays[n]) for n in timed.weights} for _ in range(copies - 1)]
                 bound.append([[(library[call.decode], [dl(weights.get(arg.buffer, arrays[arg.buffer]))
                                                        for arg in call.args]) for call in timed.calls]
                               for weights in sets])
@@ -342,13 +342,6 @@ def fitted(points: list[tuple[float, int, float]]) -> KernelRate:
     if best is None:  # (the bytes' term alone is always positive: points of positive seconds)
         return KernelRate(float(data[:, 0].sum() / data[:, 2].sum()))
     return best[1]
-
-
-def _aligned_copy(array: np.ndarray) -> np.ndarray:
-    """A copy placed as the runtime places weights (huge pages where large: `aligned_empty`)."""
-    out = aligned_empty(array.shape, array.dtype, huge=True)
-    out[...] = array
-    return out
 
 
 if __name__ == "__main__":  # measured_apart's child: the figures as JSON on stdout

@@ -50,6 +50,14 @@ def aligned_empty(shape, dtype=np.float32, *, huge: bool = False) -> np.ndarray:
     return raw[offset: offset + nbytes].view(dtype).reshape(shape)
 
 
+def aligned_copy(array: np.ndarray) -> np.ndarray:
+    """A 64-byte aligned copy of `array`, placed as the runtime places weights where it is large
+    (`aligned_empty(huge=True)`): the buffers of a kernel timed outside an artifact."""
+    out = aligned_empty(array.shape, array.dtype, huge=True)
+    out[...] = array
+    return out
+
+
 def huge_pages_in(array: np.ndarray) -> int:
     """MiB of `array`'s mapping that are backed by transparent huge pages (/proc/self/smaps AnonHugePages;
     0 where unknown): what shows whether `aligned_empty(huge=True)` got them."""
