@@ -121,10 +121,11 @@ def cached(isa: CpuIsa) -> CpuRates | None:
 
 
 def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = SHAPES,
-              column_shapes: tuple[tuple[int, int], ...] = COLUMN_SHAPES, stream_bytes: int = STREAM_BYTES,
+              column_shapes: tuple[tuple[int, int], ...] = COLUMN_SHAPES, stream_bytes: int | None = None,
               rounds: int = ROUNDS, save: bool = True) -> CpuRates:
     """Time every format's decode GEMV and threshold call on this machine (see the module's docstring); cached
-    unless `save` is False."""
+    unless `save` is False. Each kernel streams `stream_bytes` of weight copies a round (default: STREAM_BYTES, at
+    least three times the last-level cache, so that every call reads from memory)."""
     from runtime.threads import CpuReading, free_cores_since
 
     isa = isa or host_cpu_isa()
@@ -137,7 +138,9 @@ def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = S
     for name in COLUMN_FORMATS:
         for shape in column_shapes:
             bench.add_columns(name, shape)
-    rates = bench.run(threads, max(stream_bytes, 3 * last_level_cache_bytes()), rounds, machine_key(isa, threads))
+    if stream_bytes is None:
+        stream_bytes = max(STREAM_BYTES, 3 * last_level_cache_bytes())
+    rates = bench.run(threads, stream_bytes, rounds, machine_key(isa, threads))
     if free_cores_since(reading, threads) < threads:  # other programs took a core meanwhile: figures of the moment
         rates = dataclasses.replace(rates, busy=True)
     if save and not rates.busy:  # (a busy machine's are used by the build that measured them, not kept)
