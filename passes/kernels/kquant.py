@@ -15,11 +15,12 @@ super-block) shaped like it with the block axis divided. It is packed for the ke
 
 * panels (`pack_panels`): a dense linear's [K, N] weight, blocks along K (axis 0), panels of PANEL = 16 columns
   (P = ceil(N / 16); padded columns have codes `offset`, so q = 0, and zero scales). Per panel the values are
-  uint8 [K * 8 + (bits - 4) * K * 2]: first the low nibbles [K, 8] (byte v of row k: column v's c & 15 in the
-  low nibble, column v + 8's in the high one: int4's panels), then the high bits c >> 4 (`bits - 4` = h of
-  them a code) in records of 64 bytes, one per HR = 32 / h rows (`high_rows`: Q6_K 16, the 5-bit formats 32),
-  laid out as the int8-activation kernels' permuted vectors need them (quant._vector_perm: a dword is one
-  column's 4 consecutive k steps): byte e of record r holds 8 / h slots, slot i (bits h i .. h i + h - 1) the
+  uint8 [K * 8 + (bits - 4) * K * 2]: first the low nibbles in groups of 4 rows [K / 4, 8, 4] (byte 4 v + j of
+  group g: row 4 g + j's column v's c & 15 in the low nibble, column v + 8's in the high one), so that a dword is
+  one column pair's 4 consecutive k steps: the int8-activation kernels' permuted vector (quant._vector_perm; a
+  64-byte one is two groups) as stored, loaded with no shuffle; then the high bits c >> 4 (`bits - 4` = h of them
+  a code) in records of 64 bytes, one per HR = 32 / h rows (`high_rows`: Q6_K 16, the 5-bit formats 32), in the
+  same permuted order: byte e of record r holds 8 / h slots, slot i (bits h i .. h i + h - 1) the
   high bits of the code at row HR r + 8 (i // 2) + 4 (e // 32) + e % 4, column (e // 4) % 8 + 8 (i % 2). So a
   permuted 64-byte vector of nibbles (8 k steps from row 8 o of a record, nibble half n) takes its high bits
   from the record's 64 bytes with one shift (right by h (2 o + n) - 4, left where negative) and a mask
@@ -262,7 +263,7 @@ def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
     codes[:, :N] = blocks.codes
     panels = codes.reshape(K, P, PANEL).transpose(1, 0, 2)  # [P, K, 16]
     low = panels & 0x0F
-    nibbles = (low[..., :8] | (low[..., 8:] << 4)).reshape(P, K * 8)
+    nibbles = (low[..., :8] | (low[..., 8:] << 4)).reshape(P, K // 4, 4, 8).transpose(0, 1, 3, 2).reshape(P, K * 8)
     planes = []
     if fmt.bits > 4:
         h, HR = fmt.bits - 4, high_rows(fmt)
@@ -310,7 +311,7 @@ def panel_scale_bytes(fmt: WeightFormat, K: int) -> int:
 def unpack_panels(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat, K: int, N: int) -> KBlocks:
     """The KBlocks `pack_panels` packed (the inverse, for tests and references)."""
     P = values.shape[0]
-    nib = values[:, : K * 8].reshape(P, K, 8)
+    nib = values[:, : K * 8].reshape(P, K // 4, 8, 4).transpose(0, 1, 3, 2).reshape(P, K, 8)
     codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)  # [P, K, 16]
     if fmt.bits > 4:
         h, HR = fmt.bits - 4, high_rows(fmt)

@@ -31,7 +31,7 @@ from .compute import drop_params, row_dim
 from .cpu import PANEL
 from .kquant import high_rows
 from .kquant_gemv import _check_kq, _Scales, high_bits
-from .quant import HALF, _vector_perm, check_dot, dot_u8s8, x_quantizer
+from .quant import HALF, check_dot, dot_u8s8, x_quantizer
 
 # prompt rows per register tile: x 2 panels, 8 zmm of int32 sums and 8 of float sums. Measured on Zen 4, 128 rows,
 # one thread: 3 to 5 rows within noise of each other (Q4_K K 1536 / N 17920 and N 2048, Q6_K K 8960 / N 1536), 6
@@ -65,7 +65,6 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
     KV = K // steps  # panel vectors per panel and nibble half
     KQ = K // 4  # task-buffer vectors per panel: 16 columns x 4 k steps each
     GS = SB // 4  # 4-step k groups per sub-block
-    perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     HR = high_rows(fmt) if planes else B
     offset = fmt.offset
@@ -78,7 +77,7 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
 
     def codes(wf, p, k0, h):
         """Panel p's codes at k0 (a multiple of 8), nibble half h, permuted to column dwords."""
-        nib = T.Shuffle([wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]], perm)
+        nib = wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]  # (stored permuted)
         c = (nib & m15) if h == 0 else (nib >> m4)
         if planes:
             c = c | high_bits(wf, p * VB + K * HALF, fmt, k0 // HR, k0 % HR, h, nbytes)

@@ -1,15 +1,15 @@
 """Decode GEMVs over blocks kept from a model file (ggml's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) in kquant's panels layout.
 
 W [K, N] is `kquant.pack_panels`' two buffers: values uint8 [P, K * 8 + (bits - 4) * K * 2] (per panel the low
-nibbles [K, 8], int4's panels, then the codes' high bits in 64-byte records of kquant.high_rows rows, in the
+nibbles in groups of 4 rows, then the codes' high bits in 64-byte records of kquant.high_rows rows, both in the
 permuted vectors' byte order: see kquant's module doc) and scales uint8 [P, kquant.panel_scale_bytes] in records
 (kquant.PanelScales; one level a block's: d fp16 [16] (then m); two levels a super-block's: sc [256 / S, 16] (then
 mn), D fp16 [16] (then Dmin)). A weight is d (c - offset) (+ m), d = D sc and m = -(Dmin mn) for two levels.
 
 * `gemv_panels_kq_x8`: x quantized to int8 per 32-block (quant.x_quantizer, as gemv_panels_q4x8), integer dot
-  products of the full codes c = nibble | high bits << 4 with xq: the nibbles are permuted as gemv_panels_q4x8's
-  (each dword one column's 4 k steps), and the vector's high bits are its record's bytes (already in that
-  order) shifted by a constant in 16-bit lanes and masked (`high_bits`), OR'ed into the codes: one dot per vector
+  products of the full codes c = nibble | high bits << 4 with xq: a vector of nibbles is loaded as stored (each
+  dword one column's 4 k steps, gemv_panels_q4x8's order after its shuffles), and its high bits are its record's
+  bytes (in the same order) shifted by a constant in 16-bit lanes and masked (`high_bits`), OR'ed into the codes: one dot per vector
   and nibble half for any code width (u8 codes < 64 times s8: vpmaddubsw's pair sums 2 * 63 * 127 < 2^15). The
   offset (Q5_0's 16, Q6_K's 32) is taken off in the integer sums' start, -offset * sum(xq) over the sub-block.
   Per sub-block the two nibble halves' sums (and their k groups' lanes) become one int32 vector of the panel's 16
@@ -36,7 +36,7 @@ from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch
 from .cpu import PANEL
 from .kquant import PanelScales, high_rows, high_slot, scale_byte_dtype
-from .quant import HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, _vector_perm, check_dot, dot_u8s8, x_quantizer
+from .quant import HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, check_dot, dot_u8s8, x_quantizer
 
 
 def _check_kq(K, N, fmt: WeightFormat):
@@ -113,28 +113,15 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     steps = nbytes // HALF  # k steps per vector (8 or 4)
     kgroups = lanes // HALF
     VS = SB // steps  # vectors per sub-block
-    perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     HR = high_rows(fmt) if planes else B
     offset = fmt.offset
     quantize_x = x_quantizer(K)
     ahead, last = group * VB <= PREFETCH_TASK_BYTES, panels * VB - 1
 
-    def permuted(wf, ctls, p, k0):
-        """The vector of nibble bytes at k0, permuted (_vector_perm). 16 lanes: vpermd (dwords to their 16-byte
-        lanes) then vpshufb (a 4x4 byte transpose in each), their controls read from `ctl` (made at run time, so
-        that LLVM sees no constant shuffles it would duplicate into both nibble halves' paths)."""
-        raw = wf[T.ramp(p * VB + k0 * HALF, 1, nbytes)]
-        if lanes != 16:
-            return T.Shuffle([raw], perm)
-        dw = T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.permvar.si.512", T.reinterpret("int32x16", raw),
-                                     ctls[0][T.ramp(0, 1, 16)])
-        return T.reinterpret(f"uint8x{nbytes}", T.call_llvm_pure_intrin(
-            "int8x64", "llvm.x86.avx512.pshuf.b.512", T.reinterpret("int8x64", dw), ctls[1][T.ramp(64, 1, 64)]))
-
-    def codes(wf, ctls, p, kb, kin, nib_half):
+    def codes(wf, p, kb, kin, nib_half):
         """The permuted vector's codes at row kb * 32 + kin (kin static) (nibble half `nib_half`: 0 low, 1 high)."""
-        nib = permuted(wf, ctls, p, kb * B + kin)
+        nib = wf[T.ramp(p * VB + (kb * B + kin) * HALF, 1, nbytes)]
         c = (nib & m15) if nib_half == 0 else ((nib >> m4) & m15)
         if planes:
             c = c | high_bits(wf, p * VB + K * HALF, fmt, kb * (B // HR) + kin // HR, kin % HR, nib_half, nbytes)
@@ -189,12 +176,6 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
         xc = T.alloc_buffer((nsub, lanes), "int32")
         xpat = T.alloc_buffer((K // steps, lanes), "int32")
         xpat8 = T.decl_buffer((K // steps * nbytes,), "int8", data=xpat.data)
-        ctl = T.alloc_buffer((32,), "int32")  # vpermd's control, then vpshufb's (permuted)
-        ctl8 = T.decl_buffer((128,), "int8", data=ctl.data)
-        for d in range(16):
-            ctl[d] = 2 * (4 * (d // 8) + d % 4) + d // 4 % 2
-        for i in range(64):
-            ctl8[64 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
         quantize_x(x, 0, xq, sx, xsum, 0)
         for sb in range(nsub):
             ssum[sb] = 0
@@ -230,13 +211,13 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
                             for g in T.unroll(group):
                                 part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
                                     dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
-                                    codes(wf, (ctl, ctl8), t * group + g, sup * per_sup + kq,
+                                    codes(wf, t * group + g, sup * per_sup + kq,
                                           (u * VS + o) * steps, 0),
                                     xpat8[T.ramp(((sup * per_sup + kq) * (B // steps) + u * VS + o) * nbytes, 1,
                                                  nbytes)])
                                 part[g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
                                     dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
-                                    codes(wf, (ctl, ctl8), t * group + g, sup * per_sup + kq,
+                                    codes(wf, t * group + g, sup * per_sup + kq,
                                           (u * VS + o) * steps, 1),
                                     xpat8[T.ramp(((sup * per_sup + kq) * (B // steps) + u * VS + o) * nbytes, 1,
                                                  nbytes)])
@@ -287,11 +268,11 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
     Args: x, w, ws, (b), (res), y.
 
     As quant._gemv_q4: a 16-lane vector is two k steps (lanes 0-7 row k, 8-15 row k + 1), against
-    xp = x[k] x8 ++ x[k + 1] x8 (made once per call); the 16 nibble bytes of a k pair are the low codes of columns
-    0-7 and the high ones of columns 8-15, the high bits of the k pair's 4-step group (half a record, shifted and
-    masked as `high_bits`) put in the same lanes by two shuffles per two pairs. Per sub-block the fp32 sums start
-    at -offset * sum(x) (lanes: the even and the odd k) and acc += sum * d (+ m * sum(x) where the format has
-    mins); lanes l and l + 8 are summed in the epilogue."""
+    xp = x[k] x8 ++ x[k + 1] x8 (made once per call). A 4-step group's 32 bytes of nibbles are stored permuted
+    (kquant's panels); its codes (nibble half: the low codes of columns 0-7 or the high ones of 8-15, OR'ed with
+    the group's high bits, half a record shifted and masked as `high_bits`) are put in the k pairs' order by two
+    shuffles a group. Per sub-block the fp32 sums start at -offset * sum(x) (lanes: the even and the odd k) and
+    acc += sum * d (+ m * sum(x) where the format has mins); lanes l and l + 8 are summed in the epilogue."""
     _check_kq(K, N, fmt)
     SB = fmt.block
     nsub = K // SB
@@ -304,28 +285,27 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
     VB = K * 8 + planes * K * 2
     scales = _Scales(fmt, K)
     SBY = scales.row
-    m15, m4 = T.broadcast(T.uint8(15), PANEL), T.broadcast(T.uint8(4), PANEL)
+    m15, m4 = T.broadcast(T.uint8(15), 32), T.broadcast(T.uint8(4), 32)
     HR = high_rows(fmt) if planes else SB
     factor = T.float32(-fmt.offset)
 
     def codes(wf, ctls, p, sb, j4, q, nib_half):
         """Codes of the k pair at row sb * SB + 4 j4 + 2 q (q a Python 0 or 1) as 16 lanes: the low nibbles'
-        columns (0-7) or the high ones' (8-15); lanes 8-15 the second row. The high bits: the pair's 4-step group
-        of its record (kquant.high_slot), shifted and masked, then put in the pairs' order: vpshufb (in each
-        16-byte lane a 4x4 byte transpose: dword r is row r of the lane's 4 columns) and vpermd (the two lanes'
-        dwords interleaved: the group's first pair, then its second), their controls read from `ctls` (made at
-        run time, so that LLVM keeps the two in-lane / dword shuffles for both pairs)."""
-        nib = wf[T.ramp(p * VB + (sb * SB + 4 * j4 + 2 * q) * HALF, 1, PANEL)]
+        columns (0-7) or the high ones' (8-15); lanes 8-15 the second row. The 4-step group's codes (nibbles and
+        high bits, both stored permuted: a dword one column's 4 rows) are put in the pairs' order: vpshufb (in
+        each 16-byte lane a 4x4 byte transpose: dword r is row r of the lane's 4 columns) and vpermd (the two
+        lanes' dwords interleaved: the group's first pair, then its second), their controls read from `ctls`
+        (made at run time, so that LLVM keeps the two shuffles for both pairs)."""
+        nib = wf[T.ramp(p * VB + (sb * SB + 4 * j4) * HALF, 1, 32)]
         c = (nib & m15) if nib_half == 0 else (nib >> m4)
         if planes:
-            high = high_bits(wf, p * VB + K * HALF, fmt, sb * (SB // HR) + 4 * j4 // HR, 4 * j4 % HR, nib_half, 32)
-            rows = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", T.reinterpret("int8x32", high),
-                                           ctls[1][T.ramp(32, 1, 32)])
-            pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.permd", T.reinterpret("int32x8", rows),
-                                            ctls[0][T.ramp(0, 1, 8)])
-            c = c | T.Shuffle([T.reinterpret("uint8x32", pairs)], [tirx.IntImm("int32", PANEL * q + v)
-                                                                  for v in range(PANEL)])
-        return T.Cast(f"float32x{PANEL}", c)
+            c = c | high_bits(wf, p * VB + K * HALF, fmt, sb * (SB // HR) + 4 * j4 // HR, 4 * j4 % HR, nib_half, 32)
+        rows = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", T.reinterpret("int8x32", c),
+                                       ctls[1][T.ramp(32, 1, 32)])
+        pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.permd", T.reinterpret("int32x8", rows),
+                                        ctls[0][T.ramp(0, 1, 8)])
+        return T.Cast(f"float32x{PANEL}", T.Shuffle([T.reinterpret("uint8x32", pairs)],
+                                                     [tirx.IntImm("int32", PANEL * q + v) for v in range(PANEL)]))
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, VB), "uint8"),

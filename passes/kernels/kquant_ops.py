@@ -83,13 +83,14 @@ def _code(low_byte, shift, plane_bytes, bit):
 def _panel_code(w, w32, p, K, k, half, v, fmt: WeightFormat):
     """The code (int32) of panel p's value at row k, column half * 8 + v in the panels layout (w [P, bytes], w32
     its flat uint32 view): the nibble (half 0 low, 1 high), then `fmt`'s bits - 4 high bits from its record's
-    byte (kquant.high_slot) as bits 4 ..: over v the bytes are 4 apart, so they are read as the dwords (column
-    v's 4 rows, contiguous over v) and shifted to row k % 4's byte."""
-    code = (T.Cast("int32", w[p, k * HALF + v]) >> (half * 4)) & 15
+    byte (kquant.high_slot) as bits 4 ..: both stored permuted, so over v a row's bytes are 4 apart; they are
+    read as the dwords (column v's 4 rows, contiguous over v) and shifted to row k % 4's byte."""
     h = fmt.bits - 4
+    vbytes = K * HALF + h * K * 2
+    nibbles = w32[(p * vbytes + k // 4 * 32) // 4 + v]
+    code = T.Cast("int32", (nibbles >> T.Cast("uint32", 8 * (k % 4) + half * 4)) & T.uint32(15))
     if h:
         HR = high_rows(fmt)
-        vbytes = K * HALF + h * K * 2
         dword = w32[(p * vbytes + K * HALF + k // HR * 64 + k % 8 // 4 * 32) // 4 + v]
         high = T.Cast("int32", (dword >> T.Cast("uint32", 8 * (k % 4) + h * (2 * (k % HR // 8) + half)))
                       & T.uint32((1 << h) - 1))
@@ -143,7 +144,7 @@ def _panel_fields(at: PanelScales, base, blk, col):
 def kq_panels_weight(K, N, *, fmt: str) -> _cpu.GemmWeight:
     """`kquant`'s panels layout (pack_panels) as a gemm operand: w uint8 [P, K * 8 + (bits - 4) * K * 2], ws uint8
     [P, panel_scale_bytes]; a task dequantizes its tile_panels panels into fp32 [tile_panels, K, 16] k step by k
-    step (per k: 8 bytes of nibbles, the high bits' bytes of its record (kquant.high_slot), the block's scales)."""
+    step (per k: its nibbles' bytes, the high bits' bytes of its record (kquant.high_slot), the block's scales)."""
     f = kq_format(fmt)
     _check_length(f, K, "K")
     panels = -(-N // PANEL)
