@@ -43,11 +43,10 @@ import numpy as np
 
 from runtime.artifact import aligned_copy, aligned_zeros, cpu_model_name
 from runtime.calls import Call, Role
-from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
+from runtime.dtypes import FILE_FORMATS, WEIGHT_FORMATS, WeightFormat
 
 from . import costmodel
 from .cache import cache_dir
-from .kernels.kquant_ops import KQ_FORMATS
 from .targets import CpuIsa, CpuRates, KernelRate, host_cpu_isa
 
 # [K, N] of the timed GEMVs: a 1-3B model's projection, a small model's, and an output layer's short K and wide N
@@ -59,7 +58,7 @@ STREAM_BYTES = 64 << 20  # weight bytes cycled through per measurement, at least
 ROUNDS = 5  # rounds of one call per copy, in each pass
 PASSES = 3  # passes over every kernel: a shared machine's bandwidth drifts over seconds; medians over all rounds
 COLUMN_KEPT = (0.2, 0.6)  # the kept shares a threshold call is timed at (its fixed cost and its per-byte rate)
-COLUMN_FORMATS = ("fp32", "fp16", "int8", "int4", "int4a", *KQ_FORMATS)  # the formats column kernels read rows of
+COLUMN_FORMATS = ("fp32", "fp16", "int8", "int4", "int4a", *FILE_FORMATS)  # the formats column kernels read rows of
 ENABLED_ENV = "PICOMPILE_MEASURED_RATES"
 
 

@@ -132,6 +132,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
 }
 # The formats a build may round float weights into (--weight-dtype's choices besides auto)
 ROUNDABLE_FORMATS = tuple(name for name, fmt in WEIGHT_FORMATS.items() if not fmt.kept_from_file)
+# The formats that only keep a model file's own blocks (passes.kernels.kquant's kernels read them)
+FILE_FORMATS = tuple(name for name, fmt in WEIGHT_FORMATS.items() if fmt.kept_from_file)
 # --weight-dtype's default: the format the model file stores its weights in (`compiler.resolve_weight_dtype`)
 AUTO_WEIGHT_DTYPE = "auto"
 # How a build rounds float weights into the quantized formats (--quant-method): "awq" scales FFN input channels

@@ -14,11 +14,11 @@ from passes.kernels.kquant import column_row_bytes, pack_columns, unpack_columns
 from passes.kernels.kquant_columns import scratch_columns
 from passes.kernels.neuron import COLUMN_TASKS
 from passes.targets import host_cpu_isa
-from runtime.dtypes import WEIGHT_FORMATS
+from runtime.dtypes import FILE_FORMATS, WEIGHT_FORMATS
 from test_kernels import aligned, call, rand
 from test_kquant_ops import random_blocks
 
-FORMATS = kquant_ops.KQ_FORMATS
+FORMATS = FILE_FORMATS
 K, N = 512, 288  # N: a last group of high bits with 1 of its 8 blocks (288 = 256 + 32)
 GATED_N = 320  # gate | up halves of 160
 BATCH = 3

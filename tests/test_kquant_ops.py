@@ -14,10 +14,10 @@ from passes.kernels import cpu, kquant_ops, ops
 from passes.kernels.kquant import KBlocks, pack_panels, pack_rows
 from passes.targets import CPU_ISAS
 from runtime.artifact import cpu_flags
-from runtime.dtypes import WEIGHT_FORMATS
+from runtime.dtypes import FILE_FORMATS, WEIGHT_FORMATS
 from test_kernels import MAX_ROWS, aligned, call, rand, rows_buf
 
-FORMATS = kquant_ops.KQ_FORMATS
+FORMATS = FILE_FORMATS
 K, N, M = 512, 40, 5  # N: a padded last panel
 GEMMS = {  # name: (N, bias, act, residual, tile_panels or None: the ISA's)
     "plain": (N, False, "none", False, None),

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from runtime.dtypes import WEIGHT_FORMATS, WeightFormat
+from runtime.dtypes import FILE_FORMATS, WEIGHT_FORMATS, WeightFormat
 
 from . import cpu as _cpu, kquant_gemm, kquant_gemv
 from .compute import clamp_index, drop_params, row_dim, scaled_row
 from .cpu import PANEL
 from .kquant import PanelScales, high_rows, panel_scale_bytes
 
-KQ_FORMATS = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # the formats these kernels read
 HALF = PANEL // 2  # a panel's k step: bytes holding columns v (low nibble) and v + 8 (high)
 ROW_BLOCK = 32  # the rows layout's nibbles come in Q4_0's 32-element groups, whatever the format's block
 ROW_LANES = ROW_BLOCK // 2  # embed_kq's vectors: one half of such a group (the low or the high nibbles)
@@ -38,8 +37,8 @@ def kq_format(fmt: str) -> WeightFormat:
     """The kept format named `fmt` (the makers' argument)."""
     if not isinstance(fmt, str):
         raise TypeError(f"fmt is a format's name (kernel specs are data), got {fmt!r}")
-    if fmt not in KQ_FORMATS:
-        raise ValueError(f"{fmt!r} is not a format kept from a file; these kernels read {', '.join(KQ_FORMATS)}")
+    if fmt not in FILE_FORMATS:
+        raise ValueError(f"{fmt!r} is not a format kept from a file; these kernels read {', '.join(FILE_FORMATS)}")
     return WEIGHT_FORMATS[fmt]
 
 
