@@ -69,9 +69,11 @@ def test_layouts_hold_every_value_where_the_module_says(name):
     assert np.all(panel_scales[1, :, 4:] == 0)
     if fmt.bits == 8:
         assert panels.shape == (2, 64, 16) and panels[1, 40, 2] == q[40, 18]
-    else:  # byte v of a panel row: column v low, column v + 8 high
-        assert panels.shape == (2, 64, 8) and panels[0, 40, 2] & 0xF == q[40, 2] + 8
-        assert panels[0, 40, 2] >> 4 == q[40, 10] + 8
+    else:  # in groups of 4 rows: byte 4 v + j of group g is row 4 g + j's column v (low) and v + 8 (high)
+        flat = panels[0].reshape(-1)
+        assert panels.shape == (2, 64, 8) and flat[10 * 32 + 4 * 2 + 1] & 0xF == q[41, 2] + 8
+        assert flat[10 * 32 + 4 * 2 + 1] >> 4 == q[41, 10] + 8
+        assert flat[quant.int4_panel_byte(41, 2)] == flat[10 * 32 + 4 * 2 + 1]
 
 
 @pytest.mark.parametrize("axis", [0, 1])

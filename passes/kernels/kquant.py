@@ -17,8 +17,8 @@ super-block) shaped like it with the block axis divided. It is packed for the ke
   (P = ceil(N / 16); padded columns have codes `offset`, so q = 0, and zero scales). Per panel the values are
   uint8 [K * 8 + (bits - 4) * K * 2]: first the low nibbles in groups of 4 rows [K / 4, 8, 4] (byte 4 v + j of
   group g: row 4 g + j's column v's c & 15 in the low nibble, column v + 8's in the high one), so that a dword is
-  one column pair's 4 consecutive k steps: the int8-activation kernels' permuted vector (quant._vector_perm; a
-  64-byte one is two groups) as stored, loaded with no shuffle; then the high bits c >> 4 (`bits - 4` = h of them
+  one column pair's 4 consecutive k steps (`group_rows`, as int4's panels), as the int8-activation kernels dot
+  them: they load a vector with no shuffle; then the high bits c >> 4 (`bits - 4` = h of them
   a code) in records of 64 bytes, one per HR = 32 / h rows (`high_rows`: Q6_K 16, the 5-bit formats 32), in the
   same permuted order: byte e of record r holds 8 / h slots, slot i (bits h i .. h i + h - 1) the
   high bits of the code at row HR r + 8 (i // 2) + 4 (e // 32) + e % 4, column (e // 4) % 8 + 8 (i % 2). So a
@@ -251,6 +251,19 @@ class PanelScales:
         return s * self.record + self.sup_min_at
 
 
+def group_rows(nibbles: np.ndarray) -> np.ndarray:
+    """Panels' bytes [P, K, 8] (row k, byte v: columns v and v + 8) in groups of 4 rows, [P, K / 4, 8, 4] in the
+    same shape: the order the kq panels (and quant's int4 panels) store (a dword one column pair's 4 consecutive rows)."""
+    P, K, width = nibbles.shape
+    return np.ascontiguousarray(nibbles.reshape(P, K // 4, 4, width).transpose(0, 1, 3, 2)).reshape(P, K, width)
+
+
+def ungroup_rows(grouped: np.ndarray) -> np.ndarray:
+    """The [P, K, 8] bytes `group_rows` grouped."""
+    P, K, width = grouped.shape
+    return np.ascontiguousarray(grouped.reshape(P, K // 4, width, 4).transpose(0, 1, 3, 2)).reshape(P, K, width)
+
+
 def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
     """(values uint8 [P, K * 8 + (bits - 4) * K * 2], scales uint8 [P, bytes]) of a [K, N] matrix blocked along K
     (see the module doc)."""
@@ -263,7 +276,7 @@ def pack_panels(blocks: KBlocks) -> tuple[np.ndarray, np.ndarray]:
     codes[:, :N] = blocks.codes
     panels = codes.reshape(K, P, PANEL).transpose(1, 0, 2)  # [P, K, 16]
     low = panels & 0x0F
-    nibbles = (low[..., :8] | (low[..., 8:] << 4)).reshape(P, K // 4, 4, 8).transpose(0, 1, 3, 2).reshape(P, K * 8)
+    nibbles = group_rows(low[..., :8] | (low[..., 8:] << 4)).reshape(P, K * 8)
     planes = []
     if fmt.bits > 4:
         h, HR = fmt.bits - 4, high_rows(fmt)
@@ -311,7 +324,7 @@ def panel_scale_bytes(fmt: WeightFormat, K: int) -> int:
 def unpack_panels(values: np.ndarray, scales: np.ndarray, fmt: WeightFormat, K: int, N: int) -> KBlocks:
     """The KBlocks `pack_panels` packed (the inverse, for tests and references)."""
     P = values.shape[0]
-    nib = values[:, : K * 8].reshape(P, K // 4, 8, 4).transpose(0, 1, 3, 2).reshape(P, K, 8)
+    nib = ungroup_rows(values[:, : K * 8].reshape(P, K, 8))
     codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)  # [P, K, 16]
     if fmt.bits > 4:
         h, HR = fmt.bits - 4, high_rows(fmt)

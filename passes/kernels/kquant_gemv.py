@@ -76,8 +76,8 @@ class _Scales:
 
 
 def high_bits(wf, start, fmt: WeightFormat, rec, row, half, nbytes):
-    """The high bits (<< 4) of the codes of a permuted vector of nibbles (quant._vector_perm; nbytes 64: 8 k steps,
-    32: 4) from row `row` (a multiple of nbytes // 8; an expression of unrolled loops', so the shifts fold to
+    """The high bits (<< 4) of the codes of a vector of nibbles (stored grouped, kquant.group_rows; nbytes 64: 8
+    k steps, 32: 4) from row `row` (a multiple of nbytes // 8; an expression of unrolled loops', so the shifts fold to
     constants) of high-bit record `rec` of the panel whose high bits start at wf[start], nibble half `half`
     (kquant.high_slot): one load, one shift (in 16-bit lanes: the mask drops what crosses bytes) and a mask."""
     h = fmt.bits - 4

@@ -11,10 +11,11 @@ axis divided by the block) and packed into the layout of the kernel that reads i
   (Q4_0's order), each as q + 8 (int4a: q, in [0, 15]). Scales [R, C / 32]; int4a's scales and mins
   interleaved, [R, 2 C / 32] (d and m of block b at 2b and 2b + 1, as Q4_1 keeps them beside each other).
 * panels (`pack_panels`): a dense linear's [K, N] weight, blocks along the reduction axis K (axis 0), cut
-  into panels of PANEL columns like `cpu.pack_panels`. int8: q [P, K, 16] int8; int4: q [P, K, 8] uint8,
-  byte v holding column v of the panel in the low nibble and column v + 8 in the high one, each as q + 8
-  (int4a: q). Scales [P, K / 32, 16]; int4a's [P, K / 32, 32], a block's 16 scales then its 16 mins (one
-  64-byte line). Padded columns are 0 with scale 0 (and min 0).
+  into panels of PANEL columns like `cpu.pack_panels`. int8: q [P, K, 16] int8; int4: q [P, K, 8] uint8 in
+  groups of 4 rows (byte 4 v + j of group g: row 4 g + j's column v in the low nibble and column v + 8 in the
+  high one, each as q + 8; int4a: q; kquant.group_rows), so that a dword is one column pair's 4 consecutive k
+  steps, as the int8-activation kernels dot them: they load a vector with no shuffle. Scales [P, K / 32, 16];
+  int4a's [P, K / 32, 32], a block's 16 scales then its 16 mins (one 64-byte line). Padded columns are 0 with scale 0 (and min 0).
 
 A quantized axis must be a whole number of blocks (`quantizable`); other weights stay in floats.
 
@@ -41,6 +42,7 @@ from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat, dequantize_bl
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch, row_dim
 from .cpu import PANEL
+from .kquant import group_rows
 
 
 def quantizable(shape, axis: int, block: int = QUANT_BLOCK) -> bool:
@@ -307,7 +309,13 @@ def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat, mins: np.n
         return np.ascontiguousarray(q_panels), s_panels
     stored = (q_panels.astype(np.int16) + fmt.offset).astype(np.uint8)
     half = PANEL // 2
-    return np.ascontiguousarray(stored[..., :half] | (stored[..., half:] << 4)), s_panels
+    return group_rows(stored[..., :half] | (stored[..., half:] << 4)), s_panels
+
+
+def int4_panel_byte(k, v):
+    """Where the byte of row k, columns v and v + 8 is in a panel of int4 (kquant.group_rows: k's 4-row group, then
+    v's dword, then k's byte in it): the flat offset from the panel's start."""
+    return k // 4 * (4 * HALF) + 4 * v + k % 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,9 +413,12 @@ def _gemv_q8(K, N, panels, group, sdtype, epilogue):
 
 
 def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
-    """gemv_panels_q's int4 kernel. It reads two k steps (16 bytes) per vector: lanes 0-7 are row k, 8-15 row
-    k + 1, so a k pair's low nibbles are one vector (columns 0-7) and its high nibbles another (columns 8-15),
-    against x[k] x8 ++ x[k+1] x8 (xp, made once per call); lanes l and l + 8 are summed in the epilogue. The +8
+    """gemv_panels_q's int4 kernel. It computes two k steps per vector: lanes 0-7 are row k, 8-15 row k + 1, so a
+    k pair's low nibbles are one vector (columns 0-7) and its high nibbles another (columns 8-15), against
+    x[k] x8 ++ x[k+1] x8 (xp, made once per call); lanes l and l + 8 are summed in the epilogue. A 4-row group's
+    32 bytes (stored permuted: a dword one column pair's 4 rows) are put in the pairs' order by vpshufb (in each
+    16-byte lane a 4x4 byte transpose) and vpermd (the lanes' dwords interleaved), their controls read from
+    `ctl` (made at run time, so that LLVM keeps the two shuffles for both nibble halves and pairs). The +8
     offset is folded into the block sums' start, -8 * sum(x) over the block (xc). int4a (`has_min`): xc holds
     the block sums of x themselves (lanes 0-7 the even k, 8-15 the odd), and each block adds m * xc to the
     accumulators beside d * its sums: sum_k (d q_k + m) x_k = d sum_k q_k x_k + m sum_k x_k."""
@@ -423,6 +434,12 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
         qf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
         xp = T.alloc_buffer((K // 2, PANEL), "float32")
         xc = T.alloc_buffer((nb, PANEL), "float32")
+        ctl = T.alloc_buffer((16,), "int32")  # vpermd's control, then vpshufb's
+        ctl8 = T.decl_buffer((64,), "int8", data=ctl.data)
+        for d in range(8):
+            ctl[d] = d % 2 * 4 + d // 2
+        for i in range(32):
+            ctl8[32 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
         for j in range(K // 2):
             for v in T.vectorized(PANEL):
                 xp[j, v] = x[0, 2 * j + v // HALF]
@@ -445,13 +462,20 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
                             part[g, h, v] = T.float32(0)
                         else:
                             part[g, h, v] = xc[kb, v]
-                for j in T.unroll(B // 2):
+                for j4 in T.unroll(B // 4):
                     for g in T.unroll(group):
-                        for v in T.vectorized(PANEL):
-                            part[g, 0, v] = part[g, 0, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
-                                qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] & T.uint8(15))
-                            part[g, 1, v] = part[g, 1, v] + xp[kb * (B // 2) + j, v] * T.Cast("float32",
-                                qf[((t * group + g) * K + kb * B + 2 * j) * HALF + v] >> T.uint8(4))
+                        part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
+                            kb * (B // 2) + 2 * j4, T.ramp(0, 1, PANEL)] * _k_pair(
+                                qf, (ctl, ctl8), ((t * group + g) * K + kb * B + 4 * j4) * HALF, 0, 0)
+                        part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
+                            kb * (B // 2) + 2 * j4, T.ramp(0, 1, PANEL)] * _k_pair(
+                                qf, (ctl, ctl8), ((t * group + g) * K + kb * B + 4 * j4) * HALF, 0, 1)
+                        part[g, 0, T.ramp(0, 1, PANEL)] = part[g, 0, T.ramp(0, 1, PANEL)] + xp[
+                            kb * (B // 2) + 2 * j4 + 1, T.ramp(0, 1, PANEL)] * _k_pair(
+                                qf, (ctl, ctl8), ((t * group + g) * K + kb * B + 4 * j4) * HALF, 1, 0)
+                        part[g, 1, T.ramp(0, 1, PANEL)] = part[g, 1, T.ramp(0, 1, PANEL)] + xp[
+                            kb * (B // 2) + 2 * j4 + 1, T.ramp(0, 1, PANEL)] * _k_pair(
+                                qf, (ctl, ctl8), ((t * group + g) * K + kb * B + 4 * j4) * HALF, 1, 1)
                 for g, h, half in T.grid(group, 2, 2):
                     for c in T.vectorized(HALF):
                         acc[g, h, half * HALF + c] = acc[g, h, half * HALF + c] + part[g, h, half * HALF + c] * load_f32(
@@ -470,6 +494,20 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
     return kernel
 
 
+def _k_pair(qf, ctls, start, q, nib_half):
+    """The fp32 codes of k pair q (0 or 1) of the 4-row group of int4 panel bytes at qf[start] as 16 lanes
+    (lanes 0-7 the pair's first row, 8-15 its second; nibble half 0: columns 0-7, 1: 8-15), put in the pairs'
+    order from the stored permuted group by vpshufb and vpermd (controls from `ctls`, made at run time)."""
+    raw = qf[T.ramp(start, 1, 4 * HALF)]
+    codes = (raw & T.broadcast(T.uint8(15), 4 * HALF)) if nib_half == 0 else (raw >> T.broadcast(T.uint8(4), 4 * HALF))
+    rows = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", T.reinterpret("int8x32", codes),
+                                   ctls[1][T.ramp(32, 1, 32)])
+    pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.permd", T.reinterpret("int32x8", rows),
+                                    ctls[0][T.ramp(0, 1, 8)])
+    return T.Cast(f"float32x{PANEL}", T.Shuffle([T.reinterpret("uint8x32", pairs)],
+                                                 [tirx.IntImm("int32", PANEL * q + v) for v in range(PANEL)]))
+
+
 # int8 activations for int4 weights: x is quantized per 32-block (ORT's accuracy_level 4, llama.cpp's Q8_0 x)
 # and the block sums are integer dot products of the stored bytes (u8, q + 8) with x's (s8), a vector of
 # `lanes` int32 lanes (16: AVX-512, 8: AVX2) at a time: 4 * lanes bytes of a panel, lanes / 2 k steps.
@@ -478,12 +516,6 @@ DOTS = {  # (dot, lanes): the LLVM intrinsics of sum_j a[4 l + j] * b[4 l + j], 
     ("madd", 16): ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),  # AVX512BW
     ("madd", 8): ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),  # AVX2
 }
-
-
-def _vector_perm(lanes):
-    """Byte e = 4 l + j of a permuted vector: column l % 8 at k step 4 (l // 8) + j of the vector's k steps (8
-    bytes each), so each dword holds one column's 4 consecutive k steps."""
-    return [8 * (4 * (e // 32) + e % 4) + (e // 4) % 8 for e in range(4 * lanes)]
 
 
 def dot_u8s8(dot, lanes, acc, a, b):
@@ -561,7 +593,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     Per call (serial prologue): x's block scales sx = max|x| / 127, xq = round(x / sx), -8 * sum(xq) per block
     (the stored offset, folded into the integer sums' start) and xpat, xq's dwords laid out as the permuted
     weights' (with 16 lanes: lanes 0-7 k steps 0-3 of the vector, lanes 8-15 k steps 4-7). Per task and block,
-    each vector of a panel is permuted so each dword holds one column's 4 k steps (_vector_perm), split into
+    each vector of a panel (stored grouped: each dword one column pair's 4 k steps) is split into
     low and high nibbles and dotted with xpat into int32 accumulators; then acc += float(sum) * ws * sx, once
     per block; lanes l and l + 8 (16 lanes) are summed in the epilogue. int4a (`has_min`, ws [P, K / 32, 32]:
     the scales then the mins): the sums start at 0 (no offset) and each block adds m * sx * sum(xq) (x's block
@@ -579,7 +611,6 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     nbytes = 4 * lanes  # bytes per vector
     steps = nbytes // HALF  # k steps per vector
     kgroups = lanes // HALF  # 4-step k groups per vector (lanes l and l + 8 hold different ones)
-    perm = [tirx.IntImm("int32", i) for i in _vector_perm(lanes)]
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     offset = 0 if has_min else INT4_OFFSET
     quantize_x = x_quantizer(K)
@@ -622,13 +653,11 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
                     for g in T.unroll(group):
                         part[g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
                             dot, lanes, part[g, 0, T.ramp(0, 1, lanes)],
-                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * HALF, 1, nbytes)]],
-                                      perm) & m15,
+                            wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * HALF, 1, nbytes)] & m15,
                             xpat8[T.ramp((kb * (B // steps) + o) * nbytes, 1, nbytes)])
                         part[g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
                             dot, lanes, part[g, 1, T.ramp(0, 1, lanes)],
-                            T.Shuffle([wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * HALF, 1, nbytes)]],
-                                      perm) >> m4,
+                            wf[T.ramp(((t * group + g) * K + kb * B + o * steps) * HALF, 1, nbytes)] >> m4,
                             xpat8[T.ramp((kb * (B // steps) + o) * nbytes, 1, nbytes)])
                 for g, h, kg in T.grid(group, 2, kgroups):
                     for c in T.vectorized(HALF):
@@ -757,8 +786,7 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
     kgroups = steps // 4  # 4-step k groups per vector (int4: lanes 0-7 the first, 8-15 the second)
     CW = lanes // kgroups  # columns per sum vector
     offset = (0 if has_min else INT4_OFFSET) if int4 else 128  # int8: q ^ 0x80 = q + 128, the unsigned operand
-    perm = [tirx.IntImm("int32", i) for i in (_vector_perm(lanes) if int4 else
-                                               [PANEL * (e % 4) + e // 4 for e in range(4 * lanes)])]
+    perm = [tirx.IntImm("int32", PANEL * (e % 4) + e // 4) for e in range(4 * lanes)]  # int8's (int4: stored so)
     m15, m4 = T.broadcast(T.uint8(15), 64), T.broadcast(T.uint8(4), 64)
     flip = T.broadcast(T.uint8(128), 64)
     quantize_x = x_quantizer(K)
@@ -770,7 +798,8 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
         # (a shuffle has no more lanes than its operands: the copies only make up the width)
 
     def weights(wf, p, k0):  # a panel's 64 bytes at k0, permuted to column dwords
-        return T.Shuffle([wf[T.ramp((p * K + k0) * kbytes, 1, 64)]], perm)
+        raw = wf[T.ramp((p * K + k0) * kbytes, 1, 64)]
+        return raw if int4 else T.Shuffle([raw], perm)
 
     @T.prim_func
     def kernel(x_h: T.handle, w: T.Buffer((panels, K, kbytes), "uint8" if int4 else "int8"),
@@ -890,7 +919,7 @@ def _check(K, N, bits, axis_len, axis, has_min=False):
 def panels_weight(K, N, *, bits, sdtype="float16", has_min=False) -> _cpu.GemmWeight:
     """The quant panels layout (pack_panels) as a gemm operand: w [P, K, 16] int8 / [P, K, 8] uint8,
     ws [P, K / 32, 16] (int4a: [P, K / 32, 32], the scales then the mins); a task dequantizes its panels k step
-    by k step (one 64 B line of packed per k)."""
+    by k step (int8: one 64 B line of packed per k; int4: a k's bytes are 4 apart, int4_panel_byte)."""
     _check(K, N, bits, K, "K", has_min)
     panels, B = -(-N // PANEL), QUANT_BLOCK
     offset = 0 if has_min else INT4_OFFSET
@@ -904,13 +933,15 @@ def panels_weight(K, N, *, bits, sdtype="float16", has_min=False) -> _cpu.GemmWe
                         packed[q, k, v] = _int8(w[p * tile_panels + q, k, v]) * load_f32(
                             ws[p * tile_panels + q, k // B, v], sdtype)
                 else:
+                    wf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
                     for v in T.vectorized(HALF):
                         packed[q, k, v] = _dequantized(
-                            _int4(w[p * tile_panels + q, k, v], 0, offset), ws, (p * tile_panels + q, k // B, v),
-                            (p * tile_panels + q, k // B, PANEL + v), sdtype, has_min)
+                            _int4(wf[(p * tile_panels + q) * K * HALF + int4_panel_byte(k, v)], 0, offset), ws,
+                            (p * tile_panels + q, k // B, v), (p * tile_panels + q, k // B, PANEL + v), sdtype, has_min)
                         packed[q, k, HALF + v] = _dequantized(
-                            _int4(w[p * tile_panels + q, k, v], 1, offset), ws, (p * tile_panels + q, k // B, HALF + v),
-                            (p * tile_panels + q, k // B, PANEL + HALF + v), sdtype, has_min)
+                            _int4(wf[(p * tile_panels + q) * K * HALF + int4_panel_byte(k, v)], 1, offset), ws,
+                            (p * tile_panels + q, k // B, HALF + v), (p * tile_panels + q, k // B, PANEL + HALF + v),
+                            sdtype, has_min)
 
         return pack
 
