@@ -21,6 +21,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+
 T = gguf.GGMLQuantizationType
 
 
