@@ -253,7 +253,7 @@ class PanelScales:
 
 def group_rows(nibbles: np.ndarray) -> np.ndarray:
     """Panels' bytes [P, K, 8] (row k, byte v: columns v and v + 8) in groups of 4 rows, [P, K / 4, 8, 4] in the
-    same shape: the order the kq panels (and quant's int4 panels) store (a dword one column pair's 4 consecutive rows)."""
+    same shape: the order the kq panels (and quant's int4 panels) store, a dword one column pair's 4 rows."""
     P, K, width = nibbles.shape
     return np.ascontiguousarray(nibbles.reshape(P, K // 4, 4, width).transpose(0, 1, 3, 2)).reshape(P, K, width)
 

@@ -8,10 +8,10 @@ mn), D fp16 [16] (then Dmin)). A weight is d (c - offset) (+ m), d = D sc and m 
 
 * `gemv_panels_kq_x8`: x quantized to int8 per 32-block (quant.x_quantizer, as gemv_panels_q4x8), integer dot
   products of the full codes c = nibble | high bits << 4 with xq: a vector of nibbles is loaded as stored (each
-  dword one column's 4 k steps, gemv_panels_q4x8's order after its shuffles), and its high bits are its record's
-  bytes (in the same order) shifted by a constant in 16-bit lanes and masked (`high_bits`), OR'ed into the codes: one dot per vector
-  and nibble half for any code width (u8 codes < 64 times s8: vpmaddubsw's pair sums 2 * 63 * 127 < 2^15). The
-  offset (Q5_0's 16, Q6_K's 32) is taken off in the integer sums' start, -offset * sum(xq) over the sub-block.
+  dword one column's 4 k steps), and its high bits are its record's bytes (in the same order) shifted by a
+  constant in 16-bit lanes and masked (`high_bits`), OR'ed into the codes: one dot per vector and nibble half
+  for any code width (u8 codes < 64 times s8: vpmaddubsw's pair sums 2 * 63 * 127 < 2^15). The offset (Q5_0's
+  16, Q6_K's 32) is taken off in the integer sums' start, -offset * sum(xq) over the sub-block.
   Per sub-block the two nibble halves' sums (and their k groups' lanes) become one int32 vector of the panel's 16
   columns (two shuffles and an add), scaled in 16-lane fp32: one level acc += float(sum) * d * sx (+ m * xs, xs
   = sx * sum(xq)); two levels the super-block's sums asb += float(sum) * float(sc) * sx (Q6_K: its two 16-row
@@ -36,7 +36,8 @@ from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch
 from .cpu import PANEL
 from .kquant import PanelScales, high_rows, high_slot, scale_byte_dtype
-from .quant import HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, check_dot, dot_u8s8, x_quantizer
+from .quant import (HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, check_dot, dot_u8s8, pair_controls, pair_of_group,
+                    x_quantizer)
 
 
 def _check_kq(K, N, fmt: WeightFormat):
@@ -292,20 +293,12 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
     def codes(wf, ctls, p, sb, j4, q, nib_half):
         """Codes of the k pair at row sb * SB + 4 j4 + 2 q (q a Python 0 or 1) as 16 lanes: the low nibbles'
         columns (0-7) or the high ones' (8-15); lanes 8-15 the second row. The 4-step group's codes (nibbles and
-        high bits, both stored permuted: a dword one column's 4 rows) are put in the pairs' order: vpshufb (in
-        each 16-byte lane a 4x4 byte transpose: dword r is row r of the lane's 4 columns) and vpermd (the two
-        lanes' dwords interleaved: the group's first pair, then its second), their controls read from `ctls`
-        (made at run time, so that LLVM keeps the two shuffles for both pairs)."""
+        high bits, both stored grouped) are put in the pairs' order by quant.pair_of_group."""
         nib = wf[T.ramp(p * VB + (sb * SB + 4 * j4) * HALF, 1, 32)]
         c = (nib & m15) if nib_half == 0 else (nib >> m4)
         if planes:
             c = c | high_bits(wf, p * VB + K * HALF, fmt, sb * (SB // HR) + 4 * j4 // HR, 4 * j4 % HR, nib_half, 32)
-        rows = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", T.reinterpret("int8x32", c),
-                                       ctls[1][T.ramp(32, 1, 32)])
-        pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.permd", T.reinterpret("int32x8", rows),
-                                        ctls[0][T.ramp(0, 1, 8)])
-        return T.Cast(f"float32x{PANEL}", T.Shuffle([T.reinterpret("uint8x32", pairs)],
-                                                     [tirx.IntImm("int32", PANEL * q + v) for v in range(PANEL)]))
+        return pair_of_group(c, ctls, q)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, VB), "uint8"),
@@ -317,12 +310,9 @@ def gemv_panels_kq(name, K, N, *, fmt: WeightFormat, bias=False, act="none", res
         wsh = T.decl_buffer((panels * SBY // 2,), "float16", data=ws.data)
         xp = T.alloc_buffer((K // 2, PANEL), "float32")
         xsm = T.alloc_buffer((nsub, PANEL), "float32")
-        ctl = T.alloc_buffer((16,), "int32")  # vpermd's control, then vpshufb's
+        ctl = T.alloc_buffer((16,), "int32")
         ctl8 = T.decl_buffer((64,), "int8", data=ctl.data)
-        for d in range(8):
-            ctl[d] = d % 2 * 4 + d // 2
-        for i in range(32):
-            ctl8[32 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
+        pair_controls(ctl, ctl8)
         for j in range(K // 2):
             for v in T.vectorized(PANEL):
                 xp[j, v] = x[0, 2 * j + v // HALF]

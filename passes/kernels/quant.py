@@ -15,7 +15,8 @@ axis divided by the block) and packed into the layout of the kernel that reads i
   groups of 4 rows (byte 4 v + j of group g: row 4 g + j's column v in the low nibble and column v + 8 in the
   high one, each as q + 8; int4a: q; kquant.group_rows), so that a dword is one column pair's 4 consecutive k
   steps, as the int8-activation kernels dot them: they load a vector with no shuffle. Scales [P, K / 32, 16];
-  int4a's [P, K / 32, 32], a block's 16 scales then its 16 mins (one 64-byte line). Padded columns are 0 with scale 0 (and min 0).
+  int4a's [P, K / 32, 32], a block's 16 scales then its 16 mins (one 64-byte line). Padded columns are 0 with
+  scale 0 (and min 0).
 
 A quantized axis must be a whole number of blocks (`quantizable`); other weights stay in floats.
 
@@ -416,9 +417,8 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
     """gemv_panels_q's int4 kernel. It computes two k steps per vector: lanes 0-7 are row k, 8-15 row k + 1, so a
     k pair's low nibbles are one vector (columns 0-7) and its high nibbles another (columns 8-15), against
     x[k] x8 ++ x[k+1] x8 (xp, made once per call); lanes l and l + 8 are summed in the epilogue. A 4-row group's
-    32 bytes (stored permuted: a dword one column pair's 4 rows) are put in the pairs' order by vpshufb (in each
-    16-byte lane a 4x4 byte transpose) and vpermd (the lanes' dwords interleaved), their controls read from
-    `ctl` (made at run time, so that LLVM keeps the two shuffles for both nibble halves and pairs). The +8
+    32 bytes (stored grouped: a dword one column pair's 4 rows) are put in the pairs' order by two shuffles
+    (`pair_of_group`). The +8
     offset is folded into the block sums' start, -8 * sum(x) over the block (xc). int4a (`has_min`): xc holds
     the block sums of x themselves (lanes 0-7 the even k, 8-15 the odd), and each block adds m * xc to the
     accumulators beside d * its sums: sum_k (d q_k + m) x_k = d sum_k q_k x_k + m sum_k x_k."""
@@ -434,12 +434,9 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
         qf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
         xp = T.alloc_buffer((K // 2, PANEL), "float32")
         xc = T.alloc_buffer((nb, PANEL), "float32")
-        ctl = T.alloc_buffer((16,), "int32")  # vpermd's control, then vpshufb's
+        ctl = T.alloc_buffer((16,), "int32")
         ctl8 = T.decl_buffer((64,), "int8", data=ctl.data)
-        for d in range(8):
-            ctl[d] = d % 2 * 4 + d // 2
-        for i in range(32):
-            ctl8[32 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
+        pair_controls(ctl, ctl8)
         for j in range(K // 2):
             for v in T.vectorized(PANEL):
                 xp[j, v] = x[0, 2 * j + v // HALF]
@@ -494,18 +491,36 @@ def _gemv_q4(K, N, panels, group, sdtype, epilogue, has_min=False):
     return kernel
 
 
-def _k_pair(qf, ctls, start, q, nib_half):
-    """The fp32 codes of k pair q (0 or 1) of the 4-row group of int4 panel bytes at qf[start] as 16 lanes
-    (lanes 0-7 the pair's first row, 8-15 its second; nibble half 0: columns 0-7, 1: 8-15), put in the pairs'
-    order from the stored permuted group by vpshufb and vpermd (controls from `ctls`, made at run time)."""
-    raw = qf[T.ramp(start, 1, 4 * HALF)]
-    codes = (raw & T.broadcast(T.uint8(15), 4 * HALF)) if nib_half == 0 else (raw >> T.broadcast(T.uint8(4), 4 * HALF))
+@T.macro
+def pair_controls(ctl, ctl8):
+    """`pair_of_group`'s shuffle controls into ctl int32 [16] (vpermd's, then vpshufb's in its bytes 32 .. 63,
+    ctl8 its int8 view), made at run time so that LLVM keeps one pair of shuffles for both pairs of a group."""
+    for d in range(8):
+        ctl[d] = d % 2 * 4 + d // 2
+    for i in range(32):
+        ctl8[32 + i] = T.Cast("int8", 4 * (i % 4) + i % 16 // 4)
+
+
+def pair_of_group(codes, ctls, q):
+    """The fp32 codes of k pair q (a Python 0 or 1) of a 4-row group's 32 code bytes in the stored (grouped)
+    order (`codes` uint8x32: a dword one column's 4 rows) as 16 lanes, lanes 0-7 the pair's first row and 8-15
+    its second: vpshufb (in each 16-byte lane a 4x4 byte transpose: dword r is row r of the lane's 4 columns)
+    and vpermd (the two lanes' dwords interleaved: the group's first pair, then its second), controls from
+    `ctls` (`pair_controls`)."""
     rows = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b", T.reinterpret("int8x32", codes),
                                    ctls[1][T.ramp(32, 1, 32)])
     pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.permd", T.reinterpret("int32x8", rows),
                                     ctls[0][T.ramp(0, 1, 8)])
     return T.Cast(f"float32x{PANEL}", T.Shuffle([T.reinterpret("uint8x32", pairs)],
                                                  [tirx.IntImm("int32", PANEL * q + v) for v in range(PANEL)]))
+
+
+def _k_pair(qf, ctls, start, q, nib_half):
+    """The fp32 codes of k pair q of the 4-row group of int4 panel bytes at qf[start] (nibble half 0: columns
+    0-7, 1: 8-15), as `pair_of_group` gives them."""
+    raw = qf[T.ramp(start, 1, 4 * HALF)]
+    nibbles = raw & T.broadcast(T.uint8(15), 4 * HALF) if nib_half == 0 else raw >> T.broadcast(T.uint8(4), 4 * HALF)
+    return pair_of_group(nibbles, ctls, q)
 
 
 # int8 activations for int4 weights: x is quantized per 32-block (ORT's accuracy_level 4, llama.cpp's Q8_0 x)
