@@ -40,7 +40,7 @@ if cuda.nvcc_path() is None or not os.path.isdir(os.environ.get("CUDA_PATH", "/u
 
 ARCHS = ["sm_75", "sm_80", "sm_89", "sm_90"]
 # the archs this file builds its kernel set for (nvcc takes 15-30 s an arch): the oldest and the default card's;
-# test_cuda_quant_kernels.py builds its own set for the other two
+# test_cuda_quant_kernels.py builds its own set for the targets' other two (sm_80, sm_90)
 BUILT_ARCHS = ["sm_75", "sm_89"]
 MAX_ROWS = 8  # extra rows of every GPU allocation behind a kernel argument (see make_gpu_runner)
 MAX_CTX = 20
