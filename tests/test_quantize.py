@@ -11,7 +11,7 @@ import pytest
 from onnx_ir.passes import PassResult
 
 from passes.front_end import load
-from passes.kernels import quant
+from passes.kernels import kquant, quant
 from passes.budget import parse_budget
 from passes.ops import FFN
 from passes.quality import WeightPlan
@@ -73,7 +73,7 @@ def test_layouts_hold_every_value_where_the_module_says(name):
         flat = panels[0].reshape(-1)
         assert panels.shape == (2, 64, 8) and flat[10 * 32 + 4 * 2 + 1] & 0xF == q[41, 2] + 8
         assert flat[10 * 32 + 4 * 2 + 1] >> 4 == q[41, 10] + 8
-        assert flat[quant.int4_panel_byte(41, 2)] == flat[10 * 32 + 4 * 2 + 1]
+        assert flat[kquant.grouped_byte(41, 2)] == flat[10 * 32 + 4 * 2 + 1]
 
 
 @pytest.mark.parametrize("axis", [0, 1])

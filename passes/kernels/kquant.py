@@ -258,6 +258,12 @@ def group_rows(nibbles: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(nibbles.reshape(P, K // 4, 4, width).transpose(0, 1, 3, 2)).reshape(P, K, width)
 
 
+def grouped_byte(k, v):
+    """Where `group_rows` puts row k's byte v (columns v and v + 8) in a panel: k's 4-row group, then v's dword,
+    then k's byte in it; the offset from the panel's first nibble byte (numbers or TIR expressions)."""
+    return k // 4 * (4 * (PANEL // 2)) + 4 * v + k % 4
+
+
 def ungroup_rows(grouped: np.ndarray) -> np.ndarray:
     """The [P, K, 8] bytes `group_rows` grouped."""
     P, K, width = grouped.shape

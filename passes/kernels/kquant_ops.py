@@ -26,7 +26,7 @@ from runtime.dtypes import FILE_FORMATS, WEIGHT_FORMATS, WeightFormat
 from . import cpu as _cpu, kquant_gemm, kquant_gemv
 from .compute import clamp_index, drop_params, row_dim, scaled_row
 from .cpu import PANEL
-from .kquant import PanelScales, high_rows, panel_scale_bytes
+from .kquant import PanelScales, grouped_byte, high_rows, panel_scale_bytes
 
 HALF = PANEL // 2  # a panel's k step: bytes holding columns v (low nibble) and v + 8 (high)
 ROW_BLOCK = 32  # the rows layout's nibbles come in Q4_0's 32-element groups, whatever the format's block
@@ -82,14 +82,13 @@ def _code(low_byte, shift, plane_bytes, bit):
 def _panel_code(w, w32, p, K, k, half, v, fmt: WeightFormat):
     """The code (int32) of panel p's value at row k, column half * 8 + v in the panels layout (w [P, bytes], w32
     its flat uint32 view): the nibble (half 0 low, 1 high), then `fmt`'s bits - 4 high bits from its record's
-    byte (kquant.high_slot) as bits 4 ..: both stored permuted, so over v a row's bytes are 4 apart; they are
-    read as the dwords (column v's 4 rows, contiguous over v) and shifted to row k % 4's byte."""
+    byte (kquant.high_slot) as bits 4 ..: the nibbles' byte where kquant.grouped_byte puts it; the high bits', 4
+    apart over v, read as the dwords (column v's 4 rows, contiguous over v) and shifted to row k % 4's byte."""
+    code = (T.Cast("int32", w[p, grouped_byte(k, v)]) >> (half * 4)) & 15
     h = fmt.bits - 4
-    vbytes = K * HALF + h * K * 2
-    nibbles = w32[(p * vbytes + k // 4 * 32) // 4 + v]
-    code = T.Cast("int32", (nibbles >> T.Cast("uint32", 8 * (k % 4) + half * 4)) & T.uint32(15))
     if h:
         HR = high_rows(fmt)
+        vbytes = K * HALF + h * K * 2
         dword = w32[(p * vbytes + K * HALF + k // HR * 64 + k % 8 // 4 * 32) // 4 + v]
         high = T.Cast("int32", (dword >> T.Cast("uint32", 8 * (k % 4) + h * (2 * (k % HR // 8) + half)))
                       & T.uint32((1 << h) - 1))

@@ -43,7 +43,7 @@ from runtime.dtypes import INT4_OFFSET, QUANT_BLOCK, WeightFormat, dequantize_bl
 from . import cpu as _cpu
 from .compute import drop_params, load_f32, prefetch, row_dim
 from .cpu import PANEL
-from .kquant import group_rows
+from .kquant import group_rows, grouped_byte
 
 
 def quantizable(shape, axis: int, block: int = QUANT_BLOCK) -> bool:
@@ -311,12 +311,6 @@ def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat, mins: np.n
     stored = (q_panels.astype(np.int16) + fmt.offset).astype(np.uint8)
     half = PANEL // 2
     return group_rows(stored[..., :half] | (stored[..., half:] << 4)), s_panels
-
-
-def int4_panel_byte(k, v):
-    """Where the byte of row k, columns v and v + 8 is in a panel of int4 (kquant.group_rows: k's 4-row group, then
-    v's dword, then k's byte in it): the flat offset from the panel's start."""
-    return k // 4 * (4 * HALF) + 4 * v + k % 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -934,7 +928,7 @@ def _check(K, N, bits, axis_len, axis, has_min=False):
 def panels_weight(K, N, *, bits, sdtype="float16", has_min=False) -> _cpu.GemmWeight:
     """The quant panels layout (pack_panels) as a gemm operand: w [P, K, 16] int8 / [P, K, 8] uint8,
     ws [P, K / 32, 16] (int4a: [P, K / 32, 32], the scales then the mins); a task dequantizes its panels k step
-    by k step (int8: one 64 B line of packed per k; int4: a k's bytes are 4 apart, int4_panel_byte)."""
+    by k step (int8: one 64 B line of packed per k; int4: a k's bytes are 4 apart, kquant.grouped_byte)."""
     _check(K, N, bits, K, "K", has_min)
     panels, B = -(-N // PANEL), QUANT_BLOCK
     offset = 0 if has_min else INT4_OFFSET
@@ -951,10 +945,10 @@ def panels_weight(K, N, *, bits, sdtype="float16", has_min=False) -> _cpu.GemmWe
                     wf = T.decl_buffer((panels * K * HALF,), "uint8", data=w.data)
                     for v in T.vectorized(HALF):
                         packed[q, k, v] = _dequantized(
-                            _int4(wf[(p * tile_panels + q) * K * HALF + int4_panel_byte(k, v)], 0, offset), ws,
+                            _int4(wf[(p * tile_panels + q) * K * HALF + grouped_byte(k, v)], 0, offset), ws,
                             (p * tile_panels + q, k // B, v), (p * tile_panels + q, k // B, PANEL + v), sdtype, has_min)
                         packed[q, k, HALF + v] = _dequantized(
-                            _int4(wf[(p * tile_panels + q) * K * HALF + int4_panel_byte(k, v)], 1, offset), ws,
+                            _int4(wf[(p * tile_panels + q) * K * HALF + grouped_byte(k, v)], 1, offset), ws,
                             (p * tile_panels + q, k // B, HALF + v), (p * tile_panels + q, k // B, PANEL + HALF + v),
                             sdtype, has_min)
 
