@@ -68,7 +68,6 @@ def main():
     from passes.targets import host_cpu_isa
     from runtime.artifact import aligned_copy
 
-
     shapes = SHAPES[args.shapes]
     cpu, funcs = kernels(shapes)
     isa = host_cpu_isa()

@@ -51,7 +51,6 @@ def main():
     from runtime.dtypes import WEIGHT_FORMATS
     from test_kquant_ops import random_blocks
 
-
     isa = host_cpu_isa()
     dot = {"int8_dot": isa.int8_dot} if isa.int8_dot else {}
     cases = [(s, f) for s in args.shapes.split(",") for f in args.formats.split(",")

@@ -121,7 +121,6 @@ def main():
     rng = np.random.default_rng(0)
     clock = time.perf_counter
 
-
     print(f"{args.threads} threads, kernels for {isa.name}, load average {os.getloadavg()[0]:.2f}")
     rows = []
     for K, N in shapes:

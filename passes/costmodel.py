@@ -166,11 +166,12 @@ def threshold_seconds(target: Target, stored_bytes: float, kept: float, fmt: str
                       int8_dot: str | None = None) -> float:
     """A thresholded CPU linear layer's decode seconds: the select call, then the column kernel over the `kept`
     share of the `rows` rows of a matrix of `stored_bytes` in format `fmt`: at the rates measured on this machine
-    (a fixed cost per call and per `column_units`, a rate per byte of kept rows), else the target's bandwidth at `column_row_efficiency`
-    plus COLUMN_CALL_S."""
+    (a fixed cost per call and per `column_units`, a rate per byte of kept rows), else the target's bandwidth at
+    `column_row_efficiency` plus COLUMN_CALL_S."""
     rates = target.cpu_rates
     if rates is not None and fmt in rates.columns:
-        return rates.columns[fmt].seconds(kept * stored_bytes, column_units(fmt, stored_bytes, rows, kept)) + 2 * launch_seconds("cpu")
+        units = column_units(fmt, stored_bytes, rows, kept)
+        return rates.columns[fmt].seconds(kept * stored_bytes, units) + 2 * launch_seconds("cpu")
     bits = WEIGHT_FORMATS[fmt].bits
     efficiency = column_row_efficiency(stored_bytes / max(rows, 1), bits, int8_dot)
     return column_seconds(stored_bytes, target.cpu_bandwidth_gbs * 1e9, kept, efficiency) + launch_seconds("cpu")
