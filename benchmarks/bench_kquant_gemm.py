@@ -1,13 +1,14 @@
 """Prefill GEMM over blocks kept from a GGUF file (q5_0, q5_1, q4_k, q5_k, q6_k): the int8-activation kernel
-(passes.kernels.kquant_gemm.gemm_panels_kqx8, which linear_panels_kq takes on AVX-512 with int8 activations)
+(passes.kernels.kquant_gemm.gemm_panels_kqx8, which linear_panels_kq takes with int8 activations)
 against the old path (cpu.gemm over kquant_ops.kq_panels_weight: each task dequantizes its panels into fp32, then
 an fp32 register-tiled GEMM), at `--rows` prompt rows, in milliseconds per call; int4's gemm_panels_qx8 at the
 same shape for reference.
 
 The shapes are Qwen2.5-0.5B's (K=896, N=9728: the gate+up FFN matrix, q5_0 in its Q4_K_M file; K=4864, N=896:
 the down matrix, q4_k / q6_k) and Qwen2.5/TinyLlama-1B-ish 2048x5632 in every format. Variants alternate in
-rounds; medians over rounds. Kernels are built for this machine's widest ISA (needs AVX-512: the new kernel's
-zmm tiles), `--threads` threads (TVM_NUM_THREADS).
+rounds; medians over rounds. Kernels are built for this machine's widest ISA (zmm tiles on AVX-512, ymm on AVX2;
+int4's int8 GEMM is AVX-512 only, so on AVX2 its row compares the fp32 GEMM with itself), `--threads` threads
+(TVM_NUM_THREADS).
 
     python benchmarks/bench_kquant_gemm.py [--rows 128] [--threads 2] [--rounds 7]
         [--cases q5_0:896x9728,q4_k:4864x896,...]
@@ -51,9 +52,10 @@ def main():
     from test_kquant_gemv import random_blocks
 
     isa = host_cpu_isa()
-    if isa.gemm_panels < 2 or isa.int8_dot is None:
-        sys.exit(f"ISA {isa.name}: the int8-activation prefill GEMM needs AVX-512 with an int8 dot")
+    if isa.int8_dot is None:
+        sys.exit(f"ISA {isa.name}: the int8-activation prefill GEMM needs an int8 dot product")
     tp, dot = isa.gemm_panels, isa.int8_dot
+    lanes = 16 if tp > 1 else 8
     print(f"ISA {isa.name} (dot {dot}, tile_panels {tp}), {args.threads} threads, m={args.rows} rows")
     dl = lambda a: tvm_ffi.from_dlpack(a)  # noqa: E731
     rng = np.random.default_rng(0)
@@ -77,7 +79,7 @@ def main():
             funcs[(case, "old")] = kquant_ops.linear_panels_kq(f"old_{tag}", K, N, rows=None, fmt=name, bias=False,
                                                                tile_panels=tp)
             funcs[(case, "new")] = gemm_panels_kqx8(f"new_{tag}", K, N, fmt=WEIGHT_FORMATS[name], dot=dot,
-                                                    tile_panels=tp)
+                                                    tile_panels=tp, lanes=lanes)
         inputs[case] = [dl(x), *(dl(a) for a in packed), dl(y)]
     start = time.perf_counter()
     lib = tvm.compile(tvm.IRModule({str(f.attrs["global_symbol"]): f for f in funcs.values()}),

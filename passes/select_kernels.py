@@ -87,9 +87,9 @@ class Lowering:
     batch_rows: set[str] = field(default_factory=set)  # buffers of `max_batch` rows (step_rows)
     batch_widths: dict[str, int] = field(default_factory=dict)  # scratch sized per sequence (batch_scratch)
     # a linear whose batch step (its prefill GEMM over the batch's rows) costs more than a decode step per
-    # sequence: a file's blocks where the ISA has no int8 GEMM for them (AVX2: the GEMM dequantizes every
-    # weight to fp32; Qwen2.5-0.5B Q4_K_M on Zen 3, 2 / 4 sequences: a batch step 197 / 164 ms, decode
-    # steps 62 / 124 ms): the program then gets no batch phase
+    # sequence: a file's blocks with fp32 activations (the GEMM dequantizes every weight to fp32; Qwen2.5-0.5B
+    # Q4_K_M on Zen 3, 2 / 4 sequences: a batch step 197 / 164 ms, decode steps 62 / 124 ms): the program then
+    # gets no batch phase
     slow_batch: str | None = None
 
     @property
@@ -349,8 +349,8 @@ class Lowering:
         values, scales, fmt = self.kept_in(weight, "kq_panels")
         k, n = self.kept[weight].shape
         dot = {"int8_dot": self.int8_dot} if self.int8_dot else {}
-        if "decode" in phases and not kquant_ops.int8_gemm(self.int8_dot, self.gemm_panels):
-            self.slow_batch = f"{fmt.name} weights with no int8 GEMM on this ISA"
+        if "decode" in phases and not self.int8_dot:
+            self.slow_batch = f"{fmt.name} weights with fp32 activations (their GEMM dequantizes every weight)"
         tags = (f"_{fmt.name}{'_x8' if dot else ''}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}"
                 f"{'_res' if residual else ''}")
         kernels = self.kernel(ops.linear_panels_kq, f"linear_kq_k{k}_n{n}{tags}", k, n, phases=phases,

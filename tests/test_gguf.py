@@ -20,7 +20,7 @@ from passes import ir as pir
 from picompile.cli import main
 from passes.pipeline import Context
 from passes.reference import OrtDecoder
-from passes.targets import get_target, host_cpu_isa
+from passes.targets import get_target
 from runtime import Engine, load_manifest
 from runtime.artifact import read_safetensors
 from runtime.dtypes import WEIGHT_FORMATS
@@ -403,16 +403,23 @@ def test_kept_blocks_reach_the_artifact_as_the_file_stores_them(files, tmp_path,
     for ours, reference in zip(_logits(engine, fed=steps), _logits(OrtDecoder(reference_onnx(path)), fed=steps)):
         assert np.abs(ours - reference).max() < 0.1 * np.abs(reference).max()  # int8 activations' rounding
     prompt = _logits(engine, steps=0)[0]
-    # a batch phase only where the kq blocks have an int8 GEMM (AVX-512 and int8 activations): elsewhere the
-    # batch step's GEMM dequantizes every weight and costs more than a decode step per sequence
+    # a batch phase only where the kq blocks' GEMM takes int8 activations: with fp32 ones it dequantizes every
+    # weight, and a batch step costs more than a decode step per sequence
     assert Engine(out).max_batch == 0
-    assert (engine.max_batch > 1) == (host_cpu_isa().gemm_panels > 1)
-    if host_cpu_isa().gemm_panels > 1:  # AVX-512: the prefill GEMM quantizes x as the decode GEMV does, row by row
-        engine.reset()
-        expected = np.concatenate([np.asarray(engine.forward([token])).reshape(1, -1) for token in PROMPT])
-    else:  # AVX2 (no zmm tiles for gemm_panels_kqx8): the prefill GEMM takes x in fp32, as the fp32 build does
-        expected = _logits(Engine(out), steps=0)[0]
+    assert engine.max_batch > 1
+    engine.reset()  # the prefill GEMM quantizes x as the decode GEMV does, row by row
+    expected = np.concatenate([np.asarray(engine.forward([token])).reshape(1, -1) for token in PROMPT])
     np.testing.assert_allclose(prompt, expected, atol=1e-4 * np.abs(expected).max(), rtol=0)
+    # batch steps of 2 and 3 rows (one row tile, its codes built from the stored bytes) as each slot's decode step
+    batched, alone = Engine(int8, slots=3), Engine(int8, slots=3)
+    for e in (batched, alone):
+        for slot in range(3):
+            e.forward(PROMPT[slot:], slot=slot)
+    for slots, ids in (([0, 1, 2], [5, 6, 7]), ([2, 0], [8, 9])):
+        got = batched.forward_batch(ids, slots)
+        for row, (slot, token) in enumerate(zip(slots, ids)):
+            want = alone.forward([token], slot=slot)[0]
+            np.testing.assert_allclose(got[row], want, atol=1e-4 * np.abs(want).max(), rtol=0)
 
 
 def test_a_thresholded_build_gathers_the_files_own_blocks(files, tmp_path):

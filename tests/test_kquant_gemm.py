@@ -1,10 +1,11 @@
 """Tests of the int8-activation prefill GEMM over blocks kept from a model file (passes/kernels/kquant_gemm.py)
 against numpy, and of kquant_ops.linear_panels_kq's choice of it.
 
-Random KBlocks (test_kquant_gemv.random_blocks) are packed with kquant.pack_panels and multiplied by the kernel
-built for this CPU (the "vnni" variant where /proc/cpuinfo has AVX512-VNNI, "madd" where AVX512BW; skipped
-otherwise) at a symbolic row count: 1, 5 and 130 rows (a partial row tile), compared exactly (to ~1e-4 of max |y|)
-with x quantized per row and 32-block as quant.int8_blocks does, and within int8's error of the exact product.
+Random KBlocks (test_kquant_gemv.random_blocks) are packed with kquant.pack_panels and multiplied by each variant
+this CPU runs (zmm "vnni" where /proc/cpuinfo has AVX512-VNNI, zmm "madd" where AVX512BW, ymm "madd" where AVX2;
+the others skipped) at a symbolic row count: 1 and 3 rows (one row tile, codes built from the stored bytes), 5 and
+130 (several tiles over the task buffer, the last partial), compared exactly (to ~1e-4 of max |y|) with x
+quantized per row and 32-block as quant.int8_blocks does, and within int8's error of the exact product.
 """
 
 import numpy as np
@@ -21,8 +22,8 @@ from test_kquant_gemv import has_isa, random_blocks
 
 FORMATS = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 SHAPES = {"pad": (256, 40), "wide": (512, 96)}  # (K, N): a padded last panel (1 panel a task); 2 panels a task
-X8 = {"vnni": "avx512vnni", "madd": "avx512"}  # dot -> the CPU_ISAS entry whose target compiles it
-ROWS = (1, 5, 130)
+X8 = {("vnni", 16): "avx512vnni", ("madd", 16): "avx512", ("madd", 8): "avx2"}  # the CPU_ISAS entry to compile
+ROWS = (1, 3, 5, 130)
 EPILOGUE = ("q6_k", "wide", True)  # bias, gelu, residual: once
 CASES = [(f, s, False) for f in FORMATS for s in SHAPES] + [EPILOGUE]
 
@@ -35,13 +36,14 @@ def extra_args(epi):
     return dict(bias=True, act="gelu", residual=True) if epi else {}
 
 
-@pytest.fixture(scope="module", params=list(X8))
+@pytest.fixture(scope="module", params=list(X8), ids=lambda v: f"{v[0]}{v[1]}")
 def lib(request):
     isa = X8[request.param]
     if not has_isa(isa):
         pytest.skip(f"this CPU has no {isa}")
-    funcs = [gemm_panels_kqx8(kname(*cfg), *SHAPES[cfg[1]], fmt=WEIGHT_FORMATS[cfg[0]], dot=request.param,
-                              **extra_args(cfg[2])) for cfg in CASES]
+    dot, lanes = request.param
+    funcs = [gemm_panels_kqx8(kname(*cfg), *SHAPES[cfg[1]], fmt=WEIGHT_FORMATS[cfg[0]], dot=dot, lanes=lanes,
+                              tile_panels=2 if lanes == 16 else 1, **extra_args(cfg[2])) for cfg in CASES]
     mod = tvm.IRModule({str(f.attrs["global_symbol"]): f for f in funcs})
     return tvm.compile(mod, target=tvm.target.Target(CPU_ISAS[isa].llvm_target()))
 
@@ -94,5 +96,5 @@ def test_interface_and_choice():
 
     assert chosen(int8_dot="vnni", tile_panels=2)
     assert chosen(int8_dot="madd", tile_panels=2)
-    assert not chosen(int8_dot="madd", tile_panels=1)  # AVX2: cpu.gemm over kq_panels_weight
-    assert not chosen(tile_panels=2)
+    assert chosen(int8_dot="madd", tile_panels=1)  # AVX2: ymm
+    assert not chosen(tile_panels=2)  # fp32 activations: cpu.gemm over kq_panels_weight

@@ -231,21 +231,14 @@ def embed_kq(name, V, D, *, rows, positions: int | None, fmt: str, scale: float 
 GEMV_PANELS_WIDE = 4  # decode panels per task under AVX-512's register budget (as quant's QUANT_GEMV_PANELS)
 
 
-def int8_gemm(int8_dot: str | None, tile_panels: int) -> bool:
-    """Whether `linear_panels_kq`'s prefill GEMM takes x in int8 blocks (gemm_panels_kqx8: zmm tiles, with an
-    integer dot product); else it dequantizes every weight to fp32 (cpu.gemm), which over a batch step's few rows
-    costs more than a decode GEMV per row."""
-    return int8_dot is not None and tile_panels > 1
-
-
 def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", residual=False, tile_panels=1,
                      int8_dot=None):
     """y[m, N] = act(x[m, K] @ W + b) + res, W in `kquant`'s panels layout (pack_panels) of the kept format named
     `fmt`.  Args: x, w, ws, (b), (res), y. Decode (rows 1): `kquant_gemv`'s gemv_panels_kq, or with `int8_dot`
     gemv_panels_kq_x8 (x quantized to int8 blocks; 16 lanes under AVX-512's budget, tile_panels > 1, else 8).
-    Prefill: cpu.gemm over kq_panels_weight, `tile_panels` per register tile (1: AVX2, 2: AVX-512); with
-    `int8_dot` on AVX-512 (tile_panels > 1), kquant_gemm.gemm_panels_kqx8, each row of x quantized to int8
-    blocks (as quant.linear_panels_q's gemm_panels_qx8)."""
+    Prefill: with `int8_dot`, kquant_gemm.gemm_panels_kqx8, each row of x quantized to int8 blocks (zmm tiles of
+    `tile_panels` panels, or ymm on AVX2); else cpu.gemm over kq_panels_weight, `tile_panels` per register tile
+    (1: AVX2, 2: AVX-512), which dequantizes every weight to fp32."""
     f = kq_format(fmt)
     _check_length(f, K, "K")
     wide = tile_panels > 1
@@ -258,8 +251,8 @@ def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", resi
         group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 1)
         return kquant_gemv.gemv_panels_kq(name, K, N, fmt=f, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
-    if int8_gemm(int8_dot, tile_panels):
+    if int8_dot is not None:
         return kquant_gemm.gemm_panels_kqx8(name, K, N, fmt=f, bias=bias, act=act, residual=residual, dot=int8_dot,
-                                tile_panels=tile_panels)
+                                            tile_panels=tile_panels, lanes=16 if wide else 8)
     return _cpu.gemm(name, K, N, layout=kq_panels_weight(K, N, fmt=fmt), bias=bias, act=act, residual=residual,
                      tile_panels=tile_panels)

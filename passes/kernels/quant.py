@@ -537,8 +537,9 @@ def dot_u8s8(dot, lanes, acc, a, b):
 
 
 def dot2_u8s8(dot, lanes, acc, a, b, c, d):
-    """acc[l] + sum_j a[4 l + j] * b[4 l + j] + c[4 l + j] * d[4 l + j] (a, c unsigned nibbles, < 16): with
-    "madd" the two vpmaddubsw pair sums are added in int16 (2 * 2 * 15 * 127 < 2^15), one vpmaddwd for both."""
+    """acc[l] + sum_j a[4 l + j] * b[4 l + j] + c[4 l + j] * d[4 l + j] (a, c unsigned codes < 64, b, d in
+    [-127, 127]): with "madd" the two vpmaddubsw pair sums are added in int16 (2 * 2 * 63 * 127 < 2^15), one
+    vpmaddwd for both."""
     if dot == "vnni":
         return dot_u8s8(dot, lanes, dot_u8s8(dot, lanes, acc, a, b), c, d)
     names = DOTS[(dot, lanes)]
