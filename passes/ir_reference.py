@@ -51,7 +51,7 @@ class Variant:
     prefill: int = PROMPT_TOKENS
     # matrices whose decode GEMV quantizes its input to int8 per block of 32 (an int4 / int8 build's int8_dot kernels)
     int8_inputs: frozenset[str] = frozenset()
-    # of those, the ones whose prefill GEMM quantizes each row so too (AVX-512 tiles: quant.gemm_panels_qx8)
+    # matrices whose prefill GEMM quantizes each row so (quant.gemm_panels_qx8, kquant_gemm.gemm_panels_kqx8)
     int8_prefill_inputs: frozenset[str] = frozenset()
     # layer -> (w1 [d, r], w2 [r, ffn], threshold): decode rows compute only the FFN neurons the predictor selects
     predictors: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
@@ -309,10 +309,12 @@ class Interpreter:
     def product_input(v: torch.Tensor, matrix: ir.Value, variant: Variant) -> torch.Tensor:
         """v [batch, tokens, width] as the kernel of `matrix` reads it: its decode (and prefill) rows rounded to int8
         blocks where the kernel takes int8 activations."""
-        if matrix.name in variant.int8_prefill_inputs:
+        prompt, decode = matrix.name in variant.int8_prefill_inputs, matrix.name in variant.int8_inputs
+        if prompt and decode:
             return int8_blocks(v)
-        if matrix.name in variant.int8_inputs:
-            return torch.cat([v[:, : variant.prefill], int8_blocks(v[:, variant.prefill:])], dim=1)
+        if prompt or decode:
+            first, rest = v[:, : variant.prefill], v[:, variant.prefill:]
+            return torch.cat([int8_blocks(first) if prompt else first, int8_blocks(rest) if decode else rest], dim=1)
         return v
 
     def predictor_scores(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -727,11 +727,12 @@ def _variant(knobs: list[Knob], state: list[tuple[int, int]], formats: tuple[str
         choices[embed[0]] = (embed[1], 1)
     # a dense quantized matrix's decode GEMV over int8 activations, where select-kernels picks that kernel
     stored_in = {name: stored.format(name, *choice) for name, choice in choices.items() if choice[1] == 0}
-    int8_inputs = frozenset(name for name, fmt in stored_in.items() if isa is not None and fmt.quantized
-                            and quant.gemv_int8_dot_fits(fmt.bits, isa.int8_dot, isa.gemm_panels))
-    # and its prefill GEMM's, each row so, where the GEMM reads int8 (AVX-512 tiles)
-    int8_prefill = frozenset(name for name in int8_inputs
-                             if quant.gemm_int8_dot_fits(stored_in[name].bits, isa.int8_dot, isa.gemm_panels))
+    dot, tile = (isa.int8_dot, isa.gemm_panels) if isa is not None else (None, 1)
+    int8_inputs = frozenset(name for name, fmt in stored_in.items()
+                            if quant.int8_activations(fmt, dot, tile, prompt=False))
+    # and its prefill GEMM's, each row so, where the GEMM reads int8
+    int8_prefill = frozenset(name for name, fmt in stored_in.items()
+                             if quant.int8_activations(fmt, dot, tile, prompt=True))
     return Variant(thresholds, _Planned(stored, choices), prefill=PROMPT_TOKENS, predictors=predictors,
                    int8_inputs=int8_inputs, int8_prefill_inputs=int8_prefill)
 

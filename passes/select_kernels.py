@@ -321,8 +321,9 @@ class Lowering:
         k, n = matrix.shape
         tag, fmt_args = self.quant_tag(matrix)
         if packed:
-            if self.int8_dot and quant.gemv_int8_dot_fits(matrix.fmt.bits, self.int8_dot, self.gemm_panels):
-                # decode quantizes x per block, and prefill each row of x where its GEMM has the form (AVX-512)
+            if any(quant.int8_activations(matrix.fmt, self.int8_dot, self.gemm_panels, prompt=prompt)
+                   for prompt in (False, True)):
+                # decode quantizes x per block, and prefill each row of x, where the ISA has the kernel's form
                 tag, fmt_args = f"{tag}_x8", {**fmt_args, "int8_dot": self.int8_dot}
             tags = f"{tag}{'_b' if bias else ''}{'' if act == 'none' else '_' + act}{'_res' if residual else ''}"
             kernels = self.kernel(ops.linear_panels_q, f"linear_q_k{k}_n{n}{tags}", k, n, phases=phases,

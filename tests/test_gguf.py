@@ -20,7 +20,7 @@ from passes import ir as pir
 from picompile.cli import main
 from passes.pipeline import Context
 from passes.reference import OrtDecoder
-from passes.targets import get_target
+from passes.targets import get_target, host_cpu_isa
 from runtime import Engine, load_manifest
 from runtime.artifact import read_safetensors
 from runtime.dtypes import WEIGHT_FORMATS
@@ -407,9 +407,12 @@ def test_kept_blocks_reach_the_artifact_as_the_file_stores_them(files, tmp_path,
     # weight, and a batch step costs more than a decode step per sequence
     assert Engine(out).max_batch == 0
     assert engine.max_batch > 1
-    engine.reset()  # the prefill GEMM quantizes x as the decode GEMV does, row by row
+    engine.reset()  # the kq prefill GEMMs quantize x as the decode GEMVs do, row by row; the int8 matrix (layer 1's
+    # q, k, v) in both phases or neither on AVX-512, but on AVX2 in its prompt GEMM only (its GEMV takes fp32 x)
+    exact = host_cpu_isa().gemm_panels > 1
+    tolerance = (1e-4 if exact else 2e-2) * np.abs(prompt).max()
     expected = np.concatenate([np.asarray(engine.forward([token])).reshape(1, -1) for token in PROMPT])
-    np.testing.assert_allclose(prompt, expected, atol=1e-4 * np.abs(expected).max(), rtol=0)
+    np.testing.assert_allclose(prompt, expected, atol=tolerance, rtol=0)
     # batch steps of 2 and 3 rows (one row tile, its codes built from the stored bytes) as each slot's decode step
     batched, alone = Engine(int8, slots=3), Engine(int8, slots=3)
     for e in (batched, alone):
@@ -419,7 +422,7 @@ def test_kept_blocks_reach_the_artifact_as_the_file_stores_them(files, tmp_path,
         got = batched.forward_batch(ids, slots)
         for row, (slot, token) in enumerate(zip(slots, ids)):
             want = alone.forward([token], slot=slot)[0]
-            np.testing.assert_allclose(got[row], want, atol=1e-4 * np.abs(want).max(), rtol=0)
+            np.testing.assert_allclose(got[row], want, atol=tolerance, rtol=0)
 
 
 def test_a_thresholded_build_gathers_the_files_own_blocks(files, tmp_path):

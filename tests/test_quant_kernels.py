@@ -68,17 +68,19 @@ def fmt_args(name):
     return {"bits": fmt.bits, **({"has_min": True} if fmt.has_min else {})}
 
 
-def x8_kernels(dot, isa, fmt="int4"):
-    """int8-activation kernels: decode GEMVs ("d"), and on AVX-512 prefill GEMMs ("p")."""
+def x8_kernels(dot, isa, fmt="int4", variants=("d", "p")):
+    """int8-activation kernels: decode GEMVs ("d") and prefill GEMMs ("p")."""
     tile = CPU_ISAS[isa].gemm_panels
     return [ops.linear_panels_q.cpu(kname(f"x8{dot}{fmt}", cfg, v), K, N, rows=rows, sdtype=sdtype, bias=bias,
                                     act=act, residual=res, int8_dot=dot, tile_panels=tile, **fmt_args(fmt))
-            for _, cfg in cases(X8, [fmt]) for v, rows in ROWS.items() if v == "d" or tile > 1
+            for _, cfg in cases(X8, [fmt]) for v, rows in ROWS.items() if v in variants
             for K, N, bias, act, res, sdtype in [X8[cfg]]]
 
 
 def all_kernels(isa):
     funcs = x8_kernels("madd", isa) + x8_kernels("madd", isa, "int4a")
+    if CPU_ISAS[isa].gemm_panels == 1:  # AVX2: int8 weights' prompt GEMM over int8 activations (no such GEMV)
+        funcs += x8_kernels("madd", isa, "int8", variants=("p",))
     for fmt, cfg in cases(PANELS):
         K, N, bias, act, res, sdtype, tp = PANELS[cfg]
         for v, rows in ROWS.items():
@@ -157,8 +159,12 @@ def test_interface():
         quant.linear_panels_q("q", 64, 40, rows=1, bits=3, bias=False)
     with pytest.raises(ValueError):  # VNNI in zmm only
         quant.linear_panels_q("q", 64, 40, rows=1, bits=4, bias=False, int8_dot="vnni", tile_panels=1)
-    with pytest.raises(ValueError):  # int8 weights: VNNI only
+    with pytest.raises(ValueError):  # int8 weights in zmm: VNNI only
         quant.linear_panels_q("q", 64, 40, rows=1, bits=8, bias=False, int8_dot="madd", tile_panels=2)
+    # int8 weights with "madd" in ymm (AVX2): prompts over int8 x (the sign trick), decode over fp32 x
+    decode, prompt = (quant.linear_panels_q("q", 64, 40, rows=rows, bits=8, bias=False, int8_dot="madd").script()
+                      for rows in (1, None))
+    assert "psign" not in decode and "xq" not in decode and "psign" in prompt
     with pytest.raises(ValueError):  # minimums: 4-bit blocks only
         quant.linear_panels_q("q", 64, 40, rows=1, bits=8, bias=False, has_min=True)
 
@@ -253,13 +259,13 @@ PREFILL_ROWS = [1, 5, 9]  # int8-activation prefill GEMMs: partial and whole 4-r
 
 
 @pytest.mark.parametrize("m", PREFILL_ROWS)
-@pytest.mark.parametrize("fmt,cfg", cases(X8, X8_FORMATS))
+@pytest.mark.parametrize("fmt,cfg", cases(X8))
 def test_int8_activation_prefill_gemm_madd(lib, cfg, fmt, m):
-    """Prompts' GEMMs over int4 / int4a panels with each row of x rounded to int8 blocks (vpmaddubsw, AVX-512's
-    zmm only: the AVX2 module has none): exact against x quantized the same way, over odd row counts and padded
-    panels."""
-    if not lib.implements_function(kname(f"x8madd{fmt}", cfg, "p")):
-        pytest.skip("no int8-activation prefill GEMM on AVX2")
+    """Prompts' GEMMs over int4 / int4a panels with each row of x rounded to int8 blocks (vpmaddubsw, in zmm and
+    ymm), and over int8 panels in ymm (AVX2: |q| times x with q's sign): exact against x quantized the same way,
+    over odd row counts and padded panels. (int8 in zmm takes VNNI: test_int8_weights_int8_activations_vnni.)"""
+    if fmt == "int8" and not lib.implements_function(kname(f"x8madd{fmt}", cfg, "p")):
+        pytest.skip("int8 weights in zmm take VNNI")
     check_int8_activations(lib, "madd", cfg, fmt, variant="p", m=m)
 
 

@@ -1,21 +1,23 @@
 """The prefill GEMM over blocks kept from a model file (ggml's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) in kquant's panels
 layout with int8 activations: quant.gemm_panels_qx8's form for the kq panels.
 
-W [K, N] is `kquant.pack_panels`' two buffers (values uint8 [P, K * 8 + (bits - 4) * K * 2], scales uint8
-[P, kquant.panel_scale_bytes]; see kquant_gemv's module doc). A weight is d (c - offset) (+ m), c the full code
-(low nibble | the high bits << 4), d = D sc and m = -(Dmin mn) for the K-quants.
+W [K, N] is `kquant.pack_panels`' two buffers (values uint8 [P, K * 8 + (bits - 4) * K * 2], scales uint8 [P,
+kquant.panel_scale_bytes]; see kquant_gemv's module doc). A weight is d (c - offset) (+ m), c the full code (low
+nibble | the high bits << 4), d = D sc and m = -(Dmin mn) for the K-quants.
 
 `gemm_panels_kqx8`: each row of x quantized to int8 per 32-block (quant.x_quantizer, in parallel over the rows),
 with its int32 sums per sub-block of the format (Q6_K's 16, else 32). Per parallel task (`tile_panels` adjacent
-panels) the panels' full codes are expanded once into a task buffer, a vector per column group (`lanes`
-columns: a panel in zmm, a nibble half's 8 columns in ymm) and 4 k steps: dword l column l's 4 codes, the high
-bits OR'ed in (zmm: built from the two nibble halves' vectors kquant_gemv.gemv_panels_kq_x8 builds, by one
-two-source byte shuffle; ymm: a nibble half's 32 stored bytes are that vector as they are). Then per tile of
-KQ_X8_ROWS rows and sub-block they are dotted (u8 codes < 64 times s8: "vnni" vpdpbusd or "madd" vpmaddubsw's pair
-sums of two k groups added in int16, 4 * 63 * 127 < 2^15) with the row's 4 xq bytes broadcast to every lane, into
-int32 sums (one vector per row and column group) that start at -offset * sum(xq) over the sub-block; then acc += float(sum) * d * sx, and where
-the format has mins acc += m * sx * sum(xq): one conversion and two or three float operations per vector and
-sub-block. The epilogue writes each accumulator's columns as they are.
+panels) the panels' full codes are expanded once into a task buffer, a vector per column group (`lanes` columns: a
+panel in zmm, a nibble half's 8 columns in ymm) and 4 k steps: dword l column l's 4 codes, the high bits OR'ed in
+(zmm: built from the two nibble halves' vectors kquant_gemv.gemv_panels_kq_x8 builds, by one two-source byte
+shuffle; ymm: a nibble half's 32 stored bytes are that vector as they are). Then per tile of KQ_X8_ROWS rows and
+sub-block they are dotted (u8 codes < 64 times s8: "vnni" vpdpbusd or "madd" vpmaddubsw's pair sums of two k groups
+added in int16, 4 * 63 * 127 < 2^15) with the row's 4 xq bytes broadcast to every lane, into int32 sums (one vector
+per row and column group) that start at -offset * sum(xq) over the sub-block; then acc += float(sum) * d * sx, and
+where the format has mins acc += m * sx * sum(xq): one conversion and two or three float operations per vector and
+sub-block. The epilogue writes each accumulator's columns as they are. A GEMM of at most KQ_X8_ROWS rows (a batch
+step's) skips the task buffer: each vector's codes are built from the stored bytes where they are dotted, in one
+tile of KQ_X8_ROWS rows (half that for at most half as many rows).
 
 Args: x [m, K], w, ws, (b), (res [m, N]), y [m, N] (m symbolic), as quant.gemm_panels_qx8.
 """

@@ -548,6 +548,16 @@ def dot2_u8s8(dot, lanes, acc, a, b, c, d):
     return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", names[1], pairs, T.broadcast(T.int16(1), 2 * lanes))
 
 
+def dot_s8s8_avx2(acc, w, x):
+    """acc[l] + sum_j w[4 l + j] * x[4 l + j] over 8 int32 lanes, w int8 (any), x int8 in [-127, 127]: |w| (unsigned)
+    times x with w's sign (`vpsignb`), in vpmaddubsw's pair sums (2 * 128 * 127 < 2^15) and one vpmaddwd."""
+    magnitude = T.reinterpret("uint8x32", T.call_llvm_pure_intrin("int8x32", "llvm.abs", w, T.bool(False)))
+    signed = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, w)
+    names = DOTS[("madd", 8)]
+    pairs = T.call_llvm_pure_intrin("int16x16", names[0], magnitude, signed)
+    return acc + T.call_llvm_pure_intrin("int32x8", names[1], pairs, T.broadcast(T.int16(1), 16))
+
+
 def gemv_int8_dot_fits(bits: int, dot: str, tile_panels: int) -> bool:
     """Whether linear_panels_q's decode GEMV takes int8 activations with `dot` over `bits`-bit weights on that
     register budget (its ValueErrors' rule): int4 with any dot of the vector width, int8 with VNNI in zmm."""
@@ -556,9 +566,21 @@ def gemv_int8_dot_fits(bits: int, dot: str, tile_panels: int) -> bool:
 
 
 def gemm_int8_dot_fits(bits: int, dot: str | None, tile_panels: int) -> bool:
-    """Whether a prefill GEMM over `bits`-bit panels quantizes each row of x to int8 (gemm_panels_qx8): zmm
-    tiles only (AVX-512)."""
-    return dot is not None and tile_panels > 1 and gemv_int8_dot_fits(bits, dot, tile_panels)
+    """Whether a prefill GEMM over `bits`-bit panels quantizes each row of x to int8 (gemm_panels_qx8): int4 with
+    any dot of the vector width, int8 with VNNI in zmm or in ymm (AVX2, the sign trick)."""
+    lanes = 16 if tile_panels > 1 else 8
+    return (dot, lanes) in DOTS and (bits == 4 or (bits == 8 and (dot == "vnni" or lanes == 8)))
+
+
+def int8_activations(fmt: WeightFormat, dot: str | None, tile_panels: int, *, prompt: bool) -> bool:
+    """Whether a dense matrix in `fmt` (quant's panels, or a file's blocks in kquant's) is multiplied by x quantized
+    to int8 per 32-block where the ISA's integer dot product is `dot`: by its prompt GEMM (`prompt`) or its decode
+    GEMV. A file's blocks take any dot in both (kquant_ops.linear_panels_kq)."""
+    if dot is None or not fmt.quantized:
+        return False
+    if fmt.kept_from_file:
+        return True
+    return (gemm_int8_dot_fits if prompt else gemv_int8_dot_fits)(fmt.bits, dot, tile_panels)
 
 
 def check_dot(dot, lanes):
@@ -764,24 +786,28 @@ X8_ROWS = 4  # gemm_panels_qx8: prompt rows per register tile (x 2 panels x 2 ni
 
 
 def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none", residual=False, dot="vnni",
-                    tile_panels=2, has_min=False):
+                    tile_panels=2, has_min=False, lanes=16):
     """Prefill y[m, N] = act(x[m, K] @ W + b) + res, W int4 or int8 quant panels, each row of x quantized to int8
-    per 32-block (as the decode GEMVs do, and onnxruntime's accuracy_level 4 prefill), in zmm integer dot
-    products ("vnni", or "madd" for int4).  Args: x, w, ws, (b), (res), y (as gemv_panels_q).
+    per 32-block (as the decode GEMVs do, and onnxruntime's accuracy_level 4 prefill), in integer dot products
+    (`dot`, `lanes`: "vnni", 16 for int4 and int8; "madd", 16 (AVX512BW) for int4; "madd", 8 (AVX2) for both,
+    int8 by the sign trick below).  Args: x, w, ws, (b), (res), y (as gemv_panels_q).
 
     Serial prologue: every row's xq, block scales and block sums (x_quantizer). Then per parallel task
-    (`tile_panels` adjacent panels) and tile of X8_ROWS rows: per 32-block, each 64-byte vector of a panel is
-    permuted once so each dword is one column's 4 k steps (int4: and split into nibbles) and dotted with every
-    row's xq dwords broadcast to the lanes (int4: two 4-step k groups, lanes l and l + 8), into int32 sums that
-    start at the stored offset's -offset * sum(xq); then acc += float(sum) * ws * sx. The epilogue sums the k
-    groups' lanes. int4a (`has_min`): the sums start at 0, and each block adds m * sx * sum(xq) (the row's block
-    sum as quantized) to the first k group's lanes, as gemv_panels_q4x8.
+    (`tile_panels` adjacent panels) and tile of X8_ROWS rows: per 32-block, each vector of a panel (int4: stored
+    as its dwords are dotted; int8: permuted once) so each dword is one column's 4 k steps (int4: split into
+    nibbles, two k groups' pair sums added in int16 with "madd") is dotted with every row's xq dwords broadcast to
+    the lanes (int4 in zmm: two 4-step k groups, lanes l and l + 8), into int32 sums that start at the stored
+    offset's -offset * sum(xq); then acc += float(sum) * ws * sx. The epilogue sums the k groups' lanes. int4a
+    (`has_min`): the sums start at 0, and each block adds m * sx * sum(xq) (the row's block sum as quantized) to
+    the first k group's lanes, as gemv_panels_q4x8. int8 in ymm (no VNNI: vpmaddubsw's unsigned operand would
+    overflow its int16 pair sums as q + 128): |q| times xq with q's sign (`vpsignb`), 2 * 128 * 127 < 2^15, a
+    column half (8 columns) per vector.
     """
-    B, lanes = QUANT_BLOCK, 16
+    B = QUANT_BLOCK
     _check(K, N, bits, K, "K", has_min)
     check_dot(dot, lanes)
-    if bits == 8 and dot != "vnni":
-        raise ValueError("int8 weights take int8 activations with dot='vnni' only")
+    if bits == 8 and (dot, lanes) not in (("vnni", 16), ("madd", 8)):
+        raise ValueError("int8 weights take int8 activations with dot='vnni' in zmm or 'madd' in ymm only")
     m = row_dim(None)
     panels = -(-N // PANEL)
     TP = tile_panels if panels % tile_panels == 0 else 1
@@ -790,26 +816,33 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
     full = N % PANEL == 0
     epilogue = _cpu._epilogue(act, bias, residual)
     int4 = bits == 4
+    signed = bits == 8 and lanes == 8  # int8 in ymm: the sign trick
+    nbytes = 4 * lanes  # bytes per vector
     kbytes = HALF if int4 else PANEL  # bytes of a panel per k step
-    steps = 64 // kbytes  # k steps per 64-byte vector
-    H = 2 if int4 else 1  # int32 sums per panel: int4's low and high nibbles (columns 0-7, 8-15)
-    kgroups = steps // 4  # 4-step k groups per vector (int4: lanes 0-7 the first, 8-15 the second)
+    steps = nbytes // kbytes if int4 else 4  # k steps per vector
+    H = 2 if int4 or signed else 1  # int32 sums per panel: int4's nibbles, or int8's column halves in ymm
+    kgroups = steps // 4  # 4-step k groups per vector (int4 in zmm: lanes 0-7 the first, 8-15 the second)
     CW = lanes // kgroups  # columns per sum vector
-    offset = (0 if has_min else INT4_OFFSET) if int4 else 128  # int8: q ^ 0x80 = q + 128, the unsigned operand
-    perm = [tirx.IntImm("int32", PANEL * (e % 4) + e // 4) for e in range(4 * lanes)]  # int8's (int4: stored so)
-    m15, m4 = T.broadcast(T.uint8(15), 64), T.broadcast(T.uint8(4), 64)
+    offset = (0 if has_min else INT4_OFFSET) if int4 else (0 if signed else 128)  # int8 in zmm: q ^ 0x80 = q + 128
+    perm = [tirx.IntImm("int32", PANEL * (e % 4) + e // 4) for e in range(64)]  # int8's (int4: stored so)
+    halves = [[tirx.IntImm("int32", PANEL * (e % 4) + h * HALF + e // 4) for e in range(32)] for h in range(2)]
+    m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     flip = T.broadcast(T.uint8(128), 64)
     quantize_x = x_quantizer(K)
 
-    xbytes = [tirx.IntImm("int32", 4 * (e // 4 // CW) + e % 4) for e in range(4 * lanes)]  # byte -> its xq byte
+    xbytes = [tirx.IntImm("int32", 4 * (e // 4 // CW) + e % 4) for e in range(nbytes)]  # byte -> its xq byte
 
     def xdwords(xq, row, k0):  # row's xq at k0 .. k0 + steps, each k group's 4 bytes over its lanes
-        return T.Shuffle([xq[T.ramp(row * K + k0, 1, steps)]] * (64 // steps), xbytes)
+        return T.Shuffle([xq[T.ramp(row * K + k0, 1, steps)]] * (nbytes // steps), xbytes)
         # (a shuffle has no more lanes than its operands: the copies only make up the width)
 
-    def weights(wf, p, k0):  # a panel's 64 bytes at k0, permuted to column dwords
-        raw = wf[T.ramp((p * K + k0) * kbytes, 1, 64)]
-        return raw if int4 else T.Shuffle([raw], perm)
+    def weights(wf, p, k0):  # a panel's vector at k0 (int8: 4 k steps, permuted to column dwords)
+        if int4:
+            return wf[T.ramp((p * K + k0) * kbytes, 1, nbytes)]
+        return T.Shuffle([wf[T.ramp((p * K + k0) * kbytes, 1, 64)]], perm)
+
+    def half_weights(wf, p, k0, h):  # int8 in ymm: column half h's 8 columns x 4 k steps at k0, as int8
+        return T.reinterpret("int8x32", T.Shuffle([wf[T.ramp((p * K + k0) * kbytes, 1, 64)]], halves[h]))
 
     @T.prim_func
     def kernel(x_h: T.handle, w: T.Buffer((panels, K, kbytes), "uint8" if int4 else "int8"),
@@ -837,19 +870,38 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
                         for v in T.vectorized(lanes):
                             part[r, g, h, v] = T.if_then_else(
                                 v < CW, -offset * xsum[T.min(io * MR + r, m - 1) * nb + kb], 0)
-                    for o in T.unroll(B // steps):
-                        for g in T.unroll(TP):
-                            for r in T.unroll(MR):
-                                if int4:
-                                    part[r, g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
+                    if int4:
+                        for o in T.unroll(B // steps // 2):
+                            for g in T.unroll(TP):
+                                for r in T.unroll(MR):
+                                    part[r, g, 0, T.ramp(0, 1, lanes)] = dot2_u8s8(
                                         dot, lanes, part[r, g, 0, T.ramp(0, 1, lanes)],
-                                        weights(wf, t * TP + g, kb * B + o * steps) & m15,
-                                        xdwords(xq, T.min(io * MR + r, m - 1), kb * B + o * steps))
-                                    part[r, g, 1, T.ramp(0, 1, lanes)] = dot_u8s8(
+                                        weights(wf, t * TP + g, kb * B + 2 * o * steps) & m15,
+                                        xdwords(xq, T.min(io * MR + r, m - 1), kb * B + 2 * o * steps),
+                                        weights(wf, t * TP + g, kb * B + (2 * o + 1) * steps) & m15,
+                                        xdwords(xq, T.min(io * MR + r, m - 1), kb * B + (2 * o + 1) * steps))
+                                    part[r, g, 1, T.ramp(0, 1, lanes)] = dot2_u8s8(
                                         dot, lanes, part[r, g, 1, T.ramp(0, 1, lanes)],
-                                        weights(wf, t * TP + g, kb * B + o * steps) >> m4,
-                                        xdwords(xq, T.min(io * MR + r, m - 1), kb * B + o * steps))
-                                else:
+                                        weights(wf, t * TP + g, kb * B + 2 * o * steps) >> m4,
+                                        xdwords(xq, T.min(io * MR + r, m - 1), kb * B + 2 * o * steps),
+                                        weights(wf, t * TP + g, kb * B + (2 * o + 1) * steps) >> m4,
+                                        xdwords(xq, T.min(io * MR + r, m - 1), kb * B + (2 * o + 1) * steps))
+                    elif signed:
+                        for o in T.unroll(B // steps):
+                            for g in T.unroll(TP):
+                                for r in T.unroll(MR):
+                                    part[r, g, 0, T.ramp(0, 1, lanes)] = dot_s8s8_avx2(
+                                        part[r, g, 0, T.ramp(0, 1, lanes)],
+                                        half_weights(wf, t * TP + g, kb * B + o * 4, 0),
+                                        xdwords(xq, T.min(io * MR + r, m - 1), kb * B + o * 4))
+                                    part[r, g, 1, T.ramp(0, 1, lanes)] = dot_s8s8_avx2(
+                                        part[r, g, 1, T.ramp(0, 1, lanes)],
+                                        half_weights(wf, t * TP + g, kb * B + o * 4, 1),
+                                        xdwords(xq, T.min(io * MR + r, m - 1), kb * B + o * 4))
+                    else:
+                        for o in T.unroll(B // steps):
+                            for g in T.unroll(TP):
+                                for r in T.unroll(MR):
                                     part[r, g, 0, T.ramp(0, 1, lanes)] = dot_u8s8(
                                         dot, lanes, part[r, g, 0, T.ramp(0, 1, lanes)],
                                         weights(wf, t * TP + g, kb * B + o * steps) ^ flip,
@@ -1054,13 +1106,16 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
     cpu.linear_panels (1: AVX2, 2: AVX-512), which also sizes the int4 decode tasks. Decode: gemv_panels_q, or
     with `int8_dot` ("vnni": AVX-512 with VNNI; "madd": AVX-512 or AVX2, int4 only) gemv_panels_q4x8 (int4) or
     gemv_panels_q8x8 (int8, vnni), x quantized to int8 per block (an error of ~5e-3 of max |y| on random data,
-    as onnxruntime's accuracy_level 4). Prefill: cpu.gemm over panels_weight, `tile_panels` per register tile;
-    with `int8_dot` on AVX-512 (zmm), gemm_panels_qx8, each row of x quantized so (1.3-2.4x faster). `has_min`:
-    int4a's blocks (bits 4), every variant."""
-    if rows == 1 and int8_dot is not None:
-        if not gemv_int8_dot_fits(bits, int8_dot, tile_panels):
-            raise ValueError(f"int8 activations over int{bits} weights with {int8_dot!r} at tile_panels={tile_panels}: "
-                             "int4 takes any dot of the vector width, int8 'vnni' (AVX512-VNNI) in zmm only")
+    as onnxruntime's accuracy_level 4); int8 weights with "madd" (AVX2) decode over fp32 x. Prefill: cpu.gemm
+    over panels_weight, `tile_panels` per register tile; with `int8_dot`, gemm_panels_qx8 (zmm on AVX-512, ymm on
+    AVX2; `gemm_int8_dot_fits`), each row of x quantized so (1.3-2.4x faster). `has_min`: int4a's blocks (bits
+    4), every variant."""
+    if int8_dot is not None and not (gemv_int8_dot_fits(bits, int8_dot, tile_panels)
+                                     or gemm_int8_dot_fits(bits, int8_dot, tile_panels)):
+        raise ValueError(f"int8 activations over int{bits} weights with {int8_dot!r} at tile_panels={tile_panels}: "
+                         "int4 takes any dot of the vector width, int8 'vnni' (AVX512-VNNI) in zmm, or 'madd' in "
+                         "ymm (AVX2) for prompts only")
+    if rows == 1 and int8_dot is not None and gemv_int8_dot_fits(bits, int8_dot, tile_panels):
         wide = tile_panels > 1  # AVX-512: zmm vectors, 4 panels per task (int8 with VNNI: 8); AVX2: ymm, 2
         cap = (_cpu.GEMV_PANELS if bits == 8 else QUANT_GEMV_PANELS) if wide else 2
         group = _cpu.gemv_group(-(-N // PANEL), cap)
@@ -1076,7 +1131,8 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
     row_dim(rows)
     if gemm_int8_dot_fits(bits, int8_dot, tile_panels):
         return gemm_panels_qx8(name, K, N, bits=bits, sdtype=sdtype, bias=bias, act=act, residual=residual,
-                               dot=int8_dot, tile_panels=tile_panels, has_min=has_min)
+                               dot=int8_dot, tile_panels=tile_panels, has_min=has_min,
+                               lanes=16 if tile_panels > 1 else 8)
     return _cpu.gemm(name, K, N, layout=panels_weight(K, N, bits=bits, sdtype=sdtype, has_min=has_min), bias=bias,
                      act=act, residual=residual, tile_panels=tile_panels)
 
