@@ -1,13 +1,13 @@
 """Prefill GEMM over blocks kept from a GGUF file (q5_0, q5_1, q4_k, q5_k, q6_k): the int8-activation kernel
 (passes.kernels.kquant_gemm.gemm_panels_kqx8, which linear_panels_kq takes with int8 activations)
 against the old path (cpu.gemm over kquant_ops.kq_panels_weight: each task dequantizes its panels into fp32, then
-an fp32 register-tiled GEMM), at `--rows` prompt rows, in milliseconds per call; int4's gemm_panels_qx8 at the
-same shape for reference.
+an fp32 register-tiled GEMM), at `--rows` prompt rows, in milliseconds per call; int4's and int8's
+gemm_panels_qx8 (quant's panels) against their fp32 GEMM likewise.
 
 The shapes are Qwen2.5-0.5B's (K=896, N=9728: the gate+up FFN matrix, q5_0 in its Q4_K_M file; K=4864, N=896:
 the down matrix, q4_k / q6_k) and Qwen2.5/TinyLlama-1B-ish 2048x5632 in every format. Variants alternate in
 rounds; medians over rounds. Kernels are built for this machine's widest ISA (zmm tiles on AVX-512, ymm on AVX2;
-int4's int8 GEMM is AVX-512 only, so on AVX2 its row compares the fp32 GEMM with itself), `--threads` threads
+int8 weights in zmm take VNNI: without it their row compares the fp32 GEMM with itself), `--threads` threads
 (TVM_NUM_THREADS).
 
     python benchmarks/bench_kquant_gemm.py [--rows 128] [--threads 2] [--rounds 7]
@@ -26,13 +26,14 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 FORMATS = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+QUANT = ("int4", "int8")  # quant's panels: gemm_panels_qx8 (int8 in zmm needs VNNI)
 DEFAULT_CASES = (["q5_0:896x9728", "q4_k:4864x896", "q6_k:4864x896"]
                  + [f"{f}:2048x5632" for f in FORMATS] + ["int4:2048x5632"])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help="format:KxN,... (int4: gemm_panels_qx8)")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help="format:KxN,... (int4, int8: gemm_panels_qx8)")
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
@@ -66,13 +67,14 @@ def main():
         x = aligned(rng.standard_normal((args.rows, K)).astype(np.float32))
         y = aligned(np.zeros((args.rows, N), np.float32))
         tag = f"{name}_{K}x{N}"
-        if name == "int4":
-            q = rng.integers(-8, 8, (K, N)).astype(np.int8)
+        if name in QUANT:
+            bits = WEIGHT_FORMATS[name].bits
+            q = rng.integers(-(1 << bits - 1) + 1, 1 << bits - 1, (K, N)).astype(np.int8)
             s = (rng.random((K // 32, N)) * 0.01).astype(np.float16)
-            packed = [aligned(a) for a in quant.pack_panels(q, s, WEIGHT_FORMATS["int4"])]
-            funcs[(case, "old")] = quant.linear_panels_q(f"old_{tag}", K, N, rows=None, bits=4, bias=False,
+            packed = [aligned(a) for a in quant.pack_panels(q, s, WEIGHT_FORMATS[name])]
+            funcs[(case, "old")] = quant.linear_panels_q(f"old_{tag}", K, N, rows=None, bits=bits, bias=False,
                                                          tile_panels=tp)
-            funcs[(case, "new")] = quant.linear_panels_q(f"new_{tag}", K, N, rows=None, bits=4, bias=False,
+            funcs[(case, "new")] = quant.linear_panels_q(f"new_{tag}", K, N, rows=None, bits=bits, bias=False,
                                                          tile_panels=tp, int8_dot=dot)
         else:
             packed = [aligned(a) for a in kquant.pack_panels(random_blocks(rng, WEIGHT_FORMATS[name], K, N))]
@@ -104,7 +106,7 @@ def main():
         name, shape = case.split(":")
         K, N = (int(v) for v in shape.split("x"))
         old, new = (float(np.median(times[(case, v)])) for v in ("old", "new"))
-        label = "int4 (qx8, ref.)" if name == "int4" else name
+        label = f"{name} (qx8)" if name in QUANT else name
         print(f"| {label} | {K}x{N} | {old * 1e3:.2f} | {new * 1e3:.2f} | {old / new:.2f} | "
               f"{args.rows * K * N / new / 1e9:.0f} |")
 

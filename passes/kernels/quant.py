@@ -859,6 +859,11 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
         for i in range(m):
             quantize_x(x, i, xq, sx, xsum, i)
         for t in T.parallel(panels // TP):
+            wc = T.alloc_buffer((TP * 2 * (K // 4) * 32 if signed else 1,), "int8")  # int8 in ymm: permuted once
+            if signed:
+                for g, kq in T.grid(TP, K // 4):
+                    wc[T.ramp((g * 2 * (K // 4) + kq) * 32, 1, 32)] = half_weights(wf, t * TP + g, kq * 4, 0)
+                    wc[T.ramp(((g * 2 + 1) * (K // 4) + kq) * 32, 1, 32)] = half_weights(wf, t * TP + g, kq * 4, 1)
             for io in range((m + MR - 1) // MR):
                 acc = T.alloc_local((MR, TP, H, lanes), "float32")
                 part = T.alloc_local((MR, TP, H, lanes), "int32")
@@ -892,11 +897,11 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
                                 for r in T.unroll(MR):
                                     part[r, g, 0, T.ramp(0, 1, lanes)] = dot_s8s8_avx2(
                                         part[r, g, 0, T.ramp(0, 1, lanes)],
-                                        half_weights(wf, t * TP + g, kb * B + o * 4, 0),
+                                        wc[T.ramp(((g * 2 + 0) * (K // 4) + kb * (B // 4) + o) * 32, 1, 32)],
                                         xdwords(xq, T.min(io * MR + r, m - 1), kb * B + o * 4))
                                     part[r, g, 1, T.ramp(0, 1, lanes)] = dot_s8s8_avx2(
                                         part[r, g, 1, T.ramp(0, 1, lanes)],
-                                        half_weights(wf, t * TP + g, kb * B + o * 4, 1),
+                                        wc[T.ramp(((g * 2 + 1) * (K // 4) + kb * (B // 4) + o) * 32, 1, 32)],
                                         xdwords(xq, T.min(io * MR + r, m - 1), kb * B + o * 4))
                     else:
                         for o in T.unroll(B // steps):
