@@ -18,9 +18,9 @@ sequence (the weights read once for all), a sparse layer selects and reads the u
 predicted neurons once, and the calls that touch a KV cache or read the position run once per sequence, on
 that row and that slot's cache. Batches larger than the artifact's `max_batch` run in chunks; an artifact
 without a batch phase (GPU calls, --max-batch < 2, or built before the batch phase existed)
-runs `forward_batch` as one decode step per slot. (Where decode's quantized kernels take int8 dot products
-over a quantized x and a batch step's GEMM takes fp32 ones, as int4's prefill GEMM does on AVX2, its logits differ
-from decode's by that.)
+runs `forward_batch` as one decode step per slot. (Where a batch step's GEMM and decode's GEMV read x differently,
+as an int8 matrix's do on AVX2, where the GEMM rounds x to int8 blocks and the GEMV reads fp32, its logits differ
+from decode's by that rounding.)
 
 Long prompts: every row buffer (activations, input_ids, the logits) holds `prefill_rows` rows (the build makes it
 min(max_context, 512)), so the memory of a step does not grow with the context; `forward` runs a prompt longer
