@@ -2,12 +2,12 @@
 cache, and a load-and-fault run that counts what was answered, refused and lost (issue 52).
 
     python benchmarks/bench_serve_load.py ARTIFACT [--gguf FILE.gguf] [--parallel 4] [--queue 16] [--threads 2]
-        [--levels 1,4,16] [--requests 3] [--tokens 32] [--load-seconds 120] [--load-clients 32] [--json PATH]
+        [--llama-threads 1,2] [--levels 1,4,16] [--requests 3] [--tokens 32] [--load-seconds 120] [--load-clients 32] [--json PATH]
 
 The servers run as their own processes on 127.0.0.1 (`python -m picompile serve ARTIFACT`, and llama.cpp's
 `llama-server -m FILE.gguf -np PARALLEL --cont-batching` where scripts/build_llama_cpp.sh built it, once with its
-OpenMP threads passive and once spinning: a peer at its best), with the same slots (--parallel), threads and API
-key, one at a time (an idle llama-server whose OpenMP threads spin keeps every core busy): every measurement
+OpenMP threads passive and once spinning, at each of --llama-threads (default: --threads): a peer at its best),
+with the same slots (--parallel) and API key, one at a time (an idle llama-server whose OpenMP threads spin keeps every core busy): every measurement
 starts each server in turn, measures it and stops it, so the servers alternate.
 
 1. Levels: C clients each send --requests streamed greedy completions of a text prompt (held-out prose, 16-200
@@ -154,7 +154,8 @@ def kill_a_replica() -> dict:
 
 
 def llama_servers(args, port: int) -> list[ServerSpec]:
-    """llama-server at each of --llama-wait-policy (its OpenMP threads passive and spinning: a peer at its best)."""
+    """llama-server at each of --llama-threads (default: --threads) and --llama-wait-policy (its OpenMP threads
+    passive and spinning): a peer at its best."""
     if args.gguf is None:
         return []
     try:
@@ -164,12 +165,15 @@ def llama_servers(args, port: int) -> list[ServerSpec]:
         print(f"llama-server: not measured ({error})")
         return []
     context = args.context * args.parallel  # llama-server splits its context over the slots
+    threads = [int(t) for t in (args.llama_threads or str(args.threads)).split(",")]
+    settings = [(t, policy) for t in threads for policy in args.llama_wait_policy.split(",")]
     servers = []
-    for offset, policy in enumerate(args.llama_wait_policy.split(",")):
+    for offset, (count, policy) in enumerate(settings):
         env = dataclasses.replace(llama, wait_policy=policy).env()
-        servers.append(ServerSpec(f"llama-server OMP {policy}", [
+        label = f"llama-server OMP {policy}" + (f" -t {count}" if len(threads) > 1 else "")
+        servers.append(ServerSpec(label, [
             str(binary), "-m", str(args.gguf), "--port", str(port + offset), "--host", "127.0.0.1", "-np",
-            str(args.parallel), "--cont-batching", "-c", str(context), "-t", str(args.threads), "--api-key", KEY],
+            str(args.parallel), "--cont-batching", "-c", str(context), "-t", str(count), "--api-key", KEY],
             port + offset, env=env))
     return servers
 
@@ -455,6 +459,8 @@ def main() -> None:
     parser.add_argument("--load-clients", type=int, default=32)
     parser.add_argument("--burst", type=int, default=500, help="clients at once in the burst (0: none)")
     parser.add_argument("--llama-wait-policy", default="passive,active", help="llama-server's OMP_WAIT_POLICY rows")
+    parser.add_argument("--llama-threads", default=None, help="llama-server's thread counts, comma-separated, each "
+                        "with every wait policy (default: --threads)")
     parser.add_argument("--parts", default="levels,prefix,load,burst", help="which of the run's parts to run")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
