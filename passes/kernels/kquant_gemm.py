@@ -98,27 +98,24 @@ def gemm_panels_kqx8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", r
     def column(t, c, v):  # lane v of task t's column group c: its column of y
         return panel(t, c) * PANEL + (c % HP) * lanes + v
 
-    @T.macro
-    def expand(wf, wc, t):  # the task's full codes, column group by group, 4 k steps a vector
-        if HP == 1:
-            for g, kv in T.grid(TP, K // 8):
-                wc[T.ramp((g * KQ + kv * 2) * nbytes, 1, nbytes)] = T.Shuffle(
-                    [codes(wf, t * TP + g, kv * 8, 0, 64), codes(wf, t * TP + g, kv * 8, 1, 64)], regroup[0])
-                wc[T.ramp((g * KQ + kv * 2 + 1) * nbytes, 1, nbytes)] = T.Shuffle(
-                    [codes(wf, t * TP + g, kv * 8, 0, 64), codes(wf, t * TP + g, kv * 8, 1, 64)], regroup[1])
-        else:
-            for g, kq in T.grid(TP, KQ):  # (the halves' shifts and masks differ: one statement each)
-                wc[T.ramp((g * HP * KQ + kq) * nbytes, 1, nbytes)] = codes(wf, t * TP + g, kq * 4, 0, nbytes)
-                wc[T.ramp(((g * HP + 1) * KQ + kq) * nbytes, 1, nbytes)] = codes(wf, t * TP + g, kq * 4, 1, nbytes)
-
     def from_file(wf, wc, t, c, pair, j):  # column group c's codes at 4-step k group 2 pair + j, from the stored bytes
         if HP == 1:
             p = panel(t, c)
             return T.Shuffle([codes(wf, p, pair * 8, 0, 64), codes(wf, p, pair * 8, 1, 64)], regroup[j])
         return codes(wf, panel(t, c), pair * 8 + j * 4, c % HP, nbytes)
 
+    def slot(c, pair, j):  # the task buffer's vector of column group c at 4-step k group 2 pair + j
+        return T.ramp((c * KQ + pair * 2 + j) * nbytes, 1, nbytes)
+
     def from_buffer(wf, wc, t, c, pair, j):  # ... from the task buffer `expand` filled
-        return wc[T.ramp((c * KQ + pair * 2 + j) * nbytes, 1, nbytes)]
+        return wc[slot(c, pair, j)]
+
+    @T.macro
+    def expand(wf, wc, t):  # the task's full codes into its buffer, column group by group, as from_file builds them
+        for g, pair in T.grid(TP, K // 8):
+            for h in T.unroll(HP):
+                wc[slot(g * HP + h, pair, 0)] = from_file(wf, wc, t, g * HP + h, pair, 0)
+                wc[slot(g * HP + h, pair, 1)] = from_file(wf, wc, t, g * HP + h, pair, 1)
 
     @T.macro
     def row_tile(wf, wc, ds, ms, xq, sx, ssum, y, b, res, t, io, operand, R):  # rows io * R .. io * R + R of task t's
