@@ -2,13 +2,14 @@
 cache, and a load-and-fault run that counts what was answered, refused and lost (issue 52).
 
     python benchmarks/bench_serve_load.py ARTIFACT [--gguf FILE.gguf] [--parallel 4] [--queue 16] [--threads 2]
-        [--llama-threads 1,2] [--levels 1,4,16] [--requests 3] [--tokens 32] [--load-seconds 120] [--load-clients 32] [--json PATH]
+        [--llama-threads 1,2] [--levels 1,4,16] [--requests 3] [--tokens 32] [--load-seconds 120]
+        [--load-clients 32] [--json PATH]
 
 The servers run as their own processes on 127.0.0.1 (`python -m picompile serve ARTIFACT`, and llama.cpp's
 `llama-server -m FILE.gguf -np PARALLEL --cont-batching` where scripts/build_llama_cpp.sh built it, once with its
 OpenMP threads passive and once spinning, at each of --llama-threads (default: --threads): a peer at its best),
-with the same slots (--parallel) and API key, one at a time (an idle llama-server whose OpenMP threads spin keeps every core busy): every measurement
-starts each server in turn, measures it and stops it, so the servers alternate.
+with the same slots (--parallel) and API key, one at a time (an idle llama-server whose OpenMP threads spin keeps
+every core busy): every measurement starts each server in turn, measures it and stops it, so the servers alternate.
 
 1. Levels: C clients each send --requests streamed greedy completions of a text prompt (held-out prose, 16-200
    tokens, a different one per request) for --tokens tokens, back to back. Per server and level: all tokens over

@@ -796,12 +796,12 @@ def gemm_panels_qx8(name, K, N, *, bits, sdtype="float16", bias=False, act="none
     (`tile_panels` adjacent panels) and tile of X8_ROWS rows: per 32-block, each vector of a panel (int4: stored
     as its dwords are dotted; int8: permuted, in ymm once per task into a buffer) so each dword is one column's
     4 k steps (int4: split into nibbles, two k groups' pair sums added in int16 with "madd") is dotted with every
-    row's xq dwords broadcast to the lanes (int4 in zmm: two 4-step k groups, lanes l and l + 8), into int32 sums that start at the stored
-    offset's -offset * sum(xq); then acc += float(sum) * ws * sx. The epilogue sums the k groups' lanes. int4a
-    (`has_min`): the sums start at 0, and each block adds m * sx * sum(xq) (the row's block sum as quantized) to
-    the first k group's lanes, as gemv_panels_q4x8. int8 in ymm (no VNNI: vpmaddubsw's unsigned operand would
-    overflow its int16 pair sums as q + 128): |q| times xq with q's sign (`vpsignb`), 2 * 128 * 127 < 2^15, a
-    column half (8 columns) per vector.
+    row's xq dwords broadcast to the lanes (int4 in zmm: two 4-step k groups, lanes l and l + 8), into int32
+    sums that start at the stored offset's -offset * sum(xq); then acc += float(sum) * ws * sx. The epilogue sums
+    the k groups' lanes. int4a (`has_min`): the sums start at 0, and each block adds m * sx * sum(xq) (the row's
+    block sum as quantized) to the first k group's lanes, as gemv_panels_q4x8. int8 in ymm (no VNNI:
+    vpmaddubsw's unsigned operand would overflow its int16 pair sums as q + 128): |q| times xq with q's sign
+    (`vpsignb`), 2 * 128 * 127 < 2^15, a column half (8 columns) per vector.
     """
     B = QUANT_BLOCK
     _check(K, N, bits, K, "K", has_min)
