@@ -23,8 +23,9 @@ every core busy): every measurement starts each server in turn, measures it and 
    server's bound. Counted: answered (a whole answer, a stream to its [DONE]), refused by status (a 4xx: the
    kind's own, or 429 / 503 where the server was full), server errors (a 5xx for what the client sent), lost
    (a valid request with no answer: a 5xx, a cut stream, a connection error, a timeout: must be 0); the server's
-   resident memory in each quarter of the run (sampled each second; flat after the first quarter, when the KV
-   caches' pages are first written, means no growth per request), its slots and queue once the clients stop
+   resident memory in each quarter of the run (sampled each second), in all and split into anonymous pages (the
+   heap: flat means no growth per request) and pages of mapped files (the artifact's weights, read in as first
+   touched: an embedding table's rows as new tokens appear), its slots and queue once the clients stop
    (idle means every dropped stream's slot was freed), and p50 / p99 time to first token and whole-request time.
 4. A burst (--burst): that many clients at once, each one short whole completion on a connection of its own:
    answered, refused (429 / 503: the server full) and lost (must be 0), and the wall time until the last answer.
@@ -32,6 +33,12 @@ every core busy): every measurement starts each server in turn, measures it and 
    with two replicas (--parallel slots and one kernel thread each), one replica's process SIGKILLed at half time.
    Its requests are counted refused where they end with the error body (503 engine_unavailable, or a stream's
    last event): lost must still be 0; Serve's replacement takes the load after.
+6. Long prompts arriving (--parts arrivals, not by default): one client streams --arrival-stream tokens of an
+   answer while others send --arrivals prompts of --arrival-prompt token ids each (one answer token, one after
+   another, 0.3 s apart), from its first token on. Per server: the stream's gaps between tokens (p50, p99, the
+   longest: how long a new prompt stalls a running answer), its tokens/s, and the prompts' time to first token
+   (median). picompile runs at each of --prefill-chunks (`serve --prefill-chunk`; `-` is the default), beside
+   llama-server.
 """
 
 from __future__ import annotations
@@ -104,14 +111,19 @@ class Server:
         for _ in self.process.stderr:
             pass
 
-    def rss_bytes(self) -> int:
+    def memory(self) -> dict[str, int]:
+        """Resident bytes: "rss" in all, "anon" (the heap: what a leak grows) and "file" (pages of mapped files: the
+        artifact's weights, an embedding table's rows as new tokens first read them)."""
+        fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file"}
+        out = dict.fromkeys(fields.values(), 0)
         try:
             for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+                name = line.split(maxsplit=1)[0] if line else ""
+                if name in fields:
+                    out[fields[name]] = int(line.split()[1]) * 1024
         except OSError:
             pass
-        return 0
+        return out
 
     def __enter__(self) -> "Server":
         return self
@@ -129,10 +141,12 @@ class Server:
                 self.process.wait()
 
 
-def picompile_server(args, port: int) -> ServerSpec:
-    return ServerSpec("picompile", [sys.executable, "-m", "picompile", "serve", str(args.artifact), "--port", str(port),
-                                "--parallel", str(args.parallel), "--queue", str(args.queue), "--threads",
-                                str(args.threads), "--api-key", KEY, "--max-body-bytes", str(1 << 20)], port)
+def picompile_server(args, port: int, prefill_chunk: int | None = None) -> ServerSpec:
+    chunk = [] if prefill_chunk is None else ["--prefill-chunk", str(prefill_chunk)]
+    return ServerSpec("picompile" + (f" --prefill-chunk {prefill_chunk}" if chunk else ""),
+                      [sys.executable, "-m", "picompile", "serve", str(args.artifact), "--port", str(port),
+                       "--parallel", str(args.parallel), "--queue", str(args.queue), "--threads", str(args.threads),
+                       "--api-key", KEY, "--max-body-bytes", str(1 << 20), *chunk], port)
 
 
 def picompile_ray_server(args, port: int) -> ServerSpec:
@@ -195,9 +209,10 @@ def paragraphs(count: int, seed: int) -> list[str]:
 
 
 def stream(http: httpx.Client, url: str, path: str, body: dict, drop_after_first: bool = False) -> dict:
-    """A streamed request: {"ttft": s, "total": s, "tokens": n, "done": saw [DONE]}; raises on a non-200."""
+    """A streamed request: {"ttft": s, "total": s, "tokens": n, "done": saw [DONE], "times": each token's
+    perf_counter}; raises on a non-200."""
     began = time.perf_counter()
-    first, tokens, done = None, 0, False
+    first, tokens, done, times = None, 0, False, []
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", f"{url}{path}", json=body, headers=HEADERS, timeout=TIMEOUT_S) as response:
         if response.status_code != 200:
@@ -219,13 +234,15 @@ def stream(http: httpx.Client, url: str, path: str, body: dict, drop_after_first
             choices = chunk.get("choices") or []
             if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
                 tokens += 1
+                times.append(time.perf_counter())
                 if first is None:
                     first = time.perf_counter() - began
                     if drop_after_first:
                         return {"status": 200, "dropped": True}
     if usage:
         tokens = usage.get("completion_tokens", tokens)
-    return {"status": 200, "ttft": first, "total": time.perf_counter() - began, "tokens": tokens, "done": done}
+    return {"status": 200, "ttft": first, "total": time.perf_counter() - began, "tokens": tokens, "done": done,
+            "times": times}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -389,7 +406,7 @@ def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: in
 
     def sample_memory() -> None:
         while time.monotonic() < stop_at:
-            rss.append(server.rss_bytes())
+            rss.append(server.memory())
             time.sleep(1.0)
 
     def at_half_time() -> None:
@@ -407,9 +424,11 @@ def load_run(server: Server, seconds: float, clients: int, tokens: int, seed: in
     idle = (httpx.get(f"{server.url}/health", headers=HEADERS, timeout=10).json()
             if server.name.startswith("picompile") else {})  # (its slots)
     quarter = max(1, len(rss) // 4)
-    return {"seconds": seconds, "clients": clients, **counts, **({"fault": faults} if fault else {}),
-            "rss_mib_by_quarter": [statistics.mean(rss[i * quarter:(i + 1) * quarter]) / 2**20 for i in range(4)]
-            if len(rss) >= 4 else None, "rss_max_mib": max(rss) / 2**20 if rss else None, "after": idle,
+    by_quarter = {f"{kind}_mib_by_quarter": [statistics.mean(m[kind] for m in rss[i * quarter:(i + 1) * quarter])
+                                             / 2**20 for i in range(4)] if len(rss) >= 4 else None
+                  for kind in ("rss", "anon", "file")}
+    return {"seconds": seconds, "clients": clients, **counts, **({"fault": faults} if fault else {}), **by_quarter,
+            "rss_max_mib": max(m["rss"] for m in rss) / 2**20 if rss else None, "after": idle,
             "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
             "total_p50": percentile(total, 0.5), "total_p99": percentile(total, 0.99)}
 
@@ -439,6 +458,47 @@ def burst(server: Server, clients: int) -> dict:
             "lost": clients - answered - refused, "statuses": statuses, "seconds": time.perf_counter() - began}
 
 
+# ------------------------------------------------------------------------------------------------ 6. arrivals
+
+STREAMED_PROMPT = ("Write a Python module that implements a binary search tree with insert, delete, search, "
+                   "in-order, pre-order and post-order traversal, each method with a docstring and type hints.")
+
+
+def arrivals(server: Server, stream_tokens: int, count: int, prompt_tokens: int, seed: int) -> dict:
+    """Part 6: a running answer's gaps between tokens while long prompts arrive."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(prompt_tokens)] for _ in range(count)]
+    started, firsts = threading.Event(), []
+
+    def arrive() -> None:
+        started.wait(TIMEOUT_S)
+        with httpx.Client() as http:
+            for prompt in prompts:
+                got = stream(http, server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 1,
+                                                                   "temperature": 0, "cache_prompt": False})
+                if got.get("ttft") is None:
+                    raise RuntimeError(f"{server.name}: an arriving prompt failed: {got}")
+                firsts.append(got["ttft"])
+                time.sleep(0.3)
+
+    arriving = threading.Thread(target=arrive)
+    arriving.start()
+    with httpx.Client() as http:
+        body = {"messages": [{"role": "user", "content": STREAMED_PROMPT}], "max_tokens": stream_tokens,
+                "temperature": 0}
+        http.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}, headers=HEADERS,
+                  timeout=TIMEOUT_S)  # (warm: the streamed answer's own prefill is not what is measured)
+        threading.Timer(0.5, started.set).start()  # the prompts arrive once the answer streams
+        got = stream(http, server.url, "/v1/chat/completions", body)
+    started.set()
+    arriving.join()
+    times = got["times"]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"stream_tokens": got["tokens"], "stream_tokens_per_s": len(gaps) / (times[-1] - times[0]),
+            "gap_p50": percentile(gaps, 0.5), "gap_p99": percentile(gaps, 0.99), "gap_max": max(gaps),
+            "arrival_ttft_p50": statistics.median(firsts), "arrivals": len(firsts)}
+
+
 # ------------------------------------------------------------------------------------------------ the run
 
 def ms(value) -> str:
@@ -463,6 +523,10 @@ def main() -> None:
     parser.add_argument("--llama-threads", default=None, help="llama-server's thread counts, comma-separated, each "
                         "with every wait policy (default: --threads)")
     parser.add_argument("--parts", default="levels,prefix,load,burst", help="which of the run's parts to run")
+    parser.add_argument("--arrival-stream", type=int, default=96, help="part 6: tokens of the streamed answer")
+    parser.add_argument("--arrivals", type=int, default=3, help="part 6: long prompts sent while it streams")
+    parser.add_argument("--arrival-prompt", type=int, default=448, help="part 6: token ids of each such prompt")
+    parser.add_argument("--prefill-chunks", default="-,128,64", help="part 6: picompile's --prefill-chunk values")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     state = host_state.HostState.before()
@@ -477,16 +541,21 @@ def main() -> None:
             print(f"{spec.name} {clients} clients: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{ms(row['ttft_p50'])} ms p99 {ms(row['ttft_p99'])} ms ({row['answered']}/{row['requests']})",
                   flush=True)
-    results["ray_fault"] = {}
+    results["ray_fault"], results["arrivals"] = {}, {}
+    chunked = [picompile_server(args, 18451 + i, None if chunk == "-" else int(chunk))
+               for i, chunk in enumerate(args.prefill_chunks.split(","))]
     for part, run in (("prefix", lambda server: prefix_cache(server, seed=3)),
                       ("load", lambda server: load_run(server, args.load_seconds, args.load_clients, args.tokens, 5)),
                       ("burst", lambda server: burst(server, args.burst)),
                       ("ray_fault", lambda server: load_run(server, args.load_seconds, args.load_clients, args.tokens,
-                                                            6, fault=kill_a_replica))):
+                                                            6, fault=kill_a_replica)),
+                      ("arrivals", lambda server: arrivals(server, args.arrival_stream, args.arrivals,
+                                                           args.arrival_prompt, 7))):
         if part not in parts or (part in ("load", "ray_fault") and args.load_seconds <= 0) or (
                 part == "burst" and args.burst <= 0):
             continue
-        for spec in ([picompile_ray_server(args, 18441)] if part == "ray_fault" else specs):
+        servers = {"ray_fault": [picompile_ray_server(args, 18441)], "arrivals": chunked + specs[1:]}
+        for spec in servers.get(part, specs):
             with Server(spec) as server:
                 results[part][spec.name] = run(server)
             print(spec.name, part, json.dumps(results[part][spec.name]), flush=True)

@@ -169,6 +169,10 @@ def _parser() -> argparse.ArgumentParser:
                             "step where the artifact has a batch phase (build --max-batch)")
     serve.add_argument("--queue", type=_non_negative(int), default=16,
                        help="requests that may wait for a slot; past that the server answers 429 with Retry-After")
+    serve.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
+                       help="prompt tokens prefilled a step, between the running requests' decode steps: a new "
+                            "long prompt delays their next tokens by one such part (default: the artifact's "
+                            "prefill rows, at most 512)")
     access = serve.add_argument_group("keys and limits (docs/serving.md)")
     access.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="ask every request but /health for 'Authorization: Bearer KEY' (repeat for more keys; "
@@ -571,7 +575,8 @@ def _policy(args):
 
 
 def _serve_engine(args, serve, engine, policy) -> int:
-    app = serve.create_app(engine, parallel=args.parallel, queue=args.queue, policy=policy)
+    app = serve.create_app(engine, parallel=args.parallel, queue=args.queue, policy=policy,
+                           prefill_chunk=args.prefill_chunk)
     try:
         sock = serve.bind(args.host, args.port)
     except OSError as error:
@@ -631,7 +636,7 @@ def _serve_ray(args) -> int:
     threads = args.threads or 1
     autoscale = args.max_replicas is not None
     deployment = ray_serve.Deployment(
-        str(artifact), parallel=args.parallel, queue=args.queue, threads=threads,
+        str(artifact), parallel=args.parallel, queue=args.queue, prefill_chunk=args.prefill_chunk, threads=threads,
         replicas=None if autoscale else (args.replicas or 1), min_replicas=args.min_replicas or 1,
         max_replicas=args.max_replicas, replica_cpus=float(threads), policy=policy,
         code_path=str(Path(ray_serve.__file__).resolve().parents[1]) if local else None)

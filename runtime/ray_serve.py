@@ -45,6 +45,7 @@ class Deployment:
     artifact: str  # a path every node of the cluster can read
     parallel: int = 1
     queue: int = 16
+    prefill_chunk: int | None = None  # prompt tokens prefilled a step (None: the engine's prefill_chunk)
     threads: int | None = None  # kernel threads per replica (None: the replica's CPUs)
     replicas: int | None = 1
     min_replicas: int = 1
@@ -75,12 +76,13 @@ class Replica:
     the scheduler) and stopped with it; the front relays requests to it (`http`)."""
 
     async def __init__(self, artifact: str, parallel: int = 1, queue: int = 16, threads: int | None = None,
-                       model_id: str | None = None, tokenizer=ARTIFACT_TOKENIZER, policy: Policy = Policy()):
+                       model_id: str | None = None, tokenizer=ARTIFACT_TOKENIZER, policy: Policy = Policy(),
+                       prefill_chunk: int | None = None):
         self._artifact, self._threads = artifact, threads
         tokenizer = FROM_ARTIFACT if tokenizer == ARTIFACT_TOKENIZER else tokenizer
         self._app = create_app(self.load_engine(parallel), tokenizer=tokenizer, parallel=parallel, queue=queue,
                                model_id=model_id or Path(artifact).name, replica_set=self._replica_set,
-                               policy=policy)
+                               policy=policy, prefill_chunk=prefill_chunk)
         self.app = _NamingReplica(self._app, serve.get_replica_context().replica_id.unique_id)
         self._lifespan = AppLifespan(self.app)
         await self._lifespan.startup()
@@ -157,14 +159,14 @@ def application(deployment: Deployment, tokenizer=ARTIFACT_TOKENIZER, replica=No
     replica = Replica if replica is None else serve.deployment(replica, name=APP_NAME)
     replicas = replica.options(**deployment.options()).bind(
         deployment.artifact, deployment.parallel, deployment.queue, deployment.threads, deployment.model_id,
-        tokenizer, deployment.policy)
+        tokenizer, deployment.policy, deployment.prefill_chunk)
     return Front.options(num_replicas=1, ray_actor_options={"num_cpus": 0},
                          max_ongoing_requests=FRONT_ONGOING_REQUESTS).bind(replicas, deployment.policy.max_body_bytes)
 
 
 def build(args: dict):
     """A Serve config file's application builder (`import_path: runtime.ray_serve:build`): `args` are
-    Deployment's fields (artifact, parallel, queue, threads, replicas, min_replicas, max_replicas,
+    Deployment's fields (artifact, parallel, queue, prefill_chunk, threads, replicas, min_replicas, max_replicas,
     replica_cpus, model_id, policy: a mapping of Policy's fields); the config file's `deployments:` entry may
     override the scaling."""
     known = set(asdict(Deployment(artifact="")))

@@ -59,16 +59,26 @@ def generate_stream(engine, prompt_ids, max_new_tokens: int, *, temperature: flo
                    GenerationStats() if stats is None else stats)
 
 
-def prefill_prompt(engine, prompt_ids, slot: int = 0, reuse: bool = True) -> tuple[np.ndarray, int]:
-    """A prompt's last logits [vocab], and how many of its first tokens `slot`'s cache held already: with `reuse`
-    the prefix the cache holds is kept (`Engine.resume`), else the slot starts empty; the rest runs with the
-    prefill's kernels (a cold prefill's logits), the output layer on its last row alone."""
+def start_prompt(engine, prompt_ids, slot: int = 0, reuse: bool = True) -> int:
+    """Make `slot` ready to prefill `prompt_ids`; returns how many of its first tokens the slot's cache holds
+    already: with `reuse` the prefix the cache holds is kept (`Engine.resume`), else the slot starts empty."""
     if reuse:
-        kept = engine.resume(prompt_ids, slot)
-    else:
-        engine.reset(slot)
-        kept = 0
-    return engine.forward(prompt_ids[kept:], slot, last_only=True, as_prompt=True)[-1], kept
+        return engine.resume(prompt_ids, slot)
+    engine.reset(slot)
+    return 0
+
+
+def prefill_part(engine, prompt_ids, slot: int, start: int, stop: int) -> np.ndarray:
+    """Prefill `prompt_ids[start:stop]` after the `start` tokens `slot` holds, with the prefill's kernels (the
+    logits a cold prefill gives), the output layer on its last row alone; returns that row's logits [vocab]."""
+    return engine.forward(prompt_ids[start:stop], slot, last_only=True, as_prompt=True)[-1]
+
+
+def prefill_prompt(engine, prompt_ids, slot: int = 0, reuse: bool = True) -> tuple[np.ndarray, int]:
+    """A prompt's last logits [vocab], and how many of its first tokens `slot`'s cache held already
+    (`start_prompt`); the rest runs in one call (`prefill_part`)."""
+    kept = start_prompt(engine, prompt_ids, slot, reuse)
+    return prefill_part(engine, prompt_ids, slot, kept, len(prompt_ids)), kept
 
 
 def _tokens(engine, prompt: np.ndarray, max_new_tokens: int, rng, sampling: tuple, stop_ids: frozenset,

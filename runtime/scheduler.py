@@ -2,9 +2,11 @@
 
 A `Scheduler` owns an `Engine` built with `slots=N` (nobody else may call the engine once it started):
 its thread admits waiting requests into free slots, then advances every running request by one token
-per step (a newly admitted request's step is its prompt's prefill), and frees a slot as soon as its
-request finished, was cancelled or failed. Requests beyond the free slots wait in a bounded queue;
-`submit` refuses one more with `QueueFull`.
+per step, and frees a slot as soon as its request finished, was cancelled or failed. A newly admitted
+request's prompt is prefilled in parts, at most `prefill_chunk` prompt tokens a step (shared by the requests
+prefilling, first admitted first) after the step's decode: so a long prompt delays the running requests' next
+tokens by one part's time, not by its whole prefill, and a request whose client left stops at the next part.
+Requests beyond the free slots wait in a bounded queue; `submit` refuses one more with `QueueFull`.
 
 A slot's cache outlives its request: a new request goes to the free slot whose cache holds the longest prefix
 of its prompt (a shared system prompt, the earlier turns of a conversation), else to the slot used least
@@ -14,7 +16,7 @@ conversations are kept, the oldest given up first.
 Every running request past its prefill advances in one `Engine.forward_batch` per step: on an artifact with a
 batch phase one program over all of them, whose sparse layers read the union of their predicted neurons once
 (an artifact without one runs it as a decode step per slot); the newly admitted requests' prefills run one
-per slot. A request joins the batch at the step after its prefill.
+per slot. A request joins the batch at the step after its prefill's last part.
 
 Events reach the submitter through its callback, called on the scheduler's thread: a `TokenEvent` per
 generated token, then exactly one `FinishEvent`.
@@ -30,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from .sampling import prefill_prompt, sample
+from .sampling import prefill_part, sample, start_prompt
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -99,6 +101,7 @@ class _Running:
     job: Job
     rng: np.random.Generator | None
     generated: int = 0
+    prefilled: int | None = None  # of the prompt's tokens, those the slot's cache holds (None: not started)
     last_token: int | None = None  # None until the prompt's prefill ran
 
 
@@ -134,13 +137,19 @@ class _Counters:
 
 
 class Scheduler:
-    def __init__(self, engine, *, parallel: int | None = None, queue_size: int = 16):
+    def __init__(self, engine, *, parallel: int | None = None, queue_size: int = 16, prefill_chunk: int | None = None):
+        """`prefill_chunk`: the prompt tokens prefilled a step, all prefilling requests together (default: the
+        engine's `prefill_chunk`, the most one prefill step computes)."""
         parallel = engine.slots if parallel is None else parallel
         if not 1 <= parallel <= engine.slots:
             raise ValueError(f"parallel must be in [1, {engine.slots}] (the engine's slots); got {parallel}")
         if queue_size < 0:
             raise ValueError(f"queue_size must be non-negative; got {queue_size}")
+        prefill_chunk = engine.prefill_chunk if prefill_chunk is None else prefill_chunk
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive integer; got {prefill_chunk!r}")
         self.engine, self.parallel, self.queue_size = engine, parallel, queue_size
+        self.prefill_chunk = prefill_chunk
         self._free = list(range(parallel))  # least recently used first
         self._waiting: deque[Job] = deque()
         self._running: dict[int, _Running] = {}
@@ -221,9 +230,10 @@ class Scheduler:
             decoding = [(slot, running) for slot, running in live if running.last_token is not None]
             if decoding:
                 self._decode(decoding)
+            budget = self.prefill_chunk
             for slot, running in live:
-                if running.last_token is None:
-                    self._prefill(slot, running)
+                if running.last_token is None and budget > 0:
+                    budget -= self._prefill(slot, running, budget)
             with self._changed:
                 self._counters.busy_seconds += time.perf_counter() - began
 
@@ -233,19 +243,26 @@ class Scheduler:
         held = [self.engine.prefix_length(job.prompt_ids, slot) for slot in self._free]
         return self._free[int(np.argmax(held))]  # (argmax: the first of the longest)
 
-    def _prefill(self, slot: int, running: _Running) -> None:
-        """A newly admitted request's step: its prompt's prefill (of what the slot's cache does not hold), then its
-        first token."""
+    def _prefill(self, slot: int, running: _Running, budget: int) -> int:
+        """The next part of a newly admitted request's prefill, at most `budget` tokens of what the slot's cache
+        does not hold; after its last part, its first token. Returns the tokens prefilled."""
         job = running.job
         try:
-            logits, cached = prefill_prompt(self.engine, job.prompt_ids, slot, reuse=job.cache_prompt)
-            with self._changed:
-                self._counters.prompt_tokens += len(job.prompt_ids)
-                self._counters.prompt_tokens_cached += cached
-                self._counters.prefix_hits += cached > 0
+            if running.prefilled is None:
+                running.prefilled = cached = start_prompt(self.engine, job.prompt_ids, slot, reuse=job.cache_prompt)
+                with self._changed:
+                    self._counters.prompt_tokens += len(job.prompt_ids)
+                    self._counters.prompt_tokens_cached += cached
+                    self._counters.prefix_hits += cached > 0
+            start, stop = running.prefilled, min(len(job.prompt_ids), running.prefilled + budget)
+            logits = prefill_part(self.engine, job.prompt_ids, slot, start, stop)
         except Exception as error:  # this request fails; the others go on
-            return self._failed(slot, error)
-        self._sampled(slot, running, logits)
+            self._failed(slot, error)
+            return 0
+        running.prefilled = stop
+        if stop == len(job.prompt_ids):
+            self._sampled(slot, running, logits)
+        return stop - start
 
     def _decode(self, step: list[tuple[int, _Running]]) -> None:
         """One decode step of every request past its prefill, as one batch; if the batch is refused before it

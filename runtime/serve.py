@@ -303,10 +303,11 @@ class Endpoints:
     """The HTTP endpoints over one scheduler (and its engine), with the counters /metrics reports."""
 
     def __init__(self, engine, tokenizer: TextTokenizer | None, parallel: int | None, queue: int,
-                 model_id: str, replica_set: Callable[[], Awaitable[ReplicaSet]] | None = None):
+                 model_id: str, replica_set: Callable[[], Awaitable[ReplicaSet]] | None = None,
+                 prefill_chunk: int | None = None):
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
         self.replica_set = replica_set
-        self.scheduler = Scheduler(engine, parallel=parallel, queue_size=queue)
+        self.scheduler = Scheduler(engine, parallel=parallel, queue_size=queue, prefill_chunk=prefill_chunk)
         self.created = int(time.time())
         # requests refused, by reason: here (invalid, queue_full) and at the gate (`runtime/gate.py`); the event
         # loop's only: no lock
@@ -554,11 +555,13 @@ class _Answer:
 
 def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, queue: int = 16,
                model_id: str | None = None, replica_set: Callable[[], Awaitable[ReplicaSet]] | None = None,
-               policy: Policy = Policy()) -> Starlette:
+               policy: Policy = Policy(), prefill_chunk: int | None = None) -> Starlette:
     """The ASGI app. `engine`: an Engine (its slots bound `parallel`), or an artifact path (then loaded with
     `parallel` slots, default 1). `tokenizer`: a TextTokenizer, None (ids only), or by default the artifact's.
     `replica_set`: where the app is one replica of several, what /health and /metrics add about them.
     `policy`: keys and limits, held by the gate (`runtime/gate.py`) in front of every endpoint.
+    `prefill_chunk`: the prompt tokens prefilled a scheduler step, between the running requests' decode steps
+    (`Scheduler`; default: the engine's `prefill_chunk`)
     The scheduler starts with the app (ASGI lifespan) and its shutdown cancels what is still running. The engine's
     KV caches are made resident here (`Engine.hold_caches`)."""
     if isinstance(engine, (str, Path)):
@@ -568,7 +571,8 @@ def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, 
     if tokenizer is FROM_ARTIFACT:
         tokenizer = artifact_tokenizer(engine.directory)
     engine.hold_caches()  # (every slot's cache at full context from the start: no growth as conversations lengthen)
-    endpoints = Endpoints(engine, tokenizer, parallel, queue, model_id or Path(engine.directory).name, replica_set)
+    endpoints = Endpoints(engine, tokenizer, parallel, queue, model_id or Path(engine.directory).name, replica_set,
+                          prefill_chunk)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -389,11 +389,72 @@ def test_concurrent_greedy_requests_decode_as_one_batch_and_match_sequential_one
     assert max(batches) == 3  # the three requests' decode steps ran together
 
 
+def test_long_prompts_are_prefilled_in_parts_between_the_running_requests_steps(tiny_sparse_artifact,
+                                                                                monkeypatch):
+    from runtime import Engine, generate
+    from runtime.scheduler import FinishEvent, Job, Sampling, Scheduler, TokenEvent
+
+    engine = Engine(tiny_sparse_artifact, slots=4)
+    calls = []  # ("prefill", rows) or ("batch", sequences), in the order they ran
+    forward, forward_batch = engine.forward, engine.forward_batch
+
+    def prefill(ids, slot=0, **options):
+        if options.get("as_prompt"):
+            calls.append(("prefill", len(ids)))
+        return forward(ids, slot, **options)
+
+    def batch(ids, slots):
+        calls.append(("batch", len(slots)))
+        return forward_batch(ids, slots)
+
+    monkeypatch.setattr(engine, "forward", prefill)
+    monkeypatch.setattr(engine, "forward_batch", batch)
+    prompts = [[4, 8], list(range(20, 31)), list(range(40, 47)), list(range(50, 61))]
+    lengths = [16, 4, 3, 6]
+    scheduler = Scheduler(engine, prefill_chunk=4)
+    finished, results, ends = threading.Semaphore(0), {}, {}
+
+    def on_event(i):
+        def record(event):
+            if isinstance(event, TokenEvent):
+                results.setdefault(i, []).append(event.token_id)
+                if i == 0 and len(results[0]) == 1:  # the others arrive while the first request decodes
+                    for job in jobs[1:]:
+                        scheduler.submit(job)
+                if i == 2 and len(results[2]) == 1:  # the fourth's client leaves while its prompt is prefilled
+                    jobs[3].cancel()
+            elif isinstance(event, FinishEvent):
+                ends[i] = event
+                finished.release()
+        return record
+
+    jobs = [Job(prompt, Sampling(max_tokens=length), on_event(i))
+            for i, (prompt, length) in enumerate(zip(prompts, lengths))]
+    scheduler.submit(jobs[0])
+    scheduler.start()
+    assert all(finished.acquire(timeout=120) for _ in prompts)
+    scheduler.close()
+    assert [ends[i].reason for i in range(4)] == ["length", "length", "length", "cancelled"]
+    for i in (0, 1, 2):  # the answers of whole prefills
+        assert results[i] == generate(Engine(tiny_sparse_artifact), prompts[i], lengths[i])["generated_ids"]
+    # the fourth prompt was begun (the step the third's prefill ended in had tokens to spare) and not finished
+    prefilled = sum(rows for kind, rows in calls if kind == "prefill")
+    assert sum(map(len, prompts[:3])) < prefilled < sum(map(len, prompts))
+    # each step ran the decoding requests' batch, then at most 4 prompt tokens (of one prompt, or the end of one
+    # and the start of the next): never more than 4 without a decode step between them
+    assert calls[0] == ("prefill", 2)
+    since = 0
+    for kind, size in calls[1:]:
+        since = 0 if kind == "batch" else since + size
+        assert since <= 4
+    assert sum(kind == "prefill" for kind, _ in calls) >= 1 + 3 + 2 + 1
+
+
 class _FakeEngine:
     """Slots whose logits pick token slot + 1; slot 1's context is full after its prefill; forward_batch refuses
     (a ValueError, as the engine's own) any batch with slot 1 in it."""
 
-    slots, vocab = 3, 8
+    slots, vocab, prefill_chunk = 3, 8, 64
 
     def __init__(self):
         self.batches = []
