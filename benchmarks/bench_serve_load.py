@@ -526,7 +526,7 @@ def main() -> None:
     parser.add_argument("--arrival-stream", type=int, default=96, help="part 6: tokens of the streamed answer")
     parser.add_argument("--arrivals", type=int, default=3, help="part 6: long prompts sent while it streams")
     parser.add_argument("--arrival-prompt", type=int, default=448, help="part 6: token ids of each such prompt")
-    parser.add_argument("--prefill-chunks", default="-,128,64", help="part 6: picompile's --prefill-chunk values")
+    parser.add_argument("--prefill-chunks", default="512,128,64", help="part 6: picompile's --prefill-chunk values")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     state = host_state.HostState.before()

@@ -171,8 +171,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="requests that may wait for a slot; past that the server answers 429 with Retry-After")
     serve.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
                        help="prompt tokens prefilled a step, between the running requests' decode steps: a new "
-                            "long prompt delays their next tokens by one such part (default: the artifact's "
-                            "prefill rows, at most 512)")
+                            "long prompt delays their next tokens by one such part (default: 128)")
     access = serve.add_argument_group("keys and limits (docs/serving.md)")
     access.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="ask every request but /health for 'Authorization: Bearer KEY' (repeat for more keys; "

@@ -45,7 +45,7 @@ class Deployment:
     artifact: str  # a path every node of the cluster can read
     parallel: int = 1
     queue: int = 16
-    prefill_chunk: int | None = None  # prompt tokens prefilled a step (None: the engine's prefill_chunk)
+    prefill_chunk: int | None = None  # prompt tokens prefilled a step (None: the scheduler's default)
     threads: int | None = None  # kernel threads per replica (None: the replica's CPUs)
     replicas: int | None = 1
     min_replicas: int = 1

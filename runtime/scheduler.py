@@ -35,6 +35,9 @@ import numpy as np
 from .sampling import prefill_part, sample, start_prompt
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# prompt tokens prefilled a step by default: a 448-token prompt prefills as fast in parts of 128 as whole (the
+# real 0.5B file on 2 cores; parts of 64 cost 10% more), and a part's time (about 1 s there) bounds the stall
+PREFILL_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -138,14 +141,14 @@ class _Counters:
 
 class Scheduler:
     def __init__(self, engine, *, parallel: int | None = None, queue_size: int = 16, prefill_chunk: int | None = None):
-        """`prefill_chunk`: the prompt tokens prefilled a step, all prefilling requests together (default: the
-        engine's `prefill_chunk`, the most one prefill step computes)."""
+        """`prefill_chunk`: the prompt tokens prefilled a step, all prefilling requests together (default:
+        PREFILL_CHUNK, or the engine's `prefill_chunk` where that is smaller)."""
         parallel = engine.slots if parallel is None else parallel
         if not 1 <= parallel <= engine.slots:
             raise ValueError(f"parallel must be in [1, {engine.slots}] (the engine's slots); got {parallel}")
         if queue_size < 0:
             raise ValueError(f"queue_size must be non-negative; got {queue_size}")
-        prefill_chunk = engine.prefill_chunk if prefill_chunk is None else prefill_chunk
+        prefill_chunk = min(PREFILL_CHUNK, engine.prefill_chunk) if prefill_chunk is None else prefill_chunk
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer; got {prefill_chunk!r}")
         self.engine, self.parallel, self.queue_size = engine, parallel, queue_size

@@ -598,8 +598,9 @@ def test_picompile_serve_errors_are_one_line(tiny_sparse_artifact, tmp_path):
     finally:
         taken.close()
     assert code == 2 and len(lines) == 1 and "cannot listen on 127.0.0.1:" in lines[0] and "in use" in lines[0]
-    code, lines = serve(str(tiny_sparse_artifact), "--parallel", "0")
-    assert code == 2 and len(lines) == 1 and "--parallel" in lines[0]
+    for option in ("--parallel", "--prefill-chunk"):
+        code, lines = serve(str(tiny_sparse_artifact), option, "0")
+        assert code == 2 and len(lines) == 1 and option in lines[0]
 
 
 def test_sampled_answers_depend_on_the_seed(text_server):
