@@ -98,6 +98,7 @@ class Pipeline:
         self.stages = self.manifest.stages
         self.slots, self.step_timeout_s = slots, step_timeout_s
         self.max_context = self.manifest.model.max_context
+        self.prefill_chunk = self.max_context  # (a step takes a whole prompt: each stage's engine splits it as it must)
         self.vocab_size = self.manifest.model.vocab_size  # (each stage's engine checks it against its files)
         self.positions = [0] * slots
         self.profile = None  # (the stages' kernels are not profiled from here)
