@@ -42,6 +42,33 @@ def _run_directory(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _frames_of_no_module_looked_up_once():
+    """TVMScript's T.prim_func takes inspect.stack() where a kernel is made, and inspect asks getmodule for each
+    frame's module; a frame of code that is no module's ('<string>' and '<ast>', code run from strings;
+    xdist/remote.py, which the workers run as a script) makes getmodule walk all of sys.modules (thousands of
+    modules once torch is imported): ~15 walks a kernel made, a good part of a tiny build's time. That answer
+    (None) depends on nothing but the loaded modules, so it is kept until sys.modules changes size. Every other
+    lookup goes to inspect unchanged."""
+    import inspect
+
+    look_up = inspect.getmodule
+    unresolved = {}  # a frame's file name -> len(sys.modules) when it last resolved to no module
+
+    def getmodule(object, _filename=None):
+        a_frame = _filename is not None and inspect.isframe(object)
+        if a_frame and unresolved.get(_filename) == len(sys.modules):
+            return None
+        module = look_up(object, _filename)
+        if a_frame and module is None:
+            unresolved[_filename] = len(sys.modules)
+        return module
+
+    inspect.getmodule = getmodule
+    yield
+    inspect.getmodule = look_up
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _cpu_kernel_libraries_compiled_once(tmp_path_factory):
     """Tests build many artifacts of the same few tiny models (one model through several exporters, the same
     build in several files), and every build LLVM-compiles its CPU kernels again: the slowest part of a tiny
