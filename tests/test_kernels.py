@@ -39,6 +39,14 @@ LINEAR = {  # name: (K, N, bias, act, residual)
     "group4": (16, 570, False, "none", False),  # 36 panels: 4 a task (8 would leave 4.5 tasks)
 }
 WEIGHT_DTYPES = ("float32", "float16")
+# LINEAR's configs of plain's shape that differ from it only in the epilogue: panel kernels of theirs are built in
+# fp32 only, since the epilogue is the same code whatever the weights' storage or register tile
+EPILOGUE_ONLY = ("relu", "gelu", "silu", "gelu_tanh")
+# (storage, cfg, variant, m) of the panel kernels: "wide" (two-panel register tile) in prefill only, since decode's
+# GEMV has no register tile (tile_panels does not reach it: its kernel would be the fp32 one)
+PANEL_CASES = [(dtype, cfg, variant, m) for dtype in WEIGHT_DTYPES + ("wide",) for cfg in LINEAR
+               for variant, m in VARIANTS
+               if (dtype == "float32" or cfg not in EPILOGUE_ONLY) and (dtype != "wide" or variant == "p")]
 GLU = {"silu": (40, "silu"), "gelu": (40, "gelu"), "gelu_tanh": (40, "gelu_tanh"), "relu36": (36, "relu")}
 SPREAD = 2048  # the activation accuracy test's values
 NORM_D = (36, 64)
@@ -97,11 +105,11 @@ def all_kernels():
     for v, rows in ROWS.items():
         for cfg, (K, N, bias, act, res) in LINEAR.items():
             funcs.append(cpu.linear(kname("linear", cfg, v), K, N, rows=rows, bias=bias, act=act, residual=res))
-            for dtype in WEIGHT_DTYPES:
-                funcs.append(cpu.linear_panels(kname(f"panels_{dtype}", cfg, v), K, N, rows=rows, wdtype=dtype, bias=bias,
-                                               act=act, residual=res))
-            funcs.append(cpu.linear_panels(kname("panels_wide", cfg, v), K, N, rows=rows, bias=bias, act=act,
-                                           residual=res, tile_panels=2))
+        for dtype, cfg in dict.fromkeys((dtype, cfg) for dtype, cfg, variant, _ in PANEL_CASES if variant == v):
+            K, N, bias, act, res = LINEAR[cfg]
+            funcs.append(cpu.linear_panels(kname(f"panels_{dtype}", cfg, v), K, N, rows=rows,
+                                           wdtype="float32" if dtype == "wide" else dtype, bias=bias, act=act,
+                                           residual=res, tile_panels=2 if dtype == "wide" else 1))
         funcs.append(cpu.linear(kname("linear_float16", "gelu", v), 40, 72, rows=rows, bias=True, act="gelu",
                                 residual=True, wdtype="float16"))
         for cfg, (F, act) in GLU.items():
@@ -189,9 +197,7 @@ def test_linear(lib, cfg, variant, m):
     close(y, ref)
 
 
-@pytest.mark.parametrize("variant,m", VARIANTS)
-@pytest.mark.parametrize("cfg", LINEAR)
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES + ("wide",))
+@pytest.mark.parametrize("dtype,cfg,variant,m", PANEL_CASES)
 def test_linear_panels(lib, cfg, variant, m, dtype):
     """Panel-packed weights (the CPU's layout) in fp32 and fp16 storage, padded last panels included; "wide":
     the AVX-512 register tile of two panels (same code for any ISA; odd panel counts fall back to one)."""
@@ -235,9 +241,16 @@ ROW_GEMM_M = (1, 3, 7, 17)
 ROW_GEMM_TILES = (1, 2)  # tile_panels: the AVX2 and AVX-512 register tiles (both run on an AVX2 target)
 
 
+def blocked(cfg, dtype):
+    """Whether gemm_kn is also built with small k blocks and column chunks for (cfg, dtype): in fp32 only (the
+    storage changes the loads, not the blocking) and not for "small" (K = 5, N = 3: one block, one chunk, the
+    kernel kn_ already is)."""
+    return dtype == "float32" and cfg != "small"
+
+
 def row_gemm_kernels():
-    """gemm_nt and gemm_kn (the prefill GEMMs over the sparse FFN's row layouts), each also with small k blocks
-    and column chunks so that several of each run; and gemm_kn skipping zero rows, in the one flavour
+    """gemm_nt and gemm_kn (the prefill GEMMs over the sparse FFN's row layouts), gemm_kn also with small k blocks
+    and column chunks so that several of each run (`blocked`); and gemm_kn skipping zero rows, in the one flavour
     (fp32, one-panel tile) test_kn_gemm_skipping_zero_rows calls (the others were compiled and never run)."""
     funcs = []
     for cfg, (K, N, bias, act, res) in ROW_GEMMS.items():
@@ -246,7 +259,8 @@ def row_gemm_kernels():
                 flags = dict(wdtype=dtype, bias=bias, act=act, residual=res, tile_panels=tile)
                 funcs.append(cpu.gemm_nt(f"nt_{cfg}_{dtype}_{tile}", K, N, **flags))
                 funcs.append(cpu.gemm_kn(f"kn_{cfg}_{dtype}_{tile}", K, N, **flags))
-                funcs.append(cpu.gemm_kn(f"kn_blocks_{cfg}_{dtype}_{tile}", K, N, columns=32, kb=5, **flags))
+                if blocked(cfg, dtype):
+                    funcs.append(cpu.gemm_kn(f"kn_blocks_{cfg}_{dtype}_{tile}", K, N, columns=32, kb=5, **flags))
         funcs.append(cpu.gemm_kn(f"kn_skip_{cfg}_float32_1", K, N, wdtype="float32", bias=bias, act=act, residual=res,
                                  tile_panels=1, columns=32, kb=5, skip_zero_rows=True))
     return funcs
@@ -274,8 +288,9 @@ def test_row_layout_gemms(row_gemm_lib, cfg, dtype, tile, m):
     b = rand(rng, N)
     r = rand(rng, tall, N)[:m]
     ref = act_ref(x.astype(np.float64) @ w.astype(np.float64) + (b if bias else 0), act) + (r if res else 0)
-    for kernel, weight in ((f"nt_{cfg}_{dtype}_{tile}", w.T), (f"kn_{cfg}_{dtype}_{tile}", w),
-                           (f"kn_blocks_{cfg}_{dtype}_{tile}", w)):
+    kernels = [(f"nt_{cfg}_{dtype}_{tile}", w.T), (f"kn_{cfg}_{dtype}_{tile}", w)]
+    kernels += [(f"kn_blocks_{cfg}_{dtype}_{tile}", w)] if blocked(cfg, dtype) else []
+    for kernel, weight in kernels:
         y = rand(rng, tall, N)
         y[:] = np.nan
         args = [x, aligned(np.ascontiguousarray(weight))] + ([b] if bias else []) + ([r] if res else []) + [y[:m]]
