@@ -69,6 +69,29 @@ def _frames_of_no_module_looked_up_once():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _script_macros_find_their_parser_by_walking_frames():
+    """A TVMScript macro's call looks for the parser among its callers' globals through inspect.getouterframes,
+    which also reads every caller's file and source line (a hundred frames under pytest, for each of the many
+    macro calls of a kernel). Walking the frames' globals alone finds the same parser."""
+    from tvm.script.parser.core.parser import ScriptMacro
+
+    find = ScriptMacro._find_parser_def
+
+    def find_parser_def(self):
+        frame = sys._getframe(1)
+        while frame is not None:
+            parser = frame.f_globals.get(ScriptMacro.parser_object_name)
+            if parser is not None:
+                return parser
+            frame = frame.f_back
+        return find(self)  # (its error)
+
+    ScriptMacro._find_parser_def = find_parser_def
+    yield
+    ScriptMacro._find_parser_def = find
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _cpu_kernel_libraries_compiled_once(tmp_path_factory):
     """Tests build many artifacts of the same few tiny models (one model through several exporters, the same
     build in several files), and every build LLVM-compiles its CPU kernels again: the slowest part of a tiny
