@@ -13,6 +13,7 @@ GPU, PICOMPILE_CUDA_EMULATE=1 runs the same numpy checks on the CUDA source thro
 the CPU; ~1 minute), all but the runtime-only process test.
 """
 
+import functools
 import math
 import os
 import struct
@@ -146,7 +147,11 @@ def all_kernels(gpu=True):
     return funcs
 
 
-KERNELS = all_kernels()
+@functools.cache
+def cuda_kernels():
+    """The test kernel set, made when a test first needs it: not while collecting, which every xdist worker does
+    whichever worker runs this file."""
+    return all_kernels()
 
 
 # ---------------------------------------------------------------------------------- builds
@@ -164,7 +169,7 @@ def built(arch, build_dir):
     if arch not in _BUILDS:
         path = str(build_dir / f"kernels_{arch}.so")
         began = time.perf_counter()
-        facts = cuda.build(KERNELS, arch, path)
+        facts = cuda.build(cuda_kernels(), arch, path)
         _BUILDS[arch] = (path, facts, time.perf_counter() - began)
     return _BUILDS[arch]
 
@@ -172,9 +177,10 @@ def built(arch, build_dir):
 @pytest.mark.parametrize("arch", BUILT_ARCHS)
 def test_build_embeds_binary(arch, build_dir):
     path, facts, seconds = built(arch, build_dir)
-    print(f"{arch}: {len(KERNELS)} kernels built in {seconds:.1f} s (nvcc {facts['nvcc_seconds']:.1f} s)")
+    kernels = cuda_kernels()
+    print(f"{arch}: {len(kernels)} kernels built in {seconds:.1f} s (nvcc {facts['nvcc_seconds']:.1f} s)")
     assert os.path.getsize(path) > 0
-    assert facts["arch"] == arch and facts["kernels"] == len(KERNELS)
+    assert facts["arch"] == arch and facts["kernels"] == len(kernels)
     assert facts["binary_format"] == "fatbin"
     fmt, code = cuda.read_packed_cuda(path)
     assert fmt == "fatbin"
@@ -183,15 +189,16 @@ def test_build_embeds_binary(arch, build_dir):
     assert {(kind, s) for kind, s, _ in entries} == {(2, sm), (1, sm)}  # SASS for the arch + its PTX
     (elf,) = [payload for kind, _, payload in entries if kind == 2]
     assert elf[:4] == b"\x7fELF" and struct.unpack_from("<H", elf, 18)[0] == 190  # EM_CUDA
-    missing = [str(f.attrs["global_symbol"]) for f in KERNELS if f"{f.attrs['global_symbol']}_kernel".encode() not in elf]
+    missing = [str(f.attrs["global_symbol"]) for f in kernels if f"{f.attrs['global_symbol']}_kernel".encode() not in elf]
     assert not missing, f"kernels missing from the {arch} cubin: {missing}"
 
 
 def test_module_source_is_cuda():
     """What nvcc compiles: CUDA C++ with one __global__ kernel (at least) per PrimFunc."""
-    source = cuda.cuda_source(KERNELS, "sm_80")
-    assert source.count('extern "C" __global__ void __launch_bounds__') >= 2 * len(KERNELS)  # decl + def
-    missing = [str(f.attrs["global_symbol"]) for f in KERNELS if f" {f.attrs['global_symbol']}_kernel(" not in source]
+    kernels = cuda_kernels()
+    source = cuda.cuda_source(kernels, "sm_80")
+    assert source.count('extern "C" __global__ void __launch_bounds__') >= 2 * len(kernels)  # decl + def
+    missing = [str(f.attrs["global_symbol"]) for f in kernels if f" {f.attrs['global_symbol']}_kernel(" not in source]
     assert not missing, missing
 
 
@@ -222,7 +229,7 @@ def test_same_signatures_as_cpu_kernels():
                 sig.append((p.name, tuple(dim(d) for d in shape), str(p.dtype)))
         return sig
 
-    gpu = {str(f.attrs["global_symbol"]): signature(f) for f in KERNELS}
+    gpu = {str(f.attrs["global_symbol"]): signature(f) for f in cuda_kernels()}
     host = {str(f.attrs["global_symbol"]): signature(f) for f in all_kernels(gpu=False)}
     for name, sig in host.items():
         assert gpu[name] == sig, name
@@ -238,7 +245,7 @@ def _kernel_body(source, name):
 def test_indexing_kernels_bound_their_inputs():
     """The CUDA kernels that index with an input clamp it as the CPU ones do (tested on the CPU in
     test_kernel_bounds.py): token ids and positions to their tables, counts and indices to their buffers."""
-    indexing = [f for f in KERNELS if str(f.attrs["global_symbol"]).startswith(("embed_", "up_", "down_"))]
+    indexing = [f for f in cuda_kernels() if str(f.attrs["global_symbol"]).startswith(("embed_", "up_", "down_"))]
     source = cuda.cuda_source(indexing, "sm_80")
     for f in indexing:
         name = str(f.attrs["global_symbol"])
@@ -312,10 +319,10 @@ def run(build_dir):
         if os.environ.get("PICOMPILE_CUDA_EMULATE") == "1":  # opt-in: the CUDA source run on the CPU (cuda_emulator)
             import cuda_emulator
 
-            return cuda_emulator.Emulated(KERNELS, workdir=str(build_dir)).runner(extra_rows=MAX_ROWS)
+            return cuda_emulator.Emulated(cuda_kernels(), workdir=str(build_dir)).runner(extra_rows=MAX_ROWS)
         pytest.skip("no CUDA GPU here (tvm.cuda(0).exist is false)")
     path, _, _ = built(gpu_arch(), build_dir)
-    return make_gpu_runner(KERNELS, path)
+    return make_gpu_runner(cuda_kernels(), path)
 
 
 def rand(rng, *shape, scale=1.0):

@@ -105,7 +105,8 @@ def all_kernels():
     for v, rows in ROWS.items():
         for cfg, (K, N, bias, act, res) in LINEAR.items():
             funcs.append(cpu.linear(kname("linear", cfg, v), K, N, rows=rows, bias=bias, act=act, residual=res))
-        for dtype, cfg in dict.fromkeys((dtype, cfg) for dtype, cfg, variant, _ in PANEL_CASES if variant == v):
+        panels = dict.fromkeys((dtype, cfg) for dtype, cfg, variant, _ in PANEL_CASES if variant == v)
+        for dtype, cfg in panels:
             K, N, bias, act, res = LINEAR[cfg]
             funcs.append(cpu.linear_panels(kname(f"panels_{dtype}", cfg, v), K, N, rows=rows,
                                            wdtype="float32" if dtype == "wide" else dtype, bias=bias, act=act,
