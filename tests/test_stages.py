@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -298,9 +299,19 @@ def test_gpu_stages_on_two_ray_nodes_give_the_one_process_logits(cluster, gpu_sp
 def pipeline(cluster, split_artifact):
     from runtime.ray_stages import Pipeline
 
+    _wait_for_free_cpus(2)  # (the GPU test's stages, killed, hold the nodes' CPUs until their processes exit)
     stages = Pipeline(split_artifact, slots=4, code_path=str(ROOT), step_timeout_s=WAIT_S, start_timeout_s=START_WAIT_S)
     yield stages
     stages.close()
+
+
+def _wait_for_free_cpus(cpus: int) -> None:
+    """Until the cluster offers `cpus` CPUs again (bounded): ray.kill returns before a killed actor's CPU is free."""
+    import ray
+
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
