@@ -236,7 +236,7 @@ def stream(http: httpx.Client, url: str, path: str, body: dict, drop_after_first
                 tokens += 1
                 times.append(time.perf_counter())
                 if first is None:
-                    first = time.perf_counter() - began
+                    first = times[-1] - began
                     if drop_after_first:
                         return {"status": 200, "dropped": True}
     if usage:

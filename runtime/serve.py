@@ -561,7 +561,7 @@ def create_app(engine, *, tokenizer=FROM_ARTIFACT, parallel: int | None = None, 
     `replica_set`: where the app is one replica of several, what /health and /metrics add about them.
     `policy`: keys and limits, held by the gate (`runtime/gate.py`) in front of every endpoint.
     `prefill_chunk`: the prompt tokens prefilled a scheduler step, between the running requests' decode steps
-    (`Scheduler`; default: `scheduler.PREFILL_CHUNK`)
+    (`Scheduler`; default: `scheduler.PREFILL_CHUNK`).
     The scheduler starts with the app (ASGI lifespan) and its shutdown cancels what is still running. The engine's
     KV caches are made resident here (`Engine.hold_caches`)."""
     if isinstance(engine, (str, Path)):
