@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_gguf import ensure_gguf_artifact, write_texts  # noqa: E402
+from benchmarks.bench_gguf import DENSE_OF, ensure_gguf_artifact, write_texts  # noqa: E402
 from examples.bench_decode import SETTLE_S, record, time_decode  # noqa: E402
 
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             del engine
     after = measured_rates()  # the machine at the end: how far its rates drifted during the run
     rows = ["| file | build | measured tok/s | expected tok/s (rates of the run) | expected / measured "
-            "| vs dense (measured) | the artifact's own estimate |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            "| vs dense in its formats (measured) | the artifact's own estimate |", "| --- | --- | --- | --- | --- | --- | --- |"]
     results = {}
     for (name, build), artifact in artifacts.items():
         from runtime.artifact import load_manifest
@@ -100,7 +100,8 @@ def main(argv=None) -> int:
         measured = statistics.median(speeds[(name, build)])
         expected = expected_tokens_per_s(artifact, rates)
         expected_after = expected_tokens_per_s(artifact, after)
-        dense = statistics.median(speeds[(name, "dense")]) if (name, "dense") in speeds else None
+        base = (name, DENSE_OF.get(build, "dense"))  # the dense build in the same formats
+        dense = statistics.median(speeds[base]) if base in speeds else None
         own = load_manifest(artifact, check_hashes=False).estimate["picompile_tokens_per_s"]
         results[f"{name} {build}"] = {"measured": measured, "expected": expected, "expected_after": expected_after,
                                       "own_estimate": own, "runs": speeds[(name, build)]}

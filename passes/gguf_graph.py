@@ -298,8 +298,9 @@ def build_graph(h: Hyper, found: dict, vocab: int) -> ir.Model:
     total_len = g.op("Add", [past_len, seq_len])
     scalar = lambda v: g.op("Squeeze", [v, g.ints(f"mask.squeeze{g.count}", [0])])  # noqa: E731
     one = g.const("mask.one", np.array(1, np.int64))
-    keys = g.op("Range", [g.const("mask.zero", np.array(0, np.int64)), scalar(total_len), one])
-    queries = g.op("Range", [scalar(past_len), scalar(total_len), one])
+    key_count = scalar(total_len)
+    keys = g.op("Range", [g.const("mask.zero", np.array(0, np.int64)), key_count, one])
+    queries = g.op("Range", [scalar(past_len), key_count, one])
     key_rows = g.op("Unsqueeze", [keys, g.ints("mask.rows", [0])])
     query_cols = g.op("Unsqueeze", [queries, g.ints("mask.cols", [1])])
     causal = g.op("LessOrEqual", [key_rows, query_cols])

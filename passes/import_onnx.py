@@ -537,9 +537,19 @@ def dequantize_matmul_nbits(model: ir.Model, ctx: Context) -> SourceQuantization
     return fact
 
 
+def _fold_constants(model: ir.Model) -> None:
+    try:
+        with _quiet("onnxscript"):  # failed folds of a node are warnings; the node just stays unfolded
+            onnxscript.optimizer.optimize(model, num_iterations=2)
+    except Exception as error:
+        reason = first_line(error)
+        raise UserError(f"constant folding failed on this model: {type(error).__name__}: {reason}") from None
+
+
 @dataclass
 class Import:
     name = "import"
+    fold_constants: bool = True  # onnxscript's optimizer: constant subgraphs folded, exporters' patterns simplified
 
     def apply(self, model: ir.Model, ctx: Context) -> PassResult:
         graph = model.graph
@@ -557,12 +567,8 @@ class Import:
         for value in graph.inputs:
             if value.shape is not None and len(value.shape) > 0 and not isinstance(value.shape[0], int):
                 value.shape = ir.Shape([1, *value.shape[1:]])
-        try:
-            with _quiet("onnxscript"):  # failed folds of a node are warnings; the node just stays unfolded
-                onnxscript.optimizer.optimize(model, num_iterations=2)
-        except Exception as error:
-            reason = first_line(error)
-            raise UserError(f"constant folding failed on this model: {type(error).__name__}: {reason}") from None
+        if self.fold_constants:
+            _fold_constants(model)
         # after folding, which would fold the Casts in front of half-precision weights into fp32 copies
         kept, widened = compute_in_fp32(graph)
         if kept or widened:
