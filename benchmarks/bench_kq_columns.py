@@ -8,7 +8,10 @@ each layer's matrix once, from memory), rounds alternating the kernels (medians 
 Random blocks (every code and scale drawn at random); the kept inputs are the largest |x| of a random x.
 
     python benchmarks/bench_kq_columns.py [--shapes down,in] [--formats q4_k,q6_k,q5_0] [--threads 2]
-        [--rounds 7] [--layers 24] [--prompt 128]
+        [--rounds 7] [--layers 24] [--prompt 128] [--chunk-groups G]
+
+--chunk-groups G also times the column kernel with G output groups a pass over the kept rows (kquant_columns'
+chunk_groups; a G of N / 32 or more: whole rows, as before chunks), alternated with the default's.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=24, help="distinct weight copies per kernel")
     parser.add_argument("--prompt", type=int, default=128, help="rows of the prompt GEMMs (0: none)")
+    parser.add_argument("--chunk-groups", type=int, default=None, help="also the column kernel at this chunk width")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
@@ -63,6 +67,9 @@ def main():
         funcs.append(kquant_ops.linear_panels_kq(f"dense_{tag}", K, N, rows=1, fmt=fmt, bias=False,
                                                  tile_panels=isa.gemm_panels, **dot))
         funcs.append(kquant_columns.sparse_columns_kq(f"columns_{tag}", K, N, rows=1, fmt=fmt, **act))
+        if args.chunk_groups:
+            funcs.append(kquant_columns.sparse_columns_kq(f"chunks_{tag}", K, N, rows=1, fmt=fmt,
+                                                          chunk_groups=args.chunk_groups, **act))
         if args.prompt:
             funcs.append(kquant_ops.linear_panels_kq(f"gemm_{tag}", K, N, rows=None, fmt=fmt, bias=False,
                                                      tile_panels=isa.gemm_panels, **dot))
@@ -110,6 +117,9 @@ def main():
             bound = (xd, index, counted)
             calls[tag, "columns", kept] = (lambda i, s=select, f=lib[f"columns_{tag}"], c=columns, b=bound, o=(scratch, yd):
                                            (s(), f(*b, *c[i], *o)))
+            if args.chunk_groups:
+                calls[tag, "chunks", kept] = (lambda i, s=select, f=lib[f"chunks_{tag}"], c=columns, b=bound,
+                                              o=(scratch, yd): (s(), f(*b, *c[i], *o)))
             calls[tag, "int8 rows", kept] = (lambda i, s=select, f=lib[f"int8rows_{shape}"], c=int8, b=bound,
                                              o=(rows_scratch, yd): (s(), f(*b, *c[i], *o)))
         # the columns kernel checked against numpy, at the last share
@@ -136,8 +146,9 @@ def main():
             samples[key].append((time.perf_counter() - started) / copies)
             time.sleep(SETTLE)
 
+    other = f"columns at {args.chunk_groups} groups / " if args.chunk_groups else ""
     print("| shape | format | bytes (dense / columns / int8 rows) | dense us | " + " | ".join(
-        f"kept {k}: columns / int8 rows (x dense)" for k in KEPT) + (f" | prompt {args.prompt}: columns / panels ms"
+        f"kept {k}: columns / {other}int8 rows (x dense)" for k in KEPT) + (f" | prompt {args.prompt}: columns / panels ms"
                                                                       if args.prompt else "") + " |")
     print("|---|---|---|---:|" + "---:|" * len(KEPT) + ("---:|" if args.prompt else ""))
     for shape, fmt in cases:
@@ -145,7 +156,9 @@ def main():
         med = lambda kind, kept: float(np.median(samples[tag, kind, kept]))  # noqa: E731
         dense = med("dense", None)
         size = sizes[tag]
-        cells = [f"{med('columns', k) / dense:.2f} / {med('int8 rows', k) / dense:.2f}" for k in KEPT]
+        cells = [f"{med('columns', k) / dense:.2f} / "
+                 + (f"{med('chunks', k) / dense:.2f} / " if args.chunk_groups else "")
+                 + f"{med('int8 rows', k) / dense:.2f}" for k in KEPT]
         prompt = ([f"{med('gemm columns', None) * 1e3:.1f} / {med('gemm panels', None) * 1e3:.1f}"]
                   if args.prompt else [])
         print(f"| {shape} {SHAPES[shape][0]}x{SHAPES[shape][1]} | {fmt} | {size['dense'] / 2**20:.2f} / "

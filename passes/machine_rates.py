@@ -12,8 +12,8 @@ Each kind's points give its figures (`KernelRate`, fitted by non-negative least 
 fixed cost per call (`call_s`: waking the workers and their barrier, for a threshold call also the select and the
 partial sums), which is most of a small matrix's time, and a cost per unit of work (`unit_s`): a GEMV's output column (each
 panel's setup and stores, which a matrix of a short K and many outputs, an output layer, pays most), a threshold
-call's kept row (a new stream; timed at two row lengths, `COLUMN_SHAPES`), or over a file's own blocks each
-block's outputs (`costmodel.column_units`).
+call's kept row (a new stream; timed at two row lengths, `COLUMN_SHAPES`, and on an FFN input's gated wide rows,
+`GATED_COLUMN_SHAPES`), or over a file's own blocks each block's outputs (`costmodel.column_units`).
 
 The figures are cached per machine (`machine_key`: the CPU's model name, the instruction set, the cores, the
 kernels' sources) under `$PICOMPILE_CACHE/machine/`; `picompile calibrate` measures again. A build on another
@@ -54,6 +54,10 @@ SHAPES = ((2048, 2048), (512, 1024), (512, 16384))
 # [K, N] of the timed threshold calls: rows of 2048 and of 512 values (a row's stream starts cold: short rows cost more
 # a byte, a small model's down projection's most)
 COLUMN_SHAPES = ((2048, 2048), (4096, 512))
+# [K, N] of the timed gated threshold calls (gate | up: N outputs' sums, their GLU): an FFN input's short K and wide
+# N, whose partial sums outgrow the caches a narrow matrix's fit in (a Zen 5's q5_0 at 896 x 9728 took about its
+# dense GEMV's time at half its inputs kept, where the two narrow shapes priced it at 0.84)
+GATED_COLUMN_SHAPES = ((1024, 8192),)
 STREAM_BYTES = 64 << 20  # weight bytes cycled through per measurement, at least (and 3x the last-level cache)
 ROUNDS = 5  # rounds of one call per copy, in each pass
 PASSES = 3  # passes over every kernel: a shared machine's bandwidth drifts over seconds; medians over all rounds
@@ -120,7 +124,8 @@ def cached(isa: CpuIsa) -> CpuRates | None:
 
 
 def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = SHAPES,
-              column_shapes: tuple[tuple[int, int], ...] = COLUMN_SHAPES, stream_bytes: int | None = None,
+              column_shapes: tuple[tuple[int, int], ...] = COLUMN_SHAPES,
+              gated_column_shapes: tuple[tuple[int, int], ...] = GATED_COLUMN_SHAPES, stream_bytes: int | None = None,
               rounds: int = ROUNDS, save: bool = True) -> CpuRates:
     """Time every format's decode GEMV and threshold call on this machine (see the module's docstring); cached
     unless `save` is False. Each kernel streams `stream_bytes` of weight copies a round (default: STREAM_BYTES, at
@@ -137,6 +142,8 @@ def calibrate(isa: CpuIsa | None = None, shapes: tuple[tuple[int, int], ...] = S
     for name in COLUMN_FORMATS:
         for shape in column_shapes:
             bench.add_columns(name, shape)
+        for shape in gated_column_shapes:
+            bench.add_columns(name, shape, gated=True)
     if stream_bytes is None:
         stream_bytes = max(STREAM_BYTES, 3 * last_level_cache_bytes())
     rates = bench.run(threads, stream_bytes, rounds, machine_key(isa, threads))
@@ -241,15 +248,17 @@ class _Bench:
         calls = self._new_calls(before)
         self.timed.append(_Timed("gemv", name, calls, *self._weights(calls), units=n))
 
-    def add_columns(self, name: str, shape: tuple[int, int]) -> None:
+    def add_columns(self, name: str, shape: tuple[int, int], gated: bool = False) -> None:
         k, n = shape
+        tag = f"{k}x{n}{'_gated' if gated else ''}"
+        out = n // 2 if gated else n
         for kept in COLUMN_KEPT:
-            weight = self._matrix(f"w.columns.{name}.{kept}.{k}x{n}", WEIGHT_FORMATS[name], shape, axis=1)
+            weight = self._matrix(f"w.columns.{name}.{kept}.{tag}", WEIGHT_FORMATS[name], shape, axis=1)
             before = len(self.low.program.calls)
             threshold = float(np.quantile(np.abs(self.rng.standard_normal(1 << 16)), 1 - kept))
-            self.walker.thresholded_linear(f"columns.{name}.{kept}.{k}x{n}", "up", self.x(k), weight, None,
-                                           self.low.activation(f"y.n{n}", n), threshold,
-                                           Role.FFN_UP)
+            self.walker.thresholded_linear(f"columns.{name}.{kept}.{tag}", "up", self.x(k), weight, None,
+                                           self.low.activation(f"y.n{out}", out), threshold, Role.FFN_UP,
+                                           glu=gated, act="silu" if gated else "none")
             calls = self._new_calls(before)
             weights, whole = self._weights(calls)
             units = costmodel.column_units(name, whole, k, kept)

@@ -21,6 +21,7 @@ from test_kquant_ops import random_blocks
 FORMATS = FILE_FORMATS
 K, N = 512, 288  # N: a last group of high bits with 1 of its 8 blocks (288 = 256 + 32)
 GATED_N = 320  # gate | up halves of 160
+CHUNKED_N = 640  # in chunks of 8 groups: 2 octets, then 4 groups that go with the last chunk
 BATCH = 3
 
 
@@ -37,6 +38,10 @@ def lib(tmp_path_factory):
                                            bias=True))
     funcs.append(ops.sparse_columns_kq.cpu("col_res", K, N, rows=1, fmt="q6_k", residual=True))
     funcs.append(ops.sparse_columns_kq.cpu("col_batch", K, N, rows=None, fmt="q5_0", max_batch=BATCH))
+    funcs.append(ops.sparse_columns_kq.cpu("col_chunks", K, CHUNKED_N, rows=1, fmt="q6_k", residual=True,
+                                           chunk_groups=8))
+    funcs.append(ops.sparse_columns_kq.cpu("col_chunks_batch", K, CHUNKED_N, rows=None, fmt="q4_k", gated=True,
+                                           act="silu", max_batch=BATCH, chunk_groups=8))
     path = str(tmp_path_factory.mktemp("kq_columns") / "lib.so")
     cpu.build(funcs, host_cpu_isa().llvm_target(), path)
     return tvm.runtime.load_module(path)
@@ -132,6 +137,32 @@ def test_a_batch_step_sums_each_sequences_rows_over_the_union(lib):
     y = aligned(np.zeros((BATCH, N), np.float32))
     call(lib, "col_batch", v, idx, count, *_packed(blocks), scratch, y)
     want = v[:, rows].astype(np.float64) @ blocks.dequantize()[rows].astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kept", ["ascending", "unordered"])
+def test_outputs_in_chunks_walk_the_kept_rows_once_a_chunk(lib, kept):
+    """Chunks of 8 groups over 640 outputs (two, the last with the 4 groups left), decode with a residual and a
+    gated batch step: each chunk's blocks taken in through their scales as whole rows are."""
+    rng = np.random.default_rng(11)
+    rows = KEPT_SETS[kept](rng)
+    idx, count = _index(rows)
+    blocks = _blocks("q6_k", CHUNKED_N)
+    v, res = rand(rng, 1, K), rand(rng, 1, CHUNKED_N)
+    scratch = aligned(np.full((COLUMN_TASKS, scratch_columns(CHUNKED_N)), np.nan, np.float32))
+    y = aligned(np.full((1, CHUNKED_N), np.nan, np.float32))
+    call(lib, "col_chunks", v, idx, count, *_packed(blocks), res, scratch, y)
+    want = v[0, rows].astype(np.float64) @ blocks.dequantize()[rows] + res[0]
+    np.testing.assert_allclose(y[0], want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+    gated = _blocks("q4_k", CHUNKED_N)
+    v = rand(rng, BATCH, K)
+    scratch = aligned(np.full((COLUMN_TASKS, scratch_columns(CHUNKED_N, BATCH)), np.nan, np.float32))
+    y = aligned(np.full((BATCH, CHUNKED_N // 2), np.nan, np.float32))
+    call(lib, "col_chunks_batch", v, idx, count, *_packed(gated), scratch, y)
+    pre = v[:, rows].astype(np.float64) @ gated.dequantize()[rows]
+    half = CHUNKED_N // 2
+    want = act_ref(pre[:, :half], "silu") * pre[:, half:]
     np.testing.assert_allclose(y, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 

@@ -17,6 +17,7 @@ SMALL = ((512, 512), (256, 512))  # shapes a test can time in a few seconds
 # the threshold calls' shapes: every calibration here times the same kernels, so they are compiled once per run
 # (tests/conftest.py); only the timing differs
 SMALL_COLUMNS = SMALL[:1] + ((1024, 256),)
+SMALL_GATED = ((256, 1024),)  # gate | up halves of 512
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,8 @@ def measured(tmp_path_factory):
     cache = tmp_path_factory.mktemp("rates")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PICOMPILE_CACHE", str(cache))
-        rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL_COLUMNS, stream_bytes=4 << 20,
-                                        rounds=3, save=False)
+        rates = machine_rates.calibrate(shapes=SMALL, column_shapes=SMALL_COLUMNS, gated_column_shapes=SMALL_GATED,
+                                        stream_bytes=4 << 20, rounds=3, save=False)
         machine_rates.keep(dataclasses.replace(rates, busy=False))  # (kept whatever the machine's load)
     return dataclasses.replace(rates, busy=False), cache
 
@@ -122,8 +123,8 @@ def test_a_busy_measurement_is_marked_and_not_cached(monkeypatch, tmp_path):
     # (one format, one shape of each kind: what is checked is the marking, whatever was timed)
     monkeypatch.setattr(machine_rates, "WEIGHT_FORMATS", {"int8": machine_rates.WEIGHT_FORMATS["int8"]})
     monkeypatch.setattr(machine_rates, "COLUMN_FORMATS", ("int8",))
-    rates = machine_rates.calibrate(shapes=SMALL[:1], column_shapes=SMALL_COLUMNS[:1], stream_bytes=1 << 20,
-                                    rounds=1)
+    rates = machine_rates.calibrate(shapes=SMALL[:1], column_shapes=SMALL_COLUMNS[:1], gated_column_shapes=(),
+                                    stream_bytes=1 << 20, rounds=1)
     assert rates.busy and not machine_rates.cache_path(rates.key).exists()
     assert "not cached" in rates.lines()[0]
 
