@@ -293,6 +293,7 @@ class QualityPlan:
         planned = self.mode == "threshold" and not fixed_level
         # (auto's build of a quantized model keeps its blocks: formats are not the plan's)
         fixed_formats = ctx.build.keep_source_blocks
+        unpaid = ""  # why a plan's sparsity was given up as not worth it, where it was
         # (predictor mode too: a format per FFN, its up and down rows read by one fused kernel, and per attention
         # matrix)
         formats = allowed_formats(weight_dtype) if not fixed_level and not fixed_formats else (weight_dtype,)
@@ -344,6 +345,14 @@ class QualityPlan:
             if not budget.met_by(found.ppl_change, found.kl) and not fixed_level and any(l for l, _ in state):
                 state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
                 found = measure.quality(variant(state))
+            elif planned and any(l for l, _ in state) and _saved_share(knobs, state) <= costmodel.PRICE_ERROR:
+                dense = [(0, f) for _, f in state]  # its formats, every input dense
+                dense_found = measure.quality(variant(dense))
+                if budget.met_by(dense_found.ppl_change, dense_found.kl):
+                    unpaid = (f"; the {sum(1 for level, _ in state if level)} inputs it would thin save "
+                              f"{_saved_share(knobs, state):.1%} of the linear layers' time, within the cost "
+                              f"model's error ({costmodel.PRICE_ERROR:.0%}): kept dense")
+                    state, found = dense, dense_found
         _write_thresholds(model, knobs, state)
         plan = WeightPlan({**{m: formats[f] for k, (level, f) in zip(knobs, state) if formats[f] != weight_dtype
                               for m, _ in k.stored_as(level)},
@@ -352,7 +361,8 @@ class QualityPlan:
         met = budget.met_by(found.ppl_change, found.kl)
         gave_up = _gave_up(knobs, state, start, moves, steps, met, budget)
         expected = ExpectedQuality(budget, found.ppl_change, found.kl, found.top1, found.tokens, met,
-                                   _describe_plan(knobs, state, plan), gave_up, found.ppl_low, found.ppl_high,
+                                   _describe_plan(knobs, state, plan) + unpaid, gave_up, found.ppl_low,
+                                   found.ppl_high,
                                    _choices(knobs, state, formats, stored, measured=not fixed_level))
         write_entry(model, QUALITY_KEY, expected)
         ctx.log(f"quality: {expected.plan}")
@@ -655,6 +665,17 @@ def _greedy_path(knobs: list[Knob], formats: int, start: list[tuple[int, int]]) 
         state[index] = (level, fmt)
         moves.append((index, level, fmt))
         candidates[index] = best_move(index)
+
+
+def _saved_share(knobs: list[Knob], state: list[tuple[int, int]]) -> float:
+    """The share of the linear layers' dense time (in the plan's formats) the plan's thresholded inputs are expected
+    to save, all together. Each alone saves more than the cost model's error of its own dense time
+    (`_greedy_path`); a plan whose whole gain is within the error of the whole is not worth its quality nor its
+    prompts' slower GEMMs over thinned rows."""
+    saved = sum(float(knob.cost[0, fmt] - knob.cost[level, fmt]) for knob, (level, fmt) in zip(knobs, state)
+                if level and knob.predictor is None)
+    dense = sum(float(knob.cost[0, fmt]) for knob, (_, fmt) in zip(knobs, state))
+    return saved / dense if dense > 0 else 0.0
 
 
 def _within_price_error(knobs: list[Knob], state: list[tuple[int, int]]) -> int:

@@ -360,6 +360,7 @@ def test_threshold_plan_spends_the_budget_on_more_sparsity(tiny_models, tmp_path
     from passes import costmodel
 
     monkeypatch.setattr(costmodel, "COLUMN_CALL_S", 0.0)
+    monkeypatch.setattr(costmodel, "PRICE_ERROR", 0.0)  # (the next tests: a plan within the model's error)
     files = tiny_models("llama", hidden_act="silu")
     plans = {}
     for budget in ("kl=0.00005", "kl=0.01"):
@@ -381,6 +382,7 @@ def test_each_knobs_choice_is_shown_with_its_measured_cost(tiny_models, tmp_path
     from picompile.cli import main
 
     monkeypatch.setattr(costmodel, "COLUMN_CALL_S", 0.0)  # (bytes decide, as at real sizes: some levels pay)
+    monkeypatch.setattr(costmodel, "PRICE_ERROR", 0.0)  # (and pay, however little)
     files = tiny_models("llama", hidden_act="silu")
     capsys.readouterr()
     manifest = _build(files, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.01", "-v")
@@ -408,6 +410,22 @@ def test_each_knobs_choice_is_shown_with_its_measured_cost(tiny_models, tmp_path
 
     fixed = _build(files, tmp_path / "fixed.pic", "--sparsity", "0.5")
     assert all(c.kl is None for c in fixed.quality.choices) and "KL -" in fixed.quality.layer_lines()[0]
+
+
+def test_a_plan_whose_whole_gain_is_within_the_cost_models_error_stays_dense(tiny_models, tmp_path, monkeypatch):
+    """Without the column kernel's fixed cost some levels of a tiny model pay alone (the tests above), but all the
+    plan takes saves less than the cost model's error of the linear layers' time: every input stays dense, the
+    quality is the dense build's, and the plan says why."""
+    from passes import costmodel
+
+    monkeypatch.setattr(costmodel, "COLUMN_CALL_S", 0.0)
+    files = tiny_models("llama", hidden_act="silu")
+    manifest = _build(files, tmp_path / "loose.pic", "--max-quality-loss", "kl=0.01")
+    quality = manifest.quality
+    assert "linear inputs sparse (none)" in quality.plan and "within the cost model's error (10%): kept dense" in \
+        quality.plan, quality.plan
+    assert all(c.dropped == 0 for c in quality.choices) and quality.kl == 0, quality
+    assert all(not layer.sparsity_in and not layer.sparsity_o for layer in manifest.layers), manifest.layers
 
 
 def test_threshold_levels_that_do_not_pay_stay_dense(tiny_models, tmp_path):
