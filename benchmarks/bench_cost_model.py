@@ -97,7 +97,8 @@ def main(argv=None) -> int:
             del engine
     after = measured_rates()  # the machine at the end: how far its rates drifted during the run
     rows = ["| file | build | measured tok/s | expected tok/s (rates of the run) | expected / measured "
-            "| vs dense in its formats (measured) | the artifact's own estimate |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            "| vs dense in its formats (measured) | the artifact's own estimate |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     results = {}
     for (name, build), artifact in artifacts.items():
         from runtime.artifact import load_manifest

@@ -147,9 +147,9 @@ def main():
             time.sleep(SETTLE)
 
     other = f"columns at {args.chunk_groups} groups / " if args.chunk_groups else ""
+    prompt_cell = f" | prompt {args.prompt}: columns / panels ms" if args.prompt else ""
     print("| shape | format | bytes (dense / columns / int8 rows) | dense us | " + " | ".join(
-        f"kept {k}: columns / {other}int8 rows (x dense)" for k in KEPT) + (f" | prompt {args.prompt}: columns / panels ms"
-                                                                      if args.prompt else "") + " |")
+        f"kept {k}: columns / {other}int8 rows (x dense)" for k in KEPT) + prompt_cell + " |")
     print("|---|---|---|---:|" + "---:|" * len(KEPT) + ("---:|" if args.prompt else ""))
     for shape, fmt in cases:
         tag = f"{shape}_{fmt}"

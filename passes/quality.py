@@ -341,17 +341,17 @@ class QualityPlan:
                 embed = (embed[0], formats[0])  # the widest embedding too, and dense
                 steps, found = search()
             state = state_at(steps)
+            thinned, saved = sum(1 for level, _ in state if level), _saved_share(knobs, state)
             # (levels --sparsity fixed are the user's: measured and said, not given up)
-            if not budget.met_by(found.ppl_change, found.kl) and not fixed_level and any(l for l, _ in state):
+            if not budget.met_by(found.ppl_change, found.kl) and not fixed_level and thinned:
                 state = [(0, f) for _, f in state]  # every input dense (predictor mode: every FFN)
                 found = measure.quality(variant(state))
-            elif planned and any(l for l, _ in state) and _saved_share(knobs, state) <= costmodel.PRICE_ERROR:
+            elif planned and thinned and saved <= costmodel.PRICE_ERROR:
                 dense = [(0, f) for _, f in state]  # its formats, every input dense
                 dense_found = measure.quality(variant(dense))
                 if budget.met_by(dense_found.ppl_change, dense_found.kl):
-                    unpaid = (f"; the {sum(1 for level, _ in state if level)} inputs it would thin save "
-                              f"{_saved_share(knobs, state):.1%} of the linear layers' time, within the cost "
-                              f"model's error ({costmodel.PRICE_ERROR:.0%}): kept dense")
+                    unpaid = (f"; the {thinned} inputs it would thin save {saved:.1%} of the linear layers' time, "
+                              f"within the cost model's error ({costmodel.PRICE_ERROR:.0%}): kept dense")
                     state, found = dense, dense_found
         _write_thresholds(model, knobs, state)
         plan = WeightPlan({**{m: formats[f] for k, (level, f) in zip(knobs, state) if formats[f] != weight_dtype
