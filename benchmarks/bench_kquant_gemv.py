@@ -60,7 +60,7 @@ def main():
     for shape in args.shapes.split(","):
         K, N = (int(v) for v in shape.split("x"))
         P = -(-N // cpu.PANEL)
-        group = cpu.gemv_group(P, quant.QUANT_GEMV_PANELS if wide else 2)
+        group = cpu.gemv_group(P, quant.X8_GEMV_PANELS if wide else 2)
         rng = np.random.default_rng(0)
         x = aligned(rng.standard_normal((1, K)).astype(np.float32))
         y = aligned(np.zeros((1, N), np.float32))

@@ -33,11 +33,11 @@ from tvm.script import tirx as T
 from runtime.dtypes import QUANT_BLOCK, WeightFormat
 
 from . import cpu as _cpu
-from .compute import drop_params, load_f32, prefetch
+from .compute import drop_params
 from .cpu import PANEL
 from .kquant import PanelScales, high_rows, high_slot, scale_byte_dtype
-from .quant import (HALF, PREFETCH_TASK_BYTES, QUANT_GEMV_PANELS, check_dot, dot_u8s8, pair_controls, pair_of_group,
-                    x_quantizer)
+from .quant import (HALF, QUANT_GEMV_PANELS, X8_GEMV_PANELS, check_dot, dot_u8s8, pair_controls, pair_of_group,
+                    stream_prefetcher, x_quantizer)
 
 
 def _check_kq(K, N, fmt: WeightFormat):
@@ -103,7 +103,7 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     nb, nsub = K // B, K // SB
     planes = fmt.bits - 4
     panels = -(-N // PANEL)
-    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
+    group = group or _cpu.gemv_group(panels, X8_GEMV_PANELS)
     width = group * PANEL
     full = N % width == 0
     epilogue = _cpu._epilogue(act, bias, residual)
@@ -118,7 +118,7 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
     HR = high_rows(fmt) if planes else B
     offset = fmt.offset
     quantize_x = x_quantizer(K)
-    ahead, last = group * VB <= PREFETCH_TASK_BYTES, panels * VB - 1
+    prefetch_next = stream_prefetcher(panels, group, VB, ((0, B * HALF), (K * HALF, planes * 64)))
 
     def codes(wf, p, kb, kin, nib_half):
         """The permuted vector's codes at row kb * 32 + kin (kin static) (nibble half `nib_half`: 0 low, 1 high)."""
@@ -149,16 +149,6 @@ def gemv_panels_kq_x8(name, K, N, *, fmt: WeightFormat, bias=False, act="none", 
             v = T.Shuffle([part[g, 0, T.ramp(0, 1, lanes)], part[g, 1, T.ramp(0, 1, lanes)]], sel)
             total = v if total is None else total + v
         return total
-
-    @T.macro
-    def prefetch_next(wf, t, kb):
-        if ahead:
-            for g in T.unroll(group):
-                for line in T.unroll(B * HALF // 64):
-                    prefetch(T.address_of(wf[T.min(((t + 1) * group + g) * VB + kb * B * HALF + line * 64, last)]), 2)
-                for j in T.unroll(planes):  # the block's high bits: 64 bytes a plane
-                    prefetch(T.address_of(wf[T.min(((t + 1) * group + g) * VB + K * HALF + (kb * planes + j) * 64,
-                                                   last)]), 2)
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, VB), "uint8"),

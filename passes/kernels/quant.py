@@ -320,10 +320,21 @@ def pack_panels(q: np.ndarray, scales: np.ndarray, fmt: WeightFormat, mins: np.n
 HALF = PANEL // 2  # int4 panels: bytes per k step (columns v and v + 8 share byte v)
 
 
-# Quantized decode: panels per task where the registers allow (AVX-512). Their block sums double the accumulators:
-# int4 with int8 activations spilled at 8 (13.7-16.2 GB/s against 15.1-17.7 at 4, 2 threads from DRAM); int8 with
-# VNNI (acc and sum: 2 zmm a panel) takes cpu.GEMV_PANELS (19.6-21.4 GB/s against 18.4-20.3 at 4).
+# Quantized decode with fp32 activations: panels per task where the registers allow (AVX-512). Their block sums
+# double the accumulators.
 QUANT_GEMV_PANELS = 4
+
+X8_GEMV_PANELS = 1
+"""Decode with int8 activations under AVX-512 (gemv_panels_q4x8, gemv_panels_q8x8, kquant_gemv.gemv_panels_kq_x8):
+panels per task. One: a thread then reads its panels as one sequential stream (each panel's bytes follow the
+last's), which its prefetchers follow while the unpacking and dot products run; several panels in lockstep are as
+many streams, whose misses the core waits out between bursts of arithmetic. Measured from DRAM on a 2-core Zen 5
+(2 threads, the next task's and the near prefetches below, alternated in one process): int8 896 x 151936 35.8-37.0
+GB/s against 25.1-32.7 at 8 a task, int4 896 x 4864 29.2-36.2 against 23.3-27.4 at 4, q5_0 896 x 4864 31.5-33.8
+against 25.7-29.5, q4_k 4864 x 896 29.7-29.8 against 23.7-25.2, q6_k 4864 x 896 31.1-31.5 against 26.4-27.0. (The
+fp32 GEMV, whose arithmetic never waits, streams alike at 1, 4 or 8 panels a task there: 40-44 GB/s.) Register
+reuse is not at stake: x's pattern vector a panel reads is in L1. (A 2-core Xeon measured 4 a task against 8 only:
+int4 15.1-17.7 GB/s against 13.7-16.2, int8 18.4-20.3 against 19.6-21.4; one a task was not timed there.)"""
 
 PREFETCH_TASK_BYTES = 256 << 10
 """The int8-activation decode GEMVs prefetch the next task's panels (to L2, a line per line read, at the same
@@ -334,21 +345,39 @@ prefetch / with): int4 panels (4 a task) 2048 x 6144 1.30x, 2048 x 2048 1.21x, 2
 (256 KiB a task) 1.23x, 2048 x 32000 1.21x; int8 (8 a task) the predictors' second layers 128-896 x 8192
 1.08-1.34x, 2048 x 6144 1.13x, 2048 x 32000 1.18x, 2048 x 2048 1.04x, but 8192 x 2048 (1 MiB a task) 0.72x."""
 
+PREFETCH_NEAR_BYTES = 1024
+"""... and the lines this many bytes ahead in the task's own stream, to L1: the L2 prefetch above is a task's
+length ahead, this one the few hundred cycles of arithmetic a line's wait would otherwise stall. Zen 5, one panel a
+task: 3-8% on top of it (int8 896 x 151936 35.8-37.0 against 33.7-35.4 GB/s, int4 4864 x 896 29.2-32.1 against
+27.5-29.8)."""
 
-def next_task_prefetcher(K, panels, group, k_bytes):
-    """A macro prefetch_next(wf, t, kb) for the int8-activation decode GEMVs over panels of `k_bytes` bytes a k
-    step (wf: the flat weights): while task t reads block kb, the next task's lines of that block go to L2,
-    where a task reads at most PREFETCH_TASK_BYTES (else nothing; the last task's clamp to the last byte)."""
-    ahead, last = group * K * k_bytes <= PREFETCH_TASK_BYTES, panels * K * k_bytes - 1
-    B = QUANT_BLOCK
+
+def stream_prefetcher(panels, group, panel_bytes, regions):
+    """A macro prefetch_next(wf, t, kb) for the int8-activation decode GEMVs (wf: the flat weights, panels of
+    `panel_bytes` bytes; `regions`: (start, bytes a 32-row block) of each part of a panel the kernel reads block by
+    block, e.g. the nibbles then the high bits): while task t reads block kb, the next task's lines of that block go
+    to L2 where a task reads at most PREFETCH_TASK_BYTES, and the task's own lines PREFETCH_NEAR_BYTES ahead (in
+    blocks of its first region) to L1. Addresses past the weights clamp to their last byte."""
+    ahead, last = group * panel_bytes <= PREFETCH_TASK_BYTES, panels * panel_bytes - 1
+    near = -(-PREFETCH_NEAR_BYTES // regions[0][1]) if PREFETCH_NEAR_BYTES > 0 else 0  # blocks ahead
+    (start0, bytes0), (start1, bytes1) = (*regions, (0, 0))[:2]  # (TVMScript unrolls loops over ints, not tuples)
+
+    @T.macro
+    def prefetch_region(wf, t, kb, start, block_bytes):
+        for g in T.unroll(group):
+            for line in T.unroll(block_bytes // 64):
+                if near > 0:
+                    prefetch(T.address_of(wf[T.min((t * group + g) * panel_bytes + start + (kb + near) * block_bytes
+                                                   + line * 64, last)]), 3)
+                if ahead:
+                    prefetch(T.address_of(wf[T.min(((t + 1) * group + g) * panel_bytes + start + kb * block_bytes
+                                                   + line * 64, last)]), 2)
 
     @T.macro
     def prefetch_next(wf, t, kb):
-        if ahead:
-            for g in T.unroll(group):
-                for line in T.unroll(B * k_bytes // 64):
-                    prefetch(T.address_of(wf[T.min((((t + 1) * group + g) * K + kb * B) * k_bytes + line * 64,
-                                                   last)]), 2)
+        prefetch_region(wf, t, kb, start0, bytes0)
+        if bytes1 > 0:
+            prefetch_region(wf, t, kb, start1, bytes1)
 
     return prefetch_next
 
@@ -635,7 +664,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     _check(K, N, 4, K, "K", has_min)
     check_dot(dot, lanes)
     panels = -(-N // PANEL)
-    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
+    group = group or _cpu.gemv_group(panels, X8_GEMV_PANELS)
     width = group * PANEL
     nb = K // B
     full = N % width == 0
@@ -646,7 +675,7 @@ def gemv_panels_q4x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     m15, m4 = T.broadcast(T.uint8(15), nbytes), T.broadcast(T.uint8(4), nbytes)
     offset = 0 if has_min else INT4_OFFSET
     quantize_x = x_quantizer(K)
-    prefetch_next = next_task_prefetcher(K, panels, group, HALF)
+    prefetch_next = stream_prefetcher(panels, group, K * HALF, ((0, B * HALF),))
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, HALF), "uint8"),
@@ -724,7 +753,7 @@ def gemv_panels_q8x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     B, lanes = QUANT_BLOCK, 16
     _check(K, N, 8, K, "K")
     panels = -(-N // PANEL)
-    group = group or _cpu.gemv_group(panels, QUANT_GEMV_PANELS)
+    group = group or _cpu.gemv_group(panels, X8_GEMV_PANELS)
     width = group * PANEL
     nb = K // B
     full = N % width == 0
@@ -733,7 +762,7 @@ def gemv_panels_q8x8(name, K, N, *, sdtype="float16", bias=False, act="none", re
     perm = [tirx.IntImm("int32", PANEL * (e % steps) + e // steps) for e in range(nbytes)]
     flip = T.broadcast(T.uint8(128), nbytes)
     quantize_x = x_quantizer(K)
-    prefetch_next = next_task_prefetcher(K, panels, group, PANEL)
+    prefetch_next = stream_prefetcher(panels, group, K * PANEL, ((0, B * PANEL),))
 
     @T.prim_func
     def kernel(x: T.Buffer((1, K), "float32"), w: T.Buffer((panels, K, PANEL), "int8"),
@@ -1121,8 +1150,8 @@ def linear_panels_q(name, K, N, *, rows, bits, sdtype="float16", bias: bool, act
                          "int4 takes any dot of the vector width, int8 'vnni' (AVX512-VNNI) in zmm, or 'madd' in "
                          "ymm (AVX2) for prompts only")
     if rows == 1 and int8_dot is not None and gemv_int8_dot_fits(bits, int8_dot, tile_panels):
-        wide = tile_panels > 1  # AVX-512: zmm vectors, 4 panels per task (int8 with VNNI: 8); AVX2: ymm, 2
-        cap = (_cpu.GEMV_PANELS if bits == 8 else QUANT_GEMV_PANELS) if wide else 2
+        wide = tile_panels > 1  # AVX-512: zmm vectors, X8_GEMV_PANELS panels per task; AVX2: ymm, 2
+        cap = X8_GEMV_PANELS if wide else 2
         group = _cpu.gemv_group(-(-N // PANEL), cap)
         if bits == 8:
             return gemv_panels_q8x8(name, K, N, sdtype=sdtype, bias=bias, act=act, residual=residual, group=group)
