@@ -333,11 +333,23 @@ class QualityPlan:
         # (the search measures plans on a part of the held-out tokens; the plan it finds is measured on all)
         evaluate_part = lambda steps: measure.quality(variant(state_at(steps)), part=True,  # noqa: E731
                                                       plan=(steps, embed))
-        search = lambda: _confirmed(budget, local_error, evaluate, measure.partial,  # noqa: E731
-                                    _furthest_within(budget, local_error, evaluate_part))
+        # a path of thresholds alone (one format) pays from its first step whose thinned inputs save more than the
+        # cost model's error: the plans before it would be kept dense (below), so the search starts there
+        floor = _first_paying(knobs, start, moves) if planned and len(formats) == 1 else 0
+        base, errors_on = floor or 0, local_error[floor or 0:]
+        search = lambda: _from_step(base, _confirmed(  # noqa: E731
+            budget, errors_on, lambda k: evaluate(base + k), measure.partial,
+            _furthest_within(budget, errors_on, lambda k: evaluate_part(base + k))))
         with ctx.progress("quality: the budget on held-out tokens", None):
-            steps, found = search()
-            if not budget.met_by(found.ppl_change, found.kl) and embed:
+            if floor is None:  # no plan on the path pays: dense, measured once
+                steps, found = 0, evaluate(0)
+                unpaid = (f"; no plan on its path thins inputs that save more than the cost model's error "
+                          f"({costmodel.PRICE_ERROR:.0%}) of the linear layers' time: kept dense")
+            else:
+                steps, found = search()
+                if floor and steps == floor and not budget.met_by(found.ppl_change, found.kl):
+                    steps, found = 0, evaluate(0)  # the first plan that pays is beyond: dense
+            if not budget.met_by(found.ppl_change, found.kl) and embed and floor is not None:
                 embed = (embed[0], formats[0])  # the widest embedding too, and dense
                 steps, found = search()
             state = state_at(steps)
@@ -676,6 +688,23 @@ def _saved_share(knobs: list[Knob], state: list[tuple[int, int]]) -> float:
                 if level and knob.predictor is None)
     dense = sum(float(knob.cost[0, fmt]) for knob, (_, fmt) in zip(knobs, state))
     return saved / dense if dense > 0 else 0.0
+
+
+def _first_paying(knobs: list[Knob], start: list[tuple[int, int]], moves: list[tuple[int, int, int]]) -> int | None:
+    """The first step of a path of threshold moves whose thinned inputs together save more than the cost model's
+    error of the linear layers' time (`_saved_share`; it only grows along such a path); None where none does."""
+    state = list(start)
+    for step, (index, level, fmt) in enumerate(moves, 1):
+        state[index] = (level, fmt)
+        if _saved_share(knobs, state) > costmodel.PRICE_ERROR:
+            return step
+    return None
+
+
+def _from_step(floor: int, searched: tuple[int, Quality]) -> tuple[int, Quality]:
+    """A search's result over the path from step `floor` on, as a step of the whole path."""
+    steps, found = searched
+    return floor + steps, found
 
 
 def _within_price_error(knobs: list[Knob], state: list[tuple[int, int]]) -> int:
