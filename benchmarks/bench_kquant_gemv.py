@@ -9,7 +9,7 @@ vnni where it has AVX512-VNNI, else madd), `--threads` threads (TVM_NUM_THREADS)
 
 (The K-quants are left out at a K not a multiple of 256, their super-blocks.)
 
-    python benchmarks/bench_kquant_gemv.py [--shapes 2048x5632,2048x2048] [--formats q4_k,q6_k] [--group 2]
+    python benchmarks/bench_kquant_gemv.py [--shapes 2048x5632,2048x2048] [--formats q4_k,q6_k] [--group 1,4]
         [--threads 2] [--rounds 10] [--fp32]
 """
 
@@ -35,8 +35,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--mib", type=int, default=192, help="weight bytes per variant and shape, in copies")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated kept formats")
-    parser.add_argument("--group", type=int, default=None,
-                        help="panels a task of the kept formats' kernels (default: the kernel's choice)")
+    parser.add_argument("--group", default="",
+                        help="panels a task of the kept formats' int8-activation kernels, a comma list timed "
+                             "alternated (default: the kernel's choice)")
     parser.add_argument("--fp32", action="store_true", help="also the fp32-activation kernels (gemv_panels_kq)")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
@@ -53,6 +54,7 @@ def main():
     from test_kquant_gemv import random_blocks
 
     isa = host_cpu_isa()
+    groups = [int(g) for g in args.group.split(",") if g] or [None]
     wide = isa.gemm_panels > 1
     dot, lanes = (isa.int8_dot, 16) if wide else ("madd", 8)
     print(f"ISA {isa.name} (dot {dot}, {lanes} lanes), {args.threads} threads")
@@ -75,9 +77,11 @@ def main():
             if K % (fmt.super_block or 32):
                 continue  # (the K-quants need K a multiple of 256)
             packed = kquant.pack_panels(random_blocks(rng, fmt, K, N))
-            funcs[f"{name} x8"] = gemv_panels_kq_x8(f"{name}_x8", K, N, fmt=fmt, dot=dot, lanes=lanes,
-                                                         group=args.group or (None if wide else group))
-            packs[f"{name} x8"] = packed
+            for g in groups:
+                label = f"{name} x8" + (f" ({g} a task)" if g else "")
+                funcs[label] = gemv_panels_kq_x8(f"{name}_x8_{g}", K, N, fmt=fmt, dot=dot, lanes=lanes,
+                                                 group=g or (None if wide else group))
+                packs[label] = packed
             if args.fp32:
                 funcs[f"{name} fp32"] = gemv_panels_kq(f"{name}_f32", K, N, fmt=fmt,
                                                        group=group if wide else 1)
