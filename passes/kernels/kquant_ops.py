@@ -27,7 +27,7 @@ from . import cpu as _cpu, kquant_gemm, kquant_gemv
 from .compute import clamp_index, drop_params, row_dim, scaled_row
 from .cpu import PANEL
 from .kquant import PanelScales, grouped_byte, high_rows, panel_scale_bytes
-from .quant import X8_GEMV_PANELS
+from .quant import QUANT_GEMV_PANELS, X8_GEMV_PANELS
 
 HALF = PANEL // 2  # a panel's k step: bytes holding columns v (low nibble) and v + 8 (high)
 ROW_BLOCK = 32  # the rows layout's nibbles come in Q4_0's 32-element groups, whatever the format's block
@@ -229,8 +229,6 @@ def embed_kq(name, V, D, *, rows, positions: int | None, fmt: str, scale: float 
 # The makers (ops.linear_panels_kq, ops.embed_kq)
 # --------------------------------------------------------------------------------------------
 
-GEMV_PANELS_WIDE = 4  # fp32-activation decode: panels per task under AVX-512's register budget (as QUANT_GEMV_PANELS)
-
 
 def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", residual=False, tile_panels=1,
                      int8_dot=None):
@@ -249,7 +247,7 @@ def linear_panels_kq(name, K, N, *, rows, fmt: str, bias: bool, act="none", resi
             group = _cpu.gemv_group(panels, X8_GEMV_PANELS if wide else 2)
             return kquant_gemv.gemv_panels_kq_x8(name, K, N, fmt=f, bias=bias, act=act, residual=residual,
                                                  dot=int8_dot, lanes=16 if wide else 8, group=group)
-        group = _cpu.gemv_group(panels, GEMV_PANELS_WIDE if wide else 1)
+        group = _cpu.gemv_group(panels, QUANT_GEMV_PANELS if wide else 1)
         return kquant_gemv.gemv_panels_kq(name, K, N, fmt=f, bias=bias, act=act, residual=residual, group=group)
     row_dim(rows)
     if int8_dot is not None:
